@@ -1,0 +1,63 @@
+"""The error types every layer raises; the CLI maps them to one message and an exit code.
+
+Nagios-style exit codes are chosen by the caller (health); these carry what failed, where and why.
+"""
+from __future__ import annotations
+
+
+class DflashOpsError(Exception):
+    """Base class: a failure we can explain in one message."""
+
+    exit_code = 1
+
+
+class InputError(DflashOpsError):
+    """Bad user input (inventory, config, playbook, CLI args). Nothing destructive has happened."""
+
+    exit_code = 2
+
+
+class TransportError(DflashOpsError):
+    """Reaching the target failed (connection, auth, host key, stopped container, time limit).
+
+    Always names the target and the step, and carries the remote stderr when there is one.
+    """
+
+    def __init__(self, target: str, step: str, reason: str, stderr: str = ""):
+        self.target, self.step, self.reason, self.stderr = target, step, reason, stderr
+        msg = f"[{target}] {step}: {reason}"
+        if stderr.strip():
+            msg += "\n  remote stderr: " + stderr.strip().replace("\n", "\n  ")
+        super().__init__(msg)
+
+
+class ConnectError(TransportError):
+    """Host unreachable: DNS, refused port, network timeout."""
+
+
+class AuthError(TransportError):
+    """The host refused our key/user."""
+
+
+class HostKeyError(TransportError):
+    """Host key unknown (under the strict policy) or changed since it was recorded."""
+
+
+class ContainerNotRunning(TransportError):
+    """`pct exec` refused: the LXC container is stopped or does not exist."""
+
+
+class RemoteTimeout(TransportError):
+    """The remote command ran past its time limit and was killed on the remote side."""
+
+
+class RemoteCommandError(DflashOpsError):
+    """A remote command ran and exited non-zero where success was required."""
+
+    def __init__(self, target: str, step: str, result):
+        self.target, self.step, self.result = target, step, result
+        msg = f"[{target}] {step}: exit code {result.exit_code}"
+        tail = (result.stderr.strip() or result.stdout.strip())[-2000:]
+        if tail:
+            msg += "\n  remote stderr: " + tail.replace("\n", "\n  ")
+        super().__init__(msg)

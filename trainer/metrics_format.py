@@ -1,0 +1,63 @@
+"""The metrics contract between the trainer (writer) and dflash-ops (reader).
+
+Standard library only, so both sides can import it without depending on each other.
+The trainer appends one JSON object per line to `<log stem>.metrics.jsonl` next to its human log.
+Every record has `v` (format version), `event` and `time` (unix seconds). Events:
+
+- start:      config (dict), devices (list[str]), compile_lock (str), total_steps (int), pid (int)
+- step:       step (int, 1-based count of optimizer steps done), total_steps, loss (float),
+              acc (list[float], per block position 1..B-1), tokens_per_s (float, block tokens trained
+              per second over the last interval), eta_s (float), lr, grad_norm, epoch (float)
+- compile:    thread (str), duration_s (float), step (int), reason (str)
+- checkpoint: step, path
+- error:      message (str), kind (str, e.g. "fx_tracing", "cuda_oom", "exception")
+- done:       step, reason ("max_steps" | "interrupted")
+"""
+from __future__ import annotations
+
+import json
+import time
+
+FORMAT_VERSION = 1
+EVENTS = ("start", "step", "compile", "checkpoint", "error", "done")
+STEP_FIELDS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s", "lr", "grad_norm")
+
+
+def metrics_path_for_log(log_path: str) -> str:
+    """`logs/train-0007.log` -> `logs/train-0007.metrics.jsonl`."""
+    stem = log_path[:-4] if log_path.endswith(".log") else log_path
+    return stem + ".metrics.jsonl"
+
+
+def encode(event: str, **fields) -> str:
+    """One metrics line (with trailing newline)."""
+    if event not in EVENTS:
+        raise ValueError(f"unknown metrics event {event!r}; known: {', '.join(EVENTS)}")
+    record = {"v": FORMAT_VERSION, "event": event, "time": fields.pop("time", time.time())}
+    record.update(fields)
+    return json.dumps(record, separators=(",", ":"), allow_nan=False, default=float) + "\n"
+
+
+def parse_line(line: str) -> dict | None:
+    """A record, or None for a blank, partial (still being written) or foreign line."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("event") not in EVENTS:
+        return None
+    return record
+
+
+def parse_lines(text: str) -> list[dict]:
+    return [r for r in (parse_line(line) for line in text.splitlines()) if r is not None]
+
+
+def last_of(records: list[dict], event: str) -> dict | None:
+    for record in reversed(records):
+        if record.get("event") == event:
+            return record
+    return None
