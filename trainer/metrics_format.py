@@ -35,7 +35,7 @@ def encode(event: str, **fields) -> str:
         raise ValueError(f"unknown metrics event {event!r}; known: {', '.join(EVENTS)}")
     record = {"v": FORMAT_VERSION, "event": event, "time": fields.pop("time", time.time())}
     record.update(fields)
-    return json.dumps(record, separators=(",", ":"), allow_nan=False, default=float) + "\n"
+    return json.dumps(record, separators=(",", ":"), allow_nan=True, default=float) + "\n"
 
 
 def parse_line(line: str) -> dict | None:

@@ -1,0 +1,60 @@
+"""Plain data describing targets and jobs, as loaded from inventory.yaml (see inventory.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSpec:
+    """How to reach an ssh host (the box itself, or the Proxmox host for pct)."""
+
+    host: str
+    port: int = 22
+    user: str = "root"
+    identity_file: str | None = None
+    jump: str | None = None  # "user@host:port" of a jump host, optional
+    # "strict": key must already be in known_hosts; "accept-new": record unknown keys (a changed
+    # key is still refused); "off": trust anything (explicit opt-in only).
+    host_key_policy: str = "strict"
+    known_hosts_file: str | None = None  # default ~/.ssh/known_hosts
+    connect_timeout_s: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Health:
+    min_tokens_per_s: float = 0.0  # WARNING below this (the eager-fallback signature)
+    stall_seconds: float = 900.0  # CRITICAL when no new step for this long
+    min_drafter_util_pct: float = 0.0  # WARNING when drafter GPUs are under this while training
+    max_relaunches_per_hour: int = 3  # guard for `health --auto-relaunch`
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    workdir: str  # releases/, current -> release, runs/ live here
+    python: str  # absolute path of the python that runs the trainer (venv's bin/python)
+    config: str  # trainer config: path on the target, or a bundled name like "tiny-cpu"
+    session: str = "dflash"  # tmux session name
+    log_dir: str = ""  # numbered train-NNNN.log + .metrics.jsonl; default <workdir>/logs
+    cache_dir: str = ""  # TORCHINDUCTOR_CACHE_DIR (+ triton/ under it); default <workdir>/cache
+    target_gpus: tuple[int, ...] = ()
+    drafter_gpus: tuple[int, ...] = ()
+    tmux_socket: str = "dflash"  # tmux -L socket name, so we never touch the user's own tmux
+    train_args: tuple[str, ...] = ()  # extra dflash-train arguments
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for the trainer
+    health: Health = dataclasses.field(default_factory=Health)
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.target_gpus) | set(self.drafter_gpus)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    transport: str  # "local" | "ssh" | "pct"
+    job: Job
+    ssh: HostSpec | None = None  # for ssh and pct
+    ctid: int | None = None  # for pct
+    # Where nvidia-smi runs for a pct target: "container" (pids may be invisible) or "host"
+    # (pids mapped to containers through /proc/PID/cgroup).
+    gpu_query_on: str = "container"
