@@ -1,0 +1,123 @@
+"""Deploy the bundled trainer: versioned release directory, checksum, atomic `current` switch.
+
+Layout on the target: <workdir>/releases/<id>/trainer/…, <workdir>/releases/history (one id per
+deploy, newest last) and <workdir>/current -> releases/<id>. Same bundle twice = same id, so a
+repeated deploy only re-points `current`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import io
+import pathlib
+import posixpath
+import shlex
+import tarfile
+
+from . import __version__, jobpaths
+from .model import Job
+
+KEEP_RELEASES = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Bundle:
+    data: bytes
+    sha256: str
+
+    @property
+    def release_id(self) -> str:
+        return f"{__version__}-{self.sha256[:12]}"
+
+
+def trainer_source_dir() -> pathlib.Path:
+    import trainer
+
+    return pathlib.Path(trainer.__file__).resolve().parent
+
+
+def build_bundle(source: pathlib.Path | None = None) -> Bundle:
+    """A reproducible tar.gz of the trainer package: sorted names, fixed mtimes and owners."""
+    source = source or trainer_source_dir()
+    files = sorted(p for p in source.rglob("*")
+                   if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo"))
+    buf = io.BytesIO()
+    # gzip header mtime=0 keeps the bytes identical across builds
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz:
+        with tarfile.open(fileobj=gz, mode="w") as tar:
+            for path in files:
+                info = tarfile.TarInfo("trainer/" + path.relative_to(source).as_posix())
+                data = path.read_bytes()
+                info.size, info.mtime, info.mode = len(data), 0, 0o644
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                tar.addfile(info, io.BytesIO(data))
+    data = buf.getvalue()
+    return Bundle(data, hashlib.sha256(data).hexdigest())
+
+
+def install_script(job: Job, bundle: Bundle, tarball: str) -> str:
+    """Verify the pushed tarball, unpack into its release dir, switch `current`, prune old ones."""
+    q = shlex.quote
+    releases = jobpaths.releases_dir(job)
+    release = posixpath.join(releases, bundle.release_id)
+    return f"""set -eu
+cd {q(releases)}
+echo {q(bundle.sha256 + "  " + posixpath.basename(tarball))} | sha256sum -c --quiet - >&2 || {{ echo "checksum mismatch for {tarball}" >&2; exit 3; }}
+if [ ! -f {q(release)}/.complete ]; then
+  rm -rf {q(release)}.tmp && mkdir -p {q(release)}.tmp
+  tar -xzf {q(tarball)} -C {q(release)}.tmp
+  echo {q(bundle.sha256)} > {q(release)}.tmp/.complete
+  rm -rf {q(release)} && mv {q(release)}.tmp {q(release)}
+fi
+rm -f {q(tarball)}
+{switch_script(job, bundle.release_id)}
+"""
+
+
+def switch_script(job: Job, release_id: str) -> str:
+    """Point `current` at a release atomically (symlink + rename) and record it in history."""
+    q = shlex.quote
+    releases = jobpaths.releases_dir(job)
+    current = jobpaths.current_release(job)
+    return f"""ln -sfn {q(posixpath.join("releases", release_id))} {q(current)}.tmp
+mv -Tf {q(current)}.tmp {q(current)}
+echo {q(release_id)} >> {q(releases)}/history
+# keep the newest {KEEP_RELEASES} releases that history still names, plus the current one
+keep=$(tac {q(releases)}/history | awk '!seen[$0]++' | head -n {KEEP_RELEASES})
+for d in {q(releases)}/*/; do
+  d=${{d%/}}; id=${{d##*/}}
+  printf '%s\\n' "$keep" | grep -qxF -- "$id" || rm -rf -- "$d"
+done
+echo {q("current -> " + release_id)}
+"""
+
+
+def push_and_install(transport, job: Job, bundle: Bundle | None = None, dry_run: bool = False) -> tuple[str, list[str]]:
+    """Returns (release id, the remote commands). Raises RemoteCommandError on failure."""
+    bundle = bundle or build_bundle()
+    tarball = posixpath.join(jobpaths.releases_dir(job), bundle.release_id + ".tar.gz")
+    mkdir = f"mkdir -p {shlex.quote(jobpaths.releases_dir(job))}"
+    install = install_script(job, bundle, tarball)
+    commands = [mkdir, f"<put {len(bundle.data)} bytes sha256={bundle.sha256[:12]}…> {tarball}", install]
+    if not dry_run:
+        transport.check(mkdir, timeout=30, step="deploy: mkdir")
+        transport.put(bundle.data, tarball, step="deploy: upload")
+        transport.check(install, timeout=120, step="deploy: install")
+    return bundle.release_id, commands
+
+
+def rollback_script(job: Job) -> str:
+    """Switch `current` to the release deployed before the current one."""
+    q = shlex.quote
+    releases = jobpaths.releases_dir(job)
+    return f"""set -eu
+cur=$(readlink {q(jobpaths.current_release(job))} 2>/dev/null || true); cur=${{cur##*/}}
+prev=$(tac {q(releases)}/history 2>/dev/null | awk '!seen[$0]++' | grep -vxF -- "$cur" | while read -r id; do [ -f {q(releases)}/"$id"/.complete ] && {{ echo "$id"; break; }}; done)
+[ -n "$prev" ] || {{ echo "no earlier release to roll back to (current: ${{cur:-none}})" >&2; exit 3; }}
+ln -sfn "releases/$prev" {q(jobpaths.current_release(job))}.tmp
+mv -Tf {q(jobpaths.current_release(job))}.tmp {q(jobpaths.current_release(job))}
+echo "$prev" >> {q(releases)}/history
+echo "current -> $prev"
+"""

@@ -1,0 +1,140 @@
+"""Stdlib-only script run ON THE TARGET: find the job's processes and, if asked, end them.
+
+The job's processes are (a) the process tree under its tmux panes and (b) any process carrying
+the launcher's marker in its environment (leftovers that escaped the tree). GPU compute processes
+on the job's GPUs that are neither are reported as unidentified and never signalled.
+Usage: python3 -c SOURCE '<json args>'; prints one JSON object.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def read(path, mode="r"):
+    try:
+        with open(path, mode) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def all_pids():
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def parent_of(pid):
+    stat = read("/proc/%d/stat" % pid)
+    if not stat:
+        return None
+    # the command name may hold spaces and parentheses: split after the LAST ')'
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def cmdline(pid):
+    raw = read("/proc/%d/cmdline" % pid, "rb")
+    return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip() if raw else ""
+
+
+def has_marker(pid, marker):
+    env = read("/proc/%d/environ" % pid, "rb")
+    return bool(env) and marker in env.split(b"\0")
+
+
+def descendants(roots, pids):
+    children = {}
+    for pid in pids:
+        children.setdefault(parent_of(pid), []).append(pid)
+    found, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid in found:
+            continue
+        found.add(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def pane_pids(socket, session):
+    try:
+        out = subprocess.run(["tmux", "-L", socket, "list-panes", "-s", "-t", "=" + session, "-F", "#{pane_pid}"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [int(x) for x in out.split() if x.isdigit()]
+
+
+def gpu_apps(gpus):
+    """[(pid, gpu_index, used_mib)] on the given GPU indices; [] without a driver."""
+    if not gpus:
+        return []
+    try:
+        idx = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if idx.returncode or apps.returncode:
+        return []
+    index_of = {}
+    for line in idx.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit():
+            index_of[parts[1]] = int(parts[0])
+    found = []
+    for line in apps.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[0].isdigit() and index_of.get(parts[1]) in gpus:
+            used = int(parts[2]) if parts[2].isdigit() else None
+            found.append((int(parts[0]), index_of[parts[1]], used))
+    return found
+
+
+def alive(pid):
+    stat = read("/proc/%d/stat" % pid)
+    # a zombie has exited; it only waits for its parent to reap it
+    return bool(stat) and stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def main():
+    args = json.loads(sys.argv[1])
+    marker = ("%s=%s" % (args["marker_env"], args["marker"])).encode()
+    me = {os.getpid(), os.getppid()}
+    pids = [p for p in all_pids() if p not in me]
+    tree = descendants(pane_pids(args["socket"], args["session"]), pids) if args.get("include_session", True) else set()
+    marked = {p for p in pids if has_marker(p, marker)}
+    job = sorted((tree | marked) - me)
+    unidentified = [
+        {"pid": pid, "gpu": gpu, "used_memory_mib": used, "visible": os.path.exists("/proc/%d" % pid),
+         "cmd": cmdline(pid)}
+        for pid, gpu, used in gpu_apps(set(args.get("gpus", [])))
+        if pid not in job
+    ]
+    report = {"job": [{"pid": p, "cmd": cmdline(p)} for p in job], "unidentified": unidentified,
+              "terminated": [], "killed": [], "survivors": []}
+    if args.get("action") == "kill" and job:
+        for pid in job:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+        deadline = time.time() + float(args.get("grace_s", 10))
+        while time.time() < deadline and any(alive(p) for p in job):
+            time.sleep(0.2)
+        report["terminated"] = [p for p in job if not alive(p)]
+        for pid in job:
+            if alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    report["killed"].append(pid)
+                except OSError:
+                    pass
+        time.sleep(0.3)
+        report["survivors"] = [p for p in job if alive(p)]
+    print(json.dumps(report))
+
+
+main()
