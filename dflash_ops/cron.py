@@ -1,0 +1,62 @@
+"""Manage the crontab lines that run `dflash-ops health` (one per target, tagged so we only ever
+touch our own lines)."""
+from __future__ import annotations
+
+import shlex
+import subprocess
+
+from .errors import DflashOpsError, InputError
+
+TAG = "# dflash-ops-health:"
+
+
+def _crontab(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["crontab", *args], input=stdin, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        raise DflashOpsError("crontab not found: install cron (apt-get install cron)") from None
+
+
+def read() -> list[str]:
+    result = _crontab("-l")
+    if result.returncode != 0:
+        if "no crontab" in result.stderr:
+            return []
+        raise DflashOpsError(f"crontab -l failed: {result.stderr.strip()}")
+    return result.stdout.splitlines()
+
+
+def write(lines: list[str]) -> None:
+    result = _crontab("-", stdin="\n".join(lines) + "\n")
+    if result.returncode != 0:
+        raise DflashOpsError(f"crontab - failed: {result.stderr.strip()}")
+
+
+def ours(lines: list[str], target: str | None = None) -> list[str]:
+    tag = TAG + (target or "")
+    return [line for line in lines if (line.endswith(tag) if target else tag in line)]
+
+
+def health_line(schedule: str, argv: list[str], log: str, target: str) -> str:
+    fields = schedule.split()
+    if len(fields) != 5:
+        raise InputError(f"--schedule {schedule!r}: a cron schedule has 5 fields, e.g. '*/5 * * * *'")
+    if "\n" in target or "#" in target:
+        raise InputError(f"target name {target!r} cannot go in a crontab line")
+    cmd = " ".join(shlex.quote(a) for a in argv)
+    # cron runs with a minimal PATH and no terminal: absolute paths, output appended to a log
+    return f"{schedule} {cmd} >> {shlex.quote(log)} 2>&1 {TAG}{target}"
+
+
+def install(line: str, target: str) -> list[str]:
+    lines = [l for l in read() if not l.endswith(TAG + target)] + [line]
+    write(lines)
+    return ours(lines, target)
+
+
+def remove(target: str | None) -> list[str]:
+    lines = read()
+    gone = ours(lines, target)
+    if gone:
+        write([l for l in lines if l not in gone])
+    return gone
