@@ -1,0 +1,479 @@
+"""The compile lock: keeps drafter threads from tripping over each other's torch.compile.
+
+Why this exists (see DESIGN.md, "the FX-tracing race"): `torch.fx._symbolic_trace._is_fx_tracing_flag`
+is ONE process-global flag, set while any thread runs FX tracing (AOTAutograd's make_fx inside a
+compile). The torch.compile wrapper refuses to run while that flag is set, so a thread that merely
+CALLS a compiled function while another thread compiles raises "Detected that you are using FX to
+symbolically trace a dynamo-optimized function" (or hangs). The compiling thread is harmless; the
+threads calling compiled code next to it are the victims.
+
+The fix is a reader/writer lock around each drafter thread's whole forward+backward:
+- an ordinary step (nothing new to compile) holds the lock SHARED: drafters still run in parallel;
+- a step that may compile holds it EXCLUSIVE: no other thread is inside a step while it traces.
+  A step may compile when it is the thread's first, when its shape_key is new for the thread, or
+  right after a compile that nobody predicted (then every thread's next step is exclusive too).
+- every compile is also caught as it starts (we wrap dynamo's compile-callback scope, which both the
+  forward compile and the lazy backward compile enter): a compile inside a shared step upgrades that
+  step to exclusive before any tracing begins, and every compile is logged with thread, step, reason
+  and duration. Nothing relies on hoping that shapes stay static.
+
+The guard wraps ONLY forward+backward. Drafters meet at a gradient-averaging barrier after backward;
+a barrier inside a guarded step would deadlock against a thread waiting for the exclusive lock.
+
+Also here:
+- `MASK_LOCK`: concurrent `create_block_mask` calls mutate a module-global dict
+  (`torch.fx.traceback.annotate`) and raise `KeyError: 'custom'`; masks.build_block_mask holds this.
+- `assert_fx_flag_clear()`: an EAGER flex_attention call saves and restores the global FX flag around
+  its own internal compile; interleaved with a compile in another thread it can restore a stale
+  True and poison every later compiled call. Never mix eager flex_attention into a compiled run.
+- `error_on_nested_fx_trace=False` is not a fix: the compiled function silently runs eager. We never
+  set it and refuse to run when someone else has.
+
+Modes: "lock" (default, the full fix); "none" (unprotected, for the race harness); "patch"
+(`is_fx_symbolic_tracing` monkeypatched to False, for experiments; must be installed before
+torch.compile wraps anything, because the wrapper captures that function when it is created);
+"first-step" (the original one-lock-around-the-first-step fix, kept as a baseline for the harness).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+MODES = ("lock", "none", "patch")
+BASELINE_MODES = ("first-step",)  # accepted by CompileGuard, not offered to users
+
+FX_TRACING_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
+
+# Process-wide: serialises create_block_mask (see module docstring).
+MASK_LOCK = threading.Lock()
+
+DEFAULT_WAIT_TIMEOUT_S = 900.0
+
+
+class CompileLockError(RuntimeError):
+    """The compile lock found the process in a state where compiled code cannot run safely."""
+
+
+class CompileLockTimeout(CompileLockError):
+    """Waited too long for other threads to leave their steps (a step is blocked on something)."""
+
+
+def is_fx_tracing_error(exc: BaseException) -> bool:
+    """True for the FX-tracing race's error, however torch wrapped it."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if "symbolically trace a dynamo-optimized function" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def fx_tracing_flag() -> bool:
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    return bool(symbolic_trace._is_fx_tracing_flag)
+
+
+def assert_fx_flag_clear() -> None:
+    """Raise if the global FX-tracing flag is set while no compile is running.
+
+    Call it between steps (e.g. after warmup). A stuck flag makes every later compiled call fail
+    or silently run eager; the usual cause is an eager flex_attention call in a compiled run.
+    """
+    if fx_tracing_flag():
+        raise CompileLockError(
+            "torch.fx._symbolic_trace._is_fx_tracing_flag is stuck True outside any compile: every "
+            "compiled call will now fail. Usual cause: an eager (uncompiled) flex_attention call "
+            "in a process that also runs compiled code. Fix: call flex_attention only through the "
+            "one torch.compile(flex_attention) wrapper (or use --attention sdpa)."
+        )
+
+
+def assert_nested_fx_error_enabled() -> None:
+    """Refuse `torch._dynamo.config.error_on_nested_fx_trace = False` (silent eager, not a fix)."""
+    import torch._dynamo
+
+    if not torch._dynamo.config.error_on_nested_fx_trace:
+        raise CompileLockError(
+            "torch._dynamo.config.error_on_nested_fx_trace is False: compiled functions hit by the "
+            "FX-tracing race would silently run EAGER (slow, and hides the bug). Remove that setting; "
+            "the compile lock (--compile-lock lock) is the fix."
+        )
+
+
+class SharedExclusiveLock:
+    """Reader/writer lock; waiting writers block new readers so a compile is never starved."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer: int | None = None
+        self._writers_waiting = 0
+        self.writer_context: _StepContext | None = None
+
+    @property
+    def readers(self) -> int:
+        return self._readers
+
+    @property
+    def writer(self) -> int | None:
+        return self._writer
+
+    def acquire_shared(self, timeout: float) -> None:
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: self._writer is None and self._writers_waiting == 0, timeout
+            ):
+                raise CompileLockTimeout(
+                    f"waited {timeout:.0f} s for a compiling step to finish; is a thread stuck "
+                    "inside guard.step()?"
+                )
+            self._readers += 1
+
+    def release_shared(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
+
+    def acquire_exclusive(self, timeout: float, context: _StepContext | None = None) -> None:
+        with self._cond:
+            self._writers_waiting += 1
+            try:
+                free = self._cond.wait_for(
+                    lambda: self._writer is None and self._readers == 0, timeout
+                )
+            finally:
+                self._writers_waiting -= 1
+            if not free:
+                self._cond.notify_all()  # readers held back by our wait may go on
+                raise CompileLockTimeout(
+                    f"waited {timeout:.0f} s for {self._readers} other step(s) to finish before "
+                    "compiling; is a thread blocked inside guard.step() (a barrier or queue belongs "
+                    "AFTER the guarded forward+backward)?"
+                )
+            self._writer = threading.get_ident()
+            self.writer_context = context
+
+    def release_exclusive(self) -> None:
+        with self._cond:
+            self._writer = None
+            self.writer_context = None
+            self._cond.notify_all()
+
+
+@dataclass
+class _StepContext:
+    thread: str
+    step: int
+    shape_key: tuple
+    hold: str | None = None  # "shared" | "exclusive" | None
+    reason: str = "ordinary_step"
+
+
+_tls = threading.local()
+_hook_lock = threading.Lock()
+_active_guard: CompileGuard | None = None
+_hook_kind: str | None = None  # "scope" (wrapped install_callbacks) | "callbacks" | None
+
+
+class CompileGuard:
+    """Process-wide guard for compiled drafter steps.
+
+    >>> guard = CompileGuard("lock", on_event=print)
+    >>> guard.install()                                   # before anything is compiled
+    >>> with guard.step("drafter0", step, shape_key=(B, T, N)):
+    ...     loss = model(...); loss.backward()            # barrier / optimizer AFTER the block
+    """
+
+    def __init__(
+        self,
+        mode: str = "lock",
+        on_event: Callable[[dict], None] | None = None,
+        wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
+    ) -> None:
+        if mode not in MODES + BASELINE_MODES:
+            raise ValueError(
+                f"compile_lock mode {mode!r} is not one of {', '.join(MODES)}; use 'lock' (the fix) "
+                "unless you are measuring the race"
+            )
+        self.mode = mode
+        self.on_event = on_event
+        self.wait_timeout_s = wait_timeout_s
+        self.events: list[dict] = []
+        self._events_lock = threading.Lock()
+        self._lock = SharedExclusiveLock()
+        self._state_lock = threading.Lock()
+        self._threads_seen: set[str] = set()
+        self._shapes_seen: set[tuple[str, tuple]] = set()
+        self._escalated: set[str] = set()  # threads whose next step must be exclusive
+        self._compiles_running = 0
+        self.installed = False
+
+    # ---- setup -------------------------------------------------------------------------
+    def install(self) -> CompileGuard:
+        """Activate the guard for this process. Call once, before anything is compiled."""
+        global _active_guard
+        import torch
+
+        assert_nested_fx_error_enabled()
+        if self.mode == "patch":
+            if _compiled_graph_count() > 0:
+                raise CompileLockError(
+                    "compile_lock 'patch' installed after torch.compile already ran: the wrapper "
+                    "captured the unpatched is_fx_symbolic_tracing. Install the guard first."
+                )
+            torch.fx._symbolic_trace.is_fx_symbolic_tracing = _never_fx_tracing
+        _install_compile_hook()
+        _active_guard = self
+        self.installed = True
+        return self
+
+    @property
+    def compile_hook(self) -> str | None:
+        """How compiles are detected: "scope" (can lock), "callbacks" (log only) or None."""
+        return _hook_kind
+
+    def describe(self) -> str:
+        what = {
+            "lock": "exclusive for first/new-shape/compiling steps, shared otherwise",
+            "none": "UNPROTECTED (race harness only)",
+            "patch": "is_fx_symbolic_tracing patched to False (experiment)",
+            "first-step": "one lock around each thread's first step only (old fix, baseline)",
+        }[self.mode]
+        return f"compile lock: {self.mode} ({what}; compile detection: {_hook_kind or 'off'})"
+
+    # ---- the step ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, thread_name: str, step: int, shape_key: tuple) -> Iterator[None]:
+        """Hold around one thread's whole forward+backward (nothing that waits on other threads)."""
+        if getattr(_tls, "context", None) is not None:
+            raise CompileLockError(
+                f"guard.step() entered twice in thread {thread_name!r}; wrap one forward+backward"
+            )
+        assert_nested_fx_error_enabled()
+        context = _StepContext(thread_name, step, tuple(shape_key))
+        self._enter(context)
+        _tls.context = context
+        completed = False
+        try:
+            yield
+            completed = True
+        finally:
+            _tls.context = None
+            self._exit(context, completed)
+
+    def _exclusive_reason(self, context: _StepContext) -> str | None:
+        with self._state_lock:
+            if context.thread not in self._threads_seen:
+                return "first_step"
+            if self.mode == "first-step":
+                return None
+            if (context.thread, context.shape_key) not in self._shapes_seen:
+                return "new_shape"
+            if context.thread in self._escalated:
+                return "after_unpredicted_compile"
+        return None
+
+    def _enter(self, context: _StepContext) -> None:
+        if self.mode not in ("lock", "first-step"):
+            return
+        reason = self._exclusive_reason(context)
+        if reason is not None:
+            self._lock.acquire_exclusive(self.wait_timeout_s, context)
+            context.hold, context.reason = "exclusive", reason
+            # Alone now, and no compile runs: a set flag can only be a stuck one.
+            if self._compiles_running == 0:
+                assert_fx_flag_clear()
+        elif self.mode == "lock":
+            self._lock.acquire_shared(self.wait_timeout_s)
+            context.hold = "shared"
+
+    def _exit(self, context: _StepContext, completed: bool) -> None:
+        if context.hold == "exclusive":
+            self._lock.release_exclusive()
+        elif context.hold == "shared":
+            self._lock.release_shared()
+        context.hold = None
+        if completed:  # a failed step stays "may compile" for its retry
+            with self._state_lock:
+                self._threads_seen.add(context.thread)
+                self._shapes_seen.add((context.thread, context.shape_key))
+                if context.reason != "ordinary_step":
+                    self._escalated.discard(context.thread)
+
+    # ---- compile detection -------------------------------------------------------------
+    @contextlib.contextmanager
+    def _compile_scope(self, trigger: str, compile_id: str) -> Iterator[None]:
+        """Runs in the compiling thread around each dynamo/AOT compile, BEFORE any tracing."""
+        depth = getattr(_tls, "compile_depth", 0)
+        if depth:  # nested compile inside one we already hold and log
+            _tls.compile_depth = depth + 1
+            try:
+                yield
+            finally:
+                _tls.compile_depth = depth
+            return
+        context = getattr(_tls, "context", None)
+        owner, reason, took_exclusive = self._claim_for_compile(context)
+        _tls.compile_depth = 1
+        with self._state_lock:
+            self._compiles_running += 1
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            duration = time.perf_counter() - started
+            with self._state_lock:
+                self._compiles_running -= 1
+            _tls.compile_depth = 0
+            if took_exclusive:
+                self._lock.release_exclusive()
+            self._record(
+                {
+                    "event": "compile",
+                    "thread": owner.thread if owner else threading.current_thread().name,
+                    "step": owner.step if owner else -1,
+                    "duration_s": round(duration, 4),
+                    "reason": reason,
+                    "trigger": trigger,
+                    "compile_id": compile_id,
+                    "os_thread": threading.current_thread().name,
+                    "time": time.time(),
+                }
+            )
+
+    def _claim_for_compile(
+        self, context: _StepContext | None
+    ) -> tuple[_StepContext | None, str, bool]:
+        """Make sure nobody else is inside a step while this thread compiles (mode lock).
+
+        Returns (the step this compile belongs to, reason, whether we took the lock here).
+        """
+        if context is not None:
+            if self.mode == "lock" and context.hold == "shared":
+                # Nobody predicted this compile: give up our shared hold and wait until every
+                # other step is done (they finish without us: barriers sit outside the guard).
+                self._lock.release_shared()
+                context.hold = None
+                self._lock.acquire_exclusive(self.wait_timeout_s, context)
+                context.hold, context.reason = "exclusive", "unpredicted"
+                self._escalate()
+            return context, context.reason, False
+        # No step in this thread. On CUDA the lazy backward compile runs in autograd's device
+        # thread: if some step holds the lock exclusively, that compile is this step's.
+        writer = self._lock.writer_context
+        if self._lock.writer is not None and writer is not None:
+            return writer, writer.reason, False
+        if self.mode != "lock":
+            return None, "outside_step", False
+        if self._lock.readers == 0:
+            self._lock.acquire_exclusive(self.wait_timeout_s, None)
+            return None, "outside_step", True
+        # Shared steps are running and this thread may be serving their backward: waiting here
+        # could deadlock, so log it loudly and make every thread's next step exclusive.
+        self._escalate()
+        return None, "unguarded_during_shared_steps", False
+
+    def _escalate(self) -> None:
+        with self._state_lock:
+            self._escalated.update(self._threads_seen)
+
+    def _record(self, event: dict) -> None:
+        with self._events_lock:
+            self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def uninstall(self) -> None:
+        """Stop routing compile events here (the patch, if any, stays: wrappers captured it)."""
+        global _active_guard
+        if _active_guard is self:
+            _active_guard = None
+        self.installed = False
+
+
+def _never_fx_tracing() -> bool:
+    return False
+
+
+def _compiled_graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _install_compile_hook() -> None:
+    """Route every dynamo / lazy-backward compile through the active guard (once per process).
+
+    We wrap `callback_handler.install_callbacks` (the scope both compiles enter) rather than
+    registering start/end callbacks: those callbacks run under the handler's internal lock and fire
+    only for the first of overlapping compiles, so blocking in them could deadlock and they cannot
+    attribute concurrent compiles to threads. Older torch without that scope: callbacks, log only.
+    """
+    global _hook_kind
+    with _hook_lock:
+        if _hook_kind is not None:
+            return
+        import torch._dynamo
+
+        handler = torch._dynamo.callback_handler
+        original = getattr(handler, "install_callbacks", None)
+        if original is not None:
+
+            @contextlib.contextmanager
+            def install_callbacks(*args, **kwargs):
+                guard = _active_guard
+                if guard is None:
+                    with original(*args, **kwargs):
+                        yield
+                    return
+                trigger, compile_id = _describe_trigger(args, kwargs)
+                with guard._compile_scope(trigger, compile_id):
+                    with original(*args, **kwargs):
+                        yield
+
+            try:
+                handler.install_callbacks = install_callbacks
+                _hook_kind = "scope"
+                return
+            except (AttributeError, TypeError):
+                pass
+        handler.register_start_callback(_callback_started)
+        handler.register_end_callback(_callback_ended)
+        _hook_kind = "callbacks"
+
+
+def _describe_trigger(args: tuple, kwargs: dict) -> tuple[str, str]:
+    trigger = kwargs.get("trigger", args[0] if args else None)
+    compile_id = kwargs.get("compile_id", args[1] if len(args) > 1 else "")
+    return getattr(trigger, "name", str(trigger)), str(compile_id)
+
+
+def _callback_started(args) -> None:  # fallback detection: log only
+    _tls.callback_started = time.perf_counter()
+
+
+def _callback_ended(args) -> None:
+    guard = _active_guard
+    started = getattr(_tls, "callback_started", None)
+    if guard is None:
+        return
+    context = getattr(_tls, "context", None)
+    guard._record(
+        {
+            "event": "compile",
+            "thread": context.thread if context else threading.current_thread().name,
+            "step": context.step if context else -1,
+            "duration_s": round(time.perf_counter() - started, 4) if started else None,
+            "reason": context.reason if context else "outside_step",
+            "trigger": getattr(getattr(args, "callback_trigger", None), "name", ""),
+            "compile_id": str(getattr(args, "compile_id", "")),
+            "os_thread": threading.current_thread().name,
+            "time": time.time(),
+        }
+    )
