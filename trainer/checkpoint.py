@@ -1,0 +1,188 @@
+"""Checkpoints: `<output_dir>/checkpoints/step-NNNNNNN/`, written whole or not at all.
+
+A checkpoint is built in a `.tmp-*` sibling directory, every file fsynced, then renamed into place
+in one `os.rename`: a kill -9 at any moment leaves either the new checkpoint or none of it, and the
+previous one untouched. Only `step-*` directories count as checkpoints; leftovers are swept later.
+
+Contents: `drafter.safetensors` (drafter weights, export names), `trainer_state.pt` (optimizer,
+scheduler, data position, RNG states), `config.json` (the resolved run config) and
+`drafter_config.json` (what `export` needs to rebuild the drafter without the target).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CHECKPOINTS = "checkpoints"
+WEIGHTS = "drafter.safetensors"
+STATE = "trainer_state.pt"
+CONFIG = "config.json"
+DRAFTER_CONFIG = "drafter_config.json"
+REQUIRED = (WEIGHTS, STATE, CONFIG, DRAFTER_CONFIG)
+_STEP_DIR = re.compile(r"^step-(\d{7,})$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be found or read; the message says which and what to do."""
+
+    exit_code = 2
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    path: str
+    step: int
+    weights: dict  # name -> tensor (cpu)
+    optimizer: dict
+    scheduler: dict
+    data_position: dict
+    rng: dict
+    config: dict
+    drafter_config: dict
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def checkpoints_root(output_dir: str) -> Path:
+    return Path(output_dir) / CHECKPOINTS
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _STEP_DIR.match(entry.name)
+        if m and entry.is_dir() and all((entry / name).is_file() for name in REQUIRED):
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    found = list_checkpoints(output_dir)
+    return str(found[-1][1]) if found else None
+
+
+def resolve_resume(resume: str, output_dir: str) -> str:
+    """`latest` -> the newest checkpoint of output_dir; otherwise a checkpoint directory."""
+    if resume == "latest":
+        path = latest_checkpoint(output_dir)
+        if path is None:
+            raise CheckpointError(
+                f"--resume latest: no checkpoint in {checkpoints_root(output_dir)}. "
+                f"Fix: start without --resume, or pass --resume PATH to a step-NNNNNNN directory."
+            )
+        return path
+    _require_complete(resume)
+    return resume
+
+
+def _require_complete(path: str) -> None:
+    missing = [name for name in REQUIRED if not (Path(path) / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{path}: not a complete checkpoint (missing {', '.join(missing)}). "
+            f"Fix: pass a checkpoints/step-NNNNNNN directory, or --resume latest."
+        )
+
+
+def rng_state(devices: list[str]) -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": {}}
+    for dev in sorted(set(devices)):
+        if dev.startswith("cuda") and torch.cuda.is_available():
+            state["cuda"][dev] = torch.cuda.get_rng_state(torch.device(dev))
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_as_python_rng(state["python"]))
+    torch.set_rng_state(state["torch"])
+    for dev, cuda_state in state.get("cuda", {}).items():
+        if torch.cuda.is_available() and torch.device(dev).index is not None \
+                and torch.device(dev).index < torch.cuda.device_count():
+            torch.cuda.set_rng_state(cuda_state, torch.device(dev))
+
+
+def _as_python_rng(state):
+    # random.setstate wants (int, tuple, gauss) exactly; a reload may hand back lists.
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+def save_checkpoint(output_dir: str, step: int, *, weights: dict, optimizer: dict, scheduler: dict,
+                    data_position: dict, rng: dict, config: dict, drafter_config: dict,
+                    keep_last: int) -> str:
+    """Write checkpoint `step` atomically, then drop all but the newest `keep_last`. Returns its path."""
+    root = checkpoints_root(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    _sweep_leftovers(root)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    tmp.mkdir()
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
+    save_file(tensors, str(tmp / WEIGHTS), metadata={"step": str(step)})
+    _fsync_file(tmp / WEIGHTS)
+    torch.save({"step": step, "optimizer": optimizer, "scheduler": scheduler,
+                "data_position": data_position, "rng": rng}, tmp / STATE)
+    _fsync_file(tmp / STATE)
+    for name, payload in ((CONFIG, config), (DRAFTER_CONFIG, drafter_config)):
+        (tmp / name).write_text(json.dumps(payload, indent=2, sort_keys=True), encoding="utf-8")
+        _fsync_file(tmp / name)
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    for _, stale in list_checkpoints(output_dir)[:-keep_last]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return str(final)
+
+
+def load_checkpoint(path: str) -> Checkpoint:
+    _require_complete(path)
+    try:
+        weights = load_file(os.path.join(path, WEIGHTS))
+        state = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True)
+        config = json.loads(Path(path, CONFIG).read_text(encoding="utf-8"))
+        drafter_config = json.loads(Path(path, DRAFTER_CONFIG).read_text(encoding="utf-8"))
+    except Exception as exc:  # corrupt or foreign files: say which checkpoint
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+    return Checkpoint(path=path, step=int(state["step"]), weights=weights, optimizer=state["optimizer"],
+                      scheduler=state["scheduler"], data_position=state["data_position"],
+                      rng=state["rng"], config=config, drafter_config=drafter_config)
+
+
+def _sweep_leftovers(root: Path) -> None:
+    """Remove half-written directories left by a killed save (only one trainer writes here)."""
+    for entry in root.iterdir():
+        if entry.name.startswith((".tmp-", ".old-")) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,321 @@
+"""The trainer's configuration: plain dataclasses loaded from YAML, validated with one clear message.
+
+A config file has four sections (`target`, `drafter`, `data`, `train`, `run`); every key has a
+default, so a file only states what differs. `load_config("tiny-cpu", {})` finds the bundled file
+`trainer/configs/tiny-cpu.yaml`. Overrides (from the CLI) use dotted keys (`train.lr`) or the
+short names in OVERRIDE_ALIASES (`max_steps`, `output_dir`, ...).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import typing
+from pathlib import Path
+
+import yaml
+
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+ATTENTION_BACKENDS = ("flex", "sdpa")
+COMPILE_LOCK_MODES = ("lock", "none", "patch")
+DATA_SOURCES = ("synthetic", "jsonl")
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+class ConfigError(Exception):
+    """A bad config value or file. The message names the key (or file:line) and the fix."""
+
+    exit_code = 2
+
+
+@dataclasses.dataclass
+class TargetConfig:
+    spec: str = "tiny-random"  # "tiny-random" or a local Hugging Face model directory
+    layer_ids: typing.Optional[list[int]] = None  # None: 5 layers spread from 1 to num_layers-3
+    tiny: dict = dataclasses.field(default_factory=dict)  # overrides for the tiny-random model
+
+
+@dataclasses.dataclass
+class DrafterSection:
+    num_layers: int = 5
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    intermediate_size: int = 12288
+    block_size: int = 16
+    mask_token_id: typing.Optional[int] = None  # None: the target's mask/pad token, else vocab-1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+
+
+@dataclasses.dataclass
+class SyntheticConfig:
+    num_samples: int = 128  # sequences generated once at startup
+    prompt_len: int = 8  # random prompt tokens; the rest is the target's greedy continuation
+
+
+@dataclasses.dataclass
+class DataConfig:
+    source: str = "jsonl"  # "jsonl" (needs `path`) or "synthetic"
+    path: typing.Optional[str] = None
+    seq_len: int = 3072  # every sequence is padded/truncated to this, so shapes stay static
+    synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
+
+
+@dataclasses.dataclass
+class TrainSection:
+    batch_size: int = 1  # sequences per drafter replica per step
+    num_anchors: int = 512  # blocks sampled per sequence
+    gamma: float = 7.0  # loss weight decay over block positions: exp(-(k-1)/gamma)
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0  # the cosine ends at lr * min_lr_ratio
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    epochs: int = 6
+    max_steps: typing.Optional[int] = None  # stop earlier than `epochs` (also shortens the schedule)
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class RunConfig:
+    output_dir: str = "runs/default"
+    metrics_file: typing.Optional[str] = None  # None: <output_dir>/metrics.jsonl
+    target_devices: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])
+    drafter_devices: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])
+    attention: str = "sdpa"
+    compile_lock: str = "lock"
+    checkpoint_every: int = 100
+    keep_last: int = 3
+    log_every: int = 1
+    resume: typing.Optional[str] = None  # None: fresh run; "latest"; or a checkpoint directory
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
+    drafter: DrafterSection = dataclasses.field(default_factory=DrafterSection)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    source: str = ""  # the file this came from (for messages), not a config key
+
+    @property
+    def metrics_path(self) -> str:
+        return self.run.metrics_file or os.path.join(self.run.output_dir, "metrics.jsonl")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+
+OVERRIDE_ALIASES = {
+    "output_dir": "run.output_dir",
+    "metrics_file": "run.metrics_file",
+    "resume": "run.resume",
+    "compile_lock": "run.compile_lock",
+    "attention": "run.attention",
+    "target_devices": "run.target_devices",
+    "drafter_devices": "run.drafter_devices",
+    "max_steps": "train.max_steps",
+    "seed": "train.seed",
+}
+
+
+def resolve_config_path(path: str) -> Path:
+    """A file path, or a bare bundled name such as `tiny-cpu` (-> trainer/configs/tiny-cpu.yaml)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    if os.sep not in path and "/" not in path:
+        bundled = CONFIGS_DIR / (path if path.endswith(".yaml") else path + ".yaml")
+        if bundled.is_file():
+            return bundled
+    names = sorted(f.stem for f in CONFIGS_DIR.glob("*.yaml"))
+    raise ConfigError(
+        f"config file {path!r} not found. Fix: pass a YAML file path, or one of the bundled "
+        f"configs: {', '.join(names)}"
+    )
+
+
+def load_config(path: str, overrides: dict | None = None) -> TrainConfig:
+    """Read, merge overrides into, and validate a config. Raises ConfigError on any bad value."""
+    file = resolve_config_path(path)
+    try:
+        raw = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{file}:{mark.line + 1}" if mark is not None else str(file)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{where}: not valid YAML ({problem}). Fix the syntax at that line.") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {file}: {exc.strerror}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: the top level must be a mapping of sections (target, drafter, data, train, run)")
+    for key, value in (overrides or {}).items():
+        _set_dotted(raw, OVERRIDE_ALIASES.get(key, key), value)
+    cfg = _build(TrainConfig, raw, "", str(file))
+    cfg.source = str(file)
+    validate(cfg)
+    return cfg
+
+
+def _set_dotted(raw: dict, dotted: str, value) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls, data, prefix: str, file: str):
+    """Build dataclass `cls` from a mapping, checking each key's type against the annotation."""
+    section = prefix.rstrip(".") or "top level"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: `{section}` must be a mapping of keys, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" Did you mean `{prefix}{close[0]}`?" if close else ""
+            raise ConfigError(
+                f"{file}: unknown config key `{prefix}{key}`.{hint} "
+                f"Valid keys in `{section}`: {', '.join(fields)}"
+            )
+        kwargs[key] = _coerce(hints[key], value, prefix + key, file)
+    return cls(**kwargs)
+
+
+def _coerce(hint, value, key: str, file: str):
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        return _coerce(next(a for a in args if a is not type(None)), value, key, file)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value if value is not None else {}, key + ".", file)
+    if origin is list:
+        if isinstance(value, str):  # "cuda:1,cuda:2" from the command line
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{file}: `{key}` must be a list, got {value!r}. Fix: write it as [a, b, ...]")
+        return [_coerce(args[0], v, f"{key}[{i}]", file) for i, v in enumerate(value)]
+    if hint is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{file}: `{key}` must be a mapping, got {value!r}")
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{file}: `{key}` must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
+            return int(value)
+        raise ConfigError(f"{file}: `{key}` must be a whole number, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `6e-4` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{file}: `{key}` must be a number (like 6e-4), got {value!r}")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{file}: `{key}` must be a string, got {value!r}")
+    raise TypeError(f"unsupported config type {hint!r} for {key}")
+
+
+def _fail(cfg: TrainConfig, key: str, message: str) -> typing.NoReturn:
+    raise ConfigError(f"{cfg.source or 'config'}: `{key}` {message}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks that need no torch. Raises ConfigError naming the key and the fix."""
+    d, t, data, r = cfg.drafter, cfg.train, cfg.data, cfg.run
+    for key, value in [
+        ("drafter.num_layers", d.num_layers), ("drafter.num_heads", d.num_heads),
+        ("drafter.num_kv_heads", d.num_kv_heads), ("drafter.head_dim", d.head_dim),
+        ("drafter.intermediate_size", d.intermediate_size), ("drafter.block_size", d.block_size),
+        ("data.seq_len", data.seq_len), ("train.batch_size", t.batch_size),
+        ("train.num_anchors", t.num_anchors), ("train.epochs", t.epochs),
+        ("run.checkpoint_every", r.checkpoint_every), ("run.keep_last", r.keep_last),
+        ("run.log_every", r.log_every), ("data.synthetic.num_samples", data.synthetic.num_samples),
+        ("data.synthetic.prompt_len", data.synthetic.prompt_len),
+    ]:
+        if value < 1:
+            _fail(cfg, key, f"must be at least 1, got {value}. Fix: set a positive value.")
+    if d.block_size < 2:
+        _fail(cfg, "drafter.block_size", "must be at least 2 (position 0 is the anchor). Fix: use 16.")
+    if d.num_heads % d.num_kv_heads:
+        _fail(cfg, "drafter.num_kv_heads", f"({d.num_kv_heads}) must divide drafter.num_heads ({d.num_heads}).")
+    if t.max_steps is not None and t.max_steps < 1:
+        _fail(cfg, "train.max_steps", f"must be at least 1 or null, got {t.max_steps}.")
+    if t.lr <= 0:
+        _fail(cfg, "train.lr", f"must be positive, got {t.lr}. Fix: the paper uses 6e-4.")
+    if not 0 <= t.warmup_frac < 1:
+        _fail(cfg, "train.warmup_frac", f"must be in [0, 1), got {t.warmup_frac}. Fix: the paper uses 0.04.")
+    if not 0 <= t.min_lr_ratio <= 1:
+        _fail(cfg, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}.")
+    if t.gamma <= 0:
+        _fail(cfg, "train.gamma", f"must be positive, got {t.gamma}. Fix: the paper uses 7 for block 16.")
+    if t.grad_clip <= 0:
+        _fail(cfg, "train.grad_clip", f"must be positive, got {t.grad_clip}. Fix: the paper uses 1.0.")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        _fail(cfg, "train.betas", f"must be two numbers in [0, 1), got {t.betas}. Fix: [0.9, 0.95].")
+    if data.source not in DATA_SOURCES:
+        _fail(cfg, "data.source", f"must be one of {', '.join(DATA_SOURCES)}, got {data.source!r}.")
+    if data.source == "jsonl" and not data.path:
+        _fail(cfg, "data.path", "is required when data.source is jsonl. Fix: set it to your .jsonl file.")
+    if data.source == "synthetic" and data.synthetic.prompt_len >= data.seq_len:
+        _fail(cfg, "data.synthetic.prompt_len",
+              f"({data.synthetic.prompt_len}) must be shorter than data.seq_len ({data.seq_len}).")
+    if r.attention not in ATTENTION_BACKENDS:
+        _fail(cfg, "run.attention", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {r.attention!r}.")
+    if r.compile_lock not in COMPILE_LOCK_MODES:
+        _fail(cfg, "run.compile_lock", f"must be one of {', '.join(COMPILE_LOCK_MODES)}, got {r.compile_lock!r}.")
+    for key, devices in (("run.target_devices", r.target_devices), ("run.drafter_devices", r.drafter_devices)):
+        if not devices:
+            _fail(cfg, key, "must name at least one device. Fix: e.g. [cpu] or [cuda:0].")
+        for dev in devices:
+            if not _DEVICE_RE.match(dev):
+                _fail(cfg, key, f"has {dev!r}, which is not a device. Fix: use cpu, cuda or cuda:N.")
+    if r.attention == "flex" and any(dev == "cpu" for dev in r.drafter_devices):
+        _fail(cfg, "run.attention",
+              "is flex, but a drafter device is cpu and torch cannot run flex_attention backward "
+              "on CPU. Fix: use --attention sdpa for CPU drafters.")
+    if data.seq_len < 2:
+        _fail(cfg, "data.seq_len", f"must be at least 2, got {data.seq_len}.")
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    """Devices named in the config must exist on this machine (needs torch, so it runs at startup)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for key, devices in (("run.target_devices", cfg.run.target_devices), ("run.drafter_devices", cfg.run.drafter_devices)):
+        for dev in devices:
+            if dev == "cpu":
+                continue
+            index = int(dev.split(":")[1]) if ":" in dev else 0
+            if index >= count:
+                seen = f"{count} CUDA device(s) visible" if count else "no CUDA device visible"
+                _fail(cfg, key, f"names {dev!r} but this machine has {seen}. "
+                      f"Fix: pick existing devices, or cpu.")

@@ -1,0 +1,211 @@
+"""Training data: fixed-length token sequences with a loss mask, in a resumable deterministic order.
+
+Sources:
+- JSONL, one record per line: `{"input_ids": [...], "loss_mask": [...]}` (pre-tokenized), or
+  `{"messages": [{"role": ..., "content": ...}, ...]}` (tokenized with the target's chat template;
+  loss on the assistant turns).
+- `synthetic`: random prompts continued greedily by the target itself. The drafter's job is to
+  predict the target, so the target's own continuations are learnable by construction.
+
+Every sequence is padded/truncated to `seq_len` so shapes never change (a new shape means a
+recompile). The batch for (step, replica) is a pure function of (seed, epoch, position): resuming
+at step s replays exactly what an uninterrupted run would have seen, whatever the thread timing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+import torch
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class DataError(Exception):
+    """A bad data file or record; the message names file:line and the fix."""
+
+    exit_code = 2
+
+    def __init__(self, where: str, message: str):
+        self.where = where
+        super().__init__(f"{where}: {message}")
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from a tuple of ints (seed, epoch, ...), stable across runs and platforms."""
+    digest = hashlib.sha256(":".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@dataclasses.dataclass
+class Dataset:
+    input_ids: torch.Tensor  # [N, T] long
+    loss_mask: torch.Tensor  # [N, T] bool: positions the drafter learns to predict
+    attention_mask: torch.Tensor  # [N, T] bool: real tokens (False = padding)
+    source: str
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+@dataclasses.dataclass
+class Batch:
+    step: int  # 0-based index of the optimizer step this batch is for
+    replica: int
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    attention_mask: torch.Tensor
+    features: torch.Tensor | None = None  # target hidden states, filled in by a target worker
+
+
+class BatchPlan:
+    """Which sequences go to which (step, replica): a fixed shuffle per epoch, drop the remainder."""
+
+    def __init__(self, num_samples: int, batch_size: int, num_replicas: int, seed: int, source: str = "data"):
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.num_replicas = num_replicas
+        self.seed = seed
+        self.per_step = batch_size * num_replicas
+        if num_samples < self.per_step:
+            raise DataError(
+                source, f"{num_samples} sequences, but one step needs {self.per_step} "
+                f"(train.batch_size {batch_size} x {num_replicas} drafter replicas). "
+                f"Fix: add data, or lower train.batch_size / the number of drafter devices.")
+        self.steps_per_epoch = num_samples // self.per_step
+        self._perm_cache: dict[int, torch.Tensor] = {}
+
+    def total_steps(self, epochs: int, max_steps: int | None) -> int:
+        total = epochs * self.steps_per_epoch
+        return min(total, max_steps) if max_steps else total
+
+    def position(self, step: int) -> dict:
+        """Where step `step` (0-based) reads: epoch and step-within-epoch."""
+        return {"step": step, "epoch": step // self.steps_per_epoch, "position": step % self.steps_per_epoch}
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        perm = self._perm_cache.get(epoch)
+        if perm is None:
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, epoch))
+            perm = torch.randperm(self.num_samples, generator=gen)
+            self._perm_cache = {epoch: perm}  # one epoch at a time is all anyone reads
+        return perm
+
+    def indices(self, step: int, replica: int) -> torch.Tensor:
+        pos = self.position(step)
+        start = pos["position"] * self.per_step + replica * self.batch_size
+        return self.permutation(pos["epoch"])[start:start + self.batch_size]
+
+
+def make_batch(dataset: Dataset, plan: BatchPlan, step: int, replica: int) -> Batch:
+    idx = plan.indices(step, replica)
+    return Batch(step, replica, dataset.input_ids[idx], dataset.loss_mask[idx], dataset.attention_mask[idx])
+
+
+# ---- JSONL ----------------------------------------------------------------------------------
+
+def load_jsonl(path: str, seq_len: int, vocab_size: int, tokenizer=None, pad_id: int = 0) -> Dataset:
+    """Read and check every record; raises DataError at the first bad one (file:line)."""
+    if not os.path.isfile(path):
+        raise DataError(path, "data file not found. Fix: set data.path to an existing .jsonl file.")
+    rows_ids, rows_mask, rows_attn = [], [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(where, f"not valid JSON ({exc.msg} at column {exc.colno}). "
+                                       f"Fix: one JSON object per line.") from None
+            if not isinstance(record, dict):
+                raise DataError(where, "expected a JSON object with input_ids+loss_mask or messages.")
+            if "messages" in record:
+                ids, mask = _tokenize_messages(record["messages"], tokenizer, where)
+            elif "input_ids" in record:
+                ids, mask = _check_pretokenized(record, where)
+            else:
+                raise DataError(where, f"record has keys {sorted(record)}; expected "
+                                       f"{{\"input_ids\", \"loss_mask\"}} or {{\"messages\"}}.")
+            for i, tok in enumerate(ids):
+                if not 0 <= tok < vocab_size:
+                    raise DataError(where, f"input_ids[{i}] = {tok} is outside the target's vocabulary "
+                                           f"(0..{vocab_size - 1}). Fix: tokenize with the target's tokenizer.")
+            ids, mask, attn = _fit(ids, mask, seq_len, pad_id)
+            rows_ids.append(ids)
+            rows_mask.append(mask)
+            rows_attn.append(attn)
+    if not rows_ids:
+        raise DataError(path, "no records. Fix: one JSON object per line.")
+    dataset = Dataset(torch.tensor(rows_ids, dtype=torch.long), torch.tensor(rows_mask, dtype=torch.bool),
+                      torch.tensor(rows_attn, dtype=torch.bool), source=path)
+    if not dataset.loss_mask.any():
+        raise DataError(path, f"no record has a loss_mask position inside the first {seq_len} tokens. "
+                              f"Fix: mark the tokens to learn with loss_mask 1, or raise data.seq_len.")
+    return dataset
+
+
+def _check_pretokenized(record: dict, where: str) -> tuple[list[int], list[int]]:
+    ids, mask = record.get("input_ids"), record.get("loss_mask")
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise DataError(where, "input_ids must be a non-empty list of integers.")
+    if mask is None:
+        raise DataError(where, "loss_mask is missing. Fix: add a list of 0/1, one per input_id "
+                               "(1 = train on this token).")
+    if not isinstance(mask, list) or not all(v in (0, 1) for v in mask):  # True/False compare equal to 1/0
+        raise DataError(where, "loss_mask must be a list of 0/1 values.")
+    if len(mask) != len(ids):
+        raise DataError(where, f"loss_mask has {len(mask)} entries but input_ids has {len(ids)}. "
+                               f"Fix: one loss_mask value per token.")
+    return ids, [int(v) for v in mask]
+
+
+def _tokenize_messages(messages, tokenizer, where: str) -> tuple[list[int], list[int]]:
+    """Token ids of the whole conversation; loss_mask 1 on each assistant turn's tokens.
+
+    An assistant turn's tokens are those the template adds between "everything before it plus the
+    generation prompt" and "everything up to and including it".
+    """
+    if tokenizer is None:
+        raise DataError(where, "record has messages, but the target has no tokenizer (tiny-random). "
+                               "Fix: use pre-tokenized input_ids/loss_mask records, or a real target.")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(where, "the target's tokenizer has no chat template. Fix: pre-tokenize the data.")
+    if not isinstance(messages, list) or not messages:
+        raise DataError(where, "messages must be a non-empty list of {role, content} objects.")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+            raise DataError(where, f"messages[{i}] must be {{\"role\": one of {'/'.join(ROLES)}, "
+                                   f"\"content\": string}}, got {json.dumps(m)[:120]}.")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(where, "conversation has no assistant turn, so nothing to learn. Fix: drop it.")
+
+    def encode(msgs, generation_prompt=False) -> list[int]:
+        if not msgs:
+            return []
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    ids = encode(messages)
+    mask = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(encode(messages[:i], generation_prompt=True))
+        upto = encode(messages[:i + 1])
+        if ids[:len(upto)] != upto:
+            raise DataError(where, f"the chat template renders messages[{i}] differently inside the whole "
+                                   f"conversation (it rewrites earlier turns), so assistant tokens cannot be "
+                                   f"located. Fix: pre-tokenize into input_ids/loss_mask.")
+        for pos in range(start, len(upto)):
+            mask[pos] = 1
+    return ids, mask
+
+
+def _fit(ids: list[int], mask: list[int], seq_len: int, pad_id: int):
+    ids, mask = ids[:seq_len], mask[:seq_len]
+    pad = seq_len - len(ids)
+    return ids + [pad_id] * pad, mask + [0] * pad, [1] * len(ids) + [0] * pad

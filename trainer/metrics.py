@@ -1,0 +1,142 @@
+"""What the run tells the world: JSON-lines records (trainer/metrics_format.py) plus readable lines.
+
+The metrics file is the contract with dflash-ops (it tails it); stdout is for people. Records are
+flushed one whole line at a time so a reader never sees half a record for long.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import TextIO
+
+from . import metrics_format
+
+FX_TRACING_SIGNATURE = "Detected that you are using FX to symbolically trace"
+
+
+def error_kind(exc: BaseException) -> str:
+    """The metrics `error.kind` for an exception: fx_tracing, cuda_oom or exception."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = f"{type(exc).__name__}: {exc}"
+        if FX_TRACING_SIGNATURE in text:
+            return "fx_tracing"
+        if "OutOfMemoryError" in type(exc).__name__ or "CUDA out of memory" in text:
+            return "cuda_oom"
+        exc = exc.__cause__ or exc.__context__
+    return "exception"
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class Throughput:
+    """Tokens per second over the last step and an ETA from the mean step time so far."""
+
+    def __init__(self, start_step: int, total_steps: int, clock=time.monotonic):
+        self.clock = clock
+        self.total_steps = total_steps
+        self.first_step = start_step
+        self.t0 = self.last = clock()
+
+    def update(self, step: int, tokens: int) -> tuple[float, float]:
+        now = self.clock()
+        interval = max(now - self.last, 1e-9)
+        self.last = now
+        done = step - self.first_step
+        mean_step = (now - self.t0) / max(done, 1)
+        return tokens / interval, mean_step * max(self.total_steps - step, 0)
+
+
+class MetricsWriter:
+    """Writes metrics records to `path` and readable lines to `out`. Safe to call from any thread."""
+
+    def __init__(self, path: str, out: TextIO | None = None, tty: bool | None = None, log_every: int = 1):
+        self.path = path
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")
+        self.out = out if out is not None else sys.stdout
+        self.tty = self.out.isatty() if tty is None else tty
+        self.log_every = log_every
+        self._lock = threading.Lock()
+        self._bar_open = False  # a progress bar line is on screen without its newline
+
+    def record(self, event: str, **fields) -> None:
+        line = metrics_format.encode(event, **fields)
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+
+    def say(self, text: str) -> None:
+        with self._lock:
+            if self._bar_open:
+                self.out.write("\n")
+                self._bar_open = False
+            self.out.write(text + "\n")
+            self.out.flush()
+
+    def start(self, config: dict, devices: list[str], compile_lock: str, total_steps: int,
+              summary_lines: list[str] = ()) -> None:
+        self.record("start", config=config, devices=list(devices), compile_lock=compile_lock,
+                    total_steps=total_steps, pid=os.getpid())
+        for line in summary_lines:
+            self.say(line)
+
+    def step(self, *, step: int, total_steps: int, loss: float, acc: list[float], tokens_per_s: float,
+             eta_s: float, lr: float, grad_norm: float, epoch: float) -> None:
+        self.record("step", step=step, total_steps=total_steps, loss=loss, acc=list(acc),
+                    tokens_per_s=tokens_per_s, eta_s=eta_s, lr=lr, grad_norm=grad_norm, epoch=epoch)
+        line = step_line(step, total_steps, loss, acc, tokens_per_s, eta_s, lr, grad_norm)
+        permanent = step % self.log_every == 0 or step == total_steps
+        if self.tty:
+            with self._lock:
+                self.out.write("\r\x1b[2K" + progress_bar(step, total_steps) + " " + line)
+                self._bar_open = True
+                if permanent:
+                    self.out.write("\n")
+                    self._bar_open = False
+                self.out.flush()
+        elif permanent:
+            self.say(line)
+
+    def compile(self, thread: str, duration_s: float, step: int, reason: str) -> None:
+        self.record("compile", thread=thread, duration_s=duration_s, step=step, reason=reason)
+        self.say(f"compile  {thread} step {step}: {duration_s:.2f}s ({reason})")
+
+    def checkpoint(self, step: int, path: str) -> None:
+        self.record("checkpoint", step=step, path=path)
+        self.say(f"checkpoint step {step}: {path}")
+
+    def error(self, message: str, kind: str) -> None:
+        self.record("error", message=message, kind=kind)
+
+    def done(self, step: int, reason: str) -> None:
+        self.record("done", step=step, reason=reason)
+        self.say(f"done     step {step} ({reason})")
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
+
+
+def step_line(step, total_steps, loss, acc, tokens_per_s, eta_s, lr, grad_norm) -> str:
+    acc1 = acc[0] if acc else float("nan")
+    acc_mean = sum(acc) / len(acc) if acc else float("nan")
+    width = len(str(total_steps))
+    return (f"step {step:>{width}}/{total_steps}  loss {loss:.4f}  acc@1 {acc1:.3f}  acc_avg {acc_mean:.3f}  "
+            f"{tokens_per_s:,.0f} tok/s  lr {lr:.2e}  gnorm {grad_norm:.3f}  eta {format_duration(eta_s)}")
+
+
+def progress_bar(step: int, total: int, width: int = 24) -> str:
+    filled = int(width * step / max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
