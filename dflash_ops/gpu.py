@@ -1,0 +1,246 @@
+"""GPU snapshots (from nvidia-smi CSV or NVML) and the questions relaunch asks of them.
+
+Inside an LXC container the driver reports HOST pids: a snapshot may show memory in use with no
+visible process. The pid helpers here map host pids to containers on the Proxmox host.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from .errors import DflashOpsError, InputError
+from .remote import probe_script
+
+NOT_AVAILABLE = ("[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]", "")
+# What counts as "free" by default: an idle H200 shows a few MiB; a CUDA context is ~500 MiB.
+IDLE_USED_MIB = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    gpu_index: int
+    used_memory_mib: int | None  # None where the driver cannot say (e.g. containerised process)
+    name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    index: int
+    uuid: str
+    name: str
+    memory_used_mib: int | None
+    memory_total_mib: int | None
+    utilization_pct: int | None  # None when the driver reports [N/A]
+    processes: tuple[GpuProcess, ...] = ()
+
+    @property
+    def ghost_memory_mib(self) -> int:
+        """Memory in use that no listed process accounts for (host pids, leaked contexts)."""
+        if self.memory_used_mib is None:
+            return 0
+        accounted = sum(p.used_memory_mib or 0 for p in self.processes)
+        return max(0, self.memory_used_mib - accounted)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSnapshot:
+    gpus: tuple[Gpu, ...]
+    source: str | None  # "nvidia-smi" | "nvml" | None
+    error: str | None = None  # why there are no GPUs to show ("no NVIDIA driver (...)")
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def no_driver(self) -> bool:
+        return bool(self.error) and self.error.startswith("no NVIDIA driver")
+
+    def by_index(self, index: int) -> Gpu | None:
+        for gpu in self.gpus:
+            if gpu.index == index:
+                return gpu
+        return None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class GpuUnavailable(DflashOpsError):
+    """The GPU state could not be read (no driver, nvidia-smi failed)."""
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _number(text: str) -> int | None:
+    """'1234' or '1234 MiB' or '45 %' -> int; '[N/A]' and friends -> None."""
+    text = text.strip()
+    if text in NOT_AVAILABLE:
+        return None
+    match = re.fullmatch(r"(-?\d+(?:\.\d+)?)\s*(?:MiB|%|W|C)?", text)
+    if not match:
+        raise ValueError(f"not a number: {text!r}")
+    return int(round(float(match.group(1))))
+
+
+def _split(line: str, left: int, right: int) -> list[str]:
+    """Split a CSV row whose middle field may contain commas (names are free text)."""
+    parts = line.split(",")
+    if len(parts) < left + right + 1:
+        raise ValueError(f"expected at least {left + right + 1} fields: {line!r}")
+    middle = ",".join(parts[left:len(parts) - right])
+    return [p.strip() for p in parts[:left]] + [middle.strip()] + [p.strip() for p in parts[len(parts) - right:]]
+
+
+def parse_nvidia_smi(gpu_csv: str, apps_csv: str = "", source: str = "nvidia-smi") -> GpuSnapshot:
+    """Snapshot from `--format=csv,noheader,nounits` output of the queries in probe_script
+    (GPU_QUERY, APPS_QUERY). Output that is not such CSV (an error message) becomes `error`."""
+    gpus: list[dict] = []
+    try:
+        for line in gpu_csv.splitlines():
+            if not line.strip():
+                continue
+            index, uuid, name, used, total, util = _split(line, 2, 3)
+            gpus.append({"index": int(index), "uuid": uuid, "name": name, "memory_used_mib": _number(used),
+                         "memory_total_mib": _number(total), "utilization_pct": _number(util)})
+    except ValueError:
+        text = gpu_csv.strip().splitlines()[0] if gpu_csv.strip() else "unreadable output"
+        if "couldn't communicate with the NVIDIA driver" in text:
+            text = f"no NVIDIA driver ({text})"
+        return GpuSnapshot((), source, text)
+    index_of = {g["uuid"]: g["index"] for g in gpus}
+    processes: list[GpuProcess] = []
+    for line in apps_csv.splitlines():
+        if not line.strip():
+            continue
+        try:
+            pid, uuid, used, name = _split(line, 3, 0)
+            if uuid in index_of:
+                processes.append(GpuProcess(int(pid), index_of[uuid], _number(used), name))
+        except ValueError:
+            continue  # one odd row (a process name nvidia-smi mangled) must not hide the GPUs
+    return _snapshot(gpus, processes, source)
+
+
+def _snapshot(gpus: list[dict], processes: list[GpuProcess], source: str | None) -> GpuSnapshot:
+    built = []
+    for g in gpus:
+        mine = tuple(p for p in processes if p.gpu_index == g["index"])
+        built.append(Gpu(g["index"], g["uuid"], g["name"], g["memory_used_mib"], g["memory_total_mib"],
+                         g["utilization_pct"], mine))
+    return GpuSnapshot(tuple(built), source, None)
+
+
+def snapshot_from_probe(gpu: dict | None) -> GpuSnapshot:
+    """The probe's `gpu` section (raw nvidia-smi CSV, or NVML dicts) as a snapshot."""
+    if not isinstance(gpu, dict):
+        return GpuSnapshot((), None, "the probe returned no GPU section")
+    source = gpu.get("source")
+    if gpu.get("error"):
+        return GpuSnapshot((), source, str(gpu["error"]))
+    if source == "nvidia-smi":
+        return parse_nvidia_smi(gpu.get("gpu_csv", ""), gpu.get("apps_csv", ""), source)
+    processes = [GpuProcess(int(p["pid"]), int(p["gpu_index"]), p.get("used_memory_mib"), p.get("name", ""))
+                 for p in gpu.get("processes", [])]
+    return _snapshot(gpu.get("gpus", []), processes, source)
+
+
+def nvml_snapshot() -> GpuSnapshot:
+    """This machine's GPUs via NVML. No driver -> a snapshot whose error says so; never raises."""
+    return snapshot_from_probe(probe_script.nvml_query())
+
+
+# --------------------------------------------------------------------------- "is it really free?"
+
+
+@dataclasses.dataclass(frozen=True)
+class BusyGpu:
+    """A GPU that still holds memory, and who holds it."""
+
+    index: int
+    memory_used_mib: int | None
+    memory_total_mib: int | None
+    processes: tuple[GpuProcess, ...]
+    ghost_mib: int
+
+    def describe(self) -> str:
+        holders = [f"pid {p.pid}" + (f" ({p.name})" if p.name else "")
+                   + (f" {p.used_memory_mib} MiB" if p.used_memory_mib is not None else "")
+                   for p in self.processes]
+        if self.ghost_mib or not holders:
+            holders.append(f"{self.ghost_mib} MiB ghost memory with no process")
+        used = "?" if self.memory_used_mib is None else self.memory_used_mib
+        return f"GPU {self.index}: {used} MiB used by " + ", ".join(holders)
+
+
+def busy_gpus(snapshot: GpuSnapshot, indices, min_free_mib: int | None = None) -> list[BusyGpu]:
+    """GPUs among `indices` that are not free yet.
+
+    Free means at least `min_free_mib` unused; by default (None) it means at most IDLE_USED_MIB
+    used, i.e. nothing but the driver's own reservation. Raises GpuUnavailable when the snapshot
+    has no GPU data and InputError when an index does not exist on the machine.
+    """
+    indices = sorted(set(int(i) for i in indices))
+    if not indices:
+        return []
+    if not snapshot.ok:
+        raise GpuUnavailable(f"cannot check GPUs {_list(indices)}: {snapshot.error}")
+    present = [g.index for g in snapshot.gpus]
+    missing = [i for i in indices if i not in present]
+    if missing:
+        raise InputError(f"job GPUs {_list(missing)} do not exist on this machine (it has GPUs "
+                         f"{_list(present) or 'none'}); fix target_gpus/drafter_gpus in the inventory")
+    busy = []
+    for index in indices:
+        gpu = snapshot.by_index(index)
+        used = gpu.memory_used_mib
+        if used is None:
+            is_busy = bool(gpu.processes)
+        elif min_free_mib is None:
+            is_busy = used > IDLE_USED_MIB or any((p.used_memory_mib or 0) > 0 for p in gpu.processes)
+        else:
+            total = gpu.memory_total_mib or 0
+            is_busy = total - used < min_free_mib
+        if is_busy:
+            busy.append(BusyGpu(index, used, gpu.memory_total_mib, gpu.processes, gpu.ghost_memory_mib))
+    return busy
+
+
+def _list(indices) -> str:
+    return ",".join(str(i) for i in indices)
+
+
+# --------------------------------------------------------------------------- host pid -> container
+
+def container_of_pid(cgroup_text: str) -> str | None:
+    """Container id (Proxmox CTID) a process belongs to, from the text of /proc/PID/cgroup.
+
+    Handles cgroup v2 (`0::/lxc/200/ns/...`), v1 (`4:memory:/lxc/200`) and upstream LXC's
+    `lxc.payload.200` naming. The LXC monitor (`/lxc.monitor/200`) is NOT in the container.
+    Returns a string: compare with str(target.ctid).
+    """
+    for line in cgroup_text.splitlines():
+        path = line.split(":", 2)[-1]
+        for part_index, part in enumerate(path.split("/")):
+            if part.startswith("lxc.payload."):
+                return part[len("lxc.payload."):] or None
+            if part == "lxc":
+                rest = path.split("/")[part_index + 1:]
+                if rest and rest[0]:
+                    return rest[0]
+    return None
+
+
+def pid_in_container(cgroup_text: str, ctid) -> bool:
+    return container_of_pid(cgroup_text) == str(ctid)
+
+
+def nspid_from_status(status_text: str) -> int | None:
+    """The pid as seen inside the process's innermost pid namespace (last NSpid field)."""
+    for line in status_text.splitlines():
+        if line.startswith("NSpid:"):
+            fields = line.split()[1:]
+            return int(fields[-1]) if fields else None
+    return None

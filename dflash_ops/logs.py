@@ -1,0 +1,214 @@
+"""Read a training run's output: known failure signatures in the human log, progress in the metrics.
+
+Signatures are ordered most specific first; each log line is claimed by the first one it matches,
+so an OOM is reported as an OOM and not also as a generic CUDA error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import statistics
+
+from trainer import metrics_format
+
+TRACEBACK_HEADER = "Traceback (most recent call last):"
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    name: str
+    title: str  # what a person calls it
+    pattern: re.Pattern
+    explanation: str  # what it means and what to do
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    name: str
+    title: str
+    explanation: str
+    line: str  # the log line that shows it (for a traceback: the exception line)
+    line_no: int  # 1-based, within the text that was searched
+
+    def describe(self) -> str:
+        return f"{self.title}: {self.line.strip()[:200]}"
+
+
+SIGNATURES: tuple[Signature, ...] = (
+    Signature(
+        "fx_tracing", "FX-tracing race",
+        re.compile(r"Detected that you are using FX to symbolically trace a dynamo-optimized function"),
+        "a drafter thread called a compiled function while another thread was compiling "
+        "(AOTAutograd's make_fx sets a process-global flag); serialize first steps and recompiles "
+        "under the compile lock, and retest with a fresh inductor cache"),
+    Signature(
+        "block_mask_race", "create_block_mask race",
+        re.compile(r"KeyError: 'custom'"),
+        "concurrent create_block_mask calls mutate a module-global dict in torch.fx.traceback; "
+        "serialize create_block_mask across threads"),
+    Signature(
+        "cuda_oom", "CUDA out of memory",
+        re.compile(r"CUDA out of memory|torch\.(?:cuda\.)?OutOfMemoryError|CUDA error: out of memory"),
+        "a GPU ran out of memory: check for leftover processes or ghost memory on the job's GPUs, "
+        "then lower the batch or sequence length"),
+    Signature(
+        "nccl", "NCCL error",
+        re.compile(r"NCCL error|nccl(?:Internal|System|Invalid\w*|UnhandledCuda|Remote)Error"
+                   r"|Watchdog caught collective operation timeout|ProcessGroupNCCL.*(?:[Tt]imeout|[Ee]rror)"),
+        "communication between GPUs failed (a peer died or hung, or a collective timed out)"),
+    Signature(
+        "cuda_error", "CUDA error",
+        re.compile(r"CUDA error: |CUBLAS_STATUS_[A-Z_]+|cuDNN error|illegal memory access was encountered"
+                   r"|device-side assert triggered"),
+        "a CUDA kernel failed; rerun with CUDA_LAUNCH_BLOCKING=1 to find the operation"),
+    Signature(
+        "compile_failed", "torch.compile failure",
+        re.compile(r"BackendCompilerFailed|InductorError|LoweringException|torch\._inductor\.exc\.\w+"),
+        "torch.compile (inductor/triton) failed to build a kernel; the traceback names the graph"),
+    Signature(
+        "killed", "process killed",
+        re.compile(r"^Killed\s*$|:\s*\d+\s+Killed(?:\s|$)"),
+        "SIGKILL, usually the kernel OOM killer: check host RAM and `dmesg`"),
+    Signature(
+        "native_crash", "native crash",
+        re.compile(r"Segmentation fault|^Aborted(?: \(core dumped\))?\s*$|:\s*\d+\s+(?:Aborted|Bus error)(?:\s|$)"
+                   r"|terminate called after throwing"),
+        "the process died in native code (segfault/abort); the lines above it show the last operation"),
+)
+
+TRACEBACK = Signature("traceback", "Python exception", re.compile(re.escape(TRACEBACK_HEADER)),
+                      "the trainer raised an exception; the line shown is the exception")
+
+
+def _exception_line(lines: list[str], header_at: int) -> tuple[int, str]:
+    """After a traceback header, the first unindented line is the exception."""
+    for i in range(header_at + 1, len(lines)):
+        line = lines[i]
+        if line.strip() and not line[:1].isspace() and not line.startswith(TRACEBACK_HEADER):
+            return i, line
+    return header_at, lines[header_at]
+
+
+def find_failures(text: str) -> list[Failure]:
+    """Known failures in `text`, one per signature (its latest occurrence), most specific first.
+
+    A traceback is reported as a generic exception only when its exception line is not already a
+    known signature; a KeyboardInterrupt is an operator's stop, not a failure.
+    """
+    # tqdm-style progress rewrites a line with \r: only the last state is what a person sees.
+    lines = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
+    found: dict[str, Failure] = {}
+    claimed: set[int] = set()
+    for i, line in enumerate(lines):
+        for sig in SIGNATURES:
+            if sig.pattern.search(line):
+                found[sig.name] = Failure(sig.name, sig.title, sig.explanation, line, i + 1)
+                claimed.add(i)
+                break
+    latest_traceback = None
+    for i, line in enumerate(lines):
+        if TRACEBACK_HEADER in line:
+            at, exception = _exception_line(lines, i)
+            if at in claimed or exception.startswith("KeyboardInterrupt"):
+                continue
+            latest_traceback = Failure(TRACEBACK.name, TRACEBACK.title, TRACEBACK.explanation, exception, at + 1)
+    ordered = [found[sig.name] for sig in SIGNATURES if sig.name in found]
+    if latest_traceback is not None:
+        ordered.append(latest_traceback)
+    return ordered
+
+
+# Trainer metrics `error` event kinds mapped onto the log signatures they correspond to.
+_KIND_TO_SIGNATURE = {"fx_tracing": "fx_tracing", "cuda_oom": "cuda_oom", "block_mask": "block_mask_race",
+                      "nccl": "nccl"}
+
+
+def failures_from_records(records: list[dict]) -> list[Failure]:
+    """`error` events the trainer wrote to its metrics file, as failures (latest per kind)."""
+    by_name = {s.name: s for s in SIGNATURES}
+    found: dict[str, Failure] = {}
+    for record in records:
+        if record.get("event") != "error":
+            continue
+        kind = str(record.get("kind", "exception"))
+        sig = by_name.get(_KIND_TO_SIGNATURE.get(kind, ""), TRACEBACK)
+        message = str(record.get("message", kind))
+        found[sig.name] = Failure(sig.name, sig.title, sig.explanation, message, 0)
+    return list(found.values())
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """Where training stands, from the tail of the metrics file."""
+
+    step: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None  # median of recent step records (one slow interval is noise)
+    eta_s: float | None = None
+    last_step_time: float | None = None
+    last_record_time: float | None = None
+    start_time: float | None = None
+    steps_per_s: float | None = None
+    done_reason: str | None = None
+
+    @property
+    def loss_is_finite(self) -> bool:
+        return self.loss is None or math.isfinite(self.loss)
+
+
+def step_records(records: list[dict]) -> list[dict]:
+    return [r for r in records if r.get("event") == "step" and isinstance(r.get("step"), (int, float))]
+
+
+def recent_tokens_per_s(records: list[dict], window: int = 5) -> float | None:
+    values = [float(r["tokens_per_s"]) for r in step_records(records)[-window:]
+              if isinstance(r.get("tokens_per_s"), (int, float)) and math.isfinite(r["tokens_per_s"])]
+    return statistics.median(values) if values else None
+
+
+def step_rate(records: list[dict], window: int = 10) -> float | None:
+    """Optimizer steps per second between the oldest and newest of the recent step records."""
+    steps = step_records(records)[-window:]
+    if len(steps) < 2:
+        return None
+    first, last = steps[0], steps[-1]
+    seconds = float(last.get("time", 0)) - float(first.get("time", 0))
+    if seconds <= 0:
+        return None
+    return (float(last["step"]) - float(first["step"])) / seconds
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def progress(records: list[dict]) -> Progress:
+    """Summarize metrics records (oldest first). A new `start` begins a new run: older ones are ignored."""
+    start = metrics_format.last_of(records, "start")
+    if start is not None:
+        records = records[records.index(start):]
+    last = metrics_format.last_of(records, "step")
+    done = metrics_format.last_of(records, "done")
+    total = None
+    if last is not None and last.get("total_steps") is not None:
+        total = int(last["total_steps"])
+    elif start is not None and start.get("total_steps") is not None:
+        total = int(start["total_steps"])
+    return Progress(
+        step=int(last["step"]) if last else None,
+        total_steps=total,
+        loss=_number(last.get("loss")) if last else None,
+        tokens_per_s=recent_tokens_per_s(records),
+        eta_s=_number(last.get("eta_s")) if last else None,
+        last_step_time=_number(last.get("time")) if last else None,
+        last_record_time=_number(records[-1].get("time")) if records else None,
+        start_time=_number(start.get("time")) if start else None,
+        steps_per_s=step_rate(records),
+        done_reason=str(done.get("reason")) if done and (last is None or done.get("time", 0) >= last.get("time", 0))
+        else None,
+    )

@@ -1,0 +1,305 @@
+"""Gather, in one process on the target, everything `status` and `health` need; print ONE JSON object.
+
+Standalone on purpose: standard library only, Python >= 3.8, no dflash_ops import, because it runs
+in the container with whatever python is there. dflash_ops sends this file's text via `python -c`
+with one argument, a JSON object:
+
+  {"log_dir": str, "session": str, "socket": str, "log_lines": int, "metrics_lines": int,
+   "gpu_source": "auto"|"nvml"|"nvidia-smi", "nvidia_smi": str}
+
+Every section catches its own failures into the output, so one broken part (no driver, no tmux,
+no log yet) never hides the others; the script itself exits 0 unless its argument is unusable.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+PROBE_VERSION = 1
+LOG_NAME = re.compile(r"^train-(\d{4,})\.log$")
+# Field lists shared with dflash_ops.gpu.parse_nvidia_smi (which imports them from here).
+GPU_QUERY = "index,uuid,name,memory.used,memory.total,utilization.gpu"
+APPS_QUERY = "pid,gpu_uuid,used_memory,process_name"
+MAX_TAIL_BYTES = 512 * 1024  # bounds the transfer even if a log has enormous lines
+COMMAND_TIMEOUT_S = 15  # a wedged driver can hang nvidia-smi; the probe must still answer
+MIB = 1024 * 1024
+
+
+def run(argv, timeout=COMMAND_TIMEOUT_S):
+    """(exit code, stdout, stderr) of argv; 127 when the program does not exist."""
+    try:
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return 127, "", "%s: command not found" % argv[0]
+    except subprocess.TimeoutExpired:
+        return 124, "", "%s: no answer within %ss" % (argv[0], timeout)
+    return (proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace"))
+
+
+# --------------------------------------------------------------------------- GPUs
+
+
+def _text(value):
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def nvml_query():
+    """GPUs and compute processes through NVML; never raises."""
+    try:
+        import pynvml
+    except ImportError:
+        return {"source": "nvml", "error": "pynvml is not installed"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError_LibraryNotFound / DriverNotLoaded / anything else
+        name = type(e).__name__
+        if name in ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded"):
+            return {"source": "nvml", "error": "no NVIDIA driver (%s: %s)" % (name, e)}
+        return {"source": "nvml", "error": "NVML failed: %s: %s" % (name, e)}
+    try:
+        gpus, processes = [], []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                utilization = int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except pynvml.NVMLError:  # not supported (MIG, some vGPUs)
+                utilization = None
+            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+            gpus.append({"index": index, "uuid": uuid, "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                         "memory_used_mib": int(memory.used // MIB), "memory_total_mib": int(memory.total // MIB),
+                         "utilization_pct": utilization})
+            try:
+                running = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            except pynvml.NVMLError:
+                running = []
+            for proc in running:
+                used = getattr(proc, "usedGpuMemory", None)
+                processes.append({"pid": int(proc.pid), "gpu_index": index,
+                                  "used_memory_mib": None if used is None else int(used // MIB),
+                                  "name": _process_name(int(proc.pid))})
+        return {"source": "nvml", "error": None, "gpus": gpus, "processes": processes}
+    except Exception as e:
+        return {"source": "nvml", "error": "NVML query failed: %s: %s" % (type(e).__name__, e)}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _process_name(pid):
+    """Name of a pid as seen here; empty when it is not visible (a host pid inside LXC)."""
+    try:
+        with open("/proc/%d/comm" % pid, encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def nvidia_smi_query(binary):
+    """Raw CSV from nvidia-smi (parsed by dflash_ops.gpu, so there is one parser)."""
+    fmt = "--format=csv,noheader,nounits"
+    rc, out, err = run([binary, "--query-gpu=" + GPU_QUERY, fmt])
+    if rc != 0:
+        message = (out.strip() or err.strip() or "exit code %d" % rc).splitlines()[0]
+        if rc in (9, 127) or "couldn't communicate with the NVIDIA driver" in message:
+            message = "no NVIDIA driver (%s)" % message
+        return {"source": "nvidia-smi", "error": message}
+    rc2, apps, err2 = run([binary, "--query-compute-apps=" + APPS_QUERY, fmt])
+    result = {"source": "nvidia-smi", "error": None, "gpu_csv": out, "apps_csv": apps if rc2 == 0 else ""}
+    if rc2 != 0:
+        result["apps_error"] = (apps.strip() or err2.strip() or "exit code %d" % rc2).splitlines()[0]
+    return result
+
+
+def gpu_state(source, binary):
+    if source == "nvml":
+        return nvml_query()
+    if source == "nvidia-smi":
+        return nvidia_smi_query(binary)
+    nvml = nvml_query()
+    if not nvml.get("error"):
+        return nvml
+    smi = nvidia_smi_query(binary)
+    if smi.get("error"):
+        smi["nvml_error"] = nvml["error"]
+    return smi
+
+
+# --------------------------------------------------------------------------- tmux session
+
+
+def tmux_state(sock, session):
+    """One tmux call: listing the session's panes tells whether it exists and whether it lives."""
+    state = {"name": session, "socket": sock, "exists": False, "running": False, "pane_pid": None,
+             "exit_status": None, "error": None}
+    fmt = "#{pane_pid}\t#{pane_dead}\t#{pane_dead_status}"
+    rc, out, err = run(["tmux", "-L", sock, "list-panes", "-s", "-t", "=" + session, "-F", fmt])
+    if rc == 127:
+        state["error"] = "tmux is not installed"
+        return state
+    if rc != 0:  # no server on this socket, or no such session: not an error, just not running
+        state["detail"] = err.strip()
+        return state
+    state["exists"] = True
+    first = out.splitlines()[0].split("\t") if out.strip() else []
+    if len(first) >= 2 and first[0].isdigit():
+        state["pane_pid"] = int(first[0])
+        dead = first[1] == "1"
+        state["running"] = not dead
+        if dead and len(first) > 2 and first[2].strip().lstrip("-").isdigit():
+            state["exit_status"] = int(first[2])
+    return state
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _read(path, limit=4096):
+    with open(path, "rb") as f:
+        return f.read(limit)
+
+
+def all_processes():
+    """pid -> (ppid, name, state) from /proc/PID/stat (comm may hold spaces and parentheses)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = _read("/proc/%s/stat" % entry).decode("utf-8", "replace")
+        except OSError:
+            continue  # exited while we looked
+        open_paren, close_paren = stat.find("("), stat.rfind(")")
+        rest = stat[close_paren + 2:].split()
+        if len(rest) < 2:
+            continue
+        table[int(entry)] = (int(rest[1]), stat[open_paren + 1:close_paren], rest[0])
+    return table
+
+
+def process_tree(root_pid):
+    """The root and all its descendants, parents before children."""
+    if root_pid is None:
+        return []
+    table = all_processes()
+    children = {}
+    for pid, (ppid, _name, _state) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop(0)
+        if pid not in table:
+            continue
+        ppid, name, state = table[pid]
+        try:
+            cmdline = _read("/proc/%d/cmdline" % pid, 2000).replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        except OSError:
+            cmdline = ""
+        tree.append({"pid": pid, "ppid": ppid, "name": name, "state": state, "cmdline": cmdline})
+        todo.extend(sorted(children.get(pid, [])))
+    return tree
+
+
+# --------------------------------------------------------------------------- log and metrics files
+
+
+def newest_log(log_dir):
+    """Path of the highest-numbered train-NNNN.log, or None."""
+    best = None
+    for name in os.listdir(log_dir):
+        match = LOG_NAME.match(name)
+        if match and (best is None or int(match.group(1)) > best[0]):
+            best = (int(match.group(1)), name)
+    return None if best is None else os.path.join(log_dir, best[1])
+
+
+def file_tail(path, lines):
+    """Size, mtime and the last `lines` lines of a file; `first_line` when the tail misses the start."""
+    st = os.stat(path)
+    info = {"path": path, "size": st.st_size, "mtime": st.st_mtime, "lines": [], "first_line": None}
+    if lines <= 0:
+        return info
+    with open(path, "rb") as f:
+        end = st.st_size
+        start, data = end, b""
+        block = 65536
+        while start > 0 and data.count(b"\n") <= lines and end - start < MAX_TAIL_BYTES:
+            step = min(block, start, MAX_TAIL_BYTES - (end - start))
+            start -= step
+            f.seek(start)
+            data = f.read(step) + data
+        text = data.decode("utf-8", "replace")
+        all_lines = text.splitlines()
+        if start > 0 and all_lines:
+            all_lines = all_lines[1:]  # the first piece is the end of a cut line
+        info["lines"] = all_lines[-lines:]
+        covered_start = start == 0 and len(all_lines) <= lines
+        if not covered_start:
+            f.seek(0)
+            info["first_line"] = f.readline(65536).decode("utf-8", "replace").rstrip("\r\n")
+    return info
+
+
+def metrics_path_for_log(log_path):
+    # Same rule as trainer.metrics_format.metrics_path_for_log (this script cannot import it).
+    stem = log_path[:-4] if log_path.endswith(".log") else log_path
+    return stem + ".metrics.jsonl"
+
+
+def files_state(log_dir, log_lines, metrics_lines):
+    state = {"log_dir": log_dir, "log_dir_exists": os.path.isdir(log_dir), "log": None, "metrics": None}
+    if not state["log_dir_exists"]:
+        return state
+    log_path = newest_log(log_dir)
+    if log_path is None:
+        return state
+    state["log"] = file_tail(log_path, log_lines)
+    metrics = metrics_path_for_log(log_path)
+    if os.path.exists(metrics):
+        state["metrics"] = file_tail(metrics, metrics_lines)
+    return state
+
+
+# --------------------------------------------------------------------------- main
+
+
+def section(errors, name, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # a broken section is reported, never fatal
+        errors.append("%s: %s: %s" % (name, type(e).__name__, e))
+        return None
+
+
+def main(argv):
+    try:
+        args = json.loads(argv[1])
+        log_dir, session, sock = str(args["log_dir"]), str(args["session"]), str(args["socket"])
+    except (IndexError, ValueError, KeyError, TypeError) as e:
+        sys.stderr.write("dflash probe: needs one JSON argument with log_dir, session, socket (%s)\n" % e)
+        return 2
+    errors = []
+    report = {"probe_version": PROBE_VERSION, "time": time.time(), "hostname": socket.gethostname(),
+              "python": sys.version.split()[0], "errors": errors}
+    report["gpu"] = section(errors, "gpu", gpu_state, args.get("gpu_source", "auto"),
+                            args.get("nvidia_smi") or "nvidia-smi") or {"source": None, "error": "probe failed"}
+    report["session"] = section(errors, "tmux", tmux_state, sock, session)
+    pane_pid = (report["session"] or {}).get("pane_pid")
+    report["processes"] = section(errors, "processes", process_tree, pane_pid) or []
+    files = section(errors, "files", files_state, log_dir, int(args.get("log_lines", 200)),
+                    int(args.get("metrics_lines", 400))) or {}
+    report.update(files)
+    sys.stdout.write(json.dumps(report) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
