@@ -1,0 +1,118 @@
+"""Anchors and the DFlash block attention mask.
+
+Layout of one attention call: queries are the N blocks of `block_size` tokens (block n covers query
+rows n*block_size .. (n+1)*block_size-1); keys/values are the `ctx_len` projected target positions
+followed by the same N*block_size block tokens.
+
+Visibility (what inference sees, and nothing more):
+- a block token sees context positions STRICTLY before its anchor: the target hidden state AT the
+  anchor already encodes the target's guess for anchor+1, and at inference it does not exist yet;
+- it sees every token of its own block, in both directions (inference runs no causal mask there);
+- a padding block (valid=False) sees only itself, one key per query. That keeps SDPA free of
+  all-masked rows (which give NaN) and makes the flex and SDPA paths agree exactly; padding blocks
+  carry no labels, so nothing they compute reaches the loss.
+
+`mask_mod` is the single source of truth: `dense_mask` evaluates the very same function on a
+broadcast grid, so the flex (BlockMask) and SDPA (dense bool) paths cannot drift apart.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from trainer.compile_lock import MASK_LOCK
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    block_size: int,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick up to `num_anchors` random anchor positions per sequence.
+
+    A position a is eligible when loss_mask[a] is on and the next position a+1 exists and is also
+    trained, so every valid block has at least one label. Valid anchors come first, sorted
+    ascending; rows with fewer eligible positions are padded with anchor 0 and valid=False.
+    Shapes are static ([B, num_anchors]) and nothing here syncs with the host.
+    """
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (position 0 is the anchor), got {block_size}")
+    if loss_mask.dim() != 2:
+        raise ValueError(f"loss_mask must be [batch, seq_len], got shape {tuple(loss_mask.shape)}")
+    batch, seq_len = loss_mask.shape
+    device = loss_mask.device
+    trained = loss_mask.bool()
+    eligible = torch.zeros_like(trained)
+    eligible[:, :-1] = trained[:, :-1] & trained[:, 1:]
+
+    # Random scores drawn on the generator's device keep runs reproducible across devices.
+    scores = torch.rand((batch, seq_len), generator=generator, device=generator.device).to(device)
+    scores = torch.where(eligible, scores, torch.full_like(scores, -1.0))
+    k = min(num_anchors, seq_len)
+    top = scores.topk(k, dim=1)
+    picked_valid = top.values >= 0
+    # Sort valid picks ascending and push padding (value seq_len) behind them.
+    sentinel = torch.full_like(top.indices, seq_len)
+    anchors, _ = torch.where(picked_valid, top.indices, sentinel).sort(dim=1)
+    if k < num_anchors:
+        pad = torch.full((batch, num_anchors - k), seq_len, dtype=anchors.dtype, device=device)
+        anchors = torch.cat([anchors, pad], dim=1)
+    valid = anchors < seq_len
+    anchors = torch.where(valid, anchors, torch.zeros_like(anchors))
+    return anchors, valid
+
+
+def make_mask_mod(
+    anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int
+) -> Callable:
+    """flex_attention mask_mod(b, h, q_idx, kv_idx) -> bool for the visibility rules above."""
+    last_block = anchors.shape[1] - 1
+
+    def dflash_mask_mod(b, h, q_idx, kv_idx):
+        # Clamp: kernels may evaluate padded query rows past the last block.
+        block = torch.clamp(q_idx // block_size, max=last_block)
+        anchor = anchors[b, block]
+        is_valid = valid[b, block]
+        in_context = kv_idx < ctx_len
+        sees_context = in_context & (kv_idx < anchor) & is_valid
+        block_kv = kv_idx - ctx_len
+        own_block = (~in_context) & (block_kv // block_size == block)
+        sees_block = own_block & (is_valid | (block_kv == q_idx))
+        return sees_context | sees_block
+
+    return dflash_mask_mod
+
+
+def build_block_mask(
+    anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, device
+):
+    """The flex_attention BlockMask for one batch (built fresh each step; serialised)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, num_blocks = anchors.shape
+    q_len = num_blocks * block_size
+    mask_mod = make_mask_mod(anchors.to(device), valid.to(device), ctx_len, block_size)
+    # Concurrent create_block_mask calls mutate a module-global dict inside torch and raise
+    # KeyError: 'custom'; every mask builder in the process shares this one lock.
+    with MASK_LOCK:
+        return create_block_mask(
+            mask_mod, batch, None, q_len, ctx_len + q_len, device=str(device)
+        )
+
+
+def dense_mask(
+    anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, device
+) -> torch.Tensor:
+    """The same mask as a dense bool tensor [B, 1, N*block, ctx_len + N*block] for SDPA."""
+    batch, num_blocks = anchors.shape
+    q_len = num_blocks * block_size
+    anchors, valid = anchors.to(device), valid.to(device)
+    mask_mod = make_mask_mod(anchors, valid, ctx_len, block_size)
+    b = torch.arange(batch, device=device).view(batch, 1, 1)
+    q_idx = torch.arange(q_len, device=device).view(1, q_len, 1)
+    kv_idx = torch.arange(ctx_len + q_len, device=device).view(1, 1, ctx_len + q_len)
+    return mask_mod(b, 0, q_idx, kv_idx).unsqueeze(1)

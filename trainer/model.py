@@ -1,0 +1,301 @@
+"""The DFlash drafter: a few Qwen3-style decoder layers conditioned on target hidden states.
+
+Data flow of one forward:
+  context [B, T, K*H]  --fc--> hidden_norm --> ctx [B, T, H]     (target features, projected once)
+  block tokens [anchor, MASK x (block-1)] per anchor --target embedding--> x [B, N*block, H]
+  each layer: queries from x only; keys/values from [ctx ; x]; RoPE over TRUE positions
+              (context p at p, block token k of anchor a at a+k); mask from trainer.masks
+  final norm --> hidden [B, N*block, H]; logits = the target's frozen lm_head(hidden)
+
+The target's embedding and lm_head are frozen and NOT part of this module's parameters or
+state_dict: `state_dict()` holds exactly the drafter weights under the names inference engines
+load (see trainer.export).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BACKENDS = ("flex", "sdpa", "flex_eager")
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    mask_token_id: int
+    target_layer_ids: list[int] = field(default_factory=list)
+    num_layers: int = 5
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    block_size: int = 16
+    # The target's layer count; written to the export (inference engines read it).
+    num_target_layers: int | None = None
+
+    def __post_init__(self):
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        problems = []
+        if not self.target_layer_ids:
+            problems.append("target_layer_ids is empty: list the target layers to read, e.g. [1, 9, 17]")
+        if self.num_heads % max(self.num_kv_heads, 1) != 0:
+            problems.append(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.block_size < 2:
+            problems.append(f"block_size={self.block_size} must be >= 2 (position 0 is the anchor)")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(
+                f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                     "num_layers"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be >= 1")
+        if problems:
+            raise ValueError("bad drafter config: " + "; ".join(problems))
+
+    @property
+    def context_size(self) -> int:
+        """Width of the concatenated target features: K * hidden_size."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DrafterConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def for_target(cls, target, **overrides) -> "DrafterConfig":
+        """Drafter dims copied from a trainer.target.TargetModel (the paper's choice).
+
+        hidden_size and vocab_size must match the target (its embedding and lm_head are reused);
+        the others may be overridden (e.g. num_layers=1 for a quick run).
+        """
+        hf = target.config
+        values = dict(
+            hidden_size=target.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=getattr(hf, "head_dim", None) or target.hidden_size // hf.num_attention_heads,
+            vocab_size=target.vocab_size,
+            mask_token_id=target.mask_token_id,
+            target_layer_ids=list(target.layer_ids),
+            rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta_of(hf),
+            num_target_layers=target.num_layers,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+def _rope_theta_of(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(hf_config, "rope_theta", 1e6))
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin [B, 1, L, head_dim] for integer positions [B, L] (HF Qwen3 layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / head_dim))
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    angles = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+_compiled_flex = None
+_compiled_flex_init = threading.Lock()
+
+
+def compiled_flex_attention():
+    """The ONE compiled flex_attention of the process, created on first use.
+
+    Created lazily so that a compile-lock patch installed at startup is in place before
+    torch.compile wraps anything. dynamic=False: training shapes are static, and automatic
+    dynamic shapes would trigger a second compile mid-run (reopening the FX-tracing race window).
+    fullgraph=True: a graph break would silently run flex eagerly, which poisons compiled calls.
+    """
+    global _compiled_flex
+    if _compiled_flex is None:
+        with _compiled_flex_init:
+            if _compiled_flex is None:
+                from torch.nn.attention.flex_attention import flex_attention
+                _compiled_flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return _compiled_flex
+
+
+def attend(q, k, v, attn_mask, backend: str) -> torch.Tensor:
+    """Masked GQA attention. q [B, Hq, L, D]; k, v [B, Hkv, S, D]."""
+    if backend == "flex":
+        return compiled_flex_attention()(q, k, v, block_mask=attn_mask, enable_gqa=True)
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+    if backend == "flex_eager":
+        # Benchmarks only (compiled vs eager): never mix this into a compiled run.
+        from torch.nn.attention.flex_attention import flex_attention
+        return flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=True)
+    raise ValueError(f"attention backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_q, rope_k, attn_mask, backend):
+        batch, q_len, _ = x.shape
+        kv_len = ctx.shape[1] + q_len
+        q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim))
+        # One projection over [context ; block] instead of two smaller matmuls.
+        kv_in = torch.cat([ctx, x], dim=1)
+        k = self.k_norm(self.k_proj(kv_in).view(batch, kv_len, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(kv_in).view(batch, kv_len, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q.transpose(1, 2), *rope_q)
+        k = apply_rope(k.transpose(1, 2), *rope_k)
+        out = attend(q, k, v.transpose(1, 2), attn_mask, backend)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DrafterMLP(cfg)
+
+    def forward(self, x, ctx, rope_q, rope_k, attn_mask, backend):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, attn_mask, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear):
+        super().__init__()
+        self.cfg = cfg
+        if embed_tokens.weight.shape != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(
+                f"target embedding is {tuple(embed_tokens.weight.shape)}, drafter config wants "
+                f"({cfg.vocab_size}, {cfg.hidden_size}): build the config from the same target")
+        if lm_head.weight.shape != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(
+                f"target lm_head is {tuple(lm_head.weight.shape)}, drafter config wants "
+                f"({cfg.vocab_size}, {cfg.hidden_size}): build the config from the same target")
+        self.fc = nn.Linear(cfg.context_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Plain (detached) tensors, not Parameters or buffers: frozen, and absent from state_dict.
+        self.embed_weight = embed_tokens.weight.detach()
+        self.lm_head_weight = lm_head.weight.detach()
+        self.lm_head_bias = None if lm_head.bias is None else lm_head.bias.detach()
+        self._init_weights()
+
+    def _init_weights(self, std: float = 0.02):
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def _apply(self, fn, recurse=True):
+        # .to(device/dtype), .float(), .cuda() ... also move the frozen target weights. fn returns
+        # a new tensor when anything changes, so the target's own modules are never touched.
+        super()._apply(fn, recurse)
+        tied = self.lm_head_weight is self.embed_weight
+        self.embed_weight = fn(self.embed_weight)
+        self.lm_head_weight = self.embed_weight if tied else fn(self.lm_head_weight)
+        if self.lm_head_bias is not None:
+            self.lm_head_bias = fn(self.lm_head_bias)
+        return self
+
+    def block_token_ids(self, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """[B, N, block]: the anchor token followed by block-1 mask tokens."""
+        batch, num_blocks = anchors.shape
+        anchor_tokens = input_ids.gather(1, anchors).unsqueeze(-1)
+        masks = torch.full((batch, num_blocks, self.cfg.block_size - 1), self.cfg.mask_token_id,
+                           dtype=input_ids.dtype, device=input_ids.device)
+        return torch.cat([anchor_tokens, masks], dim=-1)
+
+    def forward(self, context, input_ids, anchors, attn_mask, backend: str = "flex"):
+        cfg = self.cfg
+        batch, ctx_len, _ = context.shape
+        num_blocks = anchors.shape[1]
+        dtype = self.fc.weight.dtype
+        ctx = self.hidden_norm(self.fc(context.to(dtype)))
+        x = F.embedding(self.block_token_ids(input_ids, anchors), self.embed_weight).to(dtype)
+        x = x.view(batch, num_blocks * cfg.block_size, cfg.hidden_size)
+
+        offsets = torch.arange(cfg.block_size, device=anchors.device)
+        block_pos = (anchors.unsqueeze(-1) + offsets).view(batch, -1)
+        ctx_pos = torch.arange(ctx_len, device=anchors.device).expand(batch, ctx_len)
+        cos, sin = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), cfg.head_dim,
+                                cfg.rope_theta, dtype)
+        rope_k = (cos, sin)
+        rope_q = (cos[:, :, ctx_len:], sin[:, :, ctx_len:])  # queries are the block positions
+
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_k, attn_mask, backend)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full logits through the frozen target lm_head (tests, evaluation)."""
+        return F.linear(hidden, self.lm_head_weight.to(hidden.dtype), self.lm_head_bias)
+
+    def loss(self, hidden, labels, label_mask, gamma: float, chunk_rows: int | None = None):
+        """dflash_loss without materialising the full logits (see trainer.loss.dflash_loss_fused)."""
+        from trainer.loss import dflash_loss_fused
+        return dflash_loss_fused(hidden, self.lm_head_weight, labels, label_mask, gamma,
+                                 bias=self.lm_head_bias, chunk_rows=chunk_rows)

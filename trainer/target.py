@@ -1,0 +1,185 @@
+"""The frozen target model: hidden states of the chosen layers, its embedding and its lm_head.
+
+Feature convention (what inference engines feed the drafter): for each target layer id l, HF
+`output_hidden_states[l + 1]` (index 0 is the embedding output), concatenated in the order given.
+Only the layers up to the last chosen one are run: a hook stops the forward right after it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.config import ConfigError
+
+# The tiny-random target: small enough for CPU tests and the tiny run, same architecture as Qwen3.
+TINY_DEFAULTS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+class _EnoughLayers(Exception):
+    """Raised from a layer hook once the last needed layer has run: skip the rest of the model."""
+
+
+def default_layer_ids(num_layers: int, k: int = 5) -> list[int]:
+    """k layer ids spread evenly from 1 to num_layers-3 (the paper's choice), deduplicated."""
+    if num_layers < 4:
+        raise ConfigError(
+            f"target.layer_ids: a target with {num_layers} layers is too shallow for the default "
+            f"spread 1..num_layers-3. Fix: set target.layer_ids explicitly, e.g. [0]")
+    first, last = 1, num_layers - 3
+    if k == 1:
+        return [first]
+    ids = [round(first + i * (last - first) / (k - 1)) for i in range(k)]
+    return sorted(set(ids))
+
+
+def _decoder_of(model: nn.Module) -> nn.Module:
+    """The module holding `.layers` and `.norm` (Llama/Qwen family layout)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
+        raise ConfigError(
+            f"target.spec: {type(model).__name__} does not expose decoder `.layers` and `.norm`. "
+            f"Fix: use a Llama/Qwen-style causal LM")
+    return decoder
+
+
+def _default_mask_token_id(tokenizer, vocab_size: int) -> int:
+    """The tokenizer's mask token, else its pad token, else the last embedding row."""
+    if tokenizer is not None:
+        for token_id in (getattr(tokenizer, "mask_token_id", None),
+                         getattr(tokenizer, "pad_token_id", None)):
+            if token_id is not None and 0 <= token_id < vocab_size:
+                return int(token_id)
+    return vocab_size - 1
+
+
+@dataclass(eq=False)
+class TargetModel:
+    model: nn.Module  # the HF causal LM (full; synthetic data generates with it)
+    layer_ids: list[int]
+    tokenizer: object | None
+    device: str
+    mask_token_id: int
+
+    def __post_init__(self):
+        self.model.eval().requires_grad_(False)
+        self.config = self.model.config
+        self._decoder = _decoder_of(self.model)
+        self.num_layers = len(self._decoder.layers)
+        self.embed_tokens: nn.Embedding = self.model.get_input_embeddings()
+        self.lm_head: nn.Linear = self.model.get_output_embeddings()
+        self.hidden_size = self.embed_tokens.weight.shape[1]
+        self.vocab_size = self.embed_tokens.weight.shape[0]
+        self.dtype = self.embed_tokens.weight.dtype
+        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
+        if not self.layer_ids or bad:
+            raise ConfigError(
+                f"target.layer_ids: {self.layer_ids} must be a non-empty list of layer indices in "
+                f"[0, {self.num_layers - 1}] (the target has {self.num_layers} layers). "
+                f"Fix: pick ids from that range or leave it null for the default spread")
+        # Layer hooks are per module: one features() call at a time per target.
+        self._lock = threading.Lock()
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """[B, T, K*H] hidden states of `layer_ids` (no grad; the target's dtype and device).
+
+        no_grad rather than inference_mode: these tensors feed the drafter's autograd graph.
+        """
+        wanted = sorted(set(self.layer_ids))
+        last = wanted[-1]
+        captured: dict[int, torch.Tensor] = {}
+
+        def make_hook(layer_id: int):
+            def hook(_module, _args, output):
+                captured[layer_id] = output[0] if isinstance(output, tuple) else output
+                if layer_id == last:
+                    raise _EnoughLayers
+
+            return hook
+
+        with self._lock:
+            handles = [self._decoder.layers[i].register_forward_hook(make_hook(i)) for i in wanted]
+            try:
+                self._decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            except _EnoughLayers:
+                pass
+            finally:
+                for handle in handles:
+                    handle.remove()
+        if last == self.num_layers - 1:
+            # HF reports the final layer's hidden state after the final norm.
+            captured[last] = self._decoder.norm(captured[last])
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+
+
+def _tiny_target(device: str, dtype, seed: int, tiny: dict | None):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    values = dict(TINY_DEFAULTS)
+    unknown = set(tiny or {}) - set(Qwen3Config().to_dict())
+    if unknown:
+        raise ConfigError(
+            f"target.tiny: unknown Qwen3Config key(s) {sorted(unknown)}. "
+            f"Fix: use Qwen3Config fields such as {', '.join(sorted(TINY_DEFAULTS))}")
+    values.update(tiny or {})
+    config = Qwen3Config(**values)
+    config._attn_implementation = "sdpa"
+    # Seeded without disturbing the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    return model.to(device=device, dtype=dtype)
+
+
+def _hf_target(path: str, device: str, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"target.spec: {path!r} is neither 'tiny-random' nor a local directory. "
+            f"Fix: point it at a downloaded Hugging Face model directory (config.json + weights)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"target.spec: cannot load a causal LM from {path!r}: {exc}. "
+                          f"Fix: check that the directory holds config.json and weights") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        tokenizer = None  # pre-tokenized JSONL data still works without one
+    return model.to(device), tokenizer
+
+
+def load_target(
+    spec: str,
+    device: str,
+    dtype,
+    layer_ids: list[int] | None = None,
+    seed: int = 0,
+    tiny: dict | None = None,
+) -> TargetModel:
+    """The frozen target: spec "tiny-random" (seeded random Qwen3) or a local HF model directory."""
+    if spec == "tiny-random":
+        model, tokenizer = _tiny_target(device, dtype, seed, tiny), None
+    else:
+        model, tokenizer = _hf_target(spec, device, dtype)
+    num_layers = len(_decoder_of(model).layers)
+    ids = list(layer_ids) if layer_ids is not None else default_layer_ids(num_layers)
+    vocab_size = model.get_input_embeddings().weight.shape[0]
+    return TargetModel(model=model, layer_ids=ids, tokenizer=tokenizer, device=str(device),
+                       mask_token_id=_default_mask_token_id(tokenizer, vocab_size))
