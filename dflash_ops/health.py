@@ -1,0 +1,215 @@
+"""Health verdicts for one probe report, and the Nagios line cron and monitoring read.
+
+CRITICAL means the job is not training (gone, crashed, stalled, NaN); WARNING means it trains
+badly (eager-fallback speed, idle drafter GPUs); UNKNOWN only when the check itself could not run,
+which the caller decides (see `unknown`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import posixpath
+import re
+
+from . import logs
+from .model import Job
+
+LEVELS = ("OK", "WARNING", "CRITICAL", "UNKNOWN")
+EXIT_CODES = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UNKNOWN": 3}
+# For several targets the worst wins; a job known to be down outranks one we could not check.
+SEVERITY = {"OK": 0, "WARNING": 1, "UNKNOWN": 2, "CRITICAL": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Perf:
+    """One Nagios performance value; thresholds use Nagios range syntax ("5000:" = alert below 5000)."""
+
+    value: float | None  # None is printed as U (undetermined)
+    warn: str = ""
+    crit: str = ""
+    uom: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    level: str
+    reasons: tuple[str, ...]
+    perfdata: dict = dataclasses.field(default_factory=dict)  # label -> Perf
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.level]
+
+    @property
+    def summary(self) -> str:
+        return "; ".join(self.reasons)
+
+    def to_dict(self) -> dict:
+        return {"level": self.level, "exit_code": self.exit_code, "reasons": list(self.reasons),
+                "perfdata": {k: dataclasses.asdict(v) for k, v in self.perfdata.items()}}
+
+
+def unknown(reason: str) -> Verdict:
+    """The verdict for a check that could not run (unreachable host, bad inventory, bad probe)."""
+    return Verdict("UNKNOWN", (reason,))
+
+
+def worst(levels) -> str:
+    levels = list(levels)
+    return max(levels, key=SEVERITY.__getitem__) if levels else "UNKNOWN"
+
+
+def _seconds(value: float) -> str:
+    return f"{int(round(value))} s"
+
+
+def evaluate(report, job: Job, now: float | None = None) -> Verdict:
+    """Verdict for a ProbeReport. `now` defaults to the target's clock at probe time (report.time),
+    which is the clock the log mtimes and metrics times were written with."""
+    now = report.time if now is None else now
+    thresholds = job.health
+    progress = logs.progress(list(report.records))
+    finished = progress.done_reason == "max_steps"
+    critical: list[str] = []
+    warning: list[str] = []
+    session = report.session
+
+    if session.error:
+        critical.append(f"cannot see tmux session '{session.name}': {session.error}")
+    elif not session.running and not finished:
+        if session.exists:
+            status = "" if session.exit_status is None else f" with status {session.exit_status}"
+            critical.append(f"trainer in tmux session '{session.name}' exited{status}")
+        else:
+            critical.append(f"tmux session '{session.name}' is gone (socket {session.socket})")
+
+    log_name = posixpath.basename(report.log.path) if report.log else "log"
+    seen = set()
+    for failure in logs.find_failures(report.log.text if report.log else "") + logs.failures_from_records(
+            list(report.records)):
+        if failure.name not in seen:
+            seen.add(failure.name)
+            critical.append(f"{failure.describe()} (in {log_name})")
+
+    if not progress.loss_is_finite:
+        critical.append(f"loss is {progress.loss} at step {progress.step}")
+
+    age = None  # seconds since the last sign of training progress
+    if progress.last_step_time is not None:
+        age = now - progress.last_step_time
+    elif progress.start_time is not None:
+        age = now - progress.start_time  # startup grace: the first step may take a compile
+    elif report.log is not None:
+        age = now - report.log.mtime  # no metrics at all: time since the log last changed
+    stalled = False
+    if session.running and not finished:
+        if age is None:
+            warning.append(f"no train-NNNN.log in {report.log_dir}")
+        elif age > thresholds.stall_seconds:
+            stalled = True
+            what = (f"no new step for {_seconds(age)} (last step {progress.step})" if progress.step is not None
+                    else f"no first step {_seconds(age)} after start")
+            critical.append(f"{what}; stall threshold {_seconds(thresholds.stall_seconds)}")
+
+    training = session.running and progress.step is not None and not stalled and not finished
+    if training and thresholds.min_tokens_per_s > 0 and progress.tokens_per_s is not None \
+            and progress.tokens_per_s < thresholds.min_tokens_per_s:
+        warning.append(f"{progress.tokens_per_s:.0f} tokens/s is below the {thresholds.min_tokens_per_s:.0f} minimum: "
+                       "the eager-fallback signature (compiled attention not in use)")
+    drafter_util = _drafter_utilization(report.gpu, job)
+    if training and thresholds.min_drafter_util_pct > 0 and job.drafter_gpus:
+        if not report.gpu.ok:
+            warning.append(f"drafter GPU utilization unknown: {report.gpu.error}")
+        else:
+            missing = [i for i in job.drafter_gpus if report.gpu.by_index(i) is None]
+            low = [(i, u) for i, u in drafter_util.items() if u is not None and u < thresholds.min_drafter_util_pct]
+            if missing:
+                warning.append("drafter GPUs " + ",".join(map(str, missing)) + " not present on the target")
+            if low:
+                listed = ", ".join(f"GPU {i} at {u}%" for i, u in low)
+                warning.append(f"drafter {listed}: under the {thresholds.min_drafter_util_pct:g}% utilization floor")
+
+    level = "CRITICAL" if critical else "WARNING" if warning else "OK"
+    reasons = critical + warning or [_ok_summary(progress, age, finished)]
+    perfdata = {
+        "step": Perf(progress.step),
+        "loss": Perf(progress.loss if progress.loss_is_finite else None),
+        "tokens_per_s": Perf(progress.tokens_per_s,
+                             warn=f"{_number(thresholds.min_tokens_per_s)}:" if thresholds.min_tokens_per_s > 0 else ""),
+        "age_s": Perf(age, crit=_number(thresholds.stall_seconds)),
+    }
+    if job.drafter_gpus:
+        known = [u for u in drafter_util.values() if u is not None]
+        floor = thresholds.min_drafter_util_pct
+        perfdata["drafter_util_pct"] = Perf(min(known) if known else None,
+                                            warn=f"{_number(floor)}:" if floor > 0 else "", uom="%")
+    return Verdict(level, tuple(reasons), perfdata)
+
+
+def _drafter_utilization(snapshot, job: Job) -> dict:
+    if not snapshot.ok:
+        return {}
+    return {i: snapshot.by_index(i).utilization_pct for i in job.drafter_gpus if snapshot.by_index(i) is not None}
+
+
+def _ok_summary(progress: logs.Progress, age: float | None, finished: bool) -> str:
+    if finished:
+        return f"training finished at step {progress.step}"
+    if progress.step is None:
+        return "starting: no step yet" + (f" ({_seconds(age)} since start)" if age is not None else "")
+    parts = [f"step {progress.step}" + (f"/{progress.total_steps}" if progress.total_steps else "")]
+    if progress.loss is not None:
+        parts.append(f"loss {progress.loss:.4f}")
+    if progress.tokens_per_s is not None:
+        parts.append(f"{progress.tokens_per_s / 1000:.1f} Ktok/s")
+    if age is not None:
+        parts.append(f"last step {_seconds(age)} ago")
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------- Nagios output
+
+
+def _number(value: float) -> str:
+    """Plain decimal (perfdata allows no exponent), at most 4 decimals."""
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return ("%.4f" % value).rstrip("0").rstrip(".")
+
+
+def _label(label: str) -> str:
+    if re.fullmatch(r"[A-Za-z0-9_.:-]+", label):
+        return label
+    return "'" + label.replace("'", "''") + "'"
+
+
+def perfdata_text(perfdata: dict, prefix: str = "") -> str:
+    items = []
+    for label, perf in perfdata.items():
+        finite = perf.value is not None and math.isfinite(perf.value)
+        value = (_number(perf.value) + perf.uom) if finite else "U"
+        items.append(f"{_label(prefix + label)}={value};{perf.warn};{perf.crit}")
+    return " ".join(items)
+
+
+def _clean(text: str) -> str:
+    # The first "|" starts perfdata and a plugin's first line is all that counts.
+    return " ".join(text.replace("|", "/").split())
+
+
+def nagios_line(target_name: str, verdict: Verdict) -> str:
+    """`DFLASH LEVEL: target: reasons | perfdata` (exit with verdict.exit_code)."""
+    line = f"DFLASH {verdict.level}: {_clean(target_name)}: {_clean(verdict.summary)}"
+    perf = perfdata_text(verdict.perfdata)
+    return f"{line} | {perf}" if perf else line
+
+
+def nagios_line_many(results) -> tuple[str, int]:
+    """One line for several (target_name, Verdict) pairs: the worst level, each target's summary,
+    perfdata labels prefixed with the target. Returns (line, exit code)."""
+    results = list(results)
+    level = worst(v.level for _, v in results)
+    text = "; ".join(f"{_clean(name)} {v.level}: {_clean(v.summary)}" for name, v in results)
+    perf = " ".join(p for p in (perfdata_text(v.perfdata, prefix=f"{name}_") for name, v in results) if p)
+    line = f"DFLASH {level}: {text}"
+    return (f"{line} | {perf}" if perf else line), EXIT_CODES[level]

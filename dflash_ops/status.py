@@ -1,0 +1,139 @@
+"""What `status` shows: one JSON-ready dict per target, and a dense gpustat-like table of it."""
+from __future__ import annotations
+
+import math
+
+from . import logs
+from .health import Verdict
+
+COLORS = {"OK": "32", "WARNING": "33", "CRITICAL": "31", "UNKNOWN": "35"}
+
+
+def _finite(value):
+    # JSON has no NaN: a non-finite number becomes null (the verdict's reasons say what it was).
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _roles(job) -> dict:
+    roles = {i: "target" for i in job.target_gpus}
+    roles.update({i: "drafter" for i in job.drafter_gpus})
+    return roles
+
+
+def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
+    """The status of one target. `report` may be None when the probe could not run; the job's
+    identity and the (UNKNOWN) verdict are still reported."""
+    status = {"target": target_name, "hostname": None, "time": None, "probe_seconds": None,
+              "gpu_source": None, "gpu_error": None, "gpus": [],
+              "session": {"name": job.session, "socket": job.tmux_socket, "running": None, "exists": None,
+                          "pane_pid": None, "exit_status": None},
+              "processes": [], "log": None, "metrics": None,
+              "training": {"step": None, "total_steps": None, "loss": None, "tokens_per_s": None, "eta_s": None,
+                           "last_update_age_s": None, "finished": False},
+              "verdict": verdict.level, "reasons": list(verdict.reasons),
+              "perfdata": verdict.to_dict()["perfdata"]}
+    if report is None:
+        return status
+    roles = _roles(job)
+    status.update(hostname=report.hostname, time=report.time, probe_seconds=report.seconds,
+                  gpu_source=report.gpu.source, gpu_error=report.gpu.error,
+                  log=report.log.path if report.log else None,
+                  metrics=report.metrics.path if report.metrics else None)
+    status["gpus"] = [
+        {"index": g.index, "name": g.name, "uuid": g.uuid, "memory_used_mib": g.memory_used_mib,
+         "memory_total_mib": g.memory_total_mib, "utilization_pct": g.utilization_pct,
+         "role": roles.get(g.index), "ghost_memory_mib": g.ghost_memory_mib,
+         "processes": [{"pid": p.pid, "used_memory_mib": p.used_memory_mib, "name": p.name} for p in g.processes]}
+        for g in report.gpu.gpus]
+    s = report.session
+    status["session"] = {"name": s.name or job.session, "socket": s.socket or job.tmux_socket,
+                         "running": s.running, "exists": s.exists, "pane_pid": s.pane_pid,
+                         "exit_status": s.exit_status}
+    status["processes"] = [{"pid": p.pid, "ppid": p.ppid, "name": p.name, "cmdline": p.cmdline}
+                           for p in report.processes]
+    progress = logs.progress(list(report.records))
+    last_update = progress.last_record_time if progress.last_record_time is not None else (
+        report.metrics.mtime if report.metrics else None)
+    status["training"] = {
+        "step": progress.step, "total_steps": progress.total_steps, "loss": _finite(progress.loss),
+        "tokens_per_s": _finite(progress.tokens_per_s), "eta_s": _finite(progress.eta_s),
+        "last_update_age_s": None if last_update is None else round(report.time - last_update, 1),
+        "finished": progress.done_reason == "max_steps"}
+    return status
+
+
+# --------------------------------------------------------------------------- table
+
+
+def _paint(text: str, code: str, color: bool) -> str:
+    return f"\033[{code}m{text}\033[0m" if color else text
+
+
+def format_eta(seconds) -> str:
+    """h:mm (hours may exceed 24)."""
+    if seconds is None:
+        return "-"
+    minutes = int(round(seconds / 60))
+    return f"{minutes // 60}:{minutes % 60:02d}"
+
+
+def format_age(seconds) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _gpu_line(gpu: dict, name_width: int, color: bool) -> str:
+    used, total, util = gpu["memory_used_mib"], gpu["memory_total_mib"], gpu["utilization_pct"]
+    util_text = "N/A" if util is None else f"{util:>3} %"
+    mem = f"{'?' if used is None else used:>6} / {'?' if total is None else total:>6} MiB"
+    pids = " ".join(f"{p['name'] or '?'}/{p['pid']}" + (f"({p['used_memory_mib']}M)" if p["used_memory_mib"] is not None
+                                                        else "") for p in gpu["processes"])
+    if gpu.get("ghost_memory_mib") and (used or 0) > 1024:
+        pids = (pids + " " if pids else "") + f"ghost({gpu['ghost_memory_mib']}M)"
+    role = gpu.get("role") or "-"
+    index = _paint(f"[{gpu['index']}]", "1", color)
+    return f"{index} {gpu['name']:<{name_width}} | {util_text:>5} | {mem} | {role:<7} | {pids or '-'}"
+
+
+def render_table(status: dict, color: bool = False) -> str:
+    """Dense text for people: one line per GPU, then session, progress and the verdict."""
+    head = status["target"]
+    if status.get("hostname"):
+        head += f" ({status['hostname']})"
+    if status.get("probe_seconds") is not None:
+        head += f"  probe {status['probe_seconds']:.2f} s"
+    lines = [_paint(head, "1", color)]
+    if status.get("gpu_error"):
+        lines.append(f"GPUs: {status['gpu_error']}")
+    elif status.get("time") is not None:
+        if not status["gpus"]:
+            lines.append("GPUs: none")
+        width = max((len(g["name"]) for g in status["gpus"]), default=0)
+        lines += [_gpu_line(g, width, color) for g in status["gpus"]]
+    s = status["session"]
+    if s["running"] is None:
+        state = "unknown"
+    elif s["running"]:
+        state = "running" + (f", pane pid {s['pane_pid']}" if s["pane_pid"] else "")
+    elif s["exists"]:
+        state = "exited" + (f" with status {s['exit_status']}" if s["exit_status"] is not None else "")
+    else:
+        state = "not running"
+    lines.append(f"session {s['name']} (tmux -L {s['socket']}): {state}")
+    t = status["training"]
+    step = "-" if t["step"] is None else str(t["step"]) + (f"/{t['total_steps']}" if t["total_steps"] else "")
+    loss = "-" if t["loss"] is None else f"{t['loss']:.4f}"
+    speed = "-" if t["tokens_per_s"] is None else f"{t['tokens_per_s'] / 1000:.1f}"
+    age = t["last_update_age_s"]
+    freshness = "no metrics yet" if age is None else f"last metrics {format_age(age)} ago"
+    lines.append(f"step {step}  loss {loss}  {speed} Ktok/s  ETA {format_eta(t['eta_s'])}  {freshness}")
+    level = status["verdict"]
+    lines.append(_paint(level, COLORS.get(level, "0"), color) + ": " + "; ".join(status["reasons"]))
+    return "\n".join(lines) + "\n"
