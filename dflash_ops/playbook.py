@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import inspect
 import os
 import re
@@ -336,6 +337,7 @@ def _refs_in(value: Any) -> Iterable[tuple[str, Any]]:
                 yield f".{key}{where}", text
 
 
+@functools.lru_cache(maxsize=None)
 def _public_fields(cls: type) -> dict[str, Any]:
     """Name -> type hint of a dataclass's fields and public properties (what templates may read)."""
     hints = typing.get_type_hints(cls)
@@ -367,7 +369,7 @@ def _static_ref_type(ref: Ref, options: Mapping[str, "OptionSpec"]) -> Any:
     for attr in ref.path[1:]:
         record = _record_type(hint)
         if record is None:
-            raise _Mismatch(f"bad reference {{{ref}}}: {walked} is a {type_name(hint)}, it has no fields")
+            raise _Mismatch(f"bad reference {{{ref}}}: {walked} is of type {type_name(hint)}, it has no fields")
         fields = _public_fields(record)
         if attr not in fields:
             raise _Mismatch(f"unknown reference {{{ref}}}: {walked} has no field {attr!r}"
@@ -387,7 +389,7 @@ def _record_type(hint: Any) -> type | None:
 def _check_embeddable(ref: Ref, hint: Any) -> None:
     kind = _kind(hint)
     if kind in ("record", dict) or (kind is list and _kind(_item_hint(hint)) in ("record", dict, list)):
-        raise _Mismatch(f"{{{ref}}} is a {type_name(hint)} and cannot be put inside text; "
+        raise _Mismatch(f"{{{ref}}} is of type {type_name(hint)} and cannot be put inside text; "
                         "reference one of its fields, or make it the whole value")
 
 
@@ -806,8 +808,8 @@ def _check_param_type(value: Any, typ: Any, options: Mapping[str, OptionSpec], w
             except _Mismatch:
                 return
             if not _kinds_fit(hint, typ):
-                problems.add(where, f"{{{parts[0]}}} is a {type_name(hint)} but the parameter takes "
-                             f"{type_name(typ)}")
+                problems.add(where, f"{{{parts[0]}}} is of type {type_name(hint)} but the parameter "
+                             f"takes {type_name(typ)}; embed it in text or reference another field")
             return
     origin, args = typing.get_origin(typ) or typ, typing.get_args(typ)
     if origin is list and isinstance(value, list):
