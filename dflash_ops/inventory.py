@@ -66,17 +66,18 @@ class _Map(dict):
 
 
 class _DuplicateKey(Exception):
-    def __init__(self, key, first_line: int, line: int):
+    def __init__(self, where: str, key, first_line: int, line: int):
         super().__init__(key)
-        self.key, self.first_line, self.line = key, first_line, line
+        self.where, self.key, self.first_line, self.line = where, key, first_line, line
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last one) and reads only
-    true/false as booleans, as YAML 1.2 does: `host_key_policy: off` must stay the text 'off'."""
+    """SafeLoader that reads only true/false as booleans, as YAML 1.2 does: `host_key_policy: off`
+    must stay the text 'off', and `no`/`on` never turn into booleans."""
 
 
 _BOOL_TAG = "tag:yaml.org,2002:bool"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 _StrictLoader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
@@ -86,18 +87,7 @@ _StrictLoader.add_implicit_resolver(
 
 
 def _construct_map(loader: _StrictLoader, node: yaml.MappingNode) -> _Map:
-    # Duplicates are checked among the keys written in this mapping only: keys pulled in by a
-    # `<<: *anchor` merge may legitimately be overridden.
-    seen: dict = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
-            continue
-        key = loader.construct_object(key_node)
-        line = key_node.start_mark.line + 1
-        if key in seen:
-            raise _DuplicateKey(key, seen[key], line)
-        seen[key] = line
-    loader.flatten_mapping(node)
+    loader.flatten_mapping(node)  # applies `<<: *anchor` merges; later keys win
     result = _Map(node.start_mark.line + 1)
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
@@ -115,13 +105,45 @@ def _construct_map(loader: _StrictLoader, node: yaml.MappingNode) -> _Map:
 _StrictLoader.add_constructor("tag:yaml.org,2002:map", _construct_map)
 
 
+def _refuse_duplicate_keys(node, path: tuple, seen_nodes: set) -> None:
+    """PyYAML silently keeps the last of two equal keys; we refuse them. Only keys written in the
+    same mapping count: keys pulled in by a `<<: *anchor` merge may be overridden."""
+    if id(node) in seen_nodes:  # an alias of a node already checked
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicate_keys(item, path, seen_nodes)
+    elif isinstance(node, yaml.MappingNode):
+        first_lines: dict = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is not None and key_node.tag != _MERGE_TAG:
+                line = key_node.start_mark.line + 1
+                if key in first_lines:
+                    raise _DuplicateKey(_describe_key(path, key), key, first_lines[key], line)
+                first_lines[key] = line
+            _refuse_duplicate_keys(value_node, path + (key,), seen_nodes)
+
+
+def _describe_key(path: tuple, key: str) -> str:
+    if path in (("targets",), ("groups",)):
+        return f"{path[0][:-1]} {key!r}"
+    return f"key {key!r}" + (f" under {'.'.join(map(str, path))}" if path else "")
+
+
 def parse_yaml(text: str, filename: str):
     """Parse YAML text strictly; any problem is one InputError naming `filename` and the line."""
+    loader = _StrictLoader(text)
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node, (), set())
+        return loader.construct_document(node)
     except _DuplicateKey as e:
         raise InputError(
-            f"{filename}:{e.line}: key {e.key!r} is defined twice (also on line {e.first_line}); "
+            f"{filename}:{e.line}: {e.where} is defined twice (also on line {e.first_line}); "
             f"YAML would silently keep only the last one: rename or remove one of them") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
@@ -131,6 +153,8 @@ def parse_yaml(text: str, filename: str):
         raise InputError(f"{where}: not valid YAML: {problem}{column}; fix the syntax there") from None
     except yaml.YAMLError as e:
         raise InputError(f"{filename}: not valid YAML: {_one_line(str(e))}; fix the syntax") from None
+    finally:
+        loader.dispose()
 
 
 def read_yaml(path: str):
@@ -147,6 +171,10 @@ def read_yaml(path: str):
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     return parse_yaml(text, path)
+
+
+def _a(word: str) -> str:
+    return ("an " if word[0] in "aeiosx" else "a ") + word  # "an ssh", "a pct", "a local"
 
 
 def _one_line(text: str) -> str:
@@ -477,7 +505,7 @@ class _TargetBuilder:
     def host_spec(self) -> HostSpec:
         v = self.values
         if "host" not in v:
-            raise self.fail("host", f"is required for a {self.transport} target: the "
+            raise self.fail("host", f"is required for {_a(self.transport)} target: the "
                             + ("Proxmox host" if self.transport == "pct" else "machine")
                             + " to ssh to, e.g. host: pve1.example.lan")
         return HostSpec(
@@ -603,10 +631,11 @@ def find_inventory_file(path: str | None = None) -> str | None:
     A file named explicitly (argument or variable) must exist.
     """
     if path:
+        path = os.path.expanduser(path)
         if not os.path.isfile(path):
             raise InputError(f"--inventory {path}: file not found; check the path")
         return path
-    from_env = os.environ.get(ENV_VAR)
+    from_env = os.path.expanduser(os.environ.get(ENV_VAR, ""))
     if from_env:
         if not os.path.isfile(from_env):
             raise InputError(f"{ENV_VAR}={from_env}: file not found; fix or unset the variable")
@@ -715,9 +744,9 @@ def _target(name: str, raw, line: int, defaults: dict, default_lines: dict, wher
     not_here = {"local": {**_HOST_FIELDS, **_PCT_FIELDS}, "ssh": _PCT_FIELDS, "pct": {}}[transport]
     for key in own:
         if key in not_here:
-            fix = ("it runs on this machine over no ssh; remove it" if transport == "local"
+            fix = ("a local target runs on this machine, without ssh; remove it" if transport == "local"
                    else "it applies only to pct targets; remove it or set transport: pct")
-            raise where.error(own_lines[key], key, f"does not apply to a {transport} target ({fix})")
+            raise where.error(own_lines[key], key, f"does not apply to {_a(transport)} target ({fix})")
 
     if transport == "local":
         # The local target does not inherit `defaults:` (those describe remote boxes).
