@@ -476,6 +476,12 @@ class Condition:
                                                 else getattr(value, attr, None))
         return bool(value) != self.negate
 
+    def why_not(self) -> str:
+        """Why the step is skipped, for the progress line: `options.purge is false`."""
+        if self.ref is None:
+            return "when: false"
+        return f"{self.ref} is {'true' if self.negate else 'false'}"
+
 
 @dataclasses.dataclass(frozen=True)
 class StepEntry:
@@ -1039,6 +1045,8 @@ def format_progress(p: Progress, with_target: bool = False, show_commands: bool 
     line = f"{head} {r.status}"
     if r.status in (OK, FAILED, DRY_RUN):
         line += f" ({r.seconds:.1f}s)"
+    if r.status == SKIPPED:
+        return f"{line} ({r.message})"
     if r.message:
         first, *rest = r.message.splitlines()
         line += f" {first}" + "".join(f"\n      {x}" for x in rest)
@@ -1069,7 +1077,7 @@ def plan_playbook(playbook: Playbook, registry: StepRegistry, ctx: StepContext
         spec = registry.get(entry.step)
         assert spec is not None
         if entry.when is not None and not entry.when.holds(roots):
-            planned.append(_Planned(entry, spec, {}, f"when: {entry.when.text} is false"))
+            planned.append(_Planned(entry, spec, {}, entry.when.why_not()))
             continue
         params = {}
         for key, param in spec.params.items():
