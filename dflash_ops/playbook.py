@@ -106,7 +106,7 @@ def _is_supported_type(typ: Any) -> bool:
     return False
 
 
-def conform(value: Any, typ: Any) -> Any:
+def _conform(value: Any, typ: Any) -> Any:
     """`value` checked against `typ` (ints widen to float, tuples become lists); else _Mismatch."""
     origin = typing.get_origin(typ) or typ
     args = typing.get_args(typ)
@@ -125,7 +125,7 @@ def conform(value: Any, typ: Any) -> Any:
         out = []
         for i, element in enumerate(value):
             try:
-                out.append(conform(element, item))
+                out.append(_conform(element, item))
             except _Mismatch as e:
                 raise _Mismatch(str(e), f"[{i}]{e.where}") from None
         return out
@@ -136,7 +136,7 @@ def conform(value: Any, typ: Any) -> Any:
             if not isinstance(key, str):
                 raise _Mismatch(f"keys must be text, got {_describe(key)}")
             try:
-                out_map[key] = conform(element, item)
+                out_map[key] = _conform(element, item)
             except _Mismatch as e:
                 raise _Mismatch(str(e), f".{key}{e.where}") from None
         return out_map
@@ -282,7 +282,7 @@ def _as_param(step: str, key: str, spec: Any) -> Param:
         raise ValueError(f"step {step!r} parameter {key!r}: unsupported type {param.type!r}")
     if not param.required:
         try:
-            conform(param.default, param.type)
+            _conform(param.default, param.type)
         except _Mismatch as e:
             raise ValueError(f"step {step!r} parameter {key!r}: default {e}") from None
     return param
@@ -614,7 +614,7 @@ def _parse_options(raw: Any, problems: _Problems) -> dict[str, OptionSpec]:
                 continue
         if default is not REQUIRED:
             try:
-                default = conform(default, typ)
+                default = _conform(default, typ)
             except _Mismatch as e:
                 problems.add(f"{where}.default", str(e))
                 continue
@@ -827,7 +827,7 @@ def _check_param_type(value: Any, typ: Any, options: Mapping[str, OptionSpec], w
             _check_param_type(element, args[1] if args else Any, options, f"{where}.{key}", problems)
         return
     try:
-        conform(value, typ)
+        _conform(value, typ)
     except _Mismatch as e:
         problems.add(where + e.where, str(e))
 
@@ -863,7 +863,7 @@ def bind_options(playbook: Playbook, given: Mapping[str, Any] | None = None) -> 
             continue
         typ = playbook.options[name].type
         try:
-            values[name] = conform(_from_text(value, typ) if isinstance(value, str) else value, typ)
+            values[name] = _conform(_from_text(value, typ) if isinstance(value, str) else value, typ)
         except _Mismatch as e:
             problems.add(f"option {name!r}", str(e))
     for name, value in values.items():
@@ -1086,7 +1086,7 @@ def plan_playbook(playbook: Playbook, registry: StepRegistry, ctx: StepContext
                 continue
             where = f"{entry.where()}: params.{key}"
             try:
-                params[key] = conform(render(entry.params[key], roots, ctx.target_name), param.type)
+                params[key] = _conform(render(entry.params[key], roots, ctx.target_name), param.type)
             except _Unresolved as e:
                 problems.add(where, str(e))
             except _Mismatch as e:
