@@ -96,7 +96,8 @@ def _split(line: str, left: int, right: int) -> list[str]:
 
 def parse_nvidia_smi(gpu_csv: str, apps_csv: str = "", source: str = "nvidia-smi") -> GpuSnapshot:
     """Snapshot from `--format=csv,noheader,nounits` output of the queries in probe_script
-    (GPU_QUERY, APPS_QUERY). Output that is not such CSV (an error message) becomes `error`."""
+    (GPU_QUERY; APPS_QUERY, or its first three fields). Output that is not such CSV (an error
+    message) becomes `error`."""
     gpus: list[dict] = []
     try:
         for line in gpu_csv.splitlines():
@@ -116,7 +117,8 @@ def parse_nvidia_smi(gpu_csv: str, apps_csv: str = "", source: str = "nvidia-smi
         if not line.strip():
             continue
         try:
-            pid, uuid, used, name = _split(line, 3, 0)
+            # process_name (4th, free text) is optional: `pid,gpu_uuid,used_memory` is parsed too
+            pid, uuid, used, name = _split(line, 3, 0) if line.count(",") >= 3 else _split(line, 2, 0) + [""]
             if uuid in index_of:
                 processes.append(GpuProcess(int(pid), index_of[uuid], _number(used), name))
         except ValueError:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import posixpath
 import shlex
 
 from trainer import metrics_format
 
+from . import jobpaths
 from .errors import DflashOpsError, RemoteCommandError
 from .gpu import GpuSnapshot, snapshot_from_probe
 from .model import Job
@@ -76,13 +76,9 @@ class ProbeReport:
     raw: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
-def job_log_dir(job: Job) -> str:
-    return job.log_dir or posixpath.join(job.workdir, "logs")
-
-
 def probe_args(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines: int = DEFAULT_METRICS_LINES,
                gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi") -> dict:
-    return {"log_dir": job_log_dir(job), "session": job.session, "socket": job.tmux_socket,
+    return {"log_dir": jobpaths.log_dir(job), "session": job.session, "socket": job.tmux_socket,
             "log_lines": int(log_lines), "metrics_lines": int(metrics_lines), "gpu_source": gpu_source,
             "nvidia_smi": nvidia_smi}
 

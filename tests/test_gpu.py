@@ -82,6 +82,12 @@ def test_parse_accepts_values_with_units():
     assert g.processes[0].used_memory_mib == 1000
 
 
+def test_parse_apps_without_process_name():
+    # `--query-compute-apps=pid,gpu_uuid,used_memory` (three fields) is what the relaunch step asks
+    snap = gpu.parse_nvidia_smi("0, GPU-a, NVIDIA H200, 500, 143771, 0\n", "4123, GPU-a, 480\n")
+    assert snap.gpus[0].processes == (gpu.GpuProcess(4123, 0, 480, ""),)
+
+
 def test_parse_driver_failure_text_becomes_no_driver_error():
     snap = gpu.parse_nvidia_smi(DRIVER_FAILURE + "\n\n", "")
     assert not snap.ok and snap.no_driver and snap.gpus == ()

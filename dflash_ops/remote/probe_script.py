@@ -141,7 +141,8 @@ def tmux_state(sock, session):
     state = {"name": session, "socket": sock, "exists": False, "running": False, "pane_pid": None,
              "exit_status": None, "error": None}
     fmt = "#{pane_pid}\t#{pane_dead}\t#{pane_dead_status}"
-    rc, out, err = run(["tmux", "-L", sock, "list-panes", "-s", "-t", "=" + session, "-F", fmt])
+    # "=NAME:" and not "=NAME": tmux 3.3 resolves `list-panes -s -t =NAME` by prefix (=job finds jobber).
+    rc, out, err = run(["tmux", "-L", sock, "list-panes", "-s", "-t", "=" + session + ":", "-F", fmt])
     if rc == 127:
         state["error"] = "tmux is not installed"
         return state
