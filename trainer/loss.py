@@ -46,6 +46,11 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
     return torch.exp(-(k - 1) / gamma)
 
 
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """Softmax/CE precision: bf16/fp16 logits are upcast, fp64 ones are kept."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _row_weights(label_mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """[B, N, block-1] per-position weights already divided by the total weight that counts."""
     block_size = label_mask.shape[-1]
@@ -70,7 +75,7 @@ def dflash_loss(
     vocab = logits.shape[-1]
     logits = logits.view(batch, num_blocks, block_size, vocab)[:, :, 1:]
     targets = labels[:, :, 1:]
-    ce = F.cross_entropy(logits.reshape(-1, vocab).float(), targets.reshape(-1),
+    ce = F.cross_entropy(_at_least_fp32(logits.reshape(-1, vocab)), targets.reshape(-1),
                          ignore_index=IGNORE_INDEX, reduction="none")
     loss = (ce.view_as(targets) * _row_weights(label_mask, gamma)).sum()
     correct = logits.argmax(dim=-1) == targets
@@ -88,13 +93,14 @@ class _FrozenHeadCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_weights, chunk_rows: int):
         need_grad = ctx.needs_input_grad[0]
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        loss = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32),
+                           device=hidden.device)
         correct = torch.empty(targets.shape, dtype=torch.bool, device=hidden.device)
         grad = torch.empty_like(hidden) if need_grad else None
         safe_targets = targets.clamp_min(0).unsqueeze(1)
         for start in range(0, hidden.shape[0], chunk_rows):
             stop = min(start + chunk_rows, hidden.shape[0])
-            logits = F.linear(hidden[start:stop], weight, bias).float()
+            logits = _at_least_fp32(F.linear(hidden[start:stop], weight, bias))
             lse = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(1, safe_targets[start:stop]).squeeze(1)
             w = row_weights[start:stop]
