@@ -532,37 +532,45 @@ class _TargetBuilder:
             return self.job_path("python", python)
         found = shutil.which(python)  # a bare command name on this machine
         if not found:
-            raise self.fail("job.python", f"{python!r} is not found on PATH; give the full path of the interpreter")
+            raise self.fail("job.python",
+                            f"{python!r} is not found on PATH; give the full path of the interpreter")
         return found
 
     def job_config(self, config: str) -> str:
         if _is_config_name(config):
             bundled = bundled_config_names()
             if bundled and config not in bundled:
-                raise self.fail("job.config", f"{config!r} is not a bundled config (bundled: {', '.join(bundled)}); "
-                                              "use one of those or give the path of a config file")
+                raise self.fail("job.config",
+                                f"{config!r} is not a bundled config (bundled: {', '.join(bundled)}); "
+                                "use one of those or give the path of a config file")
             return config
         if not self.remote:
             return self.local_file(config)
         if not config.startswith("/"):
-            raise self.fail("job.config", f"a config file on the target needs an absolute path, got {_show(config)}; "
-                                          "write e.g. /root/dflash/configs/qwen3-8b.yaml, or use a bundled name like tiny-cpu")
+            raise self.fail("job.config",
+                            f"a config file on the target needs an absolute path, got {_show(config)}; write "
+                            "e.g. /root/dflash/configs/qwen3-8b.yaml, or use a bundled name like tiny-cpu")
         return config
 
     def job(self) -> Job:
         job = self.values.get("job", {})
         for key in ("workdir", "python", "config"):
             if key not in job:
-                raise self.fail(f"job.{key}", "is required; set it under this target's 'job:' or under 'defaults: job:'")
+                raise self.fail(f"job.{key}",
+                                "is required; set it under this target's 'job:' or under 'defaults: job:'")
         workdir = _strip_slashes(self.job_path("workdir", job["workdir"]))
         join = posixpath.join if self.remote else os.path.join
-        log_dir = _strip_slashes(self.job_path("log_dir", job["log_dir"])) if "log_dir" in job else join(workdir, "logs")
-        cache_dir = _strip_slashes(self.job_path("cache_dir", job["cache_dir"])) if "cache_dir" in job else join(workdir, "cache")
+
+        def own_dir(key: str, default: str) -> str:
+            return _strip_slashes(self.job_path(key, job[key])) if key in job else join(workdir, default)
+
+        log_dir, cache_dir = own_dir("log_dir", "logs"), own_dir("cache_dir", "cache")
         self.check_cache_dir(workdir, log_dir, cache_dir)
         target_gpus, drafter_gpus = job.get("target_gpus", ()), job.get("drafter_gpus", ())
         for gpu in drafter_gpus:
             if gpu in target_gpus:
-                raise self.fail("job.drafter_gpus", f"GPU {gpu} is in both target_gpus and drafter_gpus; give each GPU one role")
+                raise self.fail("job.drafter_gpus",
+                                f"GPU {gpu} is in both target_gpus and drafter_gpus; give each GPU one role")
         return Job(
             workdir=workdir, python=self.job_python(job["python"]), config=self.job_config(job["config"]),
             session=job.get("session", "dflash"), log_dir=log_dir, cache_dir=cache_dir,
@@ -695,8 +703,9 @@ def inventory_from_data(data, filename: str | None, base_dir: str) -> Inventory:
         value = defaults.get("job", {}).get(key)
         if value is not None and not value.startswith("/"):
             raise defaults_where.error(default_lines[f"job.{key}"], f"job.{key}",
-                                       f"defaults apply to ssh and pct targets, so this must be an absolute path on "
-                                       f"the target, got {_show(value)}; write the full path, e.g. {example}")
+                                       "defaults apply to ssh and pct targets, so this must be an absolute "
+                                       f"path on the target, got {_show(value)}; write the full path, "
+                                       f"e.g. {example}")
 
     raw_targets = _mapping_or_empty(data.get("targets"), "targets", line_of("targets"), top,
                                     "{gpu-box: {transport: ssh, host: gpu.example.lan}}")
@@ -704,8 +713,9 @@ def inventory_from_data(data, filename: str | None, base_dir: str) -> Inventory:
     for name in [LOCAL] + [n for n in raw_targets if n != LOCAL]:
         line = raw_targets.key_lines.get(name, raw_targets.line)
         _check_name(name, "target", top, line)
-        targets[name] = _target(name, raw_targets.get(name) if name in raw_targets else _Map(line),
-                                line, defaults, default_lines, _Where(top.filename, f"target {name!r}"), base_dir)
+        raw = raw_targets.get(name) if name in raw_targets else _Map(line)
+        where = _Where(top.filename, f"target {name!r}")
+        targets[name] = _target(name, raw, line, defaults, default_lines, where, base_dir)
 
     groups = _groups(data, targets, top)
     default_target = data.get("default_target", LOCAL)
@@ -724,12 +734,15 @@ def _wrap(data: dict) -> _Map:
     return wrapped
 
 
-def _target(name: str, raw, line: int, defaults: dict, default_lines: dict, where: _Where, base_dir: str) -> Target:
+def _target(name: str, raw, line: int, defaults: dict, default_lines: dict, where: _Where,
+            base_dir: str) -> Target:
+    """Check one target's own fields, merge what it inherits, and build it."""
     if raw is None and name == LOCAL:  # `local:` alone: keep the built-in local job
         raw = _Map(line)
     if raw is None or not isinstance(raw, dict):
         problem = ("has no fields" if raw is None else f"expected a mapping of target fields, got {_kind(raw)}")
-        raise where.error(line, None, f"{problem}; write e.g. {name}: {{transport: ssh, host: gpu.example.lan}}")
+        raise where.error(line, None,
+                          f"{problem}; write e.g. {name}: {{transport: ssh, host: gpu.example.lan}}")
     own, own_lines = _check_layer(raw, _TARGET_FIELDS, where)
     own_line = raw.line or line
 
@@ -739,7 +752,8 @@ def _target(name: str, raw, line: int, defaults: dict, default_lines: dict, wher
                                                  "(or set it once under 'defaults:')")
     if name == LOCAL and transport != "local":
         raise where.error(own_lines.get("transport", own_line), "transport",
-                          "the name 'local' is reserved for this machine (transport local); give the remote target another name")
+                          "the name 'local' is reserved for this machine (transport local); "
+                          "give the remote target another name")
 
     not_here = {"local": {**_HOST_FIELDS, **_PCT_FIELDS}, "ssh": _PCT_FIELDS, "pct": {}}[transport]
     for key in own:
@@ -772,12 +786,15 @@ def _groups(data: _Map, targets: dict, top: _Where) -> dict[str, tuple[str, ...]
             raise where.error(line, None, f"{name!r} is also a target name; rename the group or the target")
         example = f"{name}: [{', '.join(list(targets)[1:3]) or 'gpu-box'}]"
         if not isinstance(members, list) or not members:
-            raise where.error(line, None, f"expected a non-empty list of target names like {example}, got {_kind(members)}")
+            raise where.error(line, None,
+                              f"expected a non-empty list of target names like {example}, got {_kind(members)}")
         for member in members:
             if member in raw and member not in targets:
-                raise where.error(line, None, f"lists group {member!r}; a group lists targets only: write its targets here")
+                raise where.error(line, None,
+                                  f"lists group {member!r}; a group lists targets only: write its targets here")
             if not isinstance(member, str) or member not in targets:
-                raise where.error(line, None, f"names unknown target {_show(member)}; known targets: {', '.join(targets)}")
+                raise where.error(line, None,
+                                  f"names unknown target {_show(member)}; known targets: {', '.join(targets)}")
             if members.count(member) > 1:
                 raise where.error(line, None, f"lists target {member!r} twice; list each target once")
         groups[name] = tuple(members)
