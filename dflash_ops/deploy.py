@@ -57,7 +57,7 @@ def build_bundle(source: pathlib.Path | None = None) -> Bundle:
     return Bundle(data, hashlib.sha256(data).hexdigest())
 
 
-def install_script(job: Job, bundle: Bundle, tarball: str) -> str:
+def install_script(job: Job, bundle: Bundle, tarball: str, keep: int = KEEP_RELEASES) -> str:
     """Verify the pushed tarball, unpack into its release dir, switch `current`, prune old ones."""
     q = shlex.quote
     releases = jobpaths.releases_dir(job)
@@ -72,11 +72,11 @@ if [ ! -f {q(release)}/.complete ]; then
   rm -rf {q(release)} && mv {q(release)}.tmp {q(release)}
 fi
 rm -f {q(tarball)}
-{switch_script(job, bundle.release_id)}
+{switch_script(job, bundle.release_id, keep)}
 """
 
 
-def switch_script(job: Job, release_id: str) -> str:
+def switch_script(job: Job, release_id: str, keep: int = KEEP_RELEASES) -> str:
     """Point `current` at a release atomically (symlink + rename) and record it in history."""
     q = shlex.quote
     releases = jobpaths.releases_dir(job)
@@ -84,28 +84,14 @@ def switch_script(job: Job, release_id: str) -> str:
     return f"""ln -sfn {q(posixpath.join("releases", release_id))} {q(current)}.tmp
 mv -Tf {q(current)}.tmp {q(current)}
 echo {q(release_id)} >> {q(releases)}/history
-# keep the newest {KEEP_RELEASES} releases that history still names, plus the current one
-keep=$(tac {q(releases)}/history | awk '!seen[$0]++' | head -n {KEEP_RELEASES})
+# keep the newest {keep} releases named in history (the current one is the newest)
+keep=$(tac {q(releases)}/history | awk '!seen[$0]++' | head -n {max(1, int(keep))})
 for d in {q(releases)}/*/; do
   d=${{d%/}}; id=${{d##*/}}
   printf '%s\\n' "$keep" | grep -qxF -- "$id" || rm -rf -- "$d"
 done
 echo {q("current -> " + release_id)}
 """
-
-
-def push_and_install(transport, job: Job, bundle: Bundle | None = None, dry_run: bool = False) -> tuple[str, list[str]]:
-    """Returns (release id, the remote commands). Raises RemoteCommandError on failure."""
-    bundle = bundle or build_bundle()
-    tarball = posixpath.join(jobpaths.releases_dir(job), bundle.release_id + ".tar.gz")
-    mkdir = f"mkdir -p {shlex.quote(jobpaths.releases_dir(job))}"
-    install = install_script(job, bundle, tarball)
-    commands = [mkdir, f"<put {len(bundle.data)} bytes sha256={bundle.sha256[:12]}…> {tarball}", install]
-    if not dry_run:
-        transport.check(mkdir, timeout=30, step="deploy: mkdir")
-        transport.put(bundle.data, tarball, step="deploy: upload")
-        transport.check(install, timeout=120, step="deploy: install")
-    return bundle.release_id, commands
 
 
 def rollback_script(job: Job) -> str:

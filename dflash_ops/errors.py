@@ -51,6 +51,10 @@ class RemoteTimeout(TransportError):
     """The remote command ran past its time limit and was killed on the remote side."""
 
 
+class StepFailed(DflashOpsError):
+    """A step ran but could not do its job (GPUs still busy, no first step, …); the message says why."""
+
+
 class RemoteCommandError(DflashOpsError):
     """A remote command ran and exited non-zero where success was required."""
 

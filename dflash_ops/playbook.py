@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import yaml
 
 from . import model
-from .errors import DflashOpsError, InputError
+from .errors import DflashOpsError, InputError, StepFailed
 from .transport.base import Result, Transport
 
 ENV_PLAYBOOK_DIRS = "DFLASH_OPS_PLAYBOOKS"
@@ -56,10 +56,6 @@ class _Required:
 
 
 REQUIRED: Any = _Required()
-
-
-class StepFailed(DflashOpsError):
-    """Raised by a step that ran but could not do its job; the message says why."""
 
 
 class DryRunViolation(DflashOpsError):

@@ -625,6 +625,7 @@ EXPECTED_STEPS = {
     "deploy": {"keep_releases": (int, 5)},
     "launch": {"session": str, "cache_dir": str},
     "wait_first_step": {"timeout_s": (float, 900.0), "poll_s": (float, 5.0)},
+    "rollback": {},
 }
 
 
@@ -692,5 +693,5 @@ def test_step_library_matches_the_expected_table():
         assert spec is not None, f"dflash_ops.steps.registry lacks step {name!r}"
         declared = {k: (p.type if p.required else (p.type, p.default)) for k, p in spec.params.items()}
         assert declared == params, f"step {name!r}: declared {declared}, playbooks expect {params}"
-    for name in ("relaunch", "stop", "deploy"):
+    for name in ("relaunch", "stop", "deploy", "gpu-clean", "purge-cache", "rollback"):
         validate_playbook(load_playbook(name, [SHIPPED_PLAYBOOKS]), registry)
