@@ -1,0 +1,150 @@
+"""The `local` target: bash on this machine, with the same time-limit semantics as remote targets.
+
+Also home of the small rules every transport shares for turning a finished bash run into a
+Result (exit codes, time limits, decoding), so local, ssh and pct runs behave the same.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+from ..errors import RemoteTimeout, TransportError
+from .base import KILL_AFTER_S, Result, Transport, quote_argv, with_remote_timeout
+
+# Seconds the local watchdog waits beyond the remote `timeout` (and its KILL) before giving up:
+# it only fires when the remote side could not enforce the limit (e.g. a hung connection).
+LOCAL_GRACE_S = 5
+# After the command exits, how long to keep collecting output still in flight.
+AFTER_EXIT_S = 1.0
+
+
+def remote_limit_s(timeout: float) -> int:
+    """The whole seconds `with_remote_timeout` gives coreutils `timeout` (keep the two in step)."""
+    return max(1, int(round(timeout)))
+
+
+def local_limit_s(timeout: float) -> float:
+    return remote_limit_s(timeout) + KILL_AFTER_S + LOCAL_GRACE_S
+
+
+def exit_code_of(returncode: int) -> int:
+    """A shell-style exit code: a child killed by signal N reads as 128+N, as bash reports it."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def decode(data: bytes) -> str:
+    # Decoded once, whole: decoding chunk by chunk would mangle characters split across reads.
+    return data.decode("utf-8", "replace")
+
+
+def finish(target: str, step: str, timeout: float, exit_code: int, stdout: bytes, stderr: bytes,
+           seconds: float) -> Result:
+    """The Result of a run, or RemoteTimeout when the remote `timeout` ended it.
+
+    124 (TERM) and 137 (KILL after KILL_AFTER_S) mean "time limit" only if the run actually
+    lasted that long: a script that exits 124 by itself after a second is not a timeout.
+    """
+    err = decode(stderr)
+    if exit_code in (124, 137) and seconds >= remote_limit_s(timeout):
+        how = "stopped with TERM" if exit_code == 124 else f"did not stop on TERM, killed after {KILL_AFTER_S}s more"
+        raise RemoteTimeout(target, step, f"time limit of {remote_limit_s(timeout)}s reached; the command was {how}",
+                            err)
+    return Result(exit_code, decode(stdout), err, seconds)
+
+
+class LocalTransport(Transport):
+    """Runs scripts with `bash -c` on this machine (no shell string building on our side)."""
+
+    def run(self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None) -> Result:
+        argv = with_remote_timeout(script, timeout)
+        start = time.monotonic()
+        try:
+            # Own session: `timeout` then signals only the script's process group, never us.
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as exc:
+            raise TransportError(self.name, step, f"cannot start {argv[0]!r}: {exc}") from None
+        out: list[bytes] = []
+        err: list[bytes] = []
+        threads = [threading.Thread(target=_pump, args=(proc.stdout, out), daemon=True),
+                   threading.Thread(target=_pump, args=(proc.stderr, err), daemon=True)]
+        if stdin is not None:
+            threads.append(threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True))
+        for t in threads:
+            t.start()
+        try:
+            proc.wait(timeout=local_limit_s(timeout))
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            proc.wait()
+            _join(threads, AFTER_EXIT_S)
+            raise RemoteTimeout(self.name, step, f"time limit of {remote_limit_s(timeout)}s reached and "
+                                                 "`timeout` did not end the command; killed its process group",
+                                decode(b"".join(err))) from None
+        # A background child that inherited stdout (`cmd &`) may keep the pipe open for as long as
+        # it lives: take what arrived shortly after the exit, as the ssh transport does.
+        _join(threads, AFTER_EXIT_S)
+        return finish(self.name, step, timeout, exit_code_of(proc.returncode), b"".join(out), b"".join(err),
+                      time.monotonic() - start)
+
+    def put(self, data: bytes, remote_path: str, mode: int = 0o644, step: str = "put") -> None:
+        directory = os.path.dirname(os.path.abspath(remote_path))
+        tmp = None
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(remote_path)}.tmp.")
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), mode)  # explicit: not subject to the umask, like chmod
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, remote_path)
+            tmp = None
+        except OSError as exc:
+            raise TransportError(self.name, step, f"cannot write {remote_path}: {exc}") from None
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+    def interactive(self, script: str) -> int:
+        return exit_code_of(subprocess.call(["bash", "-c", script]))
+
+    def command_line(self, script: str, timeout: float = 60) -> str:
+        return quote_argv(with_remote_timeout(script, timeout))
+
+
+def _pump(stream, sink: list[bytes]) -> None:
+    with stream:
+        while True:
+            data = stream.read1(65536)
+            if not data:
+                return
+            sink.append(data)
+
+
+def _feed(stream, data: bytes) -> None:
+    try:
+        with stream:
+            stream.write(data)
+    except (BrokenPipeError, OSError):
+        pass  # the script ended without reading all of it; its exit code tells the story
+
+
+def _join(threads: list[threading.Thread], within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()

@@ -1,0 +1,55 @@
+"""The `pct` target: one ssh session to the Proxmox host running `pct exec CTID -- ...`.
+
+`pct exec` hands its arguments to `lxc-attach` without a shell, so the only re-parse is the
+host's login shell, exactly as for plain ssh: the container side gets `timeout ... bash -c
+SCRIPT` as argv, unchanged. stdin passes through `pct exec`, which is how `put` sends files.
+"""
+from __future__ import annotations
+
+import re
+
+from ..errors import ContainerNotRunning, InputError, TransportError
+from ..model import HostSpec
+from .local import decode
+from .ssh import SshTransport
+
+# How Proxmox refuses an exec into a container that is stopped or missing (first stderr line).
+_NOT_RUNNING = (
+    re.compile(r"container '(?P<ctid>\d+)' not running!"),  # pct exec, PVE 7+
+    re.compile(r"CT (?P<ctid>\d+) not running"),  # API-side checks
+    re.compile(r"lxc-attach: (?P<ctid>\d+): .*Failed to get init pid"),  # older pct: lxc-attach's own
+)
+_MISSING = re.compile(r"Configuration file 'nodes/[^/']+/lxc/(?P<ctid>\d+)\.conf' does not exist")
+
+
+class PctTransport(SshTransport):
+    """Bash inside LXC container `ctid` on the Proxmox host described by `spec`."""
+
+    def __init__(self, name: str, spec: HostSpec, ctid: int):
+        super().__init__(name, spec)
+        if isinstance(ctid, bool) or not isinstance(ctid, int) or not 100 <= ctid <= 999_999_999:
+            raise InputError(f"target {name!r}: ctid {ctid!r} is not a Proxmox container id; "
+                             "use the number `pct list` shows on the host (100 or more)")
+        self.ctid = ctid
+
+    def _wrap(self, argv: list[str]) -> list[str]:
+        return ["pct", "exec", str(self.ctid), "--", *argv]
+
+    def _classify(self, code: int, stderr: bytes, step: str) -> None:
+        if code == 0:
+            return
+        err = decode(stderr)
+        first = err.lstrip().split("\n", 1)[0]
+        where = f"container {self.ctid} on {self.spec.host}"
+        for pattern in _NOT_RUNNING:
+            m = pattern.match(first)
+            if m and m.group("ctid") == str(self.ctid):
+                raise ContainerNotRunning(self.name, step, f"{where} is not running; start it on the host with "
+                                                           f"`pct start {self.ctid}`", err)
+        m = _MISSING.match(first)
+        if m and m.group("ctid") == str(self.ctid):
+            raise ContainerNotRunning(self.name, step, f"{where} does not exist; check the target's ctid "
+                                                       "against `pct list` on the host", err)
+        if code == 127 and "pct: command not found" in err:
+            raise TransportError(self.name, step, f"`pct` not found on {self.spec.host}; is ssh.host the Proxmox "
+                                                  "host (not the container itself)?", err)

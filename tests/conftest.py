@@ -1,0 +1,194 @@
+"""Shared fixtures: a REAL OpenSSH sshd on 127.0.0.1 and a simulated Proxmox host behind it.
+
+Session-scoped (started once per test run, ~0.3 s):
+
+  sshd_server       tests.sshd.Sshd: sshd on a free loopback port, own config/host key; root login
+                    with `client_key`. Its sessions get (sshd_config SetEnv):
+                      PATH                  tests/sim first: `pct` and `nvidia-smi` simulators
+                      PCT_SIM_ROOT          `pct_sim_root`
+                      NVIDIA_SMI_SIM_STATE  `gpu_state_path`
+  sshd_server_b     a second, independent sshd (own port and host key), for fan-out tests
+  client_key        Path of the private key both servers accept (its .pub next to it)
+  known_hosts       Path of a known_hosts file holding both servers' host keys
+  pct_sim_root      Path of the simulated Proxmox host's state (see tests/sim/pct): containers
+                    200 (hostname "ct200", started) and 201 ("ct201", stopped)
+  gpu_state_path    Path the nvidia-smi simulator reads (the file itself is NOT created here;
+                    a test that writes it should remove it afterwards)
+
+Per test (cheap; they restore the container state first):
+
+  ssh_spec / ssh_spec_b   dflash_ops.model.HostSpec for each server (strict host keys)
+  ssh_target / ssh_target_b  Target(transport="ssh") on each server
+  pct_target        Target(transport="pct", ctid=200); container 200 is running
+  stopped_pct_target  Target(transport="pct", ctid=201); container 201 is stopped
+  pct_cli           run the pct simulator on this machine: pct_cli("status", "200") -> CompletedProcess
+  local_target      Target(transport="local")
+
+Targets' jobs point at a fresh tmp dir (`job.workdir`), python = this interpreter.
+A "container" shares the host's filesystem (only /proc, pids and the hostname are its own), so
+files a test puts there are visible to the test directly.
+
+Missing sshd/tmux/unshare FAIL these fixtures with the fix in the message; set
+DFLASH_SKIP_SSH_TESTS=1 to skip the tests that use them instead.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    from tests import sshd as sshd_helpers
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    import sshd as sshd_helpers
+
+from dflash_ops.model import HostSpec, Job, Target
+
+SIM_DIR = sshd_helpers.SIM_DIR
+RUNNING_CT, STOPPED_CT = 200, 201
+
+
+def _need_tools() -> None:
+    if os.environ.get(sshd_helpers.SKIP_ENV) == "1":
+        pytest.skip(f"{sshd_helpers.SKIP_ENV}=1: tests against a real sshd/tmux are skipped")
+    try:
+        sshd_helpers.find_sshd()
+        sshd_helpers.require_tools("ssh-keygen", "tmux", "unshare", "nsenter", "setsid", "timeout", "bash")
+    except sshd_helpers.MissingTool as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def _ssh_base(tmp_path_factory) -> Path:
+    _need_tools()
+    return tmp_path_factory.mktemp("ssh")
+
+
+@pytest.fixture(scope="session")
+def client_key(_ssh_base) -> Path:
+    return sshd_helpers.make_keypair(_ssh_base / "client_ed25519")
+
+
+@pytest.fixture(scope="session")
+def gpu_state_path(_ssh_base) -> Path:
+    return _ssh_base / "gpu-state.json"
+
+
+def pct_env(root: Path) -> dict:
+    return {**os.environ, "PCT_SIM_ROOT": str(root)}
+
+
+@pytest.fixture(scope="session")
+def pct_sim_root(_ssh_base):
+    root = _ssh_base / "pve"
+    (root / "lxc").mkdir(parents=True)
+    for ctid in (RUNNING_CT, STOPPED_CT):
+        (root / "lxc" / f"{ctid}.conf").write_text(f"arch: amd64\nhostname: ct{ctid}\nostype: debian\n")
+    yield root
+    # Stop whatever is still running, so no container outlives the test run.
+    for conf in (root / "lxc").glob("*.conf"):
+        ctid = conf.stem
+        if _pct(root, "status", ctid).stdout.strip() == "status: running":
+            _pct(root, "stop", ctid)
+
+
+def _pct(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(SIM_DIR / "pct"), *args], env=pct_env(root), capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def pct_cli(pct_sim_root):
+    """Run the pct simulator here (as the Proxmox host's root would): pct_cli("list")."""
+    return lambda *args: _pct(pct_sim_root, *map(str, args))
+
+
+def _session_env(pct_root: Path, gpu_state: Path) -> dict:
+    python_bin = os.path.dirname(sys.executable)
+    path = os.pathsep.join([str(SIM_DIR), python_bin, "/usr/local/sbin", "/usr/local/bin",
+                            "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
+    return {"PATH": path, "PCT_SIM_ROOT": str(pct_root), "NVIDIA_SMI_SIM_STATE": str(gpu_state)}
+
+
+@pytest.fixture(scope="session")
+def sshd_server(_ssh_base, client_key, pct_sim_root, gpu_state_path):
+    server = sshd_helpers.start_sshd(_ssh_base / "sshd-a", [Path(f"{client_key}.pub")],
+                                     _session_env(pct_sim_root, gpu_state_path))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def sshd_server_b(_ssh_base, client_key, pct_sim_root, gpu_state_path):
+    server = sshd_helpers.start_sshd(_ssh_base / "sshd-b", [Path(f"{client_key}.pub")],
+                                     _session_env(pct_sim_root, gpu_state_path))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def known_hosts(_ssh_base, sshd_server, sshd_server_b) -> Path:
+    path = _ssh_base / "known_hosts"
+    path.write_text(sshd_server.known_hosts_line() + sshd_server_b.known_hosts_line())
+    return path
+
+
+def host_spec(server, client_key: Path, known_hosts: Path, **overrides) -> HostSpec:
+    fields = dict(host="127.0.0.1", port=server.port, user="root", identity_file=str(client_key),
+                  host_key_policy="strict", known_hosts_file=str(known_hosts), connect_timeout_s=5.0)
+    fields.update(overrides)
+    return HostSpec(**fields)
+
+
+def make_job(workdir: Path) -> Job:
+    return Job(workdir=str(workdir), python=sys.executable, config="tiny-cpu")
+
+
+@pytest.fixture
+def ssh_spec(sshd_server, client_key, known_hosts) -> HostSpec:
+    return host_spec(sshd_server, client_key, known_hosts)
+
+
+@pytest.fixture
+def ssh_spec_b(sshd_server_b, client_key, known_hosts) -> HostSpec:
+    return host_spec(sshd_server_b, client_key, known_hosts)
+
+
+@pytest.fixture
+def local_target(tmp_path) -> Target:
+    return Target(name="local", transport="local", job=make_job(tmp_path / "work-local"))
+
+
+@pytest.fixture
+def ssh_target(ssh_spec, tmp_path) -> Target:
+    return Target(name="box-a", transport="ssh", job=make_job(tmp_path / "work-a"), ssh=ssh_spec)
+
+
+@pytest.fixture
+def ssh_target_b(ssh_spec_b, tmp_path) -> Target:
+    return Target(name="box-b", transport="ssh", job=make_job(tmp_path / "work-b"), ssh=ssh_spec_b)
+
+
+def _ensure(root: Path, ctid: int, running: bool) -> None:
+    is_running = _pct(root, "status", str(ctid)).stdout.strip() == "status: running"
+    if is_running != running:
+        done = _pct(root, "start" if running else "stop", str(ctid))
+        if done.returncode != 0:
+            pytest.fail(f"pct simulator could not {'start' if running else 'stop'} CT {ctid}: {done.stderr}",
+                        pytrace=False)
+
+
+@pytest.fixture
+def pct_target(ssh_spec, pct_sim_root, tmp_path) -> Target:
+    _ensure(pct_sim_root, RUNNING_CT, True)
+    return Target(name=f"ct{RUNNING_CT}", transport="pct", job=make_job(tmp_path / "work-ct"), ssh=ssh_spec,
+                  ctid=RUNNING_CT)
+
+
+@pytest.fixture
+def stopped_pct_target(ssh_spec, pct_sim_root, tmp_path) -> Target:
+    _ensure(pct_sim_root, STOPPED_CT, False)
+    return Target(name=f"ct{STOPPED_CT}", transport="pct", job=make_job(tmp_path / "work-ct-stopped"),
+                  ssh=ssh_spec, ctid=STOPPED_CT)
