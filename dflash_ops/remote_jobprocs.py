@@ -3,7 +3,7 @@
 The job's processes are (a) the process tree under its tmux panes and (b) any process carrying
 the launcher's marker in its environment (leftovers that escaped the tree). GPU compute processes
 on the job's GPUs that are neither are reported as unidentified and never signalled.
-Usage: python3 -c SOURCE '<json args>'; prints one JSON object.
+Usage: python3 - '<json args>' < remote_jobprocs.py; prints one JSON object.
 """
 import json
 import os

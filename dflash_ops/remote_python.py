@@ -1,4 +1,8 @@
-"""Run a stdlib-only Python script on the target in the same round trip as any shell around it."""
+"""Run a stdlib-only Python script on the target, its source fed on stdin.
+
+Feeding the source on stdin keeps the command line short and readable (it is what --dry-run
+prints); the arguments travel as one quoted JSON word, so no shell ever parses them.
+"""
 from __future__ import annotations
 
 import json
@@ -7,12 +11,8 @@ import shlex
 from .model import Job
 
 
-def python_command(job: Job, source: str, args: dict) -> str:
-    """Shell snippet running `source` with the job's python (falling back to python3).
-
-    The source travels as one `-c` argument and the arguments as one JSON argument, both quoted,
-    so nothing in them is ever parsed by a shell.
-    """
+def python_stdin_command(job: Job, script_name: str, args: dict) -> str:
+    """`python - ARGS` with the job's python, falling back to python3 (e.g. before the first deploy)."""
     py = shlex.quote(job.python)
     return (f"PY={py}; [ -x \"$PY\" ] || PY=python3; "
-            f"\"$PY\" -c {shlex.quote(source)} {shlex.quote(json.dumps(args))}")
+            f"\"$PY\" - {shlex.quote(json.dumps(args))}  # stdin: {script_name}")

@@ -17,11 +17,12 @@ from . import jobpaths, launch as launch_lib, tmux
 from .errors import StepFailed
 from .model import Job
 from .playbook import StepContext, StepOutcome, StepRegistry
-from .remote_python import python_command
+from .remote_python import python_stdin_command
 
 registry = StepRegistry()
 
-_JOBPROCS_SOURCE = (pathlib.Path(__file__).parent / "remote_jobprocs.py").read_text()
+_JOBPROCS = "remote_jobprocs.py"
+_JOBPROCS_SOURCE = (pathlib.Path(__file__).parent / _JOBPROCS).read_bytes()
 GPU_QUERY = ("nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu "
              "--format=csv,noheader,nounits && echo @@ && "
              "nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader,nounits")
@@ -38,7 +39,7 @@ def _end_job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: flo
     args = {"marker_env": jobpaths.JOB_MARKER_ENV, "marker": jobpaths.marker_value(job),
             "socket": job.tmux_socket, "session": job.session, "gpus": list(gpus),
             "action": "kill", "grace_s": grace_s, "include_session": include_session}
-    result = ctx.run(python_command(job, _JOBPROCS_SOURCE, args), timeout=grace_s + 60)
+    result = ctx.run(python_stdin_command(job, _JOBPROCS, args), timeout=grace_s + 60, stdin=_JOBPROCS_SOURCE)
     if result is None:
         return StepOutcome("would SIGTERM this job's processes, SIGKILL after "
                            f"{grace_s:g}s; other processes are only reported")

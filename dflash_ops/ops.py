@@ -1,0 +1,140 @@
+"""The operations behind each CLI command, as plain functions over one Target (tests call these)."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import shlex
+import time
+from typing import Callable, Iterator
+
+from . import health, jobpaths, playbook, status as status_lib, steps
+from .errors import DflashOpsError, InputError, TransportError
+from .model import Target
+from .probe import run_probe
+from .relaunch_guard import RelaunchGuard
+from .transport.factory import make_transport
+
+
+@contextlib.contextmanager
+def connect(target: Target) -> Iterator:
+    transport = make_transport(target)
+    try:
+        yield transport
+    finally:
+        transport.close()
+
+
+def run_playbook(target: Target, name: str, options: dict | None = None, dry_run: bool = False,
+                 on_progress: Callable | None = None, search_dirs=None) -> playbook.PlaybookResult:
+    """Load, validate (before touching anything) and run one playbook on one target."""
+    book = playbook.load_playbook(name, search_dirs, registry=steps.registry)
+    given = {k: v for k, v in (options or {}).items() if v is not None}
+    with connect(target) as transport:
+        ctx = playbook.StepContext(target=target, transport=transport, options=given)
+        return playbook.run_playbook(book, steps.registry, ctx, dry_run=dry_run, on_progress=on_progress)
+
+
+@dataclasses.dataclass
+class Checked:
+    """One target's status and verdict; `report` is None when the check itself could not run."""
+
+    target: Target
+    verdict: health.Verdict
+    status: dict
+    report: object = None
+
+
+def check(target: Target, now: float | None = None) -> Checked:
+    """One probe round trip, then the verdict; unreachable targets give UNKNOWN, never raise."""
+    try:
+        with connect(target) as transport:
+            report = run_probe(transport, target.job)
+    except DflashOpsError as exc:
+        verdict = health.unknown(str(exc).splitlines()[0])
+        return Checked(target, verdict, status_lib.build_status(target.name, None, target.job, verdict))
+    verdict = health.evaluate(report, target.job, now)
+    return Checked(target, verdict, status_lib.build_status(target.name, report, target.job, verdict), report)
+
+
+@dataclasses.dataclass
+class HealthAction:
+    attempted: bool
+    message: str
+    result: playbook.PlaybookResult | None = None
+
+
+def auto_relaunch(target: Target, checked: Checked, search_dirs=None) -> HealthAction | None:
+    """Relaunch a CRITICAL target, at most max_relaunches_per_hour, never twice at once."""
+    if checked.verdict.level != "CRITICAL":
+        return None
+    guard = RelaunchGuard(target.name, target.job.health.max_relaunches_per_hour)
+    with guard.hold() as allowed:
+        if allowed is not True:
+            return HealthAction(False, f"auto-relaunch skipped: {allowed}")
+        guard.record()
+        result = run_playbook(target, "relaunch", search_dirs=search_dirs)
+    return HealthAction(True, "auto-relaunch " + ("succeeded" if result.ok else "FAILED: " + result.summary()), result)
+
+
+# ------------------------------------------------------------------ logs
+
+LIST_LOGS = "ls -1 {dir} 2>/dev/null | grep -E '^" + re.escape(jobpaths.LOG_PREFIX) + "[0-9]+\\.log$' | sort -t- -k2 -n | tail -n 1"
+
+
+def newest_log(transport, target: Target) -> str:
+    log_dir = jobpaths.log_dir(target.job)
+    name = transport.check(LIST_LOGS.format(dir=shlex.quote(log_dir)), timeout=30, step="find newest log").stdout.strip()
+    if not name:
+        raise DflashOpsError(f"[{target.name}] no {jobpaths.LOG_PREFIX}NNNN.log in {log_dir} yet; "
+                             "launch the job first (dflash-ops relaunch)")
+    return f"{log_dir.rstrip('/')}/{name}"
+
+
+def _filter(lines: list[str], pattern: re.Pattern | None) -> list[str]:
+    return [line for line in lines if pattern is None or pattern.search(line)]
+
+
+def compile_grep(grep: str | None) -> re.Pattern | None:
+    if grep is None:
+        return None
+    try:
+        return re.compile(grep)
+    except re.error as exc:
+        raise InputError(f"--grep {grep!r}: not a valid regular expression ({exc})") from None
+
+
+def tail_log(target: Target, lines: int = 50, follow: bool = False, grep: str | None = None,
+             log: str | None = None, emit: Callable[[str], None] = print, poll_s: float = 1.0,
+             should_stop: Callable[[], bool] = lambda: False) -> str:
+    """Print the last `lines` lines (matching `grep`) of the newest log; with follow, keep printing
+    new lines by polling byte offsets (nothing keeps running remotely when we stop)."""
+    pattern = compile_grep(grep)
+    with connect(target) as transport:
+        path = log or newest_log(transport, target)
+        q = shlex.quote(path)
+        # the size first, so follow continues exactly where this read ended
+        first = transport.check(f"size=$(stat -c %s {q}) && echo $size && head -c $size {q} | "
+                                f"{'cat' if pattern else f'tail -n {int(lines)}'}",
+                                timeout=60, step="read log").stdout
+        size_line, _, text = first.partition("\n")
+        offset = int(size_line)
+        for line in _filter(text.splitlines(), pattern)[-lines:]:
+            emit(line)
+        partial = ""
+        while follow and not should_stop():
+            time.sleep(poll_s)
+            out = transport.check(f"size=$(stat -c %s {q}) && echo $size && "
+                                  f"tail -c +{offset + 1} {q} | head -c $((size - {offset}))",
+                                  timeout=60, step="follow log").stdout
+            size_line, _, chunk = out.partition("\n")
+            size = int(size_line)
+            if size < offset:  # truncated or replaced: start again from its beginning
+                offset, partial = 0, ""
+                continue
+            offset = size
+            partial += chunk
+            *complete, partial = partial.split("\n")
+            for line in _filter(complete, pattern):
+                emit(line)
+        return path
