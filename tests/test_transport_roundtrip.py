@@ -151,7 +151,8 @@ def test_put_replaces_by_rename_and_leaves_no_temp_file(transport):
     seen: dict = {}
 
     def watcher():
-        seen["result"] = watch(f"for i in $(seq 400); do stat -c %s -- {q}; sleep 0.005; done", timeout=60)
+        seen["result"] = watch(f"for i in $(seq 2000); do s=$(stat -c %s -- {q}); echo $s; "
+                               f"[ $s = {len(new)} ] && break; sleep 0.005; done", timeout=60)
 
     thread = threading.Thread(target=watcher)
     thread.start()
@@ -159,7 +160,7 @@ def test_put_replaces_by_rename_and_leaves_no_temp_file(transport):
     transport.put(new, path)
     thread.join(60)
     sizes = set(seen["result"].stdout.split())
-    assert sizes <= {str(len(old)), str(len(new))}, sizes
+    assert sizes == {str(len(old)), str(len(new))}, sizes  # saw both, and nothing in between
     assert transport.check(f"stat -c %i -- {q}").stdout.strip() != inode_before  # a new file, renamed in
     assert transport.check(f"ls -A -- {shlex.quote(directory)}").stdout == "model.bin\n"
 
