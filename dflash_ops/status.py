@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from . import logs
+from .gpu import IDLE_USED_MIB
 from .health import Verdict
 
 COLORS = {"OK": "32", "WARNING": "33", "CRITICAL": "31", "UNKNOWN": "35"}
@@ -95,7 +96,8 @@ def _gpu_line(gpu: dict, name_width: int, color: bool) -> str:
     mem = f"{'?' if used is None else used:>6} / {'?' if total is None else total:>6} MiB"
     pids = " ".join(f"{p['name'] or '?'}/{p['pid']}" + (f"({p['used_memory_mib']}M)" if p["used_memory_mib"] is not None
                                                         else "") for p in gpu["processes"])
-    if gpu.get("ghost_memory_mib") and (used or 0) > 1024:
+    # small differences between used and per-process memory are the driver's own; name big ones
+    if (gpu.get("ghost_memory_mib") or 0) > IDLE_USED_MIB:
         pids = (pids + " " if pids else "") + f"ghost({gpu['ghost_memory_mib']}M)"
     role = gpu.get("role") or "-"
     index = _paint(f"[{gpu['index']}]", "1", color)
