@@ -23,7 +23,7 @@ JOB = Job(workdir="/srv/dflash", python="/srv/dflash/venv/bin/python", config="t
 SIM_DIR = Path(__file__).resolve().parent / "sim"
 
 
-def records(loss=2.31415, eta=4980.0):
+def records(loss=2.31412, eta=4980.0):
     text = metrics_format.encode("start", time=NOW - 500, total_steps=1000, config={}, devices=[],
                                  compile_lock="x", pid=1)
     text += metrics_format.encode("step", time=NOW - 22, step=119, total_steps=1000, loss=2.4, tokens_per_s=45000.0,
@@ -64,7 +64,7 @@ def test_status_json_fields():
     assert st["gpus"][0]["processes"] == [{"pid": 4123, "used_memory_mib": 69000, "name": "python3"}]
     assert st["gpus"][1]["ghost_memory_mib"] == 30000
     assert st["session"]["name"] == "dflash" and st["session"]["running"] is True
-    assert st["training"] == {"step": 120, "total_steps": 1000, "loss": 2.31415, "tokens_per_s": 45200.0,
+    assert st["training"] == {"step": 120, "total_steps": 1000, "loss": 2.31412, "tokens_per_s": 45200.0,
                               "eta_s": 4980.0, "last_update_age_s": 12.0, "finished": False}
     assert st["verdict"] == "OK" and st["reasons"] == list(verdict.reasons)
     assert [p["pid"] for p in st["processes"]] == [4100, 4123]
