@@ -11,6 +11,7 @@ open. Here stdin is sent as bytes and closed (EOF), and output is decoded once a
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import os
 import re
@@ -233,6 +234,10 @@ class SshTransport(Transport):
                 f"{what}host key of {entry} has CHANGED: the server offers {fingerprint(exc.key)}, "
                 f"{self.known_hosts} has {fingerprint(exc.expected_key)}. This may be an attack; if the host "
                 f"was reinstalled, remove the old key with: ssh-keygen -f {self.known_hosts} -R '{entry}'")
+        if isinstance(exc, binascii.Error):  # a hashed known_hosts entry that is not valid base64
+            return HostKeyError(self.name, step, f"cannot read {self.known_hosts}: a line is corrupt ({exc}); "
+                                                 f"fix or delete it (ssh-keygen -f {self.known_hosts} -F {entry} "
+                                                 "shows the entries for this host)")
         if isinstance(exc, paramiko.PasswordRequiredException):
             return AuthError(self.name, step, f"{where}: the key {self.spec.identity_file} is passphrase-protected; "
                                               "load it into ssh-agent and drop ssh.identity_file, or use a key without one")
