@@ -30,16 +30,26 @@ COMMAND_TIMEOUT_S = 15  # a wedged driver can hang nvidia-smi; the probe must st
 MIB = 1024 * 1024
 
 
-def run(argv, timeout=COMMAND_TIMEOUT_S):
-    """(exit code, stdout, stderr) of argv; 127 when the program does not exist."""
+def start(argv):
+    """Start argv now and collect it later with `finish`: the probe's few commands run side by
+    side (one nvidia-smi call alone can take a tenth of a second)."""
     try:
-        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
-        return 127, "", "%s: command not found" % argv[0]
+        return (127, "", "%s: command not found" % argv[0])
+
+
+def finish(started, timeout=COMMAND_TIMEOUT_S):
+    """(exit code, stdout, stderr) of a started command; 127 when the program does not exist."""
+    if isinstance(started, tuple):
+        return started
+    try:
+        out, err = started.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return 124, "", "%s: no answer within %ss" % (argv[0], timeout)
-    return (proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace"))
+        started.kill()
+        started.communicate()
+        return 124, "", "%s: no answer within %ss" % (started.args[0], timeout)
+    return started.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
 
 
 # --------------------------------------------------------------------------- GPUs
@@ -103,32 +113,40 @@ def _process_name(pid):
         return ""
 
 
-def nvidia_smi_query(binary):
-    """Raw CSV from nvidia-smi (parsed by dflash_ops.gpu, so there is one parser)."""
+def start_nvidia_smi(binary):
     fmt = "--format=csv,noheader,nounits"
-    rc, out, err = run([binary, "--query-gpu=" + GPU_QUERY, fmt])
+    return start([binary, "--query-gpu=" + GPU_QUERY, fmt]), start([binary, "--query-compute-apps=" + APPS_QUERY, fmt])
+
+
+def finish_nvidia_smi(started):
+    """Raw CSV from nvidia-smi (parsed by dflash_ops.gpu, so there is one parser)."""
+    rc, out, err = finish(started[0])
+    rc2, apps, err2 = finish(started[1])
     if rc != 0:
         message = (out.strip() or err.strip() or "exit code %d" % rc).splitlines()[0]
         if rc in (9, 127) or "couldn't communicate with the NVIDIA driver" in message:
             message = "no NVIDIA driver (%s)" % message
         return {"source": "nvidia-smi", "error": message}
-    rc2, apps, err2 = run([binary, "--query-compute-apps=" + APPS_QUERY, fmt])
     result = {"source": "nvidia-smi", "error": None, "gpu_csv": out, "apps_csv": apps if rc2 == 0 else ""}
     if rc2 != 0:
         result["apps_error"] = (apps.strip() or err2.strip() or "exit code %d" % rc2).splitlines()[0]
     return result
 
 
-def gpu_state(source, binary):
-    if source == "nvml":
-        return nvml_query()
-    if source == "nvidia-smi":
-        return nvidia_smi_query(binary)
-    nvml = nvml_query()
-    if not nvml.get("error"):
+def start_gpu_state(source, binary):
+    """NVML answers in-process; nvidia-smi (when chosen, or when NVML fails) is started."""
+    nvml = nvml_query() if source in ("auto", "nvml") else None
+    if source == "nvml" or (nvml is not None and not nvml.get("error")):
+        return nvml, None
+    return nvml, start_nvidia_smi(binary)
+
+
+def finish_gpu_state(started):
+    nvml, smi_started = started
+    if smi_started is None:
         return nvml
-    smi = nvidia_smi_query(binary)
-    if smi.get("error"):
+    smi = finish_nvidia_smi(smi_started)
+    if smi.get("error") and nvml is not None:
         smi["nvml_error"] = nvml["error"]
     return smi
 
@@ -136,13 +154,17 @@ def gpu_state(source, binary):
 # --------------------------------------------------------------------------- tmux session
 
 
-def tmux_state(sock, session):
+def start_tmux(sock, session):
     """One tmux call: listing the session's panes tells whether it exists and whether it lives."""
-    state = {"name": session, "socket": sock, "exists": False, "running": False, "pane_pid": None,
-             "exit_status": None, "error": None}
     fmt = "#{pane_pid}\t#{pane_dead}\t#{pane_dead_status}"
     # "=NAME:" and not "=NAME": tmux 3.3 resolves `list-panes -s -t =NAME` by prefix (=job finds jobber).
-    rc, out, err = run(["tmux", "-L", sock, "list-panes", "-s", "-t", "=" + session + ":", "-F", fmt])
+    return start(["tmux", "-L", sock, "list-panes", "-s", "-t", "=" + session + ":", "-F", fmt])
+
+
+def finish_tmux(started, sock, session):
+    state = {"name": session, "socket": sock, "exists": False, "running": False, "pane_pid": None,
+             "exit_status": None, "error": None}
+    rc, out, err = finish(started)
     if rc == 127:
         state["error"] = "tmux is not installed"
         return state
@@ -290,13 +312,17 @@ def main(argv):
     errors = []
     report = {"probe_version": PROBE_VERSION, "time": time.time(), "hostname": socket.gethostname(),
               "python": sys.version.split()[0], "errors": errors}
-    report["gpu"] = section(errors, "gpu", gpu_state, args.get("gpu_source", "auto"),
-                            args.get("nvidia_smi") or "nvidia-smi") or {"source": None, "error": "probe failed"}
-    report["session"] = section(errors, "tmux", tmux_state, sock, session)
-    pane_pid = (report["session"] or {}).get("pane_pid")
-    report["processes"] = section(errors, "processes", process_tree, pane_pid) or []
+    gpu_started = section(errors, "gpu", start_gpu_state, args.get("gpu_source", "auto"),
+                          args.get("nvidia_smi") or "nvidia-smi")
+    tmux_started = section(errors, "tmux", start_tmux, sock, session)
+    # the files are read while those commands run
     files = section(errors, "files", files_state, log_dir, int(args.get("log_lines", 200)),
                     int(args.get("metrics_lines", 400))) or {}
+    report["session"] = section(errors, "tmux", finish_tmux, tmux_started, sock, session) if tmux_started else None
+    gpu = section(errors, "gpu", finish_gpu_state, gpu_started) if gpu_started else None
+    report["gpu"] = gpu or {"source": None, "error": "probe failed"}
+    pane_pid = (report["session"] or {}).get("pane_pid")
+    report["processes"] = section(errors, "processes", process_tree, pane_pid) or []
     report.update(files)
     sys.stdout.write(json.dumps(report) + "\n")
     return 0
