@@ -12,19 +12,15 @@ LOG_PREFIX = "train-"
 
 
 def log_dir(job: Job) -> str:
-    return job.log_dir or posixpath.join(job.workdir, "logs")
-
-
-def cache_dir(job: Job) -> str:
-    return job.cache_dir or posixpath.join(job.workdir, "cache")
+    return job.log_dir
 
 
 def inductor_cache(job: Job) -> str:
-    return posixpath.join(cache_dir(job), "inductor")
+    return posixpath.join(job.cache_dir, "inductor")
 
 
 def triton_cache(job: Job) -> str:
-    return posixpath.join(cache_dir(job), "triton")
+    return posixpath.join(job.cache_dir, "triton")
 
 
 def releases_dir(job: Job) -> str:

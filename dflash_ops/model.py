@@ -43,6 +43,14 @@ class Job:
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the trainer
     health: Health = dataclasses.field(default_factory=Health)
 
+    def __post_init__(self):
+        # Derived defaults are filled in here, once, so every reader sees the real paths.
+        workdir = self.workdir.rstrip("/") or "/"
+        if not self.log_dir:
+            object.__setattr__(self, "log_dir", workdir + "/logs")
+        if not self.cache_dir:
+            object.__setattr__(self, "cache_dir", workdir + "/cache")
+
     @property
     def gpus(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.target_gpus) | set(self.drafter_gpus)))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import posixpath
 import shlex
 import time
@@ -17,12 +16,13 @@ from . import jobpaths, launch as launch_lib, tmux
 from .errors import StepFailed
 from .model import Job
 from .playbook import StepContext, StepOutcome, StepRegistry
+from .remote import script_source
 from .remote_python import python_stdin_command
 
 registry = StepRegistry()
 
-_JOBPROCS = "remote_jobprocs.py"
-_JOBPROCS_SOURCE = (pathlib.Path(__file__).parent / _JOBPROCS).read_bytes()
+_JOBPROCS = "jobprocs.py"
+_JOBPROCS_SOURCE = script_source(_JOBPROCS).encode()
 GPU_QUERY = ("nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu "
              "--format=csv,noheader,nounits && echo @@ && "
              "nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader,nounits")
@@ -180,7 +180,7 @@ def _watch_script(job: Job, log: str) -> str:
     return f"{tmux.pane_pids(job)}; echo @@; tail -n 50 {shlex.quote(metrics_path_for_log(log))} 2>/dev/null; true"
 
 
-@registry.step("wait_first_step", params={"timeout_s": (float, 900.0), "poll_s": (float, 5.0)})
+@registry.step("wait_first_step", params={"timeout_s": (float, 900.0), "poll_s": (float, 1.0)})
 def wait_first_step(ctx: StepContext, timeout_s: float, poll_s: float) -> StepOutcome:
     """Wait until the metrics file shows a training step; on failure print the last log lines and
     the failure signature."""

@@ -3,7 +3,7 @@
 The job's processes are (a) the process tree under its tmux panes and (b) any process carrying
 the launcher's marker in its environment (leftovers that escaped the tree). GPU compute processes
 on the job's GPUs that are neither are reported as unidentified and never signalled.
-Usage: python3 - '<json args>' < remote_jobprocs.py; prints one JSON object.
+Usage: python3 - '<json args>' < jobprocs.py; prints one JSON object.
 """
 import json
 import os
@@ -104,7 +104,8 @@ def main():
     marker = ("%s=%s" % (args["marker_env"], args["marker"])).encode()
     me = {os.getpid(), os.getppid()}
     pids = [p for p in all_pids() if p not in me]
-    tree = descendants(pane_pids(args["socket"], args["session"]), pids) if args.get("include_session", True) else set()
+    panes = pane_pids(args["socket"], args["session"]) if args.get("include_session", True) else []
+    tree = descendants(panes, pids)
     marked = {p for p in pids if has_marker(p, marker)}
     job = sorted((tree | marked) - me)
     unidentified = [
@@ -116,7 +117,10 @@ def main():
     report = {"job": [{"pid": p, "cmd": cmdline(p)} for p in job], "unidentified": unidentified,
               "terminated": [], "killed": [], "survivors": []}
     if args.get("action") == "kill" and job:
-        for pid in job:
+        # Signal the pane's shell last: when it dies tmux closes the pty and the trainer gets
+        # SIGHUP, which would cut its graceful shutdown (final checkpoint) short.
+        first = [p for p in job if p not in panes] or job
+        for pid in first:
             try:
                 os.kill(pid, signal.SIGTERM)
             except OSError:

@@ -1,0 +1,255 @@
+"""relaunch / status / health / tail-log / stop end to end: real tmux, real sshd, the pct simulator,
+the nvidia-smi simulator, and a stand-in trainer that honours the metrics contract."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dflash_ops import ops
+from dflash_ops.model import Health
+from dflash_ops.relaunch_guard import RelaunchGuard
+
+STANDIN = str(Path(__file__).parent / "sim" / "standin-trainer")
+
+
+def standin(target, mode="train", gpus=((), ()), health=None, **job_fields):
+    """The target's job, running the stand-in trainer on its own tmux socket."""
+    tag = uuid.uuid4().hex[:8]
+    job = dataclasses.replace(
+        target.job, python=STANDIN, env=(("STANDIN_MODE", mode),), tmux_socket=f"t-{tag}",
+        session=f"job {tag}", target_gpus=tuple(gpus[0]), drafter_gpus=tuple(gpus[1]),
+        health=health or Health(stall_seconds=30), **job_fields)
+    return dataclasses.replace(target, job=job)
+
+
+def quick(**options):
+    base = {"timeout": 30.0, "grace": 5.0}
+    base.update(options)
+    return base
+
+
+@pytest.fixture
+def cleanup():
+    """Kill the tmux servers the test started, whatever happens."""
+    sockets = []
+    yield sockets.append
+    for target in sockets:
+        try:
+            with ops.connect(target) as t:
+                t.run(f"tmux -L {target.job.tmux_socket} kill-server", timeout=20)
+        except Exception:  # noqa: BLE001 - best effort teardown
+            pass
+
+
+def test_relaunch_local_then_status_health_tail_stop(local_target, cleanup):
+    target = standin(local_target)
+    cleanup(target)
+    lines = []
+    result = ops.run_playbook(target, "relaunch", quick(), on_progress=lambda p: lines.append(p))
+    assert result.ok, result.summary()
+    assert [s.step for s in result.steps] == ["stop_session", "kill_gpu_processes", "wait_gpu_free",
+                                              "purge_cache", "deploy", "launch", "wait_first_step"]
+    assert all(s.seconds >= 0 for s in result.steps)
+    log = result.steps[5].data["log"]
+    assert log.endswith("train-0001.log")
+    assert (Path(target.job.workdir) / "current" / "trainer" / "train.py").exists()
+
+    checked = ops.check(target)
+    st = checked.status
+    assert st["session"]["running"] is True and st["session"]["name"] == target.job.session
+    assert st["training"]["step"] >= 1 and st["training"]["tokens_per_s"] == 50000.0
+    assert st["verdict"] == "OK", st["reasons"]
+
+    shown = []
+    ops.tail_log(target, lines=3, grep=r"^step \d+", emit=shown.append)
+    assert 1 <= len(shown) <= 3 and all(line.startswith("step ") for line in shown)
+
+    stopped = ops.run_playbook(target, "stop", {"grace": 5.0})
+    assert stopped.ok, stopped.summary()
+    assert "1 on SIGTERM" in stopped.steps[0].message or "SIGTERM" in stopped.steps[0].message
+    after = ops.check(target)
+    assert after.status["session"]["running"] is not True
+    assert after.verdict.level == "CRITICAL"  # a stopped job is not a healthy job
+    metrics = Path(log[:-4] + ".metrics.jsonl").read_text().splitlines()
+    assert json.loads(metrics[-1])["event"] == "done"  # SIGTERM reached the trainer, which said so
+
+
+def test_relaunch_twice_in_a_row_is_safe_and_numbers_logs(local_target, cleanup):
+    target = standin(local_target)
+    cleanup(target)
+    first = ops.run_playbook(target, "relaunch", quick())
+    second = ops.run_playbook(target, "relaunch", quick())
+    assert first.ok and second.ok, second.summary()
+    assert first.steps[5].data["log"].endswith("train-0001.log")
+    assert second.steps[5].data["log"].endswith("train-0002.log")
+    assert "ended" in second.steps[0].message  # the first run's trainer was stopped
+    assert ops.check(target).status["session"]["running"] is True
+
+
+def test_dry_run_touches_nothing(local_target, cleanup):
+    target = standin(local_target)
+    cleanup(target)
+    result = ops.run_playbook(target, "relaunch", quick(), dry_run=True)
+    assert result.ok and all(s.status == "dry-run" for s in result.steps)
+    assert not Path(target.job.workdir).exists()
+    assert subprocess.run(["tmux", "-L", target.job.tmux_socket, "has-session"],
+                          capture_output=True).returncode != 0
+    commands = [c for s in result.steps for c in s.commands]
+    assert any("new-session" in c for c in commands) and any("rm -rf" in c for c in commands)
+
+
+def _write_gpus(path: Path, apps=()):
+    state = {"free_when_pid_dead": True,
+             "gpus": [{"index": i, "name": "NVIDIA H200", "memory_total_mib": 143771, "ghost_memory_mib": 0,
+                       "utilization_pct": 90} for i in range(4)],
+             "compute_apps": list(apps)}
+    path.write_text(json.dumps(state))
+
+
+def test_relaunch_in_container_kills_only_the_jobs_gpu_processes(pct_target, gpu_state_path, cleanup, tmp_path):
+    target = standin(pct_target, gpus=((0,), (1,)))
+    cleanup(target)
+    # An unrelated GPU process in the same container, on a GPU that is not the job's.
+    pid_file = tmp_path / "bystander.pid"
+    with ops.connect(target) as t:
+        t.check(f"setsid -f bash -c 'echo $$ > {pid_file}; exec sleep 300' </dev/null >/dev/null 2>&1", timeout=20)
+        for _ in range(50):
+            if pid_file.exists() and pid_file.read_text().strip():
+                break
+            time.sleep(0.1)
+        bystander = int(pid_file.read_text())
+        _write_gpus(gpu_state_path, [{"pid": bystander, "gpu_index": 3, "used_memory_mib": 5000,
+                                      "process_name": "sleep"}])
+        try:
+            first = ops.run_playbook(target, "relaunch", quick())
+            assert first.ok, first.summary()
+            state = json.loads(gpu_state_path.read_text())
+            job_pids = [a["pid"] for a in state["compute_apps"] if a["gpu_index"] in (0, 1)]
+            assert len(job_pids) == 2  # the trainer shows up on both job GPUs
+
+            second = ops.run_playbook(target, "relaunch", quick())
+            assert second.ok, second.summary()
+            assert "ended" in second.steps[0].message
+            assert t.run(f"kill -0 {bystander}", timeout=20).ok, "an unrelated process was killed"
+            st = ops.check(target).status
+            assert st["verdict"] in ("OK", "WARNING"), st["reasons"]
+            gpu3 = [g for g in st["gpus"] if g["index"] == 3][0]
+            assert [p["pid"] for p in gpu3["processes"]] == [bystander]
+            live_job_pids = {p["pid"] for g in st["gpus"] if g["index"] in (0, 1) for p in g["processes"]}
+            assert live_job_pids and not (live_job_pids & set(job_pids)), "the first launch's trainer survived"
+        finally:
+            t.run(f"kill {bystander}", timeout=20)
+            gpu_state_path.unlink(missing_ok=True)
+
+
+def test_unrelated_process_on_a_job_gpu_is_named_and_spared(local_target, gpu_state_path, cleanup, monkeypatch):
+    monkeypatch.setenv("NVIDIA_SMI_SIM_STATE", str(gpu_state_path))
+    monkeypatch.setenv("PATH", str(Path(STANDIN).parent) + os.pathsep + os.environ["PATH"])
+    target = standin(local_target, gpus=((0,), (1,)))
+    cleanup(target)
+    squatter = subprocess.Popen(["sleep", "300"])
+    _write_gpus(gpu_state_path, [{"pid": squatter.pid, "gpu_index": 1, "used_memory_mib": 7000,
+                                  "process_name": "sleep"}])
+    try:
+        result = ops.run_playbook(target, "relaunch", quick(gpu_free_timeout=2.0))
+        assert not result.ok and result.failed.step == "wait_gpu_free"
+        assert f"pid {squatter.pid}" in result.failed.message
+        kill_step = result.steps[1]
+        assert f"pid {squatter.pid} on GPU 1" in kill_step.message and "left alone" in kill_step.message
+        assert squatter.poll() is None
+        assert [s.status for s in result.steps[3:]] == ["not-run"] * 4
+    finally:
+        squatter.kill()
+        gpu_state_path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("mode, signature", [("crash", "traceback"), ("fx", "fx")])
+def test_a_failing_launch_reports_the_log_and_the_signature(local_target, cleanup, mode, signature):
+    target = standin(local_target, mode=mode)
+    cleanup(target)
+    result = ops.run_playbook(target, "relaunch", quick())
+    assert not result.ok and result.failed.step == "wait_first_step" if mode == "fx" else True
+    checked = ops.check(target)
+    assert checked.verdict.level == "CRITICAL"
+    reasons = " ".join(checked.verdict.reasons).lower()
+    assert signature in reasons or ("fx" in reasons if signature == "fx" else "valueerror" in reasons)
+    if mode == "fx":
+        assert "signature" in result.failed.message and "Detected that you are using FX" in result.failed.message
+
+
+def test_health_stalled_and_slow(local_target, cleanup):
+    stalled = standin(local_target, mode="stall", health=Health(stall_seconds=1))
+    cleanup(stalled)
+    assert ops.run_playbook(stalled, "relaunch", quick()).ok
+    time.sleep(2.5)
+    verdict = ops.check(stalled).verdict
+    assert verdict.level == "CRITICAL" and any("no new step" in r or "stall" in r for r in verdict.reasons), verdict
+
+    slow = standin(local_target, mode="slow", health=Health(min_tokens_per_s=1000, stall_seconds=60),
+                   workdir=str(Path(local_target.job.workdir).with_name("work-slow")))
+    cleanup(slow)
+    assert ops.run_playbook(slow, "relaunch", quick()).ok
+    verdict = ops.check(slow).verdict
+    assert verdict.level == "WARNING" and any("eager" in r for r in verdict.reasons), verdict
+
+
+def test_unreachable_target_is_unknown(stopped_pct_target):
+    checked = ops.check(stopped_pct_target)
+    assert checked.verdict.level == "UNKNOWN"
+    assert "not running" in checked.verdict.reasons[0]
+
+
+def test_auto_relaunch_is_limited_and_never_concurrent(local_target, cleanup, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_OPS_STATE_DIR", str(tmp_path / "state"))
+    target = standin(local_target, health=Health(stall_seconds=30, max_relaunches_per_hour=1))
+    cleanup(target)
+    crashed = ops.check(target)  # never launched: no session -> CRITICAL
+    assert crashed.verdict.level == "CRITICAL"
+
+    # Two overlapping health runs: one holds the lock while relaunching, the other must back off.
+    guard = RelaunchGuard(target.name, 1)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold_lock():
+        with guard.hold() as allowed:
+            assert allowed is True
+            entered.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_lock)
+    holder.start()
+    entered.wait(5)
+    busy = ops.auto_relaunch(target, crashed)
+    release.set()
+    holder.join()
+    assert not busy.attempted and "another health run" in busy.message
+
+    first = ops.auto_relaunch(target, crashed)
+    assert first.attempted and first.result.ok, first.message
+    second = ops.auto_relaunch(target, crashed)
+    assert not second.attempted and "limit" in second.message
+    assert len(RelaunchGuard(target.name, 1).recent()) == 1
+
+
+def test_fan_out_runs_each_target_and_reports_each(ssh_target, ssh_target_b, cleanup):
+    from dflash_ops.fanout import fan_out
+
+    a, b = standin(ssh_target), standin(ssh_target_b)
+    cleanup(a)
+    cleanup(b)
+    started = time.monotonic()
+    outcomes = fan_out([a, b], lambda t: ops.run_playbook(t, "relaunch", quick()))
+    assert [o.target.name for o in outcomes] == ["box-a", "box-b"]
+    assert all(o.error is None and o.value.ok for o in outcomes), [o.error or o.value.summary() for o in outcomes]
+    checked = fan_out([a, b], ops.check)
+    assert [c.value.status["session"]["running"] for c in checked] == [True, True]
+    assert time.monotonic() - started < 60
