@@ -285,15 +285,15 @@ def test_invalid_playbook_runs_nothing(tmp_path):
 
 
 def test_template_that_cannot_be_filled_for_this_target_runs_nothing(tmp_path):
-    """An empty inventory field must not silently turn "{job.cache_dir}/inductor" into "/inductor"."""
+    """An empty inventory field must not silently turn "{job.session}/inductor" into "/inductor"."""
     registry = file_registry(tmp_path)
     playbook = parse_playbook("steps:\n  - step: note\n    params: {text: first}\n  - step: record\n"
-                              "    params: {value: '{job.cache_dir}/inductor'}\n  - step: record\n"
+                              "    params: {value: '{job.config}/inductor'}\n  - step: record\n"
                               "    params: {value: '{target.ssh.host}'}\n", "inline.yaml")
     with pytest.raises(InputError) as info:
-        run_playbook(playbook, registry, make_ctx(tmp_path, cache_dir=""))
+        run_playbook(playbook, registry, make_ctx(tmp_path, config=""))
     msg = str(info.value)
-    assert "step 2 (record" in msg and "{job.cache_dir} is empty for target 'box'" in msg
+    assert "step 2 (record" in msg and "{job.config} is empty for target 'box'" in msg
     assert "step 3 (record" in msg and "target.ssh is not set for target 'box'" in msg
     assert journal(tmp_path) == []
 
@@ -669,7 +669,7 @@ def test_shipped_relaunch_fills_parameters_from_the_job(tmp_path):
         ("purge_cache", {"paths": [cache]}),
         ("deploy", {"keep_releases": 5}),
         ("launch", {"session": "train", "cache_dir": cache}),
-        ("wait_first_step", {"timeout_s": 60.0, "poll_s": 5.0}),
+        ("wait_first_step", {"timeout_s": 60.0, "poll_s": 1.0}),
     ]
 
 
