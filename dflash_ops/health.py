@@ -129,6 +129,8 @@ def evaluate(report, job: Job, now: float | None = None) -> Verdict:
                 listed = ", ".join(f"GPU {i} at {u}%" for i, u in low)
                 warning.append(f"drafter {listed}: under the {thresholds.min_drafter_util_pct:g}% utilization floor")
 
+    # a part of the probe that failed (an unreadable log, say) leaves a blind spot: say so
+    warning += [f"probe could not read part of the target: {error}" for error in report.errors]
     level = "CRITICAL" if critical else "WARNING" if warning else "OK"
     reasons = critical + warning or [_ok_summary(progress, age, finished)]
     perfdata = {

@@ -2,6 +2,7 @@
 (real tmux, real python traceback, real probe)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -173,6 +174,15 @@ def test_finished_job_is_ok_even_without_its_session():
         metrics_format.encode("done", time=NOW - 5, step=3, reason="max_steps"))
     verdict = health.evaluate(make_report(records, running=False), JOB)
     assert verdict.level == "OK" and verdict.reasons == ("training finished at step 3",)
+
+
+def test_probe_blind_spots_are_warnings():
+    report = dataclasses.replace(make_report(steps()),
+                                 errors=("files: PermissionError: [Errno 13] /srv/dflash/logs",))
+    verdict = health.evaluate(report, JOB)
+    assert verdict.level == "WARNING"
+    assert verdict.reasons == ("probe could not read part of the target: files: PermissionError: [Errno 13] "
+                               "/srv/dflash/logs",)
 
 
 def test_now_defaults_to_the_targets_clock():

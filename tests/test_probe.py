@@ -199,6 +199,15 @@ def test_probe_when_nothing_runs_and_no_log_exists(tmp_path, tmux_socket, sim_gp
     assert report.log_dir == str(tmp_path / "never-deployed" / "logs")
 
 
+def test_a_broken_section_is_reported_and_the_rest_still_answers(tmp_path, tmux_socket, sim_gpus):
+    (tmp_path / "logs" / "train-0001.log").mkdir(parents=True)  # a directory where a log should be
+    start_trainer_like_session(tmux_socket, "dflash", "m", tmp_path)
+    report = probe.run_probe(BashRunner(), job_in(tmp_path, tmux_socket, "dflash"))
+    (error,) = report.errors
+    assert error.startswith("files: IsADirectoryError")
+    assert report.log is None and report.session.running and report.gpu.ok
+
+
 def test_probe_session_name_is_matched_exactly(tmp_path, tmux_socket, sim_gpus):
     start_trainer_like_session(tmux_socket, "dflash-other", "m", tmp_path)  # a prefix of it must not match
     report = probe.run_probe(BashRunner(), job_in(tmp_path, tmux_socket, "dflash"))
