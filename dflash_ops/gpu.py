@@ -37,8 +37,8 @@ class Gpu:
     @property
     def ghost_memory_mib(self) -> int:
         """Memory in use that no listed process accounts for (host pids, leaked contexts)."""
-        if self.memory_used_mib is None:
-            return 0
+        if self.memory_used_mib is None or any(p.used_memory_mib is None for p in self.processes):
+            return 0  # memory not attributable per process is not evidence of a ghost
         accounted = sum(p.used_memory_mib or 0 for p in self.processes)
         return max(0, self.memory_used_mib - accounted)
 
@@ -180,8 +180,8 @@ class BusyGpu:
 def busy_gpus(snapshot: GpuSnapshot, indices, min_free_mib: int | None = None) -> list[BusyGpu]:
     """GPUs among `indices` that are not free yet.
 
-    Free means at least `min_free_mib` unused; by default (None) it means at most IDLE_USED_MIB
-    used, i.e. nothing but the driver's own reservation. Raises GpuUnavailable when the snapshot
+    Free means at least `min_free_mib` unused; by default (None) it means no compute process and
+    at most IDLE_USED_MIB used, i.e. nothing but the driver's own reservation. Raises GpuUnavailable when the snapshot
     has no GPU data and InputError when an index does not exist on the machine.
     """
     indices = sorted(set(int(i) for i in indices))
@@ -201,7 +201,7 @@ def busy_gpus(snapshot: GpuSnapshot, indices, min_free_mib: int | None = None) -
         if used is None:
             is_busy = bool(gpu.processes)
         elif min_free_mib is None:
-            is_busy = used > IDLE_USED_MIB or any((p.used_memory_mib or 0) > 0 for p in gpu.processes)
+            is_busy = used > IDLE_USED_MIB or bool(gpu.processes)  # any listed process still holds it
         else:
             total = gpu.memory_total_mib or 0
             is_busy = total - used < min_free_mib

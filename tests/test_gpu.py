@@ -271,8 +271,10 @@ def test_busy_gpus_names_pids_and_ghost_memory():
     held = gpu.Gpu(0, "GPU-a", "H200", 70500, 143771, 90, (gpu.GpuProcess(4123, 0, 70000, "python3"),))
     ghost = gpu.Gpu(1, "GPU-b", "H200", 30000, 143771, 0, ())
     idle = gpu.Gpu(2, "GPU-c", "H200", 4, 143771, 0, ())
-    busy = gpu.busy_gpus(snapshot(held, ghost, idle), [2, 1, 0])
-    assert [b.index for b in busy] == [0, 1]
+    starting = gpu.Gpu(3, "GPU-d", "H200", 300, 143771, 0, (gpu.GpuProcess(5000, 3, None, ""),))
+    busy = gpu.busy_gpus(snapshot(held, ghost, idle, starting), [3, 2, 1, 0])
+    assert [b.index for b in busy] == [0, 1, 3]
+    assert busy[2].describe() == "GPU 3: 300 MiB used by pid 5000"
     assert busy[0].describe() == "GPU 0: 70500 MiB used by pid 4123 (python3) 70000 MiB, 500 MiB ghost memory with no process"
     assert busy[1].describe() == "GPU 1: 30000 MiB used by 30000 MiB ghost memory with no process"
     assert busy[1].ghost_mib == 30000 and busy[1].processes == ()
