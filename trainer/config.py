@@ -38,15 +38,21 @@ class TargetConfig:
 
 @dataclasses.dataclass
 class DrafterSection:
+    """Drafter shape. A null (None) value copies the target's own value (the paper's choice)."""
+
     num_layers: int = 5
-    num_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    intermediate_size: int = 12288
     block_size: int = 16
+    num_heads: typing.Optional[int] = None
+    num_kv_heads: typing.Optional[int] = None
+    head_dim: typing.Optional[int] = None
+    intermediate_size: typing.Optional[int] = None
     mask_token_id: typing.Optional[int] = None  # None: the target's mask/pad token, else vocab-1
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e6
+    rms_norm_eps: typing.Optional[float] = None
+    rope_theta: typing.Optional[float] = None
+
+    def overrides(self) -> dict:
+        """The values that replace the target's (what DrafterConfig.for_target takes)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 @dataclasses.dataclass
@@ -90,6 +96,9 @@ class RunConfig:
     checkpoint_every: int = 100
     keep_last: int = 3
     log_every: int = 1
+    # torch intra-op threads; null = torch's default. On a shared CPU, 1 per process is much faster:
+    # the drafter threads already keep the cores busy, and oversubscribed OpenMP pools spin.
+    torch_threads: typing.Optional[int] = None
     resume: typing.Optional[str] = None  # None: fresh run; "latest"; or a checkpoint directory
 
 
@@ -100,7 +109,8 @@ class TrainConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
-    source: str = ""  # the file this came from (for messages), not a config key
+    # the file this came from (for messages); not a config key
+    source: str = dataclasses.field(default="", metadata={"internal": True})
 
     @property
     def metrics_path(self) -> str:
@@ -184,7 +194,7 @@ def _build(cls, data, prefix: str, file: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: `{section}` must be a mapping of keys, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
@@ -251,9 +261,9 @@ def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that need no torch. Raises ConfigError naming the key and the fix."""
     d, t, data, r = cfg.drafter, cfg.train, cfg.data, cfg.run
     for key, value in [
-        ("drafter.num_layers", d.num_layers), ("drafter.num_heads", d.num_heads),
-        ("drafter.num_kv_heads", d.num_kv_heads), ("drafter.head_dim", d.head_dim),
-        ("drafter.intermediate_size", d.intermediate_size), ("drafter.block_size", d.block_size),
+        ("drafter.num_layers", d.num_layers), ("drafter.num_heads", d.num_heads or 1),
+        ("drafter.num_kv_heads", d.num_kv_heads or 1), ("drafter.head_dim", d.head_dim or 1),
+        ("drafter.intermediate_size", d.intermediate_size or 1), ("drafter.block_size", d.block_size),
         ("data.seq_len", data.seq_len), ("train.batch_size", t.batch_size),
         ("train.num_anchors", t.num_anchors), ("train.epochs", t.epochs),
         ("run.checkpoint_every", r.checkpoint_every), ("run.keep_last", r.keep_last),
@@ -264,7 +274,7 @@ def validate(cfg: TrainConfig) -> None:
             _fail(cfg, key, f"must be at least 1, got {value}. Fix: set a positive value.")
     if d.block_size < 2:
         _fail(cfg, "drafter.block_size", "must be at least 2 (position 0 is the anchor). Fix: use 16.")
-    if d.num_heads % d.num_kv_heads:
+    if d.num_heads and d.num_kv_heads and d.num_heads % d.num_kv_heads:
         _fail(cfg, "drafter.num_kv_heads", f"({d.num_kv_heads}) must divide drafter.num_heads ({d.num_heads}).")
     if t.max_steps is not None and t.max_steps < 1:
         _fail(cfg, "train.max_steps", f"must be at least 1 or null, got {t.max_steps}.")

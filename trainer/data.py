@@ -209,3 +209,39 @@ def _fit(ids: list[int], mask: list[int], seq_len: int, pad_id: int):
     ids, mask = ids[:seq_len], mask[:seq_len]
     pad = seq_len - len(ids)
     return ids + [pad_id] * pad, mask + [0] * pad, [1] * len(ids) + [0] * pad
+
+
+# ---- synthetic ------------------------------------------------------------------------------
+
+@torch.no_grad()
+def synthetic_dataset(target, num_samples: int, prompt_len: int, seq_len: int, seed: int,
+                      chunk: int = 64) -> Dataset:
+    """Random prompts (seeded) continued greedily by the target; loss on the continuation.
+
+    The continuation is exactly what the target would say, so a drafter can learn it.
+    """
+    vocab = target.vocab_size
+    gen = torch.Generator().manual_seed(derive_seed(seed, 0x5E1F))
+    prompts = torch.randint(0, vocab, (num_samples, prompt_len), generator=gen)
+    # keep the mask token out of the inputs: at inference it only ever fills draft slots
+    prompts[prompts == target.mask_token_id] = (target.mask_token_id + 1) % vocab
+    rows = [greedy_continue(target.model, prompts[i:i + chunk].to(target.device), seq_len - prompt_len).cpu()
+            for i in range(0, num_samples, chunk)]
+    input_ids = torch.cat(rows)
+    loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    loss_mask[:, prompt_len:] = True
+    attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    return Dataset(input_ids, loss_mask, attention_mask, source=f"synthetic({num_samples} greedy continuations)")
+
+
+def greedy_continue(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """prompts [B, P] -> [B, P + new_tokens] by argmax decoding.
+
+    No KV cache: sequences here are short, and recomputing keeps this independent of the cache API,
+    which changes between transformers versions.
+    """
+    tokens = prompts
+    for _ in range(new_tokens):
+        logits = model(input_ids=tokens, use_cache=False).logits
+        tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens

@@ -1,0 +1,265 @@
+"""Train a DFlash drafter. The loop reads top to bottom; the pieces live in their own modules.
+
+    config -> target(s) -> data -> drafter replicas (+ AdamW, warmup+cosine) -> [resume]
+    for each step: all drafter threads train one batch, gradients averaged  (trainer.workers)
+                   log a metrics record, checkpoint every N steps or when asked to stop
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import signal
+import sys
+import threading
+import traceback
+from typing import TextIO
+
+import torch
+import yaml
+
+from . import checkpoint as ckpt
+from .compile_lock import CompileGuard
+from .config import ConfigError, TrainConfig, check_devices
+from .data import Batch, BatchPlan, Dataset, derive_seed, load_jsonl, synthetic_dataset
+from .masks import build_block_mask, dense_mask, sample_anchors
+from .loss import block_labels
+from .metrics import MetricsWriter, Throughput, error_kind
+from .model import DFlashDrafter, DrafterConfig
+from .target import load_target
+from .workers import LossOutput, Replica, StepSummary, TrainingWorkers, WorkerFailure
+
+
+@dataclasses.dataclass
+class RunResult:
+    steps_done: int
+    total_steps: int
+    reason: str  # "max_steps" | "interrupted"
+    last: StepSummary | None
+    checkpoint: str | None
+    replicas: list[Replica]
+
+
+def param_dtype(device: str) -> torch.dtype:
+    """bf16 on GPU, fp32 on CPU (CPU bf16 matmuls are slow and gain nothing here)."""
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+class WarmupCosine:
+    """LR multiplier: linear warmup to 1, then cosine down to min_ratio at total_steps.
+
+    A class (not a lambda) so LambdaLR's state_dict carries its numbers into checkpoints.
+    """
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float):
+        self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, total_steps, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        progress = min(progress, 1.0)
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class StopRequest:
+    """SIGTERM/SIGINT ask for a graceful stop (finish the step, checkpoint, exit); a second one aborts."""
+
+    def __init__(self):
+        self.requested = False
+        self.signal_name = ""
+        self._previous = {}
+
+    def install(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+# ---- building blocks -------------------------------------------------------------------------
+
+def build_dataset(cfg: TrainConfig, target) -> Dataset:
+    if cfg.data.source == "synthetic":
+        syn = cfg.data.synthetic
+        return synthetic_dataset(target, syn.num_samples, syn.prompt_len, cfg.data.seq_len, cfg.train.seed)
+    tokenizer = target.tokenizer
+    pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    return load_jsonl(cfg.data.path, cfg.data.seq_len, target.vocab_size, tokenizer,
+                      pad_id if pad_id is not None else 0)
+
+
+def drafter_config(cfg: TrainConfig, target) -> DrafterConfig:
+    try:
+        return DrafterConfig.for_target(target, **cfg.drafter.overrides())
+    except ValueError as exc:  # names the offending drafter field
+        raise ConfigError(f"{cfg.source}: drafter section: {exc}") from None
+
+
+def build_replicas(cfg: TrainConfig, dcfg: DrafterConfig, target, total_steps: int) -> list[Replica]:
+    """One drafter per drafter device, all with the same initial weights (seeded)."""
+    torch.manual_seed(cfg.train.seed)
+    base = DFlashDrafter(dcfg, target.embed_tokens, target.lm_head)
+    initial = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    t = cfg.train
+    replicas = []
+    for index, device in enumerate(cfg.run.drafter_devices):
+        model = base if index == 0 else DFlashDrafter(dcfg, target.embed_tokens, target.lm_head)
+        model.load_state_dict(initial)
+        model.to(device=device, dtype=param_dtype(device))
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas),
+                                      weight_decay=t.weight_decay)
+        schedule = WarmupCosine(round(t.warmup_frac * total_steps), total_steps, t.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        replicas.append(Replica(index, device, model, optimizer, scheduler))
+    return replicas
+
+
+def restore(replicas: list[Replica], state: ckpt.Checkpoint, dcfg: DrafterConfig) -> None:
+    """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, RNG."""
+    saved = state.drafter_config
+    differ = sorted(k for k, v in dcfg.to_dict().items() if saved.get(k) != v)
+    if differ:
+        raise ConfigError(
+            f"--resume {state.path}: the checkpoint's drafter differs in {', '.join(differ)} "
+            f"(checkpoint: {', '.join(f'{k}={saved.get(k)!r}' for k in differ)}). "
+            f"Fix: resume with the config it was trained with, or start a new --output-dir.")
+    for replica in replicas:
+        replica.model.load_state_dict(state.weights)
+        replica.optimizer.load_state_dict(state.optimizer)
+        replica.scheduler.load_state_dict(state.scheduler)
+    ckpt.set_rng_state(state.rng)
+
+
+def make_loss_fn(cfg: TrainConfig):
+    """The DFlash objective for one replica and one batch (runs inside the compile guard)."""
+    block, num_anchors, gamma = cfg.drafter.block_size, cfg.train.num_anchors, cfg.train.gamma
+    backend, seed = cfg.run.attention, cfg.train.seed
+
+    def compute(replica: Replica, batch: Batch) -> LossOutput:
+        # Anchors depend on (seed, step, replica) only: a resumed run draws the same ones.
+        gen = torch.Generator().manual_seed(derive_seed(seed, batch.step, batch.replica))
+        anchors, valid = sample_anchors(batch.loss_mask, num_anchors, block, gen)
+        ctx_len = batch.input_ids.shape[1]
+        build = build_block_mask if backend == "flex" else dense_mask
+        mask = build(anchors, valid, ctx_len, block, replica.device)
+        hidden = replica.model(batch.features, batch.input_ids, anchors, mask, backend)
+        labels, label_mask = block_labels(batch.input_ids, batch.loss_mask, anchors, valid, block)
+        loss, acc = replica.model.loss(hidden, labels, label_mask, gamma)
+        return LossOutput(loss=loss, acc=acc, tokens=int(valid.sum()) * block)
+
+    return compute
+
+
+def save(cfg: TrainConfig, replicas: list[Replica], dcfg: DrafterConfig, plan: BatchPlan, step: int) -> str:
+    lead = replicas[0]  # replicas are identical; one copy is the checkpoint
+    return ckpt.save_checkpoint(
+        cfg.run.output_dir, step, weights=lead.model.state_dict(), optimizer=lead.optimizer.state_dict(),
+        scheduler=lead.scheduler.state_dict(), data_position=plan.position(step),
+        rng=ckpt.rng_state(cfg.run.target_devices + cfg.run.drafter_devices),
+        config=cfg.to_dict(), drafter_config=dcfg.to_dict(), keep_last=cfg.run.keep_last)
+
+
+def startup_summary(cfg: TrainConfig, guard: CompileGuard, dataset: Dataset, plan: BatchPlan,
+                    total_steps: int, start_step: int, replicas: list[Replica]) -> list[str]:
+    params = sum(p.numel() for p in replicas[0].trainable())
+    lines = ["dflash-train: resolved config (" + cfg.source + "):"]
+    lines += ["  " + line for line in yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()]
+    lines += [
+        f"devices: target {', '.join(cfg.run.target_devices)} | drafters {', '.join(cfg.run.drafter_devices)} "
+        f"({len(replicas)} replica thread(s))",
+        guard.describe(),
+        f"attention: {cfg.run.attention} | torch {torch.__version__} | drafter params {params:,}",
+        f"data: {len(dataset)} sequences x {cfg.data.seq_len} tokens from {dataset.source}; "
+        f"{plan.steps_per_epoch} steps/epoch; {total_steps} steps total"
+        + (f"; resuming after step {start_step}" if start_step else ""),
+        f"metrics: {cfg.metrics_path} | checkpoints: {ckpt.checkpoints_root(cfg.run.output_dir)}",
+    ]
+    return lines
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) -> RunResult:
+    """Run (or resume) training as configured. Raises on failure after writing an `error` record."""
+    out = out if out is not None else sys.stdout
+    check_devices(cfg)
+    metrics = MetricsWriter(cfg.metrics_path, out=out, tty=tty, log_every=cfg.run.log_every)
+    guard = CompileGuard(cfg.run.compile_lock, on_event=lambda e: metrics.compile(
+        e.get("thread", "?"), e.get("duration_s") or 0.0, e.get("step", -1), e.get("reason", "")))
+    stop = StopRequest()
+    try:
+        guard.install()  # before anything is compiled (patch mode must precede torch.compile)
+        if cfg.run.torch_threads:
+            torch.set_num_threads(cfg.run.torch_threads)
+        random.seed(cfg.train.seed)
+        torch.manual_seed(cfg.train.seed)
+        targets = [load_target(cfg.target.spec, dev, param_dtype(dev), layer_ids=cfg.target.layer_ids,
+                               seed=cfg.train.seed, tiny=cfg.target.tiny or None)
+                   for dev in cfg.run.target_devices]
+        dataset = build_dataset(cfg, targets[0])
+        plan = BatchPlan(len(dataset), cfg.train.batch_size, len(cfg.run.drafter_devices), cfg.train.seed,
+                         dataset.source)
+        total = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
+        dcfg = drafter_config(cfg, targets[0])
+        replicas = build_replicas(cfg, dcfg, targets[0], total)
+        start = 0
+        if cfg.run.resume:
+            state = ckpt.load_checkpoint(ckpt.resolve_resume(cfg.run.resume, cfg.run.output_dir))
+            restore(replicas, state, dcfg)
+            start = state.step
+        metrics.start(cfg.to_dict(), cfg.run.target_devices + cfg.run.drafter_devices, cfg.run.compile_lock,
+                      total, startup_summary(cfg, guard, dataset, plan, total, start, replicas))
+        stop.install()
+        return _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, start, total)
+    except BaseException as exc:
+        failure = exc.original if isinstance(exc, WorkerFailure) else exc
+        where = f" in thread {exc.thread}" if isinstance(exc, WorkerFailure) else ""
+        text = exc.traceback_text if isinstance(exc, WorkerFailure) else traceback.format_exc()
+        if isinstance(exc, KeyboardInterrupt):
+            metrics.say(f"aborted: {exc}")
+            metrics.done(-1, "interrupted")
+        else:
+            metrics.say(f"error{where}:\n{text.rstrip()}")
+            metrics.error(f"{type(failure).__name__}{where}: {failure}", error_kind(failure))
+        raise
+    finally:
+        stop.uninstall()
+        guard.uninstall()
+        metrics.close()
+
+
+def _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, start, total) -> RunResult:
+    last, path, step = None, None, start
+    throughput = Throughput(start, total)
+    with TrainingWorkers(targets=targets, replicas=replicas, dataset=dataset, plan=plan,
+                         compute_loss=make_loss_fn(cfg), guard=guard, grad_clip=cfg.train.grad_clip,
+                         feature_dtype=param_dtype) as workers:
+        workers.start(start, total)
+        for step_index in range(start, total):
+            last = workers.run_step(step_index)
+            step = last.step
+            tokens_per_s, eta_s = throughput.update(step, last.tokens)
+            metrics.step(step=step, total_steps=total, loss=last.loss, acc=last.acc, tokens_per_s=tokens_per_s,
+                         eta_s=eta_s, lr=last.lr, grad_norm=last.grad_norm, epoch=step / plan.steps_per_epoch)
+            if step % cfg.run.checkpoint_every == 0 or step == total or stop.requested:
+                path = save(cfg, replicas, dcfg, plan, step)
+                metrics.checkpoint(step, path)
+            if stop.requested:
+                metrics.say(f"{stop.signal_name}: stopped after step {step}")
+                metrics.done(step, "interrupted")
+                return RunResult(step, total, "interrupted", last, path, replicas)
+    metrics.done(step, "max_steps")
+    return RunResult(step, total, "max_steps", last, path, replicas)

@@ -1,0 +1,281 @@
+"""Threads that do the work: target workers make features, drafter threads train replicas.
+
+    target worker t (one per target device)      drafter thread r (one per drafter device)
+    for step, for each replica r it serves:      wait for "do step s" from the main thread
+      batch = make_batch(step, r)   --queue r-->   take batch s from queue r
+      batch.features = target(batch)               with guard.step(): loss; loss.backward()
+                                                   barrier: grads averaged over replicas, clipped
+                                                   optimizer.step(); scheduler.step(); report
+
+Replicas start identical and receive identical averaged gradients, so they stay identical without
+torch.distributed (all threads share one process). The main thread drives one step at a time, so
+between steps every drafter thread is idle: that is when the loop logs and checkpoints.
+
+Any exception in any thread stops everything: the stop event is set, the barrier aborted, queues
+drained, and the first real error (not a consequence such as BrokenBarrierError) is re-raised in
+the main thread as WorkerFailure, carrying the worker's traceback.
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import traceback
+from typing import Callable
+
+import torch
+
+from .data import Batch, BatchPlan, Dataset, make_batch
+
+POLL_S = 0.1  # how often blocked threads look at the stop event
+JOIN_TIMEOUT_S = 30.0
+
+
+class WorkerFailure(Exception):
+    """An exception raised in a worker thread, carried to the main thread."""
+
+    def __init__(self, thread: str, original: BaseException, traceback_text: str):
+        self.thread = thread
+        self.original = original
+        self.traceback_text = traceback_text
+        super().__init__(f"{thread}: {type(original).__name__}: {original}")
+
+
+class _Stopped(Exception):
+    """Raised inside a worker when another thread failed or the pool is closing."""
+
+
+@dataclasses.dataclass
+class Replica:
+    """One drafter copy on one device, with its own optimizer and LR schedule."""
+
+    index: int
+    device: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    @property
+    def name(self) -> str:
+        return f"drafter{self.index}"
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+@dataclasses.dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar, backward() is called on it
+    acc: torch.Tensor  # [block-1] per-position accuracy
+    tokens: int  # block tokens trained in this batch (valid anchors x block size)
+
+
+@dataclasses.dataclass
+class StepSummary:
+    step: int  # 1-based count of optimizer steps done
+    loss: float  # mean over replicas
+    acc: list[float]  # mean over replicas, per block position 1..B-1
+    tokens: int  # summed over replicas
+    grad_norm: float  # of the averaged gradient, before clipping
+    lr: float  # the learning rate this step used
+
+
+@dataclasses.dataclass
+class _Report:
+    replica: int
+    loss: float
+    acc: torch.Tensor
+    tokens: int
+    lr: float
+
+
+class _Failures:
+    """Collects worker exceptions; the first one that is not a mere consequence wins."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.items: list[WorkerFailure] = []
+        self.event = threading.Event()
+
+    def add(self, thread: str, exc: BaseException) -> None:
+        with self._lock:
+            self.items.append(WorkerFailure(thread, exc, traceback.format_exc()))
+        self.event.set()
+
+    def primary(self) -> WorkerFailure | None:
+        with self._lock:
+            for item in self.items:
+                if not isinstance(item.original, (_Stopped, threading.BrokenBarrierError)):
+                    return item
+            return self.items[0] if self.items else None
+
+
+class TrainingWorkers:
+    """Start with `start(first_step, total_steps)`, then `run_step(step)` per step; `close()` always."""
+
+    def __init__(self, *, targets: list, replicas: list[Replica], dataset: Dataset, plan: BatchPlan,
+                 compute_loss: Callable[[Replica, Batch], LossOutput], guard, grad_clip: float,
+                 feature_dtype: Callable[[str], torch.dtype], queue_depth: int = 2):
+        self.targets = targets
+        self.replicas = replicas
+        self.dataset = dataset
+        self.plan = plan
+        self.compute_loss = compute_loss
+        self.guard = guard
+        self.grad_clip = grad_clip
+        self.feature_dtype = feature_dtype
+        self._stop = threading.Event()
+        self._failures = _Failures()
+        self._commands = [queue.Queue() for _ in replicas]
+        self._batches = [queue.Queue(maxsize=queue_depth) for _ in replicas]
+        self._reports: queue.Queue = queue.Queue()
+        self._barrier = threading.Barrier(len(replicas), action=self._average_gradients)
+        self._grad_norm = float("nan")
+        self._threads: list[threading.Thread] = []
+
+    # ---- main thread side ---------------------------------------------------------------
+    def start(self, first_step: int, total_steps: int) -> None:
+        """`first_step` is 0-based (the number of steps already done)."""
+        for t, target in enumerate(self.targets):
+            served = [r for r in range(len(self.replicas)) if r % len(self.targets) == t]
+            if served:
+                self._spawn(f"target{t}", self._target_loop, target, served, first_step, total_steps)
+        for replica in self.replicas:
+            self._spawn(replica.name, self._drafter_loop, replica)
+
+    def run_step(self, step: int) -> StepSummary:
+        """Every replica trains on its batch for step `step` (0-based); returns when all are done."""
+        for commands in self._commands:
+            commands.put(step)
+        reports: list[_Report] = []
+        while len(reports) < len(self.replicas):
+            if self._failures.event.is_set():
+                self._raise_failure()
+            try:
+                reports.append(self._reports.get(timeout=POLL_S))
+            except queue.Empty:
+                pass
+        reports.sort(key=lambda rep: rep.replica)
+        acc = torch.stack([rep.acc for rep in reports]).mean(0)
+        return StepSummary(step=step + 1, loss=sum(rep.loss for rep in reports) / len(reports),
+                           acc=[float(a) for a in acc], tokens=sum(rep.tokens for rep in reports),
+                           grad_norm=self._grad_norm, lr=reports[0].lr)
+
+    def close(self) -> None:
+        """Stop all threads: no thread is left blocked on a queue or the barrier."""
+        self._stop.set()
+        self._barrier.abort()
+        for q in self._batches + self._commands:
+            _drain(q)
+        for thread in self._threads:
+            thread.join(timeout=JOIN_TIMEOUT_S)
+
+    def _raise_failure(self) -> None:
+        self.close()  # also lets the other threads report, so the root cause can be chosen
+        failure = self._failures.primary()
+        raise failure from failure.original
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- worker threads ----------------------------------------------------------------
+    def _spawn(self, name: str, fn, *args) -> None:
+        def run():
+            try:
+                fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - every failure must reach the main thread
+                if not self._stop.is_set() or not isinstance(exc, _Stopped):
+                    self._failures.add(name, exc)
+                self._stop.set()
+                self._barrier.abort()
+
+        # daemon: a thread stuck inside a torch kernel must not keep a failed process alive
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _target_loop(self, target, served: list[int], first_step: int, total_steps: int) -> None:
+        for step in range(first_step, total_steps):
+            for r in served:
+                replica = self.replicas[r]
+                batch = make_batch(self.dataset, self.plan, step, r)
+                mask = batch.attention_mask.to(target.device)
+                features = target.features(batch.input_ids.to(target.device), attention_mask=mask)
+                dev = replica.device
+                batch.features = features.to(dev, self.feature_dtype(dev))
+                batch.input_ids = batch.input_ids.to(dev)
+                batch.loss_mask = batch.loss_mask.to(dev)
+                batch.attention_mask = batch.attention_mask.to(dev)
+                self._put(self._batches[r], batch)
+
+    def _drafter_loop(self, replica: Replica) -> None:
+        while True:
+            step = self._get(self._commands[replica.index])
+            batch = self._get(self._batches[replica.index])
+            if batch.step != step:
+                raise RuntimeError(f"{replica.name}: got the batch of step {batch.step} for step {step}")
+            lr = replica.optimizer.param_groups[0]["lr"]
+            # the whole forward+backward may compile; a new shape would mean a recompile
+            with self.guard.step(replica.name, step, tuple(batch.input_ids.shape)):
+                out = self.compute_loss(replica, batch)
+                out.loss.backward()
+            # outside the guard: a barrier inside a guarded step could deadlock against a compile
+            self._barrier.wait()
+            replica.optimizer.step()
+            replica.scheduler.step()
+            replica.optimizer.zero_grad(set_to_none=True)
+            self._reports.put(_Report(replica.index, float(out.loss.detach()), out.acc.detach().float().cpu(),
+                                      int(out.tokens), lr))
+
+    def _average_gradients(self) -> None:
+        """Barrier action (one thread, all others parked): mean grads, clip, copy to every replica."""
+        home = self.replicas[0].device
+        per_replica = [r.trainable() for r in self.replicas]
+        averaged = []
+        for params in zip(*per_replica):
+            total = None
+            for p in params:  # fixed replica order: the sum does not depend on thread timing
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                g = g.detach().to(home, torch.float32)
+                total = g.clone() if total is None else total.add_(g)
+            averaged.append(total.div_(len(params)))
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in averaged])) \
+            if averaged else torch.tensor(0.0)
+        scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+        for i, avg in enumerate(averaged):
+            avg.mul_(scale)
+            for params in per_replica:
+                p = params[i]
+                p.grad = avg.to(p.device, p.dtype, copy=True)
+        self._grad_norm = float(norm)
+
+    # ---- blocking with an eye on the stop event ----------------------------------------
+    def _get(self, q: queue.Queue):
+        while True:
+            if self._stop.is_set():
+                raise _Stopped()
+            try:
+                return q.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+
+    def _put(self, q: queue.Queue, item) -> None:
+        while True:
+            if self._stop.is_set():
+                raise _Stopped()
+            try:
+                q.put(item, timeout=POLL_S)
+                return
+            except queue.Full:
+                continue
+
+
+def _drain(q: queue.Queue) -> None:
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return
