@@ -193,6 +193,25 @@ def test_sdpa_training_reaches_every_weight_and_learns():
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_bf16_drafter_matches_fp32_within_bf16_tolerance():
+    # GPU training runs the drafter (and the frozen target weights) in bf16.
+    drafter = make_drafter()
+    context, input_ids, anchors, valid = make_batch(pad_blocks=1)
+    labels, label_mask = block_labels(input_ids, torch.ones_like(input_ids, dtype=torch.bool),
+                                      anchors, valid, BLOCK)
+    loss32, _ = drafter.loss(run_sdpa(drafter, context, input_ids, anchors, valid),
+                             labels, label_mask, 7.0)
+    half = copy.deepcopy(drafter).to(dtype=torch.bfloat16)
+    assert half.lm_head_weight.dtype == torch.bfloat16
+    hidden = run_sdpa(half, context.to(torch.bfloat16), input_ids, anchors, valid)
+    assert hidden.dtype == torch.bfloat16
+    loss16, acc16 = half.loss(hidden, labels, label_mask, 7.0)
+    loss16.backward()
+    assert loss16.item() == pytest.approx(loss32.item(), rel=2e-2)
+    assert all(p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all()
+               for p in half.parameters())
+
+
 def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="mask_token_id"):
         small_config(mask_token_id=VOCAB)
