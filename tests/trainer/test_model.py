@@ -287,3 +287,26 @@ def test_both_backends_match_a_float64_forward(flex_vs_sdpa):
 def test_a_new_mask_with_the_same_shapes_does_not_recompile(flex_vs_sdpa):
     # The BlockMask (and its mask_mod closure) is rebuilt every step; that must not recompile.
     assert flex_vs_sdpa[1][3] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs a GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
+def test_cuda_flex_and_sdpa_give_the_same_loss_and_gradients(dtype, tol):
+    device = "cuda"
+    context, input_ids, anchors, valid = (t.to(device) for t in make_batch(seed=9, pad_blocks=1))
+    labels, label_mask = block_labels(input_ids, torch.ones_like(input_ids, dtype=torch.bool),
+                                      anchors, valid, BLOCK)
+    results = {}
+    for backend in ("flex", "sdpa"):
+        drafter = make_drafter(seed=2).to(device=device, dtype=dtype)
+        build = build_block_mask if backend == "flex" else dense_mask
+        mask = build(anchors, valid, CTX, BLOCK, device)
+        hidden = drafter(context.to(dtype), input_ids, anchors, mask, backend=backend)
+        loss, acc = drafter.loss(hidden, labels, label_mask, 7.0)
+        loss.backward()
+        results[backend] = (loss.float(), acc, {n: p.grad.float() for n, p in drafter.named_parameters()})
+    (lf, af, gf), (ls, as_, gs) = results["flex"], results["sdpa"]
+    assert torch.allclose(lf, ls, rtol=tol)
+    for name in gs:
+        rel = (gf[name] - gs[name]).norm() / gs[name].norm().clamp_min(1e-12)
+        assert rel < tol, (name, rel.item())
