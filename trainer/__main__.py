@@ -1,0 +1,6 @@
+"""`python -m trainer ...` == `dflash-train ...` (dflash-ops runs it this way from a release dir)."""
+import sys
+
+from trainer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,179 @@
+"""`dflash-train`: the command line over trainer.train and trainer.export (argparse: stdlib only).
+
+Exit codes: 0 done (also after a graceful SIGTERM/SIGINT stop, which checkpoints first);
+1 training failed (an `error` record is in the metrics file, the traceback in the log);
+2 bad config, data, checkpoint or arguments (one message naming the key or file:line, and the fix);
+130 aborted by a second SIGINT/SIGTERM (no checkpoint).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from .config import COMPILE_LOCK_MODES, ATTENTION_BACKENDS, ConfigError
+
+TRAIN_HELP = """\
+Train a DFlash drafter for a frozen target model.
+
+Start with the bundled tiny run (CPU, about a minute, no downloads):
+  dflash-train --config tiny-cpu --output-dir runs/tiny
+Continue it after a stop (SIGTERM/Ctrl-C finish the step and write a checkpoint first):
+  dflash-train --config tiny-cpu --output-dir runs/tiny --resume
+Export the result for an inference engine:
+  dflash-train export --checkpoint runs/tiny --out runs/tiny/export
+
+For your own target, copy trainer/configs/gpu-paper.yaml, set target.spec and data.path, then:
+  dflash-train --config my.yaml --target-devices cuda:0 --drafter-devices cuda:1,cuda:2,cuda:3
+
+Outputs: <output-dir>/checkpoints/step-NNNNNNN/ (last few kept) and the metrics file
+(JSON lines; default <output-dir>/metrics.jsonl). Any config key can be overridden with
+--set section.key=value (e.g. --set train.lr=3e-4).
+"""
+
+EXPORT_HELP = """\
+Write a checkpoint's drafter in the format inference engines load: config.json
+(architectures ["DFlashDraftModel"], block_size, dflash_config) + model.safetensors.
+
+  dflash-train export --checkpoint runs/tiny/checkpoints/step-0000480 --out drafter/
+  dflash-train export --checkpoint runs/tiny --out drafter/     (its latest checkpoint)
+"""
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-train", description=TRAIN_HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Subcommand: dflash-train export --help")
+    p.add_argument("--config", required=True, metavar="FILE",
+                   help="YAML config file, or a bundled name: tiny-cpu, gpu-paper")
+    p.add_argument("--output-dir", metavar="DIR", help="where checkpoints (and by default metrics) go")
+    p.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
+                   help="continue from the latest checkpoint in --output-dir, or from PATH "
+                        "(a checkpoints/step-NNNNNNN directory)")
+    p.add_argument("--compile-lock", choices=COMPILE_LOCK_MODES,
+                   help="protection against the torch.compile FX-tracing race between drafter threads "
+                        "(default lock; none/patch are for experiments)")
+    p.add_argument("--attention", choices=ATTENTION_BACKENDS,
+                   help="flex: compiled flex_attention (GPU); sdpa: dense mask (CPU, or any device)")
+    p.add_argument("--target-devices", metavar="LIST", help="comma-separated, e.g. cuda:0 (one target worker each)")
+    p.add_argument("--drafter-devices", metavar="LIST",
+                   help="comma-separated, e.g. cuda:1,cuda:2 (one drafter thread + replica each; "
+                        "repeat a device for several threads on it, e.g. cpu,cpu)")
+    p.add_argument("--metrics-file", metavar="PATH", help="JSON-lines metrics (default <output-dir>/metrics.jsonl)")
+    p.add_argument("--seed", type=int, help="seed for init, data order and anchors")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config key (YAML value), repeatable: --set train.lr=3e-4")
+    return p
+
+
+def _export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-train export", description=EXPORT_HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a checkpoints/step-NNNNNNN directory, or an output dir (its latest checkpoint)")
+    p.add_argument("--out", required=True, metavar="DIR", help="export directory (created)")
+    return p
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict:
+    """CLI flags -> the override dict load_config takes (short names or dotted keys)."""
+    overrides = {}
+    for name in ("output_dir", "max_steps", "resume", "compile_lock", "attention", "target_devices",
+                 "drafter_devices", "metrics_file", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            overrides[name] = value
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=3e-4")
+        try:
+            overrides[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            overrides[key.strip()] = raw
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "export":
+        return _run_export(_export_parser().parse_args(argv[1:]))
+    return _run_train(_train_parser().parse_args(argv))
+
+
+def _input_errors():
+    from .checkpoint import CheckpointError
+    from .data import DataError
+
+    return ConfigError, DataError, CheckpointError
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .config import load_config
+
+    input_errors = _input_errors()
+    try:
+        cfg = load_config(args.config, overrides_from_args(args))
+        from .train import train  # torch and transformers load only after the config is known good
+
+        result = train(cfg)
+    except input_errors as exc:
+        print(f"dflash-train: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dflash-train: aborted (no checkpoint written)", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - recorded in the metrics file; the log has the traceback
+        original = getattr(exc, "original", exc)
+        if isinstance(original, input_errors):
+            print(f"dflash-train: error: {original}", file=sys.stderr)
+            return 2
+        print(f"dflash-train: training failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"dflash-train: {result.reason} after step {result.steps_done}/{result.total_steps}; "
+          f"checkpoint {result.checkpoint}")
+    return 0
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from .checkpoint import load_checkpoint, resolve_resume
+    from .export import export_drafter  # noqa: F401 - fail early if the export module is missing
+
+    try:
+        path = args.checkpoint
+        if not _is_checkpoint_dir(path):
+            path = resolve_resume("latest", path)
+        out = export_checkpoint(load_checkpoint(path), args.out)
+    except _input_errors() as exc:
+        print(f"dflash-train: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"dflash-train: exported {path} -> {out}")
+    return 0
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    from pathlib import Path
+
+    from .checkpoint import WEIGHTS
+
+    return (Path(path) / WEIGHTS).is_file()
+
+
+def export_checkpoint(state, out_dir: str):
+    """Rebuild the drafter from a checkpoint alone (no target needed) and export it."""
+    import torch
+
+    from .export import export_drafter
+    from .model import DFlashDrafter, DrafterConfig
+
+    dcfg = DrafterConfig.from_dict(state.drafter_config)
+    # The target's embedding/lm_head are not part of the export; shape-only stand-ins on the meta
+    # device satisfy the constructor without loading the target or allocating vocab x hidden.
+    embed = torch.nn.Embedding(dcfg.vocab_size, dcfg.hidden_size, device="meta")
+    head = torch.nn.Linear(dcfg.hidden_size, dcfg.vocab_size, bias=False, device="meta")
+    drafter = DFlashDrafter(dcfg, embed, head)
+    drafter.load_state_dict(state.weights)
+    dtype = next(iter(state.weights.values())).dtype
+    return export_drafter(drafter, out_dir, dtype=dtype)
