@@ -7,6 +7,7 @@ Session-scoped (started once per test run, ~0.3 s):
                       PATH                  tests/sim first: `pct` and `nvidia-smi` simulators
                       PCT_SIM_ROOT          `pct_sim_root`
                       NVIDIA_SMI_SIM_STATE  `gpu_state_path`
+                      SHLVL=1               so bash skips root's ~/.bashrc (see _session_env)
   sshd_server_b     a second, independent sshd (own port and host key), for fan-out tests
   client_key        Path of the private key both servers accept (its .pub next to it)
   known_hosts       Path of a known_hosts file holding both servers' host keys
@@ -109,7 +110,10 @@ def _session_env(pct_root: Path, gpu_state: Path) -> dict:
     python_bin = os.path.dirname(sys.executable)
     path = os.pathsep.join([str(SIM_DIR), python_bin, "/usr/local/sbin", "/usr/local/bin",
                             "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
-    return {"PATH": path, "PCT_SIM_ROOT": str(pct_root), "NVIDIA_SMI_SIM_STATE": str(gpu_state)}
+    # SHLVL=1: Debian's bash sources ~/.bashrc for every ssh command unless it is nested; this
+    # machine's root .bashrc (pyenv init) costs ~0.3 s per command, which a lean Proxmox host's
+    # does not, and it would reorder PATH. The sessions see exactly the PATH above.
+    return {"PATH": path, "PCT_SIM_ROOT": str(pct_root), "NVIDIA_SMI_SIM_STATE": str(gpu_state), "SHLVL": "1"}
 
 
 @pytest.fixture(scope="session")
