@@ -66,15 +66,37 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     }
 
 
+def weight_names(cfg: DrafterConfig) -> set[str]:
+    """The safetensors names of an exported drafter."""
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(cfg.num_layers):
+        names |= {f"layers.{i}.{part}.weight" for part in (
+            "input_layernorm", "post_attention_layernorm",
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "self_attn.q_norm", "self_attn.k_norm",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    return names
+
+
 def export_drafter(drafter: DFlashDrafter, out_dir, dtype: torch.dtype | None = None) -> Path:
     """Write config.json + model.safetensors into out_dir (each file replaced atomically)."""
+    return export_weights(drafter.state_dict(), drafter.cfg, out_dir, dtype)
+
+
+def export_weights(weights: dict, cfg: DrafterConfig, out_dir,
+                   dtype: torch.dtype | None = None) -> Path:
+    """Same as export_drafter from a drafter state_dict (e.g. a checkpoint): no target needed."""
+    config_dtype = dtype or next(iter(weights.values())).dtype
+    config = export_config(cfg, config_dtype)  # validates before anything is written
+    if set(weights) != weight_names(cfg):
+        raise ValueError(
+            f"cannot export: weights do not match the drafter config: missing "
+            f"{sorted(weight_names(cfg) - set(weights))}, unexpected "
+            f"{sorted(set(weights) - weight_names(cfg))}. Fix: export the checkpoint together "
+            f"with the drafter config it was trained with")
+    tensors = {name: t.detach().to("cpu", config_dtype).contiguous() for name, t in weights.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = drafter.state_dict()
-    dtype = dtype or next(iter(state.values())).dtype
-    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()}
-    config = export_config(drafter.cfg, dtype)
-
     weights_tmp = out / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
     os.replace(weights_tmp, out / WEIGHTS_FILE)

@@ -104,8 +104,12 @@ class TargetModel:
         last = wanted[-1]
         captured: dict[int, torch.Tensor] = {}
 
+        caller = threading.get_ident()
+
         def make_hook(layer_id: int):
             def hook(_module, _args, output):
+                if threading.get_ident() != caller:
+                    return  # another thread's forward (e.g. generation) passing through
                 captured[layer_id] = output[0] if isinstance(output, tuple) else output
                 if layer_id == last:
                     raise _EnoughLayers

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.export import ReferenceDrafter, export_drafter, load_drafter
+from trainer.export import ReferenceDrafter, export_drafter, export_weights, load_drafter
 from trainer.masks import dense_mask
 from trainer.model import DFlashDrafter, DrafterConfig
 from trainer.target import load_target
@@ -140,3 +140,15 @@ def test_reference_refuses_a_foreign_layout(exported, target, tmp_path):
     (tmp_path / "config.json").write_text((exported / "config.json").read_text())
     with pytest.raises(ValueError, match="q_proj"):
         ReferenceDrafter(tmp_path, target.embed_tokens.weight, target.lm_head.weight)
+
+
+def test_export_from_a_state_dict_without_a_target(drafter, exported, tmp_path):
+    state = {k: v.clone() for k, v in drafter.state_dict().items()}
+    export_weights(state, drafter.cfg, tmp_path)
+    assert (tmp_path / "config.json").read_text() == (exported / "config.json").read_text()
+    a, b = load_file(str(tmp_path / "model.safetensors")), load_file(str(exported / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    del state["layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing \['layers.1.mlp.up_proj.weight'\]"):
+        export_weights(state, drafter.cfg, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()

@@ -101,6 +101,44 @@ def test_features_from_several_threads(tiny):
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+def test_another_threads_forward_is_not_cut_short(tiny):
+    # While features() has its stop-early hooks installed, a full forward from another thread
+    # (e.g. synthetic data generation) must still run every layer.
+    ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = tiny.model(ids, output_hidden_states=True).hidden_states
+    inside, other_done, got, errors = threading.Event(), threading.Event(), [], []
+    features_thread = []
+
+    def hold_features(_m, _a, _o):
+        if threading.current_thread() is features_thread[0]:
+            inside.set()
+            other_done.wait(30)
+
+    def other():
+        try:
+            inside.wait(30)
+            with torch.no_grad():
+                got.append(tiny.model(ids, output_hidden_states=True).hidden_states)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            other_done.set()
+
+    handle = tiny.model.model.layers[0].register_forward_hook(hold_features)
+    try:
+        features_thread.append(threading.Thread(target=tiny.features, args=(ids,)))
+        side = threading.Thread(target=other)
+        side.start()
+        features_thread[0].start()
+        features_thread[0].join(60)
+        side.join(60)
+    finally:
+        handle.remove()
+    assert inside.is_set() and not errors
+    assert len(got[0]) == 7 and all(torch.equal(g, w) for g, w in zip(got[0], want))
+
+
 def test_tiny_target_is_seeded_and_leaves_global_rng_alone():
     torch.manual_seed(123)
     expected_next = torch.rand(3)
