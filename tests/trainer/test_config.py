@@ -1,0 +1,122 @@
+"""Trainer config: bundled files load, overrides apply, bad values name the key and the fix."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from trainer.config import CONFIGS_DIR, ConfigError, check_devices, load_config
+
+
+def write(tmp_path, text: str, name: str = "c.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return str(path)
+
+
+MINIMAL = """\
+    target: {spec: tiny-random}
+    data: {source: synthetic, seq_len: 32}
+    run: {drafter_devices: [cpu, cpu], attention: sdpa}
+"""
+
+
+def test_bundled_names_resolve_to_the_packaged_files():
+    tiny = load_config("tiny-cpu", {})
+    assert tiny.source == str(CONFIGS_DIR / "tiny-cpu.yaml")
+    assert tiny.run.drafter_devices == ["cpu", "cpu"] and tiny.run.attention == "sdpa"
+    paper = load_config("gpu-paper", {})
+    # the paper's recipe, as stated in DESIGN.md / the issue
+    assert (paper.drafter.num_layers, paper.drafter.block_size, paper.train.num_anchors) == (5, 16, 512)
+    assert (paper.data.seq_len, paper.train.lr, paper.train.warmup_frac) == (3072, 6e-4, 0.04)
+    assert (paper.train.grad_clip, paper.train.epochs, paper.run.attention) == (1.0, 6, "flex")
+    assert paper.run.target_devices == ["cuda:0"]
+    assert paper.run.drafter_devices == ["cuda:1", "cuda:2", "cuda:3"]
+
+
+def test_gpu_config_runs_on_cpu_devices_with_sdpa():
+    cfg = load_config("gpu-paper", {"target_devices": "cpu", "drafter_devices": "cpu,cpu,cpu",
+                                    "attention": "sdpa"})
+    assert cfg.run.drafter_devices == ["cpu", "cpu", "cpu"]
+    check_devices(cfg)  # cpu always exists
+
+
+def test_cli_style_overrides_land_in_their_sections(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL), {
+        "output_dir": "/x/run", "max_steps": 7, "resume": "latest", "compile_lock": "none",
+        "seed": 3, "metrics_file": "/x/m.jsonl", "train.lr": "6e-4", "data.synthetic.num_samples": 9,
+    })
+    assert cfg.run.output_dir == "/x/run" and cfg.train.max_steps == 7 and cfg.run.resume == "latest"
+    assert cfg.run.compile_lock == "none" and cfg.train.seed == 3
+    assert cfg.metrics_path == "/x/m.jsonl"
+    assert cfg.train.lr == pytest.approx(6e-4)  # YAML 1.1 reads 6e-4 as a string; accepted as a number
+    assert cfg.data.synthetic.num_samples == 9
+
+
+def test_metrics_file_defaults_into_output_dir(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL), {"output_dir": "/runs/a"})
+    assert cfg.metrics_path == "/runs/a/metrics.jsonl"
+
+
+@pytest.mark.parametrize("yaml_text, key, fix", [
+    ("train: {lrr: 0.1}", "train.lrr", "train.lr"),
+    ("train: {lr: fast}", "train.lr", "number"),
+    ("train: {max_steps: 2.5}", "train.max_steps", "whole number"),
+    ("run: {attention: flash}", "run.attention", "flex, sdpa"),
+    ("run: {compile_lock: maybe}", "run.compile_lock", "lock, none, patch"),
+    ("run: {drafter_devices: [gpu1]}", "run.drafter_devices", "cuda:N"),
+    ("run: {drafter_devices: []}", "run.drafter_devices", "at least one"),
+    ("data: {source: jsonl}", "data.path", ".jsonl"),
+    ("train: {warmup_frac: 1.5}", "train.warmup_frac", "0.04"),
+    ("drafter: {num_heads: 6, num_kv_heads: 4}", "drafter.num_kv_heads", "divide"),
+    ("data: {source: synthetic, seq_len: 0}", "data.seq_len", "at least 1"),
+    ("train: {betas: 0.9}", "train.betas", "list"),
+    ("wat: 1", "wat", "target, drafter, data, train, run"),
+])
+def test_bad_values_name_the_key_and_the_fix(tmp_path, yaml_text, key, fix):
+    if not yaml_text.startswith("data:"):  # everything else needs valid data to get that far
+        yaml_text = "data: {source: synthetic}\n" + yaml_text
+    path = write(tmp_path, yaml_text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {})
+    message = str(err.value)
+    assert f"`{key}`" in message
+    assert fix in message
+    assert path in message
+
+
+def test_flex_on_cpu_drafters_is_refused_with_the_way_out(tmp_path):
+    path = write(tmp_path, "data: {source: synthetic}\nrun: {attention: flex, drafter_devices: [cpu]}")
+    with pytest.raises(ConfigError, match=r"`run.attention`.*--attention sdpa"):
+        load_config(path, {})
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    # line 3 opens a flow mapping that never closes
+    path = write(tmp_path, "target:\n  spec: tiny-random\ntrain: {lr: 0.1\nrun: {}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {})
+    assert f"{path}:" in str(err.value)
+    line = int(str(err.value).split(f"{path}:")[1].split(":")[0])
+    assert 3 <= line <= 5  # PyYAML reports where it noticed: within the broken mapping
+
+
+def test_missing_config_lists_the_bundled_ones(tmp_path):
+    with pytest.raises(ConfigError, match="tiny-cpu") as err:
+        load_config(str(tmp_path / "absent.yaml"), {})
+    assert "gpu-paper" in str(err.value)
+
+
+def test_devices_that_do_not_exist_are_named(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    cfg = load_config(write(tmp_path, MINIMAL), {"drafter_devices": "cpu,cuda:1", "attention": "sdpa"})
+    with pytest.raises(ConfigError, match=r"`run.drafter_devices`.*'cuda:1'.*no CUDA device"):
+        check_devices(cfg)
+
+
+def test_drafter_overrides_only_carry_what_the_config_sets(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL + "    drafter: {num_layers: 2, head_dim: 8}\n"), {})
+    assert cfg.drafter.overrides() == {"num_layers": 2, "block_size": 16, "head_dim": 8}
