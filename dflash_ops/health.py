@@ -67,77 +67,106 @@ def evaluate(report, job: Job, now: float | None = None) -> Verdict:
     """Verdict for a ProbeReport. `now` defaults to the target's clock at probe time (report.time),
     which is the clock the log mtimes and metrics times were written with."""
     now = report.time if now is None else now
-    thresholds = job.health
     progress = logs.progress(list(report.records))
     finished = progress.done_reason == "max_steps"
-    critical: list[str] = []
-    warning: list[str] = []
-    session = report.session
-
-    if session.error:
-        critical.append(f"cannot see tmux session '{session.name}': {session.error}")
-    elif not session.running and not finished:
-        if session.exists:
-            status = "" if session.exit_status is None else f" with status {session.exit_status}"
-            critical.append(f"trainer in tmux session '{session.name}' exited{status}")
-        else:
-            critical.append(f"tmux session '{session.name}' is gone (socket {session.socket})")
-
-    log_name = posixpath.basename(report.log.path) if report.log else "log"
-    seen = set()
-    for failure in logs.find_failures(report.log.text if report.log else "") + logs.failures_from_records(
-            list(report.records)):
-        if failure.name not in seen:
-            seen.add(failure.name)
-            critical.append(f"{failure.describe()} (in {log_name})")
-
+    age = _progress_age(report, progress, now)
+    critical = _session_problems(report.session, finished) + _failures(report)
     if not progress.loss_is_finite:
         critical.append(f"loss is {progress.loss} at step {progress.step}")
-
-    age = None  # seconds since the last sign of training progress
-    if progress.last_step_time is not None:
-        age = now - progress.last_step_time
-    elif progress.start_time is not None:
-        age = now - progress.start_time  # startup grace: the first step may take a compile
-    elif report.log is not None:
-        age = now - report.log.mtime  # no metrics at all: time since the log last changed
-    stalled = False
-    if session.running and not finished:
-        if age is None:
-            warning.append(f"no train-NNNN.log in {report.log_dir}")
-        elif age > thresholds.stall_seconds:
-            stalled = True
-            what = (f"no new step for {_seconds(age)} (last step {progress.step})" if progress.step is not None
-                    else f"no first step {_seconds(age)} after start")
-            critical.append(f"{what}; stall threshold {_seconds(thresholds.stall_seconds)}")
-
-    training = session.running and progress.step is not None and not stalled and not finished
-    if training and thresholds.min_tokens_per_s > 0 and progress.tokens_per_s is not None \
-            and progress.tokens_per_s < thresholds.min_tokens_per_s:
-        warning.append(f"{progress.tokens_per_s:.0f} tokens/s is below the {thresholds.min_tokens_per_s:.0f} minimum: "
-                       "the eager-fallback signature (compiled attention not in use)")
+    stall, warning = _stall(report, progress, age, job.health.stall_seconds, finished)
+    critical += stall
+    training = report.session.running and progress.step is not None and not stall and not finished
     drafter_util = _drafter_utilization(report.gpu, job)
-    if training and thresholds.min_drafter_util_pct > 0 and job.drafter_gpus:
-        if not report.gpu.ok:
-            warning.append(f"drafter GPU utilization unknown: {report.gpu.error}")
-        else:
-            missing = [i for i in job.drafter_gpus if report.gpu.by_index(i) is None]
-            low = [(i, u) for i, u in drafter_util.items() if u is not None and u < thresholds.min_drafter_util_pct]
-            if missing:
-                warning.append("drafter GPUs " + ",".join(map(str, missing)) + " not present on the target")
-            if low:
-                listed = ", ".join(f"GPU {i} at {u}%" for i, u in low)
-                warning.append(f"drafter {listed}: under the {thresholds.min_drafter_util_pct:g}% utilization floor")
-
+    if training:
+        warning += _slowness(progress, job.health.min_tokens_per_s)
+        warning += _idle_drafters(report.gpu, job, drafter_util)
     # a part of the probe that failed (an unreadable log, say) leaves a blind spot: say so
     warning += [f"probe could not read part of the target: {error}" for error in report.errors]
     level = "CRITICAL" if critical else "WARNING" if warning else "OK"
     reasons = critical + warning or [_ok_summary(progress, age, finished)]
+    return Verdict(level, tuple(reasons), _perfdata(progress, age, drafter_util, job))
+
+
+def _progress_age(report, progress: logs.Progress, now: float) -> float | None:
+    """Seconds since the last sign of training progress."""
+    if progress.last_step_time is not None:
+        return now - progress.last_step_time
+    if progress.start_time is not None:
+        return now - progress.start_time  # startup grace: the first step may wait for a compile
+    if report.log is not None:
+        return now - report.log.mtime  # no metrics at all: time since the log last changed
+    return None
+
+
+def _session_problems(session, finished: bool) -> list[str]:
+    if session.error:
+        return [f"cannot see tmux session '{session.name}': {session.error}"]
+    if session.running or finished:
+        return []
+    if session.exists:
+        status = "" if session.exit_status is None else f" with status {session.exit_status}"
+        return [f"trainer in tmux session '{session.name}' exited{status}"]
+    return [f"tmux session '{session.name}' is gone (socket {session.socket})"]
+
+
+def _failures(report) -> list[str]:
+    """Known failure signatures in the log tail and error events in the metrics, one per kind."""
+    log_name = posixpath.basename(report.log.path) if report.log else "log"
+    found = logs.find_failures(report.log.text if report.log else "") + logs.failures_from_records(
+        list(report.records))
+    seen, reasons = set(), []
+    for failure in found:
+        if failure.name not in seen:
+            seen.add(failure.name)
+            reasons.append(f"{failure.describe()} (in {log_name})")
+    return reasons
+
+
+def _stall(report, progress: logs.Progress, age: float | None, stall_seconds: float,
+           finished: bool) -> tuple[list[str], list[str]]:
+    """(critical, warning) about progress over time; only a live, unfinished job can stall."""
+    if not report.session.running or finished:
+        return [], []
+    if age is None:
+        return [], [f"no train-NNNN.log in {report.log_dir}"]
+    if age <= stall_seconds:
+        return [], []
+    what = (f"no new step for {_seconds(age)} (last step {progress.step})" if progress.step is not None
+            else f"no first step {_seconds(age)} after start")
+    return [f"{what}; stall threshold {_seconds(stall_seconds)}"], []
+
+
+def _slowness(progress: logs.Progress, min_tokens_per_s: float) -> list[str]:
+    if min_tokens_per_s <= 0 or progress.tokens_per_s is None or progress.tokens_per_s >= min_tokens_per_s:
+        return []
+    return [f"{progress.tokens_per_s:.0f} tokens/s is below the {min_tokens_per_s:.0f} minimum: "
+            "the eager-fallback signature (compiled attention not in use)"]
+
+
+def _idle_drafters(snapshot, job: Job, drafter_util: dict) -> list[str]:
+    floor = job.health.min_drafter_util_pct
+    if floor <= 0 or not job.drafter_gpus:
+        return []
+    if not snapshot.ok:
+        return [f"drafter GPU utilization unknown: {snapshot.error}"]
+    reasons = []
+    missing = [i for i in job.drafter_gpus if snapshot.by_index(i) is None]
+    if missing:
+        reasons.append("drafter GPUs " + ",".join(map(str, missing)) + " not present on the target")
+    low = [(i, u) for i, u in drafter_util.items() if u is not None and u < floor]
+    if low:
+        listed = ", ".join(f"GPU {i} at {u}%" for i, u in low)
+        reasons.append(f"drafter {listed}: under the {floor:g}% utilization floor")
+    return reasons
+
+
+def _perfdata(progress: logs.Progress, age: float | None, drafter_util: dict, job: Job) -> dict:
+    thresholds = job.health
+    min_tps = thresholds.min_tokens_per_s
     perfdata = {
         "step": Perf(progress.step),
         "loss": Perf(progress.loss if progress.loss_is_finite else None),
-        "tokens_per_s": Perf(progress.tokens_per_s,
-                             warn=f"{_number(thresholds.min_tokens_per_s)}:" if thresholds.min_tokens_per_s > 0 else ""),
+        "tokens_per_s": Perf(progress.tokens_per_s, warn=f"{_number(min_tps)}:" if min_tps > 0 else ""),
         "age_s": Perf(age, crit=_number(thresholds.stall_seconds)),
     }
     if job.drafter_gpus:
@@ -145,7 +174,7 @@ def evaluate(report, job: Job, now: float | None = None) -> Verdict:
         floor = thresholds.min_drafter_util_pct
         perfdata["drafter_util_pct"] = Perf(min(known) if known else None,
                                             warn=f"{_number(floor)}:" if floor > 0 else "", uom="%")
-    return Verdict(level, tuple(reasons), perfdata)
+    return perfdata
 
 
 def _drafter_utilization(snapshot, job: Job) -> dict:
