@@ -1,0 +1,166 @@
+"""Worker threads: gradients averaged and clipped, replicas stay identical, a failure stops everything."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from trainer.compile_lock import CompileGuard
+from trainer.config import load_config
+from trainer.data import BatchPlan
+from trainer.train import build_dataset, build_replicas, drafter_config, make_loss_fn, param_dtype, train
+from trainer.target import load_target
+from trainer.workers import TrainingWorkers, WorkerFailure
+
+pytestmark = pytest.mark.timeout(120)  # a hang is a failure, not a stuck CI job
+
+SMALL = {
+    "data.seq_len": 32, "data.synthetic.num_samples": 16, "train.batch_size": 2, "train.num_anchors": 6,
+    "run.torch_threads": 1, "run.log_every": 1000,
+}
+
+
+def tiny_cfg(tmp_path, **extra):
+    overrides = dict(SMALL, output_dir=str(tmp_path / "run"))
+    overrides.update(extra)
+    return load_config("tiny-cpu", overrides)
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """Real tiny target, synthetic data and two CPU drafter replicas (built like train() does)."""
+    cfg = tiny_cfg(tmp_path_factory.mktemp("w"))
+    torch.set_num_threads(1)
+    target = load_target(cfg.target.spec, "cpu", torch.float32, layer_ids=cfg.target.layer_ids,
+                         tiny=cfg.target.tiny)
+    dataset = build_dataset(cfg, target)
+    return cfg, target, dataset
+
+
+def make_workers(parts, compute_loss=None, target=None, replicas=2):
+    cfg, real_target, dataset = parts
+    target = target or real_target
+    cfg.run.drafter_devices = ["cpu"] * replicas
+    plan = BatchPlan(len(dataset), cfg.train.batch_size, replicas, cfg.train.seed)
+    reps = build_replicas(cfg, drafter_config(cfg, real_target), real_target, total_steps=20)
+    guard = CompileGuard("lock")
+    workers = TrainingWorkers(targets=[target], replicas=reps, dataset=dataset, plan=plan,
+                              compute_loss=compute_loss or make_loss_fn(cfg), guard=guard,
+                              grad_clip=cfg.train.grad_clip, feature_dtype=param_dtype)
+    return workers, reps
+
+
+def test_barrier_action_averages_then_clips_and_copies_to_every_replica(parts):
+    workers, reps = make_workers(parts)
+    workers.grad_clip = 0.5
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    for rep, gen in zip(reps, gens):
+        for p in rep.trainable():
+            p.grad = torch.randn(p.shape, generator=gen)
+    # expected, computed the plain way: elementwise mean, then torch's own clip_grad_norm_
+    mean = [(a.grad + b.grad) / 2 for a, b in zip(reps[0].trainable(), reps[1].trainable())]
+    holders = [torch.nn.Parameter(torch.zeros_like(m)) for m in mean]
+    for h, m in zip(holders, mean):
+        h.grad = m.clone()
+    expected_norm = torch.nn.utils.clip_grad_norm_(holders, 0.5)  # returns the norm before clipping
+
+    workers._average_gradients()
+
+    assert workers._grad_norm == pytest.approx(float(expected_norm), rel=1e-5)
+    assert float(expected_norm) > 0.5  # so clipping really happened
+    for rep in reps:
+        for p, h in zip(rep.trainable(), holders):
+            torch.testing.assert_close(p.grad, h.grad)
+    assert all(a.grad.data_ptr() != b.grad.data_ptr() for a, b in zip(reps[0].trainable(), reps[1].trainable()))
+
+
+def test_two_drafter_threads_keep_identical_replicas(tmp_path):
+    cfg = tiny_cfg(tmp_path, max_steps=6)
+    target = load_target(cfg.target.spec, "cpu", torch.float32, layer_ids=cfg.target.layer_ids,
+                         tiny=cfg.target.tiny)
+    initial = build_replicas(cfg, drafter_config(cfg, target), target, 6)[0].model.state_dict()
+    result = train(cfg, out=_Sink())
+    assert result.steps_done == 6 and len(result.replicas) == 2
+    first, second = (r.model.state_dict() for r in result.replicas)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    moved = [name for name in first if not torch.equal(first[name], initial[name])]
+    assert len(moved) == len(first)  # every weight trained; identical because grads were shared
+    opt_a, opt_b = (r.optimizer.state_dict()["state"] for r in result.replicas)
+    for index in opt_a:
+        assert torch.equal(opt_a[index]["exp_avg"], opt_b[index]["exp_avg"])
+
+
+def test_an_exception_in_one_drafter_thread_stops_all_threads(parts):
+    cfg = parts[0]
+    real = make_loss_fn(cfg)
+
+    def failing(replica, batch):
+        if replica.index == 1 and batch.step == 2:
+            raise ValueError("boom in drafter 1")
+        return real(replica, batch)
+
+    workers, _ = make_workers(parts, compute_loss=failing)
+    started = time.monotonic()
+    with workers:
+        workers.start(0, 10)
+        workers.run_step(0)
+        workers.run_step(1)
+        with pytest.raises(WorkerFailure) as err:
+            workers.run_step(2)
+    assert err.value.thread == "drafter1"
+    assert isinstance(err.value.original, ValueError) and "boom in drafter 1" in str(err.value)
+    assert "failing" in err.value.traceback_text  # the worker's own traceback travels with it
+    assert time.monotonic() - started < 60
+    assert not [t for t in workers._threads if t.is_alive()]  # drafter0 left the barrier, target0 its queue
+
+
+def test_an_exception_in_the_target_worker_stops_all_threads(parts):
+    cfg, target, _ = parts
+
+    class BrokenTarget:
+        """The real target, whose features() fails on the third batch it is asked for."""
+
+        device = "cpu"
+
+        def __init__(self):
+            self.calls = 0
+
+        def features(self, input_ids, attention_mask=None):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("target fell over")
+            return target.features(input_ids, attention_mask=attention_mask)
+
+    workers, _ = make_workers(parts, target=BrokenTarget())
+    with workers:
+        workers.start(0, 10)
+        with pytest.raises(WorkerFailure) as err:
+            for step in range(10):  # it fails on batch 3, during step 0 or 1 depending on prefetch
+                workers.run_step(step)
+    assert step <= 1
+    assert err.value.thread == "target0" and "target fell over" in str(err.value)
+    assert not [t for t in workers._threads if t.is_alive()]
+
+
+def test_closing_idle_workers_ends_every_thread(parts):
+    workers, _ = make_workers(parts, replicas=3)
+    workers.start(0, 10)
+    workers.run_step(0)
+    time.sleep(0.3)  # the target worker is now blocked on full queues
+    workers.close()
+    assert not [t for t in workers._threads if t.is_alive()]
+    assert threading.active_count() < 20
+
+
+class _Sink:
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
