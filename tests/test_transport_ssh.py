@@ -183,3 +183,21 @@ def test_missing_identity_file_is_an_input_error(ssh_spec, tmp_path):
 ])
 def test_parse_jump(text, parsed):
     assert parse_jump("t", text) == parsed
+
+
+def test_missing_tools_fail_with_the_fix():
+    with pytest.raises(sshd_helpers.MissingTool) as info:
+        sshd_helpers.require_tools("no-such-tool-dflash")
+    assert "no-such-tool-dflash" in str(info.value) and "DFLASH_SKIP_SSH_TESTS=1" in str(info.value)
+
+
+def test_skip_switch_skips_instead_of_failing():
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "DFLASH_SKIP_SSH_TESTS": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_transport_ssh.py::test_runs_and_names_the_target"],
+                          capture_output=True, text=True, env=env, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "1 skipped" in done.stdout, done.stdout + done.stderr
