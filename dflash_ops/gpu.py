@@ -177,11 +177,12 @@ class BusyGpu:
         return f"GPU {self.index}: {used} MiB used by " + ", ".join(holders)
 
 
-def busy_gpus(snapshot: GpuSnapshot, indices, min_free_mib: int | None = None) -> list[BusyGpu]:
+def busy_gpus(snapshot: GpuSnapshot, indices, min_free_mib: int | None = None,
+              max_used_mib: int = IDLE_USED_MIB) -> list[BusyGpu]:
     """GPUs among `indices` that are not free yet.
 
     Free means at least `min_free_mib` unused; by default (None) it means no compute process and
-    at most IDLE_USED_MIB used, i.e. nothing but the driver's own reservation. Raises GpuUnavailable when the snapshot
+    at most `max_used_mib` used, i.e. nothing but the driver's own reservation. Raises GpuUnavailable when the snapshot
     has no GPU data and InputError when an index does not exist on the machine.
     """
     indices = sorted(set(int(i) for i in indices))
@@ -201,7 +202,7 @@ def busy_gpus(snapshot: GpuSnapshot, indices, min_free_mib: int | None = None) -
         if used is None:
             is_busy = bool(gpu.processes)
         elif min_free_mib is None:
-            is_busy = used > IDLE_USED_MIB or bool(gpu.processes)  # any listed process still holds it
+            is_busy = used > max_used_mib or bool(gpu.processes)  # any listed process still holds it
         else:
             total = gpu.memory_total_mib or 0
             is_busy = total - used < min_free_mib

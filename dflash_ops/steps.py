@@ -14,6 +14,7 @@ import time
 from . import deploy as deploy_lib
 from . import jobpaths, launch as launch_lib, tmux
 from .errors import StepFailed
+from .gpu import busy_gpus, parse_nvidia_smi
 from .model import Job
 from .playbook import StepContext, StepOutcome, StepRegistry
 from .remote import script_source
@@ -82,27 +83,8 @@ def kill_gpu_processes(ctx: StepContext, gpus: list[int], grace_s: float) -> Ste
 # ------------------------------------------------------------------ GPUs
 
 def parse_gpu_query(stdout: str):
-    from .gpu import parse_nvidia_smi
-
     gpu_csv, _, apps_csv = stdout.partition("@@")
     return parse_nvidia_smi(gpu_csv, apps_csv)
-
-
-def gpu_holders(snapshot, gpus, max_used_mib: float) -> list[str]:
-    """Why each of `gpus` is not free yet: its processes, or memory held with no process (ghost)."""
-    holders = []
-    by_index = {g.index: g for g in snapshot.gpus}
-    for index in gpus:
-        gpu = by_index.get(index)
-        if gpu is None:
-            holders.append(f"GPU {index}: not present (nvidia-smi shows {sorted(by_index)})")
-        elif gpu.processes:
-            holders.append(f"GPU {index}: " + ", ".join(
-                f"pid {p.pid} ({p.used_memory_mib} MiB)" for p in gpu.processes))
-        elif gpu.memory_used_mib is not None and gpu.memory_used_mib > max_used_mib:
-            holders.append(f"GPU {index}: {gpu.memory_used_mib} MiB used with no process listed (ghost "
-                           "memory: a process in another container, or a context still being torn down)")
-    return holders
 
 
 @registry.step("wait_gpu_free", params={"gpus": list[int], "timeout_s": (float, 120.0),
@@ -119,7 +101,7 @@ def wait_gpu_free(ctx: StepContext, gpus: list[int], timeout_s: float, max_used_
             return StepOutcome(f"would wait up to {timeout_s:g}s for GPUs {gpus}")
         if not result.ok:
             raise _fail(ctx, "nvidia-smi failed: " + (result.stdout + result.stderr).strip()[-500:])
-        holders = gpu_holders(parse_gpu_query(result.stdout), gpus, max_used_mib)
+        holders = [b.describe() for b in busy_gpus(parse_gpu_query(result.stdout), gpus, max_used_mib=max_used_mib)]
         if not holders:
             return StepOutcome(f"GPUs {','.join(map(str, gpus))} free")
         if time.monotonic() > deadline:
@@ -210,8 +192,8 @@ def wait_first_step(ctx: StepContext, timeout_s: float, poll_s: float) -> StepOu
         if not pane:
             why = "the tmux session is gone"
             break
-        if len(pane) >= 3 and pane[1] == "1":
-            why = f"the trainer exited with code {pane[2]}"
+        if len(pane) >= 2 and pane[1] == "1":
+            why = "the trainer exited" + (f" with code {pane[2]}" if len(pane) >= 3 else "")
             break
         if time.monotonic() > deadline:
             break

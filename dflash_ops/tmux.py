@@ -24,7 +24,8 @@ def has_session(job: Job) -> str:
 
 def pane_pids(job: Job) -> str:
     """Prints `PID DEAD STATUS` for every pane (nothing when the session is gone)."""
-    return tmux(job, "list-panes", "-s", "-t", exact(job), "-F", "#{pane_pid} #{pane_dead} #{pane_dead_status}") + " 2>/dev/null"
+    # `=NAME:` (the session's windows): list-panes -s -t =NAME still prefix-matches in tmux 3.3
+    return tmux(job, "list-panes", "-s", "-t", exact(job) + ":", "-F", "#{pane_pid} #{pane_dead} #{pane_dead_status}") + " 2>/dev/null"
 
 
 def kill_session(job: Job) -> str:

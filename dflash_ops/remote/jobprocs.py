@@ -59,7 +59,7 @@ def descendants(roots, pids):
 
 def pane_pids(socket, session):
     try:
-        out = subprocess.run(["tmux", "-L", socket, "list-panes", "-s", "-t", "=" + session, "-F", "#{pane_pid}"],
+        out = subprocess.run(["tmux", "-L", socket, "list-panes", "-s", "-t", "=" + session + ":", "-F", "#{pane_pid}"],
                              capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
