@@ -127,6 +127,12 @@ def test_corrupt_known_hosts_is_named(ssh_spec, tmp_path):
     assert str(kh) in str(info.value)
 
 
+def test_unreadable_known_hosts_is_named(ssh_spec, tmp_path):
+    with pytest.raises(HostKeyError) as info:
+        _run(dataclasses.replace(ssh_spec, known_hosts_file=str(tmp_path)))  # a directory
+    assert f"cannot read {tmp_path}" in str(info.value) and "ssh.known_hosts_file" in str(info.value)
+
+
 def test_policy_off_trusts_without_recording(ssh_spec, tmp_path):
     kh = tmp_path / "known_hosts"
     kh.write_text("")

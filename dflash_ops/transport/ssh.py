@@ -148,10 +148,10 @@ class SshTransport(Transport):
     def command_line(self, script: str, timeout: float = 60) -> str:
         return self._ssh_command(self._remote_line(with_remote_timeout(script, timeout)))
 
-    def _ssh_command(self, remote_line: str, tty: bool = False) -> str:
+    def _ssh_command(self, remote_line: str) -> str:
         """An equivalent OpenSSH command line, for --dry-run output and copy-paste."""
         s = self.spec
-        argv = ["ssh"] + (["-t"] if tty else []) + ["-p", str(s.port)]
+        argv = ["ssh", "-p", str(s.port)]
         if s.identity_file:
             argv += ["-i", s.identity_file, "-o", "IdentitiesOnly=yes"]
         if self.jump:
@@ -199,18 +199,16 @@ class SshTransport(Transport):
             gateway = None
             if self.jump:
                 juser, jhost, jport = self.jump
-                gateway = self._new_connection(jhost, jport, juser or s.user)
-                self._gateway = gateway
                 try:
+                    gateway = self._gateway = self._new_connection(jhost, jport, juser or s.user)
                     gateway.open()
                 except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
                     self._close_quietly()
                     raise self._connect_error(exc, step, jhost, jport, juser or s.user, "jump host ") from None
-            conn = self._new_connection(s.host, s.port, s.user, gateway)
             try:
+                conn = self._conn = self._new_connection(s.host, s.port, s.user, gateway)
                 conn.open()
             except Exception as exc:  # noqa: BLE001
-                self._conn = conn
                 self._close_quietly()
                 raise self._connect_error(exc, step, s.host, s.port, s.user, "") from None
             conn.transport.set_keepalive(30)  # long `status --watch` sessions through NAT
@@ -238,6 +236,11 @@ class SshTransport(Transport):
             return HostKeyError(self.name, step, f"cannot read {self.known_hosts}: a line is corrupt ({exc}); "
                                                  f"fix or delete it (ssh-keygen -f {self.known_hosts} -F {entry} "
                                                  "shows the entries for this host)")
+        if isinstance(exc, UnicodeDecodeError) or (
+                isinstance(exc, OSError) and exc.filename and os.path.abspath(exc.filename) == os.path.abspath(self.known_hosts)):
+            return HostKeyError(self.name, step, f"cannot read {self.known_hosts} ({exc}); check ssh.known_hosts_file")
+        if isinstance(exc, OSError) and exc.filename:
+            return AuthError(self.name, step, f"cannot read {exc.filename} ({exc.strerror}); check ssh.identity_file")
         if isinstance(exc, paramiko.PasswordRequiredException):
             return AuthError(self.name, step, f"{where}: the key {self.spec.identity_file} is passphrase-protected; "
                                               "load it into ssh-agent and drop ssh.identity_file, or use a key without one")
