@@ -1,0 +1,42 @@
+"""relaunch → status → stop → relaunch (resume) with the REAL tiny trainer on the local target."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from pathlib import Path
+
+from dflash_ops import ops
+from dflash_ops.model import Health
+
+
+def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
+    tag = uuid.uuid4().hex[:8]
+    job = dataclasses.replace(local_target.job, tmux_socket=f"real-{tag}", session="tiny",
+                              train_args=("--max-steps", "400"), health=Health(stall_seconds=120))
+    target = dataclasses.replace(local_target, job=job)
+    try:
+        first = ops.run_playbook(target, "relaunch", {"timeout": 240.0, "grace": 60.0})
+        assert first.ok, first.summary()
+        step = first.steps[-1].data["step"]
+        assert step["step"] >= 1 and step["loss"] > 0 and step["tokens_per_s"] > 0
+
+        checked = ops.check(target)
+        assert checked.verdict.level == "OK", checked.verdict.reasons
+        assert checked.status["training"]["total_steps"] == 400
+
+        stopped = ops.run_playbook(target, "stop", {"grace": 60.0})
+        assert stopped.ok and "0 needed SIGKILL" in stopped.steps[0].message, stopped.steps[0].message
+        log = Path(first.steps[5].data["log"])
+        records = [json.loads(line) for line in log.with_name(log.stem + ".metrics.jsonl").read_text().splitlines()]
+        assert records[-1]["event"] == "done" and records[-1]["reason"] == "interrupted"
+        assert any(r["event"] == "checkpoint" for r in records), "SIGTERM must leave a checkpoint"
+        stopped_at = records[-1]["step"]
+
+        second = ops.run_playbook(target, "relaunch", {"timeout": 240.0, "grace": 60.0, "deploy": False})
+        assert second.ok, second.summary()
+        assert second.steps[-1].data["step"]["step"] > stopped_at, "the relaunch did not resume"
+        assert "--resume" in Path(second.steps[5].data["log"]).read_text()
+    finally:
+        with ops.connect(target) as t:
+            t.run(f"tmux -L {job.tmux_socket} kill-server", timeout=30)
