@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import random
@@ -137,9 +138,11 @@ def restore(replicas: list[Replica], state: ckpt.Checkpoint, dcfg: DrafterConfig
             f"(checkpoint: {', '.join(f'{k}={saved.get(k)!r}' for k in differ)}). "
             f"Fix: resume with the config it was trained with, or start a new --output-dir.")
     for replica in replicas:
-        replica.model.load_state_dict(state.weights)
-        replica.optimizer.load_state_dict(state.optimizer)
-        replica.scheduler.load_state_dict(state.scheduler)
+        replica.model.load_state_dict(state.weights)  # copies into the replica's own parameters
+        # load_state_dict keeps tensors that need no cast: without a copy, replicas on one device
+        # would share (and each advance) the same Adam moments and step counts
+        replica.optimizer.load_state_dict(copy.deepcopy(state.optimizer))
+        replica.scheduler.load_state_dict(copy.deepcopy(state.scheduler))
     ckpt.set_rng_state(state.rng)
 
 

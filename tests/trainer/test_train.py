@@ -1,0 +1,181 @@
+"""The training loop: the loss falls, resume is exact, the metrics file keeps the contract."""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from trainer import metrics_format
+from trainer.config import load_config
+from trainer.metrics import error_kind
+from trainer.train import WarmupCosine, make_loss_fn, train
+from trainer.workers import WorkerFailure
+
+pytestmark = pytest.mark.timeout(180)
+
+SMALL = {
+    "data.seq_len": 32, "data.synthetic.num_samples": 16, "train.batch_size": 2, "train.num_anchors": 6,
+    "run.torch_threads": 1, "run.log_every": 1000,
+}
+
+
+def tiny_cfg(out_dir, **extra):
+    overrides = dict(SMALL, output_dir=str(out_dir))
+    overrides.update(extra)
+    return load_config("tiny-cpu", overrides)
+
+
+def records(cfg):
+    with open(cfg.metrics_path, encoding="utf-8") as f:
+        return metrics_format.parse_lines(f.read())
+
+
+def test_loss_falls_clearly_on_the_learnable_synthetic_data(tmp_path):
+    # The bundled tiny-cpu settings, shortened to 150 steps (the schedule follows).
+    cfg = load_config("tiny-cpu", {"output_dir": str(tmp_path), "max_steps": 150, "run.checkpoint_every": 1000})
+    train(cfg, out=io.StringIO())
+    steps = [r for r in records(cfg) if r["event"] == "step"]
+    assert len(steps) == 150
+    first = sum(r["loss"] for r in steps[:10]) / 10
+    last = sum(r["loss"] for r in steps[-10:]) / 10
+    # Chance level is ln(vocab 512) = 6.24: the start sits near it, the end at least 1 nat lower.
+    assert first > 5.5
+    assert last < first - 1.0, (first, last)
+    acc_first = sum(r["acc"][0] for r in steps[:10]) / 10
+    acc_last = sum(r["acc"][0] for r in steps[-10:]) / 10
+    assert acc_last > acc_first + 0.2, (acc_first, acc_last)
+
+
+def test_resume_gives_exactly_the_uninterrupted_result(tmp_path):
+    straight = tiny_cfg(tmp_path / "a", max_steps=6, **{"run.checkpoint_every": 3, "run.keep_last": 5})
+    whole = train(straight, out=io.StringIO())
+    mid = tmp_path / "a" / "checkpoints" / "step-0000003"
+    assert mid.is_dir()
+
+    resumed_cfg = tiny_cfg(tmp_path / "b", max_steps=6, resume=str(mid))
+    resumed = train(resumed_cfg, out=io.StringIO())
+    assert resumed.steps_done == 6
+    a, b = whole.replicas[0], resumed.replicas[0]
+    for name, tensor in a.model.state_dict().items():
+        assert torch.equal(tensor, b.model.state_dict()[name]), name
+    state_a, state_b = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    for index in state_a:
+        assert torch.equal(state_a[index]["exp_avg_sq"], state_b[index]["exp_avg_sq"])
+    assert a.scheduler.get_last_lr() == b.scheduler.get_last_lr()
+    # the resumed run logged steps 4..6 with the same losses as the straight run
+    loss_a = {r["step"]: r["loss"] for r in records(straight) if r["event"] == "step"}
+    loss_b = {r["step"]: r["loss"] for r in records(resumed_cfg) if r["event"] == "step"}
+    assert sorted(loss_b) == [4, 5, 6]
+    assert all(loss_a[s] == loss_b[s] for s in loss_b)
+
+
+def test_a_different_seed_changes_the_result(tmp_path):
+    """Guards the resume test: equal results there are not a given (data order and anchors matter)."""
+    a = train(tiny_cfg(tmp_path / "a", max_steps=3), out=io.StringIO())
+    b = train(tiny_cfg(tmp_path / "b", max_steps=3, seed=1), out=io.StringIO())
+    assert not torch.equal(a.replicas[0].model.fc.weight, b.replicas[0].model.fc.weight)
+
+
+def test_resume_latest_with_a_different_drafter_is_refused(tmp_path):
+    from trainer.config import ConfigError
+
+    train(tiny_cfg(tmp_path, max_steps=2), out=io.StringIO())
+    other = tiny_cfg(tmp_path, max_steps=4, resume="latest", **{"drafter.num_layers": 2})
+    with pytest.raises(ConfigError, match=r"differs in num_layers.*Fix"):
+        train(other, out=io.StringIO())
+
+
+def test_metrics_file_follows_the_contract(tmp_path):
+    cfg = tiny_cfg(tmp_path, max_steps=5, **{"run.checkpoint_every": 2, "train.warmup_frac": 0.4})
+    out = io.StringIO()
+    train(cfg, out=out)
+    recs = records(cfg)
+    assert [r["event"] for r in recs][0] == "start" and recs[-1]["event"] == "done"
+    assert all(r["v"] == metrics_format.FORMAT_VERSION and isinstance(r["time"], float) for r in recs)
+
+    start = recs[0]
+    assert start["total_steps"] == 5 and start["compile_lock"] == "lock" and start["pid"] == os.getpid()
+    assert start["devices"] == ["cpu", "cpu", "cpu"]  # one target + two drafters
+    assert start["config"]["train"]["max_steps"] == 5
+
+    steps = [r for r in recs if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    for r in steps:
+        for field in metrics_format.STEP_FIELDS + ("acc", "epoch"):
+            assert field in r, field
+        assert r["total_steps"] == 5 and math.isfinite(r["loss"]) and r["loss"] > 0
+        assert len(r["acc"]) == cfg.drafter.block_size - 1 and all(0 <= a <= 1 for a in r["acc"])
+        assert r["tokens_per_s"] > 0 and r["eta_s"] >= 0 and r["grad_norm"] > 0
+    assert steps[-1]["eta_s"] == 0
+    # 16 sequences / (2 per replica x 2 replicas) = 4 steps per epoch
+    assert [r["epoch"] for r in steps] == [0.25, 0.5, 0.75, 1.0, 1.25]
+    # warmup 40% of 5 steps = 2 steps: lr/2, lr; then a cosine that would reach 0 after step 5
+    lr = cfg.train.lr
+    cosine = [0.5 * (1 + math.cos(math.pi * k / 3)) for k in range(3)]
+    assert [r["lr"] for r in steps] == pytest.approx([lr * 0.5, lr] + [lr * c for c in cosine])
+
+    ckpts = [r for r in recs if r["event"] == "checkpoint"]
+    assert [r["step"] for r in ckpts] == [2, 4, 5]  # every 2 steps and at the end
+    assert all(os.path.isdir(r["path"]) for r in ckpts[-3:] if r["step"] >= 4)
+    assert recs[-1] == {**recs[-1], "event": "done", "step": 5, "reason": "max_steps"}
+
+    text = out.getvalue()  # the readable side: resolved config, devices, lock mode, one line per step
+    assert "resolved config" in text and "drafters cpu, cpu" in text and "compile lock: lock" in text
+    assert "step 5/5" in text and "loss" in text and "\r" not in text  # no progress bar off a TTY
+
+
+def test_progress_bar_only_on_a_tty(tmp_path):
+    out = io.StringIO()
+    train(tiny_cfg(tmp_path, max_steps=2), out=out, tty=True)
+    assert "\r" in out.getvalue() and "[" + "#" * 24 + "]" in out.getvalue()
+
+
+def test_an_exception_in_a_drafter_thread_ends_the_run_with_an_error_record(tmp_path, monkeypatch):
+    import trainer.train as train_module
+
+    real = make_loss_fn
+
+    def flaky(cfg):
+        compute = real(cfg)
+
+        def run(replica, batch):
+            if replica.index == 0 and batch.step == 1:
+                raise RuntimeError("drafter zero broke")
+            return compute(replica, batch)
+
+        return run
+
+    monkeypatch.setattr(train_module, "make_loss_fn", flaky)
+    cfg = tiny_cfg(tmp_path, max_steps=5)
+    out = io.StringIO()
+    with pytest.raises(WorkerFailure, match="drafter zero broke"):
+        train(cfg, out=out)
+    recs = records(cfg)
+    assert recs[-1]["event"] == "error" and recs[-1]["kind"] == "exception"
+    assert "drafter0" in recs[-1]["message"] and "drafter zero broke" in recs[-1]["message"]
+    assert not any(r["event"] == "done" for r in recs)
+    assert "Traceback" in out.getvalue() and "run" in out.getvalue()  # the worker's traceback is logged
+
+
+def test_error_kinds_follow_the_cause_chain():
+    fx = RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function.")
+    wrapped = WorkerFailure("drafter1", fx, "")
+    try:
+        raise wrapped from fx
+    except WorkerFailure as exc:
+        assert error_kind(exc) == "fx_tracing"
+    assert error_kind(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")) == "cuda_oom"
+    assert error_kind(ValueError("x")) == "exception"
+
+
+def test_warmup_cosine_schedule():
+    s = WarmupCosine(warmup_steps=4, total_steps=14, min_ratio=0.1)
+    assert [s(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s(4) == 1.0
+    assert s(9) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the cosine
+    assert s(14) == pytest.approx(0.1) and s(20) == pytest.approx(0.1)
+    assert json.dumps(vars(s))  # its numbers travel in the scheduler's state_dict
