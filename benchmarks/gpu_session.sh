@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Everything the GPU proof needs, in one command on a GPU machine; results under $OUT (or ./gpu-out).
+#   bash benchmarks/gpu_session.sh smoke|race|perf|ops
+# smoke: versions, the CUDA-only trainer tests, one short training run with compiled flex.
+# race:  the race harness (none, lock x20, patch).   perf: throughput at paper dims.
+# ops:   dflash-ops relaunch/status/health/tail-log/stop on this machine's `local` target.
+set -u
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+for part in "$@"; do
+case $part in
+smoke)
+  { nvidia-smi; python3 -c 'import torch, sys; print(sys.version); print("torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'; } 2>&1 | tee "$OUT/versions.txt"
+  python3 -m pytest -q -p no:cacheprovider tests/trainer -k "cuda or gpu" 2>&1 | tail -15 | tee "$OUT/pytest-gpu.txt"
+  d=$(mktemp -d); TORCHINDUCTOR_CACHE_DIR=$d/i TRITON_CACHE_DIR=$d/t timeout 300 python3 -m trainer --config tiny-cpu \
+     --output-dir $d/out --max-steps 30 --attention flex --target-devices cuda:0 --drafter-devices cuda:0,cuda:0,cuda:0 \
+     --metrics-file $d/m.jsonl > "$OUT/smoke-train.log" 2>&1; echo "smoke train exit $?" | tee -a "$OUT/smoke-train.log"
+  tail -5 "$OUT/smoke-train.log"
+  ;;
+race)
+  python3 benchmarks/gpu_race.py --modes none --trials 6 --parallel 6 --label "3 drafter threads, one H200, fresh cache" --out "$OUT/race.md"
+  python3 benchmarks/gpu_race.py --modes lock --trials 24 --parallel 8 --label "3 drafter threads, one H200, fresh cache" --out "$OUT/race.md"
+  python3 benchmarks/gpu_race.py --modes patch --trials 6 --parallel 6 --label "3 drafter threads, one H200, fresh cache" --out "$OUT/race.md"
+  ;;
+perf)
+  python3 benchmarks/gpu_throughput.py --steps 12 --out "$OUT/throughput.md" 2>&1 | tail -12
+  ;;
+ops)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  cat > /tmp/gpu-inventory.yaml <<'INV'
+targets:
+  local:
+    transport: local
+    job:
+      workdir: /tmp/dflash-gpu
+      config: tiny-cpu
+      target_gpus: [0]
+      train_args: [--drafter-devices, "cuda:0,cuda:0,cuda:0", --attention, flex, --max-steps, "3000"]
+      health: {min_tokens_per_s: 1000, stall_seconds: 120, min_drafter_util_pct: 0}
+INV
+  ops() { echo "\$ dflash-ops $*"; python3 -m dflash_ops --inventory /tmp/gpu-inventory.yaml "$@"; echo "[exit $?]"; }
+  { ops relaunch; sleep 20; ops status; ops status --json; ops health; ops tail-log -n 20; ops stop; ops health; } 2>&1 | tee "$OUT/ops.txt"
+  nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits > "$OUT/nvsmi-gpu.csv" 2>&1
+  nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader,nounits > "$OUT/nvsmi-apps.csv" 2>&1
+  nvidia-smi --query-gpu=index,name,memory.used,utilization.gpu --format=csv > "$OUT/nvsmi-units.csv" 2>&1
+  ;;
+esac
+done
