@@ -124,7 +124,10 @@ def _as_python_rng(state):
 def save_checkpoint(output_dir: str, step: int, *, weights: dict, optimizer: dict, scheduler: dict,
                     data_position: dict, rng: dict, config: dict, drafter_config: dict,
                     keep_last: int) -> str:
-    """Write checkpoint `step` atomically, then drop all but the newest `keep_last`. Returns its path."""
+    """Write checkpoint `step` atomically, then drop all but the newest `keep_last`.
+
+    Returns its absolute path (it goes into the metrics file, read from other working directories).
+    """
     root = checkpoints_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     _sweep_leftovers(root)
@@ -151,7 +154,7 @@ def save_checkpoint(output_dir: str, step: int, *, weights: dict, optimizer: dic
     _fsync_dir(root)
     for _, stale in list_checkpoints(output_dir)[:-keep_last]:
         shutil.rmtree(stale, ignore_errors=True)
-    return str(final)
+    return os.path.abspath(final)
 
 
 def load_checkpoint(path: str) -> Checkpoint:

@@ -142,7 +142,16 @@ def restore(replicas: list[Replica], state: ckpt.Checkpoint, dcfg: DrafterConfig
         # load_state_dict keeps tensors that need no cast: without a copy, replicas on one device
         # would share (and each advance) the same Adam moments and step counts
         replica.optimizer.load_state_dict(copy.deepcopy(state.optimizer))
-        replica.scheduler.load_state_dict(copy.deepcopy(state.scheduler))
+        # The schedule's shape comes from THIS run's config (same config: same numbers, an exact
+        # continuation; a longer --max-steps stretches the cosine instead of training at its floor).
+        sched = copy.deepcopy(state.scheduler)
+        sched["lr_lambdas"] = [None] * len(replica.scheduler.lr_lambdas)
+        replica.scheduler.load_state_dict(sched)
+        step = replica.scheduler.last_epoch
+        for group, base, fn in zip(replica.optimizer.param_groups, replica.scheduler.base_lrs,
+                                   replica.scheduler.lr_lambdas):
+            group["lr"] = base * fn(step)
+        replica.scheduler._last_lr = [g["lr"] for g in replica.optimizer.param_groups]
     ckpt.set_rng_state(state.rng)
 
 
