@@ -132,8 +132,9 @@ def _run_train(args: argparse.Namespace) -> int:
             return 2
         print(f"dflash-train: training failed: {exc}", file=sys.stderr)
         return 1
-    print(f"dflash-train: {result.reason} after step {result.steps_done}/{result.total_steps}; "
-          f"checkpoint {result.checkpoint}")
+    what = "finished" if result.reason == "max_steps" else "stopped on request"
+    print(f"dflash-train: {what} at step {result.steps_done}/{result.total_steps}; "
+          f"last checkpoint {result.checkpoint}")
     return 0
 
 

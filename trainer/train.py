@@ -69,6 +69,7 @@ class StopRequest:
     def __init__(self):
         self.requested = False
         self.signal_name = ""
+        self.last_step = 0  # steps done so far, for the `done` record of an abort
         self._previous = {}
 
     def install(self) -> StopRequest:
@@ -242,7 +243,7 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
         text = exc.traceback_text if isinstance(exc, WorkerFailure) else traceback.format_exc()
         if isinstance(exc, KeyboardInterrupt):
             metrics.say(f"aborted: {exc}")
-            metrics.done(-1, "interrupted")
+            metrics.done(stop.last_step, "interrupted")
         else:
             metrics.say(f"error{where}:\n{text.rstrip()}")
             metrics.error(f"{type(failure).__name__}{where}: {failure}", error_kind(failure))
@@ -262,7 +263,7 @@ def _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, sta
         workers.start(start, total)
         for step_index in range(start, total):
             last = workers.run_step(step_index)
-            step = last.step
+            step = stop.last_step = last.step
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
             metrics.step(step=step, total_steps=total, loss=last.loss, acc=last.acc, tokens_per_s=tokens_per_s,
                          eta_s=eta_s, lr=last.lr, grad_norm=last.grad_norm, epoch=step / plan.steps_per_epoch)

@@ -198,6 +198,7 @@ class TrainingWorkers:
         thread.start()
 
     def _target_loop(self, target, served: list[int], first_step: int, total_steps: int) -> None:
+        _use_device(target.device)
         for step in range(first_step, total_steps):
             for r in served:
                 replica = self.replicas[r]
@@ -212,6 +213,7 @@ class TrainingWorkers:
                 self._put(self._batches[r], batch)
 
     def _drafter_loop(self, replica: Replica) -> None:
+        _use_device(replica.device)
         while True:
             step = self._get(self._commands[replica.index])
             batch = self._get(self._batches[replica.index])
@@ -271,6 +273,12 @@ class TrainingWorkers:
                 return
             except queue.Full:
                 continue
+
+
+def _use_device(device: str) -> None:
+    """Make a thread's own CUDA device current, so nothing it launches lands on cuda:0 by default."""
+    if str(device).startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
 
 
 def _drain(q: queue.Queue) -> None:

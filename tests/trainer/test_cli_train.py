@@ -52,6 +52,7 @@ def test_deployed_trainer_trains_resumes_and_exports(release, tmp_path):
                         "--metrics-file", "logs/train-0001.metrics.jsonl", *SMALL)
     assert first.returncode == 0, first.stderr
     assert "compile lock: lock" in first.stdout and "step 3/3" in first.stdout
+    assert f"({release}/trainer/configs/tiny-cpu.yaml)" in first.stdout  # the deployed copy ran
     recs = read_records(work / "logs" / "train-0001.metrics.jsonl")
     assert recs[-1]["event"] == "done" and recs[-1]["step"] == 3
     assert not (work / "run" / "metrics.jsonl").exists()

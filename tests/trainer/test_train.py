@@ -179,3 +179,31 @@ def test_warmup_cosine_schedule():
     assert s(9) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the cosine
     assert s(14) == pytest.approx(0.1) and s(20) == pytest.approx(0.1)
     assert json.dumps(vars(s))  # its numbers travel in the scheduler's state_dict
+
+
+def test_compiles_inside_drafter_steps_are_logged_with_thread_and_duration(tmp_path, monkeypatch):
+    import trainer.train as train_module
+
+    real = make_loss_fn
+    scale = torch.compile(lambda loss: loss * 1.0, backend="eager", dynamic=False)  # a real dynamo compile
+
+    def with_compiled_op(cfg):
+        compute = real(cfg)
+
+        def run(replica, batch):
+            out = compute(replica, batch)
+            out.loss = scale(out.loss)
+            return out
+
+        return run
+
+    monkeypatch.setattr(train_module, "make_loss_fn", with_compiled_op)
+    cfg = tiny_cfg(tmp_path, max_steps=3)
+    out = io.StringIO()
+    train(cfg, out=out)
+    compiles = [r for r in records(cfg) if r["event"] == "compile"]
+    assert compiles, "the compile of `scale` was not reported"
+    first = compiles[0]
+    assert first["thread"] in ("drafter0", "drafter1") and first["step"] == 0
+    assert first["duration_s"] > 0 and first["reason"] == "first_step"
+    assert "compile  drafter" in out.getvalue()
