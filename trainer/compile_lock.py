@@ -21,8 +21,13 @@ The guard wraps ONLY forward+backward. Drafters meet at a gradient-averaging bar
 a barrier inside a guarded step would deadlock against a thread waiting for the exclusive lock.
 
 Also here:
-- `MASK_LOCK`: concurrent `create_block_mask` calls mutate a module-global dict
-  (`torch.fx.traceback.annotate`) and raise `KeyError: 'custom'`; masks.build_block_mask holds this.
+- `MASK_LOCK`: `create_block_mask` adds and deletes a key in a module-global dict
+  (`torch.fx.traceback.annotate` -> `current_meta["custom"]`) and raises `KeyError: 'custom'` when
+  another thread touches that dict in between: another create_block_mask, OR a compile, which
+  swaps the whole dict while tracing. masks.build_block_mask holds MASK_LOCK, and in "lock" mode
+  every compile holds it too (measured: without that, masks built outside the guarded step still
+  failed next to compiles). Build masks with `_compile=False` (the default): a compile started
+  while holding MASK_LOCK would have to wait for other steps that may be waiting for MASK_LOCK.
 - `assert_fx_flag_clear()`: an EAGER flex_attention call saves and restores the global FX flag around
   its own internal compile; interleaved with a compile in another thread it can restore a stale
   True and poison every later compiled call. Never mix eager flex_attention into a compiled run.
@@ -47,8 +52,9 @@ BASELINE_MODES = ("first-step",)  # accepted by CompileGuard, not offered to use
 
 FX_TRACING_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
 
-# Process-wide: serialises create_block_mask (see module docstring).
-MASK_LOCK = threading.Lock()
+# Process-wide: serialises create_block_mask, and (mode "lock") keeps it apart from compiles.
+# Re-entrant so a compile started by the thread that holds it does not deadlock on itself.
+MASK_LOCK = threading.RLock()
 
 DEFAULT_WAIT_TIMEOUT_S = 900.0
 
@@ -320,6 +326,16 @@ class CompileGuard:
             return
         context = getattr(_tls, "context", None)
         owner, reason, took_exclusive = self._claim_for_compile(context)
+        holds_mask_lock = False
+        if self.mode == "lock":
+            holds_mask_lock = MASK_LOCK.acquire(timeout=self.wait_timeout_s)
+            if not holds_mask_lock:
+                if took_exclusive:
+                    self._lock.release_exclusive()
+                raise CompileLockTimeout(
+                    f"waited {self.wait_timeout_s:.0f} s for MASK_LOCK before compiling; is "
+                    "create_block_mask compiling (_compile=True) while holding it?"
+                )
         _tls.compile_depth = 1
         with self._state_lock:
             self._compiles_running += 1
@@ -331,6 +347,8 @@ class CompileGuard:
             with self._state_lock:
                 self._compiles_running -= 1
             _tls.compile_depth = 0
+            if holds_mask_lock:
+                MASK_LOCK.release()
             if took_exclusive:
                 self._lock.release_exclusive()
             self._record(
