@@ -17,7 +17,10 @@ FX_TRACING_SIGNATURE = "Detected that you are using FX to symbolically trace"
 
 
 def error_kind(exc: BaseException) -> str:
-    """The metrics `error.kind` for an exception: fx_tracing, cuda_oom or exception."""
+    """The metrics `error.kind` for an exception: fx_tracing, cuda_oom, block_mask or exception.
+
+    block_mask is the create_block_mask race (KeyError: 'custom', see compile_lock.MASK_LOCK).
+    """
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -26,6 +29,8 @@ def error_kind(exc: BaseException) -> str:
             return "fx_tracing"
         if "OutOfMemoryError" in type(exc).__name__ or "CUDA out of memory" in text:
             return "cuda_oom"
+        if isinstance(exc, KeyError) and exc.args == ("custom",):
+            return "block_mask"
         exc = exc.__cause__ or exc.__context__
     return "exception"
 

@@ -169,6 +169,8 @@ def test_error_kinds_follow_the_cause_chain():
     except WorkerFailure as exc:
         assert error_kind(exc) == "fx_tracing"
     assert error_kind(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")) == "cuda_oom"
+    assert error_kind(KeyError("custom")) == "block_mask"  # the create_block_mask race
+    assert error_kind(KeyError("other")) == "exception"
     assert error_kind(ValueError("x")) == "exception"
 
 
