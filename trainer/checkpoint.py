@@ -76,17 +76,19 @@ def latest_checkpoint(output_dir: str) -> str | None:
 
 
 def resolve_resume(resume: str, output_dir: str) -> str:
-    """`latest` -> the newest checkpoint of output_dir; otherwise a checkpoint directory."""
-    if resume == "latest":
-        path = latest_checkpoint(output_dir)
-        if path is None:
-            raise CheckpointError(
-                f"--resume latest: no checkpoint in {checkpoints_root(output_dir)}. "
-                f"Fix: start without --resume, or pass --resume PATH to a step-NNNNNNN directory."
-            )
-        return path
-    _require_complete(resume)
-    return resume
+    """`latest` -> the newest checkpoint of output_dir; a run directory -> its newest checkpoint;
+    otherwise `resume` must be a checkpoint directory itself."""
+    if resume != "latest" and not checkpoints_root(resume).is_dir():
+        _require_complete(resume)
+        return resume
+    where = output_dir if resume == "latest" else resume
+    path = latest_checkpoint(where)
+    if path is None:
+        raise CheckpointError(
+            f"--resume {resume}: no checkpoint in {checkpoints_root(where)}. "
+            f"Fix: start without --resume, or pass --resume PATH to a step-NNNNNNN directory."
+        )
+    return path
 
 
 def _require_complete(path: str) -> None:

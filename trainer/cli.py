@@ -52,7 +52,7 @@ def _train_parser() -> argparse.ArgumentParser:
                         "the LR schedule spans the steps actually run)")
     p.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
                    help="continue from the latest checkpoint in --output-dir, or from PATH "
-                        "(a checkpoints/step-NNNNNNN directory)")
+                        "(a checkpoints/step-NNNNNNN directory, or another run's output dir)")
     p.add_argument("--compile-lock", choices=COMPILE_LOCK_MODES,
                    help="protection against the torch.compile FX-tracing race between drafter threads "
                         "(default lock; none/patch are for experiments)")
@@ -141,26 +141,15 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def _run_export(args: argparse.Namespace) -> int:
     from .checkpoint import load_checkpoint, resolve_resume
-    from .export import export_drafter  # noqa: F401 - fail early if the export module is missing
 
     try:
-        path = args.checkpoint
-        if not _is_checkpoint_dir(path):
-            path = resolve_resume("latest", path)
+        path = resolve_resume(args.checkpoint, args.checkpoint)  # a step dir, or a run dir's latest
         out = export_checkpoint(load_checkpoint(path), args.out)
     except _input_errors() as exc:
         print(f"dflash-train: error: {exc}", file=sys.stderr)
         return 2
     print(f"dflash-train: exported {path} -> {out}")
     return 0
-
-
-def _is_checkpoint_dir(path: str) -> bool:
-    from pathlib import Path
-
-    from .checkpoint import WEIGHTS
-
-    return (Path(path) / WEIGHTS).is_file()
 
 
 def export_checkpoint(state, out_dir: str):

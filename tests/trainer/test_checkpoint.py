@@ -93,7 +93,11 @@ def test_resume_errors_say_what_to_pass(tmp_path):
     with pytest.raises(ck.CheckpointError, match="missing drafter.safetensors"):
         ck.resolve_resume(str(tmp_path), str(tmp_path))
     save_step(tmp_path, 1)
-    assert ck.resolve_resume("latest", str(tmp_path)).endswith("step-0000001")
+    save_step(tmp_path, 2)
+    assert ck.resolve_resume("latest", str(tmp_path)).endswith("step-0000002")
+    assert ck.resolve_resume(str(tmp_path), "elsewhere").endswith("step-0000002")  # a run dir: its latest
+    first = str(tmp_path / "checkpoints" / "step-0000001")
+    assert ck.resolve_resume(first, "elsewhere") == first
 
 
 CHILD = textwrap.dedent("""
