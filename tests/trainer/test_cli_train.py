@@ -121,7 +121,8 @@ def test_bad_config_exits_2_with_one_message_and_touches_nothing(tmp_path, capsy
 
 def test_bad_override_exits_2(tmp_path, capsys):
     assert main(["--config", "tiny-cpu", "--set", "train.gama=3"]) == 2
-    assert "`train.gama`" in capsys.readouterr().err and "train.gamma"
+    err = capsys.readouterr().err
+    assert "`train.gama`" in err and "Did you mean `train.gamma`?" in err
     assert main(["--config", "tiny-cpu", "--set", "novalue"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
 
