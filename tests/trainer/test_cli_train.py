@@ -78,7 +78,8 @@ def test_deployed_trainer_trains_resumes_and_exports(release, tmp_path):
     assert not any(k.startswith(("embed", "lm_head")) for k in weights)
 
 
-def test_sigterm_finishes_the_step_checkpoints_and_exits_cleanly(release, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_finishes_the_step_checkpoints_and_exits_cleanly(release, tmp_path, sig):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(release)
     metrics = tmp_path / "m.jsonl"
@@ -92,7 +93,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_cleanly(release, tmp_pa
                 break
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -106,7 +107,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_cleanly(release, tmp_pa
     checkpoint = [r for r in recs if r["event"] == "checkpoint"][-1]
     assert checkpoint["step"] == last_step and Path(checkpoint["path"]).is_dir()
     assert load_checkpoint(checkpoint["path"]).step == last_step
-    assert "SIGTERM: stopped after step" in out
+    assert f"{sig.name}: stopped after step {last_step}" in out
 
 
 def test_bad_config_exits_2_with_one_message_and_touches_nothing(tmp_path, capsys):
@@ -175,3 +176,13 @@ def test_help_is_for_newcomers(release, tmp_path):
     assert export_help.returncode == 0 and "DFlashDraftModel" in export_help.stdout
     wrong = run_trainer(release, tmp_path, "--config", "tiny-cpu", "--attention", "flash")
     assert wrong.returncode == 2 and "invalid choice: 'flash'" in wrong.stderr
+
+
+def test_hostile_paths_are_just_paths(tmp_path, capsys):
+    odd = tmp_path / "run 'a' \"b\" $(touch pwned) `id` ünï\ncode"
+    code = main(["--config", "tiny-cpu", "--output-dir", str(odd), "--max-steps", "2", *SMALL])
+    assert code == 0, capsys.readouterr().err
+    recs = read_records(odd / "metrics.jsonl")
+    assert recs[-1]["event"] == "done"
+    assert Path([r for r in recs if r["event"] == "checkpoint"][-1]["path"]).parent.parent == odd
+    assert not (Path.cwd() / "pwned").exists() and not (tmp_path / "pwned").exists()
