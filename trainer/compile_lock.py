@@ -326,6 +326,8 @@ class CompileGuard:
             return
         context = getattr(_tls, "context", None)
         owner, reason, took_exclusive = self._claim_for_compile(context)
+        # Whether this compile ran with no other thread inside a step (the invariant of "lock").
+        exclusive = took_exclusive or (owner is not None and owner.hold == "exclusive")
         holds_mask_lock = False
         if self.mode == "lock":
             holds_mask_lock = MASK_LOCK.acquire(timeout=self.wait_timeout_s)
@@ -358,6 +360,8 @@ class CompileGuard:
                     "step": owner.step if owner else -1,
                     "duration_s": round(duration, 4),
                     "reason": reason,
+                    "exclusive": exclusive,
+                    "shape_key": list(owner.shape_key) if owner else None,
                     "trigger": trigger,
                     "compile_id": compile_id,
                     "os_thread": threading.current_thread().name,
