@@ -1,0 +1,447 @@
+"""Drafter training throughput at paper dims: compiled vs eager flex_attention, MFU, the lock's cost.
+
+    python benchmarks/train_throughput.py --device cuda:0 --out benchmarks/results/throughput.md [--profile]
+    python benchmarks/train_throughput.py --small            # same code, tiny dims, CPU (sdpa)
+
+One run measures, each part in its own fresh process with fresh empty inductor/triton caches:
+1. peak: a bf16 8192^3 matmul (the MFU denominator, measured on this GPU in this run);
+2. compiled: training steps with the trainer's compiled flex_attention;
+3. eager: the same steps with eager flex_attention (a separate process: eager flex must never
+   share a process with compiled code, it can leave the global FX flag stuck);
+4. first step: N drafter threads (one replica each) starting together, compile lock "lock" vs
+   "none": per-thread latency from the common start to the end of its first forward+backward.
+
+Paper dims (DFlash, arXiv 2602.06036): hidden 4096, 32 heads / 8 KV heads, head_dim 128,
+intermediate 12288, 5 layers, block 16, 512 anchors, context 3072, bf16, 5 target layers; random
+target hidden states, a random frozen embedding + lm_head (vocab 151936).
+
+A step = sample anchors + build the block mask + forward + fused DFlash loss + backward + AdamW,
+timed with the device synchronised. Throughput is given two ways: block tokens/s (valid anchors x
+block size per second, the trainer's own `tokens_per_s`) and context tokens/s (batch x context
+length per second).
+
+Model FLOPs per step (counted, not measured; norms, RoPE and elementwise ops left out):
+- linear layers of each drafter layer: q/o over the N*16 block rows, k/v over context + block
+  rows, gate/up/down over block rows: 2*m*n*k each; backward 2x (weight grads + input grads);
+- fc (target features -> hidden): forward, backward weight grads only (its input is data);
+- attention: 4*head_dim*heads per query-key pair that the mask lets through (QK^T and PV),
+  counted exactly from this step's anchors (a block sees `anchor` context keys + its 16 block keys,
+  a padding block only itself); backward 2x (no credit for recomputation);
+- frozen lm_head on the trained rows (block positions 1..15; position 0 is never trained):
+  forward + input gradient only (no weight gradient).
+MFU = model FLOPs per step / median step time / measured matmul peak.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+RESULT_TAG = "BENCH_RESULT "
+
+PAPER = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, layers=5,
+             block=16, anchors=512, ctx=3072, vocab=151936, target_layers=5, batch=1)
+SMALL = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, layers=2,
+             block=16, anchors=16, ctx=256, vocab=512, target_layers=3, batch=1)
+
+
+# ---- FLOPs --------------------------------------------------------------------------------------
+
+def visible_pairs(anchors, valid, block: int) -> int:
+    """Query-key pairs the DFlash mask lets through (see trainer/masks.py for the rule)."""
+    anchors = anchors.long()
+    per_valid_block = block * (anchors + block)  # `anchor` context keys + the whole own block
+    return int((per_valid_block * valid).sum()) + int((~valid).sum()) * block  # padding: self only
+
+
+def step_flops(dims: dict, pairs: int) -> dict:
+    """Model FLOPs of one training step (forward + backward), by part."""
+    b, h, i = dims["batch"], dims["hidden"], dims["intermediate"]
+    nh, nkv, hd = dims["heads"], dims["kv_heads"], dims["head_dim"]
+    q_rows = b * dims["anchors"] * dims["block"]
+    kv_rows = b * dims["ctx"] + q_rows
+    lm_rows = b * dims["anchors"] * (dims["block"] - 1)
+    layer_linear = (2 * q_rows * h * nh * hd * 2          # q_proj, o_proj
+                    + 2 * kv_rows * h * nkv * hd * 2      # k_proj, v_proj
+                    + 2 * q_rows * h * i * 3)             # gate, up, down
+    attention = 4 * hd * nh * pairs  # summed over the batch already
+    fc = 2 * b * dims["ctx"] * dims["target_layers"] * h * h
+    lm_head = 2 * lm_rows * h * dims["vocab"]
+    parts = {
+        "layers_linear": 3 * dims["layers"] * layer_linear,
+        "attention": 3 * dims["layers"] * attention,
+        "fc": 2 * fc,
+        "lm_head": 2 * lm_head,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# ---- child processes ----------------------------------------------------------------------------
+
+def _sync(torch, device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def child_peak(args, dims) -> dict:
+    """Dense matmul peak of this device, measured (bf16 8192^3 on GPU, fp32 1024^3 on CPU)."""
+    import torch
+
+    cuda = args.device.startswith("cuda")
+    n, dtype, reps = (8192, torch.bfloat16, 50) if cuda else (1024, torch.float32, 5)
+    a = torch.randn(n, n, device=args.device, dtype=dtype)
+    b = torch.randn(n, n, device=args.device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(torch, args.device)
+    best = float("inf")
+    for _ in range(5):  # best of 5 bursts: the peak the device can actually reach
+        began = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        _sync(torch, args.device)
+        best = min(best, (time.perf_counter() - began) / reps)
+    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "tflops": 2 * n**3 / best / 1e12}
+
+
+def _build(args, dims, torch, seed: int = 0):
+    from trainer.model import DFlashDrafter, DrafterConfig
+
+    cuda = args.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = DrafterConfig(hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
+                        num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
+                        vocab_size=dims["vocab"], mask_token_id=dims["vocab"] - 1,
+                        target_layer_ids=list(range(1, dims["target_layers"] + 1)),
+                        num_layers=dims["layers"], block_size=dims["block"])
+    torch.manual_seed(seed)
+    with torch.device(args.device):  # initialise on the device: 1B parameters on a CPU is slow
+        embed = torch.nn.Embedding(dims["vocab"], dims["hidden"]).to(dtype).requires_grad_(False)
+        lm_head = torch.nn.Linear(dims["hidden"], dims["vocab"], bias=False).to(dtype).requires_grad_(False)
+        model = DFlashDrafter(cfg, embed, lm_head).to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)
+    return cfg, model, optimizer, dtype
+
+
+def _batch(args, dims, cfg, torch, dtype, gen):
+    b, t = dims["batch"], dims["ctx"]
+    input_ids = torch.randint(0, cfg.vocab_size - 1, (b, t), generator=gen)
+    loss_mask = torch.zeros(b, t, dtype=torch.bool)
+    loss_mask[:, t // 4:] = True  # a prompt without loss, then the response
+    features = torch.randn(b, t, cfg.context_size, generator=gen, dtype=torch.float32)
+    return input_ids.to(args.device), loss_mask, features.to(args.device, dtype)
+
+
+def _train_step(args, dims, cfg, model, optimizer, batch, gen, attention: str, torch):
+    from trainer.loss import block_labels
+    from trainer.masks import build_block_mask, dense_mask, sample_anchors
+
+    input_ids, loss_mask, features = batch
+    anchors, valid = sample_anchors(loss_mask, dims["anchors"], cfg.block_size, gen)
+    pairs = visible_pairs(anchors, valid, cfg.block_size)
+    anchors, valid = anchors.to(args.device), valid.to(args.device)
+    t = input_ids.shape[1]
+    build = dense_mask if attention == "sdpa" else build_block_mask
+    mask = build(anchors, valid, t, cfg.block_size, args.device)
+    hidden = model(features, input_ids, anchors, mask, attention)
+    labels, label_mask = block_labels(input_ids, loss_mask.to(args.device), anchors, valid, cfg.block_size)
+    loss, _ = model.loss(hidden, labels, label_mask, gamma=7.0)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return pairs, int(valid.sum()) * cfg.block_size, mask
+
+
+def child_train(args, dims) -> dict:
+    import torch
+
+    from trainer.compile_lock import CompileGuard, assert_fx_flag_clear
+
+    events = []
+    guard = CompileGuard("lock", on_event=events.append).install()
+    cfg, model, optimizer, dtype = _build(args, dims, torch)
+    gen = torch.Generator().manual_seed(1)
+    batch = _batch(args, dims, cfg, torch, dtype, gen)
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(args.device)
+    times, pairs_seen, tokens_seen = [], [], []
+    for step in range(args.warmup + args.steps):
+        _sync(torch, args.device)
+        began = time.perf_counter()
+        with guard.step("drafter0", step, tuple(batch[0].shape)):
+            pairs, tokens, mask = _train_step(args, dims, cfg, model, optimizer, batch, gen, args.attention, torch)
+        _sync(torch, args.device)
+        elapsed = time.perf_counter() - began
+        if step == 0:
+            first_step_s = elapsed
+            if args.attention == "flex":
+                assert_fx_flag_clear()
+            if args.attention == "sdpa":  # self-check of the pair count against the real mask
+                dense = int(mask.sum())
+                if dense != pairs:
+                    raise AssertionError(f"pair count {pairs} != dense mask {dense}")
+        if step >= args.warmup:
+            times.append(elapsed)
+            pairs_seen.append(pairs)
+            tokens_seen.append(tokens)
+    median = statistics.median(times)
+    result = {
+        "attention": args.attention, "first_step_s": first_step_s, "median_step_s": median,
+        "step_times_s": [round(t, 4) for t in times], "pairs_per_step": statistics.mean(pairs_seen),
+        "block_tokens_per_step": statistics.mean(tokens_seen),
+        "context_tokens_per_step": dims["batch"] * dims["ctx"],
+        "compiles": [{k: e[k] for k in ("thread", "step", "duration_s", "reason", "trigger")} for e in events],
+        "peak_memory_gib": (torch.cuda.max_memory_allocated(args.device) / 2**30
+                            if args.device.startswith("cuda") else None),
+    }
+    if args.profile:
+        result["profile"] = _profile(args, dims, cfg, model, optimizer, batch, gen, guard, torch)
+    return result
+
+
+def _profile(args, dims, cfg, model, optimizer, batch, gen, guard, torch) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if args.device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for step in range(3):
+            with guard.step("drafter0", 10_000 + step, tuple(batch[0].shape)):
+                _train_step(args, dims, cfg, model, optimizer, batch, gen, args.attention, torch)
+            _sync(torch, args.device)
+    # "self_cuda_time_total" is understood by old and new torch (newer ones map cuda -> device).
+    key = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=25)
+
+
+def child_first_step(args, dims) -> dict:
+    """N threads, one replica each, start together; time each thread's first forward+backward."""
+    import torch
+
+    from trainer.compile_lock import CompileGuard, is_fx_tracing_error
+
+    guard = CompileGuard(args.lock).install()
+    replicas = [_build(args, dims, torch) for _ in range(args.threads)]
+    start = threading.Barrier(args.threads + 1)
+    latency, errors = {}, []
+
+    def drafter(index: int) -> None:
+        cfg, model, optimizer, dtype = replicas[index]
+        gen = torch.Generator().manual_seed(1)
+        batch = _batch(args, dims, cfg, torch, dtype, gen)
+        _sync(torch, args.device)
+        start.wait()
+        began = time.perf_counter()
+        try:
+            with guard.step(f"drafter{index}", 0, tuple(batch[0].shape)):
+                _train_step(args, dims, cfg, model, optimizer, batch, gen, args.attention, torch)
+                _sync(torch, args.device)
+            latency[f"drafter{index}"] = round(time.perf_counter() - began, 3)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised: "none" may hit the race
+            errors.append({"thread": f"drafter{index}", "fx_tracing": is_fx_tracing_error(exc),
+                           "message": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"})
+
+    threads = [threading.Thread(target=drafter, args=(i,), daemon=True) for i in range(args.threads)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return {"lock": args.lock, "latency_s": latency, "all_done_s": round(time.perf_counter() - began, 3),
+            "errors": errors, "compiles": len(guard.events)}
+
+
+# ---- parent -------------------------------------------------------------------------------------
+
+def run_child(args, what: str, extra: list[str], timeout: float) -> dict:
+    scratch = tempfile.mkdtemp(prefix=f"throughput-{what}-")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"),
+               TRITON_CACHE_DIR=os.path.join(scratch, "triton"), PYTHONPATH=REPO)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", what, "--device", args.device,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+           "--batch", str(args.batch), *(["--small"] if args.small else []), *extra]
+    began = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"failed": f"no result within {timeout:.0f} s (hang?)", "wall_s": round(time.monotonic() - began, 1)}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    for line in out.splitlines():
+        if line.startswith(RESULT_TAG):
+            result = json.loads(line[len(RESULT_TAG):])
+            result["wall_s"] = round(time.monotonic() - began, 1)
+            return result
+    tail = err.strip().splitlines()[-1] if err.strip() else f"rc {proc.returncode}"
+    return {"failed": tail[:300], "stderr_tail": err[-3000:], "wall_s": round(time.monotonic() - began, 1)}
+
+
+def versions(device: str) -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        try:
+            info["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            info["driver"] = "n/a"
+    return info
+
+
+def summarise(run: dict, dims: dict, peak_tflops: float | None) -> dict:
+    if "failed" in run:
+        return {"failed": run["failed"]}
+    flops = step_flops(dims, int(run["pairs_per_step"]))
+    step = run["median_step_s"]
+    achieved = flops["total"] / step / 1e12
+    return {
+        "median_step_s": step, "first_step_s": run["first_step_s"],
+        "block_tokens_per_s": run["block_tokens_per_step"] / step,
+        "context_tokens_per_s": run["context_tokens_per_step"] / step,
+        "achieved_tflops": achieved, "mfu": achieved / peak_tflops if peak_tflops else None,
+        "peak_memory_gib": run["peak_memory_gib"], "flops_per_step": flops,
+        "compiles": len(run["compiles"]),
+    }
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def render(report: dict) -> str:
+    lines = [f"# Drafter training throughput — {report['date']}", "", f"Command: `{report['command']}`", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
+             "Dims: " + ", ".join(f"{k} {v}" for k, v in report["dims"].items()), "",
+             f"Matmul peak (measured): {_fmt(report['peak'].get('tflops'), '.1f')} TFLOP/s "
+             f"({report['peak'].get('dtype', '?')} {report['peak'].get('n', '?')}^3)", "",
+             "| run | median step s | first step s | block tok/s | context tok/s | TFLOP/s | MFU | peak mem GiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, s in report["runs"].items():
+        if "failed" in s:
+            lines.append(f"| {name} | failed: {s['failed']} | | | | | | |")
+            continue
+        lines.append(f"| {name} | {s['median_step_s']:.4f} | {s['first_step_s']:.2f} | {s['block_tokens_per_s']:.0f} "
+                     f"| {s['context_tokens_per_s']:.0f} | {s['achieved_tflops']:.2f} | "
+                     f"{_fmt(s['mfu'] and 100 * s['mfu'], '.1f')}% | {_fmt(s['peak_memory_gib'], '.1f')} |")
+    if report.get("speedup") is not None:
+        lines += ["", f"Compiled vs eager flex_attention: {report['speedup']:.2f}x faster per step."]
+    some = next((s for s in report["runs"].values() if "flops_per_step" in s), None)
+    if some:
+        parts = some["flops_per_step"]
+        lines += ["", "Model FLOPs per step (fwd+bwd, GFLOP): " + ", ".join(
+            f"{k} {v / 1e9:.3f}" for k, v in parts.items())]
+    if report.get("first_step"):
+        lines += ["", "First-step latency per thread (from a common start; includes waiting for the lock):", "",
+                  "| compile lock | per thread s | all done s | errors |", "|---|---|---|---|"]
+        for lock, r in report["first_step"].items():
+            if "failed" in r:
+                lines.append(f"| {lock} | failed: {r['failed']} | | |")
+                continue
+            errors = "; ".join(e["message"] for e in r["errors"]) or "none"
+            lines.append(f"| {lock} | {json.dumps(r['latency_s'])} | {r['all_done_s']} | {errors} |")
+    for name, text in report.get("profiles", {}).items():
+        lines += ["", f"Profile, {name} (top kernels, 3 steps):", "", "```", text, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--out", help="markdown results file (a .json copy is written next to it)")
+    parser.add_argument("--small", action="store_true", help="tiny dims on CPU with sdpa (a smoke run)")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (incl. the compile)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=3, help="drafter threads for the first-step timing")
+    parser.add_argument("--profile", action="store_true", help="torch profiler table of the top kernels")
+    parser.add_argument("--skip-eager", action="store_true")
+    parser.add_argument("--skip-first-step", action="store_true")
+    parser.add_argument("--child-timeout", type=float, default=420.0, help="seconds per part")
+    parser.add_argument("--child", choices=("peak", "train", "first_step"), help=argparse.SUPPRESS)
+    parser.add_argument("--attention", default="flex", help=argparse.SUPPRESS)
+    parser.add_argument("--lock", default="lock", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.small:
+        args.device = "cpu"
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be >= 1 (the first step compiles)")
+    dims = dict(SMALL if args.small else PAPER, batch=args.batch)
+
+    if args.child:
+        import torch
+
+        torch.manual_seed(0)
+        fn = {"peak": child_peak, "train": child_train, "first_step": child_first_step}[args.child]
+        print(RESULT_TAG + json.dumps(fn(args, dims)), flush=True)
+        return 0
+
+    command = shlex.join(["benchmarks/train_throughput.py", *(sys.argv[1:] if argv is None else argv)])
+    # CPU refuses flex_attention backward: the smoke run trains through the dense-mask sdpa path.
+    variants = ({"sdpa": "sdpa"} if args.small else {"compiled flex": "flex", "eager flex": "flex_eager"})
+    if args.skip_eager:
+        variants.pop("eager flex", None)
+    say = lambda text: print(text, flush=True)  # noqa: E731
+    say(f"throughput: dims {dims} on {args.device}")
+    peak = run_child(args, "peak", [], args.child_timeout)
+    say(f"  peak matmul: {peak}")
+    runs, profiles, raw = {}, {}, {}
+    for name, attention in variants.items():
+        extra = ["--attention", attention] + (["--profile"] if args.profile else [])
+        raw[name] = run_child(args, "train", extra, args.child_timeout)
+        runs[name] = summarise(raw[name], dims, peak.get("tflops"))
+        if raw[name].get("profile"):
+            profiles[name] = raw[name]["profile"]
+        say(f"  {name}: {json.dumps({k: v for k, v in runs[name].items() if k != 'flops_per_step'})}")
+    speedup = None
+    if all(n in runs and "median_step_s" in runs[n] for n in ("compiled flex", "eager flex")):
+        speedup = runs["eager flex"]["median_step_s"] / runs["compiled flex"]["median_step_s"]
+    first_step = {}
+    if not args.skip_first_step:
+        attention = next(iter(variants.values()))
+        for lock in ("lock", "none"):
+            first_step[lock] = run_child(args, "first_step", ["--lock", lock, "--attention", attention],
+                                         args.child_timeout)
+            say(f"  first step, lock {lock}: {first_step[lock]}")
+    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command,
+              "versions": versions(args.device), "dims": dims, "peak": peak, "runs": runs,
+              "speedup": speedup, "first_step": first_step, "profiles": profiles, "raw": raw}
+    text = render(report)
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            fh.write(text)
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as fh:
+            json.dump(report, fh, indent=1, default=str)
+        say(f"wrote {args.out}")
+    failed = [n for n, s in runs.items() if "failed" in s] + (["peak"] if "failed" in peak else [])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
