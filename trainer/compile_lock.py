@@ -112,13 +112,19 @@ def assert_nested_fx_error_enabled() -> None:
 
 
 class SharedExclusiveLock:
-    """Reader/writer lock; waiting writers block new readers so a compile is never starved."""
+    """Reader/writer lock; waiting writers block new readers so a compile is never starved.
+
+    A wait times out only after `timeout` seconds WITHOUT PROGRESS (no release by anyone): eight
+    drafters queueing behind each other's first compile may wait much longer in total, and that is
+    fine; one holder that never lets go is not.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._readers = 0
         self._writer: int | None = None
         self._writers_waiting = 0
+        self._releases = 0  # progress counter for the timeouts
         self.writer_context: _StepContext | None = None
 
     @property
@@ -129,20 +135,33 @@ class SharedExclusiveLock:
     def writer(self) -> int | None:
         return self._writer
 
+    def _wait_until(self, ready: Callable[[], bool], timeout: float) -> bool:
+        """Condition wait (lock held) whose deadline restarts whenever someone releases."""
+        seen = self._releases
+        deadline = time.monotonic() + timeout
+        while not ready():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._cond.wait(remaining)
+            if self._releases != seen:
+                seen = self._releases
+                deadline = time.monotonic() + timeout
+        return True
+
     def acquire_shared(self, timeout: float) -> None:
         with self._cond:
-            if not self._cond.wait_for(
-                lambda: self._writer is None and self._writers_waiting == 0, timeout
-            ):
+            if not self._wait_until(lambda: self._writer is None and self._writers_waiting == 0, timeout):
                 raise CompileLockTimeout(
-                    f"waited {timeout:.0f} s for a compiling step to finish; is a thread stuck "
-                    "inside guard.step()?"
+                    f"no step finished for {timeout:.0f} s while waiting for a compiling step; is a "
+                    "thread stuck inside guard.step()?"
                 )
             self._readers += 1
 
     def release_shared(self) -> None:
         with self._cond:
             self._readers -= 1
+            self._releases += 1
             if self._readers == 0:
                 self._cond.notify_all()
 
@@ -150,17 +169,15 @@ class SharedExclusiveLock:
         with self._cond:
             self._writers_waiting += 1
             try:
-                free = self._cond.wait_for(
-                    lambda: self._writer is None and self._readers == 0, timeout
-                )
+                free = self._wait_until(lambda: self._writer is None and self._readers == 0, timeout)
             finally:
                 self._writers_waiting -= 1
             if not free:
                 self._cond.notify_all()  # readers held back by our wait may go on
                 raise CompileLockTimeout(
-                    f"waited {timeout:.0f} s for {self._readers} other step(s) to finish before "
-                    "compiling; is a thread blocked inside guard.step() (a barrier or queue belongs "
-                    "AFTER the guarded forward+backward)?"
+                    f"no step finished for {timeout:.0f} s while waiting for {self._readers} other "
+                    "step(s) before compiling; is a thread blocked inside guard.step() (a barrier or "
+                    "queue belongs AFTER the guarded forward+backward)?"
                 )
             self._writer = threading.get_ident()
             self.writer_context = context
@@ -169,6 +186,7 @@ class SharedExclusiveLock:
         with self._cond:
             self._writer = None
             self.writer_context = None
+            self._releases += 1
             self._cond.notify_all()
 
 

@@ -271,6 +271,28 @@ def test_a_thread_stuck_inside_a_step_gives_a_clear_timeout():
         pass
 
 
+def test_a_long_queue_of_compiling_steps_is_not_a_timeout():
+    """Each holder is quick (0.25 s); waiting behind three of them (~0.75 s) is progress, not a hang."""
+    guard = CompileGuard("lock", wait_timeout_s=0.5)
+    first_in = threading.Event()
+    done = []
+
+    def first_step(name):
+        with guard.step(name, 0, (1,)):  # first steps: exclusive, one after the other
+            first_in.set()
+            time.sleep(0.25)
+        done.append(name)
+
+    threads = [_run_in_thread(lambda n=n: first_step(n)) for n in ("a", "b", "c")]
+    assert first_in.wait(5)
+    began = time.monotonic()
+    with guard.step("d", 0, (1,)):
+        waited = time.monotonic() - began
+    for thread in threads:
+        thread.join(5)
+    assert sorted(done) == ["a", "b", "c"] and waited > 0.5
+
+
 def test_nested_steps_are_refused():
     guard = CompileGuard("lock")
     with guard.step("a", 0, (1,)):
