@@ -271,26 +271,27 @@ def test_a_thread_stuck_inside_a_step_gives_a_clear_timeout():
         pass
 
 
-def test_a_long_queue_of_compiling_steps_is_not_a_timeout():
-    """Each holder is quick (0.25 s); waiting behind three of them (~0.75 s) is progress, not a hang."""
+def test_waiting_behind_steps_that_keep_finishing_is_not_a_timeout():
+    """Three ordinary steps end 0.3 s apart; a new-shape step waits ~0.9 s with a 0.5 s limit:
+    every finished step is progress, so it must get in, not time out."""
     guard = CompileGuard("lock", wait_timeout_s=0.5)
-    first_in = threading.Event()
-    done = []
+    names = ("a", "b", "c")
+    _warm(guard, *names)
+    inside = threading.Barrier(len(names) + 1, timeout=5)
 
-    def first_step(name):
-        with guard.step(name, 0, (1,)):  # first steps: exclusive, one after the other
-            first_in.set()
-            time.sleep(0.25)
-        done.append(name)
+    def ordinary(name, seconds):
+        with guard.step(name, 1, (1,)):
+            inside.wait()
+            time.sleep(seconds)
 
-    threads = [_run_in_thread(lambda n=n: first_step(n)) for n in ("a", "b", "c")]
-    assert first_in.wait(5)
+    threads = [_run_in_thread(lambda n=n, s=s: ordinary(n, s)) for n, s in zip(names, (0.3, 0.6, 0.9))]
+    inside.wait()  # all three are inside before the new-shape step starts waiting
     began = time.monotonic()
-    with guard.step("d", 0, (1,)):
+    with guard.step("a", 2, (2,)):
         waited = time.monotonic() - began
     for thread in threads:
         thread.join(5)
-    assert sorted(done) == ["a", "b", "c"] and waited > 0.5
+    assert waited > 0.7
 
 
 def test_nested_steps_are_refused():
