@@ -311,8 +311,13 @@ class CompileGuard:
             self._lock.acquire_exclusive(self.wait_timeout_s, context)
             context.hold, context.reason = "exclusive", reason
             # Alone now, and no compile runs: a set flag can only be a stuck one.
-            if self._compiles_running == 0:
-                assert_fx_flag_clear()
+            if self.mode == "lock" and self._compiles_running == 0:
+                try:
+                    assert_fx_flag_clear()
+                except CompileLockError:
+                    self._lock.release_exclusive()  # the other threads must not hang on us
+                    context.hold = None
+                    raise
         elif self.mode == "lock":
             self._lock.acquire_shared(self.wait_timeout_s)
             context.hold = "shared"

@@ -140,12 +140,19 @@ def test_assert_fx_flag_clear_in_process():
     import torch.fx._symbolic_trace as symbolic_trace
 
     assert_fx_flag_clear()  # nothing compiles here: the flag must be down
+    guard = CompileGuard("lock")
     symbolic_trace._is_fx_tracing_flag = True
     try:
         with pytest.raises(CompileLockError, match="stuck True"):
             assert_fx_flag_clear()
+        with pytest.raises(CompileLockError, match="stuck True"):
+            with guard.step("a", 0, (1,)):
+                pass
     finally:
         symbolic_trace._is_fx_tracing_flag = False
+    assert guard._lock.writer is None  # the refused step let go of the lock
+    with guard.step("b", 0, (1,)):
+        pass
 
 
 # ---- the mask race -----------------------------------------------------------------------------
