@@ -25,6 +25,7 @@ backward, so trials run forward only under no_grad.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import faulthandler
 import json
@@ -264,7 +265,8 @@ def render(table: list[dict], rows: list[dict], info: dict, command: str, args) 
              f"{' (+128 per step after step 0, staggered per thread)' if args.recompile else ''}, "
              f"{args.anchors} anchors, hidden {args.hidden}, {args.layers} layers, compile backend "
              f"{args.compile_backend}, fresh empty inductor/triton caches per trial, per-trial limit "
-             f"{args.timeout} s{', old-torch emulation' if args.emulate_old_torch else ''}.", "",
+             f"{args.timeout} s, {args.parallel} trial(s) at a time"
+             f"{', old-torch emulation' if args.emulate_old_torch else ''}.", "",
              "| mode | trials | clean | FX-tracing error | other error | of which KeyError 'custom' | hang | failed | median trial s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for t in table:
@@ -308,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="per trial, seconds; past it = hang")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--out", help="markdown results file (a .json copy is written next to it)")
+    parser.add_argument("--parallel", type=int, default=1, help="trials running at once (own processes)")
     parser.add_argument("--recompile", action="store_true", help="new context length every step after 0")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ctx", type=int, default=512, help="context length at step 0")
@@ -320,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="null torch.compiler._compile_session_context (torch >= 2.12 hides the race)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.trials < 1 or args.threads < 1 or args.steps < 1:
-        parser.error("--trials, --threads and --steps must be >= 1")
+    if min(args.trials, args.threads, args.steps, args.parallel) < 1:
+        parser.error("--trials, --threads, --steps and --parallel must be >= 1")
 
     if args.child:
         if args.mode == "all":
@@ -335,12 +338,16 @@ def main(argv: list[str] | None = None) -> int:
     info = versions(args.device)
     print(f"race harness: {args.trials} trials x {modes} on {args.device} ({info})", flush=True)
     rows = []
-    for mode in modes:
-        for index in range(args.trials):
-            row = run_one(args, mode, index)
-            rows.append(row)
-            print(f"  {mode:<10} trial {index + 1}/{args.trials}: {row['outcome']:<12} {row['seconds']:>6} s  "
-                  f"{row['first_error'][:100]}", flush=True)
+    # Trials are independent processes; --parallel runs several at once (compiles are CPU-bound).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        for mode in modes:
+            futures = [pool.submit(run_one, args, mode, index) for index in range(args.trials)]
+            for future in concurrent.futures.as_completed(futures):
+                row = future.result()
+                rows.append(row)
+                print(f"  {mode:<10} trial {row['trial'] + 1}/{args.trials}: {row['outcome']:<12} "
+                      f"{row['seconds']:>6} s  {row['first_error'][:100]}", flush=True)
+    rows.sort(key=lambda r: (modes.index(r["mode"]), r["trial"]))
     table = summarise(rows, modes)
     print()
     print_table(table)
