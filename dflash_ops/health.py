@@ -88,14 +88,17 @@ def evaluate(report, job: Job, now: float | None = None) -> Verdict:
 
 
 def _progress_age(report, progress: logs.Progress, now: float) -> float | None:
-    """Seconds since the last sign of training progress."""
+    """Seconds since the last sign of training progress (never negative: the probe reads its clock
+    a moment before it reads the files, so a line written in between looks a little "future")."""
     if progress.last_step_time is not None:
-        return now - progress.last_step_time
-    if progress.start_time is not None:
-        return now - progress.start_time  # startup grace: the first step may wait for a compile
-    if report.log is not None:
-        return now - report.log.mtime  # no metrics at all: time since the log last changed
-    return None
+        since = progress.last_step_time
+    elif progress.start_time is not None:
+        since = progress.start_time  # startup grace: the first step may wait for a compile
+    elif report.log is not None:
+        since = report.log.mtime  # no metrics at all: time since the log last changed
+    else:
+        return None
+    return max(0.0, now - since)
 
 
 def _session_problems(session, finished: bool) -> list[str]:

@@ -60,7 +60,7 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
     status["training"] = {
         "step": progress.step, "total_steps": progress.total_steps, "loss": _finite(progress.loss),
         "tokens_per_s": _finite(progress.tokens_per_s), "eta_s": _finite(progress.eta_s),
-        "last_update_age_s": None if last_update is None else round(report.time - last_update, 1),
+        "last_update_age_s": None if last_update is None else max(0.0, round(report.time - last_update, 1)),
         "finished": progress.done_reason == "max_steps"}
     return status
 
