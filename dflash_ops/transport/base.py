@@ -24,13 +24,18 @@ class Result:
 KILL_AFTER_S = 5
 
 
+def remote_limit_s(timeout: float) -> int:
+    """The whole seconds coreutils `timeout` gets on the remote side."""
+    return max(1, int(round(timeout)))
+
+
 def with_remote_timeout(script: str, timeout: float) -> list[str]:
     """argv that runs `script` in bash under coreutils `timeout` ON THE REMOTE SIDE.
 
     A local time limit alone leaves the remote command running (fabric does not stop it).
     Exit code 124 means the limit was hit; 137 means it had to be killed.
     """
-    return ["timeout", "-k", str(KILL_AFTER_S), f"{max(1, int(round(timeout)))}s", "bash", "-c", script]
+    return ["timeout", "-k", str(KILL_AFTER_S), f"{remote_limit_s(timeout)}s", "bash", "-c", script]
 
 
 class Transport(abc.ABC):

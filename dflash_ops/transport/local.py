@@ -13,18 +13,13 @@ import threading
 import time
 
 from ..errors import RemoteTimeout, TransportError
-from .base import KILL_AFTER_S, Result, Transport, quote_argv, with_remote_timeout
+from .base import KILL_AFTER_S, Result, Transport, quote_argv, remote_limit_s, with_remote_timeout
 
 # Seconds the local watchdog waits beyond the remote `timeout` (and its KILL) before giving up:
 # it only fires when the remote side could not enforce the limit (e.g. a hung connection).
 LOCAL_GRACE_S = 5
 # After the command exits, how long to keep collecting output still in flight.
 AFTER_EXIT_S = 1.0
-
-
-def remote_limit_s(timeout: float) -> int:
-    """The whole seconds `with_remote_timeout` gives coreutils `timeout` (keep the two in step)."""
-    return max(1, int(round(timeout)))
 
 
 def local_limit_s(timeout: float) -> float:
