@@ -14,7 +14,7 @@ from . import jobpaths
 from .errors import DflashOpsError, RemoteCommandError
 from .gpu import GpuSnapshot, snapshot_from_probe
 from .model import Job
-from .remote import script_source
+from .remote import pick_python, script_source
 
 PROBE_SCRIPT = "probe_script.py"
 DEFAULT_LOG_LINES = 200
@@ -87,15 +87,9 @@ def probe_script_for(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines
                      gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi") -> str:
     """The bash script for `transport.run`: the job's python (python3 when that is not installed
     yet, e.g. before the first deploy) runs the probe passed with `-c`; every word is quoted."""
-    python = shlex.quote(job.python)
     args = json.dumps(probe_args(job, log_lines, metrics_lines, gpu_source, nvidia_smi))
-    return (
-        f"py={python}\n"
-        'if [ ! -x "$py" ]; then py=$(command -v python3) || {\n'
-        f"  printf 'dflash probe: neither %s nor python3 is installed\\n' {python} >&2; exit 127; }}\n"
-        "fi\n"
-        f'exec "$py" -c {shlex.quote(script_source(PROBE_SCRIPT))} {shlex.quote(args)}\n'
-    )
+    return (pick_python(job.python, "dflash probe")
+            + f'exec "$py" -c {shlex.quote(script_source(PROBE_SCRIPT))} {shlex.quote(args)}\n')
 
 
 def run_probe(transport, job: Job, timeout: float = DEFAULT_TIMEOUT_S, log_lines: int = DEFAULT_LOG_LINES,

@@ -17,8 +17,7 @@ from .errors import StepFailed
 from .gpu import busy_gpus, parse_nvidia_smi
 from .model import Job
 from .playbook import StepContext, StepOutcome, StepRegistry
-from .remote import script_source
-from .remote_python import python_stdin_command
+from .remote import python_stdin_command, script_source
 
 registry = StepRegistry()
 
@@ -40,7 +39,7 @@ def _end_job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: flo
     args = {"marker_env": jobpaths.JOB_MARKER_ENV, "marker": jobpaths.marker_value(job),
             "socket": job.tmux_socket, "session": job.session, "gpus": list(gpus),
             "action": "kill", "grace_s": grace_s, "include_session": include_session}
-    result = ctx.run(python_stdin_command(job, _JOBPROCS, args), timeout=grace_s + 60, stdin=_JOBPROCS_SOURCE)
+    result = ctx.run(python_stdin_command(job.python, _JOBPROCS, args), timeout=grace_s + 60, stdin=_JOBPROCS_SOURCE)
     if result is None:
         return StepOutcome("would SIGTERM this job's processes, SIGKILL after "
                            f"{grace_s:g}s; other processes are only reported")
