@@ -11,10 +11,6 @@ JOB_MARKER_ENV = "DFLASH_OPS_JOB"
 LOG_PREFIX = "train-"
 
 
-def log_dir(job: Job) -> str:
-    return job.log_dir
-
-
 def inductor_cache(job: Job) -> str:
     return posixpath.join(job.cache_dir, "inductor")
 

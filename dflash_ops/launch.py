@@ -56,7 +56,7 @@ exit $code
 def launch_script(job: Job, resume: bool = True) -> str:
     """Creates dirs, picks the next train-NNNN.log, starts the session, prints the log path."""
     q = shlex.quote
-    logs = jobpaths.log_dir(job)
+    logs = job.log_dir
     return f"""set -eu
 mkdir -p {q(logs)} {q(jobpaths.inductor_cache(job))} {q(jobpaths.triton_cache(job))} {q(jobpaths.run_dir(job))}
 if {tmux.has_session(job)}; then echo {q("session " + job.session + " is already running; stop it first")} >&2; exit 3; fi

@@ -83,7 +83,7 @@ LIST_LOGS = "ls -1 {dir} 2>/dev/null | grep -E '^" + re.escape(jobpaths.LOG_PREF
 
 
 def newest_log(transport, target: Target) -> str:
-    log_dir = jobpaths.log_dir(target.job)
+    log_dir = target.job.log_dir
     name = transport.check(LIST_LOGS.format(dir=shlex.quote(log_dir)), timeout=30, step="find newest log").stdout.strip()
     if not name:
         raise DflashOpsError(f"[{target.name}] no {jobpaths.LOG_PREFIX}NNNN.log in {log_dir} yet; "

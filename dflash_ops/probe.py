@@ -10,7 +10,6 @@ import shlex
 
 from trainer import metrics_format
 
-from . import jobpaths
 from .errors import DflashOpsError, RemoteCommandError
 from .gpu import GpuSnapshot, snapshot_from_probe
 from .model import Job
@@ -78,7 +77,7 @@ class ProbeReport:
 
 def probe_args(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines: int = DEFAULT_METRICS_LINES,
                gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi") -> dict:
-    return {"log_dir": jobpaths.log_dir(job), "session": job.session, "socket": job.tmux_socket,
+    return {"log_dir": job.log_dir, "session": job.session, "socket": job.tmux_socket,
             "log_lines": int(log_lines), "metrics_lines": int(metrics_lines), "gpu_source": gpu_source,
             "nvidia_smi": nvidia_smi}
 
