@@ -76,21 +76,28 @@ rm -f {q(tarball)}
 """
 
 
+def _point_current(job: Job, release_word: str) -> str:
+    """Point `current` at a release atomically (symlink + rename) and record it in history.
+    `release_word` is a shell word: a quoted id or a variable such as "$prev"."""
+    q = shlex.quote
+    current = q(jobpaths.current_release(job))
+    return f"""ln -sfn releases/{release_word} {current}.tmp
+mv -Tf {current}.tmp {current}
+echo {release_word} >> {q(jobpaths.releases_dir(job))}/history
+echo "current -> "{release_word}
+"""
+
+
 def switch_script(job: Job, release_id: str, keep: int = KEEP_RELEASES) -> str:
-    """Point `current` at a release atomically (symlink + rename) and record it in history."""
+    """Make `release_id` current, then prune releases beyond the newest `keep` in history."""
     q = shlex.quote
     releases = jobpaths.releases_dir(job)
-    current = jobpaths.current_release(job)
-    return f"""ln -sfn {q(posixpath.join("releases", release_id))} {q(current)}.tmp
-mv -Tf {q(current)}.tmp {q(current)}
-echo {q(release_id)} >> {q(releases)}/history
-# keep the newest {keep} releases named in history (the current one is the newest)
+    return _point_current(job, q(release_id)) + f"""# keep the newest {keep} releases named in history (the current one is the newest)
 keep=$(tac {q(releases)}/history | awk '!seen[$0]++' | head -n {max(1, int(keep))})
 for d in {q(releases)}/*/; do
   d=${{d%/}}; id=${{d##*/}}
   printf '%s\\n' "$keep" | grep -qxF -- "$id" || rm -rf -- "$d"
 done
-echo {q("current -> " + release_id)}
 """
 
 
@@ -102,8 +109,4 @@ def rollback_script(job: Job) -> str:
 cur=$(readlink {q(jobpaths.current_release(job))} 2>/dev/null || true); cur=${{cur##*/}}
 prev=$(tac {q(releases)}/history 2>/dev/null | awk '!seen[$0]++' | grep -vxF -- "$cur" | while read -r id; do [ -f {q(releases)}/"$id"/.complete ] && {{ echo "$id"; break; }}; done)
 [ -n "$prev" ] || {{ echo "no earlier release to roll back to (current: ${{cur:-none}})" >&2; exit 3; }}
-ln -sfn "releases/$prev" {q(jobpaths.current_release(job))}.tmp
-mv -Tf {q(jobpaths.current_release(job))}.tmp {q(jobpaths.current_release(job))}
-echo "$prev" >> {q(releases)}/history
-echo "current -> $prev"
-"""
+{_point_current(job, '"$prev"')}"""
