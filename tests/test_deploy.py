@@ -1,0 +1,68 @@
+"""Deploy: versioned releases, checksum, atomic `current`, pruning, rollback — through a real transport."""
+from __future__ import annotations
+
+import os
+import posixpath
+import shlex
+
+import pytest
+
+from dflash_ops import deploy, jobpaths
+from dflash_ops.errors import RemoteCommandError
+from dflash_ops.model import Job
+from dflash_ops.transport.local import LocalTransport
+
+
+def bundle_of(tmp_path, name, text):
+    src = tmp_path / name
+    src.mkdir()
+    (src / "train.py").write_text(text)
+    return deploy.build_bundle(src)
+
+
+def install(transport, job, bundle, keep=5, data=None):
+    tarball = posixpath.join(jobpaths.releases_dir(job), bundle.release_id + ".tar.gz")
+    transport.check("mkdir -p " + shlex.quote(jobpaths.releases_dir(job)))
+    transport.put(data if data is not None else bundle.data, tarball)
+    return transport.check(deploy.install_script(job, bundle, tarball, keep), step="deploy")
+
+
+def current_text(job):
+    return open(os.path.join(job.workdir, "current", "trainer", "train.py")).read()
+
+
+def test_deploy_switch_prune_and_rollback(tmp_path):
+    job = Job(workdir=str(tmp_path / "work it's"), python="python3", config="tiny-cpu")
+    one, two, three = (bundle_of(tmp_path, n, f"print({n!r})\n") for n in ("one", "two", "three"))
+    assert deploy.build_bundle(tmp_path / "one").sha256 == one.sha256  # reproducible bytes
+    with LocalTransport("local") as t:
+        install(t, job, one)
+        install(t, job, two)
+        assert current_text(job) == "print('two')\n"
+        install(t, job, two)  # same bundle again: only re-points current
+        assert current_text(job) == "print('two')\n"
+
+        assert "current -> " + one.release_id in t.check(deploy.rollback_script(job)).stdout
+        assert current_text(job) == "print('one')\n"
+
+        install(t, job, three, keep=2)  # history newest-first: three, one -> two is pruned
+        releases = sorted(p for p in os.listdir(jobpaths.releases_dir(job)) if p != "history")
+        assert releases == sorted([one.release_id, three.release_id])
+
+
+def test_corrupt_upload_is_refused_and_current_unchanged(tmp_path):
+    job = Job(workdir=str(tmp_path / "w"), python="python3", config="tiny-cpu")
+    good, bad = bundle_of(tmp_path, "good", "ok\n"), bundle_of(tmp_path, "bad", "new\n")
+    with LocalTransport("local") as t:
+        install(t, job, good)
+        with pytest.raises(RemoteCommandError, match="checksum mismatch"):
+            install(t, job, bad, data=bad.data[:-10] + b"0123456789")
+        assert current_text(job) == "ok\n"
+
+
+def test_rollback_without_an_earlier_release_says_so(tmp_path):
+    job = Job(workdir=str(tmp_path / "w"), python="python3", config="tiny-cpu")
+    with LocalTransport("local") as t:
+        install(t, job, bundle_of(tmp_path, "only", "x\n"))
+        result = t.run(deploy.rollback_script(job))
+        assert result.exit_code == 3 and "no earlier release" in result.stderr
