@@ -26,6 +26,10 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.common import versions  # noqa: E402
 FX = "Detected that you are using FX to symbolically trace"
 
 
@@ -52,14 +56,6 @@ def trial(mode: str, index: int, args) -> tuple[str, float, str]:
         if done.returncode != 0:
             return "other", seconds, text[-3000:]
         return "clean", seconds, ""
-
-
-def versions() -> str:
-    import torch
-
-    driver = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                            capture_output=True, text=True).stdout.strip()
-    return f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPU/driver: {driver}"
 
 
 def main() -> int:
@@ -96,7 +92,7 @@ def main() -> int:
               flush=True)
     if args.out:
         command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-        lines = [f"\n### {args.label or 'race'} — {datetime.date.today()}\n", f"`{command}`\n", f"{versions()}\n",
+        lines = [f"\n### {args.label or 'race'} — {datetime.date.today()}\n", f"`{command}`\n", ", ".join(f"{k} {v}" for k, v in versions(args.device).items()) + "\n",
                  "| mode | trials | FX error | mask KeyError | other error | hang | clean | median trial s | first failure |",
                  "|---|---|---|---|---|---|---|---|---|"]
         for mode, k, c, median, sample in rows:

@@ -24,7 +24,8 @@ race)
   python3 benchmarks/gpu_race.py --modes patch --trials 6 --parallel 6 --label "3 drafter threads, one H200, fresh cache" --out "$OUT/race.md"
   ;;
 perf)
-  python3 benchmarks/gpu_throughput.py --steps 12 --out "$OUT/throughput.md" 2>&1 | tail -12
+  python3 benchmarks/train_throughput.py --parts compiled,eager --steps 8 --out "$OUT/throughput.md" 2>&1 | tail -20
+  python3 benchmarks/train_throughput.py --parts first-step --out "$OUT/first-step.md" 2>&1 | tail -8
   ;;
 ops)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 \

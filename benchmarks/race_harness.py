@@ -30,7 +30,6 @@ import datetime
 import faulthandler
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -44,6 +43,8 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from benchmarks.common import versions  # noqa: E402
 
 MODES = ("lock", "none", "patch", "first-step")
 OUTCOMES = ("clean", "fx_tracing", "other_error", "hang")
@@ -227,22 +228,6 @@ def run_one(args, mode: str, index: int) -> dict:
             "first_step_s": result.get("first_step_s") if result else None,
             "error_kinds": sorted({e["kind"] for e in result["errors"]}) if result else [],
             "stderr_tail": (err or "")[-3000:] if outcome != "clean" else ""}
-
-
-def versions(device: str) -> dict:
-    import torch
-
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "host": platform.node()}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    try:
-        info["driver"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
-    except (OSError, IndexError, subprocess.SubprocessError):
-        info["driver"] = "n/a (no nvidia-smi)"
-    return info
 
 
 def summarise(rows: list[dict], modes: list[str]) -> list[dict]:

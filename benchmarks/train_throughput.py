@@ -37,7 +37,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -51,6 +50,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from benchmarks.common import versions  # noqa: E402
 
 RESULT_TAG = "BENCH_RESULT "
 
@@ -296,21 +297,6 @@ def run_child(args, what: str, extra: list[str], timeout: float) -> dict:
             return result
     tail = err.strip().splitlines()[-1] if err.strip() else f"rc {proc.returncode}"
     return {"failed": tail[:300], "stderr_tail": err[-3000:], "wall_s": round(time.monotonic() - began, 1)}
-
-
-def versions(device: str) -> dict:
-    import torch
-
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-        try:
-            info["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
-        except (OSError, IndexError, subprocess.SubprocessError):
-            info["driver"] = "n/a"
-    return info
 
 
 def summarise(run: dict, dims: dict, peak_tflops: float | None) -> dict:

@@ -1,0 +1,1 @@
+"""GPU proof scripts (run directly; see README.md here)."""
