@@ -15,7 +15,7 @@ import pytest
 from dflash_ops import health, probe
 from dflash_ops.gpu import Gpu, GpuSnapshot
 from dflash_ops.model import Health, Job
-from dflash_ops.transport.base import Result, Transport
+from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format
 
 NOW = 100_000.0
@@ -255,21 +255,6 @@ def test_unknown_and_worst_of_several_targets():
 # --------------------------------------------------------------------------- end to end
 
 
-class BashRunner(Transport):
-    def run(self, script, timeout=60, step="run", stdin=None):
-        proc = subprocess.run(["/bin/bash", "-c", script], capture_output=True, text=True, timeout=timeout)
-        return Result(proc.returncode, proc.stdout, proc.stderr, 0.0)
-
-    def put(self, data, remote_path, mode=0o644, step="put"):
-        raise NotImplementedError
-
-    def interactive(self, script):
-        raise NotImplementedError
-
-    def command_line(self, script, timeout=60):
-        return script
-
-
 def test_a_real_crash_is_critical_and_named(tmp_path, monkeypatch):
     """A trainer-like process writes metrics, then raises; tmux closes the session."""
     monkeypatch.setenv("NVIDIA_SMI_SIM_STATE", str(tmp_path / "absent.json"))  # no driver here
@@ -298,7 +283,7 @@ def test_a_real_crash_is_critical_and_named(tmp_path, monkeypatch):
             time.sleep(0.1)
         job = Job(workdir=str(tmp_path), python=sys.executable, config="tiny-cpu", tmux_socket=socket,
                   health=Health(stall_seconds=900))
-        report = probe.run_probe(BashRunner("local"), job)
+        report = probe.run_probe(LocalTransport("local"), job)
         verdict = health.evaluate(report, job)
     finally:
         subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)

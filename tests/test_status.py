@@ -14,7 +14,7 @@ import pytest
 from dflash_ops import health, probe, status
 from dflash_ops.gpu import Gpu, GpuProcess, GpuSnapshot
 from dflash_ops.model import Health, Job
-from dflash_ops.transport.base import Result, Transport
+from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format
 
 NOW = 50_000.0
@@ -137,22 +137,6 @@ def test_format_age(seconds, text):
 # --------------------------------------------------------------------------- from a real probe
 
 
-class BashRunner(Transport):
-    def run(self, script, timeout=60, step="run", stdin=None):
-        start = time.monotonic()
-        proc = subprocess.run(["/bin/bash", "-c", script], capture_output=True, text=True, timeout=timeout)
-        return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
-
-    def put(self, data, remote_path, mode=0o644, step="put"):
-        raise NotImplementedError
-
-    def interactive(self, script):
-        raise NotImplementedError
-
-    def command_line(self, script, timeout=60):
-        return script
-
-
 def test_status_of_a_live_session_from_a_real_probe(tmp_path, monkeypatch):
     state = tmp_path / "gpu.json"
     state.write_text(json.dumps({"gpus": [{"name": "NVIDIA H200", "memory_total_mib": 143771, "utilization_pct": 64}],
@@ -171,7 +155,7 @@ def test_status_of_a_live_session_from_a_real_probe(tmp_path, monkeypatch):
     job = Job(workdir=str(tmp_path), python=sys.executable, config="tiny-cpu", tmux_socket=socket, drafter_gpus=(0,))
     subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", "dflash", "sleep 120"], check=True, timeout=30)
     try:
-        report = probe.run_probe(BashRunner("local"), job)
+        report = probe.run_probe(LocalTransport("local"), job)
     finally:
         subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)
     st = status.build_status("local", report, job, health.evaluate(report, job))
