@@ -9,7 +9,7 @@ import time
 from typing import Callable, Iterator
 
 from . import health, jobpaths, playbook, status as status_lib, steps
-from .errors import DflashOpsError, InputError, TransportError
+from .errors import DflashOpsError, InputError
 from .model import Target
 from .probe import run_probe
 from .relaunch_guard import RelaunchGuard

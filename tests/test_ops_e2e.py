@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 import uuid

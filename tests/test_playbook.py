@@ -5,7 +5,6 @@ Steps here are small real steps (they write files, run real bash); the engine se
 from __future__ import annotations
 
 import importlib.util
-import os
 import shlex
 import subprocess
 import sys

@@ -306,7 +306,7 @@ def test_cuda_flex_and_sdpa_give_the_same_loss_and_gradients(dtype, tol):
         loss, acc = drafter.loss(hidden, labels, label_mask, 7.0)
         loss.backward()
         results[backend] = (loss.float(), acc, {n: p.grad.float() for n, p in drafter.named_parameters()})
-    (lf, af, gf), (ls, as_, gs) = results["flex"], results["sdpa"]
+    (lf, _, gf), (ls, _, gs) = results["flex"], results["sdpa"]
     assert torch.allclose(lf, ls, rtol=tol)
     for name in gs:
         rel = (gf[name] - gs[name]).norm() / gs[name].norm().clamp_min(1e-12)
