@@ -22,6 +22,9 @@ class GpuProcess:
     gpu_index: int
     used_memory_mib: int | None  # None where the driver cannot say (e.g. containerised process)
     name: str = ""
+    # Whose process, when the query ran on the Proxmox host: "" (this container; pid is then
+    # the pid inside it), "ct 201" (another container; host pid) or "host" (host pid).
+    owner: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +171,7 @@ class BusyGpu:
     ghost_mib: int
 
     def describe(self) -> str:
-        holders = [f"pid {p.pid}" + (f" ({p.name})" if p.name else "")
+        holders = [f"pid {p.pid}" + (f" ({p.name})" if p.name else "") + (f" [{p.owner}]" if p.owner else "")
                    + (f" {p.used_memory_mib} MiB" if p.used_memory_mib is not None else "")
                    for p in self.processes]
         if self.ghost_mib or not holders:
@@ -238,6 +241,43 @@ def container_of_pid(cgroup_text: str) -> str | None:
 
 def pid_in_container(cgroup_text: str, ctid) -> bool:
     return container_of_pid(cgroup_text) == str(ctid)
+
+
+# Run on the Proxmox host: GPUs, compute apps (host pids), then each app's cgroup and NSpid.
+HOST_GPU_QUERY = r"""nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits || exit $?
+echo @@
+apps=$(nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory,process_name --format=csv,noheader,nounits) || exit $?
+printf '%s\n' "$apps"
+echo @@
+for pid in $(printf '%s\n' "$apps" | cut -d, -f1); do
+  echo "@pid $pid"; cat "/proc/$pid/cgroup" 2>/dev/null; grep '^NSpid:' "/proc/$pid/status" 2>/dev/null
+done"""
+
+
+def parse_host_gpu_query(stdout: str, ctid) -> GpuSnapshot:
+    """HOST_GPU_QUERY's output as a snapshot seen from container `ctid`: its processes carry their
+    in-container pids; other containers' and the host's processes keep host pids and say whose."""
+    gpu_csv, _, rest = stdout.partition("@@")
+    apps_csv, _, procs = rest.partition("@@")
+    snapshot = parse_nvidia_smi(gpu_csv, apps_csv, "nvidia-smi on the Proxmox host")
+    about = {}
+    for chunk in procs.split("@pid ")[1:]:
+        head, _, text = chunk.partition("\n")
+        if head.strip().isdigit():
+            about[int(head)] = text
+    return dataclasses.replace(snapshot, gpus=tuple(
+        dataclasses.replace(g, processes=tuple(_as_seen_from(p, about.get(p.pid), ctid) for p in g.processes))
+        for g in snapshot.gpus))
+
+
+def _as_seen_from(process: GpuProcess, proc_text: str | None, ctid) -> GpuProcess:
+    if not proc_text:
+        return dataclasses.replace(process, owner="gone")  # exited between the queries: no /proc entry
+    container = container_of_pid(proc_text)
+    if container == str(ctid):
+        inside = nspid_from_status(proc_text)
+        return dataclasses.replace(process, pid=inside if inside is not None else process.pid)
+    return dataclasses.replace(process, owner=f"ct {container}" if container else "host")
 
 
 def nspid_from_status(status_text: str) -> int | None:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import yaml
 
 from . import model
-from .errors import DflashOpsError, InputError, StepFailed
+from .errors import DflashOpsError, InputError, RemoteCommandError, StepFailed
 from .transport.base import Result, Transport
 
 ENV_PLAYBOOK_DIRS = "DFLASH_OPS_PLAYBOOKS"
@@ -938,6 +938,17 @@ class StepContext:
         runner = transport.check if check else transport.run
         return runner(script, timeout=timeout, step=self.step or "run", stdin=stdin)
 
+    def run_on_host(self, script: str, *, timeout: float = 60.0, check: bool = True) -> Result | None:
+        """Like run, but on the Proxmox host of a pct target (real pids, the host's nvidia-smi)."""
+        transport = self._transport()
+        self.commands.append(transport.host_command_line(script, timeout))
+        if self.dry_run:
+            return None
+        result = transport.run_on_host(script, timeout=timeout, step=self.step or "run")
+        if check and not result.ok:
+            raise RemoteCommandError(self.target_name, self.step or "run", result)
+        return result
+
     def put(self, data: bytes, remote_path: str, mode: int = 0o644) -> None:
         """Write `data` to `remote_path` on the target (atomically); under dry-run only record it."""
         transport = self._transport()
@@ -971,6 +982,9 @@ class DryRunTransport(Transport):
 
     def command_line(self, script: str, timeout: float = 60) -> str:
         return self.real.command_line(script, timeout)
+
+    def host_command_line(self, script: str, timeout: float = 60) -> str:
+        return self.real.host_command_line(script, timeout)
 
 
 @dataclasses.dataclass(frozen=True)

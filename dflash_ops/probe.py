@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import json
 import shlex
@@ -11,7 +13,7 @@ import shlex
 from trainer import metrics_format
 
 from .errors import DflashOpsError, RemoteCommandError
-from .gpu import GpuSnapshot, snapshot_from_probe
+from .gpu import HOST_GPU_QUERY, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
 from .model import Job
 from .remote import pick_python, script_source
 
@@ -93,18 +95,47 @@ def probe_script_for(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines
 
 def run_probe(transport, job: Job, timeout: float = DEFAULT_TIMEOUT_S, log_lines: int = DEFAULT_LOG_LINES,
               metrics_lines: int = DEFAULT_METRICS_LINES, gpu_source: str = "auto",
-              nvidia_smi: str = "nvidia-smi") -> ProbeReport:
+              nvidia_smi: str = "nvidia-smi", gpu_on_host: int | None = None) -> ProbeReport:
     """Everything status/health need, in exactly ONE transport.run call.
+
+    `gpu_on_host=CTID` (pct targets with gpu_query_on: host) asks the Proxmox host for the GPUs in
+    the same round trip, so processes show their in-container pids and foreign ones their owner.
 
     Raises the transport's TransportError when the target cannot be reached, RemoteCommandError
     when the probe could not start, ProbeError when its output is unreadable.
     """
+    if gpu_on_host is not None:
+        return _run_probe_gpu_on_host(transport, job, timeout, log_lines, metrics_lines, gpu_on_host)
     script = probe_script_for(job, log_lines, metrics_lines, gpu_source, nvidia_smi)
     result = transport.run(script, timeout=timeout, step="probe")
     if not result.ok:
         raise RemoteCommandError(transport.name, "probe", result)
     report = parse_probe_output(result.stdout, target=transport.name)
     return dataclasses.replace(report, seconds=result.seconds)
+
+
+def _run_probe_gpu_on_host(transport, job: Job, timeout: float, log_lines: int, metrics_lines: int,
+                           ctid: int) -> ProbeReport:
+    """Still one ssh session and one `pct exec`: the Proxmox host answers for the GPUs (real pids,
+    mapped to containers), then the probe runs in the container without its GPU section."""
+    inside = probe_script_for(job, log_lines, metrics_lines, gpu_source="none")
+    script = (f"gpu=$({{\n{HOST_GPU_QUERY}\n}} 2>&1); rc=$?\n"
+              'printf \'%s %s\\n\' "$rc" "$(printf \'%s\' "$gpu" | base64 -w0)"\n'
+              + transport.in_container(inside, timeout))
+    result = transport.run_on_host(script, timeout=timeout + 10, step="probe")
+    first, _, rest = result.stdout.partition("\n")
+    if not result.ok:
+        raise RemoteCommandError(transport.name, "probe", dataclasses.replace(result, stdout=rest))
+    report = parse_probe_output(rest, target=transport.name)
+    rc, _, encoded = first.partition(" ")
+    try:
+        host_out = base64.b64decode(encoded).decode("utf-8", "replace")
+    except (ValueError, binascii.Error):
+        raise ProbeError(f"[{transport.name}] probe: unreadable GPU answer from the Proxmox host: {first[:200]!r}")
+    gpu = parse_host_gpu_query(host_out, ctid)
+    if rc.strip() != "0" and gpu.error is None:
+        gpu = dataclasses.replace(gpu, error=f"nvidia-smi on the Proxmox host failed ({rc}): {host_out.strip()[-300:]}")
+    return dataclasses.replace(report, gpu=gpu, seconds=result.seconds)
 
 
 def _json_object(stdout: str) -> dict | None:

@@ -46,7 +46,8 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
         {"index": g.index, "name": g.name, "uuid": g.uuid, "memory_used_mib": g.memory_used_mib,
          "memory_total_mib": g.memory_total_mib, "utilization_pct": g.utilization_pct,
          "role": roles.get(g.index), "ghost_memory_mib": g.ghost_memory_mib,
-         "processes": [{"pid": p.pid, "used_memory_mib": p.used_memory_mib, "name": p.name} for p in g.processes]}
+         "processes": [{"pid": p.pid, "used_memory_mib": p.used_memory_mib, "name": p.name,
+                        "owner": p.owner or None} for p in g.processes]}
         for g in report.gpu.gpus]
     s = report.session
     status["session"] = {"name": s.name or job.session, "socket": s.socket or job.tmux_socket,
@@ -95,7 +96,8 @@ def _gpu_line(gpu: dict, name_width: int, color: bool) -> str:
     util_text = "N/A" if util is None else f"{util:>3} %"
     mem = f"{'?' if used is None else used:>6} / {'?' if total is None else total:>6} MiB"
     pids = " ".join(f"{p['name'] or '?'}/{p['pid']}" + (f"({p['used_memory_mib']}M)" if p["used_memory_mib"] is not None
-                                                        else "") for p in gpu["processes"])
+                                                        else "") + (f"[{p['owner']}]" if p.get("owner") else "")
+                    for p in gpu["processes"])
     # small differences between used and per-process memory are the driver's own; name big ones
     if (gpu.get("ghost_memory_mib") or 0) > IDLE_USED_MIB:
         pids = (pids + " " if pids else "") + f"ghost({gpu['ghost_memory_mib']}M)"

@@ -14,7 +14,7 @@ import time
 from . import deploy as deploy_lib
 from . import jobpaths, launch as launch_lib, tmux
 from .errors import StepFailed
-from .gpu import busy_gpus, parse_nvidia_smi
+from .gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
 from .model import Job
 from .playbook import StepContext, StepOutcome, StepRegistry
 from .remote import python_stdin_command, script_source
@@ -25,11 +25,32 @@ _JOBPROCS = "jobprocs.py"
 _JOBPROCS_SOURCE = script_source(_JOBPROCS).encode()
 GPU_QUERY = ("nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu "
              "--format=csv,noheader,nounits && echo @@ && "
-             "nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader,nounits")
+             "nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory,process_name --format=csv,noheader,nounits")
 
 
 def _fail(ctx: StepContext, why: str) -> StepFailed:
     return StepFailed(f"[{ctx.target_name}] {ctx.step}: {why}")
+
+
+def _host_ctid(ctx: StepContext) -> int | None:
+    """The container id when this target's GPUs are queried on its Proxmox host, else None."""
+    target = ctx.target
+    return target.ctid if target is not None and target.transport == "pct" and target.gpu_query_on == "host" else None
+
+
+def _gpu_snapshot(ctx: StepContext):
+    """The GPUs as nvidia-smi sees them: on the Proxmox host (pids mapped to this container, others
+    labelled) when the inventory says so, else where the job runs. None under dry-run."""
+    ctid = _host_ctid(ctx)
+    if ctid is not None:
+        result = ctx.run_on_host(HOST_GPU_QUERY, timeout=60, check=False)
+    else:
+        result = ctx.run(GPU_QUERY, timeout=60, check=False)
+    if result is None:
+        return None
+    if not result.ok:
+        raise _fail(ctx, "nvidia-smi failed: " + (result.stdout + result.stderr).strip()[-500:])
+    return parse_host_gpu_query(result.stdout, ctid) if ctid is not None else parse_gpu_query(result.stdout)
 
 
 # ------------------------------------------------------------------ the job's processes
@@ -39,6 +60,12 @@ def _end_job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: flo
     args = {"marker_env": jobpaths.JOB_MARKER_ENV, "marker": jobpaths.marker_value(job),
             "socket": job.tmux_socket, "session": job.session, "gpus": list(gpus),
             "action": "kill", "grace_s": grace_s, "include_session": include_session}
+    if gpus and _host_ctid(ctx) is not None:
+        # Inside LXC nvidia-smi shows host pids; hand the script the host's mapped view instead.
+        snapshot = _gpu_snapshot(ctx)
+        if snapshot is not None:
+            args["gpu_apps"] = [[p.pid, g.index, p.used_memory_mib, p.owner] for g in snapshot.gpus
+                                if g.index in gpus for p in g.processes]
     result = ctx.run(python_stdin_command(job.python, _JOBPROCS, args), timeout=grace_s + 60, stdin=_JOBPROCS_SOURCE)
     if result is None:
         return StepOutcome("would SIGTERM this job's processes, SIGKILL after "
@@ -52,7 +79,8 @@ def _end_job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: flo
     else:
         message = "no job processes running"
     others = [f"pid {o['pid']} on GPU {o['gpu']} ({o.get('used_memory_mib')} MiB, "
-              + (o["cmd"][:60] if o.get("cmd") else "not visible here: a host pid?") + ")"
+              + (f"{o['owner']}, host pid" if o.get("owner") else
+                 o["cmd"][:60] if o.get("cmd") else "not visible here: a host pid?") + ")"
               for o in report["unidentified"]]
     if others:
         message += "; left alone (not this job's): " + "; ".join(others)
@@ -95,12 +123,10 @@ def wait_gpu_free(ctx: StepContext, gpus: list[int], timeout_s: float, max_used_
         return StepOutcome("no GPUs assigned to this job")
     deadline = time.monotonic() + timeout_s
     while True:
-        result = ctx.run(GPU_QUERY, timeout=60, check=False)
-        if result is None:
+        snapshot = _gpu_snapshot(ctx)
+        if snapshot is None:
             return StepOutcome(f"would wait up to {timeout_s:g}s for GPUs {gpus}")
-        if not result.ok:
-            raise _fail(ctx, "nvidia-smi failed: " + (result.stdout + result.stderr).strip()[-500:])
-        holders = [b.describe() for b in busy_gpus(parse_gpu_query(result.stdout), gpus, max_used_mib=max_used_mib)]
+        holders = [b.describe() for b in busy_gpus(snapshot, gpus, max_used_mib=max_used_mib)]
         if not holders:
             return StepOutcome(f"GPUs {','.join(map(str, gpus))} free")
         if time.monotonic() > deadline:

@@ -319,3 +319,27 @@ def test_nspid_from_status():
     assert gpu.nspid_from_status("Name:\tx\n") is None
     # the last NSpid field is the pid in the reader's own namespace, which is what getpid() returns
     assert gpu.nspid_from_status(Path("/proc/self/status").read_text()) == os.getpid()
+
+
+def test_host_query_maps_pids_into_the_container_and_labels_the_rest():
+    from dflash_ops.gpu import parse_host_gpu_query
+
+    out = ("0, GPU-a, NVIDIA H200, 30000, 143771, 90\n1, GPU-b, NVIDIA H200, 5000, 143771, 10\n@@\n"
+           "4321, GPU-a, 20000, python3\n999, GPU-b, 5000, python3\n555, GPU-a, 100, Xorg\n777, GPU-b, 10, gone\n@@\n"
+           "@pid 4321\n0::/lxc/200/ns/init.scope\nNSpid:\t4321\t17\n"
+           "@pid 999\n0::/lxc/201/ns\nNSpid:\t999\t40\n"
+           "@pid 555\n0::/user.slice/session-1.scope\nNSpid:\t555\n"
+           "@pid 777\n")
+    snap = parse_host_gpu_query(out, 200)
+    seen = {(p.gpu_index, p.pid, p.owner, p.name) for g in snap.gpus for p in g.processes}
+    assert seen == {(0, 17, "", "python3"), (0, 555, "host", "Xorg"), (1, 999, "ct 201", "python3"),
+                    (1, 777, "gone", "gone")}
+    assert snap.error is None and snap.source == "nvidia-smi on the Proxmox host"
+
+
+def test_host_query_driver_failure_is_an_error_not_a_crash():
+    from dflash_ops.gpu import parse_host_gpu_query
+
+    snap = parse_host_gpu_query("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", 200)
+    assert snap.gpus == () or not snap.gpus
+    assert snap.error

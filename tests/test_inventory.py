@@ -82,7 +82,7 @@ def test_example_inventory_loads_with_inheritance(isolated, monkeypatch):
     assert [t.name for t in inv.resolve()] == ["local"]
 
     box = inv.targets["gpu-box"]
-    assert (box.transport, box.ctid, box.gpu_query_on) == ("pct", 200, "container")
+    assert (box.transport, box.ctid, box.gpu_query_on) == ("pct", 200, "host")
     assert box.ssh == HostSpec(host="pve1.example.lan", port=22, user="root",
                                identity_file=str(isolated / ".ssh" / "id_ed25519"),
                                host_key_policy="strict")

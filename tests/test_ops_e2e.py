@@ -252,3 +252,64 @@ def test_fan_out_runs_each_target_and_reports_each(ssh_target, ssh_target_b, cle
     checked = fan_out([a, b], ops.check)
     assert [c.value.status["session"]["running"] for c in checked] == [True, True]
     assert time.monotonic() - started < 60
+
+
+def _host_pids_of_job(job) -> dict[int, int]:
+    """{host pid: in-container pid} of the stand-in trainer, read from the host's /proc."""
+    found = {}
+    marker = f"DFLASH_OPS_JOB={job.tmux_socket}/{job.session}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+            cmd = open(f"/proc/{entry}/cmdline", "rb").read()
+            status = open(f"/proc/{entry}/status").read()
+        except OSError:
+            continue
+        if marker in env and b"standin-trainer" in cmd:
+            nspid = [line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")][0]
+            found[int(entry)] = int(nspid[-1])
+    return found
+
+
+def test_gpus_queried_on_the_proxmox_host_map_pids_into_the_container(pct_target, gpu_state_path, cleanup):
+    target = dataclasses.replace(standin(pct_target, gpus=((0,), (1,))), gpu_query_on="host")
+    cleanup(target)
+    host_bystander = subprocess.Popen(["sleep", "300"])  # a host process on a GPU the job does not use
+    _write_gpus(gpu_state_path)
+    try:
+        first = ops.run_playbook(target, "relaunch", quick())
+        assert first.ok, first.summary()
+        pids = {}
+        for _ in range(50):
+            pids = _host_pids_of_job(target.job)
+            if pids:
+                break
+            time.sleep(0.1)
+        (host_pid, inside_pid), = pids.items()
+        if "/lxc/200" not in open(f"/proc/{host_pid}/cgroup").read():
+            pytest.skip("this machine does not let the pct simulator place containers in an lxc/200 cgroup")
+        assert host_pid != inside_pid  # the container has its own pid namespace
+        # What the real driver does in LXC: it reports HOST pids.
+        _write_gpus(gpu_state_path, [{"pid": host_pid, "gpu_index": i, "used_memory_mib": 20000,
+                                      "process_name": "python3"} for i in (0, 1)]
+                    + [{"pid": host_bystander.pid, "gpu_index": 3, "used_memory_mib": 3000, "process_name": "sleep"}])
+
+        st = ops.check(target).status
+        by_index = {g["index"]: g for g in st["gpus"]}
+        assert [(p["pid"], p["owner"]) for p in by_index[0]["processes"]] == [(inside_pid, None)]
+        assert [(p["pid"], p["owner"]) for p in by_index[3]["processes"]] == [(host_bystander.pid, "host")]
+        assert f"sleep/{host_bystander.pid}(3000M)[host]" in ops.status_lib.render_table(st)
+
+        dry = ops.run_playbook(target, "relaunch", quick(), dry_run=True)
+        gpu_cmds = [c for s in dry.steps if s.step == "wait_gpu_free" for c in s.commands]
+        assert gpu_cmds and all("pct exec" not in c and "nvidia-smi" in c for c in gpu_cmds)
+
+        second = ops.run_playbook(target, "relaunch", quick())
+        assert second.ok, second.summary()
+        assert not os.path.exists(f"/proc/{host_pid}") or "Z" in open(f"/proc/{host_pid}/stat").read().split()[2]
+        assert host_bystander.poll() is None
+    finally:
+        host_bystander.kill()
+        gpu_state_path.unlink(missing_ok=True)

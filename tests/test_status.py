@@ -61,7 +61,7 @@ def test_status_json_fields():
     assert [(g["index"], g["name"], g["memory_used_mib"], g["memory_total_mib"], g["utilization_pct"], g["role"])
             for g in st["gpus"]] == [(0, "NVIDIA H200", 70000, 143771, 97, "target"),
                                      (1, "NVIDIA H200", 30000, 143771, None, "drafter")]
-    assert st["gpus"][0]["processes"] == [{"pid": 4123, "used_memory_mib": 69000, "name": "python3"}]
+    assert st["gpus"][0]["processes"] == [{"pid": 4123, "used_memory_mib": 69000, "name": "python3", "owner": None}]
     assert st["gpus"][1]["ghost_memory_mib"] == 30000
     assert st["session"]["name"] == "dflash" and st["session"]["running"] is True
     assert st["training"] == {"step": 120, "total_steps": 1000, "loss": 2.31412, "tokens_per_s": 45200.0,

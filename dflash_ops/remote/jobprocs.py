@@ -108,11 +108,16 @@ def main():
     tree = descendants(panes, pids)
     marked = {p for p in pids if has_marker(p, marker)}
     job = sorted((tree | marked) - me)
+    # [pid, gpu, MiB, owner]: from the Proxmox host (pids already mapped into this container;
+    # owner names another container or the host, whose pids mean nothing here), else asked here.
+    apps = args.get("gpu_apps")
+    if apps is None:
+        apps = [(pid, gpu, used, "") for pid, gpu, used in gpu_apps(set(args.get("gpus", [])))]
     unidentified = [
-        {"pid": pid, "gpu": gpu, "used_memory_mib": used, "visible": os.path.exists("/proc/%d" % pid),
-         "cmd": cmdline(pid)}
-        for pid, gpu, used in gpu_apps(set(args.get("gpus", [])))
-        if pid not in job
+        {"pid": pid, "gpu": gpu, "used_memory_mib": used, "owner": owner,
+         "visible": not owner and os.path.exists("/proc/%d" % pid), "cmd": "" if owner else cmdline(pid)}
+        for pid, gpu, used, owner in apps
+        if owner or pid not in job
     ]
     report = {"job": [{"pid": p, "cmd": cmdline(p)} for p in job], "unidentified": unidentified,
               "terminated": [], "killed": [], "survivors": []}

@@ -5,7 +5,7 @@ in the container with whatever python is there. dflash_ops sends this file's tex
 with one argument, a JSON object:
 
   {"log_dir": str, "session": str, "socket": str, "log_lines": int, "metrics_lines": int,
-   "gpu_source": "auto"|"nvml"|"nvidia-smi", "nvidia_smi": str}
+   "gpu_source": "auto"|"nvml"|"nvidia-smi"|"none", "nvidia_smi": str}
 
 Every section catches its own failures into the output, so one broken part (no driver, no tmux,
 no log yet) never hides the others; the script itself exits 0 unless its argument is unusable.
@@ -312,15 +312,18 @@ def main(argv):
     errors = []
     report = {"probe_version": PROBE_VERSION, "time": time.time(), "hostname": socket.gethostname(),
               "python": sys.version.split()[0], "errors": errors}
-    gpu_started = section(errors, "gpu", start_gpu_state, args.get("gpu_source", "auto"),
-                          args.get("nvidia_smi") or "nvidia-smi")
+    gpu_source = args.get("gpu_source", "auto")
+    # "none": the caller asks the Proxmox host instead, which sees the real pids
+    gpu_started = None if gpu_source == "none" else section(errors, "gpu", start_gpu_state, gpu_source,
+                                                             args.get("nvidia_smi") or "nvidia-smi")
     tmux_started = section(errors, "tmux", start_tmux, sock, session)
     # the files are read while those commands run
     files = section(errors, "files", files_state, log_dir, int(args.get("log_lines", 200)),
                     int(args.get("metrics_lines", 400))) or {}
     report["session"] = section(errors, "tmux", finish_tmux, tmux_started, sock, session) if tmux_started else None
     gpu = section(errors, "gpu", finish_gpu_state, gpu_started) if gpu_started else None
-    report["gpu"] = gpu or {"source": None, "error": "probe failed"}
+    report["gpu"] = gpu or {"source": None, "error": "not queried in the container" if gpu_source == "none"
+                            else "probe failed"}
     pane_pid = (report["session"] or {}).get("pane_pid")
     report["processes"] = section(errors, "processes", process_tree, pane_pid) or []
     report.update(files)

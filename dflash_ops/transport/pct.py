@@ -10,7 +10,8 @@ import re
 
 from ..errors import ContainerNotRunning, InputError, TransportError
 from ..model import HostSpec
-from .local import decode
+from .base import Result, quote_argv, with_remote_timeout
+from .local import decode, finish, local_limit_s
 from .ssh import SshTransport
 
 # How Proxmox refuses an exec into a container that is stopped or missing (first stderr line).
@@ -34,6 +35,23 @@ class PctTransport(SshTransport):
 
     def _wrap(self, argv: list[str]) -> list[str]:
         return ["pct", "exec", str(self.ctid), "--", *argv]
+
+    def in_container(self, script: str, timeout: float = 60) -> str:
+        """A host shell command running `script` in the container (to compose with host work)."""
+        return quote_argv(self._wrap(with_remote_timeout(script, timeout)))
+
+    def _host_line(self, script: str, timeout: float) -> str:
+        return quote_argv(with_remote_timeout(script, timeout)) + "; exit $?"
+
+    def host_command_line(self, script: str, timeout: float = 60) -> str:
+        return self._ssh_command(self._host_line(script, timeout))
+
+    def run_on_host(self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None) -> Result:
+        """Run `script` on the Proxmox host itself, over the same connection. The host sees what
+        the container cannot: real pids of GPU processes and the cgroup (container) of each."""
+        code, out, err, seconds = self._exec(self._host_line(script, timeout), stdin, local_limit_s(timeout), step)
+        self._classify(code, err, step)  # a `pct exec` inside the script fails the same way
+        return finish(self.name, step, timeout, code, out, err, seconds)
 
     def _classify(self, code: int, stderr: bytes, step: str) -> None:
         if code == 0:
