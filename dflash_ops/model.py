@@ -66,3 +66,8 @@ class Target:
     # Where nvidia-smi runs for a pct target: "container" (pids may be invisible) or "host"
     # (pids mapped to containers through /proc/PID/cgroup).
     gpu_query_on: str = "container"
+
+    @property
+    def gpu_host_ctid(self) -> int | None:
+        """The container id when GPUs are queried on the Proxmox host (real pids), else None."""
+        return self.ctid if self.transport == "pct" and self.gpu_query_on == "host" else None

@@ -35,11 +35,6 @@ def run_playbook(target: Target, name: str, options: dict | None = None, dry_run
         return playbook.run_playbook(book, steps.registry, ctx, dry_run=dry_run, on_progress=on_progress)
 
 
-def gpu_host_ctid(target: Target) -> int | None:
-    """The container id when GPUs are to be queried on the Proxmox host (real pids), else None."""
-    return target.ctid if target.transport == "pct" and target.gpu_query_on == "host" else None
-
-
 @dataclasses.dataclass
 class Checked:
     """One target's status and verdict; `report` is None when the check itself could not run."""
@@ -54,7 +49,7 @@ def check(target: Target, now: float | None = None) -> Checked:
     """One probe round trip, then the verdict; unreachable targets give UNKNOWN, never raise."""
     try:
         with connect(target) as transport:
-            report = run_probe(transport, target.job, gpu_on_host=gpu_host_ctid(target))
+            report = run_probe(transport, target.job, gpu_on_host=target.gpu_host_ctid)
     except DflashOpsError as exc:
         verdict = health.unknown(str(exc).splitlines()[0])
         return Checked(target, verdict, status_lib.build_status(target.name, None, target.job, verdict))

@@ -33,9 +33,7 @@ def _fail(ctx: StepContext, why: str) -> StepFailed:
 
 
 def _host_ctid(ctx: StepContext) -> int | None:
-    """The container id when this target's GPUs are queried on its Proxmox host, else None."""
-    target = ctx.target
-    return target.ctid if target is not None and target.transport == "pct" and target.gpu_query_on == "host" else None
+    return ctx.target.gpu_host_ctid if ctx.target is not None else None
 
 
 def _gpu_snapshot(ctx: StepContext):
