@@ -82,6 +82,11 @@ def auto_relaunch(target: Target, checked: Checked, search_dirs=None) -> HealthA
 LIST_LOGS = "ls -1 {dir} 2>/dev/null | grep -E '^" + re.escape(jobpaths.LOG_PREFIX) + "[0-9]+\\.log$' | sort -t- -k2 -n | tail -n 1"
 
 
+# --grep filters here (Python regex), over at most this many of the newest lines, so a log of a
+# week-long run is not pulled over ssh whole.
+GREP_WINDOW_LINES = 200_000
+
+
 def newest_log(transport, target: Target) -> str:
     log_dir = target.job.log_dir
     name = transport.check(LIST_LOGS.format(dir=shlex.quote(log_dir)), timeout=30, step="find newest log").stdout.strip()
@@ -115,7 +120,7 @@ def tail_log(target: Target, lines: int = 50, follow: bool = False, grep: str | 
         q = shlex.quote(path)
         # the size first, so follow continues exactly where this read ended
         first = transport.check(f"size=$(stat -c %s {q}) && echo $size && head -c $size {q} | "
-                                f"{'cat' if pattern else f'tail -n {int(lines)}'}",
+                                f"tail -n {GREP_WINDOW_LINES if pattern else int(lines)}",
                                 timeout=60, step="read log").stdout
         size_line, _, text = first.partition("\n")
         offset = int(size_line)
