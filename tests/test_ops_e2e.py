@@ -313,3 +313,39 @@ def test_gpus_queried_on_the_proxmox_host_map_pids_into_the_container(pct_target
     finally:
         host_bystander.kill()
         gpu_state_path.unlink(missing_ok=True)
+
+
+def test_tail_log_follow_prints_new_lines_and_stops_cleanly(ssh_target):
+    logs = Path(ssh_target.job.log_dir)
+    logs.mkdir(parents=True)
+    (logs / "train-0001.log").write_text("old run\n")
+    log = logs / "train-0002.log"
+    log.write_text("line 1\nline 2\n")
+    shown, stop = [], threading.Event()
+    follower = threading.Thread(target=ops.tail_log, kwargs=dict(
+        target=ssh_target, lines=1, follow=True, grep=r"^line", emit=shown.append, poll_s=0.1,
+        should_stop=stop.is_set))
+    follower.start()
+    try:
+        for _ in range(50):
+            if shown:
+                break
+            time.sleep(0.05)
+        assert shown == ["line 2"]  # -n 1 of the newest log, not train-0001.log
+        with log.open("a") as f:
+            f.write("noise\nline 3\nline 4 without its newline yet")
+        for _ in range(100):
+            if "line 3" in shown:
+                break
+            time.sleep(0.05)
+        with log.open("a") as f:
+            f.write("\n")
+        for _ in range(100):
+            if "line 4 without its newline yet" in shown:
+                break
+            time.sleep(0.05)
+        assert shown == ["line 2", "line 3", "line 4 without its newline yet"]  # whole lines, grep applied
+    finally:
+        stop.set()
+        follower.join(10)
+    assert not follower.is_alive()
