@@ -20,6 +20,7 @@ CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 ATTENTION_BACKENDS = ("flex", "sdpa")
 COMPILE_LOCK_MODES = ("lock", "none", "patch")
 DATA_SOURCES = ("synthetic", "jsonl")
+PRECISIONS = ("fp32", "bf16-mixed")  # bf16-mixed: fp32 master weights + AdamW state, bf16 compute
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -83,6 +84,7 @@ class TrainSection:
     epochs: int = 6
     max_steps: typing.Optional[int] = None  # stop earlier than `epochs` (also shortens the schedule)
     seed: int = 0
+    precision: typing.Optional[str] = None  # fp32 | bf16-mixed; null: bf16-mixed on CUDA, fp32 on CPU
 
 
 @dataclasses.dataclass
@@ -172,7 +174,13 @@ def load_config(path: str, overrides: dict | None = None) -> TrainConfig:
     cfg = _build(TrainConfig, raw, "", str(file))
     cfg.source = str(file)
     validate(cfg)
+    cfg.train.precision = cfg.train.precision or default_precision(cfg.run.drafter_devices)
     return cfg
+
+
+def default_precision(drafter_devices: list[str]) -> str:
+    """bf16-mixed when a drafter runs on CUDA (bf16 tensor cores), fp32 on CPU."""
+    return "bf16-mixed" if any(dev.startswith("cuda") for dev in drafter_devices) else "fp32"
 
 
 def _set_dotted(raw: dict, dotted: str, value) -> None:
@@ -290,6 +298,9 @@ def validate(cfg: TrainConfig) -> None:
         _fail(cfg, "train.grad_clip", f"must be positive, got {t.grad_clip}. Fix: the paper uses 1.0.")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         _fail(cfg, "train.betas", f"must be two numbers in [0, 1), got {t.betas}. Fix: [0.9, 0.95].")
+    if t.precision is not None and t.precision not in PRECISIONS:
+        _fail(cfg, "train.precision", f"must be one of {', '.join(PRECISIONS)}, got {t.precision!r}. "
+              "Fix: bf16-mixed on GPUs, fp32 for exact CPU runs.")
     if data.source not in DATA_SOURCES:
         _fail(cfg, "data.source", f"must be one of {', '.join(DATA_SOURCES)}, got {data.source!r}.")
     if data.source == "jsonl" and not data.path:

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .precision import attention_inputs
+
 BACKENDS = ("flex", "sdpa", "flex_eager")
 
 
@@ -161,6 +163,7 @@ def compiled_flex_attention():
 
 def attend(q, k, v, attn_mask, backend: str) -> torch.Tensor:
     """Masked GQA attention. q [B, Hq, L, D]; k, v [B, Hkv, S, D]."""
+    q, k, v = attention_inputs(q, k, v)
     if backend == "flex":
         return compiled_flex_attention()(q, k, v, block_mask=attn_mask, enable_gqa=True)
     if backend == "sdpa":

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from . import checkpoint as ckpt
+from . import precision
 from .compile_lock import CompileGuard
 from .config import ConfigError, TrainConfig, check_devices
 from .data import Batch, BatchPlan, Dataset, derive_seed, load_jsonl, synthetic_dataset
@@ -42,7 +43,7 @@ class RunResult:
 
 
 def param_dtype(device: str) -> torch.dtype:
-    """bf16 on GPU, fp32 on CPU (CPU bf16 matmuls are slow and gain nothing here)."""
+    """The frozen target's dtype: bf16 on GPU, fp32 on CPU (the drafter's is train.precision's)."""
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
@@ -119,7 +120,7 @@ def build_replicas(cfg: TrainConfig, dcfg: DrafterConfig, target, total_steps: i
     for index, device in enumerate(cfg.run.drafter_devices):
         model = base if index == 0 else DFlashDrafter(dcfg, target.embed_tokens, target.lm_head)
         model.load_state_dict(initial)
-        model.to(device=device, dtype=param_dtype(device))
+        precision.place(model, device, precision.resolve(cfg))
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas),
                                       weight_decay=t.weight_decay)
@@ -160,6 +161,7 @@ def make_loss_fn(cfg: TrainConfig):
     """The DFlash objective for one replica and one batch (runs inside the compile guard)."""
     block, num_anchors, gamma = cfg.drafter.block_size, cfg.train.num_anchors, cfg.train.gamma
     backend, seed = cfg.run.attention, cfg.train.seed
+    mode = precision.resolve(cfg)
 
     def compute(replica: Replica, batch: Batch) -> LossOutput:
         # Anchors depend on (seed, step, replica) only: a resumed run draws the same ones.
@@ -168,9 +170,10 @@ def make_loss_fn(cfg: TrainConfig):
         ctx_len = batch.input_ids.shape[1]
         build = build_block_mask if backend == "flex" else dense_mask
         mask = build(anchors, valid, ctx_len, block, replica.device)
-        hidden = replica.model(batch.features, batch.input_ids, anchors, mask, backend)
-        labels, label_mask = block_labels(batch.input_ids, batch.loss_mask, anchors, valid, block)
-        loss, acc = replica.model.loss(hidden, labels, label_mask, gamma)
+        with precision.autocast(replica.device, mode):  # thread-local: entered in the drafter thread
+            hidden = replica.model(batch.features, batch.input_ids, anchors, mask, backend)
+            labels, label_mask = block_labels(batch.input_ids, batch.loss_mask, anchors, valid, block)
+            loss, acc = replica.model.loss(precision.loss_input(hidden, mode), labels, label_mask, gamma)
         return LossOutput(loss=loss, acc=acc, tokens=int(valid.sum()) * block)
 
     return compute
@@ -194,7 +197,7 @@ def startup_summary(cfg: TrainConfig, guard: CompileGuard, dataset: Dataset, pla
         f"devices: target {', '.join(cfg.run.target_devices)} | drafters {', '.join(cfg.run.drafter_devices)} "
         f"({len(replicas)} replica thread(s))",
         guard.describe(),
-        f"attention: {cfg.run.attention} | torch {torch.__version__} | drafter params {params:,}",
+        f"attention: {cfg.run.attention} | precision {precision.resolve(cfg)} | torch {torch.__version__} | drafter params {params:,}",
         f"data: {len(dataset)} sequences x {cfg.data.seq_len} tokens from {dataset.source}; "
         f"{plan.steps_per_epoch} steps/epoch; {total_steps} steps total"
         + (f"; resuming after step {start_step}" if start_step else ""),
@@ -228,13 +231,15 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
         total = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
         dcfg = drafter_config(cfg, targets[0])
         replicas = build_replicas(cfg, dcfg, targets[0], total)
-        start = 0
+        start, upcast = 0, None
         if cfg.run.resume:
             state = ckpt.load_checkpoint(ckpt.resolve_resume(cfg.run.resume, cfg.run.output_dir))
             restore(replicas, state, dcfg)
-            start = state.step
+            start, upcast = state.step, precision.upcast_note(state.weights, state.path)
         metrics.start(cfg.to_dict(), cfg.run.target_devices + cfg.run.drafter_devices, cfg.run.compile_lock,
                       total, startup_summary(cfg, guard, dataset, plan, total, start, replicas))
+        if upcast:
+            metrics.say(upcast)
         stop.install()
         return _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, start, total)
     except BaseException as exc:
@@ -259,7 +264,7 @@ def _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, sta
     throughput = Throughput(start, total)
     with TrainingWorkers(targets=targets, replicas=replicas, dataset=dataset, plan=plan,
                          compute_loss=make_loss_fn(cfg), guard=guard, grad_clip=cfg.train.grad_clip,
-                         feature_dtype=param_dtype) as workers:
+                         feature_dtype=lambda _device: precision.feature_dtype(precision.resolve(cfg))) as workers:
         workers.start(start, total)
         for step_index in range(start, total):
             last = workers.run_step(step_index)
