@@ -18,8 +18,10 @@ import re
 import shutil
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
+from .files import follow_umask
+
+# torch and safetensors are imported where tensors are read or written: argument and path errors
+# (export --checkpoint, --resume) are reported before torch is loaded.
 
 CHECKPOINTS = "checkpoints"
 WEIGHTS = "drafter.safetensors"
@@ -91,6 +93,24 @@ def resolve_resume(resume: str, output_dir: str) -> str:
     return path
 
 
+def resolve_export_source(path: str) -> str:
+    """`export --checkpoint PATH`: a step directory, or a run's output dir (its newest checkpoint)."""
+    fix = ("Fix: pass a checkpoints/step-NNNNNNN directory, or a training run's output directory "
+           "(its latest checkpoint is exported)")
+    if not os.path.exists(path):
+        raise CheckpointError(f"--checkpoint {path}: no such file or directory. {fix}.")
+    if checkpoints_root(path).is_dir():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise CheckpointError(f"--checkpoint {path}: no complete checkpoint in {checkpoints_root(path)} "
+                                  f"yet. {fix}.")
+        return latest
+    missing = [name for name in REQUIRED if not (Path(path) / name).is_file()]
+    if missing:
+        raise CheckpointError(f"--checkpoint {path}: not a checkpoint (missing {', '.join(missing)}). {fix}.")
+    return path
+
+
 def _require_complete(path: str) -> None:
     missing = [name for name in REQUIRED if not (Path(path) / name).is_file()]
     if missing:
@@ -101,6 +121,8 @@ def _require_complete(path: str) -> None:
 
 
 def rng_state(devices: list[str]) -> dict:
+    import torch
+
     state = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": {}}
     for dev in sorted(set(devices)):
         if dev.startswith("cuda") and torch.cuda.is_available():
@@ -109,6 +131,8 @@ def rng_state(devices: list[str]) -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import torch
+
     random.setstate(_as_python_rng(state["python"]))
     torch.set_rng_state(state["torch"])
     for dev, cuda_state in state.get("cuda", {}).items():
@@ -130,6 +154,9 @@ def save_checkpoint(output_dir: str, step: int, *, weights: dict, optimizer: dic
 
     Returns its absolute path (it goes into the metrics file, read from other working directories).
     """
+    import torch
+    from safetensors.torch import save_file
+
     root = checkpoints_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     _sweep_leftovers(root)
@@ -138,6 +165,7 @@ def save_checkpoint(output_dir: str, step: int, *, weights: dict, optimizer: dic
     tmp.mkdir()
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
     save_file(tensors, str(tmp / WEIGHTS), metadata={"step": str(step)})
+    follow_umask(tmp / WEIGHTS)
     _fsync_file(tmp / WEIGHTS)
     torch.save({"step": step, "optimizer": optimizer, "scheduler": scheduler,
                 "data_position": data_position, "rng": rng}, tmp / STATE)
@@ -160,6 +188,9 @@ def save_checkpoint(output_dir: str, step: int, *, weights: dict, optimizer: dic
 
 
 def load_checkpoint(path: str) -> Checkpoint:
+    import torch
+    from safetensors.torch import load_file
+
     _require_complete(path)
     try:
         weights = load_file(os.path.join(path, WEIGHTS))

@@ -14,6 +14,10 @@ import yaml
 
 from .config import COMPILE_LOCK_MODES, ATTENTION_BACKENDS, ConfigError
 
+# torch is imported only once the config, the arguments and the paths are known good: every input
+# error is reported in well under a second.
+EXPORT_DTYPES = ("bf16", "fp32")
+
 TRAIN_HELP = """\
 Train a DFlash drafter for a frozen target model.
 
@@ -41,14 +45,31 @@ Write a checkpoint's drafter in the format inference engines load: config.json
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line naming the flag (exit 2), like every other input error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}. See {self.prog} --help\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}. Fix: e.g. 100")
+    return value
+
+
 def _train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-train", description=TRAIN_HELP,
+    p = _Parser(prog="dflash-train", description=TRAIN_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Subcommand: dflash-train export --help")
     p.add_argument("--config", required=True, metavar="FILE",
                    help="YAML config file, or a bundled name: tiny-cpu, gpu-paper")
     p.add_argument("--output-dir", metavar="DIR", help="where checkpoints (and by default metrics) go")
-    p.add_argument("--max-steps", type=int, metavar="N", help="stop after at most N optimizer steps (train.epochs still bounds the run; "
+    p.add_argument("--max-steps", type=_positive_int, metavar="N", help="stop after at most N optimizer steps (train.epochs still bounds the run; "
                         "the LR schedule spans the steps actually run)")
     p.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
                    help="continue from the latest checkpoint in --output-dir, or from PATH "
@@ -70,11 +91,13 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def _export_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-train export", description=EXPORT_HELP,
+    p = _Parser(prog="dflash-train export", description=EXPORT_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="a checkpoints/step-NNNNNNN directory, or an output dir (its latest checkpoint)")
     p.add_argument("--out", required=True, metavar="DIR", help="export directory (created)")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="bf16",
+                   help="weight dtype of the export (default bf16; training keeps fp32 masters)")
     return p
 
 
@@ -113,10 +136,16 @@ def _input_errors():
 
 def _run_train(args: argparse.Namespace) -> int:
     from .config import load_config
+    from .preflight import check_output_paths
 
-    input_errors = _input_errors()
     try:
         cfg = load_config(args.config, overrides_from_args(args))
+        check_output_paths(cfg)
+    except ConfigError as exc:
+        print(f"dflash-train: error: {exc}", file=sys.stderr)
+        return 2
+    input_errors = _input_errors()
+    try:
         from .train import train  # torch and transformers load only after the config is known good
 
         result = train(cfg)
@@ -140,11 +169,17 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from .checkpoint import load_checkpoint, resolve_resume
+    from .checkpoint import CheckpointError, resolve_export_source
 
     try:
-        path = resolve_resume(args.checkpoint, args.checkpoint)  # a step dir, or a run dir's latest
-        out = export_checkpoint(load_checkpoint(path), args.out)
+        path = resolve_export_source(args.checkpoint)  # a step dir, or a run dir's latest
+    except CheckpointError as exc:
+        print(f"dflash-train: error: {exc}", file=sys.stderr)
+        return 2
+    from .checkpoint import load_checkpoint
+
+    try:
+        out = export_checkpoint(load_checkpoint(path), args.out, args.dtype)
     except _input_errors() as exc:
         print(f"dflash-train: error: {exc}", file=sys.stderr)
         return 2
@@ -152,8 +187,8 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def export_checkpoint(state, out_dir: str):
-    """Rebuild the drafter from a checkpoint alone (no target needed) and export it."""
+def export_checkpoint(state, out_dir: str, dtype: str = "bf16"):
+    """Rebuild the drafter from a checkpoint alone (no target needed) and export it in `dtype`."""
     import torch
 
     from .export import export_drafter
@@ -166,5 +201,5 @@ def export_checkpoint(state, out_dir: str):
     head = torch.nn.Linear(dcfg.hidden_size, dcfg.vocab_size, bias=False, device="meta")
     drafter = DFlashDrafter(dcfg, embed, head)
     drafter.load_state_dict(state.weights)
-    dtype = next(iter(state.weights.values())).dtype
-    return export_drafter(drafter, out_dir, dtype=dtype)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    return export_drafter(drafter, out_dir, dtype=torch_dtype)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from trainer.files import follow_umask
 from trainer.model import DFlashDrafter, DrafterConfig
 
 CONFIG_FILE = "config.json"
@@ -99,6 +100,7 @@ def export_weights(weights: dict, cfg: DrafterConfig, out_dir,
     out.mkdir(parents=True, exist_ok=True)
     weights_tmp = out / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
+    follow_umask(weights_tmp)
     os.replace(weights_tmp, out / WEIGHTS_FILE)
     config_tmp = out / (CONFIG_FILE + ".tmp")
     config_tmp.write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,84 @@
+"""dflash-train input errors: one line naming the flag or path and the fix, exit 2, before torch loads."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Runs the CLI in a fresh interpreter and reports whether torch got imported on the way.
+PROBE = """
+import json, sys
+from trainer.cli import main
+try:
+    rc = main(sys.argv[1:])
+except SystemExit as exc:
+    rc = exc.code
+print(json.dumps({"rc": rc, "torch": "torch" in sys.modules}))
+"""
+
+
+def cli(*args, cwd=None, umask=None):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=120, preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result["rc"], result["torch"], proc.stderr
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--config", "tiny-cpu", "--max-steps", "-5"], "argument --max-steps: must be at least 1, got -5"),
+    (["--config", "tiny-cpu", "--max-steps", "many"], "argument --max-steps: expected a whole number"),
+    (["--config", "no-such-config"], "config file 'no-such-config' not found"),
+    (["--config", "tiny-cpu", "--set", "train.precision=fp16"], "`train.precision` must be one of fp32, bf16-mixed"),
+    (["--config", "tiny-cpu", "--output-dir", "/proc/forbidden"],
+     "output dir '/proc/forbidden' (--output-dir / run.output_dir): cannot create it"),
+    (["export", "--checkpoint", "/nonexistent", "--out", "x"], "--checkpoint /nonexistent: no such file or directory"),
+])
+def test_input_errors_are_one_line_exit_2_and_come_before_torch(args, expected):
+    rc, torch_loaded, stderr = cli(*args)
+    assert rc == 2
+    assert stderr.count("\n") == 1 and stderr.startswith("dflash-train"), stderr
+    assert expected in stderr, stderr
+    assert "Fix" in stderr or "--help" in stderr
+    assert not torch_loaded  # so the message appears in well under a second
+
+
+def test_output_dir_error_names_the_fix():
+    _, _, stderr = cli("--config", "tiny-cpu", "--output-dir", "/proc/forbidden")
+    assert "Fix: pass a directory you can write to" in stderr
+
+
+def test_export_of_a_missing_path_suggests_only_export_flags(tmp_path):
+    _, _, stderr = cli("export", "--checkpoint", "/nonexistent", "--out", str(tmp_path / "x"))
+    flags = {word.strip(".,()") for word in stderr.split() if word.startswith("--")}
+    assert flags <= {"--checkpoint", "--out", "--dtype", "--help"}, stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_export_of_a_run_without_checkpoints_says_so(tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    rc, torch_loaded, stderr = cli("export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "x"))
+    assert rc == 2 and not torch_loaded
+    assert "no complete checkpoint in" in stderr and "--resume" not in stderr
+
+
+def test_written_weights_follow_the_umask(tmp_path):
+    common = ["--config", "tiny-cpu", "--max-steps", "1", "--output-dir", str(tmp_path / "run"),
+              "--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.batch_size=2",
+              "--set", "train.num_anchors=6", "--set", "run.torch_threads=1"]
+    rc, _, stderr = cli(*common, umask=0o022)
+    assert rc == 0, stderr
+    step = tmp_path / "run" / "checkpoints" / "step-0000001"
+    rc, _, stderr = cli("export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "export"),
+                        umask=0o022)
+    assert rc == 0, stderr
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in [*step.iterdir(), *(tmp_path / "export").iterdir()]
+             if p.is_file()}
+    assert set(modes.values()) == {"0o644"}, modes
+    assert {"drafter.safetensors", "model.safetensors", "config.json"} <= set(modes)

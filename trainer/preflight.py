@@ -1,0 +1,24 @@
+"""Checks of a loaded config against this machine's file system, made before torch is imported,
+so a path the run cannot write is reported in well under a second, naming the flag and the fix."""
+from __future__ import annotations
+
+import os
+
+from .config import ConfigError, TrainConfig
+
+
+def check_output_paths(cfg: TrainConfig) -> None:
+    """The output dir and the metrics file's directory exist (created if needed) and are writable."""
+    places = [("output dir", "--output-dir / run.output_dir", cfg.run.output_dir)]
+    metrics_dir = os.path.dirname(cfg.metrics_path)
+    if metrics_dir and os.path.abspath(metrics_dir) != os.path.abspath(cfg.run.output_dir):
+        places.append(("metrics file directory", "--metrics-file / run.metrics_file", metrics_dir))
+    for what, flag, directory in places:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"{what} {directory!r} ({flag}): cannot create it ({exc.strerror}). "
+                              f"Fix: pass a directory you can write to, e.g. runs/my-run") from None
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise ConfigError(f"{what} {directory!r} ({flag}): not writable by this user. "
+                              f"Fix: pass a directory you can write to, e.g. runs/my-run")
