@@ -1,10 +1,13 @@
 """Export the drafter in the format inference engines load, and an inference-side reference.
 
 An export directory holds:
-- config.json: a Qwen3 config (dims, rope, eps, vocab) with `architectures: ["DFlashDraftModel"]`,
-  `block_size`, `num_target_layers` and `dflash_config: {mask_token_id, target_layer_ids}`;
+- config.json: a Qwen3 config (dims, rope, eps, vocab, the target's max_position_embeddings and
+  rope scaling, layer_types) with `architectures: ["DFlashDraftModel"]`, `block_size`,
+  `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}` and an `auto_map`;
 - model.safetensors: the drafter weights only (fc, hidden_norm, norm, layers.*), no embedding and
-  no lm_head: engines use the target's.
+  no lm_head: engines use the target's;
+- modeling_dflash.py + configuration_dflash.py (from trainer/hf_modeling): the architecture as
+  Transformers code, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` builds it.
 
 `ReferenceDrafter` is deliberately written apart from trainer.model (plain tensors and loops, no
 nn.Module, float64): it computes a block's logits the way an inference engine does after a verify
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -28,6 +32,9 @@ from trainer.model import DFlashDrafter, DrafterConfig
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
+MODELING_DIR = Path(__file__).resolve().parent / "hf_modeling"
+MODELING_FILES = ("configuration_dflash.py", "modeling_dflash.py")
+AUTO_MAP = {"AutoConfig": "configuration_dflash.DFlashConfig", "AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -40,8 +47,10 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
             "cannot export: DrafterConfig.num_target_layers is unset (inference engines read it). "
             "Fix: build the config with DrafterConfig.for_target(target, ...) or set it to the "
             "target's layer count")
-    return {
+    rope = dict(cfg.rope_scaling or {"rope_type": "default"}, rope_theta=cfg.rope_theta)
+    config = {
         "architectures": [ARCHITECTURE],
+        "auto_map": dict(AUTO_MAP),
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -52,9 +61,11 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
         "rms_norm_eps": cfg.rms_norm_eps,
-        # Both spellings: older transformers read rope_theta, newer read rope_parameters.
+        # All spellings: older transformers read rope_theta + rope_scaling, newer rope_parameters.
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": rope if cfg.rope_scaling else None,
+        "rope_parameters": rope,
+        "layer_types": ["full_attention"] * cfg.num_layers,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
         "torch_dtype": _dtype_name(dtype),
@@ -65,6 +76,9 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
             "target_layer_ids": list(cfg.target_layer_ids),
         },
     }
+    if cfg.max_position_embeddings is not None:  # unknown for checkpoints older than this field
+        config["max_position_embeddings"] = cfg.max_position_embeddings
+    return config
 
 
 def weight_names(cfg: DrafterConfig) -> set[str]:
@@ -102,6 +116,9 @@ def export_weights(weights: dict, cfg: DrafterConfig, out_dir,
     save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
     follow_umask(weights_tmp)
     os.replace(weights_tmp, out / WEIGHTS_FILE)
+    for name in MODELING_FILES:
+        shutil.copyfile(MODELING_DIR / name, out / (name + ".tmp"))
+        os.replace(out / (name + ".tmp"), out / name)
     config_tmp = out / (CONFIG_FILE + ".tmp")
     config_tmp.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(config_tmp, out / CONFIG_FILE)
@@ -125,6 +142,9 @@ def drafter_config_from_export(export_dir) -> DrafterConfig:
         mask_token_id=dflash["mask_token_id"],
         target_layer_ids=dflash["target_layer_ids"],
         num_target_layers=config.get("num_target_layers"),
+        max_position_embeddings=config.get("max_position_embeddings"),
+        rope_scaling={k: v for k, v in config["rope_scaling"].items() if k != "rope_theta"}
+        if config.get("rope_scaling") else None,
     )
 
 

@@ -24,6 +24,9 @@ from torch import nn
 from .precision import attention_inputs
 
 BACKENDS = ("flex", "sdpa", "flex_eager")
+# DrafterConfig fields that only travel to the export: a checkpoint written before they existed
+# still resumes (trainer.train.restore does not compare them when the checkpoint lacks them).
+EXPORT_METADATA = ("max_position_embeddings", "rope_scaling")
 
 
 @dataclass(kw_only=True)
@@ -42,6 +45,9 @@ class DrafterConfig:
     block_size: int = 16
     # The target's layer count; written to the export (inference engines read it).
     num_target_layers: int | None = None
+    # The target's context length and RoPE scaling, copied into the export (see EXPORT_METADATA).
+    max_position_embeddings: int | None = None
+    rope_scaling: dict | None = None
 
     def __post_init__(self):
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -96,6 +102,8 @@ class DrafterConfig:
             rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
             rope_theta=_rope_theta_of(hf),
             num_target_layers=target.num_layers,
+            max_position_embeddings=getattr(hf, "max_position_embeddings", None),
+            rope_scaling=_rope_scaling_of(hf),
         )
         values.update(overrides)
         return cls(**values)
@@ -106,6 +114,14 @@ def _rope_theta_of(hf_config) -> float:
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"])
     return float(getattr(hf_config, "rope_theta", 1e6))
+
+
+def _rope_scaling_of(hf_config) -> dict | None:
+    """The target's RoPE scaling (rope_type and its parameters, without rope_theta); None if plain."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if not isinstance(params, dict) or params.get("rope_type", params.get("type", "default")) == "default":
+        return None
+    return {k: v for k, v in params.items() if k != "rope_theta"}
 
 
 class RMSNorm(nn.Module):

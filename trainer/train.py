@@ -27,7 +27,7 @@ from .data import Batch, BatchPlan, Dataset, derive_seed, load_jsonl, synthetic_
 from .masks import build_block_mask, dense_mask, sample_anchors
 from .loss import block_labels
 from .metrics import MetricsWriter, Throughput, error_kind
-from .model import DFlashDrafter, DrafterConfig
+from .model import EXPORT_METADATA, DFlashDrafter, DrafterConfig
 from .target import load_target
 from .workers import LossOutput, Replica, StepSummary, TrainingWorkers, WorkerFailure
 
@@ -133,7 +133,8 @@ def build_replicas(cfg: TrainConfig, dcfg: DrafterConfig, target, total_steps: i
 def restore(replicas: list[Replica], state: ckpt.Checkpoint, dcfg: DrafterConfig) -> None:
     """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, RNG."""
     saved = state.drafter_config
-    differ = sorted(k for k, v in dcfg.to_dict().items() if saved.get(k) != v)
+    differ = sorted(k for k, v in dcfg.to_dict().items()
+                    if saved.get(k) != v and (k in saved or k not in EXPORT_METADATA))
     if differ:
         raise ConfigError(
             f"--resume {state.path}: the checkpoint's drafter differs in {', '.join(differ)} "

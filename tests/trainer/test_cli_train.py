@@ -74,7 +74,9 @@ def test_deployed_trainer_trains_resumes_and_exports(release, tmp_path):
     weights = load_file(str(work / "export" / "model.safetensors"))
     state = load_checkpoint(latest_checkpoint(str(work / "run")))
     assert state.step == 5 and set(weights) == set(state.weights)
-    assert all(torch.equal(weights[k], state.weights[k]) for k in weights)
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16}  # export --dtype defaults to bf16
+    assert {w.dtype for w in state.weights.values()} == {torch.float32}  # the checkpoint keeps fp32
+    assert all(torch.equal(weights[k], state.weights[k].to(torch.bfloat16)) for k in weights)
     assert not any(k.startswith(("embed", "lm_head")) for k in weights)
 
 
