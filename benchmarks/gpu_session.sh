@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Everything the GPU proof needs, in one command on a GPU machine; results under $OUT (or ./gpu-out).
-#   bash benchmarks/gpu_session.sh smoke|race|perf|ops
+#   bash benchmarks/gpu_session.sh smoke|race|perf|ops|precision
 # smoke: versions, the CUDA-only trainer tests, one short training run with compiled flex.
 # race:  the race harness (none, lock x20, patch).   perf: throughput at paper dims.
 # ops:   dflash-ops relaunch/status/health/tail-log/stop on this machine's `local` target.
+# precision: tiny run on CUDA (compiled flex) in bf16-mixed and in fp32: norm weights moved off 1.0,
+#        final losses; then paper-dims throughput with the trainer's bf16-mixed path (~4 min).
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -46,6 +48,20 @@ INV
   nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits > "$OUT/nvsmi-gpu.csv" 2>&1
   nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader,nounits > "$OUT/nvsmi-apps.csv" 2>&1
   nvidia-smi --query-gpu=index,name,memory.used,utilization.gpu --format=csv > "$OUT/nvsmi-units.csv" 2>&1
+  ;;
+precision)
+  d=$(mktemp -d)
+  for p in bf16-mixed fp32; do
+    TORCHINDUCTOR_CACHE_DIR=$d/i TRITON_CACHE_DIR=$d/t timeout -k 10 240 python3 -m trainer --config tiny-cpu \
+       --output-dir "$d/$p" --max-steps 60 --attention flex --target-devices cuda:0 --drafter-devices cuda:0 \
+       --set train.lr=6e-4 --set train.precision=$p > "$OUT/precision-train-$p.log" 2>&1
+    echo "precision $p: train exit $?" | tee -a "$OUT/precision-train-$p.log"; tail -3 "$OUT/precision-train-$p.log"
+  done
+  timeout -k 10 60 python3 benchmarks/precision_check.py --run "bf16-mixed=$d/bf16-mixed" --run "fp32=$d/fp32" \
+     --label "tiny-cpu on one H200, compiled flex, 60 steps, lr 6e-4" --out "$OUT/precision-norms.md"
+  echo "precision_check exit $?"
+  timeout -k 10 540 python3 benchmarks/train_throughput.py --parts compiled --steps 8 --precision bf16-mixed \
+     --out "$OUT/throughput-precision.md" 2>&1 | tail -22
   ;;
 esac
 done

@@ -12,8 +12,13 @@ One run measures, each part in its own fresh process with fresh empty inductor/t
    "none": per-thread latency from the common start to the end of its first forward+backward.
 
 Paper dims (DFlash, arXiv 2602.06036): hidden 4096, 32 heads / 8 KV heads, head_dim 128,
-intermediate 12288, 5 layers, block 16, 512 anchors, context 3072, bf16, 5 target layers; random
+intermediate 12288, 5 layers, block 16, 512 anchors, context 3072, 5 target layers; random
 target hidden states, a random frozen embedding + lm_head (vocab 151936).
+
+Precision is the trainer's own path (trainer.precision, --precision, default bf16-mixed on GPU):
+fp32 master weights and fused AdamW state, bf16 autocast compute, the frozen embedding and lm_head
+in bf16. The report gives the peak memory (torch.cuda.max_memory_allocated) and the bytes of the
+fp32 master weights + AdamW moments (12 bytes per parameter; fp32 gradients add 4 more).
 
 A step = sample anchors + build the block mask + forward + fused DFlash loss + backward + AdamW,
 timed with the device synchronised. Throughput is given two ways: block tokens/s (valid anchors x
@@ -122,10 +127,11 @@ def child_peak(args, dims) -> dict:
 
 
 def _build(args, dims, torch, seed: int = 0):
+    from trainer import precision
     from trainer.model import DFlashDrafter, DrafterConfig
 
     cuda = args.device.startswith("cuda")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = precision.compute_dtype(args.precision)  # the frozen target tensors and the features
     cfg = DrafterConfig(hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
                         num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
                         vocab_size=dims["vocab"], mask_token_id=dims["vocab"] - 1,
@@ -135,8 +141,8 @@ def _build(args, dims, torch, seed: int = 0):
     with torch.device(args.device):  # initialise on the device: 1B parameters on a CPU is slow
         embed = torch.nn.Embedding(dims["vocab"], dims["hidden"]).to(dtype).requires_grad_(False)
         lm_head = torch.nn.Linear(dims["hidden"], dims["vocab"], bias=False).to(dtype).requires_grad_(False)
-        model = DFlashDrafter(cfg, embed, lm_head).to(dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)
+        model = precision.place(DFlashDrafter(cfg, embed, lm_head), args.device, args.precision)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)  # as the trainer
     return cfg, model, optimizer, dtype
 
 
@@ -150,6 +156,7 @@ def _batch(args, dims, cfg, torch, dtype, gen):
 
 
 def _train_step(args, dims, cfg, model, optimizer, batch, gen, attention: str, torch):
+    from trainer import precision
     from trainer.loss import block_labels
     from trainer.masks import build_block_mask, dense_mask, sample_anchors
 
@@ -160,9 +167,10 @@ def _train_step(args, dims, cfg, model, optimizer, batch, gen, attention: str, t
     t = input_ids.shape[1]
     build = dense_mask if attention == "sdpa" else build_block_mask
     mask = build(anchors, valid, t, cfg.block_size, args.device)
-    hidden = model(features, input_ids, anchors, mask, attention)
-    labels, label_mask = block_labels(input_ids, loss_mask.to(args.device), anchors, valid, cfg.block_size)
-    loss, _ = model.loss(hidden, labels, label_mask, gamma=7.0)
+    with precision.autocast(args.device, args.precision):  # what trainer.train.make_loss_fn does
+        hidden = model(features, input_ids, anchors, mask, attention)
+        labels, label_mask = block_labels(input_ids, loss_mask.to(args.device), anchors, valid, cfg.block_size)
+        loss, _ = model.loss(precision.loss_input(hidden, args.precision), labels, label_mask, gamma=7.0)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -210,6 +218,11 @@ def child_train(args, dims) -> dict:
         "compiles": [{k: e[k] for k in ("thread", "step", "duration_s", "reason", "trigger")} for e in events],
         "peak_memory_gib": (torch.cuda.max_memory_allocated(args.device) / 2**30
                             if args.device.startswith("cuda") else None),
+        "precision": args.precision,
+        "params": sum(p.numel() for p in model.parameters()),
+        "param_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()}),
+        "optimizer_state_bytes": sum(t.numel() * t.element_size() for st in optimizer.state.values()
+                                     for t in st.values() if torch.is_tensor(t) and t.dim() > 0),
     }
     if args.profile:
         result["profile"] = _profile(args, dims, cfg, model, optimizer, batch, gen, guard, torch)
@@ -278,7 +291,7 @@ def run_child(args, what: str, extra: list[str], timeout: float) -> dict:
                TRITON_CACHE_DIR=os.path.join(scratch, "triton"), PYTHONPATH=REPO)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", what, "--device", args.device,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--batch", str(args.batch), *(["--small"] if args.small else []), *extra]
+           "--batch", str(args.batch), "--precision", args.precision, *(["--small"] if args.small else []), *extra]
     began = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=REPO, start_new_session=True)
@@ -311,7 +324,10 @@ def summarise(run: dict, dims: dict, peak_tflops: float | None) -> dict:
         "context_tokens_per_s": run["context_tokens_per_step"] / step,
         "achieved_tflops": achieved, "mfu": achieved / peak_tflops if peak_tflops else None,
         "peak_memory_gib": run["peak_memory_gib"], "flops_per_step": flops,
-        "compiles": len(run["compiles"]),
+        "compiles": len(run["compiles"]), "precision": run["precision"], "params": run["params"],
+        "param_dtypes": run["param_dtypes"],
+        # fp32 master weights (4 B) + AdamW exp_avg and exp_avg_sq (8 B): ~12 B per parameter
+        "master_and_adam_gib": (run["params"] * 4 + run["optimizer_state_bytes"]) / 2**30,
     }
 
 
@@ -325,20 +341,26 @@ def render(report: dict) -> str:
              "Dims: " + ", ".join(f"{k} {v}" for k, v in report["dims"].items()), "",
              f"Matmul peak (measured): {_fmt(report['peak'].get('tflops'), '.1f')} TFLOP/s "
              f"({report['peak'].get('dtype', '?')} {report['peak'].get('n', '?')}^3)", "",
-             "| run | median step s | first step s | block tok/s | context tok/s | TFLOP/s | MFU | peak mem GiB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| run | precision | median step s | first step s | block tok/s | context tok/s | TFLOP/s | MFU "
+             "| peak mem GiB | master+Adam GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in report["runs"].items():
         if "failed" in s:
-            lines.append(f"| {name} | failed: {s['failed']} | | | | | | |")
+            lines.append(f"| {name} | failed: {s['failed']} | | | | | | | | |")
             continue
-        lines.append(f"| {name} | {s['median_step_s']:.4f} | {s['first_step_s']:.2f} | {s['block_tokens_per_s']:.0f} "
-                     f"| {s['context_tokens_per_s']:.0f} | {s['achieved_tflops']:.2f} | "
-                     f"{_fmt(s['mfu'] and 100 * s['mfu'], '.1f')}% | {_fmt(s['peak_memory_gib'], '.1f')} |")
+        lines.append(f"| {name} | {s['precision']} | {s['median_step_s']:.4f} | {s['first_step_s']:.2f} "
+                     f"| {s['block_tokens_per_s']:.0f} | {s['context_tokens_per_s']:.0f} | {s['achieved_tflops']:.2f} | "
+                     f"{_fmt(s['mfu'] and 100 * s['mfu'], '.1f')}% | {_fmt(s['peak_memory_gib'], '.1f')} "
+                     f"| {s['master_and_adam_gib']:.1f} |")
     if report.get("speedup") is not None:
         note = f" ({report['speedup_note']})" if report.get("speedup_note") else ""
         lines += ["", f"Compiled vs eager flex_attention: {report['speedup']:.2f}x faster per step{note}."]
     some = next((s for s in report["runs"].values() if "flops_per_step" in s), None)
     if some:
+        lines += ["", f"Drafter parameters: {some['params']:,} ({', '.join(some['param_dtypes'])}); "
+                      f"fp32 master weights + AdamW moments = {some['master_and_adam_gib']:.2f} GiB "
+                      f"({(some['master_and_adam_gib'] * 2**30) / some['params']:.1f} bytes/parameter; "
+                      f"fp32 gradients add {some['params'] * 4 / 2**30:.2f} GiB)."]
         parts = some["flops_per_step"]
         lines += ["", "Model FLOPs per step (fwd+bwd, GFLOP): " + ", ".join(
             f"{k} {v / 1e9:.3f}" for k, v in parts.items())]
@@ -373,12 +395,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child-timeout", type=float, default=420.0, help="seconds per training part")
     parser.add_argument("--first-step-timeout", type=float, default=300.0,
                         help="seconds per first-step part (lock 'none' may hang: that is the race)")
+    parser.add_argument("--precision", choices=("fp32", "bf16-mixed"),
+                        help="the trainer's train.precision (default: bf16-mixed on CUDA, fp32 on CPU)")
     parser.add_argument("--child", choices=("peak", "train", "first_step"), help=argparse.SUPPRESS)
     parser.add_argument("--attention", default="flex", help=argparse.SUPPRESS)
     parser.add_argument("--lock", default="lock", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.small:
         args.device = "cpu"
+    if args.precision is None:
+        args.precision = "bf16-mixed" if args.device.startswith("cuda") else "fp32"
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be >= 1 (the first step compiles)")
     dims = dict(SMALL if args.small else PAPER, batch=args.batch)

@@ -123,7 +123,7 @@ def build_replicas(cfg: TrainConfig, dcfg: DrafterConfig, target, total_steps: i
         precision.place(model, device, precision.resolve(cfg))
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas),
-                                      weight_decay=t.weight_decay)
+                                      weight_decay=t.weight_decay, fused=device.startswith("cuda") or None)
         schedule = WarmupCosine(round(t.warmup_frac * total_steps), total_steps, t.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         replicas.append(Replica(index, device, model, optimizer, scheduler))
