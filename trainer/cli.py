@@ -33,12 +33,14 @@ For your own target, copy trainer/configs/gpu-paper.yaml, set target.spec and da
 
 Outputs: <output-dir>/checkpoints/step-NNNNNNN/ (last few kept) and the metrics file
 (JSON lines; default <output-dir>/metrics.jsonl). Any config key can be overridden with
---set section.key=value (e.g. --set train.lr=3e-4).
+--set section.key=value (e.g. --set train.lr=3e-4). On GPUs training runs in bf16-mixed
+precision (fp32 master weights); --set train.precision=fp32 for full fp32.
 """
 
 EXPORT_HELP = """\
 Write a checkpoint's drafter in the format inference engines load: config.json
-(architectures ["DFlashDraftModel"], block_size, dflash_config) + model.safetensors.
+(architectures ["DFlashDraftModel"], block_size, dflash_config, auto_map) + model.safetensors
++ modeling_dflash.py, so AutoModel.from_pretrained(DIR, trust_remote_code=True) loads it.
 
   dflash-train export --checkpoint runs/tiny/checkpoints/step-0000480 --out drafter/
   dflash-train export --checkpoint runs/tiny --out drafter/     (its latest checkpoint)

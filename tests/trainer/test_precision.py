@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 
 import pytest
@@ -62,6 +63,10 @@ def test_bf16_mixed_moves_every_norm_weight_and_ends_near_the_fp32_loss(tmp_path
     for state in mixed.replicas[0].optimizer.state_dict()["state"].values():
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
     assert len(norm_weights(mixed_cfg_model)) == 6
+    # both drafter threads got the same fp32-averaged gradients: their masters stay identical
+    assert len(mixed.replicas) == 2
+    for a, b in zip(mixed.replicas[0].model.parameters(), mixed.replicas[1].model.parameters()):
+        assert torch.equal(a, b)
     assert norms_stuck_at_one(mixed_cfg_model) == []
     # ends within 5 % of the fp32 run (mean of the last 5 steps: same data and anchors in both)
     end_fp32, end_mixed = sum(fp32_losses[-5:]) / 5, sum(mixed_losses[-5:]) / 5
@@ -108,6 +113,10 @@ def test_an_old_bf16_checkpoint_resumes_upcast_with_one_log_line(tmp_path):
         for key in ("exp_avg", "exp_avg_sq"):
             moments[key] = moments[key].to(torch.bfloat16)
     torch.save(state, ckpt / "trainer_state.pt")
+    drafter_config = json.loads((ckpt / "drafter_config.json").read_text())
+    for newer in ("max_position_embeddings", "rope_scaling"):  # fields it did not have yet
+        drafter_config.pop(newer)
+    (ckpt / "drafter_config.json").write_text(json.dumps(drafter_config))
 
     result, losses, log = tiny_run(tmp_path / "b", "bf16-mixed", steps=4, resume=str(ckpt), **SMALL)
     assert len(losses) == 2
@@ -134,3 +143,22 @@ def test_attention_inputs_share_the_autocast_dtype():
     assert {t.dtype for t in precision.attention_inputs(q, q, v)} == {torch.float32, torch.bfloat16}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert {t.dtype for t in precision.attention_inputs(q, q, v)} == {torch.bfloat16}
+
+
+def test_flex_attention_gets_bf16_inputs_under_autocast_and_agrees_with_sdpa():
+    from trainer.masks import build_block_mask, dense_mask, sample_anchors
+    from trainer.model import DFlashDrafter, DrafterConfig
+    from trainer.target import load_target
+
+    target = load_target("tiny-random", "cpu", torch.float32, seed=0)
+    torch.manual_seed(0)
+    drafter = precision.place(DFlashDrafter(DrafterConfig.for_target(target, num_layers=1, block_size=4),
+                                            target.embed_tokens, target.lm_head), "cpu", "bf16-mixed")
+    ids = torch.randint(0, 511, (1, 32), generator=torch.Generator().manual_seed(1))
+    features = target.features(ids).to(precision.feature_dtype("bf16-mixed"))
+    anchors, valid = sample_anchors(torch.ones(1, 32, dtype=torch.bool), 4, 4, torch.Generator().manual_seed(0))
+    # eager flex_attention, forward only: CPU has no flex backward (compiled flex runs on the GPU)
+    with torch.no_grad(), precision.autocast("cpu", "bf16-mixed"):
+        flex = drafter(features, ids, anchors, build_block_mask(anchors, valid, 32, 4, "cpu"), "flex_eager")
+        sdpa = drafter(features, ids, anchors, dense_mask(anchors, valid, 32, 4, "cpu"), "sdpa")
+    assert (flex - sdpa).abs().max() <= 0.02 * sdpa.abs().max()
