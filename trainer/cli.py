@@ -137,13 +137,15 @@ def _input_errors():
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError
     from .config import load_config
-    from .preflight import check_output_paths
+    from .preflight import check_output_paths, check_resume
 
     try:
         cfg = load_config(args.config, overrides_from_args(args))
+        check_resume(cfg)  # before anything is created
         check_output_paths(cfg)
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:
         print(f"dflash-train: error: {exc}", file=sys.stderr)
         return 2
     input_errors = _input_errors()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from .checkpoint import resolve_resume
 from .config import ConfigError, TrainConfig
 
 
@@ -22,3 +23,9 @@ def check_output_paths(cfg: TrainConfig) -> None:
         if not os.access(directory, os.W_OK | os.X_OK):
             raise ConfigError(f"{what} {directory!r} ({flag}): not writable by this user. "
                               f"Fix: pass a directory you can write to, e.g. runs/my-run")
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """--resume names a checkpoint that exists (raises CheckpointError naming it and the fix)."""
+    if cfg.run.resume:
+        resolve_resume(cfg.run.resume, cfg.run.output_dir)

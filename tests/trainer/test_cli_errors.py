@@ -39,9 +39,10 @@ def cli(*args, cwd=None, umask=None):
     (["--config", "tiny-cpu", "--output-dir", "/proc/forbidden"],
      "output dir '/proc/forbidden' (--output-dir / run.output_dir): cannot create it"),
     (["export", "--checkpoint", "/nonexistent", "--out", "x"], "--checkpoint /nonexistent: no such file or directory"),
+    (["--config", "tiny-cpu", "--output-dir", "{tmp}/run", "--resume"], "--resume latest: no checkpoint in"),
 ])
-def test_input_errors_are_one_line_exit_2_and_come_before_torch(args, expected):
-    rc, torch_loaded, stderr = cli(*args)
+def test_input_errors_are_one_line_exit_2_and_come_before_torch(args, expected, tmp_path):
+    rc, torch_loaded, stderr = cli(*[arg.replace("{tmp}", str(tmp_path)) for arg in args])
     assert rc == 2
     assert stderr.count("\n") == 1 and stderr.startswith("dflash-train"), stderr
     assert expected in stderr, stderr
