@@ -73,7 +73,8 @@ def render(rows: list[dict], label: str) -> str:
             continue
         loss = r["final_loss"]
         rel = f"{100 * (loss - base) / base:+.2f}%" if loss is not None and base else "n/a"
-        lines.append(f"| {r['run']} | {r['moved_tensors']}/{r['norm_tensors']} | {r['elements_at_one']}/{r['elements']} "
+        lines.append(f"| {r['run']} | {r['moved_tensors']}/{r['norm_tensors']} "
+                     f"| {r['elements_at_one']}/{r['elements']} "
                      f"| {r['min_abs_w_minus_1']:.3g} | {r['max_abs_w_minus_1']:.3g} | {', '.join(r['dtype'])} "
                      f"| {'n/a' if loss is None else format(loss, '.4f')} | {rel} |")
     return "\n".join(lines) + "\n"

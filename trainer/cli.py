@@ -71,7 +71,8 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, metavar="FILE",
                    help="YAML config file, or a bundled name: tiny-cpu, gpu-paper")
     p.add_argument("--output-dir", metavar="DIR", help="where checkpoints (and by default metrics) go")
-    p.add_argument("--max-steps", type=_positive_int, metavar="N", help="stop after at most N optimizer steps (train.epochs still bounds the run; "
+    p.add_argument("--max-steps", type=_positive_int, metavar="N",
+                   help="stop after at most N optimizer steps (train.epochs still bounds the run; "
                         "the LR schedule spans the steps actually run)")
     p.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
                    help="continue from the latest checkpoint in --output-dir, or from PATH "

@@ -198,7 +198,8 @@ def startup_summary(cfg: TrainConfig, guard: CompileGuard, dataset: Dataset, pla
         f"devices: target {', '.join(cfg.run.target_devices)} | drafters {', '.join(cfg.run.drafter_devices)} "
         f"({len(replicas)} replica thread(s))",
         guard.describe(),
-        f"attention: {cfg.run.attention} | precision {precision.resolve(cfg)} | torch {torch.__version__} | drafter params {params:,}",
+        f"attention: {cfg.run.attention} | precision {precision.resolve(cfg)} | torch {torch.__version__} "
+        f"| drafter params {params:,}",
         f"data: {len(dataset)} sequences x {cfg.data.seq_len} tokens from {dataset.source}; "
         f"{plan.steps_per_epoch} steps/epoch; {total_steps} steps total"
         + (f"; resuming after step {start_step}" if start_step else ""),
@@ -265,7 +266,7 @@ def _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, sta
     throughput = Throughput(start, total)
     with TrainingWorkers(targets=targets, replicas=replicas, dataset=dataset, plan=plan,
                          compute_loss=make_loss_fn(cfg), guard=guard, grad_clip=cfg.train.grad_clip,
-                         feature_dtype=lambda _device: precision.feature_dtype(precision.resolve(cfg))) as workers:
+                         feature_dtype=lambda _dev: precision.feature_dtype(precision.resolve(cfg))) as workers:
         workers.start(start, total)
         for step_index in range(start, total):
             last = workers.run_step(step_index)

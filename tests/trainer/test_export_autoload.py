@@ -110,7 +110,8 @@ def test_the_comparison_would_notice_a_wrong_weight(drafter, target, tmp_path):
               "lm_head": target.lm_head.weight.detach()}
     anchors, valid = torch.tensor([[6]]), torch.tensor([[True]])
     with torch.no_grad():
-        expected = drafter.logits(drafter(context, ids, anchors, dense_mask(anchors, valid, 10, BLOCK, "cpu"), "sdpa"))[0]
+        mask = dense_mask(anchors, valid, 10, BLOCK, "cpu")
+        expected = drafter.logits(drafter(context, ids, anchors, mask, "sdpa"))[0]
     got = load_with_transformers(export_dir, inputs, tmp_path)["logits"][0]
     assert (got - expected).abs().max() > 1e-3
 
