@@ -23,10 +23,10 @@ print(json.dumps({"rc": rc, "torch": "torch" in sys.modules}))
 """
 
 
-def cli(*args, cwd=None, umask=None):
+def cli(*args):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=120, preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+                          timeout=120)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     return result["rc"], result["torch"], proc.stderr
 
@@ -70,15 +70,18 @@ def test_export_of_a_run_without_checkpoints_says_so(tmp_path):
 
 
 def test_written_weights_follow_the_umask(tmp_path):
+    from trainer.cli import main
+
     common = ["--config", "tiny-cpu", "--max-steps", "1", "--output-dir", str(tmp_path / "run"),
               "--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.batch_size=2",
               "--set", "train.num_anchors=6", "--set", "run.torch_threads=1"]
-    rc, _, stderr = cli(*common, umask=0o022)
-    assert rc == 0, stderr
+    previous = os.umask(0o022)
+    try:
+        assert main(common) == 0
+        assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
+    finally:
+        os.umask(previous)
     step = tmp_path / "run" / "checkpoints" / "step-0000001"
-    rc, _, stderr = cli("export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "export"),
-                        umask=0o022)
-    assert rc == 0, stderr
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in [*step.iterdir(), *(tmp_path / "export").iterdir()]
              if p.is_file()}
     assert set(modes.values()) == {"0o644"}, modes

@@ -44,7 +44,7 @@ def norms_stuck_at_one(model) -> list[str]:
 
 
 def test_bf16_mixed_moves_every_norm_weight_and_ends_near_the_fp32_loss(tmp_path, monkeypatch):
-    fp32, fp32_losses, _ = tiny_run(tmp_path / "fp32", "fp32")
+    fp32, fp32_losses, _ = tiny_run(tmp_path / "fp32", "fp32", **SMALL)
     compute_dtypes = set()
     place = precision.place
 
@@ -55,7 +55,7 @@ def test_bf16_mixed_moves_every_norm_weight_and_ends_near_the_fp32_loss(tmp_path
         return placed
 
     monkeypatch.setattr(precision, "place", place_and_watch)
-    mixed, mixed_losses, _ = tiny_run(tmp_path / "mixed", "bf16-mixed")
+    mixed, mixed_losses, _ = tiny_run(tmp_path / "mixed", "bf16-mixed", **SMALL)
     mixed_cfg_model = mixed.replicas[0].model
 
     assert compute_dtypes == {torch.bfloat16}  # the matmuls really ran in bf16
@@ -80,7 +80,7 @@ def test_the_norm_check_fails_with_bf16_master_weights(tmp_path, monkeypatch):
         return model.to(device=device, dtype=torch.bfloat16)
 
     monkeypatch.setattr(precision, "place", pure_bf16)
-    result, _, _ = tiny_run(tmp_path, "bf16-mixed")
+    result, _, _ = tiny_run(tmp_path, "bf16-mixed", **SMALL)
     model = result.replicas[0].model
     assert model.fc.weight.dtype == torch.bfloat16
     assert sorted(norms_stuck_at_one(model)) == sorted(norm_weights(model))

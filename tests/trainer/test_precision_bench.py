@@ -1,6 +1,7 @@
 """The GPU proof scripts for train.precision, run here at tiny size on the CPU."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -10,10 +11,13 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from trainer.config import load_config
+from trainer.train import train
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)
-SMALL = ["--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.batch_size=2",
-         "--set", "train.num_anchors=6", "--set", "run.torch_threads=1"]
+SMALL = {"data.seq_len": 32, "data.synthetic.num_samples": 16, "train.batch_size": 2, "train.num_anchors": 6,
+         "run.torch_threads": 1, "train.precision": "bf16-mixed"}
 
 
 def run(*args, timeout=200):
@@ -23,9 +27,7 @@ def run(*args, timeout=200):
 
 
 def test_precision_check_reports_moved_norms_and_fails_on_weights_left_at_one(tmp_path):
-    trained = run("-m", "trainer", "--config", "tiny-cpu", "--output-dir", str(tmp_path / "mixed"),
-                  "--max-steps", "3", "--set", "train.precision=bf16-mixed", *SMALL)
-    assert trained.returncode == 0, trained.stderr
+    train(load_config("tiny-cpu", dict(SMALL, output_dir=str(tmp_path / "mixed"), max_steps=3)), out=io.StringIO())
     out = tmp_path / "norms.md"
     proc = run("benchmarks/precision_check.py", "--run", f"bf16-mixed={tmp_path / 'mixed'}",
                "--run", f"again={tmp_path / 'mixed'}", "--out", str(out))
