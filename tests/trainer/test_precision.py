@@ -162,3 +162,14 @@ def test_flex_attention_gets_bf16_inputs_under_autocast_and_agrees_with_sdpa():
         flex = drafter(features, ids, anchors, build_block_mask(anchors, valid, 32, 4, "cpu"), "flex_eager")
         sdpa = drafter(features, ids, anchors, dense_mask(anchors, valid, 32, 4, "cpu"), "sdpa")
     assert (flex - sdpa).abs().max() <= 0.02 * sdpa.abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_mixed_on_cuda_with_compiled_flex_moves_every_norm_weight(tmp_path):
+    result, losses, log = tiny_run(tmp_path, "bf16-mixed", steps=40, attention="flex", target_devices="cuda:0",
+                                   drafter_devices="cuda:0", **{"train.lr": 6e-4})
+    model = result.replicas[0].model
+    assert "precision bf16-mixed" in log
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert norms_stuck_at_one(model) == []
+    assert losses[-1] < losses[0]
