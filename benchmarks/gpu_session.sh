@@ -5,7 +5,7 @@
 # race:  the race harness (none, lock x20, patch).   perf: throughput at paper dims.
 # ops:   dflash-ops relaunch/status/health/tail-log/stop on this machine's `local` target.
 # precision: tiny run on CUDA (compiled flex) in bf16-mixed and in fp32: norm weights moved off 1.0,
-#        final losses; then paper-dims throughput with the trainer's bf16-mixed path (~4 min).
+#        final losses; paper-dims throughput in bf16-mixed and the old bf16-weights baseline (~4 min).
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -60,8 +60,10 @@ precision)
   timeout -k 10 60 python3 benchmarks/precision_check.py --run "bf16-mixed=$d/bf16-mixed" --run "fp32=$d/fp32" \
      --label "tiny-cpu on one H200, compiled flex, 60 steps, lr 6e-4" --out "$OUT/precision-norms.md"
   echo "precision_check exit $?"
-  timeout -k 10 540 python3 benchmarks/train_throughput.py --parts compiled --steps 8 --precision bf16-mixed \
-     --out "$OUT/throughput-precision.md" 2>&1 | tail -22
+  for p in bf16-mixed bf16-pure; do  # bf16-pure: the old bf16-weights path, the same-machine baseline
+    timeout -k 10 420 python3 benchmarks/train_throughput.py --parts compiled --steps 8 --precision $p \
+       --out "$OUT/throughput-$p.md" 2>&1 | tail -16
+  done
   ;;
 esac
 done

@@ -19,6 +19,8 @@ Precision is the trainer's own path (trainer.precision, --precision, default bf1
 fp32 master weights and fused AdamW state, bf16 autocast compute, the frozen embedding and lm_head
 in bf16. The report gives the peak memory (torch.cuda.max_memory_allocated) and the bytes of the
 fp32 master weights + AdamW moments (12 bytes per parameter; fp32 gradients add 4 more).
+`--precision bf16-pure` is the baseline the trainer no longer uses: bf16 parameters updated in
+place by AdamW (fast, but updates round away), for a before/after comparison on the same machine.
 
 A step = sample anchors + build the block mask + forward + fused DFlash loss + backward + AdamW,
 timed with the device synchronised. Throughput is given two ways: block tokens/s (valid anchors x
@@ -39,6 +41,7 @@ MFU = model FLOPs per step / median step time / measured matmul peak.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -59,6 +62,7 @@ if REPO not in sys.path:
 from benchmarks.common import versions  # noqa: E402
 
 RESULT_TAG = "BENCH_RESULT "
+PURE_BF16 = "bf16-pure"  # baseline only: bf16 parameters and AdamW state, no fp32 master weights
 
 PAPER = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, layers=5,
              block=16, anchors=512, ctx=3072, vocab=151936, target_layers=5, batch=1)
@@ -131,7 +135,8 @@ def _build(args, dims, torch, seed: int = 0):
     from trainer.model import DFlashDrafter, DrafterConfig
 
     cuda = args.device.startswith("cuda")
-    dtype = precision.compute_dtype(args.precision)  # the frozen target tensors and the features
+    pure = args.precision == PURE_BF16
+    dtype = torch.bfloat16 if pure else precision.compute_dtype(args.precision)  # frozen target, features
     cfg = DrafterConfig(hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
                         num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
                         vocab_size=dims["vocab"], mask_token_id=dims["vocab"] - 1,
@@ -141,7 +146,8 @@ def _build(args, dims, torch, seed: int = 0):
     with torch.device(args.device):  # initialise on the device: 1B parameters on a CPU is slow
         embed = torch.nn.Embedding(dims["vocab"], dims["hidden"]).to(dtype).requires_grad_(False)
         lm_head = torch.nn.Linear(dims["hidden"], dims["vocab"], bias=False).to(dtype).requires_grad_(False)
-        model = precision.place(DFlashDrafter(cfg, embed, lm_head), args.device, args.precision)
+        model = DFlashDrafter(cfg, embed, lm_head)
+        model = model.to(dtype) if pure else precision.place(model, args.device, args.precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)  # as the trainer
     return cfg, model, optimizer, dtype
 
@@ -167,10 +173,13 @@ def _train_step(args, dims, cfg, model, optimizer, batch, gen, attention: str, t
     t = input_ids.shape[1]
     build = dense_mask if attention == "sdpa" else build_block_mask
     mask = build(anchors, valid, t, cfg.block_size, args.device)
-    with precision.autocast(args.device, args.precision):  # what trainer.train.make_loss_fn does
+    pure = args.precision == PURE_BF16
+    with contextlib.nullcontext() if pure else precision.autocast(args.device, args.precision):
+        # what trainer.train.make_loss_fn does
         hidden = model(features, input_ids, anchors, mask, attention)
         labels, label_mask = block_labels(input_ids, loss_mask.to(args.device), anchors, valid, cfg.block_size)
-        loss, _ = model.loss(precision.loss_input(hidden, args.precision), labels, label_mask, gamma=7.0)
+        hidden = hidden if pure else precision.loss_input(hidden, args.precision)
+        loss, _ = model.loss(hidden, labels, label_mask, gamma=7.0)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -220,6 +229,7 @@ def child_train(args, dims) -> dict:
                             if args.device.startswith("cuda") else None),
         "precision": args.precision,
         "params": sum(p.numel() for p in model.parameters()),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "param_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()}),
         "optimizer_state_bytes": sum(t.numel() * t.element_size() for st in optimizer.state.values()
                                      for t in st.values() if torch.is_tensor(t) and t.dim() > 0),
@@ -326,8 +336,9 @@ def summarise(run: dict, dims: dict, peak_tflops: float | None) -> dict:
         "peak_memory_gib": run["peak_memory_gib"], "flops_per_step": flops,
         "compiles": len(run["compiles"]), "precision": run["precision"], "params": run["params"],
         "param_dtypes": run["param_dtypes"],
-        # fp32 master weights (4 B) + AdamW exp_avg and exp_avg_sq (8 B): ~12 B per parameter
-        "master_and_adam_gib": (run["params"] * 4 + run["optimizer_state_bytes"]) / 2**30,
+        # weights + AdamW exp_avg and exp_avg_sq: 12 B per parameter with fp32 masters (4 + 8)
+        "master_and_adam_gib": (run["param_bytes"] + run["optimizer_state_bytes"]) / 2**30,
+        "param_bytes": run["param_bytes"],
     }
 
 
@@ -342,7 +353,7 @@ def render(report: dict) -> str:
              f"Matmul peak (measured): {_fmt(report['peak'].get('tflops'), '.1f')} TFLOP/s "
              f"({report['peak'].get('dtype', '?')} {report['peak'].get('n', '?')}^3)", "",
              "| run | precision | median step s | first step s | block tok/s | context tok/s | TFLOP/s | MFU "
-             "| peak mem GiB | master+Adam GiB |",
+             "| peak mem GiB | weights+Adam GiB |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in report["runs"].items():
         if "failed" in s:
@@ -357,10 +368,11 @@ def render(report: dict) -> str:
         lines += ["", f"Compiled vs eager flex_attention: {report['speedup']:.2f}x faster per step{note}."]
     some = next((s for s in report["runs"].values() if "flops_per_step" in s), None)
     if some:
-        lines += ["", f"Drafter parameters: {some['params']:,} ({', '.join(some['param_dtypes'])}); "
-                      f"fp32 master weights + AdamW moments = {some['master_and_adam_gib']:.2f} GiB "
+        dtypes = ", ".join(some["param_dtypes"])
+        lines += ["", f"Drafter parameters: {some['params']:,} ({dtypes}); {dtypes} weights + AdamW moments "
+                      f"= {some['master_and_adam_gib']:.2f} GiB "
                       f"({(some['master_and_adam_gib'] * 2**30) / some['params']:.1f} bytes/parameter; "
-                      f"fp32 gradients add {some['params'] * 4 / 2**30:.2f} GiB)."]
+                      f"gradients add {some['param_bytes'] / 2**30:.2f} GiB)."]
         parts = some["flops_per_step"]
         lines += ["", "Model FLOPs per step (fwd+bwd, GFLOP): " + ", ".join(
             f"{k} {v / 1e9:.3f}" for k, v in parts.items())]
@@ -395,8 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child-timeout", type=float, default=420.0, help="seconds per training part")
     parser.add_argument("--first-step-timeout", type=float, default=300.0,
                         help="seconds per first-step part (lock 'none' may hang: that is the race)")
-    parser.add_argument("--precision", choices=("fp32", "bf16-mixed"),
-                        help="the trainer's train.precision (default: bf16-mixed on CUDA, fp32 on CPU)")
+    parser.add_argument("--precision", choices=("fp32", "bf16-mixed", PURE_BF16),
+                        help="the trainer's train.precision (default: bf16-mixed on CUDA, fp32 on CPU); "
+                             f"{PURE_BF16}: the old bf16-weights baseline")
     parser.add_argument("--child", choices=("peak", "train", "first_step"), help=argparse.SUPPRESS)
     parser.add_argument("--attention", default="flex", help=argparse.SUPPRESS)
     parser.add_argument("--lock", default="lock", help=argparse.SUPPRESS)

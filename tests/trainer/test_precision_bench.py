@@ -52,4 +52,4 @@ def test_throughput_uses_the_trainer_precision_path_and_reports_master_state(tmp
     run_ = json.loads((tmp_path / "throughput.json").read_text())["runs"]["sdpa"]
     assert run_["precision"] == "bf16-mixed" and run_["param_dtypes"] == ["float32"]
     assert run_["master_and_adam_gib"] * 2**30 == 12 * run_["params"]
-    assert "fp32 master weights + AdamW moments" in out.read_text()
+    assert "float32 weights + AdamW moments" in out.read_text() and "(12.0 bytes/parameter" in out.read_text()
