@@ -64,7 +64,7 @@ def install_script(job: Job, bundle: Bundle, tarball: str, keep: int = KEEP_RELE
     release = posixpath.join(releases, bundle.release_id)
     return f"""set -eu
 cd {q(releases)}
-echo {q(bundle.sha256 + "  " + posixpath.basename(tarball))} | sha256sum -c --quiet - >&2 || {{ echo "checksum mismatch for {tarball}" >&2; exit 3; }}
+echo {q(bundle.sha256 + "  " + posixpath.basename(tarball))} | sha256sum -c --quiet - >&2 || {{ echo {q("checksum mismatch for " + tarball)} >&2; exit 3; }}
 if [ ! -f {q(release)}/.complete ]; then
   rm -rf {q(release)}.tmp && mkdir -p {q(release)}.tmp
   tar -xzf {q(tarball)} -C {q(release)}.tmp

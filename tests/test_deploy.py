@@ -66,3 +66,18 @@ def test_rollback_without_an_earlier_release_says_so(tmp_path):
         install(t, job, bundle_of(tmp_path, "only", "x\n"))
         result = t.run(deploy.rollback_script(job))
         assert result.exit_code == 3 and "no earlier release" in result.stderr
+
+
+HOSTILE_DIR = 'w $(touch PWNED) `touch PWNED2` "q" \'s\' ; $HOME'
+
+
+def test_checksum_mismatch_message_runs_nothing_from_a_hostile_workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    job = Job(workdir=str(tmp_path / HOSTILE_DIR), python="python3", config="tiny-cpu")
+    bad = bundle_of(tmp_path, "bad", "new\n")
+    with LocalTransport("local") as t:
+        with pytest.raises(RemoteCommandError, match="checksum mismatch") as info:
+            install(t, job, bad, data=bad.data[:-10] + b"0123456789")
+    ran = [str(p) for p in tmp_path.rglob("PWNED*")]
+    assert not ran, f"a workdir's $(...) ran on the target: {ran}"
+    assert HOSTILE_DIR in str(info.value)  # the path is shown as it is
