@@ -8,6 +8,7 @@ import subprocess
 from .errors import DflashOpsError, InputError
 
 TAG = "# dflash-ops-health:"
+CRON_PERCENT = "\\%"  # how a crontab command line writes a literal %
 
 
 def _crontab(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -43,9 +44,10 @@ def health_line(schedule: str, argv: list[str], log: str, target: str) -> str:
         raise InputError(f"--schedule {schedule!r}: a cron schedule has 5 fields, e.g. '*/5 * * * *'")
     if "\n" in target or "#" in target:
         raise InputError(f"target name {target!r} cannot go in a crontab line")
-    cmd = " ".join(shlex.quote(a) for a in argv)
-    # cron runs with a minimal PATH and no terminal: absolute paths, output appended to a log
-    return f"{schedule} {cmd} >> {shlex.quote(log)} 2>&1 {TAG}{target}"
+    cmd = f"{' '.join(shlex.quote(a) for a in argv)} >> {shlex.quote(log)} 2>&1"
+    # cron runs with a minimal PATH and no terminal: absolute paths, output appended to a log.
+    # cron ends the command at an unescaped `%` (the rest becomes stdin): `\%` is its plain `%`.
+    return f"{schedule} {cmd.replace('%', CRON_PERCENT)} {TAG}{target}"
 
 
 def install(line: str, target: str) -> list[str]:
