@@ -297,6 +297,9 @@ def attach(obj, target):
     """Attach your terminal to the job's tmux session (detach with Ctrl-b d)."""
     from . import tmux
 
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise InputError("attach needs a terminal (stdin and stdout are not a TTY); run it from an "
+                         "interactive shell, or use `dflash-ops tail-log -f` to watch the job")
     tgt = _one_target(obj, target)
     with ops.connect(tgt) as transport:
         sys.exit(transport.interactive(tmux.attach(tgt.job)))

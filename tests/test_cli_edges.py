@@ -1,0 +1,50 @@
+"""CLI edges a user meets: no terminal, bad paths, stopped jobs — one line, the right exit code."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from test_cli import cli
+
+
+@pytest.fixture
+def local_job(tmp_path):
+    """An inventory whose local target runs on a tmux socket of its own, removed afterwards."""
+    socket = f"edges-{os.getpid()}-{tmp_path.name}"[:60]
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(f"targets:\n  local:\n    transport: local\n    job: {{workdir: {tmp_path}/w, "
+                         f"python: /usr/bin/python3, config: tiny-cpu, session: job, tmux_socket: {socket}}}\n")
+    yield inventory, socket
+    subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)
+    uid_dir = os.path.join(os.environ.get("TMUX_TMPDIR", "/tmp"), f"tmux-{os.getuid()}")
+    if os.path.exists(os.path.join(uid_dir, socket)):
+        os.unlink(os.path.join(uid_dir, socket))
+
+
+def ssh_inventory(path, spec, job_dir, socket):
+    path.write_text(f"""targets:
+  box:
+    transport: ssh
+    host: {spec.host}
+    port: {spec.port}
+    identity_file: {spec.identity_file}
+    known_hosts_file: {spec.known_hosts_file}
+    connect_timeout_s: 5
+    job: {{workdir: {job_dir}, python: /usr/bin/python3, config: tiny-cpu, session: job, tmux_socket: {socket}}}
+""")
+    return path
+
+
+def test_attach_without_a_terminal_refuses_at_once(local_job, ssh_spec, tmp_path):
+    _, socket = local_job
+    inventory = ssh_inventory(tmp_path / "ssh.yaml", ssh_spec, tmp_path / "w", socket)
+    subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", "job", "sleep 60"], check=True)
+    try:
+        # stdin and stdout are pipes here, as under cron or CI
+        result = cli("--inventory", str(inventory), "attach", "-t", "box", timeout=20)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("attach without a terminal hung") from None
+    assert result.returncode == 2, result
+    assert result.stdout == "" and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "terminal" in result.stderr
