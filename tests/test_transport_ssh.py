@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import time
 
 import paramiko
@@ -119,12 +120,46 @@ def test_accept_new_keeps_existing_lines(ssh_spec, sshd_server, tmp_path):
     assert kh.read_text() == before + sshd_server.known_hosts_line()
 
 
-def test_corrupt_known_hosts_is_named(ssh_spec, tmp_path):
+def _other_key_line(tmp_path, names: str, marker: str = "") -> str:
+    key = sshd_helpers.make_keypair(tmp_path / f"other-{len(list(tmp_path.iterdir()))}")
+    kind, blob = (tmp_path / f"{key.name}.pub").read_text().split()[:2]
+    return f"{marker + ' ' if marker else ''}{names} {kind} {blob}\n"
+
+
+def test_known_hosts_lines_that_do_not_apply_are_skipped_as_ssh_does(ssh_spec, sshd_server, tmp_path):
     kh = tmp_path / "known_hosts"
-    kh.write_text("|1|not-base64|x ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample\n")
+    kh.write_text("# my hosts\n\n"
+                  + _other_key_line(tmp_path, "*.example.com", "@cert-authority")
+                  + _other_key_line(tmp_path, "*", "@revoked")
+                  + "other.example ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample\n"  # bad padding
+                  + "|1|not-base64|x ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample\n"
+                  + "short-line ssh-ed25519\n"
+                  + "odd.example ssh-unknown-type AAAA\n"
+                  + _other_key_line(tmp_path, "!127.0.0.1,*")  # ruled out for us by the negation
+                  + sshd_server.known_hosts_line().rstrip("\n") + " a trailing comment\n")
+    assert _run(dataclasses.replace(ssh_spec, known_hosts_file=str(kh))).stdout == "ok\n"
+
+
+def test_hashed_and_pattern_names_are_matched(ssh_spec, sshd_server, tmp_path):
+    kh = tmp_path / "known_hosts"
+    kh.write_text(sshd_server.known_hosts_line())
+    subprocess.run(["ssh-keygen", "-q", "-H", "-f", str(kh)], check=True, capture_output=True)
+    assert "|1|" in kh.read_text()
+    assert _run(dataclasses.replace(ssh_spec, known_hosts_file=str(kh))).stdout == "ok\n"
+    kh.write_text(sshd_server.known_hosts_line().replace("[127.0.0.1]", "[127.0.0.?]"))
+    assert _run(dataclasses.replace(ssh_spec, known_hosts_file=str(kh))).stdout == "ok\n"
+
+
+@pytest.mark.parametrize("policy", ["strict", "accept-new"])
+def test_revoked_host_key_is_refused_saying_so(ssh_spec, sshd_server, tmp_path, policy):
+    kh = tmp_path / "known_hosts"
+    kind, blob = sshd_server.host_key_pub.read_text().split()[:2]
+    kh.write_text(sshd_server.known_hosts_line() + f"@revoked * {kind} {blob}\n")
+    before = kh.read_text()
     with pytest.raises(HostKeyError) as info:
-        _run(dataclasses.replace(ssh_spec, known_hosts_file=str(kh)))
-    assert str(kh) in str(info.value)
+        _run(dataclasses.replace(ssh_spec, known_hosts_file=str(kh), host_key_policy=policy))
+    assert "@revoked" in str(info.value) and str(kh) in str(info.value)
+    assert kh.read_text() == before  # accept-new records nothing
 
 
 def test_unreadable_known_hosts_is_named(ssh_spec, tmp_path):

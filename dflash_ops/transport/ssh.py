@@ -11,7 +11,6 @@ open. Here stdin is sent as bytes and closed (EOF), and output is decoded once a
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import os
 import re
@@ -30,6 +29,7 @@ import paramiko
 from ..errors import AuthError, ConnectError, HostKeyError, InputError, RemoteTimeout, TransportError
 from ..model import HostSpec
 from .base import Result, Transport, quote_argv, with_remote_timeout
+from .known_hosts import HostKeys, read_host_keys
 from .local import AFTER_EXIT_S, decode, finish, local_limit_s
 
 HOST_KEY_POLICIES = ("strict", "accept-new", "off")
@@ -64,10 +64,19 @@ class _UnknownHostKey(Exception):
         self.entry, self.key = entry, key
 
 
+class _RevokedHostKey(_UnknownHostKey):
+    pass
+
+
 class _RejectUnknown(paramiko.MissingHostKeyPolicy):
     """strict: an unknown host is refused (a changed key is refused by paramiko itself)."""
 
+    def __init__(self, known: HostKeys):
+        self.known = known
+
     def missing_host_key(self, client, hostname, key):
+        if self.known.is_revoked(key):
+            raise _RevokedHostKey(hostname, key)
         raise _UnknownHostKey(hostname, key)
 
 
@@ -78,10 +87,12 @@ class _RecordNew(paramiko.MissingHostKeyPolicy):
     own save would rewrite the whole file. A CHANGED key never reaches this policy.
     """
 
-    def __init__(self, known_hosts: str):
-        self.known_hosts = known_hosts
+    def __init__(self, known_hosts: str, known: HostKeys):
+        self.known_hosts, self.known = known_hosts, known
 
     def missing_host_key(self, client, hostname, key):
+        if self.known.is_revoked(key):
+            raise _RevokedHostKey(hostname, key)
         directory = os.path.dirname(self.known_hosts)
         if directory:
             os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -181,10 +192,12 @@ class SshTransport(Transport):
         if s.host_key_policy == "off":
             client.set_missing_host_key_policy(paramiko.AutoAddPolicy())  # in memory only, nothing saved
         else:
-            if os.path.exists(self.known_hosts):
-                client.load_host_keys(self.known_hosts)
+            entry = known_hosts_entry(host, port)
+            known = read_host_keys(self.known_hosts, entry) if os.path.exists(self.known_hosts) else HostKeys(entry)
+            for key in known.keys:  # what paramiko compares the server's key with
+                client.get_host_keys().add(entry, key.get_name(), key)
             client.set_missing_host_key_policy(
-                _RejectUnknown() if s.host_key_policy == "strict" else _RecordNew(self.known_hosts))
+                _RejectUnknown(known) if s.host_key_policy == "strict" else _RecordNew(self.known_hosts, known))
         return conn
 
     def _connection(self, step: str) -> fabric.Connection:
@@ -219,6 +232,14 @@ class SshTransport(Transport):
                        what: str) -> TransportError:
         where = f"{what}{user}@{host}:{port}"
         entry = known_hosts_entry(host, port)
+        if isinstance(exc, paramiko.BadHostKeyException) and self._is_revoked(exc.key, entry):
+            exc = _RevokedHostKey(entry, exc.key)  # revoked outranks "changed", as for ssh
+        if isinstance(exc, _RevokedHostKey):
+            return HostKeyError(
+                self.name, step,
+                f"{what}host key of {entry} ({fingerprint(exc.key)}) is marked @revoked in {self.known_hosts}; "
+                "refusing to connect. If the host has a new key, check its fingerprint on the host and replace "
+                "the @revoked line's entry for it")
         if isinstance(exc, _UnknownHostKey):
             return HostKeyError(
                 self.name, step,
@@ -232,12 +253,7 @@ class SshTransport(Transport):
                 f"{what}host key of {entry} has CHANGED: the server offers {fingerprint(exc.key)}, "
                 f"{self.known_hosts} has {fingerprint(exc.expected_key)}. This may be an attack; if the host "
                 f"was reinstalled, remove the old key with: ssh-keygen -f {self.known_hosts} -R '{entry}'")
-        if isinstance(exc, binascii.Error):  # a hashed known_hosts entry that is not valid base64
-            return HostKeyError(self.name, step, f"cannot read {self.known_hosts}: a line is corrupt ({exc}); "
-                                                 f"fix or delete it (ssh-keygen -f {self.known_hosts} -F {entry} "
-                                                 "shows the entries for this host)")
-        if isinstance(exc, UnicodeDecodeError) or (
-                isinstance(exc, OSError) and exc.filename and os.path.abspath(exc.filename) == os.path.abspath(self.known_hosts)):
+        if (isinstance(exc, OSError) and exc.filename and os.path.abspath(exc.filename) == os.path.abspath(self.known_hosts)):
             return HostKeyError(self.name, step, f"cannot read {self.known_hosts} ({exc}); check ssh.known_hosts_file")
         if isinstance(exc, OSError) and exc.filename:
             return AuthError(self.name, step, f"cannot read {exc.filename} ({exc.strerror}); check ssh.identity_file")
@@ -261,6 +277,12 @@ class SshTransport(Transport):
         if isinstance(exc, ConnectionRefusedError):
             return ConnectError(self.name, step, f"{where}: connection refused (is sshd running on port {port}?)")
         return ConnectError(self.name, step, f"{where}: {type(exc).__name__}: {exc}")
+
+    def _is_revoked(self, key: paramiko.PKey, entry: str) -> bool:
+        try:
+            return read_host_keys(self.known_hosts, entry).is_revoked(key)
+        except OSError:
+            return False
 
     # ---- running ---------------------------------------------------------------------------
 
