@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import subprocess
+import threading
 import time
 
 import paramiko
@@ -242,3 +244,38 @@ def test_skip_switch_skips_instead_of_failing():
                           capture_output=True, text=True, env=env, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert "1 skipped" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.fixture
+def silent_server():
+    """Accepts TCP connections and never says a word (a wedged sshd, a port forward to nothing)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held = []
+
+    def accept():
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+    for conn in held:
+        conn.close()
+
+
+def test_a_server_without_a_banner_is_named_and_nothing_else_is_printed(silent_server, ssh_spec, capfd):
+    spec = dataclasses.replace(ssh_spec, port=silent_server, connect_timeout_s=1)
+    with pytest.raises(ConnectError) as info:
+        _run(spec)
+    assert str(info.value) == (f"[box] probe: 127.0.0.1:{silent_server} accepted the connection but sent "
+                               "no SSH banner within 1 s (is it an SSH server? is sshd wedged?)")
+    _no_raw_cause(info.value)
+    deadline = time.monotonic() + 5  # paramiko's reader thread gives up on the banner in the background
+    while any(isinstance(t, paramiko.Transport) for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert capfd.readouterr().err == ""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import re
 import select
@@ -31,6 +32,10 @@ from ..model import HostSpec
 from .base import Result, Transport, quote_argv, with_remote_timeout
 from .known_hosts import HostKeys, read_host_keys
 from .local import AFTER_EXIT_S, decode, finish, local_limit_s
+
+# paramiko's reader thread logs failures (with tracebacks) that we report as one clear error
+# ourselves; without a handler Python's last-resort handler would print them on stderr.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 HOST_KEY_POLICIES = ("strict", "accept-new", "off")
 POLL_S = 0.5  # how often a waiting read looks at the exit status
@@ -216,22 +221,28 @@ class SshTransport(Transport):
                     gateway = self._gateway = self._new_connection(jhost, jport, juser or s.user)
                     gateway.open()
                 except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
+                    error = self._connect_error(exc, step, jhost, jport, juser or s.user, "jump host ", self._gateway)
                     self._close_quietly()
-                    raise self._connect_error(exc, step, jhost, jport, juser or s.user, "jump host ") from None
+                    raise error from None
             try:
                 conn = self._conn = self._new_connection(s.host, s.port, s.user, gateway)
                 conn.open()
             except Exception as exc:  # noqa: BLE001
+                error = self._connect_error(exc, step, s.host, s.port, s.user, "", self._conn)
                 self._close_quietly()
-                raise self._connect_error(exc, step, s.host, s.port, s.user, "") from None
+                raise error from None
             conn.transport.set_keepalive(30)  # long `status --watch` sessions through NAT
             self._conn = conn
             return conn
 
     def _connect_error(self, exc: BaseException, step: str, host: str, port: int, user: str,
-                       what: str) -> TransportError:
+                       what: str, conn: fabric.Connection | None = None) -> TransportError:
         where = f"{what}{user}@{host}:{port}"
         entry = known_hosts_entry(host, port)
+        if _connected_without_banner(conn) and isinstance(exc, (paramiko.SSHException, EOFError, OSError)):
+            return ConnectError(self.name, step, f"{what}{host}:{port} accepted the connection but sent no SSH "
+                                                 f"banner within {self.spec.connect_timeout_s:g} s (is it an SSH "
+                                                 "server? is sshd wedged?)")
         if isinstance(exc, paramiko.BadHostKeyException) and self._is_revoked(exc.key, entry):
             exc = _RevokedHostKey(entry, exc.key)  # revoked outranks "changed", as for ssh
         if isinstance(exc, _RevokedHostKey):
@@ -371,6 +382,12 @@ class SshTransport(Transport):
                 except Exception:  # noqa: BLE001 - closing a broken connection may fail; nothing to do
                     pass
         self._conn = self._gateway = None
+
+
+def _connected_without_banner(conn: fabric.Connection | None) -> bool:
+    """The TCP connection was made but the server's `SSH-2.0-…` line never came."""
+    transport = conn.client.get_transport() if conn is not None else None
+    return transport is not None and transport.sock is not None and not transport.remote_version
 
 
 def _read_until_exit(chan: paramiko.Channel, sink: list[bytes], deadline: float) -> None:
