@@ -10,7 +10,7 @@ import time
 
 import click
 
-from . import cron, health, inventory as inventory_lib, ops, playbook, status as status_lib
+from . import budget, cron, health, inventory as inventory_lib, ops, playbook, status as status_lib
 from .errors import DflashOpsError, InputError
 from .fanout import fan_out
 
@@ -192,8 +192,10 @@ def _is_tty() -> bool:
 @target_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per target (a list for a group).")
 @click.option("--watch", type=click.FloatRange(min=0.5), default=None, metavar="S", help="Refresh every S seconds.")
+@click.option("--timeout", type=click.FloatRange(min=1), default=budget.DEFAULT_STATUS_S, show_default=True,
+              metavar="S", help="Answer within S seconds; parts that take longer show UNKNOWN.")
 @click.pass_obj
-def status(obj, target, as_json, watch):
+def status(obj, target, as_json, watch, timeout):
     """GPUs, tmux session, step, loss, Ktok/s, ETA and a verdict, in one round trip per target.
 
     \b
@@ -204,7 +206,7 @@ def status(obj, target, as_json, watch):
     """
     targets = obj.targets(target)
     while True:
-        checked = [o.value for o in fan_out(targets, ops.check)]
+        checked = [o.value for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))]
         if as_json:
             objs = [c.status for c in checked]
             click.echo(json.dumps(objs[0] if len(objs) == 1 else objs, indent=None if watch else 2))
@@ -222,8 +224,10 @@ def status(obj, target, as_json, watch):
 @click.option("--json", "as_json", is_flag=True, help="Verdicts as JSON instead of the Nagios line.")
 @click.option("--auto-relaunch", is_flag=True,
               help="Relaunch a CRITICAL target (at most max_relaunches_per_hour; never two at once).")
+@click.option("--timeout", type=click.FloatRange(min=1), default=budget.DEFAULT_HEALTH_S, show_default=True,
+              metavar="S", help="Answer within S seconds (NRPE's default); parts that take longer are UNKNOWN.")
 @click.pass_obj
-def health_cmd(obj, target, as_json, auto_relaunch):
+def health_cmd(obj, target, as_json, auto_relaunch, timeout):
     """For cron/Nagios: one line `DFLASH OK|WARNING|CRITICAL|UNKNOWN: … | perfdata`, exit 0/1/2/3.
 
     \b
@@ -236,7 +240,7 @@ def health_cmd(obj, target, as_json, auto_relaunch):
     except DflashOpsError as exc:  # the check itself could not run: UNKNOWN, not CRITICAL
         click.echo(health.nagios_line(target or "dflash", health.unknown(str(exc).splitlines()[0])))
         sys.exit(3)
-    checked = [o.value for o in fan_out(targets, ops.check)]
+    checked = [o.value for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))]
     actions = {}
     if auto_relaunch:
         for c in checked:

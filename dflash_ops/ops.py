@@ -8,7 +8,7 @@ import shlex
 import time
 from typing import Callable, Iterator
 
-from . import health, jobpaths, playbook, status as status_lib, steps
+from . import budget, health, jobpaths, playbook, status as status_lib, steps
 from .errors import DflashOpsError, InputError
 from .model import Target
 from .probe import run_probe
@@ -45,15 +45,33 @@ class Checked:
     report: object = None
 
 
-def check(target: Target, now: float | None = None) -> Checked:
-    """One probe round trip, then the verdict; unreachable targets give UNKNOWN, never raise."""
+def check(target: Target, now: float | None = None, timeout_s: float | None = None) -> Checked:
+    """One probe round trip, then the verdict; unreachable targets give UNKNOWN, never raise.
+    With `timeout_s` the whole check ends within it (see budget.py): parts that run out of
+    their share are UNKNOWN, the others are still reported."""
+    if timeout_s is None:
+        return _check(target, now)
+    shares = budget.split(timeout_s, gpu_on_host=target.gpu_host_ctid is not None)
+    return budget.within(timeout_s, lambda: _check(budget.limit_connect(target, shares.connect_s), now, shares),
+                         lambda: _unknown(target, f"no answer within the {timeout_s:g} s budget (--timeout)"))
+
+
+def _unknown(target: Target, reason: str) -> Checked:
+    verdict = health.unknown(reason)
+    return Checked(target, verdict, status_lib.build_status(target.name, None, target.job, verdict))
+
+
+def _check(target: Target, now: float | None, shares: budget.Shares | None = None) -> Checked:
     try:
         with connect(target) as transport:
-            report = run_probe(transport, target.job, gpu_on_host=target.gpu_host_ctid)
+            if shares is None:
+                report = run_probe(transport, target.job, gpu_on_host=target.gpu_host_ctid)
+            else:
+                report = run_probe(transport, target.job, gpu_on_host=target.gpu_host_ctid,
+                                   timeout=shares.run_s, part_s=shares.part_s)
     except DflashOpsError as exc:
-        verdict = health.unknown(str(exc).splitlines()[0])
-        return Checked(target, verdict, status_lib.build_status(target.name, None, target.job, verdict))
-    verdict = health.evaluate(report, target.job, now)
+        return _unknown(target, str(exc).splitlines()[0])
+    verdict = budget.with_unknown_parts(health.evaluate(report, target.job, now), budget.unknown_parts(report))
     return Checked(target, verdict, status_lib.build_status(target.name, report, target.job, verdict), report)
 
 

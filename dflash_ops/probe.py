@@ -15,6 +15,7 @@ from trainer import metrics_format
 from .errors import DflashOpsError, RemoteCommandError
 from .gpu import HOST_GPU_QUERY, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
 from .model import Job
+from .transport.base import quote_argv
 from .remote import pick_python, script_source
 
 PROBE_SCRIPT = "probe_script.py"
@@ -73,40 +74,46 @@ class ProbeReport:
     metrics: FileTail | None
     records: tuple[dict, ...]  # parsed metrics records, oldest first (the start record included)
     errors: tuple[str, ...] = ()  # probe sections that failed
+    out_of_time: tuple[str, ...] = ()  # parts ("gpu", "session") that ran out of their time
     seconds: float | None = None  # round trip, when run through run_probe
     raw: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def probe_args(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines: int = DEFAULT_METRICS_LINES,
-               gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi") -> dict:
-    return {"log_dir": job.log_dir, "session": job.session, "socket": job.tmux_socket,
+               gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi", part_s: float | None = None) -> dict:
+    args = {"log_dir": job.log_dir, "session": job.session, "socket": job.tmux_socket,
             "log_lines": int(log_lines), "metrics_lines": int(metrics_lines), "gpu_source": gpu_source,
             "nvidia_smi": nvidia_smi}
+    if part_s is not None:
+        args["part_s"] = round(float(part_s), 2)
+    return args
 
 
 def probe_script_for(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines: int = DEFAULT_METRICS_LINES,
-                     gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi") -> str:
+                     gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi", part_s: float | None = None) -> str:
     """The bash script for `transport.run`: the job's python (python3 when that is not installed
     yet, e.g. before the first deploy) runs the probe passed with `-c`; every word is quoted."""
-    args = json.dumps(probe_args(job, log_lines, metrics_lines, gpu_source, nvidia_smi))
+    args = json.dumps(probe_args(job, log_lines, metrics_lines, gpu_source, nvidia_smi, part_s))
     return (pick_python(job.python, "dflash probe")
             + f'exec "$py" -c {shlex.quote(script_source(PROBE_SCRIPT))} {shlex.quote(args)}\n')
 
 
 def run_probe(transport, job: Job, timeout: float = DEFAULT_TIMEOUT_S, log_lines: int = DEFAULT_LOG_LINES,
               metrics_lines: int = DEFAULT_METRICS_LINES, gpu_source: str = "auto",
-              nvidia_smi: str = "nvidia-smi", gpu_on_host: int | None = None) -> ProbeReport:
+              nvidia_smi: str = "nvidia-smi", gpu_on_host: int | None = None,
+              part_s: float | None = None) -> ProbeReport:
     """Everything status/health need, in exactly ONE transport.run call.
 
     `gpu_on_host=CTID` (pct targets with gpu_query_on: host) asks the Proxmox host for the GPUs in
     the same round trip, so processes show their in-container pids and foreign ones their owner.
+    `part_s` bounds each slow part (GPU query, tmux): one that runs out is listed in `out_of_time`.
 
     Raises the transport's TransportError when the target cannot be reached, RemoteCommandError
     when the probe could not start, ProbeError when its output is unreadable.
     """
     if gpu_on_host is not None:
-        return _run_probe_gpu_on_host(transport, job, timeout, log_lines, metrics_lines, gpu_on_host)
-    script = probe_script_for(job, log_lines, metrics_lines, gpu_source, nvidia_smi)
+        return _run_probe_gpu_on_host(transport, job, timeout, log_lines, metrics_lines, gpu_on_host, part_s)
+    script = probe_script_for(job, log_lines, metrics_lines, gpu_source, nvidia_smi, part_s)
     result = transport.run(script, timeout=timeout, step="probe")
     if not result.ok:
         raise RemoteCommandError(transport.name, "probe", result)
@@ -115,14 +122,16 @@ def run_probe(transport, job: Job, timeout: float = DEFAULT_TIMEOUT_S, log_lines
 
 
 def _run_probe_gpu_on_host(transport, job: Job, timeout: float, log_lines: int, metrics_lines: int,
-                           ctid: int) -> ProbeReport:
+                           ctid: int, part_s: float | None = None) -> ProbeReport:
     """Still one ssh session and one `pct exec`: the Proxmox host answers for the GPUs (real pids,
     mapped to containers), then the probe runs in the container without its GPU section."""
-    inside = probe_script_for(job, log_lines, metrics_lines, gpu_source="none")
-    script = (f"gpu=$({{\n{HOST_GPU_QUERY}\n}} 2>&1); rc=$?\n"
+    inside = probe_script_for(job, log_lines, metrics_lines, gpu_source="none", part_s=part_s)
+    query = HOST_GPU_QUERY if part_s is None else quote_argv(host_query_limited(part_s))
+    script = (f"gpu=$({{\n{query}\n}} 2>&1); rc=$?\n"
               'printf \'%s %s\\n\' "$rc" "$(printf \'%s\' "$gpu" | base64 -w0)"\n'
-              + transport.in_container(inside, timeout))
-    result = transport.run_on_host(script, timeout=timeout + 10, step="probe")
+              + transport.in_container(inside, timeout if part_s is None else max(1.0, timeout - part_s)))
+    # the container's run comes after the host's GPU query, inside this one's limit
+    result = transport.run_on_host(script, timeout=timeout + 10 if part_s is None else timeout, step="probe")
     first, _, rest = result.stdout.partition("\n")
     if not result.ok:
         raise RemoteCommandError(transport.name, "probe", dataclasses.replace(result, stdout=rest))
@@ -132,10 +141,20 @@ def _run_probe_gpu_on_host(transport, job: Job, timeout: float, log_lines: int, 
         host_out = base64.b64decode(encoded).decode("utf-8", "replace")
     except (ValueError, binascii.Error):
         raise ProbeError(f"[{transport.name}] probe: unreadable GPU answer from the Proxmox host: {first[:200]!r}")
+    if part_s is not None and rc.strip() in ("124", "137"):
+        gpu = GpuSnapshot(gpus=(), source="nvidia-smi", error=f"nvidia-smi on the Proxmox host gave no answer within "
+                                                     f"{part_s:.1f} s (a wedged driver or a hung command)")
+        return dataclasses.replace(report, gpu=gpu, seconds=result.seconds,
+                                   out_of_time=tuple(sorted(set(report.out_of_time) | {"gpu"})))
     gpu = parse_host_gpu_query(host_out, ctid)
     if rc.strip() != "0" and gpu.error is None:
         gpu = dataclasses.replace(gpu, error=f"nvidia-smi on the Proxmox host failed ({rc}): {host_out.strip()[-300:]}")
     return dataclasses.replace(report, gpu=gpu, seconds=result.seconds)
+
+
+def host_query_limited(part_s: float) -> list[str]:
+    """HOST_GPU_QUERY under coreutils `timeout` (fractions allowed), killed 1 s after TERM."""
+    return ["timeout", "-k", "1", f"{part_s:.2f}s", "bash", "-c", HOST_GPU_QUERY]
 
 
 def _json_object(stdout: str) -> dict | None:
@@ -173,7 +192,8 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
         target=target, time=float(data["time"]), hostname=str(data.get("hostname", "")),
         gpu=snapshot_from_probe(data.get("gpu")), session=state, processes=processes,
         log_dir=str(data.get("log_dir", "")), log=log, metrics=metrics, records=_records(metrics),
-        errors=tuple(str(e) for e in data.get("errors") or []), raw=data)
+        errors=tuple(str(e) for e in data.get("errors") or []),
+        out_of_time=tuple(str(p) for p in data.get("out_of_time") or []), raw=data)
 
 
 def _tail(value) -> FileTail | None:

@@ -24,6 +24,7 @@ Per test (cheap; they restore the container state first):
   stopped_pct_target  Target(transport="pct", ctid=201); container 201 is stopped
   pct_cli           run the pct simulator on this machine: pct_cli("status", "200") -> CompletedProcess
   local_target      Target(transport="local")
+  silent_server     port of a TCP server that accepts and never sends an SSH banner
 
 Targets' jobs point at a fresh tmp dir (`job.workdir`), python = this interpreter.
 A "container" shares the host's filesystem (only /proc, pids and the hostname are its own), so
@@ -35,8 +36,10 @@ DFLASH_SKIP_SSH_TESTS=1 to skip the tests that use them instead.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -196,3 +199,25 @@ def stopped_pct_target(ssh_spec, pct_sim_root, tmp_path) -> Target:
     _ensure(pct_sim_root, STOPPED_CT, False)
     return Target(name=f"ct{STOPPED_CT}", transport="pct", job=make_job(tmp_path / "work-ct-stopped"),
                   ssh=ssh_spec, ctid=STOPPED_CT)
+
+
+@pytest.fixture
+def silent_server():
+    """Accepts TCP connections and never says a word (a wedged sshd, a port forward to nothing)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held = []
+
+    def accept():
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+    for conn in held:
+        conn.close()

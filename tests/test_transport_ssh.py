@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 import subprocess
 import threading
 import time
@@ -244,28 +243,6 @@ def test_skip_switch_skips_instead_of_failing():
                           capture_output=True, text=True, env=env, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert "1 skipped" in done.stdout, done.stdout + done.stderr
-
-
-@pytest.fixture
-def silent_server():
-    """Accepts TCP connections and never says a word (a wedged sshd, a port forward to nothing)."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    held = []
-
-    def accept():
-        while True:
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield server.getsockname()[1]
-    server.close()
-    for conn in held:
-        conn.close()
 
 
 def test_a_server_without_a_banner_is_named_and_nothing_else_is_printed(silent_server, ssh_spec, capfd):

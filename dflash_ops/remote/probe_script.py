@@ -5,7 +5,10 @@ in the container with whatever python is there. dflash_ops sends this file's tex
 with one argument, a JSON object:
 
   {"log_dir": str, "session": str, "socket": str, "log_lines": int, "metrics_lines": int,
-   "gpu_source": "auto"|"nvml"|"nvidia-smi"|"none", "nvidia_smi": str}
+   "gpu_source": "auto"|"nvml"|"nvidia-smi"|"none", "nvidia_smi": str, "part_s": float}
+
+`part_s` bounds each slow part (GPU query, tmux): a part that runs out of time reports an error
+for itself, is listed in "out_of_time", and the other parts are still reported.
 
 Every section catches its own failures into the output, so one broken part (no driver, no tmux,
 no log yet) never hides the others; the script itself exits 0 unless its argument is unusable.
@@ -18,6 +21,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 PROBE_VERSION = 1
@@ -26,7 +30,7 @@ LOG_NAME = re.compile(r"^train-(\d{4,})\.log$")
 GPU_QUERY = "index,uuid,name,memory.used,memory.total,utilization.gpu"
 APPS_QUERY = "pid,gpu_uuid,used_memory,process_name"
 MAX_TAIL_BYTES = 512 * 1024  # bounds the transfer even if a log has enormous lines
-COMMAND_TIMEOUT_S = 15  # a wedged driver can hang nvidia-smi; the probe must still answer
+PART_S = 15.0  # default per-part limit: a wedged driver can hang nvidia-smi; the probe must still answer
 MIB = 1024 * 1024
 
 
@@ -39,17 +43,33 @@ def start(argv):
         return (127, "", "%s: command not found" % argv[0])
 
 
-def finish(started, timeout=COMMAND_TIMEOUT_S):
-    """(exit code, stdout, stderr) of a started command; 127 when the program does not exist."""
+def finish(started, deadline):
+    """(exit code, stdout, stderr) of a started command, waited for until `deadline` (monotonic);
+    127 when the program does not exist, 124 when it ran out of time (and was killed)."""
     if isinstance(started, tuple):
         return started
     try:
-        out, err = started.communicate(timeout=timeout)
+        out, err = started.communicate(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         started.kill()
         started.communicate()
-        return 124, "", "%s: no answer within %ss" % (started.args[0], timeout)
+        return 124, "", "%s gave no answer within the probe's time" % os.path.basename(started.args[0])
     return started.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+
+
+def out_of_time(what, part_s):
+    return {"error": "%s gave no answer within %.1f s (a wedged driver or a hung command)" % (what, part_s),
+            "out_of_time": True}
+
+
+def in_thread(fn, deadline, *args):
+    """fn(*args), or None when it is still running at `deadline` (an in-process call that hangs,
+    such as NVML on a wedged driver, cannot be killed: it is left in a daemon thread)."""
+    box = []
+    thread = threading.Thread(target=lambda: box.append(fn(*args)), daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    return box[0] if box else None
 
 
 # --------------------------------------------------------------------------- GPUs
@@ -118,10 +138,12 @@ def start_nvidia_smi(binary):
     return start([binary, "--query-gpu=" + GPU_QUERY, fmt]), start([binary, "--query-compute-apps=" + APPS_QUERY, fmt])
 
 
-def finish_nvidia_smi(started):
+def finish_nvidia_smi(started, deadline, part_s):
     """Raw CSV from nvidia-smi (parsed by dflash_ops.gpu, so there is one parser)."""
-    rc, out, err = finish(started[0])
-    rc2, apps, err2 = finish(started[1])
+    rc, out, err = finish(started[0], deadline)
+    rc2, apps, err2 = finish(started[1], deadline)
+    if 124 in (rc, rc2):
+        return dict(out_of_time("nvidia-smi", part_s), source="nvidia-smi")
     if rc != 0:
         message = (out.strip() or err.strip() or "exit code %d" % rc).splitlines()[0]
         if rc in (9, 127) or "couldn't communicate with the NVIDIA driver" in message:
@@ -133,19 +155,21 @@ def finish_nvidia_smi(started):
     return result
 
 
-def start_gpu_state(source, binary):
+def start_gpu_state(source, binary, deadline, part_s):
     """NVML answers in-process; nvidia-smi (when chosen, or when NVML fails) is started."""
-    nvml = nvml_query() if source in ("auto", "nvml") else None
-    if source == "nvml" or (nvml is not None and not nvml.get("error")):
+    nvml = None
+    if source in ("auto", "nvml"):
+        nvml = in_thread(nvml_query, deadline) or dict(out_of_time("NVML", part_s), source="nvml")
+    if source == "nvml" or (nvml is not None and (not nvml.get("error") or nvml.get("out_of_time"))):
         return nvml, None
     return nvml, start_nvidia_smi(binary)
 
 
-def finish_gpu_state(started):
+def finish_gpu_state(started, deadline, part_s):
     nvml, smi_started = started
     if smi_started is None:
         return nvml
-    smi = finish_nvidia_smi(smi_started)
+    smi = finish_nvidia_smi(smi_started, deadline, part_s)
     if smi.get("error") and nvml is not None:
         smi["nvml_error"] = nvml["error"]
     return smi
@@ -161,10 +185,13 @@ def start_tmux(sock, session):
     return start(["tmux", "-L", sock, "list-panes", "-s", "-t", "=" + session + ":", "-F", fmt])
 
 
-def finish_tmux(started, sock, session):
+def finish_tmux(started, sock, session, deadline, part_s):
     state = {"name": session, "socket": sock, "exists": False, "running": False, "pane_pid": None,
              "exit_status": None, "error": None}
-    rc, out, err = finish(started)
+    rc, out, err = finish(started, deadline)
+    if rc == 124:
+        state.update(out_of_time("tmux", part_s))
+        return state
     if rc == 127:
         state["error"] = "tmux is not installed"
         return state
@@ -312,21 +339,25 @@ def main(argv):
     errors = []
     report = {"probe_version": PROBE_VERSION, "time": time.time(), "hostname": socket.gethostname(),
               "python": sys.version.split()[0], "errors": errors}
+    part_s = float(args.get("part_s") or PART_S)
+    deadline = time.monotonic() + part_s
     gpu_source = args.get("gpu_source", "auto")
+    tmux_started = section(errors, "tmux", start_tmux, sock, session)
     # "none": the caller asks the Proxmox host instead, which sees the real pids
     gpu_started = None if gpu_source == "none" else section(errors, "gpu", start_gpu_state, gpu_source,
-                                                             args.get("nvidia_smi") or "nvidia-smi")
-    tmux_started = section(errors, "tmux", start_tmux, sock, session)
+                                                             args.get("nvidia_smi") or "nvidia-smi", deadline, part_s)
     # the files are read while those commands run
     files = section(errors, "files", files_state, log_dir, int(args.get("log_lines", 200)),
                     int(args.get("metrics_lines", 400))) or {}
-    report["session"] = section(errors, "tmux", finish_tmux, tmux_started, sock, session) if tmux_started else None
-    gpu = section(errors, "gpu", finish_gpu_state, gpu_started) if gpu_started else None
+    report["session"] = (section(errors, "tmux", finish_tmux, tmux_started, sock, session, deadline, part_s)
+                         if tmux_started else None)
+    gpu = section(errors, "gpu", finish_gpu_state, gpu_started, deadline, part_s) if gpu_started else None
     report["gpu"] = gpu or {"source": None, "error": "not queried in the container" if gpu_source == "none"
                             else "probe failed"}
     pane_pid = (report["session"] or {}).get("pane_pid")
     report["processes"] = section(errors, "processes", process_tree, pane_pid) or []
     report.update(files)
+    report["out_of_time"] = [name for name in ("gpu", "session") if (report.get(name) or {}).get("out_of_time")]
     sys.stdout.write(json.dumps(report) + "\n")
     return 0
 

@@ -1,0 +1,91 @@
+"""One time budget for a `status`/`health` check, split across its parts.
+
+A monitor gives a check a fixed time (NRPE: 10 s). The budget is shared out so that a part that
+hangs (a wedged driver's nvidia-smi, a silent ssh server) runs out of ITS share and reports
+UNKNOWN for itself while the other parts are still reported; a watchdog around the whole check
+ends it at the budget whatever happens underneath.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from typing import Callable, TypeVar
+
+from .health import SEVERITY, Verdict
+from .model import Target
+
+DEFAULT_HEALTH_S = 10.0  # NRPE's default check timeout
+DEFAULT_STATUS_S = 20.0
+
+CONNECT_SHARE = 0.3  # ssh connect, banner and auth (each; also the jump host's)
+PARTS_SHARE = 0.6  # the probe's slow parts (GPU query, tmux), side by side
+HOST_PARTS_SHARE = 0.35  # each of the two in turn when the GPUs are asked on the Proxmox host
+MARGIN_S = 1.0  # the answer's way back and the verdict, after the remote command ends
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shares:
+    total_s: float
+    connect_s: float  # each ssh connection step
+    part_s: float  # each slow part of the probe
+    run_s: float  # the probe's whole run (the remote `timeout`)
+
+
+def split(total_s: float, gpu_on_host: bool = False) -> Shares:
+    """Shares of `total_s`. With the GPU query on the Proxmox host it runs before the container's
+    probe rather than beside it, so each gets a smaller share. Connecting usually takes a fraction
+    of its share, so the run may use what it leaves; the watchdog (`within`) holds the total."""
+    part_s = total_s * (HOST_PARTS_SHARE if gpu_on_host else PARTS_SHARE)
+    # the remote `timeout` counts whole seconds: round down, so it never outlasts the budget
+    run_s = max(1.0, math.floor(total_s - MARGIN_S))
+    return Shares(total_s, max(0.5, total_s * CONNECT_SHARE), max(0.5, part_s), run_s)
+
+
+def limit_connect(target: Target, connect_s: float) -> Target:
+    """The target with its ssh connect timeout capped at `connect_s`."""
+    if target.ssh is None or target.ssh.connect_timeout_s <= connect_s:
+        return target
+    return dataclasses.replace(target, ssh=dataclasses.replace(target.ssh, connect_timeout_s=connect_s))
+
+
+def within(seconds: float, work: Callable[[], T], on_timeout: Callable[[], T]) -> T:
+    """work() if it returns within `seconds`, else on_timeout(). The abandoned work runs on in a
+    daemon thread, which never holds up the exit; its remote side ends under its own `timeout`."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="budgeted-check", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        return on_timeout()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+PART_NAMES = {"gpu": "GPUs", "session": "tmux session"}
+
+
+def unknown_parts(report) -> list[str]:
+    """One UNKNOWN reason per probe part that ran out of its time."""
+    errors = {"gpu": report.gpu.error, "session": report.session.error}
+    return [f"{PART_NAMES.get(part, part)} UNKNOWN: {errors.get(part) or 'no answer in time'}"
+            for part in report.out_of_time]
+
+
+def with_unknown_parts(verdict: Verdict, unknown: list[str]) -> Verdict:
+    """The verdict with the parts that ran out of time reported as UNKNOWN: they lead the reasons,
+    and the level is UNKNOWN unless what was seen is worse (a dead job stays CRITICAL)."""
+    if not unknown:
+        return verdict
+    level = verdict.level if SEVERITY[verdict.level] > SEVERITY["UNKNOWN"] else "UNKNOWN"
+    return dataclasses.replace(verdict, level=level, reasons=tuple(unknown) + verdict.reasons)
