@@ -10,7 +10,7 @@ import time
 
 import click
 
-from . import budget, cron, health, inventory as inventory_lib, ops, playbook, status as status_lib
+from . import budget, cron, deploy as deploy_lib, health, inventory as inventory_lib, ops, playbook, status as status_lib
 from .errors import DflashOpsError, InputError
 from .fanout import fan_out
 
@@ -150,11 +150,23 @@ def purge_cache(obj, target, dry_run):
 @cli.command()
 @target_option
 @dry_run_option
-@click.option("--rollback", is_flag=True, help="Switch back to the release deployed before the current one.")
+@click.option("--rollback", "rollback", is_flag=False, flag_value="", default=None, metavar="[RELEASE]",
+              help="Switch `current` to RELEASE (from --list), or to the one deployed before it.")
+@click.option("--list", "list_", is_flag=True, help="Show the releases kept on the target.")
 @click.pass_obj
-def deploy(obj, target, dry_run, rollback):
+def deploy(obj, target, dry_run, rollback, list_):
     """Deploy the bundled trainer as a versioned release (checksum, atomic `current` switch)."""
-    sys.exit(_run_book(obj, target, "rollback" if rollback else "deploy", {}, dry_run))
+    if list_:
+        if rollback is not None:
+            raise InputError("--list and --rollback: give one of them")
+        for line in deploy_lib.format_list(ops.list_releases(_one_target(obj, target))):
+            click.echo(line)
+        return
+    if rollback is None:
+        sys.exit(_run_book(obj, target, "deploy", {}, dry_run))
+    if rollback:
+        deploy_lib.check_release_id(rollback)
+    sys.exit(_run_book(obj, target, "rollback", {"release": rollback or deploy_lib.PREVIOUS}, dry_run))
 
 
 @cli.group("playbook")

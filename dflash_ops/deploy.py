@@ -12,13 +12,17 @@ import hashlib
 import io
 import pathlib
 import posixpath
+import re
 import shlex
 import tarfile
+import time
 
 from . import __version__, jobpaths
+from .errors import InputError
 from .model import Job
 
 KEEP_RELEASES = 5
+PREVIOUS = "previous"  # the rollback target meaning "the release deployed before the current one"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +105,64 @@ done
 """
 
 
-def rollback_script(job: Job) -> str:
-    """Switch `current` to the release deployed before the current one."""
+_RELEASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}\Z")
+
+
+def check_release_id(release: str) -> str:
+    """A release id as `deploy --list` shows it (never a path: it names a directory in releases/)."""
+    if not _RELEASE_ID.match(release) or ".." in release:
+        raise InputError(f"--rollback {release!r}: not a release id; `dflash-ops deploy --list` shows the kept ones")
+    return release
+
+
+def rollback_script(job: Job, release: str | None = None) -> str:
+    """Switch `current` to `release`, or by default to the release deployed before the current one."""
     q = shlex.quote
     releases = jobpaths.releases_dir(job)
+    if release:
+        check_release_id(release)
+        return f"""set -eu
+[ -f {q(releases)}/{q(release)}/.complete ] || {{ echo {q(f"release {release} is not kept on the target; `dflash-ops deploy --list` shows the kept ones")} >&2; exit 3; }}
+{_point_current(job, q(release))}"""
     return f"""set -eu
 cur=$(readlink {q(jobpaths.current_release(job))} 2>/dev/null || true); cur=${{cur##*/}}
 prev=$(tac {q(releases)}/history 2>/dev/null | awk '!seen[$0]++' | grep -vxF -- "$cur" | while read -r id; do [ -f {q(releases)}/"$id"/.complete ] && {{ echo "$id"; break; }}; done)
 [ -n "$prev" ] || {{ echo "no earlier release to roll back to (current: ${{cur:-none}})" >&2; exit 3; }}
 {_point_current(job, '"$prev"')}"""
+
+
+def list_script(job: Job) -> str:
+    """Prints `<id> <deployed-epoch> <current 0|1>` per kept release, most recently deployed first."""
+    q = shlex.quote
+    releases = jobpaths.releases_dir(job)
+    return f"""set -eu
+cur=$(readlink {q(jobpaths.current_release(job))} 2>/dev/null || true); cur=${{cur##*/}}
+[ -f {q(releases)}/history ] || exit 0
+tac {q(releases)}/history | awk '!seen[$0]++' | while read -r id; do
+  [ -f {q(releases)}/"$id"/.complete ] || continue
+  printf '%s %s %s\n' "$id" "$(stat -c %Y -- {q(releases)}/"$id"/.complete)" "$([ "$id" = "$cur" ] && echo 1 || echo 0)"
+done
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    id: str
+    deployed: float  # unix time the release was unpacked
+    current: bool
+
+
+def parse_list(stdout: str) -> list[Release]:
+    releases = []
+    for line in stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[1].isdigit():
+            releases.append(Release(parts[0], float(parts[1]), parts[2] == "1"))
+    return releases
+
+
+def format_list(releases: list[Release]) -> list[str]:
+    if not releases:
+        return ["no releases deployed yet (dflash-ops deploy)"]
+    return [f"{'*' if r.current else ' '} {r.id}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(r.deployed))}"
+            + ("  (current)" if r.current else "") for r in releases]

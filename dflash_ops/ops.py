@@ -8,7 +8,7 @@ import shlex
 import time
 from typing import Callable, Iterator
 
-from . import budget, health, jobpaths, playbook, status as status_lib, steps
+from . import budget, deploy, health, jobpaths, playbook, status as status_lib, steps
 from .errors import DflashOpsError, InputError
 from .model import Target
 from .probe import run_probe
@@ -93,6 +93,13 @@ def auto_relaunch(target: Target, checked: Checked, search_dirs=None) -> HealthA
         guard.record()
         result = run_playbook(target, "relaunch", search_dirs=search_dirs)
     return HealthAction(True, "auto-relaunch " + ("succeeded" if result.ok else "FAILED: " + result.summary()), result)
+
+
+def list_releases(target: Target) -> list[deploy.Release]:
+    """The releases kept on the target, most recently deployed first."""
+    with connect(target) as transport:
+        return deploy.parse_list(transport.check(deploy.list_script(target.job), timeout=30,
+                                                 step="list releases").stdout)
 
 
 # ------------------------------------------------------------------ logs

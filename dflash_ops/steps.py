@@ -229,8 +229,10 @@ def wait_first_step(ctx: StepContext, timeout_s: float, poll_s: float) -> StepOu
     raise _fail(ctx, f"{why}{signature}\n  last lines of {log}:\n    {last}")
 
 
-@registry.step("rollback", params={})
-def rollback(ctx: StepContext) -> StepOutcome:
-    """Point `current` back at the release deployed before it."""
-    result = ctx.run(deploy_lib.rollback_script(ctx.job), timeout=60)
-    return StepOutcome(result.stdout.strip() if result else "would switch `current` to the previous release")
+@registry.step("rollback", params={"release": (str, deploy_lib.PREVIOUS)})
+def rollback(ctx: StepContext, release: str) -> StepOutcome:
+    """Point `current` at a kept release, or (`previous`) at the one deployed before it."""
+    named = None if release == deploy_lib.PREVIOUS else release
+    result = ctx.run(deploy_lib.rollback_script(ctx.job, named), timeout=60)
+    return StepOutcome(result.stdout.strip() if result else
+                       f"would switch `current` to {named or 'the previous release'}")

@@ -48,3 +48,18 @@ def test_attach_without_a_terminal_refuses_at_once(local_job, ssh_spec, tmp_path
     assert result.returncode == 2, result
     assert result.stdout == "" and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "terminal" in result.stderr
+
+
+def test_deploy_list_and_rollback_by_name(local_job):
+    inventory, _ = local_job
+    assert cli("--inventory", str(inventory), "deploy", "--list").stdout.startswith("no releases deployed yet")
+    assert cli("--inventory", str(inventory), "deploy").returncode == 0
+    listed = cli("--inventory", str(inventory), "deploy", "--list")
+    assert listed.returncode == 0 and listed.stdout.startswith("* ") and "(current)" in listed.stdout, listed
+    release = listed.stdout.split()[1]
+    again = cli("--inventory", str(inventory), "deploy", "--rollback", release)
+    assert again.returncode == 0 and f"current -> {release}" in again.stdout, again
+    bad = cli("--inventory", str(inventory), "deploy", "--rollback", "../etc")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--rollback" in bad.stderr
+    previous = cli("--inventory", str(inventory), "deploy", "--rollback")  # the flag alone: the previous one
+    assert previous.returncode != 0 and "no earlier release" in previous.stdout + previous.stderr

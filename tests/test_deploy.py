@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 from dflash_ops import deploy, jobpaths
-from dflash_ops.errors import RemoteCommandError
+from dflash_ops.errors import InputError, RemoteCommandError
 from dflash_ops.model import Job
 from dflash_ops.transport.local import LocalTransport
 
@@ -81,3 +81,26 @@ def test_checksum_mismatch_message_runs_nothing_from_a_hostile_workdir(tmp_path,
     ran = [str(p) for p in tmp_path.rglob("PWNED*")]
     assert not ran, f"a workdir's $(...) ran on the target: {ran}"
     assert HOSTILE_DIR in str(info.value)  # the path is shown as it is
+
+
+def test_list_and_rollback_to_any_kept_release(tmp_path):
+    job = Job(workdir=str(tmp_path / HOSTILE_DIR), python="python3", config="tiny-cpu")
+    one, two, three = (bundle_of(tmp_path, n, f"print({n!r})\n") for n in ("one", "two", "three"))
+    with LocalTransport("local") as t:
+        assert deploy.parse_list(t.check(deploy.list_script(job)).stdout) == []
+        for bundle in (one, two, three):
+            install(t, job, bundle)
+        listed = deploy.parse_list(t.check(deploy.list_script(job)).stdout)
+        assert [(r.id, r.current) for r in listed] == [(three.release_id, True), (two.release_id, False),
+                                                       (one.release_id, False)]
+        t.check(deploy.rollback_script(job, one.release_id))  # two steps back, not only the previous
+        assert current_text(job) == "print('one')\n"
+        t.check(deploy.rollback_script(job, three.release_id))
+        assert current_text(job) == "print('three')\n"
+        missing = t.run(deploy.rollback_script(job, "0.1.0-000000000000"))
+        assert missing.exit_code == 3 and "not kept" in missing.stderr and "deploy --list" in missing.stderr
+        assert current_text(job) == "print('three')\n"
+    assert not list(tmp_path.rglob("PWNED*"))
+    for bad in ("../one", "a/b", "", "-x"):
+        with pytest.raises(InputError):
+            deploy.check_release_id(bad)

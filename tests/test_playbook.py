@@ -624,7 +624,7 @@ EXPECTED_STEPS = {
     "deploy": {"keep_releases": (int, 5)},
     "launch": {"session": str, "cache_dir": str},
     "wait_first_step": {"timeout_s": (float, 900.0), "poll_s": (float, 1.0)},
-    "rollback": {},
+    "rollback": {"release": (str, "previous")},
 }
 
 
