@@ -9,7 +9,7 @@ import time
 from typing import Callable, Iterator
 
 from . import budget, deploy, health, jobpaths, playbook, status as status_lib, steps
-from .errors import DflashOpsError, InputError
+from .errors import DflashOpsError, InputError, RemoteCommandError
 from .model import Target
 from .probe import run_probe
 from .relaunch_guard import RelaunchGuard
@@ -134,31 +134,52 @@ def compile_grep(grep: str | None) -> re.Pattern | None:
         raise InputError(f"--grep {grep!r}: not a valid regular expression ({exc})") from None
 
 
+# A --log that is not a regular file (a directory, a device) would "read" as nothing at all.
+_NOT_A_FILE = 3
+_CHECK_FILE = ('if [ ! -e {q} ]; then echo "does not exist"; exit 3; fi\n'
+               'if [ ! -f {q} ]; then echo "is a $(stat -c %F -- {q})"; exit 3; fi\n')
+
+
+def _read_from(transport, path: str, offset: int, newest_in: str | None) -> tuple[str | None, int, str]:
+    """(newest log in `newest_in` or None, size of `path`, its bytes after `offset`) in one run."""
+    q = shlex.quote(path)
+    newest = f"{LIST_LOGS.format(dir=shlex.quote(newest_in))}; " if newest_in else "echo; "
+    out = transport.check(f"{newest}size=$(stat -c %s {q}) && echo $size && "
+                          f"tail -c +{offset + 1} {q} | head -c $((size - {offset}))",
+                          timeout=60, step="follow log").stdout
+    name, _, rest = out.partition("\n")
+    size_line, _, chunk = rest.partition("\n")
+    return (name.strip() or None), int(size_line), chunk
+
+
 def tail_log(target: Target, lines: int = 50, follow: bool = False, grep: str | None = None,
              log: str | None = None, emit: Callable[[str], None] = print, poll_s: float = 1.0,
              should_stop: Callable[[], bool] = lambda: False) -> str:
     """Print the last `lines` lines (matching `grep`) of the newest log; with follow, keep printing
-    new lines by polling byte offsets (nothing keeps running remotely when we stop)."""
+    new lines by polling byte offsets (nothing keeps running remotely when we stop). Following the
+    job's log (no `log` given) moves on to a newer train-NNNN.log when a relaunch starts one."""
     pattern = compile_grep(grep)
     with connect(target) as transport:
         path = log or newest_log(transport, target)
         q = shlex.quote(path)
         # the size first, so follow continues exactly where this read ended
-        first = transport.check(f"size=$(stat -c %s {q}) && echo $size && head -c $size {q} | "
-                                f"tail -n {GREP_WINDOW_LINES if pattern else int(lines)}",
-                                timeout=60, step="read log").stdout
-        size_line, _, text = first.partition("\n")
+        first = transport.run(_CHECK_FILE.format(q=q) + f"size=$(stat -c %s {q}) && echo $size && head -c $size {q} | "
+                              f"tail -n {GREP_WINDOW_LINES if pattern else int(lines)}",
+                              timeout=60, step="read log")
+        if log and first.exit_code == _NOT_A_FILE:
+            raise InputError(f"--log {log}: {first.stdout.strip() or 'not a regular file'} on {target.name}; "
+                             f"give a log file (train-NNNN.log in {target.job.log_dir})")
+        if not first.ok:
+            raise RemoteCommandError(target.name, "read log", first)
+        size_line, _, text = first.stdout.partition("\n")
         offset = int(size_line)
         for line in _filter(text.splitlines(), pattern)[-lines:]:
             emit(line)
         partial = ""
+        log_dir = None if log else target.job.log_dir
         while follow and not should_stop():
             time.sleep(poll_s)
-            out = transport.check(f"size=$(stat -c %s {q}) && echo $size && "
-                                  f"tail -c +{offset + 1} {q} | head -c $((size - {offset}))",
-                                  timeout=60, step="follow log").stdout
-            size_line, _, chunk = out.partition("\n")
-            size = int(size_line)
+            newest, size, chunk = _read_from(transport, path, offset, log_dir)
             if size < offset:  # truncated or replaced: start again from its beginning
                 offset, partial = 0, ""
                 continue
@@ -167,4 +188,10 @@ def tail_log(target: Target, lines: int = 50, follow: bool = False, grep: str | 
             *complete, partial = partial.split("\n")
             for line in _filter(complete, pattern):
                 emit(line)
+            newer = newest and f"{log_dir.rstrip('/')}/{newest}"
+            if newer and newer != path:  # a relaunch started the next log: follow that one, as tail -F
+                for line in _filter([partial] if partial else [], pattern):
+                    emit(line)
+                path, offset, partial = newer, 0, ""
+                emit(f"==> following {path} (a newer log) <==")
         return path

@@ -1,0 +1,51 @@
+"""tail-log follows the job's CURRENT log across a relaunch (like tail -F) and refuses a --log that
+is not a regular file."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_ops import ops
+from dflash_ops.errors import InputError
+
+
+def wait_for(predicate, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not predicate():
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_follow_moves_to_the_new_log_after_a_relaunch(local_target):
+    logs = Path(local_target.job.log_dir)
+    logs.mkdir(parents=True)
+    first = logs / "train-0001.log"
+    first.write_text("run 1 line 1\n")
+    shown, stop = [], threading.Event()
+    follower = threading.Thread(target=ops.tail_log, kwargs=dict(
+        target=local_target, lines=5, follow=True, emit=shown.append, poll_s=0.1, should_stop=stop.is_set))
+    follower.start()
+    try:
+        assert wait_for(lambda: shown == ["run 1 line 1"]), shown
+        with first.open("a") as f:
+            f.write("run 1 last words\n")
+        assert wait_for(lambda: "run 1 last words" in shown), shown
+        (logs / "train-0002.log").write_text("run 2 line 1\nrun 2 line 2\n")  # the relaunch's new log
+        assert wait_for(lambda: "run 2 line 2" in shown), shown
+        assert shown[-3:] == [f"==> following {logs / 'train-0002.log'} (a newer log) <==", "run 2 line 1",
+                              "run 2 line 2"]
+    finally:
+        stop.set()
+        follower.join(10)
+
+
+@pytest.mark.parametrize("kind", ["directory", "device", "missing"])
+def test_log_that_is_not_a_regular_file_is_refused(local_target, tmp_path, kind):
+    path = {"directory": str(tmp_path), "device": "/dev/null", "missing": str(tmp_path / "nope.log")}[kind]
+    with pytest.raises(InputError) as info:
+        ops.tail_log(local_target, lines=5, log=path, emit=lambda line: None)
+    message = str(info.value)
+    assert message.startswith(f"--log {path}: ") and "\n" not in message, message
