@@ -225,7 +225,8 @@ def status(obj, target, as_json, watch, timeout):
         else:
             if watch and _is_tty():
                 click.clear()
-            click.echo("\n\n".join(status_lib.render_table(c.status, color=_is_tty()) for c in checked))
+            # each table ends with its newline; one blank line between targets, none after the last
+            click.echo("\n".join(status_lib.render_table(c.status, color=_is_tty()) for c in checked), nl=False)
         if not watch:
             sys.exit(health.EXIT_CODES[health.worst(c.verdict.level for c in checked)])
         time.sleep(watch)

@@ -74,9 +74,14 @@ def _paint(text: str, code: str, color: bool) -> str:
 
 
 def format_eta(seconds) -> str:
-    """h:mm (hours may exceed 24)."""
+    """`22 s`, `12m05s` under an hour (where h:mm would show 0:00), else h:mm (hours may exceed 24)."""
     if seconds is None:
         return "-"
+    if seconds < 59.5:
+        return f"{max(0, round(seconds))} s"
+    if seconds < 3599.5:
+        whole = int(round(seconds))
+        return f"{whole // 60}m{whole % 60:02d}s"
     minutes = int(round(seconds / 60))
     return f"{minutes // 60}:{minutes % 60:02d}"
 

@@ -63,3 +63,9 @@ def test_deploy_list_and_rollback_by_name(local_job):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--rollback" in bad.stderr
     previous = cli("--inventory", str(inventory), "deploy", "--rollback")  # the flag alone: the previous one
     assert previous.returncode != 0 and "no earlier release" in previous.stdout + previous.stderr
+
+
+def test_status_ends_without_a_blank_line(local_job):
+    inventory, _ = local_job
+    result = cli("--inventory", str(inventory), "status")
+    assert result.stdout.endswith("\n") and not result.stdout.endswith("\n\n"), repr(result.stdout[-80:])

@@ -124,7 +124,8 @@ def test_unreachable_target_still_has_a_row():
                                        "UNKNOWN: [gpu-box] ssh: connection refused\n")
 
 
-@pytest.mark.parametrize("seconds, text", [(0, "0:00"), (59, "0:01"), (4980, "1:23"), (90000, "25:00"), (None, "-")])
+@pytest.mark.parametrize("seconds, text", [(0, "0 s"), (22.4, "22 s"), (90, "1m30s"), (3599, "59m59s"), (4980, "1:23"),
+                                           (90000, "25:00"), (None, "-")])
 def test_format_eta(seconds, text):
     assert status.format_eta(seconds) == text
 
@@ -166,4 +167,4 @@ def test_status_of_a_live_session_from_a_real_probe(tmp_path, monkeypatch):
     assert st["verdict"] == "OK"
     table = status.render_table(st)
     assert "[0] NVIDIA H200 |  64 % |  50000 / 143771 MiB | drafter | python3/912345(50000M)" in table
-    assert "step 5/50  loss 4.0000  0.8 Ktok/s  ETA 0:02" in table
+    assert "step 5/50  loss 4.0000  0.8 Ktok/s  ETA 1m30s" in table

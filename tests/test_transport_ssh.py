@@ -256,3 +256,10 @@ def test_a_server_without_a_banner_is_named_and_nothing_else_is_printed(silent_s
     while any(isinstance(t, paramiko.Transport) for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert capfd.readouterr().err == ""
+
+
+def test_unresolvable_jump_host_names_the_jump_field(ssh_spec_b):
+    with pytest.raises(ConnectError) as info:
+        _run(dataclasses.replace(ssh_spec_b, jump="root@bastion.invalid:22"))
+    message = str(info.value)
+    assert "ssh.jump" in message and "ssh.host" not in message, message

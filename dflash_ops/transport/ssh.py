@@ -238,6 +238,7 @@ class SshTransport(Transport):
     def _connect_error(self, exc: BaseException, step: str, host: str, port: int, user: str,
                        what: str, conn: fabric.Connection | None = None) -> TransportError:
         where = f"{what}{user}@{host}:{port}"
+        field = "ssh.jump" if what else "ssh.host"  # the inventory field that names this host
         entry = known_hosts_entry(host, port)
         if _connected_without_banner(conn) and isinstance(exc, (paramiko.SSHException, EOFError, OSError)):
             return ConnectError(self.name, step, f"{what}{host}:{port} accepted the connection but sent no SSH "
@@ -276,17 +277,17 @@ class SshTransport(Transport):
             return AuthError(self.name, step, f"{where} refused {key} for user {user!r} ({exc}); check ssh.user, "
                                               "ssh.identity_file and the host's authorized_keys")
         if isinstance(exc, socket.gaierror):
-            return ConnectError(self.name, step, f"cannot resolve {what}host {host!r} ({exc.strerror}); check ssh.host")
+            return ConnectError(self.name, step, f"cannot resolve {what or 'host '}{host!r} ({exc.strerror}); "
+                                                 f"check {field}")
         if isinstance(exc, paramiko.ChannelException):
             return ConnectError(self.name, step, f"the jump host could not open a connection to {host}:{port} "
                                                  f"({exc.text}); check ssh.host/ssh.port and that forwarding is allowed")
         if isinstance(exc, (socket.timeout, TimeoutError)):
             return ConnectError(self.name, step, f"{where}: no answer within {self.spec.connect_timeout_s:g}s "
-                                                 "(host down or port filtered?)")
-        if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
-            return ConnectError(self.name, step, f"{where}: connection refused (is sshd running on port {port}?)")
-        if isinstance(exc, ConnectionRefusedError):
-            return ConnectError(self.name, step, f"{where}: connection refused (is sshd running on port {port}?)")
+                                                 f"(host down or port filtered? check {field})")
+        if isinstance(exc, (paramiko.ssh_exception.NoValidConnectionsError, ConnectionRefusedError)):
+            return ConnectError(self.name, step, f"{where}: connection refused (is sshd running on port {port}? "
+                                                 f"check {field})")
         return ConnectError(self.name, step, f"{where}: {type(exc).__name__}: {exc}")
 
     def _is_revoked(self, key: paramiko.PKey, entry: str) -> bool:
