@@ -13,6 +13,7 @@ import click
 from . import budget, cron, deploy as deploy_lib, health, inventory as inventory_lib, ops, playbook, status as status_lib
 from .errors import DflashOpsError, InputError
 from .fanout import fan_out
+from .progress_view import ProgressPrinter
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -63,11 +64,11 @@ def _run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool) ->
     many = len(targets) > 1
     lock = threading.Lock()
 
+    printer = ProgressPrinter(lambda text: click.echo(text, nl=False), is_tty=sys.stdout.isatty(), with_target=many)
+
     def show(progress):
-        if progress.event == "start":
-            return  # the end line carries the timing
         with lock:
-            click.echo(playbook.format_progress(progress, with_target=many))
+            printer(progress)
 
     dirs = obj.search_dirs()
     # Validate once before any target is touched: a bad playbook or option is exit 2 for all.

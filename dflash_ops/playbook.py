@@ -913,6 +913,7 @@ class StepContext:
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     dry_run: bool = False
     log: Callable[[str], None] = _ignore
+    status: Callable[[str], None] = _ignore  # a transient progress line; each replaces the last
     step: str = ""
     number: int = 0
     commands: list[str] = dataclasses.field(default_factory=list)
@@ -1034,7 +1035,7 @@ class PlaybookResult:
 class Progress:
     """One progress event: a step starts, logs a line, or ends (with its report)."""
 
-    event: str  # start | log | end
+    event: str  # start | log | status (transient) | end
     number: int
     total: int
     step: str
@@ -1048,7 +1049,7 @@ def format_progress(p: Progress, with_target: bool = False, show_commands: bool 
     head = (f"[{p.target}] " if with_target else "") + f"[{p.number}/{p.total}] {p.step} ..."
     if p.event == "start":
         return head
-    if p.event == "log":
+    if p.event in ("log", "status"):
         return (f"[{p.target}] " if with_target else "") + f"      {p.message}"
     r = p.report
     assert r is not None
@@ -1136,7 +1137,8 @@ def run_playbook(playbook: Playbook, registry: StepRegistry, ctx: StepContext, d
             continue
         progress("start")
         step_ctx = dataclasses.replace(base, step=name, number=number, commands=[],
-                                       log=lambda message, _p=progress: _p("log", message))
+                                       log=lambda message, _p=progress: _p("log", message),
+                                       status=lambda message, _p=progress: _p("status", message))
         report = _call_step(item, step_ctx, dry_run)
         base.results[name] = report.data
         reports.append(report)

@@ -182,7 +182,8 @@ def launch(ctx: StepContext, session: str, cache_dir: str) -> StepOutcome:
 def _watch_script(job: Job, log: str) -> str:
     from trainer.metrics_format import metrics_path_for_log
 
-    return f"{tmux.pane_pids(job)}; echo @@; tail -n 50 {shlex.quote(metrics_path_for_log(log))} 2>/dev/null; true"
+    return (f"{tmux.pane_pids(job)}; echo @@; tail -n 50 {shlex.quote(metrics_path_for_log(log))} 2>/dev/null; "
+            f"echo @@; tail -n 1 {shlex.quote(log)} 2>/dev/null; true")
 
 
 @registry.step("wait_first_step", params={"timeout_s": (float, 900.0), "poll_s": (float, 1.0)})
@@ -194,13 +195,15 @@ def wait_first_step(ctx: StepContext, timeout_s: float, poll_s: float) -> StepOu
     from .logs import find_failures
 
     log = ctx.results.get("launch", {}).get("log") or "<log of the launch step>"
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     why = f"no training step after {timeout_s:g}s"
     while True:
         result = ctx.run(_watch_script(ctx.job, log), timeout=60, check=False)
         if result is None:
             return StepOutcome(f"would wait up to {timeout_s:g}s for the first step in the metrics file")
-        panes, _, metrics = result.stdout.partition("@@")
+        panes, _, rest = result.stdout.partition("@@")
+        metrics, _, last_line = rest.partition("@@")
         records = parse_lines(metrics)
         step = last_of(records, "step")
         if step is not None:
@@ -220,6 +223,8 @@ def wait_first_step(ctx: StepContext, timeout_s: float, poll_s: float) -> StepOu
             break
         if time.monotonic() > deadline:
             break
+        ctx.status(f"waiting for the first step: {time.monotonic() - started:.0f} s of {timeout_s:g} s; "
+                   f"log: {' '.join(last_line.split())[:160] or '(empty)'}")
         ctx.commands.clear()
         time.sleep(poll_s)
     tail = ctx.run(f"tail -n 400 {shlex.quote(log)}", timeout=30, check=False).stdout

@@ -1,0 +1,51 @@
+"""relaunch shows how its longest step (waiting for the first training step) is going."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+
+import pytest
+
+from dflash_ops import steps
+from dflash_ops.playbook import Progress, StepContext
+from dflash_ops.progress_view import CLEAR_LINE, ProgressPrinter
+from dflash_ops.transport.local import LocalTransport
+
+
+def test_wait_first_step_reports_elapsed_time_and_the_last_log_line(local_target, tmp_path):
+    job = dataclasses.replace(local_target.job, tmux_socket=f"progress-{tmp_path.name}"[:60], session="job")
+    log = tmp_path / "train-0001.log"
+    log.write_text("compiling the drafter\nstill compiling (layer 3)\n")
+    subprocess.run(["tmux", "-L", job.tmux_socket, "new-session", "-d", "-s", "job", "sleep 30"], check=True)
+    shown = []
+    try:
+        ctx = StepContext(target=local_target, transport=LocalTransport("local"), job=job, step="wait_first_step",
+                          results={"launch": {"log": str(log)}}, status=shown.append)
+        with pytest.raises(Exception, match="no training step after 1.5s"):
+            steps.wait_first_step(ctx, timeout_s=1.5, poll_s=0.2)
+    finally:
+        subprocess.run(["tmux", "-L", job.tmux_socket, "kill-server"], capture_output=True)
+    assert len(shown) >= 2, shown
+    assert shown[-1].startswith("waiting for the first step: ") and " s of 1.5 s" in shown[-1]
+    assert shown[-1].endswith("log: still compiling (layer 3)")
+
+
+def _status(message):
+    return Progress("status", 7, 7, "wait_first_step", message=message)
+
+
+def test_status_lines_are_live_on_a_terminal_and_every_15_s_elsewhere():
+    now = [0.0]
+    out = []
+    printer = ProgressPrinter(out.append, is_tty=False, clock=lambda: now[0])
+    printer(Progress("start", 7, 7, "wait_first_step"))
+    for second in range(0, 46):
+        now[0] = float(second)
+        printer(_status(f"waiting {second} s"))
+    assert [line.strip() for line in out] == ["waiting 15 s", "waiting 30 s", "waiting 45 s"]
+
+    out.clear()
+    live = ProgressPrinter(out.append, is_tty=True, clock=lambda: now[0])
+    live(_status("waiting 1 s"))
+    live(_status("waiting 2 s"))
+    assert out == [CLEAR_LINE + "waiting 1 s", CLEAR_LINE + "waiting 2 s"]
