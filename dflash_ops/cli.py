@@ -59,7 +59,7 @@ def cli(ctx, inventory_path, playbook_dir):
 
 # ------------------------------------------------------------------ playbook-backed commands
 
-def _run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool) -> int:
+def _run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, runner=ops.run_playbook) -> int:
     targets = obj.targets(target_name)
     many = len(targets) > 1
     lock = threading.Lock()
@@ -74,7 +74,7 @@ def _run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool) ->
     # Validate once before any target is touched: a bad playbook or option is exit 2 for all.
     playbook.bind_options(playbook.load_playbook(book, dirs, registry=ops.steps.registry),
                           {k: v for k, v in options.items() if v is not None})
-    outcomes = fan_out(targets, lambda t: ops.run_playbook(t, book, options, dry_run, show, dirs))
+    outcomes = fan_out(targets, lambda t: runner(t, book, options, dry_run, show, dirs))
     code = 0
     for outcome in outcomes:
         if outcome.error is not None:
@@ -127,7 +127,7 @@ def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, timeout, grace):
 def stop(obj, target, dry_run, grace):
     """Stop the job: SIGTERM its processes (it checkpoints), SIGKILL after the grace period,
     remove the tmux session, end leftover GPU processes, wait for free GPUs."""
-    sys.exit(_run_book(obj, target, "stop", {"grace": grace}, dry_run))
+    sys.exit(_run_book(obj, target, "stop", {"grace": grace}, dry_run, runner=ops.stop_job))
 
 
 @cli.command("gpu-clean")
@@ -262,9 +262,10 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
             if action is not None:
                 actions[c.target.name] = action
     if as_json:
-        click.echo(json.dumps([dict(c.status, auto_relaunch=(actions[c.target.name].message
-                                                            if c.target.name in actions else None))
-                               for c in checked], indent=2))
+        # the same shape as `status --json`: one object for one target, a list for a group
+        objs = [dict(c.status, **({"auto_relaunch": actions[c.target.name].message if c.target.name in actions
+                                   else None} if auto_relaunch else {})) for c in checked]
+        click.echo(json.dumps(objs[0] if len(objs) == 1 else objs, indent=2))
     else:
         if len(checked) == 1:
             line, code = health.nagios_line(checked[0].target.name, checked[0].verdict), checked[0].verdict.exit_code

@@ -297,6 +297,9 @@ def _session(value) -> str:
     value = _text(value, "dflash")
     if "." in value or ":" in value:
         raise _Bad(f"tmux refuses '.' and ':' in session names, got {_show(value)}; use e.g. 'dflash-train'")
+    if "#{" in value:
+        raise _Bad(f"'#{{' starts a tmux format that tmux would expand in the name, got {_show(value)}; "
+                   "use e.g. 'dflash-train'")
     return value
 
 

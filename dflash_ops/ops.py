@@ -9,7 +9,7 @@ import time
 from typing import Callable, Iterator
 
 from . import budget, deploy, health, jobpaths, playbook, status as status_lib, steps
-from .errors import DflashOpsError, InputError, RemoteCommandError
+from .errors import ContainerNotRunning, DflashOpsError, InputError, RemoteCommandError
 from .model import Target
 from .probe import run_probe
 from .relaunch_guard import RelaunchGuard
@@ -33,6 +33,34 @@ def run_playbook(target: Target, name: str, options: dict | None = None, dry_run
     with connect(target) as transport:
         ctx = playbook.StepContext(target=target, transport=transport, options=given)
         return playbook.run_playbook(book, steps.registry, ctx, dry_run=dry_run, on_progress=on_progress)
+
+
+@dataclasses.dataclass(frozen=True)
+class NothingToDo:
+    """A command with nothing to act on (reads like a PlaybookResult for the CLI)."""
+
+    target: str
+    message: str
+    ok = True
+    exit_code = 0
+
+    def summary(self) -> str:
+        return f"[{self.target}] {self.message}"
+
+
+def stop_job(target: Target, name: str = "stop", options: dict | None = None, dry_run: bool = False,
+             on_progress: Callable | None = None, search_dirs=None):
+    """`stop`: in a stopped container the job cannot be running, so there is nothing to stop."""
+    if target.transport == "pct" and not dry_run:
+        with connect(target) as transport:
+            try:
+                transport.run("true", timeout=30, step="stop")
+            except ContainerNotRunning as exc:
+                if "is not running" not in exc.reason:
+                    raise  # a container that does not exist is a mistake, not a stopped job
+                return NothingToDo(target.name, f"stop: container {target.ctid} is not running, so neither is "
+                                                "the job; nothing to stop")
+    return run_playbook(target, name, options, dry_run, on_progress, search_dirs)
 
 
 @dataclasses.dataclass

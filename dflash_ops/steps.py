@@ -78,11 +78,18 @@ def _end_job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: flo
         message = "no job processes running"
     others = [f"pid {o['pid']} on GPU {o['gpu']} ({o.get('used_memory_mib')} MiB, "
               + (f"{o['owner']}, host pid" if o.get("owner") else
-                 o["cmd"][:60] if o.get("cmd") else "not visible here: a host pid?") + ")"
+                 o["cmd"][:60] if o.get("cmd") else _invisible_pid(ctx)) + ")"
               for o in report["unidentified"]]
     if others:
         message += "; left alone (not this job's): " + "; ".join(others)
     return StepOutcome(message, data=report)
+
+
+def _invisible_pid(ctx: StepContext) -> str:
+    """What a GPU pid without a /proc entry means: inside LXC the driver reports HOST pids; on a
+    plain host the process has exited since nvidia-smi listed it."""
+    in_container = getattr(ctx.target, "transport", None) == "pct"
+    return "not visible here: a host pid?" if in_container else "exited, no longer in /proc"
 
 
 @registry.step("stop_session", params={"session": str, "grace_s": (float, 30.0)})

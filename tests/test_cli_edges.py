@@ -69,3 +69,31 @@ def test_status_ends_without_a_blank_line(local_job):
     inventory, _ = local_job
     result = cli("--inventory", str(inventory), "status")
     assert result.stdout.endswith("\n") and not result.stdout.endswith("\n\n"), repr(result.stdout[-80:])
+
+
+def test_stop_on_a_stopped_container_is_a_no_op(stopped_pct_target, ssh_spec, tmp_path):
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(f"""targets:
+  ct:
+    transport: pct
+    ctid: {stopped_pct_target.ctid}
+    host: {ssh_spec.host}
+    port: {ssh_spec.port}
+    identity_file: {ssh_spec.identity_file}
+    known_hosts_file: {ssh_spec.known_hosts_file}
+    job: {{workdir: {tmp_path}/w, python: /usr/bin/python3, config: tiny-cpu}}
+""")
+    result = cli("--inventory", str(inventory), "stop", "-t", "ct")
+    assert result.returncode == 0, result
+    assert "not running" in result.stdout and "nothing to stop" in result.stdout, result.stdout
+    assert "FAILED" not in result.stdout + result.stderr
+
+
+def test_health_json_and_status_json_have_the_same_shape(local_job):
+    import json
+
+    inventory, _ = local_job
+    health = json.loads(cli("--inventory", str(inventory), "health", "--json").stdout)
+    status = json.loads(cli("--inventory", str(inventory), "status", "--json").stdout)
+    assert isinstance(health, dict) and isinstance(status, dict)
+    assert set(health) == set(status)

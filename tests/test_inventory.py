@@ -520,6 +520,8 @@ CASES = [
      "box:", ["'.' and ':'"]),
     ("session-newline", BOX + "  box: {transport: ssh, host: a, job: {session: \"a\\nb\"}}\n", "box", "job.session",
      "box:", ["control character"]),
+    ("session-format", BOX + "  box: {transport: ssh, host: a, job: {session: 'job#{pane_pid}'}}\n", "box",
+     "job.session", "box:", ["tmux format"]),
     ("session-empty", BOX + "  box: {transport: ssh, host: a, job: {session: ''}}\n", "box", "job.session",
      "box:", ["empty"]),
     ("socket-path", BOX + "  box: {transport: ssh, host: a, job: {tmux_socket: /tmp/s}}\n", "box",

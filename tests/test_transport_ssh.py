@@ -211,6 +211,12 @@ def test_bad_host_settings_are_input_errors(ssh_spec, field, value, words):
     assert all(w in str(info.value) for w in words) and "'box'" in str(info.value)
 
 
+def test_identity_file_that_is_a_directory_says_so(ssh_spec, tmp_path):
+    with pytest.raises(InputError) as info:
+        _run(dataclasses.replace(ssh_spec, identity_file=str(tmp_path)))
+    assert "ssh.identity_file" in str(info.value) and "is a directory" in str(info.value)
+
+
 def test_missing_identity_file_is_an_input_error(ssh_spec, tmp_path):
     with pytest.raises(InputError) as info:
         _run(dataclasses.replace(ssh_spec, identity_file=str(tmp_path / "nope")))

@@ -211,7 +211,11 @@ class SshTransport(Transport):
                 return self._conn
             self._close_quietly()
             s = self.spec
-            if s.identity_file and not os.path.isfile(os.path.expanduser(s.identity_file)):
+            key = os.path.expanduser(s.identity_file) if s.identity_file else None
+            if key and os.path.isdir(key):
+                raise InputError(f"target {self.name!r}: ssh.identity_file {s.identity_file!r} is a directory; "
+                                 "name the private key file in it (e.g. id_ed25519)")
+            if key and not os.path.isfile(key):
                 raise InputError(f"target {self.name!r}: ssh.identity_file {s.identity_file!r} does not exist; "
                                  "fix the path in the inventory")
             gateway = None
