@@ -36,9 +36,11 @@ DFLASH_SKIP_SSH_TESTS=1 to skip the tests that use them instead.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -53,6 +55,36 @@ from dflash_ops.model import HostSpec, Job, Target
 
 SIM_DIR = sshd_helpers.SIM_DIR
 RUNNING_CT, STOPPED_CT = 200, 201
+
+# Every tmux server the tests start (here, through LocalTransport, or in sshd sessions) puts its
+# socket in this run's own directory, never in the machine's /tmp/tmux-UID. tmux 3.3 leaves a dead
+# server's socket file behind, so after each test its new servers are killed and their files
+# removed, and the directory goes at the end of the run.
+TMUX_DIR = Path(tempfile.mkdtemp(prefix="dflash-tests-tmux-", dir=os.environ.get("TMUX_TMPDIR") or None))
+os.environ["TMUX_TMPDIR"] = str(TMUX_DIR)
+
+
+def _tmux_sockets() -> set[Path]:
+    return set(TMUX_DIR.glob("tmux-*/*"))
+
+
+def _end_tmux(sockets) -> None:
+    for socket_file in sockets:
+        subprocess.run(["tmux", "-S", str(socket_file), "kill-server"], capture_output=True, timeout=30)
+        socket_file.unlink(missing_ok=True)
+
+
+@pytest.fixture(autouse=True)
+def _tmux_cleanup():
+    """Each test ends the tmux servers it started and removes their socket files."""
+    before = _tmux_sockets()
+    yield
+    _end_tmux(_tmux_sockets() - before)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _end_tmux(_tmux_sockets())
+    shutil.rmtree(TMUX_DIR, ignore_errors=True)
 
 
 def _need_tools() -> None:
@@ -116,7 +148,8 @@ def _session_env(pct_root: Path, gpu_state: Path) -> dict:
     # SHLVL=1: Debian's bash sources ~/.bashrc for every ssh command unless it is nested; this
     # machine's root .bashrc (pyenv init) costs ~0.3 s per command, which a lean Proxmox host's
     # does not, and it would reorder PATH. The sessions see exactly the PATH above.
-    return {"PATH": path, "PCT_SIM_ROOT": str(pct_root), "NVIDIA_SMI_SIM_STATE": str(gpu_state), "SHLVL": "1"}
+    return {"PATH": path, "PCT_SIM_ROOT": str(pct_root), "NVIDIA_SMI_SIM_STATE": str(gpu_state), "SHLVL": "1",
+            "TMUX_TMPDIR": str(TMUX_DIR)}
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,6 @@ def local_job(tmp_path):
                          f"python: /usr/bin/python3, config: tiny-cpu, session: job, tmux_socket: {socket}}}\n")
     yield inventory, socket
     subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)
-    uid_dir = os.path.join(os.environ.get("TMUX_TMPDIR", "/tmp"), f"tmux-{os.getuid()}")
-    if os.path.exists(os.path.join(uid_dir, socket)):
-        os.unlink(os.path.join(uid_dir, socket))
 
 
 def ssh_inventory(path, spec, job_dir, socket):
