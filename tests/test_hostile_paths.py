@@ -1,0 +1,33 @@
+"""Every remote script quotes what it is given: a job whose paths and names hold shell syntax runs
+none of it, through the real local transport (the same bash the ssh and pct targets run)."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from dflash_ops import launch, ops, steps
+from dflash_ops.playbook import StepContext
+from dflash_ops.transport.local import LocalTransport
+
+STANDIN = str(Path(__file__).parent / "sim" / "standin-trainer")
+HOSTILE = 'w $(touch PWNED) `touch PWNED2` "q" \'s\' ; $HOME'
+
+
+def test_launch_wait_and_tail_log_run_nothing_from_hostile_paths(local_target, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    job = dataclasses.replace(local_target.job, workdir=str(tmp_path / HOSTILE), log_dir=str(tmp_path / HOSTILE / "logs"),
+                              cache_dir=str(tmp_path / HOSTILE / "cache"), python=STANDIN,
+                              session="s $(touch PWNED3) `x` 'q'", tmux_socket=f"h-{tmp_path.name}"[:40])
+    target = dataclasses.replace(local_target, job=job)
+    with LocalTransport("local") as t:
+        log = t.check(launch.launch_script(job, resume=True)).stdout.strip().splitlines()[-1]
+        assert log == f"{job.log_dir}/train-0001.log"
+        ctx = StepContext(target=target, transport=t, job=job, step="wait_first_step", results={"launch": {"log": log}})
+        outcome = steps.wait_first_step(ctx, timeout_s=30, poll_s=0.2)
+        assert outcome.message.startswith("step "), outcome.message
+        shown = []
+        ops.tail_log(target, lines=2, emit=shown.append)
+        assert shown
+        t.run(f"tmux -L {job.tmux_socket} kill-server")
+    ran = [str(p) for p in tmp_path.rglob("PWNED*")]
+    assert not ran, f"shell syntax from a path ran: {ran}"
