@@ -22,6 +22,7 @@ CONNECT_SHARE = 0.3  # ssh connect, banner and auth (each; also the jump host's)
 PARTS_SHARE = 0.6  # the probe's slow parts (GPU query, tmux), side by side
 HOST_PARTS_SHARE = 0.35  # each of the two in turn when the GPUs are asked on the Proxmox host
 MARGIN_S = 1.0  # the answer's way back and the verdict, after the remote command ends
+STARTUP_S = 1.0  # the probe's python starting and writing its answer, around the parts
 
 T = TypeVar("T")
 
@@ -38,9 +39,11 @@ def split(total_s: float, gpu_on_host: bool = False) -> Shares:
     """Shares of `total_s`. With the GPU query on the Proxmox host it runs before the container's
     probe rather than beside it, so each gets a smaller share. Connecting usually takes a fraction
     of its share, so the run may use what it leaves; the watchdog (`within`) holds the total."""
-    part_s = total_s * (HOST_PARTS_SHARE if gpu_on_host else PARTS_SHARE)
     # the remote `timeout` counts whole seconds: round down, so it never outlasts the budget
     run_s = max(1.0, math.floor(total_s - MARGIN_S))
+    # the parts end a second before the run's limit: python starts, the answer is written
+    turns = 2 if gpu_on_host else 1
+    part_s = min(total_s * (HOST_PARTS_SHARE if gpu_on_host else PARTS_SHARE), (run_s - STARTUP_S) / turns)
     return Shares(total_s, max(0.5, total_s * CONNECT_SHARE), max(0.5, part_s), run_s)
 
 
@@ -80,6 +83,22 @@ def unknown_parts(report) -> list[str]:
     errors = {"gpu": report.gpu.error, "session": report.session.error}
     return [f"{PART_NAMES.get(part, part)} UNKNOWN: {errors.get(part) or 'no answer in time'}"
             for part in report.out_of_time]
+
+
+def judged_without_unknown_parts(report):
+    """The report the verdict is drawn from: a part that ran out of time is reported UNKNOWN by
+    itself, so it must not also count as a failure (a tmux that did not answer is not a dead job)."""
+    if "session" not in report.out_of_time:
+        return report
+    session = dataclasses.replace(report.session, error=None, exists=True, running=True)
+    return dataclasses.replace(report, session=session)
+
+
+def mark_unknown_parts(status: dict, report) -> dict:
+    """`status` with the parts that ran out of time shown as unknown (null), not as false."""
+    if "session" in report.out_of_time:
+        status["session"].update(running=None, exists=None)
+    return status
 
 
 def with_unknown_parts(verdict: Verdict, unknown: list[str]) -> Verdict:

@@ -3,6 +3,7 @@ the session and the training progress are still reported (NRPE gives a check 10 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -87,3 +88,19 @@ def test_a_silent_ssh_server_is_unknown_within_the_budget(silent_server, ssh_spe
     assert took <= 4, f"took {took:.1f}s"
     assert result.returncode == 3 and "sent no SSH banner" in result.stdout, result.stdout
     assert result.stderr == ""
+
+
+def test_a_hung_tmux_is_unknown_not_a_dead_job(local_target, tmp_path, monkeypatch):
+    from dflash_ops import ops
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "tmux").write_text("#!/bin/sh\nexec sleep 60\n")
+    (fake / "tmux").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    start = time.monotonic()
+    checked = ops.check(local_target, timeout_s=3)
+    assert time.monotonic() - start <= 3.5
+    assert checked.verdict.level == "UNKNOWN", checked.verdict
+    assert checked.verdict.reasons[0].startswith("tmux session UNKNOWN: tmux gave no answer within")
+    assert checked.status["session"]["running"] is None
