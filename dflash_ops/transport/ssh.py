@@ -254,8 +254,8 @@ class SshTransport(Transport):
             return HostKeyError(
                 self.name, step,
                 f"{what}host key of {entry} ({fingerprint(exc.key)}) is marked @revoked in {self.known_hosts}; "
-                "refusing to connect. If the host has a new key, check its fingerprint on the host and replace "
-                "the @revoked line's entry for it")
+                "refusing to connect (a revoked key may be in the wrong hands). Give the host a new key, or "
+                "remove the @revoked line only if this key is trusted again")
         if isinstance(exc, _UnknownHostKey):
             return HostKeyError(
                 self.name, step,
