@@ -12,7 +12,7 @@ import sys
 
 import yaml
 
-from .config import COMPILE_LOCK_MODES, ATTENTION_BACKENDS, ConfigError
+from .config import COMPILE_LOCK_MODES, ATTENTION_BACKENDS, LAUNCHERS, ConfigError
 
 # torch is imported only once the config, the arguments and the paths are known good: every input
 # error is reported in well under a second.
@@ -86,6 +86,9 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-devices", metavar="LIST",
                    help="comma-separated, e.g. cuda:1,cuda:2 (one drafter thread + replica each; "
                         "repeat a device for several threads on it, e.g. cpu,cpu)")
+    p.add_argument("--launcher", choices=LAUNCHERS,
+                   help="threads (default): one process, a drafter thread per device; torchrun: this "
+                        "process is one rank of `torchrun --nproc-per-node N -m trainer ...` (DDP)")
     p.add_argument("--metrics-file", metavar="PATH", help="JSON-lines metrics (default <output-dir>/metrics.jsonl)")
     p.add_argument("--seed", type=int, help="seed for init, data order and anchors")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -108,7 +111,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     """CLI flags -> the override dict load_config takes (short names or dotted keys)."""
     overrides = {}
     for name in ("output_dir", "max_steps", "resume", "compile_lock", "attention", "target_devices",
-                 "drafter_devices", "metrics_file", "seed"):
+                 "drafter_devices", "metrics_file", "seed", "launcher"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value

@@ -21,6 +21,7 @@ ATTENTION_BACKENDS = ("flex", "sdpa")
 COMPILE_LOCK_MODES = ("lock", "none", "patch")
 DATA_SOURCES = ("synthetic", "jsonl")
 PRECISIONS = ("fp32", "bf16-mixed")  # bf16-mixed: fp32 master weights + AdamW state, bf16 compute
+LAUNCHERS = ("threads", "torchrun")  # one process with drafter threads | one process per rank (DDP)
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -102,6 +103,7 @@ class RunConfig:
     # the drafter threads already keep the cores busy, and oversubscribed OpenMP pools spin.
     torch_threads: typing.Optional[int] = None
     resume: typing.Optional[str] = None  # None: fresh run; "latest"; or a checkpoint directory
+    launcher: str = "threads"  # "torchrun": this process is one rank (trainer/distributed.py)
 
 
 @dataclasses.dataclass
@@ -134,6 +136,7 @@ OVERRIDE_ALIASES = {
     "drafter_devices": "run.drafter_devices",
     "max_steps": "train.max_steps",
     "seed": "train.seed",
+    "launcher": "run.launcher",
 }
 
 
@@ -312,6 +315,8 @@ def validate(cfg: TrainConfig) -> None:
         _fail(cfg, "run.attention", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {r.attention!r}.")
     if r.compile_lock not in COMPILE_LOCK_MODES:
         _fail(cfg, "run.compile_lock", f"must be one of {', '.join(COMPILE_LOCK_MODES)}, got {r.compile_lock!r}.")
+    if r.launcher not in LAUNCHERS:
+        _fail(cfg, "run.launcher", f"must be one of {', '.join(LAUNCHERS)}, got {r.launcher!r}.")
     for key, devices in (("run.target_devices", r.target_devices), ("run.drafter_devices", r.drafter_devices)):
         if not devices:
             _fail(cfg, key, "must name at least one device. Fix: e.g. [cpu] or [cuda:0].")

@@ -23,6 +23,7 @@ from . import checkpoint as ckpt
 from . import precision
 from .compile_lock import CompileGuard
 from .config import ConfigError, TrainConfig, check_devices
+from .distributed import check_launcher, train_rank
 from .data import Batch, BatchPlan, Dataset, derive_seed, load_jsonl, synthetic_dataset
 from .masks import build_block_mask, dense_mask, sample_anchors
 from .loss import block_labels
@@ -212,6 +213,9 @@ def startup_summary(cfg: TrainConfig, guard: CompileGuard, dataset: Dataset, pla
 
 def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) -> RunResult:
     """Run (or resume) training as configured. Raises on failure after writing an `error` record."""
+    check_launcher(cfg)
+    if cfg.run.launcher == "torchrun":
+        return train_rank(cfg, out, tty)  # this process is one rank of a torchrun job
     out = out if out is not None else sys.stdout
     check_devices(cfg)
     metrics = MetricsWriter(cfg.metrics_path, out=out, tty=tty, log_every=cfg.run.log_every)

@@ -126,8 +126,9 @@ class TrainingWorkers:
         self.feature_dtype = feature_dtype
         self._stop = threading.Event()
         self._failures = _Failures()
-        self._commands = [queue.Queue() for _ in replicas]
-        self._batches = [queue.Queue(maxsize=queue_depth) for _ in replicas]
+        # keyed by replica index: under torchrun a process holds one replica whose index is its rank
+        self._commands = {r.index: queue.Queue() for r in replicas}
+        self._batches = {r.index: queue.Queue(maxsize=queue_depth) for r in replicas}
         self._reports: queue.Queue = queue.Queue()
         self._barrier = threading.Barrier(len(replicas), action=self._average_gradients)
         self._grad_norm = float("nan")
@@ -145,7 +146,7 @@ class TrainingWorkers:
 
     def run_step(self, step: int) -> StepSummary:
         """Every replica trains on its batch for step `step` (0-based); returns when all are done."""
-        for commands in self._commands:
+        for commands in self._commands.values():
             commands.put(step)
         reports: list[_Report] = []
         while len(reports) < len(self.replicas):
@@ -165,7 +166,7 @@ class TrainingWorkers:
         """Stop all threads: no thread is left blocked on a queue or the barrier."""
         self._stop.set()
         self._barrier.abort()
-        for q in self._batches + self._commands:
+        for q in [*self._batches.values(), *self._commands.values()]:
             _drain(q)
         for thread in self._threads:
             thread.join(timeout=JOIN_TIMEOUT_S)
@@ -202,7 +203,7 @@ class TrainingWorkers:
         for step in range(first_step, total_steps):
             for r in served:
                 replica = self.replicas[r]
-                batch = make_batch(self.dataset, self.plan, step, r)
+                batch = make_batch(self.dataset, self.plan, step, replica.index)
                 mask = batch.attention_mask.to(target.device)
                 features = target.features(batch.input_ids.to(target.device), attention_mask=mask)
                 dev = replica.device
@@ -210,7 +211,7 @@ class TrainingWorkers:
                 batch.input_ids = batch.input_ids.to(dev)
                 batch.loss_mask = batch.loss_mask.to(dev)
                 batch.attention_mask = batch.attention_mask.to(dev)
-                self._put(self._batches[r], batch)
+                self._put(self._batches[replica.index], batch)
 
     def _drafter_loop(self, replica: Replica) -> None:
         _use_device(replica.device)
