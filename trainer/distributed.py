@@ -229,6 +229,10 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
         failure = exc.original if isinstance(exc, WorkerFailure) else exc
         where = f" in thread {exc.thread}" if isinstance(exc, WorkerFailure) else ""
         text = exc.traceback_text if isinstance(exc, WorkerFailure) else traceback.format_exc()
+        if getattr(failure, "exit_code", None) == 2:  # bad input: the CLI's one line says it, from rank 0
+            if not rank.is_lead:
+                sys.stderr = open(os.devnull, "w")
+            raise
         # one line naming the rank on stderr (the log), whichever rank it is
         print(f"dflash-train: rank {rank.rank} of {rank.world_size} failed{where}: "
               f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)

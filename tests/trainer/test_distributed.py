@@ -1,0 +1,151 @@
+"""The torchrun launcher: 2 gloo ranks over loopback follow the threaded mode's 2 replicas exactly.
+
+Tolerance: none is needed on CPU. Rank r reads replica r's batch and anchors, runs the same
+fp32 kernels with the same thread count, and DDP's mean a/2 + b/2 equals the threaded (a + b)/2
+exactly for two replicas (halving is exact in binary floating point). The test still compares
+with 1e-6 relative slack, so a change of reduction order in a future torch (a legitimate
+last-bit difference) reads as what it is and not as a broken data split, which shows up at 1e-2.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer import checkpoint as ckpt
+from trainer import metrics_format
+from trainer.config import ConfigError, load_config
+from trainer.distributed import RankStopRequest, check_launcher, check_world_size
+from trainer.train import StopRequest, train
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.batch_size=2",
+         "--set", "train.num_anchors=6", "--set", "run.torch_threads=1", "--set", "run.log_every=1000"]
+OVERRIDES = {"data.seq_len": 32, "data.synthetic.num_samples": 16, "train.batch_size": 2,
+             "train.num_anchors": 6, "run.torch_threads": 1, "run.log_every": 1000}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, out_dir: Path, *args: str, timeout: int = 150) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node N -m trainer ...` on loopback, under a hard time limit."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = ["timeout", "-k", "10", str(timeout), sys.executable, "-m", "torch.distributed.run",
+           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "trainer", "--config", "tiny-cpu", "--launcher", "torchrun", "--output-dir", str(out_dir),
+           *SMALL, *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout + 30)
+
+
+def steps(metrics_path: Path) -> list[dict]:
+    records = metrics_format.parse_lines(metrics_path.read_text(encoding="utf-8"))
+    return [r for r in records if r["event"] == "step"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Threaded 2 replicas for 4 steps; torchrun 2 ranks for 4 steps; torchrun resumed from step 2."""
+    root = tmp_path_factory.mktemp("ddp")
+    threaded = load_config("tiny-cpu", dict(OVERRIDES, output_dir=str(root / "threads"), max_steps=4))
+    train(threaded, out=io.StringIO())
+    first = torchrun(2, root / "ranks", "--max-steps", "4", "--set", "run.checkpoint_every=2")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    mid = root / "ranks" / "checkpoints" / "step-0000002"
+    second = torchrun(2, root / "resumed", "--max-steps", "4", "--resume", str(mid))
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    return root, first, second
+
+
+@pytest.mark.parametrize("run,expected_steps", [("ranks", [1, 2, 3, 4]), ("resumed", [3, 4])])
+def test_two_gloo_ranks_follow_the_threaded_trajectory(runs, run, expected_steps):
+    root, _, _ = runs
+    reference = {r["step"]: r for r in steps(root / "threads" / "metrics.jsonl")}
+    ranked = steps(root / run / "metrics.jsonl")
+    assert [r["step"] for r in ranked] == expected_steps
+    for ours in ranked:
+        theirs = reference[ours["step"]]
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-6), (ours, theirs)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-6)
+        assert ours["acc"] == pytest.approx(theirs["acc"], rel=1e-6, abs=1e-7)
+        assert ours["lr"] == pytest.approx(theirs["lr"], rel=1e-9)
+    a = load_file(str(root / "threads" / "checkpoints" / "step-0000004" / ckpt.WEIGHTS))
+    b = load_file(str(root / run / "checkpoints" / "step-0000004" / ckpt.WEIGHTS))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7)
+
+
+def test_only_rank_0_writes_and_the_checkpoint_records_the_world_size(runs):
+    root, first, _ = runs
+    metrics = root / "ranks" / "metrics.jsonl"
+    starts = [r for r in metrics_format.parse_lines(metrics.read_text()) if r["event"] == "start"]
+    assert len(starts) == 1  # one per launch, not one per rank
+    assert sum(line.startswith("step 4/4") for line in first.stdout.splitlines()) == 1  # rank 1 prints nothing...
+    assert first.stdout.count("dflash-train: finished at step 4/4") == 1  # ...not even its result
+    assert "2 ranks (gloo)" in first.stdout
+    state = ckpt.load_checkpoint(str(root / "ranks" / "checkpoints" / "step-0000004"))
+    assert state.data_position["replicas"] == 2
+    assert sorted(p.name for p in (root / "ranks" / "checkpoints").iterdir()) == ["step-0000002", "step-0000004"]
+
+
+def test_resume_on_another_world_size_is_refused_in_one_line(runs):
+    root, _, _ = runs
+    before = sorted((root / "ranks" / "checkpoints").iterdir())
+    proc = torchrun(1, root / "ranks", "--max-steps", "6", "--resume")
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("dflash-train: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "trained with 2 replicas, this run has world size 1" in lines[0]
+    assert "Fix: relaunch with 2 ranks" in lines[0]
+    assert sorted((root / "ranks" / "checkpoints").iterdir()) == before  # nothing destroyed
+
+
+def test_launcher_must_match_how_the_process_was_started():
+    cfg = load_config("tiny-cpu", {"launcher": "torchrun"})
+    with pytest.raises(ConfigError, match="not started by torchrun"):
+        check_launcher(cfg, env={})
+    threads = load_config("tiny-cpu", {})
+    with pytest.raises(ConfigError, match="add --launcher torchrun"):
+        check_launcher(threads, env={"RANK": "1", "WORLD_SIZE": "2"})
+    check_launcher(threads, env={"RANK": "0", "WORLD_SIZE": "1"})  # a single rank may run threaded
+    with pytest.raises(ConfigError, match="run.launcher"):
+        load_config("tiny-cpu", {"launcher": "mpi"})
+
+
+def test_a_threaded_checkpoint_resumes_on_the_same_number_of_ranks(tmp_path):
+    state = ckpt.Checkpoint(path="x", step=3, weights={}, optimizer={}, scheduler={},
+                            data_position={"step": 3}, rng={}, config={"run": {"drafter_devices": ["cpu", "cpu"]}},
+                            drafter_config={})
+    check_world_size(state, 2)
+    with pytest.raises(ckpt.CheckpointError, match="trained with 2 replicas, this run has world size 4"):
+        check_world_size(state, 4)
+
+
+def test_a_forwarded_signal_is_the_same_stop_request_not_an_abort():
+    stop = StopRequest()
+    ranked = RankStopRequest(stop)
+    ranked.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # the operator's
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun forwarding it a moment later
+        assert stop.requested and stop.signal_name == "SIGTERM"
+        ranked.first_at -= 60  # much later: a deliberate second signal aborts, as in threaded mode
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        stop.uninstall()
