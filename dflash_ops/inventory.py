@@ -357,6 +357,17 @@ def _env(value) -> dict[str, str]:
     return env
 
 
+def _endpoint(value) -> str:
+    value = _text(value, "10.0.0.7:29400")
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or host.startswith("-") or any(c.isspace() for c in host) \
+            or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise _Bad(f"expected HOST:PORT of the rendezvous host, like 10.0.0.7:29400, got {_show(value)}")
+    return value
+
+
+LAUNCHERS = ("threads", "torchrun")
+_TORCHRUN_FIELDS = ("nproc_per_node", "nnodes", "rdzv_endpoint")
 _HEALTH_FIELDS: dict = {
     "min_tokens_per_s": _number("20000", zero_ok=True),
     "stall_seconds": _number("900", zero_ok=False),
@@ -367,6 +378,8 @@ _JOB_FIELDS: dict = {
     "workdir": _path, "python": _path, "config": _config, "session": _session,
     "log_dir": _path, "cache_dir": _path, "target_gpus": _gpus, "drafter_gpus": _gpus,
     "tmux_socket": _socket, "train_args": _train_args, "env": _env, "health": _HEALTH_FIELDS,
+    "launcher": _choice(LAUNCHERS), "nproc_per_node": _whole(1, 64, "2"), "nnodes": _whole(1, 4096, "2"),
+    "rdzv_endpoint": _endpoint,
 }
 _HOST_FIELDS: dict = {
     "host": _host, "port": _whole(1, 65535, "22"), "user": _user, "identity_file": _path,
@@ -574,12 +587,39 @@ class _TargetBuilder:
             if gpu in target_gpus:
                 raise self.fail("job.drafter_gpus",
                                 f"GPU {gpu} is in both target_gpus and drafter_gpus; give each GPU one role")
+        self.check_launcher(job)
         return Job(
             workdir=workdir, python=self.job_python(job["python"]), config=self.job_config(job["config"]),
             session=job.get("session", "dflash"), log_dir=log_dir, cache_dir=cache_dir,
             target_gpus=tuple(target_gpus), drafter_gpus=tuple(drafter_gpus),
             tmux_socket=job.get("tmux_socket", "dflash"), train_args=tuple(job.get("train_args", ())),
-            env=tuple(job.get("env", {}).items()), health=Health(**job.get("health", {})))
+            env=tuple(job.get("env", {}).items()), health=Health(**job.get("health", {})),
+            **{key: job[key] for key in _TORCHRUN_FIELDS + ("launcher",) if key in job})
+
+    def check_launcher(self, job: dict) -> None:
+        """torchrun fields belong together: ranks per host, hosts, rendezvous, one GPU per rank."""
+        if job.get("launcher", "threads") != "torchrun":
+            for key in _TORCHRUN_FIELDS:
+                if key in job:
+                    raise self.fail(f"job.{key}", "only applies with 'launcher: torchrun'; add that, or remove it")
+            return
+        if "nproc_per_node" not in job:
+            raise self.fail("job.nproc_per_node", "is required with 'launcher: torchrun' (ranks on this "
+                                                  "target, one GPU each), e.g. nproc_per_node: 2")
+        nnodes, endpoint = job.get("nnodes", 1), job.get("rdzv_endpoint")
+        if nnodes > 1 and not endpoint:
+            raise self.fail("job.rdzv_endpoint", f"is required when nnodes is {nnodes}: HOST:PORT that every "
+                                                 "target of the job reaches, e.g. 10.0.0.7:29400")
+        if nnodes == 1 and endpoint:
+            raise self.fail("job.rdzv_endpoint", "is only used when nnodes > 1 (one host rendezvous on its "
+                                                 "own); remove it, or set nnodes")
+        if job.get("target_gpus"):
+            raise self.fail("job.target_gpus", "with 'launcher: torchrun' each rank runs its own target on its "
+                                               "own GPU; list the ranks' GPUs in drafter_gpus and drop target_gpus")
+        gpus = job.get("drafter_gpus", ())
+        if gpus and len(gpus) != job["nproc_per_node"]:
+            raise self.fail("job.drafter_gpus", f"lists {len(gpus)} GPU(s) but nproc_per_node is "
+                                                f"{job['nproc_per_node']}; give exactly one GPU per rank")
 
     def check_cache_dir(self, workdir: str, log_dir: str, cache_dir: str) -> None:
         # The cache dir is deleted on every relaunch: it must never hold the job's code or logs.

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import shlex
 
-from . import jobpaths, tmux
+from . import jobpaths, tmux, torchrun
 from .model import Job
 
 
 def trainer_argv(job: Job) -> list[str]:
+    if torchrun.uses_torchrun(job):
+        return (torchrun.launcher_argv(job) + ["-m", "trainer", "--config", job.config, "--output-dir",
+                                               jobpaths.run_dir(job)] + torchrun.trainer_devices(job)
+                + list(job.train_args))
     argv = [job.python, "-m", "trainer", "--config", job.config, "--output-dir", jobpaths.run_dir(job)]
     if job.target_gpus:
         argv += ["--target-devices", ",".join(f"cuda:{i}" for i in job.target_gpus)]
@@ -29,6 +33,7 @@ def trainer_env(job: Job) -> dict[str, str]:
         "PYTHONPATH": jobpaths.current_release(job),
         "PYTHONUNBUFFERED": "1",
     }
+    env.update(torchrun.env(job))
     env.update(dict(job.env))
     return env
 

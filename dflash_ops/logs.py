@@ -12,6 +12,8 @@ import statistics
 
 from trainer import metrics_format
 
+from . import torchrun
+
 TRACEBACK_HEADER = "Traceback (most recent call last):"
 
 
@@ -80,6 +82,10 @@ SIGNATURES: tuple[Signature, ...] = (
 TRACEBACK = Signature("traceback", "Python exception", re.compile(re.escape(TRACEBACK_HEADER)),
                       "the trainer raised an exception; the line shown is the exception")
 
+RANK_DIED = Signature("rank_died", "rank died", re.compile(r"$^"),  # found by torchrun.rank_failure
+                      "a rank of a torchrun job exited and torchrun ended the others; the line names "
+                      "the first rank that failed and how")
+
 
 def _exception_line(lines: list[str], header_at: int) -> tuple[int, str]:
     """After a traceback header, the first unindented line is the exception."""
@@ -106,6 +112,8 @@ def find_failures(text: str) -> list[Failure]:
                 found[sig.name] = Failure(sig.name, sig.title, sig.explanation, line, i + 1)
                 claimed.add(i)
                 break
+    rank_died, explained = torchrun.rank_failure(lines)
+    claimed.update(explained)
     latest_traceback = None
     for i, line in enumerate(lines):
         if TRACEBACK_HEADER in line:
@@ -114,6 +122,9 @@ def find_failures(text: str) -> list[Failure]:
                 continue
             latest_traceback = Failure(TRACEBACK.name, TRACEBACK.title, TRACEBACK.explanation, exception, at + 1)
     ordered = [found[sig.name] for sig in SIGNATURES if sig.name in found]
+    if rank_died is not None:
+        ordered.insert(0, Failure(RANK_DIED.name, RANK_DIED.title, RANK_DIED.explanation, rank_died,
+                                  max(explained, default=0) + 1))
     if latest_traceback is not None:
         ordered.append(latest_traceback)
     return ordered

@@ -42,6 +42,10 @@ class Job:
     train_args: tuple[str, ...] = ()  # extra dflash-train arguments
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the trainer
     health: Health = dataclasses.field(default_factory=Health)
+    launcher: str = "threads"  # "torchrun": one process per rank, DDP (dflash_ops/torchrun.py)
+    nproc_per_node: int = 1  # torchrun ranks on this target, one GPU each
+    nnodes: int = 1  # hosts in the torchrun job (the targets of a group)
+    rdzv_endpoint: str = ""  # HOST:PORT of the c10d rendezvous when nnodes > 1
 
     def __post_init__(self):
         # Derived defaults are filled in here, once, so every reader sees the real paths.

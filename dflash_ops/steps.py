@@ -179,7 +179,8 @@ def launch(ctx: StepContext, session: str, cache_dir: str) -> StepOutcome:
     job = dataclasses.replace(ctx.job, session=session, cache_dir=cache_dir)
     result = ctx.run(launch_lib.launch_script(job, resume=bool(ctx.options.get("resume", True))), timeout=60)
     if result is None:
-        return StepOutcome(f"would start tmux session {session!r}")
+        return StepOutcome(f"would start tmux session {session!r} running: "
+                           f"{shlex.join(launch_lib.trainer_argv(job))}")
     log = result.stdout.strip().splitlines()[-1]
     return StepOutcome(f"session {session!r} started, log {log}", data={"log": log})
 

@@ -1,0 +1,103 @@
+"""How dflash-ops speaks torchrun: the launch line of a `launcher: torchrun` job, and which rank died.
+
+One host (nnodes 1): `--standalone`, a private rendezvous on a free local port, so two jobs never
+collide. Several hosts (each target of a group runs the same job): a c10d rendezvous at
+`rdzv_endpoint`; torchrun assigns node ranks as the hosts arrive.
+
+Each rank holds one GPU: the job's `drafter_gpus` become CUDA_VISIBLE_DEVICES (local rank i uses
+the i-th), and each rank's target model lives on its own GPU.
+
+When a rank exits with an error, torchrun ends the others and prints a summary whose "Root Cause"
+block names the first rank that failed; while it is still shutting down it has already logged
+"failed (exitcode: X) local_rank: L (pid: P)". The trainer itself prints
+"dflash-train: rank R of W failed: <exception>" before it exits. `rank_failure` reads all three.
+"""
+from __future__ import annotations
+
+import re
+
+from .model import Job
+
+RUN_MODULE = ("-m", "torch.distributed.run")  # == the `torchrun` script, from the job's own python
+_TRAINER_LINE = re.compile(r"dflash-train: rank (?P<rank>\d+) of (?P<world>\d+) failed(?P<why>.*)")
+_AGENT_LINE = re.compile(r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<local>\d+) \(pid: (?P<pid>\d+)\)")
+_ROOT_CAUSE = "Root Cause (first observed failure)"
+_RANK_FIELD = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+) \(local_rank: (?P<local>\d+)\)")
+_EXIT_FIELD = re.compile(r"^\s*exitcode\s*:\s*(?P<code>-?\d+) \(pid: (?P<pid>\d+)\)(?:\s*\((?P<sig>SIG\w+)\))?")
+_TORCHRUN_OWN_ERRORS = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError",
+                        "torch.distributed.elastic.multiprocessing.api.SignalException")
+
+
+def uses_torchrun(job: Job) -> bool:
+    return job.launcher == "torchrun"
+
+
+def launcher_argv(job: Job) -> list[str]:
+    """`python -m torch.distributed.run ...` up to (not including) `-m trainer`."""
+    argv = [job.python, *RUN_MODULE]
+    if job.nnodes == 1:
+        argv += ["--standalone"]
+    else:
+        argv += ["--nnodes", str(job.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", job.rdzv_endpoint]
+    return argv + ["--nproc-per-node", str(job.nproc_per_node)]
+
+
+def trainer_devices(job: Job) -> list[str]:
+    """Every rank picks cuda:LOCAL_RANK itself; the trainer only needs to know it is CUDA."""
+    return ["--launcher", "torchrun"] + (["--target-devices", "cuda", "--drafter-devices", "cuda"]
+                                         if job.drafter_gpus else [])
+
+
+def env(job: Job) -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, job.drafter_gpus))} if job.drafter_gpus else {}
+
+
+def rank_failure(lines: list[str]) -> tuple[str | None, list[int]]:
+    """(which rank died and how, or None; the 0-based line numbers that this explains).
+
+    The explained lines include torchrun's own tracebacks: ChildFailedError (the rank is the news,
+    not torchrun's wrapper) and SignalException (torchrun passing on an operator's stop).
+    """
+    own = {}
+    used = []
+    for i, line in enumerate(lines):
+        match = _TRAINER_LINE.search(line)
+        if match:
+            own[int(match["rank"])] = match["why"].lstrip(": ").strip()
+            used.append(i)
+        if line.startswith(_TORCHRUN_OWN_ERRORS):
+            used.append(i)
+    root = _root_cause(lines)
+    if root is not None:
+        rank, text, at = root
+        why = own.get(rank)
+        return text + (f"; it reported: {why}" if why else ""), used + at
+    for i in range(len(lines) - 1, -1, -1):
+        match = _AGENT_LINE.search(lines[i])
+        if match:
+            return (f"local rank {match['local']} (pid {match['pid']}) exited with code {match['code']}; "
+                    f"torchrun is ending the other ranks"), used + [i]
+    if own:
+        rank = min(own)
+        return f"rank {rank} failed: {own[rank]}", used
+    return None, used
+
+
+def _root_cause(lines: list[str]):
+    starts = [i for i, line in enumerate(lines) if _ROOT_CAUSE in line]
+    if not starts:
+        return None
+    rank = local = code = pid = sig = None
+    at = [starts[-1]]
+    for i in range(starts[-1] + 1, min(len(lines), starts[-1] + 12)):
+        if rank is None and (m := _RANK_FIELD.match(lines[i])):
+            rank, local = int(m["rank"]), m["local"]
+            at.append(i)
+        elif code is None and (m := _EXIT_FIELD.match(lines[i])):
+            code, pid, sig = m["code"], m["pid"], m["sig"]
+            at.append(i)
+    if rank is None or code is None:
+        return None
+    signal = f" ({sig})" if sig else ""
+    return rank, (f"rank {rank} (local rank {local}, pid {pid}) exited with code {code}{signal}, "
+                  f"the first failure torchrun saw; it ended the other ranks"), at
