@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything the GPU proof needs, in one command on a GPU machine; results under $OUT (or ./gpu-out).
-#   bash benchmarks/gpu_session.sh smoke|race|perf|ops|precision
+#   bash benchmarks/gpu_session.sh smoke|race|perf|ops|precision|torchrun
 # smoke: versions, the CUDA-only trainer tests, one short training run with compiled flex.
 # race:  the race harness (none, lock x20, patch).   perf: throughput at paper dims.
 # ops:   dflash-ops relaunch/status/health/tail-log/stop on this machine's `local` target.
 # precision: tiny run on CUDA (compiled flex) in bf16-mixed and in fp32: norm weights moved off 1.0,
 #        final losses; paper-dims throughput in bf16-mixed and the old bf16-weights baseline (~4 min).
+# torchrun: the torchrun launcher (nproc 1, compiled flex, NCCL) vs the threaded single replica.
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -28,6 +29,9 @@ race)
 perf)
   python3 benchmarks/train_throughput.py --parts compiled,eager --steps 8 --out "$OUT/throughput.md" 2>&1 | tail -20
   python3 benchmarks/train_throughput.py --parts first-step --out "$OUT/first-step.md" 2>&1 | tail -8
+  ;;
+torchrun)
+  timeout -k 10 420 python3 benchmarks/torchrun_step_time.py --repeats 2 --out "$OUT/torchrun.md" 2>&1 | tail -30
   ;;
 ops)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 \
