@@ -154,6 +154,17 @@ def global_summary(local: StepSummary, stop: bool, rank: Rank, device: str) -> t
 
 # ---- resume ----------------------------------------------------------------------------------
 
+def check_same_start(start: int, rank: Rank, device: str) -> None:
+    """Ranks that resume from different steps would wait on each other forever: refuse instead."""
+    starts = [int(s.item()) for s in _gather(torch.tensor([start], dtype=torch.int64, device=device),
+                                              rank.world_size)]
+    if len(set(starts)) != 1:
+        where = ", ".join(f"rank {r}: {'step ' + str(s) if s else 'fresh start'}" for r, s in enumerate(starts))
+        raise ckpt.CheckpointError(
+            f"the ranks would start from different steps ({where}): every host must see the same "
+            f"checkpoints. Fix: put run.output_dir on storage all hosts share, or start every rank fresh.")
+
+
 def saved_replicas(state: ckpt.Checkpoint) -> int:
     """How many replicas (ranks, or drafter threads) the checkpoint was trained with."""
     if "replicas" in state.data_position:
@@ -218,6 +229,7 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
             check_world_size(state, rank.world_size)
             threaded.restore([replica], state, dcfg)
             start = state.step
+        check_same_start(start, rank, device)
         replica.model = DrafterDDP(replica.model, device_ids=[torch.device(device)] if device.startswith("cuda") else None)
         summary = threaded.startup_summary(cfg, guard, dataset, plan, total, start, [replica])
         summary.append(f"launcher: torchrun, {rank.world_size} ranks ({dist.get_backend()}), one replica each; "

@@ -149,3 +149,31 @@ def test_a_forwarded_signal_is_the_same_stop_request_not_an_abort():
             os.kill(os.getpid(), signal.SIGTERM)
     finally:
         stop.uninstall()
+
+
+PROBE = """
+import torch.distributed as dist
+from trainer.checkpoint import CheckpointError
+from trainer.distributed import check_same_start, rank_from_env
+dist.init_process_group("gloo")
+rank = rank_from_env()
+try:
+    check_same_start(31 if rank.rank == 0 else 0, rank, "cpu")  # rank 1's host has no checkpoint
+    print("rank", rank.rank, "started")
+except CheckpointError as exc:
+    print("rank", rank.rank, "refused:", exc)
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_that_would_resume_from_different_steps_refuse_instead_of_hanging(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run(["timeout", "-k", "10", "120", sys.executable, "-m", "torch.distributed.run",
+                           "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                           str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    refused = sorted(line for line in proc.stdout.splitlines() if "refused:" in line)
+    assert len(refused) == 2, proc.stdout
+    assert "(rank 0: step 31, rank 1: fresh start)" in refused[0] and "all hosts share" in refused[0]
