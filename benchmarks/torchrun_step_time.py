@@ -98,7 +98,7 @@ def run_once(launcher: str, small: bool, steps: int, warmup: int, timeout_s: int
 def report(results: list[dict], args, info: dict) -> str:
     by = {name: [r for r in results if r["launcher"] == name and r["median_step_s"]] for name in ("threads", "torchrun")}
     med = {name: statistics.median(r["median_step_s"] for r in rs) if rs else None for name, rs in by.items()}
-    lines = [f"# torchrun (nproc 1) vs threads (1 replica): step time", "",
+    lines = ["# torchrun (nproc 1) vs threads (1 replica): step time", "",
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; " +
              ", ".join(f"{k} {v}" for k, v in info.items()), "",
              f"Config: {'small CPU smoke (sdpa, gloo)' if args.small else 'mid-size (hidden 1024, 3 drafter layers, ctx 1024, 128 anchors x 2 seqs), compiled flex, NCCL'}; "

@@ -246,7 +246,8 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
                 sys.stderr = open(os.devnull, "w")
             raise
         # one line naming the rank on stderr (the log), whichever rank it is
-        print(f"dflash-train: rank {rank.rank} of {rank.world_size} failed{where}: "
+        what = "aborted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        print(f"dflash-train: rank {rank.rank} of {rank.world_size} {what}{where}: "
               f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
         if isinstance(exc, KeyboardInterrupt):
             metrics.say(f"aborted: {exc}")

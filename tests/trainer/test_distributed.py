@@ -9,7 +9,6 @@ last-bit difference) reads as what it is and not as a broken data split, which s
 from __future__ import annotations
 
 import io
-import json
 import os
 import signal
 import socket
@@ -71,6 +70,7 @@ def runs(tmp_path_factory):
     return root, first, second
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run,expected_steps", [("ranks", [1, 2, 3, 4]), ("resumed", [3, 4])])
 def test_two_gloo_ranks_follow_the_threaded_trajectory(runs, run, expected_steps):
     root, _, _ = runs
@@ -90,6 +90,7 @@ def test_two_gloo_ranks_follow_the_threaded_trajectory(runs, run, expected_steps
         torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_only_rank_0_writes_and_the_checkpoint_records_the_world_size(runs):
     root, first, _ = runs
     metrics = root / "ranks" / "metrics.jsonl"
@@ -103,6 +104,7 @@ def test_only_rank_0_writes_and_the_checkpoint_records_the_world_size(runs):
     assert sorted(p.name for p in (root / "ranks" / "checkpoints").iterdir()) == ["step-0000002", "step-0000004"]
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size_is_refused_in_one_line(runs):
     root, _, _ = runs
     before = sorted((root / "ranks" / "checkpoints").iterdir())
@@ -166,6 +168,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_ranks_that_would_resume_from_different_steps_refuse_instead_of_hanging(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
