@@ -156,7 +156,7 @@ def test_a_forwarded_signal_is_the_same_stop_request_not_an_abort():
 PROBE = """
 import torch.distributed as dist
 from trainer.checkpoint import CheckpointError
-from trainer.distributed import check_same_start, rank_from_env
+from trainer.distributed import check_same_data, check_same_start, rank_from_env
 dist.init_process_group("gloo")
 rank = rank_from_env()
 try:
@@ -164,12 +164,19 @@ try:
     print("rank", rank.rank, "started")
 except CheckpointError as exc:
     print("rank", rank.rank, "refused:", exc)
+import torch
+from trainer.data import Dataset
+ids = torch.arange(12).view(3, 4) + rank.rank  # as if rank 1 had generated other data
+try:
+    check_same_data(Dataset(ids, ids > 0, ids >= 0, "probe"), rank, "cpu")
+except RuntimeError as exc:
+    print("rank", rank.rank, "data:", exc)
 dist.destroy_process_group()
 """
 
 
 @pytest.mark.slow
-def test_ranks_that_would_resume_from_different_steps_refuse_instead_of_hanging(tmp_path):
+def test_ranks_that_would_start_from_different_steps_or_data_refuse_instead_of_hanging(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -180,3 +187,5 @@ def test_ranks_that_would_resume_from_different_steps_refuse_instead_of_hanging(
     refused = sorted(line for line in proc.stdout.splitlines() if "refused:" in line)
     assert len(refused) == 2, proc.stdout
     assert "(rank 0: step 31, rank 1: fresh start)" in refused[0] and "all hosts share" in refused[0]
+    data = [line for line in proc.stdout.splitlines() if " data: " in line]
+    assert len(data) == 2 and all("ranks [1] built different training data than rank 0" in line for line in data)
