@@ -615,7 +615,7 @@ class _TargetBuilder:
                                                  "own); remove it, or set nnodes")
         if job.get("target_gpus"):
             raise self.fail("job.target_gpus", "with 'launcher: torchrun' each rank runs its own target on its "
-                                               "own GPU; list the ranks' GPUs in drafter_gpus and drop target_gpus")
+                                               "own GPU; list the ranks' GPUs in drafter_gpus and set target_gpus: []")
         gpus = job.get("drafter_gpus", ())
         if gpus and len(gpus) != job["nproc_per_node"]:
             raise self.fail("job.drafter_gpus", f"lists {len(gpus)} GPU(s) but nproc_per_node is "

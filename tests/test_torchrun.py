@@ -79,7 +79,7 @@ def error_of(extra: str) -> str:
     ("launcher: torchrun, nproc_per_node: 1, nnodes: 2, rdzv_endpoint: 'h:99999'", "job.rdzv_endpoint",
      "expected HOST:PORT"),
     ("launcher: torchrun, nproc_per_node: 2, drafter_gpus: [0]", "job.drafter_gpus", "one GPU per rank"),
-    ("launcher: torchrun, nproc_per_node: 1, target_gpus: [0]", "job.target_gpus", "drop target_gpus"),
+    ("launcher: torchrun, nproc_per_node: 1, target_gpus: [0]", "job.target_gpus", "set target_gpus: []"),
 ])
 def test_bad_torchrun_fields_get_one_line_naming_the_field(extra, field, fix):
     message = error_of(extra)
@@ -102,6 +102,17 @@ def test_several_hosts_meet_at_the_rendezvous_endpoint():
     assert argv[1:11] == ["-m", "torch.distributed.run", "--nnodes", "3", "--rdzv-backend", "c10d",
                           "--rdzv-endpoint", "10.0.0.7:29400", "--nproc-per-node", "1"]
     assert "CUDA_VISIBLE_DEVICES" not in launch.trainer_env(job)  # CPU ranks
+
+
+def test_a_torchrun_target_clears_the_target_gpus_its_defaults_give():
+    text = textwrap.dedent("""\
+        defaults: {job: {target_gpus: [0], drafter_gpus: [1, 2, 3]}}
+        targets:
+          box: {transport: ssh, host: h, job: {workdir: /w, python: /w/py, config: tiny-cpu,
+                launcher: torchrun, nproc_per_node: 2, drafter_gpus: [0, 1], target_gpus: []}}
+        """)
+    job = load_inventory_text(text, FILE).targets["box"].job
+    assert (job.target_gpus, job.drafter_gpus, job.nproc_per_node) == ((), (0, 1), 2)
 
 
 def test_threads_stays_the_default_launch():

@@ -189,3 +189,14 @@ def test_ranks_that_would_start_from_different_steps_or_data_refuse_instead_of_h
     assert "(rank 0: step 31, rank 1: fresh start)" in refused[0] and "all hosts share" in refused[0]
     data = [line for line in proc.stdout.splitlines() if " data: " in line]
     assert len(data) == 2 and all("ranks [1] built different training data than rank 0" in line for line in data)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_cuda_rank_trains_with_compiled_flex_over_nccl(tmp_path):
+    proc = torchrun(1, tmp_path / "out", "--max-steps", "5", "--attention", "flex", "--target-devices", "cuda",
+                    "--drafter-devices", "cuda", "--set", "run.log_every=1", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "1 ranks (nccl)" in proc.stdout
+    records = metrics_format.parse_lines((tmp_path / "out" / "metrics.jsonl").read_text())
+    assert [r["step"] for r in records if r["event"] == "step"] == [1, 2, 3, 4, 5]
+    assert any(r["event"] == "compile" for r in records), "flex_attention was not compiled"
