@@ -760,6 +760,7 @@ def inventory_from_data(data, filename: str | None, base_dir: str) -> Inventory:
         where = _Where(top.filename, f"target {name!r}")
         targets[name] = _target(name, raw, line, defaults, default_lines, where, base_dir)
 
+    _check_rendezvous(targets, raw_targets, top)
     groups = _groups(data, targets, top)
     default_target = data.get("default_target", LOCAL)
     if not isinstance(default_target, str) or (default_target not in targets and default_target not in groups):
@@ -767,6 +768,28 @@ def inventory_from_data(data, filename: str | None, base_dir: str) -> Inventory:
         raise top.error(line_of("default_target"), "default_target",
                         f"{_show(default_target)} is not a target or group; use one of: {known}")
     return Inventory(targets=targets, groups=groups, default_target=default_target, source=filename)
+
+
+def _check_rendezvous(targets: dict[str, Target], raw_targets, top: _Where) -> None:
+    """Targets that meet at one torchrun rendezvous must agree on how many hosts meet there."""
+    seen: dict[str, list[str]] = {}
+    for name, target in targets.items():
+        job = target.job
+        if job.launcher != "torchrun" or job.nnodes == 1:
+            continue
+        members = seen.setdefault(job.rdzv_endpoint, [])
+        where = _Where(top.filename, f"target {name!r}")
+        line = raw_targets.key_lines.get(name)
+        if members and targets[members[0]].job.nnodes != job.nnodes:
+            first = targets[members[0]].job.nnodes
+            raise where.error(line, "job.nnodes", f"is {job.nnodes} but target {members[0]!r} meets at the same "
+                                                  f"rdzv_endpoint {job.rdzv_endpoint} with nnodes {first}; give every "
+                                                  "host of one torchrun job the same nnodes")
+        members.append(name)
+        if len(members) > job.nnodes:
+            raise where.error(line, "job.rdzv_endpoint", f"{len(members)} targets ({', '.join(members)}) meet at "
+                                                         f"{job.rdzv_endpoint} but nnodes is {job.nnodes}; raise "
+                                                         "nnodes, or give one job another endpoint")
 
 
 def _wrap(data: dict) -> _Map:

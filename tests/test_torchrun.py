@@ -115,6 +115,37 @@ def test_a_torchrun_target_clears_the_target_gpus_its_defaults_give():
     assert (job.target_gpus, job.drafter_gpus, job.nproc_per_node) == ((), (0, 1), 2)
 
 
+@pytest.mark.parametrize("b_fields,field,fix", [
+    ("nnodes: 3", "job.nnodes", "is 3 but target 'a' meets at the same rdzv_endpoint 10.0.0.7:29400 with nnodes 2"),
+    ("nnodes: 2", None, None),
+])
+def test_hosts_of_one_rendezvous_agree_on_nnodes(b_fields, field, fix):
+    job = "workdir: /w, python: /w/py, config: tiny-cpu, launcher: torchrun, nproc_per_node: 1"
+    text = textwrap.dedent(f"""\
+        targets:
+          a: {{transport: ssh, host: a, job: {{{job}, nnodes: 2, rdzv_endpoint: '10.0.0.7:29400'}}}}
+          b: {{transport: ssh, host: b, job: {{{job}, {b_fields}, rdzv_endpoint: '10.0.0.7:29400'}}}}
+        groups: {{both: [a, b]}}
+        """)
+    if field is None:
+        assert [t.job.nnodes for t in load_inventory_text(text, FILE).resolve("both")] == [2, 2]
+        return
+    with pytest.raises(InputError) as caught:
+        load_inventory_text(text, FILE)
+    assert f"target 'b': field '{field}'" in str(caught.value) and fix in str(caught.value), caught.value
+
+
+def test_more_hosts_than_nnodes_at_one_rendezvous_is_refused():
+    job = ("workdir: /w, python: /w/py, config: tiny-cpu, launcher: torchrun, nproc_per_node: 1, nnodes: 2, "
+           "rdzv_endpoint: '10.0.0.7:29400'")
+    text = "targets:\n" + "".join(f"  {n}: {{transport: ssh, host: {n}, job: {{{job}}}}}\n" for n in "abc")
+    with pytest.raises(InputError) as caught:
+        load_inventory_text(text, FILE)
+    message = str(caught.value)
+    assert "target 'c': field 'job.rdzv_endpoint': 3 targets (a, b, c) meet at 10.0.0.7:29400 but nnodes is 2" \
+        in message and message.startswith(f"{FILE}:4:"), message
+
+
 def test_threads_stays_the_default_launch():
     job = job_of("target_gpus: [0], drafter_gpus: [1]")
     assert job.launcher == "threads"
