@@ -14,9 +14,11 @@ a/2 + b/2 equals the threaded mode's (a + b)/2 exactly in binary floating point.
 AdamW then run on identical gradients in every rank, so replicas stay identical without any
 weight broadcast after the start.
 
-Only rank 0 writes the metrics file, readable lines and checkpoints. Every step the ranks
-exchange one small vector (loss, tokens, accuracy, "stop requested"): rank 0 logs the same
-summary the threaded mode logs, and all ranks agree on stopping after the same step.
+Only rank 0 writes checkpoints. Rank 0 writes the metrics file and readable lines; so does local
+rank 0 of every other host when given its own --metrics-file (what dflash-ops does), so status
+and health work on each host of a multi-host job. Every step the ranks exchange one small vector
+(loss, tokens, accuracy, "stop requested"): every rank knows the summary the threaded mode logs,
+and all ranks agree on stopping after the same step.
 
 Devices: a rank uses `cuda:LOCAL_RANK` for its target and drafter when the configured drafter
 devices are CUDA, else the CPU (set CUDA_VISIBLE_DEVICES to choose the GPUs).
@@ -59,6 +61,11 @@ class Rank:
     @property
     def is_lead(self) -> bool:
         return self.rank == 0
+
+    def speaks(self, cfg: TrainConfig) -> bool:
+        """Writes metrics and readable lines: rank 0; on other hosts their local rank 0 too, when
+        given its own --metrics-file (dflash-ops does), so each host's status sees the run."""
+        return self.is_lead or (self.local_rank == 0 and cfg.run.metrics_file is not None)
 
 
 def rank_from_env(env=os.environ) -> Rank | None:
@@ -197,12 +204,12 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
     devices = dataclasses.replace(cfg.run, target_devices=[device], drafter_devices=[device])
     cfg = dataclasses.replace(cfg, run=devices)
     check_devices(cfg)
-    if not rank.is_lead:
-        sys.stdout = open(os.devnull, "w")  # only rank 0 talks to people; others speak on failure
+    speaks = rank.speaks(cfg)
+    if not speaks:
+        sys.stdout = open(os.devnull, "w")  # the other ranks speak only when they fail
     out = out if out is not None else sys.stdout
-    metrics_path = cfg.metrics_path if rank.is_lead else os.devnull
-    metrics = MetricsWriter(metrics_path, out=out if rank.is_lead else open(os.devnull, "w"), tty=tty,
-                            log_every=cfg.run.log_every)
+    metrics = MetricsWriter(cfg.metrics_path if speaks else os.devnull,
+                            out=out if speaks else open(os.devnull, "w"), tty=tty, log_every=cfg.run.log_every)
     guard = CompileGuard(cfg.run.compile_lock, on_event=lambda e: metrics.compile(
         f"rank{rank.rank}/{e.get('thread', '?')}", e.get("duration_s") or 0.0, e.get("step", -1),
         e.get("reason", "")))
@@ -241,8 +248,8 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
         failure = exc.original if isinstance(exc, WorkerFailure) else exc
         where = f" in thread {exc.thread}" if isinstance(exc, WorkerFailure) else ""
         text = exc.traceback_text if isinstance(exc, WorkerFailure) else traceback.format_exc()
-        if getattr(failure, "exit_code", None) == 2:  # bad input: the CLI's one line says it, from rank 0
-            if not rank.is_lead:
+        if getattr(failure, "exit_code", None) == 2:  # bad input: the CLI's one line says it
+            if not speaks:
                 sys.stderr = open(os.devnull, "w")
             raise
         # one line naming the rank on stderr (the log), whichever rank it is

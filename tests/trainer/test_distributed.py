@@ -91,6 +91,28 @@ def test_two_gloo_ranks_follow_the_threaded_trajectory(runs, run, expected_steps
 
 
 @pytest.mark.slow
+def test_two_hosts_meet_at_the_rendezvous_and_each_host_logs_the_same_run(runs, tmp_path):
+    from dflash_ops.model import Job
+    from dflash_ops.torchrun import launcher_argv
+
+    root, _, _ = runs
+    job = Job(workdir=str(tmp_path), python=sys.executable, config="tiny-cpu", launcher="torchrun",
+              nproc_per_node=1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    hosts = [subprocess.Popen(
+        ["timeout", "-k", "10", "150", *launcher_argv(job), "-m", "trainer", "--config", "tiny-cpu", "--launcher",
+         "torchrun", "--output-dir", str(tmp_path / "shared"), "--metrics-file", str(tmp_path / f"host{h}.jsonl"),
+         "--max-steps", "4", *SMALL], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for h in (0, 1)]
+    outputs = [host.communicate(timeout=180)[0] for host in hosts]
+    assert [host.returncode for host in hosts] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    reference = [r["loss"] for r in steps(root / "threads" / "metrics.jsonl")]
+    for h in (0, 1):
+        assert [r["loss"] for r in steps(tmp_path / f"host{h}.jsonl")] == pytest.approx(reference, rel=1e-6)
+    assert sorted(p.name for p in (tmp_path / "shared" / "checkpoints").iterdir()) == ["step-0000004"]
+
+
+@pytest.mark.slow
 def test_only_rank_0_writes_and_the_checkpoint_records_the_world_size(runs):
     root, first, _ = runs
     metrics = root / "ranks" / "metrics.jsonl"
