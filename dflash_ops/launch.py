@@ -12,16 +12,13 @@ from .model import Job
 
 
 def trainer_argv(job: Job) -> list[str]:
-    if torchrun.uses_torchrun(job):
-        return (torchrun.launcher_argv(job) + ["-m", "trainer", "--config", job.config, "--output-dir",
-                                               jobpaths.run_dir(job)] + torchrun.trainer_devices(job)
-                + list(job.train_args))
     argv = [job.python, "-m", "trainer", "--config", job.config, "--output-dir", jobpaths.run_dir(job)]
     if job.target_gpus:
         argv += ["--target-devices", ",".join(f"cuda:{i}" for i in job.target_gpus)]
     if job.drafter_gpus:
         argv += ["--drafter-devices", ",".join(f"cuda:{i}" for i in job.drafter_gpus)]
-    return argv + list(job.train_args)
+    argv += list(job.train_args)
+    return torchrun.launch_line(job, argv) if torchrun.uses_torchrun(job) else argv
 
 
 def trainer_env(job: Job) -> dict[str, str]:

@@ -42,10 +42,20 @@ def launcher_argv(job: Job) -> list[str]:
     return argv + ["--nproc-per-node", str(job.nproc_per_node)]
 
 
-def trainer_devices(job: Job) -> list[str]:
-    """Every rank picks cuda:LOCAL_RANK itself; the trainer only needs to know it is CUDA."""
-    return ["--launcher", "torchrun"] + (["--target-devices", "cuda", "--drafter-devices", "cuda"]
-                                         if job.drafter_gpus else [])
+def launch_line(job: Job, trainer: list[str]) -> list[str]:
+    """The threaded launch line `python -m trainer ...` as one rank's line under torchrun.
+
+    The job's GPU lists become CUDA_VISIBLE_DEVICES (see env); every rank then picks
+    cuda:LOCAL_RANK itself, so the trainer only needs to know its devices are CUDA.
+    """
+    module, rest = trainer[1:3], trainer[3:]  # [python] [-m trainer] [its arguments... train_args]
+    kept = rest[:len(rest) - len(job.train_args)]
+    for flag in ("--target-devices", "--drafter-devices"):
+        if flag in kept:
+            at = kept.index(flag)
+            del kept[at:at + 2]
+    devices = ["--target-devices", "cuda", "--drafter-devices", "cuda"] if job.drafter_gpus else []
+    return launcher_argv(job) + module + kept + ["--launcher", "torchrun"] + devices + list(job.train_args)
 
 
 def env(job: Job) -> dict[str, str]:

@@ -87,11 +87,12 @@ def test_bad_torchrun_fields_get_one_line_naming_the_field(extra, field, fix):
 
 
 def test_one_host_gets_a_private_rendezvous_and_one_gpu_per_rank():
-    job = job_of("launcher: torchrun, nproc_per_node: 2, drafter_gpus: [3, 5]")
+    job = job_of("launcher: torchrun, nproc_per_node: 2, drafter_gpus: [3, 5], "
+                 "train_args: [--max-steps, '9', --drafter-devices, cuda]")
     assert launch.trainer_argv(job) == [
         "/w/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trainer",
         "--config", "tiny-cpu", "--output-dir", "/w/run", "--launcher", "torchrun",
-        "--target-devices", "cuda", "--drafter-devices", "cuda"]
+        "--target-devices", "cuda", "--drafter-devices", "cuda", "--max-steps", "9", "--drafter-devices", "cuda"]
     assert launch.trainer_env(job)["CUDA_VISIBLE_DEVICES"] == "3,5"
     assert job.gpus == (3, 5)  # what stop/gpu-clean wait for
 
