@@ -31,6 +31,8 @@ perf)
   python3 benchmarks/train_throughput.py --parts first-step --out "$OUT/first-step.md" 2>&1 | tail -8
   ;;
 torchrun)
+  python3 -c 'import transformers' 2>/dev/null || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site; }
   timeout -k 10 300 python3 benchmarks/torchrun_step_time.py --repeats 1 --timeout 140 --out "$OUT/torchrun.md" 2>&1 | tail -30
   ;;
 ops)

@@ -64,7 +64,8 @@ def command(launcher: str, small: bool, steps: int, out_dir: str, metrics: str) 
 def run_once(launcher: str, small: bool, steps: int, warmup: int, timeout_s: int) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"trstep-{launcher}-") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1",
+        path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))  # keeps extra sites
+        env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1",
                    TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
         cmd = ["timeout", "-k", "10", str(timeout_s)] + command(launcher, small, steps, os.path.join(tmp, "out"),
