@@ -40,12 +40,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import checkpoint as ckpt
+from . import precision
 from .compile_lock import CompileGuard
 from .config import ConfigError, TrainConfig, check_devices
 from .data import BatchPlan, Dataset
 from .metrics import MetricsWriter, Throughput, error_kind
 from .target import load_target
-from .workers import Replica, StepSummary, TrainingWorkers, WorkerFailure
+from .workers import Replica, StepSummary, WorkerFailure
 
 # A signal this soon after the first is the same request: torchrun forwards the operator's SIGTERM
 # to every rank that already got it from the operator, and Ctrl-C reaches torchrun and ranks alike.
@@ -230,18 +231,20 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
         dcfg = threaded.drafter_config(cfg, target)
         replica = threaded.build_replicas(cfg, dcfg, target, total)[0]
         replica.index = rank.rank
-        start = 0
+        start, upcast = 0, None
         if cfg.run.resume:
             state = ckpt.load_checkpoint(ckpt.resolve_resume(cfg.run.resume, cfg.run.output_dir))
             check_world_size(state, rank.world_size)
             threaded.restore([replica], state, dcfg)
-            start = state.step
+            start, upcast = state.step, precision.upcast_note(state.weights, state.path)
         check_same_start(start, rank, device)
         replica.model = DrafterDDP(replica.model, device_ids=[torch.device(device)] if device.startswith("cuda") else None)
         summary = threaded.startup_summary(cfg, guard, dataset, plan, total, start, [replica])
         summary.append(f"launcher: torchrun, {rank.world_size} ranks ({dist.get_backend()}), one replica each; "
                        f"this log is rank 0's, on {device}")
         metrics.start(cfg.to_dict(), [device], cfg.run.compile_lock, total, summary)
+        if upcast:
+            metrics.say(upcast)
         RankStopRequest(stop).install()
         return _loop(cfg, rank, device, metrics, stop, target, replica, dataset, plan, dcfg, guard, start, total)
     except BaseException as exc:
@@ -278,9 +281,7 @@ def _loop(cfg, rank, device, metrics, stop, target, replica, dataset, plan, dcfg
 
     last, path, step = None, None, start
     throughput = Throughput(start, total)
-    with TrainingWorkers(targets=[target], replicas=[replica], dataset=dataset, plan=plan,
-                         compute_loss=threaded.make_loss_fn(cfg), guard=guard, grad_clip=cfg.train.grad_clip,
-                         feature_dtype=threaded.param_dtype) as workers:
+    with threaded.make_workers(cfg, [target], [replica], dataset, plan, guard) as workers:
         workers.start(start, total)
         for step_index in range(start, total):
             last, stopping = global_summary(workers.run_step(step_index), stop.requested, rank, device)

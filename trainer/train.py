@@ -265,12 +265,17 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
         metrics.close()
 
 
+def make_workers(cfg, targets, replicas, dataset, plan, guard) -> TrainingWorkers:
+    """The threads that train `replicas` (all of them here; one per process under torchrun)."""
+    return TrainingWorkers(targets=targets, replicas=replicas, dataset=dataset, plan=plan,
+                           compute_loss=make_loss_fn(cfg), guard=guard, grad_clip=cfg.train.grad_clip,
+                           feature_dtype=lambda _dev: precision.feature_dtype(precision.resolve(cfg)))
+
+
 def _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, start, total) -> RunResult:
     last, path, step = None, None, start
     throughput = Throughput(start, total)
-    with TrainingWorkers(targets=targets, replicas=replicas, dataset=dataset, plan=plan,
-                         compute_loss=make_loss_fn(cfg), guard=guard, grad_clip=cfg.train.grad_clip,
-                         feature_dtype=lambda _dev: precision.feature_dtype(precision.resolve(cfg))) as workers:
+    with make_workers(cfg, targets, replicas, dataset, plan, guard) as workers:
         workers.start(start, total)
         for step_index in range(start, total):
             last = workers.run_step(step_index)
