@@ -67,7 +67,7 @@ def _positive_int(text: str) -> int:
 def _train_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dflash-train", description=TRAIN_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Subcommand: dflash-train export --help")
+                                epilog="Subcommands: dflash-train export --help | dflash-train data --help")
     p.add_argument("--config", required=True, metavar="FILE",
                    help="YAML config file, or a bundled name: tiny-cpu, gpu-paper")
     p.add_argument("--output-dir", metavar="DIR", help="where checkpoints (and by default metrics) go")
@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "export":
         return _run_export(_export_parser().parse_args(argv[1:]))
+    if argv and argv[0] == "data":
+        from .data_cli import main as data_main
+
+        return data_main(argv[1:])
     return _run_train(_train_parser().parse_args(argv))
 
 

@@ -19,7 +19,7 @@ import yaml
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 ATTENTION_BACKENDS = ("flex", "sdpa")
 COMPILE_LOCK_MODES = ("lock", "none", "patch")
-DATA_SOURCES = ("synthetic", "jsonl")
+DATA_SOURCES = ("synthetic", "jsonl", "features")
 PRECISIONS = ("fp32", "bf16-mixed")  # bf16-mixed: fp32 master weights + AdamW state, bf16 compute
 LAUNCHERS = ("threads", "torchrun")  # one process with drafter threads | one process per rank (DDP)
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -65,7 +65,7 @@ class SyntheticConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    source: str = "jsonl"  # "jsonl" (needs `path`) or "synthetic"
+    source: str = "jsonl"  # "jsonl" (needs `path`), "synthetic", or "features" (`path`: a feature cache dir)
     path: typing.Optional[str] = None
     seq_len: int = 3072  # every sequence is padded/truncated to this, so shapes stay static
     synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
@@ -308,6 +308,9 @@ def validate(cfg: TrainConfig) -> None:
         _fail(cfg, "data.source", f"must be one of {', '.join(DATA_SOURCES)}, got {data.source!r}.")
     if data.source == "jsonl" and not data.path:
         _fail(cfg, "data.path", "is required when data.source is jsonl. Fix: set it to your .jsonl file.")
+    if data.source == "features" and not data.path:
+        _fail(cfg, "data.path", "is required when data.source is features. Fix: set it to the directory "
+                                "`dflash-train data cache-features` wrote.")
     if data.source == "synthetic" and data.synthetic.prompt_len >= data.seq_len:
         _fail(cfg, "data.synthetic.prompt_len",
               f"({data.synthetic.prompt_len}) must be shorter than data.seq_len ({data.seq_len}).")

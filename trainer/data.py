@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import typing
 
 import torch
 
@@ -45,6 +46,8 @@ class Dataset:
     loss_mask: torch.Tensor  # [N, T] bool: positions the drafter learns to predict
     attention_mask: torch.Tensor  # [N, T] bool: real tokens (False = padding)
     source: str
+    # indices -> [B, T, K*H] target features, when they come from a cache (trainer.feature_cache)
+    features: typing.Optional[typing.Callable[[torch.Tensor], torch.Tensor]] = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -101,7 +104,9 @@ class BatchPlan:
 
 def make_batch(dataset: Dataset, plan: BatchPlan, step: int, replica: int) -> Batch:
     idx = plan.indices(step, replica)
-    return Batch(step, replica, dataset.input_ids[idx], dataset.loss_mask[idx], dataset.attention_mask[idx])
+    features = dataset.features(idx) if dataset.features is not None else None
+    return Batch(step, replica, dataset.input_ids[idx], dataset.loss_mask[idx], dataset.attention_mask[idx],
+                 features)
 
 
 # ---- JSONL ----------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from . import precision
 from .compile_lock import CompileGuard
 from .config import ConfigError, TrainConfig, check_devices
 from .data import BatchPlan, Dataset
+from .feature_cache import training_source
 from .metrics import MetricsWriter, Throughput, error_kind
 from .target import load_target
 from .workers import Replica, StepSummary, WorkerFailure
@@ -222,9 +223,13 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
             torch.set_num_threads(cfg.run.torch_threads)
         random.seed(cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
-        target = load_target(cfg.target.spec, device, threaded.param_dtype(device), layer_ids=cfg.target.layer_ids,
-                             seed=cfg.train.seed, tiny=cfg.target.tiny or None)
-        dataset = threaded.build_dataset(cfg, target)
+        if cfg.data.source == "features":  # no target forward: features come from disk
+            heads, dataset = training_source(cfg, threaded.param_dtype(device))
+            target = heads[0]
+        else:
+            target = load_target(cfg.target.spec, device, threaded.param_dtype(device),
+                                 layer_ids=cfg.target.layer_ids, seed=cfg.train.seed, tiny=cfg.target.tiny or None)
+            dataset = threaded.build_dataset(cfg, target)
         check_same_data(dataset, rank, device)
         plan = BatchPlan(len(dataset), cfg.train.batch_size, rank.world_size, cfg.train.seed, dataset.source)
         total = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)

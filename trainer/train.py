@@ -24,6 +24,7 @@ from . import precision
 from .compile_lock import CompileGuard
 from .config import ConfigError, TrainConfig, check_devices
 from .distributed import check_launcher, train_rank
+from .feature_cache import training_source
 from .data import Batch, BatchPlan, Dataset, derive_seed, load_jsonl, synthetic_dataset
 from .masks import build_block_mask, dense_mask, sample_anchors
 from .loss import block_labels
@@ -228,10 +229,13 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
             torch.set_num_threads(cfg.run.torch_threads)
         random.seed(cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
-        targets = [load_target(cfg.target.spec, dev, param_dtype(dev), layer_ids=cfg.target.layer_ids,
-                               seed=cfg.train.seed, tiny=cfg.target.tiny or None)
-                   for dev in cfg.run.target_devices]
-        dataset = build_dataset(cfg, targets[0])
+        if cfg.data.source == "features":  # no target forward: features come from disk
+            targets, dataset = training_source(cfg, param_dtype(cfg.run.drafter_devices[0]))
+        else:
+            targets = [load_target(cfg.target.spec, dev, param_dtype(dev), layer_ids=cfg.target.layer_ids,
+                                   seed=cfg.train.seed, tiny=cfg.target.tiny or None)
+                       for dev in cfg.run.target_devices]
+            dataset = build_dataset(cfg, targets[0])
         plan = BatchPlan(len(dataset), cfg.train.batch_size, len(cfg.run.drafter_devices), cfg.train.seed,
                          dataset.source)
         total = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)

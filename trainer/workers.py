@@ -203,11 +203,14 @@ class TrainingWorkers:
         for step in range(first_step, total_steps):
             for r in served:
                 replica = self.replicas[r]
-                batch = make_batch(self.dataset, self.plan, step, replica.index)
-                mask = batch.attention_mask.to(target.device)
-                features = target.features(batch.input_ids.to(target.device), attention_mask=mask)
+                batch = make_batch(self.dataset, self.plan, step, replica.index)  # from a feature cache: has features
+                features = batch.features
+                if features is None:
+                    mask = batch.attention_mask.to(target.device)
+                    features = target.features(batch.input_ids.to(target.device), attention_mask=mask)
                 dev = replica.device
-                batch.features = features.to(dev, self.feature_dtype(dev))
+                # a cache batch sits in pinned memory: its copy overlaps the drafter's work
+                batch.features = features.to(dev, self.feature_dtype(dev), non_blocking=features.is_pinned())
                 batch.input_ids = batch.input_ids.to(dev)
                 batch.loss_mask = batch.loss_mask.to(dev)
                 batch.attention_mask = batch.attention_mask.to(dev)

@@ -1,0 +1,163 @@
+"""`dflash-train data ...`: prepare training data (regenerate answers with the target, cache its features).
+
+Exit codes: 0 done; 2 bad arguments, config, data or output directory (one line naming it and the
+fix); 130 interrupted (a rerun with the same arguments, plus --resume for regenerate, continues).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DATA_HELP = """\
+Prepare training data for a DFlash drafter.
+
+  dflash-train data regenerate --target /models/Qwen3-8B --in chats.jsonl --out regen.jsonl \\
+      --chat-template-kwargs '{"enable_thinking": false}' --devices cuda:0,cuda:1
+  dflash-train data cache-features --config my.yaml --out /data/features
+      then train with  data: {source: features, path: /data/features}
+
+The drafter learns the target's continuations: regenerate the assistant turns with the target
+before training. The feature cache runs the target once; every epoch then reads from disk.
+"""
+
+REGEN_HELP = """\
+Keep each record's system/user turns and regenerate every assistant turn with the target
+(batched, left padding, KV cache, the tokenizer's chat template). Writes {"messages": [...]}
+lines in input order; records that cannot be done (too long, bad roles, ...) go to
+<out>.rejects.jsonl with the reason. --resume continues a stopped run exactly where it stopped.
+"""
+
+CACHE_HELP = """\
+Run the target once over the config's training data and write, per sequence, the fused features
+of target.layer_ids, input_ids and loss_mask in size-capped safetensors shards plus manifest.json.
+Prints the disk estimate first and refuses when the filesystem lacks the space. Rerunning with the
+same arguments resumes after the last whole shard.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-train data", description=DATA_HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{regenerate,cache-features}")
+    r = sub.add_parser("regenerate", help="regenerate assistant turns with the target", description=REGEN_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--target", required=True, metavar="SPEC", help="a local HF model directory, or tiny-random")
+    r.add_argument("--in", dest="input", required=True, metavar="FILE", help='JSONL of {"messages": [...]}')
+    r.add_argument("--out", required=True, metavar="FILE", help="output JSONL (rejects go to FILE.rejects.jsonl)")
+    r.add_argument("--max-new-tokens", type=int, default=2048, metavar="N")
+    r.add_argument("--max-prompt-tokens", type=int, metavar="N",
+                   help="reject turns whose prompt is longer (default: the model's context minus --max-new-tokens)")
+    r.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    r.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    r.add_argument("--batch-size", type=int, default=8, metavar="B", help="records generated together per device")
+    r.add_argument("--devices", default="cpu", metavar="LIST", help="comma-separated, e.g. cuda:0,cuda:1")
+    r.add_argument("--chat-template-kwargs", default="{}", metavar="JSON",
+                   help='passed to apply_chat_template, e.g. \'{"enable_thinking": false}\'')
+    r.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    r.add_argument("--resume", action="store_true", help="continue a stopped run of the same command")
+    c = sub.add_parser("cache-features", help="cache the target's features on disk", description=CACHE_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("--config", required=True, metavar="FILE", help="the training config (target + data sections)")
+    c.add_argument("--out", required=True, metavar="DIR", help="cache directory (created; resumed if it exists)")
+    c.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="feature dtype on disk (default bf16)")
+    c.add_argument("--shard-size-mb", type=int, default=2048, metavar="MB", help="shard size cap (default 2048)")
+    c.add_argument("--batch-size", type=int, default=4, metavar="B", help="sequences per target forward")
+    c.add_argument("--device", metavar="DEV", help="target device (default: the config's first target device)")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"dflash-train data: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    from .config import ConfigError
+    from .data import DataError
+
+    try:
+        if args.command == "regenerate":
+            return _regenerate(args)
+        return _cache_features(args)
+    except (ConfigError, DataError) as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        print("dflash-train data: interrupted; rerun the same command to continue"
+              + (" with --resume" if args.command == "regenerate" else ""), file=sys.stderr)
+        return 130
+
+
+def _regenerate(args) -> int:
+    from .regenerate import RegenerateOptions, regenerate
+
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1)):
+        if value < low:
+            return _fail(f"{flag} must be at least {low}, got {value}")
+    if args.temperature < 0:
+        return _fail(f"--temperature must be >= 0, got {args.temperature}")
+    try:
+        template_kwargs = json.loads(args.chat_template_kwargs)
+    except ValueError as exc:
+        return _fail(f"--chat-template-kwargs is not JSON ({exc}). Fix: e.g. '{{\"enable_thinking\": false}}'")
+    if not isinstance(template_kwargs, dict):
+        return _fail("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    options = RegenerateOptions(target=args.target, input=args.input, output=args.out,
+                                max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                                temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
+                                devices=devices, chat_template_kwargs=template_kwargs, seed=args.seed,
+                                resume=args.resume)
+    summary = regenerate(options)
+    print(f"dflash-train data: regenerated {summary['records']} records ({summary['turns']} turns, "
+          f"{summary['new_tokens']} new tokens, {summary['truncated']} cut at --max-new-tokens), "
+          f"{summary['rejects']} rejected"
+          + (f" -> {summary['rejects_path']}" if summary["rejects"] else "")
+          + f", {summary['seconds']:.1f} s -> {args.out}")
+    return 0
+
+
+def _cache_features(args) -> int:
+    import torch
+
+    from .cli import overrides_from_args
+    from .config import check_devices, load_config
+    from .feature_cache import cache_header, human_bytes, write_cache
+    from .progress import ProgressLine
+    from .target import load_target
+    from .train import build_dataset, param_dtype
+
+    if args.shard_size_mb < 1 or args.batch_size < 1:
+        return _fail("--shard-size-mb and --batch-size must be at least 1")
+    for name in ("output_dir", "max_steps", "resume", "compile_lock", "attention", "target_devices",
+                 "drafter_devices", "metrics_file", "seed"):
+        setattr(args, name, None)
+    cfg = load_config(args.config, overrides_from_args(args))
+    if cfg.data.source == "features":
+        return _fail(f"{cfg.source}: data.source is features; cache-features needs the text data "
+                     f"(jsonl or synthetic) to run the target over")
+    if args.device:
+        cfg.run.target_devices = [args.device]
+    check_devices(cfg)
+    began = time.monotonic()
+    device = cfg.run.target_devices[0]
+    target = load_target(cfg.target.spec, device, param_dtype(device), layer_ids=cfg.target.layer_ids,
+                         seed=cfg.train.seed, tiny=cfg.target.tiny or None)
+    dataset = build_dataset(cfg, target)
+    tokenizer = target.tokenizer
+    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    header = cache_header(cfg, target, args.dtype, pad if pad is not None else 0)
+    progress = ProgressLine("sequences", len(dataset))
+    say = lambda text: print(f"dflash-train data: {text}", flush=True)  # noqa: E731
+    with torch.no_grad():
+        manifest = write_cache(target, dataset, args.out, header, batch_size=args.batch_size,
+                               shard_bytes=args.shard_size_mb << 20, say=say, progress=progress)
+    progress.finish()
+    counts = manifest["counts"]
+    say(f"feature cache complete: {counts['sequences']} sequences, {counts['tokens']} tokens, "
+        f"{counts['shards']} shard(s), {human_bytes(counts['bytes'])}, {time.monotonic() - began:.1f} s "
+        f"-> {args.out}")
+    return 0

@@ -1,0 +1,46 @@
+"""A progress line for long data jobs: a bar with items/s and ETA on a TTY, a plain line now and then elsewhere."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+from .metrics import format_duration, progress_bar
+
+
+class ProgressLine:
+    """`update(done)` as work completes; `finish()` ends the bar line. Rate and ETA count only
+    this process's work (a resumed run starts at `done` without crediting it as speed)."""
+
+    def __init__(self, what: str, total: int, done: int = 0, out: TextIO | None = None,
+                 tty: bool | None = None, every_s: float = 30.0, clock=time.monotonic):
+        self.what, self.total, self.first = what, total, done
+        self.out = out if out is not None else sys.stderr
+        self.tty = self.out.isatty() if tty is None else tty
+        self.every_s, self.clock = every_s, clock
+        self.began = self.last_line = clock()
+        self.done = done
+
+    def rate(self) -> float:
+        return (self.done - self.first) / max(self.clock() - self.began, 1e-9)
+
+    def line(self, extra: str = "") -> str:
+        rate = self.rate()
+        eta = format_duration((self.total - self.done) / rate) if rate > 0 else "?"
+        return (f"{self.what} {self.done}/{self.total}  {rate:.2f}/s  ETA {eta}" + (f"  {extra}" if extra else ""))
+
+    def update(self, done: int, extra: str = "") -> None:
+        self.done = done
+        now = self.clock()
+        if self.tty:
+            self.out.write("\r\x1b[2K" + progress_bar(done, self.total) + " " + self.line(extra))
+            self.out.flush()
+        elif now - self.last_line >= self.every_s or done == self.total:
+            self.last_line = now
+            self.out.write(self.line(extra) + "\n")
+            self.out.flush()
+
+    def finish(self) -> None:
+        if self.tty:
+            self.out.write("\n")
+            self.out.flush()

@@ -1,0 +1,119 @@
+"""The target's embedding and lm_head alone: all a drafter needs when the features come from a cache.
+
+For a local Hugging Face directory only the two tensors are read from the safetensors files (the
+decoder layers are never loaded); tiny-random is built whole on the CPU (it is generated, not
+loaded) and only its embedding and lm_head are kept.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import ConfigError
+from .target import _default_mask_token_id, _tiny_target, default_layer_ids
+
+
+@dataclass(eq=False)
+class TargetHead:
+    config: object  # the HF config
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+    layer_ids: list[int]
+    tokenizer: object | None
+    mask_token_id: int
+    device: str = "cpu"
+
+    def __post_init__(self):
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.hidden_size = self.embed_tokens.weight.shape[1]
+        self.vocab_size = self.embed_tokens.weight.shape[0]
+        self.dtype = self.embed_tokens.weight.dtype
+        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
+        if not self.layer_ids or bad:
+            raise ConfigError(
+                f"target.layer_ids: {self.layer_ids} must be a non-empty list of layer indices in "
+                f"[0, {self.num_layers - 1}] (the target has {self.num_layers} layers).")
+
+
+def weight_bytes(config, bytes_per_param: int = 2) -> dict:
+    """Bytes of the whole target and of embedding + lm_head alone (counted on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # tied weights are one parameter here
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    kept = embed.numel() + (0 if head is embed else head.numel())
+    return {"total": total * bytes_per_param, "embed_and_lm_head": kept * bytes_per_param,
+            "saved": (total - kept) * bytes_per_param}
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """tensor name -> safetensors file, from the index or the single model file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    raise ConfigError(f"target.spec: {path!r} has no model.safetensors(.index.json). Fix: a feature-cache run "
+                      f"reads the embedding and lm_head from safetensors weights")
+
+
+def _read_tensor(files: dict[str, str], suffix: str):
+    from safetensors import safe_open
+
+    name = next((k for k in files if k == suffix or k.endswith("." + suffix)), None)
+    if name is None:
+        return None
+    with safe_open(files[name], framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def _hf_head(path: str, dtype):
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise ConfigError(f"target.spec: {path!r} is neither 'tiny-random' nor a local directory. "
+                          f"Fix: point it at a downloaded Hugging Face model directory")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    files = _weight_files(path)
+    embed_w = _read_tensor(files, "embed_tokens.weight")
+    if embed_w is None:
+        raise ConfigError(f"target.spec: no *embed_tokens.weight tensor in {path!r}")
+    head_w = _read_tensor(files, "lm_head.weight")
+    embed = nn.Embedding.from_pretrained(embed_w.to(dtype), freeze=True)
+    if head_w is None:  # tied embeddings
+        head = nn.Linear(embed_w.shape[1], embed_w.shape[0], bias=False)
+        head.weight = embed.weight
+    else:
+        head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False).requires_grad_(False)
+        head.weight.data = head_w.to(dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        tokenizer = None
+    return config, embed, head, tokenizer
+
+
+def load_target_head(spec: str, dtype, layer_ids: list[int] | None = None, seed: int = 0,
+                     tiny: dict | None = None) -> TargetHead:
+    if spec == "tiny-random":
+        model = _tiny_target("cpu", dtype, seed, tiny)
+        config, embed, head, tokenizer = model.config, model.get_input_embeddings(), model.get_output_embeddings(), None
+    else:
+        config, embed, head, tokenizer = _hf_head(spec, dtype)
+    embed.requires_grad_(False)
+    head.requires_grad_(False)
+    ids = list(layer_ids) if layer_ids is not None else default_layer_ids(int(config.num_hidden_layers))
+    return TargetHead(config=config, embed_tokens=embed, lm_head=head, layer_ids=ids, tokenizer=tokenizer,
+                      mask_token_id=_default_mask_token_id(tokenizer, embed.weight.shape[0]))
