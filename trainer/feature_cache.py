@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from .atomic import write_atomic
 from .data import DataError, Dataset
 
 MANIFEST = "manifest.json"
@@ -109,26 +110,8 @@ def read_manifest(cache_dir: str) -> dict | None:
                               f"`dflash-train data cache-features`.") from None
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_manifest(cache_dir: str, manifest: dict) -> None:
-    _write_atomic(os.path.join(cache_dir, MANIFEST), json.dumps(manifest, indent=1) + "\n")
+    write_atomic(os.path.join(cache_dir, MANIFEST), json.dumps(manifest, indent=1) + "\n")
 
 
 def differences(expected: dict, found: dict) -> list[str]:

@@ -1,0 +1,32 @@
+"""A real byte-level tokenizer with a ChatML template for the tiny-random target (which ships none).
+
+Any text encodes (one token per UTF-8 byte) and every id of the model decodes: ids past the bytes
+and the ChatML specials are reserved special tokens, dropped by decode(skip_special_tokens=True).
+It exists so `dflash-train data regenerate --target tiny-random` runs the same code path as a real
+chat model on a CPU; it is not a language tokenizer worth training on.
+"""
+from __future__ import annotations
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def byte_chat_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 printable stand-ins for the bytes
+    if vocab_size < len(alphabet) + len(SPECIALS):
+        raise ValueError(f"a byte tokenizer needs a vocabulary of at least {len(alphabet) + len(SPECIALS)}")
+    reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - len(alphabet) - len(SPECIALS))]
+    core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=None, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>",
+                                  additional_special_tokens=SPECIALS[1:2] + reserved)
+    tok.chat_template = CHATML
+    return tok

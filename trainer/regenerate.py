@@ -1,0 +1,300 @@
+"""Regenerate the assistant turns of a chat dataset with the target itself.
+
+The drafter learns to predict the TARGET: answers written by another model teach it the wrong
+distribution. Each record keeps its system/user turns; every assistant turn is replaced by what the
+target says given the conversation before it (earlier turns already regenerated), and a trailing
+user turn gets an answer. Generation is batched (left padding, HF generate with its KV cache) and
+spread over devices, one model copy per device.
+
+Exactly-once output: records are committed in input order, a chunk at a time: the output and
+rejects files are appended and fsynced, then `<out>.progress.json` (next input line and both file
+sizes) is replaced atomically. A killed run resumes (`--resume`) by truncating both files to the
+recorded sizes and continuing at the recorded line, so nothing is duplicated or lost.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TextIO
+
+import torch
+
+from .atomic import write_atomic
+from .data import DataError
+from .progress import ProgressLine
+
+KEPT_ROLES = ("system", "user")
+
+
+@dataclasses.dataclass
+class RegenerateOptions:
+    target: str
+    input: str
+    output: str
+    max_new_tokens: int = 2048
+    max_prompt_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 8
+    devices: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
+    seed: int = 0
+    resume: bool = False
+    progress_every_s: float = 30.0
+
+    def settings(self) -> dict:
+        """What shapes the output: a resumed run must use the same (devices and batch size may change)."""
+        return {"target": self.target, "input": os.path.abspath(self.input), "input_bytes": os.path.getsize(self.input),
+                "max_new_tokens": self.max_new_tokens, "max_prompt_tokens": self.max_prompt_tokens,
+                "temperature": self.temperature, "top_p": self.top_p,
+                "chat_template_kwargs": self.chat_template_kwargs, "seed": self.seed}
+
+
+class Reject(Exception):
+    """A record that cannot be regenerated; the message is the reason written to the rejects file."""
+
+
+@dataclasses.dataclass
+class Conversation:
+    record: dict  # the input record (other keys are kept in the output)
+    messages: list[dict]  # output messages; assistant slots filled as they are generated
+    slots: list[int]  # indices in `messages` the target answers, in order
+    done: int = 0  # slots filled so far
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    truncated: int = 0
+
+
+def parse_record(line: str) -> Conversation:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise Reject(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise Reject("no `messages` list")
+    out, slots, seen_user = [], [], False
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content", ""), str):
+            raise Reject(f"bad message: messages[{i}] must be {{\"role\", \"content\": string}}")
+        role = m.get("role")
+        if role == "assistant":
+            if not seen_user:
+                raise Reject(f"bad roles: messages[{i}] is an assistant turn before any user turn")
+            slots.append(len(out))
+            out.append({"role": "assistant", "content": None})
+        elif role in KEPT_ROLES:
+            seen_user = seen_user or role == "user"
+            out.append({"role": role, "content": m.get("content", "")})
+        else:
+            raise Reject(f"bad roles: messages[{i}] has role {role!r}; only system/user/assistant can be "
+                         f"regenerated")
+    if not seen_user:
+        raise Reject("bad roles: no user turn")
+    if out[-1]["role"] == "user":  # the target answers a trailing question too
+        slots.append(len(out))
+        out.append({"role": "assistant", "content": None})
+    return Conversation(record, out, slots)
+
+
+class Generator:
+    """One target copy on one device, answering batches of conversations turn by turn."""
+
+    def __init__(self, spec: str, device: str, opts: RegenerateOptions):
+        from .target import load_target
+
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        target = load_target(spec, device, dtype, layer_ids=[0], seed=0)
+        self.model, self.device, self.opts = target.model, device, opts
+        self.tokenizer = target.tokenizer
+        if self.tokenizer is None and spec == "tiny-random":
+            from .chat_tokenizer import byte_chat_tokenizer
+
+            self.tokenizer = byte_chat_tokenizer(target.vocab_size)
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise DataError(spec, "the target has no tokenizer with a chat template. Fix: use a model directory "
+                                  "whose tokenizer_config.json has a chat_template.")
+        eos = {self.tokenizer.eos_token_id}
+        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        eos.update(configured if isinstance(configured, list) else [configured])
+        self.eos_ids = sorted(e for e in eos if e is not None)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_prompt = opts.max_prompt_tokens or (context - opts.max_new_tokens if context else None)
+        if self.max_prompt is not None and self.max_prompt < 1:
+            raise DataError("--max-new-tokens", f"{opts.max_new_tokens} leaves no room for a prompt in the "
+                                                f"target's context of {context}. Fix: lower it.")
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  **self.opts.chat_template_kwargs)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+        """(new tokens up to and without the end token, cut at max_new_tokens?) per prompt."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attn[row, width - len(prompt):] = 1
+        sampling = self.opts.temperature > 0
+        extra = dict(do_sample=True, temperature=self.opts.temperature, top_p=self.opts.top_p) if sampling \
+            else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
+                                  max_new_tokens=self.opts.max_new_tokens, pad_token_id=self.pad_id,
+                                  eos_token_id=self.eos_ids, use_cache=True, **extra)
+        results = []
+        for row in out[:, width:].tolist():
+            end = next((k for k, tok in enumerate(row) if tok in self.eos_ids), None)
+            results.append((row[:end] if end is not None else row, end is None))
+        return results
+
+    def run(self, items: list[tuple[int, Conversation]]) -> dict[int, Conversation | Reject]:
+        results: dict[int, Conversation | Reject] = {}
+        active = dict(items)
+        while active:
+            batch, prompts = [], []
+            for index, conv in list(active.items()):
+                if conv.done == len(conv.slots):
+                    results[index] = active.pop(index)
+                    continue
+                slot = conv.slots[conv.done]
+                try:
+                    prompt = self.prompt_ids(conv.messages[:slot])
+                except Exception as exc:  # noqa: BLE001 - a template that refuses this conversation
+                    results[index] = Reject(f"chat template failed: {type(exc).__name__}: {exc}")
+                    active.pop(index)
+                    continue
+                if self.max_prompt is not None and len(prompt) > self.max_prompt:
+                    results[index] = Reject(f"too long: the prompt of assistant turn {conv.done + 1} has "
+                                            f"{len(prompt)} tokens, more than {self.max_prompt}")
+                    active.pop(index)
+                    continue
+                batch.append(conv)
+                prompts.append(prompt)
+            for start in range(0, len(batch), self.opts.batch_size):
+                chunk = slice(start, start + self.opts.batch_size)
+                for conv, prompt, (tokens, cut) in zip(batch[chunk], prompts[chunk], self.generate(prompts[chunk])):
+                    conv.messages[conv.slots[conv.done]]["content"] = self.tokenizer.decode(
+                        tokens, skip_special_tokens=True)
+                    conv.done += 1
+                    conv.new_tokens += len(tokens)
+                    conv.prompt_tokens += len(prompt)
+                    conv.truncated += int(cut)
+        return results
+
+
+# ---- the exactly-once driver --------------------------------------------------------------------
+
+def _progress_path(output: str) -> str:
+    return output + ".progress.json"
+
+
+def rejects_path(output: str) -> str:
+    return output + ".rejects.jsonl"
+
+
+def _start_state(opts: RegenerateOptions) -> dict:
+    """The committed state to continue from; prepares (or truncates) the output files."""
+    progress_file, settings = _progress_path(opts.output), opts.settings()
+    fresh = {"settings": settings, "next_line": 0, "out_bytes": 0, "rejects_bytes": 0,
+             "stats": {"records": 0, "turns": 0, "new_tokens": 0, "prompt_tokens": 0, "rejects": 0,
+                       "truncated": 0, "seen": 0}}
+    exists = [p for p in (opts.output, rejects_path(opts.output), progress_file) if os.path.exists(p)]
+    if not opts.resume:
+        if exists:
+            raise DataError(opts.output, f"already exists ({', '.join(exists)}). Fix: add --resume to continue "
+                                         f"that run, or remove the files to start over.")
+        state = fresh
+    elif not os.path.exists(progress_file):
+        if exists:
+            raise DataError(opts.output, f"exists but has no {os.path.basename(progress_file)}, so where it "
+                                         f"stopped is unknown. Fix: remove it to start over.")
+        state = fresh
+    else:
+        with open(progress_file, encoding="utf-8") as f:
+            state = json.load(f)
+        differ = sorted(k for k in set(settings) | set(state["settings"])
+                        if settings.get(k) != state["settings"].get(k))
+        if differ:
+            raise DataError(opts.output, "--resume with other settings than the stopped run: " + "; ".join(
+                f"{k}: was {state['settings'].get(k)!r}, now {settings.get(k)!r}" for k in differ) +
+                ". Fix: rerun with the original settings, or start a new --out.")
+    for path, size in ((opts.output, state["out_bytes"]), (rejects_path(opts.output), state["rejects_bytes"])):
+        with open(path, "a+b") as f:  # drop whatever a killed run wrote after its last commit
+            f.truncate(size)
+    write_atomic(progress_file, json.dumps(state))
+    return state
+
+
+def _lines(path: str, first: int):
+    """(line index, text) of non-blank lines from line index `first`."""
+    with open(path, encoding="utf-8") as f:
+        for index, line in enumerate(f):
+            if index >= first and line.strip():
+                yield index, line
+
+
+def regenerate(opts: RegenerateOptions, out: TextIO | None = None, tty: bool | None = None) -> dict:
+    if not os.path.isfile(opts.input):
+        raise DataError(opts.input, "input file not found. Fix: pass a JSONL of {\"messages\": [...]} records.")
+    os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
+    state = _start_state(opts)
+    stats = state["stats"]
+    with open(opts.input, encoding="utf-8") as f:
+        total = sum(1 for line in f if line.strip())
+    generators = [Generator(opts.target, device, opts) for device in opts.devices]
+    if opts.temperature > 0:
+        torch.manual_seed(opts.seed + state["next_line"])
+    began = time.monotonic()
+    progress = ProgressLine("records", total, done=stats["seen"], out=out, tty=tty, every_s=opts.progress_every_s)
+    chunk_size = opts.batch_size * len(generators)
+    lines = _lines(opts.input, state["next_line"])
+    with open(opts.output, "ab") as out_file, open(rejects_path(opts.output), "ab") as rej_file, \
+            ThreadPoolExecutor(max_workers=len(generators)) as pool:
+        while True:
+            chunk = [item for _, item in zip(range(chunk_size), lines)]
+            if not chunk:
+                break
+            results: dict[int, Conversation | Reject] = {}
+            shares: list[list[tuple[int, Conversation]]] = [[] for _ in generators]
+            for n, (index, text) in enumerate(chunk):
+                try:
+                    shares[n % len(generators)].append((index, parse_record(text)))
+                except Reject as reason:
+                    results[index] = reason
+            for part in pool.map(lambda pair: pair[0].run(pair[1]), zip(generators, shares)):
+                results.update(part)
+            for index, text in chunk:  # input order
+                result = results[index]
+                stats["seen"] += 1
+                if isinstance(result, Reject):
+                    stats["rejects"] += 1
+                    rej_file.write(_jsonl({"line": index + 1, "reason": str(result), "record": text.strip()}))
+                    continue
+                record = dict(result.record) if isinstance(result.record, dict) else {}
+                record["messages"] = result.messages
+                out_file.write(_jsonl(record))
+                stats["records"] += 1
+                stats["turns"] += len(result.slots)
+                stats["new_tokens"] += result.new_tokens
+                stats["prompt_tokens"] += result.prompt_tokens
+                stats["truncated"] += result.truncated
+            for f in (out_file, rej_file):
+                f.flush()
+                os.fsync(f.fileno())
+            state.update(next_line=chunk[-1][0] + 1, out_bytes=out_file.tell(), rejects_bytes=rej_file.tell())
+            write_atomic(_progress_path(opts.output), json.dumps(state))  # the commit point
+            progress.update(stats["seen"], f"{stats['new_tokens']} new tokens, {stats['rejects']} rejected")
+    progress.finish()
+    return dict(stats, seconds=time.monotonic() - began, rejects_path=rejects_path(opts.output), total=total)
+
+
+def _jsonl(obj) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+
