@@ -268,8 +268,11 @@ def regenerate(opts: RegenerateOptions, out: TextIO | None = None, tty: bool | N
                     shares[n % len(generators)].append((index, parse_record(text)))
                 except Reject as reason:
                     results[index] = reason
-            for part in pool.map(lambda pair: pair[0].run(pair[1]), zip(generators, shares)):
-                results.update(part)
+            if len(generators) == 1:  # in this thread: CPU torch in a pool thread runs far slower
+                results.update(generators[0].run(shares[0]))
+            else:
+                for part in pool.map(lambda pair: pair[0].run(pair[1]), zip(generators, shares)):
+                    results.update(part)
             for index, text in chunk:  # input order
                 result = results[index]
                 stats["seen"] += 1

@@ -1,0 +1,163 @@
+"""dflash-train data regenerate on the tiny-random target: batching, rejects, exactly-once resume after a kill."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.data_cli import main as data_main
+from trainer.regenerate import Generator, RegenerateOptions, parse_record, Reject, regenerate
+
+pytestmark = pytest.mark.timeout(180)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def conversation(i: int) -> dict:
+    return {"id": i, "messages": [{"role": "system", "content": "be brief"},
+                                  {"role": "user", "content": f"question {i}" + " and more" * (i % 3)},
+                                  {"role": "assistant", "content": "an answer another model wrote"}]}
+
+
+def write_lines(path: Path, lines: list) -> Path:
+    path.write_text("".join((json.dumps(x) if not isinstance(x, str) else x) + "\n" for x in lines), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # on a shared 2-core machine torch's default intra-op pool spins: 10x slower generation
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def generator():
+    return Generator("tiny-random", "cpu", RegenerateOptions("tiny-random", "in", "out", max_new_tokens=6))
+
+
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(generator):
+    short = generator.prompt_ids([{"role": "user", "content": "hi"}])
+    long = generator.prompt_ids([{"role": "user", "content": "a much longer question, padded on the left"}])
+    assert len(long) > len(short) + 10
+    together = generator.generate([short, long])
+    assert together == [generator.generate([short])[0], generator.generate([long])[0]]
+    # and it is the target's own greedy continuation (6 argmax steps without any cache)
+    ids = torch.tensor([short])
+    for _ in range(6):
+        ids = torch.cat([ids, generator.model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    expected = ids[0, len(short):].tolist()
+    cut = next((k for k, t in enumerate(expected) if t in generator.eos_ids), None)
+    assert together[0][0] == expected[:cut]
+
+
+def test_template_kwargs_reach_the_chat_template(generator):
+    generator.tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                         "{% if flavour %}{{ flavour }}{% endif %}")
+    try:
+        plain = generator.prompt_ids([{"role": "user", "content": "x"}])
+        generator.opts.chat_template_kwargs = {"flavour": "yz"}
+        assert generator.prompt_ids([{"role": "user", "content": "x"}]) == plain + generator.tokenizer.encode("yz")
+    finally:
+        from trainer.chat_tokenizer import CHATML
+
+        generator.tokenizer.chat_template = CHATML
+        generator.opts.chat_template_kwargs = {}
+
+
+@pytest.mark.parametrize("line, reason", [
+    ("not json", "not valid JSON"),
+    ('{"text": "x"}', "no `messages` list"),
+    ('{"messages": [{"role": "tool", "content": "x"}]}', "role 'tool'"),
+    ('{"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}', "before any user"),
+    ('{"messages": [{"role": "system", "content": "x"}]}', "no user turn"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "content"),
+])
+def test_bad_records_are_rejected_with_a_reason(line, reason):
+    with pytest.raises(Reject, match=reason):
+        parse_record(line)
+
+
+def test_turns_to_answer_keep_user_and_system_and_answer_a_trailing_question():
+    conv = parse_record(json.dumps({"messages": [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "u2"}]}))
+    assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert conv.slots == [2, 4] and conv.messages[1]["content"] == "u1"
+
+
+def test_regenerate_writes_target_answers_rejects_and_a_summary(tmp_path):
+    src = write_lines(tmp_path / "in.jsonl", [conversation(0), "not json", conversation(1),
+                                              {"messages": [{"role": "user", "content": "x" * 600}]}])
+    out = tmp_path / "out.jsonl"
+    summary = regenerate(RegenerateOptions("tiny-random", str(src), str(out), max_new_tokens=4, batch_size=2,
+                                           max_prompt_tokens=200), out=io.StringIO(), tty=False)
+    assert (summary["records"], summary["rejects"], summary["turns"], summary["seen"]) == (2, 2, 2, 4)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [0, 1]
+    assert rows[0]["messages"][:2] == conversation(0)["messages"][:2]
+    assert rows[0]["messages"][2]["role"] == "assistant"
+    assert rows[0]["messages"][2]["content"] != "an answer another model wrote"
+    rejects = [json.loads(line) for line in Path(summary["rejects_path"]).read_text().splitlines()]
+    assert [r["line"] for r in rejects] == [2, 4]
+    assert "not valid JSON" in rejects[0]["reason"] and rejects[1]["reason"].startswith("too long")
+    assert 0 < summary["new_tokens"] <= 8
+
+
+def test_existing_output_without_resume_or_with_other_settings_is_refused(tmp_path, capsys):
+    src = write_lines(tmp_path / "in.jsonl", [conversation(0)])
+    out = tmp_path / "out.jsonl"
+    args = ["regenerate", "--target", "tiny-random", "--in", str(src), "--out", str(out), "--max-new-tokens", "2"]
+    assert data_main(args) == 0
+    assert data_main(args) == 2
+    assert "add --resume" in capsys.readouterr().err
+    assert data_main(args[:-1] + ["3", "--resume"]) == 2
+    assert "max_new_tokens: was 2, now 3" in capsys.readouterr().err
+    assert data_main(args + ["--chat-template-kwargs", "[1]"]) == 2
+    assert "must be a JSON object" in capsys.readouterr().err
+
+
+def _run(src, out, *extra):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "trainer", "data", "regenerate", "--target", "tiny-random",
+                             "--in", str(src), "--out", str(out), "--max-new-tokens", "3", "--batch-size", "1",
+                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_killed_run_resumes_with_no_duplicate_or_lost_record(tmp_path):
+    records = [conversation(i) for i in range(60)]
+    records[5] = "not json"  # a reject on the way
+    src = write_lines(tmp_path / "in.jsonl", records)
+    killed_out = tmp_path / "out.jsonl"
+    victim = _run(src, killed_out)
+    progress = Path(str(killed_out) + ".progress.json")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # kill once a few records are committed, mid-run
+        if progress.exists() and json.loads(progress.read_text() or "{}").get("next_line", 0) >= 3:
+            break
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    committed = json.loads(progress.read_text())["next_line"]
+    assert 3 <= committed < len(records), "the kill should land mid-run"
+    with open(killed_out, "ab") as f:  # what a kill in the middle of a write leaves behind
+        f.write(b'{"messages": [{"role": "user", "cont')
+    reference = tmp_path / "reference.jsonl"  # the same work uninterrupted
+    options = dict(max_new_tokens=3, batch_size=1)
+    regenerate(RegenerateOptions("tiny-random", str(src), str(reference), **options), out=io.StringIO(), tty=False)
+    summary = regenerate(RegenerateOptions("tiny-random", str(src), str(killed_out), resume=True, **options),
+                         out=io.StringIO(), tty=False)
+    assert killed_out.read_bytes() == reference.read_bytes()
+    assert Path(str(killed_out) + ".rejects.jsonl").read_bytes() == Path(str(reference) + ".rejects.jsonl").read_bytes()
+    ids = [json.loads(line)["id"] for line in killed_out.read_text().splitlines()]
+    assert ids == [i for i in range(60) if i != 5]
+    assert (summary["records"], summary["rejects"], summary["seen"]) == (59, 1, 60)
