@@ -1,0 +1,252 @@
+"""The offline feature cache: manifest, resume per shard, refusals, corruption, and online == cached training."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import feature_cache as fc
+from trainer.cli import main as cli_main
+from trainer.config import load_config
+from trainer.data import BatchPlan, DataError, make_batch
+from trainer.model import DFlashDrafter
+from trainer.target import load_target
+from trainer.target_head import load_target_head, weight_bytes
+from trainer.train import build_dataset, drafter_config, make_loss_fn, train
+from trainer.workers import Replica
+
+pytestmark = pytest.mark.timeout(180)
+
+SEQ = 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared 2-core machine: bigger pools only spin
+    yield
+    torch.set_num_threads(before)
+
+
+def pretokenized(path: Path, count: int = 12) -> str:
+    """Records of different lengths (so batches have padding), loss on the second half."""
+    rng = random.Random(0)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(count):
+            n = rng.randint(12, SEQ)
+            f.write(json.dumps({"input_ids": [rng.randrange(500) for _ in range(n)],
+                                "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)}) + "\n")
+    return str(path)
+
+
+def config(tmp_path, data_path, **extra):
+    overrides = {"data.source": "jsonl", "data.path": data_path, "data.seq_len": SEQ, "train.batch_size": 2,
+                 "train.num_anchors": 6, "run.torch_threads": 1, "run.log_every": 1000,
+                 "run.drafter_devices": ["cpu"], "output_dir": str(tmp_path / "run")}
+    overrides.update(extra)
+    return load_config("tiny-cpu", overrides)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A tiny target, its jsonl data, and a fp32 cache of it in several shards."""
+    root = tmp_path_factory.mktemp("cache")
+    cfg = config(root, pretokenized(root / "data.jsonl"))
+    target = load_target("tiny-random", "cpu", torch.float32, layer_ids=cfg.target.layer_ids, seed=0,
+                         tiny=cfg.target.tiny)
+    dataset = build_dataset(cfg, target)
+    header = fc.cache_header(cfg, target, "fp32", 0)
+    manifest = fc.write_cache(target, dataset, str(root / "fp32"), header, batch_size=3, shard_bytes=60_000,
+                              say=lambda _: None)
+    return cfg, target, dataset, header, manifest, root
+
+
+def expected_for(cfg, target):
+    return {"target": fc.target_identity(target), "layer_ids": list(target.layer_ids), "seq_len": cfg.data.seq_len}
+
+
+def test_manifest_describes_the_cache(made):
+    cfg, target, dataset, header, manifest, root = made
+    assert manifest["complete"] and manifest["layer_ids"] == [1, 2, 3] and manifest["seq_len"] == SEQ
+    assert manifest["dtype"] == "fp32" and manifest["data"]["sha256"] == fc.file_sha256(cfg.data.path)
+    assert manifest["target"]["hidden_size"] == 64 and len(manifest["target"]["config_sha256"]) == 64
+    tokens = int(dataset.attention_mask.sum())
+    assert manifest["counts"]["sequences"] == 12 and manifest["counts"]["tokens"] == tokens  # no padding stored
+    assert len(manifest["shards"]) >= 3  # the size cap split it
+    for shard in manifest["shards"]:
+        path = root / "fp32" / shard["file"]
+        assert shard["bytes"] == path.stat().st_size and shard["sha256"] == fc.file_sha256(str(path))
+    assert json.loads((root / "fp32" / "manifest.json").read_text()) == manifest
+
+
+def test_cached_features_are_the_targets_features(made):
+    cfg, target, dataset, header, manifest, root = made
+    cached = fc.open_cache(str(root / "fp32"), expected_for(cfg, target))
+    assert torch.equal(cached.input_ids, dataset.input_ids) and torch.equal(cached.loss_mask, dataset.loss_mask)
+    idx = torch.tensor([7, 0, 11])
+    online = target.features(dataset.input_ids[idx], attention_mask=dataset.attention_mask[idx])
+    real = dataset.attention_mask[idx].unsqueeze(-1)
+    got = cached.features(idx)
+    assert torch.allclose(got * real, online * real, atol=1e-6)
+    assert not got[~dataset.attention_mask[idx]].any()  # padding stays zero (never visible to a block)
+
+
+def _loss_and_grads(cfg, target, dataset, batch_features=None):
+    plan = BatchPlan(len(dataset), cfg.train.batch_size, 1, cfg.train.seed)
+    batch = make_batch(dataset, plan, step=1, replica=0)
+    if batch.features is None:
+        batch.features = target.features(batch.input_ids, attention_mask=batch.attention_mask)
+    batch.features = batch.features.float()
+    torch.manual_seed(0)
+    model = DFlashDrafter(drafter_config(cfg, target), target.embed_tokens, target.lm_head).float()
+    out = make_loss_fn(cfg)(Replica(0, "cpu", model, None, None), batch)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype, tol", [("fp32", 1e-6), ("bf16", 1e-3)])
+def test_same_batch_online_and_from_the_cache_gives_the_same_loss_and_gradients(made, tmp_path, dtype, tol):
+    cfg, target, dataset, header, manifest, root = made
+    cache_dir = root / "fp32"
+    if dtype == "bf16":
+        cache_dir = tmp_path / "bf16"
+        fc.write_cache(target, dataset, str(cache_dir), dict(header, dtype="bf16"), say=lambda _: None)
+    cached = fc.open_cache(str(cache_dir), expected_for(cfg, target))
+    online_loss, online_grads = _loss_and_grads(cfg, target, dataset)
+    cached_loss, cached_grads = _loss_and_grads(cfg, target, cached)
+    assert online_grads.keys() == cached_grads.keys() and len(online_grads) > 5
+    assert abs(float(online_loss) - float(cached_loss)) <= tol, (online_loss, cached_loss)
+    for name, grad in online_grads.items():
+        diff = float((grad - cached_grads[name]).norm() / grad.norm().clamp_min(1e-12))
+        assert diff <= (1e-5 if dtype == "fp32" else 2e-2), (name, diff)
+
+
+def test_training_from_the_cache_loads_no_target_layers(made, tmp_path, monkeypatch):
+    cfg, target, dataset, header, manifest, root = made
+    import trainer.train as train_module
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the full target must not be loaded when features come from a cache")
+
+    monkeypatch.setattr(train_module, "load_target", no_target)
+    run = config(tmp_path, str(root / "fp32"), **{"data.source": "features", "max_steps": 3,
+                                                   "run.drafter_devices": ["cpu", "cpu"]})
+    out = io.StringIO()
+    result = train(run, out=out)
+    assert result.steps_done == 3 and all(r.model.fc.weight.grad is None for r in result.replicas)
+    assert "feature cache" in out.getvalue() and "target decoder layers not loaded" in out.getvalue()
+    head = load_target_head("tiny-random", torch.float32, layer_ids=[1, 2, 3], tiny=cfg.target.tiny)
+    assert torch.equal(head.embed_tokens.weight, target.embed_tokens.weight)
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight)
+
+
+@pytest.mark.parametrize("override, difference", [
+    ({"target.layer_ids": [1, 2]}, "layer_ids: cache [1, 2, 3], config [1, 2]"),
+    ({"data.seq_len": 48}, "seq_len: cache 32, config 48"),
+    ({"train.seed": 5}, "target.weights_fingerprint"),  # tiny-random's weights come from the seed
+    ({"target.tiny": {"initializer_range": 0.05, "rms_norm_eps": 0.001}}, "target.config_sha256"),
+])
+def test_a_cache_for_another_setup_is_refused_with_the_difference(made, tmp_path, capsys, override, difference):
+    cfg, target, dataset, header, manifest, root = made
+    args = ["--config", "tiny-cpu", "--output-dir", str(tmp_path / "run"), "--drafter-devices", "cpu",
+            "--set", "data.source=features", "--set", f"data.path={root / 'fp32'}", "--set", f"data.seq_len={SEQ}"]
+    for key, value in override.items():
+        args += ["--set", f"{key}={json.dumps(value)}"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "made for another setup" in err and difference in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_truncated_or_corrupted_shard_is_named(made, tmp_path):
+    cfg, target, dataset, header, manifest, root = made
+    import shutil
+
+    copy = tmp_path / "cache"
+    shutil.copytree(root / "fp32", copy)
+    victim = copy / manifest["shards"][1]["file"]
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-100])
+    with pytest.raises(DataError, match=f"{victim.name} is {len(data) - 100} bytes.*truncated"):
+        fc.open_cache(str(copy), expected_for(cfg, target))
+    victim.write_bytes(data[:-8] + bytes(8))  # same size, other content: found by sha256 on first read
+    cached = fc.open_cache(str(copy), expected_for(cfg, target))
+    first = manifest["shards"][1]["first"]
+    cached.features(torch.tensor([0]))  # shard 0 is fine
+    with pytest.raises(DataError, match=f"{victim.name} fails its sha256 check"):
+        cached.features(torch.tensor([first]))
+
+
+def test_cache_features_resumes_after_the_last_whole_shard(made, tmp_path):
+    cfg, target, dataset, header, manifest, root = made
+    import shutil
+
+    copy = tmp_path / "cache"
+    shutil.copytree(root / "fp32", copy)
+    # as a kill leaves it: manifest names 2 shards, a later shard file exists, half a .tmp too
+    partial = dict(manifest, complete=False, shards=manifest["shards"][:2])
+    partial.pop("counts")
+    fc.write_manifest(str(copy), partial)
+    (copy / "shard-00009.safetensors.tmp").write_bytes(b"half")
+    computed = []
+    real_features = target.features
+
+    def counting(ids, attention_mask=None):
+        computed.append(ids.shape[0])
+        return real_features(ids, attention_mask=attention_mask)
+
+    target.features = counting
+    try:
+        again = fc.write_cache(target, dataset, str(copy), header, batch_size=3, shard_bytes=60_000, say=lambda _: None)
+    finally:
+        del target.features
+    done_before = sum(s["count"] for s in manifest["shards"][:2])
+    assert sum(computed) == len(dataset) - done_before  # only the rest was computed
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]
+    assert sorted(os.listdir(copy)) == sorted(["manifest.json"] + [s["file"] for s in manifest["shards"]])
+
+
+def test_another_setup_in_the_out_dir_and_too_little_space_are_refused(made, tmp_path, monkeypatch):
+    cfg, target, dataset, header, manifest, root = made
+    with pytest.raises(DataError, match="seq_len: cache 32, config 48"):
+        fc.write_cache(target, dataset, str(root / "fp32"), dict(header, seq_len=48), say=lambda _: None)
+    lines = []
+
+    class Tiny:
+        free = 1000
+
+    monkeypatch.setattr(fc.shutil, "disk_usage", lambda path: Tiny)
+    with pytest.raises(DataError, match="needs .* but the filesystem has 1000 B free"):
+        fc.write_cache(target, dataset, str(tmp_path / "new"), header, say=lines.append)
+    assert "per 1k tokens" in lines[0]  # the estimate comes first
+    assert not [n for n in os.listdir(tmp_path / "new") if n.startswith("shard-")]
+
+
+def test_cache_features_command(tmp_path, capsys):
+    data = pretokenized(tmp_path / "d.jsonl", count=4)
+    args = ["data", "cache-features", "--config", "tiny-cpu", "--out", str(tmp_path / "c"), "--set", "data.source=jsonl",
+            "--set", f"data.path={data}", "--set", f"data.seq_len={SEQ}"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "per 1k tokens" in out and "feature cache complete: 4 sequences" in out
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text())["dtype"] == "bf16"
+    assert cli_main(args[:-2] + ["--set", "data.seq_len=48"]) == 2
+    assert "other inputs" in capsys.readouterr().err
+
+
+def test_gpu_memory_an_8b_target_no_longer_holds():
+    from transformers import Qwen3Config
+
+    qwen3_8b = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+    sizes = weight_bytes(qwen3_8b)
+    h, i, layers = 4096, 12288, 36
+    per_layer = h * (32 * 128) * 2 + h * (8 * 128) * 2 + 3 * h * i + 2 * h + 2 * 128  # attn, mlp, norms
+    assert sizes["saved"] == 2 * (layers * per_layer + h)  # + the final norm
+    assert sizes["embed_and_lm_head"] == 2 * 2 * 151936 * h
+    assert 13.8e9 < sizes["saved"] < 14.0e9  # ~12.9 GiB of bf16 weights per target GPU
