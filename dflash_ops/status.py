@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+from trainer import metrics_format
+
 from . import logs
 from .gpu import IDLE_USED_MIB
 from .health import Verdict
@@ -23,6 +25,15 @@ def _roles(job) -> dict:
     return roles
 
 
+def data_source(records) -> str | None:
+    """`features /data/cache`, `jsonl /data/train.jsonl` or `synthetic`: from the run's start record."""
+    start = metrics_format.last_of(list(records), "start")
+    data = ((start or {}).get("config") or {}).get("data") or {}
+    if not isinstance(data, dict) or not data.get("source"):
+        return None
+    return str(data["source"]) + (f" {data['path']}" if data.get("path") and data["source"] != "synthetic" else "")
+
+
 def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
     """The status of one target. `report` may be None when the probe could not run; the job's
     identity and the (UNKNOWN) verdict are still reported."""
@@ -30,7 +41,7 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
               "gpu_source": None, "gpu_error": None, "gpus": [],
               "session": {"name": job.session, "socket": job.tmux_socket, "running": None, "exists": None,
                           "pane_pid": None, "exit_status": None},
-              "processes": [], "log": None, "metrics": None,
+              "processes": [], "log": None, "metrics": None, "data_source": None,
               "training": {"step": None, "total_steps": None, "loss": None, "tokens_per_s": None, "eta_s": None,
                            "last_update_age_s": None, "finished": False},
               "verdict": verdict.level, "reasons": list(verdict.reasons),
@@ -56,6 +67,7 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
     status["processes"] = [{"pid": p.pid, "ppid": p.ppid, "name": p.name, "cmdline": p.cmdline}
                            for p in report.processes]
     progress = logs.progress(list(report.records))
+    status["data_source"] = data_source(report.records)
     last_update = progress.last_record_time if progress.last_record_time is not None else (
         report.metrics.mtime if report.metrics else None)
     status["training"] = {
@@ -142,7 +154,8 @@ def render_table(status: dict, color: bool = False) -> str:
     speed = "-" if t["tokens_per_s"] is None else f"{t['tokens_per_s'] / 1000:.1f}"
     age = t["last_update_age_s"]
     freshness = "no metrics yet" if age is None else f"last metrics {format_age(age)} ago"
-    lines.append(f"step {step}  loss {loss}  {speed} Ktok/s  ETA {format_eta(t['eta_s'])}  {freshness}")
+    source = f"  data {status['data_source']}" if status.get("data_source") else ""
+    lines.append(f"step {step}  loss {loss}  {speed} Ktok/s  ETA {format_eta(t['eta_s'])}  {freshness}{source}")
     level = status["verdict"]
     lines.append(_paint(level, COLORS.get(level, "0"), color) + ": " + "; ".join(status["reasons"]))
     return "\n".join(lines) + "\n"

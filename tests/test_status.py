@@ -168,3 +168,17 @@ def test_status_of_a_live_session_from_a_real_probe(tmp_path, monkeypatch):
     table = status.render_table(st)
     assert "[0] NVIDIA H200 |  64 % |  50000 / 143771 MiB | drafter | python3/912345(50000M)" in table
     assert "step 5/50  loss 4.0000  0.8 Ktok/s  ETA 1m30s" in table
+
+
+def test_status_shows_the_runs_data_source_from_its_start_record():
+    start = metrics_format.encode("start", time=NOW - 500, total_steps=1000, devices=[], compile_lock="lock", pid=1,
+                                  config={"data": {"source": "features", "path": "/data/feat cache", "seq_len": 3072}})
+    report = make_report(tuple(metrics_format.parse_lines(start)) + records()[1:])
+    st = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB))
+    assert st["data_source"] == "features /data/feat cache"
+    assert status.render_table(st).splitlines()[4].endswith("last metrics 12 s ago  data features /data/feat cache")
+    synthetic = metrics_format.encode("start", time=NOW, total_steps=1, devices=[], compile_lock="lock", pid=1,
+                                      config={"data": {"source": "synthetic", "path": None}})
+    assert status.data_source(metrics_format.parse_lines(synthetic)) == "synthetic"
+    assert status.data_source(records()) is None  # an older trainer's start record: nothing shown
+    assert status.build_status("gpu-box", None, JOB, health.unknown("unreachable"))["data_source"] is None
