@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Everything the GPU proof needs, in one command on a GPU machine; results under $OUT (or ./gpu-out).
-#   bash benchmarks/gpu_session.sh smoke|race|perf|ops|precision|torchrun
+#   bash benchmarks/gpu_session.sh smoke|race|perf|ops|precision|torchrun|features
 # smoke: versions, the CUDA-only trainer tests, one short training run with compiled flex.
 # race:  the race harness (none, lock x20, patch).   perf: throughput at paper dims.
 # ops:   dflash-ops relaunch/status/health/tail-log/stop on this machine's `local` target.
 # precision: tiny run on CUDA (compiled flex) in bf16-mixed and in fp32: norm weights moved off 1.0,
 #        final losses; paper-dims throughput in bf16-mixed and the old bf16-weights baseline (~4 min).
 # torchrun: the torchrun launcher (nproc 1, compiled flex, NCCL) vs the threaded single replica.
+# features: paper-dims step time with features from an on-disk cache (random features, ~2.9 GiB written
+#        under $CACHE_TMP, default ./.feature-cache-tmp, removed after) vs the drafter-only step; MiB per 1k tokens.
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -70,6 +72,13 @@ precision)
     timeout -k 10 420 python3 benchmarks/train_throughput.py --parts compiled --steps 8 --precision $p \
        --out "$OUT/throughput-$p.md" 2>&1 | tail -16
   done
+  ;;
+features)
+  cache_tmp=${CACHE_TMP:-$PWD/.feature-cache-tmp}; mkdir -p "$cache_tmp"   # on disk, not in $OUT
+  { df -hT "$cache_tmp"; } 2>&1 | tee "$OUT/features-disk.txt"
+  timeout -k 10 240 python3 benchmarks/train_throughput.py --parts compiled,cache --steps 20 --warmup 3 \
+     --cache-dir "$cache_tmp" --child-timeout 150 --out "$OUT/features.md" 2>&1 | tail -25
+  rm -rf "$cache_tmp"
   ;;
 esac
 done

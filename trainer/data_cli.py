@@ -89,9 +89,19 @@ def main(argv: list[str]) -> int:
         print("dflash-train data: interrupted; rerun the same command to continue"
               + (" with --resume" if args.command == "regenerate" else ""), file=sys.stderr)
         return 130
+    except OSError as exc:  # disk full, unwritable output: what was committed stays valid
+        print(f"dflash-train data: failed: {exc}; rerun the same command to continue"
+              + (" with --resume" if args.command == "regenerate" else ""), file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - one line, no traceback
+        print(f"dflash-train data: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 def _regenerate(args) -> int:
+    import torch
+
+    from .config import _DEVICE_RE
     from .regenerate import RegenerateOptions, regenerate
 
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1)):
@@ -106,6 +116,14 @@ def _regenerate(args) -> int:
     if not isinstance(template_kwargs, dict):
         return _fail("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    bad = [d for d in devices if not _DEVICE_RE.match(d)]
+    if not devices or bad:
+        return _fail(f"--devices {args.devices!r}: {', '.join(bad) or 'empty'} is not a device. "
+                     f"Fix: e.g. cpu, cuda:0 or cuda:0,cuda:1")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [d for d in devices if d.startswith("cuda") and (int(d.split(":")[1]) if ":" in d else 0) >= count]
+    if missing:
+        return _fail(f"--devices names {', '.join(missing)} but {count} CUDA device(s) are visible")
     options = RegenerateOptions(target=args.target, input=args.input, output=args.out,
                                 max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                                 temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,

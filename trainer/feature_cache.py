@@ -312,13 +312,14 @@ class CacheReader:
 
     def features(self, indices: torch.Tensor) -> torch.Tensor:
         """[B, seq_len, K*H] for dataset indices; zeros after each sequence's end (never visible)."""
-        out = torch.zeros(len(indices), self.seq_len, self.width, dtype=self.dtype, pin_memory=self.pin_memory)
+        out = torch.empty(len(indices), self.seq_len, self.width, dtype=self.dtype, pin_memory=self.pin_memory)
         for row, seq in enumerate(indices.tolist()):
             index = bisect.bisect_right(self.firsts, seq) - 1
             offsets = self._offsets(index)
             local = seq - self.shards[index]["first"]
             a, b = int(offsets[local]), int(offsets[local + 1])
             out[row, :b - a] = self._handle(index).get_slice("features")[a:b]
+            out[row, b - a:] = 0
         return out
 
     def token_arrays(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -250,3 +250,23 @@ def test_gpu_memory_an_8b_target_no_longer_holds():
     assert sizes["saved"] == 2 * (layers * per_layer + h)  # + the final norm
     assert sizes["embed_and_lm_head"] == 2 * 2 * 151936 * h
     assert 13.8e9 < sizes["saved"] < 14.0e9  # ~12.9 GiB of bf16 weights per target GPU
+
+
+@pytest.mark.slow
+def test_throughput_benchmark_cache_part_runs_small(tmp_path):
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "features.md"
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "train_throughput.py"), "--small", "--parts", "cache",
+                           "--steps", "2", "--warmup", "1", "--shard-mb", "1", "--cache-dir", str(tmp_path),
+                           "--out", str(out)], capture_output=True, text=True, timeout=170, cwd=repo,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    assert "| feature cache (disk) |" in text and "Cache-backed step vs drafter-only step" in text, text
+    report = json.loads((tmp_path / "features.json").read_text())["cache"]
+    assert report["cache_bytes_per_1k_tokens"] == 1000 * (3 * 64 * 2 + 5)  # small dims: 3 layers x 64 hidden
+    assert all(r["median_step_s"] > 0 for r in report["runs"].values())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("feature-cache-")] == []  # cleaned up

@@ -161,3 +161,16 @@ def test_killed_run_resumes_with_no_duplicate_or_lost_record(tmp_path):
     ids = [json.loads(line)["id"] for line in killed_out.read_text().splitlines()]
     assert ids == [i for i in range(60) if i != 5]
     assert (summary["records"], summary["rejects"], summary["seen"]) == (59, 1, 60)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--devices", "gpu0"], "gpu0 is not a device"), (["--devices", "cuda:7"], "names cuda:7 but"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"), (["--temperature", "-1"], "--temperature"),
+])
+def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
+    src = write_lines(tmp_path / "in.jsonl", [conversation(0)])
+    assert data_main(["regenerate", "--target", "tiny-random", "--in", str(src), "--out", str(tmp_path / "o"),
+                      *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
