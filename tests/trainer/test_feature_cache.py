@@ -270,3 +270,15 @@ def test_throughput_benchmark_cache_part_runs_small(tmp_path):
     assert report["cache_bytes_per_1k_tokens"] == 1000 * (3 * 64 * 2 + 5)  # small dims: 3 layers x 64 hidden
     assert all(r["median_step_s"] > 0 for r in report["runs"].values())
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("feature-cache-")] == []  # cleaned up
+
+
+def test_a_model_directory_head_reads_two_tensors_and_matches_the_full_target(made, tmp_path):
+    cfg, target, dataset, header, manifest, root = made
+    target.model.save_pretrained(tmp_path / "model")
+    full = load_target(str(tmp_path / "model"), "cpu", torch.float32, layer_ids=[1, 2, 3])
+    head = load_target_head(str(tmp_path / "model"), torch.float32, layer_ids=[1, 2, 3])
+    assert torch.equal(head.embed_tokens.weight, target.embed_tokens.weight)
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight)
+    assert not head.lm_head.weight.requires_grad and head.num_layers == 6
+    # a cache written with the full model is accepted by a run that loads only the head
+    assert fc.target_identity(head) == fc.target_identity(full) == fc.target_identity(target)

@@ -174,3 +174,13 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_two_devices_write_the_same_records_in_input_order(tmp_path):
+    src = write_lines(tmp_path / "in.jsonl", [conversation(i) for i in range(5)])
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    regenerate(RegenerateOptions("tiny-random", str(src), str(one), max_new_tokens=3, batch_size=1),
+               out=io.StringIO(), tty=False)
+    summary = regenerate(RegenerateOptions("tiny-random", str(src), str(two), max_new_tokens=3, batch_size=1,
+                                           devices=["cpu", "cpu"]), out=io.StringIO(), tty=False)
+    assert summary["records"] == 5 and two.read_bytes() == one.read_bytes()
