@@ -184,3 +184,22 @@ def test_two_devices_write_the_same_records_in_input_order(tmp_path):
     summary = regenerate(RegenerateOptions("tiny-random", str(src), str(two), max_new_tokens=3, batch_size=1,
                                            devices=["cpu", "cpu"]), out=io.StringIO(), tty=False)
     assert summary["records"] == 5 and two.read_bytes() == one.read_bytes()
+
+
+def test_progress_is_a_bar_on_a_tty_and_a_periodic_line_elsewhere():
+    from trainer.progress import ProgressLine
+
+    now = [0.0]
+    plain = io.StringIO()
+    line = ProgressLine("records", 100, done=20, out=plain, tty=False, every_s=30, clock=lambda: now[0])
+    for done, t in ((30, 10.0), (40, 31.0), (50, 40.0), (100, 50.0)):
+        now[0] = t
+        line.update(done)
+    # a line at 31 s (30 s passed) and at the end; rates count this run's work only (resumed at 20)
+    assert plain.getvalue().splitlines() == ["records 40/100  0.65/s  ETA 1m33s", "records 100/100  1.60/s  ETA 0m00s"]
+    bar = io.StringIO()
+    line = ProgressLine("records", 10, out=bar, tty=True, clock=lambda: now[0])
+    now[0] += 2
+    line.update(5, "7 rejected")
+    line.finish()
+    assert bar.getvalue() == "\r\x1b[2K[############............] records 5/10  2.50/s  ETA 0m02s  7 rejected\n"
