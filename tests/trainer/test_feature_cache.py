@@ -265,7 +265,7 @@ def test_throughput_benchmark_cache_part_runs_small(tmp_path):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     text = out.read_text()
-    assert "| feature cache (disk) |" in text and "Cache-backed step vs drafter-only step" in text, text
+    assert "| feature cache (disk) |" in text and "Cache-backed step (feature cache (disk)) vs drafter-only" in text, text
     report = json.loads((tmp_path / "features.json").read_text())["cache"]
     assert report["cache_bytes_per_1k_tokens"] == 1000 * (3 * 64 * 2 + 5)  # small dims: 3 layers x 64 hidden
     assert all(r["median_step_s"] > 0 for r in report["runs"].values())
