@@ -220,9 +220,8 @@ def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
         if shard_problem(cache_dir, shard, check_sha=True):
             break
         good.append(shard)
+    found["complete"] = bool(found.get("complete")) and len(good) == len(found["shards"])
     found["shards"] = good
-    if len(good) != len(found.get("shards", [])) or not found.get("complete"):
-        found["complete"] = False
     for name in os.listdir(cache_dir):  # shards no manifest entry names (killed mid-write)
         if name.startswith("shard-") and name not in {s["file"] for s in good}:
             os.remove(os.path.join(cache_dir, name))

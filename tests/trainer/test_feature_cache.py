@@ -282,3 +282,19 @@ def test_a_model_directory_head_reads_two_tensors_and_matches_the_full_target(ma
     assert not head.lm_head.weight.requires_grad and head.num_layers == 6
     # a cache written with the full model is accepted by a run that loads only the head
     assert fc.target_identity(head) == fc.target_identity(full) == fc.target_identity(target)
+
+
+def test_rerunning_cache_features_rewrites_a_bad_shard_and_everything_after_it(made, tmp_path):
+    cfg, target, dataset, header, manifest, root = made
+    import shutil
+
+    copy = tmp_path / "cache"
+    shutil.copytree(root / "fp32", copy)
+    victim = copy / manifest["shards"][1]["file"]
+    victim.write_bytes(victim.read_bytes()[:-50])
+    found, start = fc.prepare(str(copy), header)
+    assert start == manifest["shards"][1]["first"] and not found["complete"]  # a kill now leaves it incomplete
+    with pytest.raises(DataError, match="incomplete"):
+        fc.open_cache(str(copy), expected_for(cfg, target))
+    again = fc.write_cache(target, dataset, str(copy), header, batch_size=3, shard_bytes=60_000, say=lambda _: None)
+    assert again["complete"] and [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]
