@@ -298,3 +298,10 @@ def test_rerunning_cache_features_rewrites_a_bad_shard_and_everything_after_it(m
         fc.open_cache(str(copy), expected_for(cfg, target))
     again = fc.write_cache(target, dataset, str(copy), header, batch_size=3, shard_bytes=60_000, say=lambda _: None)
     assert again["complete"] and [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]
+
+
+def test_features_source_needs_a_path():
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match="`data.path` is required when data.source is features"):
+        load_config("tiny-cpu", {"data.source": "features"})
