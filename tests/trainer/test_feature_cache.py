@@ -305,3 +305,31 @@ def test_features_source_needs_a_path():
 
     with pytest.raises(ConfigError, match="`data.path` is required when data.source is features"):
         load_config("tiny-cpu", {"data.source": "features"})
+
+
+def test_regenerate_then_cache_then_train_with_a_model_directory(made, tmp_path):
+    """The whole route on a real HF directory (the tiny model + the byte-level ChatML tokenizer)."""
+    from trainer.chat_tokenizer import byte_chat_tokenizer
+    from trainer.regenerate import RegenerateOptions, regenerate
+
+    cfg, target, dataset, header, manifest, root = made
+    model_dir = tmp_path / "model"
+    target.model.save_pretrained(model_dir)
+    byte_chat_tokenizer(target.vocab_size).save_pretrained(model_dir)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                      {"role": "assistant", "content": "written elsewhere"}]}) + "\n"
+                             for i in range(4)), encoding="utf-8")
+    regen = tmp_path / "regen.jsonl"
+    summary = regenerate(RegenerateOptions(str(model_dir), str(chats), str(regen), max_new_tokens=8, batch_size=4),
+                         out=io.StringIO(), tty=False)
+    assert summary["records"] == 4
+    base = {"target.spec": str(model_dir), "data.path": str(regen), "data.seq_len": 64}
+    assert cli_main(["data", "cache-features", "--config", "tiny-cpu", "--out", str(tmp_path / "cache"),
+                     *[a for k, v in dict(base, **{"data.source": "jsonl"}).items() for a in ("--set", f"{k}={v}")]]) == 0
+    cache_manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert cache_manifest["tokenizer"]["vocab_size"] == 512 and cache_manifest["counts"]["loss_tokens"] > 0
+    run = config(tmp_path, str(tmp_path / "cache"), **dict(base, **{"data.source": "features",
+                                                                     "data.path": str(tmp_path / "cache"),
+                                                                     "max_steps": 2}))
+    assert train(run, out=io.StringIO()).steps_done == 2
