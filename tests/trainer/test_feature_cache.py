@@ -333,3 +333,21 @@ def test_regenerate_then_cache_then_train_with_a_model_directory(made, tmp_path)
                                                                      "data.path": str(tmp_path / "cache"),
                                                                      "max_steps": 2}))
     assert train(run, out=io.StringIO()).steps_done == 2
+
+
+def test_a_corrupted_shard_found_while_training_is_exit_2_naming_it(made, tmp_path, capsys):
+    cfg, target, dataset, header, manifest, root = made
+    import shutil
+
+    copy = tmp_path / "cache"
+    shutil.copytree(root / "fp32", copy)
+    for shard in manifest["shards"]:  # same sizes, other bytes: only the sha256 check can tell
+        path = copy / shard["file"]
+        data = path.read_bytes()
+        path.write_bytes(data[:-8] + bytes(8))
+    args = ["--config", "tiny-cpu", "--output-dir", str(tmp_path / "run"), "--drafter-devices", "cpu",
+            "--set", "data.source=features", "--set", f"data.path={copy}", "--set", f"data.seq_len={SEQ}",
+            "--set", "train.batch_size=2", "--set", "train.num_anchors=6", "--max-steps", "2"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "fails its sha256 check (corrupted)" in err and "shard-0000" in err, err
