@@ -15,6 +15,7 @@ from its size at startup and a corrupted one from its sha256 on first read.
 from __future__ import annotations
 
 import bisect
+import collections
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ FORMAT = 1
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Keys a training run must agree on; the rest of the manifest is provenance.
 COMPATIBLE_KEYS = ("target", "layer_ids", "seq_len")
+OPEN_SHARDS_PER_THREAD = 64
 
 
 def _sha256_bytes(data: bytes) -> str:
@@ -52,8 +54,9 @@ def target_identity(target) -> dict:
     The fingerprint uses bf16-rounded rows, so the same weights loaded in fp32 or bf16 match; it
     cannot see a change confined to the decoder layers (the config hash and spec still can).
     """
+    # keys that name how the config was stored, not what the model computes (save_pretrained sets some)
     config = {k: v for k, v in target.config.to_dict().items()
-              if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}
+              if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype", "architectures")}
     digest = hashlib.sha256()
     for weight in (target.embed_tokens.weight, target.lm_head.weight):
         digest.update(weight[:256].detach().to("cpu", torch.bfloat16).float().numpy().tobytes())
@@ -283,14 +286,19 @@ class CacheReader:
         self._verified: set[int] = set()
         self._verify_lock = threading.Lock()
         self._local = threading.local()  # safe_open handles are per thread
+        self._offsets_of: dict[int, torch.Tensor] = {}
 
     def _handle(self, index: int):
         from safetensors import safe_open
 
         handles = getattr(self._local, "handles", None)
         if handles is None:
-            handles = self._local.handles = {}
-        if index not in handles:
+            handles = self._local.handles = collections.OrderedDict()
+        if index in handles:
+            handles.move_to_end(index)
+        else:
+            if len(handles) >= OPEN_SHARDS_PER_THREAD:  # each open shard is an mmap; the kernel caps their number
+                handles.popitem(last=False)
             with self._verify_lock:
                 if index not in self._verified:
                     problem = shard_problem(self.cache_dir, self.shards[index], check_sha=True)
@@ -302,12 +310,9 @@ class CacheReader:
         return handles[index]
 
     def _offsets(self, index: int) -> torch.Tensor:
-        cache = getattr(self._local, "offsets", None)
-        if cache is None:
-            cache = self._local.offsets = {}
-        if index not in cache:
-            cache[index] = self._handle(index).get_tensor("offsets")
-        return cache[index]
+        if index not in self._offsets_of:  # a race only loads the same small tensor twice
+            self._offsets_of[index] = self._handle(index).get_tensor("offsets")
+        return self._offsets_of[index]
 
     def features(self, indices: torch.Tensor) -> torch.Tensor:
         """[B, seq_len, K*H] for dataset indices; zeros after each sequence's end (never visible)."""

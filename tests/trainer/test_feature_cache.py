@@ -351,3 +351,19 @@ def test_a_corrupted_shard_found_while_training_is_exit_2_naming_it(made, tmp_pa
     assert cli_main(args) == 2
     err = capsys.readouterr().err
     assert "fails its sha256 check (corrupted)" in err and "shard-0000" in err, err
+
+
+def test_open_shard_handles_per_thread_are_capped(made, monkeypatch):
+    cfg, target, dataset, header, manifest, root = made
+    monkeypatch.setattr(fc, "OPEN_SHARDS_PER_THREAD", 2)
+    cached = fc.open_cache(str(root / "fp32"), expected_for(cfg, target))
+    reader = cached.features.__self__
+    firsts = [s["first"] for s in manifest["shards"]]
+    assert len(firsts) >= 3
+    for _ in range(2):
+        got = cached.features(torch.tensor(firsts))
+        assert len(reader._local.handles) == 2
+    idx = torch.tensor(firsts)
+    online = target.features(dataset.input_ids[idx], attention_mask=dataset.attention_mask[idx])
+    real = dataset.attention_mask[idx].unsqueeze(-1)
+    assert torch.allclose(got * real, online * real, atol=1e-6)
