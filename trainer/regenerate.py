@@ -23,7 +23,7 @@ from typing import TextIO
 import torch
 
 from .atomic import write_atomic
-from .data import DataError
+from .data import DataError, derive_seed
 from .progress import ProgressLine
 
 KEPT_ROLES = ("system", "user")
@@ -249,8 +249,6 @@ def regenerate(opts: RegenerateOptions, out: TextIO | None = None, tty: bool | N
     with open(opts.input, encoding="utf-8") as f:
         total = sum(1 for line in f if line.strip())
     generators = [Generator(opts.target, device, opts) for device in opts.devices]
-    if opts.temperature > 0:
-        torch.manual_seed(opts.seed + state["next_line"])
     began = time.monotonic()
     progress = ProgressLine("records", total, done=stats["seen"], out=out, tty=tty, every_s=opts.progress_every_s)
     chunk_size = opts.batch_size * len(generators)
@@ -262,6 +260,8 @@ def regenerate(opts: RegenerateOptions, out: TextIO | None = None, tty: bool | N
             if not chunk:
                 break
             results: dict[int, Conversation | Reject] = {}
+            if opts.temperature > 0:  # seeded by position: a resumed run samples what the first would have
+                torch.manual_seed(derive_seed(opts.seed, chunk[0][0]))
             shares: list[list[tuple[int, Conversation]]] = [[] for _ in generators]
             for n, (index, text) in enumerate(chunk):
                 try:

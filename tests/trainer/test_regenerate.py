@@ -203,3 +203,18 @@ def test_progress_is_a_bar_on_a_tty_and_a_periodic_line_elsewhere():
     line.update(5, "7 rejected")
     line.finish()
     assert bar.getvalue() == "\r\x1b[2K[############............] records 5/10  2.50/s  ETA 0m02s  7 rejected\n"
+
+
+def test_sampling_is_seeded_by_position_so_a_resumed_run_samples_the_same(tmp_path):
+    src = write_lines(tmp_path / "in.jsonl", [conversation(i) for i in range(4)])
+    opts = dict(max_new_tokens=4, batch_size=2, temperature=1.0, seed=3)
+    whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
+    regenerate(RegenerateOptions("tiny-random", str(src), str(whole), **opts), out=io.StringIO(), tty=False)
+    head = write_lines(tmp_path / "head.jsonl", [conversation(i) for i in range(2)])
+    regenerate(RegenerateOptions("tiny-random", str(head), str(part), **opts), out=io.StringIO(), tty=False)
+    greedy = tmp_path / "greedy.jsonl"
+    regenerate(RegenerateOptions("tiny-random", str(head), str(greedy), max_new_tokens=4, batch_size=2),
+               out=io.StringIO(), tty=False)
+    first_two = whole.read_text().splitlines()[:2]
+    assert part.read_text().splitlines() == first_two  # same chunk position, same samples
+    assert greedy.read_text().splitlines() != first_two  # and it did sample
