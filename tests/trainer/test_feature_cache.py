@@ -367,3 +367,37 @@ def test_open_shard_handles_per_thread_are_capped(made, monkeypatch):
     online = target.features(dataset.input_ids[idx], attention_mask=dataset.attention_mask[idx])
     real = dataset.attention_mask[idx].unsqueeze(-1)
     assert torch.allclose(got * real, online * real, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_torchrun_ranks_from_the_cache_follow_the_threaded_run(made, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from trainer import metrics_format
+
+    cfg, target, dataset, header, manifest, root = made
+    cache = str(root / "fp32")
+    threaded = config(tmp_path / "threads", cache, **{"data.source": "features", "max_steps": 3,
+                                                      "run.drafter_devices": ["cpu", "cpu"]})
+    train(threaded, out=io.StringIO())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = Path(__file__).resolve().parents[2]
+    sets = {"data.source": "features", "data.path": cache, "data.seq_len": SEQ, "train.batch_size": 2,
+            "train.num_anchors": 6, "run.torch_threads": 1}
+    cmd = ["timeout", "-k", "10", "150", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "trainer", "--config", "tiny-cpu",
+           "--launcher", "torchrun", "--output-dir", str(tmp_path / "ranks"), "--max-steps", "3",
+           *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    proc = subprocess.run(cmd, cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    def losses(path):
+        return [r["loss"] for r in metrics_format.parse_lines(Path(path).read_text()) if r["event"] == "step"]
+
+    ranked, reference = losses(tmp_path / "ranks" / "metrics.jsonl"), losses(threaded.metrics_path)
+    assert len(ranked) == 3 and ranked == pytest.approx(reference, rel=1e-6)
