@@ -112,7 +112,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     overrides = {}
     for name in ("output_dir", "max_steps", "resume", "compile_lock", "attention", "target_devices",
                  "drafter_devices", "metrics_file", "seed", "launcher"):
-        value = getattr(args, name)
+        value = getattr(args, name, None)  # other commands (dflash-train data) have --set only
         if value is not None:
             overrides[name] = value
     for item in args.set:

@@ -150,10 +150,7 @@ def _cache_features(args) -> int:
 
     if args.shard_size_mb < 1 or args.batch_size < 1:
         return _fail("--shard-size-mb and --batch-size must be at least 1")
-    for name in ("output_dir", "max_steps", "resume", "compile_lock", "attention", "target_devices",
-                 "drafter_devices", "metrics_file", "seed"):
-        setattr(args, name, None)
-    cfg = load_config(args.config, overrides_from_args(args))
+    cfg = load_config(args.config, overrides_from_args(argparse.Namespace(set=args.set)))
     if cfg.data.source == "features":
         return _fail(f"{cfg.source}: data.source is features; cache-features needs the text data "
                      f"(jsonl or synthetic) to run the target over")
