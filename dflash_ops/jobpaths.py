@@ -27,9 +27,25 @@ def current_release(job: Job) -> str:
     return posixpath.join(job.workdir, "current")
 
 
-def run_dir(job: Job) -> str:
-    """The trainer's --output-dir: checkpoints and exports survive relaunches here."""
-    return posixpath.join(job.workdir, "run")
+def runs_dir(job: Job) -> str:
+    """One directory per run (`runs/NNNN/`, the trainer's --output-dir): a run's checkpoints stay
+    in it across relaunches, and a new run never touches another run's files."""
+    return posixpath.join(job.workdir, "runs")
+
+
+def state_file(job: Job) -> str:
+    """The job state (running / stopped / finished) that dflash-ops writes next to the job."""
+    return posixpath.join(job.workdir, "job-state.json")
+
+
+# The launcher creates the cache dir with this file in it; purge-cache deletes only a dir holding it.
+CACHE_MARKER = ".dflash-ops-cache"
+# A run whose trainer reported `done` (max_steps) holds this file: relaunch then starts a new run.
+RUN_FINISHED = "FINISHED"
+
+
+def cache_marker(job: Job) -> str:
+    return posixpath.join(job.cache_dir, CACHE_MARKER)
 
 
 def marker_value(job: Job) -> str:
