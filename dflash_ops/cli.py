@@ -300,10 +300,10 @@ def _one_target(obj: Obj, target):
 @click.option("-n", "lines", type=click.IntRange(min=0), default=50, show_default=True, help="Lines to show.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines; Ctrl-C stops.")
 @click.option("--grep", metavar="REGEX", help="Only lines matching this regular expression.")
-@click.option("--log", metavar="PATH", help="A specific log on the target (default: the newest train-NNNN.log).")
+@click.option("--log", metavar="PATH", help="A specific log on the target (default: the log of the run in the job state).")
 @click.pass_obj
 def tail_log(obj, target, lines, follow, grep, log):
-    """Show the end of the job's newest log.
+    """Show the end of the current run's log (the one the job state names).
 
     \b
     Example:
