@@ -11,7 +11,13 @@ from .playbook import StepContext, StepOutcome
 from .steps import _fail, _gpu_snapshot, _job_processes, describe_foreign, refuse_while_job_lives, registry
 
 
-def _shell_checks(job, need_release: bool) -> str:
+# The full import proves torch's libraries load; finding the package is enough for a quick check.
+IMPORT_TORCH = "import torch; print(torch.__version__)"
+FIND_TORCH = ("import importlib.util, sys; s = importlib.util.find_spec('torch'); "
+              "sys.exit('No module named torch') if s is None else print('installed')")
+
+
+def _shell_checks(job, need_release: bool, import_torch: bool) -> str:
     """One round trip; prints `name=value` lines (the checks are read in Python)."""
     q = shlex.quote
     workdir = q(job.workdir)
@@ -24,7 +30,7 @@ def _shell_checks(job, need_release: bool) -> str:
 d={workdir}; while [ ! -d "$d" ]; do d=$(dirname "$d"); done
 echo "free_kib=$(df -Pk "$d" | awk 'NR==2 {{print $4}}')"
 if [ -x {q(job.python)} ]; then
-  out=$(timeout 120 {q(job.python)} -c 'import torch; print(torch.__version__)' 2>&1) && echo "torch=$out" || echo "python_error=$(printf '%s' "$out" | tail -n 1)"
+  out=$(timeout 120 {q(job.python)} -c {q(IMPORT_TORCH if import_torch else FIND_TORCH)} 2>&1) && echo "torch=$out" || echo "python_error=$(printf '%s' "$out" | tail -n 1)"
 else
   echo python_error=not installed
 fi
@@ -41,13 +47,13 @@ def _answers(stdout: str) -> dict[str, str]:
 
 
 @registry.step("preflight", params={"gpus": list[int], "deploy": (bool, True), "min_free_gib": (float, 10.0),
-                                     "allow_shared_gpus": (bool, False)})
+                                     "allow_shared_gpus": (bool, False), "import_torch": (bool, True)})
 def preflight(ctx: StepContext, gpus: list[int], deploy: bool, min_free_gib: float,
-              allow_shared_gpus: bool) -> StepOutcome:
+              allow_shared_gpus: bool, import_torch: bool) -> StepOutcome:
     """Check, before anything is stopped, that the launch can work; a failed check names itself
     and leaves the running job untouched."""
     job = ctx.job
-    result = ctx.run(_shell_checks(job, need_release=not deploy), timeout=150, check=False)
+    result = ctx.run(_shell_checks(job, need_release=not deploy, import_torch=import_torch), timeout=150, check=False)
     if result is None:
         return StepOutcome("would check python+torch, the release, free disk, the GPU query and foreign GPU processes")
     found = _answers(result.stdout)

@@ -31,7 +31,9 @@ def standin(target, mode="train", gpus=((), ()), health=None, **job_fields):
 
 
 def quick(**options):
-    base = {"timeout": 30.0, "grace": 5.0, "min_free_gib": 0.5}
+    # import_torch false: preflight only finds torch (the full import costs seconds per relaunch;
+    # test_case4 in test_unattended_e2e.py runs it)
+    base = {"timeout": 30.0, "grace": 5.0, "min_free_gib": 0.5, "import_torch": False}
     base.update(options)
     return base
 

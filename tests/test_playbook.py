@@ -626,7 +626,7 @@ EXPECTED_STEPS = {
     "wait_first_step": {"timeout_s": (float, 900.0), "poll_s": (float, 1.0)},
     "rollback": {"release": (str, "previous")},
     "preflight": {"gpus": list[int], "deploy": (bool, True), "min_free_gib": (float, 10.0),
-                  "allow_shared_gpus": (bool, False)},
+                  "allow_shared_gpus": (bool, False), "import_torch": (bool, True)},
     "mark_stopped": {},
     "require_job_stopped": {},
 }
@@ -667,7 +667,8 @@ def test_shipped_relaunch_fills_parameters_from_the_job(tmp_path):
     assert all(s.data == {"had_output": False} for s in result.steps)
     cache = str(tmp_path / "cache")
     assert calls == [
-        ("preflight", {"gpus": [1, 2, 3], "deploy": True, "min_free_gib": 10.0, "allow_shared_gpus": False}),
+        ("preflight", {"gpus": [1, 2, 3], "deploy": True, "min_free_gib": 10.0, "allow_shared_gpus": False,
+                       "import_torch": True}),
         ("stop_session", {"session": "train", "grace_s": 30.0}),
         ("kill_gpu_processes", {"gpus": [1, 2, 3], "grace_s": 10.0}),
         ("wait_gpu_free", {"gpus": [1, 2, 3], "timeout_s": 120.0, "max_used_mib": 1024, "poll_s": 2.0}),

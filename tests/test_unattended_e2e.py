@@ -188,13 +188,20 @@ def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, clean
         no_python = dataclasses.replace(target, job=dataclasses.replace(target.job, python="/nonexistent/python3"))
         failed = ops.run_playbook(no_python, "relaunch", quick())
         assert failed.failed.step == "preflight" and "check 'python'" in failed.failed.message
+        assert "not installed" in failed.failed.message
+        if subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode != 0:
+            no_torch = dataclasses.replace(target, job=dataclasses.replace(target.job, python="/usr/bin/python3"))
+            for full_import in (True, False):
+                failed = ops.run_playbook(no_torch, "relaunch", quick(import_torch=full_import))
+                assert failed.failed.step == "preflight" and "check 'python'" in failed.failed.message
+                assert "/usr/bin/python3 cannot import torch" in failed.failed.message
+                assert "No module named" in failed.failed.message, failed.failed.message
+        imported = ops.run_playbook(target, "relaunch", quick(import_torch=True, min_free_gib=1e9))
+        assert imported.failed.step == "preflight" and "check 'disk'" in imported.failed.message  # torch imported
 
         (Path(target.job.workdir) / "current").unlink()  # the release is gone and --no-deploy is asked
         failed = ops.run_playbook(target, "relaunch", quick(deploy=False))
         assert failed.failed.step == "preflight" and "check 'release'" in failed.failed.message
-
-        failed = ops.run_playbook(target, "relaunch", quick(min_free_gib=1e9))
-        assert failed.failed.step == "preflight" and "check 'disk'" in failed.failed.message
 
         assert alive_in_ct(target, pid) and trainer_pid(target) == pid, "a failed preflight stopped the job"
         assert ops.check(target).status["session"]["running"] is True
