@@ -40,6 +40,10 @@ def trainer_env(job: Job) -> dict[str, str]:
     return env
 
 
+# The trainer's `done` record of a completed run (trainer/metrics_format.py), as grep -E sees it.
+FINISHED_RECORD = '"event": ?"done".*"reason": ?"max_steps"'
+
+
 def _log_json(job: Job) -> tuple:
     return (job.log_dir.rstrip("/") + "/" + jobpaths.LOG_PREFIX, jobstate.Digits("$n"), ".log")
 
@@ -68,7 +72,7 @@ metrics="${{log%.log}}.metrics.jsonl"
 {argv} --metrics-file "$metrics" "$@" >>"$log" 2>&1
 code=$?
 echo "[dflash-ops] $(date -Is) trainer exited with code $code" >>"$log"
-if [ "$code" = 0 ] && tail -n 3 "$metrics" 2>/dev/null | grep -q '"event": *"done".*"reason": *"max_steps"'; then
+if [ "$code" = 0 ] && tail -n 3 "$metrics" 2>/dev/null | grep -qE {q(FINISHED_RECORD)}; then
   : > "$out"/{jobpaths.RUN_FINISHED}
   {jobstate.write_script(job, finished)}
 fi
