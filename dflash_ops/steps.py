@@ -156,7 +156,14 @@ def wait_gpu_free(ctx: StepContext, gpus: list[int], timeout_s: float, max_used_
     foreign = _foreign_of(ctx)
     deadline = time.monotonic() + timeout_s
     while True:
-        snapshot = _gpu_snapshot(ctx)
+        try:
+            snapshot = _gpu_snapshot(ctx)
+        except StepFailed as exc:
+            ended = [name for name in ("stop_session", "kill_gpu_processes") if name in ctx.results]
+            if not ended:
+                raise
+            # the earlier steps saw every job process end; a GPU query that fails cannot undo that
+            return StepOutcome(f"the job's processes are gone; GPUs not checked: {str(exc).split(': ', 1)[-1]}")
         if snapshot is None:
             return StepOutcome(f"would wait up to {timeout_s:g}s for GPUs {gpus}")
         holders = [b.describe() for b in busy_gpus(without(snapshot, foreign), gpus, max_used_mib=max_used_mib)]

@@ -205,6 +205,14 @@ def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, clean
 
         assert alive_in_ct(target, pid) and trainer_pid(target) == pid, "a failed preflight stopped the job"
         assert ops.check(target).status["session"]["running"] is True
+
+        # stop with the GPU query failing: the job's processes end, so the stop succeeds and says so
+        gpu_state_path.write_text(json.dumps(dict(state, driver_error=True)))
+        stopped = ops.run_playbook(target, "stop", {"grace": 5.0})
+        assert stopped.ok, stopped.summary()
+        assert step(stopped, "wait_gpu_free").message.startswith("the job's processes are gone; GPUs not checked")
+        assert not alive_in_ct(target, pid)
+        assert ops.check(target).verdict.reasons[0].startswith("stopped by dflash-ops stop")
         assert alive(bystander.pid)
     finally:
         gpu_state_path.unlink(missing_ok=True)
