@@ -5,6 +5,7 @@ absolute and every variable the trainer needs is passed here.
 """
 from __future__ import annotations
 
+import posixpath
 import shlex
 
 from . import jobpaths, jobstate, tmux, torchrun
@@ -85,13 +86,15 @@ def launch_script(job: Job, resume: bool = True) -> str:
     train-NNNN.log, creates the cache dir with its marker, starts the session, records the job
     state `running`; prints the log path."""
     q = shlex.quote
-    logs, runs, cache = job.log_dir, jobpaths.runs_dir(job), job.cache_dir
+    logs, runs = job.log_dir, jobpaths.runs_dir(job)
+    legacy = posixpath.join(job.workdir, "run")  # the single output dir of earlier versions: run 0001
     running = jobstate.shell_json(state=jobstate.RUNNING, run=jobstate.Digits("$((10#$run))"),
                                   run_dir=_run_dir_json(job), log=_log_json(job),
                                   pid=jobstate.Digits("$pid"), since=jobstate.Digits("$(date +%s)"))
     numbered = "grep -E '^[0-9]{4,}$' | sort -n | tail -n 1"
     return f"""set -eu
 if {tmux.has_session(job)}; then echo {q("session " + job.session + " is already running; stop it first")} >&2; exit 3; fi
+if [ ! -e {q(runs)} ] && [ -d {q(legacy)}/checkpoints ]; then mv {q(legacy)} {q(runs)}.tmp && mkdir -p {q(runs)} && mv {q(runs)}.tmp {q(runs)}/0001; fi
 mkdir -p {q(logs)} {q(runs)}
 {cache_dir_script(job)}
 mkdir -p {q(jobpaths.inductor_cache(job))} {q(jobpaths.triton_cache(job))}

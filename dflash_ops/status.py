@@ -169,13 +169,10 @@ def render_table(status: dict, color: bool = False) -> str:
 
 
 def describe_job_state(state: dict, log_missing: str | None = None) -> str:
-    """`job: running run 0003, log …/train-0007.log` (what dflash-ops recorded on the target)."""
-    run = state.get("run")
-    words = [f"job: {state.get('state')}"]
-    if state.get("by"):
-        words.append(f"by {state['by']}")
-    if isinstance(run, int):
-        words.append(f"run {run:04d}")
+    """`job: stopped by dflash-ops stop, run 0003, log …/train-0007.log` (what dflash-ops recorded)."""
+    parts = [f"job: {state.get('state')}" + (f" by {state['by']}" if state.get("by") else "")]
+    if isinstance(state.get("run"), int):
+        parts.append(f"run {state['run']:04d}")
     if state.get("log"):
-        words.append(f"log {state['log']}" + (" (MISSING)" if log_missing else ""))
-    return ", ".join([" ".join(words[:2])] + words[2:]) if state.get("by") else ", ".join(words)
+        parts.append(f"log {state['log']}" + (" (MISSING)" if log_missing else ""))
+    return ", ".join(parts)

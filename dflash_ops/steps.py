@@ -53,7 +53,7 @@ def _gpu_snapshot(ctx: StepContext):
 
 # ------------------------------------------------------------------ the job's processes
 
-def _job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: float, include_session: bool,
+def job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: float, include_session: bool,
                    action: str) -> dict | None:
     """Run remote/jobprocs.py: the job's living processes and the foreign ones on its GPUs, ended
     when action is "kill". None under dry-run."""
@@ -83,7 +83,7 @@ def describe_foreign(others: list[dict], invisible: str = "not visible here") ->
 
 def _end_job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: float,
                        include_session: bool) -> StepOutcome:
-    report = _job_processes(ctx, job, gpus, grace_s, include_session, "kill")
+    report = job_processes(ctx, job, gpus, grace_s, include_session, "kill")
     if report is None:
         return StepOutcome("would SIGTERM this job's processes, SIGKILL after "
                            f"{grace_s:g}s; other processes are only reported")
@@ -206,7 +206,7 @@ def _check_purgeable(ctx: StepContext, path: str) -> None:
 def refuse_while_job_lives(ctx: StepContext, what: str) -> None:
     """Fail, naming pids, while any process of the job lives: its tmux tree or anything carrying
     the launcher's marker (an orphan of an earlier launch included)."""
-    report = _job_processes(ctx, ctx.job, [], 0.0, True, "list")
+    report = job_processes(ctx, ctx.job, [], 0.0, True, "list")
     if report and report["job"]:
         pids = ", ".join(f"{p['pid']} ({p['cmd'][:40]})" for p in report["job"][:5])
         raise _fail(ctx, f"the job is running (pids {pids}); {what}")

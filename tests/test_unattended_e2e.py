@@ -24,9 +24,9 @@ from dflash_ops.errors import DflashOpsError
 from dflash_ops.model import Health
 
 try:
-    from tests.test_ops_e2e import STANDIN, _write_gpus, cleanup, quick, standin, step  # noqa: F401
+    from tests.test_ops_e2e import _write_gpus, cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from test_ops_e2e import STANDIN, _write_gpus, cleanup, quick, standin, step  # noqa: F401
+    from test_ops_e2e import _write_gpus, cleanup, quick, standin, step  # noqa: F401
 
 
 def job_state(target) -> dict:
@@ -339,3 +339,15 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
             t.run(f"kill {foreign}", timeout=20)
         gpu_state_path.unlink(missing_ok=True)
     assert alive(bystander.pid)
+
+
+def test_the_single_run_dir_of_earlier_versions_becomes_run_0001_and_is_resumed(local_target, cleanup):
+    target = standin(local_target)
+    cleanup(target)
+    legacy = Path(target.job.workdir) / "run" / "checkpoints" / "step-0000007"
+    legacy.mkdir(parents=True)
+    (legacy / "state.json").write_text('{"step": 7}')
+    assert ops.run_playbook(target, "relaunch", quick()).ok
+    assert job_state(target)["run"] == 1 and not legacy.parent.parent.exists()
+    assert "resumed from step 7" in Path(job_state(target)["log"]).read_text()
+    assert "step-0000007" in checkpoints(target, 1)
