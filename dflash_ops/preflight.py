@@ -8,7 +8,8 @@ import shlex
 
 from . import jobpaths
 from .playbook import StepContext, StepOutcome
-from .steps import _fail, _gpu_snapshot, describe_foreign, job_processes, refuse_while_job_lives, registry
+from .steps import (_fail, _gpu_snapshot, describe_foreign, job_processes, refuse_while_job_lives, registry,
+                    surely_foreign)
 
 
 # The full import proves torch's libraries load; finding the package is enough for a quick check.
@@ -84,7 +85,7 @@ def preflight(ctx: StepContext, gpus: list[int], deploy: bool, min_free_gib: flo
             raise _fail(ctx, f"check 'GPU query': job GPUs {','.join(map(str, missing))} do not exist on the "
                              "target; fix target_gpus/drafter_gpus" + untouched)
         report = job_processes(ctx, job, gpus, 0.0, True, "list")
-        foreign = report["unidentified"]
+        foreign = surely_foreign(report["unidentified"])
         if foreign and not allow_shared_gpus:
             raise _fail(ctx, f"check 'foreign GPU processes': {describe_foreign(foreign)}; they are not this "
                              "job's and are never signalled: end them, or pass --allow-shared-gpus" + untouched)

@@ -136,11 +136,18 @@ def parse_gpu_query(stdout: str):
     return parse_nvidia_smi(gpu_csv, apps_csv)
 
 
+def surely_foreign(others: list[dict]) -> list[dict]:
+    """Those of jobprocs' unidentified processes that are known not to be the job's: another
+    container's or the host's, or visible here outside the job. A host pid that cannot be seen
+    from inside LXC may be the job's own trainer: it is not counted."""
+    return [o for o in others if (o.get("owner") and o["owner"] != "gone") or o.get("visible")]
+
+
 def _foreign_of(ctx: StepContext) -> set[tuple[int, str]]:
     """(pid, owner) of the processes earlier steps found on the job's GPUs and left alone."""
     found = set()
     for data in ctx.results.values():
-        for other in data.get("unidentified", ()) if isinstance(data, dict) else ():
+        for other in surely_foreign(data.get("unidentified", ())) if isinstance(data, dict) else ():
             found.add((int(other["pid"]), other.get("owner") or ""))
     return found
 

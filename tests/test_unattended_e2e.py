@@ -351,3 +351,12 @@ def test_the_single_run_dir_of_earlier_versions_becomes_run_0001_and_is_resumed(
     assert job_state(target)["run"] == 1 and not legacy.parent.parent.exists()
     assert "resumed from step 7" in Path(job_state(target)["log"]).read_text()
     assert "step-0000007" in checkpoints(target, 1)
+
+
+def test_a_host_pid_invisible_in_the_container_is_never_called_foreign():
+    from dflash_ops.steps import surely_foreign
+
+    others = [{"pid": 1, "owner": "", "visible": False},  # inside LXC: maybe the job's own trainer
+              {"pid": 2, "owner": "ct 201", "visible": False}, {"pid": 3, "owner": "", "visible": True},
+              {"pid": 4, "owner": "gone", "visible": False}]
+    assert [o["pid"] for o in surely_foreign(others)] == [2, 3]
