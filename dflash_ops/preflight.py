@@ -7,6 +7,7 @@ from __future__ import annotations
 import shlex
 
 from . import jobpaths
+from .errors import DflashOpsError
 from .playbook import StepContext, StepOutcome
 from .steps import (_fail, _gpu_snapshot, describe_foreign, job_processes, refuse_while_job_lives, registry,
                     surely_foreign)
@@ -54,7 +55,11 @@ def preflight(ctx: StepContext, gpus: list[int], deploy: bool, min_free_gib: flo
     """Check, before anything is stopped, that the launch can work; a failed check names itself
     and leaves the running job untouched."""
     job = ctx.job
-    result = ctx.run(_shell_checks(job, need_release=not deploy, import_torch=import_torch), timeout=150, check=False)
+    try:
+        result = ctx.run(_shell_checks(job, need_release=not deploy, import_torch=import_torch), timeout=150,
+                         check=False)
+    except DflashOpsError as exc:  # ssh, pct or the container did not answer
+        raise _fail(ctx, f"check 'reachable': {str(exc).splitlines()[0]}; nothing was stopped") from None
     if result is None:
         return StepOutcome("would check python+torch, the release, free disk, the GPU query and foreign GPU processes")
     found = _answers(result.stdout)

@@ -360,3 +360,10 @@ def test_a_host_pid_invisible_in_the_container_is_never_called_foreign():
               {"pid": 2, "owner": "ct 201", "visible": False}, {"pid": 3, "owner": "", "visible": True},
               {"pid": 4, "owner": "gone", "visible": False}]
     assert [o["pid"] for o in surely_foreign(others)] == [2, 3]
+
+
+def test_an_unreachable_container_fails_the_reachable_check_before_anything(stopped_pct_target):
+    result = ops.run_playbook(stopped_pct_target, "relaunch", quick())
+    assert result.failed.step == "preflight" and "check 'reachable'" in result.failed.message
+    assert "not running" in result.failed.message and "nothing was stopped" in result.failed.message
+    assert [s.status for s in result.steps[1:]] == ["not-run"] * 7
