@@ -631,6 +631,7 @@ class _TargetBuilder:
             raise self.fail("job.cache_dir", f"{cache_dir!r} is too close to '/' to be purged safely; {fix}")
         owned = [(workdir, "workdir", False), (log_dir, "log_dir", True),
                  (posixpath.join(workdir, "runs"), "runs (checkpoints)", True),
+                 (posixpath.join(workdir, "run"), "run dir of earlier versions (checkpoints)", True),
                  (posixpath.join(workdir, "releases"), "releases", True),
                  (posixpath.join(workdir, "current"), "current release", True)]
         if python.startswith("/"):

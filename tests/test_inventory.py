@@ -550,6 +550,8 @@ CASES = [
      "job.cache_dir", "box:", ["runs (checkpoints)", "purged"]),
     ("cache-in-a-run", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/runs/0001/c}}\n", "box",
      "job.cache_dir", "box:", ["inside the runs"]),
+    ("cache-dotdot-legacy-run", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/cache/../run}}\n",
+     "box", "job.cache_dir", "box:", ["run dir of earlier versions"]),
     ("cache-dotdot-runs", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/cache/../runs}}\n",
      "box", "job.cache_dir", "box:", ["runs (checkpoints)"]),
     ("cache-is-releases", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/releases}}\n", "box",
