@@ -24,6 +24,7 @@ from typing import Callable
 
 import yaml
 
+from . import jobpaths
 from .errors import InputError
 from .model import Health, HostSpec, Job, Target
 
@@ -629,11 +630,8 @@ class _TargetBuilder:
         fix = f"use a directory of its own, e.g. {posixpath.join(workdir, 'cache')}"
         if cache.count("/") < 2:
             raise self.fail("job.cache_dir", f"{cache_dir!r} is too close to '/' to be purged safely; {fix}")
-        owned = [(workdir, "workdir", False), (log_dir, "log_dir", True),
-                 (posixpath.join(workdir, "runs"), "runs (checkpoints)", True),
-                 (posixpath.join(workdir, "run"), "run dir of earlier versions (checkpoints)", True),
-                 (posixpath.join(workdir, "releases"), "releases", True),
-                 (posixpath.join(workdir, "current"), "current release", True)]
+        owned = [(workdir, "workdir", False), (log_dir, "log_dir", True)]
+        owned += [(path, what, True) for path, what in jobpaths.owned_by_the_job(workdir)]
         if python.startswith("/"):
             prefix = posixpath.dirname(posixpath.dirname(posixpath.normpath(python)))  # <prefix>/bin/python
             owned += [(prefix, "python prefix", False), (posixpath.join(prefix, "bin"), "python's bin", True),

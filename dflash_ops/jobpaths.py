@@ -33,6 +33,18 @@ def runs_dir(job: Job) -> str:
     return posixpath.join(job.workdir, "runs")
 
 
+def legacy_run_dir(job: Job) -> str:
+    """The single --output-dir of earlier versions; the launch moves it to runs/0001 once."""
+    return posixpath.join(job.workdir, "run")
+
+
+def owned_by_the_job(workdir: str) -> list[tuple[str, str]]:
+    """(path, what) of the job's own directories under its workdir, which no cache may touch."""
+    job = Job(workdir=workdir, python="", config="")
+    return [(runs_dir(job), "runs (checkpoints)"), (legacy_run_dir(job), "run dir of earlier versions (checkpoints)"),
+            (releases_dir(job), "releases"), (current_release(job), "current release")]
+
+
 def state_file(job: Job) -> str:
     """The job state (running / stopped / finished) that dflash-ops writes next to the job."""
     return posixpath.join(job.workdir, "job-state.json")

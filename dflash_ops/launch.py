@@ -5,7 +5,6 @@ absolute and every variable the trainer needs is passed here.
 """
 from __future__ import annotations
 
-import posixpath
 import shlex
 
 from . import jobpaths, jobstate, tmux, torchrun
@@ -87,7 +86,7 @@ def launch_script(job: Job, resume: bool = True) -> str:
     state `running`; prints the log path."""
     q = shlex.quote
     logs, runs = job.log_dir, jobpaths.runs_dir(job)
-    legacy = posixpath.join(job.workdir, "run")  # the single output dir of earlier versions: run 0001
+    legacy = jobpaths.legacy_run_dir(job)
     running = jobstate.shell_json(state=jobstate.RUNNING, run=jobstate.Digits("$((10#$run))"),
                                   run_dir=_run_dir_json(job), log=_log_json(job),
                                   pid=jobstate.Digits("$pid"), since=jobstate.Digits("$(date +%s)"))
@@ -117,13 +116,17 @@ echo "$log"
 """
 
 
+# What the launcher itself puts into the cache dir, as grep -E sees it.
+_LAUNCHER_ENTRIES = "inductor|triton|" + jobpaths.CACHE_MARKER.replace(".", "\\.")
+
+
 def cache_dir_script(job: Job) -> str:
     """Create the cache dir with its marker. An existing dir is adopted only when it holds nothing
     but what the launcher puts there (inductor/, triton/): a dir of anything else is never marked,
     so purge-cache will never delete it."""
     q = shlex.quote
     cache, marker = q(job.cache_dir), q(jobpaths.cache_marker(job))
-    return f"""if [ ! -e {cache} ] || [ -z "$(ls -A {cache} | grep -vxE 'inductor|triton|{jobpaths.CACHE_MARKER.replace('.', chr(92) + '.')}' || true)" ]; then
+    return f"""if [ ! -e {cache} ] || [ -z "$(ls -A {cache} | grep -vxE {q(_LAUNCHER_ENTRIES)} || true)" ]; then
   mkdir -p {cache}
   [ -e {marker} ] || printf '%s\\n' {q(jobpaths.marker_value(job))} > {marker}
 fi"""

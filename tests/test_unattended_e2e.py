@@ -347,7 +347,10 @@ def test_the_single_run_dir_of_earlier_versions_becomes_run_0001_and_is_resumed(
     legacy = Path(target.job.workdir) / "run" / "checkpoints" / "step-0000007"
     legacy.mkdir(parents=True)
     (legacy / "state.json").write_text('{"step": 7}')
+    old_cache = Path(target.job.cache_dir) / "inductor"
+    old_cache.mkdir(parents=True)  # what an earlier version's launch left: adopted, so purgeable
     assert ops.run_playbook(target, "relaunch", quick()).ok
+    assert (Path(target.job.cache_dir) / jobpaths.CACHE_MARKER).exists()
     assert job_state(target)["run"] == 1 and not legacy.parent.parent.exists()
     assert "resumed from step 7" in Path(job_state(target)["log"]).read_text()
     assert "step-0000007" in checkpoints(target, 1)
