@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import posixpath
 
+from trainer import metrics_format
+
 from .model import Job
 
 # Marks every process the launcher starts (inherited by children), so leftovers of an earlier
@@ -52,8 +54,8 @@ def state_file(job: Job) -> str:
 
 # The launcher creates the cache dir with this file in it; purge-cache deletes only a dir holding it.
 CACHE_MARKER = ".dflash-ops-cache"
-# A run whose trainer reported `done` (max_steps) holds this file: relaunch then starts a new run.
-RUN_FINISHED = "FINISHED"
+# A run the trainer completed holds this file (the trainer writes it): relaunch starts a new run.
+RUN_FINISHED = metrics_format.RUN_FINISHED
 
 
 def cache_marker(job: Job) -> str:

@@ -40,10 +40,6 @@ def trainer_env(job: Job) -> dict[str, str]:
     return env
 
 
-# The trainer's `done` record of a completed run (trainer/metrics_format.py), as grep -E sees it.
-FINISHED_RECORD = '"event": ?"done".*"reason": ?"max_steps"'
-
-
 def _log_json(job: Job) -> tuple:
     return (job.log_dir.rstrip("/") + "/" + jobpaths.LOG_PREFIX, jobstate.Digits("$n"), ".log")
 
@@ -54,7 +50,7 @@ def _run_dir_json(job: Job) -> tuple:
 
 def pane_script(job: Job) -> str:
     """What runs inside the tmux pane: $1 the log, $2 its number, $3 the run (NNNN), $4 "resume".
-    When the trainer reports `done` with max_steps the run is marked finished (job state too)."""
+    When the trainer has marked the run complete, the job state becomes `finished`."""
     q = shlex.quote
     exports = "\n".join(f"export {k}={q(v)}" for k, v in trainer_env(job).items())
     runs = q(jobpaths.runs_dir(job))
@@ -72,8 +68,7 @@ metrics="${{log%.log}}.metrics.jsonl"
 {argv} --metrics-file "$metrics" "$@" >>"$log" 2>&1
 code=$?
 echo "[dflash-ops] $(date -Is) trainer exited with code $code" >>"$log"
-if [ "$code" = 0 ] && tail -n 3 "$metrics" 2>/dev/null | grep -qE {q(FINISHED_RECORD)}; then
-  : > "$out"/{jobpaths.RUN_FINISHED}
+if [ -e "$out"/{jobpaths.RUN_FINISHED} ]; then
   {jobstate.write_script(job, finished)}
 fi
 exit $code

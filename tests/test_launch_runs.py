@@ -1,23 +1,11 @@
-"""The launch's shell pieces on their own: the finished-run pattern against the trainer's real
-`done` record, and the job state JSON built by the shell from hostile paths."""
+"""The launch's shell pieces on their own: the job state JSON built by the shell keeps hostile
+paths as data."""
 from __future__ import annotations
 
 import json
 import subprocess
 
-from dflash_ops import jobstate, launch
-from trainer import metrics_format
-
-
-def grep(pattern: str, text: str) -> bool:
-    return subprocess.run(["grep", "-qE", pattern], input=text, text=True).returncode == 0
-
-
-def test_finished_pattern_matches_only_a_completed_run():
-    assert grep(launch.FINISHED_RECORD, metrics_format.encode("done", step=480, reason="max_steps"))
-    assert grep(launch.FINISHED_RECORD, json.dumps({"v": 1, "event": "done", "step": 3, "reason": "max_steps"}))
-    assert not grep(launch.FINISHED_RECORD, metrics_format.encode("done", step=20, reason="interrupted"))
-    assert not grep(launch.FINISHED_RECORD, metrics_format.encode("step", step=5, reason="max_steps"))
+from dflash_ops import jobstate
 
 
 def test_shell_json_keeps_hostile_paths_as_data(tmp_path):

@@ -37,6 +37,7 @@ def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
         assert records[-1]["event"] == "done" and records[-1]["reason"] == "interrupted"
         assert any(r["event"] == "checkpoint" for r in records), "SIGTERM must leave a checkpoint"
         stopped_at = records[-1]["step"]
+        assert not (Path(job.workdir) / "runs" / "0001" / "FINISHED").exists()  # interrupted, not complete
 
         second = ops.run_playbook(target, "relaunch", {"timeout": 240.0, "grace": 60.0, "deploy": False})
         assert second.ok, second.summary()
