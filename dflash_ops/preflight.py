@@ -32,7 +32,7 @@ def _shell_checks(job, need_release: bool, import_torch: bool) -> str:
 d={workdir}; while [ ! -d "$d" ]; do d=$(dirname "$d"); done
 echo "free_kib=$(df -Pk "$d" | awk 'NR==2 {{print $4}}')"
 if [ -x {q(job.python)} ]; then
-  out=$(timeout 120 {q(job.python)} -c {q(IMPORT_TORCH if import_torch else FIND_TORCH)} 2>&1) && echo "torch=$out" || echo "python_error=$(printf '%s' "$out" | tail -n 1)"
+  out=$(timeout 120 {q(job.python)} -c {q(IMPORT_TORCH if import_torch else FIND_TORCH)} 2>&1) && echo "torch=$(printf '%s' "$out" | tail -n 1)" || echo "python_error=$(printf '%s' "$out" | tail -n 1)"
 else
   echo python_error=not installed
 fi
