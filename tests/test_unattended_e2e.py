@@ -164,6 +164,7 @@ def test_case3_purge_cache_deletes_only_what_the_launcher_marked(ssh_target, cle
 
 # 4 ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # one full torch import in preflight, seven relaunch attempts: ~15-30 s on 2 cores
 def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, cleanup, bystander):
     target = standin(pct_target, gpus=((0,), (1,)))
     cleanup(target)
