@@ -70,12 +70,17 @@ def job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: float, i
     return None if result is None else json.loads(result.stdout)
 
 
+def _name_of(process: dict) -> str:
+    name = process.get("name") or (process.get("cmd") or "").split(" ")[0]
+    return f" {name}" if name else ""
+
+
 def describe_foreign(others: list[dict], invisible: str = "not visible here") -> str:
     """`pid 812 sleep on GPU 1 (7000 MiB, ct 201, host pid)`, for each process on the job's GPUs
     that is not the job's; these are reported and never signalled. `invisible` says what a pid
     without a /proc entry here means."""
     return "; ".join(
-        f"pid {o['pid']} {o.get('name') or (o.get('cmd') or '?').split(' ')[0]} on GPU {o['gpu']} "
+        f"pid {o['pid']}{_name_of(o)} on GPU {o['gpu']} "
         f"({o.get('used_memory_mib')} MiB, " + (o["owner"] + ", host pid" if o.get("owner") else
                                                 "here" if o.get("visible") else invisible) + ")"
         for o in others)
