@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU proof needs, in one command on a GPU machine; results under $OUT (or ./gpu-out).
-#   bash benchmarks/gpu_session.sh smoke|race|perf|ops|precision|torchrun|features
+#   bash benchmarks/gpu_session.sh smoke|race|perf|ops|precision|torchrun|features|unattended
 # smoke: versions, the CUDA-only trainer tests, one short training run with compiled flex.
 # race:  the race harness (none, lock x20, patch).   perf: throughput at paper dims.
 # ops:   dflash-ops relaunch/status/health/tail-log/stop on this machine's `local` target.
@@ -9,10 +9,27 @@
 # torchrun: the torchrun launcher (nproc 1, compiled flex, NCCL) vs the threaded single replica.
 # features: paper-dims step time with features from an on-disk cache (random features, ~2.9 GiB written
 #        under $CACHE_TMP, default ./.feature-cache-tmp, removed after) vs the drafter-only step; MiB per 1k tokens.
+# unattended: relaunch/status/health/stop with a foreign CUDA process on the job's GPU (~3 min).
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+setup_ops() {  # the local target's inventory and an `ops` helper that prints each command and its exit
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  cat > /tmp/gpu-inventory.yaml <<'INV'
+targets:
+  local:
+    transport: local
+    job:
+      workdir: /tmp/dflash-gpu
+      config: tiny-cpu
+      target_gpus: [0]
+      train_args: [--drafter-devices, "cuda:0,cuda:0,cuda:0", --attention, flex, --max-steps, "3000"]
+      health: {min_tokens_per_s: 1000, stall_seconds: 120, min_drafter_util_pct: 0}
+INV
+  ops() { echo "\$ dflash-ops $*"; timeout -k 10 600 python3 -m dflash_ops --inventory /tmp/gpu-inventory.yaml "$@"; echo "[exit $?]"; }
+}
 for part in "$@"; do
 case $part in
 smoke)
@@ -38,20 +55,7 @@ torchrun)
   timeout -k 10 300 python3 benchmarks/torchrun_step_time.py --repeats 1 --timeout 140 --out "$OUT/torchrun.md" 2>&1 | tail -30
   ;;
 ops)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-  cat > /tmp/gpu-inventory.yaml <<'INV'
-targets:
-  local:
-    transport: local
-    job:
-      workdir: /tmp/dflash-gpu
-      config: tiny-cpu
-      target_gpus: [0]
-      train_args: [--drafter-devices, "cuda:0,cuda:0,cuda:0", --attention, flex, --max-steps, "3000"]
-      health: {min_tokens_per_s: 1000, stall_seconds: 120, min_drafter_util_pct: 0}
-INV
-  ops() { echo "\$ dflash-ops $*"; python3 -m dflash_ops --inventory /tmp/gpu-inventory.yaml "$@"; echo "[exit $?]"; }
+  setup_ops
   { ops relaunch; sleep 20; ops status; ops status --json; ops health; ops tail-log -n 20; ops stop; ops health; } 2>&1 | tee "$OUT/ops.txt"
   nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits > "$OUT/nvsmi-gpu.csv" 2>&1
   nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader,nounits > "$OUT/nvsmi-apps.csv" 2>&1
@@ -79,6 +83,18 @@ features)
   timeout -k 10 240 python3 benchmarks/train_throughput.py --parts compiled,cache --steps 20 --warmup 3 \
      --cache-dir "$cache_tmp" --child-timeout 150 --out "$OUT/features.md" 2>&1 | tail -25
   rm -rf "$cache_tmp"
+  ;;
+unattended)
+  # A foreign CUDA process on the job's GPU: relaunch must refuse before stopping anything, name it
+  # (pid, name, MiB), and run with --allow-shared-gpus; status marks it foreign; stop does not wait
+  # for it; health after stop is OK (stopped); a second relaunch resumes; runs/ keeps each run.
+  setup_ops
+  timeout -k 5 240 python3 -c 'import time, torch; x = torch.ones(256, 1024, 1024, device="cuda:0"); print("foreign ready", flush=True); time.sleep(200)' &
+  squat=$!; sleep 25
+  { echo "foreign pid $squat"; ops relaunch; ops health; ops relaunch --allow-shared-gpus; ops status; ops status --json; ops health;
+    ops stop; ops health; ops relaunch --allow-shared-gpus --no-deploy; ops stop; ops health; ls -R /tmp/dflash-gpu/runs | head -30;
+    cat /tmp/dflash-gpu/job-state.json; } 2>&1 | tee "$OUT/unattended.txt"
+  kill $squat 2>/dev/null; wait $squat 2>/dev/null
   ;;
 esac
 done

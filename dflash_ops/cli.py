@@ -95,16 +95,19 @@ def dry_run_option(f):
 @dry_run_option
 @click.option("--no-purge", is_flag=True, help="Keep the inductor/triton compile cache.")
 @click.option("--no-deploy", is_flag=True, help="Launch the trainer release that is already current.")
-@click.option("--fresh", is_flag=True, help="Do not resume from the newest checkpoint.")
+@click.option("--fresh", is_flag=True, help="Start a new run (runs/NNNN/); earlier runs' checkpoints are kept.")
+@click.option("--allow-shared-gpus", is_flag=True, help="Launch although foreign processes use the job's GPUs.")
 @click.option("--timeout", type=click.FloatRange(min=1), default=None, metavar="S",
               help="Seconds to wait for the first training step (default 900).")
 @click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="S",
               help="Seconds between SIGTERM and SIGKILL when stopping (default 30).")
 @click.pass_obj
-def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, timeout, grace):
-    """Stop, clean the GPUs, purge the compile cache, deploy, launch in tmux, confirm step 1.
+def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus, timeout, grace):
+    """Check, stop, clean the GPUs, purge the compile cache, deploy, launch in tmux, confirm step 1.
 
-    Runs playbooks/relaunch.yaml; safe to run twice in a row.
+    Runs playbooks/relaunch.yaml; safe to run twice in a row. The checks (python imports torch,
+    release, GPU query, no foreign GPU process, free disk) run before anything is stopped. It
+    resumes the newest run, or starts a new one when that run finished; it clears a `stop`.
 
     \b
     Example:
@@ -114,7 +117,8 @@ def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, timeout, grace):
       [7/7] wait_first_step ... ok (41.0s) step 1: loss 11.9310, 52.4 Ktok/s
     """
     options = {"purge": False if no_purge else None, "deploy": False if no_deploy else None,
-               "resume": False if fresh else None, "timeout": timeout, "grace": grace}
+               "resume": False if fresh else None, "timeout": timeout, "grace": grace,
+               "allow_shared_gpus": True if allow_shared_gpus else None}
     sys.exit(_run_book(obj, target, "relaunch", options, dry_run))
 
 
@@ -126,17 +130,21 @@ def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, timeout, grace):
 @click.pass_obj
 def stop(obj, target, dry_run, grace):
     """Stop the job: SIGTERM its processes (it checkpoints), SIGKILL after the grace period,
-    remove the tmux session, end leftover GPU processes, wait for free GPUs."""
+    remove the tmux session, record the stop (health then reports OK and never relaunches it
+    until the next relaunch), end leftover GPU processes, wait for them to leave the GPUs."""
     sys.exit(_run_book(obj, target, "stop", {"grace": grace}, dry_run, runner=ops.stop_job))
 
 
 @cli.command("gpu-clean")
 @target_option
 @dry_run_option
+@click.option("--force", is_flag=True, help="Also while the job runs: this ends the running trainer.")
 @click.pass_obj
-def gpu_clean(obj, target, dry_run):
-    """End this job's leftover GPU processes and wait for free GPUs (others are only reported)."""
-    sys.exit(_run_book(obj, target, "gpu-clean", {}, dry_run))
+def gpu_clean(obj, target, dry_run, force):
+    """End every process of this job (its tmux tree and anything carrying its DFLASH_OPS_JOB
+    marker, the trainer included) and wait until they left its GPUs; processes that are not the
+    job's are reported, never signalled. Refuses while the job runs unless --force."""
+    sys.exit(_run_book(obj, target, "gpu-clean", {"force": True if force else None}, dry_run))
 
 
 @cli.command("purge-cache")
@@ -144,7 +152,8 @@ def gpu_clean(obj, target, dry_run):
 @dry_run_option
 @click.pass_obj
 def purge_cache(obj, target, dry_run):
-    """Remove the job's inductor/triton compile cache; refuses while the job runs."""
+    """Remove the job's inductor/triton compile cache: only a dir holding the marker the launcher
+    put there; refuses while any process of the job lives."""
     sys.exit(_run_book(obj, target, "purge-cache", {}, dry_run))
 
 
@@ -291,10 +300,10 @@ def _one_target(obj: Obj, target):
 @click.option("-n", "lines", type=click.IntRange(min=0), default=50, show_default=True, help="Lines to show.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines; Ctrl-C stops.")
 @click.option("--grep", metavar="REGEX", help="Only lines matching this regular expression.")
-@click.option("--log", metavar="PATH", help="A specific log on the target (default: the newest train-NNNN.log).")
+@click.option("--log", metavar="PATH", help="A specific log on the target (default: the log of the run in the job state).")
 @click.pass_obj
 def tail_log(obj, target, lines, follow, grep, log):
-    """Show the end of the job's newest log.
+    """Show the end of the current run's log (the one the job state names).
 
     \b
     Example:

@@ -11,7 +11,7 @@ import math
 import posixpath
 import re
 
-from . import logs
+from . import logs, unattended
 from .model import Job
 
 LEVELS = ("OK", "WARNING", "CRITICAL", "UNKNOWN")
@@ -70,6 +70,9 @@ def evaluate(report, job: Job, now: float | None = None) -> Verdict:
     progress = logs.progress(list(report.records))
     finished = progress.done_reason == "max_steps"
     age = _progress_age(report, progress, now)
+    parked = unattended.parked(report, progress)
+    if parked:  # an operator's stop or a finished run: like scheduled downtime, nothing to alert on
+        return Verdict("OK", (parked,), _perfdata(progress, age, {}, job))
     critical = _session_problems(report.session, finished) + _failures(report)
     if not progress.loss_is_finite:
         critical.append(f"loss is {progress.loss} at step {progress.step}")
@@ -82,6 +85,7 @@ def evaluate(report, job: Job, now: float | None = None) -> Verdict:
         warning += _idle_drafters(report.gpu, job, drafter_util)
     # a part of the probe that failed (an unreadable log, say) leaves a blind spot: say so
     warning += [f"probe could not read part of the target: {error}" for error in report.errors]
+    warning += unattended.warnings(report, job)
     level = "CRITICAL" if critical else "WARNING" if warning else "OK"
     reasons = critical + warning or [_ok_summary(progress, age, finished)]
     return Verdict(level, tuple(reasons), _perfdata(progress, age, drafter_util, job))
@@ -130,8 +134,8 @@ def _stall(report, progress: logs.Progress, age: float | None, stall_seconds: fl
     """(critical, warning) about progress over time; only a live, unfinished job can stall."""
     if not report.session.running or finished:
         return [], []
-    if age is None:
-        return [], [f"no train-NNNN.log in {report.log_dir}"]
+    if age is None:  # a log named by the job state but missing is reported by unattended.warnings
+        return [], [] if getattr(report, "log_missing", None) else [f"no train-NNNN.log in {report.log_dir}"]
     if age <= stall_seconds:
         return [], []
     what = (f"no new step for {_seconds(age)} (last step {progress.step})" if progress.step is not None
@@ -151,7 +155,7 @@ def _idle_drafters(snapshot, job: Job, drafter_util: dict) -> list[str]:
     if floor <= 0 or not job.drafter_gpus:
         return []
     if not snapshot.ok:
-        return [f"drafter GPU utilization unknown: {snapshot.error}"]
+        return []  # the failed GPU query is named once, by unattended.warnings
     reasons = []
     missing = [i for i in job.drafter_gpus if snapshot.by_index(i) is None]
     if missing:
@@ -188,7 +192,7 @@ def _drafter_utilization(snapshot, job: Job) -> dict:
 
 def _ok_summary(progress: logs.Progress, age: float | None, finished: bool) -> str:
     if finished:
-        return f"training finished at step {progress.step}"
+        return f"finished at step {progress.step}"
     if progress.step is None:
         return "starting: no step yet" + (f" ({_seconds(age)} since start)" if age is not None else "")
     parts = [f"step {progress.step}" + (f"/{progress.total_steps}" if progress.total_steps else "")]

@@ -24,6 +24,7 @@ from typing import Callable
 
 import yaml
 
+from . import jobpaths
 from .errors import InputError
 from .model import Health, HostSpec, Job, Target
 
@@ -581,7 +582,8 @@ class _TargetBuilder:
             return _strip_slashes(self.job_path(key, job[key])) if key in job else join(workdir, default)
 
         log_dir, cache_dir = own_dir("log_dir", "logs"), own_dir("cache_dir", "cache")
-        self.check_cache_dir(workdir, log_dir, cache_dir)
+        python = self.job_python(job["python"])
+        self.check_cache_dir(workdir, log_dir, cache_dir, python)
         target_gpus, drafter_gpus = job.get("target_gpus", ()), job.get("drafter_gpus", ())
         for gpu in drafter_gpus:
             if gpu in target_gpus:
@@ -589,7 +591,7 @@ class _TargetBuilder:
                                 f"GPU {gpu} is in both target_gpus and drafter_gpus; give each GPU one role")
         self.check_launcher(job)
         return Job(
-            workdir=workdir, python=self.job_python(job["python"]), config=self.job_config(job["config"]),
+            workdir=workdir, python=python, config=self.job_config(job["config"]),
             session=job.get("session", "dflash"), log_dir=log_dir, cache_dir=cache_dir,
             target_gpus=tuple(target_gpus), drafter_gpus=tuple(drafter_gpus),
             tmux_socket=job.get("tmux_socket", "dflash"), train_args=tuple(job.get("train_args", ())),
@@ -621,16 +623,26 @@ class _TargetBuilder:
             raise self.fail("job.drafter_gpus", f"lists {len(gpus)} GPU(s) but nproc_per_node is "
                                                 f"{job['nproc_per_node']}; give exactly one GPU per rank")
 
-    def check_cache_dir(self, workdir: str, log_dir: str, cache_dir: str) -> None:
-        # The cache dir is deleted on every relaunch: it must never hold the job's code or logs.
+    def check_cache_dir(self, workdir: str, log_dir: str, cache_dir: str, python: str = "") -> None:
+        # The cache dir is deleted by purge-cache and on every relaunch: it must never hold, or sit
+        # inside, the job's code, runs, logs or python. Paths are compared after normalising `..`.
         cache = posixpath.normpath(cache_dir)
         fix = f"use a directory of its own, e.g. {posixpath.join(workdir, 'cache')}"
         if cache.count("/") < 2:
             raise self.fail("job.cache_dir", f"{cache_dir!r} is too close to '/' to be purged safely; {fix}")
-        for other, label in ((workdir, "workdir"), (log_dir, "log_dir")):
+        owned = [(workdir, "workdir", False), (log_dir, "log_dir", True)]
+        owned += [(path, what, True) for path, what in jobpaths.owned_by_the_job(workdir)]
+        if python.startswith("/"):
+            prefix = posixpath.dirname(posixpath.dirname(posixpath.normpath(python)))  # <prefix>/bin/python
+            owned += [(prefix, "python prefix", False), (posixpath.join(prefix, "bin"), "python's bin", True),
+                      (posixpath.join(prefix, "lib"), "python's lib", True)]
+        for other, label, not_inside in owned:
             other = posixpath.normpath(other)
             if other == cache or other.startswith(cache + "/"):
                 raise self.fail("job.cache_dir", f"{cache_dir!r} contains the {label} ({other}) and is purged "
+                                                 f"on relaunch; {fix}")
+            if not_inside and cache.startswith(other + "/"):
+                raise self.fail("job.cache_dir", f"{cache_dir!r} lies inside the {label} ({other}) and is purged "
                                                  f"on relaunch; {fix}")
 
 

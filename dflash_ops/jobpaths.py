@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import posixpath
 
+from trainer import metrics_format
+
 from .model import Job
 
 # Marks every process the launcher starts (inherited by children), so leftovers of an earlier
@@ -27,9 +29,37 @@ def current_release(job: Job) -> str:
     return posixpath.join(job.workdir, "current")
 
 
-def run_dir(job: Job) -> str:
-    """The trainer's --output-dir: checkpoints and exports survive relaunches here."""
+def runs_dir(job: Job) -> str:
+    """One directory per run (`runs/NNNN/`, the trainer's --output-dir): a run's checkpoints stay
+    in it across relaunches, and a new run never touches another run's files."""
+    return posixpath.join(job.workdir, "runs")
+
+
+def legacy_run_dir(job: Job) -> str:
+    """The single --output-dir of earlier versions; the launch moves it to runs/0001 once."""
     return posixpath.join(job.workdir, "run")
+
+
+def owned_by_the_job(workdir: str) -> list[tuple[str, str]]:
+    """(path, what) of the job's own directories under its workdir, which no cache may touch."""
+    job = Job(workdir=workdir, python="", config="")
+    return [(runs_dir(job), "runs (checkpoints)"), (legacy_run_dir(job), "run dir of earlier versions (checkpoints)"),
+            (releases_dir(job), "releases"), (current_release(job), "current release")]
+
+
+def state_file(job: Job) -> str:
+    """The job state (running / stopped / finished) that dflash-ops writes next to the job."""
+    return posixpath.join(job.workdir, "job-state.json")
+
+
+# The launcher creates the cache dir with this file in it; purge-cache deletes only a dir holding it.
+CACHE_MARKER = ".dflash-ops-cache"
+# A run the trainer completed holds this file (the trainer writes it): relaunch starts a new run.
+RUN_FINISHED = metrics_format.RUN_FINISHED
+
+
+def cache_marker(job: Job) -> str:
+    return posixpath.join(job.cache_dir, CACHE_MARKER)
 
 
 def marker_value(job: Job) -> str:

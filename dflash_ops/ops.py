@@ -8,7 +8,7 @@ import shlex
 import time
 from typing import Callable, Iterator
 
-from . import budget, deploy, health, jobpaths, playbook, status as status_lib, steps
+from . import budget, deploy, health, jobpaths, jobstate, playbook, status as status_lib, steps
 from .errors import ContainerNotRunning, DflashOpsError, InputError, RemoteCommandError
 from .model import Target
 from .probe import run_probe
@@ -151,6 +151,22 @@ def newest_log(transport, target: Target) -> str:
     return f"{log_dir.rstrip('/')}/{name}"
 
 
+def job_log(transport, target: Target) -> str:
+    """The log of the run the job state names (never merely the newest file); the newest
+    train-NNNN.log only for a job launched before there was a job state."""
+    q = shlex.quote
+    out = transport.check(f"cat {q(jobpaths.state_file(target.job))} 2>/dev/null || true", timeout=30,
+                          step="find the job's log").stdout
+    state = jobstate.parse(out.strip())
+    if state is None or not state.log:
+        return newest_log(transport, target)
+    if not transport.run(f"test -e {q(state.log)}", timeout=30, step="find the job's log").ok:
+        run = f"run {state.run:04d}" if isinstance(state.run, int) else "the current run"
+        raise DflashOpsError(f"[{target.name}] the log of {run}, {state.log}, is missing (deleted or rotated "
+                             "away?); pass --log PATH to read another file")
+    return state.log
+
+
 def _filter(lines: list[str], pattern: re.Pattern | None) -> list[str]:
     return [line for line in lines if pattern is None or pattern.search(line)]
 
@@ -185,12 +201,12 @@ def _read_from(transport, path: str, offset: int, newest_in: str | None) -> tupl
 def tail_log(target: Target, lines: int = 50, follow: bool = False, grep: str | None = None,
              log: str | None = None, emit: Callable[[str], None] = print, poll_s: float = 1.0,
              should_stop: Callable[[], bool] = lambda: False) -> str:
-    """Print the last `lines` lines (matching `grep`) of the newest log; with follow, keep printing
+    """Print the last `lines` lines (matching `grep`) of the job's log (the one the job state names); with follow, keep printing
     new lines by polling byte offsets (nothing keeps running remotely when we stop). Following the
     job's log (no `log` given) moves on to a newer train-NNNN.log when a relaunch starts one."""
     pattern = compile_grep(grep)
     with connect(target) as transport:
-        path = log or newest_log(transport, target)
+        path = log or job_log(transport, target)
         q = shlex.quote(path)
         # the size first, so follow continues exactly where this read ended
         first = transport.run(_CHECK_FILE.format(q=q) + f"size=$(stat -c %s {q}) && echo $size && head -c $size {q} | "

@@ -12,6 +12,7 @@ import shlex
 
 from trainer import metrics_format
 
+from . import jobpaths
 from .errors import DflashOpsError, RemoteCommandError
 from .gpu import HOST_GPU_QUERY, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
 from .model import Job
@@ -75,6 +76,10 @@ class ProbeReport:
     records: tuple[dict, ...]  # parsed metrics records, oldest first (the start record included)
     errors: tuple[str, ...] = ()  # probe sections that failed
     out_of_time: tuple[str, ...] = ()  # parts ("gpu", "session") that ran out of their time
+    job_state: dict | None = None  # what dflash-ops recorded on the target (see jobstate)
+    log_missing: str | None = None  # the job state's log, when it no longer exists
+    marked_pids: tuple[int, ...] = ()  # processes carrying the launcher's marker
+    gpu_pids_visible: tuple[int, ...] = ()  # GPU process pids that exist where the probe ran
     seconds: float | None = None  # round trip, when run through run_probe
     raw: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -83,7 +88,8 @@ def probe_args(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines: int 
                gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi", part_s: float | None = None) -> dict:
     args = {"log_dir": job.log_dir, "session": job.session, "socket": job.tmux_socket,
             "log_lines": int(log_lines), "metrics_lines": int(metrics_lines), "gpu_source": gpu_source,
-            "nvidia_smi": nvidia_smi}
+            "nvidia_smi": nvidia_smi, "state_file": jobpaths.state_file(job),
+            "marker": f"{jobpaths.JOB_MARKER_ENV}={jobpaths.marker_value(job)}"}
     if part_s is not None:
         args["part_s"] = round(float(part_s), 2)
     return args
@@ -193,7 +199,11 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
         gpu=snapshot_from_probe(data.get("gpu")), session=state, processes=processes,
         log_dir=str(data.get("log_dir", "")), log=log, metrics=metrics, records=_records(metrics),
         errors=tuple(str(e) for e in data.get("errors") or []),
-        out_of_time=tuple(str(p) for p in data.get("out_of_time") or []), raw=data)
+        out_of_time=tuple(str(p) for p in data.get("out_of_time") or []),
+        job_state=data.get("job_state") if isinstance(data.get("job_state"), dict) else None,
+        log_missing=data.get("log_missing") or None,
+        marked_pids=tuple(int(p) for p in data.get("marked_pids") or []),
+        gpu_pids_visible=tuple(int(p) for p in data.get("gpu_pids_visible") or []), raw=data)
 
 
 def _tail(value) -> FileTail | None:

@@ -5,7 +5,7 @@ import math
 
 from trainer import metrics_format
 
-from . import logs
+from . import gpu_owners, logs
 from .gpu import IDLE_USED_MIB
 from .health import Verdict
 
@@ -41,7 +41,8 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
               "gpu_source": None, "gpu_error": None, "gpus": [],
               "session": {"name": job.session, "socket": job.tmux_socket, "running": None, "exists": None,
                           "pane_pid": None, "exit_status": None},
-              "processes": [], "log": None, "metrics": None, "data_source": None,
+              "processes": [], "log": None, "metrics": None, "data_source": None, "job_state": None,
+              "log_missing": None,
               "training": {"step": None, "total_steps": None, "loss": None, "tokens_per_s": None, "eta_s": None,
                            "last_update_age_s": None, "finished": False},
               "verdict": verdict.level, "reasons": list(verdict.reasons),
@@ -51,14 +52,17 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
     roles = _roles(job)
     status.update(hostname=report.hostname, time=report.time, probe_seconds=report.seconds,
                   gpu_source=report.gpu.source, gpu_error=report.gpu.error,
-                  log=report.log.path if report.log else None,
+                  log=report.log.path if report.log else None, job_state=report.job_state,
+                  log_missing=report.log_missing,
                   metrics=report.metrics.path if report.metrics else None)
     status["gpus"] = [
         {"index": g.index, "name": g.name, "uuid": g.uuid, "memory_used_mib": g.memory_used_mib,
          "memory_total_mib": g.memory_total_mib, "utilization_pct": g.utilization_pct,
          "role": roles.get(g.index), "ghost_memory_mib": g.ghost_memory_mib,
          "processes": [{"pid": p.pid, "used_memory_mib": p.used_memory_mib, "name": p.name,
-                        "owner": p.owner or None} for p in g.processes]}
+                        "owner": p.owner or None,
+                        "foreign": gpu_owners.is_foreign(report, p) if roles.get(g.index) else None}
+                       for p in g.processes]}
         for g in report.gpu.gpus]
     s = report.session
     status["session"] = {"name": s.name or job.session, "socket": s.socket or job.tmux_socket,
@@ -114,6 +118,7 @@ def _gpu_line(gpu: dict, name_width: int, color: bool) -> str:
     mem = f"{'?' if used is None else used:>6} / {'?' if total is None else total:>6} MiB"
     pids = " ".join(f"{p['name'] or '?'}/{p['pid']}" + (f"({p['used_memory_mib']}M)" if p["used_memory_mib"] is not None
                                                         else "") + (f"[{p['owner']}]" if p.get("owner") else "")
+                    + ("[foreign]" if p.get("foreign") else "")
                     for p in gpu["processes"])
     # small differences between used and per-process memory are the driver's own; name big ones
     if (gpu.get("ghost_memory_mib") or 0) > IDLE_USED_MIB:
@@ -148,6 +153,8 @@ def render_table(status: dict, color: bool = False) -> str:
     else:
         state = "not running"
     lines.append(f"session {s['name']} (tmux -L {s['socket']}): {state}")
+    if status.get("job_state"):
+        lines.append(describe_job_state(status["job_state"], status.get("log_missing")))
     t = status["training"]
     step = "-" if t["step"] is None else str(t["step"]) + (f"/{t['total_steps']}" if t["total_steps"] else "")
     loss = "-" if t["loss"] is None else f"{t['loss']:.4f}"
@@ -159,3 +166,13 @@ def render_table(status: dict, color: bool = False) -> str:
     level = status["verdict"]
     lines.append(_paint(level, COLORS.get(level, "0"), color) + ": " + "; ".join(status["reasons"]))
     return "\n".join(lines) + "\n"
+
+
+def describe_job_state(state: dict, log_missing: str | None = None) -> str:
+    """`job: stopped by dflash-ops stop, run 0003, log …/train-0007.log` (what dflash-ops recorded)."""
+    parts = [f"job: {state.get('state')}" + (f" by {state['by']}" if state.get("by") else "")]
+    if isinstance(state.get("run"), int):
+        parts.append(f"run {state['run']:04d}")
+    if state.get("log"):
+        parts.append(f"log {state['log']}" + (" (MISSING)" if log_missing else ""))
+    return ", ".join(parts)

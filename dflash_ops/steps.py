@@ -12,7 +12,7 @@ import shlex
 import time
 
 from . import deploy as deploy_lib
-from . import jobpaths, launch as launch_lib, tmux
+from . import jobpaths, jobstate, launch as launch_lib, tmux
 from .errors import StepFailed
 from .gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
 from .model import Job
@@ -53,35 +53,57 @@ def _gpu_snapshot(ctx: StepContext):
 
 # ------------------------------------------------------------------ the job's processes
 
-def _end_job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: float,
-                       include_session: bool) -> StepOutcome:
+def job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: float, include_session: bool,
+                   action: str) -> dict | None:
+    """Run remote/jobprocs.py: the job's living processes and the foreign ones on its GPUs, ended
+    when action is "kill". None under dry-run."""
     args = {"marker_env": jobpaths.JOB_MARKER_ENV, "marker": jobpaths.marker_value(job),
             "socket": job.tmux_socket, "session": job.session, "gpus": list(gpus),
-            "action": "kill", "grace_s": grace_s, "include_session": include_session}
+            "action": action, "grace_s": grace_s, "include_session": include_session}
     if gpus and _host_ctid(ctx) is not None:
         # Inside LXC nvidia-smi shows host pids; hand the script the host's mapped view instead.
         snapshot = _gpu_snapshot(ctx)
         if snapshot is not None:
-            args["gpu_apps"] = [[p.pid, g.index, p.used_memory_mib, p.owner] for g in snapshot.gpus
+            args["gpu_apps"] = [[p.pid, g.index, p.used_memory_mib, p.owner, p.name] for g in snapshot.gpus
                                 if g.index in gpus for p in g.processes]
     result = ctx.run(python_stdin_command(job.python, _JOBPROCS, args), timeout=grace_s + 60, stdin=_JOBPROCS_SOURCE)
-    if result is None:
+    return None if result is None else json.loads(result.stdout)
+
+
+def _name_of(process: dict) -> str:
+    name = process.get("name") or (process.get("cmd") or "").split(" ")[0]
+    return f" {name}" if name else ""
+
+
+def describe_foreign(others: list[dict], invisible: str = "not visible here") -> str:
+    """`pid 812 sleep on GPU 1 (7000 MiB, ct 201, host pid)`, for each process on the job's GPUs
+    that is not the job's; these are reported and never signalled. `invisible` says what a pid
+    without a /proc entry here means."""
+    return "; ".join(
+        f"pid {o['pid']}{_name_of(o)} on GPU {o['gpu']} "
+        f"({o.get('used_memory_mib')} MiB, " + (o["owner"] + ", host pid" if o.get("owner") else
+                                                "here" if o.get("visible") else invisible) + ")"
+        for o in others)
+
+
+def _end_job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: float,
+                       include_session: bool) -> StepOutcome:
+    report = job_processes(ctx, job, gpus, grace_s, include_session, "kill")
+    if report is None:
         return StepOutcome("would SIGTERM this job's processes, SIGKILL after "
                            f"{grace_s:g}s; other processes are only reported")
-    report = json.loads(result.stdout)
     if report["survivors"]:
         raise _fail(ctx, f"processes survived SIGKILL: {report['survivors']}")
     if report["job"]:
         message = (f"ended {len(report['job'])} process(es): {len(report['terminated'])} on SIGTERM, "
                    f"{len(report['killed'])} needed SIGKILL")
+    elif report.get("exited_panes"):
+        codes = ", ".join("?" if p["status"] is None else str(p["status"]) for p in report["exited_panes"])
+        message = f"the trainer had already exited (status {codes}); nothing was running"
     else:
         message = "no job processes running"
-    others = [f"pid {o['pid']} on GPU {o['gpu']} ({o.get('used_memory_mib')} MiB, "
-              + (f"{o['owner']}, host pid" if o.get("owner") else
-                 o["cmd"][:60] if o.get("cmd") else _invisible_pid(ctx)) + ")"
-              for o in report["unidentified"]]
-    if others:
-        message += "; left alone (not this job's): " + "; ".join(others)
+    if report["unidentified"]:
+        message += "; left alone (not this job's): " + describe_foreign(report["unidentified"], _invisible_pid(ctx))
     return StepOutcome(message, data=report)
 
 
@@ -119,25 +141,68 @@ def parse_gpu_query(stdout: str):
     return parse_nvidia_smi(gpu_csv, apps_csv)
 
 
+def surely_foreign(others: list[dict]) -> list[dict]:
+    """Those of jobprocs' unidentified processes that are known not to be the job's: another
+    container's or the host's, or visible here outside the job. A host pid that cannot be seen
+    from inside LXC may be the job's own trainer: it is not counted."""
+    return [o for o in others if (o.get("owner") and o["owner"] != "gone") or o.get("visible")]
+
+
+def _foreign_of(ctx: StepContext) -> set[tuple[int, str]]:
+    """(pid, owner) of the processes earlier steps found on the job's GPUs and left alone."""
+    found = set()
+    for data in ctx.results.values():
+        for other in surely_foreign(data.get("unidentified", ())) if isinstance(data, dict) else ():
+            found.add((int(other["pid"]), other.get("owner") or ""))
+    return found
+
+
 @registry.step("wait_gpu_free", params={"gpus": list[int], "timeout_s": (float, 120.0),
                                          "max_used_mib": (int, 1024), "poll_s": (float, 2.0)})
 def wait_gpu_free(ctx: StepContext, gpus: list[int], timeout_s: float, max_used_mib: int,
                   poll_s: float) -> StepOutcome:
-    """Wait until the GPUs hold no process and at most max_used_mib; name what still holds them."""
+    """Wait until the job's processes have left its GPUs (at most max_used_mib besides what the
+    foreign processes reported by the earlier steps hold); name what still holds them."""
     if not gpus:
         return StepOutcome("no GPUs assigned to this job")
+    foreign = _foreign_of(ctx)
     deadline = time.monotonic() + timeout_s
     while True:
-        snapshot = _gpu_snapshot(ctx)
+        try:
+            snapshot = _gpu_snapshot(ctx)
+        except StepFailed as exc:
+            ended = [name for name in ("stop_session", "kill_gpu_processes") if name in ctx.results]
+            if not ended:
+                raise
+            # the earlier steps saw every job process end; a GPU query that fails cannot undo that
+            return StepOutcome(f"the job's processes are gone; GPUs not checked: {str(exc).split(': ', 1)[-1]}")
         if snapshot is None:
             return StepOutcome(f"would wait up to {timeout_s:g}s for GPUs {gpus}")
-        holders = [b.describe() for b in busy_gpus(snapshot, gpus, max_used_mib=max_used_mib)]
+        holders = [b.describe() for b in busy_gpus(without(snapshot, foreign), gpus, max_used_mib=max_used_mib)]
         if not holders:
-            return StepOutcome(f"GPUs {','.join(map(str, gpus))} free")
+            shared = f" of this job's processes (foreign processes left alone: {len(foreign)})" if foreign else ""
+            return StepOutcome(f"GPUs {','.join(map(str, gpus))} free{shared}")
         if time.monotonic() > deadline:
             raise _fail(ctx, f"still busy after {timeout_s:g}s: " + "; ".join(holders))
         ctx.commands.clear()  # one poll is enough to show
         time.sleep(poll_s)
+
+
+def without(snapshot, foreign: set[tuple[int, str]]):
+    """The snapshot with the foreign processes and their memory taken out (they are not ours to
+    wait for); a foreign process of unknown size makes its GPU count by its process list only."""
+    if not foreign:
+        return snapshot
+    gpus = []
+    for gpu in snapshot.gpus:
+        theirs = [p for p in gpu.processes if (p.pid, p.owner) in foreign]
+        ours = tuple(p for p in gpu.processes if (p.pid, p.owner) not in foreign)
+        used = gpu.memory_used_mib
+        if used is not None and theirs:
+            sizes = [p.used_memory_mib for p in theirs]
+            used = None if None in sizes else max(0, used - sum(sizes))
+        gpus.append(dataclasses.replace(gpu, processes=ours, memory_used_mib=used))
+    return dataclasses.replace(snapshot, gpus=tuple(gpus))
 
 
 # ------------------------------------------------------------------ cache, deploy, launch
@@ -150,16 +215,41 @@ def _check_purgeable(ctx: StepContext, path: str) -> None:
                          "(absolute, at least two levels deep, not the workdir)")
 
 
-@registry.step("purge_cache", params={"paths": list[str]})
-def purge_cache(ctx: StepContext, paths: list[str]) -> StepOutcome:
-    """Remove exactly these compile-cache dirs; refuses while the job's session runs."""
+def refuse_while_job_lives(ctx: StepContext, what: str) -> None:
+    """Fail, naming pids, while any process of the job lives: its tmux tree or anything carrying
+    the launcher's marker (an orphan of an earlier launch included)."""
+    report = job_processes(ctx, ctx.job, [], 0.0, True, "list")
+    if report and report["job"]:
+        pids = ", ".join(f"{p['pid']} ({p['cmd'][:40]})" for p in report["job"][:5])
+        raise _fail(ctx, f"the job is running (pids {pids}); {what}")
+
+
+@registry.step("purge_cache", params={"paths": list[str], "if_unmarked": (str, "fail")})
+def purge_cache(ctx: StepContext, paths: list[str], if_unmarked: str) -> StepOutcome:
+    """Remove these compile-cache dirs, each only if it holds the marker the launcher puts there
+    (if_unmarked: "fail" or "skip" a dir without it); refuses while any job process lives."""
+    if if_unmarked not in ("fail", "skip"):
+        raise _fail(ctx, f"if_unmarked must be fail or skip, not {if_unmarked!r}")
     for path in paths:
         _check_purgeable(ctx, path)
-    running = ctx.run(tmux.has_session(ctx.job), timeout=30, check=False)
-    if running is not None and running.ok:
-        raise _fail(ctx, f"session {ctx.job.session!r} is running; stop the job first (dflash-ops stop)")
-    ctx.run("rm -rf -- " + " ".join(shlex.quote(p) for p in paths), timeout=300)
-    return StepOutcome(("would purge " if ctx.dry_run else "purged ") + ", ".join(paths))
+    refuse_while_job_lives(ctx, "stop it first (dflash-ops stop)")
+    done, skipped = [], []
+    for path in paths:
+        q = shlex.quote(path)
+        marker = shlex.quote(posixpath.join(path, jobpaths.CACHE_MARKER))
+        result = ctx.run(f"if [ ! -e {q} ]; then echo absent; elif [ -f {marker} ]; then rm -rf -- {q} && echo purged; "
+                         "else echo unmarked; fi", timeout=300)
+        answer = result.stdout.strip() if result is not None else "purged"
+        if answer == "unmarked":
+            if if_unmarked == "fail":
+                raise _fail(ctx, f"refusing to purge {path}: it has no {jobpaths.CACHE_MARKER} file, so "
+                                 "dflash-ops did not create it as a cache; check job.cache_dir")
+            skipped.append(path)
+        elif answer == "purged":
+            done.append(path)
+    parts = [("would purge " if ctx.dry_run else "purged ") + ", ".join(done)] if done else []
+    parts += [f"left {p} alone (no {jobpaths.CACHE_MARKER}: not created by dflash-ops)" for p in skipped]
+    return StepOutcome("; ".join(parts) or "nothing to purge")
 
 
 @registry.step("deploy", params={"keep_releases": (int, 5)})
@@ -175,14 +265,28 @@ def deploy(ctx: StepContext, keep_releases: int) -> StepOutcome:
 
 @registry.step("launch", params={"session": str, "cache_dir": str})
 def launch(ctx: StepContext, session: str, cache_dir: str) -> StepOutcome:
-    """Start the trainer in a detached tmux session writing the next numbered log."""
+    """Start the trainer in a detached tmux session writing the next numbered log; the run is the
+    newest unfinished one (resume) or a new one (after a finished run, or with --fresh)."""
     job = dataclasses.replace(ctx.job, session=session, cache_dir=cache_dir)
     result = ctx.run(launch_lib.launch_script(job, resume=bool(ctx.options.get("resume", True))), timeout=60)
     if result is None:
         return StepOutcome(f"would start tmux session {session!r} running: "
-                           f"{shlex.join(launch_lib.trainer_argv(job))}")
+                           f"{shlex.join(launch_lib.trainer_argv(job, jobpaths.runs_dir(job) + '/NNNN'))}")
     log = result.stdout.strip().splitlines()[-1]
     return StepOutcome(f"session {session!r} started, log {log}", data={"log": log})
+
+
+@registry.step("mark_stopped", params={})
+def mark_stopped(ctx: StepContext) -> StepOutcome:
+    """Record the operator's stop in the job state: health reports it as OK and never relaunches
+    the job; only a relaunch clears it."""
+    result = ctx.run(jobstate.read_script(ctx.job), timeout=30)
+    if result is None:
+        return StepOutcome(f"would record `stopped` in {jobpaths.state_file(ctx.job)}")
+    clock, previous = jobstate.parse_read(result.stdout)
+    ctx.run(f"mkdir -p {shlex.quote(ctx.job.workdir)}", timeout=30)
+    ctx.put(jobstate.encode(jobstate.stopped(previous, clock)), jobpaths.state_file(ctx.job))
+    return StepOutcome(f"job state: stopped by {jobstate.STOPPED_BY}")
 
 
 # ------------------------------------------------------------------ confirmation
@@ -249,3 +353,6 @@ def rollback(ctx: StepContext, release: str) -> StepOutcome:
     result = ctx.run(deploy_lib.rollback_script(ctx.job, named), timeout=60)
     return StepOutcome(result.stdout.strip() if result else
                        f"would switch `current` to {named or 'the previous release'}")
+
+
+from . import preflight  # noqa: E402,F401  (registers the preflight and require_job_stopped steps)

@@ -160,7 +160,7 @@ def test_no_utilization_warning_when_not_training():
 def test_no_driver_with_a_utilization_floor_warns():
     verdict = health.evaluate(make_report(steps(), snapshot=gpus(error="no NVIDIA driver (NVIDIA-SMI has failed)")), JOB)
     assert verdict.level == "WARNING"
-    assert verdict.reasons == ("drafter GPU utilization unknown: no NVIDIA driver (NVIDIA-SMI has failed)",)
+    assert verdict.reasons == ("GPUs 0,1,2 are assigned but the GPU query failed: no NVIDIA driver (NVIDIA-SMI has failed)",)
 
 
 def test_cpu_job_without_gpus_is_fine_without_a_driver():
@@ -173,7 +173,7 @@ def test_finished_job_is_ok_even_without_its_session():
     records = steps(count=3, total=3) + metrics_format.parse_lines(
         metrics_format.encode("done", time=NOW - 5, step=3, reason="max_steps"))
     verdict = health.evaluate(make_report(records, running=False), JOB)
-    assert verdict.level == "OK" and verdict.reasons == ("training finished at step 3",)
+    assert verdict.level == "OK" and verdict.reasons == ("finished at step 3",)
 
 
 def test_probe_blind_spots_are_warnings():

@@ -31,9 +31,16 @@ def standin(target, mode="train", gpus=((), ()), health=None, **job_fields):
 
 
 def quick(**options):
-    base = {"timeout": 30.0, "grace": 5.0}
+    # import_torch false: preflight only finds torch (the full import costs seconds per relaunch;
+    # test_case4 in test_unattended_e2e.py runs it)
+    base = {"timeout": 30.0, "grace": 5.0, "min_free_gib": 0.5, "import_torch": False}
     base.update(options)
     return base
+
+
+def step(result, name):
+    """The report of the step called `name` in a playbook result."""
+    return next(s for s in result.steps if s.step == name)
 
 
 @pytest.fixture
@@ -55,10 +62,10 @@ def test_relaunch_local_then_status_health_tail_stop(local_target, cleanup):
     lines = []
     result = ops.run_playbook(target, "relaunch", quick(), on_progress=lambda p: lines.append(p))
     assert result.ok, result.summary()
-    assert [s.step for s in result.steps] == ["stop_session", "kill_gpu_processes", "wait_gpu_free",
+    assert [s.step for s in result.steps] == ["preflight", "stop_session", "kill_gpu_processes", "wait_gpu_free",
                                               "purge_cache", "deploy", "launch", "wait_first_step"]
     assert all(s.seconds >= 0 for s in result.steps)
-    log = result.steps[5].data["log"]
+    log = step(result, "launch").data["log"]
     assert log.endswith("train-0001.log")
     assert (Path(target.job.workdir) / "current" / "trainer" / "train.py").exists()
 
@@ -77,7 +84,7 @@ def test_relaunch_local_then_status_health_tail_stop(local_target, cleanup):
     assert "1 on SIGTERM" in stopped.steps[0].message or "SIGTERM" in stopped.steps[0].message
     after = ops.check(target)
     assert after.status["session"]["running"] is not True
-    assert after.verdict.level == "CRITICAL"  # a stopped job is not a healthy job
+    assert after.verdict.level == "OK" and after.verdict.reasons[0].startswith("stopped by dflash-ops stop at ")
     metrics = Path(log[:-4] + ".metrics.jsonl").read_text().splitlines()
     assert json.loads(metrics[-1])["event"] == "done"  # SIGTERM reached the trainer, which said so
 
@@ -88,9 +95,9 @@ def test_relaunch_twice_in_a_row_is_safe_and_numbers_logs(local_target, cleanup)
     first = ops.run_playbook(target, "relaunch", quick())
     second = ops.run_playbook(target, "relaunch", quick())
     assert first.ok and second.ok, second.summary()
-    assert first.steps[5].data["log"].endswith("train-0001.log")
-    assert second.steps[5].data["log"].endswith("train-0002.log")
-    assert "ended" in second.steps[0].message  # the first run's trainer was stopped
+    assert step(first, "launch").data["log"].endswith("train-0001.log")
+    assert step(second, "launch").data["log"].endswith("train-0002.log")
+    assert "ended" in step(second, "stop_session").message  # the first run's trainer was stopped
     assert ops.check(target).status["session"]["running"] is True
 
 
@@ -137,7 +144,7 @@ def test_relaunch_in_container_kills_only_the_jobs_gpu_processes(pct_target, gpu
 
             second = ops.run_playbook(target, "relaunch", quick())
             assert second.ok, second.summary()
-            assert "ended" in second.steps[0].message
+            assert "ended" in step(second, "stop_session").message
             assert t.run(f"kill -0 {bystander}", timeout=20).ok, "an unrelated process was killed"
             st = ops.check(target).status
             assert st["verdict"] in ("OK", "WARNING"), st["reasons"]
@@ -160,12 +167,15 @@ def test_unrelated_process_on_a_job_gpu_is_named_and_spared(local_target, gpu_st
                                   "process_name": "sleep"}])
     try:
         result = ops.run_playbook(target, "relaunch", quick(gpu_free_timeout=2.0))
-        assert not result.ok and result.failed.step == "wait_gpu_free"
-        assert f"pid {squatter.pid}" in result.failed.message
-        kill_step = result.steps[1]
-        assert f"pid {squatter.pid} on GPU 1" in kill_step.message and "left alone" in kill_step.message
+        assert not result.ok and result.failed.step == "preflight"
+        assert f"pid {squatter.pid} sleep on GPU 1 (7000 MiB" in result.failed.message
+        assert "--allow-shared-gpus" in result.failed.message
+        assert [s.status for s in result.steps[1:]] == ["not-run"] * 7
+        shared = ops.run_playbook(target, "relaunch", quick(gpu_free_timeout=2.0, allow_shared_gpus=True))
+        assert shared.ok, shared.summary()
+        assert f"pid {squatter.pid} sleep on GPU 1" in step(shared, "kill_gpu_processes").message
+        assert "left alone" in step(shared, "kill_gpu_processes").message
         assert squatter.poll() is None
-        assert [s.status for s in result.steps[3:]] == ["not-run"] * 4
     finally:
         squatter.kill()
         gpu_state_path.unlink(missing_ok=True)

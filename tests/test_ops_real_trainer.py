@@ -10,6 +10,10 @@ from dflash_ops import ops
 from dflash_ops.model import Health
 
 
+def launch_of(result):
+    return next(s for s in result.steps if s.step == "launch")
+
+
 def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
     tag = uuid.uuid4().hex[:8]
     job = dataclasses.replace(local_target.job, tmux_socket=f"real-{tag}", session="tiny",
@@ -27,16 +31,18 @@ def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
 
         stopped = ops.run_playbook(target, "stop", {"grace": 60.0})
         assert stopped.ok and "0 needed SIGKILL" in stopped.steps[0].message, stopped.steps[0].message
-        log = Path(first.steps[5].data["log"])
+        assert ops.check(target).verdict.reasons[0].startswith("stopped by dflash-ops stop")
+        log = Path(launch_of(first).data["log"])
         records = [json.loads(line) for line in log.with_name(log.stem + ".metrics.jsonl").read_text().splitlines()]
         assert records[-1]["event"] == "done" and records[-1]["reason"] == "interrupted"
         assert any(r["event"] == "checkpoint" for r in records), "SIGTERM must leave a checkpoint"
         stopped_at = records[-1]["step"]
+        assert not (Path(job.workdir) / "runs" / "0001" / "FINISHED").exists()  # interrupted, not complete
 
         second = ops.run_playbook(target, "relaunch", {"timeout": 240.0, "grace": 60.0, "deploy": False})
         assert second.ok, second.summary()
         assert second.steps[-1].data["step"]["step"] > stopped_at, "the relaunch did not resume"
-        assert "--resume" in Path(second.steps[5].data["log"]).read_text()
+        assert "--resume" in Path(launch_of(second).data["log"]).read_text()
     finally:
         with ops.connect(target) as t:
             t.run(f"tmux -L {job.tmux_socket} kill-server", timeout=30)

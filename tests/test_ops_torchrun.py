@@ -43,6 +43,10 @@ def job_processes(job) -> dict[int, str]:
     return found
 
 
+def launch_of(result):
+    return next(s for s in result.steps if s.step == "launch")
+
+
 def metrics_of(log: str) -> list[dict]:
     path = Path(log).with_name(Path(log).stem + ".metrics.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -52,7 +56,7 @@ def test_torchrun_job_relaunch_status_stop_resume_and_a_dead_rank(ssh_target):
     target = torchrun_job(ssh_target, uuid.uuid4().hex[:8])
     try:
         dry = ops.run_playbook(target, "relaunch", {"timeout": 240.0}, dry_run=True)
-        assert "-m torch.distributed.run --standalone --nproc-per-node 2 -m trainer" in dry.steps[5].message
+        assert "-m torch.distributed.run --standalone --nproc-per-node 2 -m trainer" in launch_of(dry).message
 
         first = ops.run_playbook(target, "relaunch", {"timeout": 240.0, "grace": 60.0})
         assert first.ok, first.summary()
@@ -62,7 +66,7 @@ def test_torchrun_job_relaunch_status_stop_resume_and_a_dead_rank(ssh_target):
         checked = ops.check(target)
         assert checked.verdict.level == "OK", checked.verdict.reasons
         assert checked.status["training"]["total_steps"] == 40000  # 32 sequences / (2 ranks x 4) x 10000 epochs
-        log = first.steps[5].data["log"]
+        log = launch_of(first).data["log"]
         starts = [r for r in metrics_of(log) if r["event"] == "start"]
         assert len(starts) == 1 and starts[0]["config"]["run"]["launcher"] == "torchrun"  # rank 0 alone
 

@@ -620,11 +620,15 @@ EXPECTED_STEPS = {
     "kill_gpu_processes": {"gpus": list[int], "grace_s": (float, 10.0)},
     "wait_gpu_free": {"gpus": list[int], "timeout_s": (float, 120.0), "max_used_mib": (int, 1024),
                       "poll_s": (float, 2.0)},
-    "purge_cache": {"paths": list[str]},
+    "purge_cache": {"paths": list[str], "if_unmarked": (str, "fail")},
     "deploy": {"keep_releases": (int, 5)},
     "launch": {"session": str, "cache_dir": str},
     "wait_first_step": {"timeout_s": (float, 900.0), "poll_s": (float, 1.0)},
     "rollback": {"release": (str, "previous")},
+    "preflight": {"gpus": list[int], "deploy": (bool, True), "min_free_gib": (float, 10.0),
+                  "allow_shared_gpus": (bool, False), "import_torch": (bool, True)},
+    "mark_stopped": {},
+    "require_job_stopped": {},
 }
 
 
@@ -641,9 +645,10 @@ def expected_registry(calls: list):
 
 
 @pytest.mark.parametrize("name, order", [
-    ("relaunch", ["stop_session", "kill_gpu_processes", "wait_gpu_free", "purge_cache", "deploy", "launch",
-                  "wait_first_step"]),
-    ("stop", ["stop_session", "kill_gpu_processes", "wait_gpu_free"]),
+    ("relaunch", ["preflight", "stop_session", "kill_gpu_processes", "wait_gpu_free", "purge_cache", "deploy",
+                  "launch", "wait_first_step"]),
+    ("stop", ["stop_session", "mark_stopped", "kill_gpu_processes", "wait_gpu_free"]),
+    ("gpu-clean", ["require_job_stopped", "kill_gpu_processes", "wait_gpu_free"]),
     ("deploy", ["deploy"]),
 ])
 def test_shipped_playbooks_validate_and_keep_their_order(name, order):
@@ -662,10 +667,12 @@ def test_shipped_relaunch_fills_parameters_from_the_job(tmp_path):
     assert all(s.data == {"had_output": False} for s in result.steps)
     cache = str(tmp_path / "cache")
     assert calls == [
+        ("preflight", {"gpus": [1, 2, 3], "deploy": True, "min_free_gib": 10.0, "allow_shared_gpus": False,
+                       "import_torch": True}),
         ("stop_session", {"session": "train", "grace_s": 30.0}),
         ("kill_gpu_processes", {"gpus": [1, 2, 3], "grace_s": 10.0}),
         ("wait_gpu_free", {"gpus": [1, 2, 3], "timeout_s": 120.0, "max_used_mib": 1024, "poll_s": 2.0}),
-        ("purge_cache", {"paths": [cache]}),
+        ("purge_cache", {"paths": [cache], "if_unmarked": "skip"}),
         ("deploy", {"keep_releases": 5}),
         ("launch", {"session": "train", "cache_dir": cache}),
         ("wait_first_step", {"timeout_s": 60.0, "poll_s": 1.0}),
@@ -676,9 +683,10 @@ def test_shipped_relaunch_no_purge_no_deploy(tmp_path):
     calls = []
     playbook = load_playbook("relaunch", [SHIPPED_PLAYBOOKS])
     result = run_playbook(playbook, expected_registry(calls), make_ctx(tmp_path, {"purge": False, "deploy": False}))
-    assert [c[0] for c in calls] == ["stop_session", "kill_gpu_processes", "wait_gpu_free", "launch",
+    assert [c[0] for c in calls] == ["preflight", "stop_session", "kill_gpu_processes", "wait_gpu_free", "launch",
                                      "wait_first_step"]
-    assert [s.status for s in result.steps] == [OK, OK, OK, SKIPPED, SKIPPED, OK, OK]
+    assert calls[0][1]["deploy"] is False  # then the release must already be there
+    assert [s.status for s in result.steps] == [OK, OK, OK, OK, SKIPPED, SKIPPED, OK, OK]
     assert all(s.data == {"had_output": True} for s in result.steps if s.status == OK)
 
 

@@ -268,7 +268,8 @@ def test_probe_script_passes_hostile_strings_unchanged(tmp_path):
     assert flag == "-c" and source == (Path(probe.__file__).parent / "remote" / "probe_script.py").read_text()
     assert json.loads(args) == {"log_dir": HOSTILE + "/logs", "session": "a'b $(c)", "socket": 's"q`d`',
                                 "log_lines": 7, "metrics_lines": probe.DEFAULT_METRICS_LINES,
-                                "gpu_source": "auto", "nvidia_smi": "nvidia-smi"}
+                                "gpu_source": "auto", "nvidia_smi": "nvidia-smi",
+                                "state_file": HOSTILE + "/job-state.json", "marker": "DFLASH_OPS_JOB=s\"q`d`/a'b $(c)"}
     assert not list(tmp_path.rglob("PWNED*"))
 
 

@@ -89,9 +89,9 @@ def test_bad_torchrun_fields_get_one_line_naming_the_field(extra, field, fix):
 def test_one_host_gets_a_private_rendezvous_and_one_gpu_per_rank():
     job = job_of("launcher: torchrun, nproc_per_node: 2, drafter_gpus: [3, 5], "
                  "train_args: [--max-steps, '9', --drafter-devices, cuda]")
-    assert launch.trainer_argv(job) == [
+    assert launch.trainer_argv(job, "/w/runs/0001") == [
         "/w/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trainer",
-        "--config", "tiny-cpu", "--output-dir", "/w/run", "--launcher", "torchrun",
+        "--config", "tiny-cpu", "--output-dir", "/w/runs/0001", "--launcher", "torchrun",
         "--target-devices", "cuda", "--drafter-devices", "cuda", "--max-steps", "9", "--drafter-devices", "cuda"]
     assert launch.trainer_env(job)["CUDA_VISIBLE_DEVICES"] == "3,5"
     assert job.gpus == (3, 5)  # what stop/gpu-clean wait for
@@ -156,7 +156,7 @@ def test_threads_stays_the_default_launch():
 def test_the_pane_script_quotes_a_hostile_python_path(tmp_path):
     hostile = str(tmp_path / "py $(touch pwned); 'x'")
     job = Job(workdir=str(tmp_path), python=hostile, config="tiny-cpu", launcher="torchrun", nproc_per_node=2)
-    script = launch.pane_script(job, resume=False)
+    script = launch.pane_script(job)
     line = next(l for l in script.splitlines() if "torch.distributed.run" in l and "--metrics-file" in l)
     words = shlex.split(line.split(" >>", 1)[0])
     assert words[0] == hostile and words[1:4] == ["-m", "torch.distributed.run", "--standalone"]

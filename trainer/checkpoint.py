@@ -187,6 +187,14 @@ def save_checkpoint(output_dir: str, step: int, *, weights: dict, optimizer: dic
     return os.path.abspath(final)
 
 
+def mark_finished(output_dir: str, step: int) -> None:
+    """Leave metrics_format.RUN_FINISHED in the run's directory: this run is complete."""
+    from .metrics_format import RUN_FINISHED
+
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    Path(output_dir, RUN_FINISHED).write_text(f"{step}\n", encoding="utf-8")
+
+
 def load_checkpoint(path: str) -> Checkpoint:
     import torch
     from safetensors.torch import load_file

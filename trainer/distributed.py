@@ -301,6 +301,8 @@ def _loop(cfg, rank, device, metrics, stop, target, replica, dataset, plan, dcfg
                 metrics.say(f"{stop.signal_name or 'another rank'}: stopped after step {step}")
                 metrics.done(step, "interrupted")
                 return threaded.RunResult(step, total, "interrupted", last, path, [replica])
+    if rank.speaks(cfg):  # every host's launcher reads its own run directory
+        ckpt.mark_finished(cfg.run.output_dir, step)
     metrics.done(step, "max_steps")
     return threaded.RunResult(step, total, "max_steps", last, path, [replica])
 

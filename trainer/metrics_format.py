@@ -12,6 +12,9 @@ Every record has `v` (format version), `event` and `time` (unix seconds). Events
 - checkpoint: step, path
 - error:      message (str), kind (str, e.g. "fx_tracing", "cuda_oom", "exception")
 - done:       step, reason ("max_steps" | "interrupted")
+
+A run that completed (reason max_steps) also leaves the file RUN_FINISHED in its --output-dir,
+written before the `done` record: whoever launches the trainer starts a new run instead of resuming.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import time
 
 FORMAT_VERSION = 1
 EVENTS = ("start", "step", "compile", "checkpoint", "error", "done")
+RUN_FINISHED = "FINISHED"
 STEP_FIELDS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s", "lr", "grad_norm")
 
 

@@ -294,5 +294,6 @@ def _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, sta
                 metrics.say(f"{stop.signal_name}: stopped after step {step}")
                 metrics.done(step, "interrupted")
                 return RunResult(step, total, "interrupted", last, path, replicas)
+    ckpt.mark_finished(cfg.run.output_dir, step)
     metrics.done(step, "max_steps")
     return RunResult(step, total, "max_steps", last, path, replicas)

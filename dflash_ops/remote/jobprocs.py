@@ -3,6 +3,7 @@
 The job's processes are (a) the process tree under its tmux panes and (b) any process carrying
 the launcher's marker in its environment (leftovers that escaped the tree). GPU compute processes
 on the job's GPUs that are neither are reported as unidentified and never signalled.
+With "action": "kill" it ends them (SIGTERM, SIGKILL after grace_s); any other action only lists.
 Usage: python3 - '<json args>' < jobprocs.py; prints one JSON object.
 """
 import json
@@ -38,6 +39,10 @@ def cmdline(pid):
     return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip() if raw else ""
 
 
+def comm(pid):
+    return (read("/proc/%d/comm" % pid) or "").strip()
+
+
 def has_marker(pid, marker):
     env = read("/proc/%d/environ" % pid, "rb")
     return bool(env) and marker in env.split(b"\0")
@@ -57,13 +62,22 @@ def descendants(roots, pids):
     return found
 
 
-def pane_pids(socket, session):
+def panes(socket, session):
+    """[(pane pid, dead, exit status)] of the session's panes; [] when there is no session."""
     try:
-        out = subprocess.run(["tmux", "-L", socket, "list-panes", "-s", "-t", "=" + session + ":", "-F", "#{pane_pid}"],
+        out = subprocess.run(["tmux", "-L", socket, "list-panes", "-s", "-t", "=" + session + ":", "-F",
+                              "#{pane_pid} #{pane_dead} #{pane_dead_status}"],
                              capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return [int(x) for x in out.split() if x.isdigit()]
+    found = []
+    for line in out.splitlines():
+        parts = line.split()
+        if parts and parts[0].isdigit():
+            dead = len(parts) > 1 and parts[1] == "1"
+            status = int(parts[2]) if dead and len(parts) > 2 and parts[2].lstrip("-").isdigit() else None
+            found.append((int(parts[0]), dead, status))
+    return found
 
 
 def gpu_apps(gpus):
@@ -104,27 +118,31 @@ def main():
     marker = ("%s=%s" % (args["marker_env"], args["marker"])).encode()
     me = {os.getpid(), os.getppid()}
     pids = [p for p in all_pids() if p not in me]
-    panes = pane_pids(args["socket"], args["session"]) if args.get("include_session", True) else []
-    tree = descendants(panes, pids)
+    session_panes = panes(args["socket"], args["session"]) if args.get("include_session", True) else []
+    pane_list = [pid for pid, _dead, _status in session_panes]
+    tree = descendants(pane_list, pids)
     marked = {p for p in pids if has_marker(p, marker)}
-    job = sorted((tree | marked) - me)
-    # [pid, gpu, MiB, owner]: from the Proxmox host (pids already mapped into this container;
+    # only living processes are the job's: a dead pane's shell (a zombie) has nothing left to end
+    job = sorted(p for p in (tree | marked) - me if alive(p))
+    # [pid, gpu, MiB, owner, name]: from the Proxmox host (pids already mapped into this container;
     # owner names another container or the host, whose pids mean nothing here), else asked here.
     apps = args.get("gpu_apps")
     if apps is None:
-        apps = [(pid, gpu, used, "") for pid, gpu, used in gpu_apps(set(args.get("gpus", [])))]
-    unidentified = [
-        {"pid": pid, "gpu": gpu, "used_memory_mib": used, "owner": owner,
-         "visible": not owner and os.path.exists("/proc/%d" % pid), "cmd": "" if owner else cmdline(pid)}
-        for pid, gpu, used, owner in apps
-        if owner or pid not in job
-    ]
+        apps = [(pid, gpu, used, "", "") for pid, gpu, used in gpu_apps(set(args.get("gpus", [])))]
+    unidentified = []
+    for pid, gpu, used, owner, *name in apps:
+        if owner or pid not in job:
+            visible = not owner and os.path.exists("/proc/%d" % pid)
+            unidentified.append({"pid": pid, "gpu": gpu, "used_memory_mib": used, "owner": owner, "visible": visible,
+                                 "cmd": "" if owner else cmdline(pid),
+                                 "name": (name[0] if name else "") or (comm(pid) if visible else "")})
     report = {"job": [{"pid": p, "cmd": cmdline(p)} for p in job], "unidentified": unidentified,
+              "exited_panes": [{"pid": pid, "status": status} for pid, dead, status in session_panes if dead],
               "terminated": [], "killed": [], "survivors": []}
     if args.get("action") == "kill" and job:
         # Signal the pane's shell last: when it dies tmux closes the pty and the trainer gets
         # SIGHUP, which would cut its graceful shutdown (final checkpoint) short.
-        first = [p for p in job if p not in panes] or job
+        first = [p for p in job if p not in pane_list] or job
         for pid in first:
             try:
                 os.kill(pid, signal.SIGTERM)

@@ -5,10 +5,13 @@ in the container with whatever python is there. dflash_ops sends this file's tex
 with one argument, a JSON object:
 
   {"log_dir": str, "session": str, "socket": str, "log_lines": int, "metrics_lines": int,
-   "gpu_source": "auto"|"nvml"|"nvidia-smi"|"none", "nvidia_smi": str, "part_s": float}
+   "gpu_source": "auto"|"nvml"|"nvidia-smi"|"none", "nvidia_smi": str, "part_s": float,
+   "state_file": str, "marker": "DFLASH_OPS_JOB=<socket>/<session>"}
 
 `part_s` bounds each slow part (GPU query, tmux): a part that runs out of time reports an error
 for itself, is listed in "out_of_time", and the other parts are still reported.
+The log read is the one the job state names (`state_file`), never merely the newest file; only
+without a job state (a job launched before there was one) the newest train-NNNN.log is read.
 
 Every section catches its own failures into the output, so one broken part (no driver, no tmux,
 no log yet) never hides the others; the script itself exits 0 unless its argument is unusable.
@@ -304,18 +307,56 @@ def metrics_path_for_log(log_path):
     return stem + ".metrics.jsonl"
 
 
-def files_state(log_dir, log_lines, metrics_lines):
-    state = {"log_dir": log_dir, "log_dir_exists": os.path.isdir(log_dir), "log": None, "metrics": None}
-    if not state["log_dir_exists"]:
-        return state
-    log_path = newest_log(log_dir)
+def read_job_state(path):
+    """The job state dict dflash-ops wrote, or None (absent or unreadable)."""
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        data = json.loads(f.read() or "null")
+    return data if isinstance(data, dict) else None
+
+
+def files_state(log_dir, log_lines, metrics_lines, job_state=None):
+    state = {"log_dir": log_dir, "log_dir_exists": os.path.isdir(log_dir), "log": None, "metrics": None,
+             "log_missing": None}
+    log_path = (job_state or {}).get("log")
+    if not log_path:
+        if not state["log_dir_exists"]:
+            return state
+        log_path = newest_log(log_dir)
     if log_path is None:
         return state
-    state["log"] = file_tail(log_path, log_lines)
+    if os.path.exists(log_path):
+        state["log"] = file_tail(log_path, log_lines)
+    else:
+        state["log_missing"] = log_path  # deleted or rotated away under a live trainer, say
     metrics = metrics_path_for_log(log_path)
     if os.path.exists(metrics):
         state["metrics"] = file_tail(metrics, metrics_lines)
     return state
+
+
+def visible_gpu_pids(gpu):
+    """GPU process pids that exist here (inside LXC the driver may report host pids that do not)."""
+    pids = [p.get("pid") for p in gpu.get("processes") or []]
+    pids += [line.split(",")[0].strip() for line in (gpu.get("apps_csv") or "").splitlines()]
+    return sorted({int(p) for p in pids if str(p).isdigit() and os.path.exists("/proc/%s" % p)})
+
+
+def marked_pids(marker):
+    """Processes carrying the launcher's marker in their environment (orphans of a launch too)."""
+    if not marker:
+        return []
+    wanted = marker.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if wanted in _read("/proc/%s/environ" % entry, 1 << 20).split(b"\0"):
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return sorted(found)
 
 
 # --------------------------------------------------------------------------- main
@@ -347,15 +388,18 @@ def main(argv):
     gpu_started = None if gpu_source == "none" else section(errors, "gpu", start_gpu_state, gpu_source,
                                                              args.get("nvidia_smi") or "nvidia-smi", deadline, part_s)
     # the files are read while those commands run
+    report["job_state"] = section(errors, "job state", read_job_state, args.get("state_file"))
     files = section(errors, "files", files_state, log_dir, int(args.get("log_lines", 200)),
-                    int(args.get("metrics_lines", 400))) or {}
+                    int(args.get("metrics_lines", 400)), report["job_state"]) or {}
     report["session"] = (section(errors, "tmux", finish_tmux, tmux_started, sock, session, deadline, part_s)
                          if tmux_started else None)
     gpu = section(errors, "gpu", finish_gpu_state, gpu_started, deadline, part_s) if gpu_started else None
     report["gpu"] = gpu or {"source": None, "error": "not queried in the container" if gpu_source == "none"
                             else "probe failed"}
+    report["gpu_pids_visible"] = section(errors, "gpu", visible_gpu_pids, report["gpu"]) or []
     pane_pid = (report["session"] or {}).get("pane_pid")
     report["processes"] = section(errors, "processes", process_tree, pane_pid) or []
+    report["marked_pids"] = section(errors, "processes", marked_pids, args.get("marker")) or []
     report.update(files)
     report["out_of_time"] = [name for name in ("gpu", "session") if (report.get(name) or {}).get("out_of_time")]
     sys.stdout.write(json.dumps(report) + "\n")

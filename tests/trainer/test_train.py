@@ -122,6 +122,8 @@ def test_metrics_file_follows_the_contract(tmp_path):
     assert [r["step"] for r in ckpts] == [2, 4, 5]  # every 2 steps and at the end
     assert all(os.path.isdir(r["path"]) for r in ckpts[-3:] if r["step"] >= 4)
     assert recs[-1] == {**recs[-1], "event": "done", "step": 5, "reason": "max_steps"}
+    # a completed run says so in its directory, so a launcher starts a new run instead of resuming
+    assert (tmp_path / metrics_format.RUN_FINISHED).read_text() == "5\n"
 
     text = out.getvalue()  # the readable side: resolved config, devices, lock mode, one line per step
     assert "resolved config" in text and "drafters cpu, cpu" in text and "compile lock: lock" in text

@@ -1,0 +1,42 @@
+"""Whose is each process on the job's GPUs: the job's own (its tmux tree or the launcher's marker),
+foreign (anything else we can see, another container's or the host's), or unknown (a host pid
+inside LXC that the container cannot see). Foreign processes are reported, never signalled."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuUse:
+    pid: int
+    gpu: int
+    name: str
+    used_memory_mib: int | None
+    owner: str  # "" (where the job runs), "ct 201", "host"
+
+    def describe(self) -> str:
+        where = self.owner or "this container/machine"
+        size = "?" if self.used_memory_mib is None else self.used_memory_mib
+        return f"pid {self.pid} {self.name or '?'} on GPU {self.gpu} ({size} MiB, {where})"
+
+
+def job_pids(report) -> set[int]:
+    return {p.pid for p in report.processes} | set(report.marked_pids)
+
+
+def is_foreign(report, process) -> bool | None:
+    """True/False, or None when it cannot be told (a host pid not visible where the probe ran)."""
+    if process.owner == "gone":
+        return None
+    if process.owner:
+        return True
+    mapped_by_host = (report.gpu.source or "").endswith("Proxmox host")
+    if not mapped_by_host and process.pid not in report.gpu_pids_visible:
+        return None
+    return process.pid not in job_pids(report)
+
+
+def foreign_on_job_gpus(report, job) -> list[GpuUse]:
+    gpus = set(job.gpus)
+    return [GpuUse(p.pid, g.index, p.name, p.used_memory_mib, p.owner)
+            for g in report.gpu.gpus if g.index in gpus for p in g.processes if is_foreign(report, p)]

@@ -1,0 +1,45 @@
+"""Verdict rules for a job nobody watches: an operator's stop and a finished run are OK (nothing to
+restart), and the blind spots that must not pass for a dead job (a deleted log under a live
+trainer, foreign processes on the job's GPUs, a GPU query that fails) are WARNINGs."""
+from __future__ import annotations
+
+import time
+
+from . import gpu_owners, jobstate
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "an unknown time"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
+def parked(report, progress) -> str | None:
+    """The OK reason for a job that is deliberately not running, else None."""
+    if report.session.running:
+        return None
+    state = jobstate.JobState.from_dict(report.job_state)
+    if state is not None and state.state == jobstate.STOPPED:
+        return f"stopped by {state.by or jobstate.STOPPED_BY} at {_clock(state.when)}"
+    if state is not None and state.state == jobstate.FINISHED and progress.done_reason != "max_steps":
+        return f"finished (run {state.run:04d})" if isinstance(state.run, int) else "finished"
+    return None
+
+
+def _live_pid(report) -> int | None:
+    start = next((r for r in report.records if r.get("event") == "start"), None)
+    return (start or {}).get("pid") or report.session.pane_pid
+
+
+def warnings(report, job) -> list[str]:
+    found = []
+    if report.log_missing and report.session.running:
+        found.append(f"log {report.log_missing} is missing while the trainer (pid {_live_pid(report)}) is alive: "
+                     "deleted or rotated away? progress is read from its metrics file")
+    if job.gpus and not report.gpu.ok:
+        found.append(f"GPUs {','.join(map(str, job.gpus))} are assigned but the GPU query failed: {report.gpu.error}")
+    foreign = gpu_owners.foreign_on_job_gpus(report, job)
+    if foreign:
+        found.append("foreign process(es) on the job's GPUs (never signalled): "
+                     + "; ".join(f.describe() for f in foreign))
+    return found
