@@ -124,7 +124,8 @@ def speculative_generate(model, layer_ids, drafter, prompt: list[int], max_new_t
     start = len(prompt)  # position of the last accepted token (the next block's anchor)
     accepted = []
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
-        proposals = context.draft_logits(tokens[-1])[:-1].argmax(dim=-1)  # row k predicts start+k+1
+        # row k of the block predicts position start+k; row 0 is the anchor itself
+        proposals = context.draft_logits(tokens[-1])[1:].argmax(dim=-1)
         verify = torch.cat([torch.tensor([tokens[-1]], device=device), proposals.to(device)]).unsqueeze(0)
         out = _forward(model, verify, cache, hidden=True)
         target_tokens = pick(out.logits[0], temperature, generator).tolist()  # for start+1..start+B
