@@ -39,7 +39,8 @@ class TrainingEval:
         return cls(cfg, target, dcfg, prompts, dtype)
 
     def due(self, step: int, total: int) -> bool:
-        return step % self.every == 0 or step == total
+        """Every `every` steps, and after the last one (runs shorter than `every` never evaluate)."""
+        return step % self.every == 0 or (step == total and step > self.every)
 
     def run(self, model: torch.nn.Module, step: int, metrics: MetricsWriter):
         self.drafter.load_state_dict(model.state_dict())
