@@ -112,24 +112,17 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
     return target, drafter
 
 
-def heldout_prompts(run_config: dict, target, source: str) -> list[list[int]]:
-    """The prompts of the run's held-out rows (fresh seeded prompts for synthetic data without a split)."""
+def run_prompts(run_config: dict, target, source: str, count: int) -> list[list[int]]:
+    """The prompts the run evaluated itself with (its held-out rows, eval.path or fresh synthetic ones)."""
     from .config import config_from_dict
-    from .heldout import prompts_of, split_heldout
+    from .heldout import eval_prompts, split_heldout
     from .train import build_dataset
 
     cfg = config_from_dict(run_config, source)
-    if cfg.eval.path:
-        from .evaluate import load_prompts
-        return load_prompts(cfg.eval.path, target.tokenizer, target.vocab_size)
-    if cfg.data.eval_fraction <= 0:
-        if cfg.data.source != "synthetic":
-            raise ConfigError(f"{source}: the run held no data out (data.eval_fraction 0). "
-                              f"Fix: pass --prompts FILE.jsonl.")
-        cfg.train.seed += 1  # fresh random prompts: never trained on
-        return prompts_of(build_dataset(cfg, target))
-    _, held = split_heldout(build_dataset(cfg, target), cfg.data.eval_fraction, cfg.train.seed)
-    return prompts_of(held)
+    heldout = None
+    if not cfg.eval.path and cfg.data.eval_fraction > 0:
+        _, heldout = split_heldout(build_dataset(cfg, target), cfg.data.eval_fraction, cfg.train.seed)
+    return eval_prompts(cfg, target, heldout, count)
 
 
 # ---- running ---------------------------------------------------------------------------------
@@ -206,7 +199,7 @@ def run_eval(args: argparse.Namespace, out=None, err=None) -> int:
             from .evaluate import load_prompts
             prompts = load_prompts(args.prompts, target.tokenizer, target.vocab_size)
         elif run_config is not None:
-            prompts = heldout_prompts(run_config, target, described)
+            prompts = run_prompts(run_config, target, described, args.num_prompts)
         else:
             raise ConfigError("--prompts is required with an export dir. Fix: --prompts FILE.jsonl.")
         prompts = prompts[:args.num_prompts]

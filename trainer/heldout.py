@@ -1,8 +1,9 @@
-"""The held-out split: sequences training never sees, kept for the acceptance-length evaluation.
+"""Evaluation prompts training never sees: a held-out split, a prompts file, or fresh synthetic prompts.
 
 Which rows are held out depends only on (seed, number of rows, fraction), so `dflash-train eval`
 on a finished run finds the very rows the run held out. A prompt is what comes before the first
-trained position of a row: the part the target answers, not the answer itself.
+trained position of a row: the part the target answers, not the answer itself. Synthetic data
+needs no split: random prompts drawn from another seed stream are unseen by construction.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from .data import DataError, Dataset, derive_seed
 
 _SPLIT_SALT = 0xE7A1
+_FRESH_PROMPTS_SALT = 0xE7A2
 
 
 def heldout_count(num_rows: int, fraction: float) -> int:
@@ -46,3 +48,29 @@ def prompts_of(dataset: Dataset) -> list[list[int]]:
         if prompt:
             prompts.append(prompt)
     return prompts
+
+
+def fresh_synthetic_prompts(vocab_size: int, mask_token_id: int, count: int, prompt_len: int,
+                            seed: int) -> list[list[int]]:
+    """Random prompts like the synthetic data's, from a seed stream the training data never uses."""
+    gen = torch.Generator().manual_seed(derive_seed(seed, _FRESH_PROMPTS_SALT))
+    prompts = torch.randint(0, vocab_size, (count, prompt_len), generator=gen)
+    prompts[prompts == mask_token_id] = (mask_token_id + 1) % vocab_size
+    return prompts.tolist()
+
+
+def eval_prompts(cfg, target, heldout: Dataset | None, count: int) -> list[list[int]]:
+    """Up to `count` evaluation prompts for a run: eval.path, else the held-out split, else (synthetic
+    data) fresh random prompts. Training (tau while training) and `dflash-train eval` share this."""
+    from .config import ConfigError
+
+    if cfg.eval.path:
+        from .evaluate import load_prompts
+        return load_prompts(cfg.eval.path, target.tokenizer, target.vocab_size)[:count]
+    if heldout is not None:
+        return prompts_of(heldout)[:count]
+    if cfg.data.source == "synthetic":
+        return fresh_synthetic_prompts(target.vocab_size, target.mask_token_id, count,
+                                       cfg.data.synthetic.prompt_len, cfg.train.seed)
+    raise ConfigError(f"{cfg.source}: no evaluation prompts: the run held no data out (data.eval_fraction 0) "
+                      f"and eval.path is unset. Fix: set one of them, or pass --prompts FILE.jsonl.")

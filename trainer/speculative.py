@@ -18,6 +18,7 @@ so every emitted token is a target sample given the correct prefix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import time
 
@@ -62,11 +63,15 @@ def _new_cache():
     return DynamicCache()
 
 
+@functools.lru_cache(maxsize=None)
+def _cache_argument(model_class) -> str:
+    """Newer transformers call the forward's KV-cache argument `cache`, older ones `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def _forward(model, ids: torch.Tensor, cache, hidden: bool = False):
-    """The target's forward with its KV cache (newer transformers call the argument `cache`,
-    older ones `past_key_values`)."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return model(input_ids=ids, use_cache=True, output_hidden_states=hidden, **{name: cache})
+    """The target's forward over `ids` with its KV cache."""
+    return model(input_ids=ids, use_cache=True, output_hidden_states=hidden, **{_cache_argument(type(model)): cache})
 
 
 def _finish(tokens: list[int], max_new_tokens: int, stop_ids) -> list[int]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from .config import TrainConfig
-from .evaluate import evaluate, load_prompts, stop_token_ids
-from .heldout import prompts_of
+from .evaluate import evaluate, stop_token_ids
+from .heldout import eval_prompts
 from .metrics import MetricsWriter
 from .model import DFlashDrafter, DrafterConfig
 
@@ -32,11 +32,7 @@ class TrainingEval:
     def create(cls, cfg: TrainConfig, target, dcfg: DrafterConfig, heldout, dtype) -> "TrainingEval | None":
         if not cfg.eval.every:
             return None
-        if cfg.eval.path:
-            prompts = load_prompts(cfg.eval.path, target.tokenizer, target.vocab_size)
-        else:
-            prompts = prompts_of(heldout)
-        return cls(cfg, target, dcfg, prompts, dtype)
+        return cls(cfg, target, dcfg, eval_prompts(cfg, target, heldout, cfg.eval.num_prompts), dtype)
 
     def due(self, step: int, total: int) -> bool:
         """Every `every` steps, and after the last one (runs shorter than `every` never evaluate)."""

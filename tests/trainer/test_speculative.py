@@ -13,7 +13,7 @@ from trainer import metrics_format
 from trainer.config import load_config
 from trainer.drafter_cache import DrafterContext
 from trainer.evaluate import evaluate
-from trainer.heldout import prompts_of, split_heldout
+from trainer.heldout import eval_prompts, prompts_of, split_heldout
 from trainer.masks import dense_mask
 from trainer.model import DFlashDrafter, DrafterConfig
 from trainer.speculative import speculative_generate, target_generate
@@ -106,7 +106,7 @@ def test_untrained_drafter_is_lossless_and_accepts_about_nothing(target, block_s
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """tiny-cpu for 200 steps with tau evaluated every 100 (about 30-40 s on one loaded core)."""
+    """tiny-cpu for 200 steps with tau evaluated every 100 (about 25-40 s on a loaded 2-core box)."""
     from trainer.train import train
 
     out = tmp_path_factory.mktemp("trained")
@@ -123,10 +123,10 @@ def reference():
 
 
 def _training_prompts(cfg, target):
+    """(prompts of the training rows, the unseen prompts the trainer evaluates with)."""
     from trainer.train import build_dataset
 
-    rows, held = split_heldout(build_dataset(cfg, target), cfg.data.eval_fraction, cfg.train.seed)
-    return prompts_of(rows), prompts_of(held)
+    return prompts_of(build_dataset(cfg, target)), eval_prompts(cfg, target, None, cfg.eval.num_prompts)
 
 
 def test_trained_drafter_is_lossless_at_every_block_size_with_stop_tokens(trained, target):
@@ -161,8 +161,7 @@ def test_tau_rises_from_one_with_training_and_is_logged_during_training(trained,
     assert last["lossless"] is True and last["prompts"] == cfg.eval.num_prompts and last["seconds"] > 0
     assert len(last["acceptance"]) == 7 and last["tau"] >= 1.0
     # the held-out prompts decoded after training give the tau the trainer logged
-    held = evaluate(target.model, target.layer_ids, drafter, held_prompts[:cfg.eval.num_prompts],
-                    max_new_tokens=24)
+    held = evaluate(target.model, target.layer_ids, drafter, held_prompts, max_new_tokens=24)
     assert held.tau == pytest.approx(last["tau"])
 
 
@@ -207,3 +206,15 @@ def test_heldout_rows_never_reach_training(tmp_path):
     held_set = {tuple(r) for r in held.input_ids.tolist()}
     assert len(seen) == 36 and not seen & held_set
     assert prompts_of(held) == [r[:4] for r in held.input_ids.tolist()]  # prompt = before the loss mask
+
+
+def test_fresh_synthetic_prompts_are_not_the_training_prompts(target):
+    from trainer.heldout import fresh_synthetic_prompts
+    from trainer.train import build_dataset
+
+    cfg = load_config("tiny-cpu", {"data.synthetic.num_samples": 64})
+    fresh = fresh_synthetic_prompts(512, target.mask_token_id, 16, 8, cfg.train.seed)
+    assert fresh == fresh_synthetic_prompts(512, target.mask_token_id, 16, 8, cfg.train.seed)  # eval finds them again
+    training = {tuple(p) for p in prompts_of(build_dataset(cfg, target))}
+    assert len(fresh) == 16 and not training & {tuple(p) for p in fresh}
+    assert all(target.mask_token_id not in p for p in fresh)
