@@ -96,7 +96,7 @@ def markdown(args, info, with_eval, without, ev) -> str:
                      f"{e['lossless']} | {e['prompts']} | {e['seconds']:.2f} |")
     if with_eval["expected_tau"] is not None:
         lines += ["", f"Expected tau from the last step's training accuracy: {with_eval['expected_tau']:.3f}"]
-    lines += ["", "## `dflash-train eval` on the finished run (held-out prompts)", ""]
+    lines += ["", "## `dflash-train eval` on the finished run (prompts it never trained on)", ""]
     if ev.get("tau") is None:
         lines.append(f"failed (exit {ev.get('exit')})")
     else:

@@ -208,7 +208,7 @@ def run_eval(args: argparse.Namespace, out=None, err=None) -> int:
         show = _progress(err) if err.isatty() and not args.json else None
         result = evaluate(target.model, target.layer_ids, drafter, prompts, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, stop_ids=stop_token_ids(target.model, target.tokenizer),
-                          seed=args.seed, progress=show)
+                          seed=args.seed, progress=show, warmup=True)
     except (ConfigError, DataError, CheckpointError) as exc:
         print(f"dflash-train eval: error: {exc}", file=err)
         return 2

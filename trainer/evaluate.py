@@ -127,9 +127,11 @@ def fits(prompt: list[int], max_new_tokens: int, block_size: int, limit: int | N
 
 def evaluate(model, layer_ids, drafter, prompts: list[list[int]], *, max_new_tokens: int,
              temperature: float = 0.0, stop_ids=(), seed: int = 0, reference: dict | None = None,
-             progress: Callable[[int, int], None] | None = None) -> EvalResult:
+             progress: Callable[[int, int], None] | None = None, warmup: bool = False) -> EvalResult:
     """Decode every prompt both ways (see the module docstring). `reference` caches the target's
-    own greedy outputs by prompt across calls (the target is frozen, so they never change)."""
+    own greedy outputs by prompt across calls (the target is frozen, so they never change).
+    `warmup`: decode a few tokens both ways first, so one-time setup (CUDA context, kernels,
+    allocator) is not billed to the first timed prompt."""
     t0 = time.perf_counter()
     block = drafter.cfg.block_size
     limit = max_positions(model)
@@ -138,6 +140,9 @@ def evaluate(model, layer_ids, drafter, prompts: list[list[int]], *, max_new_tok
     generator = torch.Generator(device=model.get_input_embeddings().weight.device).manual_seed(seed)
     was_training = drafter.training
     drafter.eval()
+    if warmup and usable:
+        target_generate(model, usable[0], 4)
+        speculative_generate(model, layer_ids, drafter, usable[0], 4)
     accepted, ties, mismatch = [], 0, None
     target_tokens = target_seconds = spec_tokens = spec_seconds = 0.0
     try:
