@@ -365,9 +365,6 @@ def _validate_eval(cfg: TrainConfig) -> None:
     for key, value in (("eval.num_prompts", e.num_prompts), ("eval.max_new_tokens", e.max_new_tokens)):
         if value < 1:
             _fail(cfg, key, f"must be at least 1, got {value}.")
-    if e.every and not e.path and cfg.data.eval_fraction == 0 and cfg.data.source != "synthetic":
-        _fail(cfg, "eval.every", "is on but there are no evaluation prompts. Fix: hold some data out "
-              "with data.eval_fraction (e.g. 0.05), set eval.path to a prompts JSONL, or eval.every: 0.")
 
 
 def check_devices(cfg: TrainConfig) -> None:

@@ -240,7 +240,7 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
         replica = threaded.build_replicas(cfg, dcfg, target, total)[0]
         replica.index = rank.rank
         # rank 0 evaluates tau between steps; the other ranks wait for it at the next step's all-reduce
-        evaluator = TrainingEval.create(cfg, target, dcfg, heldout, threaded.param_dtype(device)) \
+        evaluator = TrainingEval.create(cfg, target, dcfg, heldout, threaded.param_dtype(device), metrics.say) \
             if rank.is_lead else None
         start, upcast = 0, None
         if cfg.run.resume:

@@ -245,7 +245,8 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
         total = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
         dcfg = drafter_config(cfg, targets[0])
         replicas = build_replicas(cfg, dcfg, targets[0], total)
-        evaluator = TrainingEval.create(cfg, targets[0], dcfg, heldout, param_dtype(targets[0].device))
+        evaluator = TrainingEval.create(cfg, targets[0], dcfg, heldout, param_dtype(targets[0].device),
+                                        metrics.say)
         start, upcast = 0, None
         if cfg.run.resume:
             state = ckpt.load_checkpoint(ckpt.resolve_resume(cfg.run.resume, cfg.run.output_dir))

@@ -29,8 +29,15 @@ class TrainingEval:
         self.drafter.to(device=target.device, dtype=dtype).eval()
 
     @classmethod
-    def create(cls, cfg: TrainConfig, target, dcfg: DrafterConfig, heldout, dtype) -> "TrainingEval | None":
+    def create(cls, cfg: TrainConfig, target, dcfg: DrafterConfig, heldout, dtype,
+               say=print) -> "TrainingEval | None":
+        """The evaluator, or None when eval.every is 0 or there is nothing unseen to prompt with
+        (then `say` tells why: a run does not fail for want of evaluation prompts)."""
         if not cfg.eval.every:
+            return None
+        if not (cfg.eval.path or heldout is not None or cfg.data.source == "synthetic"):
+            say("eval: tau evaluation off: no unseen prompts. Fix: set data.eval_fraction (e.g. 0.01) "
+                "or eval.path, or eval.every: 0 to silence this")
             return None
         return cls(cfg, target, dcfg, eval_prompts(cfg, target, heldout, cfg.eval.num_prompts), dtype)
 
