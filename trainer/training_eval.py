@@ -35,6 +35,10 @@ class TrainingEval:
         (then `say` tells why: a run does not fail for want of evaluation prompts)."""
         if not cfg.eval.every:
             return None
+        if getattr(target, "model", None) is None:  # data.source features: no decoder was loaded
+            say("eval: tau evaluation off: data.source features loads no target decoder to decode with. "
+                "Fix: run dflash-train eval --checkpoint on the run's output dir, or eval.every: 0")
+            return None
         if not (cfg.eval.path or heldout is not None or cfg.data.source == "synthetic"):
             say("eval: tau evaluation off: no unseen prompts. Fix: set data.eval_fraction (e.g. 0.01) "
                 "or eval.path, or eval.every: 0 to silence this")

@@ -231,3 +231,7 @@ def test_without_unseen_prompts_training_runs_and_says_why_tau_is_off(target):
                     "or eval.path, or eval.every: 0 to silence this"]
     on = load_config("tiny-cpu", {"data.source": "jsonl", "data.path": "train.jsonl", "data.eval_fraction": 0.1})
     assert on.eval.every == 240  # the split is what makes prompts; create() then takes its rows
+    head = type("TargetHead", (), {"model": None})()  # what data.source features trains with
+    said.clear()
+    assert TrainingEval.create(on, head, dcfg, None, torch.float32, said.append) is None
+    assert said and "data.source features loads no target decoder" in said[0]
