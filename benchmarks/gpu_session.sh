@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU proof needs, in one command on a GPU machine; results under $OUT (or ./gpu-out).
-#   bash benchmarks/gpu_session.sh smoke|race|perf|ops|precision|torchrun|features|unattended
+#   bash benchmarks/gpu_session.sh smoke|race|perf|ops|precision|torchrun|features|unattended|tau
 # smoke: versions, the CUDA-only trainer tests, one short training run with compiled flex.
 # race:  the race harness (none, lock x20, patch).   perf: throughput at paper dims.
 # ops:   dflash-ops relaunch/status/health/tail-log/stop on this machine's `local` target.
@@ -10,6 +10,8 @@
 # features: paper-dims step time with features from an on-disk cache (random features, ~2.9 GiB written
 #        under $CACHE_TMP, default ./.feature-cache-tmp, removed after) vs the drafter-only step; MiB per 1k tokens.
 # unattended: relaunch/status/health/stop with a foreign CUDA process on the job's GPU (~3 min).
+# tau:   tiny-cpu on CUDA (compiled flex) with the tau evaluation on vs off (overhead), then
+#        `dflash-train eval` on CUDA: tau, acceptance per position, speedup, lossless check.
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -95,6 +97,9 @@ unattended)
     ops stop; ops health; ops relaunch --allow-shared-gpus --no-deploy; ops stop; ops health; ls -R /tmp/dflash-gpu/runs | head -30;
     cat /tmp/dflash-gpu/job-state.json; } 2>&1 | tee "$OUT/unattended.txt"
   kill $squat 2>/dev/null; wait $squat 2>/dev/null
+  ;;
+tau)
+  timeout -k 10 420 python3 benchmarks/tau_session.py --device cuda:0 --timeout 180 --out "$OUT/tau.md" 2>&1 | tail -40
   ;;
 esac
 done

@@ -11,7 +11,7 @@ import math
 import posixpath
 import re
 
-from . import logs, unattended
+from . import acceptance, logs, unattended
 from .model import Job
 
 LEVELS = ("OK", "WARNING", "CRITICAL", "UNKNOWN")
@@ -83,12 +83,18 @@ def evaluate(report, job: Job, now: float | None = None) -> Verdict:
     if training:
         warning += _slowness(progress, job.health.min_tokens_per_s)
         warning += _idle_drafters(report.gpu, job, drafter_util)
+    accept = acceptance.latest(list(report.records))
+    warning += acceptance.problems(accept, job.health.min_tau)
     # a part of the probe that failed (an unreadable log, say) leaves a blind spot: say so
     warning += [f"probe could not read part of the target: {error}" for error in report.errors]
     warning += unattended.warnings(report, job)
     level = "CRITICAL" if critical else "WARNING" if warning else "OK"
     reasons = critical + warning or [_ok_summary(progress, age, finished)]
-    return Verdict(level, tuple(reasons), _perfdata(progress, age, drafter_util, job))
+    perfdata = _perfdata(progress, age, drafter_util, job)
+    if accept is not None or job.health.min_tau > 0:  # runs without tau evaluation keep their line
+        perfdata["tau"] = Perf(accept.tau if accept else None,
+                               warn=f"{_number(job.health.min_tau)}:" if job.health.min_tau > 0 else "")
+    return Verdict(level, tuple(reasons), perfdata)
 
 
 def _progress_age(report, progress: logs.Progress, now: float) -> float | None:

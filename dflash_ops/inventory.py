@@ -374,6 +374,7 @@ _HEALTH_FIELDS: dict = {
     "stall_seconds": _number("900", zero_ok=False),
     "min_drafter_util_pct": _number("30", zero_ok=True, most=100),
     "max_relaunches_per_hour": _whole(0, 60, "3"),
+    "min_tau": _number("3", zero_ok=True, most=64),
 }
 _JOB_FIELDS: dict = {
     "workdir": _path, "python": _path, "config": _config, "session": _session,

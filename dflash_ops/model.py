@@ -26,6 +26,7 @@ class Health:
     stall_seconds: float = 900.0  # CRITICAL when no new step for this long
     min_drafter_util_pct: float = 0.0  # WARNING when drafter GPUs are under this while training
     max_relaunches_per_hour: int = 3  # guard for `health --auto-relaunch`
+    min_tau: float = 0.0  # WARNING when the measured acceptance length is under this (0 = off)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ import math
 
 from trainer import metrics_format
 
-from . import gpu_owners, logs
+from . import acceptance, gpu_owners, logs
 from .gpu import IDLE_USED_MIB
 from .health import Verdict
 
@@ -45,6 +45,7 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
               "log_missing": None,
               "training": {"step": None, "total_steps": None, "loss": None, "tokens_per_s": None, "eta_s": None,
                            "last_update_age_s": None, "finished": False},
+              "eval": None,
               "verdict": verdict.level, "reasons": list(verdict.reasons),
               "perfdata": verdict.to_dict()["perfdata"]}
     if report is None:
@@ -79,7 +80,17 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
         "tokens_per_s": _finite(progress.tokens_per_s), "eta_s": _finite(progress.eta_s),
         "last_update_age_s": None if last_update is None else max(0.0, round(report.time - last_update, 1)),
         "finished": progress.done_reason == "max_steps"}
+    status["eval"] = _eval_status(acceptance.latest(list(report.records)), report.time)
     return status
+
+
+def _eval_status(accept, now: float) -> dict | None:
+    """The latest speculative-decoding evaluation (tau) and how old it is."""
+    if accept is None:
+        return None
+    return {"step": accept.step, "tau": accept.tau, "acceptance": list(accept.acceptance),
+            "lossless": accept.lossless, "expected_tau": _finite(accept.expected_tau),
+            "age_s": None if accept.time is None else max(0.0, round(now - accept.time, 1))}
 
 
 # --------------------------------------------------------------------------- table
@@ -162,7 +173,9 @@ def render_table(status: dict, color: bool = False) -> str:
     age = t["last_update_age_s"]
     freshness = "no metrics yet" if age is None else f"last metrics {format_age(age)} ago"
     source = f"  data {status['data_source']}" if status.get("data_source") else ""
-    lines.append(f"step {step}  loss {loss}  {speed} Ktok/s  ETA {format_eta(t['eta_s'])}  {freshness}{source}")
+    ev = status.get("eval")
+    tau = "" if not ev or ev["tau"] is None else f"  tau {ev['tau']:.2f} ({format_age(ev['age_s'])} ago)"
+    lines.append(f"step {step}  loss {loss}  {speed} Ktok/s{tau}  ETA {format_eta(t['eta_s'])}  {freshness}{source}")
     level = status["verdict"]
     lines.append(_paint(level, COLORS.get(level, "0"), color) + ": " + "; ".join(status["reasons"]))
     return "\n".join(lines) + "\n"

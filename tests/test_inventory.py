@@ -93,7 +93,7 @@ def test_example_inventory_loads_with_inheritance(isolated, monkeypatch):
         target_gpus=(0,), drafter_gpus=(1, 2, 3),
         env=(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),),
         health=Health(min_tokens_per_s=20000, stall_seconds=900, min_drafter_util_pct=30,
-                      max_relaunches_per_hour=3))
+                      max_relaunches_per_hour=3, min_tau=3))
 
     bare = inv.targets["bare-box"]
     assert bare.transport == "ssh" and bare.ctid is None
@@ -101,7 +101,7 @@ def test_example_inventory_loads_with_inheritance(isolated, monkeypatch):
     # Its own lists replace the defaults'; its health overrides one threshold and keeps the rest.
     assert (bare.job.target_gpus, bare.job.drafter_gpus) == ((0,), (1,))
     assert bare.job.health == Health(min_tokens_per_s=8000, stall_seconds=900,
-                                     min_drafter_util_pct=30, max_relaunches_per_hour=3)
+                                     min_drafter_util_pct=30, max_relaunches_per_hour=3, min_tau=3)
     # defaults do not reach the local target
     assert inv.targets["local"].job.python == sys.executable
 
@@ -532,6 +532,8 @@ CASES = [
      "job.health.min_tokens_per_s", "box:", [">= 0"]),
     ("util-over-100", BOX + "  box: {transport: ssh, host: a, job: {health: {min_drafter_util_pct: 130}}}\n",
      "box", "job.health.min_drafter_util_pct", "box:", ["at most 100"]),
+    ("tau-negative", BOX + "  box: {transport: ssh, host: a, job: {health: {min_tau: -1}}}\n", "box",
+     "job.health.min_tau", "box:", [">= 0"]),
     ("relaunches-negative", BOX + "  box: {transport: ssh, host: a, job: {health: {max_relaunches_per_hour: -1}}}\n",
      "box", "job.health.max_relaunches_per_hour", "box:", ["between 0"]),
     ("stall-text", BOX + "  box: {transport: ssh, host: a, job: {health: {stall_seconds: 15m}}}\n", "box",

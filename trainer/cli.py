@@ -67,7 +67,8 @@ def _positive_int(text: str) -> int:
 def _train_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dflash-train", description=TRAIN_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Subcommands: dflash-train export --help | dflash-train data --help")
+                                epilog="Subcommands: dflash-train export --help | dflash-train data --help | "
+                                       "dflash-train eval --help")
     p.add_argument("--config", required=True, metavar="FILE",
                    help="YAML config file, or a bundled name: tiny-cpu, gpu-paper")
     p.add_argument("--output-dir", metavar="DIR", help="where checkpoints (and by default metrics) go")
@@ -128,6 +129,9 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "eval":
+        from .eval_cli import eval_parser, run_eval
+        return run_eval(eval_parser().parse_args(argv[1:]))
     if argv and argv[0] == "export":
         return _run_export(_export_parser().parse_args(argv[1:]))
     if argv and argv[0] == "data":

@@ -68,6 +68,7 @@ class DataConfig:
     source: str = "jsonl"  # "jsonl" (needs `path`), "synthetic", or "features" (`path`: a feature cache dir)
     path: typing.Optional[str] = None
     seq_len: int = 3072  # every sequence is padded/truncated to this, so shapes stay static
+    eval_fraction: float = 0.0  # share of sequences held out from training for the tau evaluation
     synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
 
 
@@ -107,12 +108,23 @@ class RunConfig:
 
 
 @dataclasses.dataclass
+class EvalSection:
+    """Speculative-decoding evaluation (acceptance length tau) between training steps."""
+
+    every: int = 0  # steps between evaluations (and after the last step); 0 = off
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    path: typing.Optional[str] = None  # prompts JSONL; None: the held-out split (data.eval_fraction)
+
+
+@dataclasses.dataclass
 class TrainConfig:
     target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
     drafter: DrafterSection = dataclasses.field(default_factory=DrafterSection)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     # the file this came from (for messages); not a config key
     source: str = dataclasses.field(default="", metadata={"internal": True})
 
@@ -184,6 +196,15 @@ def load_config(path: str, overrides: dict | None = None) -> TrainConfig:
 def default_precision(drafter_devices: list[str]) -> str:
     """bf16-mixed when a drafter runs on CUDA (bf16 tensor cores), fp32 on CPU."""
     return "bf16-mixed" if any(dev.startswith("cuda") for dev in drafter_devices) else "fp32"
+
+
+def config_from_dict(raw: dict, source: str) -> TrainConfig:
+    """A validated TrainConfig from a resolved config mapping (e.g. a checkpoint's config.json)."""
+    cfg = _build(TrainConfig, raw, "", source)
+    cfg.source = source
+    validate(cfg)
+    cfg.train.precision = cfg.train.precision or default_precision(cfg.run.drafter_devices)
+    return cfg
 
 
 def _set_dotted(raw: dict, dotted: str, value) -> None:
@@ -332,6 +353,18 @@ def validate(cfg: TrainConfig) -> None:
               "on CPU. Fix: use --attention sdpa for CPU drafters.")
     if data.seq_len < 2:
         _fail(cfg, "data.seq_len", f"must be at least 2, got {data.seq_len}.")
+    _validate_eval(cfg)
+
+
+def _validate_eval(cfg: TrainConfig) -> None:
+    e = cfg.eval
+    if not 0 <= cfg.data.eval_fraction < 1:
+        _fail(cfg, "data.eval_fraction", f"must be in [0, 1), got {cfg.data.eval_fraction}. Fix: e.g. 0.05.")
+    if e.every < 0:
+        _fail(cfg, "eval.every", f"must be 0 (off) or a number of steps, got {e.every}.")
+    for key, value in (("eval.num_prompts", e.num_prompts), ("eval.max_new_tokens", e.max_new_tokens)):
+        if value < 1:
+            _fail(cfg, key, f"must be at least 1, got {value}.")
 
 
 def check_devices(cfg: TrainConfig) -> None:

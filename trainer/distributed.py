@@ -45,8 +45,10 @@ from .compile_lock import CompileGuard
 from .config import ConfigError, TrainConfig, check_devices
 from .data import BatchPlan, Dataset
 from .feature_cache import training_source
+from .heldout import split_heldout
 from .metrics import MetricsWriter, Throughput, error_kind
 from .target import load_target
+from .training_eval import TrainingEval
 from .workers import Replica, StepSummary, WorkerFailure
 
 # A signal this soon after the first is the same request: torchrun forwards the operator's SIGTERM
@@ -225,17 +227,21 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
         torch.manual_seed(cfg.train.seed)
         if cfg.data.source == "features":  # no target forward: features come from disk
             heads, dataset = training_source(cfg, threaded.param_dtype(device))
-            target = heads[0]
+            target, heldout = heads[0], None
         else:
             target = load_target(cfg.target.spec, device, threaded.param_dtype(device),
                                  layer_ids=cfg.target.layer_ids, seed=cfg.train.seed, tiny=cfg.target.tiny or None)
-            dataset = threaded.build_dataset(cfg, target)
+            dataset, heldout = split_heldout(threaded.build_dataset(cfg, target), cfg.data.eval_fraction,
+                                             cfg.train.seed)
         check_same_data(dataset, rank, device)
         plan = BatchPlan(len(dataset), cfg.train.batch_size, rank.world_size, cfg.train.seed, dataset.source)
         total = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
         dcfg = threaded.drafter_config(cfg, target)
         replica = threaded.build_replicas(cfg, dcfg, target, total)[0]
         replica.index = rank.rank
+        # rank 0 evaluates tau between steps; the other ranks wait for it at the next step's all-reduce
+        evaluator = TrainingEval.create(cfg, target, dcfg, heldout, threaded.param_dtype(device), metrics.say) \
+            if rank.is_lead else None
         start, upcast = 0, None
         if cfg.run.resume:
             state = ckpt.load_checkpoint(ckpt.resolve_resume(cfg.run.resume, cfg.run.output_dir))
@@ -251,7 +257,8 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
         if upcast:
             metrics.say(upcast)
         RankStopRequest(stop).install()
-        return _loop(cfg, rank, device, metrics, stop, target, replica, dataset, plan, dcfg, guard, start, total)
+        return _loop(cfg, rank, device, metrics, stop, target, replica, dataset, plan, dcfg, guard, start, total,
+                     evaluator)
     except BaseException as exc:
         failure = exc.original if isinstance(exc, WorkerFailure) else exc
         where = f" in thread {exc.thread}" if isinstance(exc, WorkerFailure) else ""
@@ -281,7 +288,8 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
             dist.destroy_process_group()
 
 
-def _loop(cfg, rank, device, metrics, stop, target, replica, dataset, plan, dcfg, guard, start, total):
+def _loop(cfg, rank, device, metrics, stop, target, replica, dataset, plan, dcfg, guard, start, total,
+          evaluator=None):
     from . import train as threaded
 
     last, path, step = None, None, start
@@ -294,6 +302,9 @@ def _loop(cfg, rank, device, metrics, stop, target, replica, dataset, plan, dcfg
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
             metrics.step(step=step, total_steps=total, loss=last.loss, acc=last.acc, tokens_per_s=tokens_per_s,
                          eta_s=eta_s, lr=last.lr, grad_norm=last.grad_norm, epoch=step / plan.steps_per_epoch)
+            if evaluator is not None and evaluator.due(step, total):
+                evaluator.run(replica.model.module, step, metrics)
+                throughput.last = throughput.clock()
             if rank.is_lead and (step % cfg.run.checkpoint_every == 0 or step == total or stopping):
                 path = save(cfg, replica, dcfg, plan, step, rank.world_size)
                 metrics.checkpoint(step, path)

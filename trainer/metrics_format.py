@@ -10,6 +10,10 @@ Every record has `v` (format version), `event` and `time` (unix seconds). Events
               per second over the last interval), eta_s (float), lr, grad_norm, epoch (float)
 - compile:    thread (str), duration_s (float), step (int), reason (str)
 - checkpoint: step, path
+- eval:       step (int), tau (float, mean tokens accepted per target forward, bonus included),
+              acceptance (list[float], per block position 1..B-1: share of rounds whose draft was
+              accepted up to there), lossless (bool, or null when sampling), prompts (int),
+              new_tokens (int), seconds (float)
 - error:      message (str), kind (str, e.g. "fx_tracing", "cuda_oom", "exception")
 - done:       step, reason ("max_steps" | "interrupted")
 
@@ -22,9 +26,19 @@ import json
 import time
 
 FORMAT_VERSION = 1
-EVENTS = ("start", "step", "compile", "checkpoint", "error", "done")
+EVENTS = ("start", "step", "compile", "checkpoint", "eval", "error", "done")
 RUN_FINISHED = "FINISHED"
 STEP_FIELDS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s", "lr", "grad_norm")
+
+
+def expected_tau(acc: list[float]) -> float:
+    """Acceptance length predicted by per-position accuracy acc[k-1] of block position k:
+    1 + sum_k prod_{j<=k} acc_j (a draft is accepted up to its first wrong token)."""
+    total, run = 1.0, 1.0
+    for value in acc:
+        run *= float(value)
+        total += run
+    return total
 
 
 def metrics_path_for_log(log_path: str) -> str:

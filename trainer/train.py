@@ -26,11 +26,13 @@ from .config import ConfigError, TrainConfig, check_devices
 from .distributed import check_launcher, train_rank
 from .feature_cache import training_source
 from .data import Batch, BatchPlan, Dataset, derive_seed, load_jsonl, synthetic_dataset
+from .heldout import split_heldout
 from .masks import build_block_mask, dense_mask, sample_anchors
 from .loss import block_labels
 from .metrics import MetricsWriter, Throughput, error_kind
 from .model import EXPORT_METADATA, DFlashDrafter, DrafterConfig
 from .target import load_target
+from .training_eval import TrainingEval
 from .workers import LossOutput, Replica, StepSummary, TrainingWorkers, WorkerFailure
 
 
@@ -231,16 +233,20 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
         torch.manual_seed(cfg.train.seed)
         if cfg.data.source == "features":  # no target forward: features come from disk
             targets, dataset = training_source(cfg, param_dtype(cfg.run.drafter_devices[0]))
+            heldout = None
         else:
             targets = [load_target(cfg.target.spec, dev, param_dtype(dev), layer_ids=cfg.target.layer_ids,
                                    seed=cfg.train.seed, tiny=cfg.target.tiny or None)
                        for dev in cfg.run.target_devices]
-            dataset = build_dataset(cfg, targets[0])
+            dataset, heldout = split_heldout(build_dataset(cfg, targets[0]), cfg.data.eval_fraction,
+                                             cfg.train.seed)
         plan = BatchPlan(len(dataset), cfg.train.batch_size, len(cfg.run.drafter_devices), cfg.train.seed,
                          dataset.source)
         total = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
         dcfg = drafter_config(cfg, targets[0])
         replicas = build_replicas(cfg, dcfg, targets[0], total)
+        evaluator = TrainingEval.create(cfg, targets[0], dcfg, heldout, param_dtype(targets[0].device),
+                                        metrics.say)
         start, upcast = 0, None
         if cfg.run.resume:
             state = ckpt.load_checkpoint(ckpt.resolve_resume(cfg.run.resume, cfg.run.output_dir))
@@ -251,7 +257,7 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
         if upcast:
             metrics.say(upcast)
         stop.install()
-        return _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, start, total)
+        return _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, start, total, evaluator)
     except BaseException as exc:
         failure = exc.original if isinstance(exc, WorkerFailure) else exc
         where = f" in thread {exc.thread}" if isinstance(exc, WorkerFailure) else ""
@@ -276,7 +282,8 @@ def make_workers(cfg, targets, replicas, dataset, plan, guard) -> TrainingWorker
                            feature_dtype=lambda _dev: precision.feature_dtype(precision.resolve(cfg)))
 
 
-def _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, start, total) -> RunResult:
+def _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, start, total,
+          evaluator=None) -> RunResult:
     last, path, step = None, None, start
     throughput = Throughput(start, total)
     with make_workers(cfg, targets, replicas, dataset, plan, guard) as workers:
@@ -287,6 +294,9 @@ def _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, sta
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
             metrics.step(step=step, total_steps=total, loss=last.loss, acc=last.acc, tokens_per_s=tokens_per_s,
                          eta_s=eta_s, lr=last.lr, grad_norm=last.grad_norm, epoch=step / plan.steps_per_epoch)
+            if evaluator is not None and evaluator.due(step, total):
+                evaluator.run(replicas[0].model, step, metrics)
+                throughput.last = throughput.clock()  # the next step's tok/s counts training only
             if step % cfg.run.checkpoint_every == 0 or step == total or stop.requested:
                 path = save(cfg, replicas, dcfg, plan, step)
                 metrics.checkpoint(step, path)

@@ -1,0 +1,84 @@
+"""The drafter at inference: the projected context's keys/values cached once, one block per call.
+
+Training (trainer.model.DFlashDrafter.forward) projects the whole context and masks each block to
+the positions strictly before its anchor. Decoding grows the context a few positions per round,
+so re-projecting it every round would cost O(length) per round. `DrafterContext` instead keeps,
+per drafter layer, the context keys (k_proj, k_norm, RoPE at their true positions) and values;
+`draft` runs the block [anchor, MASK...] at positions length..length+B-1 against them, with no
+mask (the block sees the whole cached context and itself, which is what the training mask
+reproduces). It reuses the drafter's own submodules, so it holds no weights of its own; a test
+checks it against the training forward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainer.model import DFlashDrafter, apply_rope, rope_cos_sin
+
+
+class DrafterContext:
+    """Per-layer cached context keys/values of one sequence (batch 1)."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        self.drafter = drafter
+        self.keys: list[torch.Tensor | None] = [None] * len(drafter.layers)
+        self.values: list[torch.Tensor | None] = [None] * len(drafter.layers)
+        self.length = 0  # context positions cached: 0..length-1
+
+    def _rope(self, start: int, count: int, dtype, device):
+        positions = torch.arange(start, start + count, device=device).unsqueeze(0)
+        return rope_cos_sin(positions, self.drafter.cfg.head_dim, self.drafter.cfg.rope_theta, dtype)
+
+    @torch.no_grad()
+    def extend(self, features: torch.Tensor) -> None:
+        """Append the target features [T, K*H] of the next T positions."""
+        d = self.drafter
+        cfg = d.cfg
+        dtype = d.fc.weight.dtype
+        count = features.shape[0]
+        if count == 0:
+            return
+        ctx = d.hidden_norm(d.fc(features.to(device=d.fc.weight.device, dtype=dtype))).unsqueeze(0)
+        cos, sin = self._rope(self.length, count, dtype, ctx.device)
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            k = attn.k_norm(attn.k_proj(ctx).view(1, count, cfg.num_kv_heads, cfg.head_dim))
+            k = apply_rope(k.transpose(1, 2), cos, sin)
+            v = attn.v_proj(ctx).view(1, count, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+            self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], dim=2)
+            self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v], dim=2)
+        self.length += count
+
+    @torch.no_grad()
+    def draft_hidden(self, anchor_token: int) -> torch.Tensor:
+        """[B, H] final hidden states of the block [anchor, MASK x (B-1)] placed right after the
+        cached context (the anchor at position `length`)."""
+        d = self.drafter
+        cfg = d.cfg
+        block = cfg.block_size
+        dtype = d.fc.weight.dtype
+        device = d.fc.weight.device
+        ids = torch.full((1, block), cfg.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = int(anchor_token)
+        x = F.embedding(ids, d.embed_weight).to(dtype)
+        cos, sin = self._rope(self.length, block, dtype, device)
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(1, block, cfg.num_heads, cfg.head_dim))
+            q = apply_rope(q.transpose(1, 2), cos, sin)
+            k = attn.k_norm(attn.k_proj(h).view(1, block, cfg.num_kv_heads, cfg.head_dim))
+            k = apply_rope(k.transpose(1, 2), cos, sin)
+            v = attn.v_proj(h).view(1, block, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+            if self.keys[i] is not None:
+                k = torch.cat([self.keys[i], k], dim=2)
+                v = torch.cat([self.values[i], v], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, block, cfg.num_heads * cfg.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return d.norm(x)[0]
+
+    def draft_logits(self, anchor_token: int) -> torch.Tensor:
+        """[B, V] logits of the block (row k predicts position length+k)."""
+        return self.drafter.logits(self.draft_hidden(anchor_token))

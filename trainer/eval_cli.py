@@ -1,0 +1,230 @@
+"""`dflash-train eval`: acceptance length tau of a trained drafter, by real speculative decoding.
+
+Exit codes: 0 done; 1 the speculative output differed from the target's greedy output (a bug:
+the first differing prompt and position are printed); 2 bad input (checkpoint, target, prompts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .config import ConfigError
+
+EVAL_HELP = """\
+Measure a drafter by real DFlash speculative decoding against its target: tau (mean tokens
+accepted per target forward, bonus included), acceptance per block position, tokens/s of
+target-only vs speculative decoding, and the lossless check (temperature 0: both outputs equal).
+
+  dflash-train eval --checkpoint runs/tiny                  (latest checkpoint, held-out prompts)
+  dflash-train eval --checkpoint drafter/ --target /models/Qwen3-8B --prompts prompts.jsonl --json
+"""
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-train eval", description=EVAL_HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a run's output dir (its latest checkpoint), a checkpoints/step-NNNNNNN dir, or an export dir")
+    p.add_argument("--target", metavar="SPEC", help="tiny-random or a local HF model dir (default: the run's own)")
+    p.add_argument("--prompts", metavar="FILE.jsonl",
+                   help='{"messages": [...]} or {"input_ids": [...]} per line (default: the run\'s held-out data)')
+    p.add_argument("--num-prompts", type=int, default=8, metavar="N")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    return p
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+def _is_export(path: Path) -> bool:
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("architectures") == ["DFlashDraftModel"]
+
+
+def load_drafter_source(checkpoint: str):
+    """(DrafterConfig, weights, run config dict or None, description) from any of the three dirs."""
+    from safetensors.torch import load_file
+
+    from .checkpoint import load_checkpoint, resolve_resume
+    from .export import WEIGHTS_FILE, drafter_config_from_export
+    from .model import DrafterConfig
+
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise ConfigError(f"--checkpoint {checkpoint}: no such directory. Fix: pass a run dir, a "
+                          f"checkpoints/step-NNNNNNN dir or an export dir.")
+    if _is_export(path):
+        return drafter_config_from_export(path), load_file(str(path / WEIGHTS_FILE)), None, f"export {path}"
+    state = load_checkpoint(resolve_resume(checkpoint, checkpoint))
+    return DrafterConfig.from_dict(state.drafter_config), state.weights, state.config, f"checkpoint {state.path}"
+
+
+def target_mismatch(dcfg, target, run_config: dict | None) -> str | None:
+    """One line naming what the drafter expects and the target lacks, or None."""
+    problems = []
+    if dcfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {dcfg.hidden_size} vs the target's {target.hidden_size}")
+    if dcfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab {dcfg.vocab_size} vs the target's {target.vocab_size}")
+    if dcfg.num_target_layers is not None and dcfg.num_target_layers != target.num_layers:
+        problems.append(f"trained on a {dcfg.num_target_layers}-layer target, this one has {target.num_layers}")
+    elif any(not 0 <= i < target.num_layers for i in dcfg.target_layer_ids):
+        problems.append(f"layer ids {dcfg.target_layer_ids} do not exist in a {target.num_layers}-layer target")
+    mask_was_default = run_config is not None and (run_config.get("drafter") or {}).get("mask_token_id") is None
+    if mask_was_default and dcfg.mask_token_id != target.mask_token_id:
+        problems.append(f"mask token {dcfg.mask_token_id} vs the target's {target.mask_token_id}")
+    if not problems:
+        return None
+    return "the drafter does not match the target: " + "; ".join(problems)
+
+
+def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None, device: str):
+    """(TargetModel, drafter) on `device`; raises ConfigError on a mismatch."""
+    from .model import DFlashDrafter
+    from .target import load_target
+    from .train import param_dtype
+
+    run_target = (run_config or {}).get("target") or {}
+    spec = target_spec or run_target.get("spec")
+    if not spec:
+        raise ConfigError("--target is required with an export dir (it does not name its target). "
+                          "Fix: --target /path/to/hf-model (or tiny-random).")
+    same = spec == run_target.get("spec")
+    seed = int(((run_config or {}).get("train") or {}).get("seed", 0))
+    target = load_target(spec, device, param_dtype(device), layer_ids=[0], seed=seed,
+                         tiny=(run_target.get("tiny") or None) if same else None)
+    problem = target_mismatch(dcfg, target, run_config)
+    if problem:
+        raise ConfigError(f"{spec}: {problem}. Fix: pass the --target the drafter was trained for.")
+    target.layer_ids = list(dcfg.target_layer_ids)
+    drafter = DFlashDrafter(dcfg, target.embed_tokens, target.lm_head)
+    drafter.load_state_dict({k: v for k, v in weights.items()})
+    drafter.to(device=device, dtype=param_dtype(device)).eval()
+    return target, drafter
+
+
+def run_prompts(run_config: dict, target, source: str, count: int) -> list[list[int]]:
+    """The prompts the run evaluated itself with (its held-out rows, eval.path or fresh synthetic ones)."""
+    from .config import config_from_dict
+    from .heldout import eval_prompts, split_heldout
+    from .train import build_dataset
+
+    cfg = config_from_dict(run_config, source)
+    heldout = None
+    if not cfg.eval.path and cfg.data.eval_fraction > 0:
+        _, heldout = split_heldout(build_dataset(cfg, target), cfg.data.eval_fraction, cfg.train.seed)
+    return eval_prompts(cfg, target, heldout, count)
+
+
+# ---- running ---------------------------------------------------------------------------------
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def _progress(stream):
+    start = time.monotonic()
+
+    def show(done: int, total: int):
+        from .metrics import format_duration, progress_bar
+
+        eta = (time.monotonic() - start) / done * (total - done)
+        stream.write(f"\r\x1b[2K{progress_bar(done, total)} {done}/{total} prompts  eta {format_duration(eta)}")
+        if done == total:
+            stream.write("\n")
+        stream.flush()
+
+    return show
+
+
+def report_lines(result, block_size: int) -> list[str]:
+    lines = [f"tau {result.tau:.3f} over {result.rounds} rounds, {result.prompts} prompts, "
+             f"{result.new_tokens} new tokens (block {block_size})"]
+    lines.append("acceptance by block position: " + " ".join(
+        f"{k}:{a:.2f}" for k, a in enumerate(result.acceptance, 1)))
+    if result.target_tokens_per_s:
+        lines.append(f"tokens/s: target-only {result.target_tokens_per_s:,.1f}, speculative "
+                     f"{result.speculative_tokens_per_s:,.1f}, speedup {result.speedup:.2f}x")
+    if result.skipped_too_long:
+        lines.append(f"skipped {result.skipped_too_long} prompt(s) longer than the target's context allows")
+    if result.lossless is None:
+        lines.append("lossless check: not applicable (sampling, temperature > 0)")
+    elif result.lossless:
+        ties = f" ({result.ties} floating-point tie(s) at near-equal logits)" if result.ties else ""
+        lines.append(f"lossless check: ok, speculative output equals the target's greedy output{ties}")
+    return lines
+
+
+def _finite(value):
+    """JSON has no NaN (tau of zero rounds): such numbers become null."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def run_eval(args: argparse.Namespace, out=None, err=None) -> int:
+    from .data import DataError
+    from .checkpoint import CheckpointError
+
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens)):
+            if value < 1:
+                raise ConfigError(f"{flag} must be at least 1, got {value}")
+        if args.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
+        device = args.device or _default_device()
+        from .config import _DEVICE_RE
+        if not _DEVICE_RE.match(device):
+            raise ConfigError(f"--device {device!r} is not a device. Fix: cpu, cuda or cuda:N.")
+        dcfg, weights, run_config, described = load_drafter_source(args.checkpoint)
+        target, drafter = load_models(dcfg, weights, run_config, args.target, device)
+        if args.prompts:
+            from .evaluate import load_prompts
+            prompts = load_prompts(args.prompts, target.tokenizer, target.vocab_size)
+        elif run_config is not None:
+            prompts = run_prompts(run_config, target, described, args.num_prompts)
+        else:
+            raise ConfigError("--prompts is required with an export dir. Fix: --prompts FILE.jsonl.")
+        prompts = prompts[:args.num_prompts]
+        from .evaluate import evaluate, stop_token_ids
+
+        show = _progress(err) if err.isatty() and not args.json else None
+        result = evaluate(target.model, target.layer_ids, drafter, prompts, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, stop_ids=stop_token_ids(target.model, target.tokenizer),
+                          seed=args.seed, progress=show, warmup=True)
+    except (ConfigError, DataError, CheckpointError) as exc:
+        print(f"dflash-train eval: error: {exc}", file=err)
+        return 2
+    except RuntimeError as exc:  # e.g. CUDA out of memory: one line, not a traceback
+        print(f"dflash-train eval: failed: {type(exc).__name__}: {str(exc).splitlines()[0]}", file=err)
+        return 1
+    if args.json:
+        payload = dict(result.to_dict(), checkpoint=described, device=device, block_size=dcfg.block_size,
+                       temperature=args.temperature)
+        out.write(json.dumps(_finite(payload), allow_nan=False) + "\n")
+    else:
+        out.write(f"dflash-train eval: {described} on {device}\n")
+        out.write("".join(line + "\n" for line in report_lines(result, dcfg.block_size)))
+    if result.mismatch is not None:
+        m = result.mismatch
+        print(f"dflash-train eval: LOSSLESS CHECK FAILED: prompt {m.prompt_index} (first tokens "
+              f"{m.prompt[:12]}), new token {m.position}: target {m.expected}, speculative {m.got}", file=err)
+        return 1
+    return 0

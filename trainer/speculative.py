@@ -1,0 +1,154 @@
+"""Block speculative decoding with a DFlash drafter, and the target-only decoding it must equal.
+
+One sequence at a time (batch 1). State: the target's KV cache, the drafter's cached context
+(trainer.drafter_cache), the output so far. After a prefill over the prompt (the first new token
+is the target's own), each round:
+
+    block  = [last accepted token, MASK x (B-1)] at positions start..start+B-1
+    drafter: ONE forward over the block against its cached context -> B-1 greedy proposals
+    target:  ONE forward over [last token, proposals] with its KV cache -> its token at each position
+    accept the longest prefix where proposal k equals the target's token at k-1, plus the
+    target's next token (the bonus); crop the target cache to the accepted length; the accepted
+    positions' target features extend the drafter's context.
+
+Nothing before `start` is recomputed. At temperature 0 the output is exactly the target's greedy
+output; at temperature > 0 the target's tokens are sampled and the proposals compared with them,
+so every emitted token is a target sample given the correct prefix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import time
+
+import torch
+
+from trainer.drafter_cache import DrafterContext
+
+
+@dataclasses.dataclass
+class Decoded:
+    tokens: list[int]  # new tokens after the prompt (a stop token, when hit, is the last one)
+    seconds: float
+    accepted: list[int] = dataclasses.field(default_factory=list)  # per round: drafts accepted (0..B-1)
+    # target-only: (top1 - top2 logit) / max(1, |top1|) per token, to tell float ties from bugs
+    margins: list[float] = dataclasses.field(default_factory=list)
+
+
+def features_of(hidden_states, layer_ids) -> torch.Tensor:
+    """[T, K*H] drafter context features from HF hidden_states (index l+1 for layer l)."""
+    return torch.cat([hidden_states[l + 1][0] for l in layer_ids], dim=-1)
+
+
+def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Tokens [N] from logits [N, V]: argmax at temperature 0, else a sample."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _crop(cache, length: int) -> None:
+    """Keep the first `length` positions of an HF DynamicCache (a negative crop removes tokens in
+    every transformers version that has DynamicCache.crop)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _new_cache():
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument(model_class) -> str:
+    """Newer transformers call the forward's KV-cache argument `cache`, older ones `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _forward(model, ids: torch.Tensor, cache, hidden: bool = False):
+    """The target's forward over `ids` with its KV cache."""
+    return model(input_ids=ids, use_cache=True, output_hidden_states=hidden, **{_cache_argument(type(model)): cache})
+
+
+def _finish(tokens: list[int], max_new_tokens: int, stop_ids) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    for i, tok in enumerate(tokens):
+        if tok in stop_ids:
+            return tokens[:i + 1]
+    return tokens
+
+
+def _sync(device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def target_generate(model, prompt: list[int], max_new_tokens: int, stop_ids=(), temperature: float = 0.0,
+                    generator: torch.Generator | None = None) -> Decoded:
+    """The target alone, one token per forward with its KV cache (the baseline and the reference)."""
+    device = model.get_input_embeddings().weight.device
+    stop_ids = set(stop_ids)
+    _sync(device)
+    t0 = time.perf_counter()
+    cache = _new_cache()
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    tokens, margins = [], []
+    while len(tokens) < max_new_tokens:
+        logits = _forward(model, ids, cache).logits[0, -1:]
+        top = logits.float().topk(2, dim=-1).values[0]
+        token = int(pick(logits, temperature, generator)[0])
+        tokens.append(token)
+        margins.append(float(top[0] - top[1]) / max(1.0, abs(float(top[0]))))
+        if token in stop_ids:
+            break
+        ids = torch.tensor([[token]], dtype=torch.long, device=device)
+    _sync(device)
+    return Decoded(tokens=tokens, seconds=time.perf_counter() - t0, margins=margins)
+
+
+@torch.no_grad()
+def speculative_generate(model, layer_ids, drafter, prompt: list[int], max_new_tokens: int, stop_ids=(),
+                         temperature: float = 0.0, generator: torch.Generator | None = None) -> Decoded:
+    """DFlash block speculative decoding (see the module docstring). `model` is the HF target,
+    `layer_ids` the drafter's target layers, `drafter` a trainer.model.DFlashDrafter."""
+    device = model.get_input_embeddings().weight.device
+    block = drafter.cfg.block_size
+    stop_ids = set(stop_ids)
+    _sync(device)
+    t0 = time.perf_counter()
+    cache = _new_cache()
+    context = DrafterContext(drafter)
+    out = _forward(model, torch.tensor([prompt], dtype=torch.long, device=device), cache, hidden=True)
+    tokens = [int(pick(out.logits[0, -1:], temperature, generator)[0])]
+    context.extend(features_of(out.hidden_states, layer_ids))
+    start = len(prompt)  # position of the last accepted token (the next block's anchor)
+    accepted = []
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+        # row k of the block predicts position start+k; row 0 is the anchor itself
+        proposals = context.draft_logits(tokens[-1])[1:].argmax(dim=-1)
+        verify = torch.cat([torch.tensor([tokens[-1]], device=device), proposals.to(device)]).unsqueeze(0)
+        out = _forward(model, verify, cache, hidden=True)
+        target_tokens = pick(out.logits[0], temperature, generator).tolist()  # for start+1..start+B
+        drafts = proposals.tolist()
+        n = 0
+        while n < block - 1 and drafts[n] == target_tokens[n]:
+            n += 1
+        accepted.append(n)
+        tokens += target_tokens[:n + 1]  # n accepted drafts (equal to the target's) + the bonus
+        _crop(cache, start + n + 1)
+        context.extend(features_of(out.hidden_states, layer_ids)[:n + 1])
+        start += n + 1
+    _sync(device)
+    return Decoded(tokens=_finish(tokens, max_new_tokens, stop_ids), seconds=time.perf_counter() - t0,
+                   accepted=accepted)
+
+
+def tie_tolerance(dtype: torch.dtype) -> float:
+    """A relative top1-top2 margin this small can flip between a one-token and a block forward
+    (different kernels and summation orders): a mismatch there is floating point, not a bug."""
+    return 16 * torch.finfo(dtype).eps

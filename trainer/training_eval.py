@@ -1,0 +1,63 @@
+"""Tau while training: every `eval.every` steps, decode the evaluation prompts speculatively.
+
+Runs in the main thread between steps, when every drafter thread is idle. The replicas hold
+identical weights, so one replica's weights are copied into an evaluation drafter that lives on
+the target's device (next to the target it decodes with). The target's own greedy outputs are
+computed once and reused: the target is frozen. Writes one `eval` metrics record per evaluation.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import TrainConfig
+from .evaluate import evaluate, stop_token_ids
+from .heldout import eval_prompts
+from .metrics import MetricsWriter
+from .model import DFlashDrafter, DrafterConfig
+
+
+class TrainingEval:
+    def __init__(self, cfg: TrainConfig, target, dcfg: DrafterConfig, prompts: list[list[int]], dtype):
+        self.every = cfg.eval.every
+        self.max_new_tokens = cfg.eval.max_new_tokens
+        self.target = target
+        self.prompts = prompts[:cfg.eval.num_prompts]
+        self.stop_ids = stop_token_ids(target.model, target.tokenizer)
+        self.reference: dict = {}
+        with torch.random.fork_rng(devices=[]):  # leave the training RNG stream as it was
+            self.drafter = DFlashDrafter(dcfg, target.embed_tokens, target.lm_head)
+        self.drafter.to(device=target.device, dtype=dtype).eval()
+
+    @classmethod
+    def create(cls, cfg: TrainConfig, target, dcfg: DrafterConfig, heldout, dtype,
+               say=print) -> "TrainingEval | None":
+        """The evaluator, or None when eval.every is 0 or there is nothing unseen to prompt with
+        (then `say` tells why: a run does not fail for want of evaluation prompts)."""
+        if not cfg.eval.every:
+            return None
+        if getattr(target, "model", None) is None:  # data.source features: no decoder was loaded
+            say("eval: tau evaluation off: data.source features loads no target decoder to decode with. "
+                "Fix: run dflash-train eval --checkpoint on the run's output dir, or eval.every: 0")
+            return None
+        if not (cfg.eval.path or heldout is not None or cfg.data.source == "synthetic"):
+            say("eval: tau evaluation off: no unseen prompts. Fix: set data.eval_fraction (e.g. 0.01) "
+                "or eval.path, or eval.every: 0 to silence this")
+            return None
+        return cls(cfg, target, dcfg, eval_prompts(cfg, target, heldout, cfg.eval.num_prompts), dtype)
+
+    def due(self, step: int, total: int) -> bool:
+        """Every `every` steps, and after the last one (runs shorter than `every` never evaluate)."""
+        return step % self.every == 0 or (step == total and step > self.every)
+
+    def run(self, model: torch.nn.Module, step: int, metrics: MetricsWriter):
+        self.drafter.load_state_dict(model.state_dict())
+        result = evaluate(self.target.model, self.target.layer_ids, self.drafter, self.prompts,
+                          max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, reference=self.reference)
+        metrics.record("eval", step=step, tau=result.tau, acceptance=result.acceptance, lossless=result.lossless,
+                       prompts=result.prompts, new_tokens=result.new_tokens, seconds=result.seconds)
+        verdict = "ok" if result.lossless else (
+            f"FAILED at prompt {result.mismatch.prompt_index} token {result.mismatch.position}")
+        metrics.say(f"eval     step {step}: tau {result.tau:.3f}  acceptance "
+                    + " ".join(f"{a:.2f}" for a in result.acceptance)
+                    + f"  lossless {verdict}  {result.prompts} prompts  {result.seconds:.2f}s")
+        return result
