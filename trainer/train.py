@@ -21,7 +21,7 @@ import yaml
 
 from . import checkpoint as ckpt
 from . import precision
-from .compile_lock import CompileGuard
+from .compile_lock import CompileGuard, compile_reason
 from .config import ConfigError, TrainConfig, check_devices
 from .distributed import check_launcher, train_rank
 from .feature_cache import training_source
@@ -29,7 +29,7 @@ from .data import Batch, BatchPlan, Dataset, derive_seed, load_jsonl, synthetic_
 from .masks import build_block_mask, dense_mask, sample_anchors
 from .loss import block_labels
 from .metrics import MetricsWriter, Throughput, error_kind
-from .model import EXPORT_METADATA, DFlashDrafter, DrafterConfig
+from .model import EXPORT_METADATA, DFlashDrafter, DrafterConfig, set_compile_mode
 from .target import load_target
 from .workers import LossOutput, Replica, StepSummary, TrainingWorkers, WorkerFailure
 
@@ -124,6 +124,7 @@ def build_replicas(cfg: TrainConfig, dcfg: DrafterConfig, target, total_steps: i
         model.load_state_dict(initial)
         precision.place(model, device, precision.resolve(cfg))
         model.train()
+        model.checkpoint_layers = t.activation_checkpointing == "layers"
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas),
                                       weight_decay=t.weight_decay, fused=device.startswith("cuda") or None)
         schedule = WarmupCosine(round(t.warmup_frac * total_steps), total_steps, t.min_lr_ratio)
@@ -200,7 +201,8 @@ def startup_summary(cfg: TrainConfig, guard: CompileGuard, dataset: Dataset, pla
         f"devices: target {', '.join(cfg.run.target_devices)} | drafters {', '.join(cfg.run.drafter_devices)} "
         f"({len(replicas)} replica thread(s))",
         guard.describe(),
-        f"attention: {cfg.run.attention} | precision {precision.resolve(cfg)} | torch {torch.__version__} "
+        f"attention: {cfg.run.attention} (compile mode {cfg.run.compile_mode}) | precision {precision.resolve(cfg)} "
+        f"| activation checkpointing: {cfg.train.activation_checkpointing} | torch {torch.__version__} "
         f"| drafter params {params:,}",
         f"data: {len(dataset)} sequences x {cfg.data.seq_len} tokens from {dataset.source}; "
         f"{plan.steps_per_epoch} steps/epoch; {total_steps} steps total"
@@ -221,10 +223,11 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
     check_devices(cfg)
     metrics = MetricsWriter(cfg.metrics_path, out=out, tty=tty, log_every=cfg.run.log_every)
     guard = CompileGuard(cfg.run.compile_lock, on_event=lambda e: metrics.compile(
-        e.get("thread", "?"), e.get("duration_s") or 0.0, e.get("step", -1), e.get("reason", "")))
+        e.get("thread", "?"), e.get("duration_s") or 0.0, e.get("step", -1), compile_reason(e)))
     stop = StopRequest()
     try:
         guard.install()  # before anything is compiled (patch mode must precede torch.compile)
+        set_compile_mode(cfg.run.compile_mode)
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
         random.seed(cfg.train.seed)

@@ -225,7 +225,7 @@ class TrainingWorkers:
                 raise RuntimeError(f"{replica.name}: got the batch of step {batch.step} for step {step}")
             lr = replica.optimizer.param_groups[0]["lr"]
             # the whole forward+backward may compile; a new shape would mean a recompile
-            with self.guard.step(replica.name, step, tuple(batch.input_ids.shape)):
+            with self.guard.step(replica.name, step, tuple(batch.input_ids.shape), device=replica.device):
                 out = self.compute_loss(replica, batch)
                 out.loss.backward()
             # outside the guard: a barrier inside a guarded step could deadlock against a compile

@@ -1,0 +1,161 @@
+"""Activation checkpointing of drafter layers: the same numbers, less kept, recompute under the lock."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tests.trainer.test_model import BLOCK, make_batch, make_drafter, run_sdpa
+from trainer.compile_lock import CompileGuard, carry_step
+from trainer.config import ConfigError, load_config
+from trainer.loss import block_labels
+
+
+def loss_and_grads(checkpointed: bool):
+    drafter = make_drafter(seed=3, num_layers=3)
+    drafter.checkpoint_layers = checkpointed
+    context, input_ids, anchors, valid = make_batch(seed=4)
+    loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    forwards = []
+    for layer in drafter.layers:
+        layer.register_forward_pre_hook(lambda *_: forwards.append(1))  # recompute may stop early
+    hidden = run_sdpa(drafter, context, input_ids, anchors, valid)
+    labels, label_mask = block_labels(input_ids, loss_mask, anchors, valid, BLOCK)
+    loss, _ = drafter.loss(hidden, labels, label_mask, gamma=4.0)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in drafter.named_parameters()}
+    return loss.detach(), grads, len(forwards)
+
+
+def test_checkpointed_layers_give_the_same_loss_and_gradients_fp32():
+    loss_plain, grads_plain, forwards_plain = loss_and_grads(False)
+    loss_ckpt, grads_ckpt, forwards_ckpt = loss_and_grads(True)
+    assert (forwards_plain, forwards_ckpt) == (3, 6)  # each layer ran again in backward
+    torch.testing.assert_close(loss_ckpt, loss_plain, rtol=1e-6, atol=1e-7)
+    assert grads_plain.keys() == grads_ckpt.keys()
+    for name in grads_plain:
+        assert grads_plain[name].abs().sum() > 0, name
+        torch.testing.assert_close(grads_ckpt[name], grads_plain[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_no_recompute_without_autograd():
+    drafter = make_drafter(num_layers=2)
+    drafter.checkpoint_layers = True
+    context, input_ids, anchors, valid = make_batch()
+    with torch.no_grad():
+        plain = run_sdpa(drafter, context, input_ids, anchors, valid)
+    drafter.checkpoint_layers = False
+    with torch.no_grad():
+        assert torch.equal(plain, run_sdpa(drafter, context, input_ids, anchors, valid))
+
+
+# ---- config --------------------------------------------------------------------------------
+
+def test_config_defaults_and_choices():
+    cfg = load_config("tiny-cpu", {"train.activation_checkpointing": "layers",
+                                   "run.compile_mode": "max-autotune-no-cudagraphs"})
+    assert cfg.train.activation_checkpointing == "layers"
+    default = load_config("tiny-cpu", {})
+    assert default.train.activation_checkpointing == "none" and default.run.compile_mode == "default"
+    assert default.run.stop_grace_s > 0
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graph_compile_modes_are_refused_with_the_reason(mode):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny-cpu", {"run.compile_mode": mode})
+    text = str(err.value)
+    assert "`run.compile_mode`" in text and "CUDA graph" in text and "default" in text
+
+
+def test_unknown_checkpointing_names_the_key_and_choices():
+    with pytest.raises(ConfigError, match=r"`train.activation_checkpointing` must be one of none, layers"):
+        load_config("tiny-cpu", {"train.activation_checkpointing": "all"})
+
+
+# ---- the compile lock and the recompute, in process ---------------------------------------------
+
+@pytest.fixture
+def installed_guard():
+    events = []
+    guard = CompileGuard("lock", on_event=events.append).install()
+    yield guard, events
+    guard.uninstall()
+
+
+def _recompute_elsewhere(guard, events, devices: tuple[str, str], new_length: int):
+    """Step a (shared, on devices[0]) has a checkpointed function whose recompute runs in another
+    thread - as a GPU's autograd worker runs it - and compiles there, while step b (devices[1]) is
+    inside the guard. Returns (events, order of 'b leaves' / 'compile starts')."""
+    # one code object for both tests: each uses its own new length
+    compiled = torch.compile(lambda x: torch.tanh(x) * 2, backend="eager", dynamic=False)
+    for name, dev in zip(("a", "b"), devices):
+        with guard.step(name, 0, (1,), device=dev):
+            compiled(torch.randn(2))  # compiled in an exclusive first step
+    events.clear()
+    b_inside, release_b, a_ready = threading.Event(), threading.Event(), threading.Event()
+    order, carried = [], {}
+
+    def step_b():
+        with guard.step("b", 1, (1,), device=devices[1]):
+            b_inside.set()
+            release_b.wait(10)
+            order.append("b leaves")
+
+    def step_a():
+        with guard.step("a", 1, (1,), device=devices[0]):
+            fn = carry_step(lambda x: compiled(x))
+            fn(torch.randn(2))  # the forward: cached, nothing compiles
+            carried["fn"] = fn
+            a_ready.set()
+            worker.join(20)  # like loss.backward(): wait for the autograd thread
+
+    def autograd_thread():
+        a_ready.wait(10)
+        carried["fn"](torch.randn(new_length))  # the recompute: a new shape, so it compiles here
+        order.append("recompute done")
+
+    thread_b = threading.Thread(target=step_b, daemon=True)
+    thread_b.start()
+    assert b_inside.wait(5)
+    worker = threading.Thread(target=autograd_thread, name="autograd-worker", daemon=True)
+    thread_a = threading.Thread(target=step_a, daemon=True)
+    worker.start()
+    thread_a.start()
+    assert a_ready.wait(10)
+    worker.join(1.0)
+    finished_before_b = "recompute done" in order
+    release_b.set()
+    for thread in (thread_a, thread_b, worker):
+        thread.join(20)
+    recompiles = [e for e in events if e["phase"] == "recompute"]
+    return recompiles, order, finished_before_b
+
+
+def test_a_recompile_in_another_threads_recompute_waits_and_is_logged(installed_guard):
+    guard, events = installed_guard
+    recompiles, order, finished_before_b = _recompute_elsewhere(guard, events, ("cuda:1", "cuda:2"), 5)
+    assert not finished_before_b, "the recompute compiled while step b was inside the guard"
+    assert order == ["b leaves", "recompute done"]
+    assert len(recompiles) == 1, events
+    event = recompiles[0]
+    assert (event["thread"], event["step"], event["reason"], event["exclusive"]) == ("a", 1, "unpredicted", True)
+    assert event["os_thread"] == "autograd-worker"
+    # every thread's next step is exclusive again after an unpredicted compile
+    with guard.step("b", 2, (1,), device="cuda:2"):
+        assert guard._lock.writer is not None
+
+
+def test_a_recompute_beside_steps_on_its_own_gpu_does_not_wait_for_itself(installed_guard):
+    """Step b's backward would queue on the same autograd thread: waiting would deadlock."""
+    guard, events = installed_guard
+    recompiles, order, finished_before_b = _recompute_elsewhere(guard, events, ("cuda:0", "cuda:0"), 7)
+    assert finished_before_b and order == ["recompute done", "b leaves"]
+    event = recompiles[0]
+    assert (event["thread"], event["reason"], event["exclusive"]) == ("a", "recompute_beside_same_device_steps", False)
+    from trainer.compile_lock import compile_reason
+
+    assert compile_reason(event) == "recompute_beside_same_device_steps, in checkpoint recompute, NOT exclusive"
+    with guard.step("a", 2, (1,), device="cuda:0"):
+        assert guard._lock.writer is not None
