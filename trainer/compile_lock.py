@@ -432,7 +432,8 @@ class CompileGuard:
                 # other step is done (they finish without us: barriers sit outside the guard).
                 self._lock.release_shared()
                 context.hold = None
-                self._lock.acquire_exclusive(self.wait_timeout_s, context)
+                with _dynamo_compile_lock_released():
+                    self._lock.acquire_exclusive(self.wait_timeout_s, context)
                 context.hold, context.reason = "exclusive", "unpredicted"
                 self._escalate()
             return context, context.reason, False
@@ -444,7 +445,8 @@ class CompileGuard:
         if self.mode != "lock":
             return None, "outside_step", False
         if self._lock.readers == 0:
-            self._lock.acquire_exclusive(self.wait_timeout_s, None)
+            with _dynamo_compile_lock_released():
+                self._lock.acquire_exclusive(self.wait_timeout_s, None)
             return None, "outside_step", True
         # Shared steps are running and this thread may be serving their backward: waiting here
         # could deadlock, so log it loudly and make every thread's next step exclusive.
@@ -473,6 +475,33 @@ class CompileGuard:
         if _active_guard is self:
             _active_guard = None
         self.installed = False
+
+
+@contextlib.contextmanager
+def _dynamo_compile_lock_released() -> Iterator[None]:
+    """Let go of dynamo's process-wide compile lock while waiting for the other steps.
+
+    Dynamo holds its own re-entrant `compile_lock` around every frame compile, and our compile
+    scope runs inside it. A compile waiting for other steps to finish while holding it would
+    deadlock as soon as one of those steps needs to compile too (measured: every checkpoint
+    recompute that compiled in a shared step hung). Released here and taken back before tracing.
+    """
+    lock = None
+    try:
+        from torch._dynamo import convert_frame
+
+        lock = getattr(convert_frame, "compile_lock", None)
+    except ImportError:
+        pass
+    owned = getattr(lock, "_is_owned", None)
+    if lock is None or owned is None or not owned():
+        yield
+        return
+    state = lock._release_save()
+    try:
+        yield
+    finally:
+        lock._acquire_restore(state)
 
 
 def compile_reason(event: dict) -> str:

@@ -1,7 +1,12 @@
 """Activation checkpointing of drafter layers: the same numbers, less kept, recompute under the lock."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -10,6 +15,9 @@ from tests.trainer.test_model import BLOCK, make_batch, make_drafter, run_sdpa
 from trainer.compile_lock import CompileGuard, carry_step
 from trainer.config import ConfigError, load_config
 from trainer.loss import block_labels
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRIAL = os.path.join(REPO, "tests", "trainer", "lock_trial.py")
 
 
 def loss_and_grads(checkpointed: bool):
@@ -159,3 +167,53 @@ def test_a_recompute_beside_steps_on_its_own_gpu_does_not_wait_for_itself(instal
     assert compile_reason(event) == "recompute_beside_same_device_steps, in checkpoint recompute, NOT exclusive"
     with guard.step("a", 2, (1,), device="cuda:0"):
         assert guard._lock.writer is not None
+
+
+# ---- the race in checkpoint recompute, end to end (fresh processes, older-torch emulation) -------
+
+RECOMPUTE_TRIAL = ("race", "--checkpoint", "--recompile-in-recompute", "--repeat", "100", "--steps", "2",
+                   "--micro", "6", "--layers", "3")
+
+
+def _start_trial(tmp_path, mode: str) -> subprocess.Popen:
+    cache = tmp_path / f"cache-{mode}-{time.monotonic_ns()}"
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"),
+               PYTHONPATH=REPO)
+    return subprocess.Popen([sys.executable, TRIAL, *RECOMPUTE_TRIAL, "--mode", mode], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen, timeout: float = 240) -> dict:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {"hang": True, "errors": [{"kind": "hang", "step": None}], "compiles": []}
+    for line in out.splitlines():
+        if line.startswith("TRIAL_RESULT "):
+            return json.loads(line[len("TRIAL_RESULT "):])
+    raise AssertionError(f"trial printed no result (rc {proc.returncode}):\n{err[-3000:]}")
+
+
+@pytest.mark.slow  # two trial processes side by side, ~35 s on two busy cores
+def test_recompiles_in_checkpoint_recompute_race_unless_the_full_lock_covers_them(tmp_path):
+    """Each step after the first compiles only inside its backward (checkpoint recompute).
+
+    With the lock around each thread's first step only, those compiles race the other threads'
+    cached forwards (FX-tracing error at step >= 1). The full lock upgrades the recompute's shared
+    step to exclusive: clean, every compile alone, each logged with phase "recompute"."""
+    baseline, locked = _start_trial(tmp_path, "first-step"), _start_trial(tmp_path, "lock")
+    result, unprotected = _result(locked), _result(baseline)
+    if not unprotected["errors"]:  # the race is timing-dependent: one more chance
+        unprotected = _result(_start_trial(tmp_path, "first-step"))
+    assert unprotected["errors"], "recompute compiles never raced without the full lock: the trial proves nothing"
+    assert all(e["kind"] in ("fx_tracing", "hang") and (e["step"] is None or e["step"] >= 1)
+               for e in unprotected["errors"]), unprotected["errors"]
+
+    assert result["errors"] == [], result["errors"]
+    compiles = result["compiles"]
+    assert all(c["exclusive"] for c in compiles), [c for c in compiles if not c["exclusive"]]
+    in_recompute = [c for c in compiles if c["phase"] == "recompute" and c["step"] >= 1]
+    assert in_recompute and {"unpredicted"} <= {c["reason"] for c in in_recompute}, compiles
+    assert all(c["thread"].startswith("drafter") for c in compiles)
