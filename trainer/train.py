@@ -10,9 +10,7 @@ import copy
 import dataclasses
 import math
 import random
-import signal
 import sys
-import threading
 import traceback
 from typing import TextIO
 
@@ -30,6 +28,7 @@ from .masks import build_block_mask, dense_mask, sample_anchors
 from .loss import block_labels
 from .metrics import MetricsWriter, Throughput, error_kind
 from .model import EXPORT_METADATA, DFlashDrafter, DrafterConfig, set_compile_mode
+from .shutdown import StopRequest
 from .target import load_target
 from .workers import LossOutput, Replica, StepSummary, TrainingWorkers, WorkerFailure
 
@@ -64,33 +63,6 @@ class WarmupCosine:
         progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
         progress = min(progress, 1.0)
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-class StopRequest:
-    """SIGTERM/SIGINT ask for a graceful stop (finish the step, checkpoint, exit); a second one aborts."""
-
-    def __init__(self):
-        self.requested = False
-        self.signal_name = ""
-        self.last_step = 0  # steps done so far, for the `done` record of an abort
-        self._previous = {}
-
-    def install(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
-        self.requested = True
-        self.signal_name = signal.Signals(signum).name
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
 
 
 # ---- building blocks -------------------------------------------------------------------------
@@ -224,7 +196,7 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
     metrics = MetricsWriter(cfg.metrics_path, out=out, tty=tty, log_every=cfg.run.log_every)
     guard = CompileGuard(cfg.run.compile_lock, on_event=lambda e: metrics.compile(
         e.get("thread", "?"), e.get("duration_s") or 0.0, e.get("step", -1), compile_reason(e)))
-    stop = StopRequest()
+    stop = StopRequest(cfg.run.stop_grace_s)
     try:
         guard.install()  # before anything is compiled (patch mode must precede torch.compile)
         set_compile_mode(cfg.run.compile_mode)
@@ -285,7 +257,9 @@ def _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, sta
     with make_workers(cfg, targets, replicas, dataset, plan, guard) as workers:
         workers.start(start, total)
         for step_index in range(start, total):
-            last = workers.run_step(step_index)
+            last = workers.run_step(step_index, give_up=stop.overdue)
+            if stop.requested:
+                stop.step_finished()
             step = stop.last_step = last.step
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
             metrics.step(step=step, total_steps=total, loss=last.loss, acc=last.acc, tokens_per_s=tokens_per_s,
