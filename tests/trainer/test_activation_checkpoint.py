@@ -58,6 +58,28 @@ def test_no_recompute_without_autograd():
         assert torch.equal(plain, run_sdpa(drafter, context, input_ids, anchors, valid))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs a GPU")
+def test_cuda_checkpointed_compiled_flex_gives_the_same_loss_and_gradients():
+    """The recompute re-enters the compiled flex_attention in the GPU's autograd thread."""
+    from tests.trainer.test_model import CTX
+    from trainer.masks import build_block_mask
+
+    device = "cuda"
+    context, input_ids, anchors, valid = (t.to(device) for t in make_batch(seed=9, pad_blocks=1))
+    labels, label_mask = block_labels(input_ids, torch.ones_like(input_ids, dtype=torch.bool), anchors, valid, BLOCK)
+    results = {}
+    for checkpointed in (False, True):
+        drafter = make_drafter(seed=2, head_dim=16).to(device)  # fp32; flex kernels need head_dim >= 16
+        drafter.checkpoint_layers = checkpointed
+        mask = build_block_mask(anchors, valid, CTX, BLOCK, device)
+        loss, _ = drafter.loss(drafter(context, input_ids, anchors, mask, backend="flex"), labels, label_mask, 7.0)
+        loss.backward()
+        results[checkpointed] = (loss.detach(), {n: p.grad for n, p in drafter.named_parameters()})
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-6)
+    for name, grad in results[False][1].items():
+        torch.testing.assert_close(results[True][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 # ---- config --------------------------------------------------------------------------------
 
 def test_config_defaults_and_choices():
