@@ -47,6 +47,22 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients_fp32():
         torch.testing.assert_close(grads_ckpt[name], grads_plain[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_the_recompute_runs_under_the_forwards_autocast():
+    """bf16 autocast is entered in the drafter thread; the recompute must see it too, or it would
+    rebuild fp32 activations the backward does not expect."""
+    results = {}
+    for checkpointed in (False, True):
+        drafter = make_drafter(seed=5, num_layers=2)
+        drafter.checkpoint_layers = checkpointed
+        context, input_ids, anchors, valid = make_batch(seed=6)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = run_sdpa(drafter, context, input_ids, anchors, valid)
+        hidden.float().pow(2).mean().backward()  # outside the autocast block, as in training
+        results[checkpointed] = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    for name, grad in results[False].items():
+        torch.testing.assert_close(results[True][name], grad, rtol=0, atol=0, msg=name)
+
+
 def test_no_recompute_without_autograd():
     drafter = make_drafter(num_layers=2)
     drafter.checkpoint_layers = True
