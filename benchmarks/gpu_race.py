@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import json
 import os
 import pathlib
 import shlex
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
           f"budget {args.budget:g} s", flush=True)
     rows: list[dict] = []
     lock = threading.Lock()
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     def run(job):
         mode, ckpt, index = job
@@ -178,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         row = trial(mode, ckpt, index, args)
         with lock:
             rows.append(row)
+            if args.out:  # every trial as it ends: a run cut short still leaves its evidence
+                with open(os.path.splitext(args.out)[0] + ".trials.jsonl", "a") as f:
+                    f.write(json.dumps(row) + "\n")
             print(f"  [{time.monotonic() - began:5.0f}s] {mode:5} ckpt={ckpt:6} #{index}: {row['outcome']:5} "
                   f"{row['seconds']:6.1f}s rc={row['rc']} {row['last_line'][:140]}", flush=True)
         return row
