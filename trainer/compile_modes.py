@@ -15,16 +15,15 @@ Refused (both turn on `triton.cudagraphs`, i.e. CUDA graph trees):
   not set up for Python-created threads and asserts there (pytorch issue #123177, fixed only by
   pytorch PR #184357, mid-2026), and the backward graphs of every drafter on one GPU replay from the
   one shared autograd thread into that pool (#113809). The trainer's torch floor is 2.5, so these
-  modes cannot be offered. Activation checkpointing also re-runs each recorded forward graph inside
-  the backward, which CUDA graph trees treat as a new run that overwrites the outputs still
-  waiting for that backward.
+  modes cannot be offered. (Activation checkpointing would also re-run each recorded forward graph
+  inside the backward, against CUDA graph trees' one-run-at-a-time rule for a pool; not measured.)
 """
 from __future__ import annotations
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 REFUSED_COMPILE_MODES = {
     "reduce-overhead": "it records CUDA graph trees, which assert in the trainer's drafter threads "
-                       "on torch <= 2.11 (pytorch #123177) and cannot replay checkpoint recompute",
+                       "on torch <= 2.11 (pytorch #123177)",
     "max-autotune": "it also records CUDA graph trees (see reduce-overhead); "
                     "use max-autotune-no-cudagraphs",
 }
