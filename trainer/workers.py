@@ -178,11 +178,11 @@ class TrainingWorkers:
                            acc=[float(a) for a in acc], tokens=sum(rep.tokens for rep in reports),
                            grad_norm=self._grad_norm, lr=reports[0].lr)
 
-    def close(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> list[str]:
+    def close(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """Stop all threads: no thread is left blocked on a queue or the barrier.
 
-        Returns the names of threads still running after `join_timeout_s` (stuck in a kernel or
-        a compile; they are daemon threads and do not keep the process alive).
+        Waits at most `join_timeout_s` in all: a thread stuck in a kernel or a compile never ends
+        (daemon threads; trainer.shutdown decides how the process then exits).
         """
         self._stop.set()
         self._barrier.abort()
@@ -191,7 +191,6 @@ class TrainingWorkers:
         deadline = time.monotonic() + join_timeout_s
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        return [t.name for t in self._threads if t.is_alive()]
 
     def _raise_failure(self) -> None:
         self.close()  # also lets the other threads report, so the root cause can be chosen
