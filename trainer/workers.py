@@ -242,7 +242,9 @@ class TrainingWorkers:
     def _drafter_loop(self, replica: Replica) -> None:
         _use_device(replica.device)
         while True:
+            self._doing[replica.name] = "waiting for the next step"
             step = self._get(self._commands[replica.index])
+            self._doing[replica.name] = "waiting for its batch from the target worker"
             batch = self._get(self._batches[replica.index])
             if batch.step != step:
                 raise RuntimeError(f"{replica.name}: got the batch of step {batch.step} for step {step}")
