@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 RACE = [sys.executable, str(REPO / "benchmarks" / "gpu_race.py"), "--device", "cpu", "--steps", "1", "--trials", "1"]
 
 
+@pytest.mark.slow  # two harness runs (each imports torch), ~35 s on two busy cores
 def test_failing_and_hung_trials_are_counted_per_mode_and_checkpointing(tmp_path):
     out = tmp_path / "race.md"
     done = subprocess.run([*RACE, "--modes", "none,lock", "--trials-none", "1", "--parallel", "4",
