@@ -93,6 +93,9 @@ def trial(mode: str, checkpointing: str, index: int, args) -> dict:
     hang_exit = {TIMEOUT_RC: "SIGTERM", KILLED_RC: "SIGKILL"}.get(proc.returncode)
     return {"mode": mode, "checkpointing": checkpointing, "trial": index, "outcome": outcome,
             "seconds": round(seconds, 1), "rc": proc.returncode, "hang_exit": hang_exit,
+            # from the trainer's compile log lines (trainer.compile_lock.compile_reason)
+            "recompute_compiles": text.count("in checkpoint recompute"),
+            "unexclusive_compiles": text.count("NOT exclusive"),
             "last_line": lines[-1][:300] if lines and outcome != "clean" else ""}
 
 
@@ -113,6 +116,8 @@ def summarise(rows: list[dict], plan: list[tuple[str, str, int]]) -> list[dict]:
         table.append({"mode": mode, "checkpointing": ckpt, "planned": planned, "trials": len(mine), **counts,
                       "hang_sigterm": sum(r["hang_exit"] == "SIGTERM" for r in mine),
                       "hang_sigkill": sum(r["hang_exit"] == "SIGKILL" for r in mine),
+                      "recompute_compiles": sum(r["recompute_compiles"] for r in mine),
+                      "unexclusive_compiles": sum(r["unexclusive_compiles"] for r in mine),
                       "median_s": times[len(times) // 2] if times else None, "first_failure": first})
     return table
 
@@ -125,14 +130,15 @@ def render(table: list[dict], args, command: str) -> str:
              f"{args.steps} steps; fresh caches per trial; hang = no exit within {args.timeout:g} s "
              f"(then SIGTERM; SIGKILL {args.kill_after:g} s later; trainer stop grace {args.stop_grace:g} s).\n",
              "| mode | checkpointing | trials | FX errors | mask KeyErrors | other errors | hangs (left on SIGTERM / "
-             "needed SIGKILL) | clean | median trial s | first failure |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "needed SIGKILL) | clean | median trial s | compiles in recompute / not exclusive | first failure |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in table:
         skipped = f" ({t['planned'] - t['trials']} skipped: budget)" if t["trials"] < t["planned"] else ""
         median = f"{t['median_s']:.1f}" if t["median_s"] is not None else "n/a"
         lines.append(f"| {t['mode']} | {t['checkpointing']} | {t['trials']}{skipped} | {t['fx']} | {t['mask']} | "
                      f"{t['other']} | {t['hang']} ({t['hang_sigterm']} / {t['hang_sigkill']}) | {t['clean']} | "
-                     f"{median} | {t['first_failure'][:120].replace('|', '/')} |")
+                     f"{median} | {t['recompute_compiles']} / {t['unexclusive_compiles']} | "
+                     f"{t['first_failure'][:120].replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
