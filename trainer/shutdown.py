@@ -6,10 +6,11 @@
   no new checkpoint (the last periodic one stays). A stuck thread cannot be joined, and it may
   keep the interpreter's exit handlers waiting, so the exit is immediate (os._exit).
 - Second signal: abort at once, the same way.
-- Backstop: the first signal also arms a watchdog that needs neither the main thread nor the GIL
-  (faulthandler): if the process is still alive WATCHDOG_MARGIN_S after the grace period (the
-  main thread itself could not get to run), it prints every thread's stack and exits (status 1).
-  It is disarmed as soon as the running step finishes, before the checkpoint is written.
+- Backstop (`watchdog=True`, the threaded trainer): the first signal also arms a watchdog that
+  needs neither the main thread nor the GIL (faulthandler): if the process is still alive
+  WATCHDOG_MARGIN_S after the grace period (the main thread itself could not get to run), it
+  prints every thread's stack and exits (status 1). The caller must call step_finished() when
+  the running step is done: that disarms it before the checkpoint is written.
 
 `dflash-ops stop|relaunch --grace S` (default 30) sends ONE SIGTERM to the job's processes and
 SIGKILLs whatever is left after S seconds; keep run.stop_grace_s below it so a stuck trainer
@@ -31,8 +32,9 @@ WATCHDOG_MARGIN_S = 8.0
 class StopRequest:
     """SIGTERM/SIGINT ask for a graceful stop (finish the step, checkpoint, exit); a second one aborts."""
 
-    def __init__(self, grace_s: float = 20.0):
+    def __init__(self, grace_s: float = 20.0, watchdog: bool = False):
         self.grace_s = grace_s
+        self.use_watchdog = watchdog
         self.requested = False
         self.signal_name = ""
         self.requested_at: float | None = None
@@ -51,8 +53,9 @@ class StopRequest:
         if self.requested:
             raise KeyboardInterrupt(f"second {name}: stopping without a checkpoint")
         self.requested, self.signal_name, self.requested_at = True, name, time.monotonic()
-        faulthandler.dump_traceback_later(self.grace_s + WATCHDOG_MARGIN_S, exit=True)
-        self._watchdog = True
+        if self.use_watchdog:
+            faulthandler.dump_traceback_later(self.grace_s + WATCHDOG_MARGIN_S, exit=True)
+            self._watchdog = True
 
     def overdue(self) -> str | None:
         """Why to stop waiting for the running step (None: keep waiting)."""

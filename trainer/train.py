@@ -196,7 +196,7 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
     metrics = MetricsWriter(cfg.metrics_path, out=out, tty=tty, log_every=cfg.run.log_every)
     guard = CompileGuard(cfg.run.compile_lock, on_event=lambda e: metrics.compile(
         e.get("thread", "?"), e.get("duration_s") or 0.0, e.get("step", -1), compile_reason(e)))
-    stop = StopRequest(cfg.run.stop_grace_s)
+    stop = StopRequest(cfg.run.stop_grace_s, watchdog=True)
     try:
         guard.install()  # before anything is compiled (patch mode must precede torch.compile)
         set_compile_mode(cfg.run.compile_mode)
