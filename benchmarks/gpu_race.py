@@ -1,28 +1,40 @@
 #!/usr/bin/env python3
-"""Race regression harness: K fresh-process trials of the REAL trainer, per compile-lock mode.
+"""Race regression harness: fresh-process trials of the REAL trainer, per compile-lock mode and
+activation-checkpointing setting.
 
 Each trial runs `python -m trainer` with a fresh, empty inductor and triton cache, one target
 worker and N drafter threads on one GPU that start their first compiled flex_attention
-forward+backward together. A trial is counted as:
+forward+backward together. The default drafter (5 layers, head_dim 64, intermediate 512) is a
+size where the unprotected start fails: with the 1-layer tiny drafter the compiles are too short
+to overlap and even the unprotected start comes out clean.
+
+Every trial runs under `timeout -k KILL_AFTER TIMEOUT`: at TIMEOUT its process group gets SIGTERM
+(the trainer, with run.stop_grace_s = --stop-grace, must then exit by itself even with a thread
+stuck in a compile), KILL_AFTER seconds later SIGKILL. A trial is counted as:
   fx     the FX-tracing race error ("Detected that you are using FX to symbolically trace …")
   mask   the create_block_mask race (KeyError: 'custom')
   other  any other non-zero exit
-  hang   no exit within --timeout (killed; a hang is a failure)
+  hang   no exit within --timeout (a failure); split into "left on SIGTERM" / "needed SIGKILL"
   clean  exit 0 after --steps steps
+Trials of all (mode, checkpointing) cells share one pool of --parallel slots; trials that have
+not started when --budget seconds are up are reported as skipped.
 
-  python benchmarks/gpu_race.py --modes none,lock,patch --trials 20 --parallel 6 --out benchmarks/results/race.md
+  python benchmarks/gpu_race.py --modes none,lock --checkpointing none,layers --trials-none 8 \\
+      --trials 20 --parallel 8 --out benchmarks/results/race-checkpointing.md
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
 import datetime
+import json
 import os
 import pathlib
 import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -30,76 +42,171 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import versions  # noqa: E402
+
 FX = "Detected that you are using FX to symbolically trace"
+OUTCOMES = ("fx", "mask", "other", "hang", "clean")
+TIMEOUT_RC = 124  # `timeout`: the command timed out and left on SIGTERM
+KILLED_RC = 137  # `timeout`: ... and needed the SIGKILL
 
 
-def trial(mode: str, index: int, args) -> tuple[str, float, str]:
-    with tempfile.TemporaryDirectory(prefix=f"race-{mode}-{index}-") as tmp:
+def trainer_argv(mode: str, checkpointing: str, tmp: str, args) -> list[str]:
+    sizes = ["--set", f"drafter.num_layers={args.layers}", "--set", f"drafter.head_dim={args.head_dim}",
+             "--set", f"drafter.intermediate_size={args.intermediate}"]
+    return [sys.executable, "-m", "trainer", "--config", args.config, "--output-dir", f"{tmp}/out",
+            "--max-steps", str(args.steps), "--compile-lock", mode, "--attention", args.attention,
+            "--target-devices", args.device, "--drafter-devices", ",".join([args.device] * args.threads),
+            "--metrics-file", f"{tmp}/metrics.jsonl", *sizes,
+            "--set", f"train.activation_checkpointing={checkpointing}",
+            "--set", f"run.stop_grace_s={args.stop_grace}"] + args.extra
+
+
+def classify(returncode: int, text: str) -> str:
+    if returncode in (TIMEOUT_RC, KILLED_RC):
+        return "hang"
+    if FX in text:
+        return "fx"
+    if "KeyError: 'custom'" in text:
+        return "mask"
+    return "clean" if returncode == 0 else "other"
+
+
+def trial(mode: str, checkpointing: str, index: int, args) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"race-{mode}-{checkpointing}-{index}-") as tmp:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton",
                    PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-        argv = [sys.executable, "-m", "trainer", "--config", args.config, "--output-dir", f"{tmp}/out",
-                "--max-steps", str(args.steps), "--compile-lock", mode, "--attention", "flex",
-                "--target-devices", args.device, "--drafter-devices", ",".join([args.device] * args.threads),
-                "--metrics-file", f"{tmp}/metrics.jsonl"] + args.extra
+        argv = ["timeout", "-k", str(args.kill_after), str(args.timeout),
+                *trainer_argv(mode, checkpointing, tmp, args)]
         started = time.monotonic()
+        # The whole trial gets its own session; after `timeout` is done nothing of it may survive.
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         try:
-            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired as exc:
-            out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            return "hang", time.monotonic() - started, out[-2000:]
+            text, _ = proc.communicate(timeout=args.timeout + args.kill_after + 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            text, _ = proc.communicate()
         seconds = time.monotonic() - started
-        text = done.stdout + done.stderr
-        if FX in text:
-            return "fx", seconds, text[-3000:]
-        if "KeyError: 'custom'" in text:
-            return "mask", seconds, text[-3000:]
-        if done.returncode != 0:
-            return "other", seconds, text[-3000:]
-        return "clean", seconds, ""
+    outcome = classify(proc.returncode, text)
+    if outcome == "clean" and f"activation checkpointing: {checkpointing}" not in text:
+        outcome = "other"  # the setting did not reach the trainer: the trial measured something else
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    hang_exit = {TIMEOUT_RC: "SIGTERM", KILLED_RC: "SIGKILL"}.get(proc.returncode)
+    return {"mode": mode, "checkpointing": checkpointing, "trial": index, "outcome": outcome,
+            "seconds": round(seconds, 1), "rc": proc.returncode, "hang_exit": hang_exit,
+            # from the trainer's compile log lines (trainer.compile_lock.compile_reason)
+            "recompute_compiles": text.count("in checkpoint recompute"),
+            "unexclusive_compiles": text.count("NOT exclusive"),
+            "last_line": lines[-1][:300] if lines and outcome != "clean" else ""}
 
 
-def main() -> int:
+def cells(args) -> list[tuple[str, str, int]]:
+    """(mode, checkpointing, trials); unprotected first so their hangs overlap the lock trials."""
+    modes = sorted(args.modes.split(","), key=lambda m: m != "none")
+    return [(mode, ckpt, args.trials_none if (mode == "none" and args.trials_none) else args.trials)
+            for mode in modes for ckpt in args.checkpointing.split(",")]
+
+
+def summarise(rows: list[dict], plan: list[tuple[str, str, int]]) -> list[dict]:
+    table = []
+    for mode, ckpt, planned in plan:
+        mine = [r for r in rows if r["mode"] == mode and r["checkpointing"] == ckpt]
+        counts = {o: sum(r["outcome"] == o for r in mine) for o in OUTCOMES}
+        times = sorted(r["seconds"] for r in mine)
+        first = next((r["last_line"] for r in mine if r["outcome"] != "clean"), "")
+        table.append({"mode": mode, "checkpointing": ckpt, "planned": planned, "trials": len(mine), **counts,
+                      "hang_sigterm": sum(r["hang_exit"] == "SIGTERM" for r in mine),
+                      "hang_sigkill": sum(r["hang_exit"] == "SIGKILL" for r in mine),
+                      "recompute_compiles": sum(r["recompute_compiles"] for r in mine),
+                      "unexclusive_compiles": sum(r["unexclusive_compiles"] for r in mine),
+                      "median_s": times[len(times) // 2] if times else None, "first_failure": first})
+    return table
+
+
+def render(table: list[dict], args, command: str) -> str:
+    lines = [f"\n### {args.label or 'race'} — {datetime.date.today()}\n", f"`{command}`\n",
+             ", ".join(f"{k} {v}" for k, v in versions(args.device).items()) + "\n",
+             f"Drafter: {args.layers} layers, head_dim {args.head_dim}, intermediate {args.intermediate} "
+             f"(config {args.config}); {args.threads} drafter threads + 1 target worker on {args.device}; "
+             f"{args.steps} steps; fresh caches per trial; hang = no exit within {args.timeout:g} s "
+             f"(then SIGTERM; SIGKILL {args.kill_after:g} s later; trainer stop grace {args.stop_grace:g} s).\n",
+             "| mode | checkpointing | trials | FX errors | mask KeyErrors | other errors | hangs (left on SIGTERM / "
+             "needed SIGKILL) | clean | median trial s | compiles in recompute / not exclusive | first failure |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for t in table:
+        skipped = f" ({t['planned'] - t['trials']} skipped: budget)" if t["trials"] < t["planned"] else ""
+        median = f"{t['median_s']:.1f}" if t["median_s"] is not None else "n/a"
+        lines.append(f"| {t['mode']} | {t['checkpointing']} | {t['trials']}{skipped} | {t['fx']} | {t['mask']} | "
+                     f"{t['other']} | {t['hang']} ({t['hang_sigterm']} / {t['hang_sigkill']}) | {t['clean']} | "
+                     f"{median} | {t['recompute_compiles']} / {t['unexclusive_compiles']} | "
+                     f"{t['first_failure'][:120].replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default="none,lock,patch")
+    parser.add_argument("--modes", default="none,lock")
+    parser.add_argument("--checkpointing", default="none,layers", help="train.activation_checkpointing values")
     parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--trials-none", type=int, default=None, help="trials for mode none (default --trials)")
+    parser.add_argument("--trials-none", type=int, default=8, help="trials for mode none (0: --trials)")
     parser.add_argument("--threads", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--parallel", type=int, default=4, help="trials run side by side (each is its own process)")
-    parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--layers", type=int, default=5, help="drafter.num_layers")
+    parser.add_argument("--head-dim", type=int, default=64, help="drafter.head_dim")
+    parser.add_argument("--intermediate", type=int, default=512, help="drafter.intermediate_size")
+    parser.add_argument("--parallel", type=int, default=8, help="trials run side by side (each is its own process)")
+    parser.add_argument("--timeout", type=float, default=150, help="seconds; then SIGTERM (a hang)")
+    parser.add_argument("--kill-after", type=float, default=20, help="seconds after the SIGTERM: SIGKILL")
+    parser.add_argument("--stop-grace", type=float, default=10, help="the trainer's run.stop_grace_s")
+    parser.add_argument("--budget", type=float, default=480, help="seconds; trials not started by then are skipped")
     parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--attention", default="flex")
     parser.add_argument("--config", default="tiny-cpu")
-    parser.add_argument("--label", default="", help="a name for this row group in the results")
+    parser.add_argument("--label", default="", help="a name for this table in the results")
     parser.add_argument("--out", default=None, help="append a markdown table here")
     parser.add_argument("extra", nargs="*", help="more trainer arguments (after --)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if min(args.trials, args.threads, args.steps, args.parallel) < 1:
+        parser.error("--trials, --threads, --steps and --parallel must be >= 1")
 
-    rows = []
-    for mode in args.modes.split(","):
-        k = args.trials_none if (mode == "none" and args.trials_none) else args.trials
-        counts = {"fx": 0, "mask": 0, "other": 0, "hang": 0, "clean": 0}
-        times, sample = [], ""
-        with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-            for outcome, seconds, tail in pool.map(lambda i: trial(mode, i, args), range(k)):
-                counts[outcome] += 1
-                times.append(seconds)
-                if outcome != "clean" and not sample:
-                    sample = tail.strip().splitlines()[-1] if tail.strip() else outcome
-        times.sort()
-        rows.append((mode, k, counts, times[len(times) // 2], sample))
-        print(f"{args.label} {mode:6} trials={k} fx={counts['fx']} mask={counts['mask']} other={counts['other']} "
-              f"hang={counts['hang']} clean={counts['clean']} median_s={times[len(times) // 2]:.1f} {sample[:160]}",
-              flush=True)
+    plan = cells(args)
+    jobs = [(mode, ckpt, i) for mode, ckpt, k in plan for i in range(k)]
+    # one slot per cell in turn, so a cut by the budget leaves every cell some trials
+    jobs.sort(key=lambda job: (job[2], [c[:2] for c in plan].index(job[:2])))
+    began = time.monotonic()
+    print(f"race: {len(jobs)} trials {[(m, c, k) for m, c, k in plan]} on {args.device}, {args.parallel} at a time, "
+          f"budget {args.budget:g} s", flush=True)
+    rows: list[dict] = []
+    lock = threading.Lock()
     if args.out:
-        command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-        lines = [f"\n### {args.label or 'race'} — {datetime.date.today()}\n", f"`{command}`\n", ", ".join(f"{k} {v}" for k, v in versions(args.device).items()) + "\n",
-                 "| mode | trials | FX error | mask KeyError | other error | hang | clean | median trial s | first failure |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        for mode, k, c, median, sample in rows:
-            lines.append(f"| {mode} | {k} | {c['fx']} | {c['mask']} | {c['other']} | {c['hang']} | {c['clean']} | "
-                         f"{median:.1f} | {sample[:120].replace('|', '/')} |")
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def run(job):
+        mode, ckpt, index = job
+        if time.monotonic() - began > args.budget:
+            return None
+        row = trial(mode, ckpt, index, args)
+        with lock:
+            rows.append(row)
+            if args.out:  # every trial as it ends: a run cut short still leaves its evidence
+                with open(os.path.splitext(args.out)[0] + ".trials.jsonl", "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            print(f"  [{time.monotonic() - began:5.0f}s] {mode:5} ckpt={ckpt:6} #{index}: {row['outcome']:5} "
+                  f"{row['seconds']:6.1f}s rc={row['rc']} {row['last_line'][:140]}", flush=True)
+        return row
+
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        list(pool.map(run, jobs))
+    table = summarise(rows, plan)
+    for t in table:
+        print(f"{args.label} {t['mode']:5} ckpt={t['checkpointing']:6} trials={t['trials']}/{t['planned']} fx={t['fx']} "
+              f"mask={t['mask']} other={t['other']} hang={t['hang']} (sigterm {t['hang_sigterm']}, sigkill "
+              f"{t['hang_sigkill']}) clean={t['clean']}", flush=True)
+    if args.out:
+        command = "python " + shlex.join(["benchmarks/gpu_race.py", *(sys.argv[1:] if argv is None else argv)])
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "a") as f:
-            f.write("\n".join(lines) + "\n")
+            f.write(render(table, args, command))
+        print(f"wrote {args.out}")
     return 0
 
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Everything the GPU proof needs, in one command on a GPU machine; results under $OUT (or ./gpu-out).
-#   bash benchmarks/gpu_session.sh smoke|race|perf|ops|precision|torchrun|features|unattended|tau
+#   bash benchmarks/gpu_session.sh smoke|race|perf|ckpt-perf|compile-modes|ops|precision|torchrun|features|unattended|tau
 # smoke: versions, the CUDA-only trainer tests, one short training run with compiled flex.
-# race:  the race harness (none, lock x20, patch).   perf: throughput at paper dims.
+# race:  the real trainer at the 5-layer size where the unprotected start fails: none x8 and
+#        lock x20, each with activation checkpointing off and on (~8 min; trials 8 at a time).
+# perf:  throughput at paper dims.   ckpt-perf: paper dims, checkpointing off vs on (~2-3 min).
+# compile-modes: lock trials with run.compile_mode max-autotune-no-cudagraphs (~5 min, optional).
 # ops:   dflash-ops relaunch/status/health/tail-log/stop on this machine's `local` target.
 # precision: tiny run on CUDA (compiled flex) in bf16-mixed and in fp32: norm weights moved off 1.0,
 #        final losses; paper-dims throughput in bf16-mixed and the old bf16-weights baseline (~4 min).
@@ -43,9 +46,19 @@ smoke)
   tail -5 "$OUT/smoke-train.log"
   ;;
 race)
-  python3 benchmarks/gpu_race.py --modes none --trials 6 --parallel 6 --label "3 drafter threads, one H200, fresh cache" --out "$OUT/race.md"
-  python3 benchmarks/gpu_race.py --modes lock --trials 24 --parallel 8 --label "3 drafter threads, one H200, fresh cache" --out "$OUT/race.md"
-  python3 benchmarks/gpu_race.py --modes patch --trials 6 --parallel 6 --label "3 drafter threads, one H200, fresh cache" --out "$OUT/race.md"
+  # Trials start for 380 s; a hung one gets SIGTERM at 150 s and SIGKILL 15 s later: done by ~545 s.
+  timeout -k 10 575 python3 benchmarks/gpu_race.py --modes none,lock --checkpointing none,layers --trials-none 8 \
+    --trials 20 --parallel 8 --timeout 150 --kill-after 15 --budget 380 \
+    --label "5-layer drafter, 3 drafter threads, one GPU, fresh cache" --out "$OUT/race-checkpointing.md"
+  ;;
+ckpt-perf)
+  timeout -k 10 300 python3 benchmarks/train_throughput.py --parts checkpointing --steps 6 --warmup 2 \
+    --child-timeout 240 --out "$OUT/throughput-checkpointing.md"
+  ;;
+compile-modes)
+  timeout -k 10 330 python3 benchmarks/gpu_race.py --modes lock --checkpointing none,layers --trials 2 \
+    --parallel 4 --timeout 300 --kill-after 20 --budget 30 --label "run.compile_mode max-autotune-no-cudagraphs" \
+    --out "$OUT/race-compile-modes.md" -- --set run.compile_mode=max-autotune-no-cudagraphs
   ;;
 perf)
   python3 benchmarks/train_throughput.py --parts compiled,eager --steps 8 --out "$OUT/throughput.md" 2>&1 | tail -20

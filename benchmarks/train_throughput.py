@@ -9,7 +9,9 @@ One run measures, each part in its own fresh process with fresh empty inductor/t
 3. eager: the same steps with eager flex_attention (a separate process: eager flex must never
    share a process with compiled code, it can leave the global FX flag stuck);
 4. first step: N drafter threads (one replica each) starting together, compile lock "lock" vs
-   "none": per-thread latency from the common start to the end of its first forward+backward.
+   "none": per-thread latency from the common start to the end of its first forward+backward;
+5. checkpointing: the compiled run again with every drafter layer checkpointed
+   (train.activation_checkpointing: layers): the peak memory it saves and the step time it costs.
 
 Paper dims (DFlash, arXiv 2602.06036): hidden 4096, 32 heads / 8 KV heads, head_dim 128,
 intermediate 12288, 5 layers, block 16, 512 anchors, context 3072, 5 target layers; random
@@ -196,6 +198,7 @@ def child_train(args, dims) -> dict:
     events = []
     guard = CompileGuard("lock", on_event=events.append).install()
     cfg, model, optimizer, dtype = _build(args, dims, torch)
+    model.checkpoint_layers = args.checkpointing == "layers"
     gen = torch.Generator().manual_seed(1)
     batch = _batch(args, dims, cfg, torch, dtype, gen)
     if args.device.startswith("cuda"):
@@ -222,7 +225,8 @@ def child_train(args, dims) -> dict:
             tokens_seen.append(tokens)
     median = statistics.median(times)
     result = {
-        "attention": args.attention, "first_step_s": first_step_s, "median_step_s": median,
+        "attention": args.attention, "checkpointing": args.checkpointing,
+        "first_step_s": first_step_s, "median_step_s": median,
         "step_times_s": [round(t, 4) for t in times], "pairs_per_step": statistics.mean(pairs_seen),
         "block_tokens_per_step": statistics.mean(tokens_seen),
         "context_tokens_per_step": dims["batch"] * dims["ctx"],
@@ -512,6 +516,20 @@ def render(report: dict) -> str:
                 continue
             errors = "; ".join(e["message"] for e in r["errors"]) or "none"
             lines.append(f"| {lock} | {json.dumps(r['latency_s'])} | {r['all_done_s']} | {errors} |")
+    ckpt = report.get("checkpointing")
+    if ckpt:
+        lines += ["", "Activation checkpointing (every drafter layer recomputed in backward), same run settings:", "",
+                  "| train.activation_checkpointing | median step s | peak mem GiB |", "|---|---|---|"]
+        for name, s in ckpt["runs"].items():
+            if "failed" in s:
+                lines.append(f"| {name} | failed: {s['failed']} | |")
+            else:
+                lines.append(f"| {name} | {s['median_step_s']:.4f} | {_fmt(s['peak_memory_gib'], '.2f')} |")
+        if ckpt.get("memory_saved_gib") is not None:
+            lines += ["", f"Checkpointing saves {ckpt['memory_saved_gib']:.2f} GiB of peak memory "
+                          f"({ckpt['memory_saved_pct']:.0f}%) and costs {ckpt['step_time_cost_pct']:+.1f}% step time."]
+        elif ckpt.get("step_time_cost_pct") is not None:
+            lines += ["", f"Checkpointing costs {ckpt['step_time_cost_pct']:+.1f}% step time (no memory figure on CPU)."]
     for name, text in report.get("profiles", {}).items():
         lines += ["", f"Profile, {name} (top kernels, 3 steps):", "", "```", text, "```"]
     return "\n".join(lines) + "\n"
@@ -528,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=3, help="drafter threads for the first-step timing")
     parser.add_argument("--profile", action="store_true", help="torch profiler table of the top kernels")
     parser.add_argument("--parts", default="compiled,eager,first-step",
-                        help="comma list of compiled, eager, first-step, cache (the matmul peak always runs)")
+                        help="comma list of compiled, eager, first-step, cache, checkpointing "
+                             "(the matmul peak always runs)")
     parser.add_argument("--cache-dir", help="where the cache part writes its feature cache (default: $TMPDIR)")
     parser.add_argument("--shard-mb", type=int, default=1024, help="feature cache shard size cap, MiB")
     parser.add_argument("--anchors", type=int, help="override the anchors per sequence (paper: 512)")
@@ -542,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", choices=("peak", "train", "first_step", "cache"), help=argparse.SUPPRESS)
     parser.add_argument("--attention", default="flex", help=argparse.SUPPRESS)
     parser.add_argument("--lock", default="lock", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpointing", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.small:
         args.device = "cpu"
@@ -554,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key):
             dims[key] = getattr(args, key)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    known = {"compiled", "eager", "first-step", "cache"}
+    known = {"compiled", "eager", "first-step", "cache", "checkpointing"}
     if parts - known:
         parser.error(f"--parts: unknown {sorted(parts - known)}; use {', '.join(sorted(known))}")
 
@@ -576,8 +596,9 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {"sdpa": "compiled", "compiled flex": "compiled", "eager flex": "eager"}
     runs, profiles, raw = {}, {}, {}
 
-    def measure(name: str, attention: str, anchors: int) -> dict:
-        extra = ["--attention", attention, "--anchors", str(anchors), "--ctx", str(dims["ctx"])]
+    def measure(name: str, attention: str, anchors: int, checkpointing: str = "none") -> dict:
+        extra = ["--attention", attention, "--anchors", str(anchors), "--ctx", str(dims["ctx"]),
+                 "--checkpointing", checkpointing]
         extra += ["--profile"] if args.profile else []
         result = run_child(args, "train", extra, args.child_timeout)
         run_dims = dict(dims, anchors=anchors)
@@ -608,6 +629,19 @@ def main(argv: list[str] | None = None) -> int:
             if anchors != dims["anchors"]:
                 speedup_note = (f"measured at {anchors} anchors: eager flex runs out of memory at "
                                 f"{dims['anchors']}")
+    checkpointing = {}
+    if "checkpointing" in parts:
+        name, attention = next(iter(variants.items()))
+        ckpt_runs = {"none": runs.get(name) or measure(name, attention, dims["anchors"]),
+                     "layers": measure(f"{name}, checkpointed layers", attention, dims["anchors"], "layers")}
+        checkpointing = {"runs": ckpt_runs}
+        off, on = ckpt_runs["none"], ckpt_runs["layers"]
+        if "median_step_s" in off and "median_step_s" in on:
+            checkpointing["step_time_cost_pct"] = 100 * (on["median_step_s"] / off["median_step_s"] - 1)
+            if off["peak_memory_gib"] and on["peak_memory_gib"] is not None:
+                saved = off["peak_memory_gib"] - on["peak_memory_gib"]
+                checkpointing["memory_saved_gib"] = saved
+                checkpointing["memory_saved_pct"] = 100 * saved / off["peak_memory_gib"]
     first_step = {}
     if "first-step" in parts:
         attention = next(iter(variants.values()))
@@ -626,8 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"  feature cache: {json.dumps({k: v for k, v in cache.items() if k != 'stderr_tail'})}")
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command,
               "versions": versions(args.device), "dims": dims, "peak": peak, "runs": runs,
-              "speedup": speedup, "speedup_note": speedup_note, "first_step": first_step, "profiles": profiles, "raw": raw,
-              "cache": cache}
+              "speedup": speedup, "speedup_note": speedup_note, "first_step": first_step,
+              "checkpointing": checkpointing, "profiles": profiles, "raw": raw, "cache": cache}
     text = render(report)
     if cache is not None:
         text += "\n".join(render_cache(cache)) + "\n"
@@ -641,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"wrote {args.out}")
     # The eager run may legitimately not fit (reported above); the compiled run and the peak must work.
     failed = [n for n in ("compiled flex", "sdpa") if "failed" in runs.get(n, {})]
+    failed += [f"checkpointing {k}" for k, r in checkpointing.get("runs", {}).items() if "failed" in r]
     return 1 if failed or "failed" in peak or (cache is not None and "failed" in cache) else 0
 
 

@@ -3,7 +3,8 @@
 Exit codes: 0 done (also after a graceful SIGTERM/SIGINT stop, which checkpoints first);
 1 training failed (an `error` record is in the metrics file, the traceback in the log);
 2 bad config, data, checkpoint or arguments (one message naming the key or file:line, and the fix);
-130 aborted by a second SIGINT/SIGTERM (no checkpoint).
+130 aborted without a new checkpoint: a second SIGINT/SIGTERM, or the step running at the first one
+did not finish within run.stop_grace_s (a stuck thread; see trainer.shutdown).
 """
 from __future__ import annotations
 
@@ -169,8 +170,11 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"dflash-train: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        from .shutdown import EXIT_ABORTED, exit_if_threads_stuck
+
         print("dflash-train: aborted (no checkpoint written)", file=sys.stderr)
-        return 130
+        exit_if_threads_stuck(EXIT_ABORTED)
+        return EXIT_ABORTED
     except Exception as exc:  # noqa: BLE001 - recorded in the metrics file; the log has the traceback
         original = getattr(exc, "original", exc)
         if isinstance(original, input_errors):

@@ -16,6 +16,16 @@ The fix is a reader/writer lock around each drafter thread's whole forward+backw
   forward compile and the lazy backward compile enter): a compile inside a shared step upgrades that
   step to exclusive before any tracing begins, and every compile is logged with thread, step, reason
   and duration. Nothing relies on hoping that shapes stay static.
+- activation checkpointing re-runs each layer's forward inside backward. `carry_step(fn)` wraps the
+  checkpointed function so that its recompute belongs to the step that ran its forward: on CPU it
+  runs in the drafter thread anyway; on CUDA it runs in the GPU's autograd worker thread, which then
+  adopts the step's context. A compile during a recompute is handled (and logged, phase
+  "recompute") like any other compile of that step: exclusive steps already are; a shared step is
+  upgraded to exclusive. One case cannot wait: when another step on the SAME GPU is inside the
+  guard, its backward is queued on this very autograd thread, so waiting for it would wait for
+  ourselves. That compile is logged as not exclusive and every thread's next step is exclusive.
+  (A recompute runs the same code under the same guards as its forward, so it normally finds the
+  forward's compiled graphs and compiles nothing.)
 
 The guard wraps ONLY forward+backward. Drafters meet at a gradient-averaging barrier after backward;
 a barrier inside a guarded step would deadlock against a thread waiting for the exclusive lock.
@@ -197,6 +207,7 @@ class _StepContext:
     shape_key: tuple
     hold: str | None = None  # "shared" | "exclusive" | None
     reason: str = "ordinary_step"
+    device: str | None = None  # None: unknown (treated as shared with every other step)
 
 
 _tls = threading.local()
@@ -236,6 +247,7 @@ class CompileGuard:
         self._shapes_seen: set[tuple[str, tuple]] = set()
         self._escalated: set[str] = set()  # threads whose next step must be exclusive
         self._compiles_running = 0
+        self._active: dict[int, _StepContext] = {}  # steps inside the guard, by id
         self.installed = False
 
     # ---- setup -------------------------------------------------------------------------
@@ -273,21 +285,29 @@ class CompileGuard:
 
     # ---- the step ----------------------------------------------------------------------
     @contextlib.contextmanager
-    def step(self, thread_name: str, step: int, shape_key: tuple) -> Iterator[None]:
-        """Hold around one thread's whole forward+backward (nothing that waits on other threads)."""
+    def step(self, thread_name: str, step: int, shape_key: tuple, device: str | None = None) -> Iterator[None]:
+        """Hold around one thread's whole forward+backward (nothing that waits on other threads).
+
+        `device`: where this step's tensors live; a checkpoint recompute in a GPU's autograd thread
+        can wait for other steps only when none of them is on the same GPU.
+        """
         if getattr(_tls, "context", None) is not None:
             raise CompileLockError(
                 f"guard.step() entered twice in thread {thread_name!r}; wrap one forward+backward"
             )
         assert_nested_fx_error_enabled()
-        context = _StepContext(thread_name, step, tuple(shape_key))
+        context = _StepContext(thread_name, step, tuple(shape_key), device=device)
         self._enter(context)
         _tls.context = context
+        with self._state_lock:
+            self._active[id(context)] = context
         completed = False
         try:
             yield
             completed = True
         finally:
+            with self._state_lock:
+                self._active.pop(id(context), None)
             _tls.context = None
             self._exit(context, completed)
 
@@ -387,6 +407,7 @@ class CompileGuard:
                     "shape_key": list(owner.shape_key) if owner else None,
                     "trigger": trigger,
                     "compile_id": compile_id,
+                    "phase": getattr(_tls, "phase", None) or "step",
                     "os_thread": threading.current_thread().name,
                     "time": time.time(),
                 }
@@ -400,12 +421,19 @@ class CompileGuard:
         Returns (the step this compile belongs to, reason, whether we took the lock here).
         """
         if context is not None:
+            if self.mode == "lock" and context.hold == "shared" and getattr(_tls, "adopted", False) \
+                    and self._others_share_device(context):
+                # A recompute in the autograd thread of a GPU that other running steps also use:
+                # their backward waits on this thread, so we cannot wait for them (see top).
+                self._escalate()
+                return context, "recompute_beside_same_device_steps", False
             if self.mode == "lock" and context.hold == "shared":
                 # Nobody predicted this compile: give up our shared hold and wait until every
                 # other step is done (they finish without us: barriers sit outside the guard).
                 self._lock.release_shared()
                 context.hold = None
-                self._lock.acquire_exclusive(self.wait_timeout_s, context)
+                with _dynamo_compile_lock_released():
+                    self._lock.acquire_exclusive(self.wait_timeout_s, context)
                 context.hold, context.reason = "exclusive", "unpredicted"
                 self._escalate()
             return context, context.reason, False
@@ -417,12 +445,19 @@ class CompileGuard:
         if self.mode != "lock":
             return None, "outside_step", False
         if self._lock.readers == 0:
-            self._lock.acquire_exclusive(self.wait_timeout_s, None)
+            with _dynamo_compile_lock_released():
+                self._lock.acquire_exclusive(self.wait_timeout_s, None)
             return None, "outside_step", True
         # Shared steps are running and this thread may be serving their backward: waiting here
         # could deadlock, so log it loudly and make every thread's next step exclusive.
         self._escalate()
         return None, "unguarded_during_shared_steps", False
+
+    def _others_share_device(self, context: _StepContext) -> bool:
+        with self._state_lock:
+            return any(other is not context and (other.device is None or context.device is None
+                                                 or other.device == context.device)
+                       for other in self._active.values())
 
     def _escalate(self) -> None:
         with self._state_lock:
@@ -440,6 +475,74 @@ class CompileGuard:
         if _active_guard is self:
             _active_guard = None
         self.installed = False
+
+
+@contextlib.contextmanager
+def _dynamo_compile_lock_released() -> Iterator[None]:
+    """Let go of dynamo's process-wide compile lock while waiting for the other steps.
+
+    Dynamo holds its own re-entrant `compile_lock` around every frame compile, and our compile
+    scope runs inside it. A compile waiting for other steps to finish while holding it would
+    deadlock as soon as one of those steps needs to compile too (measured: every checkpoint
+    recompute that compiled in a shared step hung). Released here and taken back before tracing.
+    """
+    lock = None
+    try:
+        from torch._dynamo import convert_frame
+
+        lock = getattr(convert_frame, "compile_lock", None)
+    except ImportError:
+        pass
+    owned = getattr(lock, "_is_owned", None)
+    if lock is None or owned is None or not owned():
+        yield
+        return
+    state = lock._release_save()
+    try:
+        yield
+    finally:
+        lock._acquire_restore(state)
+
+
+def compile_reason(event: dict) -> str:
+    """A compile event's reason for the log: why it may compile, where, and whether it ran alone."""
+    reason = event.get("reason", "")
+    if event.get("phase") == "recompute":
+        reason += ", in checkpoint recompute"
+    if event.get("exclusive") is False:
+        reason += ", NOT exclusive"
+    return reason
+
+
+def carry_step(fn: Callable) -> Callable:
+    """Wrap a function for torch.utils.checkpoint: its recompute runs as part of the current step.
+
+    Call it inside guard.step() (or anywhere: without a step it only marks the phase). The first
+    call is the forward; later calls are recomputes in backward, which may run in another thread
+    (a GPU's autograd worker): there the step's context is adopted for the call, so compile
+    detection attributes a compile to this step and applies the lock's rules to it.
+    """
+    context = getattr(_tls, "context", None)
+    calls = 0
+
+    def run(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return fn(*args, **kwargs)
+        previous_phase = getattr(_tls, "phase", None)
+        adopt = context is not None and getattr(_tls, "context", None) is None
+        _tls.phase = "recompute"
+        if adopt:
+            _tls.context, _tls.adopted = context, True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _tls.phase = previous_phase
+            if adopt:
+                _tls.context, _tls.adopted = None, False
+
+    return run
 
 
 def _never_fx_tracing() -> bool:

@@ -16,9 +16,12 @@ from pathlib import Path
 
 import yaml
 
+from .compile_modes import COMPILE_MODES, REFUSED_COMPILE_MODES
+
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 ATTENTION_BACKENDS = ("flex", "sdpa")
 COMPILE_LOCK_MODES = ("lock", "none", "patch")
+ACTIVATION_CHECKPOINTING = ("none", "layers")  # "layers": see trainer.activation_checkpoint
 DATA_SOURCES = ("synthetic", "jsonl", "features")
 PRECISIONS = ("fp32", "bf16-mixed")  # bf16-mixed: fp32 master weights + AdamW state, bf16 compute
 LAUNCHERS = ("threads", "torchrun")  # one process with drafter threads | one process per rank (DDP)
@@ -83,6 +86,8 @@ class TrainSection:
     weight_decay: float = 0.0
     betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
+    # "layers": recompute each drafter layer in backward instead of keeping its activations
+    activation_checkpointing: str = "none"
     epochs: int = 6
     max_steps: typing.Optional[int] = None  # stop earlier than `epochs` (also shortens the schedule)
     seed: int = 0
@@ -97,6 +102,10 @@ class RunConfig:
     drafter_devices: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])
     attention: str = "sdpa"
     compile_lock: str = "lock"
+    compile_mode: str = "default"  # torch.compile mode of flex_attention (trainer.compile_modes)
+    # After SIGTERM/SIGINT: seconds the running step may take before the trainer exits without a
+    # checkpoint (a thread stuck in a compile must not keep the process alive). Below ops' --grace.
+    stop_grace_s: float = 20.0
     checkpoint_every: int = 100
     keep_last: int = 3
     log_every: int = 1
@@ -341,6 +350,16 @@ def validate(cfg: TrainConfig) -> None:
         _fail(cfg, "run.compile_lock", f"must be one of {', '.join(COMPILE_LOCK_MODES)}, got {r.compile_lock!r}.")
     if r.launcher not in LAUNCHERS:
         _fail(cfg, "run.launcher", f"must be one of {', '.join(LAUNCHERS)}, got {r.launcher!r}.")
+    if r.compile_mode in REFUSED_COMPILE_MODES:
+        _fail(cfg, "run.compile_mode", f"{r.compile_mode!r} is not offered: {REFUSED_COMPILE_MODES[r.compile_mode]}. "
+              f"Fix: use one of {', '.join(COMPILE_MODES)}.")
+    if r.compile_mode not in COMPILE_MODES:
+        _fail(cfg, "run.compile_mode", f"must be one of {', '.join(COMPILE_MODES)}, got {r.compile_mode!r}.")
+    if t.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        _fail(cfg, "train.activation_checkpointing",
+              f"must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got {t.activation_checkpointing!r}.")
+    if r.stop_grace_s <= 0:
+        _fail(cfg, "run.stop_grace_s", f"must be positive, got {r.stop_grace_s}. Fix: e.g. 20 (below ops' --grace).")
     for key, devices in (("run.target_devices", r.target_devices), ("run.drafter_devices", r.drafter_devices)):
         if not devices:
             _fail(cfg, key, "must name at least one device. Fix: e.g. [cpu] or [cuda:0].")

@@ -158,6 +158,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 _compiled_flex = None
 _compiled_flex_init = threading.Lock()
+_compile_mode = "default"
+
+
+def set_compile_mode(mode: str) -> None:
+    """torch.compile mode of the process's compiled flex_attention; before its first use."""
+    global _compile_mode
+    from trainer.compile_modes import torch_compile_kwargs
+
+    torch_compile_kwargs(mode)  # refuses unknown modes
+    with _compiled_flex_init:
+        if _compiled_flex is not None and mode != _compile_mode:
+            raise RuntimeError(f"flex_attention is already compiled with mode {_compile_mode!r}; "
+                               f"set the compile mode before the first step")
+        _compile_mode = mode
 
 
 def compiled_flex_attention():
@@ -173,7 +187,10 @@ def compiled_flex_attention():
         with _compiled_flex_init:
             if _compiled_flex is None:
                 from torch.nn.attention.flex_attention import flex_attention
-                _compiled_flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+                from trainer.compile_modes import torch_compile_kwargs
+                _compiled_flex = torch.compile(flex_attention, dynamic=False, fullgraph=True,
+                                               **torch_compile_kwargs(_compile_mode))
     return _compiled_flex
 
 
@@ -260,6 +277,8 @@ class DFlashDrafter(nn.Module):
         self.embed_weight = embed_tokens.weight.detach()
         self.lm_head_weight = lm_head.weight.detach()
         self.lm_head_bias = None if lm_head.bias is None else lm_head.bias.detach()
+        # Recompute each layer in backward instead of storing its activations (trainer.activation_checkpoint).
+        self.checkpoint_layers = False
         self._init_weights()
 
     def _init_weights(self, std: float = 0.02):
@@ -305,8 +324,10 @@ class DFlashDrafter(nn.Module):
         rope_k = (cos, sin)
         rope_q = (cos[:, :, ctx_len:], sin[:, :, ctx_len:])  # queries are the block positions
 
+        from trainer.activation_checkpoint import run_layer
+
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, attn_mask, backend)
+            x = run_layer(layer, x, ctx, rope_q, rope_k, attn_mask, backend, checkpointed=self.checkpoint_layers)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

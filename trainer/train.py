@@ -10,9 +10,7 @@ import copy
 import dataclasses
 import math
 import random
-import signal
 import sys
-import threading
 import traceback
 from typing import TextIO
 
@@ -21,7 +19,7 @@ import yaml
 
 from . import checkpoint as ckpt
 from . import precision
-from .compile_lock import CompileGuard
+from .compile_lock import CompileGuard, compile_reason
 from .config import ConfigError, TrainConfig, check_devices
 from .distributed import check_launcher, train_rank
 from .feature_cache import training_source
@@ -30,7 +28,8 @@ from .heldout import split_heldout
 from .masks import build_block_mask, dense_mask, sample_anchors
 from .loss import block_labels
 from .metrics import MetricsWriter, Throughput, error_kind
-from .model import EXPORT_METADATA, DFlashDrafter, DrafterConfig
+from .model import EXPORT_METADATA, DFlashDrafter, DrafterConfig, set_compile_mode
+from .shutdown import StopRequest
 from .target import load_target
 from .training_eval import TrainingEval
 from .workers import LossOutput, Replica, StepSummary, TrainingWorkers, WorkerFailure
@@ -68,33 +67,6 @@ class WarmupCosine:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class StopRequest:
-    """SIGTERM/SIGINT ask for a graceful stop (finish the step, checkpoint, exit); a second one aborts."""
-
-    def __init__(self):
-        self.requested = False
-        self.signal_name = ""
-        self.last_step = 0  # steps done so far, for the `done` record of an abort
-        self._previous = {}
-
-    def install(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
-        self.requested = True
-        self.signal_name = signal.Signals(signum).name
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-
 # ---- building blocks -------------------------------------------------------------------------
 
 def build_dataset(cfg: TrainConfig, target) -> Dataset:
@@ -126,6 +98,7 @@ def build_replicas(cfg: TrainConfig, dcfg: DrafterConfig, target, total_steps: i
         model.load_state_dict(initial)
         precision.place(model, device, precision.resolve(cfg))
         model.train()
+        model.checkpoint_layers = t.activation_checkpointing == "layers"
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas),
                                       weight_decay=t.weight_decay, fused=device.startswith("cuda") or None)
         schedule = WarmupCosine(round(t.warmup_frac * total_steps), total_steps, t.min_lr_ratio)
@@ -202,7 +175,8 @@ def startup_summary(cfg: TrainConfig, guard: CompileGuard, dataset: Dataset, pla
         f"devices: target {', '.join(cfg.run.target_devices)} | drafters {', '.join(cfg.run.drafter_devices)} "
         f"({len(replicas)} replica thread(s))",
         guard.describe(),
-        f"attention: {cfg.run.attention} | precision {precision.resolve(cfg)} | torch {torch.__version__} "
+        f"attention: {cfg.run.attention} (compile mode {cfg.run.compile_mode}) | precision {precision.resolve(cfg)} "
+        f"| activation checkpointing: {cfg.train.activation_checkpointing} | torch {torch.__version__} "
         f"| drafter params {params:,}",
         f"data: {len(dataset)} sequences x {cfg.data.seq_len} tokens from {dataset.source}; "
         f"{plan.steps_per_epoch} steps/epoch; {total_steps} steps total"
@@ -223,10 +197,11 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
     check_devices(cfg)
     metrics = MetricsWriter(cfg.metrics_path, out=out, tty=tty, log_every=cfg.run.log_every)
     guard = CompileGuard(cfg.run.compile_lock, on_event=lambda e: metrics.compile(
-        e.get("thread", "?"), e.get("duration_s") or 0.0, e.get("step", -1), e.get("reason", "")))
-    stop = StopRequest()
+        e.get("thread", "?"), e.get("duration_s") or 0.0, e.get("step", -1), compile_reason(e)))
+    stop = StopRequest(cfg.run.stop_grace_s, watchdog=True)
     try:
         guard.install()  # before anything is compiled (patch mode must precede torch.compile)
+        set_compile_mode(cfg.run.compile_mode)
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
         random.seed(cfg.train.seed)
@@ -289,7 +264,9 @@ def _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, sta
     with make_workers(cfg, targets, replicas, dataset, plan, guard) as workers:
         workers.start(start, total)
         for step_index in range(start, total):
-            last = workers.run_step(step_index)
+            last = workers.run_step(step_index, give_up=stop.overdue)
+            if stop.requested:
+                stop.step_finished()
             step = stop.last_step = last.step
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
             metrics.step(step=step, total_steps=total, loss=last.loss, acc=last.acc, tokens_per_s=tokens_per_s,

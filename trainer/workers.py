@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 import traceback
 from typing import Callable
 
@@ -28,7 +29,8 @@ import torch
 from .data import Batch, BatchPlan, Dataset, make_batch
 
 POLL_S = 0.1  # how often blocked threads look at the stop event
-JOIN_TIMEOUT_S = 30.0
+JOIN_TIMEOUT_S = 30.0  # for all threads together
+ABORT_JOIN_TIMEOUT_S = 5.0  # after an abort: a stuck thread will not end, do not wait long for it
 
 
 class WorkerFailure(Exception):
@@ -39,6 +41,10 @@ class WorkerFailure(Exception):
         self.original = original
         self.traceback_text = traceback_text
         super().__init__(f"{thread}: {type(original).__name__}: {original}")
+
+
+class StepAbandoned(KeyboardInterrupt):
+    """The main thread stopped waiting for a step (a stop request ran out of time)."""
 
 
 class _Stopped(Exception):
@@ -133,6 +139,7 @@ class TrainingWorkers:
         self._barrier = threading.Barrier(len(replicas), action=self._average_gradients)
         self._grad_norm = float("nan")
         self._threads: list[threading.Thread] = []
+        self._doing: dict[str, str] = {}  # drafter -> what it is doing, for a stop that times out
 
     # ---- main thread side ---------------------------------------------------------------
     def start(self, first_step: int, total_steps: int) -> None:
@@ -144,14 +151,23 @@ class TrainingWorkers:
         for replica in self.replicas:
             self._spawn(replica.name, self._drafter_loop, replica)
 
-    def run_step(self, step: int) -> StepSummary:
-        """Every replica trains on its batch for step `step` (0-based); returns when all are done."""
+    def run_step(self, step: int, give_up: Callable[[], str | None] | None = None) -> StepSummary:
+        """Every replica trains on its batch for step `step` (0-based); returns when all are done.
+
+        `give_up()` is polled while waiting; a reason from it raises StepAbandoned.
+        """
         for commands in self._commands.values():
             commands.put(step)
         reports: list[_Report] = []
         while len(reports) < len(self.replicas):
             if self._failures.event.is_set():
                 self._raise_failure()
+            reason = give_up() if give_up is not None else None
+            if reason:
+                done = {rep.replica for rep in reports}
+                busy = [f"{r.name} ({self._doing.get(r.name, '?')})" for r in self.replicas if r.index not in done]
+                raise StepAbandoned(f"{reason}: step {step + 1} did not finish: {', '.join(busy)}; "
+                                    "exiting without a checkpoint")
             try:
                 reports.append(self._reports.get(timeout=POLL_S))
             except queue.Empty:
@@ -162,14 +178,19 @@ class TrainingWorkers:
                            acc=[float(a) for a in acc], tokens=sum(rep.tokens for rep in reports),
                            grad_norm=self._grad_norm, lr=reports[0].lr)
 
-    def close(self) -> None:
-        """Stop all threads: no thread is left blocked on a queue or the barrier."""
+    def close(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        """Stop all threads: no thread is left blocked on a queue or the barrier.
+
+        Waits at most `join_timeout_s` in all: a thread stuck in a kernel or a compile never ends
+        (daemon threads; trainer.shutdown decides how the process then exits).
+        """
         self._stop.set()
         self._barrier.abort()
         for q in [*self._batches.values(), *self._commands.values()]:
             _drain(q)
+        deadline = time.monotonic() + join_timeout_s
         for thread in self._threads:
-            thread.join(timeout=JOIN_TIMEOUT_S)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _raise_failure(self) -> None:
         self.close()  # also lets the other threads report, so the root cause can be chosen
@@ -179,8 +200,9 @@ class TrainingWorkers:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        aborted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+        self.close(ABORT_JOIN_TIMEOUT_S if aborted else JOIN_TIMEOUT_S)
 
     # ---- worker threads ----------------------------------------------------------------
     def _spawn(self, name: str, fn, *args) -> None:
@@ -195,6 +217,7 @@ class TrainingWorkers:
 
         # daemon: a thread stuck inside a torch kernel must not keep a failed process alive
         thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.dflash_worker = True  # see shutdown.worker_threads_alive
         self._threads.append(thread)
         thread.start()
 
@@ -219,17 +242,22 @@ class TrainingWorkers:
     def _drafter_loop(self, replica: Replica) -> None:
         _use_device(replica.device)
         while True:
+            self._doing[replica.name] = "waiting for the next step"
             step = self._get(self._commands[replica.index])
+            self._doing[replica.name] = "waiting for its batch from the target worker"
             batch = self._get(self._batches[replica.index])
             if batch.step != step:
                 raise RuntimeError(f"{replica.name}: got the batch of step {batch.step} for step {step}")
             lr = replica.optimizer.param_groups[0]["lr"]
+            self._doing[replica.name] = "in forward+backward"
             # the whole forward+backward may compile; a new shape would mean a recompile
-            with self.guard.step(replica.name, step, tuple(batch.input_ids.shape)):
+            with self.guard.step(replica.name, step, tuple(batch.input_ids.shape), device=replica.device):
                 out = self.compute_loss(replica, batch)
                 out.loss.backward()
             # outside the guard: a barrier inside a guarded step could deadlock against a compile
+            self._doing[replica.name] = "waiting for the others at the gradient barrier"
             self._barrier.wait()
+            self._doing[replica.name] = "in the optimizer step"
             replica.optimizer.step()
             replica.scheduler.step()
             replica.optimizer.zero_grad(set_to_none=True)

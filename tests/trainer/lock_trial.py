@@ -1,6 +1,7 @@
 """One race trial in a fresh process (run by test_compile_lock.py; usable by hand).
 
     python tests/trainer/lock_trial.py race --mode none|first-step|lock|patch [--hide-shapes]
+    python tests/trainer/lock_trial.py race --mode lock --checkpoint --recompile-in-recompute --repeat 100
     python tests/trainer/lock_trial.py flag --mode none|patch|lock [--through-guard]
     python tests/trainer/lock_trial.py masks --guard none|lock --compiles 12
 
@@ -20,6 +21,11 @@ dynamo's own tracing. A victim must be running cached compiled calls at that mom
 gradient accumulation over several micro-batches (a cached step lasts about as long as a compile)
 and the drafters walk the shape schedule staggered (drafter i is i shapes ahead): at every step one
 drafter compiles a new shape while the others replay cached ones.
+
+`--checkpoint` runs each layer through torch.utils.checkpoint (non-reentrant) with the trainer's
+compile_lock.carry_step, as trainer.activation_checkpoint does. `--recompile-in-recompute` passes
+the compiled layer an int that differs in the recompute (a guard failure only there), so every
+thread's every step compiles inside its backward while the others run cached forwards.
 """
 from __future__ import annotations
 
@@ -40,7 +46,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from trainer import compile_lock  # noqa: E402
-from trainer.compile_lock import MASK_LOCK, CompileGuard, is_fx_tracing_error  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from trainer.compile_lock import MASK_LOCK, CompileGuard, carry_step, is_fx_tracing_error  # noqa: E402
 
 HEADS, HEAD_DIM = 2, 16
 WIDTH = HEADS * HEAD_DIM
@@ -69,11 +77,24 @@ def build_mask(seq: int, use_lock: bool):
         return create_block_mask(causal, 1, 1, seq, seq, device="cpu")
 
 
-def layer(h, w_in, w_out, attn):
-    """A decoder-ish layer: norm, SwiGLU-ish MLP, residual; `attn` (no grad) mixed in."""
+def layer(h, w_in, w_out, attn, tag: int = 0):
+    """A decoder-ish layer: norm, SwiGLU-ish MLP, residual; `attn` (no grad) mixed in.
+
+    `tag` changes nothing but the guards: a new value is a recompile."""
     normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
     up = normed @ w_in
-    return h + (F.silu(up) * up.sigmoid()) @ w_out + attn
+    return h + (F.silu(up) * up.sigmoid()) @ w_out + attn * (1 + 0 * tag)
+
+
+def recompute_tagged(fn, tag: int):
+    """fn(*args, tag=0) on its first call (the forward), fn(*args, tag=tag) on later ones (recompute)."""
+    calls = [0]
+
+    def run(*args):
+        calls[0] += 1
+        return fn(*args, tag=0 if calls[0] == 1 else tag)
+
+    return run
 
 
 def run_race(args) -> dict:
@@ -86,6 +107,12 @@ def run_race(args) -> dict:
     compiled_flex = torch.compile(flex_attention, backend="aot_eager", dynamic=False)
     compiled_layer = torch.compile(layer, backend="aot_eager", dynamic=False)
 
+    def one_layer(h, w_in, w_out, block_mask, tag: int = 0):
+        seq = h.shape[1]
+        q = h.detach().view(1, seq, HEADS, HEAD_DIM).transpose(1, 2)
+        attn = compiled_flex(q, q, q, block_mask=block_mask)
+        return compiled_layer(h, w_in, w_out, attn.transpose(1, 2).reshape(1, seq, WIDTH), tag)
+
     errors: list[dict] = []
     errors_lock = threading.Lock()
     start = threading.Barrier(args.threads)
@@ -93,6 +120,7 @@ def run_race(args) -> dict:
 
     def drafter(index: int) -> None:
         name = f"drafter{index}"
+        torch._dynamo.config.recompile_limit = 64  # dynamo's config is per thread on torch 2.13
         gen = torch.Generator().manual_seed(index)
         weights = [
             (
@@ -116,12 +144,16 @@ def run_race(args) -> dict:
                     # are cache hits, the calls that meet another thread's tracing.
                     # Gradient accumulation over micro-batches keeps a cached step busy for
                     # about as long as another thread needs to reach make_fx in its compile.
-                    for _ in range(args.micro):
+                    for micro in range(args.micro):
                         h = x
                         for w_in, w_out in weights:
-                            q = h.detach().view(1, seq, HEADS, HEAD_DIM).transpose(1, 2)
-                            attn = compiled_flex(q, q, q, block_mask=block_mask)
-                            h = compiled_layer(h, w_in, w_out, attn.transpose(1, 2).reshape(1, seq, WIDTH))
+                            if args.checkpoint:
+                                tag = 1 + step if args.recompile_in_recompute else 0
+                                run = carry_step(recompute_tagged(one_layer, tag))
+                                h = checkpoint(run, h, w_in, w_out, block_mask, use_reentrant=False,
+                                               preserve_rng_state=False)
+                            else:
+                                h = one_layer(h, w_in, w_out, block_mask)
                         h.pow(2).mean().backward()
                 grad_sync.wait(timeout=300)
         except threading.BrokenBarrierError:
@@ -250,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     race.add_argument("--micro", type=int, default=10, help="micro-batches per step")
     race.add_argument("--hide-shapes", action="store_true", help="constant shape_key for the guard")
     race.add_argument("--no-mask-lock", action="store_true")
+    race.add_argument("--checkpoint", action="store_true", help="checkpoint each layer (recompute in backward)")
+    race.add_argument("--recompile-in-recompute", action="store_true",
+                      help="with --checkpoint: the recompute meets a guard failure and compiles")
     race.add_argument("--no-emulate-old-torch", dest="emulate_old_torch", action="store_false")
     flag = sub.add_parser("flag")
     flag.add_argument("--mode", default="none", choices=compile_lock.MODES)

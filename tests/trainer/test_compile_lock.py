@@ -454,7 +454,8 @@ def test_throughput_pair_count_matches_the_trainer_mask():
 def test_throughput_small_run_end_to_end(tmp_path):
     out = tmp_path / "throughput.md"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "train_throughput.py"), "--small",
-                           "--steps", "2", "--warmup", "1", "--out", str(out)],
+                           "--steps", "2", "--warmup", "1", "--parts", "compiled,first-step,checkpointing",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=180, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     text = out.read_text()
@@ -463,6 +464,10 @@ def test_throughput_small_run_end_to_end(tmp_path):
     run = report["runs"]["sdpa"]
     assert run["median_step_s"] > 0 and 0 < run["mfu"] < 1, run
     assert report["first_step"]["lock"]["errors"] == [], report["first_step"]
+    ckpt = report["checkpointing"]
+    assert ckpt["runs"]["layers"]["median_step_s"] > 0 and "step_time_cost_pct" in ckpt, ckpt
+    assert report["raw"]["sdpa, checkpointed layers, 16 anchors"]["checkpointing"] == "layers"
+    assert "| layers |" in text and "Activation checkpointing" in text
 
 
 def test_race_harness_runs_and_writes_its_table(tmp_path):

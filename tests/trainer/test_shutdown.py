@@ -1,0 +1,98 @@
+"""A stop request ends the trainer even while a drafter thread is stuck inside a compile."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.shutdown import WATCHDOG_MARGIN_S
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO = Path(__file__).resolve().parents[2]
+STUCK = REPO / "tests" / "trainer" / "stuck_trainer.py"
+ARGS = ["--config", "tiny-cpu", "--max-steps", "100000", "--drafter-devices", "cpu,cpu",
+        "--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.batch_size=2",
+        "--set", "train.num_anchors=6", "--set", "run.torch_threads=1"]
+
+
+def start_stuck_trainer(tmp_path, grace_s: float, *own: str) -> tuple[subprocess.Popen, Path]:
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen([sys.executable, str(STUCK), str(markers), *own, "--", *ARGS,
+                             "--output-dir", str(tmp_path / "run"), "--metrics-file", str(metrics),
+                             "--set", f"run.stop_grace_s={grace_s}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (markers / "stuck").exists():
+        assert time.monotonic() < deadline, "drafter1 never got stuck"
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(0.5)  # drafter0 finishes its step and waits at the barrier; the main thread waits
+    return proc, metrics
+
+
+def records(metrics: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str, float]:
+    began = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return out, err, time.monotonic() - began
+
+
+@pytest.mark.slow  # each test starts the real trainer (~35 s on two busy cores)
+def test_sigterm_exits_after_the_grace_period_although_a_thread_is_stuck_in_a_compile(tmp_path):
+    grace = 3.0
+    proc, metrics = start_stuck_trainer(tmp_path, grace)
+    assert (tmp_path / "markers" / "stuck").read_text() == "drafter1"
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = finish(proc, timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    # grace, then at most 5 s for the healthy threads to leave; far below ops' 30 s SIGKILL
+    assert grace <= took < grace + 12, took
+    assert ("SIGTERM 3 s ago (run.stop_grace_s): step 3 did not finish: drafter0 (waiting for the others at the "
+            "gradient barrier), drafter1 (in forward+backward); exiting without a checkpoint") in out, out
+    assert "exiting with threads still running: drafter1" in err
+    done = records(metrics)[-1]
+    assert done["event"] == "done" and done["reason"] == "interrupted" and done["step"] == 2, done
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_exits_at_once(tmp_path):
+    proc, metrics = start_stuck_trainer(tmp_path, 120.0)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = finish(proc, timeout=60)
+    assert proc.returncode == 130 and took < 15, (proc.returncode, took, err[-2000:])
+    assert "second SIGTERM: stopping without a checkpoint" in out
+    assert records(metrics)[-1]["event"] == "done"
+
+
+@pytest.mark.slow
+def test_the_watchdog_ends_the_process_when_the_main_thread_cannot_run(tmp_path):
+    """drafter1 holds the GIL after the signal: only the faulthandler watchdog can act."""
+    grace = 2.0
+    proc, _ = start_stuck_trainer(tmp_path, grace, "--hold-gil")
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)  # the handler has run (the main thread polls every 0.1 s)
+    (tmp_path / "markers" / "hold-gil").write_text("")
+    out, err, took = finish(proc, timeout=60)
+    assert proc.returncode == 1, (proc.returncode, err[-3000:])
+    assert grace + WATCHDOG_MARGIN_S - 1 <= took < grace + WATCHDOG_MARGIN_S + 10, took
+    assert "Timeout (" in err and "stuck_backend" in err, err[-3000:]
