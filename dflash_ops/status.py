@@ -5,7 +5,7 @@ import math
 
 from trainer import metrics_format
 
-from . import acceptance, gpu_owners, logs
+from . import acceptance, gpu_owners, jobstate, logs
 from .gpu import IDLE_USED_MIB
 from .health import Verdict
 
@@ -32,6 +32,12 @@ def data_source(records) -> str | None:
     if not isinstance(data, dict) or not data.get("source"):
         return None
     return str(data["source"]) + (f" {data['path']}" if data.get("path") and data["source"] != "synthetic" else "")
+
+
+def _ended(report, progress) -> bool:
+    """A stopped or finished job has no time left to estimate (its last step record still carries one)."""
+    state = (report.job_state or {}).get("state")
+    return state in (jobstate.STOPPED, jobstate.FINISHED) or progress.done_reason is not None
 
 
 def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
@@ -77,7 +83,7 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
         report.metrics.mtime if report.metrics else None)
     status["training"] = {
         "step": progress.step, "total_steps": progress.total_steps, "loss": _finite(progress.loss),
-        "tokens_per_s": _finite(progress.tokens_per_s), "eta_s": _finite(progress.eta_s),
+        "tokens_per_s": _finite(progress.tokens_per_s), "eta_s": None if _ended(report, progress) else _finite(progress.eta_s),
         "last_update_age_s": None if last_update is None else max(0.0, round(report.time - last_update, 1)),
         "finished": progress.done_reason == "max_steps"}
     status["eval"] = _eval_status(acceptance.latest(list(report.records)), report.time)

@@ -1,6 +1,7 @@
 """`status`: the JSON-ready dict and the table, from hand-built reports and from a real probe."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -185,3 +186,19 @@ def test_status_shows_the_runs_data_source_from_its_start_record():
     assert status.data_source(metrics_format.parse_lines(synthetic)) == "synthetic"
     assert status.data_source(records()) is None  # an older trainer's start record: nothing shown
     assert status.build_status("gpu-box", None, JOB, health.unknown("unreachable"))["data_source"] is None
+
+
+@pytest.mark.parametrize("state", ["stopped", "finished"])
+def test_no_eta_for_a_stopped_or_finished_job(state):
+    report = make_report(running=False)
+    report = dataclasses.replace(report, job_state={"state": state, "run": 3, "log": report.log.path})
+    st = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB))
+    assert st["training"]["step"] == 120 and st["training"]["eta_s"] is None
+    assert "ETA -" in status.render_table(st)
+
+
+def test_no_eta_once_the_trainer_said_done():
+    recs = records() + tuple(metrics_format.parse_lines(
+        metrics_format.encode("done", time=NOW - 5, step=120, reason="interrupted")))
+    st = status.build_status("gpu-box", make_report(recs), JOB, health.evaluate(make_report(recs), JOB))
+    assert st["training"]["eta_s"] is None
