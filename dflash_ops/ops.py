@@ -186,16 +186,24 @@ _CHECK_FILE = ('if [ ! -e {q} ]; then echo "does not exist"; exit 3; fi\n'
                'if [ ! -f {q} ]; then echo "is a $(stat -c %F -- {q})"; exit 3; fi\n')
 
 
-def _read_from(transport, path: str, offset: int, newest_in: str | None) -> tuple[str | None, int, str]:
-    """(newest log in `newest_in` or None, size of `path`, its bytes after `offset`) in one run."""
+def _read_from(transport, target: Target, path: str, offset: int, follow_job: bool) -> tuple[str | None, int, str]:
+    """(the job's current log or None, size of `path`, its bytes after `offset`) in one run. The
+    current log is the one the job state names; the newest train-NNNN.log only without a state."""
     q = shlex.quote(path)
-    newest = f"{LIST_LOGS.format(dir=shlex.quote(newest_in))}; " if newest_in else "echo; "
-    out = transport.check(f"{newest}size=$(stat -c %s {q}) && echo $size && "
+    log_dir = shlex.quote(target.job.log_dir)
+    current = (f"tr '\\n' ' ' 2>/dev/null < {shlex.quote(jobpaths.state_file(target.job))}; echo; "
+               f"{LIST_LOGS.format(dir=log_dir)}; " if follow_job else "echo; echo; ")
+    out = transport.check(f"{current}size=$(stat -c %s {q}) && echo $size && "
                           f"tail -c +{offset + 1} {q} | head -c $((size - {offset}))",
                           timeout=60, step="follow log").stdout
-    name, _, rest = out.partition("\n")
+    state_line, _, rest = out.partition("\n")
+    newest, _, rest = rest.partition("\n")
     size_line, _, chunk = rest.partition("\n")
-    return (name.strip() or None), int(size_line), chunk
+    state = jobstate.parse(state_line.strip())
+    if state is not None and state.log:
+        return state.log, int(size_line), chunk
+    newest = newest.strip()
+    return (f"{target.job.log_dir.rstrip('/')}/{newest}" if newest else None), int(size_line), chunk
 
 
 def tail_log(target: Target, lines: int = 50, follow: bool = False, grep: str | None = None,
@@ -203,7 +211,7 @@ def tail_log(target: Target, lines: int = 50, follow: bool = False, grep: str | 
              should_stop: Callable[[], bool] = lambda: False) -> str:
     """Print the last `lines` lines (matching `grep`) of the job's log (the one the job state names); with follow, keep printing
     new lines by polling byte offsets (nothing keeps running remotely when we stop). Following the
-    job's log (no `log` given) moves on to a newer train-NNNN.log when a relaunch starts one."""
+    job's log (no `log` given) moves on to the log the job state names when a relaunch starts one."""
     pattern = compile_grep(grep)
     with connect(target) as transport:
         path = log or job_log(transport, target)
@@ -222,10 +230,9 @@ def tail_log(target: Target, lines: int = 50, follow: bool = False, grep: str | 
         for line in _filter(text.splitlines(), pattern)[-lines:]:
             emit(line)
         partial = ""
-        log_dir = None if log else target.job.log_dir
         while follow and not should_stop():
             time.sleep(poll_s)
-            newest, size, chunk = _read_from(transport, path, offset, log_dir)
+            current, size, chunk = _read_from(transport, target, path, offset, follow_job=not log)
             if size < offset:  # truncated or replaced: start again from its beginning
                 offset, partial = 0, ""
                 continue
@@ -234,10 +241,11 @@ def tail_log(target: Target, lines: int = 50, follow: bool = False, grep: str | 
             *complete, partial = partial.split("\n")
             for line in _filter(complete, pattern):
                 emit(line)
-            newer = newest and f"{log_dir.rstrip('/')}/{newest}"
-            if newer and newer != path:  # a relaunch started the next log: follow that one, as tail -F
+            if current and current != path and transport.run(f"test -f {shlex.quote(current)}", timeout=30,
+                                                             step="follow log").ok:
+                # a relaunch started the next log: follow that one, as tail -F
                 for line in _filter([partial] if partial else [], pattern):
                     emit(line)
-                path, offset, partial = newer, 0, ""
+                path, offset, partial = current, 0, ""
                 emit(f"==> following {path} (a newer log) <==")
         return path

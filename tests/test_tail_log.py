@@ -49,3 +49,40 @@ def test_log_that_is_not_a_regular_file_is_refused(local_target, tmp_path, kind)
         ops.tail_log(local_target, lines=5, log=path, emit=lambda line: None)
     message = str(info.value)
     assert message.startswith(f"--log {path}: ") and "\n" not in message, message
+
+
+def test_follow_goes_by_the_job_state_not_the_newest_file_name(local_target):
+    """The log the job state names is the job's log: a stray higher-numbered file is not followed,
+    and a relaunch that names its new log in the state is."""
+    from dflash_ops import jobpaths, jobstate
+
+    logs = Path(local_target.job.log_dir)
+    logs.mkdir(parents=True)
+    state_file = Path(jobpaths.state_file(local_target.job))
+
+    def name_in_state(log: Path, run: int) -> None:
+        state_file.write_bytes(jobstate.encode(jobstate.JobState(jobstate.RUNNING, run=run, log=str(log))))
+
+    first = logs / "train-0001.log"
+    first.write_text("run 1 line 1\n")
+    name_in_state(first, 1)
+    shown, stop = [], threading.Event()
+    follower = threading.Thread(target=ops.tail_log, kwargs=dict(
+        target=local_target, lines=5, follow=True, emit=shown.append, poll_s=0.1, should_stop=stop.is_set))
+    follower.start()
+    try:
+        assert wait_for(lambda: shown == ["run 1 line 1"]), shown
+        (logs / "train-0009.log").write_text("a copy someone left here\n")
+        with first.open("a") as f:
+            f.write("run 1 line 2\n")
+        assert wait_for(lambda: "run 1 line 2" in shown), shown
+        time.sleep(0.5)
+        assert "a copy someone left here" not in shown, shown
+        relaunched = logs / "train-0002.log"
+        relaunched.write_text("run 2 line 1\n")
+        name_in_state(relaunched, 2)
+        assert wait_for(lambda: "run 2 line 1" in shown), shown
+        assert shown[-2:] == [f"==> following {relaunched} (a newer log) <==", "run 2 line 1"]
+    finally:
+        stop.set()
+        follower.join(10)
