@@ -9,7 +9,8 @@ import dataclasses
 import re
 
 from .errors import DflashOpsError, InputError
-from .remote import probe_script
+from .remote import facts, probe_script
+from .transport.base import quote_argv
 
 NOT_AVAILABLE = ("[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]", "")
 # What counts as "free" by default: an idle H200 shows a few MiB; a CUDA context is ~500 MiB.
@@ -98,8 +99,8 @@ def _split(line: str, left: int, right: int) -> list[str]:
 
 
 def parse_nvidia_smi(gpu_csv: str, apps_csv: str = "", source: str = "nvidia-smi") -> GpuSnapshot:
-    """Snapshot from `--format=csv,noheader,nounits` output of the queries in probe_script
-    (GPU_QUERY; APPS_QUERY, or its first three fields). Output that is not such CSV (an error
+    """Snapshot from the CSV output of the nvidia-smi queries in remote/facts.py
+    (GPU_FIELDS; APP_FIELDS, or its first three). Output that is not such CSV (an error
     message) becomes `error`."""
     gpus: list[dict] = []
     try:
@@ -244,10 +245,10 @@ def pid_in_container(cgroup_text: str, ctid) -> bool:
 
 
 # Run on the Proxmox host: GPUs, compute apps (host pids), then each app's cgroup and NSpid.
-HOST_GPU_QUERY = r"""nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits || exit $?
+HOST_GPU_QUERY = f"""{quote_argv(facts.gpu_query_argv())} || exit $?
 echo @@
-apps=$(nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory,process_name --format=csv,noheader,nounits) || exit $?
-printf '%s\n' "$apps"
+apps=$({quote_argv(facts.apps_query_argv())}) || exit $?
+""" + r"""printf '%s\n' "$apps"
 echo @@
 for pid in $(printf '%s\n' "$apps" | cut -d, -f1); do
   echo "@pid $pid"; cat "/proc/$pid/cgroup" 2>/dev/null; grep '^NSpid:' "/proc/$pid/status" 2>/dev/null

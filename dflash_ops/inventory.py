@@ -276,13 +276,22 @@ def _user(value) -> str:
     return value
 
 
-def _jump(value) -> str:
-    value = _text(value, "admin@bastion:22")
+def split_jump(value: str) -> tuple[str | None, str, int] | None:
+    """`user@host:port` (user and port optional; an IPv6 host in brackets) -> (user, host, port),
+    None when it is not one; a port outside 1..65535 is returned as given, for the caller to name."""
     match = _JUMP.match(value)
     if not match or match["host"].startswith("-") or (match["user"] or "").startswith("-"):
+        return None
+    return match["user"], match["host"].strip("[]"), int(match["port"] or 22)
+
+
+def _jump(value) -> str:
+    value = _text(value, "admin@bastion:22")
+    parts = split_jump(value)
+    if parts is None:
         raise _Bad(f"expected 'user@host:port' (user and port optional), got {_show(value)}")
-    if match["port"] and not 1 <= int(match["port"]) <= 65535:
-        raise _Bad(f"port must be between 1 and 65535, got {match['port']}")
+    if not 1 <= parts[2] <= 65535:
+        raise _Bad(f"port must be between 1 and 65535, got {parts[2]}")
     return value
 
 

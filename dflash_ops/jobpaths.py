@@ -8,9 +8,8 @@ from trainer import metrics_format
 from .model import Job
 
 # Marks every process the launcher starts (inherited by children), so leftovers of an earlier
-# launch can be told apart from anything else on the GPUs: see processes.py.
+# launch can be told apart from anything else on the GPUs: see remote/jobprocs.py.
 JOB_MARKER_ENV = "DFLASH_OPS_JOB"
-LOG_PREFIX = "train-"
 
 
 def inductor_cache(job: Job) -> str:

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import shlex
 
+from trainer import metrics_format
+
 from . import jobpaths, jobstate, tmux, torchrun
+from .remote import facts
 from .model import Job
 
 
@@ -40,8 +43,14 @@ def trainer_env(job: Job) -> dict[str, str]:
     return env
 
 
+# train-0007.log -> train-0007.metrics.jsonl: what the trainer's rule appends to a log's stem
+_METRICS_OF_LOG = metrics_format.metrics_path_for_log(facts.LOG_SUFFIX)
+# the number of a train-NNNN.log name (sed -n script)
+_LOG_NUMBER_SED = f"s/^{facts.LOG_PREFIX}\\([0-9][0-9]*\\){facts.LOG_SUFFIX.replace('.', '[.]')}$/\\1/p"
+
+
 def _log_json(job: Job) -> tuple:
-    return (job.log_dir.rstrip("/") + "/" + jobpaths.LOG_PREFIX, jobstate.Digits("$n"), ".log")
+    return (job.log_dir.rstrip("/") + "/" + facts.LOG_PREFIX, jobstate.Digits("$n"), facts.LOG_SUFFIX)
 
 
 def _run_dir_json(job: Job) -> tuple:
@@ -64,7 +73,7 @@ cd {q(job.workdir)}
 out={runs}/$run
 if [ "$mode" = resume ] && ls -d "$out"/checkpoints/step-* >/dev/null 2>&1; then set -- "$@" --resume; fi
 echo "[dflash-ops] $(date -Is) launching run $run:" {argv} "$*" >"$log"
-metrics="${{log%.log}}.metrics.jsonl"
+metrics="${{log%{facts.LOG_SUFFIX}}}"{q(_METRICS_OF_LOG)}
 {argv} --metrics-file "$metrics" "$@" >>"$log" 2>&1
 code=$?
 echo "[dflash-ops] $(date -Is) trainer exited with code $code" >>"$log"
@@ -99,9 +108,9 @@ else
   run=$(printf '%04d' $(( 10#${{last:-0}} + 1 )))
 fi
 mkdir -p {q(runs)}/"$run"
-last=$(ls -1 {q(logs)} | sed -n 's/^{jobpaths.LOG_PREFIX}\\([0-9][0-9]*\\)\\.log$/\\1/p' | sort -n | tail -n 1)
+last=$(ls -1 {q(logs)} | sed -n {q(_LOG_NUMBER_SED)} | sort -n | tail -n 1)
 n=$(printf '%04d' $(( 10#${{last:-0}} + 1 )))
-log={q(logs)}/{jobpaths.LOG_PREFIX}$n.log
+log={q(logs)}/{q(facts.LOG_PREFIX)}$n{q(facts.LOG_SUFFIX)}
 : >"$log"
 {tmux.new_session(job, pane_script(job), '_ "$log" "$n" "$run" ' + ("resume" if resume else "fresh"))} >/dev/null
 pid=$({tmux.pane_pids(job)} | head -n 1 | cut -d' ' -f1)

@@ -13,6 +13,7 @@ from .errors import ContainerNotRunning, DflashOpsError, InputError, RemoteComma
 from .model import Target
 from .probe import run_probe
 from .relaunch_guard import RelaunchGuard
+from .remote import facts
 from .transport.factory import make_transport
 
 
@@ -134,7 +135,7 @@ def list_releases(target: Target) -> list[deploy.Release]:
 
 # ------------------------------------------------------------------ logs
 
-LIST_LOGS = "ls -1 {dir} 2>/dev/null | grep -E '^" + re.escape(jobpaths.LOG_PREFIX) + "[0-9]+\\.log$' | sort -t- -k2 -n | tail -n 1"
+LIST_LOGS = "ls -1 {dir} 2>/dev/null | tr '\\n' /; echo"  # names on one line; facts.newest_log_name picks
 
 
 # --grep filters here (Python regex), over at most this many of the newest lines, so a log of a
@@ -144,9 +145,10 @@ GREP_WINDOW_LINES = 200_000
 
 def newest_log(transport, target: Target) -> str:
     log_dir = target.job.log_dir
-    name = transport.check(LIST_LOGS.format(dir=shlex.quote(log_dir)), timeout=30, step="find newest log").stdout.strip()
+    listing = transport.check(LIST_LOGS.format(dir=shlex.quote(log_dir)), timeout=30, step="find newest log").stdout
+    name = facts.newest_log_name(listing.strip().split("/"))
     if not name:
-        raise DflashOpsError(f"[{target.name}] no {jobpaths.LOG_PREFIX}NNNN.log in {log_dir} yet; "
+        raise DflashOpsError(f"[{target.name}] no {facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX} in {log_dir} yet; "
                              "launch the job first (dflash-ops relaunch)")
     return f"{log_dir.rstrip('/')}/{name}"
 
@@ -202,7 +204,7 @@ def _read_from(transport, target: Target, path: str, offset: int, follow_job: bo
     state = jobstate.parse(state_line.strip())
     if state is not None and state.log:
         return state.log, int(size_line), chunk
-    newest = newest.strip()
+    newest = facts.newest_log_name(newest.strip().split("/"))
     return (f"{target.job.log_dir.rstrip('/')}/{newest}" if newest else None), int(size_line), chunk
 
 

@@ -17,7 +17,7 @@ from .errors import DflashOpsError, RemoteCommandError
 from .gpu import HOST_GPU_QUERY, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
 from .model import Job
 from .transport.base import quote_argv
-from .remote import pick_python, script_source
+from .remote import python_command
 
 PROBE_SCRIPT = "probe_script.py"
 DEFAULT_LOG_LINES = 200
@@ -99,9 +99,8 @@ def probe_script_for(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines
                      gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi", part_s: float | None = None) -> str:
     """The bash script for `transport.run`: the job's python (python3 when that is not installed
     yet, e.g. before the first deploy) runs the probe passed with `-c`; every word is quoted."""
-    args = json.dumps(probe_args(job, log_lines, metrics_lines, gpu_source, nvidia_smi, part_s))
-    return (pick_python(job.python, "dflash probe")
-            + f'exec "$py" -c {shlex.quote(script_source(PROBE_SCRIPT))} {shlex.quote(args)}\n')
+    return python_command(job.python, PROBE_SCRIPT, probe_args(job, log_lines, metrics_lines, gpu_source,
+                                                                 nvidia_smi, part_s), who="dflash probe")
 
 
 def run_probe(transport, job: Job, timeout: float = DEFAULT_TIMEOUT_S, log_lines: int = DEFAULT_LOG_LINES,

@@ -17,15 +17,13 @@ from .errors import StepFailed
 from .gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
 from .model import Job
 from .playbook import StepContext, StepOutcome, StepRegistry
-from .remote import python_stdin_command, script_source
+from .remote import facts, python_command
+from .transport.base import quote_argv
 
 registry = StepRegistry()
 
 _JOBPROCS = "jobprocs.py"
-_JOBPROCS_SOURCE = script_source(_JOBPROCS).encode()
-GPU_QUERY = ("nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu "
-             "--format=csv,noheader,nounits && echo @@ && "
-             "nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory,process_name --format=csv,noheader,nounits")
+GPU_QUERY = f"{quote_argv(facts.gpu_query_argv())} && echo @@ && {quote_argv(facts.apps_query_argv())}"
 
 
 def _fail(ctx: StepContext, why: str) -> StepFailed:
@@ -66,7 +64,7 @@ def job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: float, i
         if snapshot is not None:
             args["gpu_apps"] = [[p.pid, g.index, p.used_memory_mib, p.owner, p.name] for g in snapshot.gpus
                                 if g.index in gpus for p in g.processes]
-    result = ctx.run(python_stdin_command(job.python, _JOBPROCS, args), timeout=grace_s + 60, stdin=_JOBPROCS_SOURCE)
+    result = ctx.run(python_command(job.python, _JOBPROCS, args), timeout=grace_s + 60)
     return None if result is None else json.loads(result.stdout)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import probe
+from dflash_ops import probe, remote
 from dflash_ops.errors import RemoteCommandError
 from dflash_ops.model import Job
 from dflash_ops.transport.base import Result, Transport
@@ -265,7 +265,7 @@ def test_probe_script_passes_hostile_strings_unchanged(tmp_path):
     result = BashRunner().run(probe.probe_script_for(job, log_lines=7))
     assert result.ok, result.stderr
     flag, source, args = json.loads(argv_file.read_text())
-    assert flag == "-c" and source == (Path(probe.__file__).parent / "remote" / "probe_script.py").read_text()
+    assert flag == "-c" and source == remote.bundle(probe.PROBE_SCRIPT)
     assert json.loads(args) == {"log_dir": HOSTILE + "/logs", "session": "a'b $(c)", "socket": 's"q`d`',
                                 "log_lines": 7, "metrics_lines": probe.DEFAULT_METRICS_LINES,
                                 "gpu_source": "auto", "nvidia_smi": "nvidia-smi",

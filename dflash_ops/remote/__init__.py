@@ -1,15 +1,36 @@
 """Scripts that run ON the target. Each is standalone (standard library only, Python >= 3.8)
-because the target may have nothing but a system python3; dflash-ops sends their text."""
+because the target may have nothing but a system python3. dflash-ops sends a script's text with
+`-c`, preceded by the shared modules it imports (bundle()), so nothing needs installing there."""
 from __future__ import annotations
 
 import json
 import pathlib
 import shlex
 
+from trainer import metrics_format
+
+
+_HERE = pathlib.Path(__file__).parent
+# (module name on the target, file) of the stdlib-only modules every remote script may import
+SHARED_MODULES = (("facts", _HERE / "facts.py"),
+                  ("metrics_format", pathlib.Path(metrics_format.__file__)))
+
 
 def script_source(filename: str) -> str:
-    """The text of a script in this package, to hand to python on the target."""
-    return (pathlib.Path(__file__).parent / filename).read_text(encoding="utf-8")
+    """The text of a script in this package."""
+    return (_HERE / filename).read_text(encoding="utf-8")
+
+
+def bundle(filename: str) -> str:
+    """Script `filename` as one self-contained program: the shared modules are defined first
+    (registered under their plain names, which the script imports when not run from this package),
+    then the script runs as __main__ (its own text compiled whole, `from __future__` included)."""
+    prelude = ["import sys as _sys, types as _types"]
+    for name, path in SHARED_MODULES:
+        prelude.append(f"_m = _sys.modules[{name!r}] = _types.ModuleType({name!r}); "
+                       f"exec(compile({path.read_text(encoding='utf-8')!r}, {name!r}, 'exec'), _m.__dict__)")
+    prelude.append(f"exec(compile({script_source(filename)!r}, {filename!r}, 'exec'), {{'__name__': '__main__'}})")
+    return "\n".join(prelude) + "\n"
 
 
 def pick_python(python: str, who: str) -> str:
@@ -22,7 +43,8 @@ def pick_python(python: str, who: str) -> str:
             "fi\n")
 
 
-def python_stdin_command(python: str, filename: str, args: dict) -> str:
-    """Run script `filename` with its source on stdin (the caller passes script_source(filename)
-    as stdin): a short command line that --dry-run can print; arguments as one quoted JSON word."""
-    return pick_python(python, filename) + f'"$py" - {shlex.quote(json.dumps(args))}  # stdin: {filename}\n'
+def python_command(python: str, filename: str, args: dict, who: str | None = None) -> str:
+    """Shell lines running script `filename` (bundled) with the job's python (python3 before the
+    first deploy); its arguments as one quoted JSON word. Every word is quoted."""
+    return (pick_python(python, who or filename)
+            + f'exec "$py" -c {shlex.quote(bundle(filename))} {shlex.quote(json.dumps(args))}\n')

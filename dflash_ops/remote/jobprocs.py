@@ -4,7 +4,7 @@ The job's processes are (a) the process tree under its tmux panes and (b) any pr
 the launcher's marker in its environment (leftovers that escaped the tree). GPU compute processes
 on the job's GPUs that are neither are reported as unidentified and never signalled.
 With "action": "kill" it ends them (SIGTERM, SIGKILL after grace_s); any other action only lists.
-Usage: python3 - '<json args>' < jobprocs.py; prints one JSON object.
+Usage: python3 -c "$(remote.bundle('jobprocs.py'))" '<json args>'; prints one JSON object.
 """
 import json
 import os
@@ -12,6 +12,11 @@ import signal
 import subprocess
 import sys
 import time
+
+try:  # imported from the package (tests)
+    from dflash_ops.remote import facts
+except ImportError:  # on the target: remote.bundle() defined it ahead of this script
+    import facts  # type: ignore[no-redef]
 
 
 def read(path, mode="r"):
@@ -85,10 +90,10 @@ def gpu_apps(gpus):
     if not gpus:
         return []
     try:
-        idx = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader,nounits"],
+        idx = subprocess.run(facts.gpu_query_argv(fields=facts.GPU_FIELDS[:2]),  # index, uuid
                              capture_output=True, text=True, timeout=20)
-        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
-                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
+        apps = subprocess.run(facts.apps_query_argv(fields=facts.APP_FIELDS[:3]),  # pid, gpu_uuid, used_memory
+                              capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return []
     if idx.returncode or apps.returncode:

@@ -1,8 +1,8 @@
 """Gather, in one process on the target, everything `status` and `health` need; print ONE JSON object.
 
-Standalone on purpose: standard library only, Python >= 3.8, no dflash_ops import, because it runs
-in the container with whatever python is there. dflash_ops sends this file's text via `python -c`
-with one argument, a JSON object:
+Standalone on purpose: standard library only, Python >= 3.8, because it runs in the container with
+whatever python is there. dflash_ops sends this file's text via `python -c` (remote.bundle(), which
+defines the shared `facts` and `metrics_format` first) with one argument, a JSON object:
 
   {"log_dir": str, "session": str, "socket": str, "log_lines": int, "metrics_lines": int,
    "gpu_source": "auto"|"nvml"|"nvidia-smi"|"none", "nvidia_smi": str, "part_s": float,
@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
 import threading
 import time
 
+try:  # imported from the package (dflash_ops.gpu, tests)
+    from dflash_ops.remote import facts
+    from trainer import metrics_format
+except ImportError:  # on the target: remote.bundle() defined both ahead of this script
+    import facts  # type: ignore[no-redef]
+    import metrics_format  # type: ignore[no-redef]
+
 PROBE_VERSION = 1
-LOG_NAME = re.compile(r"^train-(\d{4,})\.log$")
-# Field lists shared with dflash_ops.gpu.parse_nvidia_smi (which imports them from here).
-GPU_QUERY = "index,uuid,name,memory.used,memory.total,utilization.gpu"
-APPS_QUERY = "pid,gpu_uuid,used_memory,process_name"
 MAX_TAIL_BYTES = 512 * 1024  # bounds the transfer even if a log has enormous lines
 PART_S = 15.0  # default per-part limit: a wedged driver can hang nvidia-smi; the probe must still answer
 MIB = 1024 * 1024
@@ -137,8 +139,7 @@ def _process_name(pid):
 
 
 def start_nvidia_smi(binary):
-    fmt = "--format=csv,noheader,nounits"
-    return start([binary, "--query-gpu=" + GPU_QUERY, fmt]), start([binary, "--query-compute-apps=" + APPS_QUERY, fmt])
+    return start(facts.gpu_query_argv(binary)), start(facts.apps_query_argv(binary))
 
 
 def finish_nvidia_smi(started, deadline, part_s):
@@ -266,12 +267,8 @@ def process_tree(root_pid):
 
 def newest_log(log_dir):
     """Path of the highest-numbered train-NNNN.log, or None."""
-    best = None
-    for name in os.listdir(log_dir):
-        match = LOG_NAME.match(name)
-        if match and (best is None or int(match.group(1)) > best[0]):
-            best = (int(match.group(1)), name)
-    return None if best is None else os.path.join(log_dir, best[1])
+    name = facts.newest_log_name(os.listdir(log_dir))
+    return None if name is None else os.path.join(log_dir, name)
 
 
 def file_tail(path, lines):
@@ -301,12 +298,6 @@ def file_tail(path, lines):
     return info
 
 
-def metrics_path_for_log(log_path):
-    # Same rule as trainer.metrics_format.metrics_path_for_log (this script cannot import it).
-    stem = log_path[:-4] if log_path.endswith(".log") else log_path
-    return stem + ".metrics.jsonl"
-
-
 def read_job_state(path):
     """The job state dict dflash-ops wrote, or None (absent or unreadable)."""
     if not path or not os.path.exists(path):
@@ -330,7 +321,7 @@ def files_state(log_dir, log_lines, metrics_lines, job_state=None):
         state["log"] = file_tail(log_path, log_lines)
     else:
         state["log_missing"] = log_path  # deleted or rotated away under a live trainer, say
-    metrics = metrics_path_for_log(log_path)
+    metrics = metrics_format.metrics_path_for_log(log_path)
     if os.path.exists(metrics):
         state["metrics"] = file_tail(metrics, metrics_lines)
     return state

@@ -14,7 +14,6 @@ import base64
 import hashlib
 import logging
 import os
-import re
 import select
 import shlex
 import shutil
@@ -28,6 +27,7 @@ import fabric
 import paramiko
 
 from ..errors import AuthError, ConnectError, HostKeyError, InputError, RemoteTimeout, TransportError
+from ..inventory import split_jump
 from ..model import HostSpec
 from .base import Result, Transport, quote_argv, with_remote_timeout
 from .known_hosts import HostKeys, read_host_keys
@@ -41,16 +41,13 @@ HOST_KEY_POLICIES = ("strict", "accept-new", "off")
 POLL_S = 0.5  # how often a waiting read looks at the exit status
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 
-_JUMP_RE = re.compile(r"^(?:(?P<user>[^@\s]+)@)?(?P<host>\[[^\]\s]+\]|[^:@\s\[\]]+)(?::(?P<port>\d+))?$")
-
-
 def parse_jump(target: str, jump: str) -> tuple[str | None, str, int]:
-    """`user@host:port` (user and port optional) -> (user, host, port)."""
-    m = _JUMP_RE.match(jump.strip())
-    if not m or not (0 < int(m.group("port") or 22) < 65536):
+    """`user@host:port` (user and port optional) -> (user, host, port), by the inventory's rule."""
+    parts = split_jump(jump.strip())
+    if parts is None or not 0 < parts[2] < 65536:
         raise InputError(f"target {target!r}: ssh.jump {jump!r} is not a jump host; "
                          "write it as host, user@host or user@host:port")
-    return m.group("user"), m.group("host").strip("[]"), int(m.group("port") or 22)
+    return parts
 
 
 def known_hosts_entry(host: str, port: int) -> str:

@@ -1,0 +1,38 @@
+"""Facts the local side and the scripts run on the target share (standard library only, Python >= 3.8).
+
+remote.bundle() sends this file's text ahead of each remote script, so a fact here is defined once
+for both sides. The metrics file's name rule lives in trainer/metrics_format.py (shared with the
+trainer, which imports nothing from dflash_ops) and travels the same way.
+"""
+import re
+
+# nvidia-smi queries, in the order their CSV columns are parsed (dflash_ops.gpu.parse_nvidia_smi)
+GPU_FIELDS = ("index", "uuid", "name", "memory.used", "memory.total", "utilization.gpu")
+APP_FIELDS = ("pid", "gpu_uuid", "used_memory", "process_name")
+GPU_QUERY = ",".join(GPU_FIELDS)
+APPS_QUERY = ",".join(APP_FIELDS)
+CSV_FORMAT = "--format=csv,noheader,nounits"
+
+# The launcher numbers each run's log: <log_dir>/train-NNNN.log (at least four digits)
+LOG_PREFIX = "train-"
+LOG_SUFFIX = ".log"
+LOG_NAME = re.compile(r"^" + re.escape(LOG_PREFIX) + r"(\d{4,})" + re.escape(LOG_SUFFIX) + r"$")
+
+
+
+def newest_log_name(names):
+    """The highest-numbered train-NNNN.log among file names, or None."""
+    numbered = [(int(m.group(1)), name) for name in names for m in [LOG_NAME.match(name)] if m]
+    return max(numbered)[1] if numbered else None
+
+
+# The torch.compile FX-tracing race, as its error reads in a log
+FX_TRACING_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
+
+
+def gpu_query_argv(binary="nvidia-smi", fields=GPU_FIELDS):
+    return [binary, "--query-gpu=" + ",".join(fields), CSV_FORMAT]
+
+
+def apps_query_argv(binary="nvidia-smi", fields=APP_FIELDS):
+    return [binary, "--query-compute-apps=" + ",".join(fields), CSV_FORMAT]
