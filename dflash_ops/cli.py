@@ -72,8 +72,11 @@ def _run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, ru
 
     dirs = obj.search_dirs()
     # Validate once before any target is touched: a bad playbook or option is exit 2 for all.
-    playbook.bind_options(playbook.load_playbook(book, dirs, registry=ops.steps.registry),
-                          {k: v for k, v in options.items() if v is not None})
+    loaded = ops.load_book(book, dirs, options)
+    playbook.bind_options(loaded.playbook, {k: v for k, v in options.items() if v is not None})
+    for warning in loaded.warnings:
+        click.echo(warning, err=True)
+    click.echo(f"{book}: {loaded.describe()}")
     outcomes = fan_out(targets, lambda t: runner(t, book, options, dry_run, show, dirs))
     code = 0
     for outcome in outcomes:

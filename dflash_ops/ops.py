@@ -26,10 +26,30 @@ def connect(target: Target) -> Iterator:
         transport.close()
 
 
+# The options each built-in command's flags set, in the playbook it runs: a user's file that
+# shadows the shipped one must declare them (see playbook.load_builtin).
+BUILTIN_FLAGS: dict[str, dict[str, str]] = {
+    "relaunch": {"purge": "--no-purge", "deploy": "--no-deploy", "resume": "--fresh", "timeout": "--timeout",
+                 "grace": "--grace", "allow_shared_gpus": "--allow-shared-gpus"},
+    "stop": {"grace": "--grace"},
+    "gpu-clean": {"force": "--force"},
+    "purge-cache": {},
+    "deploy": {},
+    "rollback": {"release": "--rollback"},
+}
+
+
+def load_book(name: str, search_dirs=None, options: dict | None = None) -> playbook.Loaded:
+    """The playbook `name` names, checked against the step library; for a built-in command's
+    name, also that a shadowing user file declares the options the given flags set."""
+    dirs = playbook.playbook_search_dirs() if search_dirs is None else search_dirs
+    return playbook.load_builtin(name, dirs, BUILTIN_FLAGS.get(name, {}), options, registry=steps.registry)
+
+
 def run_playbook(target: Target, name: str, options: dict | None = None, dry_run: bool = False,
                  on_progress: Callable | None = None, search_dirs=None) -> playbook.PlaybookResult:
     """Load, validate (before touching anything) and run one playbook on one target."""
-    book = playbook.load_playbook(name, search_dirs, registry=steps.registry)
+    book = load_book(name, search_dirs, options).playbook
     given = {k: v for k, v in (options or {}).items() if v is not None}
     with connect(target) as transport:
         ctx = playbook.StepContext(target=target, transport=transport, options=given)
@@ -122,8 +142,10 @@ def auto_relaunch(target: Target, checked: Checked, search_dirs=None) -> HealthA
         if allowed is not True:
             return HealthAction(False, f"auto-relaunch skipped: {allowed}")
         guard.record()
+        loaded = load_book("relaunch", search_dirs)
         result = run_playbook(target, "relaunch", search_dirs=search_dirs)
-    return HealthAction(True, "auto-relaunch " + ("succeeded" if result.ok else "FAILED: " + result.summary()), result)
+    outcome = "succeeded" if result.ok else "FAILED: " + result.summary()
+    return HealthAction(True, f"auto-relaunch {outcome} ({loaded.describe()})", result)
 
 
 def list_releases(target: Target) -> list[deploy.Release]:

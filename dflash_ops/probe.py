@@ -8,7 +8,6 @@ import base64
 import binascii
 import dataclasses
 import json
-import shlex
 
 from trainer import metrics_format
 
