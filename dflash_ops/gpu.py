@@ -59,7 +59,7 @@ class GpuSnapshot:
 
     @property
     def no_driver(self) -> bool:
-        return bool(self.error) and self.error.startswith("no NVIDIA driver")
+        return self.error is not None and self.error.startswith("no NVIDIA driver")
 
     def by_index(self, index: int) -> Gpu | None:
         for gpu in self.gpus:
@@ -202,6 +202,7 @@ def busy_gpus(snapshot: GpuSnapshot, indices, min_free_mib: int | None = None,
     busy = []
     for index in indices:
         gpu = snapshot.by_index(index)
+        assert gpu is not None  # missing GPUs were refused above
         used = gpu.memory_used_mib
         if used is None:
             is_busy = bool(gpu.processes)

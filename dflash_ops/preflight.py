@@ -90,6 +90,7 @@ def preflight(ctx: StepContext, gpus: list[int], deploy: bool, min_free_gib: flo
             raise _fail(ctx, f"check 'GPU query': job GPUs {','.join(map(str, missing))} do not exist on the "
                              "target; fix target_gpus/drafter_gpus" + untouched)
         report = job_processes(ctx, job, gpus, 0.0, True, "list")
+        assert report is not None  # None only under dry-run, which returned above
         foreign = surely_foreign(report["unidentified"])
         if foreign and not allow_shared_gpus:
             raise _fail(ctx, f"check 'foreign GPU processes': {describe_foreign(foreign)}; they are not this "

@@ -337,7 +337,8 @@ def wait_first_step(ctx: StepContext, timeout_s: float, poll_s: float) -> StepOu
                    f"log: {' '.join(last_line.split())[:160] or '(empty)'}")
         ctx.commands.clear()
         time.sleep(poll_s)
-    tail = ctx.run(f"tail -n 400 {shlex.quote(log)}", timeout=30, check=False).stdout
+    read = ctx.run(f"tail -n 400 {shlex.quote(log)}", timeout=30, check=False)
+    tail = read.stdout if read is not None else ""
     failures = find_failures(tail)
     signature = f" (signature: {failures[0].name})" if failures else ""
     last = "\n    ".join(tail.rstrip().splitlines()[-30:])

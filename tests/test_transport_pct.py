@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from dflash_ops.errors import ContainerNotRunning, InputError, RemoteTimeout
-from dflash_ops.model import Target
 from dflash_ops.transport import PctTransport, make_transport
 
 
@@ -107,11 +106,20 @@ def test_time_limit_kills_a_command_that_ignores_term(pct_target):
         assert _host_processes_with(f"sleep {secs}") == []
 
 
-def test_ctid_must_be_a_container_id(ssh_spec):
-    for bad in (0, 99, "200", True):
-        with pytest.raises(InputError) as info:
-            PctTransport("ct", ssh_spec, bad)
-        assert "ctid" in str(info.value)
+def _inventory_error(target_yaml: str) -> str:
+    """The inventory is the one place that checks a target; transports get only checked ones."""
+    from dflash_ops.inventory import load_inventory_text
+
+    with pytest.raises(InputError) as info:
+        load_inventory_text("targets:\n  ct200:\n" + target_yaml
+                            + "    job: {workdir: /w, python: /usr/bin/python3, config: tiny-cpu}\n")
+    return str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["0", "99", '"200"', "true"])
+def test_ctid_must_be_a_container_id(bad):
+    message = _inventory_error(f"    transport: pct\n    host: h\n    ctid: {bad}\n")
+    assert "ctid" in message and "ct200" in message, message
 
 
 def test_factory_builds_each_kind(local_target, ssh_target, pct_target):
@@ -121,13 +129,11 @@ def test_factory_builds_each_kind(local_target, ssh_target, pct_target):
     assert isinstance(pct, PctTransport) and pct.ctid == 200
 
 
-@pytest.mark.parametrize("change,words", [
-    ({"transport": "telnet"}, ["telnet", "local, ssh, pct"]),
-    ({"transport": "ssh", "ssh": None}, ["ssh:", "host"]),
-    ({"transport": "pct", "ctid": None}, ["ctid"]),
+@pytest.mark.parametrize("target_yaml,words", [
+    ("    transport: telnet\n", ["telnet", "local, ssh, pct"]),
+    ("    transport: ssh\n", ["host"]),
+    ("    transport: pct\n    host: h\n", ["ctid"]),
 ])
-def test_factory_rejects_incomplete_targets(pct_target, change, words):
-    target: Target = dataclasses.replace(pct_target, **change)
-    with pytest.raises(InputError) as info:
-        make_transport(target)
-    assert all(w in str(info.value) for w in words) and "ct200" in str(info.value)
+def test_incomplete_targets_are_refused(target_yaml, words):
+    message = _inventory_error(target_yaml)
+    assert all(w in message for w in words) and "ct200" in message, message

@@ -201,14 +201,26 @@ def test_background_output_holder_does_not_hang_the_run(ssh_spec):
 
 
 @pytest.mark.parametrize("field,value,words", [
-    ("host_key_policy", "yolo", ["ssh.host_key_policy", "strict"]),
-    ("jump", "user@@host:xx", ["ssh.jump", "user@host:port"]),
-    ("host", "", ["ssh.host"]),
+    ("host_key_policy", "yolo", ["host_key_policy", "strict"]),
+    ("jump", "user@@host:xx", ["jump", "user@host:port"]),
+    ("host", '""', ["host"]),
 ])
-def test_bad_host_settings_are_input_errors(ssh_spec, field, value, words):
+def test_bad_host_settings_are_input_errors(field, value, words):
+    """The inventory is the one place that checks a target: the transport gets only good ones."""
+    from dflash_ops.inventory import load_inventory_text
+
+    host = "" if field == "host" else "    host: h\n"
+    text = (f"targets:\n  box:\n    transport: ssh\n{host}    {field}: {value}\n"
+            "    job: {workdir: /w, python: /usr/bin/python3, config: tiny-cpu}\n")
     with pytest.raises(InputError) as info:
-        SshTransport("box", dataclasses.replace(ssh_spec, **{field: value}))
-    assert all(w in str(info.value) for w in words) and "'box'" in str(info.value)
+        load_inventory_text(text)
+    assert all(w in str(info.value) for w in words) and "'box'" in str(info.value), str(info.value)
+
+
+def test_a_bad_jump_host_is_an_input_error_in_the_transport_too(ssh_spec):
+    with pytest.raises(InputError) as info:
+        SshTransport("box", dataclasses.replace(ssh_spec, jump="user@@host:xx"))
+    assert "ssh.jump" in str(info.value) and "'box'" in str(info.value)
 
 
 def test_identity_file_that_is_a_directory_says_so(ssh_spec, tmp_path):

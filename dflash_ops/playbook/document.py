@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import yaml
 
 from ..errors import InputError
-from ..inventory import parse_yaml
+from ..strict_yaml import parse_yaml
 from .registry import _STEP_NAME
 from .templates import _REF_TEXT, Ref, _check_embeddable, _refs_in, _static_ref_type, parse_template
 from .typecheck import REQUIRED, _conform, _describe, _did_you_mean, _Mismatch, _Problems

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 import types
 from typing import Any, Callable, Mapping
@@ -249,8 +250,8 @@ def run_playbook(playbook: Playbook, registry: StepRegistry, ctx: StepContext, d
             continue
         progress("start")
         step_ctx = dataclasses.replace(base, step=name, number=number, commands=[],
-                                       log=lambda message, _p=progress: _p("log", message),
-                                       status=lambda message, _p=progress: _p("status", message))
+                                       log=functools.partial(progress, "log"),
+                                       status=functools.partial(progress, "status"))
         report = _call_step(item, step_ctx, dry_run)
         base.results[name] = report.data
         reports.append(report)

@@ -110,7 +110,7 @@ def _record_type(hint: Any) -> type | None:
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in typing.get_args(hint) if a is not _NoneType]
         return _record_type(rest[0]) if len(rest) == 1 else None
-    return hint if dataclasses.is_dataclass(hint) else None
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
 
 
 def _check_embeddable(ref: Ref, hint: Any) -> None:
@@ -131,7 +131,7 @@ def _lookup(ref: Ref, roots: Mapping[str, Any], target_name: str) -> Any:
             raise _Unresolved(f"{{{ref}}}: {walked} is not set for target {target_name!r}")
         if isinstance(value, Mapping) and attr in value:
             value = value[attr]
-        elif (dataclasses.is_dataclass(value) and not attr.startswith("_")
+        elif (dataclasses.is_dataclass(value) and not isinstance(value, type) and not attr.startswith("_")
               and attr in _public_fields(type(value))):
             value = getattr(value, attr)
         else:

@@ -137,7 +137,8 @@ class _Problems:
     """Collects every problem of a playbook so the user fixes them in one go."""
 
     def __init__(self, source: str):
-        self.source, self.items = source, []
+        self.source = source
+        self.items: list[str] = []
 
     def add(self, where: str, message: str) -> None:
         self.items.append(f"{where}: {message}" if where else message)

@@ -1,11 +1,13 @@
-"""One interface for every way of reaching a job: local subprocess, ssh, ssh + pct exec."""
+"""One interface for every way of reaching a job: local subprocess, ssh, ssh + pct exec; and the
+small rules every transport shares for turning a finished bash run into a Result (exit codes,
+time limits, decoding), so local, ssh and pct runs behave the same."""
 from __future__ import annotations
 
 import abc
 import dataclasses
 import shlex
 
-from ..errors import RemoteCommandError
+from ..errors import RemoteCommandError, RemoteTimeout, TransportError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,37 @@ def with_remote_timeout(script: str, timeout: float) -> list[str]:
     Exit code 124 means the limit was hit; 137 means it had to be killed.
     """
     return ["timeout", "-k", str(KILL_AFTER_S), f"{remote_limit_s(timeout)}s", "bash", "-c", script]
+
+
+# Seconds the local watchdog waits beyond the remote `timeout` (and its KILL) before giving up:
+# it only fires when the remote side could not enforce the limit (e.g. a hung connection).
+LOCAL_GRACE_S = 5
+# After the command exits, how long to keep collecting output still in flight.
+AFTER_EXIT_S = 1.0
+
+
+def local_limit_s(timeout: float) -> float:
+    return remote_limit_s(timeout) + KILL_AFTER_S + LOCAL_GRACE_S
+
+
+def decode(data: bytes) -> str:
+    # Decoded once, whole: decoding chunk by chunk would mangle characters split across reads.
+    return data.decode("utf-8", "replace")
+
+
+def finish(target: str, step: str, timeout: float, exit_code: int, stdout: bytes, stderr: bytes,
+           seconds: float) -> Result:
+    """The Result of a run, or RemoteTimeout when the remote `timeout` ended it.
+
+    124 (TERM) and 137 (KILL after KILL_AFTER_S) mean "time limit" only if the run actually
+    lasted that long: a script that exits 124 by itself after a second is not a timeout.
+    """
+    err = decode(stderr)
+    if exit_code in (124, 137) and seconds >= remote_limit_s(timeout):
+        how = "stopped with TERM" if exit_code == 124 else f"did not stop on TERM, killed after {KILL_AFTER_S}s more"
+        raise RemoteTimeout(target, step, f"time limit of {remote_limit_s(timeout)}s reached; the command was {how}",
+                            err)
+    return Result(exit_code, decode(stdout), err, seconds)
 
 
 class Transport(abc.ABC):
@@ -70,6 +103,21 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def command_line(self, script: str, timeout: float = 60) -> str:
         """The exact command line `run` would execute here, for --dry-run output."""
+
+    # What a Proxmox (pct) target adds: commands on the host of its container. Other transports
+    # have no such host; the inventory lets only pct targets query GPUs there (gpu_host_ctid).
+
+    def in_container(self, script: str, timeout: float = 60) -> str:
+        """A host shell command running `script` in the container (to compose with host work)."""
+        raise TransportError(self.name, "in_container", "not a Proxmox container target (transport: pct)")
+
+    def host_command_line(self, script: str, timeout: float = 60) -> str:
+        """The exact command line `run_on_host` would execute, for --dry-run output."""
+        raise TransportError(self.name, "run_on_host", "not a Proxmox container target (transport: pct)")
+
+    def run_on_host(self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None) -> Result:
+        """Run `script` on the Proxmox host of the container, over the same connection."""
+        raise TransportError(self.name, step, "not a Proxmox container target (transport: pct)")
 
     def close(self) -> None:
         """Release connections. Safe to call twice."""

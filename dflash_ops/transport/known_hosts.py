@@ -78,7 +78,8 @@ def read_host_keys(path: str, entry: str) -> HostKeys:
     """The keys `path` holds for `entry`. Raises OSError when the file cannot be read."""
     with open(path, "rb") as f:
         text = f.read().decode("utf-8", "replace")
-    keys, revoked = [], []
+    keys: list[paramiko.PKey] = []
+    revoked: list[paramiko.PKey] = []
     for line in text.splitlines():
         fields = line.split()
         if not fields or fields[0].startswith("#"):

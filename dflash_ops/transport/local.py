@@ -1,8 +1,4 @@
-"""The `local` target: bash on this machine, with the same time-limit semantics as remote targets.
-
-Also home of the small rules every transport shares for turning a finished bash run into a
-Result (exit codes, time limits, decoding), so local, ssh and pct runs behave the same.
-"""
+"""The `local` target: bash on this machine, with the same time-limit semantics as remote targets."""
 from __future__ import annotations
 
 import os
@@ -13,42 +9,12 @@ import threading
 import time
 
 from ..errors import RemoteTimeout, TransportError
-from .base import KILL_AFTER_S, Result, Transport, quote_argv, remote_limit_s, with_remote_timeout
-
-# Seconds the local watchdog waits beyond the remote `timeout` (and its KILL) before giving up:
-# it only fires when the remote side could not enforce the limit (e.g. a hung connection).
-LOCAL_GRACE_S = 5
-# After the command exits, how long to keep collecting output still in flight.
-AFTER_EXIT_S = 1.0
-
-
-def local_limit_s(timeout: float) -> float:
-    return remote_limit_s(timeout) + KILL_AFTER_S + LOCAL_GRACE_S
-
+from .base import (AFTER_EXIT_S, Result, Transport, decode, finish, local_limit_s, quote_argv, remote_limit_s,
+                   with_remote_timeout)
 
 def exit_code_of(returncode: int) -> int:
     """A shell-style exit code: a child killed by signal N reads as 128+N, as bash reports it."""
     return 128 - returncode if returncode < 0 else returncode
-
-
-def decode(data: bytes) -> str:
-    # Decoded once, whole: decoding chunk by chunk would mangle characters split across reads.
-    return data.decode("utf-8", "replace")
-
-
-def finish(target: str, step: str, timeout: float, exit_code: int, stdout: bytes, stderr: bytes,
-           seconds: float) -> Result:
-    """The Result of a run, or RemoteTimeout when the remote `timeout` ended it.
-
-    124 (TERM) and 137 (KILL after KILL_AFTER_S) mean "time limit" only if the run actually
-    lasted that long: a script that exits 124 by itself after a second is not a timeout.
-    """
-    err = decode(stderr)
-    if exit_code in (124, 137) and seconds >= remote_limit_s(timeout):
-        how = "stopped with TERM" if exit_code == 124 else f"did not stop on TERM, killed after {KILL_AFTER_S}s more"
-        raise RemoteTimeout(target, step, f"time limit of {remote_limit_s(timeout)}s reached; the command was {how}",
-                            err)
-    return Result(exit_code, decode(stdout), err, seconds)
 
 
 class LocalTransport(Transport):

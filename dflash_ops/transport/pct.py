@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import re
 
-from ..errors import ContainerNotRunning, InputError, TransportError
+from ..errors import ContainerNotRunning, TransportError
 from ..model import HostSpec
-from .base import Result, quote_argv, with_remote_timeout
-from .local import decode, finish, local_limit_s
+from .base import Result, decode, finish, local_limit_s, quote_argv, with_remote_timeout
 from .ssh import SshTransport
 
 # How Proxmox refuses an exec into a container that is stopped or missing (first stderr line).
@@ -27,10 +26,7 @@ class PctTransport(SshTransport):
     """Bash inside LXC container `ctid` on the Proxmox host described by `spec`."""
 
     def __init__(self, name: str, spec: HostSpec, ctid: int):
-        super().__init__(name, spec)
-        if isinstance(ctid, bool) or not isinstance(ctid, int) or not 100 <= ctid <= 999_999_999:
-            raise InputError(f"target {name!r}: ctid {ctid!r} is not a Proxmox container id; "
-                             "use the number `pct list` shows on the host (100 or more)")
+        super().__init__(name, spec)  # the inventory checked spec and ctid
         self.ctid = ctid
 
     def _wrap(self, argv: list[str]) -> list[str]:

@@ -29,15 +29,13 @@ import paramiko
 from ..errors import AuthError, ConnectError, HostKeyError, InputError, RemoteTimeout, TransportError
 from ..inventory import split_jump
 from ..model import HostSpec
-from .base import Result, Transport, quote_argv, with_remote_timeout
+from .base import AFTER_EXIT_S, Result, Transport, decode, finish, local_limit_s, quote_argv, with_remote_timeout
 from .known_hosts import HostKeys, read_host_keys
-from .local import AFTER_EXIT_S, decode, finish, local_limit_s
 
 # paramiko's reader thread logs failures (with tracebacks) that we report as one clear error
 # ourselves; without a handler Python's last-resort handler would print them on stderr.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
-HOST_KEY_POLICIES = ("strict", "accept-new", "off")
 POLL_S = 0.5  # how often a waiting read looks at the exit status
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 
@@ -134,11 +132,6 @@ class SshTransport(Transport):
 
     def __init__(self, name: str, spec: HostSpec):
         super().__init__(name)
-        if spec.host_key_policy not in HOST_KEY_POLICIES:
-            raise InputError(f"target {name!r}: ssh.host_key_policy {spec.host_key_policy!r} is not one of "
-                             f"{', '.join(HOST_KEY_POLICIES)}; use strict (the default) unless you mean it")
-        if not spec.host:
-            raise InputError(f"target {name!r}: ssh.host is empty; set the host name or address")
         self.spec = spec
         self.known_hosts = os.path.expanduser(spec.known_hosts_file or DEFAULT_KNOWN_HOSTS)
         self.jump = parse_jump(name, spec.jump) if spec.jump else None
@@ -180,7 +173,7 @@ class SshTransport(Transport):
 
     def _new_connection(self, host: str, port: int, user: str, gateway=None) -> fabric.Connection:
         s = self.spec
-        kwargs = {"banner_timeout": s.connect_timeout_s, "auth_timeout": s.connect_timeout_s}
+        kwargs: dict[str, object] = {"banner_timeout": s.connect_timeout_s, "auth_timeout": s.connect_timeout_s}
         if s.identity_file:
             # Only the named key, as OpenSSH's IdentitiesOnly: an agent or ~/.ssh keys must not
             # make a wrong inventory entry work by accident.
