@@ -51,7 +51,7 @@ def health_line(schedule: str, argv: list[str], log: str, target: str) -> str:
 
 
 def install(line: str, target: str) -> list[str]:
-    lines = [l for l in read() if not l.endswith(TAG + target)] + [line]
+    lines = [kept for kept in read() if not kept.endswith(TAG + target)] + [line]
     write(lines)
     return ours(lines, target)
 
@@ -60,5 +60,5 @@ def remove(target: str | None) -> list[str]:
     lines = read()
     gone = ours(lines, target)
     if gone:
-        write([l for l in lines if l not in gone])
+        write([kept for kept in lines if kept not in gone])
     return gone

@@ -9,7 +9,7 @@ import dataclasses
 import re
 
 from .errors import DflashOpsError, InputError
-from .remote import facts, probe_script
+from .remote import facts
 from .transport.base import quote_argv
 
 NOT_AVAILABLE = ("[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]", "")
@@ -153,11 +153,6 @@ def snapshot_from_probe(gpu: dict | None) -> GpuSnapshot:
     return _snapshot(gpu.get("gpus", []), processes, source)
 
 
-def nvml_snapshot() -> GpuSnapshot:
-    """This machine's GPUs via NVML. No driver -> a snapshot whose error says so; never raises."""
-    return snapshot_from_probe(probe_script.nvml_query())
-
-
 # --------------------------------------------------------------------------- "is it really free?"
 
 
@@ -189,7 +184,7 @@ def busy_gpus(snapshot: GpuSnapshot, indices, min_free_mib: int | None = None,
     at most `max_used_mib` used, i.e. nothing but the driver's own reservation. Raises GpuUnavailable when the snapshot
     has no GPU data and InputError when an index does not exist on the machine.
     """
-    indices = sorted(set(int(i) for i in indices))
+    indices = sorted({int(i) for i in indices})
     if not indices:
         return []
     if not snapshot.ok:
@@ -239,10 +234,6 @@ def container_of_pid(cgroup_text: str) -> str | None:
                 if rest and rest[0]:
                     return rest[0]
     return None
-
-
-def pid_in_container(cgroup_text: str, ctid) -> bool:
-    return container_of_pid(cgroup_text) == str(ctid)
 
 
 # Run on the Proxmox host: GPUs, compute apps (host pids), then each app's cgroup and NSpid.

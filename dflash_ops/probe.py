@@ -144,7 +144,8 @@ def _run_probe_gpu_on_host(transport, job: Job, timeout: float, log_lines: int, 
     try:
         host_out = base64.b64decode(encoded).decode("utf-8", "replace")
     except (ValueError, binascii.Error):
-        raise ProbeError(f"[{transport.name}] probe: unreadable GPU answer from the Proxmox host: {first[:200]!r}")
+        raise ProbeError(f"[{transport.name}] probe: unreadable GPU answer from the Proxmox host: "
+                         f"{first[:200]!r}") from None
     if part_s is not None and rc.strip() in ("124", "137"):
         gpu = GpuSnapshot(gpus=(), source="nvidia-smi", error=f"nvidia-smi on the Proxmox host gave no answer within "
                                                      f"{part_s:.1f} s (a wedged driver or a hung command)")

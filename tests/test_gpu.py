@@ -207,9 +207,14 @@ def test_sim_output_parses_back_to_the_state(state_file):
 # --------------------------------------------------------------------------- NVML
 
 
+def nvml_snapshot() -> gpu.GpuSnapshot:
+    """This machine's GPUs via NVML, as the probe reads them."""
+    return gpu.snapshot_from_probe(probe_script.nvml_query())
+
+
 def test_nvml_snapshot_without_driver_says_so_and_does_not_raise():
     pytest.importorskip("pynvml")
-    snap = gpu.nvml_snapshot()
+    snap = nvml_snapshot()
     if snap.ok:  # pragma: no cover - a machine with a real driver
         pytest.skip("this machine has an NVIDIA driver")
     assert snap.no_driver and snap.gpus == ()
@@ -249,7 +254,7 @@ def fake_pynvml(monkeypatch):
 
 def test_nvml_snapshot_converts_the_api(monkeypatch):
     fake_pynvml(monkeypatch)
-    snap = gpu.nvml_snapshot()
+    snap = nvml_snapshot()
     assert snap.ok and snap.source == "nvml"
     g0, g1 = snap.gpus
     assert (g0.name, g0.uuid, g0.memory_used_mib, g0.memory_total_mib, g0.utilization_pct) == (
@@ -309,7 +314,6 @@ def test_busy_gpus_refuses_unknown_indices_and_missing_data():
 ])
 def test_container_of_pid(text, ctid):
     assert gpu.container_of_pid(text) == ctid
-    assert gpu.pid_in_container(text, 200) == (ctid == "200")
 
 
 def test_nspid_from_status():
