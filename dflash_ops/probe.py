@@ -16,7 +16,7 @@ from .errors import DflashOpsError, RemoteCommandError
 from .gpu import HOST_GPU_QUERY, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
 from .model import Job
 from .transport.base import quote_argv
-from .remote import python_command
+from .remote import bundle, python_command
 
 PROBE_SCRIPT = "probe_script.py"
 DEFAULT_LOG_LINES = 200
@@ -97,7 +97,8 @@ def probe_args(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines: int 
 def probe_script_for(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines: int = DEFAULT_METRICS_LINES,
                      gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi", part_s: float | None = None) -> str:
     """The bash script for `transport.run`: the job's python (python3 when that is not installed
-    yet, e.g. before the first deploy) runs the probe passed with `-c`; every word is quoted."""
+    yet, e.g. before the first deploy) runs the probe, whose text (remote.bundle) the caller passes
+    as stdin; every word is quoted."""
     return python_command(job.python, PROBE_SCRIPT, probe_args(job, log_lines, metrics_lines, gpu_source,
                                                                  nvidia_smi, part_s), who="dflash probe")
 
@@ -118,7 +119,7 @@ def run_probe(transport, job: Job, timeout: float = DEFAULT_TIMEOUT_S, log_lines
     if gpu_on_host is not None:
         return _run_probe_gpu_on_host(transport, job, timeout, log_lines, metrics_lines, gpu_on_host, part_s)
     script = probe_script_for(job, log_lines, metrics_lines, gpu_source, nvidia_smi, part_s)
-    result = transport.run(script, timeout=timeout, step="probe")
+    result = transport.run(script, timeout=timeout, step="probe", stdin=bundle(PROBE_SCRIPT))
     if not result.ok:
         raise RemoteCommandError(transport.name, "probe", result)
     report = parse_probe_output(result.stdout, target=transport.name)
@@ -131,11 +132,13 @@ def _run_probe_gpu_on_host(transport, job: Job, timeout: float, log_lines: int, 
     mapped to containers), then the probe runs in the container without its GPU section."""
     inside = probe_script_for(job, log_lines, metrics_lines, gpu_source="none", part_s=part_s)
     query = HOST_GPU_QUERY if part_s is None else quote_argv(host_query_limited(part_s))
-    script = (f"gpu=$({{\n{query}\n}} 2>&1); rc=$?\n"
+    # the host's query must not read stdin: it carries the probe into the container
+    script = (f"gpu=$({{\n{query}\n}} 2>&1 </dev/null); rc=$?\n"
               'printf \'%s %s\\n\' "$rc" "$(printf \'%s\' "$gpu" | base64 -w0)"\n'
               + transport.in_container(inside, timeout if part_s is None else max(1.0, timeout - part_s)))
     # the container's run comes after the host's GPU query, inside this one's limit
-    result = transport.run_on_host(script, timeout=timeout + 10 if part_s is None else timeout, step="probe")
+    result = transport.run_on_host(script, timeout=timeout + 10 if part_s is None else timeout, step="probe",
+                                   stdin=bundle(PROBE_SCRIPT))
     first, _, rest = result.stdout.partition("\n")
     if not result.ok:
         raise RemoteCommandError(transport.name, "probe", dataclasses.replace(result, stdout=rest))

@@ -17,7 +17,7 @@ from .errors import StepFailed
 from .gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
 from .model import Job
 from .playbook import StepContext, StepOutcome, StepRegistry
-from .remote import facts, python_command
+from .remote import bundle, facts, python_command
 from .transport.base import quote_argv
 
 registry = StepRegistry()
@@ -64,7 +64,7 @@ def job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: float, i
         if snapshot is not None:
             args["gpu_apps"] = [[p.pid, g.index, p.used_memory_mib, p.owner, p.name] for g in snapshot.gpus
                                 if g.index in gpus for p in g.processes]
-    result = ctx.run(python_command(job.python, _JOBPROCS, args), timeout=grace_s + 60)
+    result = ctx.run(python_command(job.python, _JOBPROCS, args), timeout=grace_s + 60, stdin=bundle(_JOBPROCS))
     return None if result is None else json.loads(result.stdout)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import probe, remote
+from dflash_ops import probe
 from dflash_ops.errors import RemoteCommandError
 from dflash_ops.model import Job
 from dflash_ops.transport.base import Result, Transport
@@ -42,7 +42,8 @@ class BashRunner(Transport):
     def run(self, script, timeout=60, step="run", stdin=None):
         self.calls += 1
         start = time.monotonic()
-        proc = subprocess.run(["/bin/bash", "-c", script], capture_output=True, timeout=timeout, env=self.env)
+        proc = subprocess.run(["/bin/bash", "-c", script], input=stdin, capture_output=True, timeout=timeout,
+                              env=self.env)
         return Result(proc.returncode, proc.stdout.decode(), proc.stderr.decode(), time.monotonic() - start)
 
     def put(self, data, remote_path, mode=0o644, step="put"):
@@ -264,8 +265,8 @@ def test_probe_script_passes_hostile_strings_unchanged(tmp_path):
     job = Job(workdir=HOSTILE, python=str(fake_python), config="x", session="a'b $(c)", tmux_socket='s"q`d`')
     result = BashRunner().run(probe.probe_script_for(job, log_lines=7))
     assert result.ok, result.stderr
-    flag, source, args = json.loads(argv_file.read_text())
-    assert flag == "-c" and source == remote.bundle(probe.PROBE_SCRIPT)
+    flag, args = json.loads(argv_file.read_text())
+    assert flag == "-"
     assert json.loads(args) == {"log_dir": HOSTILE + "/logs", "session": "a'b $(c)", "socket": 's"q`d`',
                                 "log_lines": 7, "metrics_lines": probe.DEFAULT_METRICS_LINES,
                                 "gpu_source": "auto", "nvidia_smi": "nvidia-smi",

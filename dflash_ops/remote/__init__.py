@@ -1,8 +1,10 @@
 """Scripts that run ON the target. Each is standalone (standard library only, Python >= 3.8)
-because the target may have nothing but a system python3. dflash-ops sends a script's text with
-`-c`, preceded by the shared modules it imports (bundle()), so nothing needs installing there."""
+because the target may have nothing but a system python3. dflash-ops sends a script's text on
+python's stdin, preceded by the shared modules it imports (bundle()), so nothing needs installing
+there and the command line (what --dry-run prints, what `ps` shows) stays short."""
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import shlex
@@ -21,7 +23,8 @@ def script_source(filename: str) -> str:
     return (_HERE / filename).read_text(encoding="utf-8")
 
 
-def bundle(filename: str) -> str:
+@functools.lru_cache(maxsize=None)
+def bundle(filename: str) -> bytes:
     """Script `filename` as one self-contained program: the shared modules are defined first
     (registered under their plain names, which the script imports when not run from this package),
     then the script runs as __main__ (its own text compiled whole, `from __future__` included)."""
@@ -30,7 +33,7 @@ def bundle(filename: str) -> str:
         prelude.append(f"_m = _sys.modules[{name!r}] = _types.ModuleType({name!r}); "
                        f"exec(compile({path.read_text(encoding='utf-8')!r}, {name!r}, 'exec'), _m.__dict__)")
     prelude.append(f"exec(compile({script_source(filename)!r}, {filename!r}, 'exec'), {{'__name__': '__main__'}})")
-    return "\n".join(prelude) + "\n"
+    return ("\n".join(prelude) + "\n").encode()
 
 
 def pick_python(python: str, who: str) -> str:
@@ -44,7 +47,7 @@ def pick_python(python: str, who: str) -> str:
 
 
 def python_command(python: str, filename: str, args: dict, who: str | None = None) -> str:
-    """Shell lines running script `filename` (bundled) with the job's python (python3 before the
-    first deploy); its arguments as one quoted JSON word. Every word is quoted."""
+    """Shell lines running script `filename` with the job's python (python3 before the first
+    deploy); the caller passes bundle(filename) as stdin. Its arguments are one quoted JSON word."""
     return (pick_python(python, who or filename)
-            + f'exec "$py" -c {shlex.quote(bundle(filename))} {shlex.quote(json.dumps(args))}\n')
+            + f'exec "$py" - {shlex.quote(json.dumps(args))}  # stdin: {filename}\n')

@@ -4,7 +4,7 @@ The job's processes are (a) the process tree under its tmux panes and (b) any pr
 the launcher's marker in its environment (leftovers that escaped the tree). GPU compute processes
 on the job's GPUs that are neither are reported as unidentified and never signalled.
 With "action": "kill" it ends them (SIGTERM, SIGKILL after grace_s); any other action only lists.
-Usage: python3 -c "$(remote.bundle('jobprocs.py'))" '<json args>'; prints one JSON object.
+Usage: python3 - '<json args>' < (remote.bundle('jobprocs.py')); prints one JSON object.
 """
 import json
 import os

@@ -1,8 +1,8 @@
 """Gather, in one process on the target, everything `status` and `health` need; print ONE JSON object.
 
 Standalone on purpose: standard library only, Python >= 3.8, because it runs in the container with
-whatever python is there. dflash_ops sends this file's text via `python -c` (remote.bundle(), which
-defines the shared `facts` and `metrics_format` first) with one argument, a JSON object:
+whatever python is there. dflash_ops sends this file's text on python's stdin (remote.bundle(),
+which defines the shared `facts` and `metrics_format` first) with one argument, a JSON object:
 
   {"log_dir": str, "session": str, "socket": str, "log_lines": int, "metrics_lines": int,
    "gpu_source": "auto"|"nvml"|"nvidia-smi"|"none", "nvidia_smi": str, "part_s": float,
