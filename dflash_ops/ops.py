@@ -246,7 +246,7 @@ def tail_log(target: Target, lines: int = 50, follow: bool = False, grep: str | 
                               timeout=60, step="read log")
         if log and first.exit_code == _NOT_A_FILE:
             raise InputError(f"--log {log}: {first.stdout.strip() or 'not a regular file'} on {target.name}; "
-                             f"give a log file (train-NNNN.log in {target.job.log_dir})")
+                             f"give a log file ({facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX} in {target.job.log_dir})")
         if not first.ok:
             raise RemoteCommandError(target.name, "read log", first)
         size_line, _, text = first.stdout.partition("\n")
