@@ -50,8 +50,8 @@ def latest(records: list[dict]) -> Acceptance | None:
         width = min(len(r["acc"]) for r in steps)
         columns = [[_finite(r["acc"][k]) for r in steps] for k in range(width)]
         if all(v is not None for column in columns for v in column):
-            expected = metrics_format.expected_tau([sum(c) / len(c) for c in columns])
-    acceptance = record.get("acceptance") if isinstance(record.get("acceptance"), list) else []
+            expected = metrics_format.expected_tau([sum(v for v in c if v is not None) / len(c) for c in columns])
+    acceptance: list = record["acceptance"] if isinstance(record.get("acceptance"), list) else []
     lossless = record.get("lossless") if isinstance(record.get("lossless"), bool) else None
     return Acceptance(step=step, tau=_finite(record.get("tau")),
                       acceptance=tuple(v for v in (_finite(a) for a in acceptance) if v is not None),
