@@ -13,6 +13,7 @@ import re
 
 from . import acceptance, logs, unattended
 from .model import Job
+from .remote import facts
 
 LEVELS = ("OK", "WARNING", "CRITICAL", "UNKNOWN")
 EXIT_CODES = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UNKNOWN": 3}
@@ -141,7 +142,7 @@ def _stall(report, progress: logs.Progress, age: float | None, stall_seconds: fl
     if not report.session.running or finished:
         return [], []
     if age is None:  # a log named by the job state but missing is reported by unattended.warnings
-        return [], [] if getattr(report, "log_missing", None) else [f"no train-NNNN.log in {report.log_dir}"]
+        return [], [] if getattr(report, "log_missing", None) else [f"no {facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX} in {report.log_dir}"]
     if age <= stall_seconds:
         return [], []
     what = (f"no new step for {_seconds(age)} (last step {progress.step})" if progress.step is not None
