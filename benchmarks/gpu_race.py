@@ -47,6 +47,10 @@ FX = "Detected that you are using FX to symbolically trace"
 OUTCOMES = ("fx", "mask", "other", "hang", "clean")
 TIMEOUT_RC = 124  # `timeout`: the command timed out and left on SIGTERM
 KILLED_RC = 137  # `timeout`: ... and needed the SIGKILL
+# After -k expires, GNU `timeout` SIGKILLs its whole process group, itself included: the trial's
+# process then reports death by SIGKILL rather than timeout's own 137.
+KILLED_GROUP_RC = -9
+HANG_EXITS = {TIMEOUT_RC: "SIGTERM", KILLED_RC: "SIGKILL", KILLED_GROUP_RC: "SIGKILL"}
 
 
 def trainer_argv(mode: str, checkpointing: str, tmp: str, args) -> list[str]:
@@ -61,7 +65,7 @@ def trainer_argv(mode: str, checkpointing: str, tmp: str, args) -> list[str]:
 
 
 def classify(returncode: int, text: str) -> str:
-    if returncode in (TIMEOUT_RC, KILLED_RC):
+    if returncode in HANG_EXITS:
         return "hang"
     if FX in text:
         return "fx"
@@ -90,7 +94,7 @@ def trial(mode: str, checkpointing: str, index: int, args) -> dict:
     if outcome == "clean" and f"activation checkpointing: {checkpointing}" not in text:
         outcome = "other"  # the setting did not reach the trainer: the trial measured something else
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    hang_exit = {TIMEOUT_RC: "SIGTERM", KILLED_RC: "SIGKILL"}.get(proc.returncode)
+    hang_exit = HANG_EXITS.get(proc.returncode)
     return {"mode": mode, "checkpointing": checkpointing, "trial": index, "outcome": outcome,
             "seconds": round(seconds, 1), "rc": proc.returncode, "hang_exit": hang_exit,
             # from the trainer's compile log lines (trainer.compile_lock.compile_reason)

@@ -42,3 +42,17 @@ def test_a_clean_trial_with_checkpointed_layers(tmp_path):
                            "--timeout", "240", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "| lock | layers | 1 | 0 | 0 | 0 | 0 (0 / 0) | 1 |" in out.read_text(), done.stdout[-3000:]
+
+
+def test_a_trial_that_ignores_sigterm_is_a_hang_that_needed_sigkill():
+    """GNU `timeout -k` SIGKILLs its own process group, itself included: the trial's exit is -9."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu_race
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    stubborn = subprocess.Popen(["timeout", "-k", "0.5", "0.5", "bash", "-c", "trap '' TERM; sleep 30"],
+                                start_new_session=True)
+    returncode = stubborn.wait(timeout=20)
+    assert gpu_race.classify(returncode, "") == "hang"
+    assert gpu_race.HANG_EXITS[returncode] == "SIGKILL"
