@@ -68,7 +68,19 @@ def descendants(roots, pids):
 
 
 def panes(socket, session):
-    """[(pane pid, dead, exit status)] of the session's panes; [] when there is no session."""
+    """[(pane pid, dead, exit status)] of the session's panes; [] when there is no session.
+
+    tmux marks a pane dead when its pty closes and learns the exit status only when it reaps the
+    child a moment later: a dead pane without a status is asked again, for up to a second."""
+    for _ in range(10):
+        found = _list_panes(socket, session)
+        if not any(dead and status is None for _, dead, status in found):
+            break
+        time.sleep(0.1)
+    return found
+
+
+def _list_panes(socket, session):
     try:
         out = subprocess.run(["tmux", "-L", socket, "list-panes", "-s", "-t", "=" + session + ":", "-F",
                               "#{pane_pid} #{pane_dead} #{pane_dead_status}"],
