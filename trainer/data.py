@@ -111,38 +111,43 @@ def make_batch(dataset: Dataset, plan: BatchPlan, step: int, replica: int) -> Ba
 
 # ---- JSONL ----------------------------------------------------------------------------------
 
-def load_jsonl(path: str, seq_len: int, vocab_size: int, tokenizer=None, pad_id: int = 0) -> Dataset:
-    """Read and check every record; raises DataError at the first bad one (file:line)."""
+def jsonl_records(path: str, what: str, missing_fix: str):
+    """(file:line, parsed record) for each non-blank line; DataError names the file or the line."""
     if not os.path.isfile(path):
-        raise DataError(path, "data file not found. Fix: set data.path to an existing .jsonl file.")
-    rows_ids, rows_mask, rows_attn = [], [], []
+        raise DataError(path, f"{what} file not found. Fix: {missing_fix}")
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                record = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(where, f"not valid JSON ({exc.msg} at column {exc.colno}). "
                                        f"Fix: one JSON object per line.") from None
-            if not isinstance(record, dict):
-                raise DataError(where, "expected a JSON object with input_ids+loss_mask or messages.")
-            if "messages" in record:
-                ids, mask = _tokenize_messages(record["messages"], tokenizer, where)
-            elif "input_ids" in record:
-                ids, mask = _check_pretokenized(record, where)
-            else:
-                raise DataError(where, f"record has keys {sorted(record)}; expected "
-                                       f"{{\"input_ids\", \"loss_mask\"}} or {{\"messages\"}}.")
-            for i, tok in enumerate(ids):
-                if not 0 <= tok < vocab_size:
-                    raise DataError(where, f"input_ids[{i}] = {tok} is outside the target's vocabulary "
-                                           f"(0..{vocab_size - 1}). Fix: tokenize with the target's tokenizer.")
-            ids, mask, attn = _fit(ids, mask, seq_len, pad_id)
-            rows_ids.append(ids)
-            rows_mask.append(mask)
-            rows_attn.append(attn)
+
+
+def load_jsonl(path: str, seq_len: int, vocab_size: int, tokenizer=None, pad_id: int = 0) -> Dataset:
+    """Read and check every record; raises DataError at the first bad one (file:line)."""
+    rows_ids, rows_mask, rows_attn = [], [], []
+    for where, record in jsonl_records(path, "data", "set data.path to an existing .jsonl file."):
+        if not isinstance(record, dict):
+            raise DataError(where, "expected a JSON object with input_ids+loss_mask or messages.")
+        if "messages" in record:
+            ids, mask = _tokenize_messages(record["messages"], tokenizer, where)
+        elif "input_ids" in record:
+            ids, mask = _check_pretokenized(record, where)
+        else:
+            raise DataError(where, f"record has keys {sorted(record)}; expected "
+                                   f"{{\"input_ids\", \"loss_mask\"}} or {{\"messages\"}}.")
+        for i, tok in enumerate(ids):
+            if not 0 <= tok < vocab_size:
+                raise DataError(where, f"input_ids[{i}] = {tok} is outside the target's vocabulary "
+                                       f"(0..{vocab_size - 1}). Fix: tokenize with the target's tokenizer.")
+        ids, mask, attn = _fit(ids, mask, seq_len, pad_id)
+        rows_ids.append(ids)
+        rows_mask.append(mask)
+        rows_attn.append(attn)
     if not rows_ids:
         raise DataError(path, "no records. Fix: one JSON object per line.")
     dataset = Dataset(torch.tensor(rows_ids, dtype=torch.long), torch.tensor(rows_mask, dtype=torch.bool),

@@ -11,15 +11,13 @@ DFlash speculative decoding (trainer.speculative) decodes the same prompt. Repor
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import time
 from typing import Callable
 
 import torch
 
-from .data import DataError, ROLES
+from .data import DataError, ROLES, jsonl_records
 from .speculative import speculative_generate, target_generate, tie_tolerance
 
 
@@ -56,33 +54,22 @@ def load_prompts(path: str, tokenizer=None, vocab_size: int | None = None) -> li
     """Prompts from JSONL: `{"input_ids": [...]}` (used as is) or `{"messages": [...]}` rendered with
     the target's chat template and a generation prompt (a final assistant turn, the reference
     answer, is left out). Raises DataError naming file:line."""
-    if not os.path.isfile(path):
-        raise DataError(path, "prompts file not found. Fix: pass an existing .jsonl file to --prompts.")
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(where, f"not valid JSON ({exc.msg} at column {exc.colno}). "
-                                       f"Fix: one JSON object per line.") from None
-            if isinstance(record, dict) and "input_ids" in record:
-                ids = record["input_ids"]
-                if not isinstance(ids, list) or not ids or not all(
-                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise DataError(where, "input_ids must be a non-empty list of integers.")
-            elif isinstance(record, dict) and "messages" in record:
-                ids = _render_messages(record["messages"], tokenizer, where)
-            else:
-                raise DataError(where, 'expected {"messages": [...]} or {"input_ids": [...]}.')
-            bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
-            if bad:
-                raise DataError(where, f"token {bad[0]} is outside the target's vocabulary "
-                                       f"(0..{vocab_size - 1}). Fix: tokenize with the target's tokenizer.")
-            prompts.append(ids)
+    for where, record in jsonl_records(path, "prompts", "pass an existing .jsonl file to --prompts."):
+        if isinstance(record, dict) and "input_ids" in record:
+            ids = record["input_ids"]
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise DataError(where, "input_ids must be a non-empty list of integers.")
+        elif isinstance(record, dict) and "messages" in record:
+            ids = _render_messages(record["messages"], tokenizer, where)
+        else:
+            raise DataError(where, 'expected {"messages": [...]} or {"input_ids": [...]}.')
+        bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
+        if bad:
+            raise DataError(where, f"token {bad[0]} is outside the target's vocabulary "
+                                   f"(0..{vocab_size - 1}). Fix: tokenize with the target's tokenizer.")
+        prompts.append(ids)
     if not prompts:
         raise DataError(path, "no prompts. Fix: one JSON object per line.")
     return prompts
