@@ -47,6 +47,15 @@ def default_layer_ids(num_layers: int, k: int = 5) -> list[int]:
     return sorted(set(ids))
 
 
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if not layer_ids or bad:
+        raise ConfigError(
+            f"target.layer_ids: {layer_ids} must be a non-empty list of layer indices in "
+            f"[0, {num_layers - 1}] (the target has {num_layers} layers). "
+            f"Fix: pick ids from that range or leave it null for the default spread")
+
+
 def _decoder_of(model: nn.Module) -> nn.Module:
     """The module holding `.layers` and `.norm` (Llama/Qwen family layout)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
@@ -85,12 +94,7 @@ class TargetModel:
         self.hidden_size = self.embed_tokens.weight.shape[1]
         self.vocab_size = self.embed_tokens.weight.shape[0]
         self.dtype = self.embed_tokens.weight.dtype
-        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
-        if not self.layer_ids or bad:
-            raise ConfigError(
-                f"target.layer_ids: {self.layer_ids} must be a non-empty list of layer indices in "
-                f"[0, {self.num_layers - 1}] (the target has {self.num_layers} layers). "
-                f"Fix: pick ids from that range or leave it null for the default spread")
+        check_layer_ids(self.layer_ids, self.num_layers)
         # Layer hooks are per module: one features() call at a time per target.
         self._lock = threading.Lock()
 

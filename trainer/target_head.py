@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError
-from .target import _default_mask_token_id, _tiny_target, default_layer_ids
+from .target import _default_mask_token_id, _tiny_target, check_layer_ids, default_layer_ids
 
 
 @dataclass(eq=False)
@@ -32,11 +32,7 @@ class TargetHead:
         self.hidden_size = self.embed_tokens.weight.shape[1]
         self.vocab_size = self.embed_tokens.weight.shape[0]
         self.dtype = self.embed_tokens.weight.dtype
-        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
-        if not self.layer_ids or bad:
-            raise ConfigError(
-                f"target.layer_ids: {self.layer_ids} must be a non-empty list of layer indices in "
-                f"[0, {self.num_layers - 1}] (the target has {self.num_layers} layers).")
+        check_layer_ids(self.layer_ids, self.num_layers)
 
 
 def weight_bytes(config, bytes_per_param: int = 2) -> dict:
