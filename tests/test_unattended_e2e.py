@@ -331,9 +331,14 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
         crashed = standin(pct_target, mode="crash")
         cleanup(crashed)
         ops.run_playbook(crashed, "relaunch", quick())
-        wait_for(lambda: ops.check(crashed).status["session"]["exit_status"] is not None, what="the crash")
+        wait_for(lambda: ops.check(crashed).status["session"]["exists"] and
+                 not ops.check(crashed).status["session"]["running"], what="the crash")
         again = ops.run_playbook(crashed, "stop", {"grace": 5.0})
-        assert again.ok and step(again, "stop_session").message.startswith("the trainer had already exited (status 1)")
+        message = step(again, "stop_session").message
+        # tmux (3.3a, in the simulated container) now and then marks the pane dead without ever
+        # reporting #{pane_dead_status}: stop then says the status is unknown, never "ended N process(es)".
+        assert again.ok and message.startswith(("the trainer had already exited (status 1)",
+                                                "the trainer had already exited (status ?)")), message
     finally:
         with ops.connect(target) as t:
             t.run(f"kill {foreign}", timeout=20)
