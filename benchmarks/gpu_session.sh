@@ -46,9 +46,10 @@ smoke)
   tail -5 "$OUT/smoke-train.log"
   ;;
 race)
-  # Trials start for 380 s; a hung one gets SIGTERM at 150 s and SIGKILL 15 s later: done by ~545 s.
+  # Trials start for 380 s; a hung one gets SIGTERM at 150 s, its stop watchdog ends it by ~169 s (stop grace
+  # 10 s + 8 s + 0.5 s) when its Python code cannot run, SIGKILL 20 s later at the latest: done by ~550 s.
   timeout -k 10 575 python3 benchmarks/gpu_race.py --modes none,lock --checkpointing none,layers --trials-none 8 \
-    --trials 20 --parallel 8 --timeout 150 --kill-after 15 --budget 380 \
+    --trials 20 --parallel 8 --timeout 150 --kill-after 20 --budget 380 \
     --label "5-layer drafter, 3 drafter threads, one GPU, fresh cache" --out "$OUT/race-checkpointing.md"
   ;;
 ckpt-perf)

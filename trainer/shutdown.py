@@ -15,8 +15,8 @@
   checkpoint is written.
 
 `dflash-ops stop|relaunch --grace S` (default 30) sends ONE SIGTERM to the job's processes and
-SIGKILLs whatever is left after S seconds; keep run.stop_grace_s below it so a stuck trainer
-exits by itself, with its log line, before the SIGKILL.
+SIGKILLs whatever is left after S seconds; keep run.stop_grace_s + WATCHDOG_MARGIN_S + 1 below it
+so that a stuck trainer is ended by itself or its watchdog, with their log lines, before that SIGKILL.
 """
 from __future__ import annotations
 
