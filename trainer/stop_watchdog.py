@@ -33,6 +33,8 @@ STACKS_SIGNAL = signal.SIGUSR2  # the trainer's faulthandler prints every thread
 STACKS_WAIT_S = 0.5  # for the stacks to be written before the SIGKILL
 POLL_S = 0.5  # how often it checks that the trainer is still its parent
 
+_running: StopWatchdog | None = None  # this process's, for a child forked from it to let go of
+
 
 class StopWatchdog:
     """The trainer's side: the pipe, the wakeup fd and the child process."""
@@ -48,7 +50,7 @@ class StopWatchdog:
         read_fd, write_fd = os.pipe()  # neither end is inherited by other children (PEP 446)
         try:
             os.set_blocking(write_fd, False)  # set_wakeup_fd requires it; a signal handler must never block
-            faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
+            faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)  # fd 2: where the watchdog writes too
             proc = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()),
                                      str(read_fd), f"{after_s:g}"], pass_fds=(read_fd,),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
@@ -59,7 +61,9 @@ class StopWatchdog:
             return None
         finally:
             os.close(read_fd)
-        return cls(proc, write_fd, signal.set_wakeup_fd(write_fd))
+        global _running
+        _running = cls(proc, write_fd, signal.set_wakeup_fd(write_fd))
+        return _running
 
     def disarm(self) -> None:
         """The step that ran at the stop signal is done: the main thread handles the stop itself."""
@@ -70,6 +74,8 @@ class StopWatchdog:
 
     def close(self) -> None:
         """The trainer is done: the watchdog sees the pipe close and exits."""
+        global _running
+        _running = None
         signal.set_wakeup_fd(self.previous_wakeup_fd)
         faulthandler.unregister(STACKS_SIGNAL)
         os.close(self.write_fd)
@@ -77,6 +83,21 @@ class StopWatchdog:
             self.proc.wait(timeout=2 * POLL_S + 1)
         except subprocess.TimeoutExpired:
             pass  # it sees its parent gone once this process exits
+
+
+def _let_go_in_forked_child() -> None:
+    """A forked child's signals are not the trainer's, and its copy of the pipe would hide the trainer's exit."""
+    global _running
+    if _running is not None:
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:
+            pass  # not the main thread: Python then delivers no signals to handlers here anyway
+        os.close(_running.write_fd)
+        _running = None
+
+
+os.register_at_fork(after_in_child=_let_go_in_forked_child)
 
 
 # ---- the watchdog process (stdlib only; runs without the trainer's modules) -------------------

@@ -20,16 +20,23 @@ pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
 AFTER_S = 1.5
 STAND_IN = r"""
-import re, signal, sys, time
+import os, re, signal, sys, time
 from trainer.stop_watchdog import StopWatchdog
 after_s, mode, work_s = float(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 got = []
 signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
 watchdog = StopWatchdog.start(after_s)
 print(watchdog.proc.pid, flush=True)
+if mode == "fork":  # a child forked from the trainer gets a SIGTERM; the trainer does not
+    child = os.fork()
+    if child == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        os._exit(0)
+    os.waitpid(child, 0)
 if mode == "hold-gil":
     re.match(r"(a+)+$", "a" * 64 + "b")  # never returns, never lets go of the GIL
-while not got and mode != "no-signal":
+while not got and mode not in ("no-signal", "fork"):
     time.sleep(0.01)
 if mode == "disarm":
     watchdog.disarm()
@@ -86,7 +93,7 @@ def test_it_kills_a_trainer_whose_python_handler_cannot_run():
     assert AFTER_S <= took < AFTER_S + 3, took
     assert (f"dflash-train watchdog: pid {proc.pid} still running 2 s after SIGTERM: the interpreter did not get "
             f"control back (a thread stuck in C code, stacks above); ending it with SIGKILL") in err, err
-    assert 'File "<string>", line 10 in <module>' in err, err  # the stuck thread's stack, printed before
+    assert 'File "<string>", line 17 in <module>' in err, err  # the stuck thread's stack, printed before
     assert "finished" not in out
     assert gone_soon(watchdog)
 
@@ -113,3 +120,10 @@ def test_it_exits_when_the_trainer_is_killed():
     proc.kill()
     finish(proc)
     assert gone_soon(watchdog, within_s=1.0)
+
+
+def test_a_signal_to_a_forked_child_does_not_arm_it():
+    proc, watchdog = start("fork", work_s=2 * AFTER_S)
+    out, err, _ = finish(proc)
+    assert proc.returncode == 0 and "finished" in out, err
+    assert gone_soon(watchdog)
