@@ -14,7 +14,8 @@ stuck in a compile), KILL_AFTER seconds later SIGKILL. A trial is counted as:
   fx     the FX-tracing race error ("Detected that you are using FX to symbolically trace …")
   mask   the create_block_mask race (KeyError: 'custom')
   other  any other non-zero exit
-  hang   no exit within --timeout (a failure); split into "left on SIGTERM" / "needed SIGKILL"
+  hang   no exit within --timeout (a failure); split into "left on SIGTERM" / "ended by its stop
+         watchdog" (its Python code could not run; trainer.stop_watchdog) / "needed SIGKILL"
   clean  exit 0 after --steps steps
 Trials of all (mode, checkpointing) cells share one pool of --parallel slots; trials that have
 not started when --budget seconds are up are reported as skipped.
@@ -51,6 +52,13 @@ KILLED_RC = 137  # `timeout`: ... and needed the SIGKILL
 # process then reports death by SIGKILL rather than timeout's own 137.
 KILLED_GROUP_RC = -9
 HANG_EXITS = {TIMEOUT_RC: "SIGTERM", KILLED_RC: "SIGKILL", KILLED_GROUP_RC: "SIGKILL"}
+WATCHDOG_LINE = "dflash-train watchdog:"  # the trainer's stop watchdog SIGKILLed it (137 as well)
+
+
+def hang_exit_of(returncode: int, text: str) -> str | None:
+    """How a hung trial ended: "SIGTERM" (by itself), "watchdog" (its stop watchdog), "SIGKILL" (by `timeout`)."""
+    how = HANG_EXITS.get(returncode)
+    return "watchdog" if how and WATCHDOG_LINE in text else how
 
 
 def trainer_argv(mode: str, checkpointing: str, tmp: str, args) -> list[str]:
@@ -94,7 +102,7 @@ def trial(mode: str, checkpointing: str, index: int, args) -> dict:
     if outcome == "clean" and f"activation checkpointing: {checkpointing}" not in text:
         outcome = "other"  # the setting did not reach the trainer: the trial measured something else
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    hang_exit = HANG_EXITS.get(proc.returncode)
+    hang_exit = hang_exit_of(proc.returncode, text)
     return {"mode": mode, "checkpointing": checkpointing, "trial": index, "outcome": outcome,
             "seconds": round(seconds, 1), "rc": proc.returncode, "hang_exit": hang_exit,
             # from the trainer's compile log lines (trainer.compile_lock.compile_reason)
@@ -119,6 +127,7 @@ def summarise(rows: list[dict], plan: list[tuple[str, str, int]]) -> list[dict]:
         first = next((r["last_line"] for r in mine if r["outcome"] != "clean"), "")
         table.append({"mode": mode, "checkpointing": ckpt, "planned": planned, "trials": len(mine), **counts,
                       "hang_sigterm": sum(r["hang_exit"] == "SIGTERM" for r in mine),
+                      "hang_watchdog": sum(r["hang_exit"] == "watchdog" for r in mine),
                       "hang_sigkill": sum(r["hang_exit"] == "SIGKILL" for r in mine),
                       "recompute_compiles": sum(r["recompute_compiles"] for r in mine),
                       "unexclusive_compiles": sum(r["unexclusive_compiles"] for r in mine),
@@ -134,13 +143,13 @@ def render(table: list[dict], args, command: str) -> str:
              f"{args.steps} steps; fresh caches per trial; hang = no exit within {args.timeout:g} s "
              f"(then SIGTERM; SIGKILL {args.kill_after:g} s later; trainer stop grace {args.stop_grace:g} s).\n",
              "| mode | checkpointing | trials | FX errors | mask KeyErrors | other errors | hangs (left on SIGTERM / "
-             "needed SIGKILL) | clean | median trial s | compiles in recompute / not exclusive | first failure |",
+             "ended by its watchdog / needed SIGKILL) | clean | median trial s | compiles in recompute / not exclusive | first failure |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in table:
         skipped = f" ({t['planned'] - t['trials']} skipped: budget)" if t["trials"] < t["planned"] else ""
         median = f"{t['median_s']:.1f}" if t["median_s"] is not None else "n/a"
         lines.append(f"| {t['mode']} | {t['checkpointing']} | {t['trials']}{skipped} | {t['fx']} | {t['mask']} | "
-                     f"{t['other']} | {t['hang']} ({t['hang_sigterm']} / {t['hang_sigkill']}) | {t['clean']} | "
+                     f"{t['other']} | {t['hang']} ({t['hang_sigterm']} / {t['hang_watchdog']} / {t['hang_sigkill']}) | {t['clean']} | "
                      f"{median} | {t['recompute_compiles']} / {t['unexclusive_compiles']} | "
                      f"{t['first_failure'][:120].replace('|', '/')} |")
     return "\n".join(lines) + "\n"
@@ -203,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     table = summarise(rows, plan)
     for t in table:
         print(f"{args.label} {t['mode']:5} ckpt={t['checkpointing']:6} trials={t['trials']}/{t['planned']} fx={t['fx']} "
-              f"mask={t['mask']} other={t['other']} hang={t['hang']} (sigterm {t['hang_sigterm']}, sigkill "
-              f"{t['hang_sigkill']}) clean={t['clean']}", flush=True)
+              f"mask={t['mask']} other={t['other']} hang={t['hang']} (sigterm {t['hang_sigterm']}, watchdog "
+              f"{t['hang_watchdog']}, sigkill {t['hang_sigkill']}) clean={t['clean']}", flush=True)
     if args.out:
         command = "python " + shlex.join(["benchmarks/gpu_race.py", *(sys.argv[1:] if argv is None else argv)])
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

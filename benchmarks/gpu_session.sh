@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Everything the GPU proof needs, in one command on a GPU machine; results under $OUT (or ./gpu-out).
-#   bash benchmarks/gpu_session.sh smoke|race|perf|ckpt-perf|compile-modes|ops|precision|torchrun|features|unattended|tau
+#   bash benchmarks/gpu_session.sh smoke|race|race-hang|perf|ckpt-perf|compile-modes|ops|precision|torchrun|features|unattended|tau
 # smoke: versions, the CUDA-only trainer tests, one short training run with compiled flex.
 # race:  the real trainer at the 5-layer size where the unprotected start fails: none x8 and
 #        lock x20, each with activation checkpointing off and on (~8 min; trials 8 at a time).
+# race-hang: unprotected 5-layer starts only (16 trials, 8 at a time, ~4 min): the hangs they produce get
+#        SIGTERM at 150 s; each must end by itself or by its stop watchdog, none by `timeout`'s SIGKILL.
 # perf:  throughput at paper dims.   ckpt-perf: paper dims, checkpointing off vs on (~2-3 min).
 # compile-modes: lock trials with run.compile_mode max-autotune-no-cudagraphs (~5 min, optional).
 # ops:   dflash-ops relaunch/status/health/tail-log/stop on this machine's `local` target.
@@ -46,10 +48,18 @@ smoke)
   tail -5 "$OUT/smoke-train.log"
   ;;
 race)
-  # Trials start for 380 s; a hung one gets SIGTERM at 150 s and SIGKILL 15 s later: done by ~545 s.
+  # Trials start for 380 s; a hung one gets SIGTERM at 150 s, its stop watchdog ends it by ~169 s (stop grace
+  # 10 s + 8 s + 0.5 s) when its Python code cannot run, SIGKILL 20 s later at the latest: done by ~550 s.
   timeout -k 10 575 python3 benchmarks/gpu_race.py --modes none,lock --checkpointing none,layers --trials-none 8 \
-    --trials 20 --parallel 8 --timeout 150 --kill-after 15 --budget 380 \
+    --trials 20 --parallel 8 --timeout 150 --kill-after 20 --budget 380 \
     --label "5-layer drafter, 3 drafter threads, one GPU, fresh cache" --out "$OUT/race-checkpointing.md"
+  ;;
+race-hang)
+  # Trials start for 80 s; a hang gets SIGTERM at 150 s, its stop watchdog ends it by ~169 s: done by ~250 s.
+  timeout -k 10 280 python3 benchmarks/gpu_race.py --modes none --checkpointing none --trials-none 16 \
+    --parallel 8 --timeout 150 --kill-after 20 --budget 80 \
+    --label "unprotected starts: how hangs end (5-layer drafter, 3 drafter threads, one GPU)" \
+    --out "$OUT/race-sigterm.md"
   ;;
 ckpt-perf)
   timeout -k 10 300 python3 benchmarks/train_throughput.py --parts checkpointing --steps 6 --warmup 2 \

@@ -25,14 +25,14 @@ def test_failing_and_hung_trials_are_counted_per_mode_and_checkpointing(tmp_path
     table = out.read_text()
     for mode in ("none", "lock"):
         for ckpt in ("none", "layers"):
-            assert f"| {mode} | {ckpt} | 1 | 0 | 0 | 1 | 0 (0 / 0) | 0 |" in table, table
+            assert f"| {mode} | {ckpt} | 1 | 0 | 0 | 1 | 0 (0 / 0 / 0) | 0 |" in table, table
     assert "5 layers, head_dim 64, intermediate 512" in table and "torch 2." in table and "flex" in table
 
     hung = subprocess.run([*RACE, "--modes", "lock", "--checkpointing", "layers", "--attention", "sdpa",
                            "--timeout", "2", "--kill-after", "20", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert hung.returncode == 0, hung.stderr
-    assert "| lock | layers | 1 | 0 | 0 | 0 | 1 (1 / 0) | 0 |" in out.read_text(), out.read_text()
+    assert "| lock | layers | 1 | 0 | 0 | 0 | 1 (1 / 0 / 0) | 0 |" in out.read_text(), out.read_text()
 
 
 @pytest.mark.slow  # one real (CPU) training start, ~30 s on two busy cores
@@ -41,7 +41,7 @@ def test_a_clean_trial_with_checkpointed_layers(tmp_path):
     done = subprocess.run([*RACE, "--modes", "lock", "--checkpointing", "layers", "--attention", "sdpa",
                            "--timeout", "240", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "| lock | layers | 1 | 0 | 0 | 0 | 0 (0 / 0) | 1 |" in out.read_text(), done.stdout[-3000:]
+    assert "| lock | layers | 1 | 0 | 0 | 0 | 0 (0 / 0 / 0) | 1 |" in out.read_text(), done.stdout[-3000:]
 
 
 def test_a_trial_that_ignores_sigterm_is_a_hang_that_needed_sigkill():
@@ -55,4 +55,6 @@ def test_a_trial_that_ignores_sigterm_is_a_hang_that_needed_sigkill():
                                 start_new_session=True)
     returncode = stubborn.wait(timeout=20)
     assert gpu_race.classify(returncode, "") == "hang"
-    assert gpu_race.HANG_EXITS[returncode] == "SIGKILL"
+    assert gpu_race.hang_exit_of(returncode, "") == "SIGKILL"
+    ended = "dflash-train watchdog: pid 7 still running 19 s after SIGTERM: ... ending it with SIGKILL\n"
+    assert gpu_race.hang_exit_of(137, ended) == "watchdog" and gpu_race.hang_exit_of(124, "") == "SIGTERM"

@@ -6,15 +6,17 @@
   no new checkpoint (the last periodic one stays). A stuck thread cannot be joined, and it may
   keep the interpreter's exit handlers waiting, so the exit is immediate (os._exit).
 - Second signal: abort at once, the same way.
-- Backstop (`watchdog=True`, the threaded trainer): the first signal also arms a watchdog that
-  needs neither the main thread nor the GIL (faulthandler): if the process is still alive
-  WATCHDOG_MARGIN_S after the grace period (the main thread itself could not get to run), it
-  prints every thread's stack and exits (status 1). The caller must call step_finished() when
-  the running step is done: that disarms it before the checkpoint is written.
+- Backstop (`watchdog=True`, the threaded trainer): a watchdog process (trainer.stop_watchdog)
+  sees the signal even when the Python handler never gets to run (a thread holding the GIL in C
+  code): if the trainer is still alive WATCHDOG_MARGIN_S after the grace period, it has every
+  thread's stack printed, logs one line and SIGKILLs the trainer. Without that process (it could
+  not start) the handler arms faulthandler's timer instead (stacks, exit status 1). The caller
+  must call step_finished() when the running step is done: that disarms both before the
+  checkpoint is written.
 
 `dflash-ops stop|relaunch --grace S` (default 30) sends ONE SIGTERM to the job's processes and
-SIGKILLs whatever is left after S seconds; keep run.stop_grace_s below it so a stuck trainer
-exits by itself, with its log line, before the SIGKILL.
+SIGKILLs whatever is left after S seconds; keep run.stop_grace_s + WATCHDOG_MARGIN_S + 1 below it
+so that a stuck trainer is ended by itself or its watchdog, with their log lines, before that SIGKILL.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import signal
 import sys
 import threading
 import time
+
+from .stop_watchdog import StopWatchdog
 
 EXIT_ABORTED = 130
 WATCHDOG_MARGIN_S = 8.0
@@ -41,11 +45,14 @@ class StopRequest:
         self.last_step = 0  # steps done so far, for the `done` record of an abort
         self._previous = {}
         self._watchdog = False
+        self._process_watchdog: StopWatchdog | None = None
 
     def install(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            if self.use_watchdog:
+                self._process_watchdog = StopWatchdog.start(self.grace_s + WATCHDOG_MARGIN_S)
         return self
 
     def _handle(self, signum, frame):
@@ -53,7 +60,7 @@ class StopRequest:
         if self.requested:
             raise KeyboardInterrupt(f"second {name}: stopping without a checkpoint")
         self.requested, self.signal_name, self.requested_at = True, name, time.monotonic()
-        if self.use_watchdog:
+        if self.use_watchdog and self._process_watchdog is None:
             faulthandler.dump_traceback_later(self.grace_s + WATCHDOG_MARGIN_S, exit=True)
             self._watchdog = True
 
@@ -68,6 +75,8 @@ class StopRequest:
         self._disarm()
 
     def _disarm(self) -> None:
+        if self._process_watchdog is not None:
+            self._process_watchdog.disarm()
         if self._watchdog:
             faulthandler.cancel_dump_traceback_later()
             self._watchdog = False
@@ -76,6 +85,9 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._process_watchdog is not None:
+            self._process_watchdog.close()
+            self._process_watchdog = None
 
 
 def worker_threads_alive() -> list[str]:

@@ -40,6 +40,27 @@ def run_trainer(release, cwd, *args, timeout=180):
                           text=True, timeout=timeout)
 
 
+def stop_watchdogs_of(pid: int) -> list[int]:
+    """The trainer's stop watchdog processes (trainer.stop_watchdog) that are alive."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and alive(int(entry.name)):
+            try:
+                stat, cmd = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"stop_watchdog.py" in cmd:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
 def read_records(path):
     return metrics_format.parse_lines(Path(path).read_text(encoding="utf-8"))
 
@@ -95,12 +116,14 @@ def test_a_stop_signal_finishes_the_step_checkpoints_and_exits_cleanly(release, 
                 break
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.05)
+        watchdogs = stop_watchdogs_of(proc.pid)
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
+    assert len(watchdogs) == 1 and not any(stop_watchdogs_of(proc.pid)) and not alive(watchdogs[0]), watchdogs
     recs = read_records(metrics)
     done = recs[-1]
     assert done["event"] == "done" and done["reason"] == "interrupted"
