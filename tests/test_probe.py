@@ -310,6 +310,17 @@ def test_probe_finds_the_newest_eval_far_behind_the_tail_and_says_when_its_searc
     assert len(report.metrics.lines) == 100 and report.records[0]["event"] == "start"
 
 
+def test_the_eval_search_stops_at_the_probes_deadline_and_says_so(tmp_path):
+    from dflash_ops.remote import probe_script
+    path = tmp_path / "m.metrics.jsonl"
+    path.write_text(metrics_format.encode("eval", step=1, tau=2.0, acceptance=[], lossless=True, prompts=1,
+                                          new_tokens=1, seconds=1.0) + "x" * 100 + "\n")
+    lines, scan = probe_script.newest_eval(str(path), 10, 1 << 20, time.monotonic() - 1)
+    assert lines == [] and scan["out_of_time"] and scan["bytes_read"] == 0 and not scan["found"]
+    lines, scan = probe_script.newest_eval(str(path), 10, 1 << 20, time.monotonic() + 60)
+    assert [metrics_format.parse_line(line)["step"] for line in lines] == [1] and scan["found"]
+
+
 # --------------------------------------------------------------------------- reading the answer
 
 
