@@ -315,10 +315,17 @@ def test_the_eval_search_stops_at_the_probes_deadline_and_says_so(tmp_path):
     path = tmp_path / "m.metrics.jsonl"
     path.write_text(metrics_format.encode("eval", step=1, tau=2.0, acceptance=[], lossless=True, prompts=1,
                                           new_tokens=1, seconds=1.0) + "x" * 100 + "\n")
-    lines, scan = probe_script.newest_eval(str(path), 10, 1 << 20, time.monotonic() - 1)
+    size = path.stat().st_size
+    lines, scan = probe_script.newest_eval(str(path), size, 10, 1 << 20, time.monotonic() - 1)
     assert lines == [] and scan["out_of_time"] and scan["bytes_read"] == 0 and not scan["found"]
-    lines, scan = probe_script.newest_eval(str(path), 10, 1 << 20, time.monotonic() + 60)
+    lines, scan = probe_script.newest_eval(str(path), size, 10, 1 << 20, time.monotonic() + 60)
     assert [metrics_format.parse_line(line)["step"] for line in lines] == [1] and scan["found"]
+    # an eval appended after the tail was read is the tail's business, not the search's
+    with path.open("a") as f:
+        f.write(metrics_format.encode("eval", step=2, tau=3.0, acceptance=[], lossless=True, prompts=1,
+                                      new_tokens=1, seconds=1.0))
+    lines, scan = probe_script.newest_eval(str(path), size, 10, 1 << 20, time.monotonic() + 60)
+    assert [metrics_format.parse_line(line)["step"] for line in lines] == [1]
 
 
 # --------------------------------------------------------------------------- reading the answer

@@ -305,14 +305,14 @@ def file_tail(path, lines):
     return info
 
 
-def newest_eval(path, context_steps, cap_bytes, deadline):
+def newest_eval(path, size, context_steps, cap_bytes, deadline):
     """The newest `eval` line of the current run (none once a `start` record is passed) and up to
-    `context_steps` step records with `acc` before it, oldest first; the file is read backwards
-    in chunks, at most `cap_bytes`, and not past `deadline` (monotonic)."""
+    `context_steps` step records with `acc` before it, oldest first; the file's first `size` bytes
+    (what the tail saw) are read backwards in chunks, at most `cap_bytes`, and not past `deadline`."""
     scan = {"found": False, "bytes_read": 0, "cap_bytes": cap_bytes, "cap_hit": False, "out_of_time": False}
     found, steps = [], []
     with open(path, "rb") as f:
-        end, cut = os.fstat(f.fileno()).st_size, b""
+        end, cut = size, b""
         while end > 0 and not (found and len(steps) >= context_steps):
             if scan["bytes_read"] >= cap_bytes:
                 scan["cap_hit"] = True
@@ -355,7 +355,11 @@ def with_newest_eval(tail, context_steps, cap_bytes, deadline):
     if tail["first_line"] is None or any(
             (metrics_format.parse_line(line) or {}).get("event") == "eval" for line in tail["lines"]):
         return tail  # the tail holds the whole file or the newest eval already
-    tail["eval_lines"], tail["eval_scan"] = newest_eval(tail["path"], context_steps, cap_bytes, deadline)
+    try:
+        tail["eval_lines"], tail["eval_scan"] = newest_eval(tail["path"], tail["size"], context_steps, cap_bytes,
+                                                            deadline)
+    except OSError as e:  # rotated away meanwhile, say: the tail is still worth reporting
+        tail["eval_lines"], tail["eval_scan"] = [], {"found": False, "error": "%s: %s" % (type(e).__name__, e)}
     return tail
 
 
