@@ -82,6 +82,13 @@ class ProbeReport:
     seconds: float | None = None  # round trip, when run through run_probe
     raw: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
+    @property
+    def eval_scan(self) -> dict | None:
+        """How far back the probe looked for the newest eval record and whether its cap or time
+        ran out first; None when the metrics tail held it (or the whole file)."""
+        scan = (self.raw.get("metrics") or {}).get("eval_scan")
+        return scan if isinstance(scan, dict) else None
+
 
 def probe_args(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines: int = DEFAULT_METRICS_LINES,
                gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi", part_s: float | None = None) -> dict:

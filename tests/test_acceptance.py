@@ -168,6 +168,7 @@ def test_an_eval_far_behind_the_metrics_tail_still_reaches_status_and_health(tmp
     assert 1490 <= st["eval"]["age_s"] < 1600
     # the accuracy before the eval came along: expected tau is from it, not from the later steps
     assert st["eval"]["expected_tau"] == pytest.approx(2.696)
+    assert st["eval_search"]["found"] and not st["eval_search"]["cap_hit"]
     assert st["perfdata"]["tau"]["value"] == 2.75 and st["perfdata"]["tau"]["warn"] == "2:"
     assert nagios.returncode == 0 and nagios.stdout.startswith("DFLASH OK"), nagios.stdout + nagios.stderr
     assert "tau=2.75;2:;" in nagios.stdout

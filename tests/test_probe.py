@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import acceptance, probe
+from dflash_ops import acceptance, health, probe, status
 from dflash_ops.errors import RemoteCommandError
 from dflash_ops.model import Job
 from dflash_ops.transport.base import Result, Transport
@@ -307,6 +307,8 @@ def test_probe_finds_the_newest_eval_far_behind_the_tail_and_says_when_its_searc
     assert not [r for r in report.records if r["event"] == "eval"]
     scan = report.raw["metrics"]["eval_scan"]
     assert scan["cap_hit"] and not scan["found"] and scan["bytes_read"] == scan["cap_bytes"]
+    st = status.build_status("bare", report, job, health.evaluate(report, job))
+    assert st["eval"] is None and st["eval_search"]["cap_hit"]
     assert len(report.metrics.lines) == 100 and report.records[0]["event"] == "start"
 
 
