@@ -352,8 +352,8 @@ def newest_eval(path, size, context_steps, cap_bytes, deadline):
 
 def with_newest_eval(tail, context_steps, cap_bytes, deadline):
     """The metrics tail, plus the newest eval from further back when the tail has none."""
-    if tail["first_line"] is None or any(
-            (metrics_format.parse_line(line) or {}).get("event") == "eval" for line in tail["lines"]):
+    if tail["first_line"] is None or any('"eval"' in line and (metrics_format.parse_line(line) or {}).get("event")
+                                         == "eval" for line in tail["lines"]):
         return tail  # the tail holds the whole file or the newest eval already
     try:
         tail["eval_lines"], tail["eval_scan"] = newest_eval(tail["path"], tail["size"], context_steps, cap_bytes,
