@@ -11,7 +11,7 @@ import json
 
 from trainer import metrics_format
 
-from . import jobpaths
+from . import acceptance, jobpaths
 from .errors import DflashOpsError, RemoteCommandError
 from .gpu import HOST_GPU_QUERY, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
 from .model import Job
@@ -82,13 +82,21 @@ class ProbeReport:
     seconds: float | None = None  # round trip, when run through run_probe
     raw: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
+    @property
+    def eval_scan(self) -> dict | None:
+        """How far back the probe looked for the newest eval record and whether its cap or time
+        ran out first; None when the metrics tail held it (or the whole file)."""
+        scan = (self.raw.get("metrics") or {}).get("eval_scan")
+        return scan if isinstance(scan, dict) else None
+
 
 def probe_args(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines: int = DEFAULT_METRICS_LINES,
                gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi", part_s: float | None = None) -> dict:
     args = {"log_dir": job.log_dir, "session": job.session, "socket": job.tmux_socket,
             "log_lines": int(log_lines), "metrics_lines": int(metrics_lines), "gpu_source": gpu_source,
             "nvidia_smi": nvidia_smi, "state_file": jobpaths.state_file(job),
-            "marker": f"{jobpaths.JOB_MARKER_ENV}={jobpaths.marker_value(job)}"}
+            "marker": f"{jobpaths.JOB_MARKER_ENV}={jobpaths.marker_value(job)}",
+            "eval_context_steps": acceptance.ACC_WINDOW}
     if part_s is not None:
         args["part_s"] = round(float(part_s), 2)
     return args
@@ -194,12 +202,13 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
                                       str(p.get("cmdline", ""))) for p in data.get("processes") or [])
         log = _tail(data.get("log"))
         metrics = _tail(data.get("metrics"))
+        eval_lines = [str(line) for line in (data.get("metrics") or {}).get("eval_lines") or []]
     except (KeyError, TypeError, ValueError) as e:
         raise ProbeError(f"[{target}] probe: malformed answer ({type(e).__name__}: {e})") from e
     return ProbeReport(
         target=target, time=float(data["time"]), hostname=str(data.get("hostname", "")),
         gpu=snapshot_from_probe(data.get("gpu")), session=state, processes=processes,
-        log_dir=str(data.get("log_dir", "")), log=log, metrics=metrics, records=_records(metrics),
+        log_dir=str(data.get("log_dir", "")), log=log, metrics=metrics, records=_records(metrics, eval_lines),
         errors=tuple(str(e) for e in data.get("errors") or []),
         out_of_time=tuple(str(p) for p in data.get("out_of_time") or []),
         job_state=data.get("job_state") if isinstance(data.get("job_state"), dict) else None,
@@ -215,10 +224,12 @@ def _tail(value) -> FileTail | None:
                     lines=tuple(str(line) for line in value.get("lines") or []), first_line=value.get("first_line"))
 
 
-def _records(metrics: FileTail | None) -> tuple[dict, ...]:
+def _records(metrics: FileTail | None, eval_lines: list[str] = ()) -> tuple[dict, ...]:
     if metrics is None:
         return ()
     records = metrics_format.parse_lines(metrics.text)
+    # The newest eval found before the tail (with the step records just before it) precedes the tail.
+    records[:0] = metrics_format.parse_lines("\n".join(eval_lines))
     first = metrics_format.parse_line(metrics.first_line or "")
     # The run's `start` record is the first line; keep it even when the tail is far past it.
     if first is not None and (not records or records[0] != first):

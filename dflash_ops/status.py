@@ -87,6 +87,7 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
         "last_update_age_s": None if last_update is None else max(0.0, round(report.time - last_update, 1)),
         "finished": progress.done_reason == "max_steps"}
     status["eval"] = _eval_status(acceptance.latest(list(report.records)), report.time)
+    status["eval_search"] = report.eval_scan
     return status
 
 

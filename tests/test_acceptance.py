@@ -109,17 +109,24 @@ def test_a_lossless_failure_warns():
     assert any("did not reproduce the target's greedy output" in r for r in verdict.reasons)
 
 
-def test_eval_event_reaches_status_json_through_the_real_probe_and_cli(tmp_path):
+def metrics_now(tau, eval_time_ago) -> tuple[str, float]:
+    """metrics() with the records' times relative to the real clock (for the real probe)."""
+    global NOW
+    t = time.time()
+    saved, NOW = NOW, t
+    try:
+        return metrics(tau=tau, eval_time=t - eval_time_ago), t
+    finally:
+        NOW = saved
+
+
+def status_json_through_cli(tmp_path, metrics_text: str, with_health: bool = False):
+    """`dflash-ops status --json` over the real probe, with a live tmux session and this metrics file
+    (and `health`'s Nagios line with it when asked)."""
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "train-0001.log").write_text("starting\n")
-    t = time.time()
-    global NOW
-    saved, NOW = NOW, t
-    try:
-        (logs / "train-0001.metrics.jsonl").write_text(metrics(tau=2.75, eval_time=t - 40))
-    finally:
-        NOW = saved
+    (logs / "train-0001.metrics.jsonl").write_text(metrics_text)
     socket = f"dflash-tau-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     inventory = tmp_path / "inventory.yaml"
     inventory.write_text(
@@ -128,14 +135,40 @@ def test_eval_event_reaches_status_json_through_the_real_probe_and_cli(tmp_path)
         f"      config: tiny-cpu\n      session: dflash\n      tmux_socket: {socket}\n"
         "      health: {min_tau: 2}\n")
     subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", "dflash", "sleep 120"], check=True, timeout=30)
+    cli = [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory)]
     try:
-        out = subprocess.run([sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "status", "--json",
-                              "-t", "box"], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(cli + ["status", "--json", "-t", "box"], capture_output=True, text=True, timeout=120)
+        nagios = (subprocess.run(cli + ["health", "-t", "box"], capture_output=True, text=True, timeout=120)
+                  if with_health else None)
     finally:
         subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)
     assert out.returncode == 0, out.stderr
     st = json.loads(out.stdout)
     st = st[0] if isinstance(st, list) else st
+    return (st, nagios) if with_health else st
+
+
+def test_eval_event_reaches_status_json_through_the_real_probe_and_cli(tmp_path):
+    st = status_json_through_cli(tmp_path, metrics_now(tau=2.75, eval_time_ago=40)[0])
     assert st["eval"]["tau"] == 2.75 and st["eval"]["step"] == 200
     assert 30 <= st["eval"]["age_s"] < 120
     assert st["perfdata"]["tau"]["value"] == 2.75 and st["perfdata"]["tau"]["warn"] == "2:"
+
+
+def test_an_eval_far_behind_the_metrics_tail_still_reaches_status_and_health(tmp_path):
+    # eval.every 1000 with a record per step: the newest eval lies far before the probe's tail
+    text, t = metrics_now(tau=2.75, eval_time_ago=1500)
+    for step in range(202, 1702):
+        text += metrics_format.encode("step", time=t - 1500 + step - 202, step=step, total_steps=5000, loss=1.5,
+                                      acc=[0.1, 0.1, 0.1], tokens_per_s=40000.0, eta_s=600.0, lr=1e-4,
+                                      grad_norm=1.0)
+    st, nagios = status_json_through_cli(tmp_path, text, with_health=True)
+    assert st["training"]["step"] == 1701
+    assert st["eval"]["step"] == 200 and st["eval"]["tau"] == 2.75
+    assert 1490 <= st["eval"]["age_s"] < 1600
+    # the accuracy before the eval came along: expected tau is from it, not from the later steps
+    assert st["eval"]["expected_tau"] == pytest.approx(2.696)
+    assert st["eval_search"]["found"] and not st["eval_search"]["cap_hit"]
+    assert st["perfdata"]["tau"]["value"] == 2.75 and st["perfdata"]["tau"]["warn"] == "2:"
+    assert nagios.returncode == 0 and nagios.stdout.startswith("DFLASH OK"), nagios.stdout + nagios.stderr
+    assert "tau=2.75;2:;" in nagios.stdout

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import probe
+from dflash_ops import acceptance, health, probe, status
 from dflash_ops.errors import RemoteCommandError
 from dflash_ops.model import Job
 from dflash_ops.transport.base import Result, Transport
@@ -270,8 +270,64 @@ def test_probe_script_passes_hostile_strings_unchanged(tmp_path):
     assert json.loads(args) == {"log_dir": HOSTILE + "/logs", "session": "a'b $(c)", "socket": 's"q`d`',
                                 "log_lines": 7, "metrics_lines": probe.DEFAULT_METRICS_LINES,
                                 "gpu_source": "auto", "nvidia_smi": "nvidia-smi",
-                                "state_file": HOSTILE + "/job-state.json", "marker": "DFLASH_OPS_JOB=s\"q`d`/a'b $(c)"}
+                                "state_file": HOSTILE + "/job-state.json", "marker": "DFLASH_OPS_JOB=s\"q`d`/a'b $(c)",
+                                "eval_context_steps": acceptance.ACC_WINDOW}
     assert not list(tmp_path.rglob("PWNED*"))
+
+
+def test_probe_finds_the_newest_eval_far_behind_the_tail_and_says_when_its_search_hit_the_cap(
+        tmp_path, tmux_socket, sim_gpus):
+    logs = tmp_path / "logs"
+    t = time.time() - 3600
+    metrics = Path(metrics_format.metrics_path_for_log(str(write_run(logs, 1, 3, 0, t))))
+    step = lambda n, acc: metrics_format.encode("step", time=t + n, step=n, total_steps=10**6, loss=2.0, acc=acc,
+                                                tokens_per_s=1000.0, eta_s=1.0, lr=1e-4, grad_norm=1.0)
+    with metrics.open("a") as f:
+        f.write("".join(step(n, [0.9, 0.5]) for n in range(1, 21)))
+        f.write(metrics_format.encode("eval", time=t + 20, step=20, tau=1.9, acceptance=[0.8, 0.4], lossless=True,
+                                      prompts=4, new_tokens=64, seconds=1.0))
+        f.write("".join(step(n, [0.2, 0.1]) for n in range(21, 10_021)))  # ~1.7 MiB after the eval
+    job = job_in(tmp_path, tmux_socket, "s")
+
+    report = probe.run_probe(BashRunner(), job, metrics_lines=100)
+    evals = [r for r in report.records if r["event"] == "eval"]
+    assert [(r["step"], r["tau"]) for r in evals] == [(20, 1.9)]
+    # the accuracy records just before it come along (for the expected tau), oldest first, in order
+    around = [r["step"] for r in report.records if r["event"] == "step" and r["step"] <= 20]
+    assert around == list(range(11, 21))
+    assert [r["step"] for r in report.records if r["event"] == "step"][-1] == 10_020
+    scan = report.raw["metrics"]["eval_scan"]
+    assert scan["found"] and not scan["cap_hit"] and 0 < scan["bytes_read"] < scan["cap_bytes"] == 16 * 1024 * 1024
+
+    # more than the cap after the eval: not found, and the answer says the search stopped at the cap
+    line = step(10_021, [0.2, 0.1])
+    with metrics.open("a") as f:
+        f.write(line * (17 * 1024 * 1024 // len(line)))
+    report = probe.run_probe(BashRunner(), job, metrics_lines=100)
+    assert not [r for r in report.records if r["event"] == "eval"]
+    scan = report.raw["metrics"]["eval_scan"]
+    assert scan["cap_hit"] and not scan["found"] and scan["bytes_read"] == scan["cap_bytes"]
+    st = status.build_status("bare", report, job, health.evaluate(report, job))
+    assert st["eval"] is None and st["eval_search"]["cap_hit"]
+    assert len(report.metrics.lines) == 100 and report.records[0]["event"] == "start"
+
+
+def test_the_eval_search_stops_at_the_probes_deadline_and_says_so(tmp_path):
+    from dflash_ops.remote import probe_script
+    path = tmp_path / "m.metrics.jsonl"
+    path.write_text(metrics_format.encode("eval", step=1, tau=2.0, acceptance=[], lossless=True, prompts=1,
+                                          new_tokens=1, seconds=1.0) + "x" * 100 + "\n")
+    size = path.stat().st_size
+    lines, scan = probe_script.newest_eval(str(path), size, 10, 1 << 20, time.monotonic() - 1)
+    assert lines == [] and scan["out_of_time"] and scan["bytes_read"] == 0 and not scan["found"]
+    lines, scan = probe_script.newest_eval(str(path), size, 10, 1 << 20, time.monotonic() + 60)
+    assert [metrics_format.parse_line(line)["step"] for line in lines] == [1] and scan["found"]
+    # an eval appended after the tail was read is the tail's business, not the search's
+    with path.open("a") as f:
+        f.write(metrics_format.encode("eval", step=2, tau=3.0, acceptance=[], lossless=True, prompts=1,
+                                      new_tokens=1, seconds=1.0))
+    lines, scan = probe_script.newest_eval(str(path), size, 10, 1 << 20, time.monotonic() + 60)
+    assert [metrics_format.parse_line(line)["step"] for line in lines] == [1]
 
 
 # --------------------------------------------------------------------------- reading the answer

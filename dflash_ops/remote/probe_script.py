@@ -6,7 +6,12 @@ which defines the shared `facts` and `metrics_format` first) with one argument, 
 
   {"log_dir": str, "session": str, "socket": str, "log_lines": int, "metrics_lines": int,
    "gpu_source": "auto"|"nvml"|"nvidia-smi"|"none", "nvidia_smi": str, "part_s": float,
-   "state_file": str, "marker": "DFLASH_OPS_JOB=<socket>/<session>"}
+   "state_file": str, "marker": "DFLASH_OPS_JOB=<socket>/<session>", "eval_context_steps": int}
+
+When the metrics tail holds no `eval` record, the newest one (of the current run) is looked for
+further back, with the `eval_context_steps` step records carrying `acc` just before it (the
+expected tau needs them): "metrics" gains "eval_lines" and "eval_scan" (bytes read, the cap, and
+whether the cap or the time ran out first).
 
 `part_s` bounds each slow part (GPU query, tmux): a part that runs out of time reports an error
 for itself, is listed in "out_of_time", and the other parts are still reported.
@@ -35,6 +40,8 @@ except ImportError:  # on the target: remote.bundle() defined both ahead of this
 
 PROBE_VERSION = 1
 MAX_TAIL_BYTES = 512 * 1024  # bounds the transfer even if a log has enormous lines
+MAX_EVAL_SCAN_BYTES = 16 * 1024 * 1024  # how far back past the tail the newest `eval` record is looked for
+SCAN_CHUNK = 1024 * 1024
 PART_S = 15.0  # default per-part limit: a wedged driver can hang nvidia-smi; the probe must still answer
 MIB = 1024 * 1024
 
@@ -298,6 +305,64 @@ def file_tail(path, lines):
     return info
 
 
+def newest_eval(path, size, context_steps, cap_bytes, deadline):
+    """The newest `eval` line of the current run (none once a `start` record is passed) and up to
+    `context_steps` step records with `acc` before it, oldest first; the file's first `size` bytes
+    (what the tail saw) are read backwards in chunks, at most `cap_bytes`, and not past `deadline`."""
+    scan = {"found": False, "bytes_read": 0, "cap_bytes": cap_bytes, "cap_hit": False, "out_of_time": False}
+    found, steps = [], []
+    with open(path, "rb") as f:
+        end, cut = size, b""
+        while end > 0 and not (found and len(steps) >= context_steps):
+            if scan["bytes_read"] >= cap_bytes:
+                scan["cap_hit"] = True
+                break
+            if time.monotonic() >= deadline:
+                scan["out_of_time"] = True
+                break
+            size = min(SCAN_CHUNK, end, cap_bytes - scan["bytes_read"])
+            end -= size
+            f.seek(end)
+            data = f.read(size) + cut
+            scan["bytes_read"] += size
+            cut = b""
+            if end > 0:  # the chunk's first piece may be the end of a line that starts further back
+                first_newline = data.find(b"\n")
+                cut, data = (data, b"") if first_newline < 0 else (data[:first_newline + 1], data[first_newline + 1:])
+            if not found and b'"eval"' not in data and b'"start"' not in data:
+                continue  # the common case, decided without parsing
+            for line in reversed(data.splitlines()):
+                if not found and b'"eval"' not in line and b'"start"' not in line:
+                    continue
+                record = metrics_format.parse_line(line.decode("utf-8", "replace"))
+                if record is None:
+                    continue
+                if record["event"] == "start":
+                    end = 0
+                    break
+                if not found and record["event"] == "eval":
+                    found.append(line.decode("utf-8", "replace"))
+                elif found and record["event"] == "step" and isinstance(record.get("acc"), list):
+                    steps.append(line.decode("utf-8", "replace"))
+                    if len(steps) >= context_steps:
+                        break
+    scan["found"] = bool(found)
+    return (steps[::-1] + found if found else []), scan
+
+
+def with_newest_eval(tail, context_steps, cap_bytes, deadline):
+    """The metrics tail, plus the newest eval from further back when the tail has none."""
+    if tail["first_line"] is None or any('"eval"' in line and (metrics_format.parse_line(line) or {}).get("event")
+                                         == "eval" for line in tail["lines"]):
+        return tail  # the tail holds the whole file or the newest eval already
+    try:
+        tail["eval_lines"], tail["eval_scan"] = newest_eval(tail["path"], tail["size"], context_steps, cap_bytes,
+                                                            deadline)
+    except OSError as e:  # rotated away meanwhile, say: the tail is still worth reporting
+        tail["eval_lines"], tail["eval_scan"] = [], {"found": False, "error": "%s: %s" % (type(e).__name__, e)}
+    return tail
+
+
 def read_job_state(path):
     """The job state dict dflash-ops wrote, or None (absent or unreadable)."""
     if not path or not os.path.exists(path):
@@ -307,7 +372,8 @@ def read_job_state(path):
     return data if isinstance(data, dict) else None
 
 
-def files_state(log_dir, log_lines, metrics_lines, job_state=None):
+def files_state(log_dir, log_lines, metrics_lines, job_state=None, eval_search=None):
+    """`eval_search`: (context steps, cap bytes, deadline) for with_newest_eval, or None."""
     state = {"log_dir": log_dir, "log_dir_exists": os.path.isdir(log_dir), "log": None, "metrics": None,
              "log_missing": None}
     log_path = (job_state or {}).get("log")
@@ -324,6 +390,8 @@ def files_state(log_dir, log_lines, metrics_lines, job_state=None):
     metrics = metrics_format.metrics_path_for_log(log_path)
     if os.path.exists(metrics):
         state["metrics"] = file_tail(metrics, metrics_lines)
+        if eval_search is not None:
+            state["metrics"] = with_newest_eval(state["metrics"], *eval_search)
     return state
 
 
@@ -381,7 +449,8 @@ def main(argv):
     # the files are read while those commands run
     report["job_state"] = section(errors, "job state", read_job_state, args.get("state_file"))
     files = section(errors, "files", files_state, log_dir, int(args.get("log_lines", 200)),
-                    int(args.get("metrics_lines", 400)), report["job_state"]) or {}
+                    int(args.get("metrics_lines", 400)), report["job_state"],
+                    (int(args.get("eval_context_steps", 0)), MAX_EVAL_SCAN_BYTES, deadline)) or {}
     report["session"] = (section(errors, "tmux", finish_tmux, tmux_started, sock, session, deadline, part_s)
                          if tmux_started else None)
     gpu = section(errors, "gpu", finish_gpu_state, gpu_started, deadline, part_s) if gpu_started else None
