@@ -8,6 +8,7 @@ import base64
 import binascii
 import dataclasses
 import json
+from collections.abc import Sequence
 
 from trainer import metrics_format
 
@@ -224,7 +225,7 @@ def _tail(value) -> FileTail | None:
                     lines=tuple(str(line) for line in value.get("lines") or []), first_line=value.get("first_line"))
 
 
-def _records(metrics: FileTail | None, eval_lines: list[str] = ()) -> tuple[dict, ...]:
+def _records(metrics: FileTail | None, eval_lines: Sequence[str] = ()) -> tuple[dict, ...]:
     if metrics is None:
         return ()
     records = metrics_format.parse_lines(metrics.text)
