@@ -7,6 +7,7 @@ accuracy is 1 + sum_k prod_{j<=k} acc_j (trainer.metrics_format.expected_tau). A
 below it is the signature of a train/inference mismatch (chat template, mask, labels) or of a
 drafter that memorised its training data.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,24 +39,37 @@ def latest(records: list[dict]) -> Acceptance | None:
     """The newest `eval` record of the current run (records after its `start`), or None."""
     start = metrics_format.last_of(records, "start")
     if start is not None:
-        records = records[records.index(start):]
+        records = records[records.index(start) :]
     record = metrics_format.last_of(records, "eval")
     if record is None:
         return None
     step = record.get("step") if isinstance(record.get("step"), int) else None
-    steps = [r for r in records if r.get("event") == "step" and isinstance(r.get("acc"), list) and r["acc"]
-             and (step is None or not isinstance(r.get("step"), int) or r["step"] <= step)][-ACC_WINDOW:]
+    steps = [
+        r
+        for r in records
+        if r.get("event") == "step"
+        and isinstance(r.get("acc"), list)
+        and r["acc"]
+        and (step is None or not isinstance(r.get("step"), int) or r["step"] <= step)
+    ][-ACC_WINDOW:]
     expected = None
     if steps:
         width = min(len(r["acc"]) for r in steps)
         columns = [[_finite(r["acc"][k]) for r in steps] for k in range(width)]
         if all(v is not None for column in columns for v in column):
-            expected = metrics_format.expected_tau([sum(v for v in c if v is not None) / len(c) for c in columns])
+            expected = metrics_format.expected_tau(
+                [sum(v for v in c if v is not None) / len(c) for c in columns]
+            )
     acceptance: list = record["acceptance"] if isinstance(record.get("acceptance"), list) else []
     lossless = record.get("lossless") if isinstance(record.get("lossless"), bool) else None
-    return Acceptance(step=step, tau=_finite(record.get("tau")),
-                      acceptance=tuple(v for v in (_finite(a) for a in acceptance) if v is not None),
-                      lossless=lossless, time=_finite(record.get("time")), expected_tau=expected)
+    return Acceptance(
+        step=step,
+        tau=_finite(record.get("tau")),
+        acceptance=tuple(v for v in (_finite(a) for a in acceptance) if v is not None),
+        lossless=lossless,
+        time=_finite(record.get("time")),
+        expected_tau=expected,
+    )
 
 
 def problems(accept: Acceptance | None, min_tau: float) -> list[str]:
@@ -66,14 +80,18 @@ def problems(accept: Acceptance | None, min_tau: float) -> list[str]:
     reasons = []
     at = f" at step {accept.step}" if accept.step is not None else ""
     if accept.lossless is False:
-        reasons.append(f"speculative decoding{at} did not reproduce the target's greedy output: "
-                       "a drafter/decoding bug (run dflash-train eval for the first differing token)")
+        reasons.append(
+            f"speculative decoding{at} did not reproduce the target's greedy output: "
+            "a drafter/decoding bug (run dflash-train eval for the first differing token)"
+        )
     if accept.tau is None:
         return reasons
     if min_tau > 0 and accept.tau < min_tau:
         reasons.append(f"measured tau {accept.tau:.2f}{at} is below the {min_tau:g} minimum (health.min_tau)")
     if accept.expected_tau is not None and accept.tau < GAP_RATIO * accept.expected_tau:
-        reasons.append(f"measured tau {accept.tau:.2f}{at} is below {GAP_RATIO:g} x the {accept.expected_tau:.2f} "
-                       "that training accuracy predicts: train/inference mismatch (chat template, mask, labels) "
-                       "or a drafter that memorised its data")
+        reasons.append(
+            f"measured tau {accept.tau:.2f}{at} is below {GAP_RATIO:g} x the {accept.expected_tau:.2f} "
+            "that training accuracy predicts: train/inference mismatch (chat template, mask, labels) "
+            "or a drafter that memorised its data"
+        )
     return reasons

@@ -5,6 +5,7 @@ hangs (a wedged driver's nvidia-smi, a silent ssh server) runs out of ITS share 
 UNKNOWN for itself while the other parts are still reported; a watchdog around the whole check
 ends it at the budget whatever happens underneath.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -81,8 +82,10 @@ PART_NAMES = {"gpu": "GPUs", "session": "tmux session"}
 def unknown_parts(report) -> list[str]:
     """One UNKNOWN reason per probe part that ran out of its time."""
     errors = {"gpu": report.gpu.error, "session": report.session.error}
-    return [f"{PART_NAMES.get(part, part)} UNKNOWN: {errors.get(part) or 'no answer in time'}"
-            for part in report.out_of_time]
+    return [
+        f"{PART_NAMES.get(part, part)} UNKNOWN: {errors.get(part) or 'no answer in time'}"
+        for part in report.out_of_time
+    ]
 
 
 def judged_without_unknown_parts(report):

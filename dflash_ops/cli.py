@@ -1,5 +1,6 @@
 """dflash-ops: a thin click layer over dflash_ops.ops. Every command takes --target NAME|GROUP;
 a group fans out in parallel, one result per target, and the exit code is the worst."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,16 @@ import time
 
 import click
 
-from . import budget, cron, deploy as deploy_lib, health, inventory as inventory_lib, ops, playbook, status as status_lib
+from . import (
+    budget,
+    cron,
+    deploy as deploy_lib,
+    health,
+    inventory as inventory_lib,
+    ops,
+    playbook,
+    status as status_lib,
+)
 from .errors import DflashOpsError, InputError
 from .fanout import fan_out
 from .progress_view import ProgressPrinter
@@ -38,17 +48,32 @@ class Obj:
 
 
 def target_option(f):
-    return click.option("-t", "--target", "target", envvar="DFLASH_OPS_TARGET", default=None,
-                        metavar="NAME|GROUP", help="Target or group from the inventory (default: the "
-                        "inventory's default_target, else `local`).")(f)
+    return click.option(
+        "-t",
+        "--target",
+        "target",
+        envvar="DFLASH_OPS_TARGET",
+        default=None,
+        metavar="NAME|GROUP",
+        help="Target or group from the inventory (default: the inventory's default_target, else `local`).",
+    )(f)
 
 
 @click.group(context_settings=CONTEXT)
-@click.option("--inventory", "inventory_path", envvar=inventory_lib.ENV_VAR, metavar="PATH",
-              help=f"Inventory file (default: ${inventory_lib.ENV_VAR}, ./inventory.yaml, "
-                   "~/.config/dflash-ops/inventory.yaml, else only the built-in `local` target).")
-@click.option("--playbook-dir", envvar="DFLASH_OPS_PLAYBOOKS", metavar="DIR",
-              help="Extra directory searched first for playbooks.")
+@click.option(
+    "--inventory",
+    "inventory_path",
+    envvar=inventory_lib.ENV_VAR,
+    metavar="PATH",
+    help=f"Inventory file (default: ${inventory_lib.ENV_VAR}, ./inventory.yaml, "
+    "~/.config/dflash-ops/inventory.yaml, else only the built-in `local` target).",
+)
+@click.option(
+    "--playbook-dir",
+    envvar="DFLASH_OPS_PLAYBOOKS",
+    metavar="DIR",
+    help="Extra directory searched first for playbooks.",
+)
 @click.version_option(package_name="dflash-ops")
 @click.pass_context
 def cli(ctx, inventory_path, playbook_dir):
@@ -59,12 +84,15 @@ def cli(ctx, inventory_path, playbook_dir):
 
 # ------------------------------------------------------------------ playbook-backed commands
 
+
 def _run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, runner=ops.run_playbook) -> int:
     targets = obj.targets(target_name)
     many = len(targets) > 1
     lock = threading.Lock()
 
-    printer = ProgressPrinter(lambda text: click.echo(text, nl=False), is_tty=sys.stdout.isatty(), with_target=many)
+    printer = ProgressPrinter(
+        lambda text: click.echo(text, nl=False), is_tty=sys.stdout.isatty(), with_target=many
+    )
 
     def show(progress):
         with lock:
@@ -98,12 +126,26 @@ def dry_run_option(f):
 @dry_run_option
 @click.option("--no-purge", is_flag=True, help="Keep the inductor/triton compile cache.")
 @click.option("--no-deploy", is_flag=True, help="Launch the trainer release that is already current.")
-@click.option("--fresh", is_flag=True, help="Start a new run (runs/NNNN/); earlier runs' checkpoints are kept.")
-@click.option("--allow-shared-gpus", is_flag=True, help="Launch although foreign processes use the job's GPUs.")
-@click.option("--timeout", type=click.FloatRange(min=1), default=None, metavar="S",
-              help="Seconds to wait for the first training step (default 900).")
-@click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="S",
-              help="Seconds between SIGTERM and SIGKILL when stopping (default 30).")
+@click.option(
+    "--fresh", is_flag=True, help="Start a new run (runs/NNNN/); earlier runs' checkpoints are kept."
+)
+@click.option(
+    "--allow-shared-gpus", is_flag=True, help="Launch although foreign processes use the job's GPUs."
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=None,
+    metavar="S",
+    help="Seconds to wait for the first training step (default 900).",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="S",
+    help="Seconds between SIGTERM and SIGKILL when stopping (default 30).",
+)
 @click.pass_obj
 def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus, timeout, grace):
     """Check, stop, clean the GPUs, purge the compile cache, deploy, launch in tmux, confirm step 1.
@@ -119,17 +161,27 @@ def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus
       ...
       [7/7] wait_first_step ... ok (41.0s) step 1: loss 11.9310, 52.4 Ktok/s
     """
-    options = {"purge": False if no_purge else None, "deploy": False if no_deploy else None,
-               "resume": False if fresh else None, "timeout": timeout, "grace": grace,
-               "allow_shared_gpus": True if allow_shared_gpus else None}
+    options = {
+        "purge": False if no_purge else None,
+        "deploy": False if no_deploy else None,
+        "resume": False if fresh else None,
+        "timeout": timeout,
+        "grace": grace,
+        "allow_shared_gpus": True if allow_shared_gpus else None,
+    }
     sys.exit(_run_book(obj, target, "relaunch", options, dry_run))
 
 
 @cli.command()
 @target_option
 @dry_run_option
-@click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="S",
-              help="Seconds between SIGTERM and SIGKILL (default 30).")
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="S",
+    help="Seconds between SIGTERM and SIGKILL (default 30).",
+)
 @click.pass_obj
 def stop(obj, target, dry_run, grace):
     """Stop the job: SIGTERM its processes (it checkpoints), SIGKILL after the grace period,
@@ -163,8 +215,15 @@ def purge_cache(obj, target, dry_run):
 @cli.command()
 @target_option
 @dry_run_option
-@click.option("--rollback", "rollback", is_flag=False, flag_value="", default=None, metavar="[RELEASE]",
-              help="Switch `current` to RELEASE (from --list), or to the one deployed before it.")
+@click.option(
+    "--rollback",
+    "rollback",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[RELEASE]",
+    help="Switch `current` to RELEASE (from --list), or to the one deployed before it.",
+)
 @click.option("--list", "list_", is_flag=True, help="Show the releases kept on the target.")
 @click.pass_obj
 def deploy(obj, target, dry_run, rollback, list_):
@@ -209,6 +268,7 @@ def playbook_run(obj, name, target, dry_run, assignments):
 
 # ------------------------------------------------------------------ status and health
 
+
 def _is_tty() -> bool:
     return sys.stdout.isatty() and os.environ.get("NO_COLOR") is None
 
@@ -216,9 +276,17 @@ def _is_tty() -> bool:
 @cli.command()
 @target_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per target (a list for a group).")
-@click.option("--watch", type=click.FloatRange(min=0.5), default=None, metavar="S", help="Refresh every S seconds.")
-@click.option("--timeout", type=click.FloatRange(min=1), default=budget.DEFAULT_STATUS_S, show_default=True,
-              metavar="S", help="Answer within S seconds; parts that take longer show UNKNOWN.")
+@click.option(
+    "--watch", type=click.FloatRange(min=0.5), default=None, metavar="S", help="Refresh every S seconds."
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=budget.DEFAULT_STATUS_S,
+    show_default=True,
+    metavar="S",
+    help="Answer within S seconds; parts that take longer show UNKNOWN.",
+)
 @click.pass_obj
 def status(obj, target, as_json, watch, timeout):
     """GPUs, tmux session, step, loss, Ktok/s, ETA and a verdict, in one round trip per target.
@@ -239,7 +307,9 @@ def status(obj, target, as_json, watch, timeout):
             if watch and _is_tty():
                 click.clear()
             # each table ends with its newline; one blank line between targets, none after the last
-            click.echo("\n".join(status_lib.render_table(c.status, color=_is_tty()) for c in checked), nl=False)
+            click.echo(
+                "\n".join(status_lib.render_table(c.status, color=_is_tty()) for c in checked), nl=False
+            )
         if not watch:
             sys.exit(health.EXIT_CODES[health.worst(c.verdict.level for c in checked)])
         time.sleep(watch)
@@ -248,10 +318,19 @@ def status(obj, target, as_json, watch, timeout):
 @cli.command("health")
 @target_option
 @click.option("--json", "as_json", is_flag=True, help="Verdicts as JSON instead of the Nagios line.")
-@click.option("--auto-relaunch", is_flag=True,
-              help="Relaunch a CRITICAL target (at most max_relaunches_per_hour; never two at once).")
-@click.option("--timeout", type=click.FloatRange(min=1), default=budget.DEFAULT_HEALTH_S, show_default=True,
-              metavar="S", help="Answer within S seconds (NRPE's default); parts that take longer are UNKNOWN.")
+@click.option(
+    "--auto-relaunch",
+    is_flag=True,
+    help="Relaunch a CRITICAL target (at most max_relaunches_per_hour; never two at once).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=budget.DEFAULT_HEALTH_S,
+    show_default=True,
+    metavar="S",
+    help="Answer within S seconds (NRPE's default); parts that take longer are UNKNOWN.",
+)
 @click.pass_obj
 def health_cmd(obj, target, as_json, auto_relaunch, timeout):
     """For cron/Nagios: one line `DFLASH OK|WARNING|CRITICAL|UNKNOWN: … | perfdata`, exit 0/1/2/3.
@@ -275,12 +354,24 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
                 actions[c.target.name] = action
     if as_json:
         # the same shape as `status --json`: one object for one target, a list for a group
-        objs = [dict(c.status, **({"auto_relaunch": actions[c.target.name].message if c.target.name in actions
-                                   else None} if auto_relaunch else {})) for c in checked]
+        objs = [
+            dict(
+                c.status,
+                **(
+                    {"auto_relaunch": actions[c.target.name].message if c.target.name in actions else None}
+                    if auto_relaunch
+                    else {}
+                ),
+            )
+            for c in checked
+        ]
         click.echo(json.dumps(objs[0] if len(objs) == 1 else objs, indent=2))
     else:
         if len(checked) == 1:
-            line, code = health.nagios_line(checked[0].target.name, checked[0].verdict), checked[0].verdict.exit_code
+            line, code = (
+                health.nagios_line(checked[0].target.name, checked[0].verdict),
+                checked[0].verdict.exit_code,
+            )
         else:
             line, code = health.nagios_line_many((c.target.name, c.verdict) for c in checked)
         click.echo(line)
@@ -290,6 +381,7 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
 
 
 # ------------------------------------------------------------------ logs and terminal
+
 
 def _one_target(obj: Obj, target):
     targets = obj.targets(target)
@@ -303,7 +395,11 @@ def _one_target(obj: Obj, target):
 @click.option("-n", "lines", type=click.IntRange(min=0), default=50, show_default=True, help="Lines to show.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines; Ctrl-C stops.")
 @click.option("--grep", metavar="REGEX", help="Only lines matching this regular expression.")
-@click.option("--log", metavar="PATH", help="A specific log on the target (default: the log of the run in the job state).")
+@click.option(
+    "--log",
+    metavar="PATH",
+    help="A specific log on the target (default: the log of the run in the job state).",
+)
 @click.pass_obj
 def tail_log(obj, target, lines, follow, grep, log):
     """Show the end of the current run's log (the one the job state names).
@@ -329,8 +425,10 @@ def attach(obj, target):
     from . import tmux
 
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        raise InputError("attach needs a terminal (stdin and stdout are not a TTY); run it from an "
-                         "interactive shell, or use `dflash-ops tail-log -f` to watch the job")
+        raise InputError(
+            "attach needs a terminal (stdin and stdout are not a TTY); run it from an "
+            "interactive shell, or use `dflash-ops tail-log -f` to watch the job"
+        )
     tgt = _one_target(obj, target)
     with ops.connect(tgt) as transport:
         sys.exit(transport.interactive(tmux.attach(tgt.job)))
@@ -349,6 +447,7 @@ def targets(obj):
 
 # ------------------------------------------------------------------ cron
 
+
 @cli.group("cron")
 def cron_group():
     """Manage the crontab line that runs `dflash-ops health` for a target."""
@@ -358,8 +457,13 @@ def cron_group():
 @target_option
 @click.option("--schedule", default="*/5 * * * *", show_default=True, help="Cron schedule (5 fields).")
 @click.option("--auto-relaunch", is_flag=True, help="Let the health check relaunch on CRITICAL.")
-@click.option("--log", "log_path", default="~/.local/state/dflash-ops/health.log", show_default=True,
-              help="File the health output is appended to.")
+@click.option(
+    "--log",
+    "log_path",
+    default="~/.local/state/dflash-ops/health.log",
+    show_default=True,
+    help="File the health output is appended to.",
+)
 @click.pass_obj
 def cron_install(obj, target, schedule, auto_relaunch, log_path):
     """Install (or replace) the health-check line for the target."""

@@ -1,5 +1,6 @@
 """Manage the crontab lines that run `dflash-ops health` (one per target, tagged so we only ever
 touch our own lines)."""
+
 from __future__ import annotations
 
 import shlex

@@ -4,6 +4,7 @@ Layout on the target: <workdir>/releases/<id>/trainer/…, <workdir>/releases/hi
 deploy, newest last) and <workdir>/current -> releases/<id>. Same bundle twice = same id, so a
 repeated deploy only re-points `current`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,11 @@ def trainer_source_dir() -> pathlib.Path:
 def build_bundle(source: pathlib.Path | None = None) -> Bundle:
     """A reproducible tar.gz of the trainer package: sorted names, fixed mtimes and owners."""
     source = source or trainer_source_dir()
-    files = sorted(p for p in source.rglob("*")
-                   if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo"))
+    files = sorted(
+        p
+        for p in source.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo")
+    )
     buf = io.BytesIO()
     # gzip header mtime=0 keeps the bytes identical across builds
     with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz:
@@ -96,13 +100,16 @@ def switch_script(job: Job, release_id: str, keep: int = KEEP_RELEASES) -> str:
     """Make `release_id` current, then prune releases beyond the newest `keep` in history."""
     q = shlex.quote
     releases = jobpaths.releases_dir(job)
-    return _point_current(job, q(release_id)) + f"""# keep the newest {keep} releases named in history (the current one is the newest)
+    return (
+        _point_current(job, q(release_id))
+        + f"""# keep the newest {keep} releases named in history (the current one is the newest)
 keep=$(tac {q(releases)}/history | awk '!seen[$0]++' | head -n {max(1, int(keep))})
 for d in {q(releases)}/*/; do
   d=${{d%/}}; id=${{d##*/}}
   printf '%s\\n' "$keep" | grep -qxF -- "$id" || rm -rf -- "$d"
 done
 """
+    )
 
 
 _RELEASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}\Z")
@@ -111,7 +118,9 @@ _RELEASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}\Z")
 def check_release_id(release: str) -> str:
     """A release id as `deploy --list` shows it (never a path: it names a directory in releases/)."""
     if not _RELEASE_ID.match(release) or ".." in release:
-        raise InputError(f"--rollback {release!r}: not a release id; `dflash-ops deploy --list` shows the kept ones")
+        raise InputError(
+            f"--rollback {release!r}: not a release id; `dflash-ops deploy --list` shows the kept ones"
+        )
     return release
 
 
@@ -164,5 +173,8 @@ def parse_list(stdout: str) -> list[Release]:
 def format_list(releases: list[Release]) -> list[str]:
     if not releases:
         return ["no releases deployed yet (dflash-ops deploy)"]
-    return [f"{'*' if r.current else ' '} {r.id}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(r.deployed))}"
-            + ("  (current)" if r.current else "") for r in releases]
+    return [
+        f"{'*' if r.current else ' '} {r.id}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(r.deployed))}"
+        + ("  (current)" if r.current else "")
+        for r in releases
+    ]

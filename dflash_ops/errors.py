@@ -2,6 +2,7 @@
 
 Nagios-style exit codes are chosen by the caller (health); these carry what failed, where and why.
 """
+
 from __future__ import annotations
 
 

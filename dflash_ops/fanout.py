@@ -1,4 +1,5 @@
 """Run one operation on several targets in parallel; one outcome per target, in inventory order."""
+
 from __future__ import annotations
 
 import concurrent.futures

@@ -3,6 +3,7 @@
 Inside an LXC container the driver reports HOST pids: a snapshot may show memory in use with no
 visible process. The pid helpers here map host pids to containers on the Proxmox host.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -94,8 +95,12 @@ def _split(line: str, left: int, right: int) -> list[str]:
     parts = line.split(",")
     if len(parts) < left + right + 1:
         raise ValueError(f"expected at least {left + right + 1} fields: {line!r}")
-    middle = ",".join(parts[left:len(parts) - right])
-    return [p.strip() for p in parts[:left]] + [middle.strip()] + [p.strip() for p in parts[len(parts) - right:]]
+    middle = ",".join(parts[left : len(parts) - right])
+    return (
+        [p.strip() for p in parts[:left]]
+        + [middle.strip()]
+        + [p.strip() for p in parts[len(parts) - right :]]
+    )
 
 
 def parse_nvidia_smi(gpu_csv: str, apps_csv: str = "", source: str = "nvidia-smi") -> GpuSnapshot:
@@ -108,8 +113,16 @@ def parse_nvidia_smi(gpu_csv: str, apps_csv: str = "", source: str = "nvidia-smi
             if not line.strip():
                 continue
             index, uuid, name, used, total, util = _split(line, 2, 3)
-            gpus.append({"index": int(index), "uuid": uuid, "name": name, "memory_used_mib": _number(used),
-                         "memory_total_mib": _number(total), "utilization_pct": _number(util)})
+            gpus.append(
+                {
+                    "index": int(index),
+                    "uuid": uuid,
+                    "name": name,
+                    "memory_used_mib": _number(used),
+                    "memory_total_mib": _number(total),
+                    "utilization_pct": _number(util),
+                }
+            )
     except ValueError:
         text = gpu_csv.strip().splitlines()[0] if gpu_csv.strip() else "unreadable output"
         if "couldn't communicate with the NVIDIA driver" in text:
@@ -134,8 +147,17 @@ def _snapshot(gpus: list[dict], processes: list[GpuProcess], source: str | None)
     built = []
     for g in gpus:
         mine = tuple(p for p in processes if p.gpu_index == g["index"])
-        built.append(Gpu(g["index"], g["uuid"], g["name"], g["memory_used_mib"], g["memory_total_mib"],
-                         g["utilization_pct"], mine))
+        built.append(
+            Gpu(
+                g["index"],
+                g["uuid"],
+                g["name"],
+                g["memory_used_mib"],
+                g["memory_total_mib"],
+                g["utilization_pct"],
+                mine,
+            )
+        )
     return GpuSnapshot(tuple(built), source, None)
 
 
@@ -148,8 +170,10 @@ def snapshot_from_probe(gpu: dict | None) -> GpuSnapshot:
         return GpuSnapshot((), source, str(gpu["error"]))
     if source == "nvidia-smi":
         return parse_nvidia_smi(gpu.get("gpu_csv", ""), gpu.get("apps_csv", ""), source)
-    processes = [GpuProcess(int(p["pid"]), int(p["gpu_index"]), p.get("used_memory_mib"), p.get("name", ""))
-                 for p in gpu.get("processes", [])]
+    processes = [
+        GpuProcess(int(p["pid"]), int(p["gpu_index"]), p.get("used_memory_mib"), p.get("name", ""))
+        for p in gpu.get("processes", [])
+    ]
     return _snapshot(gpu.get("gpus", []), processes, source)
 
 
@@ -167,17 +191,22 @@ class BusyGpu:
     ghost_mib: int
 
     def describe(self) -> str:
-        holders = [f"pid {p.pid}" + (f" ({p.name})" if p.name else "") + (f" [{p.owner}]" if p.owner else "")
-                   + (f" {p.used_memory_mib} MiB" if p.used_memory_mib is not None else "")
-                   for p in self.processes]
+        holders = [
+            f"pid {p.pid}"
+            + (f" ({p.name})" if p.name else "")
+            + (f" [{p.owner}]" if p.owner else "")
+            + (f" {p.used_memory_mib} MiB" if p.used_memory_mib is not None else "")
+            for p in self.processes
+        ]
         if self.ghost_mib or not holders:
             holders.append(f"{self.ghost_mib} MiB ghost memory with no process")
         used = "?" if self.memory_used_mib is None else self.memory_used_mib
         return f"GPU {self.index}: {used} MiB used by " + ", ".join(holders)
 
 
-def busy_gpus(snapshot: GpuSnapshot, indices, min_free_mib: int | None = None,
-              max_used_mib: int = IDLE_USED_MIB) -> list[BusyGpu]:
+def busy_gpus(
+    snapshot: GpuSnapshot, indices, min_free_mib: int | None = None, max_used_mib: int = IDLE_USED_MIB
+) -> list[BusyGpu]:
     """GPUs among `indices` that are not free yet.
 
     Free means at least `min_free_mib` unused; by default (None) it means no compute process and
@@ -192,8 +221,10 @@ def busy_gpus(snapshot: GpuSnapshot, indices, min_free_mib: int | None = None,
     present = [g.index for g in snapshot.gpus]
     missing = [i for i in indices if i not in present]
     if missing:
-        raise InputError(f"job GPUs {_list(missing)} do not exist on this machine (it has GPUs "
-                         f"{_list(present) or 'none'}); fix target_gpus/drafter_gpus in the inventory")
+        raise InputError(
+            f"job GPUs {_list(missing)} do not exist on this machine (it has GPUs "
+            f"{_list(present) or 'none'}); fix target_gpus/drafter_gpus in the inventory"
+        )
     busy = []
     for index in indices:
         gpu = snapshot.by_index(index)
@@ -217,6 +248,7 @@ def _list(indices) -> str:
 
 # --------------------------------------------------------------------------- host pid -> container
 
+
 def container_of_pid(cgroup_text: str) -> str | None:
     """Container id (Proxmox CTID) a process belongs to, from the text of /proc/PID/cgroup.
 
@@ -228,23 +260,26 @@ def container_of_pid(cgroup_text: str) -> str | None:
         path = line.split(":", 2)[-1]
         for part_index, part in enumerate(path.split("/")):
             if part.startswith("lxc.payload."):
-                return part[len("lxc.payload."):] or None
+                return part[len("lxc.payload.") :] or None
             if part == "lxc":
-                rest = path.split("/")[part_index + 1:]
+                rest = path.split("/")[part_index + 1 :]
                 if rest and rest[0]:
                     return rest[0]
     return None
 
 
 # Run on the Proxmox host: GPUs, compute apps (host pids), then each app's cgroup and NSpid.
-HOST_GPU_QUERY = f"""{quote_argv(facts.gpu_query_argv())} || exit $?
+HOST_GPU_QUERY = (
+    f"""{quote_argv(facts.gpu_query_argv())} || exit $?
 echo @@
 apps=$({quote_argv(facts.apps_query_argv())}) || exit $?
-""" + r"""printf '%s\n' "$apps"
+"""
+    + r"""printf '%s\n' "$apps"
 echo @@
 for pid in $(printf '%s\n' "$apps" | cut -d, -f1); do
   echo "@pid $pid"; cat "/proc/$pid/cgroup" 2>/dev/null; grep '^NSpid:' "/proc/$pid/status" 2>/dev/null
 done"""
+)
 
 
 def parse_host_gpu_query(stdout: str, ctid) -> GpuSnapshot:
@@ -258,9 +293,15 @@ def parse_host_gpu_query(stdout: str, ctid) -> GpuSnapshot:
         head, _, text = chunk.partition("\n")
         if head.strip().isdigit():
             about[int(head)] = text
-    return dataclasses.replace(snapshot, gpus=tuple(
-        dataclasses.replace(g, processes=tuple(_as_seen_from(p, about.get(p.pid), ctid) for p in g.processes))
-        for g in snapshot.gpus))
+    return dataclasses.replace(
+        snapshot,
+        gpus=tuple(
+            dataclasses.replace(
+                g, processes=tuple(_as_seen_from(p, about.get(p.pid), ctid) for p in g.processes)
+            )
+            for g in snapshot.gpus
+        ),
+    )
 
 
 def _as_seen_from(process: GpuProcess, proc_text: str | None, ctid) -> GpuProcess:

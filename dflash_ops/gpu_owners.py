@@ -1,6 +1,7 @@
 """Whose is each process on the job's GPUs: the job's own (its tmux tree or the launcher's marker),
 foreign (anything else we can see, another container's or the host's), or unknown (a host pid
 inside LXC that the container cannot see). Foreign processes are reported, never signalled."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,5 +39,10 @@ def is_foreign(report, process) -> bool | None:
 
 def foreign_on_job_gpus(report, job) -> list[GpuUse]:
     gpus = set(job.gpus)
-    return [GpuUse(p.pid, g.index, p.name, p.used_memory_mib, p.owner)
-            for g in report.gpu.gpus if g.index in gpus for p in g.processes if is_foreign(report, p)]
+    return [
+        GpuUse(p.pid, g.index, p.name, p.used_memory_mib, p.owner)
+        for g in report.gpu.gpus
+        if g.index in gpus
+        for p in g.processes
+        if is_foreign(report, p)
+    ]

@@ -4,6 +4,7 @@ CRITICAL means the job is not training (gone, crashed, stalled, NaN); WARNING me
 badly (eager-fallback speed, idle drafter GPUs); UNKNOWN only when the check itself could not run,
 which the caller decides (see `unknown`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,8 +47,12 @@ class Verdict:
         return "; ".join(self.reasons)
 
     def to_dict(self) -> dict:
-        return {"level": self.level, "exit_code": self.exit_code, "reasons": list(self.reasons),
-                "perfdata": {k: dataclasses.asdict(v) for k, v in self.perfdata.items()}}
+        return {
+            "level": self.level,
+            "exit_code": self.exit_code,
+            "reasons": list(self.reasons),
+            "perfdata": {k: dataclasses.asdict(v) for k, v in self.perfdata.items()},
+        }
 
 
 def unknown(reason: str) -> Verdict:
@@ -93,8 +98,10 @@ def evaluate(report, job: Job, now: float | None = None) -> Verdict:
     reasons = critical + warning or [_ok_summary(progress, age, finished)]
     perfdata = _perfdata(progress, age, drafter_util, job)
     if accept is not None or job.health.min_tau > 0:  # runs without tau evaluation keep their line
-        perfdata["tau"] = Perf(accept.tau if accept else None,
-                               warn=f"{_number(job.health.min_tau)}:" if job.health.min_tau > 0 else "")
+        perfdata["tau"] = Perf(
+            accept.tau if accept else None,
+            warn=f"{_number(job.health.min_tau)}:" if job.health.min_tau > 0 else "",
+        )
     return Verdict(level, tuple(reasons), perfdata)
 
 
@@ -127,7 +134,8 @@ def _failures(report) -> list[str]:
     """Known failure signatures in the log tail and error events in the metrics, one per kind."""
     log_name = posixpath.basename(report.log.path) if report.log else "log"
     found = logs.find_failures(report.log.text if report.log else "") + logs.failures_from_records(
-        list(report.records))
+        list(report.records)
+    )
     seen, reasons = set(), []
     for failure in found:
         if failure.name not in seen:
@@ -136,25 +144,33 @@ def _failures(report) -> list[str]:
     return reasons
 
 
-def _stall(report, progress: logs.Progress, age: float | None, stall_seconds: float,
-           finished: bool) -> tuple[list[str], list[str]]:
+def _stall(
+    report, progress: logs.Progress, age: float | None, stall_seconds: float, finished: bool
+) -> tuple[list[str], list[str]]:
     """(critical, warning) about progress over time; only a live, unfinished job can stall."""
     if not report.session.running or finished:
         return [], []
     if age is None:  # a log named by the job state but missing is reported by unattended.warnings
-        return [], [] if getattr(report, "log_missing", None) else [f"no {facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX} in {report.log_dir}"]
+        return [], [] if getattr(report, "log_missing", None) else [
+            f"no {facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX} in {report.log_dir}"
+        ]
     if age <= stall_seconds:
         return [], []
-    what = (f"no new step for {_seconds(age)} (last step {progress.step})" if progress.step is not None
-            else f"no first step {_seconds(age)} after start")
+    what = (
+        f"no new step for {_seconds(age)} (last step {progress.step})"
+        if progress.step is not None
+        else f"no first step {_seconds(age)} after start"
+    )
     return [f"{what}; stall threshold {_seconds(stall_seconds)}"], []
 
 
 def _slowness(progress: logs.Progress, min_tokens_per_s: float) -> list[str]:
     if min_tokens_per_s <= 0 or progress.tokens_per_s is None or progress.tokens_per_s >= min_tokens_per_s:
         return []
-    return [f"{progress.tokens_per_s:.0f} tokens/s is below the {min_tokens_per_s:.0f} minimum: "
-            "the eager-fallback signature (compiled attention not in use)"]
+    return [
+        f"{progress.tokens_per_s:.0f} tokens/s is below the {min_tokens_per_s:.0f} minimum: "
+        "the eager-fallback signature (compiled attention not in use)"
+    ]
 
 
 def _idle_drafters(snapshot, job: Job, drafter_util: dict) -> list[str]:
@@ -186,15 +202,18 @@ def _perfdata(progress: logs.Progress, age: float | None, drafter_util: dict, jo
     if job.drafter_gpus:
         known = [u for u in drafter_util.values() if u is not None]
         floor = thresholds.min_drafter_util_pct
-        perfdata["drafter_util_pct"] = Perf(min(known) if known else None,
-                                            warn=f"{_number(floor)}:" if floor > 0 else "", uom="%")
+        perfdata["drafter_util_pct"] = Perf(
+            min(known) if known else None, warn=f"{_number(floor)}:" if floor > 0 else "", uom="%"
+        )
     return perfdata
 
 
 def _drafter_utilization(snapshot, job: Job) -> dict:
     if not snapshot.ok:
         return {}
-    return {i: snapshot.by_index(i).utilization_pct for i in job.drafter_gpus if snapshot.by_index(i) is not None}
+    return {
+        i: snapshot.by_index(i).utilization_pct for i in job.drafter_gpus if snapshot.by_index(i) is not None
+    }
 
 
 def _ok_summary(progress: logs.Progress, age: float | None, finished: bool) -> str:

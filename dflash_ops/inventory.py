@@ -9,6 +9,7 @@ Validation happens in two passes: each layer (`defaults:`, each target) is check
 a bad value is reported where it is written; then each target is merged with what it inherits and
 checked as a whole (required fields, transport-specific rules, GPU roles, path safety).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,12 @@ LOCAL_JOB = {
     "python": sys.executable,
     "config": "tiny-cpu",
     "session": "dflash-local",
-    "health": {"min_tokens_per_s": 0.0, "stall_seconds": 300.0, "min_drafter_util_pct": 0.0,
-               "max_relaunches_per_hour": 3},
+    "health": {
+        "min_tokens_per_s": 0.0,
+        "stall_seconds": 300.0,
+        "min_drafter_util_pct": 0.0,
+        "max_relaunches_per_hour": 3,
+    },
 }
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
@@ -104,6 +109,7 @@ def _whole(lo: int, hi: int, example: str) -> Callable:
         if not lo <= value <= hi:
             raise _Bad(f"must be between {lo} and {hi}, got {value}")
         return value
+
     return rule
 
 
@@ -119,6 +125,7 @@ def _number(example: str, zero_ok: bool, most: float | None = None) -> Callable:
         if most is not None and value > most:
             raise _Bad(f"must be at most {most:g}, got {value}")
         return float(value)
+
     return rule
 
 
@@ -129,6 +136,7 @@ def _choice(options: tuple[str, ...]) -> Callable:
         close = difflib.get_close_matches(str(value), options, n=1) if isinstance(value, str) else []
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise _Bad(f"must be one of {', '.join(options)}, got {_kind(value)}{hint}")
+
     return rule
 
 
@@ -182,8 +190,10 @@ def _session(value) -> str:
     if "." in value or ":" in value:
         raise _Bad(f"tmux refuses '.' and ':' in session names, got {_show(value)}; use e.g. 'dflash-train'")
     if "#{" in value:
-        raise _Bad(f"'#{{' starts a tmux format that tmux would expand in the name, got {_show(value)}; "
-                   "use e.g. 'dflash-train'")
+        raise _Bad(
+            f"'#{{' starts a tmux format that tmux would expand in the name, got {_show(value)}; "
+            "use e.g. 'dflash-train'"
+        )
     return value
 
 
@@ -225,12 +235,16 @@ def _train_args(value) -> tuple[str, ...]:
 
 def _env(value) -> dict[str, str]:
     if not isinstance(value, dict):
-        raise _Bad(f"expected a mapping of NAME: value like {{CUDA_LAUNCH_BLOCKING: '1'}}, got {_kind(value)}")
+        raise _Bad(
+            f"expected a mapping of NAME: value like {{CUDA_LAUNCH_BLOCKING: '1'}}, got {_kind(value)}"
+        )
     env = {}
     for name, val in value.items():
         if not isinstance(name, str) or not _ENV_NAME.match(name):
-            raise _Bad(f"environment variable names are letters, digits and '_' (not starting "
-                       f"with a digit), got {_show(name)}")
+            raise _Bad(
+                f"environment variable names are letters, digits and '_' (not starting "
+                f"with a digit), got {_show(name)}"
+            )
         if isinstance(val, int) and not isinstance(val, bool):
             val = str(val)
         if not isinstance(val, str):
@@ -244,8 +258,14 @@ def _env(value) -> dict[str, str]:
 def _endpoint(value) -> str:
     value = _text(value, "10.0.0.7:29400")
     host, sep, port = value.rpartition(":")
-    if not sep or not host or host.startswith("-") or any(c.isspace() for c in host) \
-            or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if (
+        not sep
+        or not host
+        or host.startswith("-")
+        or any(c.isspace() for c in host)
+        or not port.isdigit()
+        or not 1 <= int(port) <= 65535
+    ):
         raise _Bad(f"expected HOST:PORT of the rendezvous host, like 10.0.0.7:29400, got {_show(value)}")
     return value
 
@@ -260,22 +280,42 @@ _HEALTH_FIELDS: dict = {
     "min_tau": _number("3", zero_ok=True, most=64),
 }
 _JOB_FIELDS: dict = {
-    "workdir": _path, "python": _path, "config": _config, "session": _session,
-    "log_dir": _path, "cache_dir": _path, "target_gpus": _gpus, "drafter_gpus": _gpus,
-    "tmux_socket": _socket, "train_args": _train_args, "env": _env, "health": _HEALTH_FIELDS,
-    "launcher": _choice(LAUNCHERS), "nproc_per_node": _whole(1, 64, "2"), "nnodes": _whole(1, 4096, "2"),
+    "workdir": _path,
+    "python": _path,
+    "config": _config,
+    "session": _session,
+    "log_dir": _path,
+    "cache_dir": _path,
+    "target_gpus": _gpus,
+    "drafter_gpus": _gpus,
+    "tmux_socket": _socket,
+    "train_args": _train_args,
+    "env": _env,
+    "health": _HEALTH_FIELDS,
+    "launcher": _choice(LAUNCHERS),
+    "nproc_per_node": _whole(1, 64, "2"),
+    "nnodes": _whole(1, 4096, "2"),
     "rdzv_endpoint": _endpoint,
 }
 _HOST_FIELDS: dict = {
-    "host": _host, "port": _whole(1, 65535, "22"), "user": _user, "identity_file": _path,
-    "jump": _jump, "host_key_policy": _choice(HOST_KEY_POLICIES), "known_hosts_file": _path,
+    "host": _host,
+    "port": _whole(1, 65535, "22"),
+    "user": _user,
+    "identity_file": _path,
+    "jump": _jump,
+    "host_key_policy": _choice(HOST_KEY_POLICIES),
+    "known_hosts_file": _path,
     "connect_timeout_s": _number("10", zero_ok=False),
 }
 # Proxmox allows container ids from 100 up.
 _PCT_FIELDS: dict = {"ctid": _whole(100, 999_999_999, "200"), "gpu_query_on": _choice(GPU_QUERY_ON)}
 _TARGET_FIELDS: dict = {"transport": _choice(TRANSPORTS), **_HOST_FIELDS, **_PCT_FIELDS, "job": _JOB_FIELDS}
-_REMOTE_PATH_EXAMPLES = {"workdir": "/root/dflash", "python": "/root/venv/bin/python3",
-                         "log_dir": "/root/dflash/logs", "cache_dir": "/root/dflash/cache"}
+_REMOTE_PATH_EXAMPLES = {
+    "workdir": "/root/dflash",
+    "python": "/root/venv/bin/python3",
+    "log_dir": "/root/dflash/logs",
+    "cache_dir": "/root/dflash/cache",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,8 +374,9 @@ def _check_layer(raw: _Map, schema: dict, where: _Where, prefix: str = "") -> tu
             if value is None:  # `health:` with nothing under it
                 value = _Map(line)
             if not isinstance(value, dict):
-                raise where.error(line, field, f"expected a mapping of {key} fields "
-                                               f"({', '.join(rule)}), got {_kind(value)}")
+                raise where.error(
+                    line, field, f"expected a mapping of {key} fields ({', '.join(rule)}), got {_kind(value)}"
+                )
             values[key], sub_lines = _check_layer(value, rule, where, field + ".")
             lines.update(sub_lines)
         else:
@@ -393,9 +434,14 @@ class _TargetBuilder:
         ctid = self.values.get("ctid")
         if self.transport == "pct" and ctid is None:
             raise self.fail("ctid", "is required for a pct target: the Proxmox container id, e.g. ctid: 200")
-        return Target(name=self.name, transport=self.transport, job=self.job(), ssh=ssh,
-                      ctid=ctid if self.transport == "pct" else None,
-                      gpu_query_on=self.values.get("gpu_query_on", "container"))
+        return Target(
+            name=self.name,
+            transport=self.transport,
+            job=self.job(),
+            ssh=ssh,
+            ctid=ctid if self.transport == "pct" else None,
+            gpu_query_on=self.values.get("gpu_query_on", "container"),
+        )
 
     def local_file(self, path: str | None) -> str | None:
         """A path on THIS machine: `~` expanded, relative paths taken from the inventory's folder."""
@@ -406,26 +452,39 @@ class _TargetBuilder:
     def host_spec(self) -> HostSpec:
         v = self.values
         if "host" not in v:
-            raise self.fail("host", f"is required for {_a(self.transport)} target: the "
-                            + ("Proxmox host" if self.transport == "pct" else "machine")
-                            + " to ssh to, e.g. host: pve1.example.lan")
+            raise self.fail(
+                "host",
+                f"is required for {_a(self.transport)} target: the "
+                + ("Proxmox host" if self.transport == "pct" else "machine")
+                + " to ssh to, e.g. host: pve1.example.lan",
+            )
         return HostSpec(
-            host=v["host"], port=v.get("port", 22), user=v.get("user", "root"),
-            identity_file=self.local_file(v.get("identity_file")), jump=v.get("jump"),
+            host=v["host"],
+            port=v.get("port", 22),
+            user=v.get("user", "root"),
+            identity_file=self.local_file(v.get("identity_file")),
+            jump=v.get("jump"),
             host_key_policy=v.get("host_key_policy", "strict"),
             known_hosts_file=self.local_file(v.get("known_hosts_file")),
-            connect_timeout_s=v.get("connect_timeout_s", 10.0))
+            connect_timeout_s=v.get("connect_timeout_s", 10.0),
+        )
 
     def job_path(self, key: str, value: str) -> str:
         field = f"job.{key}"
         if not self.remote:
             return self.local_file(value)
         if not value.startswith("/"):
-            why = ("the remote shell is non-login: no PATH from your profile, no venv activation"
-                   if key == "python" else "'~' and relative paths are not expanded on the target")
+            why = (
+                "the remote shell is non-login: no PATH from your profile, no venv activation"
+                if key == "python"
+                else "'~' and relative paths are not expanded on the target"
+            )
             example = _REMOTE_PATH_EXAMPLES[key]
-            raise self.fail(field, f"must be an absolute path on the target, got {_show(value)}; "
-                                   f"write the full path, e.g. {example} ({why})")
+            raise self.fail(
+                field,
+                f"must be an absolute path on the target, got {_show(value)}; "
+                f"write the full path, e.g. {example} ({why})",
+            )
         return _strip_slashes(value)
 
     def job_python(self, python: str) -> str:
@@ -433,32 +492,38 @@ class _TargetBuilder:
             return self.job_path("python", python)
         found = shutil.which(python)  # a bare command name on this machine
         if not found:
-            raise self.fail("job.python",
-                            f"{python!r} is not found on PATH; give the full path of the interpreter")
+            raise self.fail(
+                "job.python", f"{python!r} is not found on PATH; give the full path of the interpreter"
+            )
         return found
 
     def job_config(self, config: str) -> str:
         if _is_config_name(config):
             bundled = bundled_config_names()
             if bundled and config not in bundled:
-                raise self.fail("job.config",
-                                f"{config!r} is not a bundled config (bundled: {', '.join(bundled)}); "
-                                "use one of those or give the path of a config file")
+                raise self.fail(
+                    "job.config",
+                    f"{config!r} is not a bundled config (bundled: {', '.join(bundled)}); "
+                    "use one of those or give the path of a config file",
+                )
             return config
         if not self.remote:
             return self.local_file(config)
         if not config.startswith("/"):
-            raise self.fail("job.config",
-                            f"a config file on the target needs an absolute path, got {_show(config)}; write "
-                            "e.g. /root/dflash/configs/qwen3-8b.yaml, or use a bundled name like tiny-cpu")
+            raise self.fail(
+                "job.config",
+                f"a config file on the target needs an absolute path, got {_show(config)}; write "
+                "e.g. /root/dflash/configs/qwen3-8b.yaml, or use a bundled name like tiny-cpu",
+            )
         return config
 
     def job(self) -> Job:
         job = self.values.get("job", {})
         for key in ("workdir", "python", "config"):
             if key not in job:
-                raise self.fail(f"job.{key}",
-                                "is required; set it under this target's 'job:' or under 'defaults: job:'")
+                raise self.fail(
+                    f"job.{key}", "is required; set it under this target's 'job:' or under 'defaults: job:'"
+                )
         workdir = _strip_slashes(self.job_path("workdir", job["workdir"]))
         join = posixpath.join if self.remote else os.path.join
 
@@ -471,41 +536,67 @@ class _TargetBuilder:
         target_gpus, drafter_gpus = job.get("target_gpus", ()), job.get("drafter_gpus", ())
         for gpu in drafter_gpus:
             if gpu in target_gpus:
-                raise self.fail("job.drafter_gpus",
-                                f"GPU {gpu} is in both target_gpus and drafter_gpus; give each GPU one role")
+                raise self.fail(
+                    "job.drafter_gpus",
+                    f"GPU {gpu} is in both target_gpus and drafter_gpus; give each GPU one role",
+                )
         self.check_launcher(job)
         return Job(
-            workdir=workdir, python=python, config=self.job_config(job["config"]),
-            session=job.get("session", "dflash"), log_dir=log_dir, cache_dir=cache_dir,
-            target_gpus=tuple(target_gpus), drafter_gpus=tuple(drafter_gpus),
-            tmux_socket=job.get("tmux_socket", "dflash"), train_args=tuple(job.get("train_args", ())),
-            env=tuple(job.get("env", {}).items()), health=Health(**job.get("health", {})),
-            **{key: job[key] for key in _TORCHRUN_FIELDS + ("launcher",) if key in job})
+            workdir=workdir,
+            python=python,
+            config=self.job_config(job["config"]),
+            session=job.get("session", "dflash"),
+            log_dir=log_dir,
+            cache_dir=cache_dir,
+            target_gpus=tuple(target_gpus),
+            drafter_gpus=tuple(drafter_gpus),
+            tmux_socket=job.get("tmux_socket", "dflash"),
+            train_args=tuple(job.get("train_args", ())),
+            env=tuple(job.get("env", {}).items()),
+            health=Health(**job.get("health", {})),
+            **{key: job[key] for key in _TORCHRUN_FIELDS + ("launcher",) if key in job},
+        )
 
     def check_launcher(self, job: dict) -> None:
         """torchrun fields belong together: ranks per host, hosts, rendezvous, one GPU per rank."""
         if job.get("launcher", "threads") != "torchrun":
             for key in _TORCHRUN_FIELDS:
                 if key in job:
-                    raise self.fail(f"job.{key}", "only applies with 'launcher: torchrun'; add that, or remove it")
+                    raise self.fail(
+                        f"job.{key}", "only applies with 'launcher: torchrun'; add that, or remove it"
+                    )
             return
         if "nproc_per_node" not in job:
-            raise self.fail("job.nproc_per_node", "is required with 'launcher: torchrun' (ranks on this "
-                                                  "target, one GPU each), e.g. nproc_per_node: 2")
+            raise self.fail(
+                "job.nproc_per_node",
+                "is required with 'launcher: torchrun' (ranks on this "
+                "target, one GPU each), e.g. nproc_per_node: 2",
+            )
         nnodes, endpoint = job.get("nnodes", 1), job.get("rdzv_endpoint")
         if nnodes > 1 and not endpoint:
-            raise self.fail("job.rdzv_endpoint", f"is required when nnodes is {nnodes}: HOST:PORT that every "
-                                                 "target of the job reaches, e.g. 10.0.0.7:29400")
+            raise self.fail(
+                "job.rdzv_endpoint",
+                f"is required when nnodes is {nnodes}: HOST:PORT that every "
+                "target of the job reaches, e.g. 10.0.0.7:29400",
+            )
         if nnodes == 1 and endpoint:
-            raise self.fail("job.rdzv_endpoint", "is only used when nnodes > 1 (one host rendezvous on its "
-                                                 "own); remove it, or set nnodes")
+            raise self.fail(
+                "job.rdzv_endpoint",
+                "is only used when nnodes > 1 (one host rendezvous on its own); remove it, or set nnodes",
+            )
         if job.get("target_gpus"):
-            raise self.fail("job.target_gpus", "with 'launcher: torchrun' each rank runs its own target on its "
-                                               "own GPU; list the ranks' GPUs in drafter_gpus and set target_gpus: []")
+            raise self.fail(
+                "job.target_gpus",
+                "with 'launcher: torchrun' each rank runs its own target on its "
+                "own GPU; list the ranks' GPUs in drafter_gpus and set target_gpus: []",
+            )
         gpus = job.get("drafter_gpus", ())
         if gpus and len(gpus) != job["nproc_per_node"]:
-            raise self.fail("job.drafter_gpus", f"lists {len(gpus)} GPU(s) but nproc_per_node is "
-                                                f"{job['nproc_per_node']}; give exactly one GPU per rank")
+            raise self.fail(
+                "job.drafter_gpus",
+                f"lists {len(gpus)} GPU(s) but nproc_per_node is "
+                f"{job['nproc_per_node']}; give exactly one GPU per rank",
+            )
 
     def check_cache_dir(self, workdir: str, log_dir: str, cache_dir: str, python: str = "") -> None:
         # The cache dir is deleted by purge-cache and on every relaunch: it must never hold, or sit
@@ -518,22 +609,33 @@ class _TargetBuilder:
         owned += [(path, what, True) for path, what in jobpaths.owned_by_the_job(workdir)]
         if python.startswith("/"):
             prefix = posixpath.dirname(posixpath.dirname(posixpath.normpath(python)))  # <prefix>/bin/python
-            owned += [(prefix, "python prefix", False), (posixpath.join(prefix, "bin"), "python's bin", True),
-                      (posixpath.join(prefix, "lib"), "python's lib", True)]
+            owned += [
+                (prefix, "python prefix", False),
+                (posixpath.join(prefix, "bin"), "python's bin", True),
+                (posixpath.join(prefix, "lib"), "python's lib", True),
+            ]
         for other, label, not_inside in owned:
             other = posixpath.normpath(other)
             if other == cache or other.startswith(cache + "/"):
-                raise self.fail("job.cache_dir", f"{cache_dir!r} contains the {label} ({other}) and is purged "
-                                                 f"on relaunch; {fix}")
+                raise self.fail(
+                    "job.cache_dir",
+                    f"{cache_dir!r} contains the {label} ({other}) and is purged on relaunch; {fix}",
+                )
             if not_inside and cache.startswith(other + "/"):
-                raise self.fail("job.cache_dir", f"{cache_dir!r} lies inside the {label} ({other}) and is purged "
-                                                 f"on relaunch; {fix}")
+                raise self.fail(
+                    "job.cache_dir",
+                    f"{cache_dir!r} lies inside the {label} ({other}) and is purged on relaunch; {fix}",
+                )
 
 
 def _check_name(name, kind: str, where: _Where, line: int) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
-        raise where.error(line, None, f"{kind} name {_show(name)} is not valid; use letters, digits, "
-                                      "'-', '_' and '.', starting with a letter or digit (at most 64)")
+        raise where.error(
+            line,
+            None,
+            f"{kind} name {_show(name)} is not valid; use letters, digits, "
+            "'-', '_' and '.', starting with a letter or digit (at most 64)",
+        )
     return name
 
 
@@ -566,8 +668,10 @@ class Inventory:
         known = f"known targets: {', '.join(self.targets)}"
         if self.groups:
             known += f"; groups: {', '.join(self.groups)}"
-        raise InputError(f"unknown target or group {_show(name)} ({known}); pick one of those, "
-                         f"or add it to {self.source or 'an inventory file (see --inventory)'}")
+        raise InputError(
+            f"unknown target or group {_show(name)} ({known}); pick one of those, "
+            f"or add it to {self.source or 'an inventory file (see --inventory)'}"
+        )
 
 
 def find_inventory_file(path: str | None = None) -> str | None:
@@ -602,7 +706,9 @@ def load_inventory(path: str | None = None) -> Inventory:
     return inventory_from_data(read_yaml(found), found, os.path.dirname(os.path.abspath(found)))
 
 
-def load_inventory_text(text: str, filename: str = "inventory.yaml", base_dir: str | None = None) -> Inventory:
+def load_inventory_text(
+    text: str, filename: str = "inventory.yaml", base_dir: str | None = None
+) -> Inventory:
     """Validate inventory YAML given as text; `filename` only names it in messages."""
     return inventory_from_data(parse_yaml(text, filename), filename, base_dir or os.getcwd())
 
@@ -616,11 +722,19 @@ def inventory_from_data(data, filename: str | None, base_dir: str) -> Inventory:
     """Validate parsed YAML (as read by parse_yaml) and build the Inventory."""
     top = _Where(filename or "built-in inventory")
     if data is None:
-        raise top.error(None, None, "the file is empty; define 'targets:' (see the example inventory.yaml), "
-                                    "or remove the file to use only the built-in local target")
+        raise top.error(
+            None,
+            None,
+            "the file is empty; define 'targets:' (see the example inventory.yaml), "
+            "or remove the file to use only the built-in local target",
+        )
     if not isinstance(data, dict):
-        raise top.error(1, None, f"expected a mapping with {', '.join(TOP_LEVEL_KEYS)}, got {_kind(data)}; "
-                                 "see the example inventory.yaml")
+        raise top.error(
+            1,
+            None,
+            f"expected a mapping with {', '.join(TOP_LEVEL_KEYS)}, got {_kind(data)}; "
+            "see the example inventory.yaml",
+        )
     if not isinstance(data, _Map):
         data = _wrap(data)
     for key in data:
@@ -632,22 +746,38 @@ def inventory_from_data(data, filename: str | None, base_dir: str) -> Inventory:
 
     # Defaults apply to ssh and pct targets only, so they must already be valid remote values.
     defaults_where = _Where(top.filename, "defaults")
-    raw_defaults = _mapping_or_empty(data.get("defaults"), "defaults", line_of("defaults"), top,
-                                     "{user: root, job: {workdir: /root/dflash}}")
+    raw_defaults = _mapping_or_empty(
+        data.get("defaults"),
+        "defaults",
+        line_of("defaults"),
+        top,
+        "{user: root, job: {workdir: /root/dflash}}",
+    )
     defaults, default_lines = _check_layer(raw_defaults, _TARGET_FIELDS, defaults_where)
     if defaults.get("transport") == "local":
-        raise defaults_where.error(default_lines["transport"], "transport",
-                                   "defaults apply to ssh and pct targets only; use ssh or pct, or remove it")
+        raise defaults_where.error(
+            default_lines["transport"],
+            "transport",
+            "defaults apply to ssh and pct targets only; use ssh or pct, or remove it",
+        )
     for key, example in _REMOTE_PATH_EXAMPLES.items():
         value = defaults.get("job", {}).get(key)
         if value is not None and not value.startswith("/"):
-            raise defaults_where.error(default_lines[f"job.{key}"], f"job.{key}",
-                                       "defaults apply to ssh and pct targets, so this must be an absolute "
-                                       f"path on the target, got {_show(value)}; write the full path, "
-                                       f"e.g. {example}")
+            raise defaults_where.error(
+                default_lines[f"job.{key}"],
+                f"job.{key}",
+                "defaults apply to ssh and pct targets, so this must be an absolute "
+                f"path on the target, got {_show(value)}; write the full path, "
+                f"e.g. {example}",
+            )
 
-    raw_targets = _mapping_or_empty(data.get("targets"), "targets", line_of("targets"), top,
-                                    "{gpu-box: {transport: ssh, host: gpu.example.lan}}")
+    raw_targets = _mapping_or_empty(
+        data.get("targets"),
+        "targets",
+        line_of("targets"),
+        top,
+        "{gpu-box: {transport: ssh, host: gpu.example.lan}}",
+    )
     targets: dict[str, Target] = {}
     for name in [LOCAL] + [n for n in raw_targets if n != LOCAL]:
         line = raw_targets.key_lines.get(name, raw_targets.line)
@@ -659,10 +789,15 @@ def inventory_from_data(data, filename: str | None, base_dir: str) -> Inventory:
     _check_rendezvous(targets, raw_targets, top)
     groups = _groups(data, targets, top)
     default_target = data.get("default_target", LOCAL)
-    if not isinstance(default_target, str) or (default_target not in targets and default_target not in groups):
+    if not isinstance(default_target, str) or (
+        default_target not in targets and default_target not in groups
+    ):
         known = ", ".join(list(targets) + list(groups))
-        raise top.error(line_of("default_target"), "default_target",
-                        f"{_show(default_target)} is not a target or group; use one of: {known}")
+        raise top.error(
+            line_of("default_target"),
+            "default_target",
+            f"{_show(default_target)} is not a target or group; use one of: {known}",
+        )
     return Inventory(targets=targets, groups=groups, default_target=default_target, source=filename)
 
 
@@ -678,14 +813,22 @@ def _check_rendezvous(targets: dict[str, Target], raw_targets, top: _Where) -> N
         line = raw_targets.key_lines.get(name)
         if members and targets[members[0]].job.nnodes != job.nnodes:
             first = targets[members[0]].job.nnodes
-            raise where.error(line, "job.nnodes", f"is {job.nnodes} but target {members[0]!r} meets at the same "
-                                                  f"rdzv_endpoint {job.rdzv_endpoint} with nnodes {first}; give every "
-                                                  "host of one torchrun job the same nnodes")
+            raise where.error(
+                line,
+                "job.nnodes",
+                f"is {job.nnodes} but target {members[0]!r} meets at the same "
+                f"rdzv_endpoint {job.rdzv_endpoint} with nnodes {first}; give every "
+                "host of one torchrun job the same nnodes",
+            )
         members.append(name)
         if len(members) > job.nnodes:
-            raise where.error(line, "job.rdzv_endpoint", f"{len(members)} targets ({', '.join(members)}) meet at "
-                                                         f"{job.rdzv_endpoint} but nnodes is {job.nnodes}; raise "
-                                                         "nnodes, or give one job another endpoint")
+            raise where.error(
+                line,
+                "job.rdzv_endpoint",
+                f"{len(members)} targets ({', '.join(members)}) meet at "
+                f"{job.rdzv_endpoint} but nnodes is {job.nnodes}; raise "
+                "nnodes, or give one job another endpoint",
+            )
 
 
 def _wrap(data: dict) -> _Map:
@@ -696,32 +839,43 @@ def _wrap(data: dict) -> _Map:
     return wrapped
 
 
-def _target(name: str, raw, line: int, defaults: dict, default_lines: dict, where: _Where,
-            base_dir: str) -> Target:
+def _target(
+    name: str, raw, line: int, defaults: dict, default_lines: dict, where: _Where, base_dir: str
+) -> Target:
     """Check one target's own fields, merge what it inherits, and build it."""
     if raw is None and name == LOCAL:  # `local:` alone: keep the built-in local job
         raw = _Map(line)
     if raw is None or not isinstance(raw, dict):
-        problem = ("has no fields" if raw is None else f"expected a mapping of target fields, got {_kind(raw)}")
-        raise where.error(line, None,
-                          f"{problem}; write e.g. {name}: {{transport: ssh, host: gpu.example.lan}}")
+        problem = "has no fields" if raw is None else f"expected a mapping of target fields, got {_kind(raw)}"
+        raise where.error(
+            line, None, f"{problem}; write e.g. {name}: {{transport: ssh, host: gpu.example.lan}}"
+        )
     own, own_lines = _check_layer(raw, _TARGET_FIELDS, where)
     own_line = raw.line or line
 
     transport = own.get("transport") or (LOCAL if name == LOCAL else defaults.get("transport"))
     if transport is None:
-        raise where.error(own_line, "transport", f"is required: one of {', '.join(TRANSPORTS)} "
-                                                 "(or set it once under 'defaults:')")
+        raise where.error(
+            own_line,
+            "transport",
+            f"is required: one of {', '.join(TRANSPORTS)} (or set it once under 'defaults:')",
+        )
     if name == LOCAL and transport != "local":
-        raise where.error(own_lines.get("transport", own_line), "transport",
-                          "the name 'local' is reserved for this machine (transport local); "
-                          "give the remote target another name")
+        raise where.error(
+            own_lines.get("transport", own_line),
+            "transport",
+            "the name 'local' is reserved for this machine (transport local); "
+            "give the remote target another name",
+        )
 
     not_here = {"local": {**_HOST_FIELDS, **_PCT_FIELDS}, "ssh": _PCT_FIELDS, "pct": {}}[transport]
     for key in own:
         if key in not_here:
-            fix = ("a local target runs on this machine, without ssh; remove it" if transport == "local"
-                   else "it applies only to pct targets; remove it or set transport: pct")
+            fix = (
+                "a local target runs on this machine, without ssh; remove it"
+                if transport == "local"
+                else "it applies only to pct targets; remove it or set transport: pct"
+            )
             raise where.error(own_lines[key], key, f"does not apply to {_a(transport)} target ({fix})")
 
     if transport == "local":
@@ -737,8 +891,9 @@ def _target(name: str, raw, line: int, defaults: dict, default_lines: dict, wher
 
 
 def _groups(data: _Map, targets: dict, top: _Where) -> dict[str, tuple[str, ...]]:
-    raw = _mapping_or_empty(data.get("groups"), "groups", data.key_lines.get("groups", 1), top,
-                            "{all: [gpu-box, bare-box]}")
+    raw = _mapping_or_empty(
+        data.get("groups"), "groups", data.key_lines.get("groups", 1), top, "{all: [gpu-box, bare-box]}"
+    )
     groups: dict[str, tuple[str, ...]] = {}
     for name, members in raw.items():
         line = raw.key_lines.get(name, raw.line)
@@ -748,15 +903,18 @@ def _groups(data: _Map, targets: dict, top: _Where) -> dict[str, tuple[str, ...]
             raise where.error(line, None, f"{name!r} is also a target name; rename the group or the target")
         example = f"{name}: [{', '.join(list(targets)[1:3]) or 'gpu-box'}]"
         if not isinstance(members, list) or not members:
-            raise where.error(line, None,
-                              f"expected a non-empty list of target names like {example}, got {_kind(members)}")
+            raise where.error(
+                line, None, f"expected a non-empty list of target names like {example}, got {_kind(members)}"
+            )
         for member in members:
             if member in raw and member not in targets:
-                raise where.error(line, None,
-                                  f"lists group {member!r}; a group lists targets only: write its targets here")
+                raise where.error(
+                    line, None, f"lists group {member!r}; a group lists targets only: write its targets here"
+                )
             if not isinstance(member, str) or member not in targets:
-                raise where.error(line, None,
-                                  f"names unknown target {_show(member)}; known targets: {', '.join(targets)}")
+                raise where.error(
+                    line, None, f"names unknown target {_show(member)}; known targets: {', '.join(targets)}"
+                )
             if members.count(member) > 1:
                 raise where.error(line, None, f"lists target {member!r} twice; list each target once")
         groups[name] = tuple(members)
@@ -779,8 +937,10 @@ def describe(inventory: Inventory) -> list[str]:
                 where += f" via {target.ssh.jump}"
         job = target.job
         if job.gpus:
-            gpus = (f"target GPUs {','.join(map(str, job.target_gpus)) or '-'}, "
-                    f"drafter GPUs {','.join(map(str, job.drafter_gpus)) or '-'}")
+            gpus = (
+                f"target GPUs {','.join(map(str, job.target_gpus)) or '-'}, "
+                f"drafter GPUs {','.join(map(str, job.drafter_gpus)) or '-'}"
+            )
         else:
             gpus = "no GPUs"
         mark = "*" if target.name in default_names else " "

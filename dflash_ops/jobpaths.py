@@ -1,4 +1,5 @@
 """Where a job's pieces live on its target, derived from the inventory's Job (one place only)."""
+
 from __future__ import annotations
 
 import posixpath
@@ -42,8 +43,12 @@ def legacy_run_dir(job: Job) -> str:
 def owned_by_the_job(workdir: str) -> list[tuple[str, str]]:
     """(path, what) of the job's own directories under its workdir, which no cache may touch."""
     job = Job(workdir=workdir, python="", config="")
-    return [(runs_dir(job), "runs (checkpoints)"), (legacy_run_dir(job), "run dir of earlier versions (checkpoints)"),
-            (releases_dir(job), "releases"), (current_release(job), "current release")]
+    return [
+        (runs_dir(job), "runs (checkpoints)"),
+        (legacy_run_dir(job), "run dir of earlier versions (checkpoints)"),
+        (releases_dir(job), "releases"),
+        (current_release(job), "current release"),
+    ]
 
 
 def state_file(job: Job) -> str:

@@ -8,6 +8,7 @@ Every write is a whole new file renamed into place, so a reader never sees half 
 health and tail-log follow the run and log named here, never "the newest file"; an operator's stop
 is a decision that health reports as OK and never undoes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,7 +98,7 @@ def shell_json(**fields) -> str:
 def write_script(job: Job, json_words: str) -> str:
     """Shell lines writing a state atomically (a temp file renamed over the old one)."""
     path = shlex.quote(jobpaths.state_file(job))
-    return (f"printf '%s\\n' {json_words} > {path}.tmp.$$ && mv -f {path}.tmp.$$ {path}")
+    return f"printf '%s\\n' {json_words} > {path}.tmp.$$ && mv -f {path}.tmp.$$ {path}"
 
 
 def stopped(previous: JobState | None, when: float) -> JobState:

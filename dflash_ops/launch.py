@@ -3,6 +3,7 @@
 `bash -c` under pct exec is a non-login shell (no profile, no venv activation), so every path is
 absolute and every variable the trainer needs is passed here.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -64,9 +65,13 @@ def pane_script(job: Job) -> str:
     exports = "\n".join(f"export {k}={q(v)}" for k, v in trainer_env(job).items())
     runs = q(jobpaths.runs_dir(job))
     argv = " ".join(q(a) for a in trainer_argv(job)).replace(q(RUN_DIR), '"$out"')
-    finished = jobstate.shell_json(state=jobstate.FINISHED, run=jobstate.Digits("$((10#$run))"),
-                                   run_dir=_run_dir_json(job), log=_log_json(job),
-                                   when=jobstate.Digits("$(date +%s)"))
+    finished = jobstate.shell_json(
+        state=jobstate.FINISHED,
+        run=jobstate.Digits("$((10#$run))"),
+        run_dir=_run_dir_json(job),
+        log=_log_json(job),
+        when=jobstate.Digits("$(date +%s)"),
+    )
     return f"""log=$1; n=$2; run=$3; mode=$4; shift 4
 {exports}
 cd {q(job.workdir)}
@@ -91,9 +96,14 @@ def launch_script(job: Job, resume: bool = True) -> str:
     q = shlex.quote
     logs, runs = job.log_dir, jobpaths.runs_dir(job)
     legacy = jobpaths.legacy_run_dir(job)
-    running = jobstate.shell_json(state=jobstate.RUNNING, run=jobstate.Digits("$((10#$run))"),
-                                  run_dir=_run_dir_json(job), log=_log_json(job),
-                                  pid=jobstate.Digits("$pid"), since=jobstate.Digits("$(date +%s)"))
+    running = jobstate.shell_json(
+        state=jobstate.RUNNING,
+        run=jobstate.Digits("$((10#$run))"),
+        run_dir=_run_dir_json(job),
+        log=_log_json(job),
+        pid=jobstate.Digits("$pid"),
+        since=jobstate.Digits("$(date +%s)"),
+    )
     numbered = "grep -E '^[0-9]{4,}$' | sort -n | tail -n 1"
     return f"""set -eu
 if {tmux.has_session(job)}; then echo {q("session " + job.session + " is already running; stop it first")} >&2; exit 3; fi

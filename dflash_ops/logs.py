@@ -3,6 +3,7 @@
 Signatures are ordered most specific first; each log line is claimed by the first one it matches,
 so an OOM is reported as an OOM and not also as a generic CUDA error.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,52 +41,82 @@ class Failure:
 
 SIGNATURES: tuple[Signature, ...] = (
     Signature(
-        "fx_tracing", "FX-tracing race",
+        "fx_tracing",
+        "FX-tracing race",
         re.compile(re.escape(facts.FX_TRACING_ERROR)),
         "a drafter thread called a compiled function while another thread was compiling "
         "(AOTAutograd's make_fx sets a process-global flag); serialize first steps and recompiles "
-        "under the compile lock, and retest with a fresh inductor cache"),
+        "under the compile lock, and retest with a fresh inductor cache",
+    ),
     Signature(
-        "block_mask_race", "create_block_mask race",
+        "block_mask_race",
+        "create_block_mask race",
         re.compile(r"KeyError: 'custom'"),
         "concurrent create_block_mask calls mutate a module-global dict in torch.fx.traceback; "
-        "serialize create_block_mask across threads"),
+        "serialize create_block_mask across threads",
+    ),
     Signature(
-        "cuda_oom", "CUDA out of memory",
+        "cuda_oom",
+        "CUDA out of memory",
         re.compile(r"CUDA out of memory|torch\.(?:cuda\.)?OutOfMemoryError|CUDA error: out of memory"),
         "a GPU ran out of memory: check for leftover processes or ghost memory on the job's GPUs, "
-        "then lower the batch or sequence length"),
+        "then lower the batch or sequence length",
+    ),
     Signature(
-        "nccl", "NCCL error",
-        re.compile(r"NCCL error|nccl(?:Internal|System|Invalid\w*|UnhandledCuda|Remote)Error"
-                   r"|Watchdog caught collective operation timeout|ProcessGroupNCCL.*(?:[Tt]imeout|[Ee]rror)"),
-        "communication between GPUs failed (a peer died or hung, or a collective timed out)"),
+        "nccl",
+        "NCCL error",
+        re.compile(
+            r"NCCL error|nccl(?:Internal|System|Invalid\w*|UnhandledCuda|Remote)Error"
+            r"|Watchdog caught collective operation timeout|ProcessGroupNCCL.*(?:[Tt]imeout|[Ee]rror)"
+        ),
+        "communication between GPUs failed (a peer died or hung, or a collective timed out)",
+    ),
     Signature(
-        "cuda_error", "CUDA error",
-        re.compile(r"CUDA error: |CUBLAS_STATUS_[A-Z_]+|cuDNN error|illegal memory access was encountered"
-                   r"|device-side assert triggered"),
-        "a CUDA kernel failed; rerun with CUDA_LAUNCH_BLOCKING=1 to find the operation"),
+        "cuda_error",
+        "CUDA error",
+        re.compile(
+            r"CUDA error: |CUBLAS_STATUS_[A-Z_]+|cuDNN error|illegal memory access was encountered"
+            r"|device-side assert triggered"
+        ),
+        "a CUDA kernel failed; rerun with CUDA_LAUNCH_BLOCKING=1 to find the operation",
+    ),
     Signature(
-        "compile_failed", "torch.compile failure",
+        "compile_failed",
+        "torch.compile failure",
         re.compile(r"BackendCompilerFailed|InductorError|LoweringException|torch\._inductor\.exc\.\w+"),
-        "torch.compile (inductor/triton) failed to build a kernel; the traceback names the graph"),
+        "torch.compile (inductor/triton) failed to build a kernel; the traceback names the graph",
+    ),
     Signature(
-        "killed", "process killed",
+        "killed",
+        "process killed",
         re.compile(r"^Killed\s*$|:\s*\d+\s+Killed(?:\s|$)"),
-        "SIGKILL, usually the kernel OOM killer: check host RAM and `dmesg`"),
+        "SIGKILL, usually the kernel OOM killer: check host RAM and `dmesg`",
+    ),
     Signature(
-        "native_crash", "native crash",
-        re.compile(r"Segmentation fault|^Aborted(?: \(core dumped\))?\s*$|:\s*\d+\s+(?:Aborted|Bus error)(?:\s|$)"
-                   r"|terminate called after throwing"),
-        "the process died in native code (segfault/abort); the lines above it show the last operation"),
+        "native_crash",
+        "native crash",
+        re.compile(
+            r"Segmentation fault|^Aborted(?: \(core dumped\))?\s*$|:\s*\d+\s+(?:Aborted|Bus error)(?:\s|$)"
+            r"|terminate called after throwing"
+        ),
+        "the process died in native code (segfault/abort); the lines above it show the last operation",
+    ),
 )
 
-TRACEBACK = Signature("traceback", "Python exception", re.compile(re.escape(TRACEBACK_HEADER)),
-                      "the trainer raised an exception; the line shown is the exception")
+TRACEBACK = Signature(
+    "traceback",
+    "Python exception",
+    re.compile(re.escape(TRACEBACK_HEADER)),
+    "the trainer raised an exception; the line shown is the exception",
+)
 
-RANK_DIED = Signature("rank_died", "rank died", re.compile(r"$^"),  # found by torchrun.rank_failure
-                      "a rank of a torchrun job exited and torchrun ended the others; the line names "
-                      "the first rank that failed and how")
+RANK_DIED = Signature(
+    "rank_died",
+    "rank died",
+    re.compile(r"$^"),  # found by torchrun.rank_failure
+    "a rank of a torchrun job exited and torchrun ended the others; the line names "
+    "the first rank that failed and how",
+)
 
 
 def _exception_line(lines: list[str], header_at: int) -> tuple[int, str]:
@@ -121,19 +152,33 @@ def find_failures(text: str) -> list[Failure]:
             at, exception = _exception_line(lines, i)
             if at in claimed or exception.startswith("KeyboardInterrupt"):
                 continue
-            latest_traceback = Failure(TRACEBACK.name, TRACEBACK.title, TRACEBACK.explanation, exception, at + 1)
+            latest_traceback = Failure(
+                TRACEBACK.name, TRACEBACK.title, TRACEBACK.explanation, exception, at + 1
+            )
     ordered = [found[sig.name] for sig in SIGNATURES if sig.name in found]
     if rank_died is not None:
-        ordered.insert(0, Failure(RANK_DIED.name, RANK_DIED.title, RANK_DIED.explanation, rank_died,
-                                  max(explained, default=0) + 1))
+        ordered.insert(
+            0,
+            Failure(
+                RANK_DIED.name,
+                RANK_DIED.title,
+                RANK_DIED.explanation,
+                rank_died,
+                max(explained, default=0) + 1,
+            ),
+        )
     if latest_traceback is not None:
         ordered.append(latest_traceback)
     return ordered
 
 
 # Trainer metrics `error` event kinds mapped onto the log signatures they correspond to.
-_KIND_TO_SIGNATURE = {"fx_tracing": "fx_tracing", "cuda_oom": "cuda_oom", "block_mask": "block_mask_race",
-                      "nccl": "nccl"}
+_KIND_TO_SIGNATURE = {
+    "fx_tracing": "fx_tracing",
+    "cuda_oom": "cuda_oom",
+    "block_mask": "block_mask_race",
+    "nccl": "nccl",
+}
 
 
 def failures_from_records(records: list[dict]) -> list[Failure]:
@@ -178,8 +223,11 @@ def step_records(records: list[dict]) -> list[dict]:
 
 
 def recent_tokens_per_s(records: list[dict], window: int = 5) -> float | None:
-    values = [float(r["tokens_per_s"]) for r in step_records(records)[-window:]
-              if isinstance(r.get("tokens_per_s"), (int, float)) and math.isfinite(r["tokens_per_s"])]
+    values = [
+        float(r["tokens_per_s"])
+        for r in step_records(records)[-window:]
+        if isinstance(r.get("tokens_per_s"), (int, float)) and math.isfinite(r["tokens_per_s"])
+    ]
     return statistics.median(values) if values else None
 
 
@@ -203,7 +251,7 @@ def progress(records: list[dict]) -> Progress:
     """Summarize metrics records (oldest first). A new `start` begins a new run: older ones are ignored."""
     start = metrics_format.last_of(records, "start")
     if start is not None:
-        records = records[records.index(start):]
+        records = records[records.index(start) :]
     last = metrics_format.last_of(records, "step")
     done = metrics_format.last_of(records, "done")
     total = None
@@ -221,6 +269,7 @@ def progress(records: list[dict]) -> Progress:
         last_record_time=_number(records[-1].get("time")) if records else None,
         start_time=_number(start.get("time")) if start else None,
         steps_per_s=step_rate(records),
-        done_reason=str(done.get("reason")) if done and (last is None or done.get("time", 0) >= last.get("time", 0))
+        done_reason=str(done.get("reason"))
+        if done and (last is None or done.get("time", 0) >= last.get("time", 0))
         else None,
     )

@@ -1,4 +1,5 @@
 """Plain data describing targets and jobs, as loaded from inventory.yaml (see inventory.py)."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
 """The operations behind each CLI command, as plain functions over one Target (tests call these)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,14 @@ def connect(target: Target) -> Iterator:
 # The options each built-in command's flags set, in the playbook it runs: a user's file that
 # shadows the shipped one must declare them (see playbook.load_builtin).
 BUILTIN_FLAGS: dict[str, dict[str, str]] = {
-    "relaunch": {"purge": "--no-purge", "deploy": "--no-deploy", "resume": "--fresh", "timeout": "--timeout",
-                 "grace": "--grace", "allow_shared_gpus": "--allow-shared-gpus"},
+    "relaunch": {
+        "purge": "--no-purge",
+        "deploy": "--no-deploy",
+        "resume": "--fresh",
+        "timeout": "--timeout",
+        "grace": "--grace",
+        "allow_shared_gpus": "--allow-shared-gpus",
+    },
     "stop": {"grace": "--grace"},
     "gpu-clean": {"force": "--force"},
     "purge-cache": {},
@@ -46,8 +53,14 @@ def load_book(name: str, search_dirs=None, options: dict | None = None) -> playb
     return playbook.load_builtin(name, dirs, BUILTIN_FLAGS.get(name, {}), options, registry=steps.registry)
 
 
-def run_playbook(target: Target, name: str, options: dict | None = None, dry_run: bool = False,
-                 on_progress: Callable | None = None, search_dirs=None) -> playbook.PlaybookResult:
+def run_playbook(
+    target: Target,
+    name: str,
+    options: dict | None = None,
+    dry_run: bool = False,
+    on_progress: Callable | None = None,
+    search_dirs=None,
+) -> playbook.PlaybookResult:
     """Load, validate (before touching anything) and run one playbook on one target."""
     book = load_book(name, search_dirs, options).playbook
     given = {k: v for k, v in (options or {}).items() if v is not None}
@@ -69,8 +82,14 @@ class NothingToDo:
         return f"[{self.target}] {self.message}"
 
 
-def stop_job(target: Target, name: str = "stop", options: dict | None = None, dry_run: bool = False,
-             on_progress: Callable | None = None, search_dirs=None):
+def stop_job(
+    target: Target,
+    name: str = "stop",
+    options: dict | None = None,
+    dry_run: bool = False,
+    on_progress: Callable | None = None,
+    search_dirs=None,
+):
     """`stop`: in a stopped container the job cannot be running, so there is nothing to stop."""
     if target.transport == "pct" and not dry_run:
         with connect(target) as transport:
@@ -79,8 +98,10 @@ def stop_job(target: Target, name: str = "stop", options: dict | None = None, dr
             except ContainerNotRunning as exc:
                 if "is not running" not in exc.reason:
                     raise  # a container that does not exist is a mistake, not a stopped job
-                return NothingToDo(target.name, f"stop: container {target.ctid} is not running, so neither is "
-                                                "the job; nothing to stop")
+                return NothingToDo(
+                    target.name,
+                    f"stop: container {target.ctid} is not running, so neither is the job; nothing to stop",
+                )
     return run_playbook(target, name, options, dry_run, on_progress, search_dirs)
 
 
@@ -101,8 +122,11 @@ def check(target: Target, now: float | None = None, timeout_s: float | None = No
     if timeout_s is None:
         return _check(target, now)
     shares = budget.split(timeout_s, gpu_on_host=target.gpu_host_ctid is not None)
-    return budget.within(timeout_s, lambda: _check(budget.limit_connect(target, shares.connect_s), now, shares),
-                         lambda: _unknown(target, f"no answer within the {timeout_s:g} s budget (--timeout)"))
+    return budget.within(
+        timeout_s,
+        lambda: _check(budget.limit_connect(target, shares.connect_s), now, shares),
+        lambda: _unknown(target, f"no answer within the {timeout_s:g} s budget (--timeout)"),
+    )
 
 
 def _unknown(target: Target, reason: str) -> Checked:
@@ -116,13 +140,22 @@ def _check(target: Target, now: float | None, shares: budget.Shares | None = Non
             if shares is None:
                 report = run_probe(transport, target.job, gpu_on_host=target.gpu_host_ctid)
             else:
-                report = run_probe(transport, target.job, gpu_on_host=target.gpu_host_ctid,
-                                   timeout=shares.run_s, part_s=shares.part_s)
+                report = run_probe(
+                    transport,
+                    target.job,
+                    gpu_on_host=target.gpu_host_ctid,
+                    timeout=shares.run_s,
+                    part_s=shares.part_s,
+                )
     except DflashOpsError as exc:
         return _unknown(target, str(exc).splitlines()[0])
-    verdict = budget.with_unknown_parts(health.evaluate(budget.judged_without_unknown_parts(report), target.job, now),
-                                        budget.unknown_parts(report))
-    status = budget.mark_unknown_parts(status_lib.build_status(target.name, report, target.job, verdict), report)
+    verdict = budget.with_unknown_parts(
+        health.evaluate(budget.judged_without_unknown_parts(report), target.job, now),
+        budget.unknown_parts(report),
+    )
+    status = budget.mark_unknown_parts(
+        status_lib.build_status(target.name, report, target.job, verdict), report
+    )
     return Checked(target, verdict, status, report)
 
 
@@ -151,8 +184,9 @@ def auto_relaunch(target: Target, checked: Checked, search_dirs=None) -> HealthA
 def list_releases(target: Target) -> list[deploy.Release]:
     """The releases kept on the target, most recently deployed first."""
     with connect(target) as transport:
-        return deploy.parse_list(transport.check(deploy.list_script(target.job), timeout=30,
-                                                 step="list releases").stdout)
+        return deploy.parse_list(
+            transport.check(deploy.list_script(target.job), timeout=30, step="list releases").stdout
+        )
 
 
 # ------------------------------------------------------------------ logs
@@ -167,11 +201,15 @@ GREP_WINDOW_LINES = 200_000
 
 def newest_log(transport, target: Target) -> str:
     log_dir = target.job.log_dir
-    listing = transport.check(LIST_LOGS.format(dir=shlex.quote(log_dir)), timeout=30, step="find newest log").stdout
+    listing = transport.check(
+        LIST_LOGS.format(dir=shlex.quote(log_dir)), timeout=30, step="find newest log"
+    ).stdout
     name = facts.newest_log_name(listing.strip().split("/"))
     if not name:
-        raise DflashOpsError(f"[{target.name}] no {facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX} in {log_dir} yet; "
-                             "launch the job first (dflash-ops relaunch)")
+        raise DflashOpsError(
+            f"[{target.name}] no {facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX} in {log_dir} yet; "
+            "launch the job first (dflash-ops relaunch)"
+        )
     return f"{log_dir.rstrip('/')}/{name}"
 
 
@@ -179,15 +217,18 @@ def job_log(transport, target: Target) -> str:
     """The log of the run the job state names (never merely the newest file); the newest
     train-NNNN.log only for a job launched before there was a job state."""
     q = shlex.quote
-    out = transport.check(f"cat {q(jobpaths.state_file(target.job))} 2>/dev/null || true", timeout=30,
-                          step="find the job's log").stdout
+    out = transport.check(
+        f"cat {q(jobpaths.state_file(target.job))} 2>/dev/null || true", timeout=30, step="find the job's log"
+    ).stdout
     state = jobstate.parse(out.strip())
     if state is None or not state.log:
         return newest_log(transport, target)
     if not transport.run(f"test -e {q(state.log)}", timeout=30, step="find the job's log").ok:
         run = f"run {state.run:04d}" if isinstance(state.run, int) else "the current run"
-        raise DflashOpsError(f"[{target.name}] the log of {run}, {state.log}, is missing (deleted or rotated "
-                             "away?); pass --log PATH to read another file")
+        raise DflashOpsError(
+            f"[{target.name}] the log of {run}, {state.log}, is missing (deleted or rotated "
+            "away?); pass --log PATH to read another file"
+        )
     return state.log
 
 
@@ -206,20 +247,31 @@ def compile_grep(grep: str | None) -> re.Pattern | None:
 
 # A --log that is not a regular file (a directory, a device) would "read" as nothing at all.
 _NOT_A_FILE = 3
-_CHECK_FILE = ('if [ ! -e {q} ]; then echo "does not exist"; exit 3; fi\n'
-               'if [ ! -f {q} ]; then echo "is a $(stat -c %F -- {q})"; exit 3; fi\n')
+_CHECK_FILE = (
+    'if [ ! -e {q} ]; then echo "does not exist"; exit 3; fi\n'
+    'if [ ! -f {q} ]; then echo "is a $(stat -c %F -- {q})"; exit 3; fi\n'
+)
 
 
-def _read_from(transport, target: Target, path: str, offset: int, follow_job: bool) -> tuple[str | None, int, str]:
+def _read_from(
+    transport, target: Target, path: str, offset: int, follow_job: bool
+) -> tuple[str | None, int, str]:
     """(the job's current log or None, size of `path`, its bytes after `offset`) in one run. The
     current log is the one the job state names; the newest train-NNNN.log only without a state."""
     q = shlex.quote(path)
     log_dir = shlex.quote(target.job.log_dir)
-    current = (f"tr '\\n' ' ' 2>/dev/null < {shlex.quote(jobpaths.state_file(target.job))}; echo; "
-               f"{LIST_LOGS.format(dir=log_dir)}; " if follow_job else "echo; echo; ")
-    out = transport.check(f"{current}size=$(stat -c %s {q}) && echo $size && "
-                          f"tail -c +{offset + 1} {q} | head -c $((size - {offset}))",
-                          timeout=60, step="follow log").stdout
+    current = (
+        f"tr '\\n' ' ' 2>/dev/null < {shlex.quote(jobpaths.state_file(target.job))}; echo; "
+        f"{LIST_LOGS.format(dir=log_dir)}; "
+        if follow_job
+        else "echo; echo; "
+    )
+    out = transport.check(
+        f"{current}size=$(stat -c %s {q}) && echo $size && "
+        f"tail -c +{offset + 1} {q} | head -c $((size - {offset}))",
+        timeout=60,
+        step="follow log",
+    ).stdout
     state_line, _, rest = out.partition("\n")
     newest, _, rest = rest.partition("\n")
     size_line, _, chunk = rest.partition("\n")
@@ -230,9 +282,16 @@ def _read_from(transport, target: Target, path: str, offset: int, follow_job: bo
     return (f"{target.job.log_dir.rstrip('/')}/{newest}" if newest else None), int(size_line), chunk
 
 
-def tail_log(target: Target, lines: int = 50, follow: bool = False, grep: str | None = None,
-             log: str | None = None, emit: Callable[[str], None] = print, poll_s: float = 1.0,
-             should_stop: Callable[[], bool] = lambda: False) -> str:
+def tail_log(
+    target: Target,
+    lines: int = 50,
+    follow: bool = False,
+    grep: str | None = None,
+    log: str | None = None,
+    emit: Callable[[str], None] = print,
+    poll_s: float = 1.0,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> str:
     """Print the last `lines` lines (matching `grep`) of the job's log (the one the job state names); with follow, keep printing
     new lines by polling byte offsets (nothing keeps running remotely when we stop). Following the
     job's log (no `log` given) moves on to the log the job state names when a relaunch starts one."""
@@ -241,12 +300,17 @@ def tail_log(target: Target, lines: int = 50, follow: bool = False, grep: str | 
         path = log or job_log(transport, target)
         q = shlex.quote(path)
         # the size first, so follow continues exactly where this read ended
-        first = transport.run(_CHECK_FILE.format(q=q) + f"size=$(stat -c %s {q}) && echo $size && head -c $size {q} | "
-                              f"tail -n {GREP_WINDOW_LINES if pattern else int(lines)}",
-                              timeout=60, step="read log")
+        first = transport.run(
+            _CHECK_FILE.format(q=q) + f"size=$(stat -c %s {q}) && echo $size && head -c $size {q} | "
+            f"tail -n {GREP_WINDOW_LINES if pattern else int(lines)}",
+            timeout=60,
+            step="read log",
+        )
         if log and first.exit_code == _NOT_A_FILE:
-            raise InputError(f"--log {log}: {first.stdout.strip() or 'not a regular file'} on {target.name}; "
-                             f"give a log file ({facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX} in {target.job.log_dir})")
+            raise InputError(
+                f"--log {log}: {first.stdout.strip() or 'not a regular file'} on {target.name}; "
+                f"give a log file ({facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX} in {target.job.log_dir})"
+            )
         if not first.ok:
             raise RemoteCommandError(target.name, "read log", first)
         size_line, _, text = first.stdout.partition("\n")
@@ -265,8 +329,11 @@ def tail_log(target: Target, lines: int = 50, follow: bool = False, grep: str | 
             *complete, partial = partial.split("\n")
             for line in _filter(complete, pattern):
                 emit(line)
-            if current and current != path and transport.run(f"test -f {shlex.quote(current)}", timeout=30,
-                                                             step="follow log").ok:
+            if (
+                current
+                and current != path
+                and transport.run(f"test -f {shlex.quote(current)}", timeout=30, step="follow log").ok
+            ):
                 # a relaunch started the next log: follow that one, as tail -F
                 for line in _filter([partial] if partial else [], pattern):
                     emit(line)

@@ -2,6 +2,7 @@
 job alone: the target answers, the job's python imports torch, a release is present or can be
 deployed, the GPU query answers, no foreign process sits on the job's GPUs, checkpoints have disk.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -9,14 +10,23 @@ import shlex
 from . import jobpaths
 from .errors import DflashOpsError
 from .playbook import StepContext, StepOutcome
-from .steps import (_fail, _gpu_snapshot, describe_foreign, job_processes, refuse_while_job_lives, registry,
-                    surely_foreign)
+from .steps import (
+    _fail,
+    _gpu_snapshot,
+    describe_foreign,
+    job_processes,
+    refuse_while_job_lives,
+    registry,
+    surely_foreign,
+)
 
 
 # The full import proves torch's libraries load; finding the package is enough for a quick check.
 IMPORT_TORCH = "import torch; print(torch.__version__)"
-FIND_TORCH = ("import importlib.util, sys; s = importlib.util.find_spec('torch'); "
-              "sys.exit('No module named torch') if s is None else print('installed')")
+FIND_TORCH = (
+    "import importlib.util, sys; s = importlib.util.find_spec('torch'); "
+    "sys.exit('No module named torch') if s is None else print('installed')"
+)
 
 
 def _shell_checks(job, need_release: bool, import_torch: bool) -> str:
@@ -24,9 +34,12 @@ def _shell_checks(job, need_release: bool, import_torch: bool) -> str:
     q = shlex.quote
     workdir = q(job.workdir)
     release = q(jobpaths.current_release(job) + "/trainer/__init__.py")
-    release_check = (f"if [ -f {release} ]; then echo release=ok; else echo release=missing; fi" if need_release else
-                     f"if mkdir -p {workdir} 2>/dev/null && [ -w {workdir} ]; then echo release=deployable; "
-                     "else echo release=unwritable; fi")
+    release_check = (
+        f"if [ -f {release} ]; then echo release=ok; else echo release=missing; fi"
+        if need_release
+        else f"if mkdir -p {workdir} 2>/dev/null && [ -w {workdir} ]; then echo release=deployable; "
+        "else echo release=unwritable; fi"
+    )
     return f"""echo reach=ok
 {release_check}
 d={workdir}; while [ ! -d "$d" ]; do d=$(dirname "$d"); done
@@ -48,37 +61,66 @@ def _answers(stdout: str) -> dict[str, str]:
     return out
 
 
-@registry.step("preflight", params={"gpus": list[int], "deploy": (bool, True), "min_free_gib": (float, 10.0),
-                                     "allow_shared_gpus": (bool, False), "import_torch": (bool, True)})
-def preflight(ctx: StepContext, gpus: list[int], deploy: bool, min_free_gib: float,
-              allow_shared_gpus: bool, import_torch: bool) -> StepOutcome:
+@registry.step(
+    "preflight",
+    params={
+        "gpus": list[int],
+        "deploy": (bool, True),
+        "min_free_gib": (float, 10.0),
+        "allow_shared_gpus": (bool, False),
+        "import_torch": (bool, True),
+    },
+)
+def preflight(
+    ctx: StepContext,
+    gpus: list[int],
+    deploy: bool,
+    min_free_gib: float,
+    allow_shared_gpus: bool,
+    import_torch: bool,
+) -> StepOutcome:
     """Check, before anything is stopped, that the launch can work; a failed check names itself
     and leaves the running job untouched."""
     job = ctx.job
     try:
-        result = ctx.run(_shell_checks(job, need_release=not deploy, import_torch=import_torch), timeout=150,
-                         check=False)
+        result = ctx.run(
+            _shell_checks(job, need_release=not deploy, import_torch=import_torch), timeout=150, check=False
+        )
     except DflashOpsError as exc:  # ssh, pct or the container did not answer
         raise _fail(ctx, f"check 'reachable': {str(exc).splitlines()[0]}; nothing was stopped") from None
     if result is None:
-        return StepOutcome("would check python+torch, the release, free disk, the GPU query and foreign GPU processes")
+        return StepOutcome(
+            "would check python+torch, the release, free disk, the GPU query and foreign GPU processes"
+        )
     found = _answers(result.stdout)
     untouched = "; nothing was stopped"
     if found.get("reach") != "ok":
-        raise _fail(ctx, f"check 'reachable': the target did not answer ({(result.stderr or result.stdout).strip()[-300:]})"
-                         + untouched)
+        raise _fail(
+            ctx,
+            f"check 'reachable': the target did not answer ({(result.stderr or result.stdout).strip()[-300:]})"
+            + untouched,
+        )
     if "python_error" in found:
-        raise _fail(ctx, f"check 'python': {job.python} cannot import torch ({found['python_error']}); "
-                         "fix job.python or install torch there" + untouched)
+        raise _fail(
+            ctx,
+            f"check 'python': {job.python} cannot import torch ({found['python_error']}); "
+            "fix job.python or install torch there" + untouched,
+        )
     if found.get("release") == "missing":
-        raise _fail(ctx, f"check 'release': no trainer release at {jobpaths.current_release(job)}; "
-                         "deploy one (drop --no-deploy)" + untouched)
+        raise _fail(
+            ctx,
+            f"check 'release': no trainer release at {jobpaths.current_release(job)}; "
+            "deploy one (drop --no-deploy)" + untouched,
+        )
     if found.get("release") == "unwritable":
         raise _fail(ctx, f"check 'release': cannot write {job.workdir} to deploy the trainer" + untouched)
-    free_gib = int(found.get("free_kib") or 0) / 2 ** 20
+    free_gib = int(found.get("free_kib") or 0) / 2**20
     if free_gib < min_free_gib:
-        raise _fail(ctx, f"check 'disk': {free_gib:.1f} GiB free under {job.workdir}, checkpoints need "
-                         f"{min_free_gib:g} GiB" + untouched)
+        raise _fail(
+            ctx,
+            f"check 'disk': {free_gib:.1f} GiB free under {job.workdir}, checkpoints need "
+            f"{min_free_gib:g} GiB" + untouched,
+        )
     said = [f"torch {found.get('torch', '?')}", f"{free_gib:.0f} GiB free"]
     if gpus:
         try:
@@ -87,16 +129,24 @@ def preflight(ctx: StepContext, gpus: list[int], deploy: bool, min_free_gib: flo
             raise _fail(ctx, f"check 'GPU query': {str(exc).split(': ', 1)[-1]}" + untouched) from None
         missing = [i for i in gpus if snapshot.by_index(i) is None]
         if missing:
-            raise _fail(ctx, f"check 'GPU query': job GPUs {','.join(map(str, missing))} do not exist on the "
-                             "target; fix target_gpus/drafter_gpus" + untouched)
+            raise _fail(
+                ctx,
+                f"check 'GPU query': job GPUs {','.join(map(str, missing))} do not exist on the "
+                "target; fix target_gpus/drafter_gpus" + untouched,
+            )
         report = job_processes(ctx, job, gpus, 0.0, True, "list")
         assert report is not None  # None only under dry-run, which returned above
         foreign = surely_foreign(report["unidentified"])
         if foreign and not allow_shared_gpus:
-            raise _fail(ctx, f"check 'foreign GPU processes': {describe_foreign(foreign)}; they are not this "
-                             "job's and are never signalled: end them, or pass --allow-shared-gpus" + untouched)
-        said.append(f"GPUs {','.join(map(str, gpus))} answer" + (f", shared with {describe_foreign(foreign)}"
-                                                                 if foreign else ""))
+            raise _fail(
+                ctx,
+                f"check 'foreign GPU processes': {describe_foreign(foreign)}; they are not this "
+                "job's and are never signalled: end them, or pass --allow-shared-gpus" + untouched,
+            )
+        said.append(
+            f"GPUs {','.join(map(str, gpus))} answer"
+            + (f", shared with {describe_foreign(foreign)}" if foreign else "")
+        )
     return StepOutcome("; ".join(said))
 
 

@@ -2,6 +2,7 @@
 
 `status` and `health` cost exactly one `transport.run` (one ssh session, one `pct exec`).
 """
+
 from __future__ import annotations
 
 import base64
@@ -91,31 +92,61 @@ class ProbeReport:
         return scan if isinstance(scan, dict) else None
 
 
-def probe_args(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines: int = DEFAULT_METRICS_LINES,
-               gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi", part_s: float | None = None) -> dict:
-    args = {"log_dir": job.log_dir, "session": job.session, "socket": job.tmux_socket,
-            "log_lines": int(log_lines), "metrics_lines": int(metrics_lines), "gpu_source": gpu_source,
-            "nvidia_smi": nvidia_smi, "state_file": jobpaths.state_file(job),
-            "marker": f"{jobpaths.JOB_MARKER_ENV}={jobpaths.marker_value(job)}",
-            "eval_context_steps": acceptance.ACC_WINDOW}
+def probe_args(
+    job: Job,
+    log_lines: int = DEFAULT_LOG_LINES,
+    metrics_lines: int = DEFAULT_METRICS_LINES,
+    gpu_source: str = "auto",
+    nvidia_smi: str = "nvidia-smi",
+    part_s: float | None = None,
+) -> dict:
+    args = {
+        "log_dir": job.log_dir,
+        "session": job.session,
+        "socket": job.tmux_socket,
+        "log_lines": int(log_lines),
+        "metrics_lines": int(metrics_lines),
+        "gpu_source": gpu_source,
+        "nvidia_smi": nvidia_smi,
+        "state_file": jobpaths.state_file(job),
+        "marker": f"{jobpaths.JOB_MARKER_ENV}={jobpaths.marker_value(job)}",
+        "eval_context_steps": acceptance.ACC_WINDOW,
+    }
     if part_s is not None:
         args["part_s"] = round(float(part_s), 2)
     return args
 
 
-def probe_script_for(job: Job, log_lines: int = DEFAULT_LOG_LINES, metrics_lines: int = DEFAULT_METRICS_LINES,
-                     gpu_source: str = "auto", nvidia_smi: str = "nvidia-smi", part_s: float | None = None) -> str:
+def probe_script_for(
+    job: Job,
+    log_lines: int = DEFAULT_LOG_LINES,
+    metrics_lines: int = DEFAULT_METRICS_LINES,
+    gpu_source: str = "auto",
+    nvidia_smi: str = "nvidia-smi",
+    part_s: float | None = None,
+) -> str:
     """The bash script for `transport.run`: the job's python (python3 when that is not installed
     yet, e.g. before the first deploy) runs the probe, whose text (remote.bundle) the caller passes
     as stdin; every word is quoted."""
-    return python_command(job.python, PROBE_SCRIPT, probe_args(job, log_lines, metrics_lines, gpu_source,
-                                                                 nvidia_smi, part_s), who="dflash probe")
+    return python_command(
+        job.python,
+        PROBE_SCRIPT,
+        probe_args(job, log_lines, metrics_lines, gpu_source, nvidia_smi, part_s),
+        who="dflash probe",
+    )
 
 
-def run_probe(transport, job: Job, timeout: float = DEFAULT_TIMEOUT_S, log_lines: int = DEFAULT_LOG_LINES,
-              metrics_lines: int = DEFAULT_METRICS_LINES, gpu_source: str = "auto",
-              nvidia_smi: str = "nvidia-smi", gpu_on_host: int | None = None,
-              part_s: float | None = None) -> ProbeReport:
+def run_probe(
+    transport,
+    job: Job,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    log_lines: int = DEFAULT_LOG_LINES,
+    metrics_lines: int = DEFAULT_METRICS_LINES,
+    gpu_source: str = "auto",
+    nvidia_smi: str = "nvidia-smi",
+    gpu_on_host: int | None = None,
+    part_s: float | None = None,
+) -> ProbeReport:
     """Everything status/health need, in exactly ONE transport.run call.
 
     `gpu_on_host=CTID` (pct targets with gpu_query_on: host) asks the Proxmox host for the GPUs in
@@ -135,19 +166,29 @@ def run_probe(transport, job: Job, timeout: float = DEFAULT_TIMEOUT_S, log_lines
     return dataclasses.replace(report, seconds=result.seconds)
 
 
-def _run_probe_gpu_on_host(transport, job: Job, timeout: float, log_lines: int, metrics_lines: int,
-                           ctid: int, part_s: float | None = None) -> ProbeReport:
+def _run_probe_gpu_on_host(
+    transport,
+    job: Job,
+    timeout: float,
+    log_lines: int,
+    metrics_lines: int,
+    ctid: int,
+    part_s: float | None = None,
+) -> ProbeReport:
     """Still one ssh session and one `pct exec`: the Proxmox host answers for the GPUs (real pids,
     mapped to containers), then the probe runs in the container without its GPU section."""
     inside = probe_script_for(job, log_lines, metrics_lines, gpu_source="none", part_s=part_s)
     query = HOST_GPU_QUERY if part_s is None else quote_argv(host_query_limited(part_s))
     # the host's query must not read stdin: it carries the probe into the container
-    script = (f"gpu=$({{\n{query}\n}} 2>&1 </dev/null); rc=$?\n"
-              'printf \'%s %s\\n\' "$rc" "$(printf \'%s\' "$gpu" | base64 -w0)"\n'
-              + transport.in_container(inside, timeout if part_s is None else max(1.0, timeout - part_s)))
+    script = (
+        f"gpu=$({{\n{query}\n}} 2>&1 </dev/null); rc=$?\n"
+        'printf \'%s %s\\n\' "$rc" "$(printf \'%s\' "$gpu" | base64 -w0)"\n'
+        + transport.in_container(inside, timeout if part_s is None else max(1.0, timeout - part_s))
+    )
     # the container's run comes after the host's GPU query, inside this one's limit
-    result = transport.run_on_host(script, timeout=timeout + 10 if part_s is None else timeout, step="probe",
-                                   stdin=bundle(PROBE_SCRIPT))
+    result = transport.run_on_host(
+        script, timeout=timeout + 10 if part_s is None else timeout, step="probe", stdin=bundle(PROBE_SCRIPT)
+    )
     first, _, rest = result.stdout.partition("\n")
     if not result.ok:
         raise RemoteCommandError(transport.name, "probe", dataclasses.replace(result, stdout=rest))
@@ -156,16 +197,27 @@ def _run_probe_gpu_on_host(transport, job: Job, timeout: float, log_lines: int, 
     try:
         host_out = base64.b64decode(encoded).decode("utf-8", "replace")
     except (ValueError, binascii.Error):
-        raise ProbeError(f"[{transport.name}] probe: unreadable GPU answer from the Proxmox host: "
-                         f"{first[:200]!r}") from None
+        raise ProbeError(
+            f"[{transport.name}] probe: unreadable GPU answer from the Proxmox host: {first[:200]!r}"
+        ) from None
     if part_s is not None and rc.strip() in ("124", "137"):
-        gpu = GpuSnapshot(gpus=(), source="nvidia-smi", error=f"nvidia-smi on the Proxmox host gave no answer within "
-                                                     f"{part_s:.1f} s (a wedged driver or a hung command)")
-        return dataclasses.replace(report, gpu=gpu, seconds=result.seconds,
-                                   out_of_time=tuple(sorted(set(report.out_of_time) | {"gpu"})))
+        gpu = GpuSnapshot(
+            gpus=(),
+            source="nvidia-smi",
+            error=f"nvidia-smi on the Proxmox host gave no answer within "
+            f"{part_s:.1f} s (a wedged driver or a hung command)",
+        )
+        return dataclasses.replace(
+            report,
+            gpu=gpu,
+            seconds=result.seconds,
+            out_of_time=tuple(sorted(set(report.out_of_time) | {"gpu"})),
+        )
     gpu = parse_host_gpu_query(host_out, ctid)
     if rc.strip() != "0" and gpu.error is None:
-        gpu = dataclasses.replace(gpu, error=f"nvidia-smi on the Proxmox host failed ({rc}): {host_out.strip()[-300:]}")
+        gpu = dataclasses.replace(
+            gpu, error=f"nvidia-smi on the Proxmox host failed ({rc}): {host_out.strip()[-300:]}"
+        )
     return dataclasses.replace(report, gpu=gpu, seconds=result.seconds)
 
 
@@ -195,34 +247,56 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
     try:
         session = data.get("session") or {}
         state = SessionState(
-            name=str(session.get("name", "")), socket=str(session.get("socket", "")),
-            exists=bool(session.get("exists")), running=bool(session.get("running")),
-            pane_pid=session.get("pane_pid"), exit_status=session.get("exit_status"),
-            error=session.get("error"))
-        processes = tuple(ProcessInfo(int(p["pid"]), int(p["ppid"]), str(p["name"]), str(p["state"]),
-                                      str(p.get("cmdline", ""))) for p in data.get("processes") or [])
+            name=str(session.get("name", "")),
+            socket=str(session.get("socket", "")),
+            exists=bool(session.get("exists")),
+            running=bool(session.get("running")),
+            pane_pid=session.get("pane_pid"),
+            exit_status=session.get("exit_status"),
+            error=session.get("error"),
+        )
+        processes = tuple(
+            ProcessInfo(
+                int(p["pid"]), int(p["ppid"]), str(p["name"]), str(p["state"]), str(p.get("cmdline", ""))
+            )
+            for p in data.get("processes") or []
+        )
         log = _tail(data.get("log"))
         metrics = _tail(data.get("metrics"))
         eval_lines = [str(line) for line in (data.get("metrics") or {}).get("eval_lines") or []]
     except (KeyError, TypeError, ValueError) as e:
         raise ProbeError(f"[{target}] probe: malformed answer ({type(e).__name__}: {e})") from e
     return ProbeReport(
-        target=target, time=float(data["time"]), hostname=str(data.get("hostname", "")),
-        gpu=snapshot_from_probe(data.get("gpu")), session=state, processes=processes,
-        log_dir=str(data.get("log_dir", "")), log=log, metrics=metrics, records=_records(metrics, eval_lines),
+        target=target,
+        time=float(data["time"]),
+        hostname=str(data.get("hostname", "")),
+        gpu=snapshot_from_probe(data.get("gpu")),
+        session=state,
+        processes=processes,
+        log_dir=str(data.get("log_dir", "")),
+        log=log,
+        metrics=metrics,
+        records=_records(metrics, eval_lines),
         errors=tuple(str(e) for e in data.get("errors") or []),
         out_of_time=tuple(str(p) for p in data.get("out_of_time") or []),
         job_state=data.get("job_state") if isinstance(data.get("job_state"), dict) else None,
         log_missing=data.get("log_missing") or None,
         marked_pids=tuple(int(p) for p in data.get("marked_pids") or []),
-        gpu_pids_visible=tuple(int(p) for p in data.get("gpu_pids_visible") or []), raw=data)
+        gpu_pids_visible=tuple(int(p) for p in data.get("gpu_pids_visible") or []),
+        raw=data,
+    )
 
 
 def _tail(value) -> FileTail | None:
     if not value:
         return None
-    return FileTail(path=str(value["path"]), size=int(value["size"]), mtime=float(value["mtime"]),
-                    lines=tuple(str(line) for line in value.get("lines") or []), first_line=value.get("first_line"))
+    return FileTail(
+        path=str(value["path"]),
+        size=int(value["size"]),
+        mtime=float(value["mtime"]),
+        lines=tuple(str(line) for line in value.get("lines") or []),
+        first_line=value.get("first_line"),
+    )
 
 
 def _records(metrics: FileTail | None, eval_lines: Sequence[str] = ()) -> tuple[dict, ...]:

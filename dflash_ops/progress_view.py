@@ -1,6 +1,7 @@
 """How playbook progress reaches a person: one line per finished step, and a step's transient
 status ("waiting for the first step: 42 s …") rewritten in place on a terminal, or printed at most
 once every `every_s` seconds where output goes to a file (cron, CI) and cannot be rewritten."""
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,14 @@ CLEAR_LINE = "\r\033[K"
 
 
 class ProgressPrinter:
-    def __init__(self, write: Callable[[str], None], is_tty: bool, with_target: bool = False,
-                 every_s: float = STATUS_EVERY_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        write: Callable[[str], None],
+        is_tty: bool,
+        with_target: bool = False,
+        every_s: float = STATUS_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.write, self.is_tty, self.with_target = write, is_tty, with_target
         self.every_s, self.clock = every_s, clock
         self._live = False  # a status line is on screen without its newline
@@ -27,7 +34,7 @@ class ProgressPrinter:
         text = format_progress(progress, with_target=self.with_target)
         if progress.event == "status":
             if self.is_tty:
-                self.write(CLEAR_LINE + text.strip()[:_width()])
+                self.write(CLEAR_LINE + text.strip()[: _width()])
                 self._live = True
             elif self._last_status is None or self.clock() - self._last_status >= self.every_s:
                 self.write(text + "\n")

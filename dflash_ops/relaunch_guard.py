@@ -4,6 +4,7 @@ State lives on the machine that runs cron (one JSON file and one lock file per t
 that is where overlapping cron runs meet. The lock is an flock held for the whole relaunch, so a
 second health run that finds it taken reports that and does nothing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +20,8 @@ WINDOW_S = 3600
 
 def state_dir() -> pathlib.Path:
     base = os.environ.get("DFLASH_OPS_STATE_DIR") or os.path.join(
-        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "dflash-ops")
+        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "dflash-ops"
+    )
     return pathlib.Path(base)
 
 
@@ -61,8 +63,10 @@ class RelaunchGuard:
             try:
                 recent = self.recent()
                 if len(recent) >= self.max_per_hour:
-                    yield (f"relaunch limit reached: {len(recent)} in the last hour "
-                           f"(max_relaunches_per_hour={self.max_per_hour})")
+                    yield (
+                        f"relaunch limit reached: {len(recent)} in the last hour "
+                        f"(max_relaunches_per_hour={self.max_per_hour})"
+                    )
                 else:
                     yield True
             finally:

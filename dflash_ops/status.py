@@ -1,4 +1,5 @@
 """What `status` shows: one JSON-ready dict per target, and a dense gpustat-like table of it."""
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,9 @@ def data_source(records) -> str | None:
     data = ((start or {}).get("config") or {}).get("data") or {}
     if not isinstance(data, dict) or not data.get("source"):
         return None
-    return str(data["source"]) + (f" {data['path']}" if data.get("path") and data["source"] != "synthetic" else "")
+    return str(data["source"]) + (
+        f" {data['path']}" if data.get("path") and data["source"] != "synthetic" else ""
+    )
 
 
 def _ended(report, progress) -> bool:
@@ -43,49 +46,107 @@ def _ended(report, progress) -> bool:
 def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
     """The status of one target. `report` may be None when the probe could not run; the job's
     identity and the (UNKNOWN) verdict are still reported."""
-    status = {"target": target_name, "hostname": None, "time": None, "probe_seconds": None,
-              "gpu_source": None, "gpu_error": None, "gpus": [],
-              "session": {"name": job.session, "socket": job.tmux_socket, "running": None, "exists": None,
-                          "pane_pid": None, "exit_status": None},
-              "processes": [], "log": None, "metrics": None, "data_source": None, "job_state": None,
-              "log_missing": None,
-              "training": {"step": None, "total_steps": None, "loss": None, "tokens_per_s": None, "eta_s": None,
-                           "last_update_age_s": None, "finished": False},
-              "eval": None,
-              "verdict": verdict.level, "reasons": list(verdict.reasons),
-              "perfdata": verdict.to_dict()["perfdata"]}
+    status = {
+        "target": target_name,
+        "hostname": None,
+        "time": None,
+        "probe_seconds": None,
+        "gpu_source": None,
+        "gpu_error": None,
+        "gpus": [],
+        "session": {
+            "name": job.session,
+            "socket": job.tmux_socket,
+            "running": None,
+            "exists": None,
+            "pane_pid": None,
+            "exit_status": None,
+        },
+        "processes": [],
+        "log": None,
+        "metrics": None,
+        "data_source": None,
+        "job_state": None,
+        "log_missing": None,
+        "training": {
+            "step": None,
+            "total_steps": None,
+            "loss": None,
+            "tokens_per_s": None,
+            "eta_s": None,
+            "last_update_age_s": None,
+            "finished": False,
+        },
+        "eval": None,
+        "verdict": verdict.level,
+        "reasons": list(verdict.reasons),
+        "perfdata": verdict.to_dict()["perfdata"],
+    }
     if report is None:
         return status
     roles = _roles(job)
-    status.update(hostname=report.hostname, time=report.time, probe_seconds=report.seconds,
-                  gpu_source=report.gpu.source, gpu_error=report.gpu.error,
-                  log=report.log.path if report.log else None, job_state=report.job_state,
-                  log_missing=report.log_missing,
-                  metrics=report.metrics.path if report.metrics else None)
+    status.update(
+        hostname=report.hostname,
+        time=report.time,
+        probe_seconds=report.seconds,
+        gpu_source=report.gpu.source,
+        gpu_error=report.gpu.error,
+        log=report.log.path if report.log else None,
+        job_state=report.job_state,
+        log_missing=report.log_missing,
+        metrics=report.metrics.path if report.metrics else None,
+    )
     status["gpus"] = [
-        {"index": g.index, "name": g.name, "uuid": g.uuid, "memory_used_mib": g.memory_used_mib,
-         "memory_total_mib": g.memory_total_mib, "utilization_pct": g.utilization_pct,
-         "role": roles.get(g.index), "ghost_memory_mib": g.ghost_memory_mib,
-         "processes": [{"pid": p.pid, "used_memory_mib": p.used_memory_mib, "name": p.name,
-                        "owner": p.owner or None,
-                        "foreign": gpu_owners.is_foreign(report, p) if roles.get(g.index) else None}
-                       for p in g.processes]}
-        for g in report.gpu.gpus]
+        {
+            "index": g.index,
+            "name": g.name,
+            "uuid": g.uuid,
+            "memory_used_mib": g.memory_used_mib,
+            "memory_total_mib": g.memory_total_mib,
+            "utilization_pct": g.utilization_pct,
+            "role": roles.get(g.index),
+            "ghost_memory_mib": g.ghost_memory_mib,
+            "processes": [
+                {
+                    "pid": p.pid,
+                    "used_memory_mib": p.used_memory_mib,
+                    "name": p.name,
+                    "owner": p.owner or None,
+                    "foreign": gpu_owners.is_foreign(report, p) if roles.get(g.index) else None,
+                }
+                for p in g.processes
+            ],
+        }
+        for g in report.gpu.gpus
+    ]
     s = report.session
-    status["session"] = {"name": s.name or job.session, "socket": s.socket or job.tmux_socket,
-                         "running": s.running, "exists": s.exists, "pane_pid": s.pane_pid,
-                         "exit_status": s.exit_status}
-    status["processes"] = [{"pid": p.pid, "ppid": p.ppid, "name": p.name, "cmdline": p.cmdline}
-                           for p in report.processes]
+    status["session"] = {
+        "name": s.name or job.session,
+        "socket": s.socket or job.tmux_socket,
+        "running": s.running,
+        "exists": s.exists,
+        "pane_pid": s.pane_pid,
+        "exit_status": s.exit_status,
+    }
+    status["processes"] = [
+        {"pid": p.pid, "ppid": p.ppid, "name": p.name, "cmdline": p.cmdline} for p in report.processes
+    ]
     progress = logs.progress(list(report.records))
     status["data_source"] = data_source(report.records)
-    last_update = progress.last_record_time if progress.last_record_time is not None else (
-        report.metrics.mtime if report.metrics else None)
+    last_update = (
+        progress.last_record_time
+        if progress.last_record_time is not None
+        else (report.metrics.mtime if report.metrics else None)
+    )
     status["training"] = {
-        "step": progress.step, "total_steps": progress.total_steps, "loss": _finite(progress.loss),
-        "tokens_per_s": _finite(progress.tokens_per_s), "eta_s": None if _ended(report, progress) else _finite(progress.eta_s),
+        "step": progress.step,
+        "total_steps": progress.total_steps,
+        "loss": _finite(progress.loss),
+        "tokens_per_s": _finite(progress.tokens_per_s),
+        "eta_s": None if _ended(report, progress) else _finite(progress.eta_s),
         "last_update_age_s": None if last_update is None else max(0.0, round(report.time - last_update, 1)),
-        "finished": progress.done_reason == "max_steps"}
+        "finished": progress.done_reason == "max_steps",
+    }
     status["eval"] = _eval_status(acceptance.latest(list(report.records)), report.time)
     status["eval_search"] = report.eval_scan
     return status
@@ -95,9 +156,14 @@ def _eval_status(accept, now: float) -> dict | None:
     """The latest speculative-decoding evaluation (tau) and how old it is."""
     if accept is None:
         return None
-    return {"step": accept.step, "tau": accept.tau, "acceptance": list(accept.acceptance),
-            "lossless": accept.lossless, "expected_tau": _finite(accept.expected_tau),
-            "age_s": None if accept.time is None else max(0.0, round(now - accept.time, 1))}
+    return {
+        "step": accept.step,
+        "tau": accept.tau,
+        "acceptance": list(accept.acceptance),
+        "lossless": accept.lossless,
+        "expected_tau": _finite(accept.expected_tau),
+        "age_s": None if accept.time is None else max(0.0, round(now - accept.time, 1)),
+    }
 
 
 # --------------------------------------------------------------------------- table
@@ -134,10 +200,13 @@ def _gpu_line(gpu: dict, name_width: int, color: bool) -> str:
     used, total, util = gpu["memory_used_mib"], gpu["memory_total_mib"], gpu["utilization_pct"]
     util_text = "N/A" if util is None else f"{util:>3} %"
     mem = f"{'?' if used is None else used:>6} / {'?' if total is None else total:>6} MiB"
-    pids = " ".join(f"{p['name'] or '?'}/{p['pid']}" + (f"({p['used_memory_mib']}M)" if p["used_memory_mib"] is not None
-                                                        else "") + (f"[{p['owner']}]" if p.get("owner") else "")
-                    + ("[foreign]" if p.get("foreign") else "")
-                    for p in gpu["processes"])
+    pids = " ".join(
+        f"{p['name'] or '?'}/{p['pid']}"
+        + (f"({p['used_memory_mib']}M)" if p["used_memory_mib"] is not None else "")
+        + (f"[{p['owner']}]" if p.get("owner") else "")
+        + ("[foreign]" if p.get("foreign") else "")
+        for p in gpu["processes"]
+    )
     # small differences between used and per-process memory are the driver's own; name big ones
     if (gpu.get("ghost_memory_mib") or 0) > IDLE_USED_MIB:
         pids = (pids + " " if pids else "") + f"ghost({gpu['ghost_memory_mib']}M)"
@@ -182,7 +251,9 @@ def render_table(status: dict, color: bool = False) -> str:
     source = f"  data {status['data_source']}" if status.get("data_source") else ""
     ev = status.get("eval")
     tau = "" if not ev or ev["tau"] is None else f"  tau {ev['tau']:.2f} ({format_age(ev['age_s'])} ago)"
-    lines.append(f"step {step}  loss {loss}  {speed} Ktok/s{tau}  ETA {format_eta(t['eta_s'])}  {freshness}{source}")
+    lines.append(
+        f"step {step}  loss {loss}  {speed} Ktok/s{tau}  ETA {format_eta(t['eta_s'])}  {freshness}{source}"
+    )
     level = status["verdict"]
     lines.append(_paint(level, COLORS.get(level, "0"), color) + ": " + "; ".join(status["reasons"]))
     return "\n".join(lines) + "\n"

@@ -3,6 +3,7 @@
 Each step is a small function of a StepContext; every remote command goes through `ctx.run`, which
 records its exact command line (that is what --dry-run prints) and runs nothing under dry-run.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,20 +52,35 @@ def _gpu_snapshot(ctx: StepContext):
 
 # ------------------------------------------------------------------ the job's processes
 
-def job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: float, include_session: bool,
-                   action: str) -> dict | None:
+
+def job_processes(
+    ctx: StepContext, job: Job, gpus: list[int], grace_s: float, include_session: bool, action: str
+) -> dict | None:
     """Run remote/jobprocs.py: the job's living processes and the foreign ones on its GPUs, ended
     when action is "kill". None under dry-run."""
-    args = {"marker_env": jobpaths.JOB_MARKER_ENV, "marker": jobpaths.marker_value(job),
-            "socket": job.tmux_socket, "session": job.session, "gpus": list(gpus),
-            "action": action, "grace_s": grace_s, "include_session": include_session}
+    args = {
+        "marker_env": jobpaths.JOB_MARKER_ENV,
+        "marker": jobpaths.marker_value(job),
+        "socket": job.tmux_socket,
+        "session": job.session,
+        "gpus": list(gpus),
+        "action": action,
+        "grace_s": grace_s,
+        "include_session": include_session,
+    }
     if gpus and _host_ctid(ctx) is not None:
         # Inside LXC nvidia-smi shows host pids; hand the script the host's mapped view instead.
         snapshot = _gpu_snapshot(ctx)
         if snapshot is not None:
-            args["gpu_apps"] = [[p.pid, g.index, p.used_memory_mib, p.owner, p.name] for g in snapshot.gpus
-                                if g.index in gpus for p in g.processes]
-    result = ctx.run(python_command(job.python, _JOBPROCS, args), timeout=grace_s + 60, stdin=bundle(_JOBPROCS))
+            args["gpu_apps"] = [
+                [p.pid, g.index, p.used_memory_mib, p.owner, p.name]
+                for g in snapshot.gpus
+                if g.index in gpus
+                for p in g.processes
+            ]
+    result = ctx.run(
+        python_command(job.python, _JOBPROCS, args), timeout=grace_s + 60, stdin=bundle(_JOBPROCS)
+    )
     return None if result is None else json.loads(result.stdout)
 
 
@@ -79,29 +95,38 @@ def describe_foreign(others: list[dict], invisible: str = "not visible here") ->
     without a /proc entry here means."""
     return "; ".join(
         f"pid {o['pid']}{_name_of(o)} on GPU {o['gpu']} "
-        f"({o.get('used_memory_mib')} MiB, " + (o["owner"] + ", host pid" if o.get("owner") else
-                                                "here" if o.get("visible") else invisible) + ")"
-        for o in others)
+        f"({o.get('used_memory_mib')} MiB, "
+        + (o["owner"] + ", host pid" if o.get("owner") else "here" if o.get("visible") else invisible)
+        + ")"
+        for o in others
+    )
 
 
-def _end_job_processes(ctx: StepContext, job: Job, gpus: list[int], grace_s: float,
-                       include_session: bool) -> StepOutcome:
+def _end_job_processes(
+    ctx: StepContext, job: Job, gpus: list[int], grace_s: float, include_session: bool
+) -> StepOutcome:
     report = job_processes(ctx, job, gpus, grace_s, include_session, "kill")
     if report is None:
-        return StepOutcome("would SIGTERM this job's processes, SIGKILL after "
-                           f"{grace_s:g}s; other processes are only reported")
+        return StepOutcome(
+            "would SIGTERM this job's processes, SIGKILL after "
+            f"{grace_s:g}s; other processes are only reported"
+        )
     if report["survivors"]:
         raise _fail(ctx, f"processes survived SIGKILL: {report['survivors']}")
     if report["job"]:
-        message = (f"ended {len(report['job'])} process(es): {len(report['terminated'])} on SIGTERM, "
-                   f"{len(report['killed'])} needed SIGKILL")
+        message = (
+            f"ended {len(report['job'])} process(es): {len(report['terminated'])} on SIGTERM, "
+            f"{len(report['killed'])} needed SIGKILL"
+        )
     elif report.get("exited_panes"):
         codes = ", ".join("?" if p["status"] is None else str(p["status"]) for p in report["exited_panes"])
         message = f"the trainer had already exited (status {codes}); nothing was running"
     else:
         message = "no job processes running"
     if report["unidentified"]:
-        message += "; left alone (not this job's): " + describe_foreign(report["unidentified"], _invisible_pid(ctx))
+        message += "; left alone (not this job's): " + describe_foreign(
+            report["unidentified"], _invisible_pid(ctx)
+        )
     return StepOutcome(message, data=report)
 
 
@@ -134,6 +159,7 @@ def kill_gpu_processes(ctx: StepContext, gpus: list[int], grace_s: float) -> Ste
 
 # ------------------------------------------------------------------ GPUs
 
+
 def parse_gpu_query(stdout: str):
     gpu_csv, _, apps_csv = stdout.partition("@@")
     return parse_nvidia_smi(gpu_csv, apps_csv)
@@ -155,10 +181,18 @@ def _foreign_of(ctx: StepContext) -> set[tuple[int, str]]:
     return found
 
 
-@registry.step("wait_gpu_free", params={"gpus": list[int], "timeout_s": (float, 120.0),
-                                         "max_used_mib": (int, 1024), "poll_s": (float, 2.0)})
-def wait_gpu_free(ctx: StepContext, gpus: list[int], timeout_s: float, max_used_mib: int,
-                  poll_s: float) -> StepOutcome:
+@registry.step(
+    "wait_gpu_free",
+    params={
+        "gpus": list[int],
+        "timeout_s": (float, 120.0),
+        "max_used_mib": (int, 1024),
+        "poll_s": (float, 2.0),
+    },
+)
+def wait_gpu_free(
+    ctx: StepContext, gpus: list[int], timeout_s: float, max_used_mib: int, poll_s: float
+) -> StepOutcome:
     """Wait until the job's processes have left its GPUs (at most max_used_mib besides what the
     foreign processes reported by the earlier steps hold); name what still holds them."""
     if not gpus:
@@ -173,12 +207,18 @@ def wait_gpu_free(ctx: StepContext, gpus: list[int], timeout_s: float, max_used_
             if not ended:
                 raise
             # the earlier steps saw every job process end; a GPU query that fails cannot undo that
-            return StepOutcome(f"the job's processes are gone; GPUs not checked: {str(exc).split(': ', 1)[-1]}")
+            return StepOutcome(
+                f"the job's processes are gone; GPUs not checked: {str(exc).split(': ', 1)[-1]}"
+            )
         if snapshot is None:
             return StepOutcome(f"would wait up to {timeout_s:g}s for GPUs {gpus}")
-        holders = [b.describe() for b in busy_gpus(without(snapshot, foreign), gpus, max_used_mib=max_used_mib)]
+        holders = [
+            b.describe() for b in busy_gpus(without(snapshot, foreign), gpus, max_used_mib=max_used_mib)
+        ]
         if not holders:
-            shared = f" of this job's processes (foreign processes left alone: {len(foreign)})" if foreign else ""
+            shared = (
+                f" of this job's processes (foreign processes left alone: {len(foreign)})" if foreign else ""
+            )
             return StepOutcome(f"GPUs {','.join(map(str, gpus))} free{shared}")
         if time.monotonic() > deadline:
             raise _fail(ctx, f"still busy after {timeout_s:g}s: " + "; ".join(holders))
@@ -205,12 +245,16 @@ def without(snapshot, foreign: set[tuple[int, str]]):
 
 # ------------------------------------------------------------------ cache, deploy, launch
 
+
 def _check_purgeable(ctx: StepContext, path: str) -> None:
     norm = posixpath.normpath(path)
     protected = {posixpath.normpath(p) for p in (ctx.job.workdir, "/root", "/home", "/tmp", "/var", "/usr")}
     if not posixpath.isabs(norm) or norm.count("/") < 2 or norm in protected:
-        raise _fail(ctx, f"refusing to purge {path!r}: give a dedicated cache dir "
-                         "(absolute, at least two levels deep, not the workdir)")
+        raise _fail(
+            ctx,
+            f"refusing to purge {path!r}: give a dedicated cache dir "
+            "(absolute, at least two levels deep, not the workdir)",
+        )
 
 
 def refuse_while_job_lives(ctx: StepContext, what: str) -> None:
@@ -235,13 +279,19 @@ def purge_cache(ctx: StepContext, paths: list[str], if_unmarked: str) -> StepOut
     for path in paths:
         q = shlex.quote(path)
         marker = shlex.quote(posixpath.join(path, jobpaths.CACHE_MARKER))
-        result = ctx.run(f"if [ ! -e {q} ]; then echo absent; elif [ -f {marker} ]; then rm -rf -- {q} && echo purged; "
-                         "else echo unmarked; fi", timeout=300)
+        result = ctx.run(
+            f"if [ ! -e {q} ]; then echo absent; elif [ -f {marker} ]; then rm -rf -- {q} && echo purged; "
+            "else echo unmarked; fi",
+            timeout=300,
+        )
         answer = result.stdout.strip() if result is not None else "purged"
         if answer == "unmarked":
             if if_unmarked == "fail":
-                raise _fail(ctx, f"refusing to purge {path}: it has no {jobpaths.CACHE_MARKER} file, so "
-                                 "dflash-ops did not create it as a cache; check job.cache_dir")
+                raise _fail(
+                    ctx,
+                    f"refusing to purge {path}: it has no {jobpaths.CACHE_MARKER} file, so "
+                    "dflash-ops did not create it as a cache; check job.cache_dir",
+                )
             skipped.append(path)
         elif answer == "purged":
             done.append(path)
@@ -268,8 +318,10 @@ def launch(ctx: StepContext, session: str, cache_dir: str) -> StepOutcome:
     job = dataclasses.replace(ctx.job, session=session, cache_dir=cache_dir)
     result = ctx.run(launch_lib.launch_script(job, resume=bool(ctx.options.get("resume", True))), timeout=60)
     if result is None:
-        return StepOutcome(f"would start tmux session {session!r} running: "
-                           f"{shlex.join(launch_lib.trainer_argv(job, jobpaths.runs_dir(job) + '/NNNN'))}")
+        return StepOutcome(
+            f"would start tmux session {session!r} running: "
+            f"{shlex.join(launch_lib.trainer_argv(job, jobpaths.runs_dir(job) + '/NNNN'))}"
+        )
     log = result.stdout.strip().splitlines()[-1]
     return StepOutcome(f"session {session!r} started, log {log}", data={"log": log})
 
@@ -289,11 +341,14 @@ def mark_stopped(ctx: StepContext) -> StepOutcome:
 
 # ------------------------------------------------------------------ confirmation
 
+
 def _watch_script(job: Job, log: str) -> str:
     from trainer.metrics_format import metrics_path_for_log
 
-    return (f"{tmux.pane_pids(job)}; echo @@; tail -n 50 {shlex.quote(metrics_path_for_log(log))} 2>/dev/null; "
-            f"echo @@; tail -n 1 {shlex.quote(log)} 2>/dev/null; true")
+    return (
+        f"{tmux.pane_pids(job)}; echo @@; tail -n 50 {shlex.quote(metrics_path_for_log(log))} 2>/dev/null; "
+        f"echo @@; tail -n 1 {shlex.quote(log)} 2>/dev/null; true"
+    )
 
 
 @registry.step("wait_first_step", params={"timeout_s": (float, 900.0), "poll_s": (float, 1.0)})
@@ -318,8 +373,10 @@ def wait_first_step(ctx: StepContext, timeout_s: float, poll_s: float) -> StepOu
         step = last_of(records, "step")
         if step is not None:
             rate = (step.get("tokens_per_s") or 0) / 1000
-            return StepOutcome(f"step {step['step']}: loss {step.get('loss', float('nan')):.4f}, "
-                               f"{rate:.1f} Ktok/s", data={"step": step})
+            return StepOutcome(
+                f"step {step['step']}: loss {step.get('loss', float('nan')):.4f}, {rate:.1f} Ktok/s",
+                data={"step": step},
+            )
         error = last_of(records, "error")
         pane = panes.split()
         if error is not None:
@@ -333,8 +390,10 @@ def wait_first_step(ctx: StepContext, timeout_s: float, poll_s: float) -> StepOu
             break
         if time.monotonic() > deadline:
             break
-        ctx.status(f"waiting for the first step: {time.monotonic() - started:.0f} s of {timeout_s:g} s; "
-                   f"log: {' '.join(last_line.split())[:160] or '(empty)'}")
+        ctx.status(
+            f"waiting for the first step: {time.monotonic() - started:.0f} s of {timeout_s:g} s; "
+            f"log: {' '.join(last_line.split())[:160] or '(empty)'}"
+        )
         ctx.commands.clear()
         time.sleep(poll_s)
     read = ctx.run(f"tail -n 400 {shlex.quote(log)}", timeout=30, check=False)
@@ -350,8 +409,9 @@ def rollback(ctx: StepContext, release: str) -> StepOutcome:
     """Point `current` at a kept release, or (`previous`) at the one deployed before it."""
     named = None if release == deploy_lib.PREVIOUS else release
     result = ctx.run(deploy_lib.rollback_script(ctx.job, named), timeout=60)
-    return StepOutcome(result.stdout.strip() if result else
-                       f"would switch `current` to {named or 'the previous release'}")
+    return StepOutcome(
+        result.stdout.strip() if result else f"would switch `current` to {named or 'the previous release'}"
+    )
 
 
 from . import preflight  # noqa: E402,F401  (registers the preflight and require_job_stopped steps)

@@ -1,6 +1,7 @@
 """Strict YAML for the files users write (inventory, playbooks): a key written twice in one
 mapping is refused (PyYAML would keep the last silently), only true/false are booleans (YAML 1.2),
 and mappings remember their lines so a mistake can be reported as FILE:LINE."""
+
 from __future__ import annotations
 
 import re
@@ -37,7 +38,8 @@ _StrictLoader.yaml_implicit_resolvers = {
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _StrictLoader.add_implicit_resolver(
-    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 def _construct_map(loader: _StrictLoader, node: yaml.MappingNode) -> _Map:
@@ -49,8 +51,8 @@ def _construct_map(loader: _StrictLoader, node: yaml.MappingNode) -> _Map:
             hash(key)
         except TypeError:
             raise yaml.constructor.ConstructorError(
-                None, None, "a mapping key must be a plain name, not a list or mapping",
-                key_node.start_mark) from None
+                None, None, "a mapping key must be a plain name, not a list or mapping", key_node.start_mark
+            ) from None
         result[key] = loader.construct_object(value_node, deep=True)
         result.key_lines[key] = key_node.start_mark.line + 1
     return result
@@ -98,7 +100,8 @@ def parse_yaml(text: str, filename: str):
     except _DuplicateKey as e:
         raise InputError(
             f"{filename}:{e.line}: {e.where} is defined twice (also on line {e.first_line}); "
-            f"YAML would silently keep only the last one: rename or remove one of them") from None
+            f"YAML would silently keep only the last one: rename or remove one of them"
+        ) from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{filename}:{mark.line + 1}" if mark else filename

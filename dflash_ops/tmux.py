@@ -3,6 +3,7 @@
 The job always runs on its own tmux socket (`tmux -L <socket>`), so nothing we do touches the
 user's own tmux sessions; targets use `=NAME` because plain names prefix-match.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -25,7 +26,18 @@ def has_session(job: Job) -> str:
 def pane_pids(job: Job) -> str:
     """Prints `PID DEAD STATUS` for every pane (nothing when the session is gone)."""
     # `=NAME:` (the session's windows): list-panes -s -t =NAME still prefix-matches in tmux 3.3
-    return tmux(job, "list-panes", "-s", "-t", exact(job) + ":", "-F", "#{pane_pid} #{pane_dead} #{pane_dead_status}") + " 2>/dev/null"
+    return (
+        tmux(
+            job,
+            "list-panes",
+            "-s",
+            "-t",
+            exact(job) + ":",
+            "-F",
+            "#{pane_pid} #{pane_dead} #{pane_dead_status}",
+        )
+        + " 2>/dev/null"
+    )
 
 
 def kill_session(job: Job) -> str:
@@ -42,7 +54,9 @@ def new_session(job: Job, command: str, quoted_args: str = "") -> str:
     # One tmux invocation (";" separates tmux commands), so the option is set before the server
     # can reap a command that fails at once.
     start = tmux(job, "new-session", "-d", "-s", job.session, "-x", "200", "-y", "50", "bash", "-c", command)
-    keep = " ".join(shlex.quote(a) for a in (";", "set-option", "-w", "-t", exact(job) + ":", "remain-on-exit", "on"))
+    keep = " ".join(
+        shlex.quote(a) for a in (";", "set-option", "-w", "-t", exact(job) + ":", "remain-on-exit", "on")
+    )
     return f"{start} {quoted_args} {keep}"
 
 

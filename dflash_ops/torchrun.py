@@ -12,6 +12,7 @@ block names the first rank that failed; while it is still shutting down it has a
 "failed (exitcode: X) local_rank: L (pid: P)". The trainer itself prints
 "dflash-train: rank R of W failed: <exception>" before it exits. `rank_failure` reads all three.
 """
+
 from __future__ import annotations
 
 import re
@@ -20,12 +21,18 @@ from .model import Job
 
 RUN_MODULE = ("-m", "torch.distributed.run")  # == the `torchrun` script, from the job's own python
 _TRAINER_LINE = re.compile(r"dflash-train: rank (?P<rank>\d+) of (?P<world>\d+) failed(?P<why>.*)")
-_AGENT_LINE = re.compile(r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<local>\d+) \(pid: (?P<pid>\d+)\)")
+_AGENT_LINE = re.compile(
+    r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<local>\d+) \(pid: (?P<pid>\d+)\)"
+)
 _ROOT_CAUSE = "Root Cause (first observed failure)"
 _RANK_FIELD = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+) \(local_rank: (?P<local>\d+)\)")
-_EXIT_FIELD = re.compile(r"^\s*exitcode\s*:\s*(?P<code>-?\d+) \(pid: (?P<pid>\d+)\)(?:\s*\((?P<sig>SIG\w+)\))?")
-_TORCHRUN_OWN_ERRORS = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError",
-                        "torch.distributed.elastic.multiprocessing.api.SignalException")
+_EXIT_FIELD = re.compile(
+    r"^\s*exitcode\s*:\s*(?P<code>-?\d+) \(pid: (?P<pid>\d+)\)(?:\s*\((?P<sig>SIG\w+)\))?"
+)
+_TORCHRUN_OWN_ERRORS = (
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError",
+    "torch.distributed.elastic.multiprocessing.api.SignalException",
+)
 
 
 def uses_torchrun(job: Job) -> bool:
@@ -49,11 +56,11 @@ def launch_line(job: Job, trainer: list[str]) -> list[str]:
     cuda:LOCAL_RANK itself, so the trainer only needs to know its devices are CUDA.
     """
     module, rest = trainer[1:3], trainer[3:]  # [python] [-m trainer] [its arguments... train_args]
-    kept = rest[:len(rest) - len(job.train_args)]
+    kept = rest[: len(rest) - len(job.train_args)]
     for flag in ("--target-devices", "--drafter-devices"):
         if flag in kept:
             at = kept.index(flag)
-            del kept[at:at + 2]
+            del kept[at : at + 2]
     devices = ["--target-devices", "cuda", "--drafter-devices", "cuda"] if job.drafter_gpus else []
     return launcher_argv(job) + module + kept + ["--launcher", "torchrun"] + devices + list(job.train_args)
 
@@ -85,8 +92,10 @@ def rank_failure(lines: list[str]) -> tuple[str | None, list[int]]:
     for i in range(len(lines) - 1, -1, -1):
         match = _AGENT_LINE.search(lines[i])
         if match:
-            return (f"local rank {match['local']} (pid {match['pid']}) exited with code {match['code']}; "
-                    f"torchrun is ending the other ranks"), used + [i]
+            return (
+                f"local rank {match['local']} (pid {match['pid']}) exited with code {match['code']}; "
+                f"torchrun is ending the other ranks"
+            ), used + [i]
     if own:
         rank = min(own)
         return f"rank {rank} failed: {own[rank]}", used
@@ -109,5 +118,11 @@ def _root_cause(lines: list[str]):
     if rank is None or code is None:
         return None
     signal = f" ({sig})" if sig else ""
-    return rank, (f"rank {rank} (local rank {local}, pid {pid}) exited with code {code}{signal}, "
-                  f"the first failure torchrun saw; it ended the other ranks"), at
+    return (
+        rank,
+        (
+            f"rank {rank} (local rank {local}, pid {pid}) exited with code {code}{signal}, "
+            f"the first failure torchrun saw; it ended the other ranks"
+        ),
+        at,
+    )

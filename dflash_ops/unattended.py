@@ -1,6 +1,7 @@
 """Verdict rules for a job nobody watches: an operator's stop and a finished run are OK (nothing to
 restart), and the blind spots that must not pass for a dead job (a deleted log under a live
 trainer, foreign processes on the job's GPUs, a GPU query that fails) are WARNINGs."""
+
 from __future__ import annotations
 
 import time
@@ -34,12 +35,18 @@ def _live_pid(report) -> int | None:
 def warnings(report, job) -> list[str]:
     found = []
     if report.log_missing and report.session.running:
-        found.append(f"log {report.log_missing} is missing while the trainer (pid {_live_pid(report)}) is alive: "
-                     "deleted or rotated away? progress is read from its metrics file")
+        found.append(
+            f"log {report.log_missing} is missing while the trainer (pid {_live_pid(report)}) is alive: "
+            "deleted or rotated away? progress is read from its metrics file"
+        )
     if job.gpus and not report.gpu.ok:
-        found.append(f"GPUs {','.join(map(str, job.gpus))} are assigned but the GPU query failed: {report.gpu.error}")
+        found.append(
+            f"GPUs {','.join(map(str, job.gpus))} are assigned but the GPU query failed: {report.gpu.error}"
+        )
     foreign = gpu_owners.foreign_on_job_gpus(report, job)
     if foreign:
-        found.append("foreign process(es) on the job's GPUs (never signalled): "
-                     + "; ".join(f.describe() for f in foreign))
+        found.append(
+            "foreign process(es) on the job's GPUs (never signalled): "
+            + "; ".join(f.describe() for f in foreign)
+        )
     return found

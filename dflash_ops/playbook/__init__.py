@@ -22,6 +22,7 @@ A step is `fn(ctx: StepContext, **params) -> StepOutcome | str | None`; it fails
 `StepOutcome(ok=False)`. Under dry-run it gets `ctx.dry_run=True` and a transport that can only
 describe commands: `ctx.run` records the exact command line and returns None.
 """
+
 from __future__ import annotations
 
 from ..errors import StepFailed
@@ -30,17 +31,64 @@ from .binding import bind_options, parse_option_assignments, validate_playbook
 from .document import Condition, OptionSpec, Playbook, StepEntry, parse_playbook
 from .dry_run import DryRunTransport, DryRunViolation
 from .registry import Param, StepRegistry, StepSpec
-from .runner import (DRY_RUN, FAILED, NOT_RUN, OK, SKIPPED, PlaybookResult, Progress, StepContext, StepOutcome,
-                     StepReport, format_progress, plan_playbook, run_playbook)
+from .runner import (
+    DRY_RUN,
+    FAILED,
+    NOT_RUN,
+    OK,
+    SKIPPED,
+    PlaybookResult,
+    Progress,
+    StepContext,
+    StepOutcome,
+    StepReport,
+    format_progress,
+    plan_playbook,
+    run_playbook,
+)
 from .search import ENV_PLAYBOOK_DIRS, SHIPPED_PLAYBOOKS, list_playbooks, load_playbook, playbook_search_dirs
 from .templates import NAMESPACES, Ref, parse_template, render
 from .typecheck import REQUIRED, type_name
 
 __all__ = [
-    "DRY_RUN", "ENV_PLAYBOOK_DIRS", "FAILED", "NAMESPACES", "NOT_RUN", "OK", "REQUIRED", "SHIPPED_PLAYBOOKS", "SKIPPED",
-    "Condition", "DryRunTransport", "DryRunViolation", "OptionSpec", "Param", "Playbook", "PlaybookResult", "Progress",
-    "Ref", "StepContext", "StepEntry", "StepFailed", "StepOutcome", "StepRegistry", "StepReport", "StepSpec",
-    "Loaded", "bind_options", "load_builtin", "format_progress", "list_playbooks", "load_playbook", "parse_option_assignments", "parse_playbook",
-    "parse_template", "plan_playbook", "playbook_search_dirs", "render", "run_playbook", "type_name",
+    "DRY_RUN",
+    "ENV_PLAYBOOK_DIRS",
+    "FAILED",
+    "NAMESPACES",
+    "NOT_RUN",
+    "OK",
+    "REQUIRED",
+    "SHIPPED_PLAYBOOKS",
+    "SKIPPED",
+    "Condition",
+    "DryRunTransport",
+    "DryRunViolation",
+    "OptionSpec",
+    "Param",
+    "Playbook",
+    "PlaybookResult",
+    "Progress",
+    "Ref",
+    "StepContext",
+    "StepEntry",
+    "StepFailed",
+    "StepOutcome",
+    "StepRegistry",
+    "StepReport",
+    "StepSpec",
+    "Loaded",
+    "bind_options",
+    "load_builtin",
+    "format_progress",
+    "list_playbooks",
+    "load_playbook",
+    "parse_option_assignments",
+    "parse_playbook",
+    "parse_template",
+    "plan_playbook",
+    "playbook_search_dirs",
+    "render",
+    "run_playbook",
+    "type_name",
     "validate_playbook",
 ]

@@ -1,4 +1,5 @@
 """Checking a playbook against a step registry, and binding run options to their declared types."""
+
 from __future__ import annotations
 
 import typing
@@ -10,6 +11,7 @@ from .registry import _STEP_NAME, StepRegistry
 from .templates import Ref, _static_ref_type, parse_template
 from .typecheck import REQUIRED, _conform, _did_you_mean, _kinds_fit, _Mismatch, _Problems, type_name
 
+
 def validate_playbook(playbook: Playbook, registry: StepRegistry) -> None:
     """Every step exists and gets exactly its declared parameters with fitting types; raises one
     InputError listing every problem, naming file, step number, step name and field."""
@@ -18,25 +20,33 @@ def validate_playbook(playbook: Playbook, registry: StepRegistry) -> None:
         at = entry.where()
         spec = registry.get(entry.step)
         if spec is None:
-            problems.add(at, f"unknown step {entry.step!r}{_did_you_mean(entry.step, registry.names())}; "
-                         f"known steps: {', '.join(registry.names())}")
+            problems.add(
+                at,
+                f"unknown step {entry.step!r}{_did_you_mean(entry.step, registry.names())}; "
+                f"known steps: {', '.join(registry.names())}",
+            )
             continue
         for key, value in entry.params.items():
             if key not in spec.params:
                 takes = ", ".join(spec.params) or "no parameters"
-                problems.add(f"{at}: params.{key}", f"unknown parameter{_did_you_mean(str(key), spec.params)}; "
-                             f"{entry.step} takes: {takes}")
+                problems.add(
+                    f"{at}: params.{key}",
+                    f"unknown parameter{_did_you_mean(str(key), spec.params)}; {entry.step} takes: {takes}",
+                )
                 continue
             _check_param_type(value, spec.params[key].type, playbook.options, f"{at}: params.{key}", problems)
         for key, param in spec.params.items():
             if param.required and key not in entry.params:
-                problems.add(f"{at}: params.{key}", f"missing required parameter ({type_name(param.type)}); "
-                             f"add `{key}: ...` under params:")
+                problems.add(
+                    f"{at}: params.{key}",
+                    f"missing required parameter ({type_name(param.type)}); add `{key}: ...` under params:",
+                )
     problems.raise_if_any()
 
 
-def _check_param_type(value: Any, typ: Any, options: Mapping[str, OptionSpec], where: str,
-                      problems: _Problems) -> None:
+def _check_param_type(
+    value: Any, typ: Any, options: Mapping[str, OptionSpec], where: str, problems: _Problems
+) -> None:
     """Literal values must fit now; a whole-value reference must have a fitting kind."""
     if isinstance(value, str):
         try:
@@ -49,8 +59,11 @@ def _check_param_type(value: Any, typ: Any, options: Mapping[str, OptionSpec], w
             except _Mismatch:
                 return
             if not _kinds_fit(hint, typ):
-                problems.add(where, f"{{{parts[0]}}} is of type {type_name(hint)} but the parameter "
-                             f"takes {type_name(typ)}; embed it in text or reference another field")
+                problems.add(
+                    where,
+                    f"{{{parts[0]}}} is of type {type_name(hint)} but the parameter "
+                    f"takes {type_name(typ)}; embed it in text or reference another field",
+                )
             return
     origin, args = typing.get_origin(typ) or typ, typing.get_args(typ)
     if origin is list and isinstance(value, list):
@@ -93,8 +106,11 @@ def bind_options(playbook: Playbook, given: Mapping[str, Any] | None = None) -> 
             continue
         if name not in playbook.options:
             declared = ", ".join(playbook.options) or "none"
-            problems.add(f"option {name!r}", f"playbook {playbook.name} has no such option"
-                         f"{_did_you_mean(name, playbook.options)}; it declares: {declared}")
+            problems.add(
+                f"option {name!r}",
+                f"playbook {playbook.name} has no such option"
+                f"{_did_you_mean(name, playbook.options)}; it declares: {declared}",
+            )
             continue
         typ = playbook.options[name].type
         try:
@@ -103,7 +119,9 @@ def bind_options(playbook: Playbook, given: Mapping[str, Any] | None = None) -> 
             problems.add(f"option {name!r}", str(e))
     for name, value in values.items():
         if value is REQUIRED:
-            problems.add(f"option {name!r}", f"required ({type_name(playbook.options[name].type)}) and not given")
+            problems.add(
+                f"option {name!r}", f"required ({type_name(playbook.options[name].type)}) and not given"
+            )
     problems.raise_if_any()
     return values
 

@@ -1,5 +1,6 @@
 """The playbooks behind built-in commands (relaunch, stop, ...): which file runs, and whether a
 user's file that shadows the shipped one still declares the options the command's flags set."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,13 @@ class Loaded:
         return f"ran {self.playbook.source}" + (" (shadows the built-in one)" if self.shadowed else "")
 
 
-def load_builtin(name: str, search_dirs: Sequence[str | Path], flags: Mapping[str, str],
-                 given: Mapping[str, Any] | None = None, registry: StepRegistry | None = None) -> Loaded:
+def load_builtin(
+    name: str,
+    search_dirs: Sequence[str | Path],
+    flags: Mapping[str, str],
+    given: Mapping[str, Any] | None = None,
+    registry: StepRegistry | None = None,
+) -> Loaded:
     """The playbook built-in command `name` runs. `flags` maps each option the command binds to
     its flag (purge -> --no-purge). A shadowing file without one of those options is refused
     when that flag is given, and warned about otherwise (the flag would be refused)."""
@@ -42,11 +48,17 @@ def load_builtin(name: str, search_dirs: Sequence[str | Path], flags: Mapping[st
     refused = [option for option in missing if (given or {}).get(option) is not None]
     if refused:
         listed = ", ".join(f"{flags[o]} (option {o!r})" for o in refused)
-        raise InputError(f"{listed}: playbook {source} shadows the built-in {loaded.shipped} but does not "
-                         "declare that option; declare it under options: as the built-in does, or drop the flag")
+        raise InputError(
+            f"{listed}: playbook {source} shadows the built-in {loaded.shipped} but does not "
+            "declare that option; declare it under options: as the built-in does, or drop the flag"
+        )
     if missing:
         listed = ", ".join(flags[o] for o in missing)
-        return dataclasses.replace(loaded, warnings=(
-            f"warning: playbook {source} shadows the built-in {loaded.shipped} and lacks the options "
-            f"behind {listed}; those flags would be refused",))
+        return dataclasses.replace(
+            loaded,
+            warnings=(
+                f"warning: playbook {source} shadows the built-in {loaded.shipped} and lacks the options "
+                f"behind {listed}; those flags would be refused",
+            ),
+        )
     return loaded

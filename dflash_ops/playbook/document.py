@@ -1,5 +1,6 @@
 """The playbook document: its YAML (read strictly: a duplicated key is refused), options and
 steps, checked for shape, option types, templates and `when:`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +16,7 @@ from ..strict_yaml import parse_yaml
 from .registry import _STEP_NAME
 from .templates import _REF_TEXT, Ref, _check_embeddable, _refs_in, _static_ref_type, parse_template
 from .typecheck import REQUIRED, _conform, _describe, _did_you_mean, _Mismatch, _Problems
+
 
 @dataclasses.dataclass(frozen=True)
 class OptionSpec:
@@ -40,8 +42,11 @@ class Condition:
             return self.literal
         value = roots.get(self.ref.path[0])
         for attr in self.ref.path[1:]:  # the path was checked against the data model when parsed
-            value = None if value is None else (value.get(attr) if isinstance(value, Mapping)
-                                                else getattr(value, attr, None))
+            value = (
+                None
+                if value is None
+                else (value.get(attr) if isinstance(value, Mapping) else getattr(value, attr, None))
+            )
         return bool(value) != self.negate
 
     def why_not(self) -> str:
@@ -92,8 +97,10 @@ def parse_playbook(text: str, source: str = "<string>", name: str | None = None)
         problems.raise_if_any()
     for key in data:
         if key not in _TOP_KEYS:
-            problems.add(f"top-level key {key!r}", f"unknown key{_did_you_mean(str(key), _TOP_KEYS)}; "
-                         f"allowed: {', '.join(_TOP_KEYS)}")
+            problems.add(
+                f"top-level key {key!r}",
+                f"unknown key{_did_you_mean(str(key), _TOP_KEYS)}; allowed: {', '.join(_TOP_KEYS)}",
+            )
     description = data.get("description", "")
     if not isinstance(description, str):
         problems.add("description", f"expected text, got {_describe(description)}")
@@ -113,7 +120,9 @@ def _load_yaml(text: str, source: str, problems: _Problems) -> tuple[Any, list[i
         data = parse_yaml(text, source)
     except InputError as e:
         where = re.match(re.escape(source) + r"(?::(\d+))?: ", str(e))  # "FILE:LINE: why" -> "line LINE: why"
-        problems.add(f"line {where[1]}" if where and where[1] else "", str(e)[where.end():] if where else str(e))
+        problems.add(
+            f"line {where[1]}" if where and where[1] else "", str(e)[where.end() :] if where else str(e)
+        )
         return None, []
     lines: list[int | None] = []
     node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -140,14 +149,17 @@ def _parse_options(raw: Any, problems: _Problems) -> dict[str, OptionSpec]:
             decl = {"default": decl}  # shorthand `purge: true`: the type follows the default
         for key in decl:
             if key not in _OPTION_KEYS:
-                problems.add(f"{where}.{key}", f"unknown key{_did_you_mean(str(key), _OPTION_KEYS)}; "
-                             f"allowed: {', '.join(_OPTION_KEYS)}")
+                problems.add(
+                    f"{where}.{key}",
+                    f"unknown key{_did_you_mean(str(key), _OPTION_KEYS)}; allowed: {', '.join(_OPTION_KEYS)}",
+                )
         default = decl.get("default", REQUIRED)
         if "type" in decl:
             typ = _OPTION_TYPES.get(decl["type"]) if isinstance(decl["type"], str) else None
             if typ is None:
-                problems.add(f"{where}.type", f"unknown type {decl['type']!r}; use one of "
-                             f"{', '.join(_OPTION_TYPES)}")
+                problems.add(
+                    f"{where}.type", f"unknown type {decl['type']!r}; use one of {', '.join(_OPTION_TYPES)}"
+                )
                 continue
         elif default is REQUIRED or default is None:
             problems.add(where, "give a default or a type: (bool, int, float or str)")
@@ -168,8 +180,9 @@ def _parse_options(raw: Any, problems: _Problems) -> dict[str, OptionSpec]:
     return options
 
 
-def _parse_steps(raw: Any, lines: list[int | None], options: Mapping[str, OptionSpec],
-                 problems: _Problems) -> list[StepEntry]:
+def _parse_steps(
+    raw: Any, lines: list[int | None], options: Mapping[str, OptionSpec], problems: _Problems
+) -> list[StepEntry]:
     if raw is REQUIRED:
         problems.add("", "no 'steps:' list; add one with at least one step")
         return []
@@ -189,8 +202,11 @@ def _parse_steps(raw: Any, lines: list[int | None], options: Mapping[str, Option
             continue
         if "step" not in item:
             keys = list(item)
-            hint = (f"; write `- step: {keys[0]}` and put its parameters under `params:`"
-                    if len(keys) == 1 else "; add `step: NAME`")
+            hint = (
+                f"; write `- step: {keys[0]}` and put its parameters under `params:`"
+                if len(keys) == 1
+                else "; add `step: NAME`"
+            )
             problems.add(at, "missing 'step:'" + hint)
             continue
         name = item["step"]
@@ -201,8 +217,11 @@ def _parse_steps(raw: Any, lines: list[int | None], options: Mapping[str, Option
         at = entry.where()
         for key in item:
             if key not in _STEP_KEYS:
-                problems.add(f"{at}: {key}", f"unknown key{_did_you_mean(str(key), _STEP_KEYS)}; allowed: "
-                             f"{', '.join(_STEP_KEYS)} (step parameters go under params:)")
+                problems.add(
+                    f"{at}: {key}",
+                    f"unknown key{_did_you_mean(str(key), _STEP_KEYS)}; allowed: "
+                    f"{', '.join(_STEP_KEYS)} (step parameters go under params:)",
+                )
         params = item.get("params")
         if params is None:
             params = {}
@@ -232,12 +251,16 @@ def _check_template(text: str, options: Mapping[str, OptionSpec], where: str, pr
 _WHEN = re.compile(r"(not\s+)?\{?\s*([^{}\s]+)\s*\}?\Z")
 
 
-def _parse_when(raw: Any, options: Mapping[str, OptionSpec], where: str, problems: _Problems) -> Condition | None:
+def _parse_when(
+    raw: Any, options: Mapping[str, OptionSpec], where: str, problems: _Problems
+) -> Condition | None:
     if isinstance(raw, bool):
         return Condition(str(raw).lower(), literal=raw)
     m = _WHEN.match(raw.strip()) if isinstance(raw, str) else None
     if m is None or not _REF_TEXT.match(m.group(2)):
-        problems.add(where, f"expected `options.NAME`, `not options.NAME` or true/false, got {_describe(raw)}")
+        problems.add(
+            where, f"expected `options.NAME`, `not options.NAME` or true/false, got {_describe(raw)}"
+        )
         return None
     ref = Ref(tuple(m.group(2).split(".")))
     try:

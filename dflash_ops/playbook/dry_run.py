@@ -1,4 +1,5 @@
 """The transport a step gets under --dry-run: it describes commands and refuses to act."""
+
 from __future__ import annotations
 
 from ..errors import DflashOpsError
@@ -18,8 +19,10 @@ class DryRunTransport(Transport):
         self.real = real
 
     def run(self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None) -> Result:
-        raise DryRunViolation(f"[{self.name}] {step}: tried to run a command during --dry-run "
-                              "(the step must use ctx.run or check ctx.dry_run)")
+        raise DryRunViolation(
+            f"[{self.name}] {step}: tried to run a command during --dry-run "
+            "(the step must use ctx.run or check ctx.dry_run)"
+        )
 
     def put(self, data: bytes, remote_path: str, mode: int = 0o644, step: str = "put") -> None:
         raise DryRunViolation(f"[{self.name}] {step}: tried to write {remote_path} during --dry-run")

@@ -1,4 +1,5 @@
 """The step registry: step names -> functions with their declared, typed parameters."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +9,7 @@ import types
 from typing import Any, Callable, Mapping
 
 from .typecheck import REQUIRED, _conform, _is_supported_type, _Mismatch, type_name
+
 
 @dataclasses.dataclass(frozen=True)
 class Param:
@@ -31,8 +33,10 @@ class StepSpec:
 
     def signature(self) -> str:
         """`wait_gpu_free(gpus: list[int], timeout_s: float = 120.0)`, for listings."""
-        parts = [f"{k}: {type_name(p.type)}" + ("" if p.required else f" = {p.default!r}")
-                 for k, p in self.params.items()]
+        parts = [
+            f"{k}: {type_name(p.type)}" + ("" if p.required else f" = {p.default!r}")
+            for k, p in self.params.items()
+        ]
         return f"{self.name}({', '.join(parts)})"
 
 
@@ -57,10 +61,16 @@ class StepRegistry:
         def register(fn: Callable[..., Any]) -> Callable[..., Any]:
             self.add(name, fn, params, doc)
             return fn
+
         return register
 
-    def add(self, name: str, fn: Callable[..., Any], params: Mapping[str, Any] | None = None,
-            doc: str | None = None) -> StepSpec:
+    def add(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        params: Mapping[str, Any] | None = None,
+        doc: str | None = None,
+    ) -> StepSpec:
         # Mistakes here are programming errors in the step library: fail loudly at import time.
         if not _STEP_NAME.match(name):
             raise ValueError(f"step name {name!r} must be an identifier")
@@ -70,10 +80,13 @@ class StepRegistry:
         try:
             inspect.signature(fn).bind(None, **{key: None for key in declared})
         except TypeError as e:
-            raise ValueError(f"step {name!r}: function {fn.__name__} does not match its declared "
-                             f"parameters {sorted(declared)}: {e}") from None
-        spec = StepSpec(name, fn, types.MappingProxyType(declared),
-                        doc if doc is not None else inspect.getdoc(fn) or "")
+            raise ValueError(
+                f"step {name!r}: function {fn.__name__} does not match its declared "
+                f"parameters {sorted(declared)}: {e}"
+            ) from None
+        spec = StepSpec(
+            name, fn, types.MappingProxyType(declared), doc if doc is not None else inspect.getdoc(fn) or ""
+        )
         self._steps[name] = spec
         return spec
 

@@ -1,5 +1,6 @@
 """Running a playbook: plan every step (all input problems surface before anything runs), then
 run the steps in order, stopping at the first failure, reporting progress as it goes."""
+
 from __future__ import annotations
 
 import copy
@@ -19,6 +20,7 @@ from .templates import _Unresolved, render
 from .typecheck import _conform, _describe, _Mismatch, _Problems
 
 OK, FAILED, SKIPPED, DRY_RUN, NOT_RUN = "ok", "failed", "skipped", "dry-run", "not-run"
+
 
 @dataclasses.dataclass
 class StepOutcome:
@@ -65,8 +67,9 @@ class StepContext:
         name = getattr(self.target, "name", None) or getattr(self.transport, "name", None)
         return name or "?"
 
-    def run(self, script: str, *, timeout: float = 60.0, check: bool = True,
-            stdin: bytes | None = None) -> Result | None:
+    def run(
+        self, script: str, *, timeout: float = 60.0, check: bool = True, stdin: bytes | None = None
+    ) -> Result | None:
         """Run `script` on the target and record its exact command line. Under dry-run: only
         record it and return None (a step must not depend on output it cannot have)."""
         transport = self._transport()
@@ -138,10 +141,14 @@ class PlaybookResult:
         bad = self.failed
         if bad is None:
             done = sum(s.status in (OK, DRY_RUN) for s in self.steps)
-            return (f"[{self.target}] {self.playbook}{mode}: ok, {done} of {total} steps run, "
-                    f"{total - done} skipped ({self.seconds:.1f}s)")
-        return (f"[{self.target}] {self.playbook}{mode}: FAILED at step {bad.number}/{total} {bad.step} "
-                f"after {self.seconds:.1f}s: {bad.message}")
+            return (
+                f"[{self.target}] {self.playbook}{mode}: ok, {done} of {total} steps run, "
+                f"{total - done} skipped ({self.seconds:.1f}s)"
+            )
+        return (
+            f"[{self.target}] {self.playbook}{mode}: FAILED at step {bad.number}/{total} {bad.step} "
+            f"after {self.seconds:.1f}s: {bad.message}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,8 +195,9 @@ class _Planned:
     skip_reason: str = ""
 
 
-def plan_playbook(playbook: Playbook, registry: StepRegistry, ctx: StepContext
-                  ) -> tuple[dict[str, Any], list[_Planned]]:
+def plan_playbook(
+    playbook: Playbook, registry: StepRegistry, ctx: StepContext
+) -> tuple[dict[str, Any], list[_Planned]]:
     """Validate, bind options, decide `when`, and fill in every parameter of every step that will
     run: all input problems surface here, before the first step touches anything."""
     validate_playbook(playbook, registry)
@@ -220,8 +228,13 @@ def plan_playbook(playbook: Playbook, registry: StepRegistry, ctx: StepContext
     return options, planned
 
 
-def run_playbook(playbook: Playbook, registry: StepRegistry, ctx: StepContext, dry_run: bool = False,
-                 on_progress: Callable[[Progress], None] | None = None) -> PlaybookResult:
+def run_playbook(
+    playbook: Playbook,
+    registry: StepRegistry,
+    ctx: StepContext,
+    dry_run: bool = False,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> PlaybookResult:
     """Run the steps in order and stop at the first failure; later steps are reported `not-run`.
 
     Raises InputError (nothing has run) for any problem in the playbook, options or templates.
@@ -231,16 +244,22 @@ def run_playbook(playbook: Playbook, registry: StepRegistry, ctx: StepContext, d
     dry_run = dry_run or ctx.dry_run
     emit = on_progress or (lambda _p: None)
     transport = DryRunTransport(ctx.transport) if dry_run and ctx.transport is not None else ctx.transport
-    base = dataclasses.replace(ctx, options=types.MappingProxyType(options), dry_run=dry_run,
-                               transport=transport, results={})
+    base = dataclasses.replace(
+        ctx, options=types.MappingProxyType(options), dry_run=dry_run, transport=transport, results={}
+    )
     total, target, reports = len(planned), ctx.target_name, []
     started = time.monotonic()
     failed = False
     for item in planned:
         number, name = item.entry.number, item.entry.step
 
-        def progress(event: str, message: str = "", report: StepReport | None = None,
-                     _number: int = number, _name: str = name) -> None:
+        def progress(
+            event: str,
+            message: str = "",
+            report: StepReport | None = None,
+            _number: int = number,
+            _name: str = name,
+        ) -> None:
             emit(Progress(event, _number, total, _name, target, message, report))
 
         if failed or item.skip_reason:
@@ -249,15 +268,22 @@ def run_playbook(playbook: Playbook, registry: StepRegistry, ctx: StepContext, d
             progress("end", report=report)
             continue
         progress("start")
-        step_ctx = dataclasses.replace(base, step=name, number=number, commands=[],
-                                       log=functools.partial(progress, "log"),
-                                       status=functools.partial(progress, "status"))
+        step_ctx = dataclasses.replace(
+            base,
+            step=name,
+            number=number,
+            commands=[],
+            log=functools.partial(progress, "log"),
+            status=functools.partial(progress, "status"),
+        )
         report = _call_step(item, step_ctx, dry_run)
         base.results[name] = report.data
         reports.append(report)
         progress("end", report=report)
         failed = report.status == FAILED
-    return PlaybookResult(playbook.name, target, dry_run, tuple(reports), time.monotonic() - started, playbook.source)
+    return PlaybookResult(
+        playbook.name, target, dry_run, tuple(reports), time.monotonic() - started, playbook.source
+    )
 
 
 def _call_step(item: _Planned, ctx: StepContext, dry_run: bool) -> StepReport:
@@ -275,5 +301,13 @@ def _call_step(item: _Planned, ctx: StepContext, dry_run: bool) -> StepReport:
         status, message, data, extra, error = FAILED, str(e), {}, [], e
     except Exception as e:  # a bug in a step: stop here and show it rather than run on blindly
         status, message, data, extra, error = FAILED, f"{type(e).__name__}: {e}", {}, [], e
-    return StepReport(item.entry.number, item.entry.step, status, time.monotonic() - started,
-                      message, tuple(ctx.commands + extra), data, error)
+    return StepReport(
+        item.entry.number,
+        item.entry.step,
+        status,
+        time.monotonic() - started,
+        message,
+        tuple(ctx.commands + extra),
+        data,
+        error,
+    )

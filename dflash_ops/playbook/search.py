@@ -1,4 +1,5 @@
 """Finding playbooks by name along the search path, and loading one."""
+
 from __future__ import annotations
 
 import os
@@ -14,9 +15,12 @@ from .typecheck import _did_you_mean
 ENV_PLAYBOOK_DIRS = "DFLASH_OPS_PLAYBOOKS"
 SHIPPED_PLAYBOOKS = Path(__file__).resolve().parent.parent.parent / "playbooks"
 
-def playbook_search_dirs(playbook_dir: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-                         inventory_path: str | os.PathLike | None = None,
-                         environ: Mapping[str, str] | None = None) -> list[Path]:
+
+def playbook_search_dirs(
+    playbook_dir: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+    inventory_path: str | os.PathLike | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> list[Path]:
     """Where playbooks are looked up by name, first match wins: --playbook-dir, $DFLASH_OPS_PLAYBOOKS
     (os.pathsep-separated), <inventory's dir>/playbooks, then the playbooks shipped with dflash-ops.
     A directory the user named explicitly must exist."""
@@ -25,7 +29,9 @@ def playbook_search_dirs(playbook_dir: str | os.PathLike | Sequence[str | os.Pat
     dirs: list[Path] = []
     for d in explicit:
         if not Path(d).is_dir():
-            raise InputError(f"--playbook-dir {d}: no such directory; give a directory holding NAME.yaml files")
+            raise InputError(
+                f"--playbook-dir {d}: no such directory; give a directory holding NAME.yaml files"
+            )
     dirs += [Path(d) for d in explicit]
     for d in filter(None, environ.get(ENV_PLAYBOOK_DIRS, "").split(os.pathsep)):
         if not Path(d).is_dir():
@@ -52,23 +58,30 @@ def list_playbooks(search_dirs: Sequence[str | os.PathLike]) -> dict[str, Path]:
     return found
 
 
-def load_playbook(name_or_path: str | os.PathLike, search_dirs: Sequence[str | os.PathLike] | None = None,
-                  registry: StepRegistry | None = None) -> Playbook:
+def load_playbook(
+    name_or_path: str | os.PathLike,
+    search_dirs: Sequence[str | os.PathLike] | None = None,
+    registry: StepRegistry | None = None,
+) -> Playbook:
     """A playbook by name (searched in `search_dirs`, default `playbook_search_dirs()`) or by path;
     checked against `registry` too when one is given."""
     text_name = os.fspath(name_or_path)
-    looks_like_path = ("/" in text_name or os.sep in text_name or text_name.endswith((".yaml", ".yml")))
+    looks_like_path = "/" in text_name or os.sep in text_name or text_name.endswith((".yaml", ".yml"))
     if looks_like_path:
         path = Path(text_name)
         if not path.is_file():
-            raise InputError(f"playbook file {text_name} not found; give an existing .yaml file or a playbook name")
+            raise InputError(
+                f"playbook file {text_name} not found; give an existing .yaml file or a playbook name"
+            )
     else:
         dirs = playbook_search_dirs() if search_dirs is None else search_dirs
         available = list_playbooks(dirs)
         if text_name not in available:
             names = ", ".join(sorted(available)) or "none"
-            raise InputError(f"no playbook named {text_name!r}{_did_you_mean(text_name, available)}; "
-                             f"available: {names} (searched {', '.join(str(d) for d in dirs)})")
+            raise InputError(
+                f"no playbook named {text_name!r}{_did_you_mean(text_name, available)}; "
+                f"available: {names} (searched {', '.join(str(d) for d in dirs)})"
+            )
         path = available[text_name]
     try:
         text = path.read_text(encoding="utf-8")

@@ -1,5 +1,6 @@
 """Templates in parameter values: "{job.cache_dir}/inductor", "{{" and "}}" for literal braces.
 A lookup of plain data fields, never an evaluation; substituted text is never re-read."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from .document import OptionSpec
 
 NAMESPACES = ("target", "job", "options")
+
 
 @dataclasses.dataclass(frozen=True)
 class Ref:
@@ -80,27 +82,36 @@ def _static_ref_type(ref: Ref, options: Mapping[str, "OptionSpec"]) -> Any:
     inventory data model; raises _Mismatch naming what is wrong."""
     root = ref.path[0]
     if root not in NAMESPACES:
-        raise _Mismatch(f"unknown reference {{{ref}}}: it must start with target., job. or options."
-                        + _did_you_mean(root, NAMESPACES))
+        raise _Mismatch(
+            f"unknown reference {{{ref}}}: it must start with target., job. or options."
+            + _did_you_mean(root, NAMESPACES)
+        )
     if root == "options":
         if len(ref.path) != 2:
             raise _Mismatch(f"bad reference {{{ref}}}: write {{options.NAME}}")
         name = ref.path[1]
         if name not in options:
             declared = ", ".join(options) or "none"
-            raise _Mismatch(f"unknown option {{{ref}}}: declare {name!r} under options: (declared: "
-                            f"{declared})" + _did_you_mean(name, options))
+            raise _Mismatch(
+                f"unknown option {{{ref}}}: declare {name!r} under options: (declared: "
+                f"{declared})" + _did_you_mean(name, options)
+            )
         return options[name].type
     hint: Any = model.Target if root == "target" else model.Job
     walked = root
     for attr in ref.path[1:]:
         record = _record_type(hint)
         if record is None:
-            raise _Mismatch(f"bad reference {{{ref}}}: {walked} is of type {type_name(hint)}, it has no fields")
+            raise _Mismatch(
+                f"bad reference {{{ref}}}: {walked} is of type {type_name(hint)}, it has no fields"
+            )
         fields = _public_fields(record)
         if attr not in fields:
-            raise _Mismatch(f"unknown reference {{{ref}}}: {walked} has no field {attr!r}"
-                            + _did_you_mean(attr, fields) + f" (fields: {', '.join(fields)})")
+            raise _Mismatch(
+                f"unknown reference {{{ref}}}: {walked} has no field {attr!r}"
+                + _did_you_mean(attr, fields)
+                + f" (fields: {', '.join(fields)})"
+            )
         hint, walked = fields[attr], f"{walked}.{attr}"
     return hint
 
@@ -116,8 +127,10 @@ def _record_type(hint: Any) -> type | None:
 def _check_embeddable(ref: Ref, hint: Any) -> None:
     kind = _kind(hint)
     if kind in ("record", dict) or (kind is list and _kind(_item_hint(hint)) in ("record", dict, list)):
-        raise _Mismatch(f"{{{ref}}} is of type {type_name(hint)} and cannot be put inside text; "
-                        "reference one of its fields, or make it the whole value")
+        raise _Mismatch(
+            f"{{{ref}}} is of type {type_name(hint)} and cannot be put inside text; "
+            "reference one of its fields, or make it the whole value"
+        )
 
 
 class _Unresolved(Exception):
@@ -131,15 +144,21 @@ def _lookup(ref: Ref, roots: Mapping[str, Any], target_name: str) -> Any:
             raise _Unresolved(f"{{{ref}}}: {walked} is not set for target {target_name!r}")
         if isinstance(value, Mapping) and attr in value:
             value = value[attr]
-        elif (dataclasses.is_dataclass(value) and not isinstance(value, type) and not attr.startswith("_")
-              and attr in _public_fields(type(value))):
+        elif (
+            dataclasses.is_dataclass(value)
+            and not isinstance(value, type)
+            and not attr.startswith("_")
+            and attr in _public_fields(type(value))
+        ):
             value = getattr(value, attr)
         else:
             raise _Unresolved(f"{{{ref}}}: {walked} has no field {attr!r}")
         walked = f"{walked}.{attr}"
     if value is None or value == "":
-        raise _Unresolved(f"{{{ref}}} is empty for target {target_name!r}; set {walked} in the "
-                          "inventory (an empty value would silently change a path or command)")
+        raise _Unresolved(
+            f"{{{ref}}} is empty for target {target_name!r}; set {walked} in the "
+            "inventory (an empty value would silently change a path or command)"
+        )
     return value
 
 

@@ -1,5 +1,6 @@
 """Types of step parameters and options (bool, int, float, str, list[X], dict[str, X]), checking a
 value against one, and collecting a playbook's problems into one error."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -89,8 +90,14 @@ def _conform(value: Any, typ: Any) -> Any:
             except _Mismatch as e:
                 raise _Mismatch(str(e), f".{key}{e.where}") from None
         return out_map
-    hint = {bool: "write true or false", int: "write a whole number", float: "write a number",
-            str: "quote it", list: "write a YAML list", dict: "write a YAML mapping"}.get(origin, "")
+    hint = {
+        bool: "write true or false",
+        int: "write a whole number",
+        float: "write a number",
+        str: "quote it",
+        list: "write a YAML list",
+        dict: "write a YAML mapping",
+    }.get(origin, "")
     raise _Mismatch(f"expected {type_name(typ)}, got {_describe(value)}" + (f"; {hint}" if hint else ""))
 
 

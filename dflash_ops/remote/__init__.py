@@ -2,6 +2,7 @@
 because the target may have nothing but a system python3. dflash-ops sends a script's text on
 python's stdin, preceded by the shared modules it imports (bundle()), so nothing needs installing
 there and the command line (what --dry-run prints, what `ps` shows) stays short."""
+
 from __future__ import annotations
 
 import functools
@@ -14,8 +15,7 @@ from trainer import metrics_format
 
 _HERE = pathlib.Path(__file__).parent
 # (module name on the target, file) of the stdlib-only modules every remote script may import
-SHARED_MODULES = (("facts", _HERE / "facts.py"),
-                  ("metrics_format", pathlib.Path(metrics_format.__file__)))
+SHARED_MODULES = (("facts", _HERE / "facts.py"), ("metrics_format", pathlib.Path(metrics_format.__file__)))
 
 
 def script_source(filename: str) -> str:
@@ -30,9 +30,13 @@ def bundle(filename: str) -> bytes:
     then the script runs as __main__ (its own text compiled whole, `from __future__` included)."""
     prelude = ["import sys as _sys, types as _types"]
     for name, path in SHARED_MODULES:
-        prelude.append(f"_m = _sys.modules[{name!r}] = _types.ModuleType({name!r}); "
-                       f"exec(compile({path.read_text(encoding='utf-8')!r}, {name!r}, 'exec'), _m.__dict__)")
-    prelude.append(f"exec(compile({script_source(filename)!r}, {filename!r}, 'exec'), {{'__name__': '__main__'}})")
+        prelude.append(
+            f"_m = _sys.modules[{name!r}] = _types.ModuleType({name!r}); "
+            f"exec(compile({path.read_text(encoding='utf-8')!r}, {name!r}, 'exec'), _m.__dict__)"
+        )
+    prelude.append(
+        f"exec(compile({script_source(filename)!r}, {filename!r}, 'exec'), {{'__name__': '__main__'}})"
+    )
     return ("\n".join(prelude) + "\n").encode()
 
 
@@ -40,14 +44,18 @@ def pick_python(python: str, who: str) -> str:
     """Shell lines setting $py to the job's python, or python3 when that is not installed yet
     (e.g. before the first deploy); exit 127 with a message naming `who` when neither exists."""
     q = shlex.quote(python)
-    return (f"py={q}\n"
-            'if [ ! -x "$py" ]; then py=$(command -v python3) || {\n'
-            f"  printf '%s: neither %s nor python3 is installed\\n' {shlex.quote(who)} {q} >&2; exit 127; }}\n"
-            "fi\n")
+    return (
+        f"py={q}\n"
+        'if [ ! -x "$py" ]; then py=$(command -v python3) || {\n'
+        f"  printf '%s: neither %s nor python3 is installed\\n' {shlex.quote(who)} {q} >&2; exit 127; }}\n"
+        "fi\n"
+    )
 
 
 def python_command(python: str, filename: str, args: dict, who: str | None = None) -> str:
     """Shell lines running script `filename` with the job's python (python3 before the first
     deploy); the caller passes bundle(filename) as stdin. Its arguments are one quoted JSON word."""
-    return (pick_python(python, who or filename)
-            + f'exec "$py" - {shlex.quote(json.dumps(args))}  # stdin: {filename}\n')
+    return (
+        pick_python(python, who or filename)
+        + f'exec "$py" - {shlex.quote(json.dumps(args))}  # stdin: {filename}\n'
+    )

@@ -4,6 +4,7 @@ remote.bundle() sends this file's text ahead of each remote script, so a fact he
 for both sides. The metrics file's name rule lives in trainer/metrics_format.py (shared with the
 trainer, which imports nothing from dflash_ops) and travels the same way.
 """
+
 import re
 
 # nvidia-smi queries, in the order their CSV columns are parsed (dflash_ops.gpu.parse_nvidia_smi)
@@ -17,7 +18,6 @@ CSV_FORMAT = "--format=csv,noheader,nounits"
 LOG_PREFIX = "train-"
 LOG_SUFFIX = ".log"
 LOG_NAME = re.compile(r"^" + re.escape(LOG_PREFIX) + r"(\d{4,})" + re.escape(LOG_SUFFIX) + r"$")
-
 
 
 def newest_log_name(names):

@@ -6,6 +6,7 @@ on the job's GPUs that are neither are reported as unidentified and never signal
 With "action": "kill" it ends them (SIGTERM, SIGKILL after grace_s); any other action only lists.
 Usage: python3 - '<json args>' < (remote.bundle('jobprocs.py')); prints one JSON object.
 """
+
 import json
 import os
 import signal
@@ -82,9 +83,22 @@ def panes(socket, session):
 
 def _list_panes(socket, session):
     try:
-        out = subprocess.run(["tmux", "-L", socket, "list-panes", "-s", "-t", "=" + session + ":", "-F",
-                              "#{pane_pid} #{pane_dead} #{pane_dead_status}"],
-                             capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            [
+                "tmux",
+                "-L",
+                socket,
+                "list-panes",
+                "-s",
+                "-t",
+                "=" + session + ":",
+                "-F",
+                "#{pane_pid} #{pane_dead} #{pane_dead_status}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
     found = []
@@ -102,10 +116,18 @@ def gpu_apps(gpus):
     if not gpus:
         return []
     try:
-        idx = subprocess.run(facts.gpu_query_argv(fields=facts.GPU_FIELDS[:2]),  # index, uuid
-                             capture_output=True, text=True, timeout=20)
-        apps = subprocess.run(facts.apps_query_argv(fields=facts.APP_FIELDS[:3]),  # pid, gpu_uuid, used_memory
-                              capture_output=True, text=True, timeout=20)
+        idx = subprocess.run(
+            facts.gpu_query_argv(fields=facts.GPU_FIELDS[:2]),  # index, uuid
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        apps = subprocess.run(
+            facts.apps_query_argv(fields=facts.APP_FIELDS[:3]),  # pid, gpu_uuid, used_memory
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     if idx.returncode or apps.returncode:
@@ -150,12 +172,25 @@ def main():
     for pid, gpu, used, owner, *name in apps:
         if owner or pid not in job:
             visible = not owner and os.path.exists("/proc/%d" % pid)
-            unidentified.append({"pid": pid, "gpu": gpu, "used_memory_mib": used, "owner": owner, "visible": visible,
-                                 "cmd": "" if owner else cmdline(pid),
-                                 "name": (name[0] if name else "") or (comm(pid) if visible else "")})
-    report = {"job": [{"pid": p, "cmd": cmdline(p)} for p in job], "unidentified": unidentified,
-              "exited_panes": [{"pid": pid, "status": status} for pid, dead, status in session_panes if dead],
-              "terminated": [], "killed": [], "survivors": []}
+            unidentified.append(
+                {
+                    "pid": pid,
+                    "gpu": gpu,
+                    "used_memory_mib": used,
+                    "owner": owner,
+                    "visible": visible,
+                    "cmd": "" if owner else cmdline(pid),
+                    "name": (name[0] if name else "") or (comm(pid) if visible else ""),
+                }
+            )
+    report = {
+        "job": [{"pid": p, "cmd": cmdline(p)} for p in job],
+        "unidentified": unidentified,
+        "exited_panes": [{"pid": pid, "status": status} for pid, dead, status in session_panes if dead],
+        "terminated": [],
+        "killed": [],
+        "survivors": [],
+    }
     if args.get("action") == "kill" and job:
         # Signal the pane's shell last: when it dies tmux closes the pty and the trainer gets
         # SIGHUP, which would cut its graceful shutdown (final checkpoint) short.

@@ -21,6 +21,7 @@ without a job state (a job launched before there was one) the newest train-NNNN.
 Every section catches its own failures into the output, so one broken part (no driver, no tmux,
 no log yet) never hides the others; the script itself exits 0 unless its argument is unusable.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,7 +51,9 @@ def start(argv):
     """Start argv now and collect it later with `finish`: the probe's few commands run side by
     side (one nvidia-smi call alone can take a tenth of a second)."""
     try:
-        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+        )
     except FileNotFoundError:
         return (127, "", "%s: command not found" % argv[0])
 
@@ -70,8 +73,10 @@ def finish(started, deadline):
 
 
 def out_of_time(what, part_s):
-    return {"error": "%s gave no answer within %.1f s (a wedged driver or a hung command)" % (what, part_s),
-            "out_of_time": True}
+    return {
+        "error": "%s gave no answer within %.1f s (a wedged driver or a hung command)" % (what, part_s),
+        "out_of_time": True,
+    }
 
 
 def in_thread(fn, deadline, *args):
@@ -114,18 +119,30 @@ def nvml_query():
             except pynvml.NVMLError:  # not supported (MIG, some vGPUs)
                 utilization = None
             uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
-            gpus.append({"index": index, "uuid": uuid, "name": _text(pynvml.nvmlDeviceGetName(handle)),
-                         "memory_used_mib": int(memory.used // MIB), "memory_total_mib": int(memory.total // MIB),
-                         "utilization_pct": utilization})
+            gpus.append(
+                {
+                    "index": index,
+                    "uuid": uuid,
+                    "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                    "memory_used_mib": int(memory.used // MIB),
+                    "memory_total_mib": int(memory.total // MIB),
+                    "utilization_pct": utilization,
+                }
+            )
             try:
                 running = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
             except pynvml.NVMLError:
                 running = []
             for proc in running:
                 used = getattr(proc, "usedGpuMemory", None)
-                processes.append({"pid": int(proc.pid), "gpu_index": index,
-                                  "used_memory_mib": None if used is None else int(used // MIB),
-                                  "name": _process_name(int(proc.pid))})
+                processes.append(
+                    {
+                        "pid": int(proc.pid),
+                        "gpu_index": index,
+                        "used_memory_mib": None if used is None else int(used // MIB),
+                        "name": _process_name(int(proc.pid)),
+                    }
+                )
         return {"source": "nvml", "error": None, "gpus": gpus, "processes": processes}
     except Exception as e:
         return {"source": "nvml", "error": "NVML query failed: %s: %s" % (type(e).__name__, e)}
@@ -197,8 +214,15 @@ def start_tmux(sock, session):
 
 
 def finish_tmux(started, sock, session, deadline, part_s):
-    state = {"name": session, "socket": sock, "exists": False, "running": False, "pane_pid": None,
-             "exit_status": None, "error": None}
+    state = {
+        "name": session,
+        "socket": sock,
+        "exists": False,
+        "running": False,
+        "pane_pid": None,
+        "exit_status": None,
+        "error": None,
+    }
     rc, out, err = finish(started, deadline)
     if rc == 124:
         state.update(out_of_time("tmux", part_s))
@@ -239,10 +263,10 @@ def all_processes():
         except OSError:
             continue  # exited while we looked
         open_paren, close_paren = stat.find("("), stat.rfind(")")
-        rest = stat[close_paren + 2:].split()
+        rest = stat[close_paren + 2 :].split()
         if len(rest) < 2:
             continue
-        table[int(entry)] = (int(rest[1]), stat[open_paren + 1:close_paren], rest[0])
+        table[int(entry)] = (int(rest[1]), stat[open_paren + 1 : close_paren], rest[0])
     return table
 
 
@@ -261,7 +285,9 @@ def process_tree(root_pid):
             continue
         ppid, name, state = table[pid]
         try:
-            cmdline = _read("/proc/%d/cmdline" % pid, 2000).replace(b"\0", b" ").decode("utf-8", "replace").strip()
+            cmdline = (
+                _read("/proc/%d/cmdline" % pid, 2000).replace(b"\0", b" ").decode("utf-8", "replace").strip()
+            )
         except OSError:
             cmdline = ""
         tree.append({"pid": pid, "ppid": ppid, "name": name, "state": state, "cmdline": cmdline})
@@ -328,7 +354,11 @@ def newest_eval(path, size, context_steps, cap_bytes, deadline):
             cut = b""
             if end > 0:  # the chunk's first piece may be the end of a line that starts further back
                 first_newline = data.find(b"\n")
-                cut, data = (data, b"") if first_newline < 0 else (data[:first_newline + 1], data[first_newline + 1:])
+                cut, data = (
+                    (data, b"")
+                    if first_newline < 0
+                    else (data[: first_newline + 1], data[first_newline + 1 :])
+                )
             if not found and b'"eval"' not in data and b'"start"' not in data:
                 continue  # the common case, decided without parsing
             for line in reversed(data.splitlines()):
@@ -352,14 +382,20 @@ def newest_eval(path, size, context_steps, cap_bytes, deadline):
 
 def with_newest_eval(tail, context_steps, cap_bytes, deadline):
     """The metrics tail, plus the newest eval from further back when the tail has none."""
-    if tail["first_line"] is None or any('"eval"' in line and (metrics_format.parse_line(line) or {}).get("event")
-                                         == "eval" for line in tail["lines"]):
+    if tail["first_line"] is None or any(
+        '"eval"' in line and (metrics_format.parse_line(line) or {}).get("event") == "eval"
+        for line in tail["lines"]
+    ):
         return tail  # the tail holds the whole file or the newest eval already
     try:
-        tail["eval_lines"], tail["eval_scan"] = newest_eval(tail["path"], tail["size"], context_steps, cap_bytes,
-                                                            deadline)
+        tail["eval_lines"], tail["eval_scan"] = newest_eval(
+            tail["path"], tail["size"], context_steps, cap_bytes, deadline
+        )
     except OSError as e:  # rotated away meanwhile, say: the tail is still worth reporting
-        tail["eval_lines"], tail["eval_scan"] = [], {"found": False, "error": "%s: %s" % (type(e).__name__, e)}
+        tail["eval_lines"], tail["eval_scan"] = (
+            [],
+            {"found": False, "error": "%s: %s" % (type(e).__name__, e)},
+        )
     return tail
 
 
@@ -374,8 +410,13 @@ def read_job_state(path):
 
 def files_state(log_dir, log_lines, metrics_lines, job_state=None, eval_search=None):
     """`eval_search`: (context steps, cap bytes, deadline) for with_newest_eval, or None."""
-    state = {"log_dir": log_dir, "log_dir_exists": os.path.isdir(log_dir), "log": None, "metrics": None,
-             "log_missing": None}
+    state = {
+        "log_dir": log_dir,
+        "log_dir_exists": os.path.isdir(log_dir),
+        "log": None,
+        "metrics": None,
+        "log_missing": None,
+    }
     log_path = (job_state or {}).get("log")
     if not log_path:
         if not state["log_dir_exists"]:
@@ -437,31 +478,64 @@ def main(argv):
         sys.stderr.write("dflash probe: needs one JSON argument with log_dir, session, socket (%s)\n" % e)
         return 2
     errors = []
-    report = {"probe_version": PROBE_VERSION, "time": time.time(), "hostname": socket.gethostname(),
-              "python": sys.version.split()[0], "errors": errors}
+    report = {
+        "probe_version": PROBE_VERSION,
+        "time": time.time(),
+        "hostname": socket.gethostname(),
+        "python": sys.version.split()[0],
+        "errors": errors,
+    }
     part_s = float(args.get("part_s") or PART_S)
     deadline = time.monotonic() + part_s
     gpu_source = args.get("gpu_source", "auto")
     tmux_started = section(errors, "tmux", start_tmux, sock, session)
     # "none": the caller asks the Proxmox host instead, which sees the real pids
-    gpu_started = None if gpu_source == "none" else section(errors, "gpu", start_gpu_state, gpu_source,
-                                                             args.get("nvidia_smi") or "nvidia-smi", deadline, part_s)
+    gpu_started = (
+        None
+        if gpu_source == "none"
+        else section(
+            errors,
+            "gpu",
+            start_gpu_state,
+            gpu_source,
+            args.get("nvidia_smi") or "nvidia-smi",
+            deadline,
+            part_s,
+        )
+    )
     # the files are read while those commands run
     report["job_state"] = section(errors, "job state", read_job_state, args.get("state_file"))
-    files = section(errors, "files", files_state, log_dir, int(args.get("log_lines", 200)),
-                    int(args.get("metrics_lines", 400)), report["job_state"],
-                    (int(args.get("eval_context_steps", 0)), MAX_EVAL_SCAN_BYTES, deadline)) or {}
-    report["session"] = (section(errors, "tmux", finish_tmux, tmux_started, sock, session, deadline, part_s)
-                         if tmux_started else None)
+    files = (
+        section(
+            errors,
+            "files",
+            files_state,
+            log_dir,
+            int(args.get("log_lines", 200)),
+            int(args.get("metrics_lines", 400)),
+            report["job_state"],
+            (int(args.get("eval_context_steps", 0)), MAX_EVAL_SCAN_BYTES, deadline),
+        )
+        or {}
+    )
+    report["session"] = (
+        section(errors, "tmux", finish_tmux, tmux_started, sock, session, deadline, part_s)
+        if tmux_started
+        else None
+    )
     gpu = section(errors, "gpu", finish_gpu_state, gpu_started, deadline, part_s) if gpu_started else None
-    report["gpu"] = gpu or {"source": None, "error": "not queried in the container" if gpu_source == "none"
-                            else "probe failed"}
+    report["gpu"] = gpu or {
+        "source": None,
+        "error": "not queried in the container" if gpu_source == "none" else "probe failed",
+    }
     report["gpu_pids_visible"] = section(errors, "gpu", visible_gpu_pids, report["gpu"]) or []
     pane_pid = (report["session"] or {}).get("pane_pid")
     report["processes"] = section(errors, "processes", process_tree, pane_pid) or []
     report["marked_pids"] = section(errors, "processes", marked_pids, args.get("marker")) or []
     report.update(files)
-    report["out_of_time"] = [name for name in ("gpu", "session") if (report.get(name) or {}).get("out_of_time")]
+    report["out_of_time"] = [
+        name for name in ("gpu", "session") if (report.get(name) or {}).get("out_of_time")
+    ]
     sys.stdout.write(json.dumps(report) + "\n")
     return 0
 

@@ -1,4 +1,5 @@
 """Transports: local, ssh (fabric) and pct (ssh to the Proxmox host, then `pct exec`)."""
+
 from .base import Result, Transport  # noqa: F401
 from .factory import make_transport  # noqa: F401
 from .local import LocalTransport  # noqa: F401

@@ -1,6 +1,7 @@
 """One interface for every way of reaching a job: local subprocess, ssh, ssh + pct exec; and the
 small rules every transport shares for turning a finished bash run into a Result (exit codes,
 time limits, decoding), so local, ssh and pct runs behave the same."""
+
 from __future__ import annotations
 
 import abc
@@ -56,8 +57,9 @@ def decode(data: bytes) -> str:
     return data.decode("utf-8", "replace")
 
 
-def finish(target: str, step: str, timeout: float, exit_code: int, stdout: bytes, stderr: bytes,
-           seconds: float) -> Result:
+def finish(
+    target: str, step: str, timeout: float, exit_code: int, stdout: bytes, stderr: bytes, seconds: float
+) -> Result:
     """The Result of a run, or RemoteTimeout when the remote `timeout` ended it.
 
     124 (TERM) and 137 (KILL after KILL_AFTER_S) mean "time limit" only if the run actually
@@ -65,9 +67,14 @@ def finish(target: str, step: str, timeout: float, exit_code: int, stdout: bytes
     """
     err = decode(stderr)
     if exit_code in (124, 137) and seconds >= remote_limit_s(timeout):
-        how = "stopped with TERM" if exit_code == 124 else f"did not stop on TERM, killed after {KILL_AFTER_S}s more"
-        raise RemoteTimeout(target, step, f"time limit of {remote_limit_s(timeout)}s reached; the command was {how}",
-                            err)
+        how = (
+            "stopped with TERM"
+            if exit_code == 124
+            else f"did not stop on TERM, killed after {KILL_AFTER_S}s more"
+        )
+        raise RemoteTimeout(
+            target, step, f"time limit of {remote_limit_s(timeout)}s reached; the command was {how}", err
+        )
     return Result(exit_code, decode(stdout), err, seconds)
 
 
@@ -85,7 +92,9 @@ class Transport(abc.ABC):
     def run(self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None) -> Result:
         """Run `script` with bash on the target (non-login shell: absolute paths, explicit env)."""
 
-    def check(self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None) -> Result:
+    def check(
+        self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None
+    ) -> Result:
         """Like run, but a non-zero exit raises RemoteCommandError naming target and step."""
         result = self.run(script, timeout=timeout, step=step, stdin=stdin)
         if not result.ok:
@@ -115,7 +124,9 @@ class Transport(abc.ABC):
         """The exact command line `run_on_host` would execute, for --dry-run output."""
         raise TransportError(self.name, "run_on_host", "not a Proxmox container target (transport: pct)")
 
-    def run_on_host(self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None) -> Result:
+    def run_on_host(
+        self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None
+    ) -> Result:
         """Run `script` on the Proxmox host of the container, over the same connection."""
         raise TransportError(self.name, step, "not a Proxmox container target (transport: pct)")
 

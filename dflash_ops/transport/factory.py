@@ -1,4 +1,5 @@
 """Build the transport a target's inventory entry asks for."""
+
 from __future__ import annotations
 
 from ..model import Target
@@ -6,6 +7,7 @@ from .base import Transport
 from .local import LocalTransport
 from .pct import PctTransport
 from .ssh import SshTransport
+
 
 def make_transport(target: Target) -> Transport:
     """A ready (not yet connected) transport for `target`; connections open on first use. The

@@ -6,6 +6,7 @@ judged on its own: comments, blank lines, other hosts' lines, certificate author
 certificates are not used) and lines that cannot be read are skipped; `@revoked` keys are
 collected so a server offering one is refused whatever else the file says.
 """
+
 from __future__ import annotations
 
 import base64

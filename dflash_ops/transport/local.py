@@ -1,4 +1,5 @@
 """The `local` target: bash on this machine, with the same time-limit semantics as remote targets."""
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,18 @@ import threading
 import time
 
 from ..errors import RemoteTimeout, TransportError
-from .base import (AFTER_EXIT_S, Result, Transport, decode, finish, local_limit_s, quote_argv, remote_limit_s,
-                   with_remote_timeout)
+from .base import (
+    AFTER_EXIT_S,
+    Result,
+    Transport,
+    decode,
+    finish,
+    local_limit_s,
+    quote_argv,
+    remote_limit_s,
+    with_remote_timeout,
+)
+
 
 def exit_code_of(returncode: int) -> int:
     """A shell-style exit code: a child killed by signal N reads as 128+N, as bash reports it."""
@@ -25,14 +36,21 @@ class LocalTransport(Transport):
         start = time.monotonic()
         try:
             # Own session: `timeout` then signals only the script's process group, never us.
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
         except OSError as exc:
             raise TransportError(self.name, step, f"cannot start {argv[0]!r}: {exc}") from None
         out: list[bytes] = []
         err: list[bytes] = []
-        threads = [threading.Thread(target=_pump, args=(proc.stdout, out), daemon=True),
-                   threading.Thread(target=_pump, args=(proc.stderr, err), daemon=True)]
+        threads = [
+            threading.Thread(target=_pump, args=(proc.stdout, out), daemon=True),
+            threading.Thread(target=_pump, args=(proc.stderr, err), daemon=True),
+        ]
         if stdin is not None:
             threads.append(threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True))
         for t in threads:
@@ -43,14 +61,25 @@ class LocalTransport(Transport):
             _kill_group(proc)
             proc.wait()
             _join(threads, AFTER_EXIT_S)
-            raise RemoteTimeout(self.name, step, f"time limit of {remote_limit_s(timeout)}s reached and "
-                                                 "`timeout` did not end the command; killed its process group",
-                                decode(b"".join(err))) from None
+            raise RemoteTimeout(
+                self.name,
+                step,
+                f"time limit of {remote_limit_s(timeout)}s reached and "
+                "`timeout` did not end the command; killed its process group",
+                decode(b"".join(err)),
+            ) from None
         # A background child that inherited stdout (`cmd &`) may keep the pipe open for as long as
         # it lives: take what arrived shortly after the exit, as the ssh transport does.
         _join(threads, AFTER_EXIT_S)
-        return finish(self.name, step, timeout, exit_code_of(proc.returncode), b"".join(out), b"".join(err),
-                      time.monotonic() - start)
+        return finish(
+            self.name,
+            step,
+            timeout,
+            exit_code_of(proc.returncode),
+            b"".join(out),
+            b"".join(err),
+            time.monotonic() - start,
+        )
 
     def put(self, data: bytes, remote_path: str, mode: int = 0o644, step: str = "put") -> None:
         directory = os.path.dirname(os.path.abspath(remote_path))

@@ -4,6 +4,7 @@
 host's login shell, exactly as for plain ssh: the container side gets `timeout ... bash -c
 SCRIPT` as argv, unchanged. stdin passes through `pct exec`, which is how `put` sends files.
 """
+
 from __future__ import annotations
 
 import re
@@ -42,10 +43,14 @@ class PctTransport(SshTransport):
     def host_command_line(self, script: str, timeout: float = 60) -> str:
         return self._ssh_command(self._host_line(script, timeout))
 
-    def run_on_host(self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None) -> Result:
+    def run_on_host(
+        self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None
+    ) -> Result:
         """Run `script` on the Proxmox host itself, over the same connection. The host sees what
         the container cannot: real pids of GPU processes and the cgroup (container) of each."""
-        code, out, err, seconds = self._exec(self._host_line(script, timeout), stdin, local_limit_s(timeout), step)
+        code, out, err, seconds = self._exec(
+            self._host_line(script, timeout), stdin, local_limit_s(timeout), step
+        )
         self._classify(code, err, step)  # a `pct exec` inside the script fails the same way
         return finish(self.name, step, timeout, code, out, err, seconds)
 
@@ -58,12 +63,25 @@ class PctTransport(SshTransport):
         for pattern in _NOT_RUNNING:
             m = pattern.match(first)
             if m and m.group("ctid") == str(self.ctid):
-                raise ContainerNotRunning(self.name, step, f"{where} is not running; start it on the host with "
-                                                           f"`pct start {self.ctid}`", err)
+                raise ContainerNotRunning(
+                    self.name,
+                    step,
+                    f"{where} is not running; start it on the host with `pct start {self.ctid}`",
+                    err,
+                )
         m = _MISSING.match(first)
         if m and m.group("ctid") == str(self.ctid):
-            raise ContainerNotRunning(self.name, step, f"{where} does not exist; check the target's ctid "
-                                                       "against `pct list` on the host", err)
+            raise ContainerNotRunning(
+                self.name,
+                step,
+                f"{where} does not exist; check the target's ctid against `pct list` on the host",
+                err,
+            )
         if code == 127 and "pct: command not found" in err:
-            raise TransportError(self.name, step, f"`pct` not found on {self.spec.host}; is ssh.host the Proxmox "
-                                                  "host (not the container itself)?", err)
+            raise TransportError(
+                self.name,
+                step,
+                f"`pct` not found on {self.spec.host}; is ssh.host the Proxmox "
+                "host (not the container itself)?",
+                err,
+            )

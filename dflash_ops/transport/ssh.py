@@ -8,6 +8,7 @@ Commands run on a raw paramiko channel of the fabric Connection rather than thro
 corrupts binary uploads and multi-byte characters split across reads, and leaves remote stdin
 open. Here stdin is sent as bytes and closed (EOF), and output is decoded once at the end.
 """
+
 from __future__ import annotations
 
 import base64
@@ -29,7 +30,16 @@ import paramiko
 from ..errors import AuthError, ConnectError, HostKeyError, InputError, RemoteTimeout, TransportError
 from ..inventory import split_jump
 from ..model import HostSpec
-from .base import AFTER_EXIT_S, Result, Transport, decode, finish, local_limit_s, quote_argv, with_remote_timeout
+from .base import (
+    AFTER_EXIT_S,
+    Result,
+    Transport,
+    decode,
+    finish,
+    local_limit_s,
+    quote_argv,
+    with_remote_timeout,
+)
 from .known_hosts import HostKeys, read_host_keys
 
 # paramiko's reader thread logs failures (with tracebacks) that we report as one clear error
@@ -39,12 +49,15 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 POLL_S = 0.5  # how often a waiting read looks at the exit status
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 
+
 def parse_jump(target: str, jump: str) -> tuple[str | None, str, int]:
     """`user@host:port` (user and port optional) -> (user, host, port), by the inventory's rule."""
     parts = split_jump(jump.strip())
     if parts is None or not 0 < parts[2] < 65536:
-        raise InputError(f"target {target!r}: ssh.jump {jump!r} is not a jump host; "
-                         "write it as host, user@host or user@host:port")
+        raise InputError(
+            f"target {target!r}: ssh.jump {jump!r} is not a jump host; "
+            "write it as host, user@host or user@host:port"
+        )
     return parts
 
 
@@ -164,35 +177,60 @@ class SshTransport(Transport):
             user, host, port = self.jump
             argv += ["-J", (f"{user}@" if user else "") + (f"[{host}]" if ":" in host else host) + f":{port}"]
         checking = {"strict": "yes", "accept-new": "accept-new", "off": "no"}[s.host_key_policy]
-        argv += ["-o", f"StrictHostKeyChecking={checking}",
-                 "-o", f"UserKnownHostsFile={self.known_hosts if s.host_key_policy != 'off' else '/dev/null'}",
-                 "-o", f"ConnectTimeout={int(s.connect_timeout_s)}", f"{s.user}@{s.host}", remote_line]
+        argv += [
+            "-o",
+            f"StrictHostKeyChecking={checking}",
+            "-o",
+            f"UserKnownHostsFile={self.known_hosts if s.host_key_policy != 'off' else '/dev/null'}",
+            "-o",
+            f"ConnectTimeout={int(s.connect_timeout_s)}",
+            f"{s.user}@{s.host}",
+            remote_line,
+        ]
         return quote_argv(argv)
 
     # ---- connecting ------------------------------------------------------------------------
 
     def _new_connection(self, host: str, port: int, user: str, gateway=None) -> fabric.Connection:
         s = self.spec
-        kwargs: dict[str, object] = {"banner_timeout": s.connect_timeout_s, "auth_timeout": s.connect_timeout_s}
+        kwargs: dict[str, object] = {
+            "banner_timeout": s.connect_timeout_s,
+            "auth_timeout": s.connect_timeout_s,
+        }
         if s.identity_file:
             # Only the named key, as OpenSSH's IdentitiesOnly: an agent or ~/.ssh keys must not
             # make a wrong inventory entry work by accident.
-            kwargs.update(key_filename=[os.path.expanduser(s.identity_file)], look_for_keys=False,
-                          allow_agent=False)
+            kwargs.update(
+                key_filename=[os.path.expanduser(s.identity_file)], look_for_keys=False, allow_agent=False
+            )
         # The inventory is the whole truth about a host: ~/.ssh/config is not consulted.
         config = fabric.Config(overrides={"load_ssh_configs": False})
-        conn = fabric.Connection(host, user=user, port=port, config=config, gateway=gateway,
-                                 connect_timeout=max(1, int(round(s.connect_timeout_s))), connect_kwargs=kwargs)
+        conn = fabric.Connection(
+            host,
+            user=user,
+            port=port,
+            config=config,
+            gateway=gateway,
+            connect_timeout=max(1, int(round(s.connect_timeout_s))),
+            connect_kwargs=kwargs,
+        )
         client = conn.client
         if s.host_key_policy == "off":
             client.set_missing_host_key_policy(paramiko.AutoAddPolicy())  # in memory only, nothing saved
         else:
             entry = known_hosts_entry(host, port)
-            known = read_host_keys(self.known_hosts, entry) if os.path.exists(self.known_hosts) else HostKeys(entry)
+            known = (
+                read_host_keys(self.known_hosts, entry)
+                if os.path.exists(self.known_hosts)
+                else HostKeys(entry)
+            )
             for key in known.keys:  # what paramiko compares the server's key with
                 client.get_host_keys().add(entry, key.get_name(), key)
             client.set_missing_host_key_policy(
-                _RejectUnknown(known) if s.host_key_policy == "strict" else _RecordNew(self.known_hosts, known))
+                _RejectUnknown(known)
+                if s.host_key_policy == "strict"
+                else _RecordNew(self.known_hosts, known)
+            )
         return conn
 
     def _connection(self, step: str) -> fabric.Connection:
@@ -203,11 +241,15 @@ class SshTransport(Transport):
             s = self.spec
             key = os.path.expanduser(s.identity_file) if s.identity_file else None
             if key and os.path.isdir(key):
-                raise InputError(f"target {self.name!r}: ssh.identity_file {s.identity_file!r} is a directory; "
-                                 "name the private key file in it (e.g. id_ed25519)")
+                raise InputError(
+                    f"target {self.name!r}: ssh.identity_file {s.identity_file!r} is a directory; "
+                    "name the private key file in it (e.g. id_ed25519)"
+                )
             if key and not os.path.isfile(key):
-                raise InputError(f"target {self.name!r}: ssh.identity_file {s.identity_file!r} does not exist; "
-                                 "fix the path in the inventory")
+                raise InputError(
+                    f"target {self.name!r}: ssh.identity_file {s.identity_file!r} does not exist; "
+                    "fix the path in the inventory"
+                )
             gateway = None
             if self.jump:
                 juser, jhost, jport = self.jump
@@ -215,7 +257,9 @@ class SshTransport(Transport):
                     gateway = self._gateway = self._new_connection(jhost, jport, juser or s.user)
                     gateway.open()
                 except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
-                    error = self._connect_error(exc, step, jhost, jport, juser or s.user, "jump host ", self._gateway)
+                    error = self._connect_error(
+                        exc, step, jhost, jport, juser or s.user, "jump host ", self._gateway
+                    )
                     self._close_quietly()
                     raise error from None
             try:
@@ -229,59 +273,107 @@ class SshTransport(Transport):
             self._conn = conn
             return conn
 
-    def _connect_error(self, exc: BaseException, step: str, host: str, port: int, user: str,
-                       what: str, conn: fabric.Connection | None = None) -> TransportError:
+    def _connect_error(
+        self,
+        exc: BaseException,
+        step: str,
+        host: str,
+        port: int,
+        user: str,
+        what: str,
+        conn: fabric.Connection | None = None,
+    ) -> TransportError:
         where = f"{what}{user}@{host}:{port}"
         field = "ssh.jump" if what else "ssh.host"  # the inventory field that names this host
         entry = known_hosts_entry(host, port)
         if _connected_without_banner(conn) and isinstance(exc, (paramiko.SSHException, EOFError, OSError)):
-            return ConnectError(self.name, step, f"{what}{host}:{port} accepted the connection but sent no SSH "
-                                                 f"banner within {self.spec.connect_timeout_s:g} s (is it an SSH "
-                                                 "server? is sshd wedged?)")
+            return ConnectError(
+                self.name,
+                step,
+                f"{what}{host}:{port} accepted the connection but sent no SSH "
+                f"banner within {self.spec.connect_timeout_s:g} s (is it an SSH "
+                "server? is sshd wedged?)",
+            )
         if isinstance(exc, paramiko.BadHostKeyException) and self._is_revoked(exc.key, entry):
             exc = _RevokedHostKey(entry, exc.key)  # revoked outranks "changed", as for ssh
         if isinstance(exc, _RevokedHostKey):
             return HostKeyError(
-                self.name, step,
+                self.name,
+                step,
                 f"{what}host key of {entry} ({fingerprint(exc.key)}) is marked @revoked in {self.known_hosts}; "
                 "refusing to connect (a revoked key may be in the wrong hands). Give the host a new key, or "
-                "remove the @revoked line only if this key is trusted again")
+                "remove the @revoked line only if this key is trusted again",
+            )
         if isinstance(exc, _UnknownHostKey):
             return HostKeyError(
-                self.name, step,
+                self.name,
+                step,
                 f"{what}host key of {entry} ({fingerprint(exc.key)}) is not in {self.known_hosts} and "
                 f"ssh.host_key_policy is strict. Check the fingerprint on the host (ssh-keygen -lf "
                 f"/etc/ssh/ssh_host_*_key.pub), then add it: ssh-keyscan -p {port} {host} >> {self.known_hosts} "
-                "(or set ssh.host_key_policy: accept-new to record it on first connect)")
+                "(or set ssh.host_key_policy: accept-new to record it on first connect)",
+            )
         if isinstance(exc, paramiko.BadHostKeyException):
             return HostKeyError(
-                self.name, step,
+                self.name,
+                step,
                 f"{what}host key of {entry} has CHANGED: the server offers {fingerprint(exc.key)}, "
                 f"{self.known_hosts} has {fingerprint(exc.expected_key)}. This may be an attack; if the host "
-                f"was reinstalled, remove the old key with: ssh-keygen -f {self.known_hosts} -R '{entry}'")
-        if (isinstance(exc, OSError) and exc.filename and os.path.abspath(exc.filename) == os.path.abspath(self.known_hosts)):
-            return HostKeyError(self.name, step, f"cannot read {self.known_hosts} ({exc}); check ssh.known_hosts_file")
+                f"was reinstalled, remove the old key with: ssh-keygen -f {self.known_hosts} -R '{entry}'",
+            )
+        if (
+            isinstance(exc, OSError)
+            and exc.filename
+            and os.path.abspath(exc.filename) == os.path.abspath(self.known_hosts)
+        ):
+            return HostKeyError(
+                self.name, step, f"cannot read {self.known_hosts} ({exc}); check ssh.known_hosts_file"
+            )
         if isinstance(exc, OSError) and exc.filename:
-            return AuthError(self.name, step, f"cannot read {exc.filename} ({exc.strerror}); check ssh.identity_file")
+            return AuthError(
+                self.name, step, f"cannot read {exc.filename} ({exc.strerror}); check ssh.identity_file"
+            )
         if isinstance(exc, paramiko.PasswordRequiredException):
-            return AuthError(self.name, step, f"{where}: the key {self.spec.identity_file} is passphrase-protected; "
-                                              "load it into ssh-agent and drop ssh.identity_file, or use a key without one")
+            return AuthError(
+                self.name,
+                step,
+                f"{where}: the key {self.spec.identity_file} is passphrase-protected; "
+                "load it into ssh-agent and drop ssh.identity_file, or use a key without one",
+            )
         if isinstance(exc, paramiko.AuthenticationException):
-            key = f"key {self.spec.identity_file}" if self.spec.identity_file else "the agent's and ~/.ssh keys"
-            return AuthError(self.name, step, f"{where} refused {key} for user {user!r} ({exc}); check ssh.user, "
-                                              "ssh.identity_file and the host's authorized_keys")
+            key = (
+                f"key {self.spec.identity_file}" if self.spec.identity_file else "the agent's and ~/.ssh keys"
+            )
+            return AuthError(
+                self.name,
+                step,
+                f"{where} refused {key} for user {user!r} ({exc}); check ssh.user, "
+                "ssh.identity_file and the host's authorized_keys",
+            )
         if isinstance(exc, socket.gaierror):
-            return ConnectError(self.name, step, f"cannot resolve {what or 'host '}{host!r} ({exc.strerror}); "
-                                                 f"check {field}")
+            return ConnectError(
+                self.name, step, f"cannot resolve {what or 'host '}{host!r} ({exc.strerror}); check {field}"
+            )
         if isinstance(exc, paramiko.ChannelException):
-            return ConnectError(self.name, step, f"the jump host could not open a connection to {host}:{port} "
-                                                 f"({exc.text}); check ssh.host/ssh.port and that forwarding is allowed")
+            return ConnectError(
+                self.name,
+                step,
+                f"the jump host could not open a connection to {host}:{port} "
+                f"({exc.text}); check ssh.host/ssh.port and that forwarding is allowed",
+            )
         if isinstance(exc, (socket.timeout, TimeoutError)):
-            return ConnectError(self.name, step, f"{where}: no answer within {self.spec.connect_timeout_s:g}s "
-                                                 f"(host down or port filtered? check {field})")
+            return ConnectError(
+                self.name,
+                step,
+                f"{where}: no answer within {self.spec.connect_timeout_s:g}s "
+                f"(host down or port filtered? check {field})",
+            )
         if isinstance(exc, (paramiko.ssh_exception.NoValidConnectionsError, ConnectionRefusedError)):
-            return ConnectError(self.name, step, f"{where}: connection refused (is sshd running on port {port}? "
-                                                 f"check {field})")
+            return ConnectError(
+                self.name,
+                step,
+                f"{where}: connection refused (is sshd running on port {port}? check {field})",
+            )
         return ConnectError(self.name, step, f"{where}: {type(exc).__name__}: {exc}")
 
     def _is_revoked(self, key: paramiko.PKey, entry: str) -> bool:
@@ -303,10 +395,14 @@ class SshTransport(Transport):
                 with self._lock:
                     self._close_quietly()
                 if attempt == 2:
-                    raise ConnectError(self.name, step, f"cannot open an ssh session on {self.spec.host}: {exc}") from None
+                    raise ConnectError(
+                        self.name, step, f"cannot open an ssh session on {self.spec.host}: {exc}"
+                    ) from None
         raise AssertionError("unreachable")
 
-    def _exec(self, line: str, stdin: bytes | None, limit_s: float, step: str) -> tuple[int, bytes, bytes, float]:
+    def _exec(
+        self, line: str, stdin: bytes | None, limit_s: float, step: str
+    ) -> tuple[int, bytes, bytes, float]:
         """Run one command line on a fresh channel; (exit code, stdout, stderr, seconds)."""
         start = time.monotonic()
         deadline = start + limit_s
@@ -325,19 +421,29 @@ class SshTransport(Transport):
                 raise socket.timeout()
             code = chan.recv_exit_status()
         except socket.timeout:
-            raise RemoteTimeout(self.name, step, f"no answer within {limit_s:g}s although the remote `timeout` "
-                                                 "should have ended the command; gave up waiting",
-                                decode(b"".join(err))) from None
+            raise RemoteTimeout(
+                self.name,
+                step,
+                f"no answer within {limit_s:g}s although the remote `timeout` "
+                "should have ended the command; gave up waiting",
+                decode(b"".join(err)),
+            ) from None
         except (paramiko.SSHException, EOFError, OSError) as exc:
             with self._lock:
                 self._close_quietly()
-            raise ConnectError(self.name, step, f"connection to {self.spec.host} lost: {exc}",
-                               decode(b"".join(err))) from None
+            raise ConnectError(
+                self.name, step, f"connection to {self.spec.host} lost: {exc}", decode(b"".join(err))
+            ) from None
         finally:
             chan.close()
         if code == -1:
-            raise ConnectError(self.name, step, f"the session on {self.spec.host} ended without an exit status "
-                                                "(connection lost or the remote shell was killed)", decode(b"".join(err)))
+            raise ConnectError(
+                self.name,
+                step,
+                f"the session on {self.spec.host} ended without an exit status "
+                "(connection lost or the remote shell was killed)",
+                decode(b"".join(err)),
+            )
         return code, b"".join(out), b"".join(err), time.monotonic() - start
 
     def _classify(self, code: int, stderr: bytes, step: str) -> None:
@@ -350,7 +456,9 @@ class SshTransport(Transport):
         return finish(self.name, step, timeout, code, out, err, seconds)
 
     def put(self, data: bytes, remote_path: str, mode: int = 0o644, step: str = "put") -> None:
-        self.check(_put_script(remote_path, mode, len(data)), timeout=put_timeout_s(len(data)), step=step, stdin=data)
+        self.check(
+            _put_script(remote_path, mode, len(data)), timeout=put_timeout_s(len(data)), step=step, stdin=data
+        )
 
     def interactive(self, script: str) -> int:
         chan = self._open_channel("attach")
@@ -444,6 +552,7 @@ def _passthrough(chan: paramiko.Channel) -> None:
     if is_tty:
         import termios
         import tty
+
         saved = termios.tcgetattr(in_fd)
         tty.setraw(in_fd)
 
@@ -475,6 +584,7 @@ def _passthrough(chan: paramiko.Channel) -> None:
     finally:
         if saved is not None:
             import termios
+
             termios.tcsetattr(in_fd, termios.TCSADRAIN, saved)
         if old_winch is not None:
             signal.signal(signal.SIGWINCH, old_winch)
