@@ -63,6 +63,12 @@ RUNNING_CT, STOPPED_CT = 200, 201
 TMUX_DIR = Path(tempfile.mkdtemp(prefix="dflash-tests-tmux-", dir=os.environ.get("TMUX_TMPDIR") or None))
 os.environ["TMUX_TMPDIR"] = str(TMUX_DIR)
 
+# Scripts the tests run by name (`#!/usr/bin/env python3`, e.g. tests/sim/standin-trainer) must get
+# this interpreter and its packages, as in an activated virtualenv, whatever python3 PATH has first.
+_THIS_PYTHON_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _THIS_PYTHON_BIN:
+    os.environ["PATH"] = _THIS_PYTHON_BIN + os.pathsep + os.environ.get("PATH", "")
+
 
 def _tmux_sockets() -> set[Path]:
     return set(TMUX_DIR.glob("tmux-*/*"))
