@@ -6,6 +6,20 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
+class JumpHost:
+    """An ssh jump host (OpenSSH's -J), written `user@host:port` in the inventory."""
+
+    host: str  # an IPv6 address without its brackets
+    port: int = 22
+    user: str | None = None  # None: the user of the target it leads to
+
+    def destination(self) -> str:
+        """`[user@]host:port` as ssh -J takes it, an IPv6 host in brackets."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return (f"{self.user}@" if self.user else "") + f"{host}:{self.port}"
+
+
+@dataclasses.dataclass(frozen=True)
 class HostSpec:
     """How to reach an ssh host (the box itself, or the Proxmox host for pct)."""
 
@@ -13,7 +27,7 @@ class HostSpec:
     port: int = 22
     user: str = "root"
     identity_file: str | None = None
-    jump: str | None = None  # "user@host:port" of a jump host, optional
+    jump: JumpHost | None = None
     # "strict": key must already be in known_hosts; "accept-new": record unknown keys (a changed
     # key is still refused); "off": trust anything (explicit opt-in only).
     host_key_policy: str = "strict"

@@ -35,6 +35,7 @@ DFLASH_SKIP_SSH_TESTS=1 to skip the tests that use them instead.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -51,6 +52,7 @@ try:
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import sshd as sshd_helpers
 
+from dflash_ops.inventory import inventory_from_data
 from dflash_ops.model import HostSpec, Job, Target
 
 SIM_DIR = sshd_helpers.SIM_DIR
@@ -181,11 +183,26 @@ def known_hosts(_ssh_base, sshd_server, sshd_server_b) -> Path:
     return path
 
 
-def host_spec(server, client_key: Path, known_hosts: Path, **overrides) -> HostSpec:
-    fields = dict(host="127.0.0.1", port=server.port, user="root", identity_file=str(client_key),
-                  host_key_policy="strict", known_hosts_file=str(known_hosts), connect_timeout_s=5.0)
-    fields.update(overrides)
-    return HostSpec(**fields)
+def _written(obj) -> dict:
+    """The fields of a model dataclass that differ from their defaults."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if getattr(obj, f.name) != f.default}
+
+
+def checked(target: Target) -> Target:
+    """`target` as the inventory builds it from the same fields. The inventory is the one place
+    that checks a target and the transports trust it, so a fixture's target must pass it too."""
+    fields = {**_written(target), **_written(target.ssh)}
+    fields["job"] = {key: getattr(target.job, key) for key in ("workdir", "python", "config")}
+    del fields["name"], fields["ssh"]
+    built = inventory_from_data({"targets": {target.name: fields}}, "conftest.py", os.getcwd())
+    assert built.targets[target.name] == target, "the inventory reads this fixture's target differently"
+    return built.targets[target.name]
+
+
+def host_spec(server, client_key: Path, known_hosts: Path) -> HostSpec:
+    spec = HostSpec(host="127.0.0.1", port=server.port, user="root", identity_file=str(client_key),
+                    host_key_policy="strict", known_hosts_file=str(known_hosts), connect_timeout_s=5.0)
+    return checked(Target(name="box", transport="ssh", job=make_job(Path("/srv/w")), ssh=spec)).ssh
 
 
 def make_job(workdir: Path) -> Job:
@@ -209,12 +226,12 @@ def local_target(tmp_path) -> Target:
 
 @pytest.fixture
 def ssh_target(ssh_spec, tmp_path) -> Target:
-    return Target(name="box-a", transport="ssh", job=make_job(tmp_path / "work-a"), ssh=ssh_spec)
+    return checked(Target(name="box-a", transport="ssh", job=make_job(tmp_path / "work-a"), ssh=ssh_spec))
 
 
 @pytest.fixture
 def ssh_target_b(ssh_spec_b, tmp_path) -> Target:
-    return Target(name="box-b", transport="ssh", job=make_job(tmp_path / "work-b"), ssh=ssh_spec_b)
+    return checked(Target(name="box-b", transport="ssh", job=make_job(tmp_path / "work-b"), ssh=ssh_spec_b))
 
 
 def _ensure(root: Path, ctid: int, running: bool) -> None:
@@ -229,15 +246,15 @@ def _ensure(root: Path, ctid: int, running: bool) -> None:
 @pytest.fixture
 def pct_target(ssh_spec, pct_sim_root, tmp_path) -> Target:
     _ensure(pct_sim_root, RUNNING_CT, True)
-    return Target(name=f"ct{RUNNING_CT}", transport="pct", job=make_job(tmp_path / "work-ct"), ssh=ssh_spec,
-                  ctid=RUNNING_CT)
+    return checked(Target(name=f"ct{RUNNING_CT}", transport="pct", job=make_job(tmp_path / "work-ct"),
+                          ssh=ssh_spec, ctid=RUNNING_CT))
 
 
 @pytest.fixture
 def stopped_pct_target(ssh_spec, pct_sim_root, tmp_path) -> Target:
     _ensure(pct_sim_root, STOPPED_CT, False)
-    return Target(name=f"ct{STOPPED_CT}", transport="pct", job=make_job(tmp_path / "work-ct-stopped"),
-                  ssh=ssh_spec, ctid=STOPPED_CT)
+    return checked(Target(name=f"ct{STOPPED_CT}", transport="pct", job=make_job(tmp_path / "work-ct-stopped"),
+                          ssh=ssh_spec, ctid=STOPPED_CT))
 
 
 @pytest.fixture

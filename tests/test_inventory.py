@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_ops import inventory as inv_mod
+from dflash_ops import inventory_rules, inventory_target
 from dflash_ops.errors import InputError
 from dflash_ops.inventory import (
     ENV_VAR, Inventory, builtin_inventory, describe, load_inventory, load_inventory_text,
 )
-from dflash_ops.model import Health, HostSpec, Job, Target
+from dflash_ops.model import Health, HostSpec, Job, JumpHost, Target
 
-REAL_BUNDLED_CONFIG_NAMES = inv_mod.bundled_config_names
+REAL_BUNDLED_CONFIG_NAMES = inventory_target.bundled_config_names
 REPO = Path(__file__).resolve().parent.parent
 FILE = "inv.yaml"  # the name error messages must carry
 
@@ -42,7 +42,7 @@ def isolated(tmp_path, monkeypatch):
     monkeypatch.chdir(work)
     # Bundled config names are the trainer's business; pin them so these tests do not depend on
     # which files trainer/configs holds today.
-    monkeypatch.setattr(inv_mod, "bundled_config_names", lambda: ("gpu-paper", "tiny-cpu"))
+    monkeypatch.setattr(inventory_target, "bundled_config_names", lambda: ("gpu-paper", "tiny-cpu"))
     return home
 
 
@@ -75,7 +75,7 @@ def test_bundled_config_names_are_the_trainer_configs():
 
 def test_example_inventory_loads_with_inheritance(isolated, monkeypatch):
     # With the real bundled names: the example must only name configs the trainer ships.
-    monkeypatch.setattr(inv_mod, "bundled_config_names", REAL_BUNDLED_CONFIG_NAMES)
+    monkeypatch.setattr(inventory_target, "bundled_config_names", REAL_BUNDLED_CONFIG_NAMES)
     inv = load_inventory(str(REPO / "inventory.yaml"))
     assert list(inv.targets) == ["local", "gpu-box", "bare-box"]
     assert inv.groups == {"all": ("gpu-box", "bare-box")}
@@ -97,7 +97,7 @@ def test_example_inventory_loads_with_inheritance(isolated, monkeypatch):
 
     bare = inv.targets["bare-box"]
     assert bare.transport == "ssh" and bare.ctid is None
-    assert (bare.ssh.host, bare.ssh.port, bare.ssh.jump) == ("10.0.0.7", 2222, "admin@bastion:22")
+    assert (bare.ssh.host, bare.ssh.port, bare.ssh.jump) == ("10.0.0.7", 2222, JumpHost("bastion", 22, "admin"))
     # Its own lists replace the defaults'; its health overrides one threshold and keeps the rest.
     assert (bare.job.target_gpus, bare.job.drafter_gpus) == ((0,), (1,))
     assert bare.job.health == Health(min_tokens_per_s=8000, stall_seconds=900,
@@ -117,9 +117,9 @@ def test_example_inventory_documents_every_field():
 
 def test_schema_covers_exactly_the_model_fields():
     # A field added to model.Job / Health / HostSpec must become settable in the inventory.
-    assert set(inv_mod._JOB_FIELDS) == {f.name for f in dataclasses.fields(Job)}
-    assert set(inv_mod._HEALTH_FIELDS) == {f.name for f in dataclasses.fields(Health)}
-    assert set(inv_mod._HOST_FIELDS) == {f.name for f in dataclasses.fields(HostSpec)}
+    assert set(inventory_rules.JOB_FIELDS) == {f.name for f in dataclasses.fields(Job)}
+    assert set(inventory_rules.HEALTH_FIELDS) == {f.name for f in dataclasses.fields(Health)}
+    assert set(inventory_rules.HOST_FIELDS) == {f.name for f in dataclasses.fields(HostSpec)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def test_every_field_is_read_into_the_model():
     assert inv.targets["box"] == Target(
         name="box", transport="pct", ctid=123, gpu_query_on="host",
         ssh=HostSpec(host="pve.lan", port=2200, user="ops", identity_file="/keys/id",
-                     jump="jumper@bastion.lan:2022", host_key_policy="accept-new",
+                     jump=JumpHost("bastion.lan", 2022, "jumper"), host_key_policy="accept-new",
                      known_hosts_file="/keys/known", connect_timeout_s=4.5),
         job=Job(workdir="/data/w", python="/opt/py/bin/python3", config="gpu-paper",
                 session="train-1", log_dir="/data/logs", cache_dir="/scratch/ind",
@@ -166,6 +166,25 @@ def test_every_field_is_read_into_the_model():
                 train_args=("--max-steps", "100", "--lr", "6e-4"),
                 env=(("NCCL_DEBUG", "INFO"), ("OMP_NUM_THREADS", "8")),
                 health=Health(1.5, 60, 12, 0)))
+
+
+@pytest.mark.parametrize("text, parsed, destination", [
+    ("jump.example", JumpHost("jump.example", 22, None), "jump.example:22"),
+    ("ops@jump.example", JumpHost("jump.example", 22, "ops"), "ops@jump.example:22"),
+    ("ops@10.0.0.1:2222", JumpHost("10.0.0.1", 2222, "ops"), "ops@10.0.0.1:2222"),
+    ("[fe80::1]:2200", JumpHost("fe80::1", 2200, None), "[fe80::1]:2200"),
+])
+def test_jump_host_is_read_as_user_host_port(text, parsed, destination):
+    inv = load(f"""
+        targets:
+          box:
+            transport: ssh
+            host: a
+            jump: '{text}'
+            job: {{workdir: /w, python: /w/py, config: tiny-cpu}}
+    """)
+    jump = inv.targets["box"].ssh.jump
+    assert jump == parsed and jump.destination() == destination
 
 
 def test_defaults_deep_merge_and_target_wins():

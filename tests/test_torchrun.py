@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from dflash_ops import inventory as inv_mod
+from dflash_ops import inventory_target
 from dflash_ops import launch, logs, torchrun
 from dflash_ops.errors import InputError
 from dflash_ops.inventory import load_inventory_text
@@ -51,7 +51,7 @@ Root Cause (first observed failure):
 
 @pytest.fixture(autouse=True)
 def bundled(monkeypatch):
-    monkeypatch.setattr(inv_mod, "bundled_config_names", lambda: ("gpu-paper", "tiny-cpu"))
+    monkeypatch.setattr(inventory_target, "bundled_config_names", lambda: ("gpu-paper", "tiny-cpu"))
 
 
 def job_of(extra: str) -> Job:

@@ -10,9 +10,8 @@ import paramiko
 import pytest
 
 from dflash_ops.errors import AuthError, ConnectError, HostKeyError, InputError
-from dflash_ops.model import HostSpec
+from dflash_ops.model import HostSpec, JumpHost
 from dflash_ops.transport import SshTransport
-from dflash_ops.transport.ssh import parse_jump
 
 try:
     from tests import sshd as sshd_helpers
@@ -177,7 +176,7 @@ def test_policy_off_trusts_without_recording(ssh_spec, tmp_path):
 
 
 def test_jump_host_reaches_the_second_server(ssh_spec, ssh_spec_b, sshd_server, sshd_server_b):
-    spec = dataclasses.replace(ssh_spec_b, jump=f"root@127.0.0.1:{sshd_server.port}")
+    spec = dataclasses.replace(ssh_spec_b, jump=JumpHost("127.0.0.1", sshd_server.port, "root"))
     with SshTransport("via-jump", spec) as t:
         # the session runs on B (its port), and the jump connection to A is up
         assert t.check("echo $SSH_CONNECTION").stdout.split()[3] == str(sshd_server_b.port)
@@ -188,7 +187,7 @@ def test_jump_host_reaches_the_second_server(ssh_spec, ssh_spec_b, sshd_server, 
 def test_jump_host_failures_say_jump_host(ssh_spec_b):
     closed = sshd_helpers.free_port()
     with pytest.raises(ConnectError) as info:
-        _run(dataclasses.replace(ssh_spec_b, jump=f"root@127.0.0.1:{closed}"))
+        _run(dataclasses.replace(ssh_spec_b, jump=JumpHost("127.0.0.1", closed, "root")))
     assert "jump host" in str(info.value) and str(closed) in str(info.value)
 
 
@@ -217,12 +216,6 @@ def test_bad_host_settings_are_input_errors(field, value, words):
     assert all(w in str(info.value) for w in words) and "'box'" in str(info.value), str(info.value)
 
 
-def test_a_bad_jump_host_is_an_input_error_in_the_transport_too(ssh_spec):
-    with pytest.raises(InputError) as info:
-        SshTransport("box", dataclasses.replace(ssh_spec, jump="user@@host:xx"))
-    assert "ssh.jump" in str(info.value) and "'box'" in str(info.value)
-
-
 def test_identity_file_that_is_a_directory_says_so(ssh_spec, tmp_path):
     with pytest.raises(InputError) as info:
         _run(dataclasses.replace(ssh_spec, identity_file=str(tmp_path)))
@@ -233,16 +226,6 @@ def test_missing_identity_file_is_an_input_error(ssh_spec, tmp_path):
     with pytest.raises(InputError) as info:
         _run(dataclasses.replace(ssh_spec, identity_file=str(tmp_path / "nope")))
     assert "ssh.identity_file" in str(info.value) and "nope" in str(info.value)
-
-
-@pytest.mark.parametrize("text,parsed", [
-    ("jump.example", (None, "jump.example", 22)),
-    ("ops@jump.example", ("ops", "jump.example", 22)),
-    ("ops@10.0.0.1:2222", ("ops", "10.0.0.1", 2222)),
-    ("[fe80::1]:2200", (None, "fe80::1", 2200)),
-])
-def test_parse_jump(text, parsed):
-    assert parse_jump("t", text) == parsed
 
 
 def test_missing_tools_fail_with_the_fix():
@@ -278,6 +261,6 @@ def test_a_server_without_a_banner_is_named_and_nothing_else_is_printed(silent_s
 
 def test_unresolvable_jump_host_names_the_jump_field(ssh_spec_b):
     with pytest.raises(ConnectError) as info:
-        _run(dataclasses.replace(ssh_spec_b, jump="root@bastion.invalid:22"))
+        _run(dataclasses.replace(ssh_spec_b, jump=JumpHost("bastion.invalid", 22, "root")))
     message = str(info.value)
     assert "ssh.jump" in message and "ssh.host" not in message, message

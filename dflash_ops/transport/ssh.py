@@ -28,7 +28,6 @@ import fabric
 import paramiko
 
 from ..errors import AuthError, ConnectError, HostKeyError, InputError, RemoteTimeout, TransportError
-from ..inventory import split_jump
 from ..model import HostSpec
 from .base import (
     AFTER_EXIT_S,
@@ -48,17 +47,6 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 POLL_S = 0.5  # how often a waiting read looks at the exit status
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
-
-
-def parse_jump(target: str, jump: str) -> tuple[str | None, str, int]:
-    """`user@host:port` (user and port optional) -> (user, host, port), by the inventory's rule."""
-    parts = split_jump(jump.strip())
-    if parts is None or not 0 < parts[2] < 65536:
-        raise InputError(
-            f"target {target!r}: ssh.jump {jump!r} is not a jump host; "
-            "write it as host, user@host or user@host:port"
-        )
-    return parts
 
 
 def known_hosts_entry(host: str, port: int) -> str:
@@ -147,7 +135,6 @@ class SshTransport(Transport):
         super().__init__(name)
         self.spec = spec
         self.known_hosts = os.path.expanduser(spec.known_hosts_file or DEFAULT_KNOWN_HOSTS)
-        self.jump = parse_jump(name, spec.jump) if spec.jump else None
         self._conn: fabric.Connection | None = None
         self._gateway: fabric.Connection | None = None
         self._lock = threading.Lock()
@@ -173,9 +160,8 @@ class SshTransport(Transport):
         argv = ["ssh", "-p", str(s.port)]
         if s.identity_file:
             argv += ["-i", s.identity_file, "-o", "IdentitiesOnly=yes"]
-        if self.jump:
-            user, host, port = self.jump
-            argv += ["-J", (f"{user}@" if user else "") + (f"[{host}]" if ":" in host else host) + f":{port}"]
+        if s.jump:
+            argv += ["-J", s.jump.destination()]
         checking = {"strict": "yes", "accept-new": "accept-new", "off": "no"}[s.host_key_policy]
         argv += [
             "-o",
@@ -251,14 +237,14 @@ class SshTransport(Transport):
                     "fix the path in the inventory"
                 )
             gateway = None
-            if self.jump:
-                juser, jhost, jport = self.jump
+            if s.jump:
+                jump, juser = s.jump, s.jump.user or s.user
                 try:
-                    gateway = self._gateway = self._new_connection(jhost, jport, juser or s.user)
+                    gateway = self._gateway = self._new_connection(jump.host, jump.port, juser)
                     gateway.open()
                 except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
                     error = self._connect_error(
-                        exc, step, jhost, jport, juser or s.user, "jump host ", self._gateway
+                        exc, step, jump.host, jump.port, juser, "jump host ", self._gateway
                     )
                     self._close_quietly()
                     raise error from None

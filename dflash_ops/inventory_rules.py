@@ -1,0 +1,275 @@
+"""The inventory's field rules: what each field of a target, its job and its health thresholds
+accepts, and the schema tables that name them.
+
+Each rule takes the YAML value and returns the clean value, or raises `Bad` with "what is wrong;
+how to fix it" (the caller adds file, line, target and field).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from typing import Any, Callable, Union
+
+from .model import JumpHost
+
+TRANSPORTS = ("local", "ssh", "pct")
+HOST_KEY_POLICIES = ("strict", "accept-new", "off")
+GPU_QUERY_ON = ("container", "host")
+LAUNCHERS = ("threads", "torchrun")
+
+Rule = Callable[[Any], Any]
+Schema = dict[str, Union[Rule, "Schema"]]  # a nested schema is a mapping field (job:, health:)
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_JUMP = re.compile(r"(?:(?P<user>[^@\s:]+)@)?(?P<host>[^@\s:/\[\]]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d+))?\Z")
+
+
+def with_article(word: str) -> str:
+    return ("an " if word[0] in "aeiosx" else "a ") + word  # "an ssh", "a pct", "a local"
+
+
+class Bad(Exception):
+    """What is wrong with one value and how to fix it; the caller says where."""
+
+
+def show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def kind_of(value: Any) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    if isinstance(value, str):
+        return f"the text {show(value)}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"a {type(value).__name__} ({value})"
+
+
+def _text(value: Any, example: str) -> str:
+    if not isinstance(value, str):
+        raise Bad(f"expected text like {example}, got {kind_of(value)}")
+    if not value:
+        raise Bad(f"is empty; write it like {example}")
+    if _CONTROL.search(value):
+        raise Bad(f"contains a control character (newline, tab ...) in {show(value)}; remove it")
+    return value
+
+
+def _whole(lo: int, hi: int, example: str) -> Rule:
+    def rule(value: Any) -> int:
+        # bool is an int subclass in Python: `port: true` must not become port 1.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise Bad(f"expected a whole number like {example}, got {kind_of(value)}")
+        if not lo <= value <= hi:
+            raise Bad(f"must be between {lo} and {hi}, got {value}")
+        return value
+
+    return rule
+
+
+def _number(example: str, zero_ok: bool, most: float | None = None) -> Rule:
+    def rule(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise Bad(f"expected a number like {example}, got {kind_of(value)}")
+        if not math.isfinite(value):
+            raise Bad(f"must be a finite number like {example}, got {value}")
+        if value < 0 or (value == 0 and not zero_ok):
+            bound = ">= 0 (0 turns the check off)" if zero_ok else "> 0"
+            raise Bad(f"must be {bound}, got {value}")
+        if most is not None and value > most:
+            raise Bad(f"must be at most {most:g}, got {value}")
+        return float(value)
+
+    return rule
+
+
+def _choice(options: tuple[str, ...]) -> Rule:
+    def rule(value: Any) -> str:
+        if isinstance(value, str) and value in options:
+            return value
+        close = difflib.get_close_matches(str(value), options, n=1) if isinstance(value, str) else []
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise Bad(f"must be one of {', '.join(options)}, got {kind_of(value)}{hint}")
+
+    return rule
+
+
+def _host(value: Any) -> str:
+    value = _text(value, "pve1.example.lan")
+    if value.startswith("-"):
+        raise Bad(f"a host name cannot start with '-' ({show(value)}); ssh would read it as an option")
+    if any(c.isspace() for c in value):
+        raise Bad(f"a host name has no spaces, got {show(value)}")
+    if "@" in value:
+        raise Bad(f"write only the host here and the user in 'user:' (got {show(value)})")
+    return value
+
+
+def _user(value: Any) -> str:
+    value = _text(value, "root")
+    if value.startswith("-") or any(c.isspace() or c in "@:" for c in value):
+        raise Bad(f"a user name has no spaces, '@' or ':' and does not start with '-', got {show(value)}")
+    return value
+
+
+def _jump(value: Any) -> JumpHost:
+    text = _text(value, "admin@bastion:22")
+    match = _JUMP.match(text)
+    if not match or match["host"].startswith("-") or (match["user"] or "").startswith("-"):
+        raise Bad(f"expected 'user@host:port' (user and port optional), got {show(text)}")
+    port = int(match["port"] or 22)
+    if not 1 <= port <= 65535:
+        raise Bad(f"port must be between 1 and 65535, got {port}")
+    return JumpHost(host=match["host"].strip("[]"), port=port, user=match["user"])
+
+
+def _path(value: Any) -> str:
+    return _text(value, "/root/dflash")
+
+
+def _config(value: Any) -> str:
+    return _text(value, "/root/dflash/configs/qwen3-8b.yaml or tiny-cpu")
+
+
+def _session(value: Any) -> str:
+    value = _text(value, "dflash")
+    if "." in value or ":" in value:
+        raise Bad(f"tmux refuses '.' and ':' in session names, got {show(value)}; use e.g. 'dflash-train'")
+    if "#{" in value:
+        raise Bad(
+            f"'#{{' starts a tmux format that tmux would expand in the name, got {show(value)}; "
+            "use e.g. 'dflash-train'"
+        )
+    return value
+
+
+def _socket(value: Any) -> str:
+    value = _text(value, "dflash")
+    if "/" in value:
+        raise Bad(f"is a tmux socket NAME (tmux -L), not a path, got {show(value)}; drop the '/'")
+    return value
+
+
+def _gpus(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise Bad(f"expected a list of GPU indices like [0, 1], got {kind_of(value)}")
+    for gpu in value:
+        if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
+            raise Bad(f"GPU indices are whole numbers >= 0, got {kind_of(gpu)}; write it like [0, 1]")
+    for gpu in value:
+        if value.count(gpu) > 1:
+            raise Bad(f"GPU {gpu} is listed twice; list each GPU once")
+    return tuple(value)
+
+
+def _train_args(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise Bad(f"expected a list of arguments like ['--max-steps', '100'], got {kind_of(value)}")
+    args = []
+    for arg in value:
+        # Whole numbers convert exactly; a float would be re-spelled (6.0e-4 -> 0.0006), so it
+        # must be quoted to reach the trainer as written.
+        if isinstance(arg, int) and not isinstance(arg, bool):
+            arg = str(arg)
+        if not isinstance(arg, str):
+            raise Bad(f"each argument must be text, got {kind_of(arg)}; quote it, e.g. '6e-4'")
+        if "\x00" in arg:
+            raise Bad("an argument cannot contain a NUL character; remove it")
+        args.append(arg)
+    return tuple(args)
+
+
+def _env(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise Bad(
+            f"expected a mapping of NAME: value like {{CUDA_LAUNCH_BLOCKING: '1'}}, got {kind_of(value)}"
+        )
+    env = {}
+    for name, val in value.items():
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            raise Bad(
+                f"environment variable names are letters, digits and '_' (not starting "
+                f"with a digit), got {show(name)}"
+            )
+        if isinstance(val, int) and not isinstance(val, bool):
+            val = str(val)
+        if not isinstance(val, str):
+            raise Bad(f"the value of {name} must be text, got {kind_of(val)}; quote it, e.g. {name}: '1'")
+        if "\x00" in val:
+            raise Bad(f"the value of {name} cannot contain a NUL character; remove it")
+        env[name] = val
+    return env
+
+
+def _endpoint(value: Any) -> str:
+    value = _text(value, "10.0.0.7:29400")
+    host, sep, port = value.rpartition(":")
+    if (
+        not sep
+        or not host
+        or host.startswith("-")
+        or any(c.isspace() for c in host)
+        or not port.isdigit()
+        or not 1 <= int(port) <= 65535
+    ):
+        raise Bad(f"expected HOST:PORT of the rendezvous host, like 10.0.0.7:29400, got {show(value)}")
+    return value
+
+
+TORCHRUN_FIELDS = ("nproc_per_node", "nnodes", "rdzv_endpoint")
+HEALTH_FIELDS: Schema = {
+    "min_tokens_per_s": _number("20000", zero_ok=True),
+    "stall_seconds": _number("900", zero_ok=False),
+    "min_drafter_util_pct": _number("30", zero_ok=True, most=100),
+    "max_relaunches_per_hour": _whole(0, 60, "3"),
+    "min_tau": _number("3", zero_ok=True, most=64),
+}
+JOB_FIELDS: Schema = {
+    "workdir": _path,
+    "python": _path,
+    "config": _config,
+    "session": _session,
+    "log_dir": _path,
+    "cache_dir": _path,
+    "target_gpus": _gpus,
+    "drafter_gpus": _gpus,
+    "tmux_socket": _socket,
+    "train_args": _train_args,
+    "env": _env,
+    "health": HEALTH_FIELDS,
+    "launcher": _choice(LAUNCHERS),
+    "nproc_per_node": _whole(1, 64, "2"),
+    "nnodes": _whole(1, 4096, "2"),
+    "rdzv_endpoint": _endpoint,
+}
+HOST_FIELDS: Schema = {
+    "host": _host,
+    "port": _whole(1, 65535, "22"),
+    "user": _user,
+    "identity_file": _path,
+    "jump": _jump,
+    "host_key_policy": _choice(HOST_KEY_POLICIES),
+    "known_hosts_file": _path,
+    "connect_timeout_s": _number("10", zero_ok=False),
+}
+# Proxmox allows container ids from 100 up.
+PCT_FIELDS: Schema = {"ctid": _whole(100, 999_999_999, "200"), "gpu_query_on": _choice(GPU_QUERY_ON)}
+TARGET_FIELDS: Schema = {"transport": _choice(TRANSPORTS), **HOST_FIELDS, **PCT_FIELDS, "job": JOB_FIELDS}
+# Shown when a path on a remote target is not absolute.
+REMOTE_PATH_EXAMPLES = {
+    "workdir": "/root/dflash",
+    "python": "/root/venv/bin/python3",
+    "log_dir": "/root/dflash/logs",
+    "cache_dir": "/root/dflash/cache",
+}
