@@ -13,7 +13,7 @@ import pytest
 
 from dflash_ops import gpu
 from dflash_ops.errors import InputError
-from dflash_ops.remote import facts, probe_script
+from dflash_ops.remote import facts, gpu_read
 
 NVIDIA_SMI = str(Path(__file__).resolve().parent / "sim" / "nvidia-smi")
 DRIVER_FAILURE = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
@@ -209,7 +209,7 @@ def test_sim_output_parses_back_to_the_state(state_file):
 
 def nvml_snapshot() -> gpu.GpuSnapshot:
     """This machine's GPUs via NVML, as the probe reads them."""
-    return gpu.snapshot_from_probe(probe_script.nvml_query())
+    return gpu.snapshot_from_probe(gpu_read.nvml_query())
 
 
 def test_nvml_snapshot_without_driver_says_so_and_does_not_raise():

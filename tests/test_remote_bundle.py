@@ -12,8 +12,9 @@ from trainer import metrics_format
 
 
 def run_isolated(filename: str, args: dict, cwd) -> dict:
-    # -I: no PYTHONPATH, no user site, no script dir: only the standard library is importable
-    proc = subprocess.run([sys.executable, "-I", "-", json.dumps(args)], input=remote.bundle(filename),
+    # -I: no PYTHONPATH, no user site, no script dir; -S: no site-packages (an editable install of
+    # dflash_ops would be one): only the standard library is importable
+    proc = subprocess.run([sys.executable, "-I", "-S", "-", json.dumps(args)], input=remote.bundle(filename),
                           capture_output=True, cwd=cwd, timeout=60)
     assert proc.returncode == 0, proc.stderr.decode()
     return json.loads(proc.stdout)
@@ -44,3 +45,16 @@ def test_jobprocs_runs_alone(tmp_path):
 def test_facts_newest_log_name_goes_by_number_not_by_text():
     names = ["train-0009.log", "train-10000.log", "train-0010.metrics.jsonl", "other.log", "train-x.log"]
     assert facts.newest_log_name(names) == "train-10000.log" and facts.newest_log_name([]) is None
+
+
+def test_the_probe_reports_a_missing_pynvml_and_still_answers(tmp_path):
+    # pynvml is an optional extra of the job's environment: without it the probe says so and goes on
+    args = {"log_dir": str(tmp_path), "session": "none", "socket": "dflash-test-none", "gpu_source": "nvml"}
+    no_pynvml = b"import sys; sys.modules['pynvml'] = None\n"  # `import pynvml` raises ImportError
+    proc = subprocess.run([sys.executable, "-I", "-S", "-", json.dumps(args)],
+                          input=no_pynvml + remote.bundle("probe_script.py"), capture_output=True, cwd=tmp_path,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = json.loads(proc.stdout)
+    assert out["gpu"] == {"source": "nvml", "error": "pynvml is not installed"}
+    assert out["log_dir_exists"] and out["session"]["exists"] is False

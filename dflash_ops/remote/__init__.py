@@ -14,8 +14,14 @@ from trainer import metrics_format
 
 
 _HERE = pathlib.Path(__file__).parent
-# (module name on the target, file) of the stdlib-only modules every remote script may import
-SHARED_MODULES = (("facts", _HERE / "facts.py"), ("metrics_format", pathlib.Path(metrics_format.__file__)))
+# (module name on the target, file) of the stdlib-only modules every remote script may import, each
+# after the ones it imports; a script that needs none of the helpers still gets them (a few KiB)
+SHARED_MODULES = (
+    ("facts", _HERE / "facts.py"),
+    ("metrics_format", pathlib.Path(metrics_format.__file__)),
+    ("bounded", _HERE / "bounded.py"),
+    ("gpu_read", _HERE / "gpu_read.py"),
+)
 
 
 def script_source(filename: str) -> str:

@@ -1,0 +1,96 @@
+"""Commands about the tool's own setup: targets, playbook list/run, cron."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from .. import cron, inventory as inventory_lib, ops, playbook
+from .group import cli, dry_run_option, target_option
+from .jobs import run_book
+
+
+@cli.command()
+@click.pass_obj
+def targets(obj):
+    """List the inventory's targets (* marks the default)."""
+    click.echo(f"inventory: {obj.inventory.source or 'built-in (no file found)'}")
+    for line in inventory_lib.describe(obj.inventory):
+        click.echo(line)
+    for name, members in obj.inventory.groups.items():
+        click.echo(f"  group {name}: {', '.join(members)}")
+
+
+@cli.group("playbook")
+def playbook_group():
+    """List or run playbooks (ordered steps in playbooks/*.yaml)."""
+
+
+@playbook_group.command("list")
+@click.pass_obj
+def playbook_list(obj):
+    """Show the playbooks found and the steps they may use."""
+    for name, path in playbook.list_playbooks(obj.search_dirs()).items():
+        click.echo(f"{name:14} {path}")
+    click.echo("\nsteps: " + ", ".join(spec.signature() for spec in ops.steps.registry))
+
+
+@playbook_group.command("run")
+@click.argument("name")
+@target_option
+@dry_run_option
+@click.option("--set", "assignments", multiple=True, metavar="OPTION=VALUE", help="Set a playbook option.")
+@click.pass_obj
+def playbook_run(obj, name, target, dry_run, assignments):
+    """Run the playbook NAME (a name from `playbook list`, or a path)."""
+    sys.exit(run_book(obj, target, name, playbook.parse_option_assignments(assignments), dry_run))
+
+
+@cli.group("cron")
+def cron_group():
+    """Manage the crontab line that runs `dflash-ops health` for a target."""
+
+
+@cron_group.command("install")
+@target_option
+@click.option("--schedule", default="*/5 * * * *", show_default=True, help="Cron schedule (5 fields).")
+@click.option("--auto-relaunch", is_flag=True, help="Let the health check relaunch on CRITICAL.")
+@click.option(
+    "--log",
+    "log_path",
+    default="~/.local/state/dflash-ops/health.log",
+    show_default=True,
+    help="File the health output is appended to.",
+)
+@click.pass_obj
+def cron_install(obj, target, schedule, auto_relaunch, log_path):
+    """Install (or replace) the health-check line for the target."""
+    name = target or obj.inventory.default_target
+    obj.targets(name)  # refuse unknown names before writing anything
+    exe = os.path.abspath(sys.argv[0]) if os.path.basename(sys.argv[0]) == "dflash-ops" else None
+    argv = [exe] if exe else [sys.executable, "-m", "dflash_ops"]
+    if obj.inventory.source:
+        argv += ["--inventory", os.path.abspath(obj.inventory.source)]
+    argv += ["health", "--target", name] + (["--auto-relaunch"] if auto_relaunch else [])
+    log_path = os.path.expanduser(log_path)
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    for line in cron.install(cron.health_line(schedule, argv, log_path, name), name):
+        click.echo(line)
+
+
+@cron_group.command("show")
+@target_option
+def cron_show(target):
+    """Show our crontab lines."""
+    for line in cron.ours(cron.read(), target):
+        click.echo(line)
+
+
+@cron_group.command("remove")
+@target_option
+def cron_remove(target):
+    """Remove our crontab line(s) (for the target, or all of ours)."""
+    gone = cron.remove(target)
+    click.echo(f"removed {len(gone)} line(s)")

@@ -1,0 +1,76 @@
+"""The root `dflash-ops` group, its context object and the options and helpers every command
+module shares."""
+
+from __future__ import annotations
+
+import click
+
+from .. import inventory as inventory_lib, playbook
+from ..errors import InputError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+class Obj:
+    def __init__(self, inventory_path: str | None, playbook_dir: str | None):
+        self.inventory_path = inventory_path
+        self.playbook_dir = playbook_dir
+        self._inventory = None
+
+    @property
+    def inventory(self):
+        if self._inventory is None:
+            self._inventory = inventory_lib.load_inventory(self.inventory_path)
+        return self._inventory
+
+    def targets(self, name):
+        return self.inventory.resolve(name)
+
+    def search_dirs(self):
+        return playbook.playbook_search_dirs(self.playbook_dir, self.inventory.source)
+
+
+def target_option(f):
+    return click.option(
+        "-t",
+        "--target",
+        "target",
+        envvar="DFLASH_OPS_TARGET",
+        default=None,
+        metavar="NAME|GROUP",
+        help="Target or group from the inventory (default: the inventory's default_target, else `local`).",
+    )(f)
+
+
+@click.group(context_settings=CONTEXT)
+@click.option(
+    "--inventory",
+    "inventory_path",
+    envvar=inventory_lib.ENV_VAR,
+    metavar="PATH",
+    help=f"Inventory file (default: ${inventory_lib.ENV_VAR}, ./inventory.yaml, "
+    "~/.config/dflash-ops/inventory.yaml, else only the built-in `local` target).",
+)
+@click.option(
+    "--playbook-dir",
+    envvar="DFLASH_OPS_PLAYBOOKS",
+    metavar="DIR",
+    help="Extra directory searched first for playbooks.",
+)
+@click.version_option(package_name="dflash-ops")
+@click.pass_context
+def cli(ctx, inventory_path, playbook_dir):
+    """Run and babysit DFlash drafter training on a GPU box: local, over ssh, or in a Proxmox
+    LXC container (ssh to the host, then `pct exec`)."""
+    ctx.obj = Obj(inventory_path, playbook_dir)
+
+
+def dry_run_option(f):
+    return click.option("--dry-run", is_flag=True, help="Print every exact remote command; touch nothing.")(f)
+
+
+def one_target(obj: Obj, target):
+    targets = obj.targets(target)
+    if len(targets) != 1:
+        raise InputError(f"--target {target}: this command needs one target, not a group of {len(targets)}")
+    return targets[0]

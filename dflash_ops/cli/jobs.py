@@ -1,0 +1,166 @@
+"""Commands that act on the job through playbooks: relaunch, stop, gpu-clean, purge-cache, deploy."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import click
+
+from .. import deploy as deploy_lib, ops, playbook
+from ..errors import InputError
+from ..fanout import fan_out
+from ..progress_view import ProgressPrinter
+from .group import Obj, cli, dry_run_option, one_target, target_option
+
+
+def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, runner=ops.run_playbook) -> int:
+    targets = obj.targets(target_name)
+    many = len(targets) > 1
+    lock = threading.Lock()
+
+    printer = ProgressPrinter(
+        lambda text: click.echo(text, nl=False), is_tty=sys.stdout.isatty(), with_target=many
+    )
+
+    def show(progress):
+        with lock:
+            printer(progress)
+
+    dirs = obj.search_dirs()
+    # Validate once before any target is touched: a bad playbook or option is exit 2 for all.
+    loaded = ops.load_book(book, dirs, options)
+    playbook.bind_options(loaded.playbook, {k: v for k, v in options.items() if v is not None})
+    for warning in loaded.warnings:
+        click.echo(warning, err=True)
+    click.echo(f"{book}: {loaded.describe()}")
+    outcomes = fan_out(targets, lambda t: runner(t, book, options, dry_run, show, dirs))
+    code = 0
+    for outcome in outcomes:
+        if outcome.error is not None:
+            click.echo(f"[{outcome.target.name}] {book}: {outcome.error}", err=True)
+            code = max(code, getattr(outcome.error, "exit_code", 1))
+        else:
+            click.echo(outcome.value.summary(), err=not outcome.value.ok)
+            code = max(code, outcome.value.exit_code)
+    return code
+
+
+@cli.command()
+@target_option
+@dry_run_option
+@click.option("--no-purge", is_flag=True, help="Keep the inductor/triton compile cache.")
+@click.option("--no-deploy", is_flag=True, help="Launch the trainer release that is already current.")
+@click.option(
+    "--fresh", is_flag=True, help="Start a new run (runs/NNNN/); earlier runs' checkpoints are kept."
+)
+@click.option(
+    "--allow-shared-gpus", is_flag=True, help="Launch although foreign processes use the job's GPUs."
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=None,
+    metavar="S",
+    help="Seconds to wait for the first training step (default 900).",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="S",
+    help="Seconds between SIGTERM and SIGKILL when stopping (default 30).",
+)
+@click.pass_obj
+def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus, timeout, grace):
+    """Check, stop, clean the GPUs, purge the compile cache, deploy, launch in tmux, confirm step 1.
+
+    Runs playbooks/relaunch.yaml; safe to run twice in a row. The checks (python imports torch,
+    release, GPU query, no foreign GPU process, free disk) run before anything is stopped. It
+    resumes the newest run, or starts a new one when that run finished; it clears a `stop`.
+
+    \b
+    Example:
+      $ dflash-ops relaunch -t gpu-box
+      [1/7] stop_session ... ok (3.1s) ended 4 process(es): 4 on SIGTERM, 0 needed SIGKILL
+      ...
+      [7/7] wait_first_step ... ok (41.0s) step 1: loss 11.9310, 52.4 Ktok/s
+    """
+    options = {
+        "purge": False if no_purge else None,
+        "deploy": False if no_deploy else None,
+        "resume": False if fresh else None,
+        "timeout": timeout,
+        "grace": grace,
+        "allow_shared_gpus": True if allow_shared_gpus else None,
+    }
+    sys.exit(run_book(obj, target, "relaunch", options, dry_run))
+
+
+@cli.command()
+@target_option
+@dry_run_option
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="S",
+    help="Seconds between SIGTERM and SIGKILL (default 30).",
+)
+@click.pass_obj
+def stop(obj, target, dry_run, grace):
+    """Stop the job: SIGTERM its processes (it checkpoints), SIGKILL after the grace period,
+    remove the tmux session, record the stop (health then reports OK and never relaunches it
+    until the next relaunch), end leftover GPU processes, wait for them to leave the GPUs."""
+    sys.exit(run_book(obj, target, "stop", {"grace": grace}, dry_run, runner=ops.stop_job))
+
+
+@cli.command("gpu-clean")
+@target_option
+@dry_run_option
+@click.option("--force", is_flag=True, help="Also while the job runs: this ends the running trainer.")
+@click.pass_obj
+def gpu_clean(obj, target, dry_run, force):
+    """End every process of this job (its tmux tree and anything carrying its DFLASH_OPS_JOB
+    marker, the trainer included) and wait until they left its GPUs; processes that are not the
+    job's are reported, never signalled. Refuses while the job runs unless --force."""
+    sys.exit(run_book(obj, target, "gpu-clean", {"force": True if force else None}, dry_run))
+
+
+@cli.command("purge-cache")
+@target_option
+@dry_run_option
+@click.pass_obj
+def purge_cache(obj, target, dry_run):
+    """Remove the job's inductor/triton compile cache: only a dir holding the marker the launcher
+    put there; refuses while any process of the job lives."""
+    sys.exit(run_book(obj, target, "purge-cache", {}, dry_run))
+
+
+@cli.command()
+@target_option
+@dry_run_option
+@click.option(
+    "--rollback",
+    "rollback",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[RELEASE]",
+    help="Switch `current` to RELEASE (from --list), or to the one deployed before it.",
+)
+@click.option("--list", "list_", is_flag=True, help="Show the releases kept on the target.")
+@click.pass_obj
+def deploy(obj, target, dry_run, rollback, list_):
+    """Deploy the bundled trainer as a versioned release (checksum, atomic `current` switch)."""
+    if list_:
+        if rollback is not None:
+            raise InputError("--list and --rollback: give one of them")
+        for line in deploy_lib.format_list(ops.list_releases(one_target(obj, target))):
+            click.echo(line)
+        return
+    if rollback is None:
+        sys.exit(run_book(obj, target, "deploy", {}, dry_run))
+    if rollback:
+        deploy_lib.check_release_id(rollback)
+    sys.exit(run_book(obj, target, "rollback", {"release": rollback or deploy_lib.PREVIOUS}, dry_run))

@@ -1,0 +1,170 @@
+"""Commands that observe the job without changing it: status, health, tail-log, attach."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import click
+
+from .. import budget, health, ops, status as status_lib
+from ..errors import DflashOpsError, InputError
+from ..fanout import fan_out
+from .group import cli, one_target, target_option
+
+
+def _is_tty() -> bool:
+    return sys.stdout.isatty() and os.environ.get("NO_COLOR") is None
+
+
+@cli.command()
+@target_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per target (a list for a group).")
+@click.option(
+    "--watch", type=click.FloatRange(min=0.5), default=None, metavar="S", help="Refresh every S seconds."
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=budget.DEFAULT_STATUS_S,
+    show_default=True,
+    metavar="S",
+    help="Answer within S seconds; parts that take longer show UNKNOWN.",
+)
+@click.pass_obj
+def status(obj, target, as_json, watch, timeout):
+    """GPUs, tmux session, step, loss, Ktok/s, ETA and a verdict, in one round trip per target.
+
+    \b
+    Example:
+      $ dflash-ops status -t gpu-box
+      gpu-box  pve1 ct 200  ...
+      [0] NVIDIA H200 | 71234 / 143771 MiB |  97 % | target  | 41872
+    """
+    targets = obj.targets(target)
+    while True:
+        checked = [o.value for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))]
+        if as_json:
+            objs = [c.status for c in checked]
+            click.echo(json.dumps(objs[0] if len(objs) == 1 else objs, indent=None if watch else 2))
+        else:
+            if watch and _is_tty():
+                click.clear()
+            # each table ends with its newline; one blank line between targets, none after the last
+            click.echo(
+                "\n".join(status_lib.render_table(c.status, color=_is_tty()) for c in checked), nl=False
+            )
+        if not watch:
+            sys.exit(health.EXIT_CODES[health.worst(c.verdict.level for c in checked)])
+        time.sleep(watch)
+
+
+@cli.command("health")
+@target_option
+@click.option("--json", "as_json", is_flag=True, help="Verdicts as JSON instead of the Nagios line.")
+@click.option(
+    "--auto-relaunch",
+    is_flag=True,
+    help="Relaunch a CRITICAL target (at most max_relaunches_per_hour; never two at once).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=budget.DEFAULT_HEALTH_S,
+    show_default=True,
+    metavar="S",
+    help="Answer within S seconds (NRPE's default); parts that take longer are UNKNOWN.",
+)
+@click.pass_obj
+def health_cmd(obj, target, as_json, auto_relaunch, timeout):
+    """For cron/Nagios: one line `DFLASH OK|WARNING|CRITICAL|UNKNOWN: … | perfdata`, exit 0/1/2/3.
+
+    \b
+    Example:
+      $ dflash-ops health -t gpu-box
+      DFLASH OK: gpu-box: step 1200/90000, loss 2.31, 51.2 Ktok/s | step=1200 tokens_per_s=51234;20000: ...
+    """
+    try:
+        targets = obj.targets(target)
+    except DflashOpsError as exc:  # the check itself could not run: UNKNOWN, not CRITICAL
+        click.echo(health.nagios_line(target or "dflash", health.unknown(str(exc).splitlines()[0])))
+        sys.exit(3)
+    checked = [o.value for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))]
+    actions = {}
+    if auto_relaunch:
+        for c in checked:
+            action = ops.auto_relaunch(c.target, c, obj.search_dirs())
+            if action is not None:
+                actions[c.target.name] = action
+    if as_json:
+        # the same shape as `status --json`: one object for one target, a list for a group
+        objs = [
+            dict(
+                c.status,
+                **(
+                    {"auto_relaunch": actions[c.target.name].message if c.target.name in actions else None}
+                    if auto_relaunch
+                    else {}
+                ),
+            )
+            for c in checked
+        ]
+        click.echo(json.dumps(objs[0] if len(objs) == 1 else objs, indent=2))
+    else:
+        if len(checked) == 1:
+            line, code = (
+                health.nagios_line(checked[0].target.name, checked[0].verdict),
+                checked[0].verdict.exit_code,
+            )
+        else:
+            line, code = health.nagios_line_many((c.target.name, c.verdict) for c in checked)
+        click.echo(line)
+        for name, action in actions.items():
+            click.echo(f"{name}: {action.message}")
+    sys.exit(health.EXIT_CODES[health.worst(c.verdict.level for c in checked)])
+
+
+@cli.command("tail-log")
+@target_option
+@click.option("-n", "lines", type=click.IntRange(min=0), default=50, show_default=True, help="Lines to show.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines; Ctrl-C stops.")
+@click.option("--grep", metavar="REGEX", help="Only lines matching this regular expression.")
+@click.option(
+    "--log",
+    metavar="PATH",
+    help="A specific log on the target (default: the log of the run in the job state).",
+)
+@click.pass_obj
+def tail_log(obj, target, lines, follow, grep, log):
+    """Show the end of the current run's log (the one the job state names).
+
+    \b
+    Example:
+      $ dflash-ops tail-log -n 2 --grep step
+      step 1199/90000 loss 2.3127 acc@1 0.712 51.3 Ktok/s lr 5.98e-04 eta 20:41:10
+      step 1200/90000 loss 2.3088 acc@1 0.714 51.2 Ktok/s lr 5.98e-04 eta 20:41:02
+    """
+    tgt = one_target(obj, target)
+    try:
+        ops.tail_log(tgt, lines, follow, grep, log, emit=click.echo)
+    except KeyboardInterrupt:
+        pass  # polling leaves nothing running on the target
+
+
+@cli.command()
+@target_option
+@click.pass_obj
+def attach(obj, target):
+    """Attach your terminal to the job's tmux session (detach with Ctrl-b d)."""
+    from .. import tmux
+
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise InputError(
+            "attach needs a terminal (stdin and stdout are not a TTY); run it from an "
+            "interactive shell, or use `dflash-ops tail-log -f` to watch the job"
+        )
+    tgt = one_target(obj, target)
+    with ops.connect(tgt) as transport:
+        sys.exit(transport.interactive(tmux.attach(tgt.job)))
