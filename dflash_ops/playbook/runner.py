@@ -218,36 +218,47 @@ def plan_playbook(
         if entry.when is not None and not entry.when.holds(roots):
             item = _Planned(entry, spec, {}, skip_reason=entry.when.why_not())
         else:
-            params, from_steps = {}, {}
-            for key, param in spec.params.items():
-                where = f"{entry.where()}: params.{key}"
-                if key not in entry.params:
-                    params[key] = copy.deepcopy(param.default)
-                    continue
-                value = entry.params[key]
-                reads = [ref for ref in refs_in(value) if ref.path[0] == "steps"]
-                for ref in reads:
-                    source = latest.get(ref.path[1])  # validate_playbook checked that it comes earlier
-                    if source is not None and source.skip_reason:
-                        problems.add(
-                            where,
-                            f"{{{ref}}} reads {source.entry.where()}, which is skipped "
-                            f"({source.skip_reason}); give both steps the same `when:` or drop the reference",
-                        )
-                if reads:
-                    from_steps[key] = value
-                    continue
-                try:
-                    params[key] = conform(render(value, roots, ctx.target_name), param.type)
-                except Unresolved as e:
-                    problems.add(where, str(e))
-                except Mismatch as e:
-                    problems.add(where + e.where, f"after filling in templates: {e}")
-            item = _Planned(entry, spec, params, from_steps)
+            item = _plan_step(entry, spec, roots, latest, ctx.target_name, problems)
         latest[entry.step] = item
         planned.append(item)
     problems.raise_if_any()
     return bound, planned
+
+
+def _plan_step(
+    entry: StepEntry,
+    spec: StepSpec,
+    roots: Mapping[str, Any],
+    latest: Mapping[str, _Planned],
+    target_name: str,
+    problems: Problems,
+) -> _Planned:
+    params, from_steps = {}, {}
+    for key, param in spec.params.items():
+        where = f"{entry.where()}: params.{key}"
+        if key not in entry.params:
+            params[key] = copy.deepcopy(param.default)
+            continue
+        value = entry.params[key]
+        reads = [ref for ref in refs_in(value) if ref.path[0] == "steps"]
+        for ref in reads:
+            source = latest.get(ref.path[1])  # validate_playbook checked that it comes earlier
+            if source is not None and source.skip_reason:
+                problems.add(
+                    where,
+                    f"{{{ref}}} reads {source.entry.where()}, which is skipped "
+                    f"({source.skip_reason}); give both steps the same `when:` or drop the reference",
+                )
+        if reads:
+            from_steps[key] = value
+            continue
+        try:
+            params[key] = conform(render(value, roots, target_name), param.type)
+        except Unresolved as e:
+            problems.add(where, str(e))
+        except Mismatch as e:
+            problems.add(where + e.where, f"after filling in templates: {e}")
+    return _Planned(entry, spec, params, from_steps)
 
 
 def run_playbook(
