@@ -16,8 +16,9 @@ from . import acceptance, logs, unattended
 from .model import Job
 from .remote import facts
 
+# The Nagios levels in the order of their plugin exit codes: OK exits 0, ..., UNKNOWN 3.
 LEVELS = ("OK", "WARNING", "CRITICAL", "UNKNOWN")
-EXIT_CODES = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UNKNOWN": 3}
+EXIT_CODES = {level: code for code, level in enumerate(LEVELS)}
 # For several targets the worst wins; a job known to be down outranks one we could not check.
 SEVERITY = {"OK": 0, "WARNING": 1, "UNKNOWN": 2, "CRITICAL": 3}
 

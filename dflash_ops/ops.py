@@ -65,8 +65,10 @@ def run_playbook(
     book = load_book(name, search_dirs, options).playbook
     given = {k: v for k, v in (options or {}).items() if v is not None}
     with connect(target) as transport:
-        ctx = playbook.StepContext(target=target, transport=transport, options=given)
-        return playbook.run_playbook(book, steps.registry, ctx, dry_run=dry_run, on_progress=on_progress)
+        ctx = playbook.StepContext(target=target, transport=transport)
+        return playbook.run_playbook(
+            book, steps.registry, ctx, dry_run=dry_run, on_progress=on_progress, options=given
+        )
 
 
 @dataclasses.dataclass(frozen=True)

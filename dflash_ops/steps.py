@@ -11,13 +11,14 @@ import json
 import posixpath
 import shlex
 import time
+from typing import Any
 
 from . import deploy as deploy_lib
 from . import jobpaths, jobstate, launch as launch_lib, tmux
 from .errors import StepFailed
 from .gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
 from .model import Job
-from .playbook import StepContext, StepOutcome, StepRegistry
+from .playbook import Param, StepContext, StepOutcome, StepRegistry
 from .remote import bundle, facts, python_command
 from .transport.base import quote_argv
 
@@ -109,7 +110,8 @@ def _end_job_processes(
     if report is None:
         return StepOutcome(
             "would SIGTERM this job's processes, SIGKILL after "
-            f"{grace_s:g}s; other processes are only reported"
+            f"{grace_s:g}s; other processes are only reported",
+            data={"foreign": []},
         )
     if report["survivors"]:
         raise _fail(ctx, f"processes survived SIGKILL: {report['survivors']}")
@@ -127,7 +129,12 @@ def _end_job_processes(
         message += "; left alone (not this job's): " + describe_foreign(
             report["unidentified"], _invisible_pid(ctx)
         )
-    return StepOutcome(message, data=report)
+    return StepOutcome(message, data={**report, "foreign": surely_foreign(report["unidentified"])})
+
+
+# The processes on the job's GPUs that stop_session and kill_gpu_processes left alone, as known not
+# to be the job's (see surely_foreign): wait_gpu_free's `ignore`.
+_FOREIGN = {"foreign": list[dict[str, Any]]}
 
 
 def _invisible_pid(ctx: StepContext) -> str:
@@ -137,7 +144,7 @@ def _invisible_pid(ctx: StepContext) -> str:
     return "not visible here: a host pid?" if in_container else "exited, no longer in /proc"
 
 
-@registry.step("stop_session", params={"session": str, "grace_s": (float, 30.0)})
+@registry.step("stop_session", params={"session": str, "grace_s": (float, 30.0)}, outputs=_FOREIGN)
 def stop_session(ctx: StepContext, session: str, grace_s: float) -> StepOutcome:
     """SIGTERM the session's process tree (the trainer checkpoints and exits), SIGKILL after
     grace_s, then remove the tmux session."""
@@ -150,7 +157,7 @@ def stop_session(ctx: StepContext, session: str, grace_s: float) -> StepOutcome:
     return outcome
 
 
-@registry.step("kill_gpu_processes", params={"gpus": list[int], "grace_s": (float, 10.0)})
+@registry.step("kill_gpu_processes", params={"gpus": list[int], "grace_s": (float, 10.0)}, outputs=_FOREIGN)
 def kill_gpu_processes(ctx: StepContext, gpus: list[int], grace_s: float) -> StepOutcome:
     """End leftovers of earlier launches (they carry the launcher's marker). GPU processes that are
     not this job's are reported, never signalled."""
@@ -172,13 +179,9 @@ def surely_foreign(others: list[dict]) -> list[dict]:
     return [o for o in others if (o.get("owner") and o["owner"] != "gone") or o.get("visible")]
 
 
-def _foreign_of(ctx: StepContext) -> set[tuple[int, str]]:
-    """(pid, owner) of the processes earlier steps found on the job's GPUs and left alone."""
-    found = set()
-    for data in ctx.results.values():
-        for other in surely_foreign(data.get("unidentified", ())) if isinstance(data, dict) else ():
-            found.add((int(other["pid"]), other.get("owner") or ""))
-    return found
+def _pid_owner(processes: list[dict[str, Any]]) -> set[tuple[int, str]]:
+    """(pid, owner) of each process, as the GPU snapshot names them."""
+    return {(int(p["pid"]), p.get("owner") or "") for p in processes}
 
 
 @registry.step(
@@ -188,25 +191,38 @@ def _foreign_of(ctx: StepContext) -> set[tuple[int, str]]:
         "timeout_s": (float, 120.0),
         "max_used_mib": (int, 1024),
         "poll_s": (float, 2.0),
+        "ignore": Param(
+            list[dict[str, Any]],
+            [],
+            help='processes not to wait for ({pid, owner} each), e.g. "{steps.kill_gpu_processes.foreign}"',
+        ),
+        "processes_ended": Param(
+            bool, False, help="an earlier step saw the job's processes end: a failing GPU query does not fail"
+        ),
     },
 )
 def wait_gpu_free(
-    ctx: StepContext, gpus: list[int], timeout_s: float, max_used_mib: int, poll_s: float
+    ctx: StepContext,
+    gpus: list[int],
+    timeout_s: float,
+    max_used_mib: int,
+    poll_s: float,
+    ignore: list[dict[str, Any]],
+    processes_ended: bool,
 ) -> StepOutcome:
     """Wait until the job's processes have left its GPUs (at most max_used_mib besides what the
-    foreign processes reported by the earlier steps hold); name what still holds them."""
+    `ignore`d processes hold: others' processes, left alone); name what still holds them."""
     if not gpus:
         return StepOutcome("no GPUs assigned to this job")
-    foreign = _foreign_of(ctx)
+    foreign = _pid_owner(ignore)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             snapshot = _gpu_snapshot(ctx)
         except StepFailed as exc:
-            ended = [name for name in ("stop_session", "kill_gpu_processes") if name in ctx.results]
-            if not ended:
+            if not processes_ended:
                 raise
-            # the earlier steps saw every job process end; a GPU query that fails cannot undo that
+            # an earlier step saw every job process end; a GPU query that fails cannot undo that
             return StepOutcome(
                 f"the job's processes are gone; GPUs not checked: {str(exc).split(': ', 1)[-1]}"
             )
@@ -311,16 +327,21 @@ def deploy(ctx: StepContext, keep_releases: int) -> StepOutcome:
     return StepOutcome(f"release {bundle.release_id} is current", data={"release": bundle.release_id})
 
 
-@registry.step("launch", params={"session": str, "cache_dir": str})
-def launch(ctx: StepContext, session: str, cache_dir: str) -> StepOutcome:
+@registry.step(
+    "launch",
+    params={"session": str, "cache_dir": str, "resume": (bool, True)},
+    outputs={"log": str},
+)
+def launch(ctx: StepContext, session: str, cache_dir: str, resume: bool) -> StepOutcome:
     """Start the trainer in a detached tmux session writing the next numbered log; the run is the
-    newest unfinished one (resume) or a new one (after a finished run, or with --fresh)."""
+    newest unfinished one (resume) or a new one (after a finished run, or resume false: --fresh)."""
     job = dataclasses.replace(ctx.job, session=session, cache_dir=cache_dir)
-    result = ctx.run(launch_lib.launch_script(job, resume=bool(ctx.options.get("resume", True))), timeout=60)
+    result = ctx.run(launch_lib.launch_script(job, resume=resume), timeout=60)
     if result is None:
         return StepOutcome(
             f"would start tmux session {session!r} running: "
-            f"{shlex.join(launch_lib.trainer_argv(job, jobpaths.runs_dir(job) + '/NNNN'))}"
+            f"{shlex.join(launch_lib.trainer_argv(job, jobpaths.runs_dir(job) + '/NNNN'))}",
+            data={"log": posixpath.join(job.log_dir, f"{facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX}")},
         )
     log = result.stdout.strip().splitlines()[-1]
     return StepOutcome(f"session {session!r} started, log {log}", data={"log": log})
@@ -351,15 +372,21 @@ def _watch_script(job: Job, log: str) -> str:
     )
 
 
-@registry.step("wait_first_step", params={"timeout_s": (float, 900.0), "poll_s": (float, 1.0)})
-def wait_first_step(ctx: StepContext, timeout_s: float, poll_s: float) -> StepOutcome:
+@registry.step(
+    "wait_first_step",
+    params={
+        "log": Param(str, help='the log the launch started: "{steps.launch.log}"'),
+        "timeout_s": (float, 900.0),
+        "poll_s": (float, 1.0),
+    },
+)
+def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float) -> StepOutcome:
     """Wait until the metrics file shows a training step; on failure print the last log lines and
     the failure signature."""
     from trainer.metrics_format import last_of, parse_lines
 
     from .logs import find_failures
 
-    log = ctx.results.get("launch", {}).get("log") or "<log of the launch step>"
     started = time.monotonic()
     deadline = started + timeout_s
     why = f"no training step after {timeout_s:g}s"

@@ -86,11 +86,32 @@ def test_stop_on_a_stopped_container_is_a_no_op(stopped_pct_target, ssh_spec, tm
     assert "FAILED" not in result.stdout + result.stderr
 
 
-def test_health_json_and_status_json_have_the_same_shape(local_job):
+def test_health_json_and_status_json_have_the_same_shape(tmp_path):
+    """One target: one object each, with the same keys. Two targets: a list of such objects, in
+    inventory order."""
     import json
 
-    inventory, _ = local_job
-    health = json.loads(cli("--inventory", str(inventory), "health", "--json").stdout)
-    status = json.loads(cli("--inventory", str(inventory), "status", "--json").stdout)
-    assert isinstance(health, dict) and isinstance(status, dict)
-    assert set(health) == set(status)
+    sockets = {name: f"shape-{os.getpid()}-{name}-{tmp_path.name}"[:60] for name in ("a", "b")}
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text("targets:\n" + "".join(
+        f"  {name}:\n    transport: local\n    job: {{workdir: {tmp_path}/{name}, python: /usr/bin/python3, "
+        f"config: tiny-cpu, session: job, tmux_socket: {socket}}}\n" for name, socket in sockets.items())
+        + "groups:\n  both: [a, b]\n")
+
+    def both(*args):
+        outputs = [cli("--inventory", str(inventory), command, "--json", *args) for command in ("health", "status")]
+        assert outputs[0].returncode == outputs[1].returncode, outputs
+        return [json.loads(o.stdout) for o in outputs]
+
+    try:
+        health, status = both("-t", "a")
+        assert isinstance(health, dict) and isinstance(status, dict), (health, status)
+        keys = set(status)
+        assert set(health) == keys and {"target", "verdict", "reasons", "gpus", "session"} <= keys
+        assert health["target"] == status["target"] == "a" and health["verdict"] == status["verdict"]
+        for many in both("-t", "both"):
+            assert isinstance(many, list) and [o["target"] for o in many] == ["a", "b"], many
+            assert all(isinstance(o, dict) and set(o) == keys for o in many), many
+    finally:
+        for socket in sockets.values():
+            subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)

@@ -22,8 +22,8 @@ def test_launch_wait_and_tail_log_run_nothing_from_hostile_paths(local_target, t
     with LocalTransport("local") as t:
         log = t.check(launch.launch_script(job, resume=True)).stdout.strip().splitlines()[-1]
         assert log == f"{job.log_dir}/train-0001.log"
-        ctx = StepContext(target=target, transport=t, job=job, step="wait_first_step", results={"launch": {"log": log}})
-        outcome = steps.wait_first_step(ctx, timeout_s=30, poll_s=0.2)
+        ctx = StepContext(target=target, transport=t, job=job, step="wait_first_step")
+        outcome = steps.wait_first_step(ctx, log=log, timeout_s=30, poll_s=0.2)
         assert outcome.message.startswith("step "), outcome.message
         shown = []
         ops.tail_log(target, lines=2, emit=shown.append)

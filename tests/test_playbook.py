@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,9 +60,9 @@ def make_job(tmp_path: Path, **overrides) -> model.Job:
     return model.Job(**fields)
 
 
-def make_ctx(tmp_path: Path, options=None, **job_overrides) -> StepContext:
+def make_ctx(tmp_path: Path, **job_overrides) -> StepContext:
     target = model.Target(name="box", transport="local", job=make_job(tmp_path, **job_overrides))
-    return StepContext(target=target, transport=BashTransport("box", tmp_path), options=options or {})
+    return StepContext(target=target, transport=BashTransport("box", tmp_path))
 
 
 def file_registry(tmp_path: Path) -> StepRegistry:
@@ -69,7 +70,7 @@ def file_registry(tmp_path: Path) -> StepRegistry:
     registry = StepRegistry()
     journal = tmp_path / "journal"
 
-    @registry.step("note", params={"text": str})
+    @registry.step("note", params={"text": str}, outputs={"text": str})
     def note(ctx, text):
         if not ctx.dry_run:
             with journal.open("a", encoding="utf-8") as f:
@@ -117,9 +118,13 @@ def file_registry(tmp_path: Path) -> StepRegistry:
         ctx.log("second line")
         return "logged"
 
-    @registry.step("use_result")
-    def use_result(ctx):
-        return f"earlier note said {ctx.results['note']['text']}"
+    @registry.step("use_result", params={"said": str})
+    def use_result(ctx, said):
+        return f"earlier note said {said}"
+
+    @registry.step("forgetful", params={"give": (bool, False)}, outputs={"count": int})
+    def forgetful(ctx, give):
+        return StepOutcome("done", data={"count": 3} if give else {"other": 1})
 
     return registry
 
@@ -213,7 +218,7 @@ def test_mistyped_list_element_names_its_index(tmp_path):
 
 
 @pytest.mark.parametrize("value, expected", [
-    ("{jobb.session}", "must start with target., job. or options. (did you mean 'job'?)"),
+    ("{jobb.session}", "must start with target., job., options. or steps. (did you mean 'job'?)"),
     ("{job.cach_dir}/inductor", "job has no field 'cach_dir' (did you mean 'cache_dir'?)"),
     ("{options.nope}", "declare 'nope' under options:"),
     ("{job.session", "unmatched '{'"),
@@ -402,7 +407,7 @@ steps:
     ({"purge": "false", "deploy": False}, ["stop", "kept-cache", "has-drafters"]),
 ])
 def test_when_skips_steps(tmp_path, options, ran):
-    result = run_playbook(parse_playbook(WHEN_PB), file_registry(tmp_path), make_ctx(tmp_path, options))
+    result = run_playbook(parse_playbook(WHEN_PB), file_registry(tmp_path), make_ctx(tmp_path), options=options)
     assert journal(tmp_path) == ran
     assert result.ok and sum(s.status == OK for s in result.steps) == len(ran)
     skipped = [s for s in result.steps if s.status == SKIPPED]
@@ -471,11 +476,72 @@ def test_progress_lines_show_position_status_time_and_message(tmp_path):
     assert format_progress(events[0], with_target=True) == "[box] [1/3] sleep ..."
 
 
-def test_data_of_earlier_steps_reaches_later_ones(tmp_path):
-    text = "steps:\n  - step: note\n    params: {text: hello}\n  - use_result\n"
+READS_NOTE = """
+steps:
+  - step: note
+    params: {text: first}
+  - step: note
+    params: {text: hello}
+  - step: use_result
+    params: {said: "{steps.note.text}, twice: {steps.note.text}"}
+"""
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_later_step_reads_an_earlier_ones_output_through_a_parameter(tmp_path, dry_run):
+    result = run_playbook(parse_playbook(READS_NOTE), file_registry(tmp_path), make_ctx(tmp_path), dry_run=dry_run)
+    assert result.ok, result.summary()
+    assert result.steps[2].message == "earlier note said hello, twice: hello"  # the latest run of `note`
+    assert result.steps[1].data == {"text": "hello"}
+
+
+def test_steps_get_no_other_input_than_their_parameters():
+    import dataclasses
+    fields = {f.name for f in dataclasses.fields(StepContext)}
+    assert not fields & {"options", "results"}, fields
+
+
+@pytest.mark.parametrize("steps, complaint", [
+    ('  - step: use_result\n    params: {said: "{steps.note.text}"}\n  - step: note\n    params: {text: a}\n',
+     "step 1 (use_result, line 2): params.said: unknown reference {steps.note.text}: no step 'note' runs "
+     "before this one (earlier steps: none)"),
+    ('  - step: note\n    params: {text: a}\n  - step: use_result\n    params: {said: "{steps.note.txt}"}\n',
+     "params.said: unknown reference {steps.note.txt}: step note has no output 'txt' (did you mean 'text'?) "
+     "(outputs: text)"),
+    ('  - step: note\n    params: {text: a}\n  - step: use_result\n    params: {said: "{steps.note}"}\n',
+     "bad reference {steps.note}: write {steps.STEP.OUTPUT}"),
+    ('  - step: note\n    params: {text: a}\n  - step: record\n    params: {gpus: "{steps.note.text}"}\n',
+     "params.gpus: {steps.note.text} is of type str but the parameter takes list[int]"),
+    ('  - step: note\n    params: {text: a}\n  - step: sleep\n    when: steps.note.text\n'
+     '    params: {seconds: 0}\n', "when: {steps.note.text}: `when:` is decided before any step runs"),
+])
+def test_a_reference_to_a_step_output_is_checked_when_loaded(tmp_path, steps, complaint):
+    assert complaint in invalid(tmp_path, "steps:\n" + steps)
+
+
+def test_a_reference_to_a_skipped_step_fails_before_anything_runs(tmp_path):
+    text = ("options: {loud: false}\nsteps:\n  - step: note\n    params: {text: first}\n"
+            "  - step: note\n    when: options.loud\n    params: {text: hello}\n"
+            "  - step: use_result\n    params: {said: \"{steps.note.text}\"}\n")
+    with pytest.raises(InputError) as info:
+        run_playbook(parse_playbook(text, "skips.yaml"), file_registry(tmp_path), make_ctx(tmp_path))
+    assert str(info.value) == (
+        "playbook skips.yaml: step 3 (use_result, line 8): params.said: {steps.note.text} reads step 2 "
+        "(note, line 5), which is skipped (options.loud is false); give both steps the same `when:` or "
+        "drop the reference")
+    assert journal(tmp_path) == []
+    result = run_playbook(parse_playbook(text), file_registry(tmp_path), make_ctx(tmp_path), options={"loud": True})
+    assert result.ok and result.steps[2].message == "earlier note said hello"
+
+
+def test_a_step_that_does_not_return_a_declared_output_fails(tmp_path):
+    text = "steps:\n  - forgetful\n  - step: note\n    params: {text: after}\n"
     result = run_playbook(parse_playbook(text), file_registry(tmp_path), make_ctx(tmp_path))
-    assert result.steps[1].message == "earlier note said hello"
-    assert result.steps[0].data == {"text": "hello"}
+    assert [s.status for s in result.steps] == [FAILED, NOT_RUN]
+    assert result.failed.message == "TypeError: step forgetful returned no 'count', an output it declares"
+    given = run_playbook(parse_playbook("steps:\n  - step: forgetful\n    params: {give: true}\n"),
+                         file_registry(tmp_path), make_ctx(tmp_path))
+    assert given.ok, given.summary()
 
 
 # ----------------------------------------------------------------------------------- dry run
@@ -564,8 +630,8 @@ steps:
   - step: write_file
     params: {{path: {str(out)!r}, content: "<{{options.msg}}|{{job.session}}>"}}
 """
-    ctx = make_ctx(tmp_path, {"msg": sneaky}, session="s'e\"s $(id)")
-    result = run_playbook(parse_playbook(text), file_registry(tmp_path), ctx)
+    ctx = make_ctx(tmp_path, session="s'e\"s $(id)")
+    result = run_playbook(parse_playbook(text), file_registry(tmp_path), ctx, options={"msg": sneaky})
     assert result.ok, result.summary()
     assert out.read_text(encoding="utf-8") == f"<{sneaky}|s'e\"s $(id)>"
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
@@ -619,16 +685,27 @@ EXPECTED_STEPS = {
     "stop_session": {"session": str, "grace_s": (float, 30.0)},
     "kill_gpu_processes": {"gpus": list[int], "grace_s": (float, 10.0)},
     "wait_gpu_free": {"gpus": list[int], "timeout_s": (float, 120.0), "max_used_mib": (int, 1024),
-                      "poll_s": (float, 2.0)},
+                      "poll_s": (float, 2.0), "ignore": (list[dict[str, Any]], []), "processes_ended": (bool, False)},
     "purge_cache": {"paths": list[str], "if_unmarked": (str, "fail")},
     "deploy": {"keep_releases": (int, 5)},
-    "launch": {"session": str, "cache_dir": str},
-    "wait_first_step": {"timeout_s": (float, 900.0), "poll_s": (float, 1.0)},
+    "launch": {"session": str, "cache_dir": str, "resume": (bool, True)},
+    "wait_first_step": {"log": str, "timeout_s": (float, 900.0), "poll_s": (float, 1.0)},
     "rollback": {"release": (str, "previous")},
     "preflight": {"gpus": list[int], "deploy": (bool, True), "min_free_gib": (float, 10.0),
                   "allow_shared_gpus": (bool, False), "import_torch": (bool, True)},
     "mark_stopped": {},
     "require_job_stopped": {},
+}
+# ... and these outputs, with what the stand-ins below give.
+EXPECTED_OUTPUTS = {
+    "stop_session": {"foreign": list[dict[str, Any]]},
+    "kill_gpu_processes": {"foreign": list[dict[str, Any]]},
+    "launch": {"log": str},
+}
+STAND_IN_OUTPUTS = {
+    "stop_session": {"foreign": [{"pid": 5, "owner": "ct 201"}]},
+    "kill_gpu_processes": {"foreign": [{"pid": 7, "owner": ""}]},
+    "launch": {"log": "/logs/train-0003.log"},
 }
 
 
@@ -639,8 +716,9 @@ def expected_registry(calls: list):
         def fn(ctx, _name=name, **kwargs):
             calls.append((_name, kwargs))
             command = ctx.run(f"echo {shlex.quote(_name)}")
-            return StepOutcome(f"{_name} done", data={"had_output": command is not None})
-        registry.add(name, fn, params)
+            return StepOutcome(f"{_name} done", data={"had_output": command is not None,
+                                                      **STAND_IN_OUTPUTS.get(_name, {})})
+        registry.add(name, fn, params, outputs=EXPECTED_OUTPUTS.get(name))
     return registry
 
 
@@ -660,34 +738,37 @@ def test_shipped_relaunch_fills_parameters_from_the_job(tmp_path):
     calls = []
     registry = expected_registry(calls)
     playbook = load_playbook("relaunch", [SHIPPED_PLAYBOOKS])
-    ctx = make_ctx(tmp_path, {"timeout": "60"}, session="train", target_gpus=(3,), drafter_gpus=(1, 2))
-    result = run_playbook(playbook, registry, ctx, dry_run=True)
+    ctx = make_ctx(tmp_path, session="train", target_gpus=(3,), drafter_gpus=(1, 2))
+    result = run_playbook(playbook, registry, ctx, dry_run=True, options={"timeout": "60"})
     assert result.ok and all(s.status == DRY_RUN for s in result.steps)
     assert all(s.commands == ("bash -c " + shlex.quote(f"echo {s.step}"),) for s in result.steps)
-    assert all(s.data == {"had_output": False} for s in result.steps)
+    assert all(s.data["had_output"] is False for s in result.steps)
     cache = str(tmp_path / "cache")
     assert calls == [
         ("preflight", {"gpus": [1, 2, 3], "deploy": True, "min_free_gib": 10.0, "allow_shared_gpus": False,
                        "import_torch": True}),
         ("stop_session", {"session": "train", "grace_s": 30.0}),
         ("kill_gpu_processes", {"gpus": [1, 2, 3], "grace_s": 10.0}),
-        ("wait_gpu_free", {"gpus": [1, 2, 3], "timeout_s": 120.0, "max_used_mib": 1024, "poll_s": 2.0}),
+        ("wait_gpu_free", {"gpus": [1, 2, 3], "timeout_s": 120.0, "max_used_mib": 1024, "poll_s": 2.0,
+                           "ignore": [{"pid": 7, "owner": ""}], "processes_ended": True}),
         ("purge_cache", {"paths": [cache], "if_unmarked": "skip"}),
         ("deploy", {"keep_releases": 5}),
-        ("launch", {"session": "train", "cache_dir": cache}),
-        ("wait_first_step", {"timeout_s": 60.0, "poll_s": 1.0}),
+        ("launch", {"session": "train", "cache_dir": cache, "resume": True}),
+        ("wait_first_step", {"log": "/logs/train-0003.log", "timeout_s": 60.0, "poll_s": 1.0}),
     ]
 
 
 def test_shipped_relaunch_no_purge_no_deploy(tmp_path):
     calls = []
     playbook = load_playbook("relaunch", [SHIPPED_PLAYBOOKS])
-    result = run_playbook(playbook, expected_registry(calls), make_ctx(tmp_path, {"purge": False, "deploy": False}))
+    result = run_playbook(playbook, expected_registry(calls), make_ctx(tmp_path),
+                          options={"purge": False, "deploy": False, "resume": "false"})
     assert [c[0] for c in calls] == ["preflight", "stop_session", "kill_gpu_processes", "wait_gpu_free", "launch",
                                      "wait_first_step"]
     assert calls[0][1]["deploy"] is False  # then the release must already be there
+    assert calls[4] == ("launch", {"session": "dflash", "cache_dir": str(tmp_path / "cache"), "resume": False})
     assert [s.status for s in result.steps] == [OK, OK, OK, OK, SKIPPED, SKIPPED, OK, OK]
-    assert all(s.data == {"had_output": True} for s in result.steps if s.status == OK)
+    assert all(s.data["had_output"] is True for s in result.steps if s.status == OK)
 
 
 def test_step_library_matches_the_expected_table():
@@ -700,5 +781,6 @@ def test_step_library_matches_the_expected_table():
         assert spec is not None, f"dflash_ops.steps.registry lacks step {name!r}"
         declared = {k: (p.type if p.required else (p.type, p.default)) for k, p in spec.params.items()}
         assert declared == params, f"step {name!r}: declared {declared}, playbooks expect {params}"
+        assert dict(spec.outputs) == EXPECTED_OUTPUTS.get(name, {}), f"step {name!r}: outputs {spec.outputs}"
     for name in ("relaunch", "stop", "deploy", "gpu-clean", "purge-cache", "rollback"):
         validate_playbook(load_playbook(name, [SHIPPED_PLAYBOOKS]), registry)

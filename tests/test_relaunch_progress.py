@@ -20,9 +20,9 @@ def test_wait_first_step_reports_elapsed_time_and_the_last_log_line(local_target
     shown = []
     try:
         ctx = StepContext(target=local_target, transport=LocalTransport("local"), job=job, step="wait_first_step",
-                          results={"launch": {"log": str(log)}}, status=shown.append)
+                          status=shown.append)
         with pytest.raises(Exception, match="no training step after 1.5s"):
-            steps.wait_first_step(ctx, timeout_s=1.5, poll_s=0.2)
+            steps.wait_first_step(ctx, log=str(log), timeout_s=1.5, poll_s=0.2)
     finally:
         subprocess.run(["tmux", "-L", job.tmux_socket, "kill-server"], capture_output=True)
     assert len(shown) >= 2, shown

@@ -2,9 +2,10 @@
 
 A playbook names steps from a `StepRegistry` (the step library lives elsewhere and is passed in),
 gives each its parameters, and may make a step conditional on a run option. Parameters may
-reference the target, its job and the run options with `{job.cache_dir}`-style templates: a
-lookup of plain data fields, never an evaluation; a value is substituted once and never re-parsed,
-so hostile text in the inventory stays data.
+reference the target, its job, the run options and the outputs of earlier steps with
+`{job.cache_dir}`- or `{steps.launch.log}`-style templates: a lookup of plain data fields, never an
+evaluation; a value is substituted once and never re-parsed, so hostile text in the inventory
+stays data. Parameters are a step's only input.
 
     description: Stop the job and free its GPUs
     options:
@@ -16,6 +17,10 @@ so hostile text in the inventory stays data.
         when: options.purge          # or "not options.x", or true/false
         params: {paths: ["{job.cache_dir}"]}
       - deploy                       # a bare name: a step with default parameters
+      - step: launch
+        params: {session: "{job.session}", cache_dir: "{job.cache_dir}"}
+      - step: wait_first_step
+        params: {log: "{steps.launch.log}"}   # an earlier step's declared output
 
 A step is `fn(ctx: StepContext, **params) -> StepOutcome | str | None`; it fails by raising a
 `DflashOpsError` (e.g. RemoteCommandError, TransportError, StepFailed) or returning

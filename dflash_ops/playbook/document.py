@@ -13,9 +13,17 @@ import yaml
 
 from ..errors import InputError
 from ..strict_yaml import parse_yaml
-from .registry import _STEP_NAME
-from .templates import _REF_TEXT, Ref, _check_embeddable, _refs_in, _static_ref_type, parse_template
-from .typecheck import REQUIRED, _conform, _describe, _did_you_mean, _Mismatch, _Problems
+from .registry import IDENTIFIER
+from .templates import (
+    EarlierSteps,
+    Ref,
+    check_embeddable,
+    parse_ref,
+    parse_template,
+    static_ref_type,
+    strings_in,
+)
+from .typecheck import REQUIRED, Mismatch, Problems, conform, describe, did_you_mean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +96,7 @@ def parse_playbook(text: str, source: str = "<string>", name: str | None = None)
 
     Step names and parameters are checked against a registry by `validate_playbook`.
     """
-    problems = _Problems(source)
+    problems = Problems(source)
     data, lines = _load_yaml(text, source, problems)
     problems.raise_if_any()
     if not isinstance(data, dict):
@@ -99,11 +107,11 @@ def parse_playbook(text: str, source: str = "<string>", name: str | None = None)
         if key not in _TOP_KEYS:
             problems.add(
                 f"top-level key {key!r}",
-                f"unknown key{_did_you_mean(str(key), _TOP_KEYS)}; allowed: {', '.join(_TOP_KEYS)}",
+                f"unknown key{did_you_mean(str(key), _TOP_KEYS)}; allowed: {', '.join(_TOP_KEYS)}",
             )
     description = data.get("description", "")
     if not isinstance(description, str):
-        problems.add("description", f"expected text, got {_describe(description)}")
+        problems.add("description", f"expected text, got {describe(description)}")
         description = ""
     options = _parse_options(data.get("options"), problems)
     steps = _parse_steps(data.get("steps", REQUIRED), lines, options, problems)
@@ -113,7 +121,7 @@ def parse_playbook(text: str, source: str = "<string>", name: str | None = None)
     return Playbook(name, source, description, types.MappingProxyType(options), tuple(steps))
 
 
-def _load_yaml(text: str, source: str, problems: _Problems) -> tuple[Any, list[int | None]]:
+def _load_yaml(text: str, source: str, problems: Problems) -> tuple[Any, list[int | None]]:
     """The document, read by the inventory's strict reader (a duplicated key is refused, only
     true/false are booleans), and the 1-based line of each entry of its `steps:` list."""
     try:
@@ -133,16 +141,16 @@ def _load_yaml(text: str, source: str, problems: _Problems) -> tuple[Any, list[i
     return data, lines
 
 
-def _parse_options(raw: Any, problems: _Problems) -> dict[str, OptionSpec]:
+def _parse_options(raw: Any, problems: Problems) -> dict[str, OptionSpec]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        problems.add("options", f"expected a mapping of option names, got {_describe(raw)}")
+        problems.add("options", f"expected a mapping of option names, got {describe(raw)}")
         return {}
     options = {}
     for name, decl in raw.items():
         where = f"options.{name}"
-        if not isinstance(name, str) or not _STEP_NAME.match(name):
+        if not isinstance(name, str) or not IDENTIFIER.match(name):
             problems.add(where, "option names must be identifiers (letters, digits, _)")
             continue
         if not isinstance(decl, dict):
@@ -151,7 +159,7 @@ def _parse_options(raw: Any, problems: _Problems) -> dict[str, OptionSpec]:
             if key not in _OPTION_KEYS:
                 problems.add(
                     f"{where}.{key}",
-                    f"unknown key{_did_you_mean(str(key), _OPTION_KEYS)}; allowed: {', '.join(_OPTION_KEYS)}",
+                    f"unknown key{did_you_mean(str(key), _OPTION_KEYS)}; allowed: {', '.join(_OPTION_KEYS)}",
                 )
         default = decl.get("default", REQUIRED)
         if "type" in decl:
@@ -167,12 +175,12 @@ def _parse_options(raw: Any, problems: _Problems) -> dict[str, OptionSpec]:
         else:
             typ = type(default)
             if typ not in _OPTION_TYPES.values():
-                problems.add(f"{where}.default", f"must be a bool, number or text, got {_describe(default)}")
+                problems.add(f"{where}.default", f"must be a bool, number or text, got {describe(default)}")
                 continue
         if default is not REQUIRED:
             try:
-                default = _conform(default, typ)
-            except _Mismatch as e:
+                default = conform(default, typ)
+            except Mismatch as e:
                 problems.add(f"{where}.default", str(e))
                 continue
         help_text = decl.get("help", "")
@@ -181,24 +189,24 @@ def _parse_options(raw: Any, problems: _Problems) -> dict[str, OptionSpec]:
 
 
 def _parse_steps(
-    raw: Any, lines: list[int | None], options: Mapping[str, OptionSpec], problems: _Problems
+    raw: Any, lines: list[int | None], options: Mapping[str, OptionSpec], problems: Problems
 ) -> list[StepEntry]:
     if raw is REQUIRED:
         problems.add("", "no 'steps:' list; add one with at least one step")
         return []
     if not isinstance(raw, list):
-        problems.add("steps", f"expected a list of steps (`- step: NAME`), got {_describe(raw)}")
+        problems.add("steps", f"expected a list of steps (`- step: NAME`), got {describe(raw)}")
         return []
     if not raw:
         problems.add("steps", "the list is empty; add at least one step")
-    entries = []
+    entries: list[StepEntry] = []
     for i, item in enumerate(raw):
         number, line = i + 1, lines[i] if i < len(lines) else None
         at = f"step {number}" + (f" (line {line})" if line else "")
         if isinstance(item, str):
             item = {"step": item}
         if not isinstance(item, dict):
-            problems.add(at, f"expected a step name or a mapping with 'step:', got {_describe(item)}")
+            problems.add(at, f"expected a step name or a mapping with 'step:', got {describe(item)}")
             continue
         if "step" not in item:
             keys = list(item)
@@ -210,8 +218,8 @@ def _parse_steps(
             problems.add(at, "missing 'step:'" + hint)
             continue
         name = item["step"]
-        if not isinstance(name, str) or not _STEP_NAME.match(name):
-            problems.add(f"{at}: step", f"expected a step name, got {_describe(name)}")
+        if not isinstance(name, str) or not IDENTIFIER.match(name):
+            problems.add(f"{at}: step", f"expected a step name, got {describe(name)}")
             continue
         entry = StepEntry(number, name, {}, None, line)
         at = entry.where()
@@ -219,32 +227,35 @@ def _parse_steps(
             if key not in _STEP_KEYS:
                 problems.add(
                     f"{at}: {key}",
-                    f"unknown key{_did_you_mean(str(key), _STEP_KEYS)}; allowed: "
+                    f"unknown key{did_you_mean(str(key), _STEP_KEYS)}; allowed: "
                     f"{', '.join(_STEP_KEYS)} (step parameters go under params:)",
                 )
         params = item.get("params")
         if params is None:
             params = {}
         if not isinstance(params, dict):
-            problems.add(f"{at}: params", f"expected a mapping of parameter names, got {_describe(params)}")
+            problems.add(f"{at}: params", f"expected a mapping of parameter names, got {describe(params)}")
             params = {}
+        earlier = {e.step: None for e in entries}  # their outputs are checked against the registry later
         for key, value in params.items():
-            for where, text in _refs_in(value):
-                _check_template(text, options, f"{at}: params.{key}{where}", problems)
+            for where, text in strings_in(value):
+                _check_template(text, options, earlier, f"{at}: params.{key}{where}", problems)
         when = _parse_when(item["when"], options, f"{at}: when", problems) if "when" in item else None
         entries.append(dataclasses.replace(entry, params=types.MappingProxyType(dict(params)), when=when))
     return entries
 
 
-def _check_template(text: str, options: Mapping[str, OptionSpec], where: str, problems: _Problems) -> None:
+def _check_template(
+    text: str, options: Mapping[str, OptionSpec], earlier: EarlierSteps, where: str, problems: Problems
+) -> None:
     try:
         parts = parse_template(text)
         for part in parts:
             if isinstance(part, Ref):
-                hint = _static_ref_type(part, options)
+                hint = static_ref_type(part, options, earlier)
                 if len(parts) > 1:
-                    _check_embeddable(part, hint)
-    except _Mismatch as e:
+                    check_embeddable(part, hint)
+    except Mismatch as e:
         problems.add(where, str(e))
 
 
@@ -252,20 +263,21 @@ _WHEN = re.compile(r"(not\s+)?\{?\s*([^{}\s]+)\s*\}?\Z")
 
 
 def _parse_when(
-    raw: Any, options: Mapping[str, OptionSpec], where: str, problems: _Problems
+    raw: Any, options: Mapping[str, OptionSpec], where: str, problems: Problems
 ) -> Condition | None:
     if isinstance(raw, bool):
         return Condition(str(raw).lower(), literal=raw)
     m = _WHEN.match(raw.strip()) if isinstance(raw, str) else None
-    if m is None or not _REF_TEXT.match(m.group(2)):
-        problems.add(
-            where, f"expected `options.NAME`, `not options.NAME` or true/false, got {_describe(raw)}"
-        )
+    ref = parse_ref(m.group(2)) if m is not None else None
+    if m is None or ref is None:
+        problems.add(where, f"expected `options.NAME`, `not options.NAME` or true/false, got {describe(raw)}")
         return None
-    ref = Ref(tuple(m.group(2).split(".")))
+    if ref.path[0] == "steps":
+        problems.add(where, f"{{{ref}}}: `when:` is decided before any step runs; use options.NAME")
+        return None
     try:
-        _static_ref_type(ref, options)
-    except _Mismatch as e:
+        static_ref_type(ref, options, {})
+    except Mismatch as e:
         problems.add(where, str(e))
         return None
     return Condition(raw.strip(), ref, negate=bool(m.group(1)))

@@ -8,7 +8,7 @@ import re
 import types
 from typing import Any, Callable, Mapping
 
-from .typecheck import REQUIRED, _conform, _is_supported_type, _Mismatch, type_name
+from .typecheck import REQUIRED, Mismatch, conform, is_supported_type, type_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,17 +30,20 @@ class StepSpec:
     fn: Callable[..., Any]
     params: Mapping[str, Param]
     doc: str = ""
+    # What a successful run returns in StepOutcome.data for later steps: `{steps.NAME.KEY}`.
+    outputs: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
 
     def signature(self) -> str:
-        """`wait_gpu_free(gpus: list[int], timeout_s: float = 120.0)`, for listings."""
+        """`launch(session: str, resume: bool = True) -> log: str`, for listings."""
         parts = [
             f"{k}: {type_name(p.type)}" + ("" if p.required else f" = {p.default!r}")
             for k, p in self.params.items()
         ]
-        return f"{self.name}({', '.join(parts)})"
+        gives = ", ".join(f"{k}: {type_name(t)}" for k, t in self.outputs.items())
+        return f"{self.name}({', '.join(parts)})" + (f" -> {gives}" if gives else "")
 
 
-_STEP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 class StepRegistry:
@@ -52,14 +55,23 @@ class StepRegistry:
         def wait_gpu_free(ctx, gpus, timeout_s): ...
 
     A parameter is declared as a type (required), `(type, default)` or `Param(type, default, help)`.
+    `outputs={"log": str}` declares what the step returns in StepOutcome.data for later steps to
+    read as `{steps.launch.log}`; a successful run (a dry run too) must return every one of them.
+    Parameters are a step's only input: it reads earlier steps' outputs through them, never directly.
     """
 
     def __init__(self) -> None:
         self._steps: dict[str, StepSpec] = {}
 
-    def step(self, name: str, params: Mapping[str, Any] | None = None, doc: str | None = None):
+    def step(
+        self,
+        name: str,
+        params: Mapping[str, Any] | None = None,
+        doc: str | None = None,
+        outputs: Mapping[str, Any] | None = None,
+    ):
         def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-            self.add(name, fn, params, doc)
+            self.add(name, fn, params, doc, outputs)
             return fn
 
         return register
@@ -70,9 +82,10 @@ class StepRegistry:
         fn: Callable[..., Any],
         params: Mapping[str, Any] | None = None,
         doc: str | None = None,
+        outputs: Mapping[str, Any] | None = None,
     ) -> StepSpec:
         # Mistakes here are programming errors in the step library: fail loudly at import time.
-        if not _STEP_NAME.match(name):
+        if not IDENTIFIER.match(name):
             raise ValueError(f"step name {name!r} must be an identifier")
         if name in self._steps:
             raise ValueError(f"step {name!r} is registered twice")
@@ -84,8 +97,15 @@ class StepRegistry:
                 f"step {name!r}: function {fn.__name__} does not match its declared "
                 f"parameters {sorted(declared)}: {e}"
             ) from None
+        for key, typ in (outputs or {}).items():
+            if not IDENTIFIER.match(key) or not is_supported_type(typ):
+                raise ValueError(f"step {name!r} output {key!r}: give an identifier and a supported type")
         spec = StepSpec(
-            name, fn, types.MappingProxyType(declared), doc if doc is not None else inspect.getdoc(fn) or ""
+            name,
+            fn,
+            types.MappingProxyType(declared),
+            doc if doc is not None else inspect.getdoc(fn) or "",
+            types.MappingProxyType(dict(outputs or {})),
         )
         self._steps[name] = spec
         return spec
@@ -113,11 +133,11 @@ def _as_param(step: str, key: str, spec: Any) -> Param:
         param = Param(spec[0], spec[1])
     else:
         param = Param(spec)
-    if not _is_supported_type(param.type):
+    if not is_supported_type(param.type):
         raise ValueError(f"step {step!r} parameter {key!r}: unsupported type {param.type!r}")
     if not param.required:
         try:
-            _conform(param.default, param.type)
-        except _Mismatch as e:
+            conform(param.default, param.type)
+        except Mismatch as e:
             raise ValueError(f"step {step!r} parameter {key!r}: default {e}") from None
     return param

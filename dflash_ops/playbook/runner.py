@@ -7,7 +7,6 @@ import copy
 import dataclasses
 import functools
 import time
-import types
 from typing import Any, Callable, Mapping
 
 from ..errors import DflashOpsError, RemoteCommandError, StepFailed
@@ -16,16 +15,17 @@ from .binding import bind_options, validate_playbook
 from .document import Playbook, StepEntry
 from .dry_run import DryRunTransport
 from .registry import StepRegistry, StepSpec
-from .templates import _Unresolved, render
-from .typecheck import _conform, _describe, _Mismatch, _Problems
+from .templates import Unresolved, refs_in, render
+from .typecheck import Mismatch, Problems, conform, describe
 
 OK, FAILED, SKIPPED, DRY_RUN, NOT_RUN = "ok", "failed", "skipped", "dry-run", "not-run"
 
 
 @dataclasses.dataclass
 class StepOutcome:
-    """What a step returns: a one-line message, the commands it ran (or would run), data for later
-    steps (`ctx.results[step_name]`), and ok=False to fail without raising."""
+    """What a step returns: a one-line message, the commands it ran (or would run), data for the
+    report (the outputs the step declares among it, which later steps read as `{steps.NAME.KEY}`),
+    and ok=False to fail without raising."""
 
     message: str = ""
     commands: list[str] = dataclasses.field(default_factory=list)
@@ -43,20 +43,19 @@ def _ignore(_message: str) -> None:
 
 @dataclasses.dataclass
 class StepContext:
-    """Everything a step may use. The caller builds one per target; the engine hands each step a
-    copy with `options` bound, `dry_run` set, `step`/`number` filled and a fresh `commands` list."""
+    """Where a step acts: the target, its job and the transport to it. The caller builds one per
+    target; the engine hands each step a copy with `dry_run` set, `step`/`number` filled and a fresh
+    `commands` list. What a step is told comes only through its parameters."""
 
     target: Any = None  # model.Target
     transport: Transport | None = None
     job: Any = None  # model.Job; defaults to target.job
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     dry_run: bool = False
     log: Callable[[str], None] = _ignore
     status: Callable[[str], None] = _ignore  # a transient progress line; each replaces the last
     step: str = ""
     number: int = 0
     commands: list[str] = dataclasses.field(default_factory=list)
-    results: dict[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.job is None and self.target is not None:
@@ -191,41 +190,75 @@ def format_progress(p: Progress, with_target: bool = False, show_commands: bool 
 class _Planned:
     entry: StepEntry
     spec: StepSpec
-    params: Mapping[str, Any]
+    params: Mapping[str, Any]  # filled in before anything runs
+    # as written: they read earlier steps' outputs, so they are filled in when the step starts
+    from_steps: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     skip_reason: str = ""
 
 
+def _roots(ctx: StepContext, options: Mapping[str, Any]) -> dict[str, Any]:
+    return {"target": ctx.target, "job": ctx.job, "options": options}
+
+
 def plan_playbook(
-    playbook: Playbook, registry: StepRegistry, ctx: StepContext
+    playbook: Playbook, registry: StepRegistry, ctx: StepContext, options: Mapping[str, Any] | None = None
 ) -> tuple[dict[str, Any], list[_Planned]]:
-    """Validate, bind options, decide `when`, and fill in every parameter of every step that will
-    run: all input problems surface here, before the first step touches anything."""
+    """Validate, bind `options` (the caller's, by name), decide `when`, and fill in every
+    parameter of every step that will run: all input problems surface here, before the first step
+    touches anything. A parameter that reads `{steps.NAME.KEY}` waits for that step's outputs."""
     validate_playbook(playbook, registry)
-    options = bind_options(playbook, ctx.options)
-    roots = {"target": ctx.target, "job": ctx.job, "options": options}
-    problems = _Problems(playbook.source)
-    planned = []
+    bound = bind_options(playbook, options)
+    roots = _roots(ctx, bound)
+    problems = Problems(playbook.source)
+    planned: list[_Planned] = []
+    latest: dict[str, _Planned] = {}  # the last entry of each step name so far: what {steps.NAME...} reads
     for entry in playbook.steps:
         spec = registry.get(entry.step)
         assert spec is not None
         if entry.when is not None and not entry.when.holds(roots):
-            planned.append(_Planned(entry, spec, {}, entry.when.why_not()))
-            continue
-        params = {}
-        for key, param in spec.params.items():
-            if key not in entry.params:
-                params[key] = copy.deepcopy(param.default)
-                continue
-            where = f"{entry.where()}: params.{key}"
-            try:
-                params[key] = _conform(render(entry.params[key], roots, ctx.target_name), param.type)
-            except _Unresolved as e:
-                problems.add(where, str(e))
-            except _Mismatch as e:
-                problems.add(where + e.where, f"after filling in templates: {e}")
-        planned.append(_Planned(entry, spec, params))
+            item = _Planned(entry, spec, {}, skip_reason=entry.when.why_not())
+        else:
+            item = _plan_step(entry, spec, roots, latest, ctx.target_name, problems)
+        latest[entry.step] = item
+        planned.append(item)
     problems.raise_if_any()
-    return options, planned
+    return bound, planned
+
+
+def _plan_step(
+    entry: StepEntry,
+    spec: StepSpec,
+    roots: Mapping[str, Any],
+    latest: Mapping[str, _Planned],
+    target_name: str,
+    problems: Problems,
+) -> _Planned:
+    params, from_steps = {}, {}
+    for key, param in spec.params.items():
+        where = f"{entry.where()}: params.{key}"
+        if key not in entry.params:
+            params[key] = copy.deepcopy(param.default)
+            continue
+        value = entry.params[key]
+        reads = [ref for ref in refs_in(value) if ref.path[0] == "steps"]
+        for ref in reads:
+            source = latest.get(ref.path[1])  # validate_playbook checked that it comes earlier
+            if source is not None and source.skip_reason:
+                problems.add(
+                    where,
+                    f"{{{ref}}} reads {source.entry.where()}, which is skipped "
+                    f"({source.skip_reason}); give both steps the same `when:` or drop the reference",
+                )
+        if reads:
+            from_steps[key] = value
+            continue
+        try:
+            params[key] = conform(render(value, roots, target_name), param.type)
+        except Unresolved as e:
+            problems.add(where, str(e))
+        except Mismatch as e:
+            problems.add(where + e.where, f"after filling in templates: {e}")
+    return _Planned(entry, spec, params, from_steps)
 
 
 def run_playbook(
@@ -234,19 +267,21 @@ def run_playbook(
     ctx: StepContext,
     dry_run: bool = False,
     on_progress: Callable[[Progress], None] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> PlaybookResult:
     """Run the steps in order and stop at the first failure; later steps are reported `not-run`.
+    `options` are the run options by name (text is converted to the declared type).
 
     Raises InputError (nothing has run) for any problem in the playbook, options or templates.
     Step failures do not raise: they are in the result (`result.ok`, `result.failed`).
     """
-    options, planned = plan_playbook(playbook, registry, ctx)
+    bound, planned = plan_playbook(playbook, registry, ctx, options)
     dry_run = dry_run or ctx.dry_run
     emit = on_progress or (lambda _p: None)
     transport = DryRunTransport(ctx.transport) if dry_run and ctx.transport is not None else ctx.transport
-    base = dataclasses.replace(
-        ctx, options=types.MappingProxyType(options), dry_run=dry_run, transport=transport, results={}
-    )
+    base = dataclasses.replace(ctx, dry_run=dry_run, transport=transport)
+    outputs: dict[str, Mapping[str, Any]] = {}
+    roots = {**_roots(ctx, bound), "steps": outputs}
     total, target, reports = len(planned), ctx.target_name, []
     started = time.monotonic()
     failed = False
@@ -276,8 +311,8 @@ def run_playbook(
             log=functools.partial(progress, "log"),
             status=functools.partial(progress, "status"),
         )
-        report = _call_step(item, step_ctx, dry_run)
-        base.results[name] = report.data
+        report, given = _call_step(item, step_ctx, dry_run, roots)
+        outputs[name] = given
         reports.append(report)
         progress("end", report=report)
         failed = report.status == FAILED
@@ -286,22 +321,53 @@ def run_playbook(
     )
 
 
-def _call_step(item: _Planned, ctx: StepContext, dry_run: bool) -> StepReport:
+def _fill_in(item: _Planned, ctx: StepContext, roots: Mapping[str, Any]) -> dict[str, Any]:
+    """The step's parameters, those reading earlier steps' outputs filled in now."""
+    params = dict(item.params)
+    for key, value in item.from_steps.items():
+        try:
+            params[key] = conform(render(value, roots, ctx.target_name), item.spec.params[key].type)
+        except (Unresolved, Mismatch) as e:
+            raise StepFailed(f"[{ctx.target_name}] {ctx.step}: params.{key}: {e}") from None
+    return params
+
+
+def _declared_outputs(spec: StepSpec, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The outputs `spec` declares, taken from a successful run's data; a missing or mistyped one
+    is a bug in the step (a later step would read nothing, or the wrong thing)."""
+    given = {}
+    for key, typ in spec.outputs.items():
+        if key not in data:
+            raise TypeError(f"step {spec.name} returned no {key!r}, an output it declares")
+        try:
+            given[key] = conform(data[key], typ)
+        except Mismatch as e:
+            raise TypeError(f"step {spec.name} output {key!r}{e.where}: {e}") from None
+    return given
+
+
+def _call_step(
+    item: _Planned, ctx: StepContext, dry_run: bool, roots: Mapping[str, Any]
+) -> tuple[StepReport, dict[str, Any]]:
+    """The step's report, and its declared outputs when it succeeded."""
     started = time.monotonic()
     error: BaseException | None = None
+    given: dict[str, Any] = {}
     try:
-        outcome = item.spec.fn(ctx, **copy.deepcopy(item.params))
+        outcome = item.spec.fn(ctx, **copy.deepcopy(_fill_in(item, ctx, roots)))
         if outcome is None or isinstance(outcome, str):
             outcome = StepOutcome(outcome or "")
         elif not isinstance(outcome, StepOutcome):
-            raise TypeError(f"step {item.spec.name} returned {_describe(outcome)}; expected StepOutcome")
+            raise TypeError(f"step {item.spec.name} returned {describe(outcome)}; expected StepOutcome")
+        if outcome.ok:
+            given = _declared_outputs(item.spec, outcome.data)
         status = (DRY_RUN if dry_run else OK) if outcome.ok else FAILED
         message, data, extra = outcome.message, dict(outcome.data), list(outcome.commands)
     except DflashOpsError as e:
         status, message, data, extra, error = FAILED, str(e), {}, [], e
     except Exception as e:  # a bug in a step: stop here and show it rather than run on blindly
         status, message, data, extra, error = FAILED, f"{type(e).__name__}: {e}", {}, [], e
-    return StepReport(
+    report = StepReport(
         item.entry.number,
         item.entry.step,
         status,
@@ -311,3 +377,4 @@ def _call_step(item: _Planned, ctx: StepContext, dry_run: bool) -> StepReport:
         data,
         error,
     )
+    return report, given

@@ -10,7 +10,7 @@ from ..errors import InputError
 from .binding import validate_playbook
 from .document import Playbook, parse_playbook
 from .registry import StepRegistry
-from .typecheck import _did_you_mean
+from .typecheck import did_you_mean
 
 ENV_PLAYBOOK_DIRS = "DFLASH_OPS_PLAYBOOKS"
 SHIPPED_PLAYBOOKS = Path(__file__).resolve().parent.parent.parent / "playbooks"
@@ -79,7 +79,7 @@ def load_playbook(
         if text_name not in available:
             names = ", ".join(sorted(available)) or "none"
             raise InputError(
-                f"no playbook named {text_name!r}{_did_you_mean(text_name, available)}; "
+                f"no playbook named {text_name!r}{did_you_mean(text_name, available)}; "
                 f"available: {names} (searched {', '.join(str(d) for d in dirs)})"
             )
         path = available[text_name]

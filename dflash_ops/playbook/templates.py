@@ -7,17 +7,16 @@ import dataclasses
 import functools
 import inspect
 import re
-import types
 import typing
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from .. import model
-from .typecheck import _did_you_mean, _item_hint, _kind, _Mismatch, _NoneType, type_name
+from .typecheck import Mismatch, did_you_mean, item_type, kind_of, record_type, type_name
 
 if TYPE_CHECKING:
     from .document import OptionSpec
 
-NAMESPACES = ("target", "job", "options")
+NAMESPACES = ("target", "job", "options", "steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,39 +29,48 @@ class Ref:
 
 _TEMPLATE_TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]|[^{}]+")
 _REF_TEXT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
-_REF_HELP = "use {job.FIELD}, {target.FIELD} or {options.NAME}; write {{ and }} for literal braces"
+_REF_HELP = (
+    "use {job.FIELD}, {target.FIELD}, {options.NAME} or {steps.STEP.OUTPUT}; "
+    "write {{ and }} for literal braces"
+)
+
+
+def parse_ref(text: str) -> Ref | None:
+    """`job.cache_dir` -> Ref(("job", "cache_dir")); None when the text is not a dotted name."""
+    text = text.strip()
+    return Ref(tuple(text.split("."))) if _REF_TEXT.match(text) else None
 
 
 def parse_template(text: str) -> list[str | Ref]:
-    """Literal text and references, in order; raises _Mismatch on bad syntax."""
+    """Literal text and references, in order; raises Mismatch on bad syntax."""
     parts: list[str | Ref] = []
     for m in _TEMPLATE_TOKEN.finditer(text):
         token = m.group(0)
         if token in ("{{", "}}"):
             parts.append(token[0])
         elif m.group(1) is not None:
-            inner = m.group(1).strip()
-            if not _REF_TEXT.match(inner):
-                raise _Mismatch(f"bad reference {token!r} in {text!r}: {_REF_HELP}")
-            parts.append(Ref(tuple(inner.split("."))))
+            ref = parse_ref(m.group(1))
+            if ref is None:
+                raise Mismatch(f"bad reference {token!r} in {text!r}: {_REF_HELP}")
+            parts.append(ref)
         elif token in ("{", "}"):
-            raise _Mismatch(f"unmatched {token!r} in {text!r}: {_REF_HELP}")
+            raise Mismatch(f"unmatched {token!r} in {text!r}: {_REF_HELP}")
         else:
             parts.append(token)
     return parts
 
 
-def _refs_in(value: Any) -> Iterable[tuple[str, Any]]:
+def strings_in(value: Any) -> Iterable[tuple[str, Any]]:
     """(sub-path, string) for every string inside a param value."""
     if isinstance(value, str):
         yield "", value
     elif isinstance(value, list):
         for i, element in enumerate(value):
-            for where, text in _refs_in(element):
+            for where, text in strings_in(element):
                 yield f"[{i}]{where}", text
     elif isinstance(value, dict):
         for key, element in value.items():
-            for where, text in _refs_in(element):
+            for where, text in strings_in(element):
                 yield f".{key}{where}", text
 
 
@@ -77,71 +85,116 @@ def _public_fields(cls: type) -> dict[str, Any]:
     return out
 
 
-def _static_ref_type(ref: Ref, options: Mapping[str, "OptionSpec"]) -> Any:
-    """The type hint a reference will have at run time, from the playbook's options and the
-    inventory data model; raises _Mismatch naming what is wrong."""
+def refs_in(value: Any) -> list[Ref]:
+    """Every reference inside a param value (text that is not a valid template has none)."""
+    found = []
+    for _where, text in strings_in(value):
+        try:
+            found += [part for part in parse_template(text) if isinstance(part, Ref)]
+        except Mismatch:
+            continue
+    return found
+
+
+# What `{steps.STEP.OUTPUT}` may read at some point of a playbook: the steps before it, each with
+# its declared output types (None while the step registry is not at hand).
+EarlierSteps = Mapping[str, "Mapping[str, Any] | None"]
+
+
+def static_ref_type(ref: Ref, options: Mapping[str, "OptionSpec"], earlier: EarlierSteps) -> Any:
+    """The type hint a reference will have at run time, from the playbook's options, the outputs
+    of the steps before and the inventory data model; raises Mismatch naming what is wrong."""
     root = ref.path[0]
     if root not in NAMESPACES:
-        raise _Mismatch(
-            f"unknown reference {{{ref}}}: it must start with target., job. or options."
-            + _did_you_mean(root, NAMESPACES)
+        raise Mismatch(
+            f"unknown reference {{{ref}}}: it must start with target., job., options. or steps."
+            + did_you_mean(root, NAMESPACES)
         )
+    if root == "steps":
+        return _output_type(ref, earlier)
     if root == "options":
         if len(ref.path) != 2:
-            raise _Mismatch(f"bad reference {{{ref}}}: write {{options.NAME}}")
+            raise Mismatch(f"bad reference {{{ref}}}: write {{options.NAME}}")
         name = ref.path[1]
         if name not in options:
             declared = ", ".join(options) or "none"
-            raise _Mismatch(
+            raise Mismatch(
                 f"unknown option {{{ref}}}: declare {name!r} under options: (declared: "
-                f"{declared})" + _did_you_mean(name, options)
+                f"{declared})" + did_you_mean(name, options)
             )
         return options[name].type
     hint: Any = model.Target if root == "target" else model.Job
     walked = root
     for attr in ref.path[1:]:
-        record = _record_type(hint)
+        record = record_type(hint)
         if record is None:
-            raise _Mismatch(
+            raise Mismatch(
                 f"bad reference {{{ref}}}: {walked} is of type {type_name(hint)}, it has no fields"
             )
         fields = _public_fields(record)
         if attr not in fields:
-            raise _Mismatch(
+            raise Mismatch(
                 f"unknown reference {{{ref}}}: {walked} has no field {attr!r}"
-                + _did_you_mean(attr, fields)
+                + did_you_mean(attr, fields)
                 + f" (fields: {', '.join(fields)})"
             )
         hint, walked = fields[attr], f"{walked}.{attr}"
     return hint
 
 
-def _record_type(hint: Any) -> type | None:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        rest = [a for a in typing.get_args(hint) if a is not _NoneType]
-        return _record_type(rest[0]) if len(rest) == 1 else None
-    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+def _output_type(ref: Ref, earlier: EarlierSteps) -> Any:
+    if len(ref.path) != 3:
+        raise Mismatch(f"bad reference {{{ref}}}: write {{steps.STEP.OUTPUT}}")
+    step, name = ref.path[1:]
+    if step not in earlier:
+        raise Mismatch(
+            f"unknown reference {{{ref}}}: no step {step!r} runs before this one (earlier steps: "
+            f"{', '.join(earlier) or 'none'})" + did_you_mean(step, earlier)
+        )
+    outputs = earlier[step]
+    if outputs is None:
+        return Any
+    if name not in outputs:
+        raise Mismatch(
+            f"unknown reference {{{ref}}}: step {step} has no output {name!r}"
+            + did_you_mean(name, outputs)
+            + f" (outputs: {', '.join(outputs) or 'none'})"
+        )
+    return outputs[name]
 
 
-def _check_embeddable(ref: Ref, hint: Any) -> None:
-    kind = _kind(hint)
-    if kind in ("record", dict) or (kind is list and _kind(_item_hint(hint)) in ("record", dict, list)):
-        raise _Mismatch(
+def check_embeddable(ref: Ref, hint: Any) -> None:
+    kind = kind_of(hint)
+    if kind in ("record", dict) or (kind is list and kind_of(item_type(hint)) in ("record", dict, list)):
+        raise Mismatch(
             f"{{{ref}}} is of type {type_name(hint)} and cannot be put inside text; "
             "reference one of its fields, or make it the whole value"
         )
 
 
-class _Unresolved(Exception):
+class Unresolved(Exception):
     pass
 
 
+def _step_output(ref: Ref, outputs: Mapping[str, Mapping[str, Any]]) -> Any:
+    if len(ref.path) != 3:
+        raise Unresolved(f"{{{ref}}}: write {{steps.STEP.OUTPUT}}")
+    step, name = ref.path[1:]
+    if step not in outputs:
+        raise Unresolved(f"{{{ref}}}: step {step} has not run before this one")
+    value = outputs[step].get(name)
+    if value is None or value == "":
+        raise Unresolved(f"{{{ref}}} is empty: step {step} gave no {name}")
+    return value
+
+
 def _lookup(ref: Ref, roots: Mapping[str, Any], target_name: str) -> Any:
+    if ref.path[0] == "steps":
+        return _step_output(ref, roots.get("steps") or {})
     value, walked = roots.get(ref.path[0]), ref.path[0]
     for attr in ref.path[1:]:
         if value is None:
-            raise _Unresolved(f"{{{ref}}}: {walked} is not set for target {target_name!r}")
+            raise Unresolved(f"{{{ref}}}: {walked} is not set for target {target_name!r}")
         if isinstance(value, Mapping) and attr in value:
             value = value[attr]
         elif (
@@ -152,10 +205,10 @@ def _lookup(ref: Ref, roots: Mapping[str, Any], target_name: str) -> Any:
         ):
             value = getattr(value, attr)
         else:
-            raise _Unresolved(f"{{{ref}}}: {walked} has no field {attr!r}")
+            raise Unresolved(f"{{{ref}}}: {walked} has no field {attr!r}")
         walked = f"{walked}.{attr}"
     if value is None or value == "":
-        raise _Unresolved(
+        raise Unresolved(
             f"{{{ref}}} is empty for target {target_name!r}; set {walked} in the "
             "inventory (an empty value would silently change a path or command)"
         )

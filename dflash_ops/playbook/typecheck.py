@@ -23,7 +23,7 @@ _SCALARS = (bool, int, float, str)
 _NoneType = type(None)
 
 
-class _Mismatch(Exception):
+class Mismatch(Exception):
     """A value does not fit a type; `str()` is the complaint, `where` the sub-path (`[2]`)."""
 
     def __init__(self, message: str, where: str = ""):
@@ -40,24 +40,24 @@ def type_name(typ: Any) -> str:
     return getattr(typ, "__name__", str(typ))
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 
 
-def _is_supported_type(typ: Any) -> bool:
+def is_supported_type(typ: Any) -> bool:
     if typ in _SCALARS or typ in (list, dict, Any):
         return True
     origin, args = typing.get_origin(typ), typing.get_args(typ)
     if origin is list and len(args) == 1:
-        return _is_supported_type(args[0])
+        return is_supported_type(args[0])
     if origin is dict and len(args) == 2:
-        return args[0] is str and _is_supported_type(args[1])
+        return args[0] is str and is_supported_type(args[1])
     return False
 
 
-def _conform(value: Any, typ: Any) -> Any:
-    """`value` checked against `typ` (ints widen to float, tuples become lists); else _Mismatch."""
+def conform(value: Any, typ: Any) -> Any:
+    """`value` checked against `typ` (ints widen to float, tuples become lists); else Mismatch."""
     origin = typing.get_origin(typ) or typ
     args = typing.get_args(typ)
     if typ is Any:
@@ -75,20 +75,20 @@ def _conform(value: Any, typ: Any) -> Any:
         out = []
         for i, element in enumerate(value):
             try:
-                out.append(_conform(element, item))
-            except _Mismatch as e:
-                raise _Mismatch(str(e), f"[{i}]{e.where}") from None
+                out.append(conform(element, item))
+            except Mismatch as e:
+                raise Mismatch(str(e), f"[{i}]{e.where}") from None
         return out
     if origin is dict and isinstance(value, Mapping):
         item = args[1] if args else Any
         out_map = {}
         for key, element in value.items():
             if not isinstance(key, str):
-                raise _Mismatch(f"keys must be text, got {_describe(key)}")
+                raise Mismatch(f"keys must be text, got {describe(key)}")
             try:
-                out_map[key] = _conform(element, item)
-            except _Mismatch as e:
-                raise _Mismatch(str(e), f".{key}{e.where}") from None
+                out_map[key] = conform(element, item)
+            except Mismatch as e:
+                raise Mismatch(str(e), f".{key}{e.where}") from None
         return out_map
     hint = {
         bool: "write true or false",
@@ -98,15 +98,22 @@ def _conform(value: Any, typ: Any) -> Any:
         list: "write a YAML list",
         dict: "write a YAML mapping",
     }.get(origin, "")
-    raise _Mismatch(f"expected {type_name(typ)}, got {_describe(value)}" + (f"; {hint}" if hint else ""))
+    raise Mismatch(f"expected {type_name(typ)}, got {describe(value)}" + (f"; {hint}" if hint else ""))
 
 
-def _kind(hint: Any) -> Any:
-    """Coarse kind of a type hint (bool/int/float/str/list/dict/'record'), None when unknown."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
+def _without_none(hint: Any) -> Any:
+    """`X | None` -> X; any other hint unchanged (a union of several types stays a union)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
         rest = [a for a in typing.get_args(hint) if a is not _NoneType]
-        return _kind(rest[0]) if len(rest) == 1 else None
+        if len(rest) == 1:
+            return rest[0]
+    return hint
+
+
+def kind_of(hint: Any) -> Any:
+    """Coarse kind of a type hint (bool/int/float/str/list/dict/'record'), None when unknown."""
+    hint = _without_none(hint)
+    origin = typing.get_origin(hint)
     if hint in _SCALARS:
         return hint
     if hint in (list, tuple) or origin in (list, tuple):
@@ -118,17 +125,20 @@ def _kind(hint: Any) -> Any:
     return None
 
 
-def _item_hint(hint: Any) -> Any:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        rest = [a for a in typing.get_args(hint) if a is not _NoneType]
-        return _item_hint(rest[0]) if len(rest) == 1 else Any
-    args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+def item_type(hint: Any) -> Any:
+    """The element type of a list hint (`tuple[int, ...]` too); Any when it is not one type."""
+    args = [a for a in typing.get_args(_without_none(hint)) if a is not Ellipsis]
     return args[0] if len(args) == 1 else Any
 
 
-def _kinds_fit(source_hint: Any, target_type: Any) -> bool:
-    src, dst = _kind(source_hint), _kind(target_type)
+def record_type(hint: Any) -> type | None:
+    """The dataclass a hint names (`Job | None` too), whose fields templates may read; else None."""
+    hint = _without_none(hint)
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def kinds_fit(source_hint: Any, target_type: Any) -> bool:
+    src, dst = kind_of(source_hint), kind_of(target_type)
     if src is None or dst is None:
         return True
     if dst is float:
@@ -136,11 +146,11 @@ def _kinds_fit(source_hint: Any, target_type: Any) -> bool:
     if src != dst:
         return False
     if dst is list:
-        return _kinds_fit(_item_hint(source_hint), _item_hint(target_type))
+        return kinds_fit(item_type(source_hint), item_type(target_type))
     return True
 
 
-class _Problems:
+class Problems:
     """Collects every problem of a playbook so the user fixes them in one go."""
 
     def __init__(self, source: str):
@@ -158,6 +168,6 @@ class _Problems:
             raise InputError(f"{what} {self.source} has {len(self.items)} problems:\n{lines}")
 
 
-def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
