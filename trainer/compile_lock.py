@@ -3,8 +3,8 @@
 Why this exists (the FX-tracing race): `torch.fx._symbolic_trace._is_fx_tracing_flag` is ONE
 process-global flag, set while any thread runs FX tracing (AOTAutograd's make_fx inside a compile).
 The torch.compile wrapper refuses to run while that flag is set, so a thread that merely CALLS a
-compiled function while another thread compiles raises metrics_format.FX_TRACING_ERROR (or hangs). The compiling thread is harmless; the
-threads calling compiled code next to it are the victims.
+compiled function while another thread compiles raises metrics_format.FX_TRACING_ERROR (or
+hangs). The compiling thread is harmless; the threads calling compiled code next to it are the victims.
 
 The fix is a reader/writer lock around each drafter thread's whole forward+backward:
 - an ordinary step (nothing new to compile) holds the lock SHARED: drafters still run in parallel;

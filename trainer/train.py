@@ -148,7 +148,8 @@ def resumed_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, steps_done: 
     The base LRs are the optimizer's saved `initial_lr`. LambdaLR steps once as it is built, so
     built at steps_done - 1 it stands at steps_done.
     """
-    return torch.optim.lr_scheduler.LambdaLR(scheduler.optimizer, scheduler.lr_lambdas, last_epoch=steps_done - 1)
+    return torch.optim.lr_scheduler.LambdaLR(scheduler.optimizer, scheduler.lr_lambdas,
+                                             last_epoch=steps_done - 1)
 
 
 def make_loss_fn(cfg: TrainConfig):
@@ -262,8 +263,9 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
 def make_workers(parts: LoopParts) -> TrainingWorkers:
     """The threads that train `parts.replicas` (all of them here; one per process under torchrun)."""
     cfg = parts.cfg
-    return TrainingWorkers(targets=parts.targets, replicas=parts.replicas, dataset=parts.dataset, plan=parts.plan,
-                           compute_loss=make_loss_fn(cfg), guard=parts.guard, grad_clip=cfg.train.grad_clip,
+    return TrainingWorkers(targets=parts.targets, replicas=parts.replicas, dataset=parts.dataset,
+                           plan=parts.plan, compute_loss=make_loss_fn(cfg), guard=parts.guard,
+                           grad_clip=cfg.train.grad_clip,
                            feature_dtype=lambda _dev: precision.feature_dtype(precision.resolve(cfg)))
 
 

@@ -48,7 +48,13 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from benchmarks.baselines import GUARD_MODES, compile_guard  # noqa: E402
-from trainer.compile_lock import COMPILE_LOCK_MODES, MASK_LOCK, CompileGuard, carry_step, is_fx_tracing_error  # noqa: E402
+from trainer.compile_lock import (  # noqa: E402
+    COMPILE_LOCK_MODES,
+    MASK_LOCK,
+    CompileGuard,
+    carry_step,
+    is_fx_tracing_error,
+)
 
 HEADS, HEAD_DIM = 2, 16
 WIDTH = HEADS * HEAD_DIM
