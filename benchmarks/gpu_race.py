@@ -11,7 +11,7 @@ to overlap and even the unprotected start comes out clean.
 Every trial runs under `timeout -k KILL_AFTER TIMEOUT`: at TIMEOUT its process group gets SIGTERM
 (the trainer, with run.stop_grace_s = --stop-grace, must then exit by itself even with a thread
 stuck in a compile), KILL_AFTER seconds later SIGKILL. A trial is counted as:
-  fx     the FX-tracing race error ("Detected that you are using FX to symbolically trace …")
+  fx     the FX-tracing race error (trainer.metrics_format.FX_TRACING_ERROR)
   mask   the create_block_mask race (KeyError: 'custom')
   other  any other non-zero exit
   hang   no exit within --timeout (a failure); split into "left on SIGTERM" / "ended by its stop
@@ -43,8 +43,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import versions  # noqa: E402
+from trainer.metrics_format import FX_TRACING_ERROR  # noqa: E402
 
-FX = "Detected that you are using FX to symbolically trace"
 OUTCOMES = ("fx", "mask", "other", "hang", "clean")
 TIMEOUT_RC = 124  # `timeout`: the command timed out and left on SIGTERM
 KILLED_RC = 137  # `timeout`: ... and needed the SIGKILL
@@ -75,7 +75,7 @@ def trainer_argv(mode: str, checkpointing: str, tmp: str, args) -> list[str]:
 def classify(returncode: int, text: str) -> str:
     if returncode in HANG_EXITS:
         return "hang"
-    if FX in text:
+    if FX_TRACING_ERROR in text:
         return "fx"
     if "KeyError: 'custom'" in text:
         return "mask"

@@ -17,7 +17,8 @@ clean trials, prints a table and writes it, with torch/CUDA/driver versions, the
 command, to --out (markdown; a JSON copy next to it).
 
 Modes: lock (the fix), none (unprotected: must fail at least once, or the harness proves nothing),
-patch (is_fx_symbolic_tracing monkeypatched), first-step (the old one-lock-per-first-step fix).
+patch (is_fx_symbolic_tracing monkeypatched), first-step (benchmarks.baselines: a lock around each thread's
+first step only).
 torch >= 2.12 hides the race by holding is_compiling() true for a whole compile session; there,
 --emulate-old-torch restores the older behaviour. On CPU (smoke runs) flex_attention has no
 backward, so trials run forward only under no_grad.
@@ -44,9 +45,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from benchmarks.baselines import GUARD_MODES, compile_guard  # noqa: E402
 from benchmarks.common import versions  # noqa: E402
 
-MODES = ("lock", "none", "patch", "first-step")
 OUTCOMES = ("clean", "fx_tracing", "other_error", "hang")
 RESULT_TAG = "TRIAL_RESULT "
 
@@ -93,11 +94,11 @@ def run_trial(args) -> dict:
 
         torch.compiler._compile_session_context = contextlib.nullcontext
     from trainer import model as model_module
-    from trainer.compile_lock import CompileGuard, is_fx_tracing_error
+    from trainer.compile_lock import is_fx_tracing_error
     from trainer.loss import block_labels
     from trainer.masks import build_block_mask, sample_anchors
 
-    guard = CompileGuard(args.mode).install()  # before anything compiles
+    guard = compile_guard(args.mode).install()  # before anything compiles
     if args.compile_backend != "inductor":
         # Same ONE compiled flex_attention the trainer uses, through a cheaper backend.
         from torch.nn.attention.flex_attention import flex_attention
@@ -288,7 +289,7 @@ def verdict(table: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", default="all", choices=MODES + ("all",),
+    parser.add_argument("--mode", default="all", choices=GUARD_MODES + ("all",),
                         help="all = none, lock, patch (first-step only when named)")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--threads", type=int, default=3)

@@ -63,6 +63,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from benchmarks.baselines import FLEX_EAGER, attention_backend  # noqa: E402
 from benchmarks.common import versions  # noqa: E402
 
 RESULT_TAG = "BENCH_RESULT "
@@ -180,7 +181,7 @@ def _train_step(args, dims, cfg, model, optimizer, batch, gen, attention: str, t
     pure = args.precision == PURE_BF16
     with contextlib.nullcontext() if pure else precision.autocast(args.device, args.precision):
         # what trainer.train.make_loss_fn does
-        hidden = model(features, input_ids, anchors, mask, attention)
+        hidden = model(features, input_ids, anchors, mask, attention_backend(attention))
         labels, label_mask = block_labels(input_ids, loss_mask.to(args.device), anchors, valid, cfg.block_size)
         hidden = hidden if pure else precision.loss_input(hidden, args.precision)
         loss, _ = model.loss(hidden, labels, label_mask, gamma=7.0)
@@ -592,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = run_child(args, "peak", [], args.child_timeout)
     say(f"  peak matmul: {peak}")
     # CPU refuses flex_attention backward: the smoke run trains through the dense-mask sdpa path.
-    variants = {"sdpa": "sdpa"} if args.small else {"compiled flex": "flex", "eager flex": "flex_eager"}
+    variants = {"sdpa": "sdpa"} if args.small else {"compiled flex": "flex", "eager flex": FLEX_EAGER}
     wanted = {"sdpa": "compiled", "compiled flex": "compiled", "eager flex": "eager"}
     runs, profiles, raw = {}, {}, {}
 
@@ -621,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         # the largest anchor count where eager fits, and say so.
         while "failed" in eager and "OutOfMemory" in eager["failed"] and anchors > 64:
             anchors //= 2
-            eager = runs[f"eager flex @{anchors} anchors"] = measure("eager flex", "flex_eager", anchors)
+            eager = runs[f"eager flex @{anchors} anchors"] = measure("eager flex", FLEX_EAGER, anchors)
             if "failed" not in eager:
                 compiled = runs[f"compiled flex @{anchors} anchors"] = measure("compiled flex", "flex", anchors)
         if "median_step_s" in compiled and "median_step_s" in eager:

@@ -14,7 +14,6 @@ import statistics
 from trainer import metrics_format
 
 from . import torchrun
-from .remote import facts
 
 TRACEBACK_HEADER = "Traceback (most recent call last):"
 
@@ -43,7 +42,7 @@ SIGNATURES: tuple[Signature, ...] = (
     Signature(
         "fx_tracing",
         "FX-tracing race",
-        re.compile(re.escape(facts.FX_TRACING_ERROR)),
+        re.compile(re.escape(metrics_format.FX_TRACING_ERROR)),
         "a drafter thread called a compiled function while another thread was compiling "
         "(AOTAutograd's make_fx sets a process-global flag); serialize first steps and recompiles "
         "under the compile lock, and retest with a fresh inductor cache",

@@ -1,11 +1,10 @@
 """The compile lock: keeps drafter threads from tripping over each other's torch.compile.
 
-Why this exists (see DESIGN.md, "the FX-tracing race"): `torch.fx._symbolic_trace._is_fx_tracing_flag`
-is ONE process-global flag, set while any thread runs FX tracing (AOTAutograd's make_fx inside a
-compile). The torch.compile wrapper refuses to run while that flag is set, so a thread that merely
-CALLS a compiled function while another thread compiles raises "Detected that you are using FX to
-symbolically trace a dynamo-optimized function" (or hangs). The compiling thread is harmless; the
-threads calling compiled code next to it are the victims.
+Why this exists (the FX-tracing race): `torch.fx._symbolic_trace._is_fx_tracing_flag` is ONE
+process-global flag, set while any thread runs FX tracing (AOTAutograd's make_fx inside a compile).
+The torch.compile wrapper refuses to run while that flag is set, so a thread that merely CALLS a
+compiled function while another thread compiles raises metrics_format.FX_TRACING_ERROR (or
+hangs). The compiling thread is harmless; the threads calling compiled code next to it are the victims.
 
 The fix is a reader/writer lock around each drafter thread's whole forward+backward:
 - an ordinary step (nothing new to compile) holds the lock SHARED: drafters still run in parallel;
@@ -44,10 +43,10 @@ Also here:
 - `error_on_nested_fx_trace=False` is not a fix: the compiled function silently runs eager. We never
   set it and refuse to run when someone else has.
 
-Modes: "lock" (default, the full fix); "none" (unprotected, for the race harness); "patch"
-(`is_fx_symbolic_tracing` monkeypatched to False, for experiments; must be installed before
-torch.compile wraps anything, because the wrapper captures that function when it is created);
-"first-step" (the original one-lock-around-the-first-step fix, kept as a baseline for the harness).
+Modes (COMPILE_LOCK_MODES): "lock" (default, the full fix); "none" (unprotected, for the race
+harness); "patch" (`is_fx_symbolic_tracing` monkeypatched to False, for experiments; must be
+installed before torch.compile wraps anything, because the wrapper captures that function when it
+is created). A benchmark measures other policies by overriding `CompileGuard.exclusive_reason`.
 """
 from __future__ import annotations
 
@@ -57,10 +56,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-MODES = ("lock", "none", "patch")
-BASELINE_MODES = ("first-step",)  # accepted by CompileGuard, not offered to users
+from .metrics_format import FX_TRACING_ERROR
 
-FX_TRACING_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
+# What run.compile_lock may be, each with the line the startup summary shows for it
+COMPILE_LOCK_MODES = {
+    "lock": "exclusive for first/new-shape/compiling steps, shared otherwise",
+    "none": "UNPROTECTED (race harness only)",
+    "patch": "is_fx_symbolic_tracing patched to False (experiment)",
+}
 
 # Process-wide: serialises create_block_mask, and (mode "lock") keeps it apart from compiles.
 # Re-entrant so a compile started by the thread that holds it does not deadlock on itself.
@@ -82,7 +85,7 @@ def is_fx_tracing_error(exc: BaseException) -> bool:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if "symbolically trace a dynamo-optimized function" in str(exc):
+        if FX_TRACING_ERROR in str(exc):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -223,7 +226,12 @@ class CompileGuard:
     >>> guard.install()                                   # before anything is compiled
     >>> with guard.step("drafter0", step, shape_key=(B, T, N)):
     ...     loss = model(...); loss.backward()            # barrier / optimizer AFTER the block
+
+    A subclass may offer other modes (`modes`, mode name -> summary line) and decide which steps
+    run alone (`exclusive_reason`); its modes get none of "lock"'s other protections.
     """
+
+    modes: dict[str, str] = COMPILE_LOCK_MODES
 
     def __init__(
         self,
@@ -231,9 +239,9 @@ class CompileGuard:
         on_event: Callable[[dict], None] | None = None,
         wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
     ) -> None:
-        if mode not in MODES + BASELINE_MODES:
+        if mode not in self.modes:
             raise ValueError(
-                f"compile_lock mode {mode!r} is not one of {', '.join(MODES)}; use 'lock' (the fix) "
+                f"compile_lock mode {mode!r} is not one of {', '.join(self.modes)}; use 'lock' (the fix) "
                 "unless you are measuring the race"
             )
         self.mode = mode
@@ -275,12 +283,7 @@ class CompileGuard:
         return _hook_kind
 
     def describe(self) -> str:
-        what = {
-            "lock": "exclusive for first/new-shape/compiling steps, shared otherwise",
-            "none": "UNPROTECTED (race harness only)",
-            "patch": "is_fx_symbolic_tracing patched to False (experiment)",
-            "first-step": "one lock around each thread's first step only (old fix, baseline)",
-        }[self.mode]
+        what = self.modes[self.mode]
         return f"compile lock: {self.mode} ({what}; compile detection: {_hook_kind or 'off'})"
 
     # ---- the step ----------------------------------------------------------------------
@@ -311,12 +314,18 @@ class CompileGuard:
             _tls.context = None
             self._exit(context, completed)
 
-    def _exclusive_reason(self, context: _StepContext) -> str | None:
+    def has_completed_a_step(self, thread_name: str) -> bool:
+        with self._state_lock:
+            return thread_name in self._threads_seen
+
+    def exclusive_reason(self, context: _StepContext) -> str | None:
+        """Why this step must run with no other step inside the guard, or None (mode "lock" then
+        runs it shared; the other modes leave it unguarded)."""
+        if self.mode != "lock":
+            return None
         with self._state_lock:
             if context.thread not in self._threads_seen:
                 return "first_step"
-            if self.mode == "first-step":
-                return None
             if (context.thread, context.shape_key) not in self._shapes_seen:
                 return "new_shape"
             if context.thread in self._escalated:
@@ -324,9 +333,7 @@ class CompileGuard:
         return None
 
     def _enter(self, context: _StepContext) -> None:
-        if self.mode not in ("lock", "first-step"):
-            return
-        reason = self._exclusive_reason(context)
+        reason = self.exclusive_reason(context)
         if reason is not None:
             self._lock.acquire_exclusive(self.wait_timeout_s, context)
             context.hold, context.reason = "exclusive", reason

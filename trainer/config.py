@@ -1,6 +1,6 @@
 """The trainer's configuration: plain dataclasses loaded from YAML, validated with one clear message.
 
-A config file has four sections (`target`, `drafter`, `data`, `train`, `run`); every key has a
+A config file has five sections (`target`, `drafter`, `data`, `train`, `run`); every key has a
 default, so a file only states what differs. `load_config("tiny-cpu", {})` finds the bundled file
 `trainer/configs/tiny-cpu.yaml`. Overrides (from the CLI) use dotted keys (`train.lr`) or the
 short names in OVERRIDE_ALIASES (`max_steps`, `output_dir`, ...).
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import yaml
 
+from .compile_lock import COMPILE_LOCK_MODES
 from .compile_modes import COMPILE_MODES, REFUSED_COMPILE_MODES
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 ATTENTION_BACKENDS = ("flex", "sdpa")
-COMPILE_LOCK_MODES = ("lock", "none", "patch")
 ACTIVATION_CHECKPOINTING = ("none", "layers")  # "layers": see trainer.activation_checkpoint
 DATA_SOURCES = ("synthetic", "jsonl", "features")
 PRECISIONS = ("fp32", "bf16-mixed")  # bf16-mixed: fp32 master weights + AdamW state, bf16 compute

@@ -32,7 +32,6 @@ import random
 import signal
 import sys
 import time
-import traceback
 from typing import TextIO
 
 import torch
@@ -46,10 +45,11 @@ from .config import ConfigError, TrainConfig, check_devices
 from .data import BatchPlan, Dataset
 from .feature_cache import training_source
 from .heldout import split_heldout
-from .metrics import MetricsWriter, Throughput, error_kind
+from .metrics import MetricsWriter, Throughput
+from .shutdown import StopRequest
 from .target import load_target
 from .training_eval import TrainingEval
-from .workers import Replica, StepSummary, WorkerFailure
+from .workers import Failure, Replica, StepSummary
 
 # A signal this soon after the first is the same request: torchrun forwards the operator's SIGTERM
 # to every rank that already got it from the operator, and Ctrl-C reaches torchrun and ranks alike.
@@ -217,7 +217,7 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
     guard = CompileGuard(cfg.run.compile_lock, on_event=lambda e: metrics.compile(
         f"rank{rank.rank}/{e.get('thread', '?')}", e.get("duration_s") or 0.0, e.get("step", -1),
         e.get("reason", "")))
-    stop = threaded.StopRequest()
+    stop = StopRequest()
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     try:
         guard.install()
@@ -257,28 +257,21 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
         if upcast:
             metrics.say(upcast)
         RankStopRequest(stop).install()
-        return _loop(cfg, rank, device, metrics, stop, target, replica, dataset, plan, dcfg, guard, start, total,
-                     evaluator)
+        parts = threaded.LoopParts(cfg, [target], [replica], dataset, plan, dcfg, guard, start, total, evaluator)
+        return _loop(parts, rank, device, metrics, stop)
     except BaseException as exc:
-        failure = exc.original if isinstance(exc, WorkerFailure) else exc
-        where = f" in thread {exc.thread}" if isinstance(exc, WorkerFailure) else ""
-        text = exc.traceback_text if isinstance(exc, WorkerFailure) else traceback.format_exc()
-        if getattr(failure, "exit_code", None) == 2:  # bad input: the CLI's one line says it
+        failure = Failure.of(exc)
+        if getattr(failure.original, "exit_code", None) == 2:  # bad input: the CLI's one line says it
             if not speaks:
                 sys.stderr = open(os.devnull, "w")
             raise
         # one line naming the rank on stderr (the log), whichever rank it is
-        what = "aborted" if isinstance(exc, KeyboardInterrupt) else "failed"
-        print(f"dflash-train: rank {rank.rank} of {rank.world_size} {what}{where}: "
-              f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
-        if isinstance(exc, KeyboardInterrupt):
-            metrics.say(f"aborted: {exc}")
-            metrics.done(stop.last_step, "interrupted")
-        else:
-            if not rank.is_lead:
-                print(text.rstrip(), file=sys.stderr, flush=True)
-            metrics.say(f"error{where}:\n{text.rstrip()}")
-            metrics.error(f"rank {rank.rank}: {type(failure).__name__}{where}: {failure}", error_kind(failure))
+        what = "aborted" if failure.interrupted else "failed"
+        print(f"dflash-train: rank {rank.rank} of {rank.world_size} {what}{failure.where}: "
+              f"{type(failure.original).__name__}: {failure.original}", file=sys.stderr, flush=True)
+        if not failure.interrupted and not rank.is_lead:
+            print(failure.traceback_text.rstrip(), file=sys.stderr, flush=True)
+        metrics.failed(failure, stop.last_step, label=f"rank {rank.rank}: ")
         raise
     finally:
         stop.uninstall()
@@ -288,13 +281,14 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
             dist.destroy_process_group()
 
 
-def _loop(cfg, rank, device, metrics, stop, target, replica, dataset, plan, dcfg, guard, start, total,
-          evaluator=None):
+def _loop(parts, rank: Rank, device: str, metrics: MetricsWriter, stop: StopRequest):
     from . import train as threaded
 
+    cfg, replica, plan, start, total, evaluator = (parts.cfg, parts.replicas[0], parts.plan, parts.start,
+                                                   parts.total, parts.evaluator)
     last, path, step = None, None, start
     throughput = Throughput(start, total)
-    with threaded.make_workers(cfg, [target], [replica], dataset, plan, guard) as workers:
+    with threaded.make_workers(parts) as workers:
         workers.start(start, total)
         for step_index in range(start, total):
             last, stopping = global_summary(workers.run_step(step_index), stop.requested, rank, device)
@@ -306,7 +300,7 @@ def _loop(cfg, rank, device, metrics, stop, target, replica, dataset, plan, dcfg
                 evaluator.run(replica.model.module, step, metrics)
                 throughput.last = throughput.clock()
             if rank.is_lead and (step % cfg.run.checkpoint_every == 0 or step == total or stopping):
-                path = save(cfg, replica, dcfg, plan, step, rank.world_size)
+                path = save(cfg, replica, parts.dcfg, plan, step, rank.world_size)
                 metrics.checkpoint(step, path)
             if stopping:
                 metrics.say(f"{stop.signal_name or 'another rank'}: stopped after step {step}")

@@ -148,14 +148,6 @@ def drafter_config_from_export(export_dir) -> DrafterConfig:
     )
 
 
-def load_drafter(export_dir, embed_tokens, lm_head) -> DFlashDrafter:
-    """A trainer-side DFlashDrafter from an export directory (for evaluation or fine-tuning)."""
-    drafter = DFlashDrafter(drafter_config_from_export(export_dir), embed_tokens, lm_head)
-    weights = load_file(str(Path(export_dir) / WEIGHTS_FILE))
-    drafter.load_state_dict({k: v.to(drafter.fc.weight.dtype) for k, v in weights.items()})
-    return drafter
-
-
 class ReferenceDrafter:
     """Inference-side DFlash drafter over an export directory, in float64, one block at a time."""
 

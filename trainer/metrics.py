@@ -9,11 +9,12 @@ import os
 import sys
 import threading
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from . import metrics_format
 
-FX_TRACING_SIGNATURE = "Detected that you are using FX to symbolically trace"
+if TYPE_CHECKING:
+    from .workers import Failure
 
 
 def error_kind(exc: BaseException) -> str:
@@ -25,7 +26,7 @@ def error_kind(exc: BaseException) -> str:
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         text = f"{type(exc).__name__}: {exc}"
-        if FX_TRACING_SIGNATURE in text:
+        if metrics_format.FX_TRACING_ERROR in text:
             return "fx_tracing"
         if "OutOfMemoryError" in type(exc).__name__ or "CUDA out of memory" in text:
             return "cuda_oom"
@@ -123,6 +124,16 @@ class MetricsWriter:
 
     def error(self, message: str, kind: str) -> None:
         self.record("error", message=message, kind=kind)
+
+    def failed(self, failure: Failure, last_step: int, label: str = "") -> None:
+        """The run's last words: `done` (interrupted) after a stop, else the traceback and an `error`
+        record whose message starts with `label` (e.g. "rank 1: ")."""
+        if failure.interrupted:
+            self.say(f"aborted: {failure.raised}")
+            self.done(last_step, "interrupted")
+        else:
+            self.say(f"error{failure.where}:\n{failure.traceback_text.rstrip()}")
+            self.error(label + failure.summary(), error_kind(failure.original))
 
     def done(self, step: int, reason: str) -> None:
         self.record("done", step=step, reason=reason)

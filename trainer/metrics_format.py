@@ -29,6 +29,8 @@ FORMAT_VERSION = 1
 EVENTS = ("start", "step", "compile", "checkpoint", "eval", "error", "done")
 RUN_FINISHED = "FINISHED"
 STEP_FIELDS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s", "lr", "grad_norm")
+# The torch.compile FX-tracing race's error as it reads in a log (an error record's kind "fx_tracing")
+FX_TRACING_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
 
 
 def expected_tau(acc: list[float]) -> float:

@@ -16,14 +16,17 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import ATTENTION_BACKENDS
 from .precision import attention_inputs
 
-BACKENDS = ("flex", "sdpa", "flex_eager")
+# An attention the trainer does not offer, (q, k, v, attn_mask) -> out, as `attend` calls it (benchmarks)
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 # DrafterConfig fields that only travel to the export: a checkpoint written before they existed
 # still resumes (trainer.train.restore does not compare them when the checkpoint lacks them).
 EXPORT_METADATA = ("max_position_embeddings", "rope_scaling")
@@ -194,18 +197,19 @@ def compiled_flex_attention():
     return _compiled_flex
 
 
-def attend(q, k, v, attn_mask, backend: str) -> torch.Tensor:
-    """Masked GQA attention. q [B, Hq, L, D]; k, v [B, Hkv, S, D]."""
+def attend(q, k, v, attn_mask, backend: str | AttentionFn) -> torch.Tensor:
+    """Masked GQA attention. q [B, Hq, L, D]; k, v [B, Hkv, S, D].
+
+    `backend`: one of ATTENTION_BACKENDS, or an AttentionFn (a baseline a benchmark measures).
+    """
     q, k, v = attention_inputs(q, k, v)
     if backend == "flex":
         return compiled_flex_attention()(q, k, v, block_mask=attn_mask, enable_gqa=True)
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
-    if backend == "flex_eager":
-        # Benchmarks only (compiled vs eager): never mix this into a compiled run.
-        from torch.nn.attention.flex_attention import flex_attention
-        return flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=True)
-    raise ValueError(f"attention backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+    if callable(backend):
+        return backend(q, k, v, attn_mask)
+    raise ValueError(f"attention backend {backend!r} is unknown; use one of {', '.join(ATTENTION_BACKENDS)}")
 
 
 class DrafterAttention(nn.Module):
@@ -307,7 +311,7 @@ class DFlashDrafter(nn.Module):
                            dtype=input_ids.dtype, device=input_ids.device)
         return torch.cat([anchor_tokens, masks], dim=-1)
 
-    def forward(self, context, input_ids, anchors, attn_mask, backend: str = "flex"):
+    def forward(self, context, input_ids, anchors, attn_mask, backend: str | AttentionFn = "flex"):
         cfg = self.cfg
         batch, ctx_len, _ = context.shape
         num_blocks = anchors.shape[1]

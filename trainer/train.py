@@ -11,7 +11,6 @@ import dataclasses
 import math
 import random
 import sys
-import traceback
 from typing import TextIO
 
 import torch
@@ -27,12 +26,12 @@ from .data import Batch, BatchPlan, Dataset, derive_seed, load_jsonl, synthetic_
 from .heldout import split_heldout
 from .masks import build_block_mask, dense_mask, sample_anchors
 from .loss import block_labels
-from .metrics import MetricsWriter, Throughput, error_kind
+from .metrics import MetricsWriter, Throughput
 from .model import EXPORT_METADATA, DFlashDrafter, DrafterConfig, set_compile_mode
 from .shutdown import StopRequest
 from .target import load_target
 from .training_eval import TrainingEval
-from .workers import LossOutput, Replica, StepSummary, TrainingWorkers, WorkerFailure
+from .workers import Failure, LossOutput, Replica, StepSummary, TrainingWorkers
 
 
 @dataclasses.dataclass
@@ -43,6 +42,21 @@ class RunResult:
     last: StepSummary | None
     checkpoint: str | None
     replicas: list[Replica]
+
+
+@dataclasses.dataclass
+class LoopParts:
+    """What the step loop trains with (built by train(), or by distributed.train_rank for one rank)."""
+    cfg: TrainConfig
+    targets: list
+    replicas: list[Replica]
+    dataset: Dataset
+    plan: BatchPlan
+    dcfg: DrafterConfig
+    guard: CompileGuard
+    start: int  # steps already done
+    total: int
+    evaluator: TrainingEval | None = None
 
 
 def param_dtype(device: str) -> torch.dtype:
@@ -122,17 +136,20 @@ def restore(replicas: list[Replica], state: ckpt.Checkpoint, dcfg: DrafterConfig
         # load_state_dict keeps tensors that need no cast: without a copy, replicas on one device
         # would share (and each advance) the same Adam moments and step counts
         replica.optimizer.load_state_dict(copy.deepcopy(state.optimizer))
-        # The schedule's shape comes from THIS run's config (same config: same numbers, an exact
-        # continuation; a longer --max-steps stretches the cosine instead of training at its floor).
-        sched = copy.deepcopy(state.scheduler)
-        sched["lr_lambdas"] = [None] * len(replica.scheduler.lr_lambdas)
-        replica.scheduler.load_state_dict(sched)
-        step = replica.scheduler.last_epoch
-        for group, base, fn in zip(replica.optimizer.param_groups, replica.scheduler.base_lrs,
-                                   replica.scheduler.lr_lambdas):
-            group["lr"] = base * fn(step)
-        replica.scheduler._last_lr = [g["lr"] for g in replica.optimizer.param_groups]
+        replica.scheduler = resumed_scheduler(replica.scheduler, state.scheduler["last_epoch"])
     ckpt.set_rng_state(state.rng)
+
+
+def resumed_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, steps_done: int):
+    """`scheduler`'s schedule standing after `steps_done` steps, its optimizer's LR set to match.
+
+    The schedule's shape comes from THIS run's config (same config: same numbers, an exact
+    continuation; a longer --max-steps stretches the cosine instead of training at its floor).
+    The base LRs are the optimizer's saved `initial_lr`. LambdaLR steps once as it is built, so
+    built at steps_done - 1 it stands at steps_done.
+    """
+    return torch.optim.lr_scheduler.LambdaLR(scheduler.optimizer, scheduler.lr_lambdas,
+                                             last_epoch=steps_done - 1)
 
 
 def make_loss_fn(cfg: TrainConfig):
@@ -232,17 +249,10 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
         if upcast:
             metrics.say(upcast)
         stop.install()
-        return _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, start, total, evaluator)
+        return _loop(LoopParts(cfg, targets, replicas, dataset, plan, dcfg, guard, start, total, evaluator),
+                     metrics, stop)
     except BaseException as exc:
-        failure = exc.original if isinstance(exc, WorkerFailure) else exc
-        where = f" in thread {exc.thread}" if isinstance(exc, WorkerFailure) else ""
-        text = exc.traceback_text if isinstance(exc, WorkerFailure) else traceback.format_exc()
-        if isinstance(exc, KeyboardInterrupt):
-            metrics.say(f"aborted: {exc}")
-            metrics.done(stop.last_step, "interrupted")
-        else:
-            metrics.say(f"error{where}:\n{text.rstrip()}")
-            metrics.error(f"{type(failure).__name__}{where}: {failure}", error_kind(failure))
+        metrics.failed(Failure.of(exc), stop.last_step)
         raise
     finally:
         stop.uninstall()
@@ -250,18 +260,21 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
         metrics.close()
 
 
-def make_workers(cfg, targets, replicas, dataset, plan, guard) -> TrainingWorkers:
-    """The threads that train `replicas` (all of them here; one per process under torchrun)."""
-    return TrainingWorkers(targets=targets, replicas=replicas, dataset=dataset, plan=plan,
-                           compute_loss=make_loss_fn(cfg), guard=guard, grad_clip=cfg.train.grad_clip,
+def make_workers(parts: LoopParts) -> TrainingWorkers:
+    """The threads that train `parts.replicas` (all of them here; one per process under torchrun)."""
+    cfg = parts.cfg
+    return TrainingWorkers(targets=parts.targets, replicas=parts.replicas, dataset=parts.dataset,
+                           plan=parts.plan, compute_loss=make_loss_fn(cfg), guard=parts.guard,
+                           grad_clip=cfg.train.grad_clip,
                            feature_dtype=lambda _dev: precision.feature_dtype(precision.resolve(cfg)))
 
 
-def _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, start, total,
-          evaluator=None) -> RunResult:
+def _loop(parts: LoopParts, metrics: MetricsWriter, stop: StopRequest) -> RunResult:
+    cfg, replicas, plan, start, total, evaluator = (parts.cfg, parts.replicas, parts.plan, parts.start,
+                                                    parts.total, parts.evaluator)
     last, path, step = None, None, start
     throughput = Throughput(start, total)
-    with make_workers(cfg, targets, replicas, dataset, plan, guard) as workers:
+    with make_workers(parts) as workers:
         workers.start(start, total)
         for step_index in range(start, total):
             last = workers.run_step(step_index, give_up=stop.overdue)
@@ -275,7 +288,7 @@ def _loop(cfg, metrics, stop, targets, replicas, dataset, plan, dcfg, guard, sta
                 evaluator.run(replicas[0].model, step, metrics)
                 throughput.last = throughput.clock()  # the next step's tok/s counts training only
             if step % cfg.run.checkpoint_every == 0 or step == total or stop.requested:
-                path = save(cfg, replicas, dcfg, plan, step)
+                path = save(cfg, replicas, parts.dcfg, plan, step)
                 metrics.checkpoint(step, path)
             if stop.requested:
                 metrics.say(f"{stop.signal_name}: stopped after step {step}")

@@ -43,6 +43,29 @@ class WorkerFailure(Exception):
         super().__init__(f"{thread}: {type(original).__name__}: {original}")
 
 
+@dataclasses.dataclass
+class Failure:
+    """Why a run ends, with a worker thread's exception unwrapped from its WorkerFailure."""
+    raised: BaseException  # what reached the main thread
+    original: BaseException  # what went wrong, in whichever thread
+    where: str  # " in thread drafter1", or "" for the main thread
+    traceback_text: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        """Call it while handling `exc` (a main-thread traceback is read from the handler)."""
+        if isinstance(exc, WorkerFailure):
+            return cls(exc, exc.original, f" in thread {exc.thread}", exc.traceback_text)
+        return cls(exc, exc, "", traceback.format_exc())
+
+    @property
+    def interrupted(self) -> bool:
+        return isinstance(self.raised, KeyboardInterrupt)
+
+    def summary(self) -> str:
+        return f"{type(self.original).__name__}{self.where}: {self.original}"
+
+
 class StepAbandoned(KeyboardInterrupt):
     """The main thread stopped waiting for a step (a stop request ran out of time)."""
 

@@ -1,8 +1,9 @@
 """Facts the local side and the scripts run on the target share (standard library only, Python >= 3.8).
 
 remote.bundle() sends this file's text ahead of each remote script, so a fact here is defined once
-for both sides. The metrics file's name rule lives in trainer/metrics_format.py (shared with the
-trainer, which imports nothing from dflash_ops) and travels the same way.
+for both sides. The metrics file's name rule and the FX-tracing race's error live in
+trainer/metrics_format.py (shared with the trainer, which imports nothing from dflash_ops) and travel
+the same way.
 """
 
 import re
@@ -24,10 +25,6 @@ def newest_log_name(names):
     """The highest-numbered train-NNNN.log among file names, or None."""
     numbered = [(int(m.group(1)), name) for name in names for m in [LOG_NAME.match(name)] if m]
     return max(numbered)[1] if numbered else None
-
-
-# The torch.compile FX-tracing race, as its error reads in a log
-FX_TRACING_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
 
 
 def gpu_query_argv(binary="nvidia-smi", fields=GPU_FIELDS):

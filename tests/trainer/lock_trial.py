@@ -45,10 +45,16 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from trainer import compile_lock  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
-from trainer.compile_lock import MASK_LOCK, CompileGuard, carry_step, is_fx_tracing_error  # noqa: E402
+from benchmarks.baselines import GUARD_MODES, compile_guard  # noqa: E402
+from trainer.compile_lock import (  # noqa: E402
+    COMPILE_LOCK_MODES,
+    MASK_LOCK,
+    CompileGuard,
+    carry_step,
+    is_fx_tracing_error,
+)
 
 HEADS, HEAD_DIM = 2, 16
 WIDTH = HEADS * HEAD_DIM
@@ -100,7 +106,7 @@ def recompute_tagged(fn, tag: int):
 def run_race(args) -> dict:
     if args.emulate_old_torch:
         emulate_old_torch()
-    guard = CompileGuard(args.mode).install()
+    guard = compile_guard(args.mode).install()
     # Created after install(): the patch mode must be in place before torch.compile wraps.
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -269,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     race = sub.add_parser("race")
-    race.add_argument("--mode", default="lock", choices=compile_lock.MODES + compile_lock.BASELINE_MODES)
+    race.add_argument("--mode", default="lock", choices=GUARD_MODES)
     race.add_argument("--threads", type=int, default=3)
     race.add_argument("--steps", type=int, default=5)
     race.add_argument("--repeat", type=int, default=1, help="steps per sequence length")
@@ -287,14 +293,14 @@ def main(argv: list[str] | None = None) -> int:
                       help="with --checkpoint: the recompute meets a guard failure and compiles")
     race.add_argument("--no-emulate-old-torch", dest="emulate_old_torch", action="store_false")
     flag = sub.add_parser("flag")
-    flag.add_argument("--mode", default="none", choices=compile_lock.MODES)
+    flag.add_argument("--mode", default="none", choices=COMPILE_LOCK_MODES)
     flag.add_argument("--through-guard", action="store_true")
     masks = sub.add_parser("masks")
     masks.add_argument("--threads", type=int, default=4)
     masks.add_argument("--iters", type=int, default=200)
     masks.add_argument("--no-lock", action="store_true", help="builders skip MASK_LOCK")
     masks.add_argument("--compiles", type=int, default=0, help="a thread compiling N new shapes")
-    masks.add_argument("--guard", default="lock", choices=compile_lock.MODES)
+    masks.add_argument("--guard", default="lock", choices=COMPILE_LOCK_MODES)
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval (default: Python's own, 5 ms)")
     args = parser.parse_args(argv)

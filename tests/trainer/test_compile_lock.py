@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from trainer import compile_lock
+from trainer import compile_lock, metrics_format
 from trainer.compile_lock import (
     MASK_LOCK,
     CompileGuard,
@@ -247,6 +247,20 @@ def test_first_step_of_each_thread_is_exclusive_then_shared():
     assert reasons == [True, False, True]
 
 
+def test_the_first_step_baseline_is_a_benchmark_guard_not_a_trainer_mode():
+    from benchmarks.baselines import compile_guard
+
+    with pytest.raises(ValueError, match="not one of lock, none, patch"):
+        CompileGuard("first-step")
+    guard = compile_guard("first-step")
+    held = []
+    for step, shape in ((0, (1,)), (1, (2,)), (2, (2,))):  # a new shape is not exclusive here
+        with guard.step("a", step, shape):
+            held.append((guard._lock.writer is not None, guard._lock.readers))
+    assert held == [(True, 0), (False, 0), (False, 0)]
+    assert "first-step" in guard.describe()
+
+
 def test_a_failed_step_stays_exclusive_for_its_retry():
     guard = CompileGuard("lock")
     with pytest.raises(ValueError):
@@ -339,7 +353,7 @@ def test_silent_eager_setting_is_refused():
 
 
 def test_fx_tracing_error_is_recognised_through_wrapping():
-    inner = RuntimeError(compile_lock.FX_TRACING_ERROR + ". This is not supported at the moment.")
+    inner = RuntimeError(metrics_format.FX_TRACING_ERROR + ". This is not supported at the moment.")
     try:
         try:
             raise inner

@@ -7,31 +7,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.export import ReferenceDrafter, export_drafter, export_weights, load_drafter
+from tests.trainer.conftest import EXPORT_BLOCK as BLOCK
+from trainer.export import (
+    WEIGHTS_FILE,
+    ReferenceDrafter,
+    drafter_config_from_export,
+    export_drafter,
+    export_weights,
+)
 from trainer.masks import dense_mask
 from trainer.model import DFlashDrafter, DrafterConfig
-from trainer.target import load_target
-
-BLOCK = 4
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target("tiny-random", "cpu", torch.float32, seed=0)
-
-
-@pytest.fixture(scope="module")
-def drafter(target):
-    torch.manual_seed(0)
-    model = DFlashDrafter(DrafterConfig.for_target(target, num_layers=2, block_size=BLOCK),
-                          target.embed_tokens, target.lm_head)
-    with torch.no_grad():  # weights far from init, so every term of the computation matters
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.mul_(4.0)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +95,14 @@ def test_reference_would_notice_a_context_off_by_one(drafter, exported, target):
     strict = reference.block_logits(context[:6], int(ids[0, 6]))
     inclusive = reference.block_logits(context[:7], int(ids[0, 6]))
     assert not torch.allclose(strict, inclusive, atol=1e-3)
+
+
+def load_drafter(export_dir, embed_tokens, lm_head) -> DFlashDrafter:
+    """A trainer-side DFlashDrafter from an export directory."""
+    drafter = DFlashDrafter(drafter_config_from_export(export_dir), embed_tokens, lm_head)
+    weights = load_file(str(export_dir / WEIGHTS_FILE))
+    drafter.load_state_dict({k: v.to(drafter.fc.weight.dtype) for k, v in weights.items()})
+    return drafter
 
 
 def test_load_drafter_round_trip(drafter, exported, target):

@@ -10,13 +10,13 @@ import sys
 import pytest
 import torch
 
+from tests.trainer.conftest import EXPORT_BLOCK as BLOCK
 from trainer.export import export_drafter
 from trainer.masks import dense_mask
 from trainer.model import DFlashDrafter, DrafterConfig
 from trainer.target import load_target
 
 pytestmark = pytest.mark.timeout(180)
-BLOCK = 4
 
 # Runs in a fresh interpreter that cannot import this project: only the export directory counts.
 LOADER = """
@@ -35,25 +35,6 @@ torch.save({"logits": hidden @ x["lm_head"].T, "model_class": type(model).__name
             "config_class": type(config).__name__,
             "dtypes": sorted({str(p.dtype) for p in model.parameters()})}, out)
 """
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target("tiny-random", "cpu", torch.float32, seed=0)
-
-
-@pytest.fixture(scope="module")
-def drafter(target):
-    torch.manual_seed(0)
-    model = DFlashDrafter(DrafterConfig.for_target(target, num_layers=2, block_size=BLOCK),
-                          target.embed_tokens, target.lm_head)
-    with torch.no_grad():  # weights away from init, so every term of the computation matters
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.mul_(2.0)
-    return model.eval()
 
 
 def load_with_transformers(export_dir, inputs: dict, tmp_path) -> dict:

@@ -311,3 +311,17 @@ def test_cuda_flex_and_sdpa_give_the_same_loss_and_gradients(dtype, tol):
     for name in gs:
         rel = (gf[name] - gs[name]).norm() / gs[name].norm().clamp_min(1e-12)
         assert rel < tol, (name, rel.item())
+
+
+def test_the_trainer_offers_only_its_own_attention_and_takes_a_benchmark_function():
+    drafter = make_drafter()
+    context, input_ids, anchors, valid = make_batch()
+    mask = dense_mask(anchors, valid, input_ids.shape[1], drafter.cfg.block_size, "cpu")
+    with pytest.raises(ValueError, match="use one of flex, sdpa"):
+        drafter(context, input_ids, anchors, mask, backend="flex_eager")
+
+    def sdpa_by_hand(q, k, v, attn_mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+
+    by_hand = drafter(context, input_ids, anchors, mask, backend=sdpa_by_hand)
+    assert torch.equal(by_hand, run_sdpa(drafter, context, input_ids, anchors, valid))

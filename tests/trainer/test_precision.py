@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks.baselines import eager_flex_attention
 from trainer import metrics_format, precision
 from trainer.config import ConfigError, load_config
 from trainer.train import train
@@ -159,7 +160,8 @@ def test_flex_attention_gets_bf16_inputs_under_autocast_and_agrees_with_sdpa():
     anchors, valid = sample_anchors(torch.ones(1, 32, dtype=torch.bool), 4, 4, torch.Generator().manual_seed(0))
     # eager flex_attention, forward only: CPU has no flex backward (compiled flex runs on the GPU)
     with torch.no_grad(), precision.autocast("cpu", "bf16-mixed"):
-        flex = drafter(features, ids, anchors, build_block_mask(anchors, valid, 32, 4, "cpu"), "flex_eager")
+        flex = drafter(features, ids, anchors, build_block_mask(anchors, valid, 32, 4, "cpu"),
+                       eager_flex_attention)
         sdpa = drafter(features, ids, anchors, dense_mask(anchors, valid, 32, 4, "cpu"), "sdpa")
     assert (flex - sdpa).abs().max() <= 0.02 * sdpa.abs().max()
 

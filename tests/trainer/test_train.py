@@ -1,6 +1,7 @@
 """The training loop: the loss falls, resume is exact, the metrics file keeps the contract."""
 from __future__ import annotations
 
+import copy
 import io
 import json
 import math
@@ -164,7 +165,7 @@ def test_an_exception_in_a_drafter_thread_ends_the_run_with_an_error_record(tmp_
 
 
 def test_error_kinds_follow_the_cause_chain():
-    fx = RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function.")
+    fx = RuntimeError(metrics_format.FX_TRACING_ERROR + ".")
     wrapped = WorkerFailure("drafter1", fx, "")
     try:
         raise wrapped from fx
@@ -211,3 +212,29 @@ def test_compiles_inside_drafter_steps_are_logged_with_thread_and_duration(tmp_p
     assert first["thread"] in ("drafter0", "drafter1") and first["step"] == 0
     assert first["duration_s"] > 0 and first["reason"] == "first_step"
     assert "compile  drafter" in out.getvalue()
+
+
+def test_a_resumed_schedule_has_the_uninterrupted_lr_at_every_step():
+    from trainer.train import resumed_scheduler
+
+    def optimizer_and_schedule():
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.5)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(2, 8, 0.1))
+
+    straight, straight_schedule = optimizer_and_schedule()
+    lrs = []
+    for step in range(8):
+        if step == 3:
+            saved = copy.deepcopy((straight.state_dict(), straight_schedule.state_dict()))
+        lrs.append(straight_schedule.get_last_lr())
+        straight.step()
+        straight_schedule.step()
+
+    optimizer, fresh = optimizer_and_schedule()
+    optimizer.load_state_dict(saved[0])
+    resumed = resumed_scheduler(fresh, saved[1]["last_epoch"])
+    assert resumed.get_last_lr() == lrs[3] == [group["lr"] for group in optimizer.param_groups]
+    for step in range(4, 8):
+        optimizer.step()
+        resumed.step()
+        assert resumed.get_last_lr() == lrs[step], step
