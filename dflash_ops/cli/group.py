@@ -69,6 +69,23 @@ def dry_run_option(f):
     return click.option("--dry-run", is_flag=True, help="Print every exact remote command; touch nothing.")(f)
 
 
+def grace_option(help_text: str):
+    """--grace S: seconds between the polite stop signal and the kill."""
+    return click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="S", help=help_text)
+
+
+def answer_within_option(default_s: float, help_text: str):
+    """--timeout S of the commands that must answer in time (status, health)."""
+    return click.option(
+        "--timeout",
+        type=click.FloatRange(min=1),
+        default=default_s,
+        show_default=True,
+        metavar="S",
+        help=help_text,
+    )
+
+
 def one_target(obj: Obj, target):
     targets = obj.targets(target)
     if len(targets) != 1:

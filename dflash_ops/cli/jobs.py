@@ -11,7 +11,7 @@ from .. import deploy as deploy_lib, ops, playbook
 from ..errors import InputError
 from ..fanout import fan_out
 from ..progress_view import ProgressPrinter
-from .group import Obj, cli, dry_run_option, one_target, target_option
+from .group import Obj, cli, dry_run_option, grace_option, one_target, target_option
 
 
 def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, runner=ops.run_playbook) -> int:
@@ -64,13 +64,7 @@ def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, run
     metavar="S",
     help="Seconds to wait for the first training step (default 900).",
 )
-@click.option(
-    "--grace",
-    type=click.FloatRange(min=0),
-    default=None,
-    metavar="S",
-    help="Seconds between SIGTERM and SIGKILL when stopping (default 30).",
-)
+@grace_option("Seconds between SIGTERM and SIGKILL when stopping (default 30).")
 @click.pass_obj
 def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus, timeout, grace):
     """Check, stop, clean the GPUs, purge the compile cache, deploy, launch in tmux, confirm step 1.
@@ -100,13 +94,7 @@ def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus
 @cli.command()
 @target_option
 @dry_run_option
-@click.option(
-    "--grace",
-    type=click.FloatRange(min=0),
-    default=None,
-    metavar="S",
-    help="Seconds between SIGTERM and SIGKILL (default 30).",
-)
+@grace_option("Seconds between SIGTERM and SIGKILL (default 30).")
 @click.pass_obj
 def stop(obj, target, dry_run, grace):
     """Stop the job: SIGTERM its processes (it checkpoints), SIGKILL after the grace period,

@@ -12,7 +12,7 @@ import click
 from .. import budget, health, ops, status as status_lib
 from ..errors import DflashOpsError, InputError
 from ..fanout import fan_out
-from .group import cli, one_target, target_option
+from .group import answer_within_option, cli, one_target, target_option
 
 
 def _is_tty() -> bool:
@@ -25,13 +25,8 @@ def _is_tty() -> bool:
 @click.option(
     "--watch", type=click.FloatRange(min=0.5), default=None, metavar="S", help="Refresh every S seconds."
 )
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=1),
-    default=budget.DEFAULT_STATUS_S,
-    show_default=True,
-    metavar="S",
-    help="Answer within S seconds; parts that take longer show UNKNOWN.",
+@answer_within_option(
+    budget.DEFAULT_STATUS_S, "Answer within S seconds; parts that take longer show UNKNOWN."
 )
 @click.pass_obj
 def status(obj, target, as_json, watch, timeout):
@@ -69,13 +64,8 @@ def status(obj, target, as_json, watch, timeout):
     is_flag=True,
     help="Relaunch a CRITICAL target (at most max_relaunches_per_hour; never two at once).",
 )
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=1),
-    default=budget.DEFAULT_HEALTH_S,
-    show_default=True,
-    metavar="S",
-    help="Answer within S seconds (NRPE's default); parts that take longer are UNKNOWN.",
+@answer_within_option(
+    budget.DEFAULT_HEALTH_S, "Answer within S seconds (NRPE's default); parts that take longer are UNKNOWN."
 )
 @click.pass_obj
 def health_cmd(obj, target, as_json, auto_relaunch, timeout):
