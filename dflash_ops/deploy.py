@@ -14,13 +14,13 @@ import io
 import pathlib
 import posixpath
 import re
-import shlex
 import tarfile
 import time
 
 from . import __version__, jobpaths
 from .errors import InputError
 from .model import Job
+from .remote import shell_command
 
 KEEP_RELEASES = 5
 PREVIOUS = "previous"  # the rollback target meaning "the release deployed before the current one"
@@ -67,49 +67,19 @@ def build_bundle(source: pathlib.Path | None = None) -> Bundle:
 
 def install_script(job: Job, bundle: Bundle, tarball: str, keep: int = KEEP_RELEASES) -> str:
     """Verify the pushed tarball, unpack into its release dir, switch `current`, prune old ones."""
-    q = shlex.quote
-    releases = jobpaths.releases_dir(job)
-    release = posixpath.join(releases, bundle.release_id)
-    return f"""set -eu
-cd {q(releases)}
-echo {q(bundle.sha256 + "  " + posixpath.basename(tarball))} | sha256sum -c --quiet - >&2 || {{ echo {q("checksum mismatch for " + tarball)} >&2; exit 3; }}
-if [ ! -f {q(release)}/.complete ]; then
-  rm -rf {q(release)}.tmp && mkdir -p {q(release)}.tmp
-  tar -xzf {q(tarball)} -C {q(release)}.tmp
-  echo {q(bundle.sha256)} > {q(release)}.tmp/.complete
-  rm -rf {q(release)} && mv {q(release)}.tmp {q(release)}
-fi
-rm -f {q(tarball)}
-{switch_script(job, bundle.release_id, keep)}
-"""
-
-
-def _point_current(job: Job, release_word: str) -> str:
-    """Point `current` at a release atomically (symlink + rename) and record it in history.
-    `release_word` is a shell word: a quoted id or a variable such as "$prev"."""
-    q = shlex.quote
-    current = q(jobpaths.current_release(job))
-    return f"""ln -sfn releases/{release_word} {current}.tmp
-mv -Tf {current}.tmp {current}
-echo {release_word} >> {q(jobpaths.releases_dir(job))}/history
-echo "current -> "{release_word}
-"""
+    install = shell_command(
+        "deploy_install.sh", jobpaths.releases_dir(job), bundle.release_id, bundle.sha256, tarball
+    )
+    return f"{install} && {switch_script(job, bundle.release_id, max(1, int(keep)))}"
 
 
 def switch_script(job: Job, release_id: str, keep: int = KEEP_RELEASES) -> str:
-    """Make `release_id` current, then prune releases beyond the newest `keep` in history."""
-    q = shlex.quote
-    releases = jobpaths.releases_dir(job)
-    return (
-        _point_current(job, q(release_id))
-        + f"""# keep the newest {keep} releases named in history (the current one is the newest)
-keep=$(tac {q(releases)}/history | awk '!seen[$0]++' | head -n {max(1, int(keep))})
-for d in {q(releases)}/*/; do
-  d=${{d%/}}; id=${{d##*/}}
-  printf '%s\\n' "$keep" | grep -qxF -- "$id" || rm -rf -- "$d"
-done
-"""
-    )
+    """Make `release_id` ("" for the one deployed before the current one) current, then prune
+    releases beyond the newest `keep` in history (0: prune nothing)."""
+    releases, current = jobpaths.releases_dir(job), jobpaths.current_release(job)
+    # `current` links relative to its own directory, so the workdir can move
+    link_dir = posixpath.relpath(releases, posixpath.dirname(current))
+    return shell_command("deploy_switch.sh", releases, current, link_dir, release_id, str(int(keep)))
 
 
 _RELEASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}\Z")
@@ -125,33 +95,14 @@ def check_release_id(release: str) -> str:
 
 
 def rollback_script(job: Job, release: str | None = None) -> str:
-    """Switch `current` to `release`, or by default to the release deployed before the current one."""
-    q = shlex.quote
-    releases = jobpaths.releases_dir(job)
-    if release:
-        check_release_id(release)
-        return f"""set -eu
-[ -f {q(releases)}/{q(release)}/.complete ] || {{ echo {q(f"release {release} is not kept on the target; `dflash-ops deploy --list` shows the kept ones")} >&2; exit 3; }}
-{_point_current(job, q(release))}"""
-    return f"""set -eu
-cur=$(readlink {q(jobpaths.current_release(job))} 2>/dev/null || true); cur=${{cur##*/}}
-prev=$(tac {q(releases)}/history 2>/dev/null | awk '!seen[$0]++' | grep -vxF -- "$cur" | while read -r id; do [ -f {q(releases)}/"$id"/.complete ] && {{ echo "$id"; break; }}; done)
-[ -n "$prev" ] || {{ echo "no earlier release to roll back to (current: ${{cur:-none}})" >&2; exit 3; }}
-{_point_current(job, '"$prev"')}"""
+    """Switch `current` to `release`, or by default to the release deployed before the current one;
+    never to a release whose deploy did not complete."""
+    return switch_script(job, check_release_id(release) if release else "", keep=0)
 
 
 def list_script(job: Job) -> str:
     """Prints `<id> <deployed-epoch> <current 0|1>` per kept release, most recently deployed first."""
-    q = shlex.quote
-    releases = jobpaths.releases_dir(job)
-    return f"""set -eu
-cur=$(readlink {q(jobpaths.current_release(job))} 2>/dev/null || true); cur=${{cur##*/}}
-[ -f {q(releases)}/history ] || exit 0
-tac {q(releases)}/history | awk '!seen[$0]++' | while read -r id; do
-  [ -f {q(releases)}/"$id"/.complete ] || continue
-  printf '%s %s %s\n' "$id" "$(stat -c %Y -- {q(releases)}/"$id"/.complete)" "$([ "$id" = "$cur" ] && echo 1 || echo 0)"
-done
-"""
+    return shell_command("deploy_list.sh", jobpaths.releases_dir(job), jobpaths.current_release(job))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import dataclasses
 import re
 
 from .errors import DflashOpsError, InputError
-from .remote import facts
+from .remote import facts, shell_argv
 from .transport.base import quote_argv
 
 NOT_AVAILABLE = ("[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]", "")
@@ -269,17 +269,8 @@ def container_of_pid(cgroup_text: str) -> str | None:
 
 
 # Run on the Proxmox host: GPUs, compute apps (host pids), then each app's cgroup and NSpid.
-HOST_GPU_QUERY = (
-    f"""{quote_argv(facts.gpu_query_argv())} || exit $?
-echo @@
-apps=$({quote_argv(facts.apps_query_argv())}) || exit $?
-"""
-    + r"""printf '%s\n' "$apps"
-echo @@
-for pid in $(printf '%s\n' "$apps" | cut -d, -f1); do
-  echo "@pid $pid"; cat "/proc/$pid/cgroup" 2>/dev/null; grep '^NSpid:' "/proc/$pid/status" 2>/dev/null
-done"""
-)
+HOST_GPU_QUERY_ARGV = shell_argv("host_gpu_query.sh", *facts.gpu_query_argv(), "--", *facts.apps_query_argv())
+HOST_GPU_QUERY = quote_argv(HOST_GPU_QUERY_ARGV)
 
 
 def parse_host_gpu_query(stdout: str, ctid) -> GpuSnapshot:

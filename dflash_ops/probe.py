@@ -15,7 +15,7 @@ from trainer import metrics_format
 
 from . import acceptance, jobpaths
 from .errors import DflashOpsError, RemoteCommandError
-from .gpu import HOST_GPU_QUERY, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
+from .gpu import HOST_GPU_QUERY, HOST_GPU_QUERY_ARGV, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
 from .model import Job
 from .transport.base import quote_argv
 from .remote import bundle, python_command
@@ -223,7 +223,7 @@ def _run_probe_gpu_on_host(
 
 def host_query_limited(part_s: float) -> list[str]:
     """HOST_GPU_QUERY under coreutils `timeout` (fractions allowed), killed 1 s after TERM."""
-    return ["timeout", "-k", "1", f"{part_s:.2f}s", "bash", "-c", HOST_GPU_QUERY]
+    return ["timeout", "-k", "1", f"{part_s:.2f}s", *HOST_GPU_QUERY_ARGV]
 
 
 def _json_object(stdout: str) -> dict | None:

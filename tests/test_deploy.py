@@ -104,3 +104,31 @@ def test_list_and_rollback_to_any_kept_release(tmp_path):
     for bad in ("../one", "a/b", "", "-x"):
         with pytest.raises(InputError):
             deploy.check_release_id(bad)
+
+
+def test_rollback_refuses_a_release_whose_deploy_did_not_complete(tmp_path):
+    # An interrupted deploy leaves a release dir without its .complete marker: rolling back to it
+    # says so in one line naming it, exits non-zero, and leaves `current` where it was.
+    job = Job(workdir=str(tmp_path / HOSTILE_DIR), python="python3", config="tiny-cpu")
+    one, two = (bundle_of(tmp_path, n, f"print({n!r})\n") for n in ("one", "two"))
+    with LocalTransport("local") as t:
+        install(t, job, one)
+        install(t, job, two)
+        os.remove(os.path.join(jobpaths.releases_dir(job), one.release_id, ".complete"))
+        for script in (deploy.rollback_script(job), deploy.rollback_script(job, one.release_id)):
+            result = t.run(script)
+            assert result.exit_code != 0, result
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and one.release_id in lines[0] and "incomplete" in lines[0], result.stderr
+            assert current_text(job) == "print('two')\n"
+    assert not list(tmp_path.rglob("PWNED*"))
+
+
+def test_rollback_past_pruned_releases_says_there_is_none(tmp_path):
+    job = Job(workdir=str(tmp_path / "w"), python="python3", config="tiny-cpu")
+    with LocalTransport("local") as t:
+        install(t, job, bundle_of(tmp_path, "one", "1\n"), keep=1)
+        install(t, job, bundle_of(tmp_path, "two", "2\n"), keep=1)  # prunes one
+        result = t.run(deploy.rollback_script(job))
+        assert result.exit_code == 3 and "no earlier release" in result.stderr, result
+        assert current_text(job) == "2\n"

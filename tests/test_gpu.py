@@ -347,3 +347,23 @@ def test_host_query_driver_failure_is_an_error_not_a_crash():
     snap = parse_host_gpu_query("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", 200)
     assert snap.gpus == () or not snap.gpus
     assert snap.error
+
+
+def test_host_query_answers_when_an_app_ends_before_its_proc_read(tmp_path):
+    """An app that exits between nvidia-smi's answer and the /proc read is reported as gone; the
+    query itself still succeeds."""
+    from dflash_ops.transport.local import LocalTransport
+
+    gone = 4194303  # above any pid_max in use: never a live process
+    state = tmp_path / "gpu-state.json"
+    state.write_text(json.dumps({
+        "gpus": [{"index": 0, "uuid": UUID0, "name": "NVIDIA H200", "memory_total_mib": 143771}],
+        "compute_apps": [{"pid": os.getpid(), "gpu_uuid": UUID0, "used_memory_mib": 100, "process_name": "py"},
+                         {"pid": gone, "gpu_uuid": UUID0, "used_memory_mib": 100, "process_name": "x"}]}))
+    env = {"PATH": f"{Path(NVIDIA_SMI).parent}{os.pathsep}{os.environ['PATH']}", "NVIDIA_SMI_SIM_STATE": str(state)}
+    script = "".join(f"export {k}={v!r}; " for k, v in env.items()) + gpu.HOST_GPU_QUERY
+    with LocalTransport("local") as t:
+        result = t.run(script, timeout=30)
+    assert result.ok, result
+    owners = {p.pid: p.owner for p in gpu.parse_host_gpu_query(result.stdout, 200).gpus[0].processes}
+    assert owners == {os.getpid(): "host", gone: "gone"}

@@ -1,7 +1,12 @@
-"""Scripts that run ON the target. Each is standalone (standard library only, Python >= 3.8)
-because the target may have nothing but a system python3. dflash-ops sends a script's text on
-python's stdin, preceded by the shared modules it imports (bundle()), so nothing needs installing
-there and the command line (what --dry-run prints, what `ps` shows) stays short."""
+"""Scripts that run ON the target, kept as files of this package so linters see them.
+
+Python scripts (*.py) are standalone (standard library only, Python >= 3.8) because the target may
+have nothing but a system python3. dflash-ops sends a script's text on python's stdin, preceded by
+the shared modules it imports (bundle()), so nothing needs installing there and the command line
+(what --dry-run prints, what `ps` shows) stays short.
+
+Bash scripts (*.sh) take every value as a positional argument ("$1"...), so no value is ever
+spliced into their text; shell_command() is the one way they travel."""
 
 from __future__ import annotations
 
@@ -27,6 +32,19 @@ SHARED_MODULES = (
 def script_source(filename: str) -> str:
     """The text of a script in this package."""
     return (_HERE / filename).read_text(encoding="utf-8")
+
+
+def shell_argv(filename: str, *args: str) -> list[str]:
+    """argv running bash script `filename` with `args` as its "$1"...; $0 names the file, so bash's
+    own errors say which script and line."""
+    # The text travels as `bash -c`'s argument rather than on stdin: stdin is taken where the
+    # script receives data (put's bytes) or shares a command with a remote Python script.
+    return ["bash", "-c", script_source(filename), filename, *args]
+
+
+def shell_command(filename: str, *args: str) -> str:
+    """shell_argv as one command line, every word quoted (the script for Transport.run)."""
+    return shlex.join(shell_argv(filename, *args))
 
 
 @functools.lru_cache(maxsize=None)
