@@ -63,42 +63,30 @@ def parse_read(stdout: str) -> tuple[float, JobState | None]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Digits:
-    """A shell expression that expands to digits only (e.g. "$run"), placed into JSON unquoted."""
+class Slot:
+    """A number only the script writing a state knows (digits only): `@name@` in json_template."""
 
-    expr: str
-
-
-def shell_json(**fields) -> str:
-    """Shell words that expand to a JSON object. Values are Python values (encoded and quoted
-    here, so hostile paths stay data), Digits (a number known only to the shell), or a tuple
-    (text, Digits, text) for a string with a number in its middle, e.g. a numbered log path."""
-    literal, words = "{", []
-
-    def expansion(expr: str) -> None:
-        nonlocal literal
-        words.extend([shlex.quote(literal), f'"{expr}"'] if literal else [f'"{expr}"'])
-        literal = ""
-
-    for i, (key, value) in enumerate(fields.items()):
-        literal += ("," if i else "") + json.dumps(key) + ":"
-        if isinstance(value, Digits):
-            expansion(value.expr)
-        elif isinstance(value, tuple):
-            head, digits, tail = value
-            literal += json.dumps(head)[:-1]
-            expansion(digits.expr)
-            literal += json.dumps(tail)[1:]
-        else:
-            literal += json.dumps(value)
-    words.append(shlex.quote(literal + "}"))
-    return "".join(words)
+    name: str
 
 
-def write_script(job: Job, json_words: str) -> str:
-    """Shell lines writing a state atomically (a temp file renamed over the old one)."""
-    path = shlex.quote(jobpaths.state_file(job))
-    return f"printf '%s\\n' {json_words} > {path}.tmp.$$ && mv -f {path}.tmp.$$ {path}"
+def json_template(**fields) -> str:
+    """A state's JSON text for a script to complete: Python values are encoded here (hostile paths
+    stay data), a Slot stands for a number (`@name@`, unquoted), a tuple (text, Slot, text) for a
+    string with a number in its middle, e.g. a numbered log path. Every "@" of a value is written
+    as \\u0040 (the same JSON), so data never reads as a slot."""
+
+    def text(value) -> str:
+        return json.dumps(value).replace("@", "\\u0040")
+
+    def encoded(value) -> str:
+        if isinstance(value, Slot):
+            return f"@{value.name}@"
+        if isinstance(value, tuple):
+            head, slot, tail = value
+            return text(head)[:-1] + encoded(slot) + text(tail)[1:]
+        return text(value)
+
+    return "{" + ",".join(f"{text(key)}:{encoded(value)}" for key, value in fields.items()) + "}"
 
 
 def stopped(previous: JobState | None, when: float) -> JobState:

@@ -1,4 +1,5 @@
-"""The launch: a numbered log, the trainer in a detached tmux session, environment set explicitly.
+"""The launch: a numbered log, the trainer in a detached tmux session, environment set explicitly
+(remote/launch.sh and remote/pane.sh).
 
 `bash -c` under pct exec is a non-login shell (no profile, no venv activation), so every path is
 absolute and every variable the trainer needs is passed here.
@@ -6,17 +7,15 @@ absolute and every variable the trainer needs is passed here.
 
 from __future__ import annotations
 
-import shlex
-
 from trainer import metrics_format
 
 from . import jobpaths, jobstate, tmux, torchrun
-from .remote import facts
+from .remote import facts, script_source, shell_command
 from .model import Job
 
 
 # Stands for the run's directory (runs/NNNN), which only the launch script picks: the pane script
-# puts "$out" in its place.
+# puts it in its place.
 RUN_DIR = "@RUN_DIR@"
 
 
@@ -46,101 +45,56 @@ def trainer_env(job: Job) -> dict[str, str]:
 
 # train-0007.log -> train-0007.metrics.jsonl: what the trainer's rule appends to a log's stem
 _METRICS_OF_LOG = metrics_format.metrics_path_for_log(facts.LOG_SUFFIX)
-# the number of a train-NNNN.log name (sed -n script)
-_LOG_NUMBER_SED = f"s/^{facts.LOG_PREFIX}\\([0-9][0-9]*\\){facts.LOG_SUFFIX.replace('.', '[.]')}$/\\1/p"
-
-
-def _log_json(job: Job) -> tuple:
-    return (job.log_dir.rstrip("/") + "/" + facts.LOG_PREFIX, jobstate.Digits("$n"), facts.LOG_SUFFIX)
-
-
-def _run_dir_json(job: Job) -> tuple:
-    return (jobpaths.runs_dir(job) + "/", jobstate.Digits("$run"), "")
-
-
-def pane_script(job: Job) -> str:
-    """What runs inside the tmux pane: $1 the log, $2 its number, $3 the run (NNNN), $4 "resume".
-    When the trainer has marked the run complete, the job state becomes `finished`."""
-    q = shlex.quote
-    exports = "\n".join(f"export {k}={q(v)}" for k, v in trainer_env(job).items())
-    runs = q(jobpaths.runs_dir(job))
-    argv = " ".join(q(a) for a in trainer_argv(job)).replace(q(RUN_DIR), '"$out"')
-    finished = jobstate.shell_json(
-        state=jobstate.FINISHED,
-        run=jobstate.Digits("$((10#$run))"),
-        run_dir=_run_dir_json(job),
-        log=_log_json(job),
-        when=jobstate.Digits("$(date +%s)"),
-    )
-    return f"""log=$1; n=$2; run=$3; mode=$4; shift 4
-{exports}
-cd {q(job.workdir)}
-out={runs}/$run
-if [ "$mode" = resume ] && ls -d "$out"/checkpoints/step-* >/dev/null 2>&1; then set -- "$@" --resume; fi
-echo "[dflash-ops] $(date -Is) launching run $run:" {argv} "$*" >"$log"
-metrics="${{log%{facts.LOG_SUFFIX}}}"{q(_METRICS_OF_LOG)}
-{argv} --metrics-file "$metrics" "$@" >>"$log" 2>&1
-code=$?
-echo "[dflash-ops] $(date -Is) trainer exited with code $code" >>"$log"
-if [ -e "$out"/{jobpaths.RUN_FINISHED} ]; then
-  {jobstate.write_script(job, finished)}
-fi
-exit $code
-"""
-
-
-def launch_script(job: Job, resume: bool = True) -> str:
-    """Picks the run (the newest unfinished one to resume, else a new one), the next
-    train-NNNN.log, creates the cache dir with its marker, starts the session, records the job
-    state `running`; prints the log path."""
-    q = shlex.quote
-    logs, runs = job.log_dir, jobpaths.runs_dir(job)
-    legacy = jobpaths.legacy_run_dir(job)
-    running = jobstate.shell_json(
-        state=jobstate.RUNNING,
-        run=jobstate.Digits("$((10#$run))"),
-        run_dir=_run_dir_json(job),
-        log=_log_json(job),
-        pid=jobstate.Digits("$pid"),
-        since=jobstate.Digits("$(date +%s)"),
-    )
-    numbered = "grep -E '^[0-9]{4,}$' | sort -n | tail -n 1"
-    return f"""set -eu
-if {tmux.has_session(job)}; then echo {q("session " + job.session + " is already running; stop it first")} >&2; exit 3; fi
-if [ ! -e {q(runs)} ] && [ -d {q(legacy)}/checkpoints ]; then mv {q(legacy)} {q(runs)}.tmp && mkdir -p {q(runs)} && mv {q(runs)}.tmp {q(runs)}/0001; fi
-mkdir -p {q(logs)} {q(runs)}
-{cache_dir_script(job)}
-mkdir -p {q(jobpaths.inductor_cache(job))} {q(jobpaths.triton_cache(job))}
-last=$(ls -1 {q(runs)} | {numbered} || true)
-if [ {"1" if resume else "0"} = 1 ] && [ -n "$last" ] && [ ! -e {q(runs)}/"$last"/{jobpaths.RUN_FINISHED} ]; then
-  run=$last
-else
-  run=$(printf '%04d' $(( 10#${{last:-0}} + 1 )))
-fi
-mkdir -p {q(runs)}/"$run"
-last=$(ls -1 {q(logs)} | sed -n {q(_LOG_NUMBER_SED)} | sort -n | tail -n 1)
-n=$(printf '%04d' $(( 10#${{last:-0}} + 1 )))
-log={q(logs)}/{q(facts.LOG_PREFIX)}$n{q(facts.LOG_SUFFIX)}
-: >"$log"
-{tmux.new_session(job, pane_script(job), '_ "$log" "$n" "$run" ' + ("resume" if resume else "fresh"))} >/dev/null
-pid=$({tmux.pane_pids(job)} | head -n 1 | cut -d' ' -f1)
-pid=${{pid:-0}}
-{jobstate.write_script(job, running)}
-echo "$log"
-"""
-
-
 # What the launcher itself puts into the cache dir, as grep -E sees it.
 _LAUNCHER_ENTRIES = "inductor|triton|" + jobpaths.CACHE_MARKER.replace(".", "\\.")
 
 
-def cache_dir_script(job: Job) -> str:
-    """Create the cache dir with its marker. An existing dir is adopted only when it holds nothing
-    but what the launcher puts there (inductor/, triton/): a dir of anything else is never marked,
-    so purge-cache will never delete it."""
-    q = shlex.quote
-    cache, marker = q(job.cache_dir), q(jobpaths.cache_marker(job))
-    return f"""if [ ! -e {cache} ] || [ -z "$(ls -A {cache} | grep -vxE {q(_LAUNCHER_ENTRIES)} || true)" ]; then
-  mkdir -p {cache}
-  [ -e {marker} ] || printf '%s\\n' {q(jobpaths.marker_value(job))} > {marker}
-fi"""
+def _state(job: Job, state: str, **more) -> str:
+    """The job state a launched run writes; remote/launch.sh and pane.sh fill in its slots."""
+    return jobstate.json_template(
+        state=state,
+        run=jobstate.Slot("run_number"),
+        run_dir=(jobpaths.runs_dir(job) + "/", jobstate.Slot("run"), ""),
+        log=(job.log_dir.rstrip("/") + "/" + facts.LOG_PREFIX, jobstate.Slot("log_number"), facts.LOG_SUFFIX),
+        **more,
+    )
+
+
+def pane_args(job: Job) -> list[str]:
+    """remote/pane.sh's arguments from WORKDIR on: the trainer's environment and argv."""
+    env = [f"{name}={value}" for name, value in trainer_env(job).items()]
+    return [job.workdir, RUN_DIR, *env, "--", *trainer_argv(job)]
+
+
+def launch_script(job: Job, resume: bool = True) -> str:
+    """remote/launch.sh: picks the run (the newest unfinished one to resume, else a new one), the
+    next train-NNNN.log, creates the cache dir with its marker (an existing dir only when it holds
+    nothing but what the launcher puts there, so purge-cache never deletes anything else), starts
+    the session running remote/pane.sh, records the job state `running`; prints the log path."""
+    running = _state(job, jobstate.RUNNING, pid=jobstate.Slot("pid"), since=jobstate.Slot("now"))
+    finished = _state(job, jobstate.FINISHED, when=jobstate.Slot("now"))
+    return shell_command(
+        "launch.sh",
+        job.tmux_socket,
+        job.session,
+        tmux.exact(job),
+        job.log_dir,
+        facts.LOG_PREFIX,
+        facts.LOG_SUFFIX,
+        _METRICS_OF_LOG,
+        jobpaths.runs_dir(job),
+        jobpaths.legacy_run_dir(job),
+        job.cache_dir,
+        jobpaths.cache_marker(job),
+        jobpaths.marker_value(job),
+        _LAUNCHER_ENTRIES,
+        jobpaths.inductor_cache(job),
+        jobpaths.triton_cache(job),
+        "resume" if resume else "fresh",
+        jobpaths.RUN_FINISHED,
+        jobpaths.state_file(job),
+        running,
+        finished,
+        script_source("pane.sh"),
+        *pane_args(job),
+    )

@@ -44,21 +44,5 @@ def kill_session(job: Job) -> str:
     return tmux(job, "kill-session", "-t", exact(job)) + " 2>/dev/null"
 
 
-def new_session(job: Job, command: str, quoted_args: str = "") -> str:
-    """Start `command` (a bash script) in a detached session; `quoted_args` are shell words
-    (already quoted, may reference the caller's variables) passed to it as $0 $1 ….
-
-    The tmux server daemonizes, so this survives the end of the ssh / pct exec call, unlike nohup.
-    `remain-on-exit` keeps a crashed pane (and its exit status) visible to status and health.
-    """
-    # One tmux invocation (";" separates tmux commands), so the option is set before the server
-    # can reap a command that fails at once.
-    start = tmux(job, "new-session", "-d", "-s", job.session, "-x", "200", "-y", "50", "bash", "-c", command)
-    keep = " ".join(
-        shlex.quote(a) for a in (";", "set-option", "-w", "-t", exact(job) + ":", "remain-on-exit", "on")
-    )
-    return f"{start} {quoted_args} {keep}"
-
-
 def attach(job: Job) -> str:
     return tmux(job, "attach-session", "-t", exact(job))

@@ -1,14 +1,13 @@
 """`launcher: torchrun` jobs: inventory checks, the launch line, and reading which rank died."""
 from __future__ import annotations
 
-import shlex
 import subprocess
 import textwrap
 
 import pytest
 
 from dflash_ops import inventory_target
-from dflash_ops import launch, logs, torchrun
+from dflash_ops import launch, logs, remote, torchrun
 from dflash_ops.errors import InputError
 from dflash_ops.inventory import load_inventory_text
 from dflash_ops.model import Job
@@ -153,14 +152,20 @@ def test_threads_stays_the_default_launch():
     assert launch.trainer_argv(job)[:3] == ["/w/py", "-m", "trainer"]
 
 
-def test_the_pane_script_quotes_a_hostile_python_path(tmp_path):
+def test_the_pane_script_runs_a_hostile_python_path_as_data(tmp_path):
     hostile = str(tmp_path / "py $(touch pwned); 'x'")
     job = Job(workdir=str(tmp_path), python=hostile, config="tiny-cpu", launcher="torchrun", nproc_per_node=2)
-    script = launch.pane_script(job)
-    line = next(l for l in script.splitlines() if "torch.distributed.run" in l and "--metrics-file" in l)
-    words = shlex.split(line.split(" >>", 1)[0])
+    args = launch.pane_args(job)
+    words = args[args.index("--") + 1:]
     assert words[0] == hostile and words[1:4] == ["-m", "torch.distributed.run", "--standalone"]
-    subprocess.run(["bash", "-n", "-c", script], check=True)  # it parses
+    log, out = tmp_path / "train-0001.log", tmp_path / "runs" / "0001"
+    pane = remote.shell_argv("pane.sh", str(log), "0001", "fresh", str(tmp_path / "m.jsonl"), str(out),
+                             str(out / "done"), str(tmp_path / "state.json"), "{}", *args)
+    ran = subprocess.run(pane, capture_output=True, text=True, timeout=30)
+    assert ran.returncode == 127, ran  # the path is one word naming no program
+    first = log.read_text().splitlines()[0]
+    assert f"launching run 0001: {hostile} -m torch.distributed.run --standalone" in first
+    assert f"--output-dir {out} " in first  # the run dir stands in for launch.RUN_DIR
     assert not (tmp_path / "pwned").exists()
 
 
