@@ -14,7 +14,7 @@ from .errors import ContainerNotRunning, DflashOpsError, InputError, RemoteComma
 from .model import Target
 from .probe import run_probe
 from .relaunch_guard import RelaunchGuard
-from .remote import facts
+from .remote import facts, shell_command
 from .transport.factory import make_transport
 
 
@@ -247,12 +247,9 @@ def compile_grep(grep: str | None) -> re.Pattern | None:
         raise InputError(f"--grep {grep!r}: not a valid regular expression ({exc})") from None
 
 
-# A --log that is not a regular file (a directory, a device) would "read" as nothing at all.
+# A --log that is not a regular file (a directory, a device) would "read" as nothing at all:
+# remote/log_read.sh exits with this code.
 _NOT_A_FILE = 3
-_CHECK_FILE = (
-    'if [ ! -e {q} ]; then echo "does not exist"; exit 3; fi\n'
-    'if [ ! -f {q} ]; then echo "is a $(stat -c %F -- {q})"; exit 3; fi\n'
-)
 
 
 def _read_from(
@@ -260,7 +257,6 @@ def _read_from(
 ) -> tuple[str | None, int, str]:
     """(the job's current log or None, size of `path`, its bytes after `offset`) in one run. The
     current log is the one the job state names; the newest train-NNNN.log only without a state."""
-    q = shlex.quote(path)
     log_dir = shlex.quote(target.job.log_dir)
     current = (
         f"tr '\\n' ' ' 2>/dev/null < {shlex.quote(jobpaths.state_file(target.job))}; echo; "
@@ -269,8 +265,7 @@ def _read_from(
         else "echo; echo; "
     )
     out = transport.check(
-        f"{current}size=$(stat -c %s {q}) && echo $size && "
-        f"tail -c +{offset + 1} {q} | head -c $((size - {offset}))",
+        current + shell_command("log_chunk.sh", path, str(offset)),
         timeout=60,
         step="follow log",
     ).stdout
@@ -300,11 +295,9 @@ def tail_log(
     pattern = compile_grep(grep)
     with connect(target) as transport:
         path = log or job_log(transport, target)
-        q = shlex.quote(path)
         # the size first, so follow continues exactly where this read ended
         first = transport.run(
-            _CHECK_FILE.format(q=q) + f"size=$(stat -c %s {q}) && echo $size && head -c $size {q} | "
-            f"tail -n {GREP_WINDOW_LINES if pattern else int(lines)}",
+            shell_command("log_read.sh", path, str(GREP_WINDOW_LINES if pattern else int(lines))),
             timeout=60,
             step="read log",
         )

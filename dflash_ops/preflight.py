@@ -5,11 +5,10 @@ deployed, the GPU query answers, no foreign process sits on the job's GPUs, chec
 
 from __future__ import annotations
 
-import shlex
-
 from . import jobpaths
 from .errors import DflashOpsError
 from .playbook import StepContext, StepOutcome
+from .remote import shell_command
 from .steps import (
     _fail,
     _gpu_snapshot,
@@ -30,26 +29,10 @@ FIND_TORCH = (
 
 
 def _shell_checks(job, need_release: bool, import_torch: bool) -> str:
-    """One round trip; prints `name=value` lines (the checks are read in Python)."""
-    q = shlex.quote
-    workdir = q(job.workdir)
-    release = q(jobpaths.current_release(job) + "/trainer/__init__.py")
-    release_check = (
-        f"if [ -f {release} ]; then echo release=ok; else echo release=missing; fi"
-        if need_release
-        else f"if mkdir -p {workdir} 2>/dev/null && [ -w {workdir} ]; then echo release=deployable; "
-        "else echo release=unwritable; fi"
-    )
-    return f"""echo reach=ok
-{release_check}
-d={workdir}; while [ ! -d "$d" ]; do d=$(dirname "$d"); done
-echo "free_kib=$(df -Pk "$d" | awk 'NR==2 {{print $4}}')"
-if [ -x {q(job.python)} ]; then
-  out=$(timeout 120 {q(job.python)} -c {q(IMPORT_TORCH if import_torch else FIND_TORCH)} 2>&1) && echo "torch=$(printf '%s' "$out" | tail -n 1)" || echo "python_error=$(printf '%s' "$out" | tail -n 1)"
-else
-  echo python_error=not installed
-fi
-"""
+    """One round trip (remote/preflight.sh); prints `name=value` lines (the checks are read in Python)."""
+    release = [jobpaths.current_release(job) + "/trainer/__init__.py"] if need_release else []
+    torch_check = IMPORT_TORCH if import_torch else FIND_TORCH
+    return shell_command("preflight.sh", job.workdir, job.python, torch_check, *release)
 
 
 def _answers(stdout: str) -> dict[str, str]:

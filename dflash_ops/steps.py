@@ -19,7 +19,7 @@ from .errors import StepFailed
 from .gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
 from .model import Job
 from .playbook import Param, StepContext, StepOutcome, StepRegistry
-from .remote import bundle, facts, python_command
+from .remote import bundle, facts, python_command, shell_command
 from .transport.base import quote_argv
 
 registry = StepRegistry()
@@ -293,13 +293,8 @@ def purge_cache(ctx: StepContext, paths: list[str], if_unmarked: str) -> StepOut
     refuse_while_job_lives(ctx, "stop it first (dflash-ops stop)")
     done, skipped = [], []
     for path in paths:
-        q = shlex.quote(path)
-        marker = shlex.quote(posixpath.join(path, jobpaths.CACHE_MARKER))
-        result = ctx.run(
-            f"if [ ! -e {q} ]; then echo absent; elif [ -f {marker} ]; then rm -rf -- {q} && echo purged; "
-            "else echo unmarked; fi",
-            timeout=300,
-        )
+        marker = posixpath.join(path, jobpaths.CACHE_MARKER)
+        result = ctx.run(shell_command("purge_cache.sh", path, marker), timeout=300)
         answer = result.stdout.strip() if result is not None else "purged"
         if answer == "unmarked":
             if if_unmarked == "fail":
@@ -321,7 +316,7 @@ def deploy(ctx: StepContext, keep_releases: int) -> StepOutcome:
     """Upload the bundled trainer as a versioned release and switch `current` to it."""
     bundle = deploy_lib.build_bundle()
     tarball = posixpath.join(jobpaths.releases_dir(ctx.job), bundle.release_id + ".tar.gz")
-    ctx.run(f"mkdir -p {shlex.quote(jobpaths.releases_dir(ctx.job))}", timeout=30)
+    ctx.run(quote_argv(["mkdir", "-p", jobpaths.releases_dir(ctx.job)]), timeout=30)
     ctx.put(bundle.data, tarball)
     ctx.run(deploy_lib.install_script(ctx.job, bundle, tarball, keep_releases), timeout=120)
     return StepOutcome(f"release {bundle.release_id} is current", data={"release": bundle.release_id})
@@ -355,7 +350,7 @@ def mark_stopped(ctx: StepContext) -> StepOutcome:
     if result is None:
         return StepOutcome(f"would record `stopped` in {jobpaths.state_file(ctx.job)}")
     clock, previous = jobstate.parse_read(result.stdout)
-    ctx.run(f"mkdir -p {shlex.quote(ctx.job.workdir)}", timeout=30)
+    ctx.run(quote_argv(["mkdir", "-p", ctx.job.workdir]), timeout=30)
     ctx.put(jobstate.encode(jobstate.stopped(previous, clock)), jobpaths.state_file(ctx.job))
     return StepOutcome(f"job state: stopped by {jobstate.STOPPED_BY}")
 
@@ -423,7 +418,7 @@ def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float)
         )
         ctx.commands.clear()
         time.sleep(poll_s)
-    read = ctx.run(f"tail -n 400 {shlex.quote(log)}", timeout=30, check=False)
+    read = ctx.run(quote_argv(["tail", "-n", "400", log]), timeout=30, check=False)
     tail = read.stdout if read is not None else ""
     failures = find_failures(tail)
     signature = f" (signature: {failures[0].name})" if failures else ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -246,7 +247,10 @@ def test_probe_falls_back_to_python3_when_the_venv_is_missing(tmp_path, tmux_soc
 
 def test_probe_without_any_python_says_so(tmp_path, tmux_socket):
     job = job_in(tmp_path, tmux_socket, "dflash", python="/nonexistent/python")
-    runner = BashRunner(env={"PATH": str(tmp_path / "empty-bin")})
+    only_bash = tmp_path / "only-bash"  # every transport starts bash from PATH: it is there, python3 is not
+    only_bash.mkdir()
+    (only_bash / "bash").symlink_to(shutil.which("bash"))
+    runner = BashRunner(env={"PATH": str(only_bash)})
     with pytest.raises(RemoteCommandError) as info:
         probe.run_probe(runner, job)
     assert info.value.result.exit_code == 127

@@ -64,22 +64,8 @@ def bundle(filename: str) -> bytes:
     return ("\n".join(prelude) + "\n").encode()
 
 
-def pick_python(python: str, who: str) -> str:
-    """Shell lines setting $py to the job's python, or python3 when that is not installed yet
-    (e.g. before the first deploy); exit 127 with a message naming `who` when neither exists."""
-    q = shlex.quote(python)
-    return (
-        f"py={q}\n"
-        'if [ ! -x "$py" ]; then py=$(command -v python3) || {\n'
-        f"  printf '%s: neither %s nor python3 is installed\\n' {shlex.quote(who)} {q} >&2; exit 127; }}\n"
-        "fi\n"
-    )
-
-
 def python_command(python: str, filename: str, args: dict, who: str | None = None) -> str:
-    """Shell lines running script `filename` with the job's python (python3 before the first
-    deploy); the caller passes bundle(filename) as stdin. Its arguments are one quoted JSON word."""
-    return (
-        pick_python(python, who or filename)
-        + f'exec "$py" - {shlex.quote(json.dumps(args))}  # stdin: {filename}\n'
-    )
+    """The command running script `filename` with the job's python (python3 before the first
+    deploy; remote/run_python.sh); the caller passes bundle(filename) as stdin. Its arguments are
+    one JSON word."""
+    return shell_command("run_python.sh", python, filename, who or filename, json.dumps(args))
