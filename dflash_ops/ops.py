@@ -15,6 +15,7 @@ from .model import Target
 from .probe import run_probe
 from .relaunch_guard import RelaunchGuard
 from .remote import facts, shell_command
+from .transport.base import quote_argv
 from .transport.factory import make_transport
 
 
@@ -225,7 +226,7 @@ def job_log(transport, target: Target) -> str:
     state = jobstate.parse(out.strip())
     if state is None or not state.log:
         return newest_log(transport, target)
-    if not transport.run(f"test -e {q(state.log)}", timeout=30, step="find the job's log").ok:
+    if not transport.run(quote_argv(["test", "-e", state.log]), timeout=30, step="find the job's log").ok:
         run = f"run {state.run:04d}" if isinstance(state.run, int) else "the current run"
         raise DflashOpsError(
             f"[{target.name}] the log of {run}, {state.log}, is missing (deleted or rotated "
@@ -327,7 +328,7 @@ def tail_log(
             if (
                 current
                 and current != path
-                and transport.run(f"test -f {shlex.quote(current)}", timeout=30, step="follow log").ok
+                and transport.run(quote_argv(["test", "-f", current]), timeout=30, step="follow log").ok
             ):
                 # a relaunch started the next log: follow that one, as tail -F
                 for line in _filter([partial] if partial else [], pattern):

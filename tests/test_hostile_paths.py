@@ -31,3 +31,47 @@ def test_launch_wait_and_tail_log_run_nothing_from_hostile_paths(local_target, t
         t.run(f"tmux -L {job.tmux_socket} kill-server")
     ran = [str(p) for p in tmp_path.rglob("PWNED*")]
     assert not ran, f"shell syntax from a path ran: {ran}"
+
+
+def test_preflight_purge_follow_and_put_run_nothing_from_hostile_paths(local_target, tmp_path, monkeypatch):
+    import os
+    import sys
+
+    from dflash_ops import preflight
+    from dflash_ops.transport.ssh import _put_script
+
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / HOSTILE
+    root.mkdir()
+    python = root / "python $(touch PWNED4)"
+    python.symlink_to(sys.executable)
+    job = dataclasses.replace(local_target.job, workdir=str(root / "work"), log_dir=str(root / "logs"),
+                              cache_dir=str(root / "cache"), python=str(python))
+    target = dataclasses.replace(local_target, job=job)
+    with LocalTransport("local") as t:
+        checks = preflight._answers(t.check(preflight._shell_checks(job, need_release=False,
+                                                                     import_torch=False)).stdout)
+        assert checks["reach"] == "ok" and checks["release"] == "deployable" and checks["free_kib"].isdigit()
+        assert "python_error" in checks or checks["torch"] == "installed", checks
+        assert os.path.isdir(job.workdir)
+
+        marked, unmarked = root / "cache m", root / "cache u"
+        for d in (marked, unmarked):
+            d.mkdir()
+        (marked / ".dflash-ops-cache").write_text("x\n")
+        ctx = StepContext(target=target, transport=t, job=job, step="purge_cache")
+        outcome = steps.purge_cache(ctx, paths=[str(marked), str(unmarked), str(root / "gone")], if_unmarked="skip")
+        assert not marked.exists() and unmarked.exists(), outcome.message
+
+        log = root / "logs" / "train-0001.log"
+        log.parent.mkdir()
+        log.write_text("one\ntwo\n")
+        current, size, chunk = ops._read_from(t, target, str(log), 4, follow_job=True)
+        assert (current, size, chunk) == (str(log), 8, "two\n")
+
+        data = b"hostile put\n"
+        dest = root / "put 'x' $(touch PWNED5)" / "file"
+        t.check(_put_script(str(dest), 0o600, len(data)), stdin=data)
+        assert dest.read_bytes() == data and oct(dest.stat().st_mode & 0o777) == "0o600"
+    ran = [str(p) for p in tmp_path.rglob("PWNED*")]
+    assert not ran, f"shell syntax from a path ran: {ran}"

@@ -11,6 +11,7 @@ spliced into their text; shell_command() is the one way they travel."""
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import json
 import pathlib
 import shlex
@@ -30,8 +31,8 @@ SHARED_MODULES = (
 
 
 def script_source(filename: str) -> str:
-    """The text of a script in this package."""
-    return (_HERE / filename).read_text(encoding="utf-8")
+    """The text of a script in this package (package data, wherever the package is installed)."""
+    return importlib.resources.files(__name__).joinpath(filename).read_text(encoding="utf-8")
 
 
 def shell_argv(filename: str, *args: str) -> list[str]:
