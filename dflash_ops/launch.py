@@ -10,7 +10,7 @@ from __future__ import annotations
 from trainer import metrics_format
 
 from . import jobpaths, jobstate, tmux, torchrun
-from .remote import facts, script_source, shell_command
+from .remote import facts, shell_code, shell_command
 from .model import Job
 
 
@@ -95,6 +95,6 @@ def launch_script(job: Job, resume: bool = True) -> str:
         jobpaths.state_file(job),
         running,
         finished,
-        script_source("pane.sh"),
+        shell_code("pane.sh"),
         *pane_args(job),
     )

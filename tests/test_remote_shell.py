@@ -54,6 +54,14 @@ def test_the_wheel_carries_every_script(tmp_path):
     assert not missing, missing
 
 
+def test_the_code_sent_holds_no_single_quote_so_a_dry_run_shows_it_as_it_is():
+    for name in scripts_named_in_code():
+        code = remote.shell_code(name)
+        assert "'" not in code and "#!" not in code, name
+        shown = remote.shell_command(name, "arg")
+        assert shown.startswith("bash -c '" + code) and shown.endswith(f"' {name} arg"), name
+
+
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_every_script_is_shellcheck_clean():
     scripts = sorted(str(p) for p in REMOTE.glob("*.sh"))

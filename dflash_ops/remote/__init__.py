@@ -35,12 +35,21 @@ def script_source(filename: str) -> str:
     return importlib.resources.files(__name__).joinpath(filename).read_text(encoding="utf-8")
 
 
+@functools.lru_cache(maxsize=None)
+def shell_code(filename: str) -> str:
+    """Bash script `filename` as it travels: without its whole-line comments, which are for readers
+    of the file. Its code holds no single quote, so a quoted command line (what --dry-run prints)
+    shows the code as it is."""
+    lines = script_source(filename).splitlines()
+    return "\n".join(line for line in lines if not line.lstrip().startswith("#")) + "\n"
+
+
 def shell_argv(filename: str, *args: str) -> list[str]:
     """argv running bash script `filename` with `args` as its "$1"...; $0 names the file, so bash's
-    own errors say which script and line."""
+    own errors say which script they come from."""
     # The text travels as `bash -c`'s argument rather than on stdin: stdin is taken where the
     # script receives data (put's bytes) or shares a command with a remote Python script.
-    return ["bash", "-c", script_source(filename), filename, *args]
+    return ["bash", "-c", shell_code(filename), filename, *args]
 
 
 def shell_command(filename: str, *args: str) -> str:

@@ -18,7 +18,7 @@ if [ -z "$release" ]; then
       release=$id
       break
     fi
-  done < <(tac -- "$releases/history" 2>/dev/null | awk '!seen[$0]++')
+  done < <(tac -- "$releases/history" 2>/dev/null | awk "!seen[\$0]++")
   if [ -z "$release" ]; then
     echo "no earlier release to roll back to (current: ${cur:-none})" >&2
     exit 3
@@ -39,8 +39,8 @@ echo "$release" >>"$releases/history"
 echo "current -> $release"
 
 [ "$keep" -gt 0 ] || exit 0
-kept=$(tac -- "$releases/history" | awk '!seen[$0]++' | head -n "$keep")
+kept=$(tac -- "$releases/history" | awk "!seen[\$0]++" | head -n "$keep")
 for dir in "$releases"/*/; do
   dir=${dir%/}
-  printf '%s\n' "$kept" | grep -qxF -- "${dir##*/}" || rm -rf -- "$dir"
+  printf "%s\n" "$kept" | grep -qxF -- "${dir##*/}" || rm -rf -- "$dir"
 done

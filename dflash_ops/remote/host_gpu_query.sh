@@ -16,11 +16,11 @@ shift
 "${gpu_query[@]}" || exit $?
 echo @@
 apps=$("$@") || exit $?
-printf '%s\n' "$apps"
+printf "%s\n" "$apps"
 echo @@
-for pid in $(printf '%s\n' "$apps" | cut -d, -f1); do
+for pid in $(printf "%s\n" "$apps" | cut -d, -f1); do
   echo "@pid $pid"
   cat "/proc/$pid/cgroup" 2>/dev/null
-  grep '^NSpid:' "/proc/$pid/status" 2>/dev/null
+  grep "^NSpid:" "/proc/$pid/status" 2>/dev/null
 done
 exit 0

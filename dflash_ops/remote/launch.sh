@@ -36,7 +36,7 @@ mkdir -p "$logs" "$runs"
 # shellcheck disable=SC2010  # a name with a newline reads as several names: all must be expected
 if [ ! -e "$cache" ] || [ -z "$(ls -A "$cache" | grep -vxE "$launcher_entries" || true)" ]; then
   mkdir -p "$cache"
-  [ -e "$cache_marker" ] || printf '%s\n' "$marker_value" >"$cache_marker"
+  [ -e "$cache_marker" ] || printf "%s\n" "$marker_value" >"$cache_marker"
 fi
 mkdir -p "$inductor" "$triton"
 
@@ -52,7 +52,7 @@ done
 if [ "$mode" = resume ] && [ -n "$last" ] && [ ! -e "$runs/$last/$run_finished" ]; then
   run=$last
 else
-  run=$(printf '%04d' $((10#${last:-0} + 1)))
+  run=$(printf "%04d" $((10#${last:-0} + 1)))
 fi
 mkdir -p "$runs/$run"
 
@@ -62,11 +62,11 @@ for path in "$logs/$log_prefix"*"$log_suffix"; do
   number=${number#"$log_prefix"}
   number=${number%"$log_suffix"}
   case $number in
-    '' | *[!0-9]*) continue ;;
+    "" | *[!0-9]*) continue ;;
   esac
   [ $((10#$number)) -le $((10#$last)) ] || last=$number
 done
-n=$(printf '%04d' $((10#$last + 1)))
+n=$(printf "%04d" $((10#$last + 1)))
 log=$logs/$log_prefix$n$log_suffix
 : >"$log"
 
@@ -74,7 +74,7 @@ fill() { # the slots this launch knows, in state template $1
   local state=$1
   state=${state//@run_number@/$((10#$run))}
   state=${state//@run@/$run}
-  printf '%s' "${state//@log_number@/$n}"
+  printf "%s" "${state//@log_number@/$n}"
 }
 
 # One tmux invocation (";" separates tmux commands), so remain-on-exit is set before the server
@@ -84,9 +84,9 @@ tmux -L "$socket" new-session -d -s "$session" -x 200 -y 50 \
   bash -c "$pane_script" pane.sh "$log" "$run" "$mode" "${log%"$log_suffix"}$metrics_suffix" \
   "$runs/$run" "$runs/$run/$run_finished" "$state_file" "$(fill "$finished_state")" "$@" \
   \; set-option -w -t "$target:" remain-on-exit on >/dev/null
-pid=$(tmux -L "$socket" list-panes -s -t "$target:" -F '#{pane_pid}' 2>/dev/null | head -n 1)
+pid=$(tmux -L "$socket" list-panes -s -t "$target:" -F "#{pane_pid}" 2>/dev/null | head -n 1)
 state=$(fill "$running_state")
 state=${state//@pid@/${pid:-0}}
 state=${state//@now@/$(date +%s)}
-printf '%s\n' "$state" >"$state_file.tmp.$$" && mv -f "$state_file.tmp.$$" "$state_file"
+printf "%s\n" "$state" >"$state_file.tmp.$$" && mv -f "$state_file.tmp.$$" "$state_file"
 echo "$log"

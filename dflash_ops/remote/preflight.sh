@@ -19,12 +19,12 @@ else
 fi
 d=$workdir
 while [ ! -d "$d" ]; do d=$(dirname "$d"); done
-echo "free_kib=$(df -Pk "$d" | awk 'NR==2 {print $4}')"
+echo "free_kib=$(df -Pk "$d" | awk "NR==2 {print \$4}")"
 if [ -x "$python" ]; then
   if out=$(timeout 120 "$python" -c "$torch_check" 2>&1); then
-    echo "torch=$(printf '%s' "$out" | tail -n 1)"
+    echo "torch=$(printf "%s" "$out" | tail -n 1)"
   else
-    echo "python_error=$(printf '%s' "$out" | tail -n 1)"
+    echo "python_error=$(printf "%s" "$out" | tail -n 1)"
   fi
 else
   echo python_error=not installed

@@ -10,7 +10,8 @@ dest=$1 mode=$2 size=$3
 dir=$(dirname -- "$dest")
 mkdir -p -- "$dir"
 tmp=$(mktemp -- "$dir/.$(basename -- "$dest").tmp.XXXXXX")
-trap 'rm -f -- "$tmp"' EXIT
+remove_tmp() { rm -f -- "$tmp"; }
+trap remove_tmp EXIT
 cat >"$tmp"
 got=$(stat -c %s -- "$tmp")
 if [ "$got" != "$size" ]; then

@@ -8,7 +8,7 @@ py=$1 who=$3 args=$4
 
 if [ ! -x "$py" ]; then
   py=$(command -v python3) || {
-    printf '%s: neither %s nor python3 is installed\n' "$who" "$1" >&2
+    printf "%s: neither %s nor python3 is installed\n" "$who" "$1" >&2
     exit 127
   }
 fi
