@@ -6,7 +6,8 @@ the shared modules it imports (bundle()), so nothing needs installing there and 
 (what --dry-run prints, what `ps` shows) stays short.
 
 Bash scripts (*.sh) take every value as a positional argument ("$1"...), so no value is ever
-spliced into their text; shell_command() is the one way they travel."""
+spliced into their text; shell_argv() (or shell_command(), the same as one command line) is the
+one way they travel."""
 
 from __future__ import annotations
 
