@@ -15,10 +15,9 @@ from trainer import metrics_format
 
 from . import acceptance, jobpaths
 from .errors import DflashOpsError, RemoteCommandError
-from .gpu import HOST_GPU_QUERY, HOST_GPU_QUERY_ARGV, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
+from .gpu import HOST_GPU_QUERY_ARGV, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
 from .model import Job
-from .transport.base import quote_argv
-from .remote import bundle, python_command
+from .remote import bundle, python_command, shell_command
 
 PROBE_SCRIPT = "probe_script.py"
 DEFAULT_LOG_LINES = 200
@@ -178,13 +177,9 @@ def _run_probe_gpu_on_host(
     """Still one ssh session and one `pct exec`: the Proxmox host answers for the GPUs (real pids,
     mapped to containers), then the probe runs in the container without its GPU section."""
     inside = probe_script_for(job, log_lines, metrics_lines, gpu_source="none", part_s=part_s)
-    query = HOST_GPU_QUERY if part_s is None else quote_argv(host_query_limited(part_s))
-    # the host's query must not read stdin: it carries the probe into the container
-    script = (
-        f"gpu=$({{\n{query}\n}} 2>&1 </dev/null); rc=$?\n"
-        'printf \'%s %s\\n\' "$rc" "$(printf \'%s\' "$gpu" | base64 -w0)"\n'
-        + transport.in_container(inside, timeout if part_s is None else max(1.0, timeout - part_s))
-    )
+    query = HOST_GPU_QUERY_ARGV if part_s is None else host_query_limited(part_s)
+    container = transport.in_container(inside, timeout if part_s is None else max(1.0, timeout - part_s))
+    script = shell_command("probe_on_host.sh", container, *query)
     # the container's run comes after the host's GPU query, inside this one's limit
     result = transport.run_on_host(
         script, timeout=timeout + 10 if part_s is None else timeout, step="probe", stdin=bundle(PROBE_SCRIPT)
