@@ -176,23 +176,31 @@ def test_a_forwarded_signal_is_the_same_stop_request_not_an_abort():
 
 
 PROBE = """
+import sys
 import torch.distributed as dist
+
+
+def say(*words):  # one write per line: both ranks share the pipe
+    sys.stdout.write(" ".join(map(str, words)) + "\\n")
+    sys.stdout.flush()
+
+
 from trainer.checkpoint import CheckpointError
 from trainer.distributed import check_same_data, check_same_start, rank_from_env
 dist.init_process_group("gloo")
 rank = rank_from_env()
 try:
     check_same_start(31 if rank.rank == 0 else 0, rank, "cpu")  # rank 1's host has no checkpoint
-    print("rank", rank.rank, "started")
+    say("rank", rank.rank, "started")
 except CheckpointError as exc:
-    print("rank", rank.rank, "refused:", exc)
+    say("rank", rank.rank, "refused:", exc)
 import torch
 from trainer.data import Dataset
 ids = torch.arange(12).view(3, 4) + rank.rank  # as if rank 1 had generated other data
 try:
     check_same_data(Dataset(ids, ids > 0, ids >= 0, "probe"), rank, "cpu")
 except RuntimeError as exc:
-    print("rank", rank.rank, "data:", exc)
+    say("rank", rank.rank, "data:", exc)
 dist.destroy_process_group()
 """
 
