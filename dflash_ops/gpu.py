@@ -210,8 +210,8 @@ def busy_gpus(
     """GPUs among `indices` that are not free yet.
 
     Free means at least `min_free_mib` unused; by default (None) it means no compute process and
-    at most `max_used_mib` used, i.e. nothing but the driver's own reservation. Raises GpuUnavailable when the snapshot
-    has no GPU data and InputError when an index does not exist on the machine.
+    at most `max_used_mib` used, i.e. nothing but the driver's own reservation. Raises GpuUnavailable
+    when the snapshot has no GPU data and InputError when an index does not exist on the machine.
     """
     indices = sorted({int(i) for i in indices})
     if not indices:

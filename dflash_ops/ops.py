@@ -290,9 +290,10 @@ def tail_log(
     poll_s: float = 1.0,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> str:
-    """Print the last `lines` lines (matching `grep`) of the job's log (the one the job state names); with follow, keep printing
-    new lines by polling byte offsets (nothing keeps running remotely when we stop). Following the
-    job's log (no `log` given) moves on to the log the job state names when a relaunch starts one."""
+    """Print the last `lines` lines (matching `grep`) of the job's log (the one the job state names);
+    with follow, keep printing new lines by polling byte offsets (nothing keeps running remotely when
+    we stop). Following the job's log (no `log` given) moves on to the log the job state names when
+    a relaunch starts one."""
     pattern = compile_grep(grep)
     with connect(target) as transport:
         path = log or job_log(transport, target)

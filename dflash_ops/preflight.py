@@ -80,8 +80,8 @@ def preflight(
     if found.get("reach") != "ok":
         raise _fail(
             ctx,
-            f"check 'reachable': the target did not answer ({(result.stderr or result.stdout).strip()[-300:]})"
-            + untouched,
+            "check 'reachable': the target did not answer "
+            f"({(result.stderr or result.stdout).strip()[-300:]}){untouched}",
         )
     if "python_error" in found:
         raise _fail(

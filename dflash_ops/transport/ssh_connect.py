@@ -192,7 +192,8 @@ class SshConnecting:
             return HostKeyError(
                 self.name,
                 step,
-                f"{what}host key of {entry} ({fingerprint(exc.key)}) is marked @revoked in {self.known_hosts}; "
+                f"{what}host key of {entry} ({fingerprint(exc.key)}) is marked @revoked in "
+                f"{self.known_hosts}; "
                 "refusing to connect (a revoked key may be in the wrong hands). Give the host a new key, or "
                 "remove the @revoked line only if this key is trusted again",
             )
@@ -202,7 +203,8 @@ class SshConnecting:
                 step,
                 f"{what}host key of {entry} ({fingerprint(exc.key)}) is not in {self.known_hosts} and "
                 f"ssh.host_key_policy is strict. Check the fingerprint on the host (ssh-keygen -lf "
-                f"/etc/ssh/ssh_host_*_key.pub), then add it: ssh-keyscan -p {port} {host} >> {self.known_hosts} "
+                f"/etc/ssh/ssh_host_*_key.pub), then add it: "
+                f"ssh-keyscan -p {port} {host} >> {self.known_hosts} "
                 "(or set ssh.host_key_policy: accept-new to record it on first connect)",
             )
         if isinstance(exc, paramiko.BadHostKeyException):
