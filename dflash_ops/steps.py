@@ -404,6 +404,13 @@ def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float)
         if error is not None:
             why = f"the trainer reported {error.get('kind', 'an error')}: {error.get('message', '')}"
             break
+        done = last_of(records, "done")
+        if done is not None and done.get("reason") == "max_steps":
+            why = (
+                f"the resumed run was already complete (step {done.get('step')}): nothing left to train; "
+                "`dflash-ops relaunch --fresh` starts a new run"
+            )
+            break
         if not pane:
             why = "the tmux session is gone"
             break

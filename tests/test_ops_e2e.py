@@ -364,3 +364,23 @@ def test_tail_log_follow_prints_new_lines_and_stops_cleanly(ssh_target):
         stop.set()
         follower.join(10)
     assert not follower.is_alive()
+
+
+def test_resuming_a_run_that_is_already_complete_says_so(local_target, cleanup):
+    # A complete run whose FINISHED marker is missing (e.g. a trainer that stopped at its last step
+    # without leaving one) is resumed; the trainer has nothing to train and exits 0 at once.
+    target = standin(local_target)
+    target = dataclasses.replace(target, job=dataclasses.replace(target.job, env=(*target.job.env, ("STANDIN_STEPS", "2"))))
+    cleanup(target)
+    assert ops.run_playbook(target, "relaunch", quick()).ok
+    runs = Path(target.job.workdir) / "runs"
+    finished = runs / "0001" / "FINISHED"
+    deadline = time.monotonic() + 20
+    while not finished.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    finished.unlink()
+    again = ops.run_playbook(target, "relaunch", quick())
+    assert not again.ok and again.failed.step == "wait_first_step"
+    assert "already complete (step 2)" in again.failed.message and "--fresh" in again.failed.message
+    assert ops.run_playbook(target, "relaunch", quick(resume=False)).ok
+    assert sorted(p.name for p in runs.iterdir()) == ["0001", "0002"]

@@ -302,7 +302,7 @@ def _loop(parts, rank: Rank, device: str, metrics: MetricsWriter, stop: StopRequ
             if rank.is_lead and (step % cfg.run.checkpoint_every == 0 or step == total or stopping):
                 path = save(cfg, replica, parts.dcfg, plan, step, rank.world_size)
                 metrics.checkpoint(step, path)
-            if stopping:
+            if stopping and step < total:  # a stop during the last step leaves a complete run
                 metrics.say(f"{stop.signal_name or 'another rank'}: stopped after step {step}")
                 metrics.done(step, "interrupted")
                 return threaded.RunResult(step, total, "interrupted", last, path, [replica])

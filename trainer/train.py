@@ -290,7 +290,7 @@ def _loop(parts: LoopParts, metrics: MetricsWriter, stop: StopRequest) -> RunRes
             if step % cfg.run.checkpoint_every == 0 or step == total or stop.requested:
                 path = save(cfg, replicas, parts.dcfg, plan, step)
                 metrics.checkpoint(step, path)
-            if stop.requested:
+            if stop.requested and step < total:  # a stop during the last step leaves a complete run
                 metrics.say(f"{stop.signal_name}: stopped after step {step}")
                 metrics.done(step, "interrupted")
                 return RunResult(step, total, "interrupted", last, path, replicas)

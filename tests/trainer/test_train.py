@@ -238,3 +238,25 @@ def test_a_resumed_schedule_has_the_uninterrupted_lr_at_every_step():
         optimizer.step()
         resumed.step()
         assert resumed.get_last_lr() == lrs[step], step
+
+
+def test_a_stop_during_the_last_step_still_completes_the_run(tmp_path, monkeypatch):
+    # SIGTERM that arrives while the final step runs: the step finishes and is checkpointed, so the
+    # run is complete; calling it "interrupted" would make a resume start a trainer with nothing to do.
+    import signal
+
+    from trainer import workers as workers_mod
+
+    real_run_step = workers_mod.TrainingWorkers.run_step
+
+    def run_step(self, step_index, *args, **kwargs):
+        if step_index == 3:  # the 4th and last step
+            signal.raise_signal(signal.SIGTERM)
+        return real_run_step(self, step_index, *args, **kwargs)
+
+    monkeypatch.setattr(workers_mod.TrainingWorkers, "run_step", run_step)
+    cfg = tiny_cfg(tmp_path, max_steps=4)
+    result = train(cfg, out=io.StringIO())
+    done = records(cfg)[-1]
+    assert (result.reason, done["event"], done["reason"], done["step"]) == ("max_steps", "done", "max_steps", 4)
+    assert (tmp_path / metrics_format.RUN_FINISHED).read_text().strip() == "4"
