@@ -43,7 +43,7 @@ from .inventory_rules import (
 )
 from .inventory_target import TargetBuilder
 from .model import Target
-from .strict_yaml import _Map, parse_yaml, read_yaml
+from .strict_yaml import YamlMap, parse_yaml, read_yaml
 
 ENV_VAR = "DFLASH_OPS_INVENTORY"
 LOCAL = "local"
@@ -130,7 +130,7 @@ def load_inventory_text(
 
 def builtin_inventory() -> Inventory:
     """The inventory used when there is no file: only the embedded `local` target."""
-    return inventory_from_data(_Map(), None, os.getcwd())
+    return inventory_from_data(YamlMap(), None, os.getcwd())
 
 
 def inventory_from_data(data: object, filename: str | None, base_dir: str) -> Inventory:
@@ -150,7 +150,7 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
             f"expected a mapping with {', '.join(TOP_LEVEL_KEYS)}, got {kind_of(data)}; "
             "see the example inventory.yaml",
         )
-    if not isinstance(data, _Map):
+    if not isinstance(data, YamlMap):
         data = wrap(data)
     for key in data:
         if key not in TOP_LEVEL_KEYS:
@@ -197,7 +197,7 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
     for name in [LOCAL] + [n for n in raw_targets if n != LOCAL]:
         line = raw_targets.key_lines.get(name, raw_targets.line)
         check_name(name, "target", top, line)
-        raw = raw_targets.get(name) if name in raw_targets else _Map(line)
+        raw = raw_targets.get(name) if name in raw_targets else YamlMap(line)
         where = Where(top.filename, f"target {name!r}")
         targets[name] = _target(name, raw, line, defaults, default_lines, where, base_dir)
 
@@ -216,7 +216,7 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
     return Inventory(targets=targets, groups=groups, default_target=default_target, source=filename)
 
 
-def _check_rendezvous(targets: dict[str, Target], raw_targets: _Map, top: Where) -> None:
+def _check_rendezvous(targets: dict[str, Target], raw_targets: YamlMap, top: Where) -> None:
     """Targets that meet at one torchrun rendezvous must agree on how many hosts meet there."""
     seen: dict[str, list[str]] = {}
     for name, target in targets.items():
@@ -251,8 +251,8 @@ def _target(
 ) -> Target:
     """Check one target's own fields, merge what it inherits, and build it."""
     if raw is None and name == LOCAL:  # `local:` alone: keep the built-in local job
-        raw = _Map(line)
-    if raw is None or not isinstance(raw, _Map):
+        raw = YamlMap(line)
+    if raw is None or not isinstance(raw, YamlMap):
         problem = (
             "has no fields" if raw is None else f"expected a mapping of target fields, got {kind_of(raw)}"
         )
@@ -301,7 +301,7 @@ def _target(
     return TargetBuilder(name, values, lines, own_line, where, base_dir).build()
 
 
-def _groups(data: _Map, targets: dict[str, Target], top: Where) -> dict[str, tuple[str, ...]]:
+def _groups(data: YamlMap, targets: dict[str, Target], top: Where) -> dict[str, tuple[str, ...]]:
     raw = mapping_or_empty(
         data.get("groups"), "groups", data.key_lines.get("groups", 1), top, "{all: [gpu-box, bare-box]}"
     )

@@ -1,7 +1,7 @@
 """Checking one layer of the inventory (`defaults:`, a target, a group list) against the field
 schema, merging layers, and naming the place in the file where a mistake is.
 
-Every mapping checked here comes from parse_yaml, or from `wrap` for plain dicts: a `_Map` that
+Every mapping checked here comes from parse_yaml, or from `wrap` for plain dicts: a `YamlMap` that
 knows the line of each key.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Collection
 
 from .errors import InputError
 from .inventory_rules import HEALTH_FIELDS, JOB_FIELDS, TARGET_FIELDS, Bad, Schema, kind_of, show
-from .strict_yaml import _Map
+from .strict_yaml import YamlMap
 
 Fields = dict[str, Any]  # clean values by field name; a mapping field (job:, health:) nests
 Lines = dict[str, int]  # the line of each field, by dotted name ("job.health.stall_seconds")
@@ -52,7 +52,7 @@ def unknown_field(key: Any, schema: Collection[str], prefix: str) -> str:
     return f"unknown field; {hint}"
 
 
-def check_layer(raw: _Map, schema: Schema, where: Where, prefix: str = "") -> tuple[Fields, Lines]:
+def check_layer(raw: YamlMap, schema: Schema, where: Where, prefix: str = "") -> tuple[Fields, Lines]:
     """Check one mapping's keys and value types. Returns (clean values, {dotted field: line})."""
     values: Fields = {}
     lines: Lines = {}
@@ -65,8 +65,8 @@ def check_layer(raw: _Map, schema: Schema, where: Where, prefix: str = "") -> tu
         lines[field] = line
         if isinstance(rule, dict):
             if value is None:  # `health:` with nothing under it
-                value = _Map(line)
-            if not isinstance(value, _Map):
+                value = YamlMap(line)
+            if not isinstance(value, YamlMap):
                 raise where.error(
                     line,
                     field,
@@ -93,11 +93,11 @@ def merge(base: Fields, over: Fields) -> Fields:
     return merged
 
 
-def wrap(data: dict[Any, Any]) -> _Map:
+def wrap(data: dict[Any, Any]) -> YamlMap:
     """Plain dicts (from code, not parse_yaml) get line 0 everywhere."""
-    wrapped = _Map()
+    wrapped = YamlMap()
     for key, value in data.items():
-        wrapped[key] = wrap(value) if isinstance(value, dict) and not isinstance(value, _Map) else value
+        wrapped[key] = wrap(value) if isinstance(value, dict) and not isinstance(value, YamlMap) else value
     return wrapped
 
 
@@ -112,9 +112,9 @@ def check_name(name: Any, kind: str, where: Where, line: int) -> str:
     return name
 
 
-def mapping_or_empty(value: Any, field: str, line: int, where: Where, example: str) -> _Map:
+def mapping_or_empty(value: Any, field: str, line: int, where: Where, example: str) -> YamlMap:
     if value is None:
-        return _Map(line)
-    if not isinstance(value, _Map):
+        return YamlMap(line)
+    if not isinstance(value, YamlMap):
         raise where.error(line, field, f"expected a mapping like {example}, got {kind_of(value)}")
     return value

@@ -11,7 +11,7 @@ import yaml
 from .errors import InputError
 
 
-class _Map(dict):
+class YamlMap(dict):
     """A YAML mapping that remembers its own line and the line of each key (1-based)."""
 
     def __init__(self, line: int = 0):
@@ -42,9 +42,9 @@ _StrictLoader.add_implicit_resolver(
 )
 
 
-def _construct_map(loader: _StrictLoader, node: yaml.MappingNode) -> _Map:
+def _construct_map(loader: _StrictLoader, node: yaml.MappingNode) -> YamlMap:
     loader.flatten_mapping(node)  # applies `<<: *anchor` merges; later keys win
-    result = _Map(node.start_mark.line + 1)
+    result = YamlMap(node.start_mark.line + 1)
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
         try:

@@ -38,7 +38,7 @@ def test_preflight_purge_follow_and_put_run_nothing_from_hostile_paths(local_tar
     import sys
 
     from dflash_ops import preflight
-    from dflash_ops.transport.ssh import _put_script
+    from dflash_ops.transport.ssh import put_script
 
     monkeypatch.chdir(tmp_path)
     root = tmp_path / HOSTILE
@@ -71,7 +71,7 @@ def test_preflight_purge_follow_and_put_run_nothing_from_hostile_paths(local_tar
 
         data = b"hostile put\n"
         dest = root / "put 'x' $(touch PWNED5)" / "file"
-        t.check(_put_script(str(dest), 0o600, len(data)), stdin=data)
+        t.check(put_script(str(dest), 0o600, len(data)), stdin=data)
         assert dest.read_bytes() == data and oct(dest.stat().st_mode & 0o777) == "0o600"
     ran = [str(p) for p in tmp_path.rglob("PWNED*")]
     assert not ran, f"shell syntax from a path ran: {ran}"

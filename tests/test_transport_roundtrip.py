@@ -14,7 +14,7 @@ import pytest
 
 from dflash_ops.errors import RemoteCommandError, RemoteTimeout
 from dflash_ops.transport import make_transport
-from dflash_ops.transport.ssh import _put_script
+from dflash_ops.transport.ssh import put_script
 
 HOSTILE = [
     "plain",
@@ -170,7 +170,7 @@ def test_put_refuses_a_short_transfer_and_keeps_the_old_file(transport):
     path = f"{transport.workdir}/short/config.yaml"
     transport.put(b"good: 1\n", path)
     with pytest.raises(RemoteCommandError) as info:
-        transport.check(_put_script(path, 0o644, 100), stdin=b"truncated", step="put")
+        transport.check(put_script(path, 0o644, 100), stdin=b"truncated", step="put")
     assert "received 9 of 100 bytes" in str(info.value)
     q = shlex.quote(path)
     assert transport.check(f"cat -- {q}; ls -A -- {shlex.quote(transport.workdir + '/short')}").stdout == \

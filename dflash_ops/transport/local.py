@@ -52,7 +52,7 @@ class LocalTransport(Transport):
             threading.Thread(target=_pump, args=(proc.stderr, err), daemon=True),
         ]
         if stdin is not None:
-            threads.append(threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True))
+            threads.append(threading.Thread(target=feed, args=(proc.stdin, stdin), daemon=True))
         for t in threads:
             t.start()
         try:
@@ -119,7 +119,7 @@ def _pump(stream, sink: list[bytes]) -> None:
             sink.append(data)
 
 
-def _feed(stream, data: bytes) -> None:
+def feed(stream, data: bytes) -> None:
     try:
         with stream:
             stream.write(data)

@@ -33,9 +33,9 @@ from .base import (
     quote_argv,
     with_remote_timeout,
 )
-from .ssh_channel import _drain, _feed, _passthrough, _read_until_exit
+from .ssh_channel import drain, feed, passthrough, read_until_exit
 from .ssh_connect import SshConnecting
-from .ssh_put import _put_script, put_timeout_s
+from .ssh_put import put_script, put_timeout_s
 
 # paramiko's reader thread logs failures (with tracebacks) that we report as one clear error
 # ourselves; without a handler Python's last-resort handler would print them on stderr.
@@ -120,10 +120,10 @@ class SshTransport(SshConnecting, Transport):
         err: list[bytes] = []
         try:
             chan.exec_command(line)
-            threading.Thread(target=_feed, args=(chan, stdin), daemon=True).start()
-            stderr_reader = threading.Thread(target=_drain, args=(chan.recv_stderr, err), daemon=True)
+            threading.Thread(target=feed, args=(chan, stdin), daemon=True).start()
+            stderr_reader = threading.Thread(target=drain, args=(chan.recv_stderr, err), daemon=True)
             stderr_reader.start()
-            _read_until_exit(chan, out, deadline)
+            read_until_exit(chan, out, deadline)
             stderr_reader.join(max(0.0, min(deadline, time.monotonic() + AFTER_EXIT_S) - time.monotonic()))
             # EOF usually comes just before the exit status: wait for it, up to the deadline.
             if not chan.status_event.wait(max(0.0, deadline - time.monotonic())):
@@ -166,7 +166,7 @@ class SshTransport(SshConnecting, Transport):
 
     def put(self, data: bytes, remote_path: str, mode: int = 0o644, step: str = "put") -> None:
         self.check(
-            _put_script(remote_path, mode, len(data)), timeout=put_timeout_s(len(data)), step=step, stdin=data
+            put_script(remote_path, mode, len(data)), timeout=put_timeout_s(len(data)), step=step, stdin=data
         )
 
     def interactive(self, script: str) -> int:
@@ -175,7 +175,7 @@ class SshTransport(SshConnecting, Transport):
             size = shutil.get_terminal_size()
             chan.get_pty(term=os.environ.get("TERM", "xterm-256color"), width=size.columns, height=size.lines)
             chan.exec_command(self._remote_line(["bash", "-c", script]))
-            _passthrough(chan)
+            passthrough(chan)
             return chan.recv_exit_status()
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise ConnectError(self.name, "attach", f"connection to {self.spec.host} lost: {exc}") from None

@@ -19,7 +19,7 @@ from .base import AFTER_EXIT_S
 POLL_S = 0.5  # how often a waiting read looks at the exit status
 
 
-def _read_until_exit(chan: paramiko.Channel, sink: list[bytes], deadline: float) -> None:
+def read_until_exit(chan: paramiko.Channel, sink: list[bytes], deadline: float) -> None:
     """Collect stdout until EOF, or until AFTER_EXIT_S after the exit status arrived.
 
     A background process that kept the command's stdout open (`cmd &` without redirection)
@@ -48,7 +48,7 @@ def _read_until_exit(chan: paramiko.Channel, sink: list[bytes], deadline: float)
         sink.append(data)
 
 
-def _feed(chan: paramiko.Channel, data: bytes | None) -> None:
+def feed(chan: paramiko.Channel, data: bytes | None) -> None:
     """Send stdin, then EOF (so a remote `cat` ends; cron has no stdin to offer anyway)."""
     try:
         if data:
@@ -58,7 +58,7 @@ def _feed(chan: paramiko.Channel, data: bytes | None) -> None:
         pass  # the command ended without reading all of it; its exit code tells the story
 
 
-def _drain(recv, sink: list[bytes]) -> None:
+def drain(recv, sink: list[bytes]) -> None:
     try:
         while True:
             data = recv(65536)
@@ -69,7 +69,7 @@ def _drain(recv, sink: list[bytes]) -> None:
         return
 
 
-def _passthrough(chan: paramiko.Channel) -> None:
+def passthrough(chan: paramiko.Channel) -> None:
     """Copy the user's terminal to a pty channel and back until the remote side ends."""
     in_fd, out_fd = sys.stdin.fileno(), sys.stdout.fileno()
     is_tty = os.isatty(in_fd)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..remote import shell_command
 
 
-def _put_script(remote_path: str, mode: int, size: int) -> str:
+def put_script(remote_path: str, mode: int, size: int) -> str:
     """bash that stores stdin at remote_path atomically (remote/put_file.sh: temp file in the same
     dir, size check, rename)."""
     return shell_command("put_file.sh", remote_path, f"{mode:o}", str(size))
