@@ -21,7 +21,7 @@ def _is_tty() -> bool:
 
 @cli.command()
 @target_option
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per target (a list for a group).")
+@click.option("--json", "as_json", is_flag=True, help="JSON: one object for one target, a list for several.")
 @click.option(
     "--watch", type=click.FloatRange(min=0.5), default=None, metavar="S", help="Refresh every S seconds."
 )
@@ -89,7 +89,7 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
             if action is not None:
                 actions[c.target.name] = action
     if as_json:
-        # the same shape as `status --json`: one object for one target, a list for a group
+        # the same shape as `status --json`: one object for one target, a list for several
         objs = [
             dict(
                 c.status,
