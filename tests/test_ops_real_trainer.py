@@ -46,3 +46,29 @@ def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
     finally:
         with ops.connect(target) as t:
             t.run(f"tmux -L {job.tmux_socket} kill-server", timeout=30)
+
+
+def test_the_bundled_tiny_run_finishes_healthy_with_the_tau_its_accuracy_predicts(local_target):
+    # The README's main job, whole: it must end OK, its measured tau near the one training accuracy
+    # predicts (a memorising config ends in health's tau-gap WARNING).
+    import time
+
+    tag = uuid.uuid4().hex[:8]
+    job = dataclasses.replace(local_target.job, tmux_socket=f"real-{tag}", session="tiny",
+                              health=Health(stall_seconds=120))
+    target = dataclasses.replace(local_target, job=job)
+    try:
+        assert ops.run_playbook(target, "relaunch", {"timeout": 240.0}).ok
+        deadline = time.monotonic() + 240
+        checked = ops.check(target)
+        while not checked.status["training"]["finished"] and time.monotonic() < deadline:
+            time.sleep(2)
+            checked = ops.check(target)
+        assert checked.status["training"]["finished"], checked.status["training"]
+        assert checked.verdict.level == "OK", checked.verdict.reasons
+        tau = checked.status["eval"]
+        assert tau["step"] == checked.status["training"]["total_steps"] and tau["lossless"], tau
+        assert tau["tau"] >= 0.8 * tau["expected_tau"], tau
+    finally:
+        with ops.connect(target) as t:
+            t.run(f"tmux -L {job.tmux_socket} kill-server", timeout=30)

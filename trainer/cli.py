@@ -43,7 +43,7 @@ Write a checkpoint's drafter in the format inference engines load: config.json
 (architectures ["DFlashDraftModel"], block_size, dflash_config, auto_map) + model.safetensors
 + modeling_dflash.py, so AutoModel.from_pretrained(DIR, trust_remote_code=True) loads it.
 
-  dflash-train export --checkpoint runs/tiny/checkpoints/step-0000480 --out drafter/
+  dflash-train export --checkpoint runs/tiny/checkpoints/step-0000512 --out drafter/
   dflash-train export --checkpoint runs/tiny --out drafter/     (its latest checkpoint)
 """
 

@@ -225,7 +225,7 @@ def _fit(ids: list[int], mask: list[int], seq_len: int, pad_id: int):
 
 @torch.no_grad()
 def synthetic_dataset(target, num_samples: int, prompt_len: int, seq_len: int, seed: int,
-                      chunk: int = 64) -> Dataset:
+                      chunk: int = 256) -> Dataset:
     """Random prompts (seeded) continued greedily by the target; loss on the continuation.
 
     The continuation is exactly what the target would say, so a drafter can learn it.
@@ -245,13 +245,15 @@ def synthetic_dataset(target, num_samples: int, prompt_len: int, seq_len: int, s
 
 
 def greedy_continue(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """prompts [B, P] -> [B, P + new_tokens] by argmax decoding.
+    """prompts [B, P] -> [B, P + new_tokens] by argmax decoding, one token per forward with the
+    target's KV cache (the same decoding as speculative.target_generate, batched)."""
+    from trainer import kv_cache
 
-    No KV cache: sequences here are short, and recomputing keeps this independent of the cache API,
-    which changes between transformers versions.
-    """
-    tokens = prompts
-    for _ in range(new_tokens):
-        logits = model(input_ids=tokens, use_cache=False).logits
-        tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return tokens
+    cache = kv_cache.new_cache()
+    columns = [prompts]
+    logits = kv_cache.forward(model, prompts, cache).logits[:, -1]
+    for i in range(new_tokens):
+        columns.append(logits.argmax(-1, keepdim=True))
+        if i + 1 < new_tokens:
+            logits = kv_cache.forward(model, columns[-1], cache).logits[:, -1]
+    return torch.cat(columns, dim=1)

@@ -18,12 +18,11 @@ so every emitted token is a target sample given the correct prefix.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import time
 
 import torch
 
+from trainer import kv_cache
 from trainer.drafter_cache import DrafterContext
 
 
@@ -49,31 +48,6 @@ def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | 
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _crop(cache, length: int) -> None:
-    """Keep the first `length` positions of an HF DynamicCache (a negative crop removes tokens in
-    every transformers version that has DynamicCache.crop)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
-def _new_cache():
-    from transformers import DynamicCache
-
-    return DynamicCache()
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_argument(model_class) -> str:
-    """Newer transformers call the forward's KV-cache argument `cache`, older ones `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-def _forward(model, ids: torch.Tensor, cache, hidden: bool = False):
-    """The target's forward over `ids` with its KV cache."""
-    return model(input_ids=ids, use_cache=True, output_hidden_states=hidden, **{_cache_argument(type(model)): cache})
-
-
 def _finish(tokens: list[int], max_new_tokens: int, stop_ids) -> list[int]:
     tokens = tokens[:max_new_tokens]
     for i, tok in enumerate(tokens):
@@ -95,11 +69,11 @@ def target_generate(model, prompt: list[int], max_new_tokens: int, stop_ids=(), 
     stop_ids = set(stop_ids)
     _sync(device)
     t0 = time.perf_counter()
-    cache = _new_cache()
+    cache = kv_cache.new_cache()
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     tokens, margins = [], []
     while len(tokens) < max_new_tokens:
-        logits = _forward(model, ids, cache).logits[0, -1:]
+        logits = kv_cache.forward(model, ids, cache).logits[0, -1:]
         top = logits.float().topk(2, dim=-1).values[0]
         token = int(pick(logits, temperature, generator)[0])
         tokens.append(token)
@@ -121,9 +95,9 @@ def speculative_generate(model, layer_ids, drafter, prompt: list[int], max_new_t
     stop_ids = set(stop_ids)
     _sync(device)
     t0 = time.perf_counter()
-    cache = _new_cache()
+    cache = kv_cache.new_cache()
     context = DrafterContext(drafter)
-    out = _forward(model, torch.tensor([prompt], dtype=torch.long, device=device), cache, hidden=True)
+    out = kv_cache.forward(model, torch.tensor([prompt], dtype=torch.long, device=device), cache, hidden=True)
     tokens = [int(pick(out.logits[0, -1:], temperature, generator)[0])]
     context.extend(features_of(out.hidden_states, layer_ids))
     start = len(prompt)  # position of the last accepted token (the next block's anchor)
@@ -132,7 +106,7 @@ def speculative_generate(model, layer_ids, drafter, prompt: list[int], max_new_t
         # row k of the block predicts position start+k; row 0 is the anchor itself
         proposals = context.draft_logits(tokens[-1])[1:].argmax(dim=-1)
         verify = torch.cat([torch.tensor([tokens[-1]], device=device), proposals.to(device)]).unsqueeze(0)
-        out = _forward(model, verify, cache, hidden=True)
+        out = kv_cache.forward(model, verify, cache, hidden=True)
         target_tokens = pick(out.logits[0], temperature, generator).tolist()  # for start+1..start+B
         drafts = proposals.tolist()
         n = 0
@@ -140,7 +114,7 @@ def speculative_generate(model, layer_ids, drafter, prompt: list[int], max_new_t
             n += 1
         accepted.append(n)
         tokens += target_tokens[:n + 1]  # n accepted drafts (equal to the target's) + the bonus
-        _crop(cache, start + n + 1)
+        kv_cache.crop(cache, start + n + 1)
         context.extend(features_of(out.hidden_states, layer_ids)[:n + 1])
         start += n + 1
     _sync(device)

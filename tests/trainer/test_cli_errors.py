@@ -73,7 +73,7 @@ def test_written_weights_follow_the_umask(tmp_path):
     from trainer.cli import main
 
     common = ["--config", "tiny-cpu", "--max-steps", "1", "--output-dir", str(tmp_path / "run"),
-              "--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.batch_size=2",
+              "--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.epochs=30", "--set", "train.batch_size=2",
               "--set", "train.num_anchors=6", "--set", "run.torch_threads=1"]
     previous = os.umask(0o022)
     try:

@@ -29,9 +29,9 @@ from trainer.train import StopRequest, train
 pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.batch_size=2",
+SMALL = ["--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.epochs=30", "--set", "train.batch_size=2",
          "--set", "train.num_anchors=6", "--set", "run.torch_threads=1", "--set", "run.log_every=1000"]
-OVERRIDES = {"data.seq_len": 32, "data.synthetic.num_samples": 16, "train.batch_size": 2,
+OVERRIDES = {"data.seq_len": 32, "data.synthetic.num_samples": 16, "train.epochs": 30, "train.batch_size": 2,
              "train.num_anchors": 6, "run.torch_threads": 1, "run.log_every": 1000}
 
 

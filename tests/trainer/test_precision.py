@@ -17,7 +17,7 @@ from trainer.train import train
 pytestmark = pytest.mark.timeout(180)
 
 SMALL = {
-    "data.seq_len": 32, "data.synthetic.num_samples": 16, "train.batch_size": 2, "train.num_anchors": 6,
+    "data.seq_len": 32, "data.synthetic.num_samples": 16, "train.epochs": 30, "train.batch_size": 2, "train.num_anchors": 6,
     "run.torch_threads": 1, "run.log_every": 1000,
 }
 

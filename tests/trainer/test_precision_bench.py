@@ -16,7 +16,7 @@ from trainer.train import train
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)
-SMALL = {"data.seq_len": 32, "data.synthetic.num_samples": 16, "train.batch_size": 2, "train.num_anchors": 6,
+SMALL = {"data.seq_len": 32, "data.synthetic.num_samples": 16, "train.epochs": 30, "train.batch_size": 2, "train.num_anchors": 6,
          "run.torch_threads": 1, "train.precision": "bf16-mixed"}
 
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(240)
 REPO = Path(__file__).resolve().parents[2]
 STUCK = REPO / "tests" / "trainer" / "stuck_trainer.py"
 ARGS = ["--config", "tiny-cpu", "--max-steps", "100000", "--drafter-devices", "cpu,cpu",
-        "--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.batch_size=2",
+        "--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.epochs=30", "--set", "train.batch_size=2",
         "--set", "train.num_anchors=6", "--set", "run.torch_threads=1"]
 
 
