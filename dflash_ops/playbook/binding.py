@@ -8,7 +8,7 @@ from typing import Any, Iterable, Mapping
 from ..errors import InputError
 from .document import OptionSpec, Playbook
 from .registry import IDENTIFIER, StepRegistry
-from .templates import EarlierSteps, Ref, check_embeddable, parse_template, static_ref_type, strings_in
+from .templates import EarlierSteps, Ref, check_reference, parse_template, static_ref_type, strings_in
 from .typecheck import REQUIRED, Mismatch, Problems, conform, did_you_mean, kinds_fit, type_name
 
 
@@ -61,9 +61,7 @@ def _check_step_refs(value: Any, earlier: EarlierSteps, where: str, problems: Pr
         for part in parts:
             if isinstance(part, Ref) and part.path[0] == "steps":
                 try:
-                    hint = static_ref_type(part, {}, earlier)
-                    if len(parts) > 1:
-                        check_embeddable(part, hint)
+                    check_reference(part, {}, earlier, in_text=len(parts) > 1)
                 except Mismatch as e:
                     problems.add(where + sub, str(e))
 

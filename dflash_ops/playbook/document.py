@@ -17,7 +17,7 @@ from .registry import IDENTIFIER
 from .templates import (
     EarlierSteps,
     Ref,
-    check_embeddable,
+    check_reference,
     parse_ref,
     parse_template,
     static_ref_type,
@@ -252,9 +252,7 @@ def _check_template(
         parts = parse_template(text)
         for part in parts:
             if isinstance(part, Ref):
-                hint = static_ref_type(part, options, earlier)
-                if len(parts) > 1:
-                    check_embeddable(part, hint)
+                check_reference(part, options, earlier, in_text=len(parts) > 1)
     except Mismatch as e:
         problems.add(where, str(e))
 

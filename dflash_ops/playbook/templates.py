@@ -163,7 +163,17 @@ def _output_type(ref: Ref, earlier: EarlierSteps) -> Any:
     return outputs[name]
 
 
-def check_embeddable(ref: Ref, hint: Any) -> None:
+def check_reference(
+    ref: Ref, options: Mapping[str, "OptionSpec"], earlier: EarlierSteps, in_text: bool
+) -> None:
+    """Raise Mismatch when `ref` cannot resolve (static_ref_type), or, placed inside other text
+    (`in_text`), when its value is a record or a list of them, which has no text form."""
+    hint = static_ref_type(ref, options, earlier)
+    if in_text:
+        _check_embeddable(ref, hint)
+
+
+def _check_embeddable(ref: Ref, hint: Any) -> None:
     kind = kind_of(hint)
     if kind in ("record", dict) or (kind is list and kind_of(item_type(hint)) in ("record", dict, list)):
         raise Mismatch(
