@@ -21,6 +21,8 @@ import typing
 
 import torch
 
+from . import kv_cache
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -247,8 +249,6 @@ def synthetic_dataset(target, num_samples: int, prompt_len: int, seq_len: int, s
 def greedy_continue(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """prompts [B, P] -> [B, P + new_tokens] by argmax decoding, one token per forward with the
     target's KV cache (the same decoding as speculative.target_generate, batched)."""
-    from trainer import kv_cache
-
     cache = kv_cache.new_cache()
     columns = [prompts]
     logits = kv_cache.forward(model, prompts, cache).logits[:, -1]
