@@ -76,9 +76,9 @@ def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus
     \b
     Example:
       $ dflash-ops relaunch -t gpu-box
-      [1/7] stop_session ... ok (3.1s) ended 4 process(es): 4 on SIGTERM, 0 needed SIGKILL
+      [1/8] preflight ... ok (4.7s) torch 2.11.0+cu130; 64 GiB free; GPUs 0 answer
       ...
-      [7/7] wait_first_step ... ok (41.0s) step 1: loss 11.9310, 52.4 Ktok/s
+      [8/8] wait_first_step ... ok (36.6s) step 12: loss 5.7298, 22.7 Ktok/s
     """
     options = {
         "purge": False if no_purge else None,
