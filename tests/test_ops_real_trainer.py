@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -51,8 +52,6 @@ def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
 def test_the_bundled_tiny_run_finishes_healthy_with_the_tau_its_accuracy_predicts(local_target):
     # The README's main job, whole: it must end OK, its measured tau near the one training accuracy
     # predicts (a memorising config ends in health's tau-gap WARNING).
-    import time
-
     tag = uuid.uuid4().hex[:8]
     job = dataclasses.replace(local_target.job, tmux_socket=f"real-{tag}", session="tiny",
                               health=Health(stall_seconds=120))
