@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from .compile_lock import COMPILE_LOCK_MODES
+from .trackers import TRACKERS
 from .compile_modes import COMPILE_MODES, REFUSED_COMPILE_MODES
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
@@ -114,6 +115,8 @@ class RunConfig:
     torch_threads: typing.Optional[int] = None
     resume: typing.Optional[str] = None  # None: fresh run; "latest"; or a checkpoint directory
     launcher: str = "threads"  # "torchrun": this process is one rank (trainer/distributed.py)
+    # experiment trackers fed from the metrics records (trainer/trackers.py): tensorboard, wandb, mlflow
+    report_to: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -350,6 +353,13 @@ def validate(cfg: TrainConfig) -> None:
         _fail(cfg, "run.compile_lock", f"must be one of {', '.join(COMPILE_LOCK_MODES)}, got {r.compile_lock!r}.")
     if r.launcher not in LAUNCHERS:
         _fail(cfg, "run.launcher", f"must be one of {', '.join(LAUNCHERS)}, got {r.launcher!r}.")
+    for name in r.report_to:
+        if name not in TRACKERS:
+            close = difflib.get_close_matches(name, TRACKERS, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            _fail(cfg, "run.report_to", f"has {name!r}, which is not a tracker.{hint} "
+                  f"Fix: any of {', '.join(TRACKERS)}, e.g. [tensorboard].")
+    r.report_to = list(dict.fromkeys(r.report_to))  # each tracker once
     if r.compile_mode in REFUSED_COMPILE_MODES:
         _fail(cfg, "run.compile_mode", f"{r.compile_mode!r} is not offered: {REFUSED_COMPILE_MODES[r.compile_mode]}. "
               f"Fix: use one of {', '.join(COMPILE_MODES)}.")

@@ -212,8 +212,10 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
     if not speaks:
         sys.stdout = open(os.devnull, "w")  # the other ranks speak only when they fail
     out = out if out is not None else sys.stdout
+    # trackers: rank 0 only (the other hosts' metrics files are for their own status)
     metrics = MetricsWriter(cfg.metrics_path if speaks else os.devnull,
-                            out=out if speaks else open(os.devnull, "w"), tty=tty, log_every=cfg.run.log_every)
+                            out=out if speaks else open(os.devnull, "w"), tty=tty, log_every=cfg.run.log_every,
+                            report_to=cfg.run.report_to if rank.is_lead else (), report_dir=cfg.run.output_dir)
     guard = CompileGuard(cfg.run.compile_lock, on_event=lambda e: metrics.compile(
         f"rank{rank.rank}/{e.get('thread', '?')}", e.get("duration_s") or 0.0, e.get("step", -1),
         e.get("reason", "")))

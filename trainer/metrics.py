@@ -5,13 +5,15 @@ flushed one whole line at a time so a reader never sees half a record for long.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Sequence, TextIO
 
 from . import metrics_format
+from .trackers import Trackers
 
 if TYPE_CHECKING:
     from .workers import Failure
@@ -62,9 +64,14 @@ class Throughput:
 
 
 class MetricsWriter:
-    """Writes metrics records to `path` and readable lines to `out`. Safe to call from any thread."""
+    """Writes metrics records to `path` and readable lines to `out`. Safe to call from any thread.
 
-    def __init__(self, path: str, out: TextIO | None = None, tty: bool | None = None, log_every: int = 1):
+    `report_to` names experiment trackers (trainer.trackers) that get each record as written to
+    `path`, reporting into `report_dir`; only the process that speaks for the run passes any.
+    """
+
+    def __init__(self, path: str, out: TextIO | None = None, tty: bool | None = None, log_every: int = 1,
+                 report_to: Sequence[str] = (), report_dir: str = "."):
         self.path = path
         parent = os.path.dirname(path)
         if parent:
@@ -75,12 +82,15 @@ class MetricsWriter:
         self.log_every = log_every
         self._lock = threading.Lock()
         self._bar_open = False  # a progress bar line is on screen without its newline
+        self.trackers = Trackers(report_to, report_dir, self.say) if report_to else None
 
     def record(self, event: str, **fields) -> None:
         line = metrics_format.encode(event, **fields)
         with self._lock:
             self._file.write(line)
             self._file.flush()
+        if self.trackers:  # the record exactly as the file holds it
+            self.trackers.feed(json.loads(line))
 
     def say(self, text: str) -> None:
         with self._lock:
@@ -140,6 +150,8 @@ class MetricsWriter:
         self.say(f"done     step {step} ({reason})")
 
     def close(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
         with self._lock:
             if not self._file.closed:
                 self._file.close()

@@ -212,7 +212,8 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
         return train_rank(cfg, out, tty)  # this process is one rank of a torchrun job
     out = out if out is not None else sys.stdout
     check_devices(cfg)
-    metrics = MetricsWriter(cfg.metrics_path, out=out, tty=tty, log_every=cfg.run.log_every)
+    metrics = MetricsWriter(cfg.metrics_path, out=out, tty=tty, log_every=cfg.run.log_every,
+                            report_to=cfg.run.report_to, report_dir=cfg.run.output_dir)
     guard = CompileGuard(cfg.run.compile_lock, on_event=lambda e: metrics.compile(
         e.get("thread", "?"), e.get("duration_s") or 0.0, e.get("step", -1), compile_reason(e)))
     stop = StopRequest(cfg.run.stop_grace_s, watchdog=True)

@@ -1,0 +1,316 @@
+"""Experiment trackers (`run.report_to`): tensorboard, wandb, mlflow, fed the metrics records.
+
+The metrics file is the one source of truth: MetricsWriter hands every record it writes (the very
+JSON line, read back) to `Trackers.feed`, and `scalars_of` maps a record to tracker values. Nothing
+else reports to a tracker.
+
+Every tracker is optional: one that is not installed, cannot start (no network, a bad key) or
+raises mid-run is named in ONE readable line and dropped; training goes on. Records written by
+other threads (a drafter thread's compile event) wait in a queue and reach the trackers from the
+thread that made the writer (the main thread), so tracker libraries are called from one thread.
+
+Where each writes (all under the run's --output-dir unless its own settings say otherwise):
+  tensorboard  <output_dir>/tensorboard/ (event files)
+  wandb        <output_dir>/wandb/ (WANDB_MODE=offline: an offline-run-* dir, no network);
+               project $WANDB_PROJECT or "dflash"
+  mlflow       $MLFLOW_TRACKING_URI, else a file store <output_dir>/mlruns; experiment
+               $MLFLOW_EXPERIMENT_NAME or "dflash"
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import threading
+from typing import Callable
+
+from . import metrics_format
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+INSTALL_HINT = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}
+# values a step or eval record carries that are no measurement of the run
+_NOT_SCALARS = {"v", "event", "time", "step", "total_steps", "eta_s"}
+# per-block-position lists: position k of the block is pos{k}, k from 1
+_PER_POSITION = {"acc", "acceptance"}
+
+
+def scalars_of(record: dict) -> tuple[int, dict[str, float]] | None:
+    """(step, {tag: value}) of a step, eval or compile record; None for the others.
+
+    Step records give train/<field> (acc as train/acc/pos1.., plus train/tau_expected, the
+    acceptance length the accuracies predict); eval records eval/<field> (acceptance as
+    eval/acceptance/pos1..); compile records compile/duration_s. Fields added to the contract
+    later are reported under their own names.
+    """
+    event = record.get("event")
+    step = record.get("step")
+    if event not in ("step", "eval", "compile") or not isinstance(step, int) or isinstance(step, bool):
+        return None
+    if event == "compile":
+        duration = _number(record.get("duration_s"))
+        return (max(step, 0), {"compile/duration_s": duration}) if duration is not None else None
+    prefix = "train" if event == "step" else "eval"
+    values: dict[str, float] = {}
+    for name, value in record.items():
+        if name in _NOT_SCALARS:
+            continue
+        if isinstance(value, list):
+            first = 1 if name in _PER_POSITION else 0
+            for index, item in enumerate(value):
+                number = _number(item)
+                if number is not None:
+                    label = f"pos{index + first}" if name in _PER_POSITION else str(index + first)
+                    values[f"{prefix}/{name}/{label}"] = number
+        else:
+            number = _number(value)
+            if number is not None:
+                values[f"{prefix}/{name}"] = number
+    acc = record.get("acc")
+    if event == "step" and isinstance(acc, list) and all(_number(a) is not None for a in acc):
+        values["train/tau_expected"] = metrics_format.expected_tau(acc)
+    return step, values
+
+
+def event_of(record: dict) -> tuple[int, str, str] | None:
+    """(step, kind, text) of a record worth a line in a tracker's event log (compile, checkpoint,
+    error, done: the relaunch and stop history), else None."""
+    event = record.get("event")
+    step = record.get("step") if isinstance(record.get("step"), int) else 0
+    if event == "compile":
+        return (
+            step,
+            "compile",
+            f"compile {record.get('thread')} step {step}: "
+            f"{record.get('duration_s')} s ({record.get('reason')})",
+        )
+    if event == "checkpoint":
+        return step, "checkpoint", f"checkpoint step {step}: {record.get('path')}"
+    if event == "error":
+        return step, "error", f"error ({record.get('kind')}): {record.get('message')}"
+    if event == "done":
+        return step, "done", f"done step {step} ({record.get('reason')})"
+    return None
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
+    """{"train.lr": "0.0006", ...}: a nested config as the flat string params mlflow takes."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = str(value)[:500]
+    return flat
+
+
+# ---- the trackers -----------------------------------------------------------------------------
+
+
+class Tracker:
+    """One tracker library. open() receives the run's start record; the rest its later records."""
+
+    name = ""
+
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+        self.opened = False
+
+    def open(self, config: dict, run_name: str) -> None:
+        pass
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def event(self, step: int, kind: str, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoard(Tracker):
+    name = "tensorboard"
+
+    def __init__(self, output_dir: str):
+        super().__init__(output_dir)
+        from torch.utils.tensorboard import SummaryWriter  # ImportError without the tensorboard package
+
+        self._writer_class = SummaryWriter
+        self.writer = None
+
+    def open(self, config, run_name):
+        if self.writer is None:
+            self.writer = self._writer_class(
+                log_dir=os.path.join(self.output_dir, "tensorboard"), flush_secs=10
+            )
+            self.writer.add_text(
+                "config", "```\n" + "\n".join(f"{k}: {v}" for k, v in flat_config(config).items()) + "\n```"
+            )
+
+    def scalars(self, step, values):
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def event(self, step, kind, text):
+        self.writer.add_text("events", text, step)
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Wandb(Tracker):
+    name = "wandb"
+
+    def __init__(self, output_dir: str):
+        super().__init__(output_dir)
+        import wandb
+
+        self.wandb = wandb
+        self.run = None
+        self.last_step = 0
+
+    def open(self, config, run_name):
+        if self.run is None:
+            settings = self.wandb.Settings(console="off", silent=True)  # the trainer's log stays its own
+            self.run = self.wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "dflash"),
+                name=run_name,
+                dir=self.output_dir,
+                config=config,
+                settings=settings,
+            )
+
+    def scalars(self, step, values):
+        self.last_step = max(self.last_step, step)  # wandb drops data logged at an earlier step
+        self.run.log(values, step=self.last_step)
+
+    def event(self, step, kind, text):
+        self.run.summary[f"last_{kind}"] = text
+
+    def close(self):
+        if self.run is not None:
+            self.run.finish()
+
+
+class Mlflow(Tracker):
+    name = "mlflow"
+
+    def __init__(self, output_dir: str):
+        super().__init__(output_dir)
+        import mlflow
+
+        self.mlflow = mlflow
+        self.run = None
+
+    def open(self, config, run_name):
+        if self.run is not None:
+            return
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # a local store needing no database package (mlflow-skinny has none)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            self.mlflow.set_tracking_uri("file:" + os.path.abspath(os.path.join(self.output_dir, "mlruns")))
+        self.mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "dflash"))
+        self.run = self.mlflow.start_run(run_name=run_name)
+        params = flat_config(config)
+        keys = list(params)
+        for first in range(0, len(keys), 100):  # mlflow takes at most 100 params a call
+            self.mlflow.log_params({k: params[k] for k in keys[first : first + 100]})
+
+    def scalars(self, step, values):
+        finite = {k: v for k, v in values.items() if math.isfinite(v)}  # mlflow refuses NaN/inf
+        if finite:
+            self.mlflow.log_metrics(finite, step=step)
+
+    def event(self, step, kind, text):
+        self.mlflow.set_tag(f"last_{kind}", text[:5000])
+
+    def close(self):
+        if self.run is not None:
+            self.mlflow.end_run()
+
+
+KINDS: dict[str, type[Tracker]] = {"tensorboard": TensorBoard, "wandb": Wandb, "mlflow": Mlflow}
+
+
+class Trackers:
+    """The trackers a run reports to. feed() takes each metrics record; a failing tracker is named
+    in one line through `say` and dropped, never failing the run."""
+
+    def __init__(self, names, output_dir: str, say: Callable[[str], None]):
+        self.say = say
+        self.output_dir = output_dir
+        self.active: list[Tracker] = []
+        self._owner = threading.get_ident()
+        self._pending: collections.deque = collections.deque()
+        for name in names:
+            try:
+                self.active.append(KINDS[name](output_dir))
+            except Exception as exc:  # noqa: BLE001 - ImportError, or a library broken on import
+                self._off(name, exc)
+
+    def __bool__(self) -> bool:
+        return bool(self.active)
+
+    def feed(self, record: dict) -> None:
+        if not self.active:
+            return
+        self._pending.append(record)
+        if threading.get_ident() == self._owner:
+            self._deliver()
+
+    def close(self) -> None:
+        if threading.get_ident() == self._owner:
+            self._deliver()
+        for tracker in list(self.active):
+            self._call(tracker, tracker.close)
+        self.active = []
+
+    def _deliver(self) -> None:
+        while self._pending:
+            record = self._pending.popleft()
+            for tracker in list(self.active):
+                self._call(tracker, self._send, tracker, record)
+
+    def _send(self, tracker: Tracker, record: dict) -> None:
+        is_start = record.get("event") == "start"
+        if is_start or not tracker.opened:
+            config = record.get("config") if is_start and isinstance(record.get("config"), dict) else {}
+            tracker.open(config, os.path.basename(os.path.normpath(self.output_dir)))
+            tracker.opened = True
+        if is_start:
+            return
+        values = scalars_of(record)
+        if values is not None and values[1]:
+            tracker.scalars(*values)
+        event = event_of(record)
+        if event is not None:
+            tracker.event(*event)
+
+    def _call(self, tracker: Tracker, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - a tracker never fails the run
+            if tracker in self.active:
+                self.active.remove(tracker)
+                self._off(tracker.name, exc)
+
+    def _off(self, name: str, exc: BaseException) -> None:
+        if isinstance(exc, ImportError):
+            why = (
+                f"is not installed (pip install {INSTALL_HINT.get(name, name)}, "
+                f"or the dflash-ops[{name}] extra)"
+            )
+        else:
+            detail = str(exc).strip().splitlines()
+            why = f"failed ({type(exc).__name__}{': ' + detail[0][:200] if detail else ''})"
+        self.say(f"report_to: {name} {why}; training continues without it")
