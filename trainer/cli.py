@@ -69,7 +69,7 @@ def _train_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dflash-train", description=TRAIN_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Subcommands: dflash-train export --help | dflash-train data --help | "
-                                       "dflash-train eval --help")
+                                       "dflash-train eval --help | dflash-train report --help")
     p.add_argument("--config", required=True, metavar="FILE",
                    help="YAML config file, or a bundled name: tiny-cpu, gpu-paper")
     p.add_argument("--output-dir", metavar="DIR", help="where checkpoints (and by default metrics) go")
@@ -135,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_eval(eval_parser().parse_args(argv[1:]))
     if argv and argv[0] == "export":
         return _run_export(_export_parser().parse_args(argv[1:]))
+    if argv and argv[0] == "report":
+        from .report_cli import report_parser, run_report
+
+        return run_report(report_parser().parse_args(argv[1:]))
     if argv and argv[0] == "data":
         from .data_cli import main as data_main
 

@@ -76,7 +76,7 @@ def event_of(record: dict) -> tuple[int, str, str] | None:
     """(step, kind, text) of a record worth a line in a tracker's event log (compile, checkpoint,
     error, done: the relaunch and stop history), else None."""
     event = record.get("event")
-    step = record.get("step") if isinstance(record.get("step"), int) else 0
+    step = record["step"] if isinstance(record.get("step"), int) else 0
     if event == "compile":
         return (
             step,
@@ -284,7 +284,7 @@ class Trackers:
     def _send(self, tracker: Tracker, record: dict) -> None:
         is_start = record.get("event") == "start"
         if is_start or not tracker.opened:
-            config = record.get("config") if is_start and isinstance(record.get("config"), dict) else {}
+            config = record["config"] if is_start and isinstance(record.get("config"), dict) else {}
             tracker.open(config, os.path.basename(os.path.normpath(self.output_dir)))
             tracker.opened = True
         if is_start:

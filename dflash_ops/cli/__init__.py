@@ -8,7 +8,7 @@ import sys
 import click
 
 from ..errors import DflashOpsError
-from . import admin, jobs, observe  # noqa: F401  (each registers its commands on `cli`)
+from . import admin, jobs, observe, report  # noqa: F401  (each registers its commands on `cli`)
 from .group import cli
 
 __all__ = ["cli", "main"]

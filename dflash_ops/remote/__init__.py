@@ -17,7 +17,7 @@ import json
 import pathlib
 import shlex
 
-from trainer import metrics_format
+from trainer import metrics_format, metrics_history
 
 
 _HERE = pathlib.Path(__file__).parent
@@ -28,6 +28,7 @@ SHARED_MODULES = (
     ("metrics_format", pathlib.Path(metrics_format.__file__)),
     ("bounded", _HERE / "bounded.py"),
     ("gpu_read", _HERE / "gpu_read.py"),
+    ("metrics_history", pathlib.Path(metrics_history.__file__)),
 )
 
 

@@ -1,0 +1,41 @@
+"""`dflash-ops report`: a picture of the job's run (dflash_ops.report does the work)."""
+
+from __future__ import annotations
+
+import click
+
+from .group import cli, one_target, target_option
+
+
+@cli.command("report")
+@target_option
+@click.option("--run", "run", metavar="NNNN", help="The run to draw (default: the job state's run).")
+@click.option("--all-runs", is_flag=True, help="Overlay every run of the job.")
+@click.option(
+    "-o",
+    "--out",
+    default="report.png",
+    show_default=True,
+    metavar="FILE",
+    help="A .png, or a .html page embedding it with a summary table (best τ, steps, wall time).",
+)
+@click.pass_obj
+def report(obj, target, run, all_runs, out):
+    """Draw the run's metrics: loss, τ measured and expected from accuracy, acceptance per block
+    position (latest eval against earliest), tokens/s with relaunch and stop markers. One round
+    trip reads the metrics, thinned on the target; works while the job runs, after a stop or when
+    finished. No metrics yet: one line, exit 2.
+
+    \b
+    Example:
+      $ dflash-ops report -t gpu-box -o run.html
+      [gpu-box] run 0003: 1200/90000 steps, best τ 3.412 (step 1200), 2h01m12s, 2 launches
+      wrote run.html
+    """
+    from .. import report as report_lib
+
+    tgt = one_target(obj, target)
+    built = report_lib.report(tgt, report_lib.run_selection(run, all_runs), out)
+    for history in built.histories:
+        click.echo(f"[{tgt.name}] {history.summary_line()}")
+    click.echo(f"wrote {built.path}")

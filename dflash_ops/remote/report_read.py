@@ -1,0 +1,175 @@
+"""Read a job's run metrics for `dflash-ops report`, thinned on the target; print ONE JSON object.
+
+Standalone (standard library only, Python >= 3.8), sent on python's stdin after the shared modules
+(remote.bundle). Its one argument is a JSON object:
+
+  {"log_dir": str, "runs_dir": str, "legacy_run_dir": str, "state_file": str,
+   "run": "current" | "all" | "NNNN", "max_step_points": int}
+
+Each launch of the job writes <log_dir>/train-NNNN.metrics.jsonl; the run it belongs to is the
+--output-dir (<runs_dir>/NNNN) its first record, `start`, names. A launch whose trainer has not
+written `start` yet belongs to the run the job state names when the state names its log.
+"current" is the run the job state names, else the newest run found.
+
+Answer: {"report_version", "time", "job_state", "runs": [{"run": "NNNN", "files": [{"path", "size",
+"mtime", "lines", "scanned_from"}]}], "errors": [str]}, files in launch order, at most
+MAX_OUTPUT_BYTES of lines in all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+try:  # imported from the package (tests)
+    from dflash_ops.remote import facts
+    from trainer import metrics_format, metrics_history
+except ImportError:  # on the target: remote.bundle() defined these ahead of this script
+    import facts  # type: ignore[no-redef]
+    import metrics_format  # type: ignore[no-redef]
+    import metrics_history  # type: ignore[no-redef]
+
+REPORT_VERSION = 1
+MAX_FILES = 256  # the newest launches, when a job has had more
+MAX_OUTPUT_BYTES = 8 * 1024 * 1024
+METRICS_SUFFIX = metrics_format.metrics_path_for_log(facts.LOG_SUFFIX)
+METRICS_NAME = re.compile(r"^" + re.escape(facts.LOG_PREFIX) + r"(\d{4,})" + re.escape(METRICS_SUFFIX) + r"$")
+RUN_NUMBER = re.compile(r"^\d{1,9}$")
+
+
+def read_job_state(path):
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            data = json.loads(f.read(65536) or "null")
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def run_of(path, runs_dir, legacy_run_dir):
+    """The run number (str) the file's start record names as its output dir, or None."""
+    with open(path, "rb") as f:
+        record = metrics_format.parse_line(
+            f.readline(metrics_history.MAX_FIRST_LINE_BYTES).decode("utf-8", "replace")
+        )
+    if record is None or record.get("event") != "start" or not isinstance(record.get("config"), dict):
+        return None
+    run = record["config"].get("run")
+    output_dir = run.get("output_dir") if isinstance(run, dict) else None
+    if not isinstance(output_dir, str):
+        return None
+    output_dir = os.path.normpath(output_dir)
+    if legacy_run_dir and output_dir == os.path.normpath(legacy_run_dir):
+        return "0001"  # the launch moved the run dir of earlier versions to runs/0001
+    parent, name = os.path.split(output_dir)
+    return name if parent == os.path.normpath(runs_dir) and RUN_NUMBER.match(name) else None
+
+
+def launches(log_dir, runs_dir, legacy_run_dir, state, errors):
+    """[(run or None, path)] of the job's metrics files, oldest launch first."""
+    try:
+        names = os.listdir(log_dir)
+    except OSError as e:
+        errors.append("log dir %s: %s" % (log_dir, e.strerror))
+        return []
+    numbered = sorted((int(m.group(1)), name) for name in names for m in [METRICS_NAME.match(name)] if m)
+    state_log = state.get("log") if state else None
+    state_metrics = metrics_format.metrics_path_for_log(state_log) if isinstance(state_log, str) else None
+    state_run = state.get("run") if state else None
+    found = []
+    for _number, name in numbered[-MAX_FILES:]:
+        path = os.path.join(log_dir, name)
+        try:
+            run = run_of(path, runs_dir, legacy_run_dir)
+        except OSError:
+            continue  # rotated away meanwhile
+        if (
+            run is None
+            and path == state_metrics
+            and isinstance(state_run, int)
+            and not isinstance(state_run, bool)
+        ):
+            run = "%04d" % state_run  # its trainer is still starting
+        found.append((run, path))
+    return found
+
+
+def selected(found, wanted, state):
+    if wanted == "all":
+        return sorted({run for run, _ in found if run is not None}, key=int)
+    if wanted == "current":
+        run = (state or {}).get("run")
+        if isinstance(run, int) and not isinstance(run, bool):
+            return ["%04d" % run]
+        known = [r for r, _ in found if r is not None]
+        return [max(known, key=int)] if known else []
+    return [wanted]
+
+
+def shrink(runs):
+    """Halve the largest file's lines (its first and last kept) until the answer fits."""
+    files = [f for run in runs for f in run["files"]]
+
+    def size():
+        return sum(len(line) for f in files for line in f["lines"])
+
+    while files and size() > MAX_OUTPUT_BYTES:
+        largest = max(files, key=lambda f: sum(len(line) for line in f["lines"]))
+        lines = largest["lines"]
+        if len(lines) <= 2:
+            largest["lines"] = []
+        else:
+            largest["lines"] = [lines[0]] + lines[1:-1][::2] + [lines[-1]]
+        largest["thinned"] = True
+
+
+def main(argv):
+    try:
+        args = json.loads(argv[1])
+        log_dir, runs_dir = str(args["log_dir"]), str(args["runs_dir"])
+        wanted = str(args.get("run", "current"))
+        if wanted not in ("current", "all") and not RUN_NUMBER.match(wanted):
+            raise ValueError("run must be current, all or a run number")
+    except (IndexError, ValueError, KeyError, TypeError) as e:
+        sys.stderr.write("dflash report: needs one JSON argument with log_dir, runs_dir, run (%s)\n" % e)
+        return 2
+    errors = []
+    state = read_job_state(str(args.get("state_file") or ""))
+    found = launches(log_dir, runs_dir, str(args.get("legacy_run_dir") or ""), state, errors)
+    runs = []
+    names = selected(found, wanted, state)
+    paths = [
+        (run, path)
+        for run, path in found
+        if run is not None and run.lstrip("0") in {n.lstrip("0") for n in names}
+    ]
+    points = max(
+        100, int(args.get("max_step_points") or metrics_history.MAX_STEP_POINTS) // max(1, len(paths))
+    )
+    for name in names:
+        files = []
+        for run, path in paths:
+            if run.lstrip("0") != name.lstrip("0"):
+                continue
+            try:
+                files.append(metrics_history.read_thinned(path, max_steps=points))
+            except OSError as e:
+                errors.append("%s: %s" % (path, e.strerror))
+        runs.append({"run": "%04d" % int(name), "files": files})
+    shrink(runs)
+    report = {
+        "report_version": REPORT_VERSION,
+        "time": time.time(),
+        "job_state": state,
+        "runs": runs,
+        "errors": errors,
+    }
+    sys.stdout.write(json.dumps(report) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,162 @@
+"""`dflash-ops report`: a picture of a job's run(s), from their metrics files on the target.
+
+One round trip: remote/report_read.py finds the run's metrics files (one per launch) and thins
+them there (trainer/metrics_history.py), so the answer stays bounded however long the run. The
+answer is untrusted data: every field is type-checked and each line parsed as a metrics record
+(trainer/run_summary.py), and the picture is drawn by the one drawing code the trainer's own
+`dflash-train report` uses (trainer/report_plot.py; matplotlib only when drawing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+from trainer import metrics_history, run_summary
+
+from . import jobpaths
+from .errors import DflashOpsError, InputError, RemoteCommandError
+from .model import Target
+from .remote import bundle, python_command
+
+REPORT_SCRIPT = "report_read.py"
+TIMEOUT_S = 120.0
+CURRENT, ALL = "current", "all"
+_RUN = re.compile(r"^\d{1,9}$")
+
+
+class ReportError(DflashOpsError):
+    """The report script ran but its answer could not be read."""
+
+
+class NoMetrics(InputError):
+    """The run has no step record yet: nothing to draw (exit 2)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchedRun:
+    run: str  # "0003"
+    launches: tuple[tuple[str, ...], ...]  # each launch's kept metrics lines, oldest launch first
+    thinned: bool  # some lines were left out to bound the answer (the picture stays faithful)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    target: str
+    histories: tuple[run_summary.RunHistory, ...]
+    job_state: str | None  # running / stopped / finished, as the job state says
+    path: str | None = None  # where the picture was written
+    panels: dict = dataclasses.field(default_factory=dict)  # panel -> pixel box (see report_plot)
+    size: tuple[int, int] = (0, 0)
+
+    def summary_rows(self) -> list[dict]:
+        return [h.summary_row() for h in self.histories]
+
+
+def run_selection(run: str | None, all_runs: bool) -> str:
+    """--run NNNN / --all-runs as the script's `run` argument; a run id is digits only."""
+    if run is not None and all_runs:
+        raise InputError("--run and --all-runs: give one of them")
+    if all_runs:
+        return ALL
+    if run is None:
+        return CURRENT
+    if not _RUN.match(run):
+        raise InputError(
+            f"--run {run!r}: a run number is digits only, e.g. --run 0003 (see runs/ in the workdir)"
+        )
+    return f"{int(run):04d}"
+
+
+def script_args(target: Target, selection: str, max_step_points: int) -> dict:
+    job = target.job
+    return {
+        "log_dir": job.log_dir,
+        "runs_dir": jobpaths.runs_dir(job),
+        "legacy_run_dir": jobpaths.legacy_run_dir(job),
+        "state_file": jobpaths.state_file(job),
+        "run": selection,
+        "max_step_points": int(max_step_points),
+    }
+
+
+def fetch(
+    transport, target: Target, selection: str, max_step_points: int = metrics_history.MAX_STEP_POINTS
+) -> tuple[list[FetchedRun], dict | None]:
+    """The selected runs' thinned metrics and the job state, in ONE transport.run."""
+    script = python_command(
+        target.job.python, REPORT_SCRIPT, script_args(target, selection, max_step_points), who="dflash report"
+    )
+    result = transport.run(script, timeout=TIMEOUT_S, step="read metrics", stdin=bundle(REPORT_SCRIPT))
+    if not result.ok:
+        raise RemoteCommandError(transport.name, "read metrics", result)
+    return parse_answer(result.stdout, transport.name)
+
+
+def parse_answer(stdout: str, target: str) -> tuple[list[FetchedRun], dict | None]:
+    """The script's JSON (its last line: login banners may precede it), checked field by field."""
+    data = None
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                data = None
+            break
+    if not isinstance(data, dict) or "report_version" not in data or not isinstance(data.get("runs"), list):
+        shown = stdout.strip()[:300] or "(no output)"
+        raise ReportError(f"[{target}] read metrics: the answer is not the report script's JSON: {shown}")
+    runs = []
+    for entry in data["runs"]:
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("run"), str)
+            or not _RUN.match(entry["run"])
+        ):
+            continue
+        files = entry["files"] if isinstance(entry.get("files"), list) else []
+        launches: list[tuple[str, ...]] = []
+        thinned = False
+        for f in files:
+            if isinstance(f, dict) and isinstance(f.get("lines"), list):
+                launches.append(tuple(line for line in f["lines"] if isinstance(line, str)))
+                thinned = thinned or bool(f.get("thinned"))
+        runs.append(FetchedRun(entry["run"], tuple(launches), thinned))
+    state = data.get("job_state") if isinstance(data.get("job_state"), dict) else None
+    return runs, state
+
+
+def build(target_name: str, runs: list[FetchedRun], state: dict | None) -> Report:
+    histories = tuple(
+        run_summary.history_from_lines(f"run {r.run}", [list(lines) for lines in r.launches]) for r in runs
+    )
+    with_steps = tuple(h for h in histories if h.steps)
+    if not with_steps:
+        which = ", ".join(f"run {r.run}" for r in runs) or "the job"
+        raise NoMetrics(f"[{target_name}] {which}: no metrics yet (no step record); nothing to draw")
+    job_state = state.get("state") if state and isinstance(state.get("state"), str) else None
+    return Report(target_name, with_steps, job_state)
+
+
+def report(target: Target, selection: str, out_path: str) -> Report:
+    """Fetch, summarise and draw the selected run(s) of `target` into `out_path` (.png or .html)."""
+    from trainer import report_plot
+
+    from .ops import connect
+
+    with connect(target) as transport:
+        runs, state = fetch(transport, target, selection)
+    built = build(target.name, runs, state)
+    title = f"DFlash {target.name}: " + ", ".join(h.name for h in built.histories)
+    if built.job_state:
+        title += f" ({built.job_state})"
+    try:
+        picture = report_plot.write(list(built.histories), out_path, title)
+    except ImportError as exc:
+        raise InputError(str(exc)) from None
+    except OSError as exc:
+        raise InputError(f"-o {out_path}: cannot write it ({exc.strerror})") from None
+    return dataclasses.replace(
+        built, path=out_path, panels=picture.panels, size=(picture.width, picture.height)
+    )

@@ -1,0 +1,68 @@
+"""`dflash-train report METRICS.jsonl [-o report.png|report.html]`: the picture of a run from its
+metrics file on disk (trainer.report_plot draws it, as for `dflash-ops report`).
+
+Exit codes: 0 written; 2 no such file, no step record in it yet, or matplotlib missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+REPORT_HELP = """\
+Draw a run from its metrics file: loss, tau measured and expected from accuracy, acceptance per
+block position (latest eval against earliest), tokens/s with relaunch and stop markers.
+
+  dflash-train report runs/tiny/metrics.jsonl -o tiny.png
+  dflash-train report runs/tiny/metrics.jsonl -o tiny.html    (PNG embedded, a summary table)
+"""
+
+
+def report_parser() -> argparse.ArgumentParser:
+    from .cli import _Parser
+
+    p = _Parser(
+        prog="dflash-train report",
+        description=REPORT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("metrics", metavar="METRICS.jsonl", help="a metrics file (the trainer's --metrics-file)")
+    p.add_argument(
+        "-o",
+        "--out",
+        default="report.png",
+        metavar="FILE",
+        help="report.png (default) or a .html file embedding it",
+    )
+    return p
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from . import metrics_history, report_plot, run_summary
+
+    def fail(message: str) -> int:
+        print(f"dflash-train report: {message}", file=sys.stderr)
+        return 2
+
+    if not os.path.isfile(args.metrics):
+        return fail(
+            f"{args.metrics}: no such file. Fix: give the run's metrics file "
+            "(default <output-dir>/metrics.jsonl)"
+        )
+    try:
+        read = metrics_history.read_thinned(args.metrics)
+    except OSError as exc:
+        return fail(f"cannot read {args.metrics}: {exc.strerror}")
+    name = os.path.basename(os.path.dirname(os.path.abspath(args.metrics))) or args.metrics
+    history = run_summary.history_from_lines(name, [read["lines"]])
+    try:
+        report_plot.write([history], args.out, title=f"DFlash run {name}")
+    except report_plot.NoMetrics:
+        return fail(f"{args.metrics}: no step record yet; nothing to draw")
+    except ImportError as exc:
+        return fail(str(exc))
+    except OSError as exc:
+        return fail(f"cannot write {args.out}: {exc.strerror}")
+    print(f"dflash-train report: {history.summary_line()} -> {args.out}")
+    return 0

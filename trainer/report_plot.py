@@ -1,0 +1,235 @@
+"""The picture of one or more runs (trainer.run_summary histories): a PNG, or HTML embedding it.
+
+The one drawing code `dflash-train report` and `dflash-ops report` share. matplotlib (Agg, no
+display) is imported only when a picture is drawn: the trainer itself never needs it.
+
+Panels: loss; tau measured (eval records) and expected from accuracy (1 + sum_k prod_{j<=k} acc_j);
+acceptance per block position, latest eval against earliest; tokens/s with relaunch and stop
+markers; GPU memory when the step records carry it.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import io
+import math
+
+from .metrics import format_duration
+from .run_summary import RunHistory
+
+WIDTH_IN, PANEL_HEIGHT_IN, DPI = 14.0, 3.6, 100
+MARKER_STYLE = {
+    "relaunch": ("tab:green", "--"),
+    "stop": ("tab:red", "-"),
+    "error": ("black", ":"),
+    "ended": ("tab:orange", "-."),
+}
+
+
+class NoMetrics(Exception):
+    """Nothing to draw: no run holds a step record yet."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Picture:
+    png: bytes
+    width: int
+    height: int
+    panels: dict  # panel name -> (left, top, right, bottom) in pixels of the PNG
+
+
+def _matplotlib():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(
+            "drawing a report needs matplotlib: pip install matplotlib (or the dflash-ops[report] extra)"
+        ) from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _smooth(values, window):
+    """A trailing mean over `window` points (NaNs skipped): per-step accuracy is noisy."""
+    out, run = [], []
+    for value in values:
+        run.append(value)
+        if len(run) > window:
+            run.pop(0)
+        finite = [v for v in run if math.isfinite(v)]
+        out.append(sum(finite) / len(finite) if finite else float("nan"))
+    return out
+
+
+def draw(histories: list[RunHistory], title: str = "") -> Picture:
+    """The figure of `histories` (overlaid, one colour each) as a PNG."""
+    runs = [h for h in histories if h.steps]
+    if not runs:
+        raise NoMetrics("no step records yet")
+    plt = _matplotlib()
+    names = ["loss", "tau", "acceptance", "tokens_per_s"]
+    if any(h.gpu_memory_gib for h in runs):
+        names.append("gpu_memory")
+    rows = (len(names) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(WIDTH_IN, PANEL_HEIGHT_IN * rows), dpi=DPI, squeeze=False)
+    panel = dict(zip(names, axes.flat, strict=False))
+    for extra in list(axes.flat)[len(names) :]:
+        extra.remove()
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    overlay = len(runs) > 1
+    for index, run in enumerate(runs):
+        colour = colours[index % len(colours)]
+        label = run.name if overlay else None
+        panel["loss"].plot(run.steps, run.loss, color=colour, lw=1.2, label=label)
+        window = max(1, len(run.steps) // 50)
+        panel["tau"].plot(
+            run.steps,
+            _smooth(run.tau_expected, window),
+            color=colour,
+            lw=1.0,
+            ls="--",
+            label=f"{run.name + ': ' if overlay else ''}expected from accuracy",
+        )
+        if run.evals:
+            panel["tau"].plot(
+                [e.step for e in run.evals],
+                [e.tau for e in run.evals],
+                color=colour,
+                lw=1.8,
+                marker="o",
+                ms=5,
+                label=f"{run.name + ': ' if overlay else ''}measured",
+            )
+        _acceptance(panel["acceptance"], run, colour, overlay)
+        panel["tokens_per_s"].plot(run.steps, run.tokens_per_s, color=colour, lw=1.0, label=label)
+        for marker in run.markers:
+            line_colour, style = MARKER_STYLE.get(marker.kind, ("gray", ":"))
+            panel["tokens_per_s"].axvline(marker.step, color=line_colour, ls=style, lw=1.2, alpha=0.8)
+        if run.gpu_memory_gib:
+            panel["gpu_memory"].plot(run.steps, run.gpu_memory_gib, color=colour, lw=1.2, label=label)
+    _titles(panel, runs, plt)
+    if title:
+        fig.suptitle(title, fontsize=12)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    width, height = (int(round(v)) for v in fig.get_size_inches() * DPI)
+    boxes = {}
+    for name, ax in panel.items():
+        box = ax.get_position()
+        boxes[name] = (
+            int(box.x0 * width),
+            int((1 - box.y1) * height),
+            int(box.x1 * width),
+            int((1 - box.y0) * height),
+        )
+    plt.close(fig)
+    return Picture(buffer.getvalue(), width, height, boxes)
+
+
+def _acceptance(ax, run: RunHistory, colour, overlay: bool) -> None:
+    with_acceptance = [e for e in run.evals if e.acceptance]
+    if not with_acceptance:
+        return
+    prefix = run.name + ": " if overlay else ""
+    latest = with_acceptance[-1]
+    positions = range(1, len(latest.acceptance) + 1)
+    ax.plot(
+        positions,
+        latest.acceptance,
+        color=colour,
+        lw=1.8,
+        marker="o",
+        ms=5,
+        label=f"{prefix}latest (step {latest.step})",
+    )
+    earliest = with_acceptance[0]
+    if earliest is not latest:
+        ax.plot(
+            range(1, len(earliest.acceptance) + 1),
+            earliest.acceptance,
+            color=colour,
+            lw=1.0,
+            ls="--",
+            marker="x",
+            ms=5,
+            label=f"{prefix}earliest (step {earliest.step})",
+        )
+
+
+def _titles(panel, runs: list[RunHistory], plt) -> None:
+    panel["loss"].set(title="training loss", xlabel="step", ylabel="loss")
+    panel["tau"].set(title="τ (acceptance length)", xlabel="step", ylabel="tokens per target forward")
+    panel["acceptance"].set(
+        title="acceptance per block position",
+        xlabel="block position",
+        ylabel="share of rounds accepted to here",
+    )
+    panel["tokens_per_s"].set(title="throughput (relaunch --, stop |)", xlabel="step", ylabel="tokens/s")
+    if "gpu_memory" in panel:
+        panel["gpu_memory"].set(title="GPU memory (peak per step)", xlabel="step", ylabel="GiB")
+    if not any(r.evals for r in runs):
+        panel["acceptance"].text(
+            0.5,
+            0.5,
+            "no eval record yet (eval.every)",
+            ha="center",
+            va="center",
+            transform=panel["acceptance"].transAxes,
+            color="gray",
+        )
+    for ax in panel.values():
+        handles, _ = ax.get_legend_handles_labels()
+        if handles:
+            ax.legend(fontsize=7, handlelength=1.5, framealpha=0.6)
+    from matplotlib.lines import Line2D
+
+    kinds = sorted({m.kind for r in runs for m in r.markers})
+    if kinds:
+        handles = [
+            Line2D([], [], color=MARKER_STYLE[k][0], ls=MARKER_STYLE[k][1], label=k)
+            for k in kinds
+            if k in MARKER_STYLE
+        ]
+        existing, _ = panel["tokens_per_s"].get_legend_handles_labels()
+        panel["tokens_per_s"].legend(handles=existing + handles, fontsize=7, handlelength=1.5, framealpha=0.6)
+
+
+def html_page(histories: list[RunHistory], picture: Picture, title: str) -> str:
+    """A self-contained page: the summary table and the PNG embedded (base64)."""
+    rows = []
+    for h in histories:
+        row = h.summary_row()
+        best = "—" if row["best_tau"] is None else f"{row['best_tau']:.3f} (step {row['best_tau_step']})"
+        total = f"/{row['total_steps']}" if row["total_steps"] else ""
+        state = "finished" if row["finished"] else "not finished"
+        rows.append(
+            f"<tr><td>{html.escape(row['run'])}</td><td>{best}</td><td>{row['steps']}{total}</td>"
+            f"<td>{format_duration(row['wall_s'])}</td><td>{row['launches']}</td><td>{state}</td></tr>"
+        )
+    image = base64.b64encode(picture.png).decode()
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>" + html.escape(title) + "</title>"
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse}"
+        "td,th{border:1px solid #999;padding:4px 10px;text-align:right}</style></head><body>"
+        f"<h1>{html.escape(title)}</h1><table><tr><th>run</th><th>best τ</th><th>steps</th>"
+        "<th>wall time</th><th>launches</th><th>state</th></tr>" + "".join(rows) + "</table>"
+        f"<p><img alt='run report' width='{picture.width}' src='data:image/png;base64,{image}'></p>"
+        "</body></html>\n"
+    )
+
+
+def write(histories: list[RunHistory], path: str, title: str) -> Picture:
+    """Draw `histories` into `path`: HTML for a .html/.htm name, else PNG."""
+    picture = draw(histories, title)
+    if path.lower().endswith((".html", ".htm")):
+        data = html_page(histories, picture, title).encode()
+    else:
+        data = picture.png
+    with open(path, "wb") as f:
+        f.write(data)
+    return picture
