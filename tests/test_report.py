@@ -388,3 +388,49 @@ def test_the_report_script_runs_where_only_the_standard_library_is(workdir, tmp_
         "train-0002.metrics.jsonl",
     ]
     assert out["job_state"]["state"] == "stopped" and out["errors"] == []
+
+
+def test_gpu_memory_is_drawn_when_the_step_records_carry_it(tmp_path):
+    from trainer import report_plot
+
+    lines = [
+        metrics_format.encode(
+            "start", time=0.0, config={}, devices=["cuda:0"], compile_lock="lock", total_steps=50, pid=1
+        )
+    ]
+    lines += [
+        metrics_format.encode(
+            "step",
+            time=float(s),
+            step=s,
+            total_steps=50,
+            loss=5.0 / s,
+            acc=[0.5, 0.3],
+            tokens_per_s=1000.0 + s,
+            gpu_memory_gib=10.0 + (s % 7),
+        )
+        for s in range(1, 51)
+    ]
+    lines += [metrics_format.encode("eval", time=50.0, step=50, tau=1.6, acceptance=[0.5, 0.1])]
+    history = run_summary.history_from_lines("gpu run", [lines])
+    assert history.gpu_memory_gib[:2] == (11.0, 12.0) and history.wall_s == 50.0
+    picture = report_plot.write([history], str(tmp_path / "gpu.png"), "gpu run")
+    assert "gpu_memory" in picture.panels
+    built = report.Report(
+        "box", (history,), None, panels=picture.panels, size=(picture.width, picture.height)
+    )
+    assert_real_plot(tmp_path / "gpu.png", built)
+
+
+def test_peak_gpu_memory_reads_and_restarts_the_allocator_peaks(monkeypatch):
+    """No GPU here: torch.cuda's two allocator counters are stood in for."""
+    import torch
+
+    from trainer.train import peak_gpu_memory_gib
+
+    peaks = {"cuda:0": 3 * 2**30, "cuda:1": 5 * 2**30}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev: peaks[dev])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev: peaks.__setitem__(dev, 0))
+    assert peak_gpu_memory_gib(["cpu"]) is None
+    assert peak_gpu_memory_gib(["cuda:0", "cuda:1", "cuda:1"]) == 5.0
+    assert peaks == {"cuda:0": 0, "cuda:1": 0}

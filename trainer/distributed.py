@@ -297,7 +297,8 @@ def _loop(parts, rank: Rank, device: str, metrics: MetricsWriter, stop: StopRequ
             step = stop.last_step = last.step
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
             metrics.step(step=step, total_steps=total, loss=last.loss, acc=last.acc, tokens_per_s=tokens_per_s,
-                         eta_s=eta_s, lr=last.lr, grad_norm=last.grad_norm, epoch=step / plan.steps_per_epoch)
+                         eta_s=eta_s, lr=last.lr, grad_norm=last.grad_norm, epoch=step / plan.steps_per_epoch,
+                         gpu_memory_gib=threaded.peak_gpu_memory_gib([device]))
             if evaluator is not None and evaluator.due(step, total):
                 evaluator.run(replica.model.module, step, metrics)
                 throughput.last = throughput.clock()

@@ -7,7 +7,8 @@ Every record has `v` (format version), `event` and `time` (unix seconds). Events
 - start:      config (dict), devices (list[str]), compile_lock (str), total_steps (int), pid (int)
 - step:       step (int, 1-based count of optimizer steps done), total_steps, loss (float),
               acc (list[float], per block position 1..B-1), tokens_per_s (float, block tokens trained
-              per second over the last interval), eta_s (float), lr, grad_norm, epoch (float)
+              per second over the last interval), eta_s (float), lr, grad_norm, epoch (float);
+              on CUDA also gpu_memory_gib (float, peak memory allocated on the process's GPUs in the step)
 - compile:    thread (str), duration_s (float), step (int), reason (str)
 - checkpoint: step, path
 - eval:       step (int), tau (float, mean tokens accepted per target forward, bonus included),

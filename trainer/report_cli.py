@@ -54,7 +54,13 @@ def run_report(args: argparse.Namespace) -> int:
         read = metrics_history.read_thinned(args.metrics)
     except OSError as exc:
         return fail(f"cannot read {args.metrics}: {exc.strerror}")
-    name = os.path.basename(os.path.dirname(os.path.abspath(args.metrics))) or args.metrics
+    path = os.path.abspath(args.metrics)
+    # <output-dir>/metrics.jsonl is named by its run dir; any other file by its own name
+    name = (
+        os.path.basename(os.path.dirname(path))
+        if os.path.basename(path) == "metrics.jsonl"
+        else os.path.basename(path).removesuffix(".jsonl").removesuffix(".metrics")
+    )
     history = run_summary.history_from_lines(name, [read["lines"]])
     try:
         report_plot.write([history], args.out, title=f"DFlash run {name}")

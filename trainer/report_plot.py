@@ -84,8 +84,10 @@ def draw(histories: list[RunHistory], title: str = "") -> Picture:
     for index, run in enumerate(runs):
         colour = colours[index % len(colours)]
         label = run.name if overlay else None
-        panel["loss"].plot(run.steps, run.loss, color=colour, lw=1.2, label=label)
         window = max(1, len(run.steps) // 50)
+        if window > 1:  # the raw per-step loss is noisy: faint, under its trailing mean
+            panel["loss"].plot(run.steps, run.loss, color=colour, lw=0.6, alpha=0.3)
+        panel["loss"].plot(run.steps, _smooth(run.loss, window), color=colour, lw=1.4, label=label)
         panel["tau"].plot(
             run.steps,
             _smooth(run.tau_expected, window),
@@ -162,7 +164,9 @@ def _acceptance(ax, run: RunHistory, colour, overlay: bool) -> None:
 
 
 def _titles(panel, runs: list[RunHistory], plt) -> None:
-    panel["loss"].set(title="training loss", xlabel="step", ylabel="loss")
+    panel["loss"].set(
+        title="training loss (trailing mean over 2% of the steps)", xlabel="step", ylabel="loss"
+    )
     panel["tau"].set(title="τ (acceptance length)", xlabel="step", ylabel="tokens per target forward")
     panel["acceptance"].set(
         title="acceptance per block position",

@@ -152,6 +152,18 @@ def resumed_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, steps_done: 
                                              last_epoch=steps_done - 1)
 
 
+def peak_gpu_memory_gib(devices: list[str]) -> float | None:
+    """The most memory allocated on any of these CUDA devices since the last call (GiB), then the
+    peaks start again; None without CUDA devices. Reads allocator counters: no device sync."""
+    cuda = sorted({dev for dev in devices if dev.startswith("cuda")})
+    if not cuda:
+        return None
+    peak = max(torch.cuda.max_memory_allocated(dev) for dev in cuda)
+    for dev in cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    return peak / 2**30
+
+
 def make_loss_fn(cfg: TrainConfig):
     """The DFlash objective for one replica and one batch (runs inside the compile guard)."""
     block, num_anchors, gamma = cfg.drafter.block_size, cfg.train.num_anchors, cfg.train.gamma
@@ -284,7 +296,8 @@ def _loop(parts: LoopParts, metrics: MetricsWriter, stop: StopRequest) -> RunRes
             step = stop.last_step = last.step
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
             metrics.step(step=step, total_steps=total, loss=last.loss, acc=last.acc, tokens_per_s=tokens_per_s,
-                         eta_s=eta_s, lr=last.lr, grad_norm=last.grad_norm, epoch=step / plan.steps_per_epoch)
+                         eta_s=eta_s, lr=last.lr, grad_norm=last.grad_norm, epoch=step / plan.steps_per_epoch,
+                         gpu_memory_gib=peak_gpu_memory_gib(cfg.run.target_devices + cfg.run.drafter_devices))
             if evaluator is not None and evaluator.due(step, total):
                 evaluator.run(replicas[0].model, step, metrics)
                 throughput.last = throughput.clock()  # the next step's tok/s counts training only
