@@ -17,11 +17,10 @@ import pytest
 
 from dflash_ops import jobpaths, jobstate, report
 from dflash_ops.errors import InputError
-from dflash_ops.model import Target
+from dflash_ops.model import Job, Target
 from dflash_ops.remote import report_read
 from trainer import metrics_format, metrics_history, run_summary
 
-from conftest import RUNNING_CT, _ensure, checked, make_job
 
 pytest.importorskip("matplotlib")
 pytestmark = pytest.mark.timeout(300)
@@ -45,6 +44,10 @@ SHORT = [
     "eval.max_new_tokens=8",
 ]
 STEPS = 12
+
+
+def make_job(workdir: Path) -> Job:
+    return Job(workdir=str(workdir), python=sys.executable, config="tiny-cpu")
 
 
 def trainer_argv(output_dir: Path, metrics: Path, *more: str) -> list[str]:
@@ -151,20 +154,13 @@ def check_history(built: report.Report, workdir: Path) -> None:
     assert built.job_state == "stopped"
 
 
-def ssh_job_target(kind: str, workdir: Path, ssh_spec, pct_sim_root) -> Target:
-    if kind == "ssh":
-        return checked(Target(name="box", transport="ssh", job=make_job(workdir), ssh=ssh_spec))
-    _ensure(pct_sim_root, RUNNING_CT, True)
-    return checked(
-        Target(name=f"ct{RUNNING_CT}", transport="pct", job=make_job(workdir), ssh=ssh_spec, ctid=RUNNING_CT)
-    )
-
-
 @pytest.mark.parametrize("kind", ["ssh", "pct"])
 def test_report_over_the_transport_draws_the_run_in_one_round_trip(
-    kind, workdir, ssh_spec, pct_sim_root, tmp_path, monkeypatch
+    kind, workdir, request, tmp_path, monkeypatch
 ):
-    target = ssh_job_target(kind, workdir, ssh_spec, pct_sim_root)
+    # the conftest's real sshd / pct simulator target, with this module's job
+    fixture = request.getfixturevalue("ssh_target" if kind == "ssh" else "pct_target")
+    target = dataclasses.replace(fixture, job=make_job(workdir))
     from dflash_ops.transport import factory
 
     made = []
@@ -374,6 +370,19 @@ def test_dflash_train_report_draws_a_local_metrics_file(workdir, tmp_path):
     assert main(["report", str(empty), "-o", str(tmp_path / "e.png")]) == 2
     assert main(["report", str(tmp_path / "missing.jsonl")]) == 2
     assert not (tmp_path / "e.png").exists()
+
+
+def test_dflash_train_report_without_matplotlib_is_one_line_exit_2(workdir, tmp_path, monkeypatch, capsys):
+    from trainer.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    metrics = Path(make_job(workdir).log_dir) / "train-0001.metrics.jsonl"
+    assert main(["report", str(metrics), "-o", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err == (
+        "dflash-train report: drawing a report needs matplotlib: pip install matplotlib "
+        "(or the dflash-ops[report] extra)\n"
+    )
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_the_report_script_runs_where_only_the_standard_library_is(workdir, tmp_path):

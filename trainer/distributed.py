@@ -66,6 +66,11 @@ class Rank:
     def is_lead(self) -> bool:
         return self.rank == 0
 
+    def trackers(self, cfg: TrainConfig) -> list[str]:
+        """The experiment trackers this rank reports to: rank 0's only, so a run is one tracker run
+        (the other hosts' metrics files are for their own status)."""
+        return list(cfg.run.report_to) if self.is_lead else []
+
     def speaks(self, cfg: TrainConfig) -> bool:
         """Writes metrics and readable lines: rank 0; on other hosts their local rank 0 too, when
         given its own --metrics-file (dflash-ops does), so each host's status sees the run."""
@@ -212,10 +217,9 @@ def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = N
     if not speaks:
         sys.stdout = open(os.devnull, "w")  # the other ranks speak only when they fail
     out = out if out is not None else sys.stdout
-    # trackers: rank 0 only (the other hosts' metrics files are for their own status)
     metrics = MetricsWriter(cfg.metrics_path if speaks else os.devnull,
                             out=out if speaks else open(os.devnull, "w"), tty=tty, log_every=cfg.run.log_every,
-                            report_to=cfg.run.report_to if rank.is_lead else (), report_dir=cfg.run.output_dir)
+                            report_to=rank.trackers(cfg), report_dir=cfg.run.output_dir)
     guard = CompileGuard(cfg.run.compile_lock, on_event=lambda e: metrics.compile(
         f"rank{rank.rank}/{e.get('thread', '?')}", e.get("duration_s") or 0.0, e.get("step", -1),
         e.get("reason", "")))

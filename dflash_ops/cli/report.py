@@ -27,9 +27,9 @@ def report(obj, target, run, all_runs, out):
     finished. No metrics yet: one line, exit 2.
 
     \b
-    Example:
-      $ dflash-ops report -t gpu-box -o run.html
-      [gpu-box] run 0003: 1200/90000 steps, best τ 3.412 (step 1200), 2h01m12s, 2 launches
+    Example (the bundled tiny run, stopped once and resumed):
+      $ dflash-ops report -t demo -o run.html
+      [demo] run 0002: 512/512 steps, best τ 1.579 (step 240), 0m44s, 2 launches, finished
       wrote run.html
     """
     from .. import report as report_lib

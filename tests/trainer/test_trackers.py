@@ -42,13 +42,15 @@ TINY = [
 ]
 
 
-def run_tiny(tmp_path: Path, report_to: str, block_import: str = "") -> subprocess.CompletedProcess:
-    """The trainer in its own process; `block_import` names a module made unimportable there."""
+def run_tiny(tmp_path: Path, report_to: str, block_imports: tuple = ()) -> subprocess.CompletedProcess:
+    """The trainer in its own process; `block_imports` are modules made unimportable there."""
     out = tmp_path / "run"
     argv = [*TINY, "--output-dir", str(out), "--set", f"run.report_to={report_to}"]
     code = (
-        f"import sys; sys.modules[{block_import!r}] = None; " if block_import else "import sys; "
-    ) + f"from trainer.cli import main; sys.exit(main({argv!r}))"
+        "import sys\n"
+        + "".join(f"sys.modules[{name!r}] = None\n" for name in block_imports)
+        + f"from trainer.cli import main\nsys.exit(main({argv!r}))"
+    )
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -106,8 +108,9 @@ def test_tensorboard_scalars_equal_the_metrics_file(tmp_path):
 
 
 def test_wandb_offline_writes_its_run_and_a_missing_tracker_is_one_line(tmp_path):
+    """Also: the trainer runs without matplotlib (only the report draws)."""
     pytest.importorskip("wandb")
-    done = run_tiny(tmp_path, "[wandb, mlflow]", block_import="mlflow")
+    done = run_tiny(tmp_path, "[wandb, mlflow]", block_imports=("mlflow", "matplotlib"))
     assert done.returncode == 0, done.stderr[-2000:]
     said = [line for line in done.stdout.splitlines() if "report_to" in line and "mlflow" in line]
     assert said == [
@@ -267,3 +270,12 @@ def test_report_to_typo_names_the_tracker_and_the_fix():
         "mlflow",
     ]
     assert load_config("tiny-cpu", {}).run.report_to == []
+
+
+def test_under_torchrun_only_rank_0_reports():
+    from trainer.distributed import Rank
+
+    cfg = load_config("tiny-cpu", {"run.report_to": ["tensorboard"], "run.metrics_file": "m.jsonl"})
+    other_host_lead = Rank(rank=2, world_size=4, local_rank=0)
+    assert other_host_lead.speaks(cfg) and other_host_lead.trackers(cfg) == []
+    assert Rank(rank=0, world_size=4, local_rank=0).trackers(cfg) == ["tensorboard"]
