@@ -420,9 +420,14 @@ def test_gpu_memory_is_drawn_when_the_step_records_carry_it(tmp_path):
         )
         for s in range(1, 51)
     ]
-    lines += [metrics_format.encode("eval", time=50.0, step=50, tau=1.6, acceptance=[0.5, 0.1])]
+    lines += [
+        metrics_format.encode(
+            "eval", time=50.0, step=50, tau=1.6, acceptance=[0.5, 0.1], tau_per_prompt_mean=1.7
+        )
+    ]
     history = run_summary.history_from_lines("gpu run", [lines])
     assert history.gpu_memory_gib[:2] == (11.0, 12.0) and history.wall_s == 50.0
+    assert history.evals[0].tau_per_prompt_mean == 1.7
     picture = report_plot.write([history], str(tmp_path / "gpu.png"), "gpu run")
     assert "gpu_memory" in picture.panels
     built = report.Report(
@@ -443,3 +448,35 @@ def test_peak_gpu_memory_reads_and_restarts_the_allocator_peaks(monkeypatch):
     assert peak_gpu_memory_gib(["cpu"]) is None
     assert peak_gpu_memory_gib(["cuda:0", "cuda:1", "cuda:1"]) == 5.0
     assert peaks == {"cuda:0": 0, "cuda:1": 0}
+
+
+def test_a_launch_killed_without_last_words_and_an_error_are_marked():
+    def launch(first, last, *tail):
+        lines = [
+            metrics_format.encode(
+                "start", time=float(first), config={}, devices=[], compile_lock="lock", total_steps=30, pid=1
+            )
+        ]
+        lines += [
+            metrics_format.encode(
+                "step", time=float(s), step=s, total_steps=30, loss=1.0, acc=[0.5], tokens_per_s=10.0
+            )
+            for s in range(first, last + 1)
+        ]
+        return lines + [metrics_format.encode(t[0], time=float(last), **t[1]) for t in tail]
+
+    history = run_summary.history_from_lines(
+        "r",
+        [
+            launch(1, 10),  # SIGKILLed: no done record
+            launch(11, 20, ("error", {"message": "boom", "kind": "cuda_oom"})),
+            launch(21, 30, ("done", {"step": 30, "reason": "max_steps"})),
+        ],
+    )
+    assert [(m.kind, m.step) for m in history.markers] == [
+        ("ended", 10),
+        ("relaunch", 10),
+        ("error", 20),
+        ("relaunch", 20),
+    ]
+    assert history.finished and history.launches == 3 and history.wall_s == 9.0 * 3

@@ -85,6 +85,7 @@ def draw(histories: list[RunHistory], title: str = "") -> Picture:
         colour = colours[index % len(colours)]
         label = run.name if overlay else None
         window = max(1, len(run.steps) // 50)
+        prefix = run.name + ": " if overlay else ""
         if window > 1:  # the raw per-step loss is noisy: faint, under its trailing mean
             panel["loss"].plot(run.steps, run.loss, color=colour, lw=0.6, alpha=0.3)
         panel["loss"].plot(run.steps, _smooth(run.loss, window), color=colour, lw=1.4, label=label)
@@ -94,7 +95,7 @@ def draw(histories: list[RunHistory], title: str = "") -> Picture:
             color=colour,
             lw=1.0,
             ls="--",
-            label=f"{run.name + ': ' if overlay else ''}expected from accuracy",
+            label=f"{prefix}expected from accuracy",
         )
         if run.evals:
             panel["tau"].plot(
@@ -104,7 +105,19 @@ def draw(histories: list[RunHistory], title: str = "") -> Picture:
                 lw=1.8,
                 marker="o",
                 ms=5,
-                label=f"{run.name + ': ' if overlay else ''}measured",
+                label=f"{prefix}measured (pooled)",
+            )
+        per_prompt = [(e.step, e.tau_per_prompt_mean) for e in run.evals if e.tau_per_prompt_mean is not None]
+        if per_prompt:
+            panel["tau"].plot(
+                [step for step, _ in per_prompt],
+                [tau for _, tau in per_prompt],
+                color=colour,
+                lw=1.0,
+                ls=":",
+                marker="s",
+                ms=4,
+                label=f"{prefix}measured (mean of per-prompt)",
             )
         _acceptance(panel["acceptance"], run, colour, overlay)
         panel["tokens_per_s"].plot(run.steps, run.tokens_per_s, color=colour, lw=1.0, label=label)

@@ -17,8 +17,9 @@ from .metrics import format_duration
 @dataclasses.dataclass(frozen=True)
 class EvalPoint:
     step: int
-    tau: float
+    tau: float  # the contract's `tau`: pooled over all rounds
     acceptance: tuple[float, ...]
+    tau_per_prompt_mean: float | None = None  # the mean of per-prompt means, when recorded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +141,14 @@ def history(name: str, launches: list[list[dict]]) -> RunHistory:
             elif event == "eval" and step is not None:
                 tau = _float(record.get("tau"))
                 if tau is not None:
-                    evals.append(EvalPoint(step, tau, _floats(record.get("acceptance")) or ()))
+                    evals.append(
+                        EvalPoint(
+                            step,
+                            tau,
+                            _floats(record.get("acceptance")) or (),
+                            _float(record.get("tau_per_prompt_mean")),
+                        )
+                    )
             elif event == "done" and step is not None:
                 reason = str(record.get("reason"))[:80]
                 finished = reason == "max_steps"

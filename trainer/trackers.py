@@ -40,8 +40,8 @@ def scalars_of(record: dict) -> tuple[int, dict[str, float]] | None:
 
     Step records give train/<field> (acc as train/acc/pos1.., plus train/tau_expected, the
     acceptance length the accuracies predict); eval records eval/<field> (acceptance as
-    eval/acceptance/pos1..); compile records compile/duration_s. Fields added to the contract
-    later are reported under their own names.
+    eval/acceptance/pos1.., a mapping of numbers as eval/<field>/<key>); compile records
+    compile/duration_s. Fields added to the contract later are reported under their own names.
     """
     event = record.get("event")
     step = record.get("step")
@@ -62,6 +62,11 @@ def scalars_of(record: dict) -> tuple[int, dict[str, float]] | None:
                 if number is not None:
                     label = f"pos{index + first}" if name in _PER_POSITION else str(index + first)
                     values[f"{prefix}/{name}/{label}"] = number
+        elif isinstance(value, dict):  # e.g. a {min, median, max} summary
+            for key, item in value.items():
+                number = _number(item)
+                if number is not None:
+                    values[f"{prefix}/{name}/{key}"] = number
         else:
             number = _number(value)
             if number is not None:

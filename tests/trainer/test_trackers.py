@@ -247,7 +247,8 @@ def test_scalars_of_reports_fields_added_to_the_contract_later():
             "eval",
             step=4,
             tau=2.5,
-            tau_per_prompt=2.25,
+            tau_per_prompt_mean=2.25,
+            tau_per_prompt={"min": 1.0, "median": 2.0, "max": 4.0},
             acceptance=[0.75],
             lossless=None,
             prompts=2,
@@ -256,7 +257,8 @@ def test_scalars_of_reports_fields_added_to_the_contract_later():
         )
     )
     step, values = trackers.scalars_of(record)
-    assert step == 4 and values["eval/tau_per_prompt"] == 2.25 and values["eval/acceptance/pos1"] == 0.75
+    assert step == 4 and values["eval/tau_per_prompt_mean"] == 2.25 and values["eval/acceptance/pos1"] == 0.75
+    assert values["eval/tau_per_prompt/median"] == 2.0 and values["eval/tau_per_prompt/max"] == 4.0
     assert "eval/lossless" not in values and "eval/time" not in values
 
 
