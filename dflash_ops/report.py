@@ -15,7 +15,7 @@ import re
 
 from trainer import metrics_history, run_summary
 
-from . import jobpaths
+from . import jobpaths, jobstate
 from .errors import DflashOpsError, InputError, RemoteCommandError
 from .model import Target
 from .remote import bundle, python_command
@@ -135,8 +135,8 @@ def build(target_name: str, runs: list[FetchedRun], state: dict | None) -> Repor
     if not with_steps:
         which = ", ".join(f"run {r.run}" for r in runs) or "the job"
         raise NoMetrics(f"[{target_name}] {which}: no metrics yet (no step record); nothing to draw")
-    job_state = state.get("state") if state and isinstance(state.get("state"), str) else None
-    return Report(target_name, with_steps, job_state)
+    parsed = jobstate.JobState.from_dict(state)
+    return Report(target_name, with_steps, parsed.state if parsed else None)
 
 
 def report(target: Target, selection: str, out_path: str) -> Report:

@@ -480,3 +480,22 @@ def test_a_launch_killed_without_last_words_and_an_error_are_marked():
         ("relaunch", 20),
     ]
     assert history.finished and history.launches == 3 and history.wall_s == 9.0 * 3
+
+
+def test_the_plot_check_fails_on_an_empty_panel(tmp_path):
+    """assert_real_plot can fail: without eval records the acceptance panel holds only grey text."""
+    from trainer import report_plot
+
+    lines = [
+        metrics_format.encode(
+            "step", time=float(s), step=s, total_steps=20, loss=1.0 / s, acc=[0.5], tokens_per_s=5.0 + s
+        )
+        for s in range(1, 21)
+    ]
+    history = run_summary.history_from_lines("no evals", [lines])
+    picture = report_plot.write([history], str(tmp_path / "p.png"), "")
+    built = report.Report(
+        "box", (history,), None, panels=picture.panels, size=(picture.width, picture.height)
+    )
+    with pytest.raises(AssertionError, match="panel acceptance"):
+        assert_real_plot(tmp_path / "p.png", built)
