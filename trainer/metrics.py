@@ -108,7 +108,8 @@ class MetricsWriter:
             self.say(line)
 
     def step(self, *, step: int, total_steps: int, loss: float, acc: list[float], tokens_per_s: float,
-             eta_s: float, lr: float, grad_norm: float, epoch: float, gpu_memory_gib: float | None = None) -> None:
+             eta_s: float, lr: float, grad_norm: float, epoch: float,
+             gpu_memory_gib: float | None = None) -> None:
         more = {} if gpu_memory_gib is None else {"gpu_memory_gib": gpu_memory_gib}
         self.record("step", step=step, total_steps=total_steps, loss=loss, acc=list(acc),
                     tokens_per_s=tokens_per_s, eta_s=eta_s, lr=lr, grad_norm=grad_norm, epoch=epoch, **more)
