@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from .. import inventory as inventory_lib, playbook
+from .. import inventory as inventory_lib
 from ..errors import InputError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -27,6 +27,8 @@ class Obj:
         return self.inventory.resolve(name)
 
     def search_dirs(self):
+        from .. import playbook
+
         return playbook.playbook_search_dirs(self.playbook_dir, self.inventory.source)
 
 

@@ -7,14 +7,18 @@ import threading
 
 import click
 
-from .. import deploy as deploy_lib, ops, playbook
 from ..errors import InputError
-from ..fanout import fan_out
-from ..progress_view import ProgressPrinter
 from .group import Obj, cli, dry_run_option, grace_option, one_target, target_option
 
 
-def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, runner=ops.run_playbook) -> int:
+def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, runner=None) -> int:
+    """Run playbook `book` on each target (`runner`: ops.run_playbook or one with its signature)."""
+    from .. import ops, playbook
+    from ..fanout import fan_out
+    from ..progress_view import ProgressPrinter
+
+    runner = runner or ops.run_playbook
+
     targets = obj.targets(target_name)
     many = len(targets) > 1
     lock = threading.Lock()
@@ -100,6 +104,8 @@ def stop(obj, target, dry_run, grace):
     """Stop the job: SIGTERM its processes (it checkpoints), SIGKILL after the grace period,
     remove the tmux session, record the stop (health then reports OK and never relaunches it
     until the next relaunch), end leftover GPU processes, wait for them to leave the GPUs."""
+    from .. import ops
+
     sys.exit(run_book(obj, target, "stop", {"grace": grace}, dry_run, runner=ops.stop_job))
 
 
@@ -141,6 +147,8 @@ def purge_cache(obj, target, dry_run):
 @click.pass_obj
 def deploy(obj, target, dry_run, rollback, list_):
     """Deploy the bundled trainer as a versioned release (checksum, atomic `current` switch)."""
+    from .. import deploy as deploy_lib, ops
+
     if list_:
         if rollback is not None:
             raise InputError("--list and --rollback: give one of them")

@@ -9,9 +9,8 @@ import time
 
 import click
 
-from .. import budget, health, ops, status as status_lib
+from .. import budget
 from ..errors import DflashOpsError, InputError
-from ..fanout import fan_out
 from .group import answer_within_option, cli, one_target, target_option
 
 
@@ -38,6 +37,9 @@ def status(obj, target, as_json, watch, timeout):
       gpu-box  pve1 ct 200  ...
       [0] NVIDIA H200 | 71234 / 143771 MiB |  97 % | target  | 41872
     """
+    from .. import health, ops, status as status_lib
+    from ..fanout import fan_out
+
     targets = obj.targets(target)
     while True:
         checked = [o.value for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))]
@@ -76,6 +78,9 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
       $ dflash-ops health -t gpu-box
       DFLASH OK: gpu-box: step 1200/90000, loss 2.31, 51.2 Ktok/s | step=1200 tokens_per_s=51234;20000: ...
     """
+    from .. import health, ops
+    from ..fanout import fan_out
+
     try:
         targets = obj.targets(target)
     except DflashOpsError as exc:  # the check itself could not run: UNKNOWN, not CRITICAL
@@ -136,6 +141,8 @@ def tail_log(obj, target, lines, follow, grep, log):
       step 1199/90000 loss 2.3127 acc@1 0.712 51.3 Ktok/s lr 5.98e-04 eta 20:41:10
       step 1200/90000 loss 2.3088 acc@1 0.714 51.2 Ktok/s lr 5.98e-04 eta 20:41:02
     """
+    from .. import ops
+
     tgt = one_target(obj, target)
     try:
         ops.tail_log(tgt, lines, follow, grep, log, emit=click.echo)
@@ -148,7 +155,7 @@ def tail_log(obj, target, lines, follow, grep, log):
 @click.pass_obj
 def attach(obj, target):
     """Attach your terminal to the job's tmux session (detach with Ctrl-b d)."""
-    from .. import tmux
+    from .. import ops, tmux
 
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise InputError(
