@@ -29,7 +29,10 @@ def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, run
 
     def show(progress):
         with lock:
-            printer(progress)
+            try:
+                printer(progress)
+            except BrokenPipeError:
+                pass  # the reader left (`| head`): the playbook still runs to its end, silently
 
     dirs = obj.search_dirs()
     # Validate once before any target is touched: a bad playbook or option is exit 2 for all.
