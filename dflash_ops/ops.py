@@ -204,6 +204,17 @@ def list_releases(target: Target) -> list[deploy.Release]:
         )
 
 
+def require_kept_release(target: Target, release: str) -> None:
+    """`deploy --rollback RELEASE`: RELEASE must be kept on the target, checked before anything
+    switches (a mistyped id is the user's mistake: one line, exit 2)."""
+    kept = [r.id for r in list_releases(target)]
+    if release not in kept:
+        raise InputError(
+            f"--rollback {release}: no such release kept on {target.name} (kept: {', '.join(kept) or 'none'}); "
+            "`dflash-ops deploy --list` shows them"
+        )
+
+
 # ------------------------------------------------------------------ logs
 
 LIST_LOGS = "ls -1 {dir} 2>/dev/null | tr '\\n' /; echo"  # names on one line; facts.newest_log_name picks

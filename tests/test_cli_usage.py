@@ -56,3 +56,16 @@ def test_output_into_a_pipe_whose_reader_leaves_ends_quietly(tmp_path):
     assert proc.wait(timeout=120) in (0, 1)
     assert head[0].startswith("relaunch: ran ") and head[1].startswith("[1/")
     assert "Broken pipe" not in err and "Exception ignored" not in err and "Traceback" not in err, err
+
+
+def test_rollback_to_a_release_that_is_not_kept_is_one_line_and_exit_2(tmp_path):
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(f"targets:\n  local:\n    transport: local\n    job: {{workdir: {tmp_path}/w, "
+                         "python: /usr/bin/python3, config: tiny-cpu, session: job}\n")
+    assert run(tmp_path, "--inventory", str(inventory), "deploy").returncode == 0
+    kept = run(tmp_path, "--inventory", str(inventory), "deploy", "--list").stdout.split()[1]
+    proc = run(tmp_path, "--inventory", str(inventory), "deploy", "--rollback", "nosuchrelease")
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.count("nosuchrelease") == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"kept: {kept}" in proc.stderr and "exit code" not in proc.stderr
+    assert f"* {kept}" in run(tmp_path, "--inventory", str(inventory), "deploy", "--list").stdout  # unchanged

@@ -162,4 +162,7 @@ def deploy(obj, target, dry_run, rollback, list_):
         sys.exit(run_book(obj, target, "deploy", {}, dry_run))
     if rollback:
         deploy_lib.check_release_id(rollback)
+        if not dry_run:
+            for tgt in obj.targets(target):
+                ops.require_kept_release(tgt, rollback)
     sys.exit(run_book(obj, target, "rollback", {"release": rollback or deploy_lib.PREVIOUS}, dry_run))
