@@ -210,8 +210,8 @@ def require_kept_release(target: Target, release: str) -> None:
     kept = [r.id for r in list_releases(target)]
     if release not in kept:
         raise InputError(
-            f"--rollback {release}: no such release kept on {target.name} (kept: {', '.join(kept) or 'none'}); "
-            "`dflash-ops deploy --list` shows them"
+            f"--rollback {release}: no such release kept on {target.name} "
+            f"(kept: {', '.join(kept) or 'none'}); `dflash-ops deploy --list` shows them"
         )
 
 

@@ -350,6 +350,9 @@ def mark_stopped(ctx: StepContext) -> StepOutcome:
     if result is None:
         return StepOutcome(f"would record `stopped` in {jobpaths.state_file(ctx.job)}")
     clock, previous = jobstate.parse_read(result.stdout)
+    if previous is not None and previous.state == jobstate.FINISHED:
+        # a completed run is not an interrupted one: status and health keep reporting it as finished
+        return StepOutcome("job state kept: the run had finished")
     ctx.run(quote_argv(["mkdir", "-p", ctx.job.workdir]), timeout=30)
     ctx.put(jobstate.encode(jobstate.stopped(previous, clock)), jobpaths.state_file(ctx.job))
     return StepOutcome(f"job state: stopped by {jobstate.STOPPED_BY}")
