@@ -388,6 +388,7 @@ def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float)
     started = time.monotonic()
     deadline = started + timeout_s
     why = f"no training step after {timeout_s:g}s"
+    shown_line = ""
     while True:
         result = ctx.run(_watch_script(ctx.job, log), timeout=60, check=False)
         if result is None:
@@ -422,10 +423,12 @@ def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float)
             break
         if time.monotonic() > deadline:
             break
-        ctx.status(
-            f"waiting for the first step: {time.monotonic() - started:.0f} s of {timeout_s:g} s; "
-            f"log: {' '.join(last_line.split())[:160] or '(empty)'}"
-        )
+        # each new last line of the log once, as a line that stays; the elapsed time as the status
+        line = " ".join(last_line.split())[:160]
+        if line and line != shown_line:
+            ctx.log(f"log: {line}")
+            shown_line = line
+        ctx.status(f"waiting for the first step: {time.monotonic() - started:.0f} s of {timeout_s:g} s")
         ctx.commands.clear()
         time.sleep(poll_s)
     read = ctx.run(quote_argv(["tail", "-n", "400", log]), timeout=30, check=False)
