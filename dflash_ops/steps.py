@@ -1,4 +1,4 @@
-"""The step library behind playbooks/: stop, clean GPUs, wait, purge, deploy, launch, confirm.
+"""The step library behind the playbooks: stop, clean GPUs, wait, purge, deploy, launch, confirm.
 
 Each step is a small function of a StepContext; every remote command goes through `ctx.run`, which
 records its exact command line (that is what --dry-run prints) and runs nothing under dry-run.

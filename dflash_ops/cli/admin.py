@@ -25,7 +25,7 @@ def targets(obj):
 
 @cli.group("playbook")
 def playbook_group():
-    """List or run playbooks (ordered steps in playbooks/*.yaml)."""
+    """List or run playbooks (ordered steps in YAML; `playbook list` shows where each one is)."""
 
 
 @playbook_group.command("list")

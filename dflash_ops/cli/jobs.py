@@ -76,7 +76,7 @@ def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, run
 def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus, timeout, grace):
     """Check, stop, clean the GPUs, purge the compile cache, deploy, launch in tmux, confirm step 1.
 
-    Runs playbooks/relaunch.yaml; safe to run twice in a row. The checks (python imports torch,
+    Runs the relaunch playbook; safe to run twice in a row. The checks (python imports torch,
     release, GPU query, no foreign GPU process, free disk) run before anything is stopped. It
     resumes the newest run, or starts a new one when that run finished; it clears a `stop`.
 
