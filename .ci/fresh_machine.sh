@@ -4,7 +4,8 @@
 # `env -i` with the stock PATH (so /usr/bin/python3, the system's PEP 668 python, is the python3
 # found; no pyenv), and a throwaway HOME. Each run must reach the first training step, get an
 # answer from `status` and end with the line saying how to run dflash-ops again.
-# usage: bash .ci/fresh_machine.sh        (prints the time of each run and the tail of its output)
+# usage: bash .ci/fresh_machine.sh                  (prints the time of each run and the tail of its output)
+#        bash .ci/fresh_machine.sh --print-command  (only prints the command, as read from the README)
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -12,6 +13,7 @@ command=$(awk '/^## Set up/ { in_setup = 1 }
                in_setup && /^```sh$/ { while ((getline line) > 0 && line != "```") print line; exit }' \
     "$repo/README.md")
 [ -n "$command" ] || { echo "fresh_machine: no \`\`\`sh block under '## Set up' in README.md" >&2; exit 1; }
+if [ "${1:-}" = --print-command ]; then printf '%s\n' "$command"; exit 0; fi
 
 stock_path=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 # a python3 in /usr/local/bin would shadow the system one a stock machine has
