@@ -9,17 +9,22 @@ from .. import inventory as inventory_lib
 from ..errors import InputError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
 TARGET_ENV_VAR = "DFLASH_OPS_TARGET"
+TARGET_HELP = "Target or group from the inventory (default: the inventory's default_target, else `local`)."
 
 
 class Obj:
-    def __init__(self, inventory_path: str | None, playbook_dir: str | None, target: str | None = None):
+    def __init__(
+        self,
+        inventory_path: str | None,
+        playbook_dir: str | None,
+        target: str | None = None,
+        target_from_env: bool = False,
+    ):
         self.inventory_path = inventory_path
         self.playbook_dir = playbook_dir
         self.target = target  # -t before the subcommand, or $DFLASH_OPS_TARGET
-        self.target_from_env = False
+        self.target_from_env = target_from_env
         self._inventory = None
 
     @property
@@ -35,9 +40,6 @@ class Obj:
         from .. import playbook
 
         return playbook.playbook_search_dirs(self.playbook_dir, self.inventory.source)
-
-
-TARGET_HELP = "Target or group from the inventory (default: the inventory's default_target, else `local`)."
 
 
 def _merge_target(ctx, param, value):
@@ -60,7 +62,6 @@ def target_option(f):
         default=None,
         metavar="NAME|GROUP",
         callback=_merge_target,
-        expose_value=True,
         help=TARGET_HELP,
     )(f)
 
@@ -89,8 +90,8 @@ def cli(ctx, inventory_path, playbook_dir, target):
 
     -t/--target works before or after the subcommand (`dflash-ops -t gpu-box status` is
     `dflash-ops status -t gpu-box`)."""
-    ctx.obj = Obj(inventory_path, playbook_dir, target)
-    ctx.obj.target_from_env = ctx.get_parameter_source("target") == click.core.ParameterSource.ENVIRONMENT
+    from_env = ctx.get_parameter_source("target") == click.core.ParameterSource.ENVIRONMENT
+    ctx.obj = Obj(inventory_path, playbook_dir, target, from_env)
 
 
 def dry_run_option(f):

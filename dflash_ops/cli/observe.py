@@ -32,7 +32,7 @@ def status(obj, target, as_json, watch, timeout):
     """GPUs, tmux session, step, loss, Ktok/s, ETA and a verdict, in one round trip per target.
 
     \b
-    Example (one H200; tests/test_help_examples.py keeps it equal to what this code prints):
+    Example (a tiny run on one H200):
       $ dflash-ops status
       local (vm)  probe 0.27 s
       [0] NVIDIA H200 |   0 % |   1901 / 143771 MiB | target  | python3/1072(1278M)
@@ -78,7 +78,7 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
     """For cron/Nagios: one line `DFLASH OK|WARNING|CRITICAL|UNKNOWN: … | perfdata`, exit 0/1/2/3.
 
     \b
-    Example (the same moment as `status --help` shows):
+    Example (the same moment):
       $ dflash-ops health
       DFLASH OK: local: step 240/300, loss 2.9870, 22.0 Ktok/s, last step 5 s ago | step=240;; loss=2.987;; tokens_per_s=22030.6515;1000:; age_s=5.1453;;120
     """  # noqa: E501 (a real output line)
