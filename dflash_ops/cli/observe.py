@@ -78,7 +78,7 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
     """For cron/Nagios: one line `DFLASH OK|WARNING|CRITICAL|UNKNOWN: … | perfdata`, exit 0/1/2/3.
 
     \b
-    Example (the same moment):
+    Example (a tiny run on one H200):
       $ dflash-ops health
       DFLASH OK: local: step 240/300, loss 2.9870, 22.0 Ktok/s, last step 5 s ago | step=240;; loss=2.987;; tokens_per_s=22030.6515;1000:; age_s=5.1453;;120
     """  # noqa: E501 (a real output line)
@@ -140,7 +140,7 @@ def tail_log(obj, target, lines, follow, grep, log):
     """Show the end of the current run's log (the one the job state names).
 
     \b
-    Example (the same run):
+    Example (a tiny run on one H200):
       $ dflash-ops tail-log -n 2
       step 239/300  loss 3.6034  acc@1 0.599  acc_avg 0.533  22,080 tok/s  lr 3.37e-04  gnorm 1.169  eta 0m07s
       step 240/300  loss 2.9870  acc@1 0.651  acc_avg 0.691  20,501 tok/s  lr 3.27e-04  gnorm 0.966  eta 0m07s
