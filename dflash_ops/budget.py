@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
-from .health import SEVERITY, Verdict
 from .model import Target
+
+if TYPE_CHECKING:  # the CLI reads this module's defaults at start-up, before any check runs
+    from .health import Verdict
 
 DEFAULT_HEALTH_S = 10.0  # NRPE's default check timeout
 DEFAULT_STATUS_S = 20.0
@@ -107,6 +109,8 @@ def mark_unknown_parts(status: dict, report) -> dict:
 def with_unknown_parts(verdict: Verdict, unknown: list[str]) -> Verdict:
     """The verdict with the parts that ran out of time reported as UNKNOWN: they lead the reasons,
     and the level is UNKNOWN unless what was seen is worse (a dead job stays CRITICAL)."""
+    from .health import SEVERITY
+
     if not unknown:
         return verdict
     level = verdict.level if SEVERITY[verdict.level] > SEVERITY["UNKNOWN"] else "UNKNOWN"

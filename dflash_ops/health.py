@@ -76,10 +76,11 @@ def evaluate(report, job: Job, now: float | None = None) -> Verdict:
     now = report.time if now is None else now
     progress = logs.progress(list(report.records))
     finished = progress.done_reason == "max_steps"
-    age = _progress_age(report, progress, now)
+    age = progress_age(report, progress, now)
+    accept = acceptance.latest(list(report.records))
     parked = unattended.parked(report, progress)
     if parked:  # an operator's stop or a finished run: like scheduled downtime, nothing to alert on
-        return Verdict("OK", (parked,), _perfdata(progress, age, {}, job))
+        return Verdict("OK", (parked,), _with_tau(_perfdata(progress, age, {}, job), accept, job))
     critical = _session_problems(report.session, finished) + _failures(report)
     if not progress.loss_is_finite:
         critical.append(f"loss is {progress.loss} at step {progress.step}")
@@ -90,25 +91,29 @@ def evaluate(report, job: Job, now: float | None = None) -> Verdict:
     if training:
         warning += _slowness(progress, job.health.min_tokens_per_s)
         warning += _idle_drafters(report.gpu, job, drafter_util)
-    accept = acceptance.latest(list(report.records))
     warning += acceptance.problems(accept, job.health.min_tau)
     # a part of the probe that failed (an unreadable log, say) leaves a blind spot: say so
     warning += [f"probe could not read part of the target: {error}" for error in report.errors]
     warning += unattended.warnings(report, job)
     level = "CRITICAL" if critical else "WARNING" if warning else "OK"
     reasons = critical + warning or [_ok_summary(progress, age, finished)]
-    perfdata = _perfdata(progress, age, drafter_util, job)
+    return Verdict(level, tuple(reasons), _with_tau(_perfdata(progress, age, drafter_util, job), accept, job))
+
+
+def _with_tau(perfdata: dict, accept, job: Job) -> dict:
+    """perfdata plus `tau` when the run evaluates it, whatever the job's state (status shows it too)."""
     if accept is not None or job.health.min_tau > 0:  # runs without tau evaluation keep their line
         perfdata["tau"] = Perf(
             accept.tau if accept else None,
             warn=f"{_number(job.health.min_tau)}:" if job.health.min_tau > 0 else "",
         )
-    return Verdict(level, tuple(reasons), perfdata)
+    return perfdata
 
 
-def _progress_age(report, progress: logs.Progress, now: float) -> float | None:
-    """Seconds since the last sign of training progress (never negative: the probe reads its clock
-    a moment before it reads the files, so a line written in between looks a little "future")."""
+def progress_age(report, progress: logs.Progress, now: float) -> float | None:
+    """Seconds since the last sign of training progress, to 0.01 s: the one age health judges and
+    status shows (never negative: the probe reads its clock a moment before it reads the files, so
+    a line written in between looks a little "future")."""
     if progress.last_step_time is not None:
         since = progress.last_step_time
     elif progress.start_time is not None:
@@ -117,7 +122,7 @@ def _progress_age(report, progress: logs.Progress, now: float) -> float | None:
         since = report.log.mtime  # no metrics at all: time since the log last changed
     else:
         return None
-    return max(0.0, now - since)
+    return max(0.0, round(now - since, 2))
 
 
 def _session_problems(session, finished: bool) -> list[str]:

@@ -7,9 +7,9 @@ import dataclasses
 import re
 import shlex
 import time
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-from . import budget, deploy, health, jobpaths, jobstate, playbook, status as status_lib, steps
+from . import budget, health, jobpaths, jobstate, status as status_lib
 from .errors import ContainerNotRunning, DflashOpsError, InputError, RemoteCommandError
 from .model import Target
 from .probe import run_probe
@@ -17,6 +17,12 @@ from .relaunch_guard import RelaunchGuard
 from .remote import facts, shell_command
 from .transport.base import quote_argv
 from .transport.factory import make_transport
+
+if TYPE_CHECKING:
+    from . import deploy, playbook
+
+# The playbook engine and the step library are imported by the functions that run playbooks, so
+# `status`, `health` and `tail-log` start without them.
 
 
 @contextlib.contextmanager
@@ -50,6 +56,8 @@ BUILTIN_FLAGS: dict[str, dict[str, str]] = {
 def load_book(name: str, search_dirs=None, options: dict | None = None) -> playbook.Loaded:
     """The playbook `name` names, checked against the step library; for a built-in command's
     name, also that a shadowing user file declares the options the given flags set."""
+    from . import playbook, steps
+
     dirs = playbook.playbook_search_dirs() if search_dirs is None else search_dirs
     return playbook.load_builtin(name, dirs, BUILTIN_FLAGS.get(name, {}), options, registry=steps.registry)
 
@@ -63,6 +71,8 @@ def run_playbook(
     search_dirs=None,
 ) -> playbook.PlaybookResult:
     """Load, validate (before touching anything) and run one playbook on one target."""
+    from . import playbook, steps
+
     book = load_book(name, search_dirs, options).playbook
     given = {k: v for k, v in (options or {}).items() if v is not None}
     with connect(target) as transport:
@@ -186,9 +196,22 @@ def auto_relaunch(target: Target, checked: Checked, search_dirs=None) -> HealthA
 
 def list_releases(target: Target) -> list[deploy.Release]:
     """The releases kept on the target, most recently deployed first."""
+    from . import deploy
+
     with connect(target) as transport:
         return deploy.parse_list(
             transport.check(deploy.list_script(target.job), timeout=30, step="list releases").stdout
+        )
+
+
+def require_kept_release(target: Target, release: str) -> None:
+    """`deploy --rollback RELEASE`: RELEASE must be kept on the target, checked before anything
+    switches (a mistyped id is the user's mistake: one line, exit 2)."""
+    kept = [r.id for r in list_releases(target)]
+    if release not in kept:
+        raise InputError(
+            f"--rollback {release}: no such release kept on {target.name} "
+            f"(kept: {', '.join(kept) or 'none'}); `dflash-ops deploy --list` shows them"
         )
 
 

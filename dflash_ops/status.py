@@ -8,7 +8,7 @@ from trainer import metrics_format
 
 from . import acceptance, gpu_owners, jobstate, logs
 from .gpu import IDLE_USED_MIB
-from .health import Verdict
+from .health import Verdict, progress_age
 
 COLORS = {"OK": "32", "WARNING": "33", "CRITICAL": "31", "UNKNOWN": "35"}
 
@@ -133,18 +133,16 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
     ]
     progress = logs.progress(list(report.records))
     status["data_source"] = data_source(report.records)
-    last_update = (
-        progress.last_record_time
-        if progress.last_record_time is not None
-        else (report.metrics.mtime if report.metrics else None)
-    )
+    # the age the verdict judged, so `status --json` carries one value for it (perfdata.age_s too)
+    judged = verdict.perfdata.get("age_s")
+    age = judged.value if judged is not None else progress_age(report, progress, report.time)
     status["training"] = {
         "step": progress.step,
         "total_steps": progress.total_steps,
         "loss": _finite(progress.loss),
         "tokens_per_s": _finite(progress.tokens_per_s),
         "eta_s": None if _ended(report, progress) else _finite(progress.eta_s),
-        "last_update_age_s": None if last_update is None else max(0.0, round(report.time - last_update, 1)),
+        "last_update_age_s": age,
         "finished": progress.done_reason == "max_steps",
     }
     status["eval"] = _eval_status(acceptance.latest(list(report.records)), report.time)

@@ -1,4 +1,4 @@
-"""The step library behind playbooks/: stop, clean GPUs, wait, purge, deploy, launch, confirm.
+"""The step library behind the playbooks: stop, clean GPUs, wait, purge, deploy, launch, confirm.
 
 Each step is a small function of a StepContext; every remote command goes through `ctx.run`, which
 records its exact command line (that is what --dry-run prints) and runs nothing under dry-run.
@@ -350,6 +350,9 @@ def mark_stopped(ctx: StepContext) -> StepOutcome:
     if result is None:
         return StepOutcome(f"would record `stopped` in {jobpaths.state_file(ctx.job)}")
     clock, previous = jobstate.parse_read(result.stdout)
+    if previous is not None and previous.state == jobstate.FINISHED:
+        # a completed run is not an interrupted one: status and health keep reporting it as finished
+        return StepOutcome("job state kept: the run had finished")
     ctx.run(quote_argv(["mkdir", "-p", ctx.job.workdir]), timeout=30)
     ctx.put(jobstate.encode(jobstate.stopped(previous, clock)), jobpaths.state_file(ctx.job))
     return StepOutcome(f"job state: stopped by {jobstate.STOPPED_BY}")
@@ -385,6 +388,7 @@ def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float)
     started = time.monotonic()
     deadline = started + timeout_s
     why = f"no training step after {timeout_s:g}s"
+    shown_line = ""
     while True:
         result = ctx.run(_watch_script(ctx.job, log), timeout=60, check=False)
         if result is None:
@@ -419,10 +423,12 @@ def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float)
             break
         if time.monotonic() > deadline:
             break
-        ctx.status(
-            f"waiting for the first step: {time.monotonic() - started:.0f} s of {timeout_s:g} s; "
-            f"log: {' '.join(last_line.split())[:160] or '(empty)'}"
-        )
+        # each new last line of the log once, as a line that stays; the elapsed time as the status
+        line = " ".join(last_line.split())[:160]
+        if line and line != shown_line:
+            ctx.log(f"log: {line}")
+            shown_line = line
+        ctx.status(f"waiting for the first step: {time.monotonic() - started:.0f} s of {timeout_s:g} s")
         ctx.commands.clear()
         time.sleep(poll_s)
     read = ctx.run(quote_argv(["tail", "-n", "400", log]), timeout=30, check=False)

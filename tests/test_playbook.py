@@ -672,9 +672,9 @@ def test_lookup_by_path_and_errors(tmp_path):
         playbook_search_dirs(environ={"DFLASH_OPS_PLAYBOOKS": str(tmp_path / "nowhere")})
 
 
-def test_shipped_dir_is_next_to_the_package():
+def test_shipped_dir_is_inside_the_package():
     import dflash_ops
-    assert SHIPPED_PLAYBOOKS == Path(dflash_ops.__file__).resolve().parent.parent / "playbooks"
+    assert SHIPPED_PLAYBOOKS == Path(dflash_ops.__file__).resolve().parent / "playbooks"
 
 
 # ----------------------------------------------------------------------------------- shipped playbooks

@@ -17,17 +17,41 @@ def test_wait_first_step_reports_elapsed_time_and_the_last_log_line(local_target
     log = tmp_path / "train-0001.log"
     log.write_text("compiling the drafter\nstill compiling (layer 3)\n")
     subprocess.run(["tmux", "-L", job.tmux_socket, "new-session", "-d", "-s", "job", "sleep 30"], check=True)
-    shown = []
+    shown, logged = [], []
     try:
         ctx = StepContext(target=local_target, transport=LocalTransport("local"), job=job, step="wait_first_step",
-                          status=shown.append)
+                          status=shown.append, log=logged.append)
         with pytest.raises(Exception, match="no training step after 1.5s"):
             steps.wait_first_step(ctx, log=str(log), timeout_s=1.5, poll_s=0.2)
     finally:
         subprocess.run(["tmux", "-L", job.tmux_socket, "kill-server"], capture_output=True)
     assert len(shown) >= 2, shown
-    assert shown[-1].startswith("waiting for the first step: ") and " s of 1.5 s" in shown[-1]
-    assert shown[-1].endswith("log: still compiling (layer 3)")
+    assert all(s.startswith("waiting for the first step: ") and s.endswith(" s of 1.5 s") for s in shown), shown
+    # the log's last line is shown once, not again with every status
+    assert logged == ["log: still compiling (layer 3)"]
+
+
+def test_wait_first_step_shows_each_new_log_line_once(local_target, tmp_path):
+    job = dataclasses.replace(local_target.job, tmux_socket=f"progress2-{tmp_path.name}"[:60], session="job")
+    log = tmp_path / "train-0001.log"
+    log.write_text("launching run 0001\n")
+    subprocess.run(["tmux", "-L", job.tmux_socket, "new-session", "-d", "-s", "job", "sleep 30"], check=True)
+    logged = []
+
+    def note(line):
+        logged.append(line)
+        if len(logged) == 1:
+            with open(log, "a") as f:
+                f.write("compiling the drafter\n")
+
+    try:
+        ctx = StepContext(target=local_target, transport=LocalTransport("local"), job=job, step="wait_first_step",
+                          log=note)
+        with pytest.raises(Exception, match="no training step after 2s"):
+            steps.wait_first_step(ctx, log=str(log), timeout_s=2, poll_s=0.2)
+    finally:
+        subprocess.run(["tmux", "-L", job.tmux_socket, "kill-server"], capture_output=True)
+    assert logged == ["log: launching run 0001", "log: compiling the drafter"]
 
 
 def _status(message):

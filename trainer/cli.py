@@ -128,8 +128,23 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     return overrides
 
 
+SUBCOMMANDS = ("export", "data", "eval")
+
+
+def _refuse_unknown_subcommand(word: str) -> None:
+    """Training takes only options, so a bare first word is a subcommand: name the closest one."""
+    import difflib
+
+    close = difflib.get_close_matches(word, SUBCOMMANDS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    _train_parser().error(f"unknown command {word!r}{hint}; commands: {', '.join(SUBCOMMANDS)}, "
+                          "or train with options only (--config ...)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
+        _refuse_unknown_subcommand(argv[0])
     if argv and argv[0] == "eval":
         from .eval_cli import eval_parser, run_eval
         return run_eval(eval_parser().parse_args(argv[1:]))

@@ -123,7 +123,9 @@ def jsonl_records(path: str, what: str, missing_fix: str):
                 continue
             where = f"{path}:{lineno}"
             try:
-                yield where, json.loads(line)
+                # without its line end: the error's column is then the real one (a truncated line
+                # ends where it ends, not at column 1 of a line that is not there)
+                yield where, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 raise DataError(where, f"not valid JSON ({exc.msg} at column {exc.colno}). "
                                        f"Fix: one JSON object per line.") from None

@@ -70,7 +70,7 @@ class Conversation:
 
 def parse_record(line: str) -> Conversation:
     try:
-        record = json.loads(line)
+        record = json.loads(line.rstrip("\r\n"))  # without its line end, the column is the real one
     except json.JSONDecodeError as exc:
         raise Reject(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
     messages = record.get("messages") if isinstance(record, dict) else None

@@ -3,6 +3,7 @@ a group fans out in parallel, one result per target, and the exit code is the wo
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -15,6 +16,22 @@ __all__ = ["cli", "main"]
 
 
 def main(argv=None):
+    try:
+        _run(argv)
+    finally:
+        _quiet_if_reader_left()
+
+
+def _quiet_if_reader_left():
+    """Output piped into a reader that stopped (`| head -2`): no complaint at exit about what could
+    not be written, as other command-line tools behave."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _run(argv):
     try:
         cli.main(args=argv, prog_name="dflash-ops", standalone_mode=False)
     except click.exceptions.Abort:

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .. import cron, inventory as inventory_lib, ops, playbook
+from .. import inventory as inventory_lib
 from .group import cli, dry_run_option, target_option
 from .jobs import run_book
 
@@ -25,16 +25,18 @@ def targets(obj):
 
 @cli.group("playbook")
 def playbook_group():
-    """List or run playbooks (ordered steps in playbooks/*.yaml)."""
+    """List or run playbooks (ordered steps in YAML; `playbook list` shows where each one is)."""
 
 
 @playbook_group.command("list")
 @click.pass_obj
 def playbook_list(obj):
     """Show the playbooks found and the steps they may use."""
+    from .. import playbook, steps
+
     for name, path in playbook.list_playbooks(obj.search_dirs()).items():
         click.echo(f"{name:14} {path}")
-    click.echo("\nsteps: " + ", ".join(spec.signature() for spec in ops.steps.registry))
+    click.echo("\nsteps: " + ", ".join(spec.signature() for spec in steps.registry))
 
 
 @playbook_group.command("run")
@@ -45,6 +47,8 @@ def playbook_list(obj):
 @click.pass_obj
 def playbook_run(obj, name, target, dry_run, assignments):
     """Run the playbook NAME (a name from `playbook list`, or a path)."""
+    from .. import playbook
+
     sys.exit(run_book(obj, target, name, playbook.parse_option_assignments(assignments), dry_run))
 
 
@@ -67,6 +71,8 @@ def cron_group():
 @click.pass_obj
 def cron_install(obj, target, schedule, auto_relaunch, log_path):
     """Install (or replace) the health-check line for the target."""
+    from .. import cron
+
     name = target or obj.inventory.default_target
     obj.targets(name)  # refuse unknown names before writing anything
     exe = os.path.abspath(sys.argv[0]) if os.path.basename(sys.argv[0]) == "dflash-ops" else None
@@ -84,6 +90,8 @@ def cron_install(obj, target, schedule, auto_relaunch, log_path):
 @target_option
 def cron_show(target):
     """Show our crontab lines."""
+    from .. import cron
+
     for line in cron.ours(cron.read(), target):
         click.echo(line)
 
@@ -92,5 +100,7 @@ def cron_show(target):
 @target_option
 def cron_remove(target):
     """Remove our crontab line(s) (for the target, or all of ours)."""
+    from .. import cron
+
     gone = cron.remove(target)
     click.echo(f"removed {len(gone)} line(s)")

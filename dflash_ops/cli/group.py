@@ -5,16 +5,26 @@ from __future__ import annotations
 
 import click
 
-from .. import inventory as inventory_lib, playbook
+from .. import inventory as inventory_lib
 from ..errors import InputError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+TARGET_ENV_VAR = "DFLASH_OPS_TARGET"
+TARGET_HELP = "Target or group from the inventory (default: the inventory's default_target, else `local`)."
 
 
 class Obj:
-    def __init__(self, inventory_path: str | None, playbook_dir: str | None):
+    def __init__(
+        self,
+        inventory_path: str | None,
+        playbook_dir: str | None,
+        target: str | None = None,
+        target_from_env: bool = False,
+    ):
         self.inventory_path = inventory_path
         self.playbook_dir = playbook_dir
+        self.target = target  # -t before the subcommand, or $DFLASH_OPS_TARGET
+        self.target_from_env = target_from_env
         self._inventory = None
 
     @property
@@ -27,7 +37,21 @@ class Obj:
         return self.inventory.resolve(name)
 
     def search_dirs(self):
+        from .. import playbook
+
         return playbook.playbook_search_dirs(self.playbook_dir, self.inventory.source)
+
+
+def _merge_target(ctx, param, value):
+    """One rule for -t/--target: before or after the subcommand, the same; given in both places it
+    must name the same target; either one beats $DFLASH_OPS_TARGET."""
+    obj = ctx.find_object(Obj)
+    root = None if obj is None else obj.target
+    if value is None:
+        return root
+    if root is not None and root != value and not obj.target_from_env:
+        raise click.BadParameter(f"{value!r} here but {root!r} before the subcommand; give the target once")
+    return value
 
 
 def target_option(f):
@@ -35,10 +59,10 @@ def target_option(f):
         "-t",
         "--target",
         "target",
-        envvar="DFLASH_OPS_TARGET",
         default=None,
         metavar="NAME|GROUP",
-        help="Target or group from the inventory (default: the inventory's default_target, else `local`).",
+        callback=_merge_target,
+        help=TARGET_HELP,
     )(f)
 
 
@@ -57,12 +81,17 @@ def target_option(f):
     metavar="DIR",
     help="Extra directory searched first for playbooks.",
 )
+@click.option("-t", "--target", "target", envvar=TARGET_ENV_VAR, metavar="NAME|GROUP", help=TARGET_HELP)
 @click.version_option(package_name="dflash-ops")
 @click.pass_context
-def cli(ctx, inventory_path, playbook_dir):
+def cli(ctx, inventory_path, playbook_dir, target):
     """Run and babysit DFlash drafter training on a GPU box: local, over ssh, or in a Proxmox
-    LXC container (ssh to the host, then `pct exec`)."""
-    ctx.obj = Obj(inventory_path, playbook_dir)
+    LXC container (ssh to the host, then `pct exec`).
+
+    -t/--target works before or after the subcommand (`dflash-ops -t gpu-box status` is
+    `dflash-ops status -t gpu-box`)."""
+    from_env = ctx.get_parameter_source("target") == click.core.ParameterSource.ENVIRONMENT
+    ctx.obj = Obj(inventory_path, playbook_dir, target, from_env)
 
 
 def dry_run_option(f):

@@ -7,14 +7,18 @@ import threading
 
 import click
 
-from .. import deploy as deploy_lib, ops, playbook
 from ..errors import InputError
-from ..fanout import fan_out
-from ..progress_view import ProgressPrinter
 from .group import Obj, cli, dry_run_option, grace_option, one_target, target_option
 
 
-def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, runner=ops.run_playbook) -> int:
+def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, runner=None) -> int:
+    """Run playbook `book` on each target (`runner`: ops.run_playbook or one with its signature)."""
+    from .. import ops, playbook
+    from ..fanout import fan_out
+    from ..progress_view import ProgressPrinter
+
+    runner = runner or ops.run_playbook
+
     targets = obj.targets(target_name)
     many = len(targets) > 1
     lock = threading.Lock()
@@ -25,7 +29,10 @@ def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, run
 
     def show(progress):
         with lock:
-            printer(progress)
+            try:
+                printer(progress)
+            except BrokenPipeError:
+                pass  # the reader left (`| head`): the playbook still runs to its end, silently
 
     dirs = obj.search_dirs()
     # Validate once before any target is touched: a bad playbook or option is exit 2 for all.
@@ -69,7 +76,7 @@ def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, run
 def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus, timeout, grace):
     """Check, stop, clean the GPUs, purge the compile cache, deploy, launch in tmux, confirm step 1.
 
-    Runs playbooks/relaunch.yaml; safe to run twice in a row. The checks (python imports torch,
+    Runs the relaunch playbook; safe to run twice in a row. The checks (python imports torch,
     release, GPU query, no foreign GPU process, free disk) run before anything is stopped. It
     resumes the newest run, or starts a new one when that run finished; it clears a `stop`.
 
@@ -100,6 +107,8 @@ def stop(obj, target, dry_run, grace):
     """Stop the job: SIGTERM its processes (it checkpoints), SIGKILL after the grace period,
     remove the tmux session, record the stop (health then reports OK and never relaunches it
     until the next relaunch), end leftover GPU processes, wait for them to leave the GPUs."""
+    from .. import ops
+
     sys.exit(run_book(obj, target, "stop", {"grace": grace}, dry_run, runner=ops.stop_job))
 
 
@@ -141,6 +150,8 @@ def purge_cache(obj, target, dry_run):
 @click.pass_obj
 def deploy(obj, target, dry_run, rollback, list_):
     """Deploy the bundled trainer as a versioned release (checksum, atomic `current` switch)."""
+    from .. import deploy as deploy_lib, ops
+
     if list_:
         if rollback is not None:
             raise InputError("--list and --rollback: give one of them")
@@ -151,4 +162,7 @@ def deploy(obj, target, dry_run, rollback, list_):
         sys.exit(run_book(obj, target, "deploy", {}, dry_run))
     if rollback:
         deploy_lib.check_release_id(rollback)
+        if not dry_run:
+            for tgt in obj.targets(target):
+                ops.require_kept_release(tgt, rollback)
     sys.exit(run_book(obj, target, "rollback", {"release": rollback or deploy_lib.PREVIOUS}, dry_run))

@@ -9,9 +9,8 @@ import time
 
 import click
 
-from .. import budget, health, ops, status as status_lib
+from .. import budget
 from ..errors import DflashOpsError, InputError
-from ..fanout import fan_out
 from .group import answer_within_option, cli, one_target, target_option
 
 
@@ -33,11 +32,18 @@ def status(obj, target, as_json, watch, timeout):
     """GPUs, tmux session, step, loss, Ktok/s, ETA and a verdict, in one round trip per target.
 
     \b
-    Example:
-      $ dflash-ops status -t gpu-box
-      gpu-box  pve1 ct 200  ...
-      [0] NVIDIA H200 | 71234 / 143771 MiB |  97 % | target  | 41872
+    Example (a tiny run on one H200):
+      $ dflash-ops status
+      local (vm)  probe 0.27 s
+      [0] NVIDIA H200 |   0 % |   1901 / 143771 MiB | target  | python3/1072(1278M)
+      session dflash-local (tmux -L dflash): running, pane pid 1065
+      job: running, run 0001, log /tmp/dflash-gpu/logs/train-0001.log
+      step 240/300  loss 2.9870  22.0 Ktok/s  ETA 7 s  last metrics 5 s ago  data synthetic
+      OK: step 240/300, loss 2.9870, 22.0 Ktok/s, last step 5 s ago
     """
+    from .. import health, ops, status as status_lib
+    from ..fanout import fan_out
+
     targets = obj.targets(target)
     while True:
         checked = [o.value for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))]
@@ -72,10 +78,13 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
     """For cron/Nagios: one line `DFLASH OK|WARNING|CRITICAL|UNKNOWN: … | perfdata`, exit 0/1/2/3.
 
     \b
-    Example:
-      $ dflash-ops health -t gpu-box
-      DFLASH OK: gpu-box: step 1200/90000, loss 2.31, 51.2 Ktok/s | step=1200 tokens_per_s=51234;20000: ...
-    """
+    Example (a tiny run on one H200):
+      $ dflash-ops health
+      DFLASH OK: local: step 240/300, loss 2.9870, 22.0 Ktok/s, last step 5 s ago | step=240;; loss=2.987;; tokens_per_s=22030.6515;1000:; age_s=5.1453;;120
+    """  # noqa: E501 (a real output line)
+    from .. import health, ops
+    from ..fanout import fan_out
+
     try:
         targets = obj.targets(target)
     except DflashOpsError as exc:  # the check itself could not run: UNKNOWN, not CRITICAL
@@ -131,11 +140,13 @@ def tail_log(obj, target, lines, follow, grep, log):
     """Show the end of the current run's log (the one the job state names).
 
     \b
-    Example:
-      $ dflash-ops tail-log -n 2 --grep step
-      step 1199/90000 loss 2.3127 acc@1 0.712 51.3 Ktok/s lr 5.98e-04 eta 20:41:10
-      step 1200/90000 loss 2.3088 acc@1 0.714 51.2 Ktok/s lr 5.98e-04 eta 20:41:02
+    Example (a tiny run on one H200):
+      $ dflash-ops tail-log -n 2
+      step 239/300  loss 3.6034  acc@1 0.599  acc_avg 0.533  22,080 tok/s  lr 3.37e-04  gnorm 1.169  eta 0m07s
+      step 240/300  loss 2.9870  acc@1 0.651  acc_avg 0.691  20,501 tok/s  lr 3.27e-04  gnorm 0.966  eta 0m07s
     """
+    from .. import ops
+
     tgt = one_target(obj, target)
     try:
         ops.tail_log(tgt, lines, follow, grep, log, emit=click.echo)
@@ -148,7 +159,7 @@ def tail_log(obj, target, lines, follow, grep, log):
 @click.pass_obj
 def attach(obj, target):
     """Attach your terminal to the job's tmux session (detach with Ctrl-b d)."""
-    from .. import tmux
+    from .. import ops, tmux
 
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise InputError(

@@ -13,7 +13,10 @@ from .registry import StepRegistry
 from .typecheck import did_you_mean
 
 ENV_PLAYBOOK_DIRS = "DFLASH_OPS_PLAYBOOKS"
-SHIPPED_PLAYBOOKS = Path(__file__).resolve().parent.parent.parent / "playbooks"
+# The built-in playbooks are package data (dflash_ops/playbooks/*.yaml), next to the step library
+# they are written for, so every install has them; the top-level playbooks/ folder of a checkout
+# is a place for the user's own files.
+SHIPPED_PLAYBOOKS = Path(__file__).resolve().parent.parent / "playbooks"
 
 
 def playbook_search_dirs(

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from ..model import Target
 from .base import Transport
-from .local import LocalTransport
-from .pct import PctTransport
-from .ssh import SshTransport
 
 
 def make_transport(target: Target) -> Transport:
     """A ready (not yet connected) transport for `target`; connections open on first use. The
-    inventory has checked the target (transport kind, ssh section, ctid)."""
+    inventory has checked the target (transport kind, ssh section, ctid). fabric and paramiko are
+    imported only for a target that uses ssh."""
     if target.transport == "local":
+        from .local import LocalTransport
+
         return LocalTransport(target.name)
     assert target.ssh is not None, f"target {target.name!r} did not come from the inventory"
     if target.transport == "ssh":
+        from .ssh import SshTransport
+
         return SshTransport(target.name, target.ssh)
     assert target.ctid is not None, f"target {target.name!r} did not come from the inventory"
+    from .pct import PctTransport
+
     return PctTransport(target.name, target.ssh, target.ctid)

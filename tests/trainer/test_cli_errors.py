@@ -86,3 +86,11 @@ def test_written_weights_follow_the_umask(tmp_path):
              if p.is_file()}
     assert set(modes.values()) == {"0o644"}, modes
     assert {"drafter.safetensors", "model.safetensors", "config.json"} <= set(modes)
+
+
+def test_a_mistyped_subcommand_is_named_with_the_closest_one():
+    rc, torch_loaded, err = cli("expor", "--checkpoint", "runs/tiny", "--out", "x")
+    assert rc == 2 and not torch_loaded
+    assert "unknown command 'expor' (did you mean 'export'?)" in err and "--config" not in err.split(";")[0]
+    rc, _, err = cli("frobnicate")
+    assert rc == 2 and "unknown command 'frobnicate'; commands: export, data, eval" in err

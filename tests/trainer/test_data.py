@@ -203,3 +203,12 @@ def tiny_target_fixture():
     from trainer.target import load_target
 
     return load_target("tiny-random", "cpu", torch.float32, seed=0)
+
+
+def test_a_truncated_line_is_reported_at_its_real_column(tmp_path):
+    good = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}
+    cut = '{"input_ids": [1, 2, 3],'  # 24 characters: the record stops after the comma
+    path = write_jsonl(tmp_path, [good, cut, good])
+    with pytest.raises(DataError) as info:
+        load_jsonl(path, seq_len=6, vocab_size=VOCAB)
+    assert f"{path}:2" in str(info.value) and f"at column {len(cut) + 1})" in str(info.value)

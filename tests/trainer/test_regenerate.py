@@ -218,3 +218,9 @@ def test_sampling_is_seeded_by_position_so_a_resumed_run_samples_the_same(tmp_pa
     first_two = whole.read_text().splitlines()[:2]
     assert part.read_text().splitlines() == first_two  # same chunk position, same samples
     assert greedy.read_text().splitlines() != first_two  # and it did sample
+
+
+def test_a_truncated_record_is_rejected_at_its_real_column():
+    cut = '{"messages": [{"role": "user", "content": "hi"}'  # stops before the closing bracket
+    with pytest.raises(Reject, match=rf"at column {len(cut) + 1}\)"):
+        parse_record(cut + "\n")
