@@ -68,6 +68,7 @@ from benchmarks.common import versions  # noqa: E402
 
 RESULT_TAG = "BENCH_RESULT "
 PURE_BF16 = "bf16-pure"  # baseline only: bf16 parameters and AdamW state, no fp32 master weights
+BEFORE = "before: flex compiled, layers + loss chunks eager"  # the trainer's path before, same run
 
 PAPER = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, layers=5,
              block=16, anchors=512, ctx=3072, vocab=151936, target_layers=5, batch=1)
@@ -200,6 +201,8 @@ def child_train(args, dims) -> dict:
     guard = CompileGuard("lock", on_event=events.append).install()
     cfg, model, optimizer, dtype = _build(args, dims, torch)
     model.checkpoint_layers = args.checkpointing == "layers"
+    model.compile_layers = {"auto": "auto", "off": False}[args.compile_layers]
+    model.loss_kernel = args.loss_kernel
     gen = torch.Generator().manual_seed(1)
     batch = _batch(args, dims, cfg, torch, dtype, gen)
     if args.device.startswith("cuda"):
@@ -227,6 +230,7 @@ def child_train(args, dims) -> dict:
     median = statistics.median(times)
     result = {
         "attention": args.attention, "checkpointing": args.checkpointing,
+        "compile_layers": args.compile_layers, "loss_kernel": args.loss_kernel,
         "first_step_s": first_step_s, "median_step_s": median,
         "step_times_s": [round(t, 4) for t in times], "pairs_per_step": statistics.mean(pairs_seen),
         "block_tokens_per_step": statistics.mean(tokens_seen),
@@ -495,6 +499,12 @@ def render(report: dict) -> str:
                      f"| {s['block_tokens_per_s']:.0f} | {s['context_tokens_per_s']:.0f} | {s['achieved_tflops']:.2f} | "
                      f"{_fmt(s['mfu'] and 100 * s['mfu'], '.1f')}% | {_fmt(s['peak_memory_gib'], '.1f')} "
                      f"| {s['master_and_adam_gib']:.1f} |")
+    after, prior = report["runs"].get("compiled flex", {}), report["runs"].get(BEFORE, {})
+    if "median_step_s" in after and "median_step_s" in prior:
+        lines += ["", f"Compiled layers + compiled loss kernel vs before (same run): "
+                      f"{prior['median_step_s'] / after['median_step_s']:.3f}x faster per step "
+                      f"({prior['median_step_s']:.4f} -> {after['median_step_s']:.4f} s), peak memory "
+                      f"{_fmt(prior['peak_memory_gib'], '.1f')} -> {_fmt(after['peak_memory_gib'], '.1f')} GiB."]
     if report.get("speedup") is not None:
         note = f" ({report['speedup_note']})" if report.get("speedup_note") else ""
         lines += ["", f"Compiled vs eager flex_attention: {report['speedup']:.2f}x faster per step{note}."]
@@ -547,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=3, help="drafter threads for the first-step timing")
     parser.add_argument("--profile", action="store_true", help="torch profiler table of the top kernels")
     parser.add_argument("--parts", default="compiled,eager,first-step",
-                        help="comma list of compiled, eager, first-step, cache, checkpointing "
+                        help="comma list of compiled, before, eager, first-step, cache, checkpointing "
                              "(the matmul peak always runs)")
     parser.add_argument("--cache-dir", help="where the cache part writes its feature cache (default: $TMPDIR)")
     parser.add_argument("--shard-mb", type=int, default=1024, help="feature cache shard size cap, MiB")
@@ -563,6 +573,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="flex", help=argparse.SUPPRESS)
     parser.add_argument("--lock", default="lock", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-layers", choices=("auto", "off"), default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--loss-kernel", choices=("auto", "eager", "compiled"), default="auto",
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.small:
         args.device = "cpu"
@@ -575,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key):
             dims[key] = getattr(args, key)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    known = {"compiled", "eager", "first-step", "cache", "checkpointing"}
+    known = {"compiled", "before", "eager", "first-step", "cache", "checkpointing"}
     if parts - known:
         parser.error(f"--parts: unknown {sorted(parts - known)}; use {', '.join(sorted(known))}")
 
@@ -593,13 +606,19 @@ def main(argv: list[str] | None = None) -> int:
     peak = run_child(args, "peak", [], args.child_timeout)
     say(f"  peak matmul: {peak}")
     # CPU refuses flex_attention backward: the smoke run trains through the dense-mask sdpa path.
-    variants = {"sdpa": "sdpa"} if args.small else {"compiled flex": "flex", "eager flex": FLEX_EAGER}
-    wanted = {"sdpa": "compiled", "compiled flex": "compiled", "eager flex": "eager"}
+    # name -> (attention, child options); "before": only flex_attention compiled, layers and the
+    # loss's chunks eager (the trainer's path before its layers and loss kernel were compiled)
+    before = ["--compile-layers", "off", "--loss-kernel", "eager"]
+    variants = ({"sdpa": ("sdpa", [])} if args.small else
+                {"compiled flex": ("flex", []), BEFORE: ("flex", before),
+                 "eager flex": (FLEX_EAGER, before)})
+    wanted = {"sdpa": "compiled", "compiled flex": "compiled", "eager flex": "eager",
+              BEFORE: "before"}
     runs, profiles, raw = {}, {}, {}
 
-    def measure(name: str, attention: str, anchors: int, checkpointing: str = "none") -> dict:
+    def measure(name: str, attention: str, anchors: int, checkpointing: str = "none", options=()) -> dict:
         extra = ["--attention", attention, "--anchors", str(anchors), "--ctx", str(dims["ctx"]),
-                 "--checkpointing", checkpointing]
+                 "--checkpointing", checkpointing, *options]
         extra += ["--profile"] if args.profile else []
         result = run_child(args, "train", extra, args.child_timeout)
         run_dims = dict(dims, anchors=anchors)
@@ -611,9 +630,9 @@ def main(argv: list[str] | None = None) -> int:
         raw[f"{name}, {anchors} anchors"] = result
         return summary
 
-    for name, attention in variants.items():
+    for name, (attention, options) in variants.items():
         if wanted[name] in parts:
-            runs[name] = measure(name, attention, dims["anchors"])
+            runs[name] = measure(name, attention, dims["anchors"], options=options)
     speedup = speedup_note = None
     if "compiled flex" in runs and "eager flex" in runs:
         anchors = dims["anchors"]
@@ -622,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         # the largest anchor count where eager fits, and say so.
         while "failed" in eager and "OutOfMemory" in eager["failed"] and anchors > 64:
             anchors //= 2
-            eager = runs[f"eager flex @{anchors} anchors"] = measure("eager flex", FLEX_EAGER, anchors)
+            eager = runs[f"eager flex @{anchors} anchors"] = measure("eager flex", FLEX_EAGER, anchors, options=before)
             if "failed" not in eager:
                 compiled = runs[f"compiled flex @{anchors} anchors"] = measure("compiled flex", "flex", anchors)
         if "median_step_s" in compiled and "median_step_s" in eager:
@@ -632,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{dims['anchors']}")
     checkpointing = {}
     if "checkpointing" in parts:
-        name, attention = next(iter(variants.items()))
+        name, (attention, _) = next(iter(variants.items()))
         ckpt_runs = {"none": runs.get(name) or measure(name, attention, dims["anchors"]),
                      "layers": measure(f"{name}, checkpointed layers", attention, dims["anchors"], "layers")}
         checkpointing = {"runs": ckpt_runs}
@@ -645,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
                 checkpointing["memory_saved_pct"] = 100 * saved / off["peak_memory_gib"]
     first_step = {}
     if "first-step" in parts:
-        attention = next(iter(variants.values()))
+        attention = next(iter(variants.values()))[0]
         for lock in ("lock", "none"):
             first_step[lock] = run_child(args, "first_step", ["--lock", lock, "--attention", attention,
                                                               "--anchors", str(dims["anchors"]),
@@ -654,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"  first step, lock {lock}: {first_step[lock]}")
     cache = None
     if "cache" in parts:
-        attention = next(iter(variants.values()))
+        attention = next(iter(variants.values()))[0]
         extra = ["--attention", attention, "--anchors", str(dims["anchors"]), "--ctx", str(dims["ctx"]),
                  "--shard-mb", str(args.shard_mb), *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
         cache = run_child(args, "cache", extra, args.child_timeout)

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 # Rows of logits computed at once by the fused loss: ~2^27 fp32 values (512 MiB) per chunk.
 _FUSED_CHUNK_ELEMENTS = 1 << 27
-# The compiled chunk keeps only bf16 logits and their bf16 gradient: ~2^28 values (512 MiB) each.
-_KERNEL_CHUNK_ELEMENTS = 1 << 28
+# The compiled chunk keeps only bf16 logits and their bf16 gradient: ~2^27 values (256 MiB) each.
+# It runs when the forward's activations peak, so its size adds to the step's peak memory.
+_KERNEL_CHUNK_ELEMENTS = 1 << 27
 
 
 def block_labels(
@@ -187,11 +188,16 @@ def loss_kernel_for(device: torch.device | str, kernel: str = "auto") -> str:
 
 
 def even_chunks(rows: int, max_rows: int, multiple: int = 16) -> tuple[int, int]:
-    """(chunk_rows, chunks): the fewest chunks of at most ~max_rows rows, all the same size (a
-    multiple of `multiple`) so that one compiled graph serves them all; chunk_rows * chunks >= rows."""
-    chunks = max(1, math.ceil(rows / max(1, max_rows)))
-    chunk_rows = math.ceil(math.ceil(rows / chunks) / multiple) * multiple
-    return chunk_rows, math.ceil(rows / chunk_rows)
+    """(chunk_rows, chunks): chunks of at most ~max_rows rows, all the same size (a multiple of
+    `multiple`) so that one compiled graph serves them all; chunk_rows * chunks >= rows. Among the
+    fewest chunks and up to three more, the first that needs no padding rows wins (padding rows
+    are lm_head work for nothing), else the fewest."""
+    fewest = max(1, math.ceil(rows / max(1, max_rows)))
+    options = []
+    for chunks in range(fewest, fewest + 4):
+        chunk_rows = math.ceil(math.ceil(rows / chunks) / multiple) * multiple
+        options.append((chunk_rows, math.ceil(rows / chunk_rows)))
+    return next((o for o in options if o[0] * o[1] == rows), options[0])
 
 
 def dflash_loss_fused(

@@ -238,5 +238,8 @@ def test_loss_kernel_defaults_compiled_on_cuda_only():
     assert loss_kernel_for("cuda:0", "eager") == "eager"
     with pytest.raises(ValueError, match="unknown"):
         loss_kernel_for("cpu", "triton")
-    assert even_chunks(7680, 1766) == (1536, 5)  # paper dims: 512 anchors x 15 rows, vocab 151936
+    # paper dims: 512 anchors x 15 rows, vocab 151936 -> at most 883 rows: 10 x 768, no padding
+    assert even_chunks(7680, (1 << 27) // 151936) == (768, 10)
+    assert even_chunks(7680, 1766) == (1536, 5)
     assert even_chunks(24, 5) == (16, 2) and even_chunks(10, 64) == (16, 1)
+    assert even_chunks(7000, 883) == (880, 8)  # no divisor without padding: the fewest chunks
