@@ -404,6 +404,173 @@ def child_cache(args, dims) -> dict:
         shutil.rmtree(cache_dir, ignore_errors=True)
 
 
+# Qwen3-8B's shape (random weights: a step-time question needs no trained target)
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+SMALL_TARGET = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+
+
+def _random_target(args, torch):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trainer.target import TargetModel, default_layer_ids
+
+    config = Qwen3Config(**(SMALL_TARGET if args.small else QWEN3_8B))
+    config._attn_implementation = "sdpa"
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16 directly: no fp32 copy of 8B parameters
+    try:
+        with torch.device(args.device):
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(before)
+    layer_ids = default_layer_ids(config.num_hidden_layers)
+    return TargetModel(model=model, layer_ids=layer_ids, tokenizer=None, device=args.device,
+                       mask_token_id=config.vocab_size - 1)
+
+
+def _timed(torch, device: str, fn, repeats: int, warmup: int = 1) -> list[float]:
+    times = []
+    for i in range(warmup + repeats):
+        _sync(torch, device)
+        began = time.perf_counter()
+        fn()
+        _sync(torch, device)
+        if i >= warmup:
+            times.append(time.perf_counter() - began)
+    return times
+
+
+def child_e2e(args, dims) -> dict:
+    """A Qwen3-8B-shaped target and the drafter on ONE device, in one process:
+    1. the target's bare feature forward (3072 tokens; layers up to the last feature layer);
+    2. the drafter step alone (features resident), through the trainer's TrainingWorkers;
+    3. end to end: the target worker computes each batch's features, the drafter trains on them;
+    4. cache-features at these dims: trainer.feature_cache.write_cache against the bare forward of
+       the same batches (same batch size)."""
+    import torch
+
+    from trainer import precision
+    from trainer.compile_lock import CompileGuard
+    from trainer.config import TrainConfig
+    from trainer.data import BatchPlan, Dataset
+    from trainer.feature_cache import auto_batch_size, cache_header, write_cache
+    from trainer.model import DFlashDrafter, DrafterConfig
+    from trainer.train import make_loss_fn
+    from trainer.workers import Replica, TrainingWorkers
+
+    guard = CompileGuard("lock").install()
+    target = _random_target(args, torch)
+    b, t = dims["batch"], dims["ctx"]
+    gen = torch.Generator().manual_seed(3)
+    sequences = max(args.warmup + args.steps, args.cache_sequences)
+    ids = torch.randint(0, target.vocab_size - 1, (sequences, t), generator=gen)
+    loss_mask = torch.zeros(sequences, t, dtype=torch.bool)
+    loss_mask[:, t // 4:] = True
+    dataset = Dataset(ids, loss_mask, torch.ones_like(loss_mask), source="random")
+    result = {"target_layer_ids": target.layer_ids, "target_layers": target.num_layers}
+
+    one = ids[:b].to(args.device)
+    with torch.no_grad():
+        bare = _timed(torch, args.device, lambda: target.features(one, attention_mask=torch.ones_like(one)),
+                      args.steps)
+    result["target_forward_s"] = statistics.median(bare)
+
+    cfg = DrafterConfig(hidden_size=target.hidden_size, intermediate_size=dims["intermediate"],
+                        num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
+                        vocab_size=target.vocab_size, mask_token_id=target.mask_token_id,
+                        target_layer_ids=target.layer_ids, num_layers=dims["layers"], block_size=dims["block"])
+    torch.manual_seed(0)
+    model = precision.place(DFlashDrafter(cfg, target.embed_tokens, target.lm_head), args.device, args.precision)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device.startswith("cuda") or None)
+    replica = Replica(0, args.device, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    run_cfg = TrainConfig()
+    run_cfg.drafter.block_size, run_cfg.train.num_anchors = dims["block"], dims["anchors"]
+    run_cfg.train.gamma, run_cfg.run.attention = 7.0, args.attention
+    run_cfg.train.precision, run_cfg.run.drafter_devices = args.precision, [args.device]
+    feature_dtype = precision.feature_dtype(args.precision)
+    with torch.no_grad():
+        resident_features = target.features(one, attention_mask=torch.ones_like(one)).to(feature_dtype)
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(args.device)
+
+    def steps(source: Dataset, stand_in) -> list[float]:
+        plan = BatchPlan(len(source), b, 1, seed=0)
+        total = min(plan.total_steps(1, None), args.warmup + args.steps)
+        with TrainingWorkers(targets=[stand_in], replicas=[replica], dataset=source, plan=plan,
+                             compute_loss=make_loss_fn(run_cfg), guard=guard, grad_clip=1.0,
+                             feature_dtype=lambda dev: feature_dtype) as workers:
+            workers.start(0, total)
+            counter = iter(range(total))
+            return _timed(torch, args.device, lambda: workers.run_step(next(counter)), total - args.warmup,
+                          warmup=args.warmup)
+
+    resident = copy.copy(dataset)
+    resident.features = lambda idx: resident_features[:len(idx)]
+    drafter = steps(resident, types.SimpleNamespace(device=args.device))
+    result["drafter_step_s"] = statistics.median(drafter)
+    both = steps(dataset, target)
+    result["e2e_step_s"] = statistics.median(both)
+    result["e2e_step_times_s"] = [round(x, 4) for x in both]
+    result["sum_s"] = result["target_forward_s"] + result["drafter_step_s"]
+    result["e2e_vs_sum"] = result["sum_s"] / result["e2e_step_s"]
+    result["peak_memory_gib"] = (torch.cuda.max_memory_allocated(args.device) / 2**30
+                                 if args.device.startswith("cuda") else None)
+    del replica, model, optimizer, resident_features
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+    # cache-features: the writer against the bare forward of the same batches
+    count = args.cache_sequences
+    cache_set = Dataset(ids[:count], loss_mask[:count], torch.ones_like(loss_mask[:count]), source="random")
+    batch = auto_batch_size(t)
+    with torch.no_grad():
+        batches = [ids[i:i + batch].to(args.device) for i in range(0, count, batch)]
+        fwd = _timed(torch, args.device, lambda: [target.features(x, attention_mask=torch.ones_like(x))
+                                                 for x in batches], 1)
+    header_cfg = TrainConfig()
+    header_cfg.target.spec, header_cfg.data.seq_len = "random-qwen3-8b-shape", t
+    header_cfg.data.source = "synthetic"  # the provenance fields of random data
+    header = cache_header(header_cfg, target, "bf16", 0)
+    cache_dir = tempfile.mkdtemp(prefix="feature-cache-e2e-", dir=args.cache_dir)
+    try:
+        began = time.perf_counter()
+        with torch.no_grad():
+            manifest = write_cache(target, cache_set, cache_dir, header, say=lambda _: None)
+        _sync(torch, args.device)
+        cache_s = time.perf_counter() - began
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    result["cache"] = {"sequences": count, "batch": batch, "tokens": count * t, "bare_forward_s": fwd[0],
+                       "write_cache_s": cache_s, "tokens_per_s": count * t / cache_s,
+                       "bare_tokens_per_s": count * t / fwd[0], "ratio": cache_s / fwd[0],
+                       "bytes": manifest["counts"]["bytes"], "shards": manifest["counts"]["shards"]}
+    return result
+
+
+def render_e2e(result: dict) -> list[str]:
+    if "failed" in result:
+        return ["", f"End to end: failed: {result['failed']}"]
+    c = result["cache"]
+    return ["", f"Same GPU, Qwen3-8B-shaped random target ({result['target_layers']} layers, features of layers "
+                f"{result['target_layer_ids']}) and the drafter, one process, the trainer's TrainingWorkers:", "",
+            "| part | median s |", "|---|---|",
+            f"| target feature forward (bare) | {result['target_forward_s']:.4f} |",
+            f"| drafter step (features resident) | {result['drafter_step_s']:.4f} |",
+            f"| sum | {result['sum_s']:.4f} |",
+            f"| end to end (target worker + drafter thread) | {result['e2e_step_s']:.4f} |", "",
+            f"End to end vs the sum of its parts: {result['e2e_vs_sum']:.3f} (1.0 = no overhead; >1 = overlap); "
+            f"peak memory {_fmt(result['peak_memory_gib'], '.1f')} GiB. Steps: {result['e2e_step_times_s']}.", "",
+            f"cache-features at these dims: {c['sequences']} sequences x {c['tokens'] // c['sequences']} tokens in "
+            f"batches of {c['batch']}: {c['write_cache_s']:.2f} s = {c['tokens_per_s']:.0f} tokens/s, against "
+            f"{c['bare_forward_s']:.2f} s ({c['bare_tokens_per_s']:.0f} tokens/s) for the bare forward of the same "
+            f"batches: {c['ratio']:.3f}x the bare forward time ({c['bytes'] / 2**30:.2f} GiB in {c['shards']} "
+            f"shard(s), fsynced)."]
+
+
 def render_cache(result: dict) -> list[str]:
     if "failed" in result:
         return ["", f"Feature cache: failed: {result['failed']}"]
@@ -557,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=3, help="drafter threads for the first-step timing")
     parser.add_argument("--profile", action="store_true", help="torch profiler table of the top kernels")
     parser.add_argument("--parts", default="compiled,eager,first-step",
-                        help="comma list of compiled, before, eager, first-step, cache, checkpointing "
+                        help="comma list of compiled, before, eager, first-step, cache, checkpointing, e2e "
                              "(the matmul peak always runs)")
     parser.add_argument("--cache-dir", help="where the cache part writes its feature cache (default: $TMPDIR)")
     parser.add_argument("--shard-mb", type=int, default=1024, help="feature cache shard size cap, MiB")
@@ -569,7 +736,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("fp32", "bf16-mixed", PURE_BF16),
                         help="the trainer's train.precision (default: bf16-mixed on CUDA, fp32 on CPU); "
                              f"{PURE_BF16}: the old bf16-weights baseline")
-    parser.add_argument("--child", choices=("peak", "train", "first_step", "cache"), help=argparse.SUPPRESS)
+    parser.add_argument("--cache-sequences", type=int, default=30,
+                        help="sequences the e2e part writes with cache-features (paper dims: ~126 MB each)")
+    parser.add_argument("--child", choices=("peak", "train", "first_step", "cache", "e2e"), help=argparse.SUPPRESS)
     parser.add_argument("--attention", default="flex", help=argparse.SUPPRESS)
     parser.add_argument("--lock", default="lock", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", default="none", help=argparse.SUPPRESS)
@@ -588,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key):
             dims[key] = getattr(args, key)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    known = {"compiled", "before", "eager", "first-step", "cache", "checkpointing"}
+    known = {"compiled", "before", "eager", "first-step", "cache", "checkpointing", "e2e"}
     if parts - known:
         parser.error(f"--parts: unknown {sorted(parts - known)}; use {', '.join(sorted(known))}")
 
@@ -596,7 +765,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.manual_seed(0)
-        fn = {"peak": child_peak, "train": child_train, "first_step": child_first_step, "cache": child_cache}[args.child]
+        fn = {"peak": child_peak, "train": child_train, "first_step": child_first_step, "cache": child_cache,
+              "e2e": child_e2e}[args.child]
         print(RESULT_TAG + json.dumps(fn(args, dims)), flush=True)
         return 0
 
@@ -678,13 +848,23 @@ def main(argv: list[str] | None = None) -> int:
                  "--shard-mb", str(args.shard_mb), *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
         cache = run_child(args, "cache", extra, args.child_timeout)
         say(f"  feature cache: {json.dumps({k: v for k, v in cache.items() if k != 'stderr_tail'})}")
+    e2e = None
+    if "e2e" in parts:
+        attention = next(iter(variants.values()))[0]
+        extra = ["--attention", attention, "--anchors", str(dims["anchors"]), "--ctx", str(dims["ctx"]),
+                 "--cache-sequences", str(args.cache_sequences),
+                 *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
+        e2e = run_child(args, "e2e", extra, args.child_timeout)
+        say(f"  e2e: {json.dumps({k: v for k, v in e2e.items() if k != 'stderr_tail'})}")
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command,
               "versions": versions(args.device), "dims": dims, "peak": peak, "runs": runs,
               "speedup": speedup, "speedup_note": speedup_note, "first_step": first_step,
-              "checkpointing": checkpointing, "profiles": profiles, "raw": raw, "cache": cache}
+              "checkpointing": checkpointing, "profiles": profiles, "raw": raw, "cache": cache, "e2e": e2e}
     text = render(report)
     if cache is not None:
         text += "\n".join(render_cache(cache)) + "\n"
+    if e2e is not None:
+        text += "\n".join(render_e2e(e2e)) + "\n"
     print(text)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -696,7 +876,8 @@ def main(argv: list[str] | None = None) -> int:
     # The eager run may legitimately not fit (reported above); the compiled run and the peak must work.
     failed = [n for n in ("compiled flex", "sdpa") if "failed" in runs.get(n, {})]
     failed += [f"checkpointing {k}" for k, r in checkpointing.get("runs", {}).items() if "failed" in r]
-    return 1 if failed or "failed" in peak or (cache is not None and "failed" in cache) else 0
+    failed += [part for part, r in (("cache", cache), ("e2e", e2e)) if r is not None and "failed" in r]
+    return 1 if failed or "failed" in peak else 0
 
 
 if __name__ == "__main__":

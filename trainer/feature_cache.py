@@ -23,6 +23,7 @@ import os
 import queue
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -148,10 +149,22 @@ def shard_problem(cache_dir: str, shard: dict, check_sha: bool) -> str | None:
 # ---- writing ------------------------------------------------------------------------------------
 
 class ShardWriter:
-    """Collects sequences and writes a shard when `shard_bytes` is reached."""
+    """Collects sequences and writes a shard when `shard_bytes` is reached.
 
-    def __init__(self, cache_dir: str, manifest: dict, shard_bytes: int):
+    With `parallel` > 0 up to that many shards are written (concatenate, save, fsync, sha256) by a
+    thread pool at once, and committed to the manifest strictly in order: a shard file always exists
+    before the manifest names it, and a kill leaves only whole, named shards (prepare() removes the
+    rest). close() waits for them.
+    """
+
+    def __init__(self, cache_dir: str, manifest: dict, shard_bytes: int, parallel: int = 0):
         self.cache_dir, self.manifest, self.shard_bytes = cache_dir, manifest, shard_bytes
+        shards = manifest["shards"]
+        self._first = shards[-1]["first"] + shards[-1]["count"] if shards else 0  # of the shard being collected
+        self._index = len(shards)
+        self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="shard-writer") if parallel else None
+        self._parallel = parallel
+        self._pending: collections.deque = collections.deque()
         self._reset()
 
     def _reset(self):
@@ -159,8 +172,7 @@ class ShardWriter:
 
     @property
     def next_sequence(self) -> int:
-        shards = self.manifest["shards"]
-        return (shards[-1]["first"] + shards[-1]["count"] if shards else 0) + len(self.lengths)
+        return self._first + len(self.lengths)
 
     def add(self, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
         self.features.append(features)
@@ -172,27 +184,48 @@ class ShardWriter:
             self.flush()
 
     def flush(self) -> None:
+        """Hand the collected sequences over as one shard (written now, or by the pool)."""
         if not self.lengths:
             return
+        job = (f"shard-{self._index:05d}.safetensors", self._first, self.features, self.ids, self.masks,
+               self.lengths)
+        self._index, self._first = self._index + 1, self._first + len(self.lengths)
+        self._reset()
+        if self._pool is None:
+            self._commit(self._write(*job))
+            return
+        self._pending.append(self._pool.submit(self._write, *job))
+        while len(self._pending) > self._parallel or (self._pending and self._pending[0].done()):
+            self._commit(self._pending.popleft().result())
+
+    def close(self) -> None:
+        """Wait for shards being written and commit them in order (up to the first that failed)."""
+        try:
+            while self._pending:
+                self._commit(self._pending.popleft().result())
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _write(self, name, first, features, ids, masks, lengths) -> dict:
         from safetensors.torch import save_file
 
-        shards = self.manifest["shards"]
-        first = self.next_sequence - len(self.lengths)
-        name = f"shard-{len(shards):05d}.safetensors"
         path = os.path.join(self.cache_dir, name)
-        offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor(self.lengths).cumsum(0)
-        tensors = {"features": torch.cat(self.features).contiguous(), "input_ids": torch.cat(self.ids),
-                   "loss_mask": torch.cat(self.masks), "offsets": offsets}
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(lengths).cumsum(0)
+        tensors = {"features": torch.cat(features).contiguous(), "input_ids": torch.cat(ids),
+                   "loss_mask": torch.cat(masks), "offsets": offsets}
         save_file(tensors, path + ".tmp")
         with open(path + ".tmp", "rb") as f:
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
-        shards.append({"file": name, "first": first, "count": len(self.lengths), "tokens": int(offsets[-1]),
-                       "loss_tokens": int(tensors["loss_mask"].sum()), "bytes": os.path.getsize(path),
-                       "sha256": file_sha256(path)})
+        return {"file": name, "first": first, "count": len(lengths), "tokens": int(offsets[-1]),
+                "loss_tokens": int(tensors["loss_mask"].sum()), "bytes": os.path.getsize(path),
+                "sha256": file_sha256(path)}
+
+    def _commit(self, shard: dict) -> None:
+        self.manifest["shards"].append(shard)
         write_manifest(self.cache_dir, self.manifest)  # the shard exists before the manifest names it
-        self._reset()
 
 
 def disk_estimate(dataset: Dataset, start: int, num_layers: int, hidden: int, dtype_name: str) -> dict:
@@ -238,6 +271,9 @@ def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
 # Sequences per target forward when no batch size is given: about this many tokens.
 BATCH_TOKENS = 16384
 WRITE_QUEUE_DEPTH = 2  # batches computed ahead of the writer thread
+# Shards written at once (concatenate + save + fsync + sha256 of ~2 GiB is seconds of CPU and disk
+# per shard; at paper dims the target fills one in about a second)
+SHARD_WRITERS = 4
 
 
 def auto_batch_size(seq_len: int, tokens: int = BATCH_TOKENS) -> int:
@@ -314,6 +350,11 @@ class _WriterThread:
                     self.progress.update(done)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             self.error = exc
+        finally:
+            try:  # whole shards already handed over are committed, whatever stopped us
+                self.writer.close()
+            except BaseException as exc:  # noqa: BLE001
+                self.error = self.error or exc
 
     def close(self) -> None:
         """Write what is left and wait for the thread; raises its error."""
@@ -363,7 +404,7 @@ def write_cache(target, dataset: Dataset, cache_dir: str, header: dict, *, batch
     buffers = _HostBuffers(WRITE_QUEUE_DEPTH + 2, batch_size * seq_len * width, dtype) if on_cuda else None
     if progress is not None:  # its rate counts this run's sequences only
         progress.first = progress.done = start
-    writer = _WriterThread(ShardWriter(cache_dir, manifest, shard_bytes), progress)
+    writer = _WriterThread(ShardWriter(cache_dir, manifest, shard_bytes, parallel=SHARD_WRITERS), progress)
     try:
         for begin in range(start, len(dataset), batch_size):
             end = min(begin + batch_size, len(dataset))
