@@ -68,6 +68,7 @@ from benchmarks.common import versions  # noqa: E402
 
 RESULT_TAG = "BENCH_RESULT "
 PURE_BF16 = "bf16-pure"  # baseline only: bf16 parameters and AdamW state, no fp32 master weights
+BEFORE = "before: flex compiled, layers + loss chunks eager"  # the trainer's path before, same run
 
 PAPER = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, layers=5,
              block=16, anchors=512, ctx=3072, vocab=151936, target_layers=5, batch=1)
@@ -200,6 +201,8 @@ def child_train(args, dims) -> dict:
     guard = CompileGuard("lock", on_event=events.append).install()
     cfg, model, optimizer, dtype = _build(args, dims, torch)
     model.checkpoint_layers = args.checkpointing == "layers"
+    model.compile_layers = {"auto": "auto", "off": False}[args.compile_layers]
+    model.loss_kernel = args.loss_kernel
     gen = torch.Generator().manual_seed(1)
     batch = _batch(args, dims, cfg, torch, dtype, gen)
     if args.device.startswith("cuda"):
@@ -227,6 +230,7 @@ def child_train(args, dims) -> dict:
     median = statistics.median(times)
     result = {
         "attention": args.attention, "checkpointing": args.checkpointing,
+        "compile_layers": args.compile_layers, "loss_kernel": args.loss_kernel,
         "first_step_s": first_step_s, "median_step_s": median,
         "step_times_s": [round(t, 4) for t in times], "pairs_per_step": statistics.mean(pairs_seen),
         "block_tokens_per_step": statistics.mean(tokens_seen),
@@ -400,6 +404,173 @@ def child_cache(args, dims) -> dict:
         shutil.rmtree(cache_dir, ignore_errors=True)
 
 
+# Qwen3-8B's shape (random weights: a step-time question needs no trained target)
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+SMALL_TARGET = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+
+
+def _random_target(args, torch):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trainer.target import TargetModel, default_layer_ids
+
+    config = Qwen3Config(**(SMALL_TARGET if args.small else QWEN3_8B))
+    config._attn_implementation = "sdpa"
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16 directly: no fp32 copy of 8B parameters
+    try:
+        with torch.device(args.device):
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(before)
+    layer_ids = default_layer_ids(config.num_hidden_layers)
+    return TargetModel(model=model, layer_ids=layer_ids, tokenizer=None, device=args.device,
+                       mask_token_id=config.vocab_size - 1)
+
+
+def _timed(torch, device: str, fn, repeats: int, warmup: int = 1) -> list[float]:
+    times = []
+    for i in range(warmup + repeats):
+        _sync(torch, device)
+        began = time.perf_counter()
+        fn()
+        _sync(torch, device)
+        if i >= warmup:
+            times.append(time.perf_counter() - began)
+    return times
+
+
+def child_e2e(args, dims) -> dict:
+    """A Qwen3-8B-shaped target and the drafter on ONE device, in one process:
+    1. the target's bare feature forward (3072 tokens; layers up to the last feature layer);
+    2. the drafter step alone (features resident), through the trainer's TrainingWorkers;
+    3. end to end: the target worker computes each batch's features, the drafter trains on them;
+    4. cache-features at these dims: trainer.feature_cache.write_cache against the bare forward of
+       the same batches (same batch size)."""
+    import torch
+
+    from trainer import precision
+    from trainer.compile_lock import CompileGuard
+    from trainer.config import TrainConfig
+    from trainer.data import BatchPlan, Dataset
+    from trainer.feature_cache import auto_batch_size, cache_header, write_cache
+    from trainer.model import DFlashDrafter, DrafterConfig
+    from trainer.train import make_loss_fn
+    from trainer.workers import Replica, TrainingWorkers
+
+    guard = CompileGuard("lock").install()
+    target = _random_target(args, torch)
+    b, t = dims["batch"], dims["ctx"]
+    gen = torch.Generator().manual_seed(3)
+    sequences = max(args.warmup + args.steps, args.cache_sequences)
+    ids = torch.randint(0, target.vocab_size - 1, (sequences, t), generator=gen)
+    loss_mask = torch.zeros(sequences, t, dtype=torch.bool)
+    loss_mask[:, t // 4:] = True
+    dataset = Dataset(ids, loss_mask, torch.ones_like(loss_mask), source="random")
+    result = {"target_layer_ids": target.layer_ids, "target_layers": target.num_layers}
+
+    one = ids[:b].to(args.device)
+    with torch.no_grad():
+        bare = _timed(torch, args.device, lambda: target.features(one, attention_mask=torch.ones_like(one)),
+                      args.steps)
+    result["target_forward_s"] = statistics.median(bare)
+
+    cfg = DrafterConfig(hidden_size=target.hidden_size, intermediate_size=dims["intermediate"],
+                        num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
+                        vocab_size=target.vocab_size, mask_token_id=target.mask_token_id,
+                        target_layer_ids=target.layer_ids, num_layers=dims["layers"], block_size=dims["block"])
+    torch.manual_seed(0)
+    model = precision.place(DFlashDrafter(cfg, target.embed_tokens, target.lm_head), args.device, args.precision)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device.startswith("cuda") or None)
+    replica = Replica(0, args.device, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    run_cfg = TrainConfig()
+    run_cfg.drafter.block_size, run_cfg.train.num_anchors = dims["block"], dims["anchors"]
+    run_cfg.train.gamma, run_cfg.run.attention = 7.0, args.attention
+    run_cfg.train.precision, run_cfg.run.drafter_devices = args.precision, [args.device]
+    feature_dtype = precision.feature_dtype(args.precision)
+    with torch.no_grad():
+        resident_features = target.features(one, attention_mask=torch.ones_like(one)).to(feature_dtype)
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(args.device)
+
+    def steps(source: Dataset, stand_in) -> list[float]:
+        plan = BatchPlan(len(source), b, 1, seed=0)
+        total = min(plan.total_steps(1, None), args.warmup + args.steps)
+        with TrainingWorkers(targets=[stand_in], replicas=[replica], dataset=source, plan=plan,
+                             compute_loss=make_loss_fn(run_cfg), guard=guard, grad_clip=1.0,
+                             feature_dtype=lambda dev: feature_dtype) as workers:
+            workers.start(0, total)
+            counter = iter(range(total))
+            return _timed(torch, args.device, lambda: workers.run_step(next(counter)), total - args.warmup,
+                          warmup=args.warmup)
+
+    resident = copy.copy(dataset)
+    resident.features = lambda idx: resident_features[:len(idx)]
+    drafter = steps(resident, types.SimpleNamespace(device=args.device))
+    result["drafter_step_s"] = statistics.median(drafter)
+    both = steps(dataset, target)
+    result["e2e_step_s"] = statistics.median(both)
+    result["e2e_step_times_s"] = [round(x, 4) for x in both]
+    result["sum_s"] = result["target_forward_s"] + result["drafter_step_s"]
+    result["e2e_vs_sum"] = result["sum_s"] / result["e2e_step_s"]
+    result["peak_memory_gib"] = (torch.cuda.max_memory_allocated(args.device) / 2**30
+                                 if args.device.startswith("cuda") else None)
+    del replica, model, optimizer, resident_features
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+    # cache-features: the writer against the bare forward of the same batches
+    count = args.cache_sequences
+    cache_set = Dataset(ids[:count], loss_mask[:count], torch.ones_like(loss_mask[:count]), source="random")
+    batch = auto_batch_size(t)
+    with torch.no_grad():
+        batches = [ids[i:i + batch].to(args.device) for i in range(0, count, batch)]
+        fwd = _timed(torch, args.device, lambda: [target.features(x, attention_mask=torch.ones_like(x))
+                                                 for x in batches], 1)
+    header_cfg = TrainConfig()
+    header_cfg.target.spec, header_cfg.data.seq_len = "random-qwen3-8b-shape", t
+    header_cfg.data.source = "synthetic"  # the provenance fields of random data
+    header = cache_header(header_cfg, target, "bf16", 0)
+    cache_dir = tempfile.mkdtemp(prefix="feature-cache-e2e-", dir=args.cache_dir)
+    try:
+        began = time.perf_counter()
+        with torch.no_grad():
+            manifest = write_cache(target, cache_set, cache_dir, header, say=lambda _: None)
+        _sync(torch, args.device)
+        cache_s = time.perf_counter() - began
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    result["cache"] = {"sequences": count, "batch": batch, "tokens": count * t, "bare_forward_s": fwd[0],
+                       "write_cache_s": cache_s, "tokens_per_s": count * t / cache_s,
+                       "bare_tokens_per_s": count * t / fwd[0], "ratio": cache_s / fwd[0],
+                       "bytes": manifest["counts"]["bytes"], "shards": manifest["counts"]["shards"]}
+    return result
+
+
+def render_e2e(result: dict) -> list[str]:
+    if "failed" in result:
+        return ["", f"End to end: failed: {result['failed']}"]
+    c = result["cache"]
+    return ["", f"Same GPU, Qwen3-8B-shaped random target ({result['target_layers']} layers, features of layers "
+                f"{result['target_layer_ids']}) and the drafter, one process, the trainer's TrainingWorkers:", "",
+            "| part | median s |", "|---|---|",
+            f"| target feature forward (bare) | {result['target_forward_s']:.4f} |",
+            f"| drafter step (features resident) | {result['drafter_step_s']:.4f} |",
+            f"| sum | {result['sum_s']:.4f} |",
+            f"| end to end (target worker + drafter thread) | {result['e2e_step_s']:.4f} |", "",
+            f"End to end vs the sum of its parts: {result['e2e_vs_sum']:.3f} (1.0 = no overhead; >1 = overlap); "
+            f"peak memory {_fmt(result['peak_memory_gib'], '.1f')} GiB. Steps: {result['e2e_step_times_s']}.", "",
+            f"cache-features at these dims: {c['sequences']} sequences x {c['tokens'] // c['sequences']} tokens in "
+            f"batches of {c['batch']}: {c['write_cache_s']:.2f} s = {c['tokens_per_s']:.0f} tokens/s, against "
+            f"{c['bare_forward_s']:.2f} s ({c['bare_tokens_per_s']:.0f} tokens/s) for the bare forward of the same "
+            f"batches: {c['ratio']:.3f}x the bare forward time ({c['bytes'] / 2**30:.2f} GiB in {c['shards']} "
+            f"shard(s), fsynced)."]
+
+
 def render_cache(result: dict) -> list[str]:
     if "failed" in result:
         return ["", f"Feature cache: failed: {result['failed']}"]
@@ -495,6 +666,12 @@ def render(report: dict) -> str:
                      f"| {s['block_tokens_per_s']:.0f} | {s['context_tokens_per_s']:.0f} | {s['achieved_tflops']:.2f} | "
                      f"{_fmt(s['mfu'] and 100 * s['mfu'], '.1f')}% | {_fmt(s['peak_memory_gib'], '.1f')} "
                      f"| {s['master_and_adam_gib']:.1f} |")
+    after, prior = report["runs"].get("compiled flex", {}), report["runs"].get(BEFORE, {})
+    if "median_step_s" in after and "median_step_s" in prior:
+        lines += ["", f"Compiled layers + compiled loss kernel vs before (same run): "
+                      f"{prior['median_step_s'] / after['median_step_s']:.3f}x faster per step "
+                      f"({prior['median_step_s']:.4f} -> {after['median_step_s']:.4f} s), peak memory "
+                      f"{_fmt(prior['peak_memory_gib'], '.1f')} -> {_fmt(after['peak_memory_gib'], '.1f')} GiB."]
     if report.get("speedup") is not None:
         note = f" ({report['speedup_note']})" if report.get("speedup_note") else ""
         lines += ["", f"Compiled vs eager flex_attention: {report['speedup']:.2f}x faster per step{note}."]
@@ -547,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=3, help="drafter threads for the first-step timing")
     parser.add_argument("--profile", action="store_true", help="torch profiler table of the top kernels")
     parser.add_argument("--parts", default="compiled,eager,first-step",
-                        help="comma list of compiled, eager, first-step, cache, checkpointing "
+                        help="comma list of compiled, before, eager, first-step, cache, checkpointing, e2e "
                              "(the matmul peak always runs)")
     parser.add_argument("--cache-dir", help="where the cache part writes its feature cache (default: $TMPDIR)")
     parser.add_argument("--shard-mb", type=int, default=1024, help="feature cache shard size cap, MiB")
@@ -559,10 +736,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("fp32", "bf16-mixed", PURE_BF16),
                         help="the trainer's train.precision (default: bf16-mixed on CUDA, fp32 on CPU); "
                              f"{PURE_BF16}: the old bf16-weights baseline")
-    parser.add_argument("--child", choices=("peak", "train", "first_step", "cache"), help=argparse.SUPPRESS)
+    parser.add_argument("--cache-sequences", type=int, default=30,
+                        help="sequences the e2e part writes with cache-features (paper dims: ~126 MB each)")
+    parser.add_argument("--child", choices=("peak", "train", "first_step", "cache", "e2e"), help=argparse.SUPPRESS)
     parser.add_argument("--attention", default="flex", help=argparse.SUPPRESS)
     parser.add_argument("--lock", default="lock", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-layers", choices=("auto", "off"), default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--loss-kernel", choices=("auto", "eager", "compiled"), default="auto",
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.small:
         args.device = "cpu"
@@ -575,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key):
             dims[key] = getattr(args, key)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    known = {"compiled", "eager", "first-step", "cache", "checkpointing"}
+    known = {"compiled", "before", "eager", "first-step", "cache", "checkpointing", "e2e"}
     if parts - known:
         parser.error(f"--parts: unknown {sorted(parts - known)}; use {', '.join(sorted(known))}")
 
@@ -583,7 +765,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.manual_seed(0)
-        fn = {"peak": child_peak, "train": child_train, "first_step": child_first_step, "cache": child_cache}[args.child]
+        fn = {"peak": child_peak, "train": child_train, "first_step": child_first_step, "cache": child_cache,
+              "e2e": child_e2e}[args.child]
         print(RESULT_TAG + json.dumps(fn(args, dims)), flush=True)
         return 0
 
@@ -593,13 +776,19 @@ def main(argv: list[str] | None = None) -> int:
     peak = run_child(args, "peak", [], args.child_timeout)
     say(f"  peak matmul: {peak}")
     # CPU refuses flex_attention backward: the smoke run trains through the dense-mask sdpa path.
-    variants = {"sdpa": "sdpa"} if args.small else {"compiled flex": "flex", "eager flex": FLEX_EAGER}
-    wanted = {"sdpa": "compiled", "compiled flex": "compiled", "eager flex": "eager"}
+    # name -> (attention, child options); "before": only flex_attention compiled, layers and the
+    # loss's chunks eager (the trainer's path before its layers and loss kernel were compiled)
+    before = ["--compile-layers", "off", "--loss-kernel", "eager"]
+    variants = ({"sdpa": ("sdpa", [])} if args.small else
+                {"compiled flex": ("flex", []), BEFORE: ("flex", before),
+                 "eager flex": (FLEX_EAGER, before)})
+    wanted = {"sdpa": "compiled", "compiled flex": "compiled", "eager flex": "eager",
+              BEFORE: "before"}
     runs, profiles, raw = {}, {}, {}
 
-    def measure(name: str, attention: str, anchors: int, checkpointing: str = "none") -> dict:
+    def measure(name: str, attention: str, anchors: int, checkpointing: str = "none", options=()) -> dict:
         extra = ["--attention", attention, "--anchors", str(anchors), "--ctx", str(dims["ctx"]),
-                 "--checkpointing", checkpointing]
+                 "--checkpointing", checkpointing, *options]
         extra += ["--profile"] if args.profile else []
         result = run_child(args, "train", extra, args.child_timeout)
         run_dims = dict(dims, anchors=anchors)
@@ -611,9 +800,9 @@ def main(argv: list[str] | None = None) -> int:
         raw[f"{name}, {anchors} anchors"] = result
         return summary
 
-    for name, attention in variants.items():
+    for name, (attention, options) in variants.items():
         if wanted[name] in parts:
-            runs[name] = measure(name, attention, dims["anchors"])
+            runs[name] = measure(name, attention, dims["anchors"], options=options)
     speedup = speedup_note = None
     if "compiled flex" in runs and "eager flex" in runs:
         anchors = dims["anchors"]
@@ -622,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
         # the largest anchor count where eager fits, and say so.
         while "failed" in eager and "OutOfMemory" in eager["failed"] and anchors > 64:
             anchors //= 2
-            eager = runs[f"eager flex @{anchors} anchors"] = measure("eager flex", FLEX_EAGER, anchors)
+            eager = runs[f"eager flex @{anchors} anchors"] = measure("eager flex", FLEX_EAGER, anchors, options=before)
             if "failed" not in eager:
                 compiled = runs[f"compiled flex @{anchors} anchors"] = measure("compiled flex", "flex", anchors)
         if "median_step_s" in compiled and "median_step_s" in eager:
@@ -632,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{dims['anchors']}")
     checkpointing = {}
     if "checkpointing" in parts:
-        name, attention = next(iter(variants.items()))
+        name, (attention, _) = next(iter(variants.items()))
         ckpt_runs = {"none": runs.get(name) or measure(name, attention, dims["anchors"]),
                      "layers": measure(f"{name}, checkpointed layers", attention, dims["anchors"], "layers")}
         checkpointing = {"runs": ckpt_runs}
@@ -645,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
                 checkpointing["memory_saved_pct"] = 100 * saved / off["peak_memory_gib"]
     first_step = {}
     if "first-step" in parts:
-        attention = next(iter(variants.values()))
+        attention = next(iter(variants.values()))[0]
         for lock in ("lock", "none"):
             first_step[lock] = run_child(args, "first_step", ["--lock", lock, "--attention", attention,
                                                               "--anchors", str(dims["anchors"]),
@@ -654,18 +843,28 @@ def main(argv: list[str] | None = None) -> int:
             say(f"  first step, lock {lock}: {first_step[lock]}")
     cache = None
     if "cache" in parts:
-        attention = next(iter(variants.values()))
+        attention = next(iter(variants.values()))[0]
         extra = ["--attention", attention, "--anchors", str(dims["anchors"]), "--ctx", str(dims["ctx"]),
                  "--shard-mb", str(args.shard_mb), *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
         cache = run_child(args, "cache", extra, args.child_timeout)
         say(f"  feature cache: {json.dumps({k: v for k, v in cache.items() if k != 'stderr_tail'})}")
+    e2e = None
+    if "e2e" in parts:
+        attention = next(iter(variants.values()))[0]
+        extra = ["--attention", attention, "--anchors", str(dims["anchors"]), "--ctx", str(dims["ctx"]),
+                 "--cache-sequences", str(args.cache_sequences),
+                 *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
+        e2e = run_child(args, "e2e", extra, args.child_timeout)
+        say(f"  e2e: {json.dumps({k: v for k, v in e2e.items() if k != 'stderr_tail'})}")
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command,
               "versions": versions(args.device), "dims": dims, "peak": peak, "runs": runs,
               "speedup": speedup, "speedup_note": speedup_note, "first_step": first_step,
-              "checkpointing": checkpointing, "profiles": profiles, "raw": raw, "cache": cache}
+              "checkpointing": checkpointing, "profiles": profiles, "raw": raw, "cache": cache, "e2e": e2e}
     text = render(report)
     if cache is not None:
         text += "\n".join(render_cache(cache)) + "\n"
+    if e2e is not None:
+        text += "\n".join(render_e2e(e2e)) + "\n"
     print(text)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -677,7 +876,8 @@ def main(argv: list[str] | None = None) -> int:
     # The eager run may legitimately not fit (reported above); the compiled run and the peak must work.
     failed = [n for n in ("compiled flex", "sdpa") if "failed" in runs.get(n, {})]
     failed += [f"checkpointing {k}" for k, r in checkpointing.get("runs", {}).items() if "failed" in r]
-    return 1 if failed or "failed" in peak or (cache is not None and "failed" in cache) else 0
+    failed += [part for part, r in (("cache", cache), ("e2e", e2e)) if r is not None and "failed" in r]
+    return 1 if failed or "failed" in peak else 0
 
 
 if __name__ == "__main__":

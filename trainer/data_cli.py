@@ -1,12 +1,15 @@
 """`dflash-train data ...`: prepare training data (regenerate answers with the target, cache its features).
 
 Exit codes: 0 done; 2 bad arguments, config, data or output directory (one line naming it and the
-fix); 130 interrupted (a rerun with the same arguments, plus --resume for regenerate, continues).
+fix); 130 interrupted, 143 SIGTERM (regenerate: a rerun with --resume continues; cache-features: a
+rerun with the same arguments continues). regenerate prints a summary line on every exit.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 import time
 
@@ -63,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, metavar="DIR", help="cache directory (created; resumed if it exists)")
     c.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="feature dtype on disk (default bf16)")
     c.add_argument("--shard-size-mb", type=int, default=2048, metavar="MB", help="shard size cap (default 2048)")
-    c.add_argument("--batch-size", type=int, default=4, metavar="B", help="sequences per target forward")
+    c.add_argument("--batch-size", type=int, metavar="B",
+                   help="sequences per target forward (default: about 16384 tokens' worth)")
     c.add_argument("--device", metavar="DEV", help="target device (default: the config's first target device)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     return p
@@ -85,10 +89,10 @@ def main(argv: list[str]) -> int:
         return _cache_features(args)
     except (ConfigError, DataError) as exc:
         return _fail(str(exc))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("dflash-train data: interrupted; rerun the same command to continue"
               + (" with --resume" if args.command == "regenerate" else ""), file=sys.stderr)
-        return 130
+        return 143 if isinstance(exc, Terminated) else 130
     except OSError as exc:  # disk full, unwritable output: what was committed stays valid
         print(f"dflash-train data: failed: {exc}; rerun the same command to continue"
               + (" with --resume" if args.command == "regenerate" else ""), file=sys.stderr)
@@ -129,13 +133,54 @@ def _regenerate(args) -> int:
                                 temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
                                 devices=devices, chat_template_kwargs=template_kwargs, seed=args.seed,
                                 resume=args.resume)
-    summary = regenerate(options)
-    print(f"dflash-train data: regenerated {summary['records']} records ({summary['turns']} turns, "
-          f"{summary['new_tokens']} new tokens, {summary['truncated']} cut at --max-new-tokens), "
-          f"{summary['rejects']} rejected"
-          + (f" -> {summary['rejects_path']}" if summary["rejects"] else "")
-          + f", {summary['seconds']:.1f} s -> {args.out}")
+    report: dict = {}
+    try:
+        with _sigterm_as_interrupt():
+            summary = regenerate(options, report=report)
+    except BaseException as exc:  # the summary of what is committed, on every way out
+        if report:
+            print(f"dflash-train data: regenerate stopped ({_why(exc)}): {_regen_summary(report)}; "
+                  f"rerun with --resume to continue", file=sys.stderr, flush=True)
+        raise
+    print(f"dflash-train data: regenerated {_regen_summary(summary)}")
     return 0
+
+
+def _regen_summary(s: dict) -> str:
+    """One line: the committed totals, this run's share and its new tokens/s."""
+    run = s["this_run"]
+    return (f"{s['records']} records ({s['turns']} turns, {s['new_tokens']} new tokens, {s['truncated']} cut at "
+            f"--max-new-tokens), {s['rejects']} rejected" + (f" -> {s['rejects_path']}" if s["rejects"] else "")
+            + f"; this run {run['seen']} records, {run['new_tokens']} new tokens in {s['seconds']:.1f} s = "
+            f"{run['new_tokens'] / max(s['seconds'], 1e-9):.1f} new tokens/s -> {s['output']}")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that the committed state is reported before exiting."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    def on_term(signum, frame):
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread (a library caller): leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, Terminated):
+        return "SIGTERM"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _cache_features(args) -> int:
@@ -148,7 +193,7 @@ def _cache_features(args) -> int:
     from .target import load_target
     from .train import build_dataset, param_dtype
 
-    if args.shard_size_mb < 1 or args.batch_size < 1:
+    if args.shard_size_mb < 1 or (args.batch_size is not None and args.batch_size < 1):
         return _fail("--shard-size-mb and --batch-size must be at least 1")
     cfg = load_config(args.config, overrides_from_args(argparse.Namespace(set=args.set)))
     if cfg.data.source == "features":
@@ -157,8 +202,13 @@ def _cache_features(args) -> int:
     if args.device:
         cfg.run.target_devices = [args.device]
     check_devices(cfg)
+    if cfg.run.torch_threads:
+        torch.set_num_threads(cfg.run.torch_threads)
     began = time.monotonic()
     device = cfg.run.target_devices[0]
+    say = lambda text: print(f"dflash-train data: {text}", flush=True)  # noqa: E731
+    say(f"loading the target ({cfg.target.spec}) on {device} and the {cfg.data.source} data"
+        + (" (the target's greedy continuations: this takes a while)" if cfg.data.source == "synthetic" else ""))
     target = load_target(cfg.target.spec, device, param_dtype(device), layer_ids=cfg.target.layer_ids,
                          seed=cfg.train.seed, tiny=cfg.target.tiny or None)
     dataset = build_dataset(cfg, target)
@@ -166,13 +216,16 @@ def _cache_features(args) -> int:
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     header = cache_header(cfg, target, args.dtype, pad if pad is not None else 0)
     progress = ProgressLine("sequences", len(dataset))
-    say = lambda text: print(f"dflash-train data: {text}", flush=True)  # noqa: E731
+    writing = time.monotonic()
     with torch.no_grad():
         manifest = write_cache(target, dataset, args.out, header, batch_size=args.batch_size,
                                shard_bytes=args.shard_size_mb << 20, say=say, progress=progress)
     progress.finish()
-    counts = manifest["counts"]
+    counts, seconds = manifest["counts"], time.monotonic() - writing
+    tokens = int(dataset.attention_mask[progress.first:].sum())  # this run's (a resumed run skips some)
     say(f"feature cache complete: {counts['sequences']} sequences, {counts['tokens']} tokens, "
         f"{counts['shards']} shard(s), {human_bytes(counts['bytes'])}, {time.monotonic() - began:.1f} s "
-        f"-> {args.out}")
+        f"-> {args.out}; this run computed {len(dataset) - progress.first} sequences at "
+        f"{(len(dataset) - progress.first) / max(seconds, 1e-9):.1f} sequences/s, "
+        f"{tokens / max(seconds, 1e-9):.0f} tokens/s")
     return 0

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import hashlib
 import json
 import os
+import queue
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -146,10 +149,22 @@ def shard_problem(cache_dir: str, shard: dict, check_sha: bool) -> str | None:
 # ---- writing ------------------------------------------------------------------------------------
 
 class ShardWriter:
-    """Collects sequences and writes a shard when `shard_bytes` is reached."""
+    """Collects sequences and writes a shard when `shard_bytes` is reached.
 
-    def __init__(self, cache_dir: str, manifest: dict, shard_bytes: int):
+    With `parallel` > 0 up to that many shards are written (concatenate, save, fsync, sha256) by a
+    thread pool at once, and committed to the manifest strictly in order: a shard file always exists
+    before the manifest names it, and a kill leaves only whole, named shards (prepare() removes the
+    rest). close() waits for them.
+    """
+
+    def __init__(self, cache_dir: str, manifest: dict, shard_bytes: int, parallel: int = 0):
         self.cache_dir, self.manifest, self.shard_bytes = cache_dir, manifest, shard_bytes
+        shards = manifest["shards"]
+        self._first = shards[-1]["first"] + shards[-1]["count"] if shards else 0  # of the shard being collected
+        self._index = len(shards)
+        self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="shard-writer") if parallel else None
+        self._parallel = parallel
+        self._pending: collections.deque = collections.deque()
         self._reset()
 
     def _reset(self):
@@ -157,8 +172,7 @@ class ShardWriter:
 
     @property
     def next_sequence(self) -> int:
-        shards = self.manifest["shards"]
-        return (shards[-1]["first"] + shards[-1]["count"] if shards else 0) + len(self.lengths)
+        return self._first + len(self.lengths)
 
     def add(self, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
         self.features.append(features)
@@ -170,27 +184,48 @@ class ShardWriter:
             self.flush()
 
     def flush(self) -> None:
+        """Hand the collected sequences over as one shard (written now, or by the pool)."""
         if not self.lengths:
             return
+        job = (f"shard-{self._index:05d}.safetensors", self._first, self.features, self.ids, self.masks,
+               self.lengths)
+        self._index, self._first = self._index + 1, self._first + len(self.lengths)
+        self._reset()
+        if self._pool is None:
+            self._commit(self._write(*job))
+            return
+        self._pending.append(self._pool.submit(self._write, *job))
+        while len(self._pending) > self._parallel or (self._pending and self._pending[0].done()):
+            self._commit(self._pending.popleft().result())
+
+    def close(self) -> None:
+        """Wait for shards being written and commit them in order (up to the first that failed)."""
+        try:
+            while self._pending:
+                self._commit(self._pending.popleft().result())
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _write(self, name, first, features, ids, masks, lengths) -> dict:
         from safetensors.torch import save_file
 
-        shards = self.manifest["shards"]
-        first = self.next_sequence - len(self.lengths)
-        name = f"shard-{len(shards):05d}.safetensors"
         path = os.path.join(self.cache_dir, name)
-        offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor(self.lengths).cumsum(0)
-        tensors = {"features": torch.cat(self.features).contiguous(), "input_ids": torch.cat(self.ids),
-                   "loss_mask": torch.cat(self.masks), "offsets": offsets}
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(lengths).cumsum(0)
+        tensors = {"features": torch.cat(features).contiguous(), "input_ids": torch.cat(ids),
+                   "loss_mask": torch.cat(masks), "offsets": offsets}
         save_file(tensors, path + ".tmp")
         with open(path + ".tmp", "rb") as f:
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
-        shards.append({"file": name, "first": first, "count": len(self.lengths), "tokens": int(offsets[-1]),
-                       "loss_tokens": int(tensors["loss_mask"].sum()), "bytes": os.path.getsize(path),
-                       "sha256": file_sha256(path)})
+        return {"file": name, "first": first, "count": len(lengths), "tokens": int(offsets[-1]),
+                "loss_tokens": int(tensors["loss_mask"].sum()), "bytes": os.path.getsize(path),
+                "sha256": file_sha256(path)}
+
+    def _commit(self, shard: dict) -> None:
+        self.manifest["shards"].append(shard)
         write_manifest(self.cache_dir, self.manifest)  # the shard exists before the manifest names it
-        self._reset()
 
 
 def disk_estimate(dataset: Dataset, start: int, num_layers: int, hidden: int, dtype_name: str) -> dict:
@@ -233,11 +268,124 @@ def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
     return found, start
 
 
+# Sequences per target forward when no batch size is given: about this many tokens.
+BATCH_TOKENS = 16384
+WRITE_QUEUE_DEPTH = 2  # batches computed ahead of the writer thread
+# Shards written at once (concatenate + save + fsync + sha256 of ~2 GiB is seconds of CPU and disk
+# per shard; at paper dims the target fills one in about a second)
+SHARD_WRITERS = 4
+
+
+def auto_batch_size(seq_len: int, tokens: int = BATCH_TOKENS) -> int:
+    return max(1, tokens // max(1, seq_len))
+
+
+class _HostBuffers:
+    """Reusable pinned host buffers for device->host copies of feature batches (pinning is slow;
+    pinned memory lets the copy run while the next batch's forward is queued)."""
+
+    def __init__(self, count: int, numel: int, dtype: torch.dtype):
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(count):
+            self.free.put(torch.empty(numel, dtype=dtype, pin_memory=True))
+
+    def copy_of(self, features: torch.Tensor, writer: _WriterThread):
+        """(host tensor, its ready event, release) for an on-device tensor; the copy is asynchronous."""
+        while True:  # buffers come back as the writer is done with them
+            writer.check()
+            try:
+                flat = self.free.get(timeout=0.1)
+                break
+            except queue.Empty:
+                continue
+        host = flat[:features.numel()].view(features.shape)
+        host.copy_(features, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready, lambda: self.free.put(flat)
+
+
+class _WriterThread:
+    """ShardWriter.add/flush on a thread of their own: the per-sequence copies, the shard writes,
+    fsync and sha256 run while the target computes the next batch. An error in the thread is
+    raised in the caller at its next put() or at close()."""
+
+    def __init__(self, writer: ShardWriter, progress=None, depth: int = WRITE_QUEUE_DEPTH):
+        self.writer, self.progress = writer, progress
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="feature-cache-writer", daemon=True)
+        self.thread.start()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def put(self, item) -> None:
+        while True:
+            self.check()
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _run(self) -> None:
+        try:
+            while True:
+                item = self.queue.get()
+                if self.stop.is_set():
+                    return
+                if item is None:
+                    self.writer.flush()
+                    return
+                features, ready, ids, masks, lengths, done, release = item
+                if ready is not None:
+                    ready.synchronize()
+                for row, length in enumerate(lengths):
+                    self.writer.add(features[row, :length].clone(), ids[row, :length], masks[row, :length])
+                release()
+                if self.progress is not None:
+                    self.progress.update(done)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            self.error = exc
+        finally:
+            try:  # whole shards already handed over are committed, whatever stopped us
+                self.writer.close()
+            except BaseException as exc:  # noqa: BLE001
+                self.error = self.error or exc
+
+    def close(self) -> None:
+        """Write what is left and wait for the thread; raises its error."""
+        self.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def abort(self, timeout_s: float = 60.0) -> None:
+        """Stop after the item in hand (a shard being written is finished), keeping what is queued
+        out of the cache: the next run recomputes it."""
+        self.stop.set()
+        try:
+            while True:
+                self.queue.get_nowait()
+        except queue.Empty:
+            pass
+        with contextlib.suppress(queue.Full):
+            self.queue.put_nowait(None)  # wake the thread if it waits
+        self.thread.join(timeout_s)
+
+
 @torch.no_grad()
-def write_cache(target, dataset: Dataset, cache_dir: str, header: dict, *, batch_size: int = 4,
+def write_cache(target, dataset: Dataset, cache_dir: str, header: dict, *, batch_size: int | None = None,
                 shard_bytes: int = 2 << 30, say: Callable[[str], None] = print,
                 progress=None) -> dict:
-    """Compute and write features for every sequence of `dataset` (resuming after whole shards)."""
+    """Compute and write features for every sequence of `dataset` (resuming after whole shards).
+
+    Batches of `batch_size` sequences (default: about BATCH_TOKENS tokens) go through the target;
+    a writer thread stores them while the next batch runs.
+    """
     manifest, start = prepare(cache_dir, header)
     estimate = disk_estimate(dataset, start, len(target.layer_ids), target.hidden_size, header["dtype"])
     free = shutil.disk_usage(cache_dir).free
@@ -249,19 +397,31 @@ def write_cache(target, dataset: Dataset, cache_dir: str, header: dict, *, batch
         raise DataError(cache_dir, f"needs {human_bytes(estimate['bytes'])} but the filesystem has "
                                    f"{human_bytes(free)} free. Fix: free space or choose another --out.")
     dtype = DTYPES[header["dtype"]]
-    writer = ShardWriter(cache_dir, manifest, shard_bytes)
-    for begin in range(start, len(dataset), batch_size):
-        end = min(begin + batch_size, len(dataset))
-        attn = dataset.attention_mask[begin:end]
-        feats = target.features(dataset.input_ids[begin:end].to(target.device),
-                                attention_mask=attn.to(target.device)).to("cpu", dtype)
-        for row in range(end - begin):
-            length = int(attn[row].sum())
-            writer.add(feats[row, :length].clone(), dataset.input_ids[begin + row, :length],
-                       dataset.loss_mask[begin + row, :length])
-        if progress is not None:
-            progress.update(end)
-    writer.flush()
+    seq_len = dataset.input_ids.shape[1]
+    batch_size = batch_size or auto_batch_size(seq_len)
+    on_cuda = str(target.device).startswith("cuda")
+    width = len(target.layer_ids) * target.hidden_size
+    buffers = _HostBuffers(WRITE_QUEUE_DEPTH + 2, batch_size * seq_len * width, dtype) if on_cuda else None
+    if progress is not None:  # its rate counts this run's sequences only
+        progress.first = progress.done = start
+    writer = _WriterThread(ShardWriter(cache_dir, manifest, shard_bytes, parallel=SHARD_WRITERS), progress)
+    try:
+        for begin in range(start, len(dataset), batch_size):
+            end = min(begin + batch_size, len(dataset))
+            attn = dataset.attention_mask[begin:end]
+            ids = dataset.input_ids[begin:end]
+            # Always the full seq_len: a sequence's features then do not depend on its batch (a resumed
+            # cache is byte-identical to a fresh one); a batch cut to its longest sequence would not be.
+            feats = target.features(ids.to(target.device), attention_mask=attn.to(target.device))
+            if buffers is not None:
+                host, ready, release = buffers.copy_of(feats.to(dtype), writer)
+            else:
+                host, ready, release = feats.to("cpu", dtype), None, (lambda: None)
+            writer.put((host, ready, ids, dataset.loss_mask[begin:end], attn.sum(dim=1).tolist(), end, release))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
     shards = manifest["shards"]
     manifest["counts"] = {"sequences": sum(s["count"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
                           "loss_tokens": sum(s["loss_tokens"] for s in shards),

@@ -7,12 +7,18 @@ positions that actually count, so sequences with few trainable positions are not
 """
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 # Rows of logits computed at once by the fused loss: ~2^27 fp32 values (512 MiB) per chunk.
 _FUSED_CHUNK_ELEMENTS = 1 << 27
+# The compiled chunk keeps only bf16 logits and their bf16 gradient: ~2^27 values (256 MiB) each.
+# It runs when the forward's activations peak, so its size adds to the step's peak memory.
+_KERNEL_CHUNK_ELEMENTS = 1 << 27
 
 
 def block_labels(
@@ -82,37 +88,82 @@ def dflash_loss(
     return loss, _accuracy(correct, label_mask)
 
 
+def _ce_chunk_eager(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, need_grad: bool):
+    """(sum_i w_i CE_i, argmax == target [R], d(sum)/d(logits) or None) of one chunk of rows, eagerly
+    and in place over the upcast logits (the reference, and the CPU path)."""
+    logits = _at_least_fp32(logits)
+    lse = torch.logsumexp(logits, dim=-1)
+    safe_targets = targets.clamp_min(0).unsqueeze(1)
+    target_logit = logits.gather(1, safe_targets).squeeze(1)
+    loss = ((lse - target_logit) * weights).sum()
+    correct = logits.argmax(dim=-1) == targets
+    if not need_grad:
+        return loss, correct, None
+    # d/dlogits of w*CE = w * (softmax - onehot(target))
+    probs = logits.sub_(lse.unsqueeze(1)).exp_()
+    probs.scatter_add_(1, safe_targets, torch.full_like(target_logit, -1.0).unsqueeze(1))
+    return loss, correct, probs.mul_(weights.unsqueeze(1))
+
+
+def ce_chunk(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor):
+    """The same chunk as _ce_chunk_eager with the gradient, written for torch.compile: no in-place
+    ops, the one-hot as a comparison, the gradient returned in the logits' dtype. Compiled it is a
+    reduction pass (max, sum of exp, argmax, target logit) and one pointwise pass over the logits,
+    with the fp32 upcast and the softmax never stored."""
+    x = _at_least_fp32(logits)
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    safe_targets = targets.clamp_min(0).unsqueeze(1)
+    target_logit = x.gather(1, safe_targets)
+    loss = ((lse - target_logit).squeeze(1) * weights).sum()
+    correct = x.argmax(dim=-1) == targets
+    onehot = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == safe_targets
+    grad = ((x - lse).exp() - onehot.to(x.dtype)) * weights.unsqueeze(1)
+    return loss, correct, grad.to(logits.dtype)
+
+
+_compiled_ce_chunk = None
+_compiled_ce_chunk_init = threading.Lock()
+
+
+def compiled_ce_chunk():
+    """ce_chunk compiled once per process (static shapes: every chunk has the same row count)."""
+    global _compiled_ce_chunk
+    if _compiled_ce_chunk is None:
+        with _compiled_ce_chunk_init:
+            if _compiled_ce_chunk is None:
+                from trainer.model import compile_options
+
+                _compiled_ce_chunk = torch.compile(ce_chunk, **compile_options())
+    return _compiled_ce_chunk
+
+
 class _FrozenHeadCE(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T + b, y_i) with W frozen, computed in row chunks.
 
     The gradient w.r.t. h is produced chunk by chunk during the forward (the loss is linear in the
     upstream gradient), so neither the full logits nor their gradient are ever held in memory and
     the lm_head matmul is not recomputed: exactly one forward and one input-gradient matmul.
+    `chunk_fn` is ce_chunk (compiled) or None for _ce_chunk_eager.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, row_weights, chunk_rows: int):
+    def forward(ctx, hidden, weight, bias, targets, row_weights, chunk_rows: int, chunk_fn):
         need_grad = ctx.needs_input_grad[0]
         loss = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32),
                            device=hidden.device)
         correct = torch.empty(targets.shape, dtype=torch.bool, device=hidden.device)
         grad = torch.empty_like(hidden) if need_grad else None
-        safe_targets = targets.clamp_min(0).unsqueeze(1)
         for start in range(0, hidden.shape[0], chunk_rows):
             stop = min(start + chunk_rows, hidden.shape[0])
-            logits = _at_least_fp32(F.linear(hidden[start:stop], weight, bias))
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, safe_targets[start:stop]).squeeze(1)
-            w = row_weights[start:stop]
-            loss += ((lse - target_logit) * w).sum()
-            correct[start:stop] = logits.argmax(dim=-1) == targets[start:stop]
+            logits = F.linear(hidden[start:stop], weight, bias)
+            y, w = targets[start:stop], row_weights[start:stop]
+            if need_grad and chunk_fn is not None:
+                part, correct[start:stop], dlogits = chunk_fn(logits, y, w)
+            else:
+                part, correct[start:stop], dlogits = _ce_chunk_eager(logits, y, w, need_grad)
+            loss += part
             if need_grad:
-                # d/dlogits of w*CE = w * (softmax - onehot(target))
-                probs = logits.sub_(lse.unsqueeze(1)).exp_()
-                probs.scatter_add_(1, safe_targets[start:stop],
-                                   torch.full_like(target_logit, -1.0).unsqueeze(1))
-                probs.mul_(w.unsqueeze(1))
-                grad[start:stop] = probs.to(weight.dtype) @ weight
+                grad[start:stop] = dlogits.to(weight.dtype) @ weight
         if need_grad:
             ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(correct)
@@ -121,7 +172,32 @@ class _FrozenHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
+
+
+LOSS_KERNELS = ("auto", "eager", "compiled")
+
+
+def loss_kernel_for(device: torch.device | str, kernel: str = "auto") -> str:
+    """"auto": the compiled chunk on CUDA, the eager one elsewhere (CPU compiles cost more than they save)."""
+    if kernel not in LOSS_KERNELS:
+        raise ValueError(f"loss kernel {kernel!r} is unknown; use one of {', '.join(LOSS_KERNELS)}")
+    if kernel != "auto":
+        return kernel
+    return "compiled" if torch.device(device).type == "cuda" else "eager"
+
+
+def even_chunks(rows: int, max_rows: int, multiple: int = 16) -> tuple[int, int]:
+    """(chunk_rows, chunks): chunks of at most ~max_rows rows, all the same size (a multiple of
+    `multiple`) so that one compiled graph serves them all; chunk_rows * chunks >= rows. Among the
+    fewest chunks and up to three more, the first that needs no padding rows wins (padding rows
+    are lm_head work for nothing), else the fewest."""
+    fewest = max(1, math.ceil(rows / max(1, max_rows)))
+    options = []
+    for chunks in range(fewest, fewest + 4):
+        chunk_rows = math.ceil(math.ceil(rows / chunks) / multiple) * multiple
+        options.append((chunk_rows, math.ceil(rows / chunk_rows)))
+    return next((o for o in options if o[0] * o[1] == rows), options[0])
 
 
 def dflash_loss_fused(
@@ -132,20 +208,32 @@ def dflash_loss_fused(
     gamma: float,
     bias: torch.Tensor | None = None,
     chunk_rows: int | None = None,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same result as dflash_loss(F.linear(hidden, W, b), ...) from drafter hidden [B, N*block, H].
 
     Only positions 1..block-1 go through the lm_head (position 0 is never trained), in chunks.
+    kernel "compiled" pads the rows to equal chunks (padding rows weigh 0 and are ignored).
     """
     batch, num_blocks, block_size = labels.shape
     hidden_size = hidden.shape[-1]
     rows = hidden.view(batch, num_blocks, block_size, hidden_size)[:, :, 1:].reshape(-1, hidden_size)
     targets = labels[:, :, 1:].reshape(-1)
     row_weights = _row_weights(label_mask, gamma).reshape(-1)
-    if chunk_rows is None:
-        chunk_rows = max(1, _FUSED_CHUNK_ELEMENTS // lm_head_weight.shape[0])
+    vocab = lm_head_weight.shape[0]
     weight = lm_head_weight.to(hidden.dtype)
     bias = None if bias is None else bias.to(hidden.dtype)
-    loss, correct = _FrozenHeadCE.apply(rows, weight, bias, targets, row_weights, int(chunk_rows))
+    chunk_fn = None
+    if loss_kernel_for(hidden.device, kernel) == "compiled":
+        chunk_rows, chunks = even_chunks(rows.shape[0], chunk_rows or _KERNEL_CHUNK_ELEMENTS // vocab)
+        pad = chunk_rows * chunks - rows.shape[0]
+        if pad:
+            rows = F.pad(rows, (0, 0, 0, pad))
+            targets = F.pad(targets, (0, pad), value=IGNORE_INDEX)
+            row_weights = F.pad(row_weights, (0, pad))
+        chunk_fn = compiled_ce_chunk()
+    elif chunk_rows is None:
+        chunk_rows = max(1, _FUSED_CHUNK_ELEMENTS // vocab)
+    loss, correct = _FrozenHeadCE.apply(rows, weight, bias, targets, row_weights, int(chunk_rows), chunk_fn)
+    correct = correct[:batch * num_blocks * (block_size - 1)]
     return loss, _accuracy(correct.view(batch, num_blocks, block_size - 1), label_mask)
-

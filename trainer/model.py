@@ -162,19 +162,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 _compiled_flex = None
 _compiled_flex_init = threading.Lock()
 _compile_mode = "default"
+_compile_mode_used = False  # something was compiled with _compile_mode
 
 
 def set_compile_mode(mode: str) -> None:
-    """torch.compile mode of the process's compiled flex_attention; before its first use."""
+    """torch.compile mode of the process's compiled regions (flex_attention, layers, loss chunk);
+    before their first use."""
     global _compile_mode
     from trainer.compile_modes import torch_compile_kwargs
 
     torch_compile_kwargs(mode)  # refuses unknown modes
     with _compiled_flex_init:
-        if _compiled_flex is not None and mode != _compile_mode:
-            raise RuntimeError(f"flex_attention is already compiled with mode {_compile_mode!r}; "
+        if (_compiled_flex is not None or _compile_mode_used) and mode != _compile_mode:
+            raise RuntimeError(f"the trainer's regions are already compiled with mode {_compile_mode!r}; "
                                f"set the compile mode before the first step")
         _compile_mode = mode
+
+
+def compile_options() -> dict:
+    """torch.compile keywords of every compiled region of the trainer.
+
+    dynamic=False: training shapes are static, and automatic dynamic shapes would trigger a second
+    compile mid-run (reopening the FX-tracing race window). fullgraph=True: a graph break would
+    silently run flex eagerly, which poisons compiled calls.
+    """
+    global _compile_mode_used
+    from trainer.compile_modes import torch_compile_kwargs
+
+    with _compiled_flex_init:
+        _compile_mode_used = True
+        return dict(dynamic=False, fullgraph=True, **torch_compile_kwargs(_compile_mode))
 
 
 def compiled_flex_attention():
@@ -187,13 +204,12 @@ def compiled_flex_attention():
     """
     global _compiled_flex
     if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        options = compile_options()
         with _compiled_flex_init:
             if _compiled_flex is None:
-                from torch.nn.attention.flex_attention import flex_attention
-
-                from trainer.compile_modes import torch_compile_kwargs
-                _compiled_flex = torch.compile(flex_attention, dynamic=False, fullgraph=True,
-                                               **torch_compile_kwargs(_compile_mode))
+                _compiled_flex = torch.compile(flex_attention, **options)
     return _compiled_flex
 
 
@@ -204,6 +220,10 @@ def attend(q, k, v, attn_mask, backend: str | AttentionFn) -> torch.Tensor:
     """
     q, k, v = attention_inputs(q, k, v)
     if backend == "flex":
+        if torch.compiler.is_compiling():  # inside a compiled layer: inductor compiles flex with it
+            from torch.nn.attention.flex_attention import flex_attention
+
+            return flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=True)
         return compiled_flex_attention()(q, k, v, block_mask=attn_mask, enable_gqa=True)
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
@@ -283,6 +303,11 @@ class DFlashDrafter(nn.Module):
         self.lm_head_bias = None if lm_head.bias is None else lm_head.bias.detach()
         # Recompute each layer in backward instead of storing its activations (trainer.activation_checkpoint).
         self.checkpoint_layers = False
+        # Each decoder layer as one compiled graph ("auto": when training with flex on CUDA), and the
+        # fused loss's chunk kernel (trainer.loss.LOSS_KERNELS; "auto": compiled on CUDA).
+        self.compile_layers: bool | str = "auto"
+        self.loss_kernel = "auto"
+        self._layers_compiled = False
         self._init_weights()
 
     def _init_weights(self, std: float = 0.02):
@@ -330,9 +355,26 @@ class DFlashDrafter(nn.Module):
 
         from trainer.activation_checkpoint import run_layer
 
+        self._compile_layers_if_wanted(backend, x.device)
         for layer in self.layers:
             x = run_layer(layer, x, ctx, rope_q, rope_k, attn_mask, backend, checkpointed=self.checkpoint_layers)
         return self.norm(x)
+
+    def _compile_layers_if_wanted(self, backend, device: torch.device) -> None:
+        """Compile every decoder layer in place (nn.Module.compile: names and state_dict unchanged).
+
+        All layers share one compiled graph (same code, same shapes; parameters are graph inputs),
+        so the compile costs one layer's. Lazily, at the first forward: a compile-lock patch
+        installed at startup must be in place before torch.compile wraps anything.
+        """
+        want = self.compile_layers
+        if want == "auto":
+            want = backend == "flex" and device.type == "cuda"
+        if want and not self._layers_compiled:
+            options = compile_options()
+            for layer in self.layers:
+                layer.compile(**options)
+            self._layers_compiled = True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits through the frozen target lm_head (tests, evaluation)."""
@@ -342,4 +384,4 @@ class DFlashDrafter(nn.Module):
         """dflash_loss without materialising the full logits (see trainer.loss.dflash_loss_fused)."""
         from trainer.loss import dflash_loss_fused
         return dflash_loss_fused(hidden, self.lm_head_weight, labels, label_mask, gamma,
-                                 bias=self.lm_head_bias, chunk_rows=chunk_rows)
+                                 bias=self.lm_head_bias, chunk_rows=chunk_rows, kernel=self.loss_kernel)

@@ -240,7 +240,22 @@ def _lines(path: str, first: int):
                 yield index, line
 
 
-def regenerate(opts: RegenerateOptions, out: TextIO | None = None, tty: bool | None = None) -> dict:
+def run_summary(committed: dict, first: dict, seconds: float) -> dict:
+    """This run's share of the committed stats (a resumed run starts from the stopped run's) and its rates."""
+    this_run = {k: committed[k] - first.get(k, 0) for k in ("records", "new_tokens", "rejects", "seen")}
+    return dict(committed, this_run=this_run, seconds=seconds,
+                new_tokens_per_s=this_run["new_tokens"] / max(seconds, 1e-9),
+                records_per_s=this_run["seen"] / max(seconds, 1e-9))
+
+
+def regenerate(opts: RegenerateOptions, out: TextIO | None = None, tty: bool | None = None,
+               report: dict | None = None) -> dict:
+    """Regenerate opts.input into opts.output; returns the summary (run_summary's keys).
+
+    `report`, when given, holds the summary of what is committed so far at every moment, so a
+    caller can report a run that ends by an exception (Ctrl-C, SIGTERM, a full disk) too.
+    """
+    report = report if report is not None else {}
     if not os.path.isfile(opts.input):
         raise DataError(opts.input, "input file not found. Fix: pass a JSONL of {\"messages\": [...]} records.")
     os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
@@ -248,8 +263,11 @@ def regenerate(opts: RegenerateOptions, out: TextIO | None = None, tty: bool | N
     stats = state["stats"]
     with open(opts.input, encoding="utf-8") as f:
         total = sum(1 for line in f if line.strip())
+    first = dict(stats)
+    report.update(run_summary(stats, first, 0.0), total=total, output=opts.output,
+                  rejects_path=rejects_path(opts.output))
     generators = [Generator(opts.target, device, opts) for device in opts.devices]
-    began = time.monotonic()
+    began = time.monotonic()  # rates count generation, not loading the model
     progress = ProgressLine("records", total, done=stats["seen"], out=out, tty=tty, every_s=opts.progress_every_s)
     chunk_size = opts.batch_size * len(generators)
     lines = _lines(opts.input, state["next_line"])
@@ -293,9 +311,12 @@ def regenerate(opts: RegenerateOptions, out: TextIO | None = None, tty: bool | N
                 os.fsync(f.fileno())
             state.update(next_line=chunk[-1][0] + 1, out_bytes=out_file.tell(), rejects_bytes=rej_file.tell())
             write_atomic(_progress_path(opts.output), json.dumps(state))  # the commit point
-            progress.update(stats["seen"], f"{stats['new_tokens']} new tokens, {stats['rejects']} rejected")
+            report.update(run_summary(stats, first, time.monotonic() - began))
+            progress.update(stats["seen"], f"{stats['new_tokens']} new tokens "
+                                           f"({report['new_tokens_per_s']:.1f}/s), {stats['rejects']} rejected")
     progress.finish()
-    return dict(stats, seconds=time.monotonic() - began, rejects_path=rejects_path(opts.output), total=total)
+    report.update(run_summary(stats, first, time.monotonic() - began))
+    return dict(report)
 
 
 def _jsonl(obj) -> bytes:

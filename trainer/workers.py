@@ -289,16 +289,19 @@ class TrainingWorkers:
 
     def _average_gradients(self) -> None:
         """Barrier action (one thread, all others parked): mean grads, clip, copy to every replica."""
-        home = self.replicas[0].device
+        home = torch.device(self.replicas[0].device)
         per_replica = [r.trainable() for r in self.replicas]
         averaged = []
         for params in zip(*per_replica):
             total = None
             for p in params:  # fixed replica order: the sum does not depend on thread timing
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
+                if total is None and g.dtype == torch.float32 and g.device == home:
+                    total = g.detach()  # the first replica's own fp32 gradient holds the result: no copy
+                    continue
                 g = g.detach().to(home, torch.float32)
                 total = g.clone() if total is None else total.add_(g)
-            averaged.append(total.div_(len(params)))
+            averaged.append(total.div_(len(params)) if len(params) > 1 else total)
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in averaged])) \
             if averaged else torch.tensor(0.0)
         scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
@@ -306,7 +309,8 @@ class TrainingWorkers:
             avg.mul_(scale)
             for params in per_replica:
                 p = params[i]
-                p.grad = avg.to(p.device, p.dtype, copy=True)
+                if p.grad is None or p.grad.data_ptr() != avg.data_ptr():  # not the accumulator itself
+                    p.grad = avg.to(p.device, p.dtype, copy=True)
         self._grad_norm = float(norm)
 
     # ---- blocking with an eye on the stop event ----------------------------------------

@@ -401,3 +401,82 @@ def test_two_torchrun_ranks_from_the_cache_follow_the_threaded_run(made, tmp_pat
 
     ranked, reference = losses(tmp_path / "ranks" / "metrics.jsonl"), losses(threaded.metrics_path)
     assert len(ranked) == 3 and ranked == pytest.approx(reference, rel=1e-6)
+
+
+# ---- batched target forwards + the writer thread ---------------------------------------------------
+
+def _cache_the_old_way(target, dataset, cache_dir, header, shard_bytes):
+    """The writer loop before batching by tokens and the writer thread: 4 sequences per forward,
+    each sequence added to the shard writer in the loop (the reference for byte identity)."""
+    manifest, _ = fc.prepare(cache_dir, header)
+    writer = fc.ShardWriter(cache_dir, manifest, shard_bytes)
+    for begin in range(0, len(dataset), 4):
+        attn = dataset.attention_mask[begin:begin + 4]
+        feats = target.features(dataset.input_ids[begin:begin + 4], attention_mask=attn).to("cpu", torch.bfloat16)
+        for row in range(attn.shape[0]):
+            length = int(attn[row].sum())
+            writer.add(feats[row, :length].clone(), dataset.input_ids[begin + row, :length],
+                       dataset.loss_mask[begin + row, :length])
+    writer.flush()
+    return manifest
+
+
+@pytest.fixture(scope="module")
+def tiny_cpu(tmp_path_factory):
+    """The tiny-cpu config's target and synthetic data (fewer sequences: 300, two auto batches)."""
+    cfg = load_config("tiny-cpu", {"data.synthetic.num_samples": 300})
+    target = load_target("tiny-random", "cpu", torch.float32, layer_ids=cfg.target.layer_ids, seed=0,
+                         tiny=cfg.target.tiny)
+    with torch.no_grad():
+        dataset = build_dataset(cfg, target)
+    return cfg, target, dataset, fc.cache_header(cfg, target, "bf16", 0)
+
+
+def test_batched_cache_is_byte_identical_to_the_old_writer(tiny_cpu, tmp_path):
+    cfg, target, dataset, header = tiny_cpu
+    assert fc.auto_batch_size(cfg.data.seq_len) == 256  # 300 sequences: a full and a partial batch
+    shard_bytes = 2_000_000  # several shards
+    with torch.no_grad():
+        old = _cache_the_old_way(target, dataset, str(tmp_path / "old"), header, shard_bytes)
+    new = fc.write_cache(target, dataset, str(tmp_path / "new"), header, shard_bytes=shard_bytes,
+                         say=lambda _: None)
+    assert len(new["shards"]) >= 3 and [s["sha256"] for s in new["shards"]] == [s["sha256"] for s in old["shards"]]
+    for shard in new["shards"]:
+        assert (tmp_path / "new" / shard["file"]).read_bytes() == (tmp_path / "old" / shard["file"]).read_bytes()
+
+
+def test_an_interrupted_cache_keeps_its_whole_shards_and_resumes_identically(tiny_cpu, tmp_path, monkeypatch):
+    cfg, target, dataset, header = tiny_cpu
+    fresh = fc.write_cache(target, dataset, str(tmp_path / "fresh"), header, batch_size=32, shard_bytes=500_000,
+                           say=lambda _: None)
+    real_features, calls = target.features, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real_features(*args, **kwargs)
+
+    monkeypatch.setattr(target, "features", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fc.write_cache(target, dataset, str(tmp_path / "cut"), header, batch_size=32, shard_bytes=500_000,
+                       say=lambda _: None)
+    cut = fc.read_manifest(str(tmp_path / "cut"))
+    assert not cut["complete"] and 1 <= len(cut["shards"]) < len(fresh["shards"])
+    monkeypatch.setattr(target, "features", real_features)
+    again = fc.write_cache(target, dataset, str(tmp_path / "cut"), header, batch_size=32, shard_bytes=500_000,
+                           say=lambda _: None)
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in fresh["shards"]]
+
+
+def test_a_writer_thread_failure_reaches_the_caller(tiny_cpu, tmp_path, monkeypatch):
+    cfg, target, dataset, header = tiny_cpu
+
+    def full_disk(self):
+        if self.lengths:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fc.ShardWriter, "flush", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        fc.write_cache(target, dataset, str(tmp_path / "full"), header, batch_size=16, shard_bytes=100_000,
+                       say=lambda _: None)

@@ -153,3 +153,93 @@ def test_fused_loss_without_grad():
         ref, ref_acc = dflash_loss(h @ weight.T, labels, labels != IGNORE_INDEX, 7.0)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
     assert torch.equal(acc, ref_acc)
+
+
+# ---- the compiled chunk kernel (the CUDA default) -------------------------------------------------
+
+def _loss_case(seed: int, batch=2, num_blocks=3, block=5, hidden=8, vocab=11, ignored_rows=(),
+               dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(batch, num_blocks * block, hidden, generator=g, dtype=dtype)
+    weight = torch.randn(vocab, hidden, generator=g, dtype=dtype)
+    label_mask = torch.rand(batch, num_blocks, block, generator=g) > 0.3
+    label_mask[:, :, 0] = False
+    for b in ignored_rows:  # a sequence with nothing to train (all its positions ignored)
+        label_mask[b] = False
+    labels = torch.randint(0, vocab, (batch, num_blocks, block), generator=g)
+    labels = torch.where(label_mask, labels, torch.full_like(labels, IGNORE_INDEX))
+    return h, weight, labels, label_mask
+
+
+def _reference(h, weight, labels, label_mask, gamma):
+    h_ref = h.clone().requires_grad_(True)
+    loss, acc = dflash_loss(torch.nn.functional.linear(h_ref, weight), labels, label_mask, gamma)
+    loss.backward()
+    return loss, acc, h_ref.grad
+
+
+@pytest.fixture
+def kernel_math(monkeypatch):
+    """The compiled path with ce_chunk run eagerly: the chunking, padding and math, no compile."""
+    import trainer.loss as loss_module
+
+    monkeypatch.setattr(loss_module, "_compiled_ce_chunk", loss_module.ce_chunk)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 5, 16, 64, None])
+@pytest.mark.parametrize("ignored_rows", [(), (1,)])
+def test_compiled_kernel_path_equals_the_full_logits_loss(kernel_math, chunk_rows, ignored_rows):
+    # 2 x 3 x 4 = 24 trained rows: chunk 1 and 5 round up to 16 rows (a padded second chunk), 16
+    # pads 8 rows, 64 is one padded chunk; a sequence with no label at all must not change anything.
+    h, weight, labels, label_mask = _loss_case(4, ignored_rows=ignored_rows)
+    ref_loss, ref_acc, ref_grad = _reference(h, weight, labels, label_mask, 3.0)
+    h_k = h.clone().requires_grad_(True)
+    loss, acc = dflash_loss_fused(h_k, weight, labels, label_mask, 3.0, chunk_rows=chunk_rows,
+                                  kernel="compiled")
+    (2.5 * loss).backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-12)
+    assert torch.equal(acc, ref_acc)
+    assert torch.allclose(h_k.grad, 2.5 * ref_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_compiled_kernel_path_with_nothing_to_train_gives_zero(kernel_math):
+    h, weight, labels, label_mask = _loss_case(5, ignored_rows=(0, 1))
+    h_k = h.clone().requires_grad_(True)
+    loss, acc = dflash_loss_fused(h_k, weight, labels, label_mask, 7.0, chunk_rows=16, kernel="compiled")
+    loss.backward()
+    assert loss.item() == 0.0 and (acc == 0).all()
+    assert torch.isfinite(h_k.grad).all() and (h_k.grad == 0).all()
+
+
+def test_ce_chunk_compiles_whole_and_equals_the_eager_chunk(monkeypatch):
+    """ce_chunk traced by dynamo in one graph (fullgraph, as on CUDA; aot_eager keeps it fast on a
+    CPU) gives the eager chunk's loss, accuracy and gradient in fp32."""
+    import trainer.loss as loss_module
+    import trainer.model as model_module
+
+    monkeypatch.setattr(loss_module, "_compiled_ce_chunk", None)
+    monkeypatch.setattr(model_module, "compile_options",
+                        lambda: {"dynamic": False, "fullgraph": True, "backend": "aot_eager"})
+    h, weight, labels, label_mask = _loss_case(6, dtype=torch.float32)
+    ref_loss, ref_acc, ref_grad = _reference(h.double(), weight.double(), labels, label_mask, 7.0)
+    h_k = h.clone().requires_grad_(True)
+    loss, acc = dflash_loss_fused(h_k, weight, labels, label_mask, 7.0, chunk_rows=16, kernel="compiled")
+    loss.backward()
+    assert loss_module._compiled_ce_chunk is not loss_module.ce_chunk  # it really went through torch.compile
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert torch.equal(acc, ref_acc)
+    assert torch.allclose(h_k.grad.double(), ref_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_loss_kernel_defaults_compiled_on_cuda_only():
+    from trainer.loss import even_chunks, loss_kernel_for
+
+    assert loss_kernel_for("cuda:1") == "compiled" and loss_kernel_for("cpu") == "eager"
+    assert loss_kernel_for("cuda:0", "eager") == "eager"
+    with pytest.raises(ValueError, match="unknown"):
+        loss_kernel_for("cpu", "triton")
+    # paper dims: 512 anchors x 15 rows, vocab 151936 -> at most 883 rows: 10 x 768, no padding
+    assert even_chunks(7680, (1 << 27) // 151936) == (768, 10)
+    assert even_chunks(7680, 1766) == (1536, 5)
+    assert even_chunks(24, 5) == (16, 2) and even_chunks(10, 64) == (16, 1)
+    assert even_chunks(7000, 883) == (880, 8)  # no divisor without padding: the fewest chunks

@@ -325,3 +325,48 @@ def test_the_trainer_offers_only_its_own_attention_and_takes_a_benchmark_functio
 
     by_hand = drafter(context, input_ids, anchors, mask, backend=sdpa_by_hand)
     assert torch.equal(by_hand, run_sdpa(drafter, context, input_ids, anchors, valid))
+
+
+def test_compiled_layers_equal_eager_and_share_one_graph_across_layers_and_replicas(monkeypatch):
+    """compile_layers compiles every decoder layer in place: same loss and gradients as eager, the
+    same state_dict names, and ONE graph for all layers of all replicas (plus one for the first
+    layer, whose input needs no grad) - a graph per layer would hit dynamo's recompile limit and
+    silently fall back to eager. aot_eager keeps the compile cheap on a CPU; CUDA uses inductor."""
+    import trainer.model as model_module
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(model_module, "compile_options",
+                        lambda: {"dynamic": False, "fullgraph": True, "backend": "aot_eager"})
+    torch._dynamo.reset()
+    counters.clear()
+    context, input_ids, anchors, valid = make_batch(seed=3)
+    mask = dense_mask(anchors, valid, CTX, BLOCK, "cpu")
+    trained = torch.ones_like(input_ids, dtype=torch.bool)
+    labels, label_mask = block_labels(input_ids, trained, anchors, valid, BLOCK)
+
+    def loss_and_grads(model):
+        loss, _ = model.loss(model(context, input_ids, anchors, mask, "sdpa"), labels, label_mask, 4.0)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    eager = make_drafter(seed=1, num_layers=4)
+    replicas = [copy.deepcopy(eager) for _ in range(2)]
+    ref_loss, ref_grads = loss_and_grads(eager)
+    for replica in replicas:
+        replica.compile_layers = True
+        loss, grads = loss_and_grads(replica)
+        assert torch.allclose(loss, ref_loss, rtol=1e-5)
+        for name, grad in grads.items():
+            assert torch.allclose(grad, ref_grads[name], rtol=1e-4, atol=1e-6), name
+        assert list(replica.state_dict()) == list(eager.state_dict())
+    assert all(layer._compiled_call_impl is not None for layer in replicas[0].layers)
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
+
+
+def test_layers_compile_by_default_only_for_flex_on_cuda():
+    drafter = make_drafter()
+    context, input_ids, anchors, valid = make_batch()
+    drafter(context, input_ids, anchors, dense_mask(anchors, valid, CTX, BLOCK, "cpu"), "sdpa")
+    assert drafter.compile_layers == "auto" and not drafter._layers_compiled
+    assert all(layer._compiled_call_impl is None for layer in drafter.layers)

@@ -220,6 +220,36 @@ def test_sampling_is_seeded_by_position_so_a_resumed_run_samples_the_same(tmp_pa
     assert greedy.read_text().splitlines() != first_two  # and it did sample
 
 
+@pytest.mark.parametrize("how, code, word", [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "interrupted")])
+def test_a_stopped_run_prints_its_summary_with_new_tokens_per_second(tmp_path, how, code, word):
+    src = write_lines(tmp_path / "in.jsonl", [conversation(i) for i in range(60)])
+    out = tmp_path / "out.jsonl"
+    victim = _run(src, out)
+    progress = Path(str(out) + ".progress.json")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if progress.exists() and json.loads(progress.read_text() or "{}").get("next_line", 0) >= 3:
+            break
+        time.sleep(0.01)
+    victim.send_signal(how)
+    _, err = victim.communicate(timeout=60)
+    assert victim.returncode == code, err
+    summary = [line for line in err.splitlines() if line.startswith(f"dflash-train data: regenerate stopped ({word})")]
+    assert len(summary) == 1, err
+    committed = json.loads(progress.read_text())["stats"]
+    assert f": {committed['records']} records (" in summary[0] and "new tokens/s" in summary[0]
+    assert f"this run {committed['seen']} records, {committed['new_tokens']} new tokens in" in summary[0]
+    assert "rerun with --resume" in summary[0]
+
+
+def test_a_finished_run_reports_new_tokens_per_second(tmp_path, capsys):
+    src = write_lines(tmp_path / "in.jsonl", [conversation(0), conversation(1)])
+    assert data_main(["regenerate", "--target", "tiny-random", "--in", str(src), "--out", str(tmp_path / "o.jsonl"),
+                      "--max-new-tokens", "3"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("dflash-train data: regenerated 2 records (2 turns, 6 new tokens") and "new tokens/s" in line
+
+
 def test_a_truncated_record_is_rejected_at_its_real_column():
     cut = '{"messages": [{"role": "user", "content": "hi"}'  # stops before the closing bracket
     with pytest.raises(Reject, match=rf"at column {len(cut) + 1}\)"):

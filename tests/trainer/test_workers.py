@@ -76,6 +76,26 @@ def test_barrier_action_averages_then_clips_and_copies_to_every_replica(parts):
     assert all(a.grad.data_ptr() != b.grad.data_ptr() for a, b in zip(reps[0].trainable(), reps[1].trainable()))
 
 
+def test_one_replica_is_clipped_in_place_with_no_gradient_copy(parts):
+    workers, reps = make_workers(parts, replicas=1)
+    workers.grad_clip = 0.5
+    gen = torch.Generator().manual_seed(5)
+    for p in reps[0].trainable():
+        p.grad = torch.randn(p.shape, generator=gen)
+    holders = [torch.nn.Parameter(torch.zeros_like(p)) for p in reps[0].trainable()]
+    for h, p in zip(holders, reps[0].trainable()):
+        h.grad = p.grad.clone()
+    expected_norm = torch.nn.utils.clip_grad_norm_(holders, 0.5)
+    before = [p.grad.data_ptr() for p in reps[0].trainable()]
+
+    workers._average_gradients()
+
+    assert workers._grad_norm == pytest.approx(float(expected_norm), rel=1e-5) and float(expected_norm) > 0.5
+    assert [p.grad.data_ptr() for p in reps[0].trainable()] == before  # scaled where it was
+    for p, h in zip(reps[0].trainable(), holders):
+        torch.testing.assert_close(p.grad, h.grad)
+
+
 def test_two_drafter_threads_keep_identical_replicas(tmp_path):
     cfg = tiny_cfg(tmp_path, max_steps=6)
     target = load_target(cfg.target.spec, "cpu", torch.float32, layer_ids=cfg.target.layer_ids,
