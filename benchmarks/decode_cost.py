@@ -198,7 +198,7 @@ def measure(model, drafter, shape: str, block: int, compile: bool, device: str, 
         parts["step"] = dec._runner("target", dec._target_step)
         parts["round"] = dec._runner("speculative", dec._speculative_round)
         setup_s = time.perf_counter() - t0
-        dec._prefill([prompt], spec["new"])  # positions at the end of the prompt, as in decoding
+        dec._prefill([prompt], spec["new"], True)  # positions at the end of the prompt, as in decoding
         row = {"block": block, "compile": compile, "graphs": dec.graphs, "setup_s": setup_s}
         for name, run in parts.items():
             row[f"{name}_gpu_ms"] = gpu_ms(run, device, iterations)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .static_decode import EAGER, StaticTarget, grouped_attention, rms_norm
+from .static_decode import EAGER, StaticTarget, grouped_attention, grouped_mask, rms_norm
 
 
 @dataclasses.dataclass
@@ -76,6 +76,7 @@ def fp32_last_hidden(target: StaticTarget, prefix: list[int]) -> torch.Tensor:
     x = torch.nn.functional.embedding(ids, target.embed.float())
     cos, sin = target.model.get_decoder().rotary_emb(x, where)  # fp32, like x
     visible = torch.ones(length, length, dtype=torch.bool, device=device).tril().unsqueeze(0)
+    mask = grouped_mask(visible, target.heads // target.kv_heads, torch.float32)
     for w in target.layers:
         f = {k: (None if v is None else v.float()) for k, v in dataclasses.asdict(w).items()}
         q, k, v = EAGER.pre(
@@ -96,7 +97,7 @@ def fp32_last_hidden(target: StaticTarget, prefix: list[int]) -> torch.Tensor:
             target.kv_heads,
             target.head_dim,
         )
-        out = grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), visible)
+        out = grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask)
         x = EAGER.post(x, out, f["wo"], f["bo"], f["ln2"], f["gate"], f["up"], f["down"], target.eps)
     return rms_norm(x[0, -1], target.norm_weight.float(), target.norm_eps)
 

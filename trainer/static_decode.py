@@ -70,7 +70,8 @@ def pre_attention(
     head_dim: int,
 ):
     """Input norm, q/k/v projections, per-head norms and RoPE of one layer. x [B, T, H];
-    cos/sin [B, T, D]. Returns q [B, Hq, T, D] and k, v [B, T, Hkv, D] (the cache's write layout)."""
+    cos/sin [B, T, D]. Returns q grouped by kv head [B, Hkv, G*T, D] (see grouped_attention) and
+    k, v [B, T, Hkv, D] (the cache's write layout)."""
     batch, length, _ = x.shape
     h = rms_norm(x, ln, eps)
     q = F.linear(h, wq, bq).view(batch, length, heads, head_dim)
@@ -82,12 +83,18 @@ def pre_attention(
     c, s = cos.unsqueeze(2), sin.unsqueeze(2)
     q = q * c + _rotate_half(q) * s
     k = k * c + _rotate_half(k) * s
-    return q.transpose(1, 2), k, v
+    group = heads // kv_heads
+    grouped = q.view(batch, length, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    return grouped.reshape(batch, kv_heads, group * length, head_dim), k, v
 
 
 def post_attention(x, attn, wo, bo, ln, gate, up, down, eps: float):
-    """Output projection, residual, post-attention norm, SiLU MLP, residual. attn [B, T, Hq*D]."""
-    x = x + F.linear(attn, wo, bo)
+    """Output projection, residual, post-attention norm, SiLU MLP, residual. attn: the grouped
+    attention output [B, Hkv, G*T, D]."""
+    batch, length, _ = x.shape
+    kv_heads, rows, dim = attn.shape[1:]
+    attn = attn.view(batch, kv_heads, rows // length, length, dim).permute(0, 3, 1, 2, 4)
+    x = x + F.linear(attn.reshape(batch, length, -1), wo, bo)
     h = rms_norm(x, ln, eps)
     return x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
 
@@ -102,18 +109,19 @@ def context_kv(ctx, wk, bk, wv, bv, k_norm, cos, sin, eps: float, kv_heads: int,
     return k * c + _rotate_half(k) * s, v
 
 
-def grouped_attention(q, keys, values, visible):
-    """GQA without repeating the cache: the query heads of one kv head become extra query rows.
-    q [B, Hq, T, D]; keys/values [B, Hkv, S, D]; visible [B, T, S] bool. Returns [B, T, Hq*D]."""
-    batch, heads, length, dim = q.shape
-    kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    qg = q.reshape(batch, kv_heads, group * length, dim)
-    mask = visible.unsqueeze(1).unsqueeze(1).expand(batch, 1, group, length, visible.shape[-1])
-    out = F.scaled_dot_product_attention(
-        qg, keys, values, attn_mask=mask.reshape(batch, 1, group * length, -1)
-    )
-    return out.view(batch, heads, length, dim).transpose(1, 2).reshape(batch, length, heads * dim)
+def grouped_mask(visible: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask [B, 1, G*T, S] of grouped queries, from visible [B, T, S] (built
+    once per forward, shared by every layer)."""
+    batch, length, keys = visible.shape
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
+    mask = torch.where(visible, zero, torch.finfo(dtype).min)
+    return mask.unsqueeze(1).unsqueeze(1).expand(batch, 1, group, length, keys).reshape(batch, 1, -1, keys)
+
+
+def grouped_attention(q, keys, values, mask):
+    """GQA without repeating the cache: the G query heads of one kv head are G*T query rows against
+    that head's keys. q [B, Hkv, G*T, D]; keys/values [B, Hkv, S, D]; mask from grouped_mask."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
 @dataclasses.dataclass
@@ -174,6 +182,10 @@ class Kernels:
 
     def __init__(self, compile: bool):
         self.compiled = compile
+        if compile:  # one compiled graph per distinct shape (target step, verify, draft; several models)
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), 64))
         wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
         self.pre = wrap(pre_attention)
         self.post = wrap(post_attention)
@@ -226,7 +238,9 @@ class StaticTarget:
         positions where [B, T]; writes their K/V. B == rows."""
         x = F.embedding(ids, self.embed)
         cos, sin = self.cos[where], self.sin[where]
-        visible = self.key_positions <= where.unsqueeze(-1)  # [B, T, S]
+        mask = grouped_mask(
+            self.key_positions <= where.unsqueeze(-1), self.heads // self.kv_heads, self.dtype
+        )
         wanted = set(self.layer_ids) if features else set()
         taken = {}
         last = len(self.layers) - 1
@@ -251,7 +265,7 @@ class StaticTarget:
             )
             self.keys[i][self.row_index, :, where] = k
             self.values[i][self.row_index, :, where] = v
-            out = grouped_attention(q, self.keys[i], self.values[i], visible)
+            out = grouped_attention(q, self.keys[i], self.values[i], mask)
             x = kernels.post(x, out, w.wo, w.bo, w.ln2, w.gate, w.up, w.down, self.eps)
             if i in wanted and i != last:
                 taken[i] = x
@@ -318,8 +332,10 @@ class StaticDrafter:
             d.fc.weight.dtype
         )
         cos, sin = self.cos[where], self.sin[where]
-        visible = self.key_positions < (start + self.block).view(-1, 1, 1)  # [B, 1, S], same for every row
-        visible = visible.expand(-1, self.block, -1)
+        visible = self.key_positions < (start + self.block).view(
+            -1, 1, 1
+        )  # [B, 1, S]: the same for each query
+        mask = grouped_mask(visible.expand(-1, self.block, -1), cfg.num_heads // cfg.num_kv_heads, x.dtype)
         for i, w in enumerate(self.layers):
             q, k, v = kernels.pre(
                 x,
@@ -341,7 +357,7 @@ class StaticDrafter:
             )
             self.keys[i][self.row_index, :, where] = k
             self.values[i][self.row_index, :, where] = v
-            out = grouped_attention(q, self.keys[i], self.values[i], visible)
+            out = grouped_attention(q, self.keys[i], self.values[i], mask)
             x = kernels.post(x, out, w.wo, w.bo, w.ln2, w.gate, w.up, w.down, cfg.rms_norm_eps)
         hidden = rms_norm(x[:, 1:], d.norm.weight, d.norm.eps)
         return F.linear(hidden, d.lm_head_weight.to(hidden.dtype), d.lm_head_bias).argmax(-1)
@@ -413,6 +429,10 @@ class StaticDecoder:
         context = len(self.target.layer_ids) * self.target.embed.shape[1]
         self.pending = torch.zeros(rows, max(block, 1), context, device=device, dtype=self.target.dtype)
         self.pending_start = torch.zeros(rows, **long)
+        self.prompt_ids = torch.zeros(rows, max_prompt, **long)
+        self.prompt_len = torch.ones(rows, **long)
+        self.prompt_positions = torch.arange(max_prompt, **long).expand(rows, max_prompt)
+        self.real = torch.zeros(rows, device=device, dtype=torch.bool)
         self.any_active = torch.zeros(1, dtype=torch.bool, device=device)
         self.host_flag = torch.zeros(1, dtype=torch.bool, pin_memory=on_cuda)
         self._graph: dict[str, torch.cuda.CUDAGraph] = {}
@@ -466,8 +486,29 @@ class StaticDecoder:
 
     # ---- prefill (eager, once per call) -----------------------------------------------------------
 
+    def _prefill_step(self, speculative: bool) -> None:
+        """The prompts (static buffers, right-padded to max_prompt) through the target: its first
+        token, the drafter's context when speculative, and a fresh state. Eager kernels: one shape,
+        run once per decode (as a graph on CUDA)."""
+        where = self.prompt_positions
+        hidden, features = self.target.hidden(self.prompt_ids, where, features=speculative)
+        last = hidden[self.row_index[:, 0], self.prompt_len - 1]
+        first = self.target.logits(last).argmax(-1)
+        if speculative:
+            self.drafter.extend(features, where)
+        self.start.copy_(self.prompt_len)
+        self.anchor.copy_(first)
+        self.out[:, 0] = first
+        self.emitted.fill_(1)
+        self.round.zero_()
+        self.active.copy_(self.real & ~torch.isin(first, self.stop_ids) & (self.emitted < self.budget))
+        self.pending.zero_()
+        self.pending_start.copy_(self.prompt_len)
+        self.any_active.copy_(self.active.any().view(1))
+        self.host_flag.copy_(self.any_active, non_blocking=True)
+
     @torch.no_grad()
-    def _prefill(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+    def _prefill(self, prompts: list[list[int]], max_new_tokens: int, speculative: bool) -> None:
         if not 0 < len(prompts) <= self.rows:
             raise ValueError(f"{len(prompts)} prompts for a decoder of {self.rows} rows")
         longest = max(len(p) for p in prompts)
@@ -477,29 +518,15 @@ class StaticDecoder:
                 f"{self.max_prompt} / {self.max_new_tokens}"
             )
         rows = list(prompts) + [prompts[0]] * (self.rows - len(prompts))
-        ids = torch.zeros(self.rows, longest, dtype=torch.long)
+        ids = torch.zeros(self.rows, self.max_prompt, dtype=torch.long)
         for r, p in enumerate(rows):
             ids[r, : len(p)] = torch.tensor(p)
-        ids = ids.to(self.device)
-        lengths = torch.tensor([len(p) for p in rows], device=self.device)
-        where = torch.arange(longest, device=self.device).expand(self.rows, longest)
-        hidden, features = self.target.hidden(ids, where, features=self.drafter is not None)
-        last = hidden[torch.arange(self.rows, device=self.device), lengths - 1]
-        first = self.target.logits(last).argmax(-1)
-        if self.drafter is not None:
-            self.drafter.extend(features, where)
-        real = torch.arange(self.rows, device=self.device) < len(prompts)
-        self.start.copy_(lengths)
-        self.anchor.copy_(first)
-        self.out[:, 0] = first
-        self.emitted.fill_(1)
-        self.round.zero_()
+        self.prompt_ids.copy_(ids)
+        self.prompt_len.copy_(torch.tensor([len(p) for p in rows]))
+        self.real.copy_(torch.arange(self.rows) < len(prompts))
         self.budget.fill_(max_new_tokens)
-        self.active.copy_(real & ~torch.isin(first, self.stop_ids) & (self.emitted < self.budget))
-        self.pending.zero_()
-        self.pending_start.copy_(lengths)
-        self.any_active.copy_(self.active.any().view(1))
-        self.host_flag.copy_(self.any_active)
+        name = "prefill-speculative" if speculative else "prefill-target"
+        self._runner(name, lambda: self._prefill_step(speculative))()
 
     # ---- the host loop ----------------------------------------------------------------------------
 
@@ -531,9 +558,10 @@ class StaticDecoder:
     def prepare(self, prompts: list[list[int]], speculative: bool = True) -> None:
         """Capture the graphs (and compile) now, so the first timed decode does not pay for it."""
         with torch.no_grad():
-            self._prefill(prompts[: self.rows], 1)
+            self._prefill(prompts[: self.rows], 1, False)
             self._runner("target", self._target_step)
             if speculative and self.drafter is not None:
+                self._prefill(prompts[: self.rows], 1, True)
                 self._runner("speculative", self._speculative_round)
 
     @torch.no_grad()
@@ -548,7 +576,7 @@ class StaticDecoder:
         )
         self._sync()
         t0 = time.perf_counter()
-        self._prefill(prompts, max_new_tokens)
+        self._prefill(prompts, max_new_tokens, speculative)
         iterations = 0
         while iterations <= max_new_tokens:  # every round emits at least one token per active row
             self._sync()
