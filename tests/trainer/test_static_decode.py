@@ -242,3 +242,34 @@ def test_both_tau_conventions_on_a_hand_made_example():
     assert summary["tau"] == pytest.approx((1 + 2 + 3 + 4) / 4)  # pooled over the four rounds: 2.5
     assert summary["tau_per_prompt_mean"] == pytest.approx(3.0)  # (2.0 + 4.0) / 2
     assert summary["tau_per_prompt"] == {"min": 2.0, "median": 3.0, "max": 4.0}
+
+
+def test_a_stop_token_inside_the_accepted_drafts_ends_decoding_in_both_loops(target, trained):
+    """A stop token among a round's accepted drafts (not its last token) ends that prompt: no further
+    rounds are run or counted in tau, in the reference loop as in the static one."""
+    drafter = with_block(target, trained[0], 8)
+    found = 0
+    for prompt in trained[1][:12]:
+        free = speculative_generate(target.model, target.layer_ids, drafter, prompt, 32)
+        at = 1  # index in the output of the current round's first token
+        for n in free.accepted:
+            if n >= 2 and free.tokens[at] not in free.tokens[:at]:
+                stop = {free.tokens[at]}  # the round's first accepted draft, n - 1 more accepted after it
+                ref = speculative_generate(target.model, target.layer_ids, drafter, prompt, 32, stop)
+                decoder = StaticDecoder(
+                    target.model,
+                    target.layer_ids,
+                    drafter,
+                    rows=1,
+                    max_prompt=len(prompt),
+                    max_new_tokens=32,
+                    stop_ids=stop,
+                )
+                fast = decoder.decode([prompt], 32, speculative=True).results[0]
+                assert ref.tokens == fast.tokens == free.tokens[: at + 1]
+                assert ref.accepted == fast.accepted == free.accepted[: len(ref.accepted)]
+                assert ref.accepted[-1] == n  # the stop was mid-block, and the round it was in was the last
+                found += 1
+                break
+            at += n + 1
+    assert found >= 1
