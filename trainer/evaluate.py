@@ -168,7 +168,7 @@ def make_decoder(model, layer_ids, drafter, prompts: list[list[int]], max_new_to
 def _fits_decoder(decoder, drafter, prompts, max_new_tokens, stop_ids) -> bool:
     return (decoder.drafter is not None and decoder.drafter.drafter is drafter
             and decoder.max_prompt >= max(len(p) for p in prompts) and decoder.max_new_tokens >= max_new_tokens
-            and set(decoder.stop_ids.tolist()) - {-1} == set(int(s) for s in stop_ids))
+            and set(decoder.stop_ids.tolist()) - {-1} == {int(s) for s in stop_ids})
 
 
 def _static(decoder, prompts, max_new_tokens, reference, key_of, progress) -> _Decodings:
@@ -230,8 +230,10 @@ def check_lossless(target, prompts, own, spec) -> tuple[int, Mismatch | None]:
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         expected = a[at] if at < len(a) else -1
         got = b[at] if at < len(b) else -1
-        verdict = judge(target, prompt + a[:at], expected, got)
-        if verdict.tie:
+        verdict = judge(target, prompt + a[:at], expected, got) if target is not None else None
+        if verdict is None:
+            bug = bug or Mismatch(index, at, expected, got, prompt, math.nan, math.nan, 0.0)
+        elif verdict.tie:
             ties += 1
         elif bug is None:
             bug = Mismatch(index, at, expected, got, prompt, verdict.expected_logit, verdict.got_logit,
@@ -248,7 +250,7 @@ def evaluate(model, layer_ids, drafter, prompts: list[list[int]], *, max_new_tok
     `batch`: prompts decoded together by the static loop. `decoder`: a StaticDecoder to reuse
     (make_decoder), else one is built for these prompts. `warmup`: capture the graphs (and
     compile) before timing. `compile`: torch.compile the per-layer math of a new decoder."""
-    from .static_decode import StaticTarget
+    from .static_decode import StaticTarget, Unsupported
 
     if loop not in LOOPS:
         raise ValueError(f"loop {loop!r}: use one of {', '.join(LOOPS)}")
@@ -256,7 +258,7 @@ def evaluate(model, layer_ids, drafter, prompts: list[list[int]], *, max_new_tok
     block = drafter.cfg.block_size
     limit = max_positions(model)
     usable = [p for p in prompts if fits(p, max_new_tokens, block, limit)]
-    stops = tuple(sorted(set(int(s) for s in stop_ids)))
+    stops = tuple(sorted({int(s) for s in stop_ids}))
 
     def key_of(prompt):
         return tuple(prompt), max_new_tokens, stops
@@ -264,10 +266,13 @@ def evaluate(model, layer_ids, drafter, prompts: list[list[int]], *, max_new_tok
     was_training = drafter.training
     drafter.eval()
     static = loop == "static" and temperature <= 0 and bool(usable)
+    if static and (decoder is None or not _fits_decoder(decoder, drafter, usable, max_new_tokens, stops)):
+        try:
+            decoder = make_decoder(model, layer_ids, drafter, usable, max_new_tokens, stops, batch, compile)
+        except Unsupported:  # an architecture the static loop does not implement: the reference decodes
+            static = False
     try:
         if static:
-            if decoder is None or not _fits_decoder(decoder, drafter, usable, max_new_tokens, stops):
-                decoder = make_decoder(model, layer_ids, drafter, usable, max_new_tokens, stops, batch, compile)
             if warmup:
                 decoder.prepare(usable)
             found = _static(decoder, usable, max_new_tokens, reference, key_of, progress)
@@ -281,7 +286,10 @@ def evaluate(model, layer_ids, drafter, prompts: list[list[int]], *, max_new_tok
             name = "reference"
         ties, mismatch = 0, None
         if temperature <= 0:
-            target = decoder.target if static else StaticTarget(model, layer_ids, 1, 1)
+            try:
+                target = decoder.target if static else StaticTarget(model, layer_ids, 1, 1)
+            except Unsupported:
+                target = None  # no fp32 referee for this architecture: every difference is a bug
             ties, mismatch = check_lossless(target, usable, found.own, found.spec)
     finally:
         drafter.train(was_training)

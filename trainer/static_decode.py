@@ -208,6 +208,8 @@ class StaticTarget:
         ):
             raise Unsupported("sliding-window attention")
         decoder = model.get_decoder()
+        if not hasattr(decoder, "rotary_emb") or not hasattr(decoder.layers[0], "mlp"):
+            raise Unsupported(f"{type(model).__name__} has no model-level rotary_emb / Llama-style layers")
         self.model = model
         self.layers = [_layer_of(layer) for layer in decoder.layers]
         self.eps = _eps_of(decoder.layers[0].input_layernorm)
