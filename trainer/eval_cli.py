@@ -14,9 +14,12 @@ from pathlib import Path
 from .config import ConfigError
 
 EVAL_HELP = """\
-Measure a drafter by real DFlash speculative decoding against its target: tau (mean tokens
-accepted per target forward, bonus included), acceptance per block position, tokens/s of
-target-only vs speculative decoding, and the lossless check (temperature 0: both outputs equal).
+Measure a drafter by real DFlash speculative decoding against its target: tau (tokens accepted
+per target forward, bonus included; pooled over all rounds and as the mean of per-prompt means,
+with the per-prompt min/median/max), acceptance per block position, tokens/s of target-only vs
+speculative decoding on the same static, graph-captured loop, and the lossless check
+(temperature 0: both outputs equal; a difference is a tie only if the target's fp32 logits there
+are within the working dtype's rounding).
 
   dflash-train eval --checkpoint runs/tiny                  (latest checkpoint, held-out prompts)
   dflash-train eval --checkpoint drafter/ --target /models/Qwen3-8B --prompts prompts.jsonl --json
@@ -36,6 +39,12 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, metavar="T")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--batch", type=int, default=1, metavar="N",
+                   help="prompts decoded together (tokens/s then counts all of them; default 1)")
+    p.add_argument("--loop", choices=("static", "reference"), default="static",
+                   help="static: pre-allocated caches + CUDA graphs (default); reference: the HF-eager loop")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the static loop's per-layer math (default: on with CUDA)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return p
 
@@ -149,19 +158,23 @@ def _progress(stream):
 
 
 def report_lines(result, block_size: int) -> list[str]:
-    lines = [f"tau {result.tau:.3f} over {result.rounds} rounds, {result.prompts} prompts, "
-             f"{result.new_tokens} new tokens (block {block_size})"]
+    spread = result.tau_per_prompt
+    lines = [f"tau {result.tau:.3f} pooled over {result.rounds} rounds, {result.prompts} prompts, "
+             f"{result.new_tokens} new tokens (block {block_size})",
+             f"tau {result.tau_per_prompt_mean:.3f} as the mean of per-prompt means; per prompt min "
+             f"{spread['min']:.3f} median {spread['median']:.3f} max {spread['max']:.3f}"]
     lines.append("acceptance by block position: " + " ".join(
         f"{k}:{a:.2f}" for k, a in enumerate(result.acceptance, 1)))
     if result.target_tokens_per_s:
         lines.append(f"tokens/s: target-only {result.target_tokens_per_s:,.1f}, speculative "
-                     f"{result.speculative_tokens_per_s:,.1f}, speedup {result.speedup:.2f}x")
+                     f"{result.speculative_tokens_per_s:,.1f}, speedup {result.speedup:.2f}x "
+                     f"({result.loop} loop, batch {result.batch})")
     if result.skipped_too_long:
         lines.append(f"skipped {result.skipped_too_long} prompt(s) longer than the target's context allows")
     if result.lossless is None:
         lines.append("lossless check: not applicable (sampling, temperature > 0)")
     elif result.lossless:
-        ties = f" ({result.ties} floating-point tie(s) at near-equal logits)" if result.ties else ""
+        ties = f" ({result.ties} floating-point tie(s): fp32 logits within rounding)" if result.ties else ""
         lines.append(f"lossless check: ok, speculative output equals the target's greedy output{ties}")
     return lines
 
@@ -184,7 +197,8 @@ def run_eval(args: argparse.Namespace, out=None, err=None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
     try:
-        for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens)):
+        for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
+                            ("--batch", args.batch)):
             if value < 1:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
         if args.temperature < 0:
@@ -208,7 +222,8 @@ def run_eval(args: argparse.Namespace, out=None, err=None) -> int:
         show = _progress(err) if err.isatty() and not args.json else None
         result = evaluate(target.model, target.layer_ids, drafter, prompts, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, stop_ids=stop_token_ids(target.model, target.tokenizer),
-                          seed=args.seed, progress=show, warmup=True)
+                          seed=args.seed, progress=show, warmup=True, batch=args.batch, loop=args.loop,
+                          compile=device.startswith("cuda") if args.compile is None else args.compile)
     except (ConfigError, DataError, CheckpointError) as exc:
         print(f"dflash-train eval: error: {exc}", file=err)
         return 2
@@ -225,6 +240,8 @@ def run_eval(args: argparse.Namespace, out=None, err=None) -> int:
     if result.mismatch is not None:
         m = result.mismatch
         print(f"dflash-train eval: LOSSLESS CHECK FAILED: prompt {m.prompt_index} (first tokens "
-              f"{m.prompt[:12]}), new token {m.position}: target {m.expected}, speculative {m.got}", file=err)
+              f"{m.prompt[:12]}), new token {m.position}: target {m.expected}, speculative {m.got}; "
+              f"the target's fp32 logits there {m.expected_logit:.4f} vs {m.got_logit:.4f}, a gap beyond "
+              f"the {m.tie_bound:.2e} a rounding tie allows", file=err)
         return 1
     return 0

@@ -1,38 +1,52 @@
 """Acceptance length tau: decode prompts speculatively and with the target alone, and compare.
 
-For each prompt: the target alone decodes (the reference output and the baseline speed), then
-DFlash speculative decoding (trainer.speculative) decodes the same prompt. Reported:
-- tau: mean tokens accepted per target forward (accepted drafts + the bonus token), over all rounds;
+For each prompt the target alone decodes (the reference output and the baseline speed), then
+DFlash speculative decoding decodes the same prompt. At temperature 0 both run on the static,
+graph-captured loop (trainer.static_decode; the HF-eager trainer.speculative is its tested
+reference, and `loop="reference"` selects it); sampling (temperature > 0) runs the reference.
+Reported:
+- tau two ways: pooled over all rounds (mean of accepted drafts + 1 over every round of every
+  prompt; `tau`) and the mean of per-prompt means (`tau_per_prompt_mean`, the public reference
+  benchmark's convention), with the per-prompt distribution (min / median / max);
 - acceptance[k-1]: share of rounds whose drafts were accepted at least up to block position k;
-- tokens/s of both and the speedup;
-- lossless: at temperature 0 the two outputs must be equal token for token. A difference where the
-  target's own top-2 logits were within floating-point noise is counted as a tie, not a failure.
+- tokens/s of both and the speedup (same loop, same device, same prompts, `batch` rows at once);
+- lossless: at temperature 0 the two outputs must be equal token for token. A difference counts
+  as a tie only when the target's own fp32 logits at that position (trainer.lossless) put the two
+  tokens within the working dtype's rounding of each other; else it is a bug (`mismatch`).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from typing import Callable
 
 import torch
 
 from .data import DataError, ROLES, jsonl_records
-from .speculative import speculative_generate, target_generate, tie_tolerance
+from .speculative import speculative_generate, target_generate
+
+LOOPS = ("static", "reference")
 
 
 @dataclasses.dataclass
 class Mismatch:
     prompt_index: int  # among the evaluated prompts (0-based)
     position: int  # 0-based index among the new tokens
-    expected: int  # the target's own token
-    got: int  # the speculative output's token
+    expected: int  # the target's own token (-1: its output had ended)
+    got: int  # the speculative output's token (-1: its output had ended)
     prompt: list[int]
+    expected_logit: float  # the target's fp32 logits at that position, for both tokens
+    got_logit: float
+    tie_bound: float  # the gap a floating-point tie could have (trainer.lossless.tie_bound)
 
 
 @dataclasses.dataclass
 class EvalResult:
-    tau: float
+    tau: float  # pooled over all rounds
+    tau_per_prompt_mean: float  # mean over prompts of each prompt's tau
+    tau_per_prompt: dict  # min / median / max of the per-prompt taus
     acceptance: list[float]
     rounds: int
     prompts: int
@@ -45,9 +59,25 @@ class EvalResult:
     ties: int
     mismatch: Mismatch | None
     seconds: float
+    batch: int  # prompts decoded together
+    loop: str  # "static+graphs", "static+graphs+compile", "static" (eager, CPU) or "reference"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def tau_summary(accepted_per_prompt: list[list[int]]) -> dict:
+    """tau pooled over rounds, the mean of per-prompt means, and the per-prompt min/median/max.
+    Prompts without a round (the first token ended them) have no tau of their own."""
+    pooled = [n for rounds in accepted_per_prompt for n in rounds]
+    per_prompt = [sum(n + 1 for n in rounds) / len(rounds) for rounds in accepted_per_prompt if rounds]
+    nan = math.nan
+    return {
+        "tau": sum(n + 1 for n in pooled) / len(pooled) if pooled else nan,
+        "tau_per_prompt_mean": statistics.fmean(per_prompt) if per_prompt else nan,
+        "tau_per_prompt": {"min": min(per_prompt, default=nan), "median": statistics.median(per_prompt)
+                           if per_prompt else nan, "max": max(per_prompt, default=nan)},
+    }
 
 
 def load_prompts(path: str, tokenizer=None, vocab_size: int | None = None) -> list[list[int]]:
@@ -112,62 +142,165 @@ def fits(prompt: list[int], max_new_tokens: int, block_size: int, limit: int | N
     return limit is None or len(prompt) + max_new_tokens + block_size <= limit
 
 
+
+@dataclasses.dataclass
+class _Decodings:
+    """Per prompt: the target's own tokens, the speculative tokens and accepted drafts; and timings."""
+    own: list[list[int]]
+    spec: list[list[int]]
+    accepted: list[list[int]]
+    target_tokens: int = 0
+    target_seconds: float = 0.0
+    spec_tokens: int = 0
+    spec_seconds: float = 0.0
+
+
+def make_decoder(model, layer_ids, drafter, prompts: list[list[int]], max_new_tokens: int, stop_ids, batch: int,
+                 compile: bool = False):
+    """A StaticDecoder sized for `prompts` decoded `batch` at a time (reuse it across evaluations)."""
+    from .static_decode import StaticDecoder
+
+    return StaticDecoder(model, layer_ids, drafter, rows=max(1, min(batch, len(prompts))),
+                         max_prompt=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
+                         stop_ids=stop_ids, compile=compile)
+
+
+def _fits_decoder(decoder, drafter, prompts, max_new_tokens, stop_ids) -> bool:
+    return (decoder.drafter is not None and decoder.drafter.drafter is drafter
+            and decoder.max_prompt >= max(len(p) for p in prompts) and decoder.max_new_tokens >= max_new_tokens
+            and set(decoder.stop_ids.tolist()) - {-1} == {int(s) for s in stop_ids})
+
+
+def _static(decoder, prompts, max_new_tokens, reference, key_of, progress) -> _Decodings:
+    found = _Decodings([], [], [])
+    for lo in range(0, len(prompts), decoder.rows):
+        chunk = prompts[lo:lo + decoder.rows]
+        cached = [reference.get(key_of(p)) if reference is not None else None for p in chunk]
+        if any(c is None for c in cached):
+            own = decoder.decode(chunk, max_new_tokens, speculative=False)
+            cached = [r.tokens for r in own.results]
+            found.target_tokens += sum(len(t) for t in cached)
+            found.target_seconds += own.seconds
+            if reference is not None:
+                reference.update({key_of(p): t for p, t in zip(chunk, cached)})
+        spec = decoder.decode(chunk, max_new_tokens, speculative=True)
+        found.own += cached
+        found.spec += [r.tokens for r in spec.results]
+        found.accepted += [r.accepted for r in spec.results]
+        found.spec_tokens += sum(len(r.tokens) for r in spec.results)
+        found.spec_seconds += spec.seconds
+        if progress is not None:
+            progress(lo + len(chunk), len(prompts))
+    return found
+
+
+def _reference(model, layer_ids, drafter, prompts, max_new_tokens, stop_ids, temperature, seed, reference,
+               key_of, progress) -> _Decodings:
+    generator = torch.Generator(device=model.get_input_embeddings().weight.device).manual_seed(seed)
+    found = _Decodings([], [], [])
+    for index, prompt in enumerate(prompts):
+        own = reference.get(key_of(prompt)) if reference is not None and temperature <= 0 else None
+        if own is None:
+            decoded = target_generate(model, prompt, max_new_tokens, stop_ids, temperature, generator)
+            own = decoded.tokens
+            found.target_tokens += len(own)
+            found.target_seconds += decoded.seconds
+            if reference is not None and temperature <= 0:
+                reference[key_of(prompt)] = own
+        spec = speculative_generate(model, layer_ids, drafter, prompt, max_new_tokens, stop_ids, temperature,
+                                    generator)
+        found.own.append(own)
+        found.spec.append(spec.tokens)
+        found.accepted.append(spec.accepted)
+        found.spec_tokens += len(spec.tokens)
+        found.spec_seconds += spec.seconds
+        if progress is not None:
+            progress(index + 1, len(prompts))
+    return found
+
+
+def check_lossless(target, prompts, own, spec) -> tuple[int, Mismatch | None]:
+    """(ties, the first bug) over all prompts: each difference is judged in fp32 (trainer.lossless)."""
+    from .lossless import judge
+
+    ties, bug = 0, None
+    for index, (prompt, a, b) in enumerate(zip(prompts, own, spec)):
+        if a == b:
+            continue
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        expected = a[at] if at < len(a) else -1
+        got = b[at] if at < len(b) else -1
+        verdict = judge(target, prompt + a[:at], expected, got) if target is not None else None
+        if verdict is None:
+            bug = bug or Mismatch(index, at, expected, got, prompt, math.nan, math.nan, 0.0)
+        elif verdict.tie:
+            ties += 1
+        elif bug is None:
+            bug = Mismatch(index, at, expected, got, prompt, verdict.expected_logit, verdict.got_logit,
+                           verdict.bound)
+    return ties, bug
+
+
 def evaluate(model, layer_ids, drafter, prompts: list[list[int]], *, max_new_tokens: int,
              temperature: float = 0.0, stop_ids=(), seed: int = 0, reference: dict | None = None,
-             progress: Callable[[int, int], None] | None = None, warmup: bool = False) -> EvalResult:
+             progress: Callable[[int, int], None] | None = None, warmup: bool = False, batch: int = 1,
+             loop: str = "static", decoder=None, compile: bool = False) -> EvalResult:
     """Decode every prompt both ways (see the module docstring). `reference` caches the target's
     own greedy outputs by prompt across calls (the target is frozen, so they never change).
-    `warmup`: decode a few tokens both ways first, so one-time setup (CUDA context, kernels,
-    allocator) is not billed to the first timed prompt."""
+    `batch`: prompts decoded together by the static loop. `decoder`: a StaticDecoder to reuse
+    (make_decoder), else one is built for these prompts. `warmup`: capture the graphs (and
+    compile) before timing. `compile`: torch.compile the per-layer math of a new decoder."""
+    from .static_decode import StaticTarget, Unsupported
+
+    if loop not in LOOPS:
+        raise ValueError(f"loop {loop!r}: use one of {', '.join(LOOPS)}")
     t0 = time.perf_counter()
     block = drafter.cfg.block_size
     limit = max_positions(model)
     usable = [p for p in prompts if fits(p, max_new_tokens, block, limit)]
-    dtype = model.get_input_embeddings().weight.dtype
-    generator = torch.Generator(device=model.get_input_embeddings().weight.device).manual_seed(seed)
+    stops = tuple(sorted({int(s) for s in stop_ids}))
+
+    def key_of(prompt):
+        return tuple(prompt), max_new_tokens, stops
+
     was_training = drafter.training
     drafter.eval()
-    if warmup and usable:
-        target_generate(model, usable[0], 4)
-        speculative_generate(model, layer_ids, drafter, usable[0], 4)
-    accepted, ties, mismatch = [], 0, None
-    target_tokens = target_seconds = spec_tokens = spec_seconds = 0.0
+    static = loop == "static" and temperature <= 0 and bool(usable)
+    if static and (decoder is None or not _fits_decoder(decoder, drafter, usable, max_new_tokens, stops)):
+        try:
+            decoder = make_decoder(model, layer_ids, drafter, usable, max_new_tokens, stops, batch, compile)
+        except Unsupported:  # an architecture the static loop does not implement: the reference decodes
+            static = False
     try:
-        for index, prompt in enumerate(usable):
-            key = (tuple(prompt), max_new_tokens, tuple(sorted(stop_ids)))
-            own = reference.get(key) if reference is not None and temperature <= 0 else None
-            if own is None:
-                own = target_generate(model, prompt, max_new_tokens, stop_ids, temperature, generator)
-                target_tokens += len(own.tokens)
-                target_seconds += own.seconds
-                if reference is not None and temperature <= 0:
-                    reference[key] = own
-            spec = speculative_generate(model, layer_ids, drafter, prompt, max_new_tokens, stop_ids,
-                                        temperature, generator)
-            accepted += spec.accepted
-            spec_tokens += len(spec.tokens)
-            spec_seconds += spec.seconds
-            if temperature <= 0 and spec.tokens != own.tokens:
-                at = next((i for i, (a, b) in enumerate(zip(own.tokens, spec.tokens)) if a != b),
-                          min(len(own.tokens), len(spec.tokens)))
-                near_tie = at < len(own.margins) and own.margins[at] <= tie_tolerance(dtype)
-                if near_tie:
-                    ties += 1
-                elif mismatch is None:
-                    mismatch = Mismatch(index, at, own.tokens[at] if at < len(own.tokens) else -1,
-                                        spec.tokens[at] if at < len(spec.tokens) else -1, prompt)
-            if progress is not None:
-                progress(index + 1, len(usable))
+        if static:
+            if warmup:
+                decoder.prepare(usable)
+            found = _static(decoder, usable, max_new_tokens, reference, key_of, progress)
+            name = "static" + ("+graphs" if decoder.graphs else "") + ("+compile" if decoder.kernels.compiled else "")
+        else:
+            if warmup and usable:
+                target_generate(model, usable[0], 4)
+                speculative_generate(model, layer_ids, drafter, usable[0], 4)
+            found = _reference(model, layer_ids, drafter, usable, max_new_tokens, stops, temperature, seed,
+                               reference, key_of, progress)
+            name = "reference"
+        ties, mismatch = 0, None
+        if temperature <= 0:
+            try:
+                target = decoder.target if static else StaticTarget(model, layer_ids, 1, 1)
+            except Unsupported:
+                target = None  # no fp32 referee for this architecture: every difference is a bug
+            ties, mismatch = check_lossless(target, usable, found.own, found.spec)
     finally:
         drafter.train(was_training)
-    rounds = len(accepted)
-    target_tps = target_tokens / target_seconds if target_seconds > 0 else None
-    spec_tps = spec_tokens / spec_seconds if spec_seconds > 0 else 0.0
+    rounds = [n for row in found.accepted for n in row]
+    target_tps = found.target_tokens / found.target_seconds if found.target_seconds > 0 else None
+    spec_tps = found.spec_tokens / found.spec_seconds if found.spec_seconds > 0 else 0.0
     return EvalResult(
-        tau=sum(n + 1 for n in accepted) / rounds if rounds else math.nan,
-        acceptance=[sum(n >= k for n in accepted) / rounds if rounds else math.nan for k in range(1, block)],
-        rounds=rounds, prompts=len(usable), skipped_too_long=len(prompts) - len(usable),
-        new_tokens=int(spec_tokens), target_tokens_per_s=target_tps, speculative_tokens_per_s=spec_tps,
+        **tau_summary(found.accepted),
+        acceptance=[sum(n >= k for n in rounds) / len(rounds) if rounds else math.nan for k in range(1, block)],
+        rounds=len(rounds), prompts=len(usable), skipped_too_long=len(prompts) - len(usable),
+        new_tokens=int(found.spec_tokens), target_tokens_per_s=target_tps, speculative_tokens_per_s=spec_tps,
         speedup=spec_tps / target_tps if target_tps else None,
         lossless=None if temperature > 0 else mismatch is None, ties=ties, mismatch=mismatch,
-        seconds=time.perf_counter() - t0)
+        seconds=time.perf_counter() - t0, batch=decoder.rows if static else 1, loop=name)

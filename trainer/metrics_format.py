@@ -11,10 +11,13 @@ Every record has `v` (format version), `event` and `time` (unix seconds). Events
               on CUDA also gpu_memory_gib (float, peak memory allocated on the process's GPUs in the step)
 - compile:    thread (str), duration_s (float), step (int), reason (str)
 - checkpoint: step, path
-- eval:       step (int), tau (float, mean tokens accepted per target forward, bonus included),
+- eval:       step (int), tau (float, mean tokens accepted per target forward, bonus included,
+              pooled over all rounds), tau_per_prompt_mean (float, the mean of per-prompt means: the
+              public reference benchmark's convention), tau_per_prompt ({min, median, max}),
               acceptance (list[float], per block position 1..B-1: share of rounds whose draft was
               accepted up to there), lossless (bool, or null when sampling), prompts (int),
-              new_tokens (int), seconds (float)
+              new_tokens (int), seconds (float), overhead (float, the evaluations' share of the
+              run's wall time so far)
 - error:      message (str), kind (str, e.g. "fx_tracing", "cuda_oom", "exception")
 - done:       step, reason ("max_steps" | "interrupted")
 

@@ -1,16 +1,21 @@
 """Tau while training: every `eval.every` steps, decode the evaluation prompts speculatively.
 
 Runs in the main thread between steps, when every drafter thread is idle. The replicas hold
-identical weights, so one replica's weights are copied into an evaluation drafter that lives on
-the target's device (next to the target it decodes with). The target's own greedy outputs are
-computed once and reused: the target is frozen. Writes one `eval` metrics record per evaluation.
+identical weights, so one replica's weights are copied (in place) into an evaluation drafter that
+lives on the target's device, next to the target it decodes with. All prompts decode together as
+one batch on the static loop (trainer.static_decode), whose caches and CUDA graphs are built at
+the first evaluation and reused by every later one. The target's own greedy outputs are computed
+once and reused: the target is frozen. Writes one `eval` metrics record per evaluation, with the
+evaluations' share of the run's wall time so far.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
 from .config import TrainConfig
-from .evaluate import evaluate, stop_token_ids
+from .evaluate import evaluate, make_decoder, stop_token_ids
 from .heldout import eval_prompts
 from .metrics import MetricsWriter
 from .model import DFlashDrafter, DrafterConfig
@@ -24,6 +29,9 @@ class TrainingEval:
         self.prompts = prompts[:cfg.eval.num_prompts]
         self.stop_ids = stop_token_ids(target.model, target.tokenizer)
         self.reference: dict = {}
+        self.decoder = None  # built at the first evaluation, reused by the others
+        self.started = time.monotonic()
+        self.eval_seconds = 0.0
         with torch.random.fork_rng(devices=[]):  # leave the training RNG stream as it was
             self.drafter = DFlashDrafter(dcfg, target.embed_tokens, target.lm_head)
         self.drafter.to(device=target.device, dtype=dtype).eval()
@@ -50,14 +58,25 @@ class TrainingEval:
         return step % self.every == 0 or (step == total and step > self.every)
 
     def run(self, model: torch.nn.Module, step: int, metrics: MetricsWriter):
+        t0 = time.monotonic()
         self.drafter.load_state_dict(model.state_dict())
+        if self.decoder is None and self.prompts:
+            self.decoder = make_decoder(self.target.model, self.target.layer_ids, self.drafter, self.prompts,
+                                        self.max_new_tokens, self.stop_ids, batch=len(self.prompts))
         result = evaluate(self.target.model, self.target.layer_ids, self.drafter, self.prompts,
-                          max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, reference=self.reference)
-        metrics.record("eval", step=step, tau=result.tau, acceptance=result.acceptance, lossless=result.lossless,
-                       prompts=result.prompts, new_tokens=result.new_tokens, seconds=result.seconds)
+                          max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, reference=self.reference,
+                          batch=len(self.prompts), decoder=self.decoder)
+        seconds = time.monotonic() - t0
+        self.eval_seconds += seconds
+        overhead = self.eval_seconds / max(time.monotonic() - self.started, 1e-9)
+        metrics.record("eval", step=step, tau=result.tau, tau_per_prompt_mean=result.tau_per_prompt_mean,
+                       tau_per_prompt=result.tau_per_prompt, acceptance=result.acceptance,
+                       lossless=result.lossless, prompts=result.prompts, new_tokens=result.new_tokens,
+                       seconds=seconds, overhead=overhead)
         verdict = "ok" if result.lossless else (
             f"FAILED at prompt {result.mismatch.prompt_index} token {result.mismatch.position}")
-        metrics.say(f"eval     step {step}: tau {result.tau:.3f}  acceptance "
-                    + " ".join(f"{a:.2f}" for a in result.acceptance)
-                    + f"  lossless {verdict}  {result.prompts} prompts  {result.seconds:.2f}s")
+        metrics.say(f"eval     step {step}: tau {result.tau:.3f} pooled, {result.tau_per_prompt_mean:.3f} per-prompt "
+                    f"mean  acceptance " + " ".join(f"{a:.2f}" for a in result.acceptance)
+                    + f"  lossless {verdict}  {result.prompts} prompts  {seconds:.2f}s  "
+                    f"(evaluation {100 * overhead:.1f}% of the run's wall time so far)")
         return result

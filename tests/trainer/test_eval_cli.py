@@ -58,6 +58,8 @@ def test_eval_of_a_run_dir_uses_its_held_out_prompts_and_reports_json(run_dir):
     result = json.loads(out)
     assert result["prompts"] == 2 and result["lossless"] is True and result["block_size"] == 8
     assert 1.0 <= result["tau"] <= 8 and len(result["acceptance"]) == 7
+    assert 1.0 <= result["tau_per_prompt_mean"] <= 8 and set(result["tau_per_prompt"]) == {"min", "median", "max"}
+    assert result["loop"] == "static" and result["batch"] == 1
     assert result["target_tokens_per_s"] > 0 and result["speedup"] > 0
     assert "step-0000001" in result["checkpoint"] and err == ""  # no progress bar off a terminal
 
@@ -69,21 +71,36 @@ def test_text_report_and_progress_on_a_terminal(run_dir, tmp_path):
                           str(prompts), "--max-new-tokens", "6"], tty=True)
     assert code == 0, err
     assert "tau " in out and "acceptance by block position: 1:" in out and "lossless check: ok" in out
+    assert "pooled over" in out and "as the mean of per-prompt means; per prompt min" in out
     assert "2/2 prompts" in err and "eta" in err
 
 
-def test_a_lossless_mismatch_names_the_prompt_and_position_and_exits_1(run_dir, monkeypatch):
-    real = speculative.speculative_generate
+@pytest.mark.parametrize("loop", ["static", "reference"])
+def test_a_lossless_mismatch_names_the_prompt_position_and_logits_and_exits_1(run_dir, monkeypatch, loop):
+    from trainer.static_decode import StaticDecoder
 
-    def corrupt(*args, **kwargs):
-        result = real(*args, **kwargs)
-        result.tokens[3] = (result.tokens[3] + 1) % 512
+    real_static, real_reference = StaticDecoder.decode, speculative.speculative_generate
+
+    def corrupt(tokens):
+        tokens[3] = (tokens[3] + 1) % 512
+
+    def static(self, prompts, max_new_tokens, speculative):
+        batch = real_static(self, prompts, max_new_tokens, speculative)
+        if speculative:
+            corrupt(batch.results[0].tokens)
+        return batch
+
+    def reference(*args, **kwargs):
+        result = real_reference(*args, **kwargs)
+        corrupt(result.tokens)
         return result
 
-    monkeypatch.setattr("trainer.evaluate.speculative_generate", corrupt)
-    code, out, err = run(["--checkpoint", str(run_dir), "--num-prompts", "1", "--max-new-tokens", "8"])
+    monkeypatch.setattr(StaticDecoder, "decode", static)
+    monkeypatch.setattr("trainer.evaluate.speculative_generate", reference)
+    code, out, err = run(["--checkpoint", str(run_dir), "--num-prompts", "1", "--max-new-tokens", "8",
+                          "--loop", loop])
     assert code == 1
-    assert "LOSSLESS CHECK FAILED: prompt 0" in err and "new token 3" in err
+    assert "LOSSLESS CHECK FAILED: prompt 0" in err and "new token 3" in err and "fp32 logits there" in err
 
 
 def test_prompts_file_errors_name_file_and_line(run_dir, tmp_path):

@@ -175,7 +175,7 @@ def test_a_label_shifted_drafter_shows_in_tau(trained, target, reference):
     train_prompts, _ = _training_prompts(cfg, target)
     drafter = result.replicas[0].model.eval()
     good = evaluate(target.model, target.layer_ids, drafter, train_prompts[:6], max_new_tokens=32,
-                    reference=reference)
+                    reference=reference, loop="reference")
 
     class Shifted(DrafterContext):
         def draft_logits(self, anchor_token):
@@ -187,7 +187,7 @@ def test_a_label_shifted_drafter_shows_in_tau(trained, target, reference):
     spec.DrafterContext = Shifted
     try:
         shifted = evaluate(target.model, target.layer_ids, drafter, train_prompts[:6], max_new_tokens=32,
-                    reference=reference)
+                           reference=reference, loop="reference")
     finally:
         spec.DrafterContext = original
     assert shifted.lossless  # still lossless: acceptance only decides how much is kept

@@ -1,0 +1,119 @@
+"""The lossless check's referee: is a differing token a floating-point tie of the target, or a bug?
+
+At temperature 0 speculative decoding must emit the target's own greedy tokens. Target-only and
+speculative decoding compute the target's logits at a position with different kernels (a 1-token
+step vs a block verify), so in a low-precision working dtype their argmax may differ where the
+target itself cannot decide. `judge` recomputes that position's logits in fp32, for the same
+prefix, and calls it a tie only when the two tokens are the fp32 top-2 within `tie_bound`;
+anything else is a bug.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .static_decode import EAGER, StaticTarget, grouped_attention, grouped_mask, rms_norm
+
+
+@dataclasses.dataclass
+class Verdict:
+    tie: bool
+    expected_logit: float  # fp32 logit of the target-only token
+    got_logit: float  # fp32 logit of the speculative token
+    top_logit: float  # fp32 maximum
+    bound: float  # the largest gap two working-dtype forwards could flip (tie_bound)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = 2^-p for a p-bit significand (bf16 2^-8, fp16 2^-11, fp32 2^-24): |fl(x) - x| <= u|x|."""
+    return torch.finfo(dtype).eps / 2
+
+
+def tie_bound(
+    hidden: torch.Tensor,
+    w_a: torch.Tensor,
+    w_b: torch.Tensor,
+    z_a: float,
+    z_b: float,
+    dtype: torch.dtype,
+    num_layers: int,
+) -> float:
+    """The largest |z_a - z_b| (fp32 logits) that two forwards in `dtype` may order differently.
+
+    Derivation. The logit difference is d = <h, w_a - w_b> with h the final normed hidden state.
+    In a forward computed in the working dtype (unit roundoff u = unit_roundoff(dtype)):
+    (i)  h carries the roundings of the residual stream: each of the 2L sublayers rounds its
+         branch output and the residual sum to the working dtype, and the final norm rounds once
+         more, so h_i -> h_i (1 + sum_r e_ri) over R = 4L + 2 roundings with |e_ri| <= u. Modelling
+         the e_ri as independent, zero-mean and uniform on [-u, u] (variance u^2/3; the standard
+         probabilistic rounding-error model), d moves by a zero-mean error of standard deviation
+         s = u * sqrt(R / 3) * ||h (.) (w_a - w_b)||_2. Six s bounds it except with probability
+         < 1e-8. (Amplification of early errors by later layers is not modelled.)
+    (ii) the lm_head output rounds each logit once: |dz| <= u |z|, at most u (|z_a| + |z_b|) on d.
+    One forward thus moves d by at most B1 = 6 s + u (|z_a| + |z_b|). The two decodings run two
+    forwards with independent roundings, so their argmaxes can disagree only if |d| <= 2 B1: that
+    is the bound. In fp32 it is ~1e-6 of the logits, in bf16 a few tenths of a logit for a
+    small model (the old rule, 12.5 % of the top logit, was several logits).
+    """
+    u = unit_roundoff(dtype)
+    roundings = 4 * num_layers + 2
+    spread = float((hidden.float() * (w_a.float() - w_b.float())).norm())
+    one = 6 * u * math.sqrt(roundings / 3) * spread + u * (abs(z_a) + abs(z_b))
+    return 2 * one
+
+
+@torch.no_grad()
+def fp32_last_hidden(target: StaticTarget, prefix: list[int]) -> torch.Tensor:
+    """The target's final normed hidden state [H] at the last position of `prefix`, computed in fp32
+    (weights upcast one layer at a time, no cache, causal attention over the whole prefix)."""
+    device = target.device
+    ids = torch.tensor([prefix], device=device)
+    length = len(prefix)
+    where = torch.arange(length, device=device).unsqueeze(0)
+    x = torch.nn.functional.embedding(ids, target.embed.float())
+    cos, sin = target.model.get_decoder().rotary_emb(x, where)  # fp32, like x
+    visible = torch.ones(length, length, dtype=torch.bool, device=device).tril().unsqueeze(0)
+    mask = grouped_mask(visible, target.heads // target.kv_heads, torch.float32)
+    for w in target.layers:
+        f = {k: (None if v is None else v.float()) for k, v in dataclasses.asdict(w).items()}
+        q, k, v = EAGER.pre(
+            x,
+            f["ln"],
+            f["wq"],
+            f["bq"],
+            f["wk"],
+            f["bk"],
+            f["wv"],
+            f["bv"],
+            f["q_norm"],
+            f["k_norm"],
+            cos,
+            sin,
+            target.eps,
+            target.heads,
+            target.kv_heads,
+            target.head_dim,
+        )
+        out = grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask)
+        x = EAGER.post(x, out, f["wo"], f["bo"], f["ln2"], f["gate"], f["up"], f["down"], target.eps)
+    return rms_norm(x[0, -1], target.norm_weight.float(), target.norm_eps)
+
+
+def judge(target: StaticTarget, prefix: list[int], expected: int, got: int) -> Verdict:
+    """Recompute the target at the end of `prefix` (prompt + the tokens both decodings agreed on) in
+    fp32: a tie if the two tokens are its top-2 and their gap is within tie_bound."""
+    hidden = fp32_last_hidden(target, prefix)
+    weight = target.head_weight
+    bias = None if target.head_bias is None else target.head_bias.float()
+    logits = torch.nn.functional.linear(hidden, weight.float(), bias)
+    top = int(logits.argmax())
+    valid = 0 <= expected < logits.shape[0] and 0 <= got < logits.shape[0]
+    if not valid:  # one side ended where the other did not: no logit to compare
+        return Verdict(False, math.nan, math.nan, float(logits[top]), 0.0)
+    z_a, z_b = float(logits[expected]), float(logits[got])
+    bound = tie_bound(hidden, weight[expected], weight[got], z_a, z_b, target.dtype, len(target.layers))
+    tie = top in (expected, got) and abs(z_a - z_b) <= bound
+    return Verdict(tie, z_a, z_b, float(logits[top]), bound)

@@ -1,0 +1,604 @@
+"""Batched greedy decoding over pre-allocated caches: target-only and DFlash speculative, one machinery.
+
+The HF-eager path (trainer.speculative) is the reference; this is the fast path. Both decode the
+same way (see trainer.speculative's docstring); what differs is where the time goes:
+
+- Static caches. The target's KV cache [layers, rows, kv heads, positions, head dim] and the
+  drafter's context K/V are allocated once. A forward WRITES its K/V at its positions and attends
+  to keys at positions <= its own (drafter: context keys before the block, plus the block), so a
+  rejected draft needs no crop: its stale entries lie past every later query's horizon and are
+  overwritten by the next block before anyone can see them.
+- A whole round is tensor ops on state buffers: drafter context extension, block draft, verify,
+  acceptance (longest matching prefix, per row), stop tokens, max_new_tokens, output and
+  per-round acceptance log, all on the device, with no host value in between. On CUDA the round
+  (and the target-only step) is captured once as a CUDA graph and replayed; the host reads one
+  flag per round ("any row still active", copied to pinned memory inside the graph). Nothing is
+  allocated per round. On the CPU the same functions run eagerly.
+- Rows are prompts. Each row keeps its own position, output length and acceptance log; a row
+  that hit a stop token or its budget stops advancing while the others go on (ragged acceptance).
+- `compile=True` wraps the per-layer math (norms, projections, RoPE, MLP) in torch.compile
+  (shared by all layers of the same shape) before capture, so elementwise chains fuse.
+
+The target is an HF Qwen3-family causal LM (Qwen3 / Llama layout: q/k/v/o, per-head q/k RMSNorm
+when present, SiLU MLP, full attention); its weights are used in place. Target-only decoding and
+speculative decoding run on the same StaticTarget, so their tokens/s ratio is fair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .model import DFlashDrafter, rope_cos_sin
+
+
+class Unsupported(ValueError):
+    """The target's architecture is outside what the static path implements (use the reference path)."""
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm (HF and trainer.model.RMSNorm alike): normalise in fp32, scale in the input dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def pre_attention(
+    x,
+    ln,
+    wq,
+    bq,
+    wk,
+    bk,
+    wv,
+    bv,
+    q_norm,
+    k_norm,
+    cos,
+    sin,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+):
+    """Input norm, q/k/v projections, per-head norms and RoPE of one layer. x [B, T, H];
+    cos/sin [B, T, D]. Returns q grouped by kv head [B, Hkv, G*T, D] (see grouped_attention) and
+    k, v [B, T, Hkv, D] (the cache's write layout)."""
+    batch, length, _ = x.shape
+    h = rms_norm(x, ln, eps)
+    q = F.linear(h, wq, bq).view(batch, length, heads, head_dim)
+    k = F.linear(h, wk, bk).view(batch, length, kv_heads, head_dim)
+    v = F.linear(h, wv, bv).view(batch, length, kv_heads, head_dim)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, eps)
+        k = rms_norm(k, k_norm, eps)
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+    q = q * c + _rotate_half(q) * s
+    k = k * c + _rotate_half(k) * s
+    group = heads // kv_heads
+    grouped = q.view(batch, length, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    return grouped.reshape(batch, kv_heads, group * length, head_dim), k, v
+
+
+def post_attention(x, attn, wo, bo, ln, gate, up, down, eps: float):
+    """Output projection, residual, post-attention norm, SiLU MLP, residual. attn: the grouped
+    attention output [B, Hkv, G*T, D]."""
+    batch, length, _ = x.shape
+    kv_heads, rows, dim = attn.shape[1:]
+    attn = attn.view(batch, kv_heads, rows // length, length, dim).permute(0, 3, 1, 2, 4)
+    x = x + F.linear(attn.reshape(batch, length, -1), wo, bo)
+    h = rms_norm(x, ln, eps)
+    return x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+
+
+def context_kv(ctx, wk, bk, wv, bv, k_norm, cos, sin, eps: float, kv_heads: int, head_dim: int):
+    """Drafter context keys/values [B, T, Hkv, D] of projected features ctx [B, T, H] (no input norm)."""
+    batch, length, _ = ctx.shape
+    k = F.linear(ctx, wk, bk).view(batch, length, kv_heads, head_dim)
+    v = F.linear(ctx, wv, bv).view(batch, length, kv_heads, head_dim)
+    k = rms_norm(k, k_norm, eps)
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+    return k * c + _rotate_half(k) * s, v
+
+
+def grouped_mask(visible: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask [B, 1, G*T, S] of grouped queries, from visible [B, T, S] (built
+    once per forward, shared by every layer)."""
+    batch, length, keys = visible.shape
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
+    mask = torch.where(visible, zero, torch.finfo(dtype).min)
+    return mask.unsqueeze(1).unsqueeze(1).expand(batch, 1, group, length, keys).reshape(batch, 1, -1, keys)
+
+
+def grouped_attention(q, keys, values, mask):
+    """GQA without repeating the cache: the G query heads of one kv head are G*T query rows against
+    that head's keys. q [B, Hkv, G*T, D]; keys/values [B, Hkv, S, D]; mask from grouped_mask."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+@dataclasses.dataclass
+class _Layer:
+    """One decoder layer's weights (the model's own tensors, not copies)."""
+
+    ln: torch.Tensor
+    wq: torch.Tensor
+    bq: torch.Tensor | None
+    wk: torch.Tensor
+    bk: torch.Tensor | None
+    wv: torch.Tensor
+    bv: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    ln2: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+def _bias(linear):
+    return None if linear.bias is None else linear.bias
+
+
+def _layer_of(layer) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    q_norm = getattr(attn, "q_norm", None)
+    k_norm = getattr(attn, "k_norm", None)
+    return _Layer(
+        layer.input_layernorm.weight,
+        attn.q_proj.weight,
+        _bias(attn.q_proj),
+        attn.k_proj.weight,
+        _bias(attn.k_proj),
+        attn.v_proj.weight,
+        _bias(attn.v_proj),
+        None if q_norm is None else q_norm.weight,
+        None if k_norm is None else k_norm.weight,
+        attn.o_proj.weight,
+        _bias(attn.o_proj),
+        layer.post_attention_layernorm.weight,
+        mlp.gate_proj.weight,
+        mlp.up_proj.weight,
+        mlp.down_proj.weight,
+    )
+
+
+def _eps_of(norm) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+class Kernels:
+    """pre_attention / post_attention / context_kv, eager or compiled once per shape and shared by
+    every layer (weights are arguments, so the layers of a model are one compiled graph)."""
+
+    def __init__(self, compile: bool):
+        self.compiled = compile
+        if compile:  # one compiled graph per distinct shape (target step, verify, draft; several models)
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), 64))
+        wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
+        self.pre = wrap(pre_attention)
+        self.post = wrap(post_attention)
+        self.context = wrap(context_kv)
+
+
+EAGER = Kernels(compile=False)
+
+
+class StaticTarget:
+    """The HF target's forward over a pre-allocated KV cache, batched by rows, with the drafter's
+    features (HF `hidden_states[l + 1]` of each layer id) taken on the way."""
+
+    def __init__(self, model, layer_ids, rows: int, positions: int):
+        cfg = model.config
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise Unsupported(f"hidden_act {cfg.hidden_act!r} (the static path implements silu)")
+        if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (
+            getattr(cfg, "layer_types", None) or []
+        ):
+            raise Unsupported("sliding-window attention")
+        decoder = model.get_decoder()
+        if not hasattr(decoder, "rotary_emb") or not hasattr(decoder.layers[0], "mlp"):
+            raise Unsupported(f"{type(model).__name__} has no model-level rotary_emb / Llama-style layers")
+        self.model = model
+        self.layers = [_layer_of(layer) for layer in decoder.layers]
+        self.eps = _eps_of(decoder.layers[0].input_layernorm)
+        self.norm_weight = decoder.norm.weight
+        self.norm_eps = _eps_of(decoder.norm)
+        self.embed = model.get_input_embeddings().weight
+        head = model.get_output_embeddings()
+        self.head_weight, self.head_bias = head.weight, _bias(head)
+        self.layer_ids = list(layer_ids)
+        attn = decoder.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.rows, self.positions = rows, positions
+        self.device, self.dtype = self.embed.device, self.embed.dtype
+        shape = (len(self.layers), rows, self.kv_heads, positions, self.head_dim)
+        self.keys = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.values = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        with torch.no_grad():  # the model's own RoPE (scaling included), tabulated once
+            where = torch.arange(positions, device=self.device).unsqueeze(0)
+            cos, sin = decoder.rotary_emb(self.keys[0, :1, 0], where)
+        self.cos, self.sin = cos[0], sin[0]  # [positions, D]
+        self.row_index = torch.arange(rows, device=self.device).unsqueeze(1)
+        self.key_positions = torch.arange(positions, device=self.device)
+
+    def hidden(self, ids: torch.Tensor, where: torch.Tensor, kernels: Kernels = EAGER, features: bool = True):
+        """(final normed hidden [B, T, H], features [B, T, K*H] or None) of tokens ids [B, T] at
+        positions where [B, T]; writes their K/V. B == rows."""
+        x = F.embedding(ids, self.embed)
+        cos, sin = self.cos[where], self.sin[where]
+        mask = grouped_mask(
+            self.key_positions <= where.unsqueeze(-1), self.heads // self.kv_heads, self.dtype
+        )
+        wanted = set(self.layer_ids) if features else set()
+        taken = {}
+        last = len(self.layers) - 1
+        for i, w in enumerate(self.layers):
+            q, k, v = kernels.pre(
+                x,
+                w.ln,
+                w.wq,
+                w.bq,
+                w.wk,
+                w.bk,
+                w.wv,
+                w.bv,
+                w.q_norm,
+                w.k_norm,
+                cos,
+                sin,
+                self.eps,
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+            )
+            self.keys[i][self.row_index, :, where] = k
+            self.values[i][self.row_index, :, where] = v
+            out = grouped_attention(q, self.keys[i], self.values[i], mask)
+            x = kernels.post(x, out, w.wo, w.bo, w.ln2, w.gate, w.up, w.down, self.eps)
+            if i in wanted and i != last:
+                taken[i] = x
+        normed = rms_norm(x, self.norm_weight, self.norm_eps)
+        if last in wanted:
+            taken[last] = normed  # HF reports the last layer's state after the final norm
+        return normed, torch.cat([taken[i] for i in self.layer_ids], dim=-1) if wanted else None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.head_weight, self.head_bias)
+
+
+class StaticDrafter:
+    """The drafter's context K/V per layer in a pre-allocated cache; one block forward per call."""
+
+    def __init__(self, drafter: DFlashDrafter, rows: int, positions: int):
+        cfg = drafter.cfg
+        self.drafter, self.cfg = drafter, cfg
+        self.layers = [_layer_of(layer) for layer in drafter.layers]
+        self.block = cfg.block_size
+        device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+        shape = (len(self.layers), rows, cfg.num_kv_heads, positions, cfg.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        cos, sin = rope_cos_sin(
+            torch.arange(positions, device=device).unsqueeze(0), cfg.head_dim, cfg.rope_theta, dtype
+        )
+        self.cos, self.sin = cos[0, 0], sin[0, 0]  # [positions, D]
+        self.row_index = torch.arange(rows, device=device).unsqueeze(1)
+        self.key_positions = torch.arange(positions, device=device)
+        self.offsets = torch.arange(self.block, device=device)
+        self.mask_ids = torch.full((rows, self.block - 1), cfg.mask_token_id, dtype=torch.long, device=device)
+
+    def extend(self, features: torch.Tensor, where: torch.Tensor, kernels: Kernels = EAGER) -> None:
+        """Write the context K/V of target features [B, T, K*H] at positions where [B, T]."""
+        d = self.drafter
+        ctx = rms_norm(
+            F.linear(features.to(d.fc.weight.dtype), d.fc.weight), d.hidden_norm.weight, d.hidden_norm.eps
+        )
+        cos, sin = self.cos[where], self.sin[where]
+        for i, w in enumerate(self.layers):
+            k, v = kernels.context(
+                ctx,
+                w.wk,
+                w.bk,
+                w.wv,
+                w.bv,
+                w.k_norm,
+                cos,
+                sin,
+                self.cfg.rms_norm_eps,
+                self.cfg.num_kv_heads,
+                self.cfg.head_dim,
+            )
+            self.keys[i][self.row_index, :, where] = k
+            self.values[i][self.row_index, :, where] = v
+
+    def proposals(self, anchor: torch.Tensor, start: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
+        """[B, block-1] greedy proposals for positions start+1.. of the block [anchor, MASK...] placed
+        at start..start+block-1 (it sees the cached context before start and the whole block)."""
+        d, cfg = self.drafter, self.cfg
+        where = start.unsqueeze(1) + self.offsets
+        x = F.embedding(torch.cat([anchor.unsqueeze(1), self.mask_ids], dim=1), d.embed_weight).to(
+            d.fc.weight.dtype
+        )
+        cos, sin = self.cos[where], self.sin[where]
+        visible = self.key_positions < (start + self.block).view(
+            -1, 1, 1
+        )  # [B, 1, S]: the same for each query
+        mask = grouped_mask(visible.expand(-1, self.block, -1), cfg.num_heads // cfg.num_kv_heads, x.dtype)
+        for i, w in enumerate(self.layers):
+            q, k, v = kernels.pre(
+                x,
+                w.ln,
+                w.wq,
+                w.bq,
+                w.wk,
+                w.bk,
+                w.wv,
+                w.bv,
+                w.q_norm,
+                w.k_norm,
+                cos,
+                sin,
+                cfg.rms_norm_eps,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+            )
+            self.keys[i][self.row_index, :, where] = k
+            self.values[i][self.row_index, :, where] = v
+            out = grouped_attention(q, self.keys[i], self.values[i], mask)
+            x = kernels.post(x, out, w.wo, w.bo, w.ln2, w.gate, w.up, w.down, cfg.rms_norm_eps)
+        hidden = rms_norm(x[:, 1:], d.norm.weight, d.norm.eps)
+        return F.linear(hidden, d.lm_head_weight.to(hidden.dtype), d.lm_head_bias).argmax(-1)
+
+
+@dataclasses.dataclass
+class Decoded:
+    """One prompt's result (the same fields as trainer.speculative.Decoded, for evaluation)."""
+
+    tokens: list[int]
+    seconds: float  # the whole batch's decode time (rows decode together)
+    accepted: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Batch:
+    results: list[Decoded]
+    seconds: float
+    rounds: int  # host iterations (graph replays)
+
+
+class StaticDecoder:
+    """Greedy decoding of up to `rows` prompts at once, target-only or speculative, on static
+    caches sized for prompts up to `max_prompt` tokens and `max_new_tokens` new tokens.
+
+    Build once, decode many times: the caches and (on CUDA) the captured graphs are reused by every
+    call; a call with fewer prompts fills the spare rows with a copy of its first prompt and
+    leaves them inactive. Drafter weights may change between calls (copied in place, e.g.
+    load_state_dict), the captured graphs read the same tensors."""
+
+    def __init__(
+        self,
+        model,
+        layer_ids,
+        drafter: DFlashDrafter | None,
+        *,
+        rows: int,
+        max_prompt: int,
+        max_new_tokens: int,
+        stop_ids=(),
+        graphs: bool | None = None,
+        compile: bool = False,
+    ):
+        block = drafter.cfg.block_size if drafter is not None else 1
+        self.rows, self.max_prompt, self.max_new_tokens, self.block = rows, max_prompt, max_new_tokens, block
+        positions = max_prompt + max_new_tokens + block
+        self.target = StaticTarget(model, layer_ids, rows, positions)
+        self.drafter = StaticDrafter(drafter, rows, positions) if drafter is not None else None
+        device = self.target.device
+        self.device = device
+        on_cuda = device.type == "cuda"
+        self.graphs = on_cuda if graphs is None else (graphs and on_cuda)
+        self.kernels = Kernels(compile) if compile else EAGER
+        stops = sorted({int(s) for s in stop_ids}) or [-1]
+        self.stop_ids = torch.tensor(stops, device=device)
+        long = {"device": device, "dtype": torch.long}
+        self.offsets = torch.arange(max(block, 1), **long)
+        # state, all rows: position of the last emitted token (the next anchor), that token, tokens emitted,
+        # rounds done, still decoding, the output and the per-round accepted drafts
+        self.start = torch.zeros(rows, **long)
+        self.anchor = torch.zeros(rows, **long)
+        self.emitted = torch.zeros(rows, **long)
+        self.round = torch.zeros(rows, **long)
+        self.active = torch.zeros(rows, device=device, dtype=torch.bool)
+        self.budget = torch.zeros(rows, **long)
+        self.out = torch.zeros(rows, max_new_tokens + block, **long)
+        self.accepted = torch.zeros(rows, max_new_tokens + 1, **long)
+        self.row_index = torch.arange(rows, device=device).unsqueeze(1)
+        context = len(self.target.layer_ids) * self.target.embed.shape[1]
+        self.pending = torch.zeros(rows, max(block, 1), context, device=device, dtype=self.target.dtype)
+        self.pending_start = torch.zeros(rows, **long)
+        self.prompt_ids = torch.zeros(rows, max_prompt, **long)
+        self.prompt_len = torch.ones(rows, **long)
+        self.prompt_positions = torch.arange(max_prompt, **long).expand(rows, max_prompt)
+        self.real = torch.zeros(rows, device=device, dtype=torch.bool)
+        self.any_active = torch.zeros(1, dtype=torch.bool, device=device)
+        self.host_flag = torch.zeros(1, dtype=torch.bool, pin_memory=on_cuda)
+        self._graph: dict[str, torch.cuda.CUDAGraph] = {}
+
+    # ---- one step / round: tensor ops on the state only ------------------------------------------
+
+    def _emit(self, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Append tokens[:, :accepted+1] per active row (cut at a stop token and at the budget), log
+        the round, advance the anchor."""
+        width = tokens.shape[1]
+        offsets = self.offsets[:width]
+        within = offsets <= accepted.unsqueeze(1)
+        stop = torch.isin(tokens, self.stop_ids) & within
+        stopped = stop.any(1)
+        last = torch.where(stopped, stop.int().argmax(1), accepted)  # index of the last kept token
+        count = torch.minimum(last + 1, self.budget - self.emitted)
+        count = torch.where(self.active, count, torch.zeros_like(count))
+        slots = self.emitted.unsqueeze(1) + offsets
+        old = self.out[self.row_index, slots]
+        self.out[self.row_index, slots] = torch.where(self.active.unsqueeze(1), tokens, old)
+        self.accepted[self.row_index[:, 0], self.round] = torch.where(self.active, accepted, -1)
+        self.round += self.active.long()
+        self.start += count
+        self.anchor.copy_(
+            torch.where(self.active, tokens.gather(1, last.unsqueeze(1)).squeeze(1), self.anchor)
+        )
+        self.emitted += count
+        self.active &= ~stopped & (self.emitted < self.budget)
+        self.any_active.copy_(self.active.any().view(1))
+
+    def _target_step(self) -> None:
+        hidden, _ = self.target.hidden(
+            self.anchor.unsqueeze(1), self.start.unsqueeze(1), self.kernels, features=False
+        )
+        self._emit(self.target.logits(hidden).argmax(-1), torch.zeros_like(self.start))
+        self.host_flag.copy_(self.any_active, non_blocking=True)
+
+    def _speculative_round(self) -> None:
+        k = self.kernels
+        block = self.block
+        self.drafter.extend(self.pending, self.pending_start.unsqueeze(1) + self.offsets, k)
+        proposals = self.drafter.proposals(self.anchor, self.start, k)
+        where = self.start.unsqueeze(1) + self.offsets
+        hidden, features = self.target.hidden(torch.cat([self.anchor.unsqueeze(1), proposals], 1), where, k)
+        targets = self.target.logits(hidden).argmax(-1)  # the target's token for positions start+1..start+B
+        accepted = (proposals == targets[:, : block - 1]).long().cumprod(1).sum(1)
+        self.pending.copy_(features)
+        self.pending_start.copy_(self.start)
+        self._emit(targets, accepted)
+        self.host_flag.copy_(self.any_active, non_blocking=True)
+
+    # ---- prefill (eager, once per call) -----------------------------------------------------------
+
+    def _prefill_step(self, speculative: bool) -> None:
+        """The prompts (static buffers, right-padded to max_prompt) through the target: its first
+        token, the drafter's context when speculative, and a fresh state. Eager kernels: one shape,
+        run once per decode (as a graph on CUDA)."""
+        where = self.prompt_positions
+        hidden, features = self.target.hidden(self.prompt_ids, where, features=speculative)
+        last = hidden[self.row_index[:, 0], self.prompt_len - 1]
+        first = self.target.logits(last).argmax(-1)
+        if speculative:
+            self.drafter.extend(features, where)
+        self.start.copy_(self.prompt_len)
+        self.anchor.copy_(first)
+        self.out[:, 0] = first
+        self.emitted.fill_(1)
+        self.round.zero_()
+        self.active.copy_(self.real & ~torch.isin(first, self.stop_ids) & (self.emitted < self.budget))
+        self.pending.zero_()
+        self.pending_start.copy_(self.prompt_len)
+        self.any_active.copy_(self.active.any().view(1))
+        self.host_flag.copy_(self.any_active, non_blocking=True)
+
+    @torch.no_grad()
+    def _prefill(self, prompts: list[list[int]], max_new_tokens: int, speculative: bool) -> None:
+        if not 0 < len(prompts) <= self.rows:
+            raise ValueError(f"{len(prompts)} prompts for a decoder of {self.rows} rows")
+        longest = max(len(p) for p in prompts)
+        if longest > self.max_prompt or max_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"prompt of {longest} tokens / {max_new_tokens} new tokens exceeds the decoder's "
+                f"{self.max_prompt} / {self.max_new_tokens}"
+            )
+        rows = list(prompts) + [prompts[0]] * (self.rows - len(prompts))
+        ids = torch.zeros(self.rows, self.max_prompt, dtype=torch.long)
+        for r, p in enumerate(rows):
+            ids[r, : len(p)] = torch.tensor(p)
+        self.prompt_ids.copy_(ids)
+        self.prompt_len.copy_(torch.tensor([len(p) for p in rows]))
+        self.real.copy_(torch.arange(self.rows) < len(prompts))
+        self.budget.fill_(max_new_tokens)
+        name = "prefill-speculative" if speculative else "prefill-target"
+        self._runner(name, lambda: self._prefill_step(speculative))()
+
+    # ---- the host loop ----------------------------------------------------------------------------
+
+    def _runner(self, name: str, step):
+        if not self.graphs:
+            return step
+        graph = self._graph.get(name)
+        if graph is None:
+            graph = self._capture(step)
+            self._graph[name] = graph
+        return graph.replay
+
+    @torch.no_grad()
+    def _capture(self, step) -> torch.cuda.CUDAGraph:
+        """Warm up (compiles, cuBLAS workspaces) on a side stream, then capture one step. Both mutate
+        the state, which the next prefill resets."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            step()
+        torch.cuda.synchronize(self.device)
+        return graph
+
+    def prepare(self, prompts: list[list[int]], speculative: bool = True) -> None:
+        """Capture the graphs (and compile) now, so the first timed decode does not pay for it."""
+        with torch.no_grad():
+            self._prefill(prompts[: self.rows], 1, False)
+            self._runner("target", self._target_step)
+            if speculative and self.drafter is not None:
+                self._prefill(prompts[: self.rows], 1, True)
+                self._runner("speculative", self._speculative_round)
+
+    @torch.no_grad()
+    def decode(self, prompts: list[list[int]], max_new_tokens: int, speculative: bool) -> Batch:
+        """Decode `prompts` (at most `rows`) greedily; results in prompt order."""
+        if speculative and self.drafter is None:
+            raise ValueError("speculative decoding needs a drafter")
+        step = (
+            self._runner("speculative", self._speculative_round)
+            if speculative
+            else self._runner("target", self._target_step)
+        )
+        self._sync()
+        t0 = time.perf_counter()
+        self._prefill(prompts, max_new_tokens, speculative)
+        iterations = 0
+        while iterations <= max_new_tokens:  # every round emits at least one token per active row
+            self._sync()
+            if not bool(self.host_flag[0]):
+                break
+            step()
+            iterations += 1
+        seconds = time.perf_counter() - t0
+        out, emitted = self.out.cpu(), self.emitted.tolist()
+        accepted, rounds = self.accepted.cpu(), self.round.tolist()
+        results = [
+            Decoded(
+                tokens=out[r, : emitted[r]].tolist(),
+                seconds=seconds,
+                accepted=accepted[r, : rounds[r]].tolist() if speculative else [],
+            )
+            for r in range(len(prompts))
+        ]
+        return Batch(results=results, seconds=seconds, rounds=iterations)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
