@@ -16,6 +16,7 @@ from .steps import (
     job_processes,
     refuse_while_job_lives,
     registry,
+    resolve_cache,
     surely_foreign,
 )
 
@@ -104,6 +105,9 @@ def preflight(
             f"check 'disk': {free_gib:.1f} GiB free under {job.workdir}, checkpoints need "
             f"{min_free_gib:g} GiB" + untouched,
         )
+    _, why = resolve_cache(ctx, job.cache_dir)  # purged and marked by this relaunch: never the job's own
+    if why is not None:
+        raise _fail(ctx, f"check 'cache': {why}" + untouched)
     said = [f"torch {found.get('torch', '?')}", f"{free_gib:.0f} GiB free"]
     if gpus:
         try:

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import posixpath
 import shlex
 import time
 from typing import Any
 
 from . import deploy as deploy_lib
-from . import jobpaths, jobstate, launch as launch_lib, tmux
-from .errors import StepFailed
+from . import cache_guard, jobpaths, jobstate, launch as launch_lib, tmux
+from .errors import DflashOpsError, StepFailed
 from .gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
 from .model import Job
 from .playbook import Param, StepContext, StepOutcome, StepRegistry
@@ -273,6 +274,31 @@ def _check_purgeable(ctx: StepContext, path: str) -> None:
         )
 
 
+def resolve_cache(ctx: StepContext, path: str) -> tuple[str | None, str | None]:
+    """(the cache path as the target resolves it, why it may not be used as a cache or None):
+    the cache and the job's own places are resolved ON THE TARGET (realpath -m: symlinks followed,
+    missing parts allowed), then cache_guard's rule is applied to what they really are.
+    (None, None) under dry-run."""
+    job = ctx.job
+    owned = cache_guard.owned_paths(job.workdir, job.log_dir, job.python)
+    paths = [path] + [p for p, _, _ in owned]
+    result = ctx.run(quote_argv(["realpath", "-m", "-z", "--", *paths]), timeout=30)
+    if result is None:
+        return None, None
+    parts = result.stdout.split("\0")
+    if len(parts) != len(paths) + 1 or not all(p.startswith("/") for p in parts[:-1]):
+        return None, f"realpath on the target gave no answer for {path} ({result.stdout[:100]!r})"
+    resolved = parts[0]
+    why = cache_guard.problem(
+        resolved, [(parts[i + 1], what, inside) for i, (_, what, inside) in enumerate(owned)]
+    )
+    if why is None:
+        return resolved, None
+    field = "job.cache_dir" if path == job.cache_dir else "purge_cache path"
+    shown = path if resolved == path else f"{path} (on the target: {resolved})"
+    return resolved, f"{field} {shown} {why}; give the cache a directory of its own"
+
+
 def refuse_while_job_lives(ctx: StepContext, what: str) -> None:
     """Fail, naming pids, while any process of the job lives: its tmux tree or anything carrying
     the launcher's marker (an orphan of an earlier launch included)."""
@@ -288,13 +314,18 @@ def purge_cache(ctx: StepContext, paths: list[str], if_unmarked: str) -> StepOut
     (if_unmarked: "fail" or "skip" a dir without it); refuses while any job process lives."""
     if if_unmarked not in ("fail", "skip"):
         raise _fail(ctx, f"if_unmarked must be fail or skip, not {if_unmarked!r}")
+    real = {}
     for path in paths:
         _check_purgeable(ctx, path)
+        real[path], why = resolve_cache(ctx, path)
+        if why is not None:
+            raise _fail(ctx, f"refusing to purge: {why}")
     refuse_while_job_lives(ctx, "stop it first (dflash-ops stop)")
     done, skipped = [], []
     for path in paths:
-        marker = posixpath.join(path, jobpaths.CACHE_MARKER)
-        result = ctx.run(shell_command("purge_cache.sh", path, marker), timeout=300)
+        where = real[path] or path  # what the path really is on the target
+        marker = posixpath.join(where, jobpaths.CACHE_MARKER)
+        result = ctx.run(shell_command("purge_cache.sh", where, marker), timeout=300)
         answer = result.stdout.strip() if result is not None else "purged"
         if answer == "unmarked":
             if if_unmarked == "fail":
@@ -331,6 +362,9 @@ def launch(ctx: StepContext, session: str, cache_dir: str, resume: bool) -> Step
     """Start the trainer in a detached tmux session writing the next numbered log; the run is the
     newest unfinished one (resume) or a new one (after a finished run, or resume false: --fresh)."""
     job = dataclasses.replace(ctx.job, session=session, cache_dir=cache_dir)
+    _, why = resolve_cache(dataclasses.replace(ctx, job=job), cache_dir)
+    if why is not None:
+        raise _fail(ctx, f"refusing to launch: {why}")
     result = ctx.run(launch_lib.launch_script(job, resume=resume), timeout=60)
     if result is None:
         return StepOutcome(
@@ -345,17 +379,40 @@ def launch(ctx: StepContext, session: str, cache_dir: str, resume: bool) -> Step
 @registry.step("mark_stopped", params={})
 def mark_stopped(ctx: StepContext) -> StepOutcome:
     """Record the operator's stop in the job state: health reports it as OK and never relaunches
-    the job; only a relaunch clears it."""
+    the job; only a relaunch clears it. A stop that cannot be recorded fails this step."""
+    path = jobpaths.state_file(ctx.job)
     result = ctx.run(jobstate.read_script(ctx.job), timeout=30)
     if result is None:
-        return StepOutcome(f"would record `stopped` in {jobpaths.state_file(ctx.job)}")
-    clock, previous = jobstate.parse_read(result.stdout)
+        return StepOutcome(f"would record `stopped` in {path}")
+    try:
+        clock, kind, previous = jobstate.parse_read(result.stdout)
+    except ValueError as exc:
+        raise _fail(ctx, f"the stop could not be recorded: {exc}") from None
+    unrecorded = (
+        f"the stop could not be recorded: {path} is not a regular file; until it is one (or removed), "
+        "health cannot tell this stop from a crash: it answers UNKNOWN and --auto-relaunch relaunches nothing"
+    )
+    if kind != jobstate.FILE and kind != jobstate.ABSENT:
+        raise _fail(ctx, unrecorded)
+    wanted = jobstate.encode(jobstate.stopped(previous, clock))
     ctx.run(quote_argv(["mkdir", "-p", ctx.job.workdir]), timeout=30)
-    ctx.put(jobstate.encode(jobstate.stopped(previous, clock)), jobpaths.state_file(ctx.job))
+    try:
+        ctx.put(wanted, path)
+    except DflashOpsError as exc:
+        raise _fail(ctx, f"{unrecorded} ({str(exc).splitlines()[-1].strip()})") from None
+    # read back: the stop counts only once the file says so
+    written = ctx.run(jobstate.read_command(ctx.job), timeout=30, check=False)
+    if written is not None and written.stdout.encode() != wanted:
+        raise _fail(ctx, unrecorded)
     return StepOutcome(f"job state: stopped by {jobstate.STOPPED_BY}")
 
 
 # ------------------------------------------------------------------ confirmation
+
+
+def _number(value) -> float:
+    """A metrics value as a float (nan when it is none: the record comes from the target)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
 
 
 def _watch_script(job: Job, log: str) -> str:
@@ -363,7 +420,7 @@ def _watch_script(job: Job, log: str) -> str:
 
     return (
         f"{tmux.pane_pids(job)}; echo @@; tail -n 50 {shlex.quote(metrics_path_for_log(log))} 2>/dev/null; "
-        f"echo @@; tail -n 1 {shlex.quote(log)} 2>/dev/null; true"
+        f"echo @@; tail -n 1 {shlex.quote(log)} 2>/dev/null; echo @@; {jobstate.read_command(job)}; true"
     )
 
 
@@ -378,7 +435,7 @@ def _watch_script(job: Job, log: str) -> str:
 def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float) -> StepOutcome:
     """Wait until the metrics file shows a training step; on failure print the last log lines and
     the failure signature."""
-    from trainer.metrics_format import last_of, parse_lines
+    from trainer.metrics_format import current_run, last_of, parse_lines
 
     from .logs import find_failures
 
@@ -390,13 +447,17 @@ def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float)
         if result is None:
             return StepOutcome(f"would wait up to {timeout_s:g}s for the first step in the metrics file")
         panes, _, rest = result.stdout.partition("@@")
-        metrics, _, last_line = rest.partition("@@")
-        records = parse_lines(metrics)
+        metrics, _, rest = rest.partition("@@")
+        last_line, _, state_text = rest.partition("@@")
+        # only the new trainer's records: the file may hold an earlier one's (see current_run)
+        state = jobstate.parse(state_text)
+        records = current_run(parse_lines(metrics), state.since if state is not None else None)
         step = last_of(records, "step")
         if step is not None:
-            rate = (step.get("tokens_per_s") or 0) / 1000
+            loss, rate = _number(step.get("loss")), _number(step.get("tokens_per_s"))
+            ktok = 0.0 if math.isnan(rate) else rate / 1000
             return StepOutcome(
-                f"step {step['step']}: loss {step.get('loss', float('nan')):.4f}, {rate:.1f} Ktok/s",
+                f"step {step.get('step')}: loss {loss:.4f}, {ktok:.1f} Ktok/s",
                 data={"step": step},
             )
         error = last_of(records, "error")

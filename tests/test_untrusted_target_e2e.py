@@ -90,9 +90,11 @@ def dead_pane_pid(target) -> int:
 
 
 def cli(*argv: str, inventory: Path) -> tuple[int, str, str]:
-    """The CLI as cron runs it: its own process, so a traceback would show on stderr."""
+    """The CLI as cron runs it, on the inventory's one target: its own process, so a traceback
+    would show on stderr."""
+    (name,) = json.loads(inventory.read_text())["targets"]
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *argv],
+        [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *argv, "-t", name],
         capture_output=True,
         text=True,
         timeout=300,
@@ -139,3 +141,237 @@ def _dead(target):
         return None
     # reaped: nothing (not even a zombie) holds the pid any more
     return pid if not in_ct(target, f"test -e /proc/{pid}").ok else None
+
+
+# helpers for the CLI runs --------------------------------------------------------------------------
+
+def inventory_of(target, path: Path) -> Path:
+    """An inventory file naming `target` as the tests built it (JSON is YAML)."""
+    job = target.job
+    fields = {"transport": target.transport,
+              "job": {"workdir": job.workdir, "python": job.python, "config": job.config,
+                      "session": job.session, "tmux_socket": job.tmux_socket, "cache_dir": job.cache_dir,
+                      "env": dict(job.env), "health": {"stall_seconds": job.health.stall_seconds}}}
+    if target.ssh is not None:
+        s = target.ssh
+        fields.update(host=s.host, port=s.port, user=s.user, identity_file=s.identity_file,
+                      known_hosts_file=s.known_hosts_file, connect_timeout_s=s.connect_timeout_s)
+    if target.ctid is not None:
+        fields["ctid"] = target.ctid
+    path.write_text(json.dumps({"targets": {target.name: fields}}))
+    return path
+
+
+def named(target, session="job-1"):
+    """`target` with a session name the inventory accepts (the fixtures' names hold a space)."""
+    return dataclasses.replace(target, job=dataclasses.replace(target.job, session=session))
+
+
+def one_line(stdout: str, stderr: str) -> str:
+    assert "Traceback" not in stdout + stderr, stdout + stderr
+    lines = [line for line in (stdout + stderr).splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+# 2 ------------------------------------------------------------------------------------------------
+
+def test_a_cache_dir_through_a_symlink_into_runs_is_refused_on_the_target(ssh_target, cleanup, bystander, tmp_path):
+    target = named(standin(ssh_target))
+    cleanup(target)
+    assert ops.run_playbook(target, "relaunch", quick()).ok
+    wait_for(lambda: len(checkpoints(target, 1)) >= 2, what="checkpoints")
+    assert ops.run_playbook(target, "stop", {"grace": 5.0}).ok
+    kept = checkpoints(target, 1)
+    work = Path(target.job.workdir)
+    (work / "scratch").symlink_to(work / "runs")  # on the target: scratch -> runs
+    aimed = dataclasses.replace(target, job=dataclasses.replace(target.job, cache_dir=str(work / "scratch" / "0001")))
+    (work / "runs" / "0001" / jobpaths.CACHE_MARKER).write_text("planted\n")  # as a past launch marked it
+    inventory = inventory_of(aimed, tmp_path / "inv.json")
+    real = work / "runs" / "0001"
+
+    for command in (["purge-cache"], ["relaunch", "--timeout", "30", "--grace", "5"]):
+        code, out, err = cli(*command, inventory=inventory)
+        line = one_line(out, err)
+        assert code == 1, (command, out, err)
+        assert f"job.cache_dir {work}/scratch/0001 (on the target: {real}) lies inside the runs" in line, line
+    relaunch_err = cli("relaunch", "--timeout", "30", inventory=inventory)[2]
+    assert "check 'cache'" in relaunch_err and "nothing was stopped" in relaunch_err
+    assert checkpoints(target, 1) == kept and (real / "checkpoints").is_dir()
+    assert alive(bystander.pid)
+
+
+# 3 ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("when", ["$(touch /tmp/dflash-pwned)", 1e308, "yesterday", [1, 2], {"t": 1}, True, -5])
+def test_a_stopped_state_with_an_unusable_when_is_ok_in_one_line(pct_target, tmp_path, when):
+    target = named(standin(pct_target))
+    work = Path(target.job.workdir)
+    work.mkdir(parents=True)
+    Path(jobpaths.state_file(target.job)).write_text(json.dumps({"state": "stopped", "by": "dflash-ops stop",
+                                                                 "when": when, "run": 1}))
+    inventory = inventory_of(target, tmp_path / "inv.json")
+    code, out, err = cli("health", inventory=inventory)
+    assert code == 0, (out, err)
+    assert out.count("DFLASH ") == 1 and one_line(out, err).startswith(
+        f"DFLASH OK: {target.name}: stopped by dflash-ops stop at an unknown time"), out
+    code, out, err = cli("status", "--json", inventory=inventory)
+    assert code == 0 and "Traceback" not in err, err
+    assert json.loads(out)["verdict"] == "OK"
+    code, out, err = cli("status", inventory=inventory)
+    assert code == 0 and "job: stopped by dflash-ops stop, run 0001" in out and "Traceback" not in err
+    assert not Path("/tmp/dflash-pwned").exists()
+
+
+def test_a_check_that_raises_is_one_unknown_line_naming_the_target(pct_target, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from dflash_ops.cli import cli as cli_group
+
+    target = named(standin(pct_target))
+    inventory = inventory_of(target, tmp_path / "inv.json")
+
+    def broken(*_args, **_kwargs):
+        raise OverflowError("timestamp out of range for platform time_t")
+
+    monkeypatch.setattr(ops, "check", broken)
+    result = CliRunner().invoke(cli_group, ["--inventory", str(inventory), "health", "-t", target.name])
+    assert result.exit_code == 3 and result.exception is None or isinstance(result.exception, SystemExit)
+    assert result.output.strip() == (f"DFLASH UNKNOWN: {target.name}: the check itself failed "
+                                     "(OverflowError: timestamp out of range for platform time_t)")
+    result = CliRunner().invoke(cli_group, ["--inventory", str(inventory), "status", "--json", "-t", target.name])
+    assert result.exit_code == 3
+    assert json.loads(result.output)["reasons"] == [
+        "the check itself failed (OverflowError: timestamp out of range for platform time_t)"]
+
+
+# 4 ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("log", [12345, ["/etc/passwd"], {"path": "x"}, ""])
+def test_tail_log_on_a_log_that_is_no_path_is_one_line(pct_target, tmp_path, log):
+    target = named(standin(pct_target))
+    Path(target.job.workdir).mkdir(parents=True)
+    Path(jobpaths.state_file(target.job)).write_text(json.dumps({"state": "running", "run": 1, "log": log}))
+    code, out, err = cli("tail-log", "-n", "3", inventory=inventory_of(target, tmp_path / "inv.json"))
+    line = one_line(out, err)
+    assert code == 1 and len((out + err).strip().splitlines()) == 1, (out, err)
+    assert "job state" in line and ("names a log that is not a path" in line or "no dflash-ops job state" in line)
+    assert "--log PATH" in line
+
+
+# 5 ------------------------------------------------------------------------------------------------
+
+def no_session(target) -> bool:
+    return not in_ct(target, f"tmux -L {target.job.tmux_socket} has-session -t '={target.job.session}'").ok
+
+
+@pytest.mark.parametrize("text, why", [
+    ("[" * 50_000, "not JSON (RecursionError)"),
+    ('{"state": "stopped", "by": "' + "x" * 100_000 + '"}', "larger than 65536 bytes"),
+    ('{"state": ["stopped"], "when": 1}', "not a dflash-ops job state"),
+    ("\x00\xff garbage", "not JSON"),
+])
+def test_a_damaged_state_is_unknown_never_relaunched_and_tail_log_says_so(pct_target, tmp_path, monkeypatch,
+                                                                         text, why):
+    monkeypatch.setenv("DFLASH_OPS_STATE_DIR", str(tmp_path / "state"))
+    target = named(standin(pct_target))
+    Path(target.job.workdir).mkdir(parents=True)
+    Path(jobpaths.state_file(target.job)).write_text(text)
+    inventory = inventory_of(target, tmp_path / "inv.json")
+    code, out, err = cli("health", "--auto-relaunch", inventory=inventory)
+    line = out.splitlines()[0]
+    assert code == 3 and out.count("DFLASH ") == 1 and "Traceback" not in err, (out, err)
+    assert line.startswith(f"DFLASH UNKNOWN: {target.name}: job state ") and why in line, line
+    assert "nothing is relaunched" in line and no_session(target)
+    code, out, err = cli("status", "--json", inventory=inventory)
+    assert code == 3 and why in json.loads(out)["job_state_error"]
+    code, out, err = cli("tail-log", inventory=inventory)
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "--log PATH" in err
+
+
+def test_wrong_types_in_every_field_of_a_stop_read_as_absent(pct_target, tmp_path):
+    target = named(standin(pct_target))
+    Path(target.job.workdir).mkdir(parents=True)
+    Path(jobpaths.state_file(target.job)).write_text(json.dumps(
+        {"state": "stopped", "run": "0001", "run_dir": 7, "pid": "1", "since": [], "when": {"t": 1},
+         "by": {"who": "x"}, "extra": [[[]]]}))
+    inventory = inventory_of(target, tmp_path / "inv.json")
+    code, out, err = cli("health", inventory=inventory)
+    assert code == 0 and one_line(out, err).startswith(
+        f"DFLASH OK: {target.name}: stopped by dflash-ops stop at an unknown time"), (out, err)
+    code, out, err = cli("status", inventory=inventory)
+    assert code == 0 and "\njob: stopped\n" in out and "Traceback" not in err
+
+
+def test_a_stop_that_cannot_be_recorded_fails_loudly_and_is_never_undone(pct_target, cleanup, bystander,
+                                                                          tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_OPS_STATE_DIR", str(tmp_path / "state"))
+    target = named(standin(pct_target))
+    cleanup(target)
+    assert ops.run_playbook(target, "relaunch", quick()).ok
+    wait_for(lambda: checkpoints(target, 1), what="a checkpoint")
+    state = Path(jobpaths.state_file(target.job))
+    state.unlink()
+    state.mkdir()  # job-state.json is a directory: no state can be written there
+    inventory = inventory_of(target, tmp_path / "inv.json")
+
+    code, out, err = cli("stop", "--grace", "5", inventory=inventory)
+    assert code == 1 and "Traceback" not in out + err, (out, err)
+    assert "mark_stopped" in err and "the stop could not be recorded" in err, err
+    assert f"{state} is not a regular file" in err and "job state: stopped" not in out
+    assert state.is_dir() and list(state.iterdir()) == []  # nothing written inside it
+    assert no_session(target)
+
+    code, out, err = cli("health", "--auto-relaunch", inventory=inventory)
+    assert code == 3 and out.startswith(f"DFLASH UNKNOWN: {target.name}: job state {state} is unusable "
+                                        "(not a regular file)"), (out, err)
+    assert "auto-relaunch" not in out and no_session(target), out
+    assert checkpoints(target, 1) and alive(bystander.pid)
+
+
+# 6 ------------------------------------------------------------------------------------------------
+
+def test_a_deleted_logs_number_and_metrics_are_never_reused(pct_target, cleanup, bystander):
+    target = standin(pct_target)
+    cleanup(target)
+    first = ops.run_playbook(target, "relaunch", quick())
+    assert first.ok
+    old_log = Path(step(first, "launch").data["log"])
+    old_metrics = Path(str(old_log)[: -len(".log")] + ".metrics.jsonl")
+    wait_for(lambda: old_metrics.read_text().count('"step"') >= 12, what="a dozen steps")
+    assert ops.run_playbook(target, "stop", {"grace": 5.0}).ok
+    before = old_metrics.read_bytes()
+    last_old = max(json.loads(line).get("step", 0) for line in before.decode().splitlines())
+    old_log.unlink()
+
+    again = ops.run_playbook(target, "relaunch", quick())
+    assert again.ok, again.summary()
+    new_log = step(again, "launch").data["log"]
+    assert new_log.endswith("train-0002.log"), new_log
+    assert old_metrics.read_bytes() == before  # the old trainer's file is nobody's to append to
+    first_step = step(again, "wait_first_step").data["step"]["step"]
+    assert first_step > last_old  # resumed past the old run's checkpoint; never its last step read back
+    assert job_state(target)["log"] == new_log
+    assert alive(bystander.pid)
+
+
+def test_progress_counts_only_records_of_the_trainer_the_launch_started(pct_target, tmp_path, cleanup):
+    """A metrics file that holds an earlier trainer's records (its start older than the launch)
+    shows no progress until the new trainer's start record."""
+    target = named(standin(pct_target))
+    cleanup(target)
+    work = Path(target.job.workdir)
+    logs = work / "logs"
+    logs.mkdir(parents=True)
+    log = logs / "train-0001.log"
+    log.write_text("starting\n")
+    now = time.time()
+    old = [{"v": 1, "event": "start", "time": now - 1000, "pid": 1, "total_steps": 1000},
+           {"v": 1, "event": "step", "time": now - 900, "step": 156, "total_steps": 1000, "loss": 1.0,
+            "tokens_per_s": 50000.0, "eta_s": 10.0}]
+    (logs / "train-0001.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    Path(jobpaths.state_file(target.job)).write_text(json.dumps(
+        {"state": "running", "run": 1, "log": str(log), "since": int(now) - 1}))
+    in_ct(target, f"tmux -L {target.job.tmux_socket} new-session -d -s {target.job.session} 'sleep 300'")
+    code, out, err = cli("status", "--json", inventory=inventory_of(target, tmp_path / "inv.json"))
+    assert json.loads(out)["training"]["step"] is None, out  # never the old trainer's step 156

@@ -57,11 +57,13 @@ else
 fi
 mkdir -p "$runs/$run"
 
+# the next number after every log AND every metrics file: a deleted log's metrics keep its number
 last=0
-for path in "$logs/$log_prefix"*"$log_suffix"; do
+for path in "$logs/$log_prefix"*; do
   number=${path##*/}
   number=${number#"$log_prefix"}
   number=${number%"$log_suffix"}
+  number=${number%"$metrics_suffix"}
   case $number in
     "" | *[!0-9]*) continue ;;
   esac

@@ -214,12 +214,29 @@ def with_newest_eval(tail, context_steps, cap_bytes, deadline):
 
 
 def read_job_state(path):
-    """The job state dict dflash-ops wrote, or None (absent or unreadable)."""
-    if not path or not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8", errors="replace") as f:
-        data = json.loads(f.read() or "null")
-    return data if isinstance(data, dict) else None
+    """(the job state dict dflash-ops wrote or None, what is wrong with the file or None): an
+    absent file is no state; one that cannot be read as a state is reported, never guessed at."""
+    if not path or not os.path.lexists(path):
+        return None, None
+    if not os.path.isfile(path):
+        return None, "not a regular file"
+    with open(path, "rb") as f:
+        raw = f.read(facts.STATE_MAX_BYTES + 1)
+    if len(raw) > facts.STATE_MAX_BYTES:
+        return None, "larger than %d bytes" % facts.STATE_MAX_BYTES
+    try:
+        data = json.loads(raw.decode("utf-8", "replace") or "null")
+    except (ValueError, RecursionError) as e:
+        return None, "not JSON (%s)" % type(e).__name__
+    if not isinstance(data, dict):
+        return None, "not a JSON object"
+    if data.get("log") is not None and not usable_path(data["log"]):
+        return data, "field log is not a path: %s" % json.dumps(data["log"])[:80]
+    return data, None
+
+
+def usable_path(value):
+    return isinstance(value, str) and 0 < len(value) <= 4096 and "\0" not in value
 
 
 def files_state(log_dir, log_lines, metrics_lines, job_state=None, eval_search=None):
@@ -232,6 +249,8 @@ def files_state(log_dir, log_lines, metrics_lines, job_state=None, eval_search=N
         "log_missing": None,
     }
     log_path = (job_state or {}).get("log")
+    if log_path is not None and not usable_path(log_path):
+        return state  # the state names something that is no path: never another run's log instead
     if not log_path:
         if not state["log_dir_exists"]:
             return state
@@ -302,7 +321,9 @@ def main(argv):
         )
     )
     # the files are read while those commands run
-    report["job_state"] = section(errors, "job state", read_job_state, args.get("state_file"))
+    report["job_state"], report["job_state_error"] = section(
+        errors, "job state", read_job_state, args.get("state_file")
+    ) or (None, "unreadable")
     files = (
         section(
             errors,
