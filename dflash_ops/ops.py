@@ -215,7 +215,8 @@ def list_releases(target: Target) -> list[deploy.Release]:
 
 # ------------------------------------------------------------------ logs
 
-LIST_LOGS = "ls -1 {dir} 2>/dev/null | tr '\\n' /; echo"  # names on one line; facts.newest_log_name picks
+# names on one line (at most 4 MiB of them); facts.newest_log_name picks
+LIST_LOGS = "ls -1 {dir} 2>/dev/null | head -c 4194304 | tr '\\n' /; echo"
 
 
 # --grep filters here (Python regex), over at most this many of the newest lines, so a log of a
@@ -307,9 +308,17 @@ def _read_from(
     size_line, _, chunk = rest.partition("\n")
     state = jobstate.parse(state_line.strip())
     if state is not None and state.log:
-        return state.log, int(size_line), chunk
+        return state.log, _size(target, size_line), chunk
     newest = facts.newest_log_name(newest.strip().split("/"))
-    return (f"{target.job.log_dir.rstrip('/')}/{newest}" if newest else None), int(size_line), chunk
+    newest_path = f"{target.job.log_dir.rstrip('/')}/{newest}" if newest else None
+    return newest_path, _size(target, size_line), chunk
+
+
+def _size(target: Target, line: str) -> int:
+    """A file size the log scripts printed; anything else is a failure in one line."""
+    if not line.strip().isdigit():
+        raise DflashOpsError(f"[{target.name}] read log: expected the log's size, got {line.strip()[:80]!r}")
+    return int(line)
 
 
 def tail_log(
@@ -343,7 +352,7 @@ def tail_log(
         if not first.ok:
             raise RemoteCommandError(target.name, "read log", first)
         size_line, _, text = first.stdout.partition("\n")
-        offset = int(size_line)
+        offset = _size(target, size_line)
         for line in _filter(text.splitlines(), pattern)[-lines:]:
             emit(line)
         partial = ""

@@ -98,7 +98,8 @@ def preflight(
         )
     if found.get("release") == "unwritable":
         raise _fail(ctx, f"check 'release': cannot write {job.workdir} to deploy the trainer" + untouched)
-    free_gib = int(found.get("free_kib") or 0) / 2**20
+    free_kib = found.get("free_kib") or ""
+    free_gib = int(free_kib) / 2**20 if free_kib.isdigit() else 0.0
     if free_gib < min_free_gib:
         raise _fail(
             ctx,

@@ -228,7 +228,7 @@ def _json_object(stdout: str) -> dict | None:
     for text in candidates:
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(value, dict):
             return value
@@ -247,9 +247,9 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
             socket=str(session.get("socket", "")),
             exists=bool(session.get("exists")),
             running=bool(session.get("running")),
-            pane_pid=session.get("pane_pid"),
-            exit_status=session.get("exit_status"),
-            error=session.get("error"),
+            pane_pid=_whole(session.get("pane_pid")),
+            exit_status=_whole(session.get("exit_status"), signed=True),
+            error=None if session.get("error") is None else str(session.get("error"))[:500],
         )
         processes = tuple(
             ProcessInfo(
@@ -260,12 +260,15 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
         log = _tail(data.get("log"))
         metrics = _tail(data.get("metrics"))
         eval_lines = [str(line) for line in (data.get("metrics") or {}).get("eval_lines") or []]
-    except (KeyError, TypeError, ValueError) as e:
+        clock = float(data["time"])
+        marked = tuple(int(p) for p in data.get("marked_pids") or [])
+        visible = tuple(int(p) for p in data.get("gpu_pids_visible") or [])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ProbeError(f"[{target}] probe: malformed answer ({type(e).__name__}: {e})") from e
     state_record = jobstate.JobState.from_dict(data.get("job_state"))
     return ProbeReport(
         target=target,
-        time=float(data["time"]),
+        time=clock,
         hostname=str(data.get("hostname", "")),
         gpu=snapshot_from_probe(data.get("gpu")),
         session=state,
@@ -281,10 +284,17 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
         job_state=state_record.to_dict() if state_record else None,
         job_state_error=_state_error(data, state_record),
         log_missing=data.get("log_missing") or None,
-        marked_pids=tuple(int(p) for p in data.get("marked_pids") or []),
-        gpu_pids_visible=tuple(int(p) for p in data.get("gpu_pids_visible") or []),
+        marked_pids=marked,
+        gpu_pids_visible=visible,
         raw=data,
     )
+
+
+def _whole(value, signed: bool = False) -> int | None:
+    """An integer from the answer (a pid, an exit status), or None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if signed or value >= 0 else None
 
 
 def _launched_at(record) -> float | None:

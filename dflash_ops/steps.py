@@ -26,6 +26,7 @@ from .transport.base import quote_argv
 registry = StepRegistry()
 
 _JOBPROCS = "jobprocs.py"
+_JOBPROCS_LISTS = ("job", "unidentified", "exited_panes", "terminated", "killed", "survivors")
 GPU_QUERY = f"{quote_argv(facts.gpu_query_argv())} && echo @@ && {quote_argv(facts.apps_query_argv())}"
 
 
@@ -83,7 +84,15 @@ def job_processes(
     result = ctx.run(
         python_command(job.python, _JOBPROCS, args), timeout=grace_s + 60, stdin=bundle(_JOBPROCS)
     )
-    return None if result is None else json.loads(result.stdout)
+    if result is None:
+        return None
+    try:
+        report = json.loads(result.stdout)
+    except (ValueError, RecursionError):
+        report = None
+    if not isinstance(report, dict) or not all(isinstance(report.get(k), list) for k in _JOBPROCS_LISTS):
+        raise _fail(ctx, f"the process listing gave no readable answer: {result.stdout.strip()[:200]!r}")
+    return report
 
 
 def _name_of(process: dict) -> str:
@@ -372,7 +381,10 @@ def launch(ctx: StepContext, session: str, cache_dir: str, resume: bool) -> Step
             f"{shlex.join(launch_lib.trainer_argv(job, jobpaths.runs_dir(job) + '/NNNN'))}",
             data={"log": posixpath.join(job.log_dir, f"{facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX}")},
         )
-    log = result.stdout.strip().splitlines()[-1]
+    printed = result.stdout.strip().splitlines()
+    if not printed or not printed[-1].startswith("/"):
+        raise _fail(ctx, f"the launch printed no log path: {result.stdout.strip()[:200]!r}")
+    log = printed[-1]
     return StepOutcome(f"session {session!r} started, log {log}", data={"log": log})
 
 
@@ -415,12 +427,17 @@ def _number(value) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
 
 
+_WATCH_BYTES = 1 << 20  # of the metrics tail per poll: 50 records are a few KiB
+
+
 def _watch_script(job: Job, log: str) -> str:
     from trainer.metrics_format import metrics_path_for_log
 
     return (
-        f"{tmux.pane_pids(job)}; echo @@; tail -n 50 {shlex.quote(metrics_path_for_log(log))} 2>/dev/null; "
-        f"echo @@; tail -n 1 {shlex.quote(log)} 2>/dev/null; echo @@; {jobstate.read_command(job)}; true"
+        f"{tmux.pane_pids(job)} | head -c 4096; echo @@; "
+        f"tail -n 50 {shlex.quote(metrics_path_for_log(log))} 2>/dev/null | tail -c {_WATCH_BYTES}; echo @@; "
+        f"tail -n 1 {shlex.quote(log)} 2>/dev/null | tail -c 2000; echo @@; "
+        f"{jobstate.read_command(job)}; true"
     )
 
 
@@ -486,7 +503,9 @@ def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float)
         )
         ctx.commands.clear()
         time.sleep(poll_s)
-    read = ctx.run(quote_argv(["tail", "-n", "400", log]), timeout=30, check=False)
+    read = ctx.run(
+        f"{quote_argv(['tail', '-n', '400', log])} | tail -c {_WATCH_BYTES}", timeout=30, check=False
+    )
     tail = read.stdout if read is not None else ""
     failures = find_failures(tail)
     signature = f" (signature: {failures[0].name})" if failures else ""

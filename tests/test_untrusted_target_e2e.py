@@ -375,3 +375,83 @@ def test_progress_counts_only_records_of_the_trainer_the_launch_started(pct_targ
     in_ct(target, f"tmux -L {target.job.tmux_socket} new-session -d -s {target.job.session} 'sleep 300'")
     code, out, err = cli("status", "--json", inventory=inventory_of(target, tmp_path / "inv.json"))
     assert json.loads(out)["training"]["step"] is None, out  # never the old trainer's step 156
+
+
+# the job's lock -----------------------------------------------------------------------------------
+
+def test_two_relaunches_at_once_one_says_who_runs_and_touches_nothing(pct_target, cleanup, bystander, tmp_path):
+    target = named(standin(pct_target))
+    cleanup(target)
+    inventory = inventory_of(target, tmp_path / "inv.json")
+    argv = [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "relaunch", "-t", target.name,
+            "--timeout", "60", "--grace", "5"]
+    winner = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        seen = [winner.stdout.readline()]
+        while "preflight ... ok" not in seen[-1]:  # the first relaunch is under way
+            assert seen[-1], "".join(seen)
+            seen.append(winner.stdout.readline())
+        loser = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        stop = subprocess.run([*argv[:5], "stop", "-t", target.name], capture_output=True, text=True, timeout=120)
+        won_out, won_err = winner.communicate(timeout=240)
+        won_out = "".join(seen) + won_out
+    finally:
+        winner.kill()
+    assert winner.returncode == 0, won_out + won_err
+    for other, command in ((loser, "relaunch"), (stop, "stop")):
+        assert other.returncode == 75, other.stdout + other.stderr
+        line = one_line(other.stdout, other.stderr)
+        assert f"another relaunch is running (pid {winner.pid} on " in line, line
+        assert "nothing was done here" in line and "[1/" not in other.stdout  # no step ran
+    assert job_state(target)["state"] == "running" and job_state(target)["run"] == 1
+    assert ops.check(target).status["session"]["running"] is True  # the winner's trainer, never stopped
+    assert not Path(jobpaths.lock_file(target.job)).read_text().strip()  # released when the winner ended
+    assert alive(bystander.pid)
+
+
+def test_the_lock_goes_with_a_command_that_dies(pct_target, cleanup, tmp_path):
+    target = named(standin(pct_target))
+    cleanup(target)
+    inventory = inventory_of(target, tmp_path / "inv.json")
+    lock = Path(jobpaths.lock_file(target.job))
+    argv = [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "relaunch", "-t", target.name,
+            "--timeout", "60", "--grace", "5"]
+    doomed = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: lock.exists() and lock.read_text().strip(), what="the relaunch to hold the lock")
+    doomed.kill()  # SIGKILL: no cleanup of ours runs; the connection closes with the process
+    doomed.wait()
+    result = wait_for(lambda: (lambda r: r if r.returncode != 75 else None)(
+        subprocess.run(argv, capture_output=True, text=True, timeout=240)), seconds=60, what="the lock to go")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_live_panes_pid_needs_proof_a_foreign_process_there_is_never_a_root():
+    """The state a real tmux shows only for an instant (a pane still open while its pid was reaped
+    and reused) is written here as tmux's answer; the processes are real."""
+    from dflash_ops.remote import procs
+
+    marker = b"DFLASH_OPS_JOB=t/job"
+    foreign = subprocess.Popen(["sleep", "60"])
+    marked = subprocess.Popen(["sleep", "60"], env={**os.environ, "DFLASH_OPS_JOB": "t/job"})
+    try:
+        time.sleep(0.2)
+        table = procs.process_table()
+        started = procs.started_at(table, foreign.pid, procs.boot_time())
+        answer = "\n".join([
+            f"{foreign.pid}\t0\t\t{int(started) - 600}",  # alive per tmux, but started long after the session
+            f"{marked.pid}\t0\t\t{int(started) - 600}",  # the same, carrying the job's marker: the job's
+            f"{foreign.pid}\t1\t0\t{int(started)}",  # dead: never a root, whenever it started
+            "garbage\tline", "12x\t0\t\t1",
+        ])
+        panes = procs.parse_panes(answer)
+        assert [p["pid"] for p in panes] == [foreign.pid, marked.pid, foreign.pid]
+        assert procs.owned_pane_roots(panes, table, marker) == [marked.pid]
+        assert foreign.pid not in procs.job_pids(panes, table, marker)
+        fresh = procs.parse_panes(f"{foreign.pid}\t0\t\t{int(started)}")  # forked with its session: the job's
+        assert procs.owned_pane_roots(fresh, table, marker) == [foreign.pid]
+        assert len(procs.parse_panes("1\t0\n" * 1000)) == procs.MAX_PANES
+    finally:
+        for proc in (foreign, marked):
+            proc.kill()
+            proc.wait()
