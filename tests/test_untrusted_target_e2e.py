@@ -110,7 +110,11 @@ def test_a_foreign_process_on_a_dead_panes_pid_is_never_the_jobs(pct_target, cle
     cleanup(target)
     assert ops.run_playbook(target, "relaunch", quick()).ok
     wait_for(lambda: job_state(target)["state"] == "finished", what="the run to finish")
-    pane = wait_for(lambda: _dead(target), what="tmux to reap the pane")
+    seen: list = []
+    try:
+        pane = wait_for(lambda: _dead(target, seen), seconds=60, what="tmux to reap the pane")
+    except AssertionError:
+        raise AssertionError(f"the pane never became dead and reaped: {seen[-3:]}") from None
     foreign = foreign_on_pid(target, pane)
     kept = checkpoints(target, 1)
     try:
@@ -134,13 +138,16 @@ def test_a_foreign_process_on_a_dead_panes_pid_is_never_the_jobs(pct_target, cle
     assert alive(bystander.pid)
 
 
-def _dead(target):
+def _dead(target, seen: list):
     try:
         pid = dead_pane_pid(target)
-    except AssertionError:
+    except AssertionError as exc:
+        seen.append(str(exc))
         return None
     # reaped: nothing (not even a zombie) holds the pid any more
-    return pid if not in_ct(target, f"test -e /proc/{pid}").ok else None
+    holder = in_ct(target, f"cat /proc/{pid}/stat 2>/dev/null; true").stdout.strip()
+    seen.append(holder)
+    return pid if not holder else None
 
 
 # helpers for the CLI runs --------------------------------------------------------------------------
