@@ -462,3 +462,15 @@ def test_a_live_panes_pid_needs_proof_a_foreign_process_there_is_never_a_root():
         for proc in (foreign, marked):
             proc.kill()
             proc.wait()
+
+
+def test_metrics_records_of_the_wrong_types_read_as_absent():
+    from dflash_ops import logs
+
+    records = [{"v": 1, "event": "start", "time": "soon", "total_steps": "many"},
+               {"v": 1, "event": "step", "time": 5.0, "step": 3, "total_steps": 9},
+               {"v": 1, "event": "step", "time": [], "step": "four", "total_steps": None, "loss": "low"},
+               {"v": 1, "event": "done", "time": {}, "reason": "max_steps"}]
+    progress = logs.progress(records)
+    assert (progress.step, progress.total_steps, progress.loss, progress.start_time) == (None, None, None, None)
+    assert progress.done_reason == "max_steps" and logs.step_rate(records) is None
