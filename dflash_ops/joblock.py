@@ -42,11 +42,17 @@ def describe_holder(line: str) -> str:
 
 @contextlib.contextmanager
 def held(transport, target: Target, command: str) -> Iterator[None]:
-    """Hold the job's lock while the block runs; JobBusy when another command holds it."""
+    """Hold the job's lock while the block runs; JobBusy when another command holds it. A target
+    that cannot be reached at all is left to the command's own steps, which say so in their
+    words (preflight: "check 'reachable' … nothing was stopped") and can do nothing there either."""
     script = shell_command(
         "job_lock.sh", jobpaths.lock_file(target.job), holder_line(command), str(MAX_HOLD_S)
     )
-    with transport.hold(script, step="lock") as answer:
+    with contextlib.ExitStack() as stack:
+        try:
+            answer = stack.enter_context(transport.hold(script, step="lock"))
+        except TransportError:
+            answer = ""
         word, _, rest = answer.partition(" ")
         if word == "busy":
             raise JobBusy(
@@ -56,16 +62,14 @@ def held(transport, target: Target, command: str) -> Iterator[None]:
             )
         if word == "error":
             raise JobBusy(target.name, f"cannot take the job's lock: {_printable(rest)}")
-        if word != "locked":
-            _unreachable_or_fail(transport, target)
+        if word != "locked" and _reachable(transport):
+            raise JobBusy(target.name, "cannot take the job's lock: the lock script gave no answer")
         yield
 
 
-def _unreachable_or_fail(transport, target: Target) -> None:
-    """The lock script gave no answer. A target that cannot run anything (a stopped container) is
-    left to the command's own steps, which say so in their words; anything else is a failure."""
+def _reachable(transport) -> bool:
     try:
         transport.run("true", timeout=30, step="lock")
     except TransportError:
-        return
-    raise JobBusy(target.name, "cannot take the job's lock: the lock script gave no answer")
+        return False
+    return True
