@@ -400,22 +400,26 @@ def mark_stopped(ctx: StepContext) -> StepOutcome:
         clock, kind, previous = jobstate.parse_read(result.stdout)
     except ValueError as exc:
         raise _fail(ctx, f"the stop could not be recorded: {exc}") from None
-    unrecorded = (
-        f"the stop could not be recorded: {path} is not a regular file; until it is one (or removed), "
-        "health cannot tell this stop from a crash: it answers UNKNOWN and --auto-relaunch relaunches nothing"
-    )
+
+    def unrecorded(why: str) -> StepFailed:
+        return _fail(
+            ctx,
+            f"the stop could not be recorded: {why}; until it is, health cannot tell this stop from "
+            "a crash: it answers UNKNOWN and --auto-relaunch relaunches nothing",
+        )
+
     if kind != jobstate.FILE and kind != jobstate.ABSENT:
-        raise _fail(ctx, unrecorded)
+        raise unrecorded(f"{path} is not a regular file (remove it, or stop again once it is one)")
     wanted = jobstate.encode(jobstate.stopped(previous, clock))
     ctx.run(quote_argv(["mkdir", "-p", ctx.job.workdir]), timeout=30)
     try:
         ctx.put(wanted, path)
     except DflashOpsError as exc:
-        raise _fail(ctx, f"{unrecorded} ({str(exc).splitlines()[-1].strip()})") from None
+        raise unrecorded(f"writing {path} failed ({str(exc).splitlines()[-1].strip()})") from None
     # read back: the stop counts only once the file says so
     written = ctx.run(jobstate.read_command(ctx.job), timeout=30, check=False)
     if written is not None and written.stdout.encode() != wanted:
-        raise _fail(ctx, unrecorded)
+        raise unrecorded(f"{path} does not hold what was written")
     return StepOutcome(f"job state: stopped by {jobstate.STOPPED_BY}")
 
 
