@@ -33,7 +33,9 @@ def _shell_checks(job, need_release: bool, import_torch: bool) -> str:
     """One round trip (remote/preflight.sh); prints `name=value` lines (the checks are read in Python)."""
     release = [jobpaths.current_release(job) + "/trainer/__init__.py"] if need_release else []
     torch_check = IMPORT_TORCH if import_torch else FIND_TORCH
-    return shell_command("preflight.sh", job.workdir, job.python, torch_check, *release)
+    return shell_command(
+        "preflight.sh", job.workdir, job.python, torch_check, jobpaths.state_file(job), *release
+    )
 
 
 def _answers(stdout: str) -> dict[str, str]:
@@ -98,6 +100,12 @@ def preflight(
         )
     if found.get("release") == "unwritable":
         raise _fail(ctx, f"check 'release': cannot write {job.workdir} to deploy the trainer" + untouched)
+    if found.get("state") == "not-a-file":
+        raise _fail(
+            ctx,
+            f"check 'job state': {jobpaths.state_file(job)} is not a regular file, so the launch "
+            "could not record its state; remove it" + untouched,
+        )
     free_kib = found.get("free_kib") or ""
     free_gib = int(free_kib) / 2**20 if free_kib.isdigit() else 0.0
     if free_gib < min_free_gib:

@@ -25,8 +25,8 @@ def unusable_state(report, job) -> str | None:
     if report.job_state_error is None:
         return None
     return (
-        f"job state {jobpaths.state_file(job)} is unusable ({report.job_state_error}): a stop cannot "
-        "be told from a crash, so nothing is relaunched; fix or remove the file (a relaunch rewrites it)"
+        f"job state {jobpaths.state_file(job)} is unusable ({report.job_state_error}): a stop cannot be "
+        "told from a crash, so nothing is relaunched; fix or remove it (a relaunch rewrites a damaged file)"
     )
 
 

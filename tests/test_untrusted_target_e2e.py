@@ -333,6 +333,9 @@ def test_a_stop_that_cannot_be_recorded_fails_loudly_and_is_never_undone(pct_tar
     assert code == 3 and out.startswith(f"DFLASH UNKNOWN: {target.name}: job state {state} is unusable "
                                         "(not a regular file)"), (out, err)
     assert "auto-relaunch" not in out and no_session(target), out
+    code, out, err = cli("relaunch", "--timeout", "30", inventory=inventory)  # never launched unrecorded
+    assert code == 1 and f"check 'job state': {state} is not a regular file" in err, (out, err)
+    assert "nothing was stopped" in err and no_session(target) and list(state.iterdir()) == []
     assert checkpoints(target, 1) and alive(bystander.pid)
 
 

@@ -91,5 +91,5 @@ pid=$(tmux -L "$socket" list-panes -s -t "$target:" -F "#{pane_pid}" 2>/dev/null
 state=$(fill "$running_state")
 state=${state//@pid@/${pid:-0}}
 state=${state//@now@/$(date +%s)}
-printf "%s\n" "$state" >"$state_file.tmp.$$" && mv -f "$state_file.tmp.$$" "$state_file"
+printf "%s\n" "$state" >"$state_file.tmp.$$" && mv -f -T "$state_file.tmp.$$" "$state_file"
 echo "$log"
