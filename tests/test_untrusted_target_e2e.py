@@ -127,6 +127,8 @@ def test_a_foreign_process_on_a_dead_panes_pid_is_never_the_jobs(pct_target, cle
         assert alive_in(target, foreign), "stop signalled a foreign process that took the dead pane's pid"
 
         assert ops.run_playbook(target, "purge-cache").ok  # never "the job is running (pids <foreign>)"
+        cleaned = ops.run_playbook(target, "gpu-clean", {"gpu_free_timeout": 5.0})
+        assert cleaned.ok and str(foreign) not in cleaned.summary(), cleaned.summary()
         relaunched = ops.run_playbook(finite(target, 400), "relaunch", quick())
         assert relaunched.ok, relaunched.summary()
         assert alive_in(target, foreign)
@@ -477,3 +479,11 @@ def test_metrics_records_of_the_wrong_types_read_as_absent():
     progress = logs.progress(records)
     assert (progress.step, progress.total_steps, progress.loss, progress.start_time) == (None, None, None, None)
     assert progress.done_reason == "max_steps" and logs.step_rate(records) is None
+
+
+def test_an_unreachable_target_is_left_to_the_preflight_not_the_lock(silent_server, ssh_target):
+    target = dataclasses.replace(ssh_target, ssh=dataclasses.replace(ssh_target.ssh, port=silent_server,
+                                                                     connect_timeout_s=1.0))
+    result = ops.run_playbook(target, "relaunch", quick())
+    assert result.failed.step == "preflight" and "check 'reachable'" in result.failed.message
+    assert "nothing was stopped" in result.failed.message
