@@ -323,18 +323,18 @@ def purge_cache(ctx: StepContext, paths: list[str], if_unmarked: str) -> StepOut
     (if_unmarked: "fail" or "skip" a dir without it); refuses while any job process lives."""
     if if_unmarked not in ("fail", "skip"):
         raise _fail(ctx, f"if_unmarked must be fail or skip, not {if_unmarked!r}")
-    real = {}
     for path in paths:
         _check_purgeable(ctx, path)
-        real[path], why = resolve_cache(ctx, path)
+        real, why = resolve_cache(ctx, path)  # what the path really is on the target
         if why is not None:
             raise _fail(ctx, f"refusing to purge: {why}")
+        if real:
+            _check_purgeable(ctx, real)  # /tmp through a symlink is /tmp
     refuse_while_job_lives(ctx, "stop it first (dflash-ops stop)")
     done, skipped = [], []
     for path in paths:
-        where = real[path] or path  # what the path really is on the target
-        marker = posixpath.join(where, jobpaths.CACHE_MARKER)
-        result = ctx.run(shell_command("purge_cache.sh", where, marker), timeout=300)
+        marker = posixpath.join(path, jobpaths.CACHE_MARKER)
+        result = ctx.run(shell_command("purge_cache.sh", path, marker), timeout=300)
         answer = result.stdout.strip() if result is not None else "purged"
         if answer == "unmarked":
             if if_unmarked == "fail":
