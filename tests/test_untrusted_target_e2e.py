@@ -23,10 +23,10 @@ from dflash_ops import jobpaths, ops
 from dflash_ops.cli import main as cli_main
 
 try:
-    from tests.test_ops_e2e import cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
+    from tests.test_ops_e2e import STANDIN, cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
     from tests.test_unattended_e2e import alive, bystander, checkpoints, finite, job_state, wait_for  # noqa: F401
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from test_ops_e2e import cleanup, quick, standin, step  # noqa: F401
+    from test_ops_e2e import STANDIN, cleanup, quick, standin, step  # noqa: F401
     from test_unattended_e2e import alive, bystander, checkpoints, finite, job_state, wait_for  # noqa: F401
 
 # Run in the container: fork until a child gets pid WANT (ns_last_pid says which pid comes next in
@@ -392,7 +392,11 @@ def test_progress_counts_only_records_of_the_trainer_the_launch_started(pct_targ
 # the job's lock -----------------------------------------------------------------------------------
 
 def test_two_relaunches_at_once_one_says_who_runs_and_touches_nothing(pct_target, cleanup, bystander, tmp_path):
+    slow = tmp_path / "slow-trainer"  # the trainer starts 10 s late: the first relaunch holds the lock meanwhile
+    slow.write_text(f'#!/bin/bash\ncase " $* " in *" -m trainer "*) sleep 10 ;; esac\nexec {STANDIN} "$@"\n')
+    slow.chmod(0o755)
     target = named(standin(pct_target))
+    target = dataclasses.replace(target, job=dataclasses.replace(target.job, python=str(slow)))
     cleanup(target)
     inventory = inventory_of(target, tmp_path / "inv.json")
     argv = [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "relaunch", "-t", target.name,
