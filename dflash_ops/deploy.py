@@ -116,7 +116,7 @@ def parse_list(stdout: str) -> list[Release]:
     releases = []
     for line in stdout.splitlines():
         parts = line.split()
-        if len(parts) == 3 and parts[1].isdigit():
+        if len(parts) == 3 and parts[1].isdigit() and len(parts[1]) <= 11:  # unix seconds
             releases.append(Release(parts[0], float(parts[1]), parts[2] == "1"))
     return releases
 

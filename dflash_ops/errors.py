@@ -66,3 +66,14 @@ class RemoteCommandError(DflashOpsError):
         if tail:
             msg += "\n  remote stderr: " + tail.replace("\n", "\n  ")
         super().__init__(msg)
+
+
+class JobBusy(DflashOpsError):
+    """Another dflash-ops command holds the job's lock on the target (or no lock could be taken);
+    nothing was done. Exit code 75 (EX_TEMPFAIL): try again later."""
+
+    exit_code = 75
+
+    def __init__(self, target: str, reason: str):
+        self.target, self.reason = target, reason
+        super().__init__(reason)

@@ -78,6 +78,9 @@ def evaluate(report, job: Job, now: float | None = None) -> Verdict:
     finished = progress.done_reason == "max_steps"
     age = progress_age(report, progress, now)
     accept = acceptance.latest(list(report.records))
+    unusable = unattended.unusable_state(report, job)
+    if unusable and not report.session.running:  # maybe an operator's stop: never CRITICAL
+        return Verdict("UNKNOWN", (unusable,), _with_tau(_perfdata(progress, age, {}, job), accept, job))
     parked = unattended.parked(report, progress)
     if parked:  # an operator's stop or a finished run: like scheduled downtime, nothing to alert on
         return Verdict("OK", (parked,), _with_tau(_perfdata(progress, age, {}, job), accept, job))
@@ -95,6 +98,7 @@ def evaluate(report, job: Job, now: float | None = None) -> Verdict:
     # a part of the probe that failed (an unreadable log, say) leaves a blind spot: say so
     warning += [f"probe could not read part of the target: {error}" for error in report.errors]
     warning += unattended.warnings(report, job)
+    warning += [unusable] if unusable else []
     level = "CRITICAL" if critical else "WARNING" if warning else "OK"
     reasons = critical + warning or [_ok_summary(progress, age, finished)]
     return Verdict(level, tuple(reasons), _with_tau(_perfdata(progress, age, drafter_util, job), accept, job))

@@ -9,7 +9,7 @@ import posixpath
 import shutil
 from importlib.util import find_spec
 
-from . import jobpaths
+from . import cache_guard
 from .errors import InputError
 from .inventory_layers import Fields, Lines, Where
 from .inventory_rules import REMOTE_PATH_EXAMPLES, TORCHRUN_FIELDS, show, with_article
@@ -216,29 +216,8 @@ class TargetBuilder:
 
     def check_cache_dir(self, workdir: str, log_dir: str, cache_dir: str, python: str = "") -> None:
         # The cache dir is deleted by purge-cache and on every relaunch: it must never hold, or sit
-        # inside, the job's code, runs, logs or python. Paths are compared after normalising `..`.
-        cache = posixpath.normpath(cache_dir)
-        fix = f"use a directory of its own, e.g. {posixpath.join(workdir, 'cache')}"
-        if cache.count("/") < 2:
-            raise self.fail("job.cache_dir", f"{cache_dir!r} is too close to '/' to be purged safely; {fix}")
-        owned = [(workdir, "workdir", False), (log_dir, "log_dir", True)]
-        owned += [(path, what, True) for path, what in jobpaths.owned_by_the_job(workdir)]
-        if python.startswith("/"):
-            prefix = posixpath.dirname(posixpath.dirname(posixpath.normpath(python)))  # <prefix>/bin/python
-            owned += [
-                (prefix, "python prefix", False),
-                (posixpath.join(prefix, "bin"), "python's bin", True),
-                (posixpath.join(prefix, "lib"), "python's lib", True),
-            ]
-        for other, label, not_inside in owned:
-            other = posixpath.normpath(other)
-            if other == cache or other.startswith(cache + "/"):
-                raise self.fail(
-                    "job.cache_dir",
-                    f"{cache_dir!r} contains the {label} ({other}) and is purged on relaunch; {fix}",
-                )
-            if not_inside and cache.startswith(other + "/"):
-                raise self.fail(
-                    "job.cache_dir",
-                    f"{cache_dir!r} lies inside the {label} ({other}) and is purged on relaunch; {fix}",
-                )
+        # inside, the job's code, runs, logs or python (cache_guard; checked again on the target).
+        why = cache_guard.problem(cache_dir, cache_guard.owned_paths(workdir, log_dir, python))
+        if why is not None:
+            fix = f"use a directory of its own, e.g. {posixpath.join(workdir, 'cache')}"
+            raise self.fail("job.cache_dir", f"{cache_dir!r} {why} and is purged on relaunch; {fix}")

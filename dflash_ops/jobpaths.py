@@ -51,6 +51,11 @@ def owned_by_the_job(workdir: str) -> list[tuple[str, str]]:
     ]
 
 
+def lock_file(job: Job) -> str:
+    """Held (flock) on the target by the one dflash-ops command acting on the job (joblock.py)."""
+    return posixpath.join(job.workdir, ".dflash-ops.lock")
+
+
 def state_file(job: Job) -> str:
     """The job state (running / stopped / finished) that dflash-ops writes next to the job."""
     return posixpath.join(job.workdir, "job-state.json")

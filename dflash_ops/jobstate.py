@@ -7,19 +7,41 @@
 Every write is a whole new file renamed into place, so a reader never sees half a state. status,
 health and tail-log follow the run and log named here, never "the newest file"; an operator's stop
 is a decision that health reports as OK and never undoes.
+
+What is read back is data from the target: a reader takes at most MAX_BYTES, and a field of the
+wrong type or out of range reads as absent (a `when` of "$(…)" or 1e308 is an unknown time).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shlex
 
 from . import jobpaths
 from .model import Job
+from .remote import facts
 
 RUNNING, STOPPED, FINISHED = "running", "stopped", "finished"
 STOPPED_BY = "dflash-ops stop"
+MAX_BYTES = facts.STATE_MAX_BYTES  # a reader takes no more (a runaway file is damage)
+_MAX_TEXT = 4096  # a path or a name
+_MAX_TIME = 2.0**33  # unix seconds (year 2242): any later `when` is damage, not a time
+
+
+def _text(value) -> str | None:
+    return value if isinstance(value, str) and 0 < len(value) <= _MAX_TEXT and "\0" not in value else None
+
+
+def _count(value, most: int) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most else None
+
+
+def _time(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and 0 <= value <= _MAX_TIME else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,31 +57,72 @@ class JobState:
 
     @classmethod
     def from_dict(cls, data) -> "JobState | None":
-        """None for anything that is not a state record (absent, foreign or damaged file)."""
+        """None for anything that is not a state record (absent, foreign or damaged file); a field
+        of the wrong type or out of range is left out."""
         if not isinstance(data, dict) or data.get("state") not in (RUNNING, STOPPED, FINISHED):
             return None
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        get = data.get
+        return cls(
+            state=data["state"],
+            run=_count(get("run"), 10**9),
+            run_dir=_text(get("run_dir")),
+            log=_text(get("log")),
+            pid=_count(get("pid"), 2**31),
+            since=_time(get("since")),
+            when=_time(get("when")),
+            by=_text(get("by")),
+        )
 
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-def parse(text: str) -> JobState | None:
+def load(text: str):
+    """The JSON value of a state file's text, or None when it is not JSON (cut short, nested past
+    Python's recursion limit, larger than MAX_BYTES)."""
+    if not isinstance(text, str) or len(text) > MAX_BYTES:
+        return None
     try:
-        return JobState.from_dict(json.loads(text))
-    except ValueError:
+        return json.loads(text)
+    except (ValueError, RecursionError):
         return None
 
 
+def parse(text: str) -> JobState | None:
+    return JobState.from_dict(load(text))
+
+
+def read_command(job: Job) -> str:
+    """Prints at most MAX_BYTES (+1, to see a larger file) of the state file; nothing when there
+    is none or it is not a regular file."""
+    path = shlex.quote(jobpaths.state_file(job))
+    return f"if [ -f {path} ]; then head -c {MAX_BYTES + 1} -- {path}; fi 2>/dev/null"
+
+
+# What read_script says about the file before its text: the path is a plain file, absent, or
+# something else (a directory, a socket) where no state can be written.
+FILE, ABSENT, NOT_A_FILE = "file", "absent", "not-a-file"
+
+
 def read_script(job: Job) -> str:
-    """Prints the target's clock (unix seconds), then the state file ("" when there is none)."""
-    return f"date +%s; cat {shlex.quote(jobpaths.state_file(job))} 2>/dev/null; true"
+    """Prints the target's clock (unix seconds), what the state path is (FILE, ABSENT,
+    NOT_A_FILE), then the state file's text (bounded)."""
+    path = shlex.quote(jobpaths.state_file(job))
+    kind = (
+        f"if [ -f {path} ]; then echo {FILE}; elif [ -e {path} ] || [ -L {path} ]; "
+        f"then echo {NOT_A_FILE}; else echo {ABSENT}; fi"
+    )
+    return f"date +%s; {kind}; {read_command(job)}; true"
 
 
-def parse_read(stdout: str) -> tuple[float, JobState | None]:
-    clock, _, text = stdout.partition("\n")
-    return float(clock.strip() or 0), parse(text)
+def parse_read(stdout: str) -> tuple[float, str, JobState | None]:
+    """(the target's clock, what the state path is, the state) from read_script's output."""
+    clock, _, rest = stdout.partition("\n")
+    kind, _, text = rest.partition("\n")
+    seconds = _time(float(clock)) if clock.strip().isdigit() else None
+    if seconds is None:
+        raise ValueError(f"the target's clock reads {clock.strip()[:40]!r}, not unix seconds")
+    return seconds, kind.strip(), parse(text)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,5 +96,6 @@ def launch_script(job: Job, resume: bool = True) -> str:
         running,
         finished,
         shell_code("pane.sh"),
+        f"{jobpaths.JOB_MARKER_ENV}={jobpaths.marker_value(job)}",
         *pane_args(job),
     )

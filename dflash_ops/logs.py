@@ -236,14 +236,19 @@ def step_rate(records: list[dict], window: int = 10) -> float | None:
     if len(steps) < 2:
         return None
     first, last = steps[0], steps[-1]
-    seconds = float(last.get("time", 0)) - float(first.get("time", 0))
-    if seconds <= 0:
+    began, ended = _number(first.get("time")), _number(last.get("time"))
+    if began is None or ended is None or not ended > began:
         return None
-    return (float(last["step"]) - float(first["step"])) / seconds
+    return (float(last["step"]) - float(first["step"])) / (ended - began)  # step_records: numbers
 
 
 def _number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _whole(value) -> int | None:
+    number = _number(value)
+    return int(number) if number is not None and math.isfinite(number) else None
 
 
 def progress(records: list[dict]) -> Progress:
@@ -253,13 +258,12 @@ def progress(records: list[dict]) -> Progress:
         records = records[records.index(start) :]
     last = metrics_format.last_of(records, "step")
     done = metrics_format.last_of(records, "done")
-    total = None
-    if last is not None and last.get("total_steps") is not None:
-        total = int(last["total_steps"])
-    elif start is not None and start.get("total_steps") is not None:
-        total = int(start["total_steps"])
+    # records come from a file on the target: a count that is not one reads as absent
+    total = _whole((last or {}).get("total_steps"))
+    if total is None:
+        total = _whole((start or {}).get("total_steps"))
     return Progress(
-        step=int(last["step"]) if last else None,
+        step=_whole(last.get("step")) if last else None,
         total_steps=total,
         loss=_number(last.get("loss")) if last else None,
         tokens_per_s=recent_tokens_per_s(records),
@@ -269,6 +273,6 @@ def progress(records: list[dict]) -> Progress:
         start_time=_number(start.get("time")) if start else None,
         steps_per_s=step_rate(records),
         done_reason=str(done.get("reason"))
-        if done and (last is None or done.get("time", 0) >= last.get("time", 0))
+        if done and (last is None or (_number(done.get("time")) or 0) >= (_number(last.get("time")) or 0))
         else None,
     )

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import re
 import shlex
 import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from . import budget, health, jobpaths, jobstate, status as status_lib
-from .errors import ContainerNotRunning, DflashOpsError, InputError, RemoteCommandError
+from . import budget, health, joblock, jobpaths, jobstate, status as status_lib
+from .errors import ContainerNotRunning, DflashOpsError, InputError, JobBusy, RemoteCommandError
 from .model import Target
 from .probe import run_probe
 from .relaunch_guard import RelaunchGuard
@@ -69,17 +70,23 @@ def run_playbook(
     dry_run: bool = False,
     on_progress: Callable | None = None,
     search_dirs=None,
+    on_locked: Callable[[], None] | None = None,
 ) -> playbook.PlaybookResult:
-    """Load, validate (before touching anything) and run one playbook on one target."""
+    """Load, validate (before touching anything) and run one playbook on one target, holding the
+    job's lock on the target throughout (JobBusy when another command holds it; `on_locked` runs
+    once it is ours). A dry run takes no lock: it touches nothing."""
     from . import playbook, steps
 
     book = load_book(name, search_dirs, options).playbook
     given = {k: v for k, v in (options or {}).items() if v is not None}
     with connect(target) as transport:
         ctx = playbook.StepContext(target=target, transport=transport)
-        return playbook.run_playbook(
-            book, steps.registry, ctx, dry_run=dry_run, on_progress=on_progress, options=given
-        )
+        with contextlib.nullcontext() if dry_run else joblock.held(transport, target, name):
+            if on_locked is not None:
+                on_locked()
+            return playbook.run_playbook(
+                book, steps.registry, ctx, dry_run=dry_run, on_progress=on_progress, options=given
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +149,16 @@ def check(target: Target, now: float | None = None, timeout_s: float | None = No
     )
 
 
+def checked_outcome(outcome) -> Checked:
+    """A fan-out's Checked for one target; a check that raised reads as UNKNOWN with its error
+    (one line), never as a missing answer."""
+    if outcome.error is None:
+        return outcome.value
+    error = outcome.error
+    first = (str(error).splitlines() or [""])[0][:300]
+    return _unknown(outcome.target, f"the check itself failed ({type(error).__name__}: {first})")
+
+
 def _unknown(target: Target, reason: str) -> Checked:
     verdict = health.unknown(reason)
     return Checked(target, verdict, status_lib.build_status(target.name, None, target.job, verdict))
@@ -187,9 +204,13 @@ def auto_relaunch(target: Target, checked: Checked, search_dirs=None) -> HealthA
     with guard.hold() as allowed:
         if allowed is not True:
             return HealthAction(False, f"auto-relaunch skipped: {allowed}")
-        guard.record()
         loaded = load_book("relaunch", search_dirs)
-        result = run_playbook(target, "relaunch", search_dirs=search_dirs)
+        try:  # an attempt counts against the hourly budget once it holds the job's lock
+            result = run_playbook(target, "relaunch", search_dirs=search_dirs, on_locked=guard.record)
+        except JobBusy as exc:
+            return HealthAction(False, f"auto-relaunch skipped: {exc.reason}")
+        except DflashOpsError as exc:
+            return HealthAction(True, f"auto-relaunch FAILED: {str(exc).splitlines()[0]}")
     outcome = "succeeded" if result.ok else "FAILED: " + result.summary()
     return HealthAction(True, f"auto-relaunch {outcome} ({loaded.describe()})", result)
 
@@ -217,7 +238,8 @@ def require_kept_release(target: Target, release: str) -> None:
 
 # ------------------------------------------------------------------ logs
 
-LIST_LOGS = "ls -1 {dir} 2>/dev/null | tr '\\n' /; echo"  # names on one line; facts.newest_log_name picks
+# names on one line (at most 4 MiB of them); facts.newest_log_name picks
+LIST_LOGS = "ls -1 {dir} 2>/dev/null | head -c 4194304 | tr '\\n' /; echo"
 
 
 # --grep filters here (Python regex), over at most this many of the newest lines, so a log of a
@@ -241,12 +263,24 @@ def newest_log(transport, target: Target) -> str:
 
 def job_log(transport, target: Target) -> str:
     """The log of the run the job state names (never merely the newest file); the newest
-    train-NNNN.log only for a job launched before there was a job state."""
-    q = shlex.quote
-    out = transport.check(
-        f"cat {q(jobpaths.state_file(target.job))} 2>/dev/null || true", timeout=30, step="find the job's log"
-    ).stdout
-    state = jobstate.parse(out.strip())
+    train-NNNN.log only for a job launched before there was a job state. A state file that cannot
+    be read as one is refused (one line), never guessed past."""
+    path = jobpaths.state_file(target.job)
+    out = transport.check(jobstate.read_script(target.job), timeout=30, step="find the job's log").stdout
+    _, kind, text = (out.split("\n", 2) + ["", ""])[:3]
+    state, named = jobstate.parse(text), jobstate.load(text)
+    why = None
+    if kind.strip() == jobstate.NOT_A_FILE:
+        why = "is not a regular file"
+    elif text.strip() and state is None:
+        why = f"holds no dflash-ops job state (damaged, or larger than {jobstate.MAX_BYTES} bytes)"
+    elif isinstance(named, dict) and named.get("log") is not None and state is not None and state.log is None:
+        why = f"names a log that is not a path ({json.dumps(named['log'])[:60]})"
+    if why is not None:
+        raise DflashOpsError(
+            f"[{target.name}] job state {path} {why}; pass --log PATH to read a log "
+            "(the next relaunch rewrites the state)"
+        )
     if state is None or not state.log:
         return newest_log(transport, target)
     if not transport.run(quote_argv(["test", "-e", state.log]), timeout=30, step="find the job's log").ok:
@@ -283,8 +317,7 @@ def _read_from(
     current log is the one the job state names; the newest train-NNNN.log only without a state."""
     log_dir = shlex.quote(target.job.log_dir)
     current = (
-        f"tr '\\n' ' ' 2>/dev/null < {shlex.quote(jobpaths.state_file(target.job))}; echo; "
-        f"{LIST_LOGS.format(dir=log_dir)}; "
+        f"{{ {jobstate.read_command(target.job)}; }} | tr '\\n' ' '; echo; {LIST_LOGS.format(dir=log_dir)}; "
         if follow_job
         else "echo; echo; "
     )
@@ -298,9 +331,17 @@ def _read_from(
     size_line, _, chunk = rest.partition("\n")
     state = jobstate.parse(state_line.strip())
     if state is not None and state.log:
-        return state.log, int(size_line), chunk
+        return state.log, _size(target, size_line), chunk
     newest = facts.newest_log_name(newest.strip().split("/"))
-    return (f"{target.job.log_dir.rstrip('/')}/{newest}" if newest else None), int(size_line), chunk
+    newest_path = f"{target.job.log_dir.rstrip('/')}/{newest}" if newest else None
+    return newest_path, _size(target, size_line), chunk
+
+
+def _size(target: Target, line: str) -> int:
+    """A file size the log scripts printed; anything else is a failure in one line."""
+    if not line.strip().isdigit():
+        raise DflashOpsError(f"[{target.name}] read log: expected the log's size, got {line.strip()[:80]!r}")
+    return int(line)
 
 
 def tail_log(
@@ -334,7 +375,7 @@ def tail_log(
         if not first.ok:
             raise RemoteCommandError(target.name, "read log", first)
         size_line, _, text = first.stdout.partition("\n")
-        offset = int(size_line)
+        offset = _size(target, size_line)
         for line in _filter(text.splitlines(), pattern)[-lines:]:
             emit(line)
         partial = ""

@@ -16,6 +16,7 @@ from .steps import (
     job_processes,
     refuse_while_job_lives,
     registry,
+    resolve_cache,
     surely_foreign,
 )
 
@@ -32,7 +33,9 @@ def _shell_checks(job, need_release: bool, import_torch: bool) -> str:
     """One round trip (remote/preflight.sh); prints `name=value` lines (the checks are read in Python)."""
     release = [jobpaths.current_release(job) + "/trainer/__init__.py"] if need_release else []
     torch_check = IMPORT_TORCH if import_torch else FIND_TORCH
-    return shell_command("preflight.sh", job.workdir, job.python, torch_check, *release)
+    return shell_command(
+        "preflight.sh", job.workdir, job.python, torch_check, jobpaths.state_file(job), *release
+    )
 
 
 def _answers(stdout: str) -> dict[str, str]:
@@ -97,13 +100,23 @@ def preflight(
         )
     if found.get("release") == "unwritable":
         raise _fail(ctx, f"check 'release': cannot write {job.workdir} to deploy the trainer" + untouched)
-    free_gib = int(found.get("free_kib") or 0) / 2**20
+    if found.get("state") == "not-a-file":
+        raise _fail(
+            ctx,
+            f"check 'job state': {jobpaths.state_file(job)} is not a regular file, so the launch "
+            "could not record its state; remove it" + untouched,
+        )
+    free_kib = found.get("free_kib") or ""
+    free_gib = int(free_kib) / 2**20 if free_kib.isdigit() else 0.0
     if free_gib < min_free_gib:
         raise _fail(
             ctx,
             f"check 'disk': {free_gib:.1f} GiB free under {job.workdir}, checkpoints need "
             f"{min_free_gib:g} GiB" + untouched,
         )
+    _, why = resolve_cache(ctx, job.cache_dir)  # purged and marked by this relaunch: never the job's own
+    if why is not None:
+        raise _fail(ctx, f"check 'cache': {why}" + untouched)
     said = [f"torch {found.get('torch', '?')}", f"{free_gib:.0f} GiB free"]
     if gpus:
         try:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from trainer import metrics_format
 
-from . import acceptance, jobpaths
+from . import acceptance, jobpaths, jobstate
 from .errors import DflashOpsError, RemoteCommandError
 from .gpu import HOST_GPU_QUERY_ARGV, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
 from .model import Job
@@ -76,7 +76,8 @@ class ProbeReport:
     records: tuple[dict, ...]  # parsed metrics records, oldest first (the start record included)
     errors: tuple[str, ...] = ()  # probe sections that failed
     out_of_time: tuple[str, ...] = ()  # parts ("gpu", "session") that ran out of their time
-    job_state: dict | None = None  # what dflash-ops recorded on the target (see jobstate)
+    job_state: dict | None = None  # what dflash-ops recorded on the target (see jobstate), checked
+    job_state_error: str | None = None  # the state file exists but holds no usable state: why
     log_missing: str | None = None  # the job state's log, when it no longer exists
     marked_pids: tuple[int, ...] = ()  # processes carrying the launcher's marker
     gpu_pids_visible: tuple[int, ...] = ()  # GPU process pids that exist where the probe ran
@@ -227,7 +228,7 @@ def _json_object(stdout: str) -> dict | None:
     for text in candidates:
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(value, dict):
             return value
@@ -246,9 +247,9 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
             socket=str(session.get("socket", "")),
             exists=bool(session.get("exists")),
             running=bool(session.get("running")),
-            pane_pid=session.get("pane_pid"),
-            exit_status=session.get("exit_status"),
-            error=session.get("error"),
+            pane_pid=_whole(session.get("pane_pid")),
+            exit_status=_whole(session.get("exit_status"), signed=True),
+            error=None if session.get("error") is None else str(session.get("error"))[:500],
         )
         processes = tuple(
             ProcessInfo(
@@ -259,11 +260,15 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
         log = _tail(data.get("log"))
         metrics = _tail(data.get("metrics"))
         eval_lines = [str(line) for line in (data.get("metrics") or {}).get("eval_lines") or []]
-    except (KeyError, TypeError, ValueError) as e:
+        clock = float(data["time"])
+        marked = tuple(int(p) for p in data.get("marked_pids") or [])
+        visible = tuple(int(p) for p in data.get("gpu_pids_visible") or [])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ProbeError(f"[{target}] probe: malformed answer ({type(e).__name__}: {e})") from e
+    state_record = jobstate.JobState.from_dict(data.get("job_state"))
     return ProbeReport(
         target=target,
-        time=float(data["time"]),
+        time=clock,
         hostname=str(data.get("hostname", "")),
         gpu=snapshot_from_probe(data.get("gpu")),
         session=state,
@@ -271,15 +276,42 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
         log_dir=str(data.get("log_dir", "")),
         log=log,
         metrics=metrics,
-        records=_records(metrics, eval_lines),
+        records=tuple(
+            metrics_format.current_run(list(_records(metrics, eval_lines)), _launched_at(state_record))
+        ),
         errors=tuple(str(e) for e in data.get("errors") or []),
         out_of_time=tuple(str(p) for p in data.get("out_of_time") or []),
-        job_state=data.get("job_state") if isinstance(data.get("job_state"), dict) else None,
+        job_state=state_record.to_dict() if state_record else None,
+        job_state_error=_state_error(data, state_record),
         log_missing=data.get("log_missing") or None,
-        marked_pids=tuple(int(p) for p in data.get("marked_pids") or []),
-        gpu_pids_visible=tuple(int(p) for p in data.get("gpu_pids_visible") or []),
+        marked_pids=marked,
+        gpu_pids_visible=visible,
         raw=data,
     )
+
+
+def _whole(value, signed: bool = False) -> int | None:
+    """An integer from the answer (a pid, an exit status), or None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if signed or value >= 0 else None
+
+
+def _launched_at(record) -> float | None:
+    """When the launch that wrote the job state began (target clock); its metrics file is read
+    from the start record of a trainer no older than that."""
+    return record.since if record is not None else None
+
+
+def _state_error(data: dict, record) -> str | None:
+    """What is wrong with the job state file: the probe's word for it, or (JSON that is no state
+    record) ours; None when it is absent or fine."""
+    error = data.get("job_state_error")
+    if error:
+        return str(error)[:200]
+    if record is None and data.get("job_state") is not None:
+        return "not a dflash-ops job state (no state running/stopped/finished)"
+    return None
 
 
 def _tail(value) -> FileTail | None:

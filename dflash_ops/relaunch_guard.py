@@ -39,10 +39,12 @@ class RelaunchGuard:
     def recent(self, now: float | None = None) -> list[float]:
         now = time.time() if now is None else now
         try:
-            stamps = json.loads(self.state_path.read_text()).get("relaunches", [])
-        except (OSError, ValueError):
-            stamps = []
-        return [t for t in stamps if now - t < WINDOW_S]
+            data = json.loads(self.state_path.read_text()[: 1 << 20])
+        except (OSError, ValueError, RecursionError):
+            data = None
+        stamps = data.get("relaunches") if isinstance(data, dict) else None
+        numbers = [t for t in stamps if isinstance(t, (int, float))] if isinstance(stamps, list) else []
+        return [t for t in numbers if now - t < WINDOW_S]
 
     def record(self, now: float | None = None) -> None:
         stamps = self.recent(now) + [time.time() if now is None else now]

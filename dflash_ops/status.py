@@ -67,6 +67,7 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
         "metrics": None,
         "data_source": None,
         "job_state": None,
+        "job_state_error": None,
         "log_missing": None,
         "training": {
             "step": None,
@@ -93,6 +94,7 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
         gpu_error=report.gpu.error,
         log=report.log.path if report.log else None,
         job_state=report.job_state,
+        job_state_error=report.job_state_error,
         log_missing=report.log_missing,
         metrics=report.metrics.path if report.metrics else None,
     )
@@ -240,6 +242,8 @@ def render_table(status: dict, color: bool = False) -> str:
     lines.append(f"session {s['name']} (tmux -L {s['socket']}): {state}")
     if status.get("job_state"):
         lines.append(describe_job_state(status["job_state"], status.get("log_missing")))
+    if status.get("job_state_error"):
+        lines.append(f"job state: unusable ({status['job_state_error']})")
     t = status["training"]
     step = "-" if t["step"] is None else str(t["step"]) + (f"/{t['total_steps']}" if t["total_steps"] else "")
     loss = "-" if t["loss"] is None else f"{t['loss']:.4f}"

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import posixpath
 import shlex
 import time
 from typing import Any
 
 from . import deploy as deploy_lib
-from . import jobpaths, jobstate, launch as launch_lib, tmux
-from .errors import StepFailed
+from . import cache_guard, jobpaths, jobstate, launch as launch_lib, tmux
+from .errors import DflashOpsError, StepFailed
 from .gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
 from .model import Job
 from .playbook import Param, StepContext, StepOutcome, StepRegistry
@@ -25,6 +26,7 @@ from .transport.base import quote_argv
 registry = StepRegistry()
 
 _JOBPROCS = "jobprocs.py"
+_JOBPROCS_LISTS = ("job", "unidentified", "exited_panes", "terminated", "killed", "survivors")
 GPU_QUERY = f"{quote_argv(facts.gpu_query_argv())} && echo @@ && {quote_argv(facts.apps_query_argv())}"
 
 
@@ -82,7 +84,15 @@ def job_processes(
     result = ctx.run(
         python_command(job.python, _JOBPROCS, args), timeout=grace_s + 60, stdin=bundle(_JOBPROCS)
     )
-    return None if result is None else json.loads(result.stdout)
+    if result is None:
+        return None
+    try:
+        report = json.loads(result.stdout)
+    except (ValueError, RecursionError):
+        report = None
+    if not isinstance(report, dict) or not all(isinstance(report.get(k), list) for k in _JOBPROCS_LISTS):
+        raise _fail(ctx, f"the process listing gave no readable answer: {result.stdout.strip()[:200]!r}")
+    return report
 
 
 def _name_of(process: dict) -> str:
@@ -273,6 +283,31 @@ def _check_purgeable(ctx: StepContext, path: str) -> None:
         )
 
 
+def resolve_cache(ctx: StepContext, path: str) -> tuple[str | None, str | None]:
+    """(the cache path as the target resolves it, why it may not be used as a cache or None):
+    the cache and the job's own places are resolved ON THE TARGET (realpath -m: symlinks followed,
+    missing parts allowed), then cache_guard's rule is applied to what they really are.
+    (None, None) under dry-run."""
+    job = ctx.job
+    owned = cache_guard.owned_paths(job.workdir, job.log_dir, job.python)
+    paths = [path] + [p for p, _, _ in owned]
+    result = ctx.run(quote_argv(["realpath", "-m", "-z", "--", *paths]), timeout=30)
+    if result is None:
+        return None, None
+    parts = result.stdout.split("\0")
+    if len(parts) != len(paths) + 1 or not all(p.startswith("/") for p in parts[:-1]):
+        return None, f"realpath on the target gave no answer for {path} ({result.stdout[:100]!r})"
+    resolved = parts[0]
+    why = cache_guard.problem(
+        resolved, [(parts[i + 1], what, inside) for i, (_, what, inside) in enumerate(owned)]
+    )
+    if why is None:
+        return resolved, None
+    field = "job.cache_dir" if path == job.cache_dir else "purge_cache path"
+    shown = path if resolved == path else f"{path} (on the target: {resolved})"
+    return resolved, f"{field} {shown} {why}; give the cache a directory of its own"
+
+
 def refuse_while_job_lives(ctx: StepContext, what: str) -> None:
     """Fail, naming pids, while any process of the job lives: its tmux tree or anything carrying
     the launcher's marker (an orphan of an earlier launch included)."""
@@ -290,6 +325,11 @@ def purge_cache(ctx: StepContext, paths: list[str], if_unmarked: str) -> StepOut
         raise _fail(ctx, f"if_unmarked must be fail or skip, not {if_unmarked!r}")
     for path in paths:
         _check_purgeable(ctx, path)
+        real, why = resolve_cache(ctx, path)  # what the path really is on the target
+        if why is not None:
+            raise _fail(ctx, f"refusing to purge: {why}")
+        if real:
+            _check_purgeable(ctx, real)  # /tmp through a symlink is /tmp
     refuse_while_job_lives(ctx, "stop it first (dflash-ops stop)")
     done, skipped = [], []
     for path in paths:
@@ -331,6 +371,9 @@ def launch(ctx: StepContext, session: str, cache_dir: str, resume: bool) -> Step
     """Start the trainer in a detached tmux session writing the next numbered log; the run is the
     newest unfinished one (resume) or a new one (after a finished run, or resume false: --fresh)."""
     job = dataclasses.replace(ctx.job, session=session, cache_dir=cache_dir)
+    _, why = resolve_cache(dataclasses.replace(ctx, job=job), cache_dir)
+    if why is not None:
+        raise _fail(ctx, f"refusing to launch: {why}")
     result = ctx.run(launch_lib.launch_script(job, resume=resume), timeout=60)
     if result is None:
         return StepOutcome(
@@ -338,35 +381,70 @@ def launch(ctx: StepContext, session: str, cache_dir: str, resume: bool) -> Step
             f"{shlex.join(launch_lib.trainer_argv(job, jobpaths.runs_dir(job) + '/NNNN'))}",
             data={"log": posixpath.join(job.log_dir, f"{facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX}")},
         )
-    log = result.stdout.strip().splitlines()[-1]
+    printed = result.stdout.strip().splitlines()
+    if not printed or not printed[-1].startswith("/"):
+        raise _fail(ctx, f"the launch printed no log path: {result.stdout.strip()[:200]!r}")
+    log = printed[-1]
     return StepOutcome(f"session {session!r} started, log {log}", data={"log": log})
 
 
 @registry.step("mark_stopped", params={})
 def mark_stopped(ctx: StepContext) -> StepOutcome:
     """Record the operator's stop in the job state: health reports it as OK and never relaunches
-    the job; only a relaunch clears it."""
+    the job; only a relaunch clears it. A stop that cannot be recorded fails this step."""
+    path = jobpaths.state_file(ctx.job)
     result = ctx.run(jobstate.read_script(ctx.job), timeout=30)
     if result is None:
-        return StepOutcome(f"would record `stopped` in {jobpaths.state_file(ctx.job)}")
-    clock, previous = jobstate.parse_read(result.stdout)
+        return StepOutcome(f"would record `stopped` in {path}")
+    try:
+        clock, kind, previous = jobstate.parse_read(result.stdout)
+    except ValueError as exc:
+        raise _fail(ctx, f"the stop could not be recorded: {exc}") from None
+
+    def unrecorded(why: str) -> StepFailed:
+        return _fail(
+            ctx,
+            f"the stop could not be recorded: {why}; until it is, health cannot tell this stop from "
+            "a crash: it answers UNKNOWN and --auto-relaunch relaunches nothing",
+        )
+
+    if kind != jobstate.FILE and kind != jobstate.ABSENT:
+        raise unrecorded(f"{path} is not a regular file (remove it, or stop again once it is one)")
     if previous is not None and previous.state == jobstate.FINISHED:
         # a completed run is not an interrupted one: status and health keep reporting it as finished
         return StepOutcome("job state kept: the run had finished")
+    wanted = jobstate.encode(jobstate.stopped(previous, clock))
     ctx.run(quote_argv(["mkdir", "-p", ctx.job.workdir]), timeout=30)
-    ctx.put(jobstate.encode(jobstate.stopped(previous, clock)), jobpaths.state_file(ctx.job))
+    try:
+        ctx.put(wanted, path)
+    except DflashOpsError as exc:
+        raise unrecorded(f"writing {path} failed ({str(exc).splitlines()[-1].strip()})") from None
+    # read back: the stop counts only once the file says so
+    written = ctx.run(jobstate.read_command(ctx.job), timeout=30, check=False)
+    if written is not None and written.stdout.encode() != wanted:
+        raise unrecorded(f"{path} does not hold what was written")
     return StepOutcome(f"job state: stopped by {jobstate.STOPPED_BY}")
 
 
 # ------------------------------------------------------------------ confirmation
 
 
+def _number(value) -> float:
+    """A metrics value as a float (nan when it is none: the record comes from the target)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
+
+
+_WATCH_BYTES = 1 << 20  # of the metrics tail per poll: 50 records are a few KiB
+
+
 def _watch_script(job: Job, log: str) -> str:
     from trainer.metrics_format import metrics_path_for_log
 
     return (
-        f"{tmux.pane_pids(job)}; echo @@; tail -n 50 {shlex.quote(metrics_path_for_log(log))} 2>/dev/null; "
-        f"echo @@; tail -n 1 {shlex.quote(log)} 2>/dev/null; true"
+        f"{tmux.pane_pids(job)} | head -c 4096; echo @@; "
+        f"tail -n 50 {shlex.quote(metrics_path_for_log(log))} 2>/dev/null | tail -c {_WATCH_BYTES}; echo @@; "
+        f"tail -n 1 {shlex.quote(log)} 2>/dev/null | tail -c 2000; echo @@; "
+        f"{jobstate.read_command(job)}; true"
     )
 
 
@@ -381,7 +459,7 @@ def _watch_script(job: Job, log: str) -> str:
 def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float) -> StepOutcome:
     """Wait until the metrics file shows a training step; on failure print the last log lines and
     the failure signature."""
-    from trainer.metrics_format import last_of, parse_lines
+    from trainer.metrics_format import current_run, last_of, parse_lines
 
     from .logs import find_failures
 
@@ -394,13 +472,17 @@ def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float)
         if result is None:
             return StepOutcome(f"would wait up to {timeout_s:g}s for the first step in the metrics file")
         panes, _, rest = result.stdout.partition("@@")
-        metrics, _, last_line = rest.partition("@@")
-        records = parse_lines(metrics)
+        metrics, _, rest = rest.partition("@@")
+        last_line, _, state_text = rest.partition("@@")
+        # only the new trainer's records: the file may hold an earlier one's (see current_run)
+        state = jobstate.parse(state_text)
+        records = current_run(parse_lines(metrics), state.since if state is not None else None)
         step = last_of(records, "step")
         if step is not None:
-            rate = (step.get("tokens_per_s") or 0) / 1000
+            loss, rate = _number(step.get("loss")), _number(step.get("tokens_per_s"))
+            ktok = 0.0 if math.isnan(rate) else rate / 1000
             return StepOutcome(
-                f"step {step['step']}: loss {step.get('loss', float('nan')):.4f}, {rate:.1f} Ktok/s",
+                f"step {step.get('step')}: loss {loss:.4f}, {ktok:.1f} Ktok/s",
                 data={"step": step},
             )
         error = last_of(records, "error")
@@ -431,7 +513,9 @@ def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float)
         ctx.status(f"waiting for the first step: {time.monotonic() - started:.0f} s of {timeout_s:g} s")
         ctx.commands.clear()
         time.sleep(poll_s)
-    read = ctx.run(quote_argv(["tail", "-n", "400", log]), timeout=30, check=False)
+    read = ctx.run(
+        f"{quote_argv(['tail', '-n', '400', log])} | tail -c {_WATCH_BYTES}", timeout=30, check=False
+    )
     tail = read.stdout if read is not None else ""
     failures = find_failures(tail)
     signature = f" (signature: {failures[0].name})" if failures else ""

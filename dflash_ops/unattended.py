@@ -6,13 +6,28 @@ from __future__ import annotations
 
 import time
 
-from . import gpu_owners, jobstate
+from . import gpu_owners, jobpaths, jobstate
 
 
 def _clock(seconds: float | None) -> str:
-    if seconds is None:
+    """`2026-12-01 22:15:04 UTC`, or `an unknown time` for anything that is not one."""
+    if seconds is None:  # gmtime(None) would be now
         return "an unknown time"
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "an unknown time"
+
+
+def unusable_state(report, job) -> str | None:
+    """Why the job state file holds no usable state, as a reason; None when it is absent or fine.
+    Without it an operator's stop cannot be told from a crash, so nothing may relaunch the job."""
+    if report.job_state_error is None:
+        return None
+    return (
+        f"job state {jobpaths.state_file(job)} is unusable ({report.job_state_error}): a stop cannot be "
+        "told from a crash, so nothing is relaunched; fix or remove it (a relaunch rewrites a damaged file)"
+    )
 
 
 def parked(report, progress) -> str | None:

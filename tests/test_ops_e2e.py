@@ -282,7 +282,8 @@ def _host_pids_of_job(job) -> dict[int, int]:
             status = open(f"/proc/{entry}/status").read()
         except OSError:
             continue
-        if marker in env and b"standin-trainer" in cmd:
+        # the pane's shell carries the marker too; its argv names the trainer's
+        if marker in env and b"standin-trainer" in cmd and not cmd.startswith(b"bash\0"):
             nspid = [line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")][0]
             found[int(entry)] = int(nspid[-1])
     return found

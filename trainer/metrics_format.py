@@ -85,3 +85,24 @@ def last_of(records: list[dict], event: str) -> dict | None:
         if record.get("event") == event:
             return record
     return None
+
+
+# How much earlier than its launch (the launcher's clock, whole seconds) a trainer's start record
+# may read and still be that launch's
+START_SLACK_S = 2.0
+
+
+def current_run(records: list[dict], launched_at: float | None = None) -> list[dict]:
+    """The records of the newest trainer: its `start` record and what follows it. A file may hold
+    an earlier trainer's records before them; with `launched_at` (when the launch that owns the
+    file began, on the same clock) a start older than that is an earlier trainer's, and a file
+    without a start has none of this launch yet: then nothing is this launch's."""
+    start = last_of(records, "start")
+    if start is None:
+        return [] if launched_at is not None else records
+    time_of_start = start.get("time")
+    if launched_at is not None and (
+        not isinstance(time_of_start, (int, float)) or time_of_start < launched_at - START_SLACK_S
+    ):
+        return []
+    return records[records.index(start) :]

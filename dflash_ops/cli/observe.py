@@ -46,7 +46,9 @@ def status(obj, target, as_json, watch, timeout):
 
     targets = obj.targets(target)
     while True:
-        checked = [o.value for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))]
+        checked = [
+            ops.checked_outcome(o) for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))
+        ]
         if as_json:
             objs = [c.status for c in checked]
             click.echo(json.dumps(objs[0] if len(objs) == 1 else objs, indent=None if watch else 2))
@@ -82,6 +84,17 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
       $ dflash-ops health
       DFLASH OK: local: step 240/300, loss 2.9870, 22.0 Ktok/s, last step 5 s ago | step=240;; loss=2.987;; tokens_per_s=22030.6515;1000:; age_s=5.1453;;120
     """  # noqa: E501 (a real output line)
+    from .. import health
+
+    try:
+        sys.exit(_health(obj, target, as_json, auto_relaunch, timeout))
+    except Exception as exc:  # noqa: BLE001 - cron reads one line and an exit code, never a traceback
+        first = (str(exc).splitlines() or [""])[0][:300]
+        click.echo(health.nagios_line(target or "dflash", health.unknown(f"{type(exc).__name__}: {first}")))
+        sys.exit(3)
+
+
+def _health(obj, target, as_json, auto_relaunch, timeout) -> int:
     from .. import health, ops
     from ..fanout import fan_out
 
@@ -89,8 +102,8 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
         targets = obj.targets(target)
     except DflashOpsError as exc:  # the check itself could not run: UNKNOWN, not CRITICAL
         click.echo(health.nagios_line(target or "dflash", health.unknown(str(exc).splitlines()[0])))
-        sys.exit(3)
-    checked = [o.value for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))]
+        return 3
+    checked = [ops.checked_outcome(o) for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))]
     actions = {}
     if auto_relaunch:
         for c in checked:
@@ -122,7 +135,7 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
         click.echo(line)
         for name, action in actions.items():
             click.echo(f"{name}: {action.message}")
-    sys.exit(health.EXIT_CODES[health.worst(c.verdict.level for c in checked)])
+    return health.EXIT_CODES[health.worst(c.verdict.level for c in checked)]
 
 
 @cli.command("tail-log")

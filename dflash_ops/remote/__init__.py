@@ -27,6 +27,7 @@ SHARED_MODULES = (
     ("facts", _HERE / "facts.py"),
     ("metrics_format", pathlib.Path(metrics_format.__file__)),
     ("bounded", _HERE / "bounded.py"),
+    ("procs", _HERE / "procs.py"),
     ("gpu_read", _HERE / "gpu_read.py"),
     ("metrics_history", pathlib.Path(metrics_history.__file__)),
 )

@@ -21,6 +21,10 @@ LOG_SUFFIX = ".log"
 LOG_NAME = re.compile(r"^" + re.escape(LOG_PREFIX) + r"(\d{4,})" + re.escape(LOG_SUFFIX) + r"$")
 
 
+# The job state file (dflash_ops.jobstate) is a few hundred bytes: a reader takes no more than this
+STATE_MAX_BYTES = 64 * 1024
+
+
 def newest_log_name(names):
     """The highest-numbered train-NNNN.log among file names, or None."""
     numbered = [(int(m.group(1)), name) for name in names for m in [LOG_NAME.match(name)] if m]

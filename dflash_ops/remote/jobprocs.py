@@ -1,7 +1,7 @@
 """Stdlib-only script run ON THE TARGET: find the job's processes and, if asked, end them.
 
-The job's processes are (a) the process tree under its tmux panes and (b) any process carrying
-the launcher's marker in its environment (leftovers that escaped the tree). GPU compute processes
+The job's processes are the ones remote/procs.py proves to be the job's (the trees under its live
+tmux panes, and any process carrying the launcher's marker). GPU compute processes
 on the job's GPUs that are neither are reported as unidentified and never signalled.
 With "action": "kill" it ends them (SIGTERM, SIGKILL after grace_s); any other action only lists.
 Usage: python3 - '<json args>' < (remote.bundle('jobprocs.py')); prints one JSON object.
@@ -15,99 +15,29 @@ import sys
 import time
 
 try:  # imported from the package (tests)
-    from dflash_ops.remote import facts
-except ImportError:  # on the target: remote.bundle() defined it ahead of this script
+    from dflash_ops.remote import facts, procs
+except ImportError:  # on the target: remote.bundle() defined them ahead of this script
     import facts  # type: ignore[no-redef]
-
-
-def read(path, mode="r"):
-    try:
-        with open(path, mode) as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def all_pids():
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def parent_of(pid):
-    stat = read("/proc/%d/stat" % pid)
-    if not stat:
-        return None
-    # the command name may hold spaces and parentheses: split after the LAST ')'
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
-def cmdline(pid):
-    raw = read("/proc/%d/cmdline" % pid, "rb")
-    return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip() if raw else ""
-
-
-def comm(pid):
-    return (read("/proc/%d/comm" % pid) or "").strip()
-
-
-def has_marker(pid, marker):
-    env = read("/proc/%d/environ" % pid, "rb")
-    return bool(env) and marker in env.split(b"\0")
-
-
-def descendants(roots, pids):
-    children = {}
-    for pid in pids:
-        children.setdefault(parent_of(pid), []).append(pid)
-    found, todo = set(), list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid in found:
-            continue
-        found.add(pid)
-        todo.extend(children.get(pid, []))
-    return found
+    import procs  # type: ignore[no-redef]
 
 
 def panes(socket, session):
-    """[(pane pid, dead, exit status)] of the session's panes; [] when there is no session.
+    """The session's panes (procs.parse_panes); [] when there is no session.
 
     tmux marks a pane dead when its pty closes and learns the exit status only when it reaps the
     child a moment later: a dead pane without a status is asked again, for up to a second."""
+    found = []
     for _ in range(10):
-        found = _list_panes(socket, session)
-        if not any(dead and status is None for _, dead, status in found):
+        try:
+            out = subprocess.run(
+                procs.pane_command(socket, session), capture_output=True, text=True, timeout=10
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        found = procs.parse_panes(out)
+        if not any(p["dead"] and p["status"] is None for p in found):
             break
         time.sleep(0.1)
-    return found
-
-
-def _list_panes(socket, session):
-    try:
-        out = subprocess.run(
-            [
-                "tmux",
-                "-L",
-                socket,
-                "list-panes",
-                "-s",
-                "-t",
-                "=" + session + ":",
-                "-F",
-                "#{pane_pid} #{pane_dead} #{pane_dead_status}",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    found = []
-    for line in out.splitlines():
-        parts = line.split()
-        if parts and parts[0].isdigit():
-            dead = len(parts) > 1 and parts[1] == "1"
-            status = int(parts[2]) if dead and len(parts) > 2 and parts[2].lstrip("-").isdigit() else None
-            found.append((int(parts[0]), dead, status))
     return found
 
 
@@ -146,23 +76,25 @@ def gpu_apps(gpus):
     return found
 
 
-def alive(pid):
-    stat = read("/proc/%d/stat" % pid)
-    # a zombie has exited; it only waits for its parent to reap it
-    return bool(stat) and stat.rsplit(")", 1)[1].split()[0] != "Z"
+def same_process(table, pid):
+    """`pid` still runs the process listed in `table` (not a zombie, not a newcomer that reused it)."""
+    now = procs.stat_fields(pid)
+    return now is not None and now[0] not in ("Z", "X") and now[2] == table[pid][2]
+
+
+def _comm(pid):
+    return (procs.read("/proc/%d/comm" % pid, 256) or b"").decode("utf-8", "replace").strip()
 
 
 def main():
     args = json.loads(sys.argv[1])
     marker = ("%s=%s" % (args["marker_env"], args["marker"])).encode()
     me = {os.getpid(), os.getppid()}
-    pids = [p for p in all_pids() if p not in me]
     session_panes = panes(args["socket"], args["session"]) if args.get("include_session", True) else []
-    pane_list = [pid for pid, _dead, _status in session_panes]
-    tree = descendants(pane_list, pids)
-    marked = {p for p in pids if has_marker(p, marker)}
-    # only living processes are the job's: a dead pane's shell (a zombie) has nothing left to end
-    job = sorted(p for p in (tree | marked) - me if alive(p))
+    table = {pid: fields for pid, fields in procs.process_table().items() if pid not in me}
+    # a dead pane's pid is never a root: tmux has reaped it, and it may be anyone's since
+    roots = procs.owned_pane_roots(session_panes, table, marker)
+    job = sorted(procs.job_pids(session_panes, table, marker))
     # [pid, gpu, MiB, owner, name]: from the Proxmox host (pids already mapped into this container;
     # owner names another container or the host, whose pids mean nothing here), else asked here.
     apps = args.get("gpu_apps")
@@ -179,14 +111,14 @@ def main():
                     "used_memory_mib": used,
                     "owner": owner,
                     "visible": visible,
-                    "cmd": "" if owner else cmdline(pid),
-                    "name": (name[0] if name else "") or (comm(pid) if visible else ""),
+                    "cmd": "" if owner else procs.cmdline(pid),
+                    "name": (name[0] if name else "") or (_comm(pid) if visible else ""),
                 }
             )
     report = {
-        "job": [{"pid": p, "cmd": cmdline(p)} for p in job],
+        "job": [{"pid": p, "cmd": procs.cmdline(p)} for p in job],
         "unidentified": unidentified,
-        "exited_panes": [{"pid": pid, "status": status} for pid, dead, status in session_panes if dead],
+        "exited_panes": [{"pid": p["pid"], "status": p["status"]} for p in session_panes if p["dead"]],
         "terminated": [],
         "killed": [],
         "survivors": [],
@@ -194,25 +126,27 @@ def main():
     if args.get("action") == "kill" and job:
         # Signal the pane's shell last: when it dies tmux closes the pty and the trainer gets
         # SIGHUP, which would cut its graceful shutdown (final checkpoint) short.
-        first = [p for p in job if p not in pane_list] or job
+        first = [p for p in job if p not in roots] or job
         for pid in first:
+            if not same_process(table, pid):
+                continue
             try:
                 os.kill(pid, signal.SIGTERM)
             except OSError:
                 pass
         deadline = time.time() + float(args.get("grace_s", 10))
-        while time.time() < deadline and any(alive(p) for p in job):
+        while time.time() < deadline and any(same_process(table, p) for p in job):
             time.sleep(0.2)
-        report["terminated"] = [p for p in job if not alive(p)]
+        report["terminated"] = [p for p in job if not same_process(table, p)]
         for pid in job:
-            if alive(pid):
+            if same_process(table, pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                     report["killed"].append(pid)
                 except OSError:
                     pass
         time.sleep(0.3)
-        report["survivors"] = [p for p in job if alive(p)]
+        report["survivors"] = [p for p in job if same_process(table, p)]
     print(json.dumps(report))
 
 

@@ -4,7 +4,7 @@
 # the session running pane.sh, record the job state `running`; print the log's path.
 # usage: launch.sh SOCKET SESSION TARGET LOGS LOG_PREFIX LOG_SUFFIX METRICS_SUFFIX RUNS LEGACY_RUN
 #                  CACHE CACHE_MARKER MARKER_VALUE LAUNCHER_ENTRIES INDUCTOR TRITON MODE RUN_FINISHED
-#                  STATE_FILE RUNNING_STATE FINISHED_STATE PANE_SCRIPT PANE_ARGS...
+#                  STATE_FILE RUNNING_STATE FINISHED_STATE PANE_SCRIPT PANE_MARKER PANE_ARGS...
 #   SOCKET, SESSION, TARGET  the job's tmux socket (-L), session name and exact target (=NAME)
 #   LOGS/LOG_PREFIX NNNN LOG_SUFFIX  the numbered log; its metrics file swaps LOG_SUFFIX for
 #                    METRICS_SUFFIX
@@ -16,13 +16,14 @@
 #   RUNNING_STATE, FINISHED_STATE  job state JSON with the slots @run_number@ @run@ @log_number@
 #                    (both), @pid@ and @now@ (running), @now@ (finished, filled in by the pane)
 #   PANE_SCRIPT      the text of pane.sh; PANE_ARGS follow its own LOG ... FINISHED_STATE
+#   PANE_MARKER      NAME=VALUE in the pane's own environment: proof that the pane's pid is the job's
 # exit 3: the session is already running
 set -eu
 socket=$1 session=$2 target=$3 logs=$4 log_prefix=$5 log_suffix=$6 metrics_suffix=$7 runs=$8
 legacy_run=$9 cache=${10} cache_marker=${11} marker_value=${12} launcher_entries=${13}
 inductor=${14} triton=${15} mode=${16} run_finished=${17} state_file=${18} running_state=${19}
-finished_state=${20} pane_script=${21}
-shift 21
+finished_state=${20} pane_script=${21} pane_marker=${22}
+shift 22
 
 if tmux -L "$socket" has-session -t "$target" 2>/dev/null; then
   echo "session $session is already running; stop it first" >&2
@@ -56,11 +57,13 @@ else
 fi
 mkdir -p "$runs/$run"
 
+# the next number after every log AND every metrics file: a deleted log's metrics keep its number
 last=0
-for path in "$logs/$log_prefix"*"$log_suffix"; do
+for path in "$logs/$log_prefix"*; do
   number=${path##*/}
   number=${number#"$log_prefix"}
   number=${number%"$log_suffix"}
+  number=${number%"$metrics_suffix"}
   case $number in
     "" | *[!0-9]*) continue ;;
   esac
@@ -81,12 +84,12 @@ fill() { # the slots this launch knows, in state template $1
 # can reap a pane that fails at once; it keeps a crashed pane (and its exit status) visible to
 # status and health. The tmux server daemonizes, so the session outlives this ssh / pct exec call.
 tmux -L "$socket" new-session -d -s "$session" -x 200 -y 50 \
-  bash -c "$pane_script" pane.sh "$log" "$run" "$mode" "${log%"$log_suffix"}$metrics_suffix" \
+  env "$pane_marker" bash -c "$pane_script" pane.sh "$log" "$run" "$mode" "${log%"$log_suffix"}$metrics_suffix" \
   "$runs/$run" "$runs/$run/$run_finished" "$state_file" "$(fill "$finished_state")" "$@" \
   \; set-option -w -t "$target:" remain-on-exit on >/dev/null
 pid=$(tmux -L "$socket" list-panes -s -t "$target:" -F "#{pane_pid}" 2>/dev/null | head -n 1)
 state=$(fill "$running_state")
 state=${state//@pid@/${pid:-0}}
 state=${state//@now@/$(date +%s)}
-printf "%s\n" "$state" >"$state_file.tmp.$$" && mv -f "$state_file.tmp.$$" "$state_file"
+printf "%s\n" "$state" >"$state_file.tmp.$$" && mv -f -T "$state_file.tmp.$$" "$state_file"
 echo "$log"

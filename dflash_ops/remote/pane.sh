@@ -30,6 +30,6 @@ code=$?
 echo "[dflash-ops] $(date -Is) trainer exited with code $code" >>"$log"
 if [ -e "$finished_marker" ]; then
   state=${finished_state//@now@/$(date +%s)}
-  printf "%s\n" "$state" >"$state_file.tmp.$$" && mv -f "$state_file.tmp.$$" "$state_file"
+  printf "%s\n" "$state" >"$state_file.tmp.$$" && mv -f -T "$state_file.tmp.$$" "$state_file"
 fi
 exit $code

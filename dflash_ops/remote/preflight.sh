@@ -4,12 +4,18 @@
 #   release=ok|missing (RELEASE_FILE given) or release=deployable|unwritable (WORKDIR)
 #   free_kib=N       free space under WORKDIR (its nearest existing ancestor)
 #   torch=VERSION or python_error=WHY   PYTHON running the code TORCH_CHECK
-# usage: preflight.sh WORKDIR PYTHON TORCH_CHECK [RELEASE_FILE]
+#   state=ok|not-a-file   STATE_FILE (the job state) is absent or a plain file, or something else
+# usage: preflight.sh WORKDIR PYTHON TORCH_CHECK STATE_FILE [RELEASE_FILE]
 # No `set -e`: a failed check is an answer to print, not the end of the checks.
 set -u
-workdir=$1 python=$2 torch_check=$3 release_file=${4:-}
+workdir=$1 python=$2 torch_check=$3 state_file=$4 release_file=${5:-}
 
 echo reach=ok
+if [ -L "$state_file" ] || { [ -e "$state_file" ] && [ ! -f "$state_file" ]; }; then
+  echo state=not-a-file
+else
+  echo state=ok
+fi
 if [ -n "$release_file" ]; then
   if [ -f "$release_file" ]; then echo release=ok; else echo release=missing; fi
 elif mkdir -p "$workdir" 2>/dev/null && [ -w "$workdir" ]; then

@@ -31,13 +31,14 @@ import sys
 import time
 
 try:  # imported from the package (dflash_ops.gpu, tests)
-    from dflash_ops.remote import facts
+    from dflash_ops.remote import facts, procs
     from dflash_ops.remote.bounded import finish, out_of_time, start
     from dflash_ops.remote.gpu_read import finish_gpu_state, start_gpu_state
     from trainer import metrics_format
 except ImportError:  # on the target: remote.bundle() defined these ahead of this script
     import facts  # type: ignore[no-redef]
     import metrics_format  # type: ignore[no-redef]
+    import procs  # type: ignore[no-redef]
     from bounded import finish, out_of_time, start  # type: ignore[no-redef]
     from gpu_read import finish_gpu_state, start_gpu_state  # type: ignore[no-redef]
 
@@ -53,9 +54,7 @@ PART_S = 15.0  # default per-part limit: a wedged driver can hang nvidia-smi; th
 
 def start_tmux(sock, session):
     """One tmux call: listing the session's panes tells whether it exists and whether it lives."""
-    fmt = "#{pane_pid}\t#{pane_dead}\t#{pane_dead_status}"
-    # "=NAME:" and not "=NAME": tmux 3.3 resolves `list-panes -s -t =NAME` by prefix (=job finds jobber).
-    return start(["tmux", "-L", sock, "list-panes", "-s", "-t", "=" + session + ":", "-F", fmt])
+    return start(procs.pane_command(sock, session))
 
 
 def finish_tmux(started, sock, session, deadline, part_s):
@@ -67,6 +66,7 @@ def finish_tmux(started, sock, session, deadline, part_s):
         "pane_pid": None,
         "exit_status": None,
         "error": None,
+        "panes": [],
     }
     rc, out, err = finish(started, deadline)
     if rc == 124:
@@ -76,68 +76,37 @@ def finish_tmux(started, sock, session, deadline, part_s):
         state["error"] = "tmux is not installed"
         return state
     if rc != 0:  # no server on this socket, or no such session: not an error, just not running
-        state["detail"] = err.strip()
+        state["detail"] = err.strip()[:500]
         return state
     state["exists"] = True
-    first = out.splitlines()[0].split("\t") if out.strip() else []
-    if len(first) >= 2 and first[0].isdigit():
-        state["pane_pid"] = int(first[0])
-        dead = first[1] == "1"
-        state["running"] = not dead
-        if dead and len(first) > 2 and first[2].strip().lstrip("-").isdigit():
-            state["exit_status"] = int(first[2])
+    state["panes"] = procs.parse_panes(out)
+    if state["panes"]:
+        first = state["panes"][0]
+        state["pane_pid"] = first["pid"]
+        state["running"] = not first["dead"]
+        state["exit_status"] = first["status"]
     return state
 
 
 # --------------------------------------------------------------------------- processes
 
 
-def _read(path, limit=4096):
-    with open(path, "rb") as f:
-        return f.read(limit)
-
-
-def all_processes():
-    """pid -> (ppid, name, state) from /proc/PID/stat (comm may hold spaces and parentheses)."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = _read("/proc/%s/stat" % entry).decode("utf-8", "replace")
-        except OSError:
-            continue  # exited while we looked
-        open_paren, close_paren = stat.find("("), stat.rfind(")")
-        rest = stat[close_paren + 2 :].split()
-        if len(rest) < 2:
-            continue
-        table[int(entry)] = (int(rest[1]), stat[open_paren + 1 : close_paren], rest[0])
-    return table
-
-
-def process_tree(root_pid):
-    """The root and all its descendants, parents before children."""
-    if root_pid is None:
-        return []
-    table = all_processes()
-    children = {}
-    for pid, (ppid, _name, _state) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    tree, todo = [], [root_pid]
-    while todo:
-        pid = todo.pop(0)
-        if pid not in table:
-            continue
-        ppid, name, state = table[pid]
-        try:
-            cmdline = (
-                _read("/proc/%d/cmdline" % pid, 2000).replace(b"\0", b" ").decode("utf-8", "replace").strip()
-            )
-        except OSError:
-            cmdline = ""
-        tree.append({"pid": pid, "ppid": ppid, "name": name, "state": state, "cmdline": cmdline})
-        todo.extend(sorted(children.get(pid, [])))
-    return tree
+def job_processes(panes, marker):
+    """The job's living processes (remote/procs.py's rule: never a dead pane's reused pid), parents
+    before children, and which of them carry the launcher's marker."""
+    table = procs.process_table()
+    wanted = marker.encode() if marker else b""
+    tree = [
+        {
+            "pid": pid,
+            "ppid": table[pid][1],
+            "name": table[pid][3],
+            "state": table[pid][0],
+            "cmdline": procs.cmdline(pid),
+        }
+        for pid in procs.job_pids(panes, table, wanted)
+    ]
+    return tree, procs.marked(table, wanted)
 
 
 # --------------------------------------------------------------------------- log and metrics files
@@ -245,12 +214,29 @@ def with_newest_eval(tail, context_steps, cap_bytes, deadline):
 
 
 def read_job_state(path):
-    """The job state dict dflash-ops wrote, or None (absent or unreadable)."""
-    if not path or not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8", errors="replace") as f:
-        data = json.loads(f.read() or "null")
-    return data if isinstance(data, dict) else None
+    """(the job state dict dflash-ops wrote or None, what is wrong with the file or None): an
+    absent file is no state; one that cannot be read as a state is reported, never guessed at."""
+    if not path or not os.path.lexists(path):
+        return None, None
+    if not os.path.isfile(path):
+        return None, "not a regular file"
+    with open(path, "rb") as f:
+        raw = f.read(facts.STATE_MAX_BYTES + 1)
+    if len(raw) > facts.STATE_MAX_BYTES:
+        return None, "larger than %d bytes" % facts.STATE_MAX_BYTES
+    try:
+        data = json.loads(raw.decode("utf-8", "replace") or "null")
+    except (ValueError, RecursionError) as e:
+        return None, "not JSON (%s)" % type(e).__name__
+    if not isinstance(data, dict):
+        return None, "not a JSON object"
+    if data.get("log") is not None and not usable_path(data["log"]):
+        return data, "field log is not a path: %s" % json.dumps(data["log"])[:80]
+    return data, None
+
+
+def usable_path(value):
+    return isinstance(value, str) and 0 < len(value) <= 4096 and "\0" not in value
 
 
 def files_state(log_dir, log_lines, metrics_lines, job_state=None, eval_search=None):
@@ -263,6 +249,8 @@ def files_state(log_dir, log_lines, metrics_lines, job_state=None, eval_search=N
         "log_missing": None,
     }
     log_path = (job_state or {}).get("log")
+    if log_path is not None and not usable_path(log_path):
+        return state  # the state names something that is no path: never another run's log instead
     if not log_path:
         if not state["log_dir_exists"]:
             return state
@@ -286,22 +274,6 @@ def visible_gpu_pids(gpu):
     pids = [p.get("pid") for p in gpu.get("processes") or []]
     pids += [line.split(",")[0].strip() for line in (gpu.get("apps_csv") or "").splitlines()]
     return sorted({int(p) for p in pids if str(p).isdigit() and os.path.exists("/proc/%s" % p)})
-
-
-def marked_pids(marker):
-    """Processes carrying the launcher's marker in their environment (orphans of a launch too)."""
-    if not marker:
-        return []
-    wanted = marker.encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if wanted in _read("/proc/%s/environ" % entry, 1 << 20).split(b"\0"):
-                    found.append(int(entry))
-            except OSError:
-                continue
-    return sorted(found)
 
 
 # --------------------------------------------------------------------------- main
@@ -349,7 +321,9 @@ def main(argv):
         )
     )
     # the files are read while those commands run
-    report["job_state"] = section(errors, "job state", read_job_state, args.get("state_file"))
+    report["job_state"], report["job_state_error"] = section(
+        errors, "job state", read_job_state, args.get("state_file")
+    ) or (None, "unreadable")
     files = (
         section(
             errors,
@@ -374,9 +348,10 @@ def main(argv):
         "error": "not queried in the container" if gpu_source == "none" else "probe failed",
     }
     report["gpu_pids_visible"] = section(errors, "gpu", visible_gpu_pids, report["gpu"]) or []
-    pane_pid = (report["session"] or {}).get("pane_pid")
-    report["processes"] = section(errors, "processes", process_tree, pane_pid) or []
-    report["marked_pids"] = section(errors, "processes", marked_pids, args.get("marker")) or []
+    panes = (report["session"] or {}).pop("panes", [])
+    report["processes"], report["marked_pids"] = section(
+        errors, "processes", job_processes, panes, args.get("marker")
+    ) or ([], [])
     report.update(files)
     report["out_of_time"] = [
         name for name in ("gpu", "session") if (report.get(name) or {}).get("out_of_time")

@@ -19,5 +19,6 @@ if [ "$got" != "$size" ]; then
   exit 1
 fi
 chmod "$mode" -- "$tmp"
-mv -f -- "$tmp" "$dest"
+# -T: a DEST that is a directory fails the put (never a file moved inside it)
+mv -f -T -- "$tmp" "$dest"
 trap - EXIT

@@ -5,6 +5,7 @@ time limits, decoding), so local, ssh and pct runs behave the same."""
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import shlex
 
@@ -104,6 +105,15 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def put(self, data: bytes, remote_path: str, mode: int = 0o644, step: str = "put") -> None:
         """Write `data` to `remote_path` atomically: temp file in the same dir, then rename."""
+
+    def hold(
+        self, script: str, step: str = "hold", answer_s: float = 30
+    ) -> contextlib.AbstractContextManager[str]:
+        """Start `script` on the target with its stdin left open, and yield the first line it
+        prints (within answer_s); leaving the block closes its stdin (EOF) and lets it end. If this
+        process dies, the connection and so the stdin close too: what the script holds (a lock) is
+        released either way."""
+        raise TransportError(self.name, step, "this transport cannot keep a command running")
 
     @abc.abstractmethod
     def interactive(self, script: str) -> int:

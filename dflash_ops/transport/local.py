@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import subprocess
 import tempfile
@@ -103,11 +105,49 @@ class LocalTransport(Transport):
                 except OSError:
                     pass
 
+    @contextlib.contextmanager
+    def hold(self, script: str, step: str = "hold", answer_s: float = 30):
+        try:
+            proc = subprocess.Popen(
+                ["bash", "-c", script],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise TransportError(self.name, step, f"cannot start bash: {exc}") from None
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            yield _first_line(proc.stdout.fileno(), time.monotonic() + answer_s)
+        finally:
+            proc.stdin.close()  # EOF: the script ends and lets go of what it held
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                proc.wait()
+            proc.stdout.close()
+
     def interactive(self, script: str) -> int:
         return exit_code_of(subprocess.call(["bash", "-c", script]))
 
     def command_line(self, script: str, timeout: float = 60) -> str:
         return quote_argv(with_remote_timeout(script, timeout))
+
+
+def _first_line(fd: int, deadline: float, most: int = 4096) -> str:
+    """The first line read from `fd` before `deadline` ("" when none came)."""
+    data = b""
+    while b"\n" not in data and len(data) < most:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            break
+        chunk = os.read(fd, most)
+        if not chunk:
+            break
+        data += chunk
+    return decode(data.split(b"\n", 1)[0])
 
 
 def _pump(stream, sink: list[bytes]) -> None:

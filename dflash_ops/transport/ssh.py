@@ -11,6 +11,7 @@ open. Here stdin is sent as bytes and closed (EOF), and output is decoded once a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -33,7 +34,7 @@ from .base import (
     quote_argv,
     with_remote_timeout,
 )
-from .ssh_channel import drain, feed, passthrough, read_until_exit
+from .ssh_channel import drain, feed, first_line, passthrough, read_until_exit
 from .ssh_connect import SshConnecting
 from .ssh_put import put_script, put_timeout_s
 
@@ -168,6 +169,25 @@ class SshTransport(SshConnecting, Transport):
         self.check(
             put_script(remote_path, mode, len(data)), timeout=put_timeout_s(len(data)), step=step, stdin=data
         )
+
+    @contextlib.contextmanager
+    def hold(self, script: str, step: str = "hold", answer_s: float = 30):
+        chan = self._open_channel(step)
+        try:
+            try:
+                chan.exec_command(self._remote_line(["bash", "-c", script]))
+                first = first_line(chan, time.monotonic() + answer_s)
+            except (paramiko.SSHException, EOFError, OSError) as exc:
+                raise ConnectError(self.name, step, f"connection to {self.spec.host} lost: {exc}") from None
+            yield first
+        finally:
+            try:
+                chan.shutdown_write()  # EOF: the script ends and lets go of what it held
+                chan.status_event.wait(10)
+            except (paramiko.SSHException, EOFError, OSError):
+                pass  # the connection is gone: so is the remote side's stdin
+            finally:
+                chan.close()
 
     def interactive(self, script: str) -> int:
         chan = self._open_channel("attach")

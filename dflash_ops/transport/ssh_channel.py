@@ -48,6 +48,24 @@ def read_until_exit(chan: paramiko.Channel, sink: list[bytes], deadline: float) 
         sink.append(data)
 
 
+def first_line(chan: paramiko.Channel, deadline: float, most: int = 4096) -> str:
+    """The first line the command prints before `deadline` ("" when none came)."""
+    data = b""
+    while b"\n" not in data and len(data) < most:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        chan.settimeout(min(left, POLL_S))
+        try:
+            chunk = chan.recv(most)
+        except socket.timeout:
+            continue
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\n", 1)[0].decode("utf-8", "replace")
+
+
 def feed(chan: paramiko.Channel, data: bytes | None) -> None:
     """Send stdin, then EOF (so a remote `cat` ends; cron has no stdin to offer anyway)."""
     try:

@@ -1,0 +1,75 @@
+"""One dflash-ops command at a time acts on a job: an flock on `<workdir>/.dflash-ops.lock` held on
+the target for the whole command (remote/job_lock.sh, kept running through Transport.hold), so the
+losing one of two concurrent relaunches (or a stop meeting a relaunch) says who holds it and
+touches nothing. The lock goes when the command ends, or dies: its connection closes with it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from typing import Iterator
+
+from . import jobpaths
+from .errors import JobBusy, TransportError
+from .model import Target
+from .remote import shell_command
+
+# A holder whose connection hung without closing lets go after this long (a relaunch waits for
+# its first step at most --timeout, default 900 s)
+MAX_HOLD_S = 6 * 3600
+_MAX_HOLDER_TEXT = 200
+
+
+def holder_line(command: str) -> str:
+    """What the lock file says while this process holds it: the command, then who and since when."""
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    return f"{command}\tpid {os.getpid()} on {socket.gethostname()}, since {since}"
+
+
+def _printable(text: str) -> str:
+    """Text from the target as shown: bounded, control characters (tabs aside) as `?`."""
+    return "".join(ch if ch.isprintable() or ch == "\t" else "?" for ch in text[:_MAX_HOLDER_TEXT])
+
+
+def describe_holder(line: str) -> str:
+    """`another relaunch is running (pid 812 on laptop, since …)` from the lock file's line."""
+    command, _, who = _printable(line).partition("\t")
+    command = command.strip() if command.strip().replace("-", "").isalnum() else "dflash-ops command"
+    return f"another {command} is running ({who.strip() or 'pid unknown'})"
+
+
+@contextlib.contextmanager
+def held(transport, target: Target, command: str) -> Iterator[None]:
+    """Hold the job's lock while the block runs; JobBusy when another command holds it. A target
+    that cannot be reached at all is left to the command's own steps, which say so in their
+    words (preflight: "check 'reachable' … nothing was stopped") and can do nothing there either."""
+    script = shell_command(
+        "job_lock.sh", jobpaths.lock_file(target.job), holder_line(command), str(MAX_HOLD_S)
+    )
+    with contextlib.ExitStack() as stack:
+        try:
+            answer = stack.enter_context(transport.hold(script, step="lock"))
+        except TransportError:
+            answer = ""
+        word, _, rest = answer.partition(" ")
+        if word == "busy":
+            raise JobBusy(
+                target.name,
+                f"{describe_holder(rest)}; it holds {jobpaths.lock_file(target.job)}: "
+                "nothing was done here, try again when it has finished",
+            )
+        if word == "error":
+            raise JobBusy(target.name, f"cannot take the job's lock: {_printable(rest)}")
+        if word != "locked" and _reachable(transport):
+            raise JobBusy(target.name, "cannot take the job's lock: the lock script gave no answer")
+        yield
+
+
+def _reachable(transport) -> bool:
+    try:
+        transport.run("true", timeout=30, step="lock")
+    except TransportError:
+        return False
+    return True

@@ -1,0 +1,174 @@
+"""Which processes on the target are the job's: the one owner of that rule, for the probe (status,
+health) and for the actions that signal (remote/jobprocs.py). Standard library only, Python >= 3.8:
+remote.bundle() sends this file's text ahead of each remote script.
+
+Everything read here is untrusted: /proc entries come and go, tmux answers are parsed strictly and
+bounded. A pid is a root of the job's process tree only with proof that it is the job's:
+
+- a pane's pid, while tmux says the pane is ALIVE (a dead pane's pid has been reaped and may
+  belong to anyone since), and the process there carries the launcher's marker in its environment
+  or started when the session was created (a process that took a freed pid started later);
+- any process carrying the launcher's marker (leftovers of a launch that escaped the tree).
+Descendants of a root are the job's too.
+"""
+
+import os
+import time
+
+# tmux's answer, one line per pane (tabs: an empty exit status must not shift the fields)
+PANE_FORMAT = "#{pane_pid}\t#{pane_dead}\t#{pane_dead_status}\t#{session_created}"
+MAX_PANES = 64  # a job's session has one pane; more lines than this are not a tmux answer
+# The pane's first process is forked while tmux creates the session: a process that started more
+# than this after the session's creation did not (a foreign process on a reused pid)
+PANE_START_SLACK_S = 10.0
+# /proc/PID/stat start times are in clock ticks since boot; /proc/stat's btime is whole seconds
+BOOT_SLACK_S = 2.0
+MAX_ENVIRON_BYTES = 1 << 20
+
+
+def read(path, limit=65536):
+    """Up to `limit` bytes of a file, or None (gone, unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit)
+    except OSError:
+        return None
+
+
+def pane_command(sock, session):
+    """argv listing the session's panes; "=NAME:" because tmux 3.3 resolves `-t =NAME` of
+    list-panes -s by prefix (=job finds jobber)."""
+    return ["tmux", "-L", sock, "list-panes", "-s", "-t", "=" + session + ":", "-F", PANE_FORMAT]
+
+
+def parse_panes(out):
+    """[{"pid", "dead", "status", "created"}] from tmux's answer; lines that do not read as one
+    are skipped (status None when tmux has not reported it yet, created None when unknown)."""
+    found = []
+    for line in (out or "").splitlines()[:MAX_PANES]:
+        parts = line.split("\t")
+        if len(parts) < 2 or not _digits(parts[0]) or parts[1] not in ("0", "1"):
+            continue
+        dead = parts[1] == "1"
+        status = parts[2].strip() if len(parts) > 2 else ""
+        created = parts[3].strip() if len(parts) > 3 else ""
+        found.append(
+            {
+                "pid": int(parts[0]),
+                "dead": dead,
+                "status": int(status) if dead and _signed_digits(status) else None,
+                "created": int(created) if _digits(created) else None,
+            }
+        )
+    return found
+
+
+def _digits(text, most=12):
+    return isinstance(text, str) and 0 < len(text) <= most and text.isdigit()
+
+
+def _signed_digits(text):
+    return _digits(text[1:] if text.startswith("-") else text, 6)
+
+
+def stat_fields(pid):
+    """(state, ppid, start ticks, name) from /proc/PID/stat, or None; the name may hold spaces and
+    parentheses, so the fields are split after the LAST ')'."""
+    raw = read("/proc/%d/stat" % pid, 4096)
+    if not raw:
+        return None
+    text = raw.decode("utf-8", "replace")
+    open_paren, close_paren = text.find("("), text.rfind(")")
+    rest = text[close_paren + 2 :].split()
+    if open_paren < 0 or len(rest) < 20 or not rest[1].isdigit() or not rest[19].isdigit():
+        return None
+    return rest[0], int(rest[1]), int(rest[19]), text[open_paren + 1 : close_paren]
+
+
+def process_table():
+    """pid -> (state, ppid, start ticks, name) of every process visible here."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = stat_fields(int(entry))
+            if fields is not None:
+                table[int(entry)] = fields
+    return table
+
+
+def living(table, pid):
+    # a zombie has exited; it only waits for its parent to reap it
+    return pid in table and table[pid][0] not in ("Z", "X")
+
+
+def boot_time():
+    for line in (read("/proc/stat", 1 << 16) or b"").decode("ascii", "replace").splitlines():
+        if line.startswith("btime "):
+            value = line.split()[1]
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def started_at(table, pid, boot):
+    """Unix time the process started, or None."""
+    if boot is None or pid not in table:
+        return None
+    return boot + table[pid][2] / float(os.sysconf("SC_CLK_TCK"))
+
+
+def has_marker(pid, marker):
+    """`marker` (b"NAME=VALUE") is one of the process's environment entries."""
+    env = read("/proc/%d/environ" % pid, MAX_ENVIRON_BYTES)
+    return bool(env) and bool(marker) and marker in env.split(b"\0")
+
+
+def marked(table, marker):
+    return sorted(pid for pid in table if living(table, pid) and has_marker(pid, marker))
+
+
+def owned_pane_roots(panes, table, marker):
+    """The pids of live panes proven to be the job's (see the module's rule)."""
+    boot, now = boot_time(), time.time()
+    roots = []
+    for pane in panes:
+        pid = pane["pid"]
+        if pane["dead"] or not living(table, pid):
+            continue
+        if has_marker(pid, marker):
+            roots.append(pid)
+            continue
+        start, created = started_at(table, pid, boot), pane["created"]
+        if (
+            start is not None
+            and created is not None
+            and created - BOOT_SLACK_S <= start <= min(now, created + PANE_START_SLACK_S) + BOOT_SLACK_S
+        ):
+            roots.append(pid)
+    return roots
+
+
+def descendants(roots, table):
+    """The roots and all their living descendants, parents before children."""
+    children = {}
+    for pid in sorted(table):
+        children.setdefault(table[pid][1], []).append(pid)
+    found, seen, todo = [], set(), [r for r in roots if living(table, r)]
+    while todo:
+        pid = todo.pop(0)
+        if pid in seen:
+            continue
+        seen.add(pid)
+        found.append(pid)
+        todo.extend(c for c in children.get(pid, []) if living(table, c))
+    return found
+
+
+def job_pids(panes, table, marker):
+    """Every living process of the job: the trees under its proven pane roots and its marked ones."""
+    roots = owned_pane_roots(panes, table, marker) + marked(table, marker)
+    return descendants(roots, table)
+
+
+def cmdline(pid, limit=2000):
+    raw = read("/proc/%d/cmdline" % pid, limit)
+    return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip() if raw else ""
