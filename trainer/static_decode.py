@@ -191,6 +191,34 @@ class Kernels:
         self.post = wrap(post_attention)
         self.context = wrap(context_kv)
 
+    def layer(
+        self, x, w: _Layer, cos, sin, keys, values, rows, where, mask, eps: float, heads, kv_heads, head_dim
+    ):
+        """One decoder layer over a static cache: its K/V written at `where` of `rows`, then
+        attention over everything the mask lets each query see."""
+        q, k, v = self.pre(
+            x,
+            w.ln,
+            w.wq,
+            w.bq,
+            w.wk,
+            w.bk,
+            w.wv,
+            w.bv,
+            w.q_norm,
+            w.k_norm,
+            cos,
+            sin,
+            eps,
+            heads,
+            kv_heads,
+            head_dim,
+        )
+        keys[rows, :, where] = k
+        values[rows, :, where] = v
+        out = grouped_attention(q, keys, values, mask)
+        return self.post(x, out, w.wo, w.bo, w.ln2, w.gate, w.up, w.down, eps)
+
 
 EAGER = Kernels(compile=False)
 
@@ -247,28 +275,21 @@ class StaticTarget:
         taken = {}
         last = len(self.layers) - 1
         for i, w in enumerate(self.layers):
-            q, k, v = kernels.pre(
+            x = kernels.layer(
                 x,
-                w.ln,
-                w.wq,
-                w.bq,
-                w.wk,
-                w.bk,
-                w.wv,
-                w.bv,
-                w.q_norm,
-                w.k_norm,
+                w,
                 cos,
                 sin,
+                self.keys[i],
+                self.values[i],
+                self.row_index,
+                where,
+                mask,
                 self.eps,
                 self.heads,
                 self.kv_heads,
                 self.head_dim,
             )
-            self.keys[i][self.row_index, :, where] = k
-            self.values[i][self.row_index, :, where] = v
-            out = grouped_attention(q, self.keys[i], self.values[i], mask)
-            x = kernels.post(x, out, w.wo, w.bo, w.ln2, w.gate, w.up, w.down, self.eps)
             if i in wanted and i != last:
                 taken[i] = x
         normed = rms_norm(x, self.norm_weight, self.norm_eps)
@@ -339,28 +360,21 @@ class StaticDrafter:
         )  # [B, 1, S]: the same for each query
         mask = grouped_mask(visible.expand(-1, self.block, -1), cfg.num_heads // cfg.num_kv_heads, x.dtype)
         for i, w in enumerate(self.layers):
-            q, k, v = kernels.pre(
+            x = kernels.layer(
                 x,
-                w.ln,
-                w.wq,
-                w.bq,
-                w.wk,
-                w.bk,
-                w.wv,
-                w.bv,
-                w.q_norm,
-                w.k_norm,
+                w,
                 cos,
                 sin,
+                self.keys[i],
+                self.values[i],
+                self.row_index,
+                where,
+                mask,
                 cfg.rms_norm_eps,
                 cfg.num_heads,
                 cfg.num_kv_heads,
                 cfg.head_dim,
             )
-            self.keys[i][self.row_index, :, where] = k
-            self.values[i][self.row_index, :, where] = v
-            out = grouped_attention(q, self.keys[i], self.values[i], mask)
-            x = kernels.post(x, out, w.wo, w.bo, w.ln2, w.gate, w.up, w.down, cfg.rms_norm_eps)
         hidden = rms_norm(x[:, 1:], d.norm.weight, d.norm.eps)
         return F.linear(hidden, d.lm_head_weight.to(hidden.dtype), d.lm_head_bias).argmax(-1)
 
