@@ -28,7 +28,8 @@ def torchrun_job(target, tag):
 
 
 def job_processes(job) -> dict[int, str]:
-    """pid -> RANK ('' for torchrun itself) of every process carrying the job's marker."""
+    """pid -> RANK ('' for torchrun itself) of every python process carrying the job's marker (the pane's
+    shell carries it too, with the trainer's command line among its arguments)."""
     marker = f"{jobpaths.JOB_MARKER_ENV}={jobpaths.marker_value(job)}".encode()
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -37,7 +38,7 @@ def job_processes(job) -> dict[int, str]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if marker in env and b"python" in cmd:
+        if marker in env and os.path.basename(cmd.split(b"\0")[0]).startswith(b"python"):
             rank = [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")]
             found[int(pid)] = rank[0] if rank else ""
     return found

@@ -128,7 +128,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     return overrides
 
 
-SUBCOMMANDS = ("export", "data", "eval")
+SUBCOMMANDS = ("export", "data", "eval", "report")
 
 
 def _refuse_unknown_subcommand(word: str) -> None:
