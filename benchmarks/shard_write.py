@@ -72,13 +72,14 @@ def main() -> int:
             times[name].append(time.perf_counter() - t0)
             size = os.path.getsize(path)
             os.unlink(path)
-    print(f"shard: {args.sequences} sequences x {args.tokens} tokens x {args.width} bf16 = {size / 2**30:.2f} GiB; "
-          f"same bytes both ways: {len(hashes) == 1}")
+    shape = f"{args.sequences} sequences x {args.tokens} tokens x {args.width} bf16"
+    print(f"shard: {shape} = {size / 2**30:.2f} GiB; same bytes both ways: {len(hashes) == 1}")
     for name, runs in times.items():
         med = statistics.median(runs)
         each = ", ".join(f"{t:.2f}" for t in runs)
         print(f"{name:6s} median {med:.2f} s = {size / med / 1e9:.2f} GB/s  (runs: {each})")
-    print(f"after/before: {statistics.median(times['before']) / statistics.median(times['after']):.2f}x faster")
+    ratio = statistics.median(times["before"]) / statistics.median(times["after"])
+    print(f"after/before: {ratio:.2f}x faster")
     return 0 if len(hashes) == 1 else 1
 
 

@@ -21,9 +21,8 @@ def test_pieces_are_written_as_save_file_writes_them_whole(tmp_path, features_dt
              "offsets": offsets}
     save_file(whole, str(tmp_path / "whole.safetensors"))
 
-    size, sha256 = write_pieces(str(tmp_path / "pieces.safetensors"),
-                                {"features": features, "input_ids": ids, "loss_mask": masks, "offsets": [offsets]},
-                                chunk=16)
+    parts = {"features": features, "input_ids": ids, "loss_mask": masks, "offsets": [offsets]}
+    size, sha256 = write_pieces(str(tmp_path / "pieces.safetensors"), parts, chunk=16)
     data = (tmp_path / "pieces.safetensors").read_bytes()
     assert data == (tmp_path / "whole.safetensors").read_bytes()
     assert (size, sha256) == (len(data), hashlib.sha256(data).hexdigest())
