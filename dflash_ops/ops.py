@@ -179,14 +179,8 @@ def _check(target: Target, now: float | None, shares: budget.Shares | None = Non
                 )
     except DflashOpsError as exc:
         return _unknown(target, str(exc).splitlines()[0])
-    verdict = budget.with_unknown_parts(
-        health.evaluate(budget.judged_without_unknown_parts(report), target.job, now),
-        budget.unknown_parts(report),
-    )
-    status = budget.mark_unknown_parts(
-        status_lib.build_status(target.name, report, target.job, verdict), report
-    )
-    return Checked(target, verdict, status, report)
+    verdict = health.evaluate(report, target.job, now)
+    return Checked(target, verdict, status_lib.build_status(target.name, report, target.job, verdict), report)
 
 
 @dataclasses.dataclass
