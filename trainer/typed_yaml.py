@@ -254,7 +254,7 @@ class _Place:
         return YamlInputError(f"{located(self.filename, self.line)}: `{self.path}` {problem}")
 
     def child(self, data: Any, key: Any) -> _Place:
-        line = getattr(data, "key_lines", {}).get(key, 0) or self.line
+        line = getattr(data, "key_lines", {}).get(key, 0)  # none: set by code or a command line
         return _Place(self.filename, line, f"{self.path}.{key}" if self.path else str(key))
 
 
