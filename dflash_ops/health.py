@@ -206,7 +206,9 @@ def _perfdata(progress: logs.Progress, age: float | None, drafter_util: dict, jo
     perfdata = {
         "step": Perf(progress.step),
         "loss": Perf(progress.loss if progress.loss_is_finite else None),
-        "tokens_per_s": Perf(progress.tokens_per_s, warn=f"{_perfdata_number(min_tps)}:" if min_tps > 0 else ""),
+        "tokens_per_s": Perf(
+            progress.tokens_per_s, warn=f"{_perfdata_number(min_tps)}:" if min_tps > 0 else ""
+        ),
         "age_s": Perf(age, crit=_perfdata_number(thresholds.stall_seconds)),
     }
     if job.drafter_gpus:

@@ -83,11 +83,9 @@ class TargetBuilder:
                 + ("Proxmox host" if self.transport == "pct" else "machine")
                 + " to ssh to, e.g. host: pve1.example.lan",
             )
-        return HostSpec(
-            host=v["host"],
-            **{key: v[key] for key in HOST_OPTIONAL if key in v},
-            **{key: self.local_file(v[key]) for key in HOST_LOCAL_FILES if key in v},
-        )
+        given: Fields = {key: v[key] for key in HOST_OPTIONAL if key in v}
+        given.update({key: self.local_file(v[key]) for key in HOST_LOCAL_FILES if key in v})
+        return HostSpec(host=v["host"], **given)
 
     def job_path(self, key: str, value: str) -> str:
         field = f"job.{key}"

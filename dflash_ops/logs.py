@@ -275,6 +275,9 @@ def progress(records: list[dict]) -> Progress:
         start_time=_record_number(start.get("time")) if start else None,
         steps_per_s=step_rate(records),
         done_reason=str(done.get("reason"))
-        if done and (last is None or (_record_number(done.get("time")) or 0) >= (_record_number(last.get("time")) or 0))
+        if done
+        and (
+            last is None or (_record_number(done.get("time")) or 0) >= (_record_number(last.get("time")) or 0)
+        )
         else None,
     )

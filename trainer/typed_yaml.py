@@ -195,7 +195,9 @@ def parse_yaml(text: str, filename: str, named_items: Mapping[str, str] | None =
         where = located(filename, mark.line + 1 if mark else None)
         raise YamlInputError(f"{where}: not valid YAML: {problem}{column}; fix the syntax there") from None
     except yaml.YAMLError as e:
-        raise YamlInputError(f"{filename}: not valid YAML: {' '.join(str(e).split())}; fix the syntax") from None
+        raise YamlInputError(
+            f"{filename}: not valid YAML: {' '.join(str(e).split())}; fix the syntax"
+        ) from None
     finally:
         loader.dispose()
 
@@ -300,14 +302,14 @@ def _coerce(hint: Any, value: Any, place: _Place) -> Any:
         if isinstance(value, str):  # "cuda:1,cuda:2", as given on a command line
             value = [item.strip() for item in value.split(",") if item.strip()]
         if not isinstance(value, (list, tuple)):
-            raise place.error(f"must be a list, got {show(value)}. Fix: write it as [a, b, ...]")
+            raise place.error(f"must be a list, got {kind_of(value)}; write it as [a, b, ...]")
         return [
             _coerce(args[0], item, _Place(place.filename, place.line, f"{place.path}[{i}]"))
             for i, item in enumerate(value)
         ]
     if hint is dict or origin is dict:
         if not isinstance(value, dict):
-            raise place.error(f"must be a mapping, got {show(value)}. Fix: write it as {{key: value, ...}}")
+            raise place.error(f"must be a mapping, got {kind_of(value)}; write it as {{key: value, ...}}")
         return _plain(value)
     return _scalar(hint, value, place)
 
@@ -318,13 +320,14 @@ def _scalar(hint: Any, value: Any, place: _Place) -> Any:
     if hint is bool:
         if isinstance(value, bool):
             return value
-        raise place.error(f"must be true or false, got {show(value)}")
+        why = " (only true and false are booleans: YAML 1.2)" if isinstance(value, str) else ""
+        raise place.error(f"must be true or false, got {kind_of(value)}{why}")
     if hint is int:
         if real_number and isinstance(value, int):
             return value
         if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):  # from a command line
             return int(value)
-        raise place.error(f"must be a whole number, got {show(value)}")
+        raise place.error(f"must be a whole number, got {kind_of(value)}")
     if hint is float:
         if real_number:
             return float(value)
@@ -333,11 +336,11 @@ def _scalar(hint: Any, value: Any, place: _Place) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise place.error(f"must be a number (like 6e-4), got {show(value)}")
+        raise place.error(f"must be a number (like 6e-4), got {kind_of(value)}")
     if hint is str:
         if real_number or isinstance(value, str):
             return str(value)
-        raise place.error(f"must be a string, got {show(value)}. Fix: quote it")
+        raise place.error(f"must be a string, got {kind_of(value)}; quote it")
     raise TypeError(f"typed_yaml cannot build a {hint!r} (field {place.path})")
 
 

@@ -36,7 +36,8 @@ def test_a_key_written_twice_is_refused_naming_both_lines():
 
 def test_named_items_name_what_was_written_twice():
     text = "targets:\n  box: {}\n  box: {}\n"
-    with pytest.raises(YamlInputError, match=r"^inv.yaml:3: target 'box' is defined twice \(also on line 2\)"):
+    expected = r"^inv.yaml:3: target 'box' is defined twice \(also on line 2\)"
+    with pytest.raises(YamlInputError, match=expected):
         parse_yaml(text, "inv.yaml", named_items={"targets": "target"})
 
 
@@ -151,9 +152,9 @@ def test_internal_fields_are_not_keys():
 
 
 @pytest.mark.parametrize("text, line, words", [
-    ("enabled: off\n", 1, ["`enabled` must be true or false, got 'off'"]),
-    ("name: a\nlimit: 2.5\n", 2, ["`limit` must be a whole number, got 2.5"]),
-    ("limit: true\n", 1, ["`limit` must be a whole number, got True"]),
+    ("enabled: off\n", 1, ["`enabled` must be true or false, got the text 'off'", "only true and"]),
+    ("name: a\nlimit: 2.5\n", 2, ["`limit` must be a whole number, got the number 2.5"]),
+    ("limit: true\n", 1, ["`limit` must be a whole number, got the boolean true"]),
     ("inner:\n  ratio: fast\n", 2, ["`inner.ratio` must be a number", "'fast'"]),
     ("inner:\n  ratio: .nan\n", None, []),  # a number; whether NaN is allowed is the caller's rule
     ("name: [a]\n", 1, ["`name` must be a string", "quote it"]),
@@ -187,7 +188,8 @@ def test_did_you_mean_and_closest_match():
     assert typed_yaml.closest_match("hots", ["host", "port"]) == "host"
     assert typed_yaml.closest_match("zzz", ["host", "port"]) is None
     assert typed_yaml.did_you_mean("sesion", ["session"]) == "did you mean 'session'?"
-    assert typed_yaml.did_you_mean("lrr", ["lr"], quote=lambda k: f"`train.{k}`") == "did you mean `train.lr`?"
+    in_train = typed_yaml.did_you_mean("lrr", ["lr"], quote=lambda k: f"`train.{k}`")
+    assert in_train == "did you mean `train.lr`?"
     assert typed_yaml.did_you_mean("zzz", ["host"]) == ""
 
 
