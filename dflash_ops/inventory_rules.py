@@ -7,6 +7,7 @@ how to fix it" (the caller adds file, line, target and field).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any, Callable, Union
@@ -108,10 +109,12 @@ def _jump(value: Any) -> JumpHost:
     match = _JUMP.match(text)
     if not match or match["host"].startswith("-") or (match["user"] or "").startswith("-"):
         raise Bad(f"expected 'user@host:port' (user and port optional), got {show(text)}")
-    port = {"port": int(match["port"])} if match["port"] else {}  # none written: JumpHost's default
-    if port and not 1 <= port["port"] <= 65535:
-        raise Bad(f"port must be between 1 and 65535, got {port['port']}")
-    return JumpHost(host=match["host"].strip("[]"), user=match["user"], **port)
+    jump = JumpHost(host=match["host"].strip("[]"), user=match["user"])  # JumpHost's default port
+    if match["port"]:
+        jump = dataclasses.replace(jump, port=int(match["port"]))
+    if not 1 <= jump.port <= 65535:
+        raise Bad(f"port must be between 1 and 65535, got {jump.port}")
+    return jump
 
 
 def _path(value: Any) -> str:
