@@ -130,7 +130,7 @@ def _with_tau(perfdata: dict, accept, job: Job) -> dict:
     if accept is not None or job.health.min_tau > 0:  # runs without tau evaluation keep their line
         perfdata["tau"] = Perf(
             accept.tau if accept else None,
-            warn=f"{_number(job.health.min_tau)}:" if job.health.min_tau > 0 else "",
+            warn=f"{_perfdata_number(job.health.min_tau)}:" if job.health.min_tau > 0 else "",
         )
     return perfdata
 
@@ -229,14 +229,16 @@ def _perfdata(progress: logs.Progress, age: float | None, drafter_util: dict, jo
     perfdata = {
         "step": Perf(progress.step),
         "loss": Perf(progress.loss if progress.loss_is_finite else None),
-        "tokens_per_s": Perf(progress.tokens_per_s, warn=f"{_number(min_tps)}:" if min_tps > 0 else ""),
-        "age_s": Perf(age, crit=_number(thresholds.stall_seconds)),
+        "tokens_per_s": Perf(
+            progress.tokens_per_s, warn=f"{_perfdata_number(min_tps)}:" if min_tps > 0 else ""
+        ),
+        "age_s": Perf(age, crit=_perfdata_number(thresholds.stall_seconds)),
     }
     if job.drafter_gpus:
         known = [u for u in drafter_util.values() if u is not None]
         floor = thresholds.min_drafter_util_pct
         perfdata["drafter_util_pct"] = Perf(
-            min(known) if known else None, warn=f"{_number(floor)}:" if floor > 0 else "", uom="%"
+            min(known) if known else None, warn=f"{_perfdata_number(floor)}:" if floor > 0 else "", uom="%"
         )
     return perfdata
 
@@ -267,7 +269,7 @@ def _ok_summary(progress: logs.Progress, age: float | None, finished: bool) -> s
 # --------------------------------------------------------------------------- Nagios output
 
 
-def _number(value: float) -> str:
+def _perfdata_number(value: float) -> str:
     """Plain decimal (perfdata allows no exponent), at most 4 decimals."""
     if isinstance(value, int) or float(value).is_integer():
         return str(int(value))
@@ -284,7 +286,7 @@ def perfdata_text(perfdata: dict, prefix: str = "") -> str:
     items = []
     for label, perf in perfdata.items():
         finite = perf.value is not None and math.isfinite(perf.value)
-        value = (_number(perf.value) + perf.uom) if finite else "U"
+        value = (_perfdata_number(perf.value) + perf.uom) if finite else "U"
         items.append(f"{_label(prefix + label)}={value};{perf.warn};{perf.crit}")
     return " ".join(items)
 
