@@ -51,7 +51,7 @@ def final_loss(run_dir: str, last: int = 5) -> float | None:
 def check(runs: list[tuple[str, str]]) -> list[dict]:
     from trainer.checkpoint import latest_checkpoint
 
-    rows = []
+    rows: list[dict] = []
     for label, run_dir in runs:
         checkpoint = latest_checkpoint(run_dir)
         if checkpoint is None:

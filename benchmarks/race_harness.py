@@ -102,7 +102,8 @@ def run_trial(args) -> dict:
     if args.emulate_old_torch and hasattr(torch.compiler, "_compile_session_context"):
         import contextlib
 
-        torch.compiler._compile_session_context = contextlib.nullcontext
+        # a deliberate patch of torch's internals: the compile session of older torch versions
+        torch.compiler._compile_session_context = contextlib.nullcontext  # type: ignore[assignment]
     from trainer import model as model_module
     from trainer.compile_lock import is_fx_tracing_error
     from trainer.loss import block_labels
@@ -113,7 +114,7 @@ def run_trial(args) -> dict:
         # Same ONE compiled flex_attention the trainer uses, through a cheaper backend.
         from torch.nn.attention.flex_attention import flex_attention
 
-        model_module._compiled_flex = torch.compile(
+        model_module._compiled_flex = torch.compile(  # type: ignore[assignment]  # lazily set global
             flex_attention, backend=args.compile_backend, dynamic=False, fullgraph=True
         )
     cfg, replicas, dtype = _drafter_setup(args, torch)

@@ -39,6 +39,7 @@ def stream(cmd: list[str], limit_s: int, env: dict) -> tuple[int, str]:
         cwd=ROOT,
     )
     lines = []
+    assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
         if not line.startswith("step ") or "eval" in line:  # per-step lines would flood the log
@@ -184,8 +185,8 @@ def main() -> int:
     args = p.parse_args()
     info = versions(args.device)
     print("versions: " + json.dumps(info), flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(scratch)
 
         def env(name: str) -> dict:  # fresh compile caches per run: both pay the same compiles
             return dict(

@@ -128,7 +128,8 @@ def run_once(launcher: str, small: bool, steps: int, warmup: int, timeout_s: int
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        tail = []
+        tail: list[str] = []
+        assert proc.stdout is not None
         for line in proc.stdout:
             tail = (tail + [line.rstrip()])[-40:]
             if line.startswith(("step ", "compile ", "done ", "dflash-train:")) or "error" in line.lower():

@@ -188,8 +188,8 @@ def _build(args, dims, torch, seed: int = 0):
     with torch.device(args.device):  # initialise on the device: 1B parameters on a CPU is slow
         embed = torch.nn.Embedding(dims["vocab"], dims["hidden"]).to(dtype).requires_grad_(False)
         lm_head = torch.nn.Linear(dims["hidden"], dims["vocab"], bias=False).to(dtype).requires_grad_(False)
-        model = DFlashDrafter(cfg, embed, lm_head)
-        model = model.to(dtype) if pure else precision.place(model, args.device, args.precision)
+        drafter = DFlashDrafter(cfg, embed, lm_head)
+        model = drafter.to(dtype) if pure else precision.place(drafter, args.device, args.precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)  # as the trainer
     return cfg, model, optimizer, dtype
 
@@ -235,7 +235,7 @@ def child_train(args, dims) -> dict:
 
     from trainer.compile_lock import CompileGuard, assert_fx_flag_clear
 
-    events = []
+    events: list = []
     guard = CompileGuard("lock", on_event=events.append).install()
     cfg, model, optimizer, dtype = _build(args, dims, torch)
     model.checkpoint_layers = args.checkpointing == "layers"
@@ -418,7 +418,7 @@ def child_cache(args, dims) -> dict:
     from trainer.compile_lock import CompileGuard
     from trainer.config import TrainConfig
     from trainer.data import BatchPlan
-    from trainer.feature_cache import bytes_per_token, open_cache
+    from trainer.feature_cache import CacheReader, bytes_per_token, open_cache
     from trainer.train import make_loss_fn
     from trainer.workers import Replica, TrainingWorkers
 
@@ -447,7 +447,8 @@ def child_cache(args, dims) -> dict:
             "seq_len": dims["ctx"],
         }
         cached = open_cache(cache_dir, expected, pin_memory=args.device.startswith("cuda"))
-        reader = cached.features.__self__
+        reader = getattr(cached.features, "__self__", None)  # the shards' reader behind the dataset
+        assert isinstance(reader, CacheReader)
         for index in range(len(reader.shards)):  # sha256 checks now, not inside the timed steps
             reader._handle(index)
         for shard in reader.shards:
