@@ -256,7 +256,9 @@ class TorchrunWorld:
         return self._agreed_stop  # never this rank's own flag alone: all ranks stop after the same step
 
     def model(self, replicas: list[Replica]) -> torch.nn.Module:
-        return replicas[0].model.module
+        ddp = replicas[0].model
+        assert isinstance(ddp, DrafterDDP)
+        return ddp.module
 
     def failed(self, failure: Failure) -> str | None:
         if getattr(failure.original, "exit_code", None) == 2:  # bad input: the CLI's one line says it
