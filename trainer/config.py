@@ -25,7 +25,7 @@ ATTENTION_BACKENDS = ("flex", "sdpa")
 ACTIVATION_CHECKPOINTING = ("none", "layers")  # "layers": see trainer.activation_checkpoint
 DATA_SOURCES = ("synthetic", "jsonl", "features")
 PRECISIONS = ("fp32", "bf16-mixed")  # bf16-mixed: fp32 master weights + AdamW state, bf16 compute
-_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 class ConfigError(Exception):
@@ -310,7 +310,7 @@ def validate(cfg: TrainConfig) -> None:
         if not devices:
             _fail(cfg, key, "must name at least one device. Fix: e.g. [cpu] or [cuda:0].")
         for dev in devices:
-            if not _DEVICE_RE.match(dev):
+            if not DEVICE_RE.match(dev):
                 _fail(cfg, key, f"has {dev!r}, which is not a device. Fix: use cpu, cuda or cuda:N.")
     if r.attention == "flex" and any(dev == "cpu" for dev in r.drafter_devices):
         _fail(cfg, "run.attention",
