@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from . import jobpaths
 from .errors import DflashOpsError
-from .playbook import StepContext, StepOutcome
+from .model import Job
+from .playbook.context import StepContext, StepOutcome
 from .remote import shell_command
 from .steps import (
     _fail,
@@ -15,7 +16,6 @@ from .steps import (
     describe_foreign,
     job_processes,
     refuse_while_job_lives,
-    registry,
     resolve_cache,
     surely_foreign,
 )
@@ -47,34 +47,25 @@ def _answers(stdout: str) -> dict[str, str]:
     return out
 
 
-@registry.step(
-    "preflight",
-    params={
-        "gpus": list[int],
-        "deploy": (bool, True),
-        "min_free_gib": (float, 10.0),
-        "allow_shared_gpus": (bool, False),
-        "import_torch": (bool, True),
-    },
-)
 def preflight(
     ctx: StepContext,
-    gpus: list[int],
+    job: Job,
+    *,
     deploy: bool,
     min_free_gib: float,
     allow_shared_gpus: bool,
     import_torch: bool,
 ) -> StepOutcome:
-    """Check, before anything is stopped, that the launch can work; a failed check names itself
-    and leaves the running job untouched."""
-    job = ctx.job
+    """Check, before anything is stopped, that the launch can work (`deploy`: a release will be
+    deployed, so none needs to be there yet); a failed check names itself and leaves the running
+    job untouched."""
     try:
         result = ctx.run(
             _shell_checks(job, need_release=not deploy, import_torch=import_torch), timeout=150, check=False
         )
     except DflashOpsError as exc:  # ssh, pct or the container did not answer
         raise _fail(ctx, f"check 'reachable': {str(exc).splitlines()[0]}; nothing was stopped") from None
-    if result is None:
+    if ctx.dry_run:
         return StepOutcome(
             "would check python+torch, the release, free disk, the GPU query and foreign GPU processes"
         )
@@ -114,10 +105,11 @@ def preflight(
             f"check 'disk': {free_gib:.1f} GiB free under {job.workdir}, checkpoints need "
             f"{min_free_gib:g} GiB" + untouched,
         )
-    _, why = resolve_cache(ctx, job.cache_dir)  # purged and marked by this relaunch: never the job's own
+    _, why = resolve_cache(ctx, job, job.cache_dir)  # purged and marked by this relaunch: never the job's own
     if why is not None:
         raise _fail(ctx, f"check 'cache': {why}" + untouched)
     said = [f"torch {found.get('torch', '?')}", f"{free_gib:.0f} GiB free"]
+    gpus = list(job.gpus)
     if gpus:
         try:
             snapshot = _gpu_snapshot(ctx)
@@ -131,7 +123,6 @@ def preflight(
                 "target; fix target_gpus/drafter_gpus" + untouched,
             )
         report = job_processes(ctx, job, gpus, 0.0, True, "list")
-        assert report is not None  # None only under dry-run, which returned above
         foreign = surely_foreign(report["unidentified"])
         if foreign and not allow_shared_gpus:
             raise _fail(
@@ -146,8 +137,7 @@ def preflight(
     return StepOutcome("; ".join(said))
 
 
-@registry.step("require_job_stopped", params={})
-def require_job_stopped(ctx: StepContext) -> StepOutcome:
+def require_job_stopped(ctx: StepContext, job: Job) -> StepOutcome:
     """Fail while any process of the job lives (its tmux tree or the launcher's marker)."""
-    refuse_while_job_lives(ctx, "stop it first (dflash-ops stop), or pass --force")
+    refuse_while_job_lives(ctx, job, "stop it first (dflash-ops stop), or pass --force")
     return StepOutcome("would check that the job is not running" if ctx.dry_run else "the job is not running")
