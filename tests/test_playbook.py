@@ -529,6 +529,17 @@ def test_hostile_literals_are_data_not_shell(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------------- finding playbooks
 
+def test_the_example_in_the_readme_is_a_valid_playbook(tmp_path):
+    from dflash_ops import steps
+
+    readme = (Path(__file__).resolve().parent.parent / "playbooks" / "README.md").read_text(encoding="utf-8")
+    example = pb(readme.split("```yaml\n", 1)[1].split("```", 1)[0], tmp_path, "example")
+    book = load(str(example), [], steps.LIBRARY)
+    assert [e.step for e in book.steps] == ["stop_session", "mark_stopped", "kill_gpu_processes", "wait_gpu_free",
+                                            "purge_cache"]
+    assert bind_options(book, steps.LIBRARY, {"purge": "true"}) == {"purge": True}
+
+
 def test_lookup_by_name_follows_the_search_order(tmp_path):
     mine, inv_dir = tmp_path / "mine", tmp_path / "inv"
     for d in (mine, inv_dir / "playbooks"):
