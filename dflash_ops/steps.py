@@ -435,15 +435,10 @@ def wait_first_step(
     print the last log lines and the failure signature."""
     from trainer.metrics_format import current_run, last_of, parse_lines
 
-    from .logs import find_failures
-
-    log = launched.log
     started = time.monotonic()
-    deadline = started + timeout_s
-    why = f"no training step after {timeout_s:g}s"
     shown_line = ""
     while True:
-        result = ctx.run(_watch_script(job, log), timeout=60, check=False)
+        result = ctx.run(_watch_script(job, launched.log), timeout=60, check=False)
         if ctx.dry_run:
             return StepOutcome(f"would wait up to {timeout_s:g}s for the first step in the metrics file")
         panes, _, rest = result.stdout.partition("@@")
@@ -460,26 +455,11 @@ def wait_first_step(
                 f"step {step.get('step')}: loss {loss:.4f}, {ktok:.1f} Ktok/s",
                 data={"step": step},
             )
-        error = last_of(records, "error")
-        pane = panes.split()
-        if error is not None:
-            why = f"the trainer reported {error.get('kind', 'an error')}: {error.get('message', '')}"
-            break
-        done = last_of(records, "done")
-        if done is not None and done.get("reason") == "max_steps":
-            why = (
-                f"the resumed run was already complete (step {done.get('step')}): nothing left to train; "
-                "`dflash-ops relaunch --fresh` starts a new run"
-            )
-            break
-        if not pane:
-            why = "the tmux session is gone"
-            break
-        if len(pane) >= 2 and pane[1] == "1":
-            why = "the trainer exited" + (f" with code {pane[2]}" if len(pane) >= 3 else "")
-            break
-        if time.monotonic() > deadline:
-            break
+        why = _why_no_step(records, panes.split())
+        if why is None and time.monotonic() > started + timeout_s:
+            why = f"no training step after {timeout_s:g}s"
+        if why is not None:
+            raise _no_first_step(ctx, launched.log, why)
         # each new last line of the log once, as a line that stays; the elapsed time as the status
         line = " ".join(last_line.split())[:160]
         if line and line != shown_line:
@@ -488,14 +468,39 @@ def wait_first_step(
         ctx.status(f"waiting for the first step: {time.monotonic() - started:.0f} s of {timeout_s:g} s")
         ctx.commands.clear()
         time.sleep(poll_s)
+
+
+def _why_no_step(records: list, pane: list[str]) -> str | None:
+    """Why no step will come (the trainer reported an error, had nothing left to train, or is
+    gone), or None while one may still come. `pane`: tmux's pane pid, dead flag, exit status."""
+    from trainer.metrics_format import last_of
+
+    error, done = last_of(records, "error"), last_of(records, "done")
+    if error is not None:
+        return f"the trainer reported {error.get('kind', 'an error')}: {error.get('message', '')}"
+    if done is not None and done.get("reason") == "max_steps":
+        return (
+            f"the resumed run was already complete (step {done.get('step')}): nothing left to train; "
+            "`dflash-ops relaunch --fresh` starts a new run"
+        )
+    if not pane:
+        return "the tmux session is gone"
+    if len(pane) >= 2 and pane[1] == "1":
+        return "the trainer exited" + (f" with code {pane[2]}" if len(pane) >= 3 else "")
+    return None
+
+
+def _no_first_step(ctx: StepContext, log: str, why: str) -> StepFailed:
+    """The failure, with the last lines of the log and the failure signature found in them."""
+    from .logs import find_failures
+
     read = ctx.run(
         f"{quote_argv(['tail', '-n', '400', log])} | tail -c {_WATCH_BYTES}", timeout=30, check=False
     )
-    tail = read.stdout
-    failures = find_failures(tail)
+    failures = find_failures(read.stdout)
     signature = f" (signature: {failures[0].name})" if failures else ""
-    last = "\n    ".join(tail.rstrip().splitlines()[-30:])
-    raise _fail(ctx, f"{why}{signature}\n  last lines of {log}:\n    {last}")
+    last = "\n    ".join(read.stdout.rstrip().splitlines()[-30:])
+    return _fail(ctx, f"{why}{signature}\n  last lines of {log}:\n    {last}")
 
 
 def rollback(ctx: StepContext, job: Job, release: str | None = None) -> StepOutcome:
