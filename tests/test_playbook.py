@@ -445,6 +445,29 @@ def test_a_later_step_takes_what_an_earlier_one_gave(tmp_path, dry_run):
     assert result.steps[1].data == {"text": "hello"}  # a result's typed fields are in its report
 
 
+def test_a_run_lists_its_whole_plan_and_refuses_a_step_out_of_it(tmp_path):
+    from dflash_ops.playbook.run import Run
+
+    with Run("check", make_ctx(tmp_path), ["note", "log_twice", "sleep"]) as run:
+        run(note, "one")
+        for wrong in (sleep, note):  # a bug in the caller: refused before anything of the step runs
+            with pytest.raises(RuntimeError, match=rf"step {wrong.__name__} is not step 2 of its plan"):
+                run(wrong, "two")
+        run(log_twice)
+    assert journal(tmp_path) == ["one"]
+    assert [s.status for s in run.result().steps] == [OK, OK, NOT_RUN]
+
+
+def test_a_failed_step_ends_the_run_and_the_rest_of_the_plan_is_not_run(tmp_path):
+    from dflash_ops.playbook.run import Run
+
+    with Run("check", make_ctx(tmp_path), ["fail", "note"]) as run:
+        run(fail, how="return")
+        run(note, "never")
+    result = run.result()
+    assert [s.status for s in result.steps] == [FAILED, NOT_RUN] and journal(tmp_path) == []
+
+
 def test_steps_get_no_other_input_than_their_arguments():
     fields = {f.name for f in dataclasses.fields(StepContext)}
     assert not fields & {"options", "results", "job"}, fields

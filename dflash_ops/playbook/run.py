@@ -107,7 +107,8 @@ class Run:
         return kind is Halted
 
     def __call__(self, step: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        number, name = self._next(step.__name__)
+        name = step.__name__
+        number = self._next(name)
         self._progress("start", number, name)
         ctx = dataclasses.replace(
             self.ctx,
@@ -138,8 +139,8 @@ class Run:
 
     def skip(self, step: Callable[..., Any] | str, why: str) -> None:
         """Record a planned step as skipped, saying why (`--no-purge`)."""
-        number, name = self._next(step if isinstance(step, str) else step.__name__)
-        self._end(StepReport(number, name, SKIPPED, message=why))
+        name = step if isinstance(step, str) else step.__name__
+        self._end(StepReport(self._next(name), name, SKIPPED, message=why))
 
     def result(self) -> RunResult:
         """The run's result; planned steps after a failure are reported not-run."""
@@ -150,11 +151,12 @@ class Run:
             self.name, self.ctx.target_name, self.ctx.dry_run, tuple(self.reports), seconds, self.source
         )
 
-    def _next(self, name: str) -> tuple[int, str]:
+    def _next(self, name: str) -> int:
+        """The number of step `name`, which must be the plan's next one (else: a bug in the caller)."""
         index = len(self.reports)
         if index >= len(self.plan) or self.plan[index] != name:
             raise RuntimeError(f"{self.name}: step {name} is not step {index + 1} of its plan {self.plan}")
-        return index + 1, name
+        return index + 1
 
     def _progress(self, event: str, number: int, name: str, message: str = "") -> None:
         self.emit(Progress(event, number, len(self.plan), name, self.ctx.target_name, message))

@@ -117,14 +117,17 @@ def bind_options(book: Playbook, library: Library, given: Mapping[str, Any]) -> 
         kind = type(book.options[name])
         value = parse_yaml(value, f"--set {name}") if isinstance(value, str) and kind is not str else value
         if not fits(value, kind):
-            raise InputError(f"option {name!r}: expected {kind.__name__}, got {value!r}")
+            example = {bool: "true", int: "3", float: "0.5", str: "text"}[kind]
+            raise InputError(
+                f"option {name!r}: expected {kind.__name__}, got {value!r}; e.g. --set {name}={example}"
+            )
         values[name] = kind(value)
     given_types: set[type] = set()
     for entry in (e for e in book.steps if e.runs(values)):
         for param in sorted(entry.inputs.required & set(entry.inputs.results)):
             wanted = entry.inputs.results[param]
             if wanted not in given_types:
-                givers = ", ".join(n for n, f in library.items() if inputs_of(f).gives is wanted)
+                givers = " or ".join(n for n, f in library.items() if inputs_of(f).gives is wanted)
                 raise InputError(
                     f"{book.source}:{entry.line}: step {entry.number} ({entry.step}): {param} is what an "
                     f"earlier {givers} step gives, and none runs before it; add one, or the same `when:`"
