@@ -25,16 +25,23 @@ def job_pids(report) -> set[int]:
     return {p.pid for p in report.processes} | set(report.marked_pids)
 
 
-def is_foreign(report, process) -> bool | None:
-    """True/False, or None when it cannot be told (a host pid not visible where the probe ran)."""
-    if process.owner == "gone":
+def ownership(owner: str, visible: bool, is_job: bool) -> bool | None:
+    """The one rule for a process on the job's GPUs: foreign (True) when another container or the
+    host owns it, or when it is visible where the job runs and not the job's; the job's (False);
+    None when it cannot be told (a host pid not visible from inside LXC may be the job's trainer;
+    "gone": it ended while it was looked at)."""
+    if owner == "gone":
         return None
-    if process.owner:
+    if owner:
         return True
+    return (not is_job) if visible else None
+
+
+def is_foreign(report, process) -> bool | None:
+    """ownership() of a process in a probe report."""
     mapped_by_host = (report.gpu.source or "").endswith("Proxmox host")
-    if not mapped_by_host and process.pid not in report.gpu_pids_visible:
-        return None
-    return process.pid not in job_pids(report)
+    visible = mapped_by_host or process.pid in report.gpu_pids_visible
+    return ownership(process.owner, visible, process.pid in job_pids(report))
 
 
 def foreign_on_job_gpus(report, job) -> list[GpuUse]:

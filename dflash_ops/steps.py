@@ -22,6 +22,7 @@ from . import deploy as deploy_lib
 from . import cache_guard, jobpaths, jobstate, launch as launch_lib, tmux
 from .errors import DflashOpsError, StepFailed
 from .gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
+from .gpu_owners import ownership
 from .model import Job
 from .playbook.context import StepContext, StepOutcome
 from .remote import bundle, facts, python_command, shell_command
@@ -178,10 +179,9 @@ def parse_gpu_query(stdout: str):
 
 
 def surely_foreign(others: list[dict]) -> list[dict]:
-    """Those of jobprocs' unidentified processes that are known not to be the job's: another
-    container's or the host's, or visible here outside the job. A host pid that cannot be seen
-    from inside LXC may be the job's own trainer: it is not counted."""
-    return [o for o in others if (o.get("owner") and o["owner"] != "gone") or o.get("visible")]
+    """Those of jobprocs' unidentified processes (none of them in the job's tree or marked) that
+    gpu_owners.ownership() calls foreign."""
+    return [o for o in others if ownership(str(o.get("owner") or ""), bool(o.get("visible")), False)]
 
 
 def _pid_owner(processes: list[dict[str, Any]]) -> set[tuple[int, str]]:
