@@ -47,8 +47,10 @@ def relaunch(
     trainer (`deploy`), launch it (resuming the newest unfinished run unless not `resume`) and wait
     `timeout` seconds at most for its first training step. `on_locked` runs once the lock is ours."""
     from . import steps as s
+    from .grace import check_grace
 
     job = target.job
+    check_grace(job, grace)
     plan = (
         s.preflight,
         s.stop_session,
@@ -97,7 +99,9 @@ def stop(
     OK and never relaunches it; only a relaunch clears it), end its leftover GPU processes and wait
     for them to leave its GPUs."""
     from . import steps as s
+    from .grace import check_grace
 
+    check_grace(target.job, grace)
     if target.transport == "pct" and not dry_run and not _container_running(target):
         why = f"stop: container {target.ctid} is not running, so neither is the job; nothing to stop"
         return NothingToDo(target.name, why)

@@ -77,11 +77,11 @@ def test_relaunch_runs_its_steps_in_order_with_the_jobs_values_and_its_defaults(
 
 
 def test_relaunch_no_purge_no_deploy_fresh(target, calls):
-    result = commands.relaunch(target, purge=False, deploy=False, resume=False, grace=5.0)
+    result = commands.relaunch(target, purge=False, deploy=False, resume=False, grace=35.0)
     assert [c[0] for c in calls] == ["preflight", "stop_session", "kill_gpu_processes", "wait_gpu_free", "launch",
                                      "wait_first_step"]
     assert calls[0][2]["deploy"] is False  # then the release must already be there
-    assert calls[1][2] == {"grace_s": 5.0} and calls[4][2] == {"resume": False}
+    assert calls[1][2] == {"grace_s": 35.0} and calls[4][2] == {"resume": False}
     assert [s.status for s in result.steps] == [OK, OK, OK, OK, SKIPPED, SKIPPED, OK, OK]
     assert [s.message for s in result.steps if s.status == SKIPPED] == ["--no-purge", "--no-deploy"]
 
@@ -96,10 +96,10 @@ def test_a_failed_preflight_stops_nothing(target, calls):
 
 
 def test_stop_records_the_operators_stop_and_waits_only_for_the_jobs_processes(target, calls):
-    result = commands.stop(target, grace=12.0)
+    result = commands.stop(target, grace=42.0)
     job = target.job
     assert [c[:3] for c in calls] == [
-        ("stop_session", (job,), {"grace_s": 12.0}),
+        ("stop_session", (job,), {"grace_s": 42.0}),
         ("mark_stopped", (job,), {}),
         ("kill_gpu_processes", (job,), {}),
         ("wait_gpu_free", (job, calls[2][3]), {"timeout_s": 120.0}),

@@ -33,7 +33,7 @@ def standin(target, mode="train", gpus=((), ()), health=None, **job_fields):
 def quick(**options):
     # import_torch false: preflight only finds torch (the full import costs seconds per relaunch;
     # test_case4 in test_unattended_e2e.py runs it)
-    base = {"timeout": 30.0, "grace": 5.0, "min_free_gib": 0.5, "import_torch": False}
+    base = {"timeout": 30.0, "min_free_gib": 0.5, "import_torch": False}
     base.update(options)
     return base
 
@@ -79,7 +79,7 @@ def test_relaunch_local_then_status_health_tail_stop(local_target, cleanup):
     ops.tail_log(target, lines=3, grep=r"^step \d+", emit=shown.append)
     assert 1 <= len(shown) <= 3 and all(line.startswith("step ") for line in shown)
 
-    stopped = commands.stop(target, grace=5.0)
+    stopped = commands.stop(target)
     assert stopped.ok, stopped.summary()
     assert "1 on SIGTERM" in stopped.steps[0].message or "SIGTERM" in stopped.steps[0].message
     after = ops.check(target)

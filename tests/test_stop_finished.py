@@ -30,7 +30,7 @@ def test_stop_after_the_run_finished_keeps_it_finished_and_tau_stays_in_health(l
                                       lossless=True) + "\n")
     before = json.loads(Path(jobpaths.state_file(target.job)).read_text())
 
-    stopped = commands.stop(target, grace=5.0)
+    stopped = commands.stop(target)
     assert stopped.ok, stopped.summary()
     assert step(stopped, "mark_stopped").message == "job state kept: the run had finished"
     assert job_state(target) == before  # not rewritten

@@ -85,7 +85,7 @@ def test_case1_a_stop_is_never_undone_by_health(pct_target, cleanup, bystander, 
     cleanup(target)
     assert commands.relaunch(target, **quick()).ok
     wait_for(lambda: checkpoints(target, 1), what="a checkpoint")
-    stopped = commands.stop(target, grace=5.0)
+    stopped = commands.stop(target)
     assert stopped.ok, stopped.summary()
     assert step(stopped, "mark_stopped").message == "job state: stopped by dflash-ops stop"
     kept = checkpoints(target, 1)
@@ -147,7 +147,7 @@ def test_case3_purge_cache_deletes_only_what_the_launcher_marked(ssh_target, cle
     assert relaunched.ok, relaunched.summary()
     assert "left " + str(data) + " alone" in step(relaunched, "purge_cache").message
     assert not (data / jobpaths.CACHE_MARKER).exists()  # a dir with foreign files is never adopted
-    assert commands.stop(pointed, grace=5.0).ok
+    assert commands.stop(pointed).ok
     assert (data / "precious.bin").exists()
 
     # the job's own cache: created with the marker by the launch, purged once the job is stopped
@@ -156,7 +156,7 @@ def test_case3_purge_cache_deletes_only_what_the_launcher_marked(ssh_target, cle
     assert (cache / jobpaths.CACHE_MARKER).exists() and (cache / "inductor").is_dir()
     busy = commands.purge_cache(target)
     assert not busy.ok and "the job is running" in busy.failed.message and cache.exists()
-    assert commands.stop(target, grace=5.0).ok
+    assert commands.stop(target).ok
     purged = commands.purge_cache(target)
     assert purged.ok and not cache.exists(), purged.summary()
     assert checkpoints(target, 1) and alive(bystander.pid)
@@ -209,7 +209,7 @@ def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, clean
 
         # stop with the GPU query failing: the job's processes end, so the stop succeeds and says so
         gpu_state_path.write_text(json.dumps(dict(state, driver_error=True)))
-        stopped = commands.stop(target, grace=5.0)
+        stopped = commands.stop(target)
         assert stopped.ok, stopped.summary()
         assert step(stopped, "wait_gpu_free").message.startswith("the job's processes are gone; GPUs not checked")
         assert not alive_in_ct(target, pid)
@@ -249,7 +249,7 @@ def test_case5_6_runs_finish_resume_and_fresh_keep_every_checkpoint(local_target
     assert fresh.ok, fresh.summary()
     assert job_state(target)["run"] == 3
     wait_for(lambda: checkpoints(target, 3), what="a checkpoint of run 3")
-    assert commands.stop(target, grace=5.0).ok
+    assert commands.stop(target).ok
     newest = checkpoints(target, 3)[-1]
     log = Path(job_state(target)["log"]).read_text()
     assert f"last checkpoint {jobpaths.runs_dir(target.job)}/0003/checkpoints/{newest}" in log
@@ -278,7 +278,7 @@ def test_case7_gpu_clean_and_purge_cache_refuse_while_the_job_lives(local_target
     assert "the trainer included" in help_text and "--force" in help_text
 
     # an orphan carrying the job's marker, outside the tmux tree
-    assert commands.stop(target, grace=5.0).ok
+    assert commands.stop(target).ok
     orphan = subprocess.Popen(["sleep", "300"], start_new_session=True,
                               env={**os.environ, jobpaths.JOB_MARKER_ENV: jobpaths.marker_value(target.job)})
     try:
@@ -321,7 +321,7 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
         assert "[foreign]" in ops.status_lib.render_table(checked.status)
 
         began = time.monotonic()
-        stopped = commands.stop(target, grace=5.0, gpu_free_timeout=30.0)
+        stopped = commands.stop(target, gpu_free_timeout=30.0)
         assert stopped.ok, stopped.summary()
         assert time.monotonic() - began < 20  # no wait for a process that is not the job's
         assert f"pid {foreign} sleep on GPU 1" in step(stopped, "kill_gpu_processes").message
@@ -333,7 +333,7 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
         commands.relaunch(crashed, **quick())
         wait_for(lambda: ops.check(crashed).status["session"]["exists"] and
                  not ops.check(crashed).status["session"]["running"], what="the crash")
-        again = commands.stop(crashed, grace=5.0)
+        again = commands.stop(crashed)
         message = step(again, "stop_session").message
         # tmux (3.3a, in the simulated container) now and then marks the pane dead without ever
         # reporting #{pane_dead_status}: stop then says the status is unknown, never "ended N process(es)".

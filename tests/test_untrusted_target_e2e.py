@@ -121,7 +121,7 @@ def test_a_foreign_process_on_a_dead_panes_pid_is_never_the_jobs(pct_target, cle
         checked = ops.check(target)
         assert foreign not in [p["pid"] for p in checked.status["processes"]], checked.status["processes"]
 
-        stopped = commands.stop(target, grace=2.0)
+        stopped = commands.stop(target)
         assert stopped.ok, stopped.summary()
         assert "ended" not in step(stopped, "stop_session").message, step(stopped, "stop_session").message
         assert alive_in(target, foreign), "stop signalled a foreign process that took the dead pane's pid"
@@ -132,7 +132,7 @@ def test_a_foreign_process_on_a_dead_panes_pid_is_never_the_jobs(pct_target, cle
         relaunched = commands.relaunch(finite(target, 400), **quick())
         assert relaunched.ok, relaunched.summary()
         assert alive_in(target, foreign)
-        assert commands.stop(target, grace=5.0).ok
+        assert commands.stop(target).ok
         assert alive_in(target, foreign)
         assert set(kept) <= set(checkpoints(target, 1)) | set(checkpoints(target, 2))
     finally:
@@ -189,7 +189,7 @@ def test_a_cache_dir_through_a_symlink_into_runs_is_refused_on_the_target(ssh_ta
     cleanup(target)
     assert commands.relaunch(target, **quick()).ok
     wait_for(lambda: len(checkpoints(target, 1)) >= 2, what="checkpoints")
-    assert commands.stop(target, grace=5.0).ok
+    assert commands.stop(target).ok
     kept = checkpoints(target, 1)
     work = Path(target.job.workdir)
     (work / "scratch").symlink_to(work / "runs")  # on the target: scratch -> runs
@@ -198,7 +198,7 @@ def test_a_cache_dir_through_a_symlink_into_runs_is_refused_on_the_target(ssh_ta
     inventory = inventory_of(aimed, tmp_path / "inv.json")
     real = work / "runs" / "0001"
 
-    for command in (["purge-cache"], ["relaunch", "--timeout", "30", "--grace", "5"]):
+    for command in (["purge-cache"], ["relaunch", "--timeout", "30"]):
         code, out, err = cli(*command, inventory=inventory)
         line = one_line(out, err)
         assert code == 1, (command, out, err)
@@ -324,7 +324,7 @@ def test_a_stop_that_cannot_be_recorded_fails_loudly_and_is_never_undone(pct_tar
     state.mkdir()  # job-state.json is a directory: no state can be written there
     inventory = inventory_of(target, tmp_path / "inv.json")
 
-    code, out, err = cli("stop", "--grace", "5", inventory=inventory)
+    code, out, err = cli("stop", inventory=inventory)
     assert code == 1 and "Traceback" not in out + err, (out, err)
     assert "mark_stopped" in err and "the stop could not be recorded" in err, err
     assert f"{state} is not a regular file" in err and "job state: stopped" not in out
@@ -351,7 +351,7 @@ def test_a_deleted_logs_number_and_metrics_are_never_reused(pct_target, cleanup,
     old_log = Path(step(first, "launch").data["log"])
     old_metrics = Path(str(old_log)[: -len(".log")] + ".metrics.jsonl")
     wait_for(lambda: old_metrics.read_text().count('"step"') >= 12, what="a dozen steps")
-    assert commands.stop(target, grace=5.0).ok
+    assert commands.stop(target).ok
     before = old_metrics.read_bytes()
     last_old = max(json.loads(line).get("step", 0) for line in before.decode().splitlines())
     old_log.unlink()
@@ -400,7 +400,7 @@ def test_two_relaunches_at_once_one_says_who_runs_and_touches_nothing(pct_target
     cleanup(target)
     inventory = inventory_of(target, tmp_path / "inv.json")
     argv = [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "relaunch", "-t", target.name,
-            "--timeout", "60", "--grace", "5"]
+            "--timeout", "60", "--grace", "30"]
     winner = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -432,7 +432,7 @@ def test_the_lock_goes_with_a_command_that_dies(pct_target, cleanup, tmp_path):
     inventory = inventory_of(target, tmp_path / "inv.json")
     lock = Path(jobpaths.lock_file(target.job))
     argv = [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "relaunch", "-t", target.name,
-            "--timeout", "60", "--grace", "5"]
+            "--timeout", "60", "--grace", "30"]
     doomed = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(lambda: lock.exists() and lock.read_text().strip(), what="the relaunch to hold the lock")
     doomed.kill()  # SIGKILL: no cleanup of ours runs; the connection closes with the process

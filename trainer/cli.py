@@ -13,7 +13,7 @@ import sys
 
 
 from .config import COMPILE_LOCK_MODES, ATTENTION_BACKENDS, LAUNCHERS, ConfigError
-from .typed_yaml import parse_value
+from .typed_yaml import closest_match, parse_value
 from .errors import input_error, run_command
 
 # torch is imported only once the config, the arguments and the paths are known good: every input
@@ -133,10 +133,8 @@ SUBCOMMANDS = ("export", "data", "eval", "report")
 
 def _refuse_unknown_subcommand(word: str) -> None:
     """Training takes only options, so a bare first word is a subcommand: name the closest one."""
-    import difflib
-
-    close = difflib.get_close_matches(word, SUBCOMMANDS, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    close = closest_match(word, SUBCOMMANDS)
+    hint = f" (did you mean {close!r}?)" if close else ""
     _train_parser().error(f"unknown command {word!r}{hint}; commands: {', '.join(SUBCOMMANDS)}, "
                           "or train with options only (--config ...)")
 

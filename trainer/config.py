@@ -19,6 +19,7 @@ from .compile_lock import COMPILE_LOCK_MODES
 from .trackers import TRACKERS
 from .compile_modes import COMPILE_MODES, REFUSED_COMPILE_MODES
 from .launchers import DEFAULT_LAUNCHER, LAUNCHERS
+from .stop_timing import DEFAULT_STOP_GRACE_S
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 ATTENTION_BACKENDS = ("flex", "sdpa")
@@ -105,7 +106,7 @@ class RunConfig:
     compile_mode: str = "default"  # torch.compile mode of flex_attention (trainer.compile_modes)
     # After SIGTERM/SIGINT: seconds the running step may take before the trainer exits without a
     # checkpoint (a thread stuck in a compile must not keep the process alive). Below ops' --grace.
-    stop_grace_s: float = 20.0
+    stop_grace_s: float = DEFAULT_STOP_GRACE_S  # see trainer.stop_timing
     checkpoint_every: int = 100
     keep_last: int = 3
     log_every: int = 1

@@ -15,8 +15,8 @@
   checkpoint is written.
 
 `dflash-ops stop|relaunch --grace S` (default 30) sends ONE SIGTERM to the job's processes and
-SIGKILLs whatever is left after S seconds; keep run.stop_grace_s + WATCHDOG_MARGIN_S + 1 below it
-so that a stuck trainer is ended by itself or its watchdog, with their log lines, before that SIGKILL.
+SIGKILLs whatever is left after S seconds; trainer.stop_timing says how much S must leave, so that
+a stuck trainer is ended by itself or its watchdog, with their log lines, before that SIGKILL.
 """
 from __future__ import annotations
 
@@ -27,16 +27,16 @@ import sys
 import threading
 import time
 
+from .stop_timing import DEFAULT_STOP_GRACE_S, WATCHDOG_MARGIN_S
 from .stop_watchdog import StopWatchdog
 
 EXIT_ABORTED = 130
-WATCHDOG_MARGIN_S = 8.0
 
 
 class StopRequest:
     """SIGTERM/SIGINT ask for a graceful stop (finish the step, checkpoint, exit); a second one aborts."""
 
-    def __init__(self, grace_s: float = 20.0, watchdog: bool = False):
+    def __init__(self, grace_s: float = DEFAULT_STOP_GRACE_S, watchdog: bool = False):
         self.grace_s = grace_s
         self.use_watchdog = watchdog
         self.requested = False

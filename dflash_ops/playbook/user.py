@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import yaml
+
+from trainer.typed_yaml import did_you_mean
 
 from ..errors import InputError
 from ..strict_yaml import parse_yaml
@@ -202,5 +203,5 @@ def parse_option_assignments(pairs: Iterable[str]) -> dict[str, str]:
 
 
 def _close(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    hint = did_you_mean(str(word), choices)
+    return f" ({hint})" if hint else ""
