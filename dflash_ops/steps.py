@@ -455,7 +455,7 @@ def wait_first_step(
                 f"step {step.get('step')}: loss {loss:.4f}, {ktok:.1f} Ktok/s",
                 data={"step": step},
             )
-        why = _why_no_step(records, panes.split())
+        why = _why_no_step(records, panes)
         if why is None and time.monotonic() > started + timeout_s:
             why = f"no training step after {timeout_s:g}s"
         if why is not None:
@@ -470,9 +470,9 @@ def wait_first_step(
         time.sleep(poll_s)
 
 
-def _why_no_step(records: list, pane: list[str]) -> str | None:
+def _why_no_step(records: list, panes: str) -> str | None:
     """Why no step will come (the trainer reported an error, had nothing left to train, or is
-    gone), or None while one may still come. `pane`: tmux's pane pid, dead flag, exit status."""
+    gone), or None while one may still come. `panes`: tmux.pane_pids' answer."""
     from trainer.metrics_format import last_of
 
     error, done = last_of(records, "error"), last_of(records, "done")
@@ -483,11 +483,7 @@ def _why_no_step(records: list, pane: list[str]) -> str | None:
             f"the resumed run was already complete (step {done.get('step')}): nothing left to train; "
             "`dflash-ops relaunch --fresh` starts a new run"
         )
-    if not pane:
-        return "the tmux session is gone"
-    if len(pane) >= 2 and pane[1] == "1":
-        return "the trainer exited" + (f" with code {pane[2]}" if len(pane) >= 3 else "")
-    return None
+    return tmux.pane_problem(panes)
 
 
 def _no_first_step(ctx: StepContext, log: str, why: str) -> StepFailed:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 
 from .model import Job
+from .remote import procs
 
 
 def tmux(job: Job, *args: str) -> str:
@@ -24,20 +25,19 @@ def has_session(job: Job) -> str:
 
 
 def pane_pids(job: Job) -> str:
-    """Prints `PID DEAD STATUS` for every pane (nothing when the session is gone)."""
-    # `=NAME:` (the session's windows): list-panes -s -t =NAME still prefix-matches in tmux 3.3
-    return (
-        tmux(
-            job,
-            "list-panes",
-            "-s",
-            "-t",
-            exact(job) + ":",
-            "-F",
-            "#{pane_pid} #{pane_dead} #{pane_dead_status}",
-        )
-        + " 2>/dev/null"
-    )
+    """Prints the session's panes as remote.procs.PANE_FORMAT lines (nothing when it is gone)."""
+    return shlex.join(procs.pane_command(job.tmux_socket, job.session)) + " 2>/dev/null"
+
+
+def pane_problem(answer: str) -> str | None:
+    """Why the job's trainer is not running, from pane_pids' answer (None while it runs)."""
+    panes = procs.parse_panes(answer)
+    if not panes:
+        return "the tmux session is gone"
+    if panes[0]["dead"]:
+        status = panes[0]["status"]
+        return "the trainer exited" + (f" with code {status}" if status is not None else "")
+    return None
 
 
 def kill_session(job: Job) -> str:

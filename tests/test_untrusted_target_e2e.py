@@ -455,18 +455,18 @@ def test_a_live_panes_pid_needs_proof_a_foreign_process_there_is_never_a_root():
         table = procs.process_table()
         started = procs.started_at(table, foreign.pid, procs.boot_time())
         answer = "\n".join([
-            f"{foreign.pid}\t0\t\t{int(started) - 600}",  # alive per tmux, but started long after the session
-            f"{marked.pid}\t0\t\t{int(started) - 600}",  # the same, carrying the job's marker: the job's
-            f"{foreign.pid}\t1\t0\t{int(started)}",  # dead: never a root, whenever it started
-            "garbage\tline", "12x\t0\t\t1",
+            f"{foreign.pid}:0::{int(started) - 600}",  # alive per tmux, but started long after the session
+            f"{marked.pid}:0::{int(started) - 600}",  # the same, carrying the job's marker: the job's
+            f"{foreign.pid}:1:0:{int(started)}",  # dead: never a root, whenever it started
+            "garbage:line", "12x:0::1",
         ])
         panes = procs.parse_panes(answer)
         assert [p["pid"] for p in panes] == [foreign.pid, marked.pid, foreign.pid]
         assert procs.owned_pane_roots(panes, table, marker) == [marked.pid]
         assert foreign.pid not in procs.job_pids(panes, table, marker)
-        fresh = procs.parse_panes(f"{foreign.pid}\t0\t\t{int(started)}")  # forked with its session: the job's
+        fresh = procs.parse_panes(f"{foreign.pid}:0::{int(started)}")  # forked with its session: the job's
         assert procs.owned_pane_roots(fresh, table, marker) == [foreign.pid]
-        assert len(procs.parse_panes("1\t0\n" * 1000)) == procs.MAX_PANES
+        assert len(procs.parse_panes("1:0\n" * 1000)) == procs.MAX_PANES
     finally:
         for proc in (foreign, marked):
             proc.kill()
@@ -491,3 +491,23 @@ def test_an_unreachable_target_is_left_to_the_preflight_not_the_lock(silent_serv
     result = commands.relaunch(target, **quick())
     assert result.failed.step == "preflight" and "check 'reachable'" in result.failed.message
     assert "nothing was stopped" in result.failed.message
+
+
+@pytest.mark.parametrize("locale", [{}, {"LANG": "C.UTF-8"}])
+def test_the_pane_answer_reads_the_same_outside_a_utf8_locale(tmp_path, locale):
+    """cron and a bare ssh session run tmux in the C locale, where it prints a tab as "_": the pane
+    list must still read as the live pane it is (else health would call a running job gone)."""
+    from dflash_ops import tmux
+    from dflash_ops.remote import procs
+
+    socket = f"locale-{os.getpid()}-{len(locale)}"
+    subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", "job", "sleep 60"], check=True)
+    try:
+        bare = {k: v for k, v in os.environ.items() if not k.startswith(("LANG", "LC_"))}  # the C locale
+        env = {**bare, **locale}
+        answer = subprocess.run(procs.pane_command(socket, "job"), env=env, capture_output=True, text=True).stdout
+        panes = procs.parse_panes(answer)
+        assert len(panes) == 1 and not panes[0]["dead"] and panes[0]["created"], answer
+        assert tmux.pane_problem(answer) is None
+    finally:
+        subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)

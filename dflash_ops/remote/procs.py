@@ -15,8 +15,13 @@ Descendants of a root are the job's too.
 import os
 import time
 
-# tmux's answer, one line per pane (tabs: an empty exit status must not shift the fields)
-PANE_FORMAT = "#{pane_pid}\t#{pane_dead}\t#{pane_dead_status}\t#{session_created}"
+# tmux's answer, one line per pane. The separator is printable: outside a UTF-8 locale (cron, a
+# bare ssh session) tmux prints a tab as "_". Split on it, not on runs of blanks, so that an empty
+# exit status does not shift the fields.
+PANE_SEPARATOR = ":"
+PANE_FORMAT = PANE_SEPARATOR.join(
+    ("#{pane_pid}", "#{pane_dead}", "#{pane_dead_status}", "#{session_created}")
+)
 MAX_PANES = 64  # a job's session has one pane; more lines than this are not a tmux answer
 # The pane's first process is forked while tmux creates the session: a process that started more
 # than this after the session's creation did not (a foreign process on a reused pid)
@@ -46,7 +51,7 @@ def parse_panes(out):
     are skipped (status None when tmux has not reported it yet, created None when unknown)."""
     found = []
     for line in (out or "").splitlines()[:MAX_PANES]:
-        parts = line.split("\t")
+        parts = line.split(PANE_SEPARATOR)
         if len(parts) < 2 or not _digits(parts[0]) or parts[1] not in ("0", "1"):
             continue
         dead = parts[1] == "1"
