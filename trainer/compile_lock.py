@@ -48,6 +48,7 @@ harness); "patch" (`is_fx_symbolic_tracing` monkeypatched to False, for experime
 installed before torch.compile wraps anything, because the wrapper captures that function when it
 is created). A benchmark measures other policies by overriding `CompileGuard.exclusive_reason`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -288,7 +289,9 @@ class CompileGuard:
 
     # ---- the step ----------------------------------------------------------------------
     @contextlib.contextmanager
-    def step(self, thread_name: str, step: int, shape_key: tuple, device: str | None = None) -> Iterator[None]:
+    def step(
+        self, thread_name: str, step: int, shape_key: tuple, device: str | None = None
+    ) -> Iterator[None]:
         """Hold around one thread's whole forward+backward (nothing that waits on other threads).
 
         `device`: where this step's tensors live; a checkpoint recompute in a GPU's autograd thread
@@ -420,16 +423,18 @@ class CompileGuard:
                 }
             )
 
-    def _claim_for_compile(
-        self, context: _StepContext | None
-    ) -> tuple[_StepContext | None, str, bool]:
+    def _claim_for_compile(self, context: _StepContext | None) -> tuple[_StepContext | None, str, bool]:
         """Make sure nobody else is inside a step while this thread compiles (mode lock).
 
         Returns (the step this compile belongs to, reason, whether we took the lock here).
         """
         if context is not None:
-            if self.mode == "lock" and context.hold == "shared" and getattr(_tls, "adopted", False) \
-                    and self._others_share_device(context):
+            if (
+                self.mode == "lock"
+                and context.hold == "shared"
+                and getattr(_tls, "adopted", False)
+                and self._others_share_device(context)
+            ):
                 # A recompute in the autograd thread of a GPU that other running steps also use:
                 # their backward waits on this thread, so we cannot wait for them (see top).
                 self._escalate()
@@ -462,9 +467,11 @@ class CompileGuard:
 
     def _others_share_device(self, context: _StepContext) -> bool:
         with self._state_lock:
-            return any(other is not context and (other.device is None or context.device is None
-                                                 or other.device == context.device)
-                       for other in self._active.values())
+            return any(
+                other is not context
+                and (other.device is None or context.device is None or other.device == context.device)
+                for other in self._active.values()
+            )
 
     def _escalate(self) -> None:
         with self._state_lock:

@@ -9,6 +9,7 @@ mask (the block sees the whole cached context and itself, which is what the trai
 reproduces). It reuses the drafter's own submodules, so it holds no weights of its own; a test
 checks it against the training forward.
 """
+
 from __future__ import annotations
 
 import torch

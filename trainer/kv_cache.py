@@ -1,5 +1,6 @@
 """The target's forward with an HF KV cache, the same way in every transformers version the trainer
 supports: the cache argument's name changed (`past_key_values` -> `cache`), DynamicCache did not."""
+
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,9 @@ def _cache_argument(model_class) -> str:
 
 def forward(model, ids: torch.Tensor, cache, hidden: bool = False):
     """The model's forward over `ids` [B, T], appending to `cache`."""
-    return model(input_ids=ids, use_cache=True, output_hidden_states=hidden, **{_cache_argument(type(model)): cache})
+    return model(
+        input_ids=ids, use_cache=True, output_hidden_states=hidden, **{_cache_argument(type(model)): cache}
+    )
 
 
 def crop(cache, length: int) -> None:

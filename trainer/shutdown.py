@@ -18,6 +18,7 @@
 SIGKILLs whatever is left after S seconds; keep run.stop_grace_s + WATCHDOG_MARGIN_S + 1 below it
 so that a stuck trainer is ended by itself or its watchdog, with their log lines, before that SIGKILL.
 """
+
 from __future__ import annotations
 
 import faulthandler

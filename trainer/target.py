@@ -4,6 +4,7 @@ Feature convention (what inference engines feed the drafter): for each target la
 `output_hidden_states[l + 1]` (index 0 is the embedding output), concatenated in the order given.
 Only the layers up to the last chosen one are run: a hook stops the forward right after it.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,7 +40,8 @@ def default_layer_ids(num_layers: int, k: int = 5) -> list[int]:
     if num_layers < 4:
         raise ConfigError(
             f"target.layer_ids: a target with {num_layers} layers is too shallow for the default "
-            f"spread 1..num_layers-3. Fix: set target.layer_ids explicitly, e.g. [0]")
+            f"spread 1..num_layers-3. Fix: set target.layer_ids explicitly, e.g. [0]"
+        )
     first, last = 1, num_layers - 3
     if k == 1:
         return [first]
@@ -53,7 +55,8 @@ def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
         raise ConfigError(
             f"target.layer_ids: {layer_ids} must be a non-empty list of layer indices in "
             f"[0, {num_layers - 1}] (the target has {num_layers} layers). "
-            f"Fix: pick ids from that range or leave it null for the default spread")
+            f"Fix: pick ids from that range or leave it null for the default spread"
+        )
 
 
 def _decoder_of(model: nn.Module) -> nn.Module:
@@ -62,15 +65,15 @@ def _decoder_of(model: nn.Module) -> nn.Module:
     if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
         raise ConfigError(
             f"target.spec: {type(model).__name__} does not expose decoder `.layers` and `.norm`. "
-            f"Fix: use a Llama/Qwen-style causal LM")
+            f"Fix: use a Llama/Qwen-style causal LM"
+        )
     return decoder
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
     """The tokenizer's mask token, else its pad token, else the last embedding row."""
     if tokenizer is not None:
-        for token_id in (getattr(tokenizer, "mask_token_id", None),
-                         getattr(tokenizer, "pad_token_id", None)):
+        for token_id in (getattr(tokenizer, "mask_token_id", None), getattr(tokenizer, "pad_token_id", None)):
             if token_id is not None and 0 <= token_id < vocab_size:
                 return int(token_id)
     return vocab_size - 1
@@ -143,7 +146,8 @@ def tiny_target(device: str, dtype, seed: int, tiny: dict | None):
     if unknown:
         raise ConfigError(
             f"target.tiny: unknown Qwen3Config key(s) {sorted(unknown)}. "
-            f"Fix: use Qwen3Config fields such as {', '.join(sorted(TINY_DEFAULTS))}")
+            f"Fix: use Qwen3Config fields such as {', '.join(sorted(TINY_DEFAULTS))}"
+        )
     values.update(tiny or {})
     config = Qwen3Config(**values)
     config._attn_implementation = "sdpa"
@@ -160,12 +164,15 @@ def _hf_target(path: str, device: str, dtype):
     if not os.path.isdir(path):
         raise ConfigError(
             f"target.spec: {path!r} is neither 'tiny-random' nor a local directory. "
-            f"Fix: point it at a downloaded Hugging Face model directory (config.json + weights)")
+            f"Fix: point it at a downloaded Hugging Face model directory (config.json + weights)"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"target.spec: cannot load a causal LM from {path!r}: {exc}. "
-                          f"Fix: check that the directory holds config.json and weights") from exc
+        raise ConfigError(
+            f"target.spec: cannot load a causal LM from {path!r}: {exc}. "
+            f"Fix: check that the directory holds config.json and weights"
+        ) from exc
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError):
@@ -189,5 +196,10 @@ def load_target(
     num_layers = len(_decoder_of(model).layers)
     ids = list(layer_ids) if layer_ids is not None else default_layer_ids(num_layers)
     vocab_size = model.get_input_embeddings().weight.shape[0]
-    return TargetModel(model=model, layer_ids=ids, tokenizer=tokenizer, device=str(device),
-                       mask_token_id=default_mask_token_id(tokenizer, vocab_size))
+    return TargetModel(
+        model=model,
+        layer_ids=ids,
+        tokenizer=tokenizer,
+        device=str(device),
+        mask_token_id=default_mask_token_id(tokenizer, vocab_size),
+    )

@@ -15,6 +15,7 @@ Any exception in any thread stops everything: the stop event is set, the barrier
 drained, and the first real error (not a consequence such as BrokenBarrierError) is re-raised in
 the main thread as WorkerFailure, carrying the worker's traceback.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,6 +47,7 @@ class WorkerFailure(Exception):
 @dataclasses.dataclass
 class Failure:
     """Why a run ends, with a worker thread's exception unwrapped from its WorkerFailure."""
+
     raised: BaseException  # what reached the main thread
     original: BaseException  # what went wrong, in whichever thread
     where: str  # " in thread drafter1", or "" for the main thread
@@ -142,9 +144,19 @@ class _Failures:
 class TrainingWorkers:
     """Start with `start(first_step, total_steps)`, then `run_step(step)` per step; `close()` always."""
 
-    def __init__(self, *, targets: list, replicas: list[Replica], dataset: Dataset, plan: BatchPlan,
-                 compute_loss: Callable[[Replica, Batch], LossOutput], guard, grad_clip: float,
-                 feature_dtype: Callable[[str], torch.dtype], queue_depth: int = 2):
+    def __init__(
+        self,
+        *,
+        targets: list,
+        replicas: list[Replica],
+        dataset: Dataset,
+        plan: BatchPlan,
+        compute_loss: Callable[[Replica, Batch], LossOutput],
+        guard,
+        grad_clip: float,
+        feature_dtype: Callable[[str], torch.dtype],
+        queue_depth: int = 2,
+    ):
         self.targets = targets
         self.replicas = replicas
         self.dataset = dataset
@@ -188,18 +200,27 @@ class TrainingWorkers:
             reason = give_up() if give_up is not None else None
             if reason:
                 done = {rep.replica for rep in reports}
-                busy = [f"{r.name} ({self._doing.get(r.name, '?')})" for r in self.replicas if r.index not in done]
-                raise StepAbandoned(f"{reason}: step {step + 1} did not finish: {', '.join(busy)}; "
-                                    "exiting without a checkpoint")
+                busy = [
+                    f"{r.name} ({self._doing.get(r.name, '?')})" for r in self.replicas if r.index not in done
+                ]
+                raise StepAbandoned(
+                    f"{reason}: step {step + 1} did not finish: {', '.join(busy)}; "
+                    "exiting without a checkpoint"
+                )
             try:
                 reports.append(self._reports.get(timeout=POLL_S))
             except queue.Empty:
                 pass
         reports.sort(key=lambda rep: rep.replica)
         acc = torch.stack([rep.acc for rep in reports]).mean(0)
-        return StepSummary(step=step + 1, loss=sum(rep.loss for rep in reports) / len(reports),
-                           acc=[float(a) for a in acc], tokens=sum(rep.tokens for rep in reports),
-                           grad_norm=self._grad_norm, lr=reports[0].lr)
+        return StepSummary(
+            step=step + 1,
+            loss=sum(rep.loss for rep in reports) / len(reports),
+            acc=[float(a) for a in acc],
+            tokens=sum(rep.tokens for rep in reports),
+            grad_norm=self._grad_norm,
+            lr=reports[0].lr,
+        )
 
     def close(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """Stop all threads: no thread is left blocked on a queue or the barrier.
@@ -249,7 +270,9 @@ class TrainingWorkers:
         for step in range(first_step, total_steps):
             for r in served:
                 replica = self.replicas[r]
-                batch = make_batch(self.dataset, self.plan, step, replica.index)  # from a feature cache: has features
+                batch = make_batch(
+                    self.dataset, self.plan, step, replica.index
+                )  # from a feature cache: has features
                 features = batch.features
                 if features is None:
                     mask = batch.attention_mask.to(target.device)
@@ -284,8 +307,15 @@ class TrainingWorkers:
             replica.optimizer.step()
             replica.scheduler.step()
             replica.optimizer.zero_grad(set_to_none=True)
-            self._reports.put(_Report(replica.index, float(out.loss.detach()), out.acc.detach().float().cpu(),
-                                      int(out.tokens), lr))
+            self._reports.put(
+                _Report(
+                    replica.index,
+                    float(out.loss.detach()),
+                    out.acc.detach().float().cpu(),
+                    int(out.tokens),
+                    lr,
+                )
+            )
 
     def _average_gradients(self) -> None:
         """Barrier action (one thread, all others parked): mean grads, clip, copy to every replica."""
@@ -302,8 +332,11 @@ class TrainingWorkers:
                 g = g.detach().to(home, torch.float32)
                 total = g.clone() if total is None else total.add_(g)
             averaged.append(total.div_(len(params)) if len(params) > 1 else total)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in averaged])) \
-            if averaged else torch.tensor(0.0)
+        norm = (
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in averaged]))
+            if averaged
+            else torch.tensor(0.0)
+        )
         scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
         for i, avg in enumerate(averaged):
             avg.mul_(scale)
