@@ -225,7 +225,7 @@ def _static(decoder, prompts, max_new_tokens, reference, key_of, progress) -> _D
             found.target_tokens += sum(len(t) for t in cached)
             found.target_seconds += own.seconds
             if reference is not None:
-                reference.update({key_of(p): t for p, t in zip(chunk, cached)})
+                reference.update({key_of(p): t for p, t in zip(chunk, cached, strict=True)})
         spec = decoder.decode(chunk, max_new_tokens, speculative=True)
         found.own += cached
         found.spec += [r.tokens for r in spec.results]
@@ -279,10 +279,10 @@ def check_lossless(target, prompts, own, spec) -> tuple[int, Mismatch | None]:
     from .lossless import judge
 
     ties, bug = 0, None
-    for index, (prompt, a, b) in enumerate(zip(prompts, own, spec)):
+    for index, (prompt, a, b) in enumerate(zip(prompts, own, spec, strict=True)):
         if a == b:
             continue
-        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         expected = a[at] if at < len(a) else -1
         got = b[at] if at < len(b) else -1
         verdict = judge(target, prompt + a[:at], expected, got) if target is not None else None

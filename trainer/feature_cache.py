@@ -457,7 +457,8 @@ def write_cache(
         f"feature cache: {estimate['sequences']} sequences to write ({start} already cached), "
         f"{estimate['tokens']} tokens x {len(target.layer_ids)} layers x {target.hidden_size} hidden x "
         f"{DTYPES[header['dtype']].itemsize} bytes = {human_bytes(estimate['bytes'])} "
-        f"({human_bytes(estimate['bytes_per_1k_tokens'])} per 1k tokens); free on {cache_dir}: {human_bytes(free)}"
+        f"({human_bytes(estimate['bytes_per_1k_tokens'])} per 1k tokens); "
+        f"free on {cache_dir}: {human_bytes(free)}"
     )
     if estimate["bytes"] > free:
         raise DataError(

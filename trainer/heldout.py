@@ -49,7 +49,7 @@ def split_heldout(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset
 def prompts_of(dataset: Dataset) -> list[list[int]]:
     """Each row's real tokens before its first trained position (rows with no such prefix are skipped)."""
     prompts = []
-    for ids, mask, real in zip(dataset.input_ids, dataset.loss_mask, dataset.attention_mask):
+    for ids, mask, real in zip(dataset.input_ids, dataset.loss_mask, dataset.attention_mask, strict=True):
         trained = mask.nonzero()
         end = int(trained[0]) if len(trained) else int(real.sum())
         prompt = ids[:end][real[:end]].tolist()

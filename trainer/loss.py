@@ -183,7 +183,8 @@ LOSS_KERNELS = ("auto", "eager", "compiled")
 
 
 def loss_kernel_for(device: torch.device | str, kernel: str = "auto") -> str:
-    """ "auto": the compiled chunk on CUDA, the eager one elsewhere (CPU compiles cost more than they save)."""
+    """The kernel for "auto": the compiled chunk on CUDA, the eager one elsewhere (CPU compiles cost
+    more than they save)."""
     if kernel not in LOSS_KERNELS:
         raise ValueError(f"loss kernel {kernel!r} is unknown; use one of {', '.join(LOSS_KERNELS)}")
     if kernel != "auto":

@@ -104,21 +104,21 @@ class DrafterConfig:
         the others may be overridden (e.g. num_layers=1 for a quick run).
         """
         hf = target.config
-        values = dict(
-            hidden_size=target.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=getattr(hf, "head_dim", None) or target.hidden_size // hf.num_attention_heads,
-            vocab_size=target.vocab_size,
-            mask_token_id=target.mask_token_id,
-            target_layer_ids=list(target.layer_ids),
-            rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta_of(hf),
-            num_target_layers=target.num_layers,
-            max_position_embeddings=getattr(hf, "max_position_embeddings", None),
-            rope_scaling=_rope_scaling_of(hf),
-        )
+        values = {
+            "hidden_size": target.hidden_size,
+            "intermediate_size": hf.intermediate_size,
+            "num_heads": hf.num_attention_heads,
+            "num_kv_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            "head_dim": getattr(hf, "head_dim", None) or target.hidden_size // hf.num_attention_heads,
+            "vocab_size": target.vocab_size,
+            "mask_token_id": target.mask_token_id,
+            "target_layer_ids": list(target.layer_ids),
+            "rms_norm_eps": getattr(hf, "rms_norm_eps", 1e-6),
+            "rope_theta": _rope_theta_of(hf),
+            "num_target_layers": target.num_layers,
+            "max_position_embeddings": getattr(hf, "max_position_embeddings", None),
+            "rope_scaling": _rope_scaling_of(hf),
+        }
         values.update(overrides)
         return cls(**values)
 

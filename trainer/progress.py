@@ -1,4 +1,5 @@
-"""A progress line for long data jobs: a bar with items/s and ETA on a TTY, a plain line now and then elsewhere."""
+"""A progress line for long data jobs: a bar with items/s and ETA on a TTY, a plain line now and then
+elsewhere."""
 
 from __future__ import annotations
 

@@ -162,9 +162,9 @@ class Generator:
             attn[row, width - len(prompt) :] = 1
         sampling = self.opts.temperature > 0
         extra = (
-            dict(do_sample=True, temperature=self.opts.temperature, top_p=self.opts.top_p)
+            {"do_sample": True, "temperature": self.opts.temperature, "top_p": self.opts.top_p}
             if sampling
-            else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+            else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
         )
         out = self.model.generate(
             input_ids=ids.to(self.device),
@@ -209,7 +209,7 @@ class Generator:
             for start in range(0, len(batch), self.opts.batch_size):
                 chunk = slice(start, start + self.opts.batch_size)
                 for conv, prompt, (tokens, cut) in zip(
-                    batch[chunk], prompts[chunk], self.generate(prompts[chunk])
+                    batch[chunk], prompts[chunk], self.generate(prompts[chunk]), strict=True
                 ):
                     conv.messages[conv.slots[conv.done]]["content"] = self.tokenizer.decode(
                         tokens, skip_special_tokens=True
@@ -346,7 +346,7 @@ def regenerate(
         ThreadPoolExecutor(max_workers=len(generators)) as pool,
     ):
         while True:
-            chunk = [item for _, item in zip(range(chunk_size), lines)]
+            chunk = [item for _, item in zip(range(chunk_size), lines, strict=False)]
             if not chunk:
                 break
             results: dict[int, Conversation | Reject] = {}
@@ -361,7 +361,7 @@ def regenerate(
             if len(generators) == 1:  # in this thread: CPU torch in a pool thread runs far slower
                 results.update(generators[0].run(shares[0]))
             else:
-                for part in pool.map(lambda pair: pair[0].run(pair[1]), zip(generators, shares)):
+                for part in pool.map(lambda pair: pair[0].run(pair[1]), zip(generators, shares, strict=True)):
                     results.update(part)
             for index, text in chunk:  # input order
                 result = results[index]

@@ -36,7 +36,7 @@ class Decoded:
 
 def features_of(hidden_states, layer_ids) -> torch.Tensor:
     """[T, K*H] drafter context features from HF hidden_states (index l+1 for layer l)."""
-    return torch.cat([hidden_states[l + 1][0] for l in layer_ids], dim=-1)
+    return torch.cat([hidden_states[layer + 1][0] for layer in layer_ids], dim=-1)
 
 
 def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:

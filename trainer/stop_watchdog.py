@@ -103,7 +103,8 @@ class StopWatchdog:
 
 
 def _let_go_in_forked_child() -> None:
-    """A forked child's signals are not the trainer's, and its copy of the pipe would hide the trainer's exit."""
+    """A forked child's signals are not the trainer's, and its copy of the pipe would hide the trainer's
+    exit."""
     global _running
     if _running is not None:
         try:

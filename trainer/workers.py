@@ -322,7 +322,7 @@ class TrainingWorkers:
         home = torch.device(self.replicas[0].device)
         per_replica = [r.trainable() for r in self.replicas]
         averaged = []
-        for params in zip(*per_replica):
+        for params in zip(*per_replica, strict=True):
             total = None
             for p in params:  # fixed replica order: the sum does not depend on thread timing
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
