@@ -18,6 +18,7 @@ import random
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from .files import follow_umask
 
@@ -127,7 +128,7 @@ def _require_complete(path: str) -> None:
 def rng_state(devices: list[str]) -> dict:
     import torch
 
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": {}}
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": {}}
     for dev in sorted(set(devices)):
         if dev.startswith("cuda") and torch.cuda.is_available():
             state["cuda"][dev] = torch.cuda.get_rng_state(torch.device(dev))

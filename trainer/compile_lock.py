@@ -81,7 +81,7 @@ class CompileLockTimeout(CompileLockError):
     """Waited too long for other threads to leave their steps (a step is blocked on something)."""
 
 
-def is_fx_tracing_error(exc: BaseException) -> bool:
+def is_fx_tracing_error(exc: BaseException | None) -> bool:
     """True for the FX-tracing race's error, however torch wrapped it."""
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -600,7 +600,8 @@ def _install_compile_hook() -> None:
                         yield
 
             try:
-                handler.install_callbacks = install_callbacks
+                # deliberate: torch's handler method replaced by our wrapper (see the docstring)
+                handler.install_callbacks = install_callbacks  # type: ignore[method-assign]
                 _hook_kind = "scope"
                 return
             except (AttributeError, TypeError):

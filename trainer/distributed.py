@@ -138,7 +138,7 @@ def _gather(vector: torch.Tensor, world_size: int) -> list[torch.Tensor]:
 def dataset_digest(dataset: Dataset) -> int:
     h = hashlib.sha256()
     for t in (dataset.input_ids, dataset.loss_mask, dataset.attention_mask):
-        h.update(t.contiguous().cpu().numpy())  # the buffer itself, no copy of a large dataset
+        h.update(t.contiguous().cpu().numpy().data)  # the buffer itself, no copy of a large dataset
     return int.from_bytes(h.digest()[:7], "little")
 
 

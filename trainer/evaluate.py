@@ -21,7 +21,7 @@ import dataclasses
 import math
 import statistics
 import time
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
@@ -103,7 +103,7 @@ def load_prompts(path: str, tokenizer=None, vocab_size: int | None = None) -> li
         else:
             raise DataError(where, 'expected {"messages": [...]} or {"input_ids": [...]}.')
         bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
-        if bad:
+        if bad and vocab_size is not None:  # bad is empty without a vocab_size
             raise DataError(
                 where,
                 f"token {bad[0]} is outside the target's vocabulary "
@@ -219,15 +219,18 @@ def _static(decoder, prompts, max_new_tokens, reference, key_of, progress) -> _D
     for lo in range(0, len(prompts), decoder.rows):
         chunk = prompts[lo : lo + decoder.rows]
         cached = [reference.get(key_of(p)) if reference is not None else None for p in chunk]
+        own_tokens: list[list[int]]
         if any(c is None for c in cached):
             own = decoder.decode(chunk, max_new_tokens, speculative=False)
-            cached = [r.tokens for r in own.results]
-            found.target_tokens += sum(len(t) for t in cached)
+            own_tokens = [r.tokens for r in own.results]
+            found.target_tokens += sum(len(t) for t in own_tokens)
             found.target_seconds += own.seconds
             if reference is not None:
-                reference.update({key_of(p): t for p, t in zip(chunk, cached, strict=True)})
+                reference.update({key_of(p): t for p, t in zip(chunk, own_tokens, strict=True)})
+        else:
+            own_tokens = cast("list[list[int]]", cached)  # no None in it: all came from the reference
         spec = decoder.decode(chunk, max_new_tokens, speculative=True)
-        found.own += cached
+        found.own += own_tokens
         found.spec += [r.tokens for r in spec.results]
         found.accepted += [r.accepted for r in spec.results]
         found.spec_tokens += sum(len(r.tokens) for r in spec.results)

@@ -196,9 +196,8 @@ class ShardWriter:
     def __init__(self, cache_dir: str, manifest: dict, shard_bytes: int, parallel: int = 0):
         self.cache_dir, self.manifest, self.shard_bytes = cache_dir, manifest, shard_bytes
         shards = manifest["shards"]
-        self._first = (
-            shards[-1]["first"] + shards[-1]["count"] if shards else 0
-        )  # of the shard being collected
+        # of the shard being collected
+        self._first = shards[-1]["first"] + shards[-1]["count"] if shards else 0
         self._index = len(shards)
         self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="shard-writer") if parallel else None
         self._parallel = parallel
@@ -534,9 +533,8 @@ class CacheReader:
         if index in handles:
             handles.move_to_end(index)
         else:
-            if (
-                len(handles) >= OPEN_SHARDS_PER_THREAD
-            ):  # each open shard is an mmap; the kernel caps their number
+            # each open shard is an mmap; the kernel caps their number
+            if len(handles) >= OPEN_SHARDS_PER_THREAD:
                 handles.popitem(last=False)
             with self._verify_lock:
                 if index not in self._verified:

@@ -166,7 +166,7 @@ class _FrozenHeadCE(torch.autograd.Function):
             else:
                 part, correct[start:stop], dlogits = _ce_chunk_eager(logits, y, w, need_grad)
             loss += part
-            if need_grad:
+            if grad is not None:  # need_grad
                 grad[start:stop] = dlogits.to(weight.dtype) @ weight
         if need_grad:
             ctx.save_for_backward(grad)

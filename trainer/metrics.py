@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .workers import Failure
 
 
-def error_kind(exc: BaseException) -> str:
+def error_kind(exc: BaseException | None) -> str:
     """The metrics `error.kind` for an exception: fx_tracing, cuda_oom, block_mask or exception.
 
     block_mask is the create_block_mask race (KeyError: 'custom', see compile_lock.MASK_LOCK).
@@ -114,7 +114,7 @@ class MetricsWriter:
         devices: list[str],
         compile_lock: str,
         total_steps: int,
-        summary_lines: list[str] = (),
+        summary_lines: Sequence[str] = (),
     ) -> None:
         self.record(
             "start",

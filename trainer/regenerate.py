@@ -19,7 +19,7 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -84,7 +84,9 @@ def parse_record(line: str) -> Conversation:
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
         raise Reject("no `messages` list")
-    out, slots, seen_user = [], [], False
+    out: list[dict[str, Any]] = []
+    slots: list[int] = []
+    seen_user = False
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content", ""), str):
             raise Reject(f'bad message: messages[{i}] must be {{"role", "content": string}}')
@@ -117,8 +119,10 @@ class Generator:
 
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         target = load_target(spec, device, dtype, layer_ids=[0], seed=0)
-        self.model, self.device, self.opts = target.model, device, opts
-        self.tokenizer = target.tokenizer
+        # the HF causal LM and its tokenizer, duck-typed (generate, generation_config, chat template)
+        self.model: Any = target.model
+        self.device, self.opts = device, opts
+        self.tokenizer: Any = target.tokenizer
         if self.tokenizer is None and spec == "tiny-random":
             from .chat_tokenizer import byte_chat_tokenizer
 
@@ -235,7 +239,7 @@ def rejects_path(output: str) -> str:
 def _start_state(opts: RegenerateOptions) -> dict:
     """The committed state to continue from; prepares (or truncates) the output files."""
     progress_file, settings = _progress_path(opts.output), opts.settings()
-    fresh = {
+    fresh: dict[str, Any] = {
         "settings": settings,
         "next_line": 0,
         "out_bytes": 0,
@@ -378,9 +382,9 @@ def regenerate(
                 stats["new_tokens"] += result.new_tokens
                 stats["prompt_tokens"] += result.prompt_tokens
                 stats["truncated"] += result.truncated
-            for f in (out_file, rej_file):
-                f.flush()
-                os.fsync(f.fileno())
+            for file in (out_file, rej_file):
+                file.flush()
+                os.fsync(file.fileno())
             state.update(next_line=chunk[-1][0] + 1, out_bytes=out_file.tell(), rejects_bytes=rej_file.tell())
             write_atomic(_progress_path(opts.output), json.dumps(state))  # the commit point
             report.update(run_summary(stats, first, time.monotonic() - began))

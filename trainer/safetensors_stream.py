@@ -63,7 +63,7 @@ def write_pieces(path: str, tensors: dict[str, list[torch.Tensor]], chunk: int =
             for piece in tensors[name]:
                 raw = piece.detach().contiguous().view(-1).view(torch.uint8).numpy()
                 for at in range(0, len(raw), chunk):
-                    view = memoryview(raw[at : at + chunk])
+                    view = raw[at : at + chunk].data  # a memoryview of the slice, no copy
                     digest.update(view)
                     f.write(view)
                 written += len(raw)

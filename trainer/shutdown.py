@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 from .stop_watchdog import StopWatchdog
 
@@ -44,7 +45,7 @@ class StopRequest:
         self.signal_name = ""
         self.requested_at: float | None = None
         self.last_step = 0  # steps done so far, for the `done` record of an abort
-        self._previous = {}
+        self._previous: dict[int, Any] = {}  # signal number -> the handler it had before
         self._watchdog = False
         self._process_watchdog: StopWatchdog | None = None
 

@@ -51,9 +51,8 @@ class StopWatchdog:
         read_fd, write_fd = os.pipe()  # neither end is inherited by other children (PEP 446)
         try:
             os.set_blocking(write_fd, False)  # set_wakeup_fd requires it; a signal handler must never block
-            faulthandler.register(
-                STACKS_SIGNAL, file=2, all_threads=True
-            )  # fd 2: where the watchdog writes too
+            # fd 2: where the watchdog writes too
+            faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)
             proc = subprocess.Popen(
                 [
                     sys.executable,

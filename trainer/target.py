@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from torch import nn
 from trainer.config import ConfigError
 
 # The tiny-random target: small enough for CPU tests and the tiny run, same architecture as Qwen3.
-TINY_DEFAULTS = {
+TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -33,6 +34,11 @@ TINY_DEFAULTS = {
 
 class _EnoughLayers(Exception):
     """Raised from a layer hook once the last needed layer has run: skip the rest of the model."""
+
+
+# An HF causal LM (a transformers PreTrainedModel), duck-typed: transformers' annotations type its
+# accessors as nn.Module and wrap methods such as .to() in functools.wraps, which mypy misreads.
+HFModel = Any
 
 
 def default_layer_ids(num_layers: int, k: int = 5) -> list[int]:
@@ -59,15 +65,25 @@ def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
         )
 
 
-def _decoder_of(model: nn.Module) -> nn.Module:
+class Decoder(Protocol):
+    """What _decoder_of checks a target's decoder for (Llama/Qwen family layout)."""
+
+    layers: nn.ModuleList
+    norm: nn.Module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def _decoder_of(model: nn.Module) -> Decoder:
     """The module holding `.layers` and `.norm` (Llama/Qwen family layout)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    get_decoder = getattr(model, "get_decoder", None)  # HF's accessor, not in nn.Module's type
+    decoder = get_decoder() if get_decoder is not None else getattr(model, "model", None)
     if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
         raise ConfigError(
             f"target.spec: {type(model).__name__} does not expose decoder `.layers` and `.norm`. "
             f"Fix: use a Llama/Qwen-style causal LM"
         )
-    return decoder
+    return cast(Decoder, decoder)
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
@@ -87,13 +103,14 @@ class TargetModel:
     device: str
     mask_token_id: int
 
-    def __post_init__(self):
-        self.model.eval().requires_grad_(False)
-        self.config = self.model.config
-        self._decoder = _decoder_of(self.model)
+    def __post_init__(self) -> None:
+        hf: HFModel = self.model  # for its HF accessors: config, input and output embeddings
+        hf.eval().requires_grad_(False)
+        self.config = hf.config
+        self._decoder = _decoder_of(hf)
         self.num_layers = len(self._decoder.layers)
-        self.embed_tokens: nn.Embedding = self.model.get_input_embeddings()
-        self.lm_head: nn.Linear = self.model.get_output_embeddings()
+        self.embed_tokens: nn.Embedding = hf.get_input_embeddings()
+        self.lm_head: nn.Linear = hf.get_output_embeddings()
         self.hidden_size = self.embed_tokens.weight.shape[1]
         self.vocab_size = self.embed_tokens.weight.shape[0]
         self.dtype = self.embed_tokens.weight.dtype
@@ -138,7 +155,7 @@ class TargetModel:
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
 
 
-def tiny_target(device: str, dtype, seed: int, tiny: dict | None):
+def tiny_target(device: str, dtype, seed: int, tiny: dict | None) -> HFModel:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     values = dict(TINY_DEFAULTS)
@@ -154,11 +171,11 @@ def tiny_target(device: str, dtype, seed: int, tiny: dict | None):
     # Seeded without disturbing the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model: HFModel = Qwen3ForCausalLM(config)
     return model.to(device=device, dtype=dtype)
 
 
-def _hf_target(path: str, device: str, dtype):
+def _hf_target(path: str, device: str, dtype) -> tuple[HFModel, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.isdir(path):
@@ -167,7 +184,7 @@ def _hf_target(path: str, device: str, dtype):
             f"Fix: point it at a downloaded Hugging Face model directory (config.json + weights)"
         )
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        model: HFModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"target.spec: cannot load a causal LM from {path!r}: {exc}. "

@@ -17,7 +17,7 @@ import math
 import os
 import random
 import sys
-from typing import TextIO
+from typing import Any, Protocol, TextIO, cast
 
 import torch
 import yaml
@@ -99,6 +99,7 @@ def build_dataset(cfg: TrainConfig, target) -> Dataset:
         return synthetic_dataset(target, syn.num_samples, syn.prompt_len, cfg.data.seq_len, cfg.train.seed)
     tokenizer = target.tokenizer
     pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    assert cfg.data.path is not None  # validate(): a jsonl source names its path
     return load_jsonl(
         cfg.data.path, cfg.data.seq_len, target.vocab_size, tokenizer, pad_id if pad_id is not None else 0
     )
@@ -127,7 +128,7 @@ def build_replicas(cfg: TrainConfig, dcfg: DrafterConfig, target, total_steps: i
         optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=t.lr,
-            betas=tuple(t.betas),
+            betas=(t.betas[0], t.betas[1]),  # validate(): exactly two
             weight_decay=t.weight_decay,
             fused=device.startswith("cuda") or None,
         )
@@ -183,6 +184,17 @@ def peak_gpu_memory_gib(devices: list[str]) -> float | None:
     return peak / 2**30
 
 
+class _LossModel(Protocol):
+    """A replica's model as the loss uses it: a DFlashDrafter, or the DrafterDDP around one (its
+    loss() passes through)."""
+
+    def __call__(self, *args: Any) -> torch.Tensor: ...
+
+    def loss(
+        self, hidden: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, gamma: float
+    ) -> Any: ...
+
+
 def make_loss_fn(cfg: TrainConfig):
     """The DFlash objective for one replica and one batch (runs inside the compile guard)."""
     block, num_anchors, gamma = cfg.drafter.block_size, cfg.train.num_anchors, cfg.train.gamma
@@ -196,10 +208,11 @@ def make_loss_fn(cfg: TrainConfig):
         ctx_len = batch.input_ids.shape[1]
         build = build_block_mask if backend == "flex" else dense_mask
         mask = build(anchors, valid, ctx_len, block, replica.device)
+        model = cast(_LossModel, replica.model)
         with precision.autocast(replica.device, mode):  # thread-local: entered in the drafter thread
-            hidden = replica.model(batch.features, batch.input_ids, anchors, mask, backend)
+            hidden = model(batch.features, batch.input_ids, anchors, mask, backend)
             labels, label_mask = block_labels(batch.input_ids, batch.loss_mask, anchors, valid, block)
-            loss, acc = replica.model.loss(precision.loss_input(hidden, mode), labels, label_mask, gamma)
+            loss, acc = model.loss(precision.loss_input(hidden, mode), labels, label_mask, gamma)
         return LossOutput(loss=loss, acc=acc, tokens=int(valid.sum()) * block)
 
     return compute

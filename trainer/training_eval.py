@@ -103,11 +103,11 @@ class TrainingEval:
             seconds=seconds,
             overhead=overhead,
         )
-        verdict = (
-            "ok"
-            if result.lossless
-            else (f"FAILED at prompt {result.mismatch.prompt_index} token {result.mismatch.position}")
-        )
+        if result.lossless:
+            verdict = "ok"
+        else:  # at temperature 0 (the default here), not lossless means a mismatch was found
+            assert result.mismatch is not None
+            verdict = f"FAILED at prompt {result.mismatch.prompt_index} token {result.mismatch.position}"
         metrics.say(
             f"eval     step {step}: tau {result.tau:.3f} pooled, {result.tau_per_prompt_mean:.3f} per-prompt "
             f"mean  acceptance "
