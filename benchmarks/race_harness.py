@@ -114,7 +114,7 @@ def run_trial(args) -> dict:
         # Same ONE compiled flex_attention the trainer uses, through a cheaper backend.
         from torch.nn.attention.flex_attention import flex_attention
 
-        model_module._compiled_flex = torch.compile(  # type: ignore[assignment]  # lazily set global
+        model_module._compiled_flex = torch.compile(
             flex_attention, backend=args.compile_backend, dynamic=False, fullgraph=True
         )
     cfg, replicas, dtype = _drafter_setup(args, torch)

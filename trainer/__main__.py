@@ -1,4 +1,5 @@
 """`python -m trainer ...` == `dflash-train ...` (dflash-ops runs it this way from a release dir)."""
+
 import sys
 
 from trainer.cli import main

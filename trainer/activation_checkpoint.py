@@ -10,6 +10,7 @@ a compile it triggers belongs to the step and follows the compile lock (see trai
 RNG state is not saved and restored: the layers draw no random numbers, and restoring would reset
 the process-wide generators under the other drafter threads.
 """
+
 from __future__ import annotations
 
 import torch

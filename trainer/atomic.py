@@ -1,4 +1,5 @@
 """Crash-safe small files: a reader sees the old content or the new, never a mix."""
+
 from __future__ import annotations
 
 import os

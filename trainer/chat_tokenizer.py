@@ -5,6 +5,7 @@ and the ChatML specials are reserved special tokens, dropped by decode(skip_spec
 It exists so `dflash-train data regenerate --target tiny-random` runs the same code path as a real
 chat model on a CPU; it is not a language tokenizer worth training on.
 """
+
 from __future__ import annotations
 
 CHATML = (
@@ -25,8 +26,12 @@ def byte_chat_tokenizer(vocab_size: int):
     core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=None, eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>",
-                                  additional_special_tokens=SPECIALS[1:2] + reserved)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS[1:2] + reserved,
+    )
     tok.chat_template = CHATML
     return tok

@@ -8,6 +8,7 @@ Contents: `drafter.safetensors` (drafter weights, export names), `trainer_state.
 scheduler, data position, RNG states), `config.json` (the resolved run config) and
 `drafter_config.json` (what `export` needs to rebuild the drafter without the target).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ import random
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from .files import follow_umask
 
@@ -95,15 +97,18 @@ def resolve_resume(resume: str, output_dir: str) -> str:
 
 def resolve_export_source(path: str) -> str:
     """`export --checkpoint PATH`: a step directory, or a run's output dir (its newest checkpoint)."""
-    fix = ("Fix: pass a checkpoints/step-NNNNNNN directory, or a training run's output directory "
-           "(its latest checkpoint is exported)")
+    fix = (
+        "Fix: pass a checkpoints/step-NNNNNNN directory, or a training run's output directory "
+        "(its latest checkpoint is exported)"
+    )
     if not os.path.exists(path):
         raise CheckpointError(f"--checkpoint {path}: no such file or directory. {fix}.")
     if checkpoints_root(path).is_dir():
         latest = latest_checkpoint(path)
         if latest is None:
-            raise CheckpointError(f"--checkpoint {path}: no complete checkpoint in {checkpoints_root(path)} "
-                                  f"yet. {fix}.")
+            raise CheckpointError(
+                f"--checkpoint {path}: no complete checkpoint in {checkpoints_root(path)} yet. {fix}."
+            )
         return latest
     missing = [name for name in REQUIRED if not (Path(path) / name).is_file()]
     if missing:
@@ -123,7 +128,7 @@ def _require_complete(path: str) -> None:
 def rng_state(devices: list[str]) -> dict:
     import torch
 
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": {}}
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": {}}
     for dev in sorted(set(devices)):
         if dev.startswith("cuda") and torch.cuda.is_available():
             state["cuda"][dev] = torch.cuda.get_rng_state(torch.device(dev))
@@ -136,8 +141,11 @@ def set_rng_state(state: dict) -> None:
     random.setstate(_as_python_rng(state["python"]))
     torch.set_rng_state(state["torch"])
     for dev, cuda_state in state.get("cuda", {}).items():
-        if torch.cuda.is_available() and torch.device(dev).index is not None \
-                and torch.device(dev).index < torch.cuda.device_count():
+        if (
+            torch.cuda.is_available()
+            and torch.device(dev).index is not None
+            and torch.device(dev).index < torch.cuda.device_count()
+        ):
             torch.cuda.set_rng_state(cuda_state, torch.device(dev))
 
 
@@ -147,9 +155,19 @@ def _as_python_rng(state):
     return (version, tuple(internal), gauss)
 
 
-def save_checkpoint(output_dir: str, step: int, *, weights: dict, optimizer: dict, scheduler: dict,
-                    data_position: dict, rng: dict, config: dict, drafter_config: dict,
-                    keep_last: int) -> str:
+def save_checkpoint(
+    output_dir: str,
+    step: int,
+    *,
+    weights: dict,
+    optimizer: dict,
+    scheduler: dict,
+    data_position: dict,
+    rng: dict,
+    config: dict,
+    drafter_config: dict,
+    keep_last: int,
+) -> str:
     """Write checkpoint `step` atomically, then drop all but the newest `keep_last`.
 
     Returns its absolute path (it goes into the metrics file, read from other working directories).
@@ -167,8 +185,16 @@ def save_checkpoint(output_dir: str, step: int, *, weights: dict, optimizer: dic
     save_file(tensors, str(tmp / WEIGHTS), metadata={"step": str(step)})
     follow_umask(tmp / WEIGHTS)
     _fsync_file(tmp / WEIGHTS)
-    torch.save({"step": step, "optimizer": optimizer, "scheduler": scheduler,
-                "data_position": data_position, "rng": rng}, tmp / STATE)
+    torch.save(
+        {
+            "step": step,
+            "optimizer": optimizer,
+            "scheduler": scheduler,
+            "data_position": data_position,
+            "rng": rng,
+        },
+        tmp / STATE,
+    )
     _fsync_file(tmp / STATE)
     for name, payload in ((CONFIG, config), (DRAFTER_CONFIG, drafter_config)):
         (tmp / name).write_text(json.dumps(payload, indent=2, sort_keys=True), encoding="utf-8")
@@ -207,9 +233,17 @@ def load_checkpoint(path: str) -> Checkpoint:
         drafter_config = json.loads(Path(path, DRAFTER_CONFIG).read_text(encoding="utf-8"))
     except Exception as exc:  # corrupt or foreign files: say which checkpoint
         raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
-    return Checkpoint(path=path, step=int(state["step"]), weights=weights, optimizer=state["optimizer"],
-                      scheduler=state["scheduler"], data_position=state["data_position"],
-                      rng=state["rng"], config=config, drafter_config=drafter_config)
+    return Checkpoint(
+        path=path,
+        step=int(state["step"]),
+        weights=weights,
+        optimizer=state["optimizer"],
+        scheduler=state["scheduler"],
+        data_position=state["data_position"],
+        rng=state["rng"],
+        config=config,
+        drafter_config=drafter_config,
+    )
 
 
 def _sweep_leftovers(root: Path) -> None:

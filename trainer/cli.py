@@ -6,6 +6,7 @@ Exit codes: 0 done (also after a graceful SIGTERM/SIGINT stop, which checkpoints
 130 aborted without a new checkpoint: a second SIGINT/SIGTERM, or the step running at the first one
 did not finish within run.stop_grace_s (a stuck thread; see trainer.shutdown).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,56 +68,112 @@ def _positive_int(text: str) -> int:
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="dflash-train", description=TRAIN_HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Subcommands: dflash-train export --help | dflash-train data --help | "
-                                       "dflash-train eval --help | dflash-train report --help")
-    p.add_argument("--config", required=True, metavar="FILE",
-                   help="YAML config file, or a bundled name: tiny-cpu, gpu-paper")
+    p = Parser(
+        prog="dflash-train",
+        description=TRAIN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Subcommands: dflash-train export --help | dflash-train data --help | "
+        "dflash-train eval --help | dflash-train report --help",
+    )
+    p.add_argument(
+        "--config",
+        required=True,
+        metavar="FILE",
+        help="YAML config file, or a bundled name: tiny-cpu, gpu-paper",
+    )
     p.add_argument("--output-dir", metavar="DIR", help="where checkpoints (and by default metrics) go")
-    p.add_argument("--max-steps", type=_positive_int, metavar="N",
-                   help="stop after at most N optimizer steps (train.epochs still bounds the run; "
-                        "the LR schedule spans the steps actually run)")
-    p.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
-                   help="continue from the latest checkpoint in --output-dir, or from PATH "
-                        "(a checkpoints/step-NNNNNNN directory, or another run's output dir)")
-    p.add_argument("--compile-lock", choices=COMPILE_LOCK_MODES,
-                   help="protection against the torch.compile FX-tracing race between drafter threads "
-                        "(default lock; none/patch are for experiments)")
-    p.add_argument("--attention", choices=ATTENTION_BACKENDS,
-                   help="flex: compiled flex_attention (GPU); sdpa: dense mask (CPU, or any device)")
-    p.add_argument("--target-devices", metavar="LIST",
-                   help="comma-separated, e.g. cuda:0 (one target worker each)")
-    p.add_argument("--drafter-devices", metavar="LIST",
-                   help="comma-separated, e.g. cuda:1,cuda:2 (one drafter thread + replica each; "
-                        "repeat a device for several threads on it, e.g. cpu,cpu)")
-    p.add_argument("--launcher", choices=LAUNCHERS,
-                   help="threads (default): one process, a drafter thread per device; torchrun: this "
-                        "process is one rank of `torchrun --nproc-per-node N -m trainer ...` (DDP)")
-    p.add_argument("--metrics-file", metavar="PATH",
-                   help="JSON-lines metrics (default <output-dir>/metrics.jsonl)")
+    p.add_argument(
+        "--max-steps",
+        type=_positive_int,
+        metavar="N",
+        help="stop after at most N optimizer steps (train.epochs still bounds the run; "
+        "the LR schedule spans the steps actually run)",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="PATH",
+        help="continue from the latest checkpoint in --output-dir, or from PATH "
+        "(a checkpoints/step-NNNNNNN directory, or another run's output dir)",
+    )
+    p.add_argument(
+        "--compile-lock",
+        choices=COMPILE_LOCK_MODES,
+        help="protection against the torch.compile FX-tracing race between drafter threads "
+        "(default lock; none/patch are for experiments)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_BACKENDS,
+        help="flex: compiled flex_attention (GPU); sdpa: dense mask (CPU, or any device)",
+    )
+    p.add_argument(
+        "--target-devices", metavar="LIST", help="comma-separated, e.g. cuda:0 (one target worker each)"
+    )
+    p.add_argument(
+        "--drafter-devices",
+        metavar="LIST",
+        help="comma-separated, e.g. cuda:1,cuda:2 (one drafter thread + replica each; "
+        "repeat a device for several threads on it, e.g. cpu,cpu)",
+    )
+    p.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        help="threads (default): one process, a drafter thread per device; torchrun: this "
+        "process is one rank of `torchrun --nproc-per-node N -m trainer ...` (DDP)",
+    )
+    p.add_argument(
+        "--metrics-file", metavar="PATH", help="JSON-lines metrics (default <output-dir>/metrics.jsonl)"
+    )
     p.add_argument("--seed", type=int, help="seed for init, data order and anchors")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config key (YAML value), repeatable: --set train.lr=3e-4")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config key (YAML value), repeatable: --set train.lr=3e-4",
+    )
     return p
 
 
 def _export_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="dflash-train export", description=EXPORT_HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a checkpoints/step-NNNNNNN directory, or an output dir (its latest checkpoint)")
+    p = Parser(
+        prog="dflash-train export",
+        description=EXPORT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a checkpoints/step-NNNNNNN directory, or an output dir (its latest checkpoint)",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="export directory (created)")
-    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="bf16",
-                   help="weight dtype of the export (default bf16; training keeps fp32 masters)")
+    p.add_argument(
+        "--dtype",
+        choices=EXPORT_DTYPES,
+        default="bf16",
+        help="weight dtype of the export (default bf16; training keeps fp32 masters)",
+    )
     return p
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
     """CLI flags -> the override dict load_config takes (short names or dotted keys)."""
     overrides = {}
-    for name in ("output_dir", "max_steps", "resume", "compile_lock", "attention", "target_devices",
-                 "drafter_devices", "metrics_file", "seed", "launcher"):
+    for name in (
+        "output_dir",
+        "max_steps",
+        "resume",
+        "compile_lock",
+        "attention",
+        "target_devices",
+        "drafter_devices",
+        "metrics_file",
+        "seed",
+        "launcher",
+    ):
         value = getattr(args, name, None)  # other commands (dflash-train data) have --set only
         if value is not None:
             overrides[name] = value
@@ -135,8 +192,10 @@ def _refuse_unknown_subcommand(word: str) -> None:
     """Training takes only options, so a bare first word is a subcommand: name the closest one."""
     close = closest_match(word, SUBCOMMANDS)
     hint = f" (did you mean {close!r}?)" if close else ""
-    _train_parser().error(f"unknown command {word!r}{hint}; commands: {', '.join(SUBCOMMANDS)}, "
-                          "or train with options only (--config ...)")
+    _train_parser().error(
+        f"unknown command {word!r}{hint}; commands: {', '.join(SUBCOMMANDS)}, "
+        "or train with options only (--config ...)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         _refuse_unknown_subcommand(argv[0])
     if argv and argv[0] == "eval":
         from .eval_cli import eval_parser, run_eval
+
         return run_eval(eval_parser().parse_args(argv[1:]))
     if argv and argv[0] == "export":
         export_args = _export_parser().parse_args(argv[1:])
@@ -184,8 +244,10 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"dflash-train: training failed: {exc}", file=sys.stderr)
         return 1
     what = "finished" if result.reason == "max_steps" else "stopped on request"
-    print(f"dflash-train: {what} at step {result.steps_done}/{result.total_steps}; "
-          f"last checkpoint {result.checkpoint}")
+    print(
+        f"dflash-train: {what} at step {result.steps_done}/{result.total_steps}; "
+        f"last checkpoint {result.checkpoint}"
+    )
     return 0
 
 

@@ -48,6 +48,7 @@ harness); "patch" (`is_fx_symbolic_tracing` monkeypatched to False, for experime
 installed before torch.compile wraps anything, because the wrapper captures that function when it
 is created). A benchmark measures other policies by overriding `CompileGuard.exclusive_reason`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -80,7 +81,7 @@ class CompileLockTimeout(CompileLockError):
     """Waited too long for other threads to leave their steps (a step is blocked on something)."""
 
 
-def is_fx_tracing_error(exc: BaseException) -> bool:
+def is_fx_tracing_error(exc: BaseException | None) -> bool:
     """True for the FX-tracing race's error, however torch wrapped it."""
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -288,7 +289,9 @@ class CompileGuard:
 
     # ---- the step ----------------------------------------------------------------------
     @contextlib.contextmanager
-    def step(self, thread_name: str, step: int, shape_key: tuple, device: str | None = None) -> Iterator[None]:
+    def step(
+        self, thread_name: str, step: int, shape_key: tuple, device: str | None = None
+    ) -> Iterator[None]:
         """Hold around one thread's whole forward+backward (nothing that waits on other threads).
 
         `device`: where this step's tensors live; a checkpoint recompute in a GPU's autograd thread
@@ -420,16 +423,18 @@ class CompileGuard:
                 }
             )
 
-    def _claim_for_compile(
-        self, context: _StepContext | None
-    ) -> tuple[_StepContext | None, str, bool]:
+    def _claim_for_compile(self, context: _StepContext | None) -> tuple[_StepContext | None, str, bool]:
         """Make sure nobody else is inside a step while this thread compiles (mode lock).
 
         Returns (the step this compile belongs to, reason, whether we took the lock here).
         """
         if context is not None:
-            if self.mode == "lock" and context.hold == "shared" and getattr(_tls, "adopted", False) \
-                    and self._others_share_device(context):
+            if (
+                self.mode == "lock"
+                and context.hold == "shared"
+                and getattr(_tls, "adopted", False)
+                and self._others_share_device(context)
+            ):
                 # A recompute in the autograd thread of a GPU that other running steps also use:
                 # their backward waits on this thread, so we cannot wait for them (see top).
                 self._escalate()
@@ -462,9 +467,11 @@ class CompileGuard:
 
     def _others_share_device(self, context: _StepContext) -> bool:
         with self._state_lock:
-            return any(other is not context and (other.device is None or context.device is None
-                                                 or other.device == context.device)
-                       for other in self._active.values())
+            return any(
+                other is not context
+                and (other.device is None or context.device is None or other.device == context.device)
+                for other in self._active.values()
+            )
 
     def _escalate(self) -> None:
         with self._state_lock:
@@ -593,7 +600,8 @@ def _install_compile_hook() -> None:
                         yield
 
             try:
-                handler.install_callbacks = install_callbacks
+                # deliberate: torch's handler method replaced by our wrapper (see the docstring)
+                handler.install_callbacks = install_callbacks  # type: ignore[method-assign]
                 _hook_kind = "scope"
                 return
             except (AttributeError, TypeError):

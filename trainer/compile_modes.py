@@ -18,14 +18,14 @@ Refused (both turn on `triton.cudagraphs`, i.e. CUDA graph trees):
   modes cannot be offered. (Activation checkpointing would also re-run each recorded forward graph
   inside the backward, against CUDA graph trees' one-run-at-a-time rule for a pool; not measured.)
 """
+
 from __future__ import annotations
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 REFUSED_COMPILE_MODES = {
     "reduce-overhead": "it records CUDA graph trees, which assert in the trainer's drafter threads "
-                       "on torch <= 2.11 (pytorch #123177)",
-    "max-autotune": "it also records CUDA graph trees (see reduce-overhead); "
-                    "use max-autotune-no-cudagraphs",
+    "on torch <= 2.11 (pytorch #123177)",
+    "max-autotune": "it also records CUDA graph trees (see reduce-overhead); use max-autotune-no-cudagraphs",
 }
 
 

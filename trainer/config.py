@@ -5,6 +5,7 @@ default, so a file only states what differs. `load_config("tiny-cpu", {})` finds
 `trainer/configs/tiny-cpu.yaml`. Overrides (from the CLI) use dotted keys (`train.lr`) or the
 short names in OVERRIDE_ALIASES (`max_steps`, `output_dir`, ...).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -192,7 +193,9 @@ def load_config(path: str, overrides: dict | None = None) -> TrainConfig:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{file}: the top level must be a mapping of sections (target, drafter, data, train, run)")
+        raise ConfigError(
+            f"{file}: the top level must be a mapping of sections (target, drafter, data, train, run)"
+        )
     for key, value in (overrides or {}).items():
         _set_dotted(raw, OVERRIDE_ALIASES.get(key, key), value)
     return config_from_dict(raw, str(file))
@@ -241,13 +244,20 @@ def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that need no torch. Raises ConfigError naming the key and the fix."""
     d, t, data, r = cfg.drafter, cfg.train, cfg.data, cfg.run
     for key, value in [
-        ("drafter.num_layers", d.num_layers), ("drafter.num_heads", d.num_heads or 1),
-        ("drafter.num_kv_heads", d.num_kv_heads or 1), ("drafter.head_dim", d.head_dim or 1),
-        ("drafter.intermediate_size", d.intermediate_size or 1), ("drafter.block_size", d.block_size),
-        ("data.seq_len", data.seq_len), ("train.batch_size", t.batch_size),
-        ("train.num_anchors", t.num_anchors), ("train.epochs", t.epochs),
-        ("run.checkpoint_every", r.checkpoint_every), ("run.keep_last", r.keep_last),
-        ("run.log_every", r.log_every), ("data.synthetic.num_samples", data.synthetic.num_samples),
+        ("drafter.num_layers", d.num_layers),
+        ("drafter.num_heads", d.num_heads or 1),
+        ("drafter.num_kv_heads", d.num_kv_heads or 1),
+        ("drafter.head_dim", d.head_dim or 1),
+        ("drafter.intermediate_size", d.intermediate_size or 1),
+        ("drafter.block_size", d.block_size),
+        ("data.seq_len", data.seq_len),
+        ("train.batch_size", t.batch_size),
+        ("train.num_anchors", t.num_anchors),
+        ("train.epochs", t.epochs),
+        ("run.checkpoint_every", r.checkpoint_every),
+        ("run.keep_last", r.keep_last),
+        ("run.log_every", r.log_every),
+        ("data.synthetic.num_samples", data.synthetic.num_samples),
         ("data.synthetic.prompt_len", data.synthetic.prompt_len),
     ]:
         if value < 1:
@@ -256,7 +266,9 @@ def validate(cfg: TrainConfig) -> None:
     if block_problem:
         _fail(cfg, "drafter.block_size", f"{block_problem}. Fix: use {DEFAULT_BLOCK_SIZE}.")
     if d.num_heads and d.num_kv_heads and d.num_heads % d.num_kv_heads:
-        _fail(cfg, "drafter.num_kv_heads", f"({d.num_kv_heads}) must divide drafter.num_heads ({d.num_heads}).")
+        _fail(
+            cfg, "drafter.num_kv_heads", f"({d.num_kv_heads}) must divide drafter.num_heads ({d.num_heads})."
+        )
     if t.max_steps is not None and t.max_steps < 1:
         _fail(cfg, "train.max_steps", f"must be at least 1 or null, got {t.max_steps}.")
     if t.lr <= 0:
@@ -272,51 +284,87 @@ def validate(cfg: TrainConfig) -> None:
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         _fail(cfg, "train.betas", f"must be two numbers in [0, 1), got {t.betas}. Fix: [0.9, 0.95].")
     if t.precision is not None and t.precision not in PRECISIONS:
-        _fail(cfg, "train.precision", f"must be one of {', '.join(PRECISIONS)}, got {t.precision!r}. "
-              "Fix: bf16-mixed on GPUs, fp32 for exact CPU runs.")
+        _fail(
+            cfg,
+            "train.precision",
+            f"must be one of {', '.join(PRECISIONS)}, got {t.precision!r}. "
+            "Fix: bf16-mixed on GPUs, fp32 for exact CPU runs.",
+        )
     if data.source not in DATA_SOURCES:
         _fail(cfg, "data.source", f"must be one of {', '.join(DATA_SOURCES)}, got {data.source!r}.")
     if data.source == "jsonl" and not data.path:
         _fail(cfg, "data.path", "is required when data.source is jsonl. Fix: set it to your .jsonl file.")
     if data.source == "features" and not data.path:
-        _fail(cfg, "data.path", "is required when data.source is features. Fix: set it to the directory "
-                                "`dflash-train data cache-features` wrote.")
+        _fail(
+            cfg,
+            "data.path",
+            "is required when data.source is features. Fix: set it to the directory "
+            "`dflash-train data cache-features` wrote.",
+        )
     if data.source == "synthetic" and data.synthetic.prompt_len >= data.seq_len:
-        _fail(cfg, "data.synthetic.prompt_len",
-              f"({data.synthetic.prompt_len}) must be shorter than data.seq_len ({data.seq_len}).")
+        _fail(
+            cfg,
+            "data.synthetic.prompt_len",
+            f"({data.synthetic.prompt_len}) must be shorter than data.seq_len ({data.seq_len}).",
+        )
     if r.attention not in ATTENTION_BACKENDS:
         _fail(cfg, "run.attention", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {r.attention!r}.")
     if r.compile_lock not in COMPILE_LOCK_MODES:
-        _fail(cfg, "run.compile_lock", f"must be one of {', '.join(COMPILE_LOCK_MODES)}, got {r.compile_lock!r}.")
+        _fail(
+            cfg,
+            "run.compile_lock",
+            f"must be one of {', '.join(COMPILE_LOCK_MODES)}, got {r.compile_lock!r}.",
+        )
     if r.launcher not in LAUNCHERS:
         _fail(cfg, "run.launcher", f"must be one of {', '.join(LAUNCHERS)}, got {r.launcher!r}.")
     for name in r.report_to:
         if name not in TRACKERS:
             close = typed_yaml.closest_match(name, TRACKERS)
             hint = f" Did you mean {close!r}?" if close else ""
-            _fail(cfg, "run.report_to", f"has {name!r}, which is not a tracker.{hint} "
-                  f"Fix: any of {', '.join(TRACKERS)}, e.g. [tensorboard].")
+            _fail(
+                cfg,
+                "run.report_to",
+                f"has {name!r}, which is not a tracker.{hint} "
+                f"Fix: any of {', '.join(TRACKERS)}, e.g. [tensorboard].",
+            )
     r.report_to = list(dict.fromkeys(r.report_to))  # each tracker once
     if r.compile_mode in REFUSED_COMPILE_MODES:
-        _fail(cfg, "run.compile_mode", f"{r.compile_mode!r} is not offered: {REFUSED_COMPILE_MODES[r.compile_mode]}. "
-              f"Fix: use one of {', '.join(COMPILE_MODES)}.")
+        _fail(
+            cfg,
+            "run.compile_mode",
+            f"{r.compile_mode!r} is not offered: {REFUSED_COMPILE_MODES[r.compile_mode]}. "
+            f"Fix: use one of {', '.join(COMPILE_MODES)}.",
+        )
     if r.compile_mode not in COMPILE_MODES:
         _fail(cfg, "run.compile_mode", f"must be one of {', '.join(COMPILE_MODES)}, got {r.compile_mode!r}.")
     if t.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-        _fail(cfg, "train.activation_checkpointing",
-              f"must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got {t.activation_checkpointing!r}.")
+        _fail(
+            cfg,
+            "train.activation_checkpointing",
+            f"must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got {t.activation_checkpointing!r}.",
+        )
     if r.stop_grace_s <= 0:
-        _fail(cfg, "run.stop_grace_s", f"must be positive, got {r.stop_grace_s}. Fix: e.g. 20 (below ops' --grace).")
-    for key, devices in (("run.target_devices", r.target_devices), ("run.drafter_devices", r.drafter_devices)):
+        _fail(
+            cfg,
+            "run.stop_grace_s",
+            f"must be positive, got {r.stop_grace_s}. Fix: e.g. 20 (below ops' --grace).",
+        )
+    for key, devices in (
+        ("run.target_devices", r.target_devices),
+        ("run.drafter_devices", r.drafter_devices),
+    ):
         if not devices:
             _fail(cfg, key, "must name at least one device. Fix: e.g. [cpu] or [cuda:0].")
         for dev in devices:
             if not DEVICE_RE.match(dev):
                 _fail(cfg, key, f"has {dev!r}, which is not a device. Fix: use cpu, cuda or cuda:N.")
     if r.attention == "flex" and any(dev == "cpu" for dev in r.drafter_devices):
-        _fail(cfg, "run.attention",
-              "is flex, but a drafter device is cpu and torch cannot run flex_attention backward "
-              "on CPU. Fix: use --attention sdpa for CPU drafters.")
+        _fail(
+            cfg,
+            "run.attention",
+            "is flex, but a drafter device is cpu and torch cannot run flex_attention backward "
+            "on CPU. Fix: use --attention sdpa for CPU drafters.",
+        )
     if data.seq_len < 2:
         _fail(cfg, "data.seq_len", f"must be at least 2, got {data.seq_len}.")
     _validate_eval(cfg)
@@ -338,12 +386,18 @@ def check_devices(cfg: TrainConfig) -> None:
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    for key, devices in (("run.target_devices", cfg.run.target_devices), ("run.drafter_devices", cfg.run.drafter_devices)):
+    for key, devices in (
+        ("run.target_devices", cfg.run.target_devices),
+        ("run.drafter_devices", cfg.run.drafter_devices),
+    ):
         for dev in devices:
             if dev == "cpu":
                 continue
             index = int(dev.split(":")[1]) if ":" in dev else 0
             if index >= count:
                 seen = f"{count} CUDA device(s) visible" if count else "no CUDA device visible"
-                _fail(cfg, key, f"names {dev!r} but this machine has {seen}. "
-                      f"Fix: pick existing devices, or cpu.")
+                _fail(
+                    cfg,
+                    key,
+                    f"names {dev!r} but this machine has {seen}. Fix: pick existing devices, or cpu.",
+                )

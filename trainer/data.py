@@ -11,6 +11,7 @@ Every sequence is padded/truncated to `seq_len` so shapes never change (a new sh
 recompile). The batch for (step, replica) is a pure function of (seed, epoch, position): resuming
 at step s replays exactly what an uninterrupted run would have seen, whatever the thread timing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,9 +77,11 @@ class BatchPlan:
         self.per_step = batch_size * num_replicas
         if num_samples < self.per_step:
             raise DataError(
-                source, f"{num_samples} sequences, but one step needs {self.per_step} "
+                source,
+                f"{num_samples} sequences, but one step needs {self.per_step} "
                 f"(train.batch_size {batch_size} x {num_replicas} drafter replicas). "
-                f"Fix: add data, or lower train.batch_size / the number of drafter devices.")
+                f"Fix: add data, or lower train.batch_size / the number of drafter devices.",
+            )
         self.steps_per_epoch = num_samples // self.per_step
         self._perm_cache: dict[int, torch.Tensor] = {}
 
@@ -101,17 +104,19 @@ class BatchPlan:
     def indices(self, step: int, replica: int) -> torch.Tensor:
         pos = self.position(step)
         start = pos["position"] * self.per_step + replica * self.batch_size
-        return self.permutation(pos["epoch"])[start:start + self.batch_size]
+        return self.permutation(pos["epoch"])[start : start + self.batch_size]
 
 
 def make_batch(dataset: Dataset, plan: BatchPlan, step: int, replica: int) -> Batch:
     idx = plan.indices(step, replica)
     features = dataset.features(idx) if dataset.features is not None else None
-    return Batch(step, replica, dataset.input_ids[idx], dataset.loss_mask[idx], dataset.attention_mask[idx],
-                 features)
+    return Batch(
+        step, replica, dataset.input_ids[idx], dataset.loss_mask[idx], dataset.attention_mask[idx], features
+    )
 
 
 # ---- JSONL ----------------------------------------------------------------------------------
+
 
 def jsonl_records(path: str, what: str, missing_fix: str):
     """(file:line, parsed record) for each non-blank line; DataError names the file or the line."""
@@ -127,8 +132,9 @@ def jsonl_records(path: str, what: str, missing_fix: str):
                 # ends where it ends, not at column 1 of a line that is not there)
                 yield where, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
-                raise DataError(where, f"not valid JSON ({exc.msg} at column {exc.colno}). "
-                                       f"Fix: one JSON object per line.") from None
+                raise DataError(
+                    where, f"not valid JSON ({exc.msg} at column {exc.colno}). Fix: one JSON object per line."
+                ) from None
 
 
 def load_jsonl(path: str, seq_len: int, vocab_size: int, tokenizer=None, pad_id: int = 0) -> Dataset:
@@ -142,38 +148,58 @@ def load_jsonl(path: str, seq_len: int, vocab_size: int, tokenizer=None, pad_id:
         elif "input_ids" in record:
             ids, mask = _check_pretokenized(record, where)
         else:
-            raise DataError(where, f"record has keys {sorted(record)}; expected "
-                                   f"{{\"input_ids\", \"loss_mask\"}} or {{\"messages\"}}.")
+            raise DataError(
+                where,
+                f'record has keys {sorted(record)}; expected {{"input_ids", "loss_mask"}} or {{"messages"}}.',
+            )
         for i, tok in enumerate(ids):
             if not 0 <= tok < vocab_size:
-                raise DataError(where, f"input_ids[{i}] = {tok} is outside the target's vocabulary "
-                                       f"(0..{vocab_size - 1}). Fix: tokenize with the target's tokenizer.")
+                raise DataError(
+                    where,
+                    f"input_ids[{i}] = {tok} is outside the target's vocabulary "
+                    f"(0..{vocab_size - 1}). Fix: tokenize with the target's tokenizer.",
+                )
         ids, mask, attn = _fit(ids, mask, seq_len, pad_id)
         rows_ids.append(ids)
         rows_mask.append(mask)
         rows_attn.append(attn)
     if not rows_ids:
         raise DataError(path, "no records. Fix: one JSON object per line.")
-    dataset = Dataset(torch.tensor(rows_ids, dtype=torch.long), torch.tensor(rows_mask, dtype=torch.bool),
-                      torch.tensor(rows_attn, dtype=torch.bool), source=path)
+    dataset = Dataset(
+        torch.tensor(rows_ids, dtype=torch.long),
+        torch.tensor(rows_mask, dtype=torch.bool),
+        torch.tensor(rows_attn, dtype=torch.bool),
+        source=path,
+    )
     if not dataset.loss_mask.any():
-        raise DataError(path, f"no record has a loss_mask position inside the first {seq_len} tokens. "
-                              f"Fix: mark the tokens to learn with loss_mask 1, or raise data.seq_len.")
+        raise DataError(
+            path,
+            f"no record has a loss_mask position inside the first {seq_len} tokens. "
+            f"Fix: mark the tokens to learn with loss_mask 1, or raise data.seq_len.",
+        )
     return dataset
 
 
 def _check_pretokenized(record: dict, where: str) -> tuple[list[int], list[int]]:
     ids, mask = record.get("input_ids"), record.get("loss_mask")
-    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+    ):
         raise DataError(where, "input_ids must be a non-empty list of integers.")
     if mask is None:
-        raise DataError(where, "loss_mask is missing. Fix: add a list of 0/1, one per input_id "
-                               "(1 = train on this token).")
+        raise DataError(
+            where, "loss_mask is missing. Fix: add a list of 0/1, one per input_id (1 = train on this token)."
+        )
     if not isinstance(mask, list) or not all(v in (0, 1) for v in mask):  # True/False compare equal to 1/0
         raise DataError(where, "loss_mask must be a list of 0/1 values.")
     if len(mask) != len(ids):
-        raise DataError(where, f"loss_mask has {len(mask)} entries but input_ids has {len(ids)}. "
-                               f"Fix: one loss_mask value per token.")
+        raise DataError(
+            where,
+            f"loss_mask has {len(mask)} entries but input_ids has {len(ids)}. "
+            f"Fix: one loss_mask value per token.",
+        )
     return ids, [int(v) for v in mask]
 
 
@@ -184,16 +210,22 @@ def _tokenize_messages(messages, tokenizer, where: str) -> tuple[list[int], list
     generation prompt" and "everything up to and including it".
     """
     if tokenizer is None:
-        raise DataError(where, "record has messages, but the target has no tokenizer (tiny-random). "
-                               "Fix: use pre-tokenized input_ids/loss_mask records, or a real target.")
+        raise DataError(
+            where,
+            "record has messages, but the target has no tokenizer (tiny-random). "
+            "Fix: use pre-tokenized input_ids/loss_mask records, or a real target.",
+        )
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(where, "the target's tokenizer has no chat template. Fix: pre-tokenize the data.")
     if not isinstance(messages, list) or not messages:
         raise DataError(where, "messages must be a non-empty list of {role, content} objects.")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
-            raise DataError(where, f"messages[{i}] must be {{\"role\": one of {'/'.join(ROLES)}, "
-                                   f"\"content\": string}}, got {json.dumps(m)[:120]}.")
+            raise DataError(
+                where,
+                f'messages[{i}] must be {{"role": one of {"/".join(ROLES)}, '
+                f'"content": string}}, got {json.dumps(m)[:120]}.',
+            )
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(where, "conversation has no assistant turn, so nothing to learn. Fix: drop it.")
 
@@ -209,11 +241,14 @@ def _tokenize_messages(messages, tokenizer, where: str) -> tuple[list[int], list
         if m["role"] != "assistant":
             continue
         start = len(encode(messages[:i], generation_prompt=True))
-        upto = encode(messages[:i + 1])
-        if ids[:len(upto)] != upto:
-            raise DataError(where, f"the chat template renders messages[{i}] differently inside the whole "
-                                   f"conversation (it rewrites earlier turns), so assistant tokens cannot be "
-                                   f"located. Fix: pre-tokenize into input_ids/loss_mask.")
+        upto = encode(messages[: i + 1])
+        if ids[: len(upto)] != upto:
+            raise DataError(
+                where,
+                f"the chat template renders messages[{i}] differently inside the whole "
+                f"conversation (it rewrites earlier turns), so assistant tokens cannot be "
+                f"located. Fix: pre-tokenize into input_ids/loss_mask.",
+            )
         for pos in range(start, len(upto)):
             mask[pos] = 1
     return ids, mask
@@ -227,9 +262,11 @@ def _fit(ids: list[int], mask: list[int], seq_len: int, pad_id: int):
 
 # ---- synthetic ------------------------------------------------------------------------------
 
+
 @torch.no_grad()
-def synthetic_dataset(target, num_samples: int, prompt_len: int, seq_len: int, seed: int,
-                      chunk: int = 256) -> Dataset:
+def synthetic_dataset(
+    target, num_samples: int, prompt_len: int, seq_len: int, seed: int, chunk: int = 256
+) -> Dataset:
     """Random prompts (seeded) continued greedily by the target; loss on the continuation.
 
     The continuation is exactly what the target would say, so a drafter can learn it.
@@ -239,13 +276,17 @@ def synthetic_dataset(target, num_samples: int, prompt_len: int, seq_len: int, s
     prompts = torch.randint(0, vocab, (num_samples, prompt_len), generator=gen)
     # keep the mask token out of the inputs: at inference it only ever fills draft slots
     prompts[prompts == target.mask_token_id] = (target.mask_token_id + 1) % vocab
-    rows = [greedy_continue(target.model, prompts[i:i + chunk].to(target.device), seq_len - prompt_len).cpu()
-            for i in range(0, num_samples, chunk)]
+    rows = [
+        greedy_continue(target.model, prompts[i : i + chunk].to(target.device), seq_len - prompt_len).cpu()
+        for i in range(0, num_samples, chunk)
+    ]
     input_ids = torch.cat(rows)
     loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
     loss_mask[:, prompt_len:] = True
     attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-    return Dataset(input_ids, loss_mask, attention_mask, source=f"synthetic({num_samples} greedy continuations)")
+    return Dataset(
+        input_ids, loss_mask, attention_mask, source=f"synthetic({num_samples} greedy continuations)"
+    )
 
 
 def greedy_continue(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:

@@ -4,6 +4,7 @@ Exit codes: 0 done; 2 bad arguments, config, data or output directory (one line 
 fix); 130 interrupted, 143 SIGTERM (regenerate: a rerun with --resume continues; cache-features: a
 rerun with the same arguments continues). regenerate prints a summary line on every exit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,43 +45,71 @@ same arguments resumes after the last whole shard.
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-train data", description=DATA_HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="dflash-train data", description=DATA_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="{regenerate,cache-features}")
-    r = sub.add_parser("regenerate", help="regenerate assistant turns with the target",
-                       description=REGEN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("--target", required=True, metavar="SPEC",
-                   help="a local HF model directory, or tiny-random")
+    r = sub.add_parser(
+        "regenerate",
+        help="regenerate assistant turns with the target",
+        description=REGEN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument(
+        "--target", required=True, metavar="SPEC", help="a local HF model directory, or tiny-random"
+    )
     r.add_argument("--in", dest="input", required=True, metavar="FILE", help='JSONL of {"messages": [...]}')
-    r.add_argument("--out", required=True, metavar="FILE",
-                   help="output JSONL (rejects go to FILE.rejects.jsonl)")
+    r.add_argument(
+        "--out", required=True, metavar="FILE", help="output JSONL (rejects go to FILE.rejects.jsonl)"
+    )
     r.add_argument("--max-new-tokens", type=int, default=2048, metavar="N")
-    r.add_argument("--max-prompt-tokens", type=int, metavar="N",
-                   help="reject turns whose prompt is longer "
-                        "(default: the model's context minus --max-new-tokens)")
+    r.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        metavar="N",
+        help="reject turns whose prompt is longer (default: the model's context minus --max-new-tokens)",
+    )
     r.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     r.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    r.add_argument("--batch-size", type=int, default=8, metavar="B",
-                   help="records generated together per device")
+    r.add_argument(
+        "--batch-size", type=int, default=8, metavar="B", help="records generated together per device"
+    )
     r.add_argument("--devices", default="cpu", metavar="LIST", help="comma-separated, e.g. cuda:0,cuda:1")
-    r.add_argument("--chat-template-kwargs", default="{}", metavar="JSON",
-                   help='passed to apply_chat_template, e.g. \'{"enable_thinking": false}\'')
+    r.add_argument(
+        "--chat-template-kwargs",
+        default="{}",
+        metavar="JSON",
+        help="passed to apply_chat_template, e.g. '{\"enable_thinking\": false}'",
+    )
     r.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     r.add_argument("--resume", action="store_true", help="continue a stopped run of the same command")
-    c = sub.add_parser("cache-features", help="cache the target's features on disk", description=CACHE_HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("--config", required=True, metavar="FILE",
-                   help="the training config (target + data sections)")
-    c.add_argument("--out", required=True, metavar="DIR",
-                   help="cache directory (created; resumed if it exists)")
-    c.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="feature dtype on disk (default bf16)")
-    c.add_argument("--shard-size-mb", type=int, default=2048, metavar="MB",
-                   help="shard size cap (default 2048)")
-    c.add_argument("--batch-size", type=int, metavar="B",
-                   help="sequences per target forward (default: about 16384 tokens' worth)")
-    c.add_argument("--device", metavar="DEV",
-                   help="target device (default: the config's first target device)")
+    c = sub.add_parser(
+        "cache-features",
+        help="cache the target's features on disk",
+        description=CACHE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c.add_argument(
+        "--config", required=True, metavar="FILE", help="the training config (target + data sections)"
+    )
+    c.add_argument(
+        "--out", required=True, metavar="DIR", help="cache directory (created; resumed if it exists)"
+    )
+    c.add_argument(
+        "--dtype", choices=("bf16", "fp32"), default="bf16", help="feature dtype on disk (default bf16)"
+    )
+    c.add_argument(
+        "--shard-size-mb", type=int, default=2048, metavar="MB", help="shard size cap (default 2048)"
+    )
+    c.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="B",
+        help="sequences per target forward (default: about 16384 tokens' worth)",
+    )
+    c.add_argument(
+        "--device", metavar="DEV", help="target device (default: the config's first target device)"
+    )
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     return p
 
@@ -97,12 +126,18 @@ def _run(args: argparse.Namespace) -> int:
             return _regenerate(args)
         return _cache_features(args)
     except KeyboardInterrupt as exc:
-        print("dflash-train data: interrupted; rerun the same command to continue"
-              + (" with --resume" if args.command == "regenerate" else ""), file=sys.stderr)
+        print(
+            "dflash-train data: interrupted; rerun the same command to continue"
+            + (" with --resume" if args.command == "regenerate" else ""),
+            file=sys.stderr,
+        )
         return 143 if isinstance(exc, Terminated) else 130
     except OSError as exc:  # disk full, unwritable output: what was committed stays valid
-        print(f"dflash-train data: failed: {exc}; rerun the same command to continue"
-              + (" with --resume" if args.command == "regenerate" else ""), file=sys.stderr)
+        print(
+            f"dflash-train data: failed: {exc}; rerun the same command to continue"
+            + (" with --resume" if args.command == "regenerate" else ""),
+            file=sys.stderr,
+        )
         return 1
     except Exception as exc:  # noqa: BLE001 - one line, no traceback
         if input_error(exc) is not None:
@@ -124,33 +159,50 @@ def _regenerate(args) -> int:
     try:
         template_kwargs = json.loads(args.chat_template_kwargs)
     except ValueError as exc:
-        raise ConfigError(f"--chat-template-kwargs is not JSON ({exc}). "
-                          f"Fix: e.g. '{{\"enable_thinking\": false}}'") from None
+        raise ConfigError(
+            f"--chat-template-kwargs is not JSON ({exc}). Fix: e.g. '{{\"enable_thinking\": false}}'"
+        ) from None
     if not isinstance(template_kwargs, dict):
         raise ConfigError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     bad = [d for d in devices if not DEVICE_RE.match(d)]
     if not devices or bad:
-        raise ConfigError(f"--devices {args.devices!r}: {', '.join(bad) or 'empty'} is not a device. "
-                     f"Fix: e.g. cpu, cuda:0 or cuda:0,cuda:1")
+        raise ConfigError(
+            f"--devices {args.devices!r}: {', '.join(bad) or 'empty'} is not a device. "
+            f"Fix: e.g. cpu, cuda:0 or cuda:0,cuda:1"
+        )
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    missing = [d for d in devices
-               if d.startswith("cuda") and (int(d.split(":")[1]) if ":" in d else 0) >= count]
+    missing = [
+        d for d in devices if d.startswith("cuda") and (int(d.split(":")[1]) if ":" in d else 0) >= count
+    ]
     if missing:
         raise ConfigError(f"--devices names {', '.join(missing)} but {count} CUDA device(s) are visible")
-    options = RegenerateOptions(target=args.target, input=args.input, output=args.out,
-                                max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                                temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
-                                devices=devices, chat_template_kwargs=template_kwargs, seed=args.seed,
-                                resume=args.resume)
+    options = RegenerateOptions(
+        target=args.target,
+        input=args.input,
+        output=args.out,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        batch_size=args.batch_size,
+        devices=devices,
+        chat_template_kwargs=template_kwargs,
+        seed=args.seed,
+        resume=args.resume,
+    )
     report: dict = {}
     try:
         with _sigterm_as_interrupt():
             summary = regenerate(options, report=report)
     except BaseException as exc:  # the summary of what is committed, on every way out
         if report:
-            print(f"dflash-train data: regenerate stopped ({_why(exc)}): {_regen_summary(report)}; "
-                  f"rerun with --resume to continue", file=sys.stderr, flush=True)
+            print(
+                f"dflash-train data: regenerate stopped ({_why(exc)}): {_regen_summary(report)}; "
+                f"rerun with --resume to continue",
+                file=sys.stderr,
+                flush=True,
+            )
         raise
     print(f"dflash-train data: regenerated {_regen_summary(summary)}")
     return 0
@@ -160,10 +212,12 @@ def _regen_summary(s: dict) -> str:
     """One line: the committed totals, this run's share and its new tokens/s."""
     run = s["this_run"]
     rejects = f" -> {s['rejects_path']}" if s["rejects"] else ""
-    return (f"{s['records']} records ({s['turns']} turns, {s['new_tokens']} new tokens, "
-            f"{s['truncated']} cut at --max-new-tokens), {s['rejects']} rejected{rejects}"
-            + f"; this run {run['seen']} records, {run['new_tokens']} new tokens in {s['seconds']:.1f} s = "
-            f"{run['new_tokens'] / max(s['seconds'], 1e-9):.1f} new tokens/s -> {s['output']}")
+    return (
+        f"{s['records']} records ({s['turns']} turns, {s['new_tokens']} new tokens, "
+        f"{s['truncated']} cut at --max-new-tokens), {s['rejects']} rejected{rejects}"
+        + f"; this run {run['seen']} records, {run['new_tokens']} new tokens in {s['seconds']:.1f} s = "
+        f"{run['new_tokens'] / max(s['seconds'], 1e-9):.1f} new tokens/s -> {s['output']}"
+    )
 
 
 class Terminated(KeyboardInterrupt):
@@ -208,8 +262,10 @@ def _cache_features(args) -> int:
         raise ConfigError("--shard-size-mb and --batch-size must be at least 1")
     cfg = load_config(args.config, overrides_from_args(argparse.Namespace(set=args.set)))
     if cfg.data.source == "features":
-        raise ConfigError(f"{cfg.source}: data.source is features; cache-features needs the text data "
-                     f"(jsonl or synthetic) to run the target over")
+        raise ConfigError(
+            f"{cfg.source}: data.source is features; cache-features needs the text data "
+            f"(jsonl or synthetic) to run the target over"
+        )
     if args.device:
         cfg.run.target_devices = [args.device]
     check_devices(cfg)
@@ -218,11 +274,22 @@ def _cache_features(args) -> int:
     began = time.monotonic()
     device = cfg.run.target_devices[0]
     say = lambda text: print(f"dflash-train data: {text}", flush=True)  # noqa: E731
-    say(f"loading the target ({cfg.target.spec}) on {device} and the {cfg.data.source} data"
-        + (" (the target's greedy continuations: this takes a while)"
-           if cfg.data.source == "synthetic" else ""))
-    target = load_target(cfg.target.spec, device, param_dtype(device), layer_ids=cfg.target.layer_ids,
-                         seed=cfg.train.seed, tiny=cfg.target.tiny or None)
+    say(
+        f"loading the target ({cfg.target.spec}) on {device} and the {cfg.data.source} data"
+        + (
+            " (the target's greedy continuations: this takes a while)"
+            if cfg.data.source == "synthetic"
+            else ""
+        )
+    )
+    target = load_target(
+        cfg.target.spec,
+        device,
+        param_dtype(device),
+        layer_ids=cfg.target.layer_ids,
+        seed=cfg.train.seed,
+        tiny=cfg.target.tiny or None,
+    )
     dataset = build_dataset(cfg, target)
     tokenizer = target.tokenizer
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
@@ -230,14 +297,24 @@ def _cache_features(args) -> int:
     progress = ProgressLine("sequences", len(dataset))
     writing = time.monotonic()
     with torch.no_grad():
-        manifest = write_cache(target, dataset, args.out, header, batch_size=args.batch_size,
-                               shard_bytes=args.shard_size_mb << 20, say=say, progress=progress)
+        manifest = write_cache(
+            target,
+            dataset,
+            args.out,
+            header,
+            batch_size=args.batch_size,
+            shard_bytes=args.shard_size_mb << 20,
+            say=say,
+            progress=progress,
+        )
     progress.finish()
     counts, seconds = manifest["counts"], time.monotonic() - writing
-    tokens = int(dataset.attention_mask[progress.first:].sum())  # this run's (a resumed run skips some)
-    say(f"feature cache complete: {counts['sequences']} sequences, {counts['tokens']} tokens, "
+    tokens = int(dataset.attention_mask[progress.first :].sum())  # this run's (a resumed run skips some)
+    say(
+        f"feature cache complete: {counts['sequences']} sequences, {counts['tokens']} tokens, "
         f"{counts['shards']} shard(s), {human_bytes(counts['bytes'])}, {time.monotonic() - began:.1f} s "
         f"-> {args.out}; this run computed {len(dataset) - progress.first} sequences at "
         f"{(len(dataset) - progress.first) / max(seconds, 1e-9):.1f} sequences/s, "
-        f"{tokens / max(seconds, 1e-9):.0f} tokens/s")
+        f"{tokens / max(seconds, 1e-9):.0f} tokens/s"
+    )
     return 0

@@ -24,6 +24,7 @@ and all ranks agree on stopping after the same step.
 Devices: a rank uses `cuda:LOCAL_RANK` for its target and drafter when the configured drafter
 devices are CUDA, else the CPU (set CUDA_VISIBLE_DEVICES to choose the GPUs).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,11 +85,13 @@ def check_launcher(cfg: TrainConfig, env=os.environ) -> None:
         raise ConfigError(
             f"{cfg.source}: `run.launcher` is torchrun, but this process was not started by torchrun "
             f"(no RANK/WORLD_SIZE in its environment). Fix: torchrun --nproc-per-node N -m trainer ..., "
-            f"or --launcher threads.")
+            f"or --launcher threads."
+        )
     if cfg.run.launcher == THREADS and rank is not None and rank.world_size > 1:
         raise ConfigError(
             f"{cfg.source}: started by torchrun with WORLD_SIZE {rank.world_size}, but `run.launcher` is "
-            f"threads, so every rank would train the whole job. Fix: add --launcher torchrun.")
+            f"threads, so every rank would train the whole job. Fix: add --launcher torchrun."
+        )
 
 
 def rank_device(cfg: TrainConfig, rank: Rank) -> str:
@@ -125,6 +128,7 @@ class DrafterDDP(DistributedDataParallel):
 
 # ---- exchanges between ranks -----------------------------------------------------------------
 
+
 def _gather(vector: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     parts = [torch.empty_like(vector) for _ in range(world_size)]
     dist.all_gather(parts, vector)
@@ -134,45 +138,59 @@ def _gather(vector: torch.Tensor, world_size: int) -> list[torch.Tensor]:
 def dataset_digest(dataset: Dataset) -> int:
     h = hashlib.sha256()
     for t in (dataset.input_ids, dataset.loss_mask, dataset.attention_mask):
-        h.update(t.contiguous().cpu().numpy())  # the buffer itself, no copy of a large dataset
+        h.update(t.contiguous().cpu().numpy().data)  # the buffer itself, no copy of a large dataset
     return int.from_bytes(h.digest()[:7], "little")
 
 
 def check_same_data(dataset: Dataset, rank: Rank, device: str) -> None:
     """Every rank built the data itself (a file, or seeded generation): they must agree exactly."""
-    digests = _gather(torch.tensor([dataset_digest(dataset)], dtype=torch.int64, device=device),
-                      rank.world_size)
+    digests = _gather(
+        torch.tensor([dataset_digest(dataset)], dtype=torch.int64, device=device), rank.world_size
+    )
     values = [int(d.item()) for d in digests]
     if len(set(values)) != 1:
         differ = [r for r, v in enumerate(values) if v != values[0]]
-        raise RuntimeError(f"ranks {differ} built different training data than rank 0 "
-                           f"(same config and seed must give the same data on every rank)")
+        raise RuntimeError(
+            f"ranks {differ} built different training data than rank 0 "
+            f"(same config and seed must give the same data on every rank)"
+        )
 
 
 def global_summary(local: StepSummary, stop: bool, rank: Rank, device: str) -> tuple[StepSummary, bool]:
     """Combine every rank's step the way the threaded mode combines its replicas' reports."""
-    vector = torch.tensor([local.loss, float(local.tokens), float(stop), *local.acc],
-                          dtype=torch.float64, device=device)
+    vector = torch.tensor(
+        [local.loss, float(local.tokens), float(stop), *local.acc], dtype=torch.float64, device=device
+    )
     parts = _gather(vector, rank.world_size)
     acc = torch.stack([p[3:].to(torch.float32) for p in parts]).mean(0)
-    summary = StepSummary(step=local.step, loss=sum(float(p[0]) for p in parts) / len(parts),
-                          acc=[float(a) for a in acc], tokens=sum(int(p[1]) for p in parts),
-                          grad_norm=local.grad_norm, lr=local.lr)
+    summary = StepSummary(
+        step=local.step,
+        loss=sum(float(p[0]) for p in parts) / len(parts),
+        acc=[float(a) for a in acc],
+        tokens=sum(int(p[1]) for p in parts),
+        grad_norm=local.grad_norm,
+        lr=local.lr,
+    )
     return summary, any(bool(p[2]) for p in parts)
 
 
 # ---- resume ----------------------------------------------------------------------------------
 
+
 def check_same_start(start: int, rank: Rank, device: str) -> None:
     """Ranks that resume from different steps would wait on each other forever: refuse instead."""
-    starts = [int(s.item()) for s in _gather(torch.tensor([start], dtype=torch.int64, device=device),
-                                              rank.world_size)]
+    starts = [
+        int(s.item())
+        for s in _gather(torch.tensor([start], dtype=torch.int64, device=device), rank.world_size)
+    ]
     if len(set(starts)) != 1:
-        where = ", ".join(f"rank {r}: {'step ' + str(s) if s else 'fresh start'}"
-                          for r, s in enumerate(starts))
+        where = ", ".join(
+            f"rank {r}: {'step ' + str(s) if s else 'fresh start'}" for r, s in enumerate(starts)
+        )
         raise ckpt.CheckpointError(
             f"the ranks would start from different steps ({where}): every host must see the same "
-            f"checkpoints. Fix: put run.output_dir on storage all hosts share, or start every rank fresh.")
+            f"checkpoints. Fix: put run.output_dir on storage all hosts share, or start every rank fresh."
+        )
 
 
 def saved_replicas(state: ckpt.Checkpoint) -> int:
@@ -192,10 +210,12 @@ def check_world_size(state: ckpt.Checkpoint, world_size: int) -> None:
             f"--resume {state.path}: trained with {saved} replicas, this run has world size {world_size}; "
             f"the global batch sets the data order and schedule, so step {state.step} would mean other data. "
             f"Fix: relaunch with {saved} ranks in total (--nproc-per-node x --nnodes), "
-            f"or start a new --output-dir.")
+            f"or start a new --output-dir."
+        )
 
 
 # ---- the world --------------------------------------------------------------------------------
+
 
 class TorchrunWorld:
     """This process is one rank: one replica (DDP), rank 0 writes, the ranks agree every step."""
@@ -239,8 +259,10 @@ class TorchrunWorld:
         replica.model = DrafterDDP(replica.model, device_ids=[torch.device(self.device)] if cuda else None)
 
     def describe(self) -> list[str]:
-        return [f"launcher: torchrun, {self.rank.world_size} ranks ({dist.get_backend()}), one replica each; "
-                f"this log is rank 0's, on {self.device}"]
+        return [
+            f"launcher: torchrun, {self.rank.world_size} ranks ({dist.get_backend()}), one replica each; "
+            f"this log is rank 0's, on {self.device}"
+        ]
 
     def stop_request(self) -> StopRequest:
         return StopRequest()  # no watchdog, no giving up on a step: the other ranks wait in it too
@@ -249,8 +271,9 @@ class TorchrunWorld:
         RankStopRequest(stop).install()
 
     def step(self, workers: TrainingWorkers, index: int, stop: StopRequest) -> StepSummary:
-        summary, self._agreed_stop = global_summary(workers.run_step(index), stop.requested, self.rank,
-                                                    self.device)
+        summary, self._agreed_stop = global_summary(
+            workers.run_step(index), stop.requested, self.rank, self.device
+        )
         return summary
 
     def stopping(self, stop: StopRequest) -> bool:
@@ -269,8 +292,12 @@ class TorchrunWorld:
         # one line naming the rank on stderr (the log), whichever rank it is
         rank = self.rank
         what = "aborted" if failure.interrupted else "failed"
-        print(f"dflash-train: rank {rank.rank} of {rank.world_size} {what}{failure.where}: "
-              f"{type(failure.original).__name__}: {failure.original}", file=sys.stderr, flush=True)
+        print(
+            f"dflash-train: rank {rank.rank} of {rank.world_size} {what}{failure.where}: "
+            f"{type(failure.original).__name__}: {failure.original}",
+            file=sys.stderr,
+            flush=True,
+        )
         if not failure.interrupted and not rank.is_lead:
             print(failure.traceback_text.rstrip(), file=sys.stderr, flush=True)
         return f"rank {rank.rank}: "

@@ -9,12 +9,20 @@ mask (the block sees the whole cached context and itself, which is what the trai
 reproduces). It reuses the drafter's own submodules, so it holds no weights of its own; a test
 checks it against the training forward.
 """
+
 from __future__ import annotations
+
+from typing import Iterable, cast
 
 import torch
 import torch.nn.functional as F
 
-from trainer.model import DFlashDrafter, apply_rope, rope_cos_sin
+from trainer.model import DFlashDrafter, DrafterLayer, apply_rope, rope_cos_sin
+
+
+def _layers(drafter: DFlashDrafter) -> Iterable[DrafterLayer]:
+    """The drafter's layers, typed (an nn.ModuleList of DrafterLayer)."""
+    return cast("Iterable[DrafterLayer]", drafter.layers)
 
 
 class DrafterContext:
@@ -41,13 +49,14 @@ class DrafterContext:
             return
         ctx = d.hidden_norm(d.fc(features.to(device=d.fc.weight.device, dtype=dtype))).unsqueeze(0)
         cos, sin = self._rope(self.length, count, dtype, ctx.device)
-        for i, layer in enumerate(d.layers):
+        for i, layer in enumerate(_layers(d)):
             attn = layer.self_attn
             k = attn.k_norm(attn.k_proj(ctx).view(1, count, cfg.num_kv_heads, cfg.head_dim))
             k = apply_rope(k.transpose(1, 2), cos, sin)
             v = attn.v_proj(ctx).view(1, count, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-            self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], dim=2)
-            self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v], dim=2)
+            cached_k, cached_v = self.keys[i], self.values[i]
+            self.keys[i] = k if cached_k is None else torch.cat([cached_k, k], dim=2)
+            self.values[i] = v if cached_v is None else torch.cat([cached_v, v], dim=2)
         self.length += count
 
     @torch.no_grad()
@@ -63,7 +72,7 @@ class DrafterContext:
         ids[0, 0] = int(anchor_token)
         x = F.embedding(ids, d.embed_weight).to(dtype)
         cos, sin = self._rope(self.length, block, dtype, device)
-        for i, layer in enumerate(d.layers):
+        for i, layer in enumerate(_layers(d)):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = attn.q_norm(attn.q_proj(h).view(1, block, cfg.num_heads, cfg.head_dim))
@@ -71,9 +80,11 @@ class DrafterContext:
             k = attn.k_norm(attn.k_proj(h).view(1, block, cfg.num_kv_heads, cfg.head_dim))
             k = apply_rope(k.transpose(1, 2), cos, sin)
             v = attn.v_proj(h).view(1, block, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-            if self.keys[i] is not None:
-                k = torch.cat([self.keys[i], k], dim=2)
-                v = torch.cat([self.values[i], v], dim=2)
+            cached_k, cached_v = self.keys[i], self.values[i]
+            if cached_k is not None:
+                assert cached_v is not None  # extend() sets a layer's keys and values together
+                k = torch.cat([cached_k, k], dim=2)
+                v = torch.cat([cached_v, v], dim=2)
             out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(1, block, cfg.num_heads * cfg.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))

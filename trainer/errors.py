@@ -6,6 +6,7 @@ or file:line and the fix. A command run through `run_command` lets them propagat
 instead of catching them where they arise. An error raised in a worker thread arrives wrapped
 (trainer.workers.WorkerFailure); its `original` counts. No torch here: input errors come before it.
 """
+
 from __future__ import annotations
 
 import sys

@@ -3,6 +3,7 @@
 Exit codes: 0 done; 1 the speculative output differed from the target's greedy output (a bug:
 the first differing prompt and position are printed); 2 bad input (checkpoint, target, prompts).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,33 +29,55 @@ are within the working dtype's rounding).
 
 
 def eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-train eval", description=EVAL_HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a run's output dir (its latest checkpoint), a checkpoints/step-NNNNNNN dir, "
-                        "or an export dir")
-    p.add_argument("--target", metavar="SPEC",
-                   help="tiny-random or a local HF model dir (default: the run's own)")
-    p.add_argument("--prompts", metavar="FILE.jsonl",
-                   help='{"messages": [...]} or {"input_ids": [...]} per line '
-                        "(default: the run's held-out data)")
+    p = argparse.ArgumentParser(
+        prog="dflash-train eval", description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a run's output dir (its latest checkpoint), a checkpoints/step-NNNNNNN dir, or an export dir",
+    )
+    p.add_argument(
+        "--target", metavar="SPEC", help="tiny-random or a local HF model dir (default: the run's own)"
+    )
+    p.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help='{"messages": [...]} or {"input_ids": [...]} per line (default: the run\'s held-out data)',
+    )
     p.add_argument("--num-prompts", type=int, default=8, metavar="N")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T")
-    p.add_argument("--device", default=None,
-                   help="cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)")
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)"
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    p.add_argument("--batch", type=int, default=1, metavar="N",
-                   help="prompts decoded together (tokens/s then counts all of them; default 1)")
-    p.add_argument("--loop", choices=("static", "reference"), default="static",
-                   help="static: pre-allocated caches + CUDA graphs (default); reference: the HF-eager loop")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the static loop's per-layer math (default: on with CUDA)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        metavar="N",
+        help="prompts decoded together (tokens/s then counts all of them; default 1)",
+    )
+    p.add_argument(
+        "--loop",
+        choices=("static", "reference"),
+        default="static",
+        help="static: pre-allocated caches + CUDA graphs (default); reference: the HF-eager loop",
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the static loop's per-layer math (default: on with CUDA)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return p
 
 
 # ---- loading ---------------------------------------------------------------------------------
+
 
 def _is_export(path: Path) -> bool:
     try:
@@ -74,8 +97,10 @@ def load_drafter_source(checkpoint: str):
 
     path = Path(checkpoint)
     if not path.is_dir():
-        raise ConfigError(f"--checkpoint {checkpoint}: no such directory. Fix: pass a run dir, a "
-                          f"checkpoints/step-NNNNNNN dir or an export dir.")
+        raise ConfigError(
+            f"--checkpoint {checkpoint}: no such directory. Fix: pass a run dir, a "
+            f"checkpoints/step-NNNNNNN dir or an export dir."
+        )
     if _is_export(path):
         return drafter_config_from_export(path), load_file(str(path / WEIGHTS_FILE)), None, f"export {path}"
     state = load_checkpoint(resolve_resume(checkpoint, checkpoint))
@@ -91,11 +116,13 @@ def target_mismatch(dcfg, target, run_config: dict | None) -> str | None:
     if dcfg.vocab_size != target.vocab_size:
         problems.append(f"vocab {dcfg.vocab_size} vs the target's {target.vocab_size}")
     if dcfg.num_target_layers is not None and dcfg.num_target_layers != target.num_layers:
-        problems.append(f"trained on a {dcfg.num_target_layers}-layer target, "
-                        f"this one has {target.num_layers}")
+        problems.append(
+            f"trained on a {dcfg.num_target_layers}-layer target, this one has {target.num_layers}"
+        )
     elif any(not 0 <= i < target.num_layers for i in dcfg.target_layer_ids):
-        problems.append(f"layer ids {dcfg.target_layer_ids} do not exist "
-                        f"in a {target.num_layers}-layer target")
+        problems.append(
+            f"layer ids {dcfg.target_layer_ids} do not exist in a {target.num_layers}-layer target"
+        )
     run_drafter = (run_config or {}).get("drafter") or {}
     mask_was_default = run_config is not None and run_drafter.get("mask_token_id") is None
     if mask_was_default and dcfg.mask_token_id != target.mask_token_id:
@@ -114,12 +141,20 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
     run_target = (run_config or {}).get("target") or {}
     spec = target_spec or run_target.get("spec")
     if not spec:
-        raise ConfigError("--target is required with an export dir (it does not name its target). "
-                          "Fix: --target /path/to/hf-model (or tiny-random).")
+        raise ConfigError(
+            "--target is required with an export dir (it does not name its target). "
+            "Fix: --target /path/to/hf-model (or tiny-random)."
+        )
     same = spec == run_target.get("spec")
     seed = int(((run_config or {}).get("train") or {}).get("seed", 0))
-    target = load_target(spec, device, param_dtype(device), layer_ids=[0], seed=seed,
-                         tiny=(run_target.get("tiny") or None) if same else None)
+    target = load_target(
+        spec,
+        device,
+        param_dtype(device),
+        layer_ids=[0],
+        seed=seed,
+        tiny=(run_target.get("tiny") or None) if same else None,
+    )
     problem = target_mismatch(dcfg, target, run_config)
     if problem:
         raise ConfigError(f"{spec}: {problem}. Fix: pass the --target the drafter was trained for.")
@@ -145,6 +180,7 @@ def run_prompts(run_config: dict, target, source: str, count: int) -> list[list[
 
 # ---- running ---------------------------------------------------------------------------------
 
+
 def _default_device() -> str:
     import torch
 
@@ -158,8 +194,9 @@ def _progress(stream):
         from .metrics import format_duration, progress_bar
 
         eta = (time.monotonic() - start) / done * (total - done)
-        stream.write(f"\r\x1b[2K{progress_bar(done, total)} {done}/{total} prompts  "
-                     f"eta {format_duration(eta)}")
+        stream.write(
+            f"\r\x1b[2K{progress_bar(done, total)} {done}/{total} prompts  eta {format_duration(eta)}"
+        )
         if done == total:
             stream.write("\n")
         stream.flush()
@@ -169,16 +206,22 @@ def _progress(stream):
 
 def report_lines(result, block_size: int) -> list[str]:
     spread = result.tau_per_prompt
-    lines = [f"tau {result.tau:.3f} pooled over {result.rounds} rounds, {result.prompts} prompts, "
-             f"{result.new_tokens} new tokens (block {block_size})",
-             f"tau {result.tau_per_prompt_mean:.3f} as the mean of per-prompt means; per prompt min "
-             f"{spread['min']:.3f} median {spread['median']:.3f} max {spread['max']:.3f}"]
-    lines.append("acceptance by block position: " + " ".join(
-        f"{k}:{a:.2f}" for k, a in enumerate(result.acceptance, 1)))
+    lines = [
+        f"tau {result.tau:.3f} pooled over {result.rounds} rounds, {result.prompts} prompts, "
+        f"{result.new_tokens} new tokens (block {block_size})",
+        f"tau {result.tau_per_prompt_mean:.3f} as the mean of per-prompt means; per prompt min "
+        f"{spread['min']:.3f} median {spread['median']:.3f} max {spread['max']:.3f}",
+    ]
+    lines.append(
+        "acceptance by block position: "
+        + " ".join(f"{k}:{a:.2f}" for k, a in enumerate(result.acceptance, 1))
+    )
     if result.target_tokens_per_s:
-        lines.append(f"tokens/s: target-only {result.target_tokens_per_s:,.1f}, speculative "
-                     f"{result.speculative_tokens_per_s:,.1f}, speedup {result.speedup:.2f}x "
-                     f"({result.loop} loop, batch {result.batch})")
+        lines.append(
+            f"tokens/s: target-only {result.target_tokens_per_s:,.1f}, speculative "
+            f"{result.speculative_tokens_per_s:,.1f}, speedup {result.speedup:.2f}x "
+            f"({result.loop} loop, batch {result.batch})"
+        )
     if result.skipped_too_long:
         lines.append(f"skipped {result.skipped_too_long} prompt(s) longer than the target's context allows")
     if result.lossless is None:
@@ -209,8 +252,11 @@ def run_eval(args: argparse.Namespace, out=None, err=None) -> int:
 
 def _run_eval(args: argparse.Namespace, out, err) -> int:
     try:
-        for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
-                            ("--batch", args.batch)):
+        for flag, value in (
+            ("--num-prompts", args.num_prompts),
+            ("--max-new-tokens", args.max_new_tokens),
+            ("--batch", args.batch),
+        ):
             if value < 1:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
         if args.temperature < 0:
@@ -222,35 +268,54 @@ def _run_eval(args: argparse.Namespace, out, err) -> int:
         target, drafter = load_models(dcfg, weights, run_config, args.target, device)
         if args.prompts:
             from .evaluate import load_prompts
+
             prompts = load_prompts(args.prompts, target.tokenizer, target.vocab_size)
         elif run_config is not None:
             prompts = run_prompts(run_config, target, described, args.num_prompts)
         else:
             raise ConfigError("--prompts is required with an export dir. Fix: --prompts FILE.jsonl.")
-        prompts = prompts[:args.num_prompts]
+        prompts = prompts[: args.num_prompts]
         from .evaluate import evaluate, stop_token_ids
 
         show = _progress(err) if err.isatty() and not args.json else None
-        result = evaluate(target.model, target.layer_ids, drafter, prompts,
-                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          stop_ids=stop_token_ids(target.model, target.tokenizer), seed=args.seed,
-                          progress=show, warmup=True, batch=args.batch, loop=args.loop,
-                          compile=device.startswith("cuda") if args.compile is None else args.compile)
+        result = evaluate(
+            target.model,
+            target.layer_ids,
+            drafter,
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            stop_ids=stop_token_ids(target.model, target.tokenizer),
+            seed=args.seed,
+            progress=show,
+            warmup=True,
+            batch=args.batch,
+            loop=args.loop,
+            compile=device.startswith("cuda") if args.compile is None else args.compile,
+        )
     except RuntimeError as exc:  # e.g. CUDA out of memory: one line, not a traceback
         print(f"dflash-train eval: failed: {type(exc).__name__}: {str(exc).splitlines()[0]}", file=err)
         return 1
     if args.json:
-        payload = dict(result.to_dict(), checkpoint=described, device=device, block_size=dcfg.block_size,
-                       temperature=args.temperature)
+        payload = dict(
+            result.to_dict(),
+            checkpoint=described,
+            device=device,
+            block_size=dcfg.block_size,
+            temperature=args.temperature,
+        )
         out.write(json.dumps(_finite(payload), allow_nan=False) + "\n")
     else:
         out.write(f"dflash-train eval: {described} on {device}\n")
         out.write("".join(line + "\n" for line in report_lines(result, dcfg.block_size)))
     if result.mismatch is not None:
         m = result.mismatch
-        print(f"dflash-train eval: LOSSLESS CHECK FAILED: prompt {m.prompt_index} (first tokens "
-              f"{m.prompt[:12]}), new token {m.position}: target {m.expected}, speculative {m.got}; "
-              f"the target's fp32 logits there {m.expected_logit:.4f} vs {m.got_logit:.4f}, a gap beyond "
-              f"the {m.tie_bound:.2e} a rounding tie allows", file=err)
+        print(
+            f"dflash-train eval: LOSSLESS CHECK FAILED: prompt {m.prompt_index} (first tokens "
+            f"{m.prompt[:12]}), new token {m.position}: target {m.expected}, speculative {m.got}; "
+            f"the target's fp32 logits there {m.expected_logit:.4f} vs {m.got_logit:.4f}, a gap beyond "
+            f"the {m.tie_bound:.2e} a rounding tie allows",
+            file=err,
+        )
         return 1
     return 0

@@ -14,13 +14,14 @@ Reported:
   as a tie only when the target's own fp32 logits at that position (trainer.lossless) put the two
   tokens within the working dtype's rounding of each other; else it is a bug (`mismatch`).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import statistics
 import time
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
@@ -75,8 +76,11 @@ def tau_summary(accepted_per_prompt: list[list[int]]) -> dict:
     return {
         "tau": sum(n + 1 for n in pooled) / len(pooled) if pooled else nan,
         "tau_per_prompt_mean": statistics.fmean(per_prompt) if per_prompt else nan,
-        "tau_per_prompt": {"min": min(per_prompt, default=nan), "median": statistics.median(per_prompt)
-                           if per_prompt else nan, "max": max(per_prompt, default=nan)},
+        "tau_per_prompt": {
+            "min": min(per_prompt, default=nan),
+            "median": statistics.median(per_prompt) if per_prompt else nan,
+            "max": max(per_prompt, default=nan),
+        },
     }
 
 
@@ -88,17 +92,23 @@ def load_prompts(path: str, tokenizer=None, vocab_size: int | None = None) -> li
     for where, record in jsonl_records(path, "prompts", "pass an existing .jsonl file to --prompts."):
         if isinstance(record, dict) and "input_ids" in record:
             ids = record["input_ids"]
-            if not isinstance(ids, list) or not ids or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+            ):
                 raise DataError(where, "input_ids must be a non-empty list of integers.")
         elif isinstance(record, dict) and "messages" in record:
             ids = _render_messages(record["messages"], tokenizer, where)
         else:
             raise DataError(where, 'expected {"messages": [...]} or {"input_ids": [...]}.')
         bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
-        if bad:
-            raise DataError(where, f"token {bad[0]} is outside the target's vocabulary "
-                                   f"(0..{vocab_size - 1}). Fix: tokenize with the target's tokenizer.")
+        if bad and vocab_size is not None:  # bad is empty without a vocab_size
+            raise DataError(
+                where,
+                f"token {bad[0]} is outside the target's vocabulary "
+                f"(0..{vocab_size - 1}). Fix: tokenize with the target's tokenizer.",
+            )
         prompts.append(ids)
     if not prompts:
         raise DataError(path, "no prompts. Fix: one JSON object per line.")
@@ -107,12 +117,23 @@ def load_prompts(path: str, tokenizer=None, vocab_size: int | None = None) -> li
 
 def _render_messages(messages, tokenizer, where: str) -> list[int]:
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        raise DataError(where, "record has messages, but the target has no tokenizer with a chat template. "
-                               "Fix: give prompts as {\"input_ids\": [...]}.")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages):
-        raise DataError(where, f"messages must be a non-empty list of {{\"role\": one of {'/'.join(ROLES)}, "
-                               f"\"content\": string}}.")
+        raise DataError(
+            where,
+            "record has messages, but the target has no tokenizer with a chat template. "
+            'Fix: give prompts as {"input_ids": [...]}.',
+        )
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise DataError(
+            where,
+            f'messages must be a non-empty list of {{"role": one of {"/".join(ROLES)}, "content": string}}.',
+        )
     if messages[-1]["role"] == "assistant":
         messages = messages[:-1]
     if not messages:
@@ -124,8 +145,11 @@ def _render_messages(messages, tokenizer, where: str) -> list[int]:
 def stop_token_ids(model, tokenizer=None) -> set[int]:
     """End-of-sequence ids from the tokenizer, the model config and its generation config."""
     found = set()
-    for source in (getattr(tokenizer, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
-                   getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+    for source in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
         if isinstance(source, int):
             found.add(source)
         elif isinstance(source, (list, tuple)):
@@ -142,10 +166,10 @@ def fits(prompt: list[int], max_new_tokens: int, block_size: int, limit: int | N
     return limit is None or len(prompt) + max_new_tokens + block_size <= limit
 
 
-
 @dataclasses.dataclass
 class _Decodings:
     """Per prompt: the target's own tokens, the speculative tokens and accepted drafts; and timings."""
+
     own: list[list[int]]
     spec: list[list[int]]
     accepted: list[list[int]]
@@ -155,36 +179,58 @@ class _Decodings:
     spec_seconds: float = 0.0
 
 
-def make_decoder(model, layer_ids, drafter, prompts: list[list[int]], max_new_tokens: int, stop_ids, batch: int,
-                 compile: bool = False):
+def make_decoder(
+    model,
+    layer_ids,
+    drafter,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_ids,
+    batch: int,
+    compile: bool = False,
+):
     """A StaticDecoder sized for `prompts` decoded `batch` at a time (reuse it across evaluations)."""
     from .static_decode import StaticDecoder
 
-    return StaticDecoder(model, layer_ids, drafter, rows=max(1, min(batch, len(prompts))),
-                         max_prompt=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
-                         stop_ids=stop_ids, compile=compile)
+    return StaticDecoder(
+        model,
+        layer_ids,
+        drafter,
+        rows=max(1, min(batch, len(prompts))),
+        max_prompt=max(len(p) for p in prompts),
+        max_new_tokens=max_new_tokens,
+        stop_ids=stop_ids,
+        compile=compile,
+    )
 
 
 def _fits_decoder(decoder, drafter, prompts, max_new_tokens, stop_ids) -> bool:
-    return (decoder.drafter is not None and decoder.drafter.drafter is drafter
-            and decoder.max_prompt >= max(len(p) for p in prompts) and decoder.max_new_tokens >= max_new_tokens
-            and set(decoder.stop_ids.tolist()) - {-1} == {int(s) for s in stop_ids})
+    return (
+        decoder.drafter is not None
+        and decoder.drafter.drafter is drafter
+        and decoder.max_prompt >= max(len(p) for p in prompts)
+        and decoder.max_new_tokens >= max_new_tokens
+        and set(decoder.stop_ids.tolist()) - {-1} == {int(s) for s in stop_ids}
+    )
 
 
 def _static(decoder, prompts, max_new_tokens, reference, key_of, progress) -> _Decodings:
     found = _Decodings([], [], [])
     for lo in range(0, len(prompts), decoder.rows):
-        chunk = prompts[lo:lo + decoder.rows]
+        chunk = prompts[lo : lo + decoder.rows]
         cached = [reference.get(key_of(p)) if reference is not None else None for p in chunk]
+        own_tokens: list[list[int]]
         if any(c is None for c in cached):
             own = decoder.decode(chunk, max_new_tokens, speculative=False)
-            cached = [r.tokens for r in own.results]
-            found.target_tokens += sum(len(t) for t in cached)
+            own_tokens = [r.tokens for r in own.results]
+            found.target_tokens += sum(len(t) for t in own_tokens)
             found.target_seconds += own.seconds
             if reference is not None:
-                reference.update({key_of(p): t for p, t in zip(chunk, cached)})
+                reference.update({key_of(p): t for p, t in zip(chunk, own_tokens, strict=True)})
+        else:
+            own_tokens = cast("list[list[int]]", cached)  # no None in it: all came from the reference
         spec = decoder.decode(chunk, max_new_tokens, speculative=True)
-        found.own += cached
+        found.own += own_tokens
         found.spec += [r.tokens for r in spec.results]
         found.accepted += [r.accepted for r in spec.results]
         found.spec_tokens += sum(len(r.tokens) for r in spec.results)
@@ -194,8 +240,19 @@ def _static(decoder, prompts, max_new_tokens, reference, key_of, progress) -> _D
     return found
 
 
-def _reference(model, layer_ids, drafter, prompts, max_new_tokens, stop_ids, temperature, seed, reference,
-               key_of, progress) -> _Decodings:
+def _reference(
+    model,
+    layer_ids,
+    drafter,
+    prompts,
+    max_new_tokens,
+    stop_ids,
+    temperature,
+    seed,
+    reference,
+    key_of,
+    progress,
+) -> _Decodings:
     generator = torch.Generator(device=model.get_input_embeddings().weight.device).manual_seed(seed)
     found = _Decodings([], [], [])
     for index, prompt in enumerate(prompts):
@@ -207,8 +264,9 @@ def _reference(model, layer_ids, drafter, prompts, max_new_tokens, stop_ids, tem
             found.target_seconds += decoded.seconds
             if reference is not None and temperature <= 0:
                 reference[key_of(prompt)] = own
-        spec = speculative_generate(model, layer_ids, drafter, prompt, max_new_tokens, stop_ids, temperature,
-                                    generator)
+        spec = speculative_generate(
+            model, layer_ids, drafter, prompt, max_new_tokens, stop_ids, temperature, generator
+        )
         found.own.append(own)
         found.spec.append(spec.tokens)
         found.accepted.append(spec.accepted)
@@ -224,10 +282,10 @@ def check_lossless(target, prompts, own, spec) -> tuple[int, Mismatch | None]:
     from .lossless import judge
 
     ties, bug = 0, None
-    for index, (prompt, a, b) in enumerate(zip(prompts, own, spec)):
+    for index, (prompt, a, b) in enumerate(zip(prompts, own, spec, strict=True)):
         if a == b:
             continue
-        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         expected = a[at] if at < len(a) else -1
         got = b[at] if at < len(b) else -1
         verdict = judge(target, prompt + a[:at], expected, got) if target is not None else None
@@ -236,15 +294,30 @@ def check_lossless(target, prompts, own, spec) -> tuple[int, Mismatch | None]:
         elif verdict.tie:
             ties += 1
         elif bug is None:
-            bug = Mismatch(index, at, expected, got, prompt, verdict.expected_logit, verdict.got_logit,
-                           verdict.bound)
+            bug = Mismatch(
+                index, at, expected, got, prompt, verdict.expected_logit, verdict.got_logit, verdict.bound
+            )
     return ties, bug
 
 
-def evaluate(model, layer_ids, drafter, prompts: list[list[int]], *, max_new_tokens: int,
-             temperature: float = 0.0, stop_ids=(), seed: int = 0, reference: dict | None = None,
-             progress: Callable[[int, int], None] | None = None, warmup: bool = False, batch: int = 1,
-             loop: str = "static", decoder=None, compile: bool = False) -> EvalResult:
+def evaluate(
+    model,
+    layer_ids,
+    drafter,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    stop_ids=(),
+    seed: int = 0,
+    reference: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    warmup: bool = False,
+    batch: int = 1,
+    loop: str = "static",
+    decoder=None,
+    compile: bool = False,
+) -> EvalResult:
     """Decode every prompt both ways (see the module docstring). `reference` caches the target's
     own greedy outputs by prompt across calls (the target is frozen, so they never change).
     `batch`: prompts decoded together by the static loop. `decoder`: a StaticDecoder to reuse
@@ -276,13 +349,28 @@ def evaluate(model, layer_ids, drafter, prompts: list[list[int]], *, max_new_tok
             if warmup:
                 decoder.prepare(usable)
             found = _static(decoder, usable, max_new_tokens, reference, key_of, progress)
-            name = "static" + ("+graphs" if decoder.graphs else "") + ("+compile" if decoder.kernels.compiled else "")
+            name = (
+                "static"
+                + ("+graphs" if decoder.graphs else "")
+                + ("+compile" if decoder.kernels.compiled else "")
+            )
         else:
             if warmup and usable:
                 target_generate(model, usable[0], 4)
                 speculative_generate(model, layer_ids, drafter, usable[0], 4)
-            found = _reference(model, layer_ids, drafter, usable, max_new_tokens, stops, temperature, seed,
-                               reference, key_of, progress)
+            found = _reference(
+                model,
+                layer_ids,
+                drafter,
+                usable,
+                max_new_tokens,
+                stops,
+                temperature,
+                seed,
+                reference,
+                key_of,
+                progress,
+            )
             name = "reference"
         ties, mismatch = 0, None
         if temperature <= 0:
@@ -298,9 +386,20 @@ def evaluate(model, layer_ids, drafter, prompts: list[list[int]], *, max_new_tok
     spec_tps = found.spec_tokens / found.spec_seconds if found.spec_seconds > 0 else 0.0
     return EvalResult(
         **tau_summary(found.accepted),
-        acceptance=[sum(n >= k for n in rounds) / len(rounds) if rounds else math.nan for k in range(1, block)],
-        rounds=len(rounds), prompts=len(usable), skipped_too_long=len(prompts) - len(usable),
-        new_tokens=int(found.spec_tokens), target_tokens_per_s=target_tps, speculative_tokens_per_s=spec_tps,
+        acceptance=[
+            sum(n >= k for n in rounds) / len(rounds) if rounds else math.nan for k in range(1, block)
+        ],
+        rounds=len(rounds),
+        prompts=len(usable),
+        skipped_too_long=len(prompts) - len(usable),
+        new_tokens=int(found.spec_tokens),
+        target_tokens_per_s=target_tps,
+        speculative_tokens_per_s=spec_tps,
         speedup=spec_tps / target_tps if target_tps else None,
-        lossless=None if temperature > 0 else mismatch is None, ties=ties, mismatch=mismatch,
-        seconds=time.perf_counter() - t0, batch=decoder.rows if static else 1, loop=name)
+        lossless=None if temperature > 0 else mismatch is None,
+        ties=ties,
+        mismatch=mismatch,
+        seconds=time.perf_counter() - t0,
+        batch=decoder.rows if static else 1,
+        loop=name,
+    )

@@ -12,6 +12,7 @@ An export directory holds:
 tests/trainer/reference_drafter.py reads an export the way an inference engine does and checks
 the trainer's logits against it.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,10 @@ WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
 MODELING_DIR = Path(__file__).resolve().parent / "hf_modeling"
 MODELING_FILES = ("configuration_dflash.py", "modeling_dflash.py")
-AUTO_MAP = {"AutoConfig": "configuration_dflash.DFlashConfig",
-            "AutoModel": "modeling_dflash.DFlashDraftModel"}
+AUTO_MAP = {
+    "AutoConfig": "configuration_dflash.DFlashConfig",
+    "AutoModel": "modeling_dflash.DFlashDraftModel",
+}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -43,7 +46,8 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         raise ValueError(
             "cannot export: DrafterConfig.num_target_layers is unset (inference engines read it). "
             "Fix: build the config with DrafterConfig.for_target(target, ...) or set it to the "
-            "target's layer count")
+            "target's layer count"
+        )
     rope = dict(cfg.rope_scaling or {"rope_type": "default"}, rope_theta=cfg.rope_theta)
     config = {
         "architectures": [ARCHITECTURE],
@@ -82,11 +86,22 @@ def weight_names(cfg: DrafterConfig) -> set[str]:
     """The safetensors names of an exported drafter."""
     names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     for i in range(cfg.num_layers):
-        names |= {f"layers.{i}.{part}.weight" for part in (
-            "input_layernorm", "post_attention_layernorm",
-            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "self_attn.q_norm", "self_attn.k_norm",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        names |= {
+            f"layers.{i}.{part}.weight"
+            for part in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+                "self_attn.q_norm",
+                "self_attn.k_norm",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+            )
+        }
     return names
 
 
@@ -95,8 +110,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir, dtype: torch.dtype | None = 
     return export_weights(drafter.state_dict(), drafter.cfg, out_dir, dtype)
 
 
-def export_weights(weights: dict, cfg: DrafterConfig, out_dir,
-                   dtype: torch.dtype | None = None) -> Path:
+def export_weights(weights: dict, cfg: DrafterConfig, out_dir, dtype: torch.dtype | None = None) -> Path:
     """Same as export_drafter from a drafter state_dict (e.g. a checkpoint): no target needed."""
     config_dtype = dtype or next(iter(weights.values())).dtype
     config = export_config(cfg, config_dtype)  # validates before anything is written
@@ -105,7 +119,8 @@ def export_weights(weights: dict, cfg: DrafterConfig, out_dir,
             f"cannot export: weights do not match the drafter config: missing "
             f"{sorted(weight_names(cfg) - set(weights))}, unexpected "
             f"{sorted(set(weights) - weight_names(cfg))}. Fix: export the checkpoint together "
-            f"with the drafter config it was trained with")
+            f"with the drafter config it was trained with"
+        )
     tensors = {name: t.detach().to("cpu", config_dtype).contiguous() for name, t in weights.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,5 +156,6 @@ def drafter_config_from_export(export_dir) -> DrafterConfig:
         num_target_layers=config.get("num_target_layers"),
         max_position_embeddings=config.get("max_position_embeddings"),
         rope_scaling={k: v for k, v in config["rope_scaling"].items() if k != "rope_theta"}
-        if config.get("rope_scaling") else None,
+        if config.get("rope_scaling")
+        else None,
     )

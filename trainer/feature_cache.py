@@ -12,6 +12,7 @@ resumes after the last whole shard. A training run refuses a cache made for anot
 other layer ids or another seq_len (exit 2, naming each difference), detects a truncated shard
 from its size at startup and a corrupted one from its sha256 on first read.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -59,37 +60,64 @@ def target_identity(target) -> dict:
     cannot see a change confined to the decoder layers (the config hash and spec still can).
     """
     # keys that name how the config was stored, not what the model computes (save_pretrained sets some)
-    config = {k: v for k, v in target.config.to_dict().items()
-              if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype", "architectures")}
+    config = {
+        k: v
+        for k, v in target.config.to_dict().items()
+        if not k.startswith("_")
+        and k not in ("transformers_version", "dtype", "torch_dtype", "architectures")
+    }
     digest = hashlib.sha256()
     for weight in (target.embed_tokens.weight, target.lm_head.weight):
         digest.update(weight[:256].detach().to("cpu", torch.bfloat16).float().numpy().tobytes())
-    return {"config_sha256": _sha256_bytes(json.dumps(config, sort_keys=True, default=str).encode()),
-            "weights_fingerprint": digest.hexdigest(), "num_layers": int(target.config.num_hidden_layers),
-            "hidden_size": int(target.hidden_size), "vocab_size": int(target.vocab_size)}
+    return {
+        "config_sha256": _sha256_bytes(json.dumps(config, sort_keys=True, default=str).encode()),
+        "weights_fingerprint": digest.hexdigest(),
+        "num_layers": int(target.config.num_hidden_layers),
+        "hidden_size": int(target.hidden_size),
+        "vocab_size": int(target.vocab_size),
+    }
 
 
 def tokenizer_identity(tokenizer) -> dict | None:
     if tokenizer is None:
         return None
     template = getattr(tokenizer, "chat_template", None) or ""
-    return {"name_or_path": str(getattr(tokenizer, "name_or_path", "")), "vocab_size": len(tokenizer),
-            "chat_template_sha256": _sha256_bytes(str(template).encode())}
+    return {
+        "name_or_path": str(getattr(tokenizer, "name_or_path", "")),
+        "vocab_size": len(tokenizer),
+        "chat_template_sha256": _sha256_bytes(str(template).encode()),
+    }
 
 
 def data_identity(cfg) -> dict:
     if cfg.data.source == "jsonl":
-        return {"source": "jsonl", "path": os.path.abspath(cfg.data.path), "sha256": file_sha256(cfg.data.path)}
+        return {
+            "source": "jsonl",
+            "path": os.path.abspath(cfg.data.path),
+            "sha256": file_sha256(cfg.data.path),
+        }
     syn = cfg.data.synthetic
-    return {"source": "synthetic", "num_samples": syn.num_samples, "prompt_len": syn.prompt_len,
-            "seed": cfg.train.seed}
+    return {
+        "source": "synthetic",
+        "num_samples": syn.num_samples,
+        "prompt_len": syn.prompt_len,
+        "seed": cfg.train.seed,
+    }
 
 
 def cache_header(cfg, target, dtype_name: str, pad_id: int) -> dict:
     """The manifest minus counts and shards: what the cache is of."""
-    return {"format": FORMAT, "target": target_identity(target), "target_spec": cfg.target.spec,
-            "layer_ids": list(target.layer_ids), "seq_len": cfg.data.seq_len, "dtype": dtype_name,
-            "pad_id": int(pad_id), "tokenizer": tokenizer_identity(target.tokenizer), "data": data_identity(cfg)}
+    return {
+        "format": FORMAT,
+        "target": target_identity(target),
+        "target_spec": cfg.target.spec,
+        "layer_ids": list(target.layer_ids),
+        "seq_len": cfg.data.seq_len,
+        "dtype": dtype_name,
+        "pad_id": int(pad_id),
+        "tokenizer": tokenizer_identity(target.tokenizer),
+        "data": data_identity(cfg),
+    }
 
 
 def human_bytes(n: float) -> str:
@@ -113,8 +141,11 @@ def read_manifest(cache_dir: str) -> dict | None:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, ValueError) as exc:
-        raise DataError(path, f"unreadable manifest ({exc}). Fix: delete {cache_dir} and rerun "
-                              f"`dflash-train data cache-features`.") from None
+        raise DataError(
+            path,
+            f"unreadable manifest ({exc}). Fix: delete {cache_dir} and rerun "
+            f"`dflash-train data cache-features`.",
+        ) from None
 
 
 def write_manifest(cache_dir: str, manifest: dict) -> None:
@@ -127,8 +158,11 @@ def differences(expected: dict, found: dict) -> list[str]:
     for key in COMPATIBLE_KEYS:
         want, have = expected.get(key), found.get(key)
         if key == "target" and isinstance(want, dict) and isinstance(have, dict):
-            out += [f"target.{k}: cache {have.get(k)!r}, config {want.get(k)!r}"
-                    for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
+            out += [
+                f"target.{k}: cache {have.get(k)!r}, config {want.get(k)!r}"
+                for k in sorted(set(want) | set(have))
+                if want.get(k) != have.get(k)
+            ]
         elif want != have:
             out.append(f"{key}: cache {have!r}, config {want!r}")
     return out
@@ -149,6 +183,7 @@ def shard_problem(cache_dir: str, shard: dict, check_sha: bool) -> str | None:
 
 # ---- writing ------------------------------------------------------------------------------------
 
+
 class ShardWriter:
     """Collects sequences and writes a shard when `shard_bytes` is reached.
 
@@ -161,7 +196,8 @@ class ShardWriter:
     def __init__(self, cache_dir: str, manifest: dict, shard_bytes: int, parallel: int = 0):
         self.cache_dir, self.manifest, self.shard_bytes = cache_dir, manifest, shard_bytes
         shards = manifest["shards"]
-        self._first = shards[-1]["first"] + shards[-1]["count"] if shards else 0  # of the shard being collected
+        # of the shard being collected
+        self._first = shards[-1]["first"] + shards[-1]["count"] if shards else 0
         self._index = len(shards)
         self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="shard-writer") if parallel else None
         self._parallel = parallel
@@ -188,8 +224,14 @@ class ShardWriter:
         """Hand the collected sequences over as one shard (written now, or by the pool)."""
         if not self.lengths:
             return
-        job = (f"shard-{self._index:05d}.safetensors", self._first, self.features, self.ids, self.masks,
-               self.lengths)
+        job = (
+            f"shard-{self._index:05d}.safetensors",
+            self._first,
+            self.features,
+            self.ids,
+            self.masks,
+            self.lengths,
+        )
         self._index, self._first = self._index + 1, self._first + len(self.lengths)
         self._reset()
         if self._pool is None:
@@ -212,11 +254,19 @@ class ShardWriter:
         path = os.path.join(self.cache_dir, name)
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(lengths).cumsum(0)
-        size, sha256 = write_pieces(path + ".tmp", {"features": features, "input_ids": ids, "loss_mask": masks,
-                                                    "offsets": [offsets]})
+        size, sha256 = write_pieces(
+            path + ".tmp", {"features": features, "input_ids": ids, "loss_mask": masks, "offsets": [offsets]}
+        )
         os.replace(path + ".tmp", path)
-        return {"file": name, "first": first, "count": len(lengths), "tokens": int(offsets[-1]),
-                "loss_tokens": sum(int(m.sum()) for m in masks), "bytes": size, "sha256": sha256}
+        return {
+            "file": name,
+            "first": first,
+            "count": len(lengths),
+            "tokens": int(offsets[-1]),
+            "loss_tokens": sum(int(m.sum()) for m in masks),
+            "bytes": size,
+            "sha256": sha256,
+        }
 
     def _commit(self, shard: dict) -> None:
         self.manifest["shards"].append(shard)
@@ -226,8 +276,12 @@ class ShardWriter:
 def disk_estimate(dataset: Dataset, start: int, num_layers: int, hidden: int, dtype_name: str) -> dict:
     tokens = int(dataset.attention_mask[start:].sum())
     per_token = bytes_per_token(num_layers, hidden, dtype_name)
-    return {"sequences": len(dataset) - start, "tokens": tokens, "bytes": tokens * per_token,
-            "bytes_per_1k_tokens": 1000 * per_token}
+    return {
+        "sequences": len(dataset) - start,
+        "tokens": tokens,
+        "bytes": tokens * per_token,
+        "bytes_per_1k_tokens": 1000 * per_token,
+    }
 
 
 def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
@@ -242,11 +296,17 @@ def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
         return manifest, 0
     theirs = {k: v for k, v in found.items() if k not in ("complete", "shards", "counts")}
     if theirs != header:
-        diff = differences(header, theirs) or [f"{k}: cache {theirs.get(k)!r}, now {header.get(k)!r}"
-                                               for k in sorted(set(header) | set(theirs))
-                                               if header.get(k) != theirs.get(k)]
-        raise DataError(cache_dir, "holds a cache made from other inputs (" + "; ".join(diff) +
-                        "). Fix: pick another --out directory, or delete this one.")
+        diff = differences(header, theirs) or [
+            f"{k}: cache {theirs.get(k)!r}, now {header.get(k)!r}"
+            for k in sorted(set(header) | set(theirs))
+            if header.get(k) != theirs.get(k)
+        ]
+        raise DataError(
+            cache_dir,
+            "holds a cache made from other inputs ("
+            + "; ".join(diff)
+            + "). Fix: pick another --out directory, or delete this one.",
+        )
     # Keep whole shards up to the first bad one; everything after it is recomputed.
     good = []
     for shard in found["shards"]:
@@ -293,7 +353,7 @@ class _HostBuffers:
                 break
             except queue.Empty:
                 continue
-        host = flat[:features.numel()].view(features.shape)
+        host = flat[: features.numel()].view(features.shape)
         host.copy_(features, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
@@ -373,9 +433,17 @@ class _WriterThread:
 
 
 @torch.no_grad()
-def write_cache(target, dataset: Dataset, cache_dir: str, header: dict, *, batch_size: int | None = None,
-                shard_bytes: int = 2 << 30, say: Callable[[str], None] = print,
-                progress=None) -> dict:
+def write_cache(
+    target,
+    dataset: Dataset,
+    cache_dir: str,
+    header: dict,
+    *,
+    batch_size: int | None = None,
+    shard_bytes: int = 2 << 30,
+    say: Callable[[str], None] = print,
+    progress=None,
+) -> dict:
     """Compute and write features for every sequence of `dataset` (resuming after whole shards).
 
     Batches of `batch_size` sequences (default: about BATCH_TOKENS tokens) go through the target;
@@ -384,13 +452,19 @@ def write_cache(target, dataset: Dataset, cache_dir: str, header: dict, *, batch
     manifest, start = prepare(cache_dir, header)
     estimate = disk_estimate(dataset, start, len(target.layer_ids), target.hidden_size, header["dtype"])
     free = shutil.disk_usage(cache_dir).free
-    say(f"feature cache: {estimate['sequences']} sequences to write ({start} already cached), "
+    say(
+        f"feature cache: {estimate['sequences']} sequences to write ({start} already cached), "
         f"{estimate['tokens']} tokens x {len(target.layer_ids)} layers x {target.hidden_size} hidden x "
         f"{DTYPES[header['dtype']].itemsize} bytes = {human_bytes(estimate['bytes'])} "
-        f"({human_bytes(estimate['bytes_per_1k_tokens'])} per 1k tokens); free on {cache_dir}: {human_bytes(free)}")
+        f"({human_bytes(estimate['bytes_per_1k_tokens'])} per 1k tokens); "
+        f"free on {cache_dir}: {human_bytes(free)}"
+    )
     if estimate["bytes"] > free:
-        raise DataError(cache_dir, f"needs {human_bytes(estimate['bytes'])} but the filesystem has "
-                                   f"{human_bytes(free)} free. Fix: free space or choose another --out.")
+        raise DataError(
+            cache_dir,
+            f"needs {human_bytes(estimate['bytes'])} but the filesystem has "
+            f"{human_bytes(free)} free. Fix: free space or choose another --out.",
+        )
     dtype = DTYPES[header["dtype"]]
     seq_len = dataset.input_ids.shape[1]
     batch_size = batch_size or auto_batch_size(seq_len)
@@ -412,21 +486,28 @@ def write_cache(target, dataset: Dataset, cache_dir: str, header: dict, *, batch
                 host, ready, release = buffers.copy_of(feats.to(dtype), writer)
             else:
                 host, ready, release = feats.to("cpu", dtype), None, (lambda: None)
-            writer.put((host, ready, ids, dataset.loss_mask[begin:end], attn.sum(dim=1).tolist(), end, release))
+            writer.put(
+                (host, ready, ids, dataset.loss_mask[begin:end], attn.sum(dim=1).tolist(), end, release)
+            )
         writer.close()
     except BaseException:
         writer.abort()
         raise
     shards = manifest["shards"]
-    manifest["counts"] = {"sequences": sum(s["count"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
-                          "loss_tokens": sum(s["loss_tokens"] for s in shards),
-                          "bytes": sum(s["bytes"] for s in shards), "shards": len(shards)}
+    manifest["counts"] = {
+        "sequences": sum(s["count"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "loss_tokens": sum(s["loss_tokens"] for s in shards),
+        "bytes": sum(s["bytes"] for s in shards),
+        "shards": len(shards),
+    }
     manifest["complete"] = True
     write_manifest(cache_dir, manifest)
     return manifest
 
 
 # ---- reading ------------------------------------------------------------------------------------
+
 
 class CacheReader:
     """Random access to cached features; each shard's sha256 is checked on its first read."""
@@ -452,16 +533,22 @@ class CacheReader:
         if index in handles:
             handles.move_to_end(index)
         else:
-            if len(handles) >= OPEN_SHARDS_PER_THREAD:  # each open shard is an mmap; the kernel caps their number
+            # each open shard is an mmap; the kernel caps their number
+            if len(handles) >= OPEN_SHARDS_PER_THREAD:
                 handles.popitem(last=False)
             with self._verify_lock:
                 if index not in self._verified:
                     problem = shard_problem(self.cache_dir, self.shards[index], check_sha=True)
                     if problem:
-                        raise DataError(self.cache_dir, problem + ". Fix: rerun `dflash-train data cache-features` "
-                                        "with the same --config and --out (it rewrites bad shards).")
+                        raise DataError(
+                            self.cache_dir,
+                            problem + ". Fix: rerun `dflash-train data cache-features` "
+                            "with the same --config and --out (it rewrites bad shards).",
+                        )
                     self._verified.add(index)
-            handles[index] = safe_open(os.path.join(self.cache_dir, self.shards[index]["file"]), framework="pt")
+            handles[index] = safe_open(
+                os.path.join(self.cache_dir, self.shards[index]["file"]), framework="pt"
+            )
         return handles[index]
 
     def _offsets(self, index: int) -> torch.Tensor:
@@ -471,14 +558,16 @@ class CacheReader:
 
     def features(self, indices: torch.Tensor) -> torch.Tensor:
         """[B, seq_len, K*H] for dataset indices; zeros after each sequence's end (never visible)."""
-        out = torch.empty(len(indices), self.seq_len, self.width, dtype=self.dtype, pin_memory=self.pin_memory)
+        out = torch.empty(
+            len(indices), self.seq_len, self.width, dtype=self.dtype, pin_memory=self.pin_memory
+        )
         for row, seq in enumerate(indices.tolist()):
             index = bisect.bisect_right(self.firsts, seq) - 1
             offsets = self._offsets(index)
             local = seq - self.shards[index]["first"]
             a, b = int(offsets[local]), int(offsets[local + 1])
-            out[row, :b - a] = self._handle(index).get_slice("features")[a:b]
-            out[row, b - a:] = 0
+            out[row, : b - a] = self._handle(index).get_slice("features")[a:b]
+            out[row, b - a :] = 0
         return out
 
     def token_arrays(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -491,13 +580,17 @@ class CacheReader:
 
         for shard in self.shards:
             with safe_open(os.path.join(self.cache_dir, shard["file"]), framework="pt") as f:
-                offsets, flat_ids, flat_mask = f.get_tensor("offsets"), f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+                offsets, flat_ids, flat_mask = (
+                    f.get_tensor("offsets"),
+                    f.get_tensor("input_ids"),
+                    f.get_tensor("loss_mask"),
+                )
             for local in range(shard["count"]):
                 a, b = int(offsets[local]), int(offsets[local + 1])
                 row = shard["first"] + local
-                ids[row, :b - a] = flat_ids[a:b].long()
-                mask[row, :b - a] = flat_mask[a:b]
-                attn[row, :b - a] = True
+                ids[row, : b - a] = flat_ids[a:b].long()
+                mask[row, : b - a] = flat_mask[a:b]
+                attn[row, : b - a] = True
         return ids, mask, attn
 
 
@@ -506,26 +599,44 @@ def open_cache(cache_dir: str, expected: dict, pin_memory: bool = False) -> Data
     is incomplete, made for another target/layer ids/seq_len, or a shard is missing or truncated."""
     manifest = read_manifest(cache_dir)
     if manifest is None:
-        raise DataError(cache_dir, f"no {MANIFEST}: not a feature cache. Fix: create it with "
-                                   f"`dflash-train data cache-features --config FILE --out {cache_dir}`.")
+        raise DataError(
+            cache_dir,
+            f"no {MANIFEST}: not a feature cache. Fix: create it with "
+            f"`dflash-train data cache-features --config FILE --out {cache_dir}`.",
+        )
     if not manifest.get("complete"):
-        raise DataError(cache_dir, "the feature cache is incomplete (its writer stopped). Fix: rerun "
-                                   "`dflash-train data cache-features` with the same --out to finish it.")
+        raise DataError(
+            cache_dir,
+            "the feature cache is incomplete (its writer stopped). Fix: rerun "
+            "`dflash-train data cache-features` with the same --out to finish it.",
+        )
     diff = differences(expected, manifest)
     if diff:
-        raise DataError(cache_dir, "the feature cache was made for another setup: " + "; ".join(diff) +
-                        ". Fix: point data.path at a cache made with this config, or make one.")
+        raise DataError(
+            cache_dir,
+            "the feature cache was made for another setup: "
+            + "; ".join(diff)
+            + ". Fix: point data.path at a cache made with this config, or make one.",
+        )
     for shard in manifest["shards"]:
         problem = shard_problem(cache_dir, shard, check_sha=False)  # sizes now; sha256 on first read
         if problem:
-            raise DataError(cache_dir, problem + ". Fix: rerun `dflash-train data cache-features` with the "
-                            "same --config and --out (it rewrites bad shards).")
+            raise DataError(
+                cache_dir,
+                problem + ". Fix: rerun `dflash-train data cache-features` with the "
+                "same --config and --out (it rewrites bad shards).",
+            )
     reader = CacheReader(cache_dir, manifest, pin_memory=pin_memory)
     ids, mask, attn = reader.token_arrays(manifest["pad_id"])
     counts = manifest["counts"]
-    return Dataset(ids, mask, attn, source=f"feature cache {cache_dir} ({counts['tokens']} tokens, "
-                                           f"{human_bytes(counts['bytes'])}, {manifest['dtype']})",
-                   features=reader.features)
+    return Dataset(
+        ids,
+        mask,
+        attn,
+        source=f"feature cache {cache_dir} ({counts['tokens']} tokens, "
+        f"{human_bytes(counts['bytes'])}, {manifest['dtype']})",
+        features=reader.features,
+    )
 
 
 def training_source(cfg, dtype) -> tuple[list, Dataset]:
@@ -533,9 +644,18 @@ def training_source(cfg, dtype) -> tuple[list, Dataset]:
     (each is that replica's background loader thread) and the cache as a Dataset."""
     from .target_head import load_target_head, weight_bytes
 
-    head = load_target_head(cfg.target.spec, dtype, layer_ids=cfg.target.layer_ids, seed=cfg.train.seed,
-                            tiny=cfg.target.tiny or None)
-    expected = {"target": target_identity(head), "layer_ids": list(head.layer_ids), "seq_len": cfg.data.seq_len}
+    head = load_target_head(
+        cfg.target.spec,
+        dtype,
+        layer_ids=cfg.target.layer_ids,
+        seed=cfg.train.seed,
+        tiny=cfg.target.tiny or None,
+    )
+    expected = {
+        "target": target_identity(head),
+        "layer_ids": list(head.layer_ids),
+        "seq_len": cfg.data.seq_len,
+    }
     pin = any(dev.startswith("cuda") for dev in cfg.run.drafter_devices) and torch.cuda.is_available()
     dataset = open_cache(cfg.data.path, expected, pin_memory=pin)
     saved = weight_bytes(head.config)["saved"]

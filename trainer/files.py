@@ -1,4 +1,5 @@
 """File modes: files the trainer writes follow the process umask, like any other file it creates."""
+
 from __future__ import annotations
 
 import os

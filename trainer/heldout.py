@@ -5,6 +5,7 @@ on a finished run finds the very rows the run held out. A prompt is what comes b
 trained position of a row: the part the target answers, not the answer itself. Synthetic data
 needs no split: random prompts drawn from another seed stream are unseen by construction.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,15 +26,22 @@ def split_heldout(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset
     if count == 0:
         return dataset, None
     if count >= len(dataset):
-        raise DataError(dataset.source, f"data.eval_fraction {fraction} holds out all {len(dataset)} "
-                                        f"sequences. Fix: lower data.eval_fraction or add data.")
+        raise DataError(
+            dataset.source,
+            f"data.eval_fraction {fraction} holds out all {len(dataset)} "
+            f"sequences. Fix: lower data.eval_fraction or add data.",
+        )
     gen = torch.Generator().manual_seed(derive_seed(seed, _SPLIT_SALT))
     order = torch.randperm(len(dataset), generator=gen)
     held, kept = order[:count].sort().values, order[count:].sort().values
 
     def rows(index: torch.Tensor, what: str) -> Dataset:
-        return Dataset(dataset.input_ids[index], dataset.loss_mask[index], dataset.attention_mask[index],
-                       source=f"{dataset.source} ({what})")
+        return Dataset(
+            dataset.input_ids[index],
+            dataset.loss_mask[index],
+            dataset.attention_mask[index],
+            source=f"{dataset.source} ({what})",
+        )
 
     return rows(kept, f"{count} held out"), rows(held, "held-out split")
 
@@ -41,7 +49,7 @@ def split_heldout(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset
 def prompts_of(dataset: Dataset) -> list[list[int]]:
     """Each row's real tokens before its first trained position (rows with no such prefix are skipped)."""
     prompts = []
-    for ids, mask, real in zip(dataset.input_ids, dataset.loss_mask, dataset.attention_mask):
+    for ids, mask, real in zip(dataset.input_ids, dataset.loss_mask, dataset.attention_mask, strict=True):
         trained = mask.nonzero()
         end = int(trained[0]) if len(trained) else int(real.sum())
         prompt = ids[:end][real[:end]].tolist()
@@ -50,8 +58,9 @@ def prompts_of(dataset: Dataset) -> list[list[int]]:
     return prompts
 
 
-def fresh_synthetic_prompts(vocab_size: int, mask_token_id: int, count: int, prompt_len: int,
-                            seed: int) -> list[list[int]]:
+def fresh_synthetic_prompts(
+    vocab_size: int, mask_token_id: int, count: int, prompt_len: int, seed: int
+) -> list[list[int]]:
     """Random prompts like the synthetic data's, from a seed stream the training data never uses."""
     gen = torch.Generator().manual_seed(derive_seed(seed, _FRESH_PROMPTS_SALT))
     prompts = torch.randint(0, vocab_size, (count, prompt_len), generator=gen)
@@ -66,11 +75,15 @@ def eval_prompts(cfg, target, heldout: Dataset | None, count: int) -> list[list[
 
     if cfg.eval.path:
         from .evaluate import load_prompts
+
         return load_prompts(cfg.eval.path, target.tokenizer, target.vocab_size)[:count]
     if heldout is not None:
         return prompts_of(heldout)[:count]
     if cfg.data.source == "synthetic":
-        return fresh_synthetic_prompts(target.vocab_size, target.mask_token_id, count,
-                                       cfg.data.synthetic.prompt_len, cfg.train.seed)
-    raise ConfigError(f"{cfg.source}: no evaluation prompts: the run held no data out (data.eval_fraction 0) "
-                      f"and eval.path is unset. Fix: set one of them, or pass --prompts FILE.jsonl.")
+        return fresh_synthetic_prompts(
+            target.vocab_size, target.mask_token_id, count, cfg.data.synthetic.prompt_len, cfg.train.seed
+        )
+    raise ConfigError(
+        f"{cfg.source}: no evaluation prompts: the run held no data out (data.eval_fraction 0) "
+        f"and eval.path is unset. Fix: set one of them, or pass --prompts FILE.jsonl."
+    )

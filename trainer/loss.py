@@ -5,6 +5,7 @@ trained). Positions 1..B-1 are weighted exp(-(k-1)/gamma): early positions matte
 draft is accepted only up to its first wrong token. The loss is normalised by the weight sum of the
 positions that actually count, so sequences with few trainable positions are not down-weighted.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,7 @@ def block_labels(
     batch, seq_len = input_ids.shape
     num_blocks = anchors.shape[1]
     offsets = torch.arange(block_size, device=anchors.device)
-    positions = anchors.unsqueeze(-1) + offsets                      # [B, N, block]
+    positions = anchors.unsqueeze(-1) + offsets  # [B, N, block]
     inside = positions < seq_len
     flat = positions.clamp(max=seq_len - 1).view(batch, num_blocks * block_size)
     tokens = input_ids.gather(1, flat).view(batch, num_blocks, block_size)
@@ -81,8 +82,12 @@ def dflash_loss(
     vocab = logits.shape[-1]
     logits = logits.view(batch, num_blocks, block_size, vocab)[:, :, 1:]
     targets = labels[:, :, 1:]
-    ce = F.cross_entropy(_at_least_fp32(logits.reshape(-1, vocab)), targets.reshape(-1),
-                         ignore_index=IGNORE_INDEX, reduction="none")
+    ce = F.cross_entropy(
+        _at_least_fp32(logits.reshape(-1, vocab)),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
     loss = (ce.view_as(targets) * _row_weights(label_mask, gamma)).sum()
     correct = logits.argmax(dim=-1) == targets
     return loss, _accuracy(correct, label_mask)
@@ -149,8 +154,7 @@ class _FrozenHeadCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_weights, chunk_rows: int, chunk_fn):
         need_grad = ctx.needs_input_grad[0]
-        loss = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32),
-                           device=hidden.device)
+        loss = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         correct = torch.empty(targets.shape, dtype=torch.bool, device=hidden.device)
         grad = torch.empty_like(hidden) if need_grad else None
         for start in range(0, hidden.shape[0], chunk_rows):
@@ -162,7 +166,7 @@ class _FrozenHeadCE(torch.autograd.Function):
             else:
                 part, correct[start:stop], dlogits = _ce_chunk_eager(logits, y, w, need_grad)
             loss += part
-            if need_grad:
+            if grad is not None:  # need_grad
                 grad[start:stop] = dlogits.to(weight.dtype) @ weight
         if need_grad:
             ctx.save_for_backward(grad)
@@ -179,7 +183,8 @@ LOSS_KERNELS = ("auto", "eager", "compiled")
 
 
 def loss_kernel_for(device: torch.device | str, kernel: str = "auto") -> str:
-    """"auto": the compiled chunk on CUDA, the eager one elsewhere (CPU compiles cost more than they save)."""
+    """The kernel for "auto": the compiled chunk on CUDA, the eager one elsewhere (CPU compiles cost
+    more than they save)."""
     if kernel not in LOSS_KERNELS:
         raise ValueError(f"loss kernel {kernel!r} is unknown; use one of {', '.join(LOSS_KERNELS)}")
     if kernel != "auto":
@@ -235,5 +240,5 @@ def dflash_loss_fused(
     elif chunk_rows is None:
         chunk_rows = max(1, _FUSED_CHUNK_ELEMENTS // vocab)
     loss, correct = _FrozenHeadCE.apply(rows, weight, bias, targets, row_weights, int(chunk_rows), chunk_fn)
-    correct = correct[:batch * num_blocks * (block_size - 1)]
+    correct = correct[: batch * num_blocks * (block_size - 1)]
     return loss, _accuracy(correct.view(batch, num_blocks, block_size - 1), label_mask)

@@ -15,6 +15,7 @@ Visibility (what inference sees, and nothing more):
 `mask_mod` is the single source of truth: `dense_mask` evaluates the very same function on a
 broadcast grid, so the flex (BlockMask) and SDPA (dense bool) paths cannot drift apart.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -68,9 +69,7 @@ def sample_anchors(
     return anchors, valid
 
 
-def make_mask_mod(
-    anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int
-) -> Callable:
+def make_mask_mod(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int) -> Callable:
     """flex_attention mask_mod(b, h, q_idx, kv_idx) -> bool for the visibility rules above."""
     last_block = anchors.shape[1] - 1
 
@@ -89,9 +88,7 @@ def make_mask_mod(
     return dflash_mask_mod
 
 
-def build_block_mask(
-    anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, device
-):
+def build_block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, device):
     """The flex_attention BlockMask for one batch (built fresh each step; serialised)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -101,9 +98,7 @@ def build_block_mask(
     # Concurrent create_block_mask calls mutate a module-global dict inside torch and raise
     # KeyError: 'custom'; every mask builder in the process shares this one lock.
     with MASK_LOCK:
-        return create_block_mask(
-            mask_mod, batch, None, q_len, ctx_len + q_len, device=str(device)
-        )
+        return create_block_mask(mask_mod, batch, None, q_len, ctx_len + q_len, device=str(device))
 
 
 def dense_mask(

@@ -3,6 +3,7 @@
 The metrics file is the contract with dflash-ops (it tails it); stdout is for people. Records are
 flushed one whole line at a time so a reader never sees half a record for long.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from .workers import Failure
 
 
-def error_kind(exc: BaseException) -> str:
+def error_kind(exc: BaseException | None) -> str:
     """The metrics `error.kind` for an exception: fx_tracing, cuda_oom, block_mask or exception.
 
     block_mask is the create_block_mask race (KeyError: 'custom', see compile_lock.MASK_LOCK).
@@ -70,8 +71,15 @@ class MetricsWriter:
     `path`, reporting into `report_dir`; only the process that speaks for the run passes any.
     """
 
-    def __init__(self, path: str, out: TextIO | None = None, tty: bool | None = None, log_every: int = 1,
-                 report_to: Sequence[str] = (), report_dir: str = "."):
+    def __init__(
+        self,
+        path: str,
+        out: TextIO | None = None,
+        tty: bool | None = None,
+        log_every: int = 1,
+        report_to: Sequence[str] = (),
+        report_dir: str = ".",
+    ):
         self.path = path
         parent = os.path.dirname(path)
         if parent:
@@ -100,19 +108,53 @@ class MetricsWriter:
             self.out.write(text + "\n")
             self.out.flush()
 
-    def start(self, config: dict, devices: list[str], compile_lock: str, total_steps: int,
-              summary_lines: list[str] = ()) -> None:
-        self.record("start", config=config, devices=list(devices), compile_lock=compile_lock,
-                    total_steps=total_steps, pid=os.getpid())
+    def start(
+        self,
+        config: dict,
+        devices: list[str],
+        compile_lock: str,
+        total_steps: int,
+        summary_lines: Sequence[str] = (),
+    ) -> None:
+        self.record(
+            "start",
+            config=config,
+            devices=list(devices),
+            compile_lock=compile_lock,
+            total_steps=total_steps,
+            pid=os.getpid(),
+        )
         for line in summary_lines:
             self.say(line)
 
-    def step(self, *, step: int, total_steps: int, loss: float, acc: list[float], tokens_per_s: float,
-             eta_s: float, lr: float, grad_norm: float, epoch: float,
-             gpu_memory_gib: float | None = None) -> None:
+    def step(
+        self,
+        *,
+        step: int,
+        total_steps: int,
+        loss: float,
+        acc: list[float],
+        tokens_per_s: float,
+        eta_s: float,
+        lr: float,
+        grad_norm: float,
+        epoch: float,
+        gpu_memory_gib: float | None = None,
+    ) -> None:
         more = {} if gpu_memory_gib is None else {"gpu_memory_gib": gpu_memory_gib}
-        self.record("step", step=step, total_steps=total_steps, loss=loss, acc=list(acc),
-                    tokens_per_s=tokens_per_s, eta_s=eta_s, lr=lr, grad_norm=grad_norm, epoch=epoch, **more)
+        self.record(
+            "step",
+            step=step,
+            total_steps=total_steps,
+            loss=loss,
+            acc=list(acc),
+            tokens_per_s=tokens_per_s,
+            eta_s=eta_s,
+            lr=lr,
+            grad_norm=grad_norm,
+            epoch=epoch,
+            **more,
+        )
         line = step_line(step, total_steps, loss, acc, tokens_per_s, eta_s, lr, grad_norm)
         permanent = step % self.log_every == 0 or step == total_steps
         if self.tty:
@@ -163,8 +205,10 @@ def step_line(step, total_steps, loss, acc, tokens_per_s, eta_s, lr, grad_norm) 
     acc1 = acc[0] if acc else float("nan")
     acc_mean = sum(acc) / len(acc) if acc else float("nan")
     width = len(str(total_steps))
-    return (f"step {step:>{width}}/{total_steps}  loss {loss:.4f}  acc@1 {acc1:.3f}  acc_avg {acc_mean:.3f}  "
-            f"{tokens_per_s:,.0f} tok/s  lr {lr:.2e}  gnorm {grad_norm:.3f}  eta {format_duration(eta_s)}")
+    return (
+        f"step {step:>{width}}/{total_steps}  loss {loss:.4f}  acc@1 {acc1:.3f}  acc_avg {acc_mean:.3f}  "
+        f"{tokens_per_s:,.0f} tok/s  lr {lr:.2e}  gnorm {grad_norm:.3f}  eta {format_duration(eta_s)}"
+    )
 
 
 def progress_bar(step: int, total: int, width: int = 24) -> str:

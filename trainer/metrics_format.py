@@ -24,6 +24,7 @@ Every record has `v` (format version), `event` and `time` (unix seconds). Events
 A run that completed (reason max_steps) also leaves the file RUN_FINISHED in its --output-dir,
 written before the `done` record: whoever launches the trainer starts a new run instead of resuming.
 """
+
 from __future__ import annotations
 
 import json

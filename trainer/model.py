@@ -11,6 +11,7 @@ The target's embedding and lm_head are frozen and NOT part of this module's para
 state_dict: `state_dict()` holds exactly the drafter weights under the names inference engines
 load (see trainer.export).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,15 +61,23 @@ class DrafterConfig:
             problems.append("target_layer_ids is empty: list the target layers to read, e.g. [1, 9, 17]")
         if self.num_heads % max(self.num_kv_heads, 1) != 0:
             problems.append(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         block_problem = block_size_problem(self.block_size)
         if block_problem:
             problems.append(f"block_size {block_problem}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(
-                f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
-        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
-                     "num_layers"):
+                f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "num_layers",
+        ):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if problems:
@@ -95,21 +104,21 @@ class DrafterConfig:
         the others may be overridden (e.g. num_layers=1 for a quick run).
         """
         hf = target.config
-        values = dict(
-            hidden_size=target.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=getattr(hf, "head_dim", None) or target.hidden_size // hf.num_attention_heads,
-            vocab_size=target.vocab_size,
-            mask_token_id=target.mask_token_id,
-            target_layer_ids=list(target.layer_ids),
-            rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta_of(hf),
-            num_target_layers=target.num_layers,
-            max_position_embeddings=getattr(hf, "max_position_embeddings", None),
-            rope_scaling=_rope_scaling_of(hf),
-        )
+        values = {
+            "hidden_size": target.hidden_size,
+            "intermediate_size": hf.intermediate_size,
+            "num_heads": hf.num_attention_heads,
+            "num_kv_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            "head_dim": getattr(hf, "head_dim", None) or target.hidden_size // hf.num_attention_heads,
+            "vocab_size": target.vocab_size,
+            "mask_token_id": target.mask_token_id,
+            "target_layer_ids": list(target.layer_ids),
+            "rms_norm_eps": getattr(hf, "rms_norm_eps", 1e-6),
+            "rope_theta": _rope_theta_of(hf),
+            "num_target_layers": target.num_layers,
+            "max_position_embeddings": getattr(hf, "max_position_embeddings", None),
+            "rope_scaling": _rope_scaling_of(hf),
+        }
         values.update(overrides)
         return cls(**values)
 
@@ -145,8 +154,9 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin [B, 1, L, head_dim] for integer positions [B, L] (HF Qwen3 layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                             dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
     freqs = positions.float().unsqueeze(-1) * inv_freq
     angles = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -176,8 +186,10 @@ def set_compile_mode(mode: str) -> None:
     torch_compile_kwargs(mode)  # refuses unknown modes
     with _compiled_flex_init:
         if (_compiled_flex is not None or _compile_mode_used) and mode != _compile_mode:
-            raise RuntimeError(f"the trainer's regions are already compiled with mode {_compile_mode!r}; "
-                               f"set the compile mode before the first step")
+            raise RuntimeError(
+                f"the trainer's regions are already compiled with mode {_compile_mode!r}; "
+                f"set the compile mode before the first step"
+            )
         _compile_mode = mode
 
 
@@ -290,11 +302,13 @@ class DFlashDrafter(nn.Module):
         if embed_tokens.weight.shape != (cfg.vocab_size, cfg.hidden_size):
             raise ValueError(
                 f"target embedding is {tuple(embed_tokens.weight.shape)}, drafter config wants "
-                f"({cfg.vocab_size}, {cfg.hidden_size}): build the config from the same target")
+                f"({cfg.vocab_size}, {cfg.hidden_size}): build the config from the same target"
+            )
         if lm_head.weight.shape != (cfg.vocab_size, cfg.hidden_size):
             raise ValueError(
                 f"target lm_head is {tuple(lm_head.weight.shape)}, drafter config wants "
-                f"({cfg.vocab_size}, {cfg.hidden_size}): build the config from the same target")
+                f"({cfg.vocab_size}, {cfg.hidden_size}): build the config from the same target"
+            )
         self.fc = nn.Linear(cfg.context_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
@@ -334,8 +348,12 @@ class DFlashDrafter(nn.Module):
         """[B, N, block]: the anchor token followed by block-1 mask tokens."""
         batch, num_blocks = anchors.shape
         anchor_tokens = input_ids.gather(1, anchors).unsqueeze(-1)
-        masks = torch.full((batch, num_blocks, self.cfg.block_size - 1), self.cfg.mask_token_id,
-                           dtype=input_ids.dtype, device=input_ids.device)
+        masks = torch.full(
+            (batch, num_blocks, self.cfg.block_size - 1),
+            self.cfg.mask_token_id,
+            dtype=input_ids.dtype,
+            device=input_ids.device,
+        )
         return torch.cat([anchor_tokens, masks], dim=-1)
 
     def forward(self, context, input_ids, anchors, attn_mask, backend: str | AttentionFn = "flex"):
@@ -350,8 +368,7 @@ class DFlashDrafter(nn.Module):
         offsets = torch.arange(cfg.block_size, device=anchors.device)
         block_pos = (anchors.unsqueeze(-1) + offsets).view(batch, -1)
         ctx_pos = torch.arange(ctx_len, device=anchors.device).expand(batch, ctx_len)
-        cos, sin = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), cfg.head_dim,
-                                cfg.rope_theta, dtype)
+        cos, sin = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), cfg.head_dim, cfg.rope_theta, dtype)
         rope_k = (cos, sin)
         rope_q = (cos[:, :, ctx_len:], sin[:, :, ctx_len:])  # queries are the block positions
 
@@ -359,7 +376,9 @@ class DFlashDrafter(nn.Module):
 
         self._compile_layers_if_wanted(backend, x.device)
         for layer in self.layers:
-            x = run_layer(layer, x, ctx, rope_q, rope_k, attn_mask, backend, checkpointed=self.checkpoint_layers)
+            x = run_layer(
+                layer, x, ctx, rope_q, rope_k, attn_mask, backend, checkpointed=self.checkpoint_layers
+            )
         return self.norm(x)
 
     def _compile_layers_if_wanted(self, backend, device: torch.device) -> None:
@@ -385,5 +404,14 @@ class DFlashDrafter(nn.Module):
     def loss(self, hidden, labels, label_mask, gamma: float, chunk_rows: int | None = None):
         """dflash_loss without materialising the full logits (see trainer.loss.dflash_loss_fused)."""
         from trainer.loss import dflash_loss_fused
-        return dflash_loss_fused(hidden, self.lm_head_weight, labels, label_mask, gamma,
-                                 bias=self.lm_head_bias, chunk_rows=chunk_rows, kernel=self.loss_kernel)
+
+        return dflash_loss_fused(
+            hidden,
+            self.lm_head_weight,
+            labels,
+            label_mask,
+            gamma,
+            bias=self.lm_head_bias,
+            chunk_rows=chunk_rows,
+            kernel=self.loss_kernel,
+        )

@@ -13,6 +13,7 @@ H200). Autocast state is thread-local: `autocast()` is entered inside each draft
 The frozen target embedding and lm_head keep the target's own dtype (bf16 on GPU): they are
 never updated, and an fp32 copy of a 150k-row lm_head would cost memory and bandwidth per step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -75,8 +76,10 @@ def upcast_note(weights: dict, path: str) -> str | None:
     stored = sorted({str(t.dtype).replace("torch.", "") for t in weights.values() if t.dtype != MASTER_DTYPE})
     if not stored:
         return None
-    return (f"resume: {path} holds {'/'.join(stored)} weights; continuing with them upcast to fp32 "
-            f"master weights (the AdamW state is upcast too)")
+    return (
+        f"resume: {path} holds {'/'.join(stored)} weights; continuing with them upcast to fp32 "
+        f"master weights (the AdamW state is upcast too)"
+    )
 
 
 def _check(precision: str) -> None:

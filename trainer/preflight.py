@@ -1,5 +1,6 @@
 """Checks of a loaded config against this machine's file system, made before torch is imported,
 so a path the run cannot write is reported in well under a second, naming the flag and the fix."""
+
 from __future__ import annotations
 
 import os
@@ -18,11 +19,15 @@ def check_output_paths(cfg: TrainConfig) -> None:
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"{what} {directory!r} ({flag}): cannot create it ({exc.strerror}). "
-                              f"Fix: pass a directory you can write to, e.g. runs/my-run") from None
+            raise ConfigError(
+                f"{what} {directory!r} ({flag}): cannot create it ({exc.strerror}). "
+                f"Fix: pass a directory you can write to, e.g. runs/my-run"
+            ) from None
         if not os.access(directory, os.W_OK | os.X_OK):
-            raise ConfigError(f"{what} {directory!r} ({flag}): not writable by this user. "
-                              f"Fix: pass a directory you can write to, e.g. runs/my-run")
+            raise ConfigError(
+                f"{what} {directory!r} ({flag}): not writable by this user. "
+                f"Fix: pass a directory you can write to, e.g. runs/my-run"
+            )
 
 
 def check_resume(cfg: TrainConfig) -> None:

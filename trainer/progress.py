@@ -1,4 +1,6 @@
-"""A progress line for long data jobs: a bar with items/s and ETA on a TTY, a plain line now and then elsewhere."""
+"""A progress line for long data jobs: a bar with items/s and ETA on a TTY, a plain line now and then
+elsewhere."""
+
 from __future__ import annotations
 
 import sys
@@ -12,8 +14,16 @@ class ProgressLine:
     """`update(done)` as work completes; `finish()` ends the bar line. Rate and ETA count only
     this process's work (a resumed run starts at `done` without crediting it as speed)."""
 
-    def __init__(self, what: str, total: int, done: int = 0, out: TextIO | None = None,
-                 tty: bool | None = None, every_s: float = 30.0, clock=time.monotonic):
+    def __init__(
+        self,
+        what: str,
+        total: int,
+        done: int = 0,
+        out: TextIO | None = None,
+        tty: bool | None = None,
+        every_s: float = 30.0,
+        clock=time.monotonic,
+    ):
         self.what, self.total, self.first = what, total, done
         self.out = out if out is not None else sys.stderr
         self.tty = self.out.isatty() if tty is None else tty
@@ -27,7 +37,9 @@ class ProgressLine:
     def line(self, extra: str = "") -> str:
         rate = self.rate()
         eta = format_duration((self.total - self.done) / rate) if rate > 0 else "?"
-        return (f"{self.what} {self.done}/{self.total}  {rate:.2f}/s  ETA {eta}" + (f"  {extra}" if extra else ""))
+        return f"{self.what} {self.done}/{self.total}  {rate:.2f}/s  ETA {eta}" + (
+            f"  {extra}" if extra else ""
+        )
 
     def update(self, done: int, extra: str = "") -> None:
         self.done = done

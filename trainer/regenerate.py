@@ -11,6 +11,7 @@ rejects files are appended and fsynced, then `<out>.progress.json` (next input l
 sizes) is replaced atomically. A killed run resumes (`--resume`) by truncating both files to the
 recorded sizes and continuing at the recorded line, so nothing is duplicated or lost.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,7 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -47,10 +48,17 @@ class RegenerateOptions:
 
     def settings(self) -> dict:
         """What shapes the output: a resumed run must use the same (devices and batch size may change)."""
-        return {"target": self.target, "input": os.path.abspath(self.input), "input_bytes": os.path.getsize(self.input),
-                "max_new_tokens": self.max_new_tokens, "max_prompt_tokens": self.max_prompt_tokens,
-                "temperature": self.temperature, "top_p": self.top_p,
-                "chat_template_kwargs": self.chat_template_kwargs, "seed": self.seed}
+        return {
+            "target": self.target,
+            "input": os.path.abspath(self.input),
+            "input_bytes": os.path.getsize(self.input),
+            "max_new_tokens": self.max_new_tokens,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "seed": self.seed,
+        }
 
 
 class Reject(Exception):
@@ -76,10 +84,12 @@ def parse_record(line: str) -> Conversation:
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
         raise Reject("no `messages` list")
-    out, slots, seen_user = [], [], False
+    out: list[dict[str, Any]] = []
+    slots: list[int] = []
+    seen_user = False
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content", ""), str):
-            raise Reject(f"bad message: messages[{i}] must be {{\"role\", \"content\": string}}")
+            raise Reject(f'bad message: messages[{i}] must be {{"role", "content": string}}')
         role = m.get("role")
         if role == "assistant":
             if not seen_user:
@@ -90,8 +100,9 @@ def parse_record(line: str) -> Conversation:
             seen_user = seen_user or role == "user"
             out.append({"role": role, "content": m.get("content", "")})
         else:
-            raise Reject(f"bad roles: messages[{i}] has role {role!r}; only system/user/assistant can be "
-                         f"regenerated")
+            raise Reject(
+                f"bad roles: messages[{i}] has role {role!r}; only system/user/assistant can be regenerated"
+            )
     if not seen_user:
         raise Reject("bad roles: no user turn")
     if out[-1]["role"] == "user":  # the target answers a trailing question too
@@ -108,29 +119,40 @@ class Generator:
 
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         target = load_target(spec, device, dtype, layer_ids=[0], seed=0)
-        self.model, self.device, self.opts = target.model, device, opts
-        self.tokenizer = target.tokenizer
+        # the HF causal LM and its tokenizer, duck-typed (generate, generation_config, chat template)
+        self.model: Any = target.model
+        self.device, self.opts = device, opts
+        self.tokenizer: Any = target.tokenizer
         if self.tokenizer is None and spec == "tiny-random":
             from .chat_tokenizer import byte_chat_tokenizer
 
             self.tokenizer = byte_chat_tokenizer(target.vocab_size)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise DataError(spec, "the target has no tokenizer with a chat template. Fix: use a model directory "
-                                  "whose tokenizer_config.json has a chat_template.")
+            raise DataError(
+                spec,
+                "the target has no tokenizer with a chat template. Fix: use a model directory "
+                "whose tokenizer_config.json has a chat_template.",
+            )
         eos = {self.tokenizer.eos_token_id}
         configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         eos.update(configured if isinstance(configured, list) else [configured])
         self.eos_ids = sorted(e for e in eos if e is not None)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        )
         context = getattr(self.model.config, "max_position_embeddings", None)
         self.max_prompt = opts.max_prompt_tokens or (context - opts.max_new_tokens if context else None)
         if self.max_prompt is not None and self.max_prompt < 1:
-            raise DataError("--max-new-tokens", f"{opts.max_new_tokens} leaves no room for a prompt in the "
-                                                f"target's context of {context}. Fix: lower it.")
+            raise DataError(
+                "--max-new-tokens",
+                f"{opts.max_new_tokens} leaves no room for a prompt in the "
+                f"target's context of {context}. Fix: lower it.",
+            )
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  **self.opts.chat_template_kwargs)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **self.opts.chat_template_kwargs
+        )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     @torch.no_grad()
@@ -140,14 +162,23 @@ class Generator:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):  # left padding: every prompt ends where generation starts
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            attn[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attn[row, width - len(prompt) :] = 1
         sampling = self.opts.temperature > 0
-        extra = dict(do_sample=True, temperature=self.opts.temperature, top_p=self.opts.top_p) if sampling \
-            else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-                                  max_new_tokens=self.opts.max_new_tokens, pad_token_id=self.pad_id,
-                                  eos_token_id=self.eos_ids, use_cache=True, **extra)
+        extra = (
+            {"do_sample": True, "temperature": self.opts.temperature, "top_p": self.opts.top_p}
+            if sampling
+            else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        )
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=attn.to(self.device),
+            max_new_tokens=self.opts.max_new_tokens,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_ids,
+            use_cache=True,
+            **extra,
+        )
         results = []
         for row in out[:, width:].tolist():
             end = next((k for k, tok in enumerate(row) if tok in self.eos_ids), None)
@@ -171,17 +202,22 @@ class Generator:
                     active.pop(index)
                     continue
                 if self.max_prompt is not None and len(prompt) > self.max_prompt:
-                    results[index] = Reject(f"too long: the prompt of assistant turn {conv.done + 1} has "
-                                            f"{len(prompt)} tokens, more than {self.max_prompt}")
+                    results[index] = Reject(
+                        f"too long: the prompt of assistant turn {conv.done + 1} has "
+                        f"{len(prompt)} tokens, more than {self.max_prompt}"
+                    )
                     active.pop(index)
                     continue
                 batch.append(conv)
                 prompts.append(prompt)
             for start in range(0, len(batch), self.opts.batch_size):
                 chunk = slice(start, start + self.opts.batch_size)
-                for conv, prompt, (tokens, cut) in zip(batch[chunk], prompts[chunk], self.generate(prompts[chunk])):
+                for conv, prompt, (tokens, cut) in zip(
+                    batch[chunk], prompts[chunk], self.generate(prompts[chunk]), strict=True
+                ):
                     conv.messages[conv.slots[conv.done]]["content"] = self.tokenizer.decode(
-                        tokens, skip_special_tokens=True)
+                        tokens, skip_special_tokens=True
+                    )
                     conv.done += 1
                     conv.new_tokens += len(tokens)
                     conv.prompt_tokens += len(prompt)
@@ -190,6 +226,7 @@ class Generator:
 
 
 # ---- the exactly-once driver --------------------------------------------------------------------
+
 
 def _progress_path(output: str) -> str:
     return output + ".progress.json"
@@ -202,30 +239,55 @@ def rejects_path(output: str) -> str:
 def _start_state(opts: RegenerateOptions) -> dict:
     """The committed state to continue from; prepares (or truncates) the output files."""
     progress_file, settings = _progress_path(opts.output), opts.settings()
-    fresh = {"settings": settings, "next_line": 0, "out_bytes": 0, "rejects_bytes": 0,
-             "stats": {"records": 0, "turns": 0, "new_tokens": 0, "prompt_tokens": 0, "rejects": 0,
-                       "truncated": 0, "seen": 0}}
+    fresh: dict[str, Any] = {
+        "settings": settings,
+        "next_line": 0,
+        "out_bytes": 0,
+        "rejects_bytes": 0,
+        "stats": {
+            "records": 0,
+            "turns": 0,
+            "new_tokens": 0,
+            "prompt_tokens": 0,
+            "rejects": 0,
+            "truncated": 0,
+            "seen": 0,
+        },
+    }
     exists = [p for p in (opts.output, rejects_path(opts.output), progress_file) if os.path.exists(p)]
     if not opts.resume:
         if exists:
-            raise DataError(opts.output, f"already exists ({', '.join(exists)}). Fix: add --resume to continue "
-                                         f"that run, or remove the files to start over.")
+            raise DataError(
+                opts.output,
+                f"already exists ({', '.join(exists)}). Fix: add --resume to continue "
+                f"that run, or remove the files to start over.",
+            )
         state = fresh
     elif not os.path.exists(progress_file):
         if exists:
-            raise DataError(opts.output, f"exists but has no {os.path.basename(progress_file)}, so where it "
-                                         f"stopped is unknown. Fix: remove it to start over.")
+            raise DataError(
+                opts.output,
+                f"exists but has no {os.path.basename(progress_file)}, so where it "
+                f"stopped is unknown. Fix: remove it to start over.",
+            )
         state = fresh
     else:
         with open(progress_file, encoding="utf-8") as f:
             state = json.load(f)
-        differ = sorted(k for k in set(settings) | set(state["settings"])
-                        if settings.get(k) != state["settings"].get(k))
+        differ = sorted(
+            k for k in set(settings) | set(state["settings"]) if settings.get(k) != state["settings"].get(k)
+        )
         if differ:
-            raise DataError(opts.output, "--resume with other settings than the stopped run: " + "; ".join(
-                f"{k}: was {state['settings'].get(k)!r}, now {settings.get(k)!r}" for k in differ) +
-                ". Fix: rerun with the original settings, or start a new --out.")
-    for path, size in ((opts.output, state["out_bytes"]), (rejects_path(opts.output), state["rejects_bytes"])):
+            raise DataError(
+                opts.output,
+                "--resume with other settings than the stopped run: "
+                + "; ".join(f"{k}: was {state['settings'].get(k)!r}, now {settings.get(k)!r}" for k in differ)
+                + ". Fix: rerun with the original settings, or start a new --out.",
+            )
+    for path, size in (
+        (opts.output, state["out_bytes"]),
+        (rejects_path(opts.output), state["rejects_bytes"]),
+    ):
         with open(path, "a+b") as f:  # drop whatever a killed run wrote after its last commit
             f.truncate(size)
     write_atomic(progress_file, json.dumps(state))
@@ -243,13 +305,18 @@ def _lines(path: str, first: int):
 def run_summary(committed: dict, first: dict, seconds: float) -> dict:
     """This run's share of the committed stats (a resumed run starts from the stopped run's) and its rates."""
     this_run = {k: committed[k] - first.get(k, 0) for k in ("records", "new_tokens", "rejects", "seen")}
-    return dict(committed, this_run=this_run, seconds=seconds,
-                new_tokens_per_s=this_run["new_tokens"] / max(seconds, 1e-9),
-                records_per_s=this_run["seen"] / max(seconds, 1e-9))
+    return dict(
+        committed,
+        this_run=this_run,
+        seconds=seconds,
+        new_tokens_per_s=this_run["new_tokens"] / max(seconds, 1e-9),
+        records_per_s=this_run["seen"] / max(seconds, 1e-9),
+    )
 
 
-def regenerate(opts: RegenerateOptions, out: TextIO | None = None, tty: bool | None = None,
-               report: dict | None = None) -> dict:
+def regenerate(
+    opts: RegenerateOptions, out: TextIO | None = None, tty: bool | None = None, report: dict | None = None
+) -> dict:
     """Regenerate opts.input into opts.output; returns the summary (run_summary's keys).
 
     `report`, when given, holds the summary of what is committed so far at every moment, so a
@@ -257,24 +324,33 @@ def regenerate(opts: RegenerateOptions, out: TextIO | None = None, tty: bool | N
     """
     report = report if report is not None else {}
     if not os.path.isfile(opts.input):
-        raise DataError(opts.input, "input file not found. Fix: pass a JSONL of {\"messages\": [...]} records.")
+        raise DataError(opts.input, 'input file not found. Fix: pass a JSONL of {"messages": [...]} records.')
     os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
     state = _start_state(opts)
     stats = state["stats"]
     with open(opts.input, encoding="utf-8") as f:
         total = sum(1 for line in f if line.strip())
     first = dict(stats)
-    report.update(run_summary(stats, first, 0.0), total=total, output=opts.output,
-                  rejects_path=rejects_path(opts.output))
+    report.update(
+        run_summary(stats, first, 0.0),
+        total=total,
+        output=opts.output,
+        rejects_path=rejects_path(opts.output),
+    )
     generators = [Generator(opts.target, device, opts) for device in opts.devices]
     began = time.monotonic()  # rates count generation, not loading the model
-    progress = ProgressLine("records", total, done=stats["seen"], out=out, tty=tty, every_s=opts.progress_every_s)
+    progress = ProgressLine(
+        "records", total, done=stats["seen"], out=out, tty=tty, every_s=opts.progress_every_s
+    )
     chunk_size = opts.batch_size * len(generators)
     lines = _lines(opts.input, state["next_line"])
-    with open(opts.output, "ab") as out_file, open(rejects_path(opts.output), "ab") as rej_file, \
-            ThreadPoolExecutor(max_workers=len(generators)) as pool:
+    with (
+        open(opts.output, "ab") as out_file,
+        open(rejects_path(opts.output), "ab") as rej_file,
+        ThreadPoolExecutor(max_workers=len(generators)) as pool,
+    ):
         while True:
-            chunk = [item for _, item in zip(range(chunk_size), lines)]
+            chunk = [item for _, item in zip(range(chunk_size), lines, strict=False)]
             if not chunk:
                 break
             results: dict[int, Conversation | Reject] = {}
@@ -289,7 +365,7 @@ def regenerate(opts: RegenerateOptions, out: TextIO | None = None, tty: bool | N
             if len(generators) == 1:  # in this thread: CPU torch in a pool thread runs far slower
                 results.update(generators[0].run(shares[0]))
             else:
-                for part in pool.map(lambda pair: pair[0].run(pair[1]), zip(generators, shares)):
+                for part in pool.map(lambda pair: pair[0].run(pair[1]), zip(generators, shares, strict=True)):
                     results.update(part)
             for index, text in chunk:  # input order
                 result = results[index]
@@ -306,14 +382,17 @@ def regenerate(opts: RegenerateOptions, out: TextIO | None = None, tty: bool | N
                 stats["new_tokens"] += result.new_tokens
                 stats["prompt_tokens"] += result.prompt_tokens
                 stats["truncated"] += result.truncated
-            for f in (out_file, rej_file):
-                f.flush()
-                os.fsync(f.fileno())
+            for file in (out_file, rej_file):
+                file.flush()
+                os.fsync(file.fileno())
             state.update(next_line=chunk[-1][0] + 1, out_bytes=out_file.tell(), rejects_bytes=rej_file.tell())
             write_atomic(_progress_path(opts.output), json.dumps(state))  # the commit point
             report.update(run_summary(stats, first, time.monotonic() - began))
-            progress.update(stats["seen"], f"{stats['new_tokens']} new tokens "
-                                           f"({report['new_tokens_per_s']:.1f}/s), {stats['rejects']} rejected")
+            progress.update(
+                stats["seen"],
+                f"{stats['new_tokens']} new tokens "
+                f"({report['new_tokens_per_s']:.1f}/s), {stats['rejects']} rejected",
+            )
     progress.finish()
     report.update(run_summary(stats, first, time.monotonic() - began))
     return dict(report)
@@ -321,4 +400,3 @@ def regenerate(opts: RegenerateOptions, out: TextIO | None = None, tty: bool | N
 
 def _jsonl(obj) -> bytes:
     return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
-

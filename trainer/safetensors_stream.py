@@ -39,8 +39,11 @@ def _header(tensors: dict[str, list[torch.Tensor]]) -> tuple[bytes, list[str]]:
     for name in names:
         pieces = tensors[name]
         size = sum(p.numel() * p.element_size() for p in pieces)
-        entries[name] = {"dtype": _DTYPES[pieces[0].dtype], "shape": _shape(pieces),
-                         "data_offsets": [offset, offset + size]}
+        entries[name] = {
+            "dtype": _DTYPES[pieces[0].dtype],
+            "shape": _shape(pieces),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
@@ -60,7 +63,7 @@ def write_pieces(path: str, tensors: dict[str, list[torch.Tensor]], chunk: int =
             for piece in tensors[name]:
                 raw = piece.detach().contiguous().view(-1).view(torch.uint8).numpy()
                 for at in range(0, len(raw), chunk):
-                    view = memoryview(raw[at:at + chunk])
+                    view = raw[at : at + chunk].data  # a memoryview of the slice, no copy
                     digest.update(view)
                     f.write(view)
                 written += len(raw)

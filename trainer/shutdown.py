@@ -18,6 +18,7 @@
 SIGKILLs whatever is left after S seconds; trainer.stop_timing says how much S must leave, so that
 a stuck trainer is ended by itself or its watchdog, with their log lines, before that SIGKILL.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -26,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 from .stop_timing import DEFAULT_STOP_GRACE_S, WATCHDOG_MARGIN_S
 from .stop_watchdog import StopWatchdog
@@ -43,7 +45,7 @@ class StopRequest:
         self.signal_name = ""
         self.requested_at: float | None = None
         self.last_step = 0  # steps done so far, for the `done` record of an abort
-        self._previous = {}
+        self._previous: dict[int, Any] = {}  # signal number -> the handler it had before
         self._watchdog = False
         self._process_watchdog: StopWatchdog | None = None
 

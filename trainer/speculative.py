@@ -15,6 +15,7 @@ Nothing before `start` is recomputed. At temperature 0 the output is exactly the
 output; at temperature > 0 the target's tokens are sampled and the proposals compared with them,
 so every emitted token is a target sample given the correct prefix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,7 +36,7 @@ class Decoded:
 
 def features_of(hidden_states, layer_ids) -> torch.Tensor:
     """[T, K*H] drafter context features from HF hidden_states (index l+1 for layer l)."""
-    return torch.cat([hidden_states[l + 1][0] for l in layer_ids], dim=-1)
+    return torch.cat([hidden_states[layer + 1][0] for layer in layer_ids], dim=-1)
 
 
 def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -50,7 +51,7 @@ def _finish(tokens: list[int], max_new_tokens: int, stop_ids) -> list[int]:
     tokens = tokens[:max_new_tokens]
     for i, tok in enumerate(tokens):
         if tok in stop_ids:
-            return tokens[:i + 1]
+            return tokens[: i + 1]
     return tokens
 
 
@@ -60,8 +61,14 @@ def _sync(device) -> None:
 
 
 @torch.no_grad()
-def target_generate(model, prompt: list[int], max_new_tokens: int, stop_ids=(), temperature: float = 0.0,
-                    generator: torch.Generator | None = None) -> Decoded:
+def target_generate(
+    model,
+    prompt: list[int],
+    max_new_tokens: int,
+    stop_ids=(),
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> Decoded:
     """The target alone, one token per forward with its KV cache (the baseline and the reference)."""
     device = model.get_input_embeddings().weight.device
     stop_ids = set(stop_ids)
@@ -82,8 +89,16 @@ def target_generate(model, prompt: list[int], max_new_tokens: int, stop_ids=(), 
 
 
 @torch.no_grad()
-def speculative_generate(model, layer_ids, drafter, prompt: list[int], max_new_tokens: int, stop_ids=(),
-                         temperature: float = 0.0, generator: torch.Generator | None = None) -> Decoded:
+def speculative_generate(
+    model,
+    layer_ids,
+    drafter,
+    prompt: list[int],
+    max_new_tokens: int,
+    stop_ids=(),
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> Decoded:
     """DFlash block speculative decoding (see the module docstring). `model` is the HF target,
     `layer_ids` the drafter's target layers, `drafter` a trainer.model.DFlashDrafter."""
     device = model.get_input_embeddings().weight.device
@@ -110,11 +125,12 @@ def speculative_generate(model, layer_ids, drafter, prompt: list[int], max_new_t
         while n < block - 1 and drafts[n] == target_tokens[n]:
             n += 1
         accepted.append(n)
-        tokens += target_tokens[:n + 1]  # n accepted drafts (equal to the target's) + the bonus
-        stopped = bool(stop_ids.intersection(target_tokens[:n + 1]))  # a stop token anywhere ends it
+        tokens += target_tokens[: n + 1]  # n accepted drafts (equal to the target's) + the bonus
+        stopped = bool(stop_ids.intersection(target_tokens[: n + 1]))  # a stop token anywhere ends it
         kv_cache.crop(cache, start + n + 1)
-        context.extend(features_of(out.hidden_states, layer_ids)[:n + 1])
+        context.extend(features_of(out.hidden_states, layer_ids)[: n + 1])
         start += n + 1
     _sync(device)
-    return Decoded(tokens=_finish(tokens, max_new_tokens, stop_ids), seconds=time.perf_counter() - t0,
-                   accepted=accepted)
+    return Decoded(
+        tokens=_finish(tokens, max_new_tokens, stop_ids), seconds=time.perf_counter() - t0, accepted=accepted
+    )

@@ -355,9 +355,8 @@ class StaticDrafter:
             d.fc.weight.dtype
         )
         cos, sin = self.cos[where], self.sin[where]
-        visible = self.key_positions < (start + self.block).view(
-            -1, 1, 1
-        )  # [B, 1, S]: the same for each query
+        # [B, 1, S]: the same for each query
+        visible = self.key_positions < (start + self.block).view(-1, 1, 1)
         mask = grouped_mask(visible.expand(-1, self.block, -1), cfg.num_heads // cfg.num_kv_heads, x.dtype)
         for i, w in enumerate(self.layers):
             x = kernels.layer(
@@ -489,8 +488,10 @@ class StaticDecoder:
     def _speculative_round(self) -> None:
         k = self.kernels
         block = self.block
-        self.drafter.extend(self.pending, self.pending_start.unsqueeze(1) + self.offsets, k)
-        proposals = self.drafter.proposals(self.anchor, self.start, k)
+        drafter = self.drafter
+        assert drafter is not None  # decode() runs speculative rounds only with a drafter
+        drafter.extend(self.pending, self.pending_start.unsqueeze(1) + self.offsets, k)
+        proposals = drafter.proposals(self.anchor, self.start, k)
         where = self.start.unsqueeze(1) + self.offsets
         hidden, features = self.target.hidden(torch.cat([self.anchor.unsqueeze(1), proposals], 1), where, k)
         targets = self.target.logits(hidden).argmax(-1)  # the target's token for positions start+1..start+B
@@ -511,6 +512,7 @@ class StaticDecoder:
         last = hidden[self.row_index[:, 0], self.prompt_len - 1]
         first = self.target.logits(last).argmax(-1)
         if speculative:
+            assert self.drafter is not None  # decode() and prepare() prefill speculatively only with one
             self.drafter.extend(features, where)
         self.start.copy_(self.prompt_len)
         self.anchor.copy_(first)

@@ -17,6 +17,7 @@ the trainer gets, however it was sent (ops `stop`, `timeout`, Ctrl-C, kill PID).
 
 Run as `python -I -S stop_watchdog.py TRAINER_PID READ_FD AFTER_S` (StopWatchdog.start does).
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -50,14 +51,29 @@ class StopWatchdog:
         read_fd, write_fd = os.pipe()  # neither end is inherited by other children (PEP 446)
         try:
             os.set_blocking(write_fd, False)  # set_wakeup_fd requires it; a signal handler must never block
-            faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)  # fd 2: where the watchdog writes too
-            proc = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()),
-                                     str(read_fd), f"{after_s:g}"], pass_fds=(read_fd,),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            # fd 2: where the watchdog writes too
+            faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-I",
+                    "-S",
+                    os.path.abspath(__file__),
+                    str(os.getpid()),
+                    str(read_fd),
+                    f"{after_s:g}",
+                ],
+                pass_fds=(read_fd,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
         except (OSError, ValueError, RuntimeError) as exc:
             os.close(write_fd)
-            print(f"dflash-train: warning: no stop watchdog ({exc}); a thread stuck in C code can keep "
-                  f"SIGTERM from ending the trainer", file=sys.stderr)
+            print(
+                f"dflash-train: warning: no stop watchdog ({exc}); a thread stuck in C code can keep "
+                f"SIGTERM from ending the trainer",
+                file=sys.stderr,
+            )
             return None
         finally:
             os.close(read_fd)
@@ -86,7 +102,8 @@ class StopWatchdog:
 
 
 def _let_go_in_forked_child() -> None:
-    """A forked child's signals are not the trainer's, and its copy of the pipe would hide the trainer's exit."""
+    """A forked child's signals are not the trainer's, and its copy of the pipe would hide the trainer's
+    exit."""
     global _running
     if _running is not None:
         try:
@@ -101,6 +118,7 @@ os.register_at_fork(after_in_child=_let_go_in_forked_child)
 
 
 # ---- the watchdog process (stdlib only; runs without the trainer's modules) -------------------
+
 
 def watch(trainer_pid: int, read_fd: int, after_s: float) -> None:
     for sig in (*STOP_SIGNALS, signal.SIGHUP):
@@ -128,9 +146,14 @@ def end_trainer(trainer_pid: int, armed_by: str, waited_s: float) -> None:
         if os.getppid() != trainer_pid:
             return  # it exited meanwhile: that pid may now be another process's
         if sig == signal.SIGKILL:
-            os.write(2, (f"dflash-train watchdog: pid {trainer_pid} still running {waited_s:.0f} s after "
-                         f"{armed_by}: the interpreter did not get control back (a thread stuck in C code, "
-                         f"stacks above); ending it with SIGKILL\n").encode())
+            os.write(
+                2,
+                (
+                    f"dflash-train watchdog: pid {trainer_pid} still running {waited_s:.0f} s after "
+                    f"{armed_by}: the interpreter did not get control back (a thread stuck in C code, "
+                    f"stacks above); ending it with SIGKILL\n"
+                ).encode(),
+            )
         os.kill(trainer_pid, sig)
         if sig == STACKS_SIGNAL:
             time.sleep(STACKS_WAIT_S)

@@ -4,11 +4,13 @@ Feature convention (what inference engines feed the drafter): for each target la
 `output_hidden_states[l + 1]` (index 0 is the embedding output), concatenated in the order given.
 Only the layers up to the last chosen one are run: a hook stops the forward right after it.
 """
+
 from __future__ import annotations
 
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -16,7 +18,7 @@ from torch import nn
 from trainer.config import ConfigError
 
 # The tiny-random target: small enough for CPU tests and the tiny run, same architecture as Qwen3.
-TINY_DEFAULTS = {
+TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -34,12 +36,18 @@ class _EnoughLayers(Exception):
     """Raised from a layer hook once the last needed layer has run: skip the rest of the model."""
 
 
+# An HF causal LM (a transformers PreTrainedModel), duck-typed: transformers' annotations type its
+# accessors as nn.Module and wrap methods such as .to() in functools.wraps, which mypy misreads.
+HFModel = Any
+
+
 def default_layer_ids(num_layers: int, k: int = 5) -> list[int]:
     """k layer ids spread evenly from 1 to num_layers-3 (the paper's choice), deduplicated."""
     if num_layers < 4:
         raise ConfigError(
             f"target.layer_ids: a target with {num_layers} layers is too shallow for the default "
-            f"spread 1..num_layers-3. Fix: set target.layer_ids explicitly, e.g. [0]")
+            f"spread 1..num_layers-3. Fix: set target.layer_ids explicitly, e.g. [0]"
+        )
     first, last = 1, num_layers - 3
     if k == 1:
         return [first]
@@ -53,24 +61,35 @@ def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
         raise ConfigError(
             f"target.layer_ids: {layer_ids} must be a non-empty list of layer indices in "
             f"[0, {num_layers - 1}] (the target has {num_layers} layers). "
-            f"Fix: pick ids from that range or leave it null for the default spread")
+            f"Fix: pick ids from that range or leave it null for the default spread"
+        )
 
 
-def _decoder_of(model: nn.Module) -> nn.Module:
+class Decoder(Protocol):
+    """What _decoder_of checks a target's decoder for (Llama/Qwen family layout)."""
+
+    layers: nn.ModuleList
+    norm: nn.Module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def _decoder_of(model: nn.Module) -> Decoder:
     """The module holding `.layers` and `.norm` (Llama/Qwen family layout)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    get_decoder = getattr(model, "get_decoder", None)  # HF's accessor, not in nn.Module's type
+    decoder = get_decoder() if get_decoder is not None else getattr(model, "model", None)
     if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
         raise ConfigError(
             f"target.spec: {type(model).__name__} does not expose decoder `.layers` and `.norm`. "
-            f"Fix: use a Llama/Qwen-style causal LM")
-    return decoder
+            f"Fix: use a Llama/Qwen-style causal LM"
+        )
+    return cast(Decoder, decoder)
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
     """The tokenizer's mask token, else its pad token, else the last embedding row."""
     if tokenizer is not None:
-        for token_id in (getattr(tokenizer, "mask_token_id", None),
-                         getattr(tokenizer, "pad_token_id", None)):
+        for token_id in (getattr(tokenizer, "mask_token_id", None), getattr(tokenizer, "pad_token_id", None)):
             if token_id is not None and 0 <= token_id < vocab_size:
                 return int(token_id)
     return vocab_size - 1
@@ -84,13 +103,14 @@ class TargetModel:
     device: str
     mask_token_id: int
 
-    def __post_init__(self):
-        self.model.eval().requires_grad_(False)
-        self.config = self.model.config
-        self._decoder = _decoder_of(self.model)
+    def __post_init__(self) -> None:
+        hf: HFModel = self.model  # for its HF accessors: config, input and output embeddings
+        hf.eval().requires_grad_(False)
+        self.config = hf.config
+        self._decoder = _decoder_of(hf)
         self.num_layers = len(self._decoder.layers)
-        self.embed_tokens: nn.Embedding = self.model.get_input_embeddings()
-        self.lm_head: nn.Linear = self.model.get_output_embeddings()
+        self.embed_tokens: nn.Embedding = hf.get_input_embeddings()
+        self.lm_head: nn.Linear = hf.get_output_embeddings()
         self.hidden_size = self.embed_tokens.weight.shape[1]
         self.vocab_size = self.embed_tokens.weight.shape[0]
         self.dtype = self.embed_tokens.weight.dtype
@@ -135,7 +155,7 @@ class TargetModel:
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
 
 
-def tiny_target(device: str, dtype, seed: int, tiny: dict | None):
+def tiny_target(device: str, dtype, seed: int, tiny: dict | None) -> HFModel:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     values = dict(TINY_DEFAULTS)
@@ -143,29 +163,33 @@ def tiny_target(device: str, dtype, seed: int, tiny: dict | None):
     if unknown:
         raise ConfigError(
             f"target.tiny: unknown Qwen3Config key(s) {sorted(unknown)}. "
-            f"Fix: use Qwen3Config fields such as {', '.join(sorted(TINY_DEFAULTS))}")
+            f"Fix: use Qwen3Config fields such as {', '.join(sorted(TINY_DEFAULTS))}"
+        )
     values.update(tiny or {})
     config = Qwen3Config(**values)
     config._attn_implementation = "sdpa"
     # Seeded without disturbing the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model: HFModel = Qwen3ForCausalLM(config)
     return model.to(device=device, dtype=dtype)
 
 
-def _hf_target(path: str, device: str, dtype):
+def _hf_target(path: str, device: str, dtype) -> tuple[HFModel, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.isdir(path):
         raise ConfigError(
             f"target.spec: {path!r} is neither 'tiny-random' nor a local directory. "
-            f"Fix: point it at a downloaded Hugging Face model directory (config.json + weights)")
+            f"Fix: point it at a downloaded Hugging Face model directory (config.json + weights)"
+        )
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        model: HFModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"target.spec: cannot load a causal LM from {path!r}: {exc}. "
-                          f"Fix: check that the directory holds config.json and weights") from exc
+        raise ConfigError(
+            f"target.spec: cannot load a causal LM from {path!r}: {exc}. "
+            f"Fix: check that the directory holds config.json and weights"
+        ) from exc
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError):
@@ -189,5 +213,10 @@ def load_target(
     num_layers = len(_decoder_of(model).layers)
     ids = list(layer_ids) if layer_ids is not None else default_layer_ids(num_layers)
     vocab_size = model.get_input_embeddings().weight.shape[0]
-    return TargetModel(model=model, layer_ids=ids, tokenizer=tokenizer, device=str(device),
-                       mask_token_id=default_mask_token_id(tokenizer, vocab_size))
+    return TargetModel(
+        model=model,
+        layer_ids=ids,
+        tokenizer=tokenizer,
+        device=str(device),
+        mask_token_id=default_mask_token_id(tokenizer, vocab_size),
+    )

@@ -4,6 +4,7 @@ For a local Hugging Face directory only the two tensors are read from the safete
 decoder layers are never loaded); tiny-random is built whole on the CPU (it is generated, not
 loaded) and only its embedding and lm_head are kept.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,11 @@ def weight_bytes(config, bytes_per_param: int = 2) -> dict:
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     kept = embed.numel() + (0 if head is embed else head.numel())
-    return {"total": total * bytes_per_param, "embed_and_lm_head": kept * bytes_per_param,
-            "saved": (total - kept) * bytes_per_param}
+    return {
+        "total": total * bytes_per_param,
+        "embed_and_lm_head": kept * bytes_per_param,
+        "saved": (total - kept) * bytes_per_param,
+    }
 
 
 def _weight_files(path: str) -> dict[str, str]:
@@ -61,8 +65,10 @@ def _weight_files(path: str) -> dict[str, str]:
 
         with safe_open(single, framework="pt") as f:
             return {k: single for k in f.keys()}
-    raise ConfigError(f"target.spec: {path!r} has no model.safetensors(.index.json). "
-                      f"Fix: a feature-cache run reads the embedding and lm_head from safetensors weights")
+    raise ConfigError(
+        f"target.spec: {path!r} has no model.safetensors(.index.json). "
+        f"Fix: a feature-cache run reads the embedding and lm_head from safetensors weights"
+    )
 
 
 def _read_tensor(files: dict[str, str], suffix: str):
@@ -79,8 +85,10 @@ def _hf_head(path: str, dtype):
     from transformers import AutoConfig, AutoTokenizer
 
     if not os.path.isdir(path):
-        raise ConfigError(f"target.spec: {path!r} is neither 'tiny-random' nor a local directory. "
-                          f"Fix: point it at a downloaded Hugging Face model directory")
+        raise ConfigError(
+            f"target.spec: {path!r} is neither 'tiny-random' nor a local directory. "
+            f"Fix: point it at a downloaded Hugging Face model directory"
+        )
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     files = _weight_files(path)
     embed_w = _read_tensor(files, "embed_tokens.weight")
@@ -101,8 +109,9 @@ def _hf_head(path: str, dtype):
     return config, embed, head, tokenizer
 
 
-def load_target_head(spec: str, dtype, layer_ids: list[int] | None = None, seed: int = 0,
-                     tiny: dict | None = None) -> TargetHead:
+def load_target_head(
+    spec: str, dtype, layer_ids: list[int] | None = None, seed: int = 0, tiny: dict | None = None
+) -> TargetHead:
     if spec == "tiny-random":
         model = tiny_target("cpu", dtype, seed, tiny)
         config, tokenizer = model.config, None
@@ -112,5 +121,11 @@ def load_target_head(spec: str, dtype, layer_ids: list[int] | None = None, seed:
     embed.requires_grad_(False)
     head.requires_grad_(False)
     ids = list(layer_ids) if layer_ids is not None else default_layer_ids(int(config.num_hidden_layers))
-    return TargetHead(config=config, embed_tokens=embed, lm_head=head, layer_ids=ids, tokenizer=tokenizer,
-                      mask_token_id=default_mask_token_id(tokenizer, embed.weight.shape[0]))
+    return TargetHead(
+        config=config,
+        embed_tokens=embed,
+        lm_head=head,
+        layer_ids=ids,
+        tokenizer=tokenizer,
+        mask_token_id=default_mask_token_id(tokenizer, embed.weight.shape[0]),
+    )

@@ -8,6 +8,7 @@ One setup and one loop for both launchers; what differs lives in the world (trai
 ThreadsWorld (one process, a drafter thread per device) or TorchrunWorld (trainer.distributed:
 this process is one rank, rank 0 writes, the ranks agree on every step's summary and on stopping).
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,7 +17,7 @@ import math
 import os
 import random
 import sys
-from typing import TextIO
+from typing import Any, Protocol, TextIO, cast
 
 import torch
 import yaml
@@ -54,6 +55,7 @@ class RunResult:
 @dataclasses.dataclass
 class LoopParts:
     """What the step loop trains with (built by prepare(); under torchrun: this rank's replica)."""
+
     cfg: TrainConfig
     targets: list
     replicas: list[Replica]
@@ -90,14 +92,17 @@ class WarmupCosine:
 
 # ---- building blocks -------------------------------------------------------------------------
 
+
 def build_dataset(cfg: TrainConfig, target) -> Dataset:
     if cfg.data.source == "synthetic":
         syn = cfg.data.synthetic
         return synthetic_dataset(target, syn.num_samples, syn.prompt_len, cfg.data.seq_len, cfg.train.seed)
     tokenizer = target.tokenizer
     pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-    return load_jsonl(cfg.data.path, cfg.data.seq_len, target.vocab_size, tokenizer,
-                      pad_id if pad_id is not None else 0)
+    assert cfg.data.path is not None  # validate(): a jsonl source names its path
+    return load_jsonl(
+        cfg.data.path, cfg.data.seq_len, target.vocab_size, tokenizer, pad_id if pad_id is not None else 0
+    )
 
 
 def drafter_config(cfg: TrainConfig, target) -> DrafterConfig:
@@ -120,8 +125,13 @@ def build_replicas(cfg: TrainConfig, dcfg: DrafterConfig, target, total_steps: i
         precision.place(model, device, precision.resolve(cfg))
         model.train()
         model.checkpoint_layers = t.activation_checkpointing == "layers"
-        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas),
-                                      weight_decay=t.weight_decay, fused=device.startswith("cuda") or None)
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=t.lr,
+            betas=(t.betas[0], t.betas[1]),  # validate(): exactly two
+            weight_decay=t.weight_decay,
+            fused=device.startswith("cuda") or None,
+        )
         schedule = WarmupCosine(round(t.warmup_frac * total_steps), total_steps, t.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         replicas.append(Replica(index, device, model, optimizer, scheduler))
@@ -131,13 +141,15 @@ def build_replicas(cfg: TrainConfig, dcfg: DrafterConfig, target, total_steps: i
 def restore(replicas: list[Replica], state: ckpt.Checkpoint, dcfg: DrafterConfig) -> None:
     """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, RNG."""
     saved = state.drafter_config
-    differ = sorted(k for k, v in dcfg.to_dict().items()
-                    if saved.get(k) != v and (k in saved or k not in EXPORT_METADATA))
+    differ = sorted(
+        k for k, v in dcfg.to_dict().items() if saved.get(k) != v and (k in saved or k not in EXPORT_METADATA)
+    )
     if differ:
         raise ConfigError(
             f"--resume {state.path}: the checkpoint's drafter differs in {', '.join(differ)} "
             f"(checkpoint: {', '.join(f'{k}={saved.get(k)!r}' for k in differ)}). "
-            f"Fix: resume with the config it was trained with, or start a new --output-dir.")
+            f"Fix: resume with the config it was trained with, or start a new --output-dir."
+        )
     for replica in replicas:
         replica.model.load_state_dict(state.weights)  # copies into the replica's own parameters
         # load_state_dict keeps tensors that need no cast: without a copy, replicas on one device
@@ -155,8 +167,9 @@ def resumed_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, steps_done: 
     The base LRs are the optimizer's saved `initial_lr`. LambdaLR steps once as it is built, so
     built at steps_done - 1 it stands at steps_done.
     """
-    return torch.optim.lr_scheduler.LambdaLR(scheduler.optimizer, scheduler.lr_lambdas,
-                                             last_epoch=steps_done - 1)
+    return torch.optim.lr_scheduler.LambdaLR(
+        scheduler.optimizer, scheduler.lr_lambdas, last_epoch=steps_done - 1
+    )
 
 
 def peak_gpu_memory_gib(devices: list[str]) -> float | None:
@@ -169,6 +182,17 @@ def peak_gpu_memory_gib(devices: list[str]) -> float | None:
     for dev in cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     return peak / 2**30
+
+
+class _LossModel(Protocol):
+    """A replica's model as the loss uses it: a DFlashDrafter, or the DrafterDDP around one (its
+    loss() passes through)."""
+
+    def __call__(self, *args: Any) -> torch.Tensor: ...
+
+    def loss(
+        self, hidden: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, gamma: float
+    ) -> Any: ...
 
 
 def make_loss_fn(cfg: TrainConfig):
@@ -184,10 +208,11 @@ def make_loss_fn(cfg: TrainConfig):
         ctx_len = batch.input_ids.shape[1]
         build = build_block_mask if backend == "flex" else dense_mask
         mask = build(anchors, valid, ctx_len, block, replica.device)
+        model = cast(_LossModel, replica.model)
         with precision.autocast(replica.device, mode):  # thread-local: entered in the drafter thread
-            hidden = replica.model(batch.features, batch.input_ids, anchors, mask, backend)
+            hidden = model(batch.features, batch.input_ids, anchors, mask, backend)
             labels, label_mask = block_labels(batch.input_ids, batch.loss_mask, anchors, valid, block)
-            loss, acc = replica.model.loss(precision.loss_input(hidden, mode), labels, label_mask, gamma)
+            loss, acc = model.loss(precision.loss_input(hidden, mode), labels, label_mask, gamma)
         return LossOutput(loss=loss, acc=acc, tokens=int(valid.sum()) * block)
 
     return compute
@@ -197,15 +222,28 @@ def save(parts: LoopParts, model: torch.nn.Module, step: int) -> str:
     """One checkpoint of the run: `model` is the lead replica's drafter (all replicas are identical)."""
     cfg, lead, plan = parts.cfg, parts.replicas[0], parts.plan
     return ckpt.save_checkpoint(
-        cfg.run.output_dir, step, weights=model.state_dict(), optimizer=lead.optimizer.state_dict(),
+        cfg.run.output_dir,
+        step,
+        weights=model.state_dict(),
+        optimizer=lead.optimizer.state_dict(),
         scheduler=lead.scheduler.state_dict(),
         data_position={**plan.position(step), "replicas": plan.num_replicas},
         rng=ckpt.rng_state(cfg.run.target_devices + cfg.run.drafter_devices),
-        config=cfg.to_dict(), drafter_config=parts.dcfg.to_dict(), keep_last=cfg.run.keep_last)
+        config=cfg.to_dict(),
+        drafter_config=parts.dcfg.to_dict(),
+        keep_last=cfg.run.keep_last,
+    )
 
 
-def startup_summary(cfg: TrainConfig, guard: CompileGuard, dataset: Dataset, plan: BatchPlan,
-                    total_steps: int, start_step: int, replicas: list[Replica]) -> list[str]:
+def startup_summary(
+    cfg: TrainConfig,
+    guard: CompileGuard,
+    dataset: Dataset,
+    plan: BatchPlan,
+    total_steps: int,
+    start_step: int,
+    replicas: list[Replica],
+) -> list[str]:
     params = sum(p.numel() for p in replicas[0].trainable())
     lines = ["dflash-train: resolved config (" + cfg.source + "):"]
     lines += ["  " + line for line in yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()]
@@ -227,6 +265,7 @@ def startup_summary(cfg: TrainConfig, guard: CompileGuard, dataset: Dataset, pla
 
 # ---- the run ---------------------------------------------------------------------------------
 
+
 def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) -> RunResult:
     """Run (or resume) training as configured: the whole job in threads, or this process's rank
     of a torchrun job. Raises on failure after writing an `error` record."""
@@ -235,8 +274,15 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
     cfg = world.cfg
     check_devices(cfg)
     metrics = open_metrics(world, out, tty)
-    guard = CompileGuard(cfg.run.compile_lock, on_event=lambda e: metrics.compile(
-        world.thread(e.get("thread", "?")), e.get("duration_s") or 0.0, e.get("step", -1), compile_reason(e)))
+    guard = CompileGuard(
+        cfg.run.compile_lock,
+        on_event=lambda e: metrics.compile(
+            world.thread(e.get("thread", "?")),
+            e.get("duration_s") or 0.0,
+            e.get("step", -1),
+            compile_reason(e),
+        ),
+    )
     stop = world.stop_request()
     world.join()
     try:
@@ -262,9 +308,14 @@ def open_metrics(world: World, out: TextIO | None, tty: bool | None) -> MetricsW
     cfg = world.cfg
     if not world.speaks:
         sys.stdout = out = open(os.devnull, "w")
-    return MetricsWriter(cfg.metrics_path if world.speaks else os.devnull,
-                         out=out if out is not None else sys.stdout, tty=tty, log_every=cfg.run.log_every,
-                         report_to=world.trackers, report_dir=cfg.run.output_dir)
+    return MetricsWriter(
+        cfg.metrics_path if world.speaks else os.devnull,
+        out=out if out is not None else sys.stdout,
+        tty=tty,
+        log_every=cfg.run.log_every,
+        report_to=world.trackers,
+        report_dir=cfg.run.output_dir,
+    )
 
 
 def load_source(cfg: TrainConfig) -> tuple[list, Dataset, Dataset | None]:
@@ -273,9 +324,17 @@ def load_source(cfg: TrainConfig) -> tuple[list, Dataset, Dataset | None]:
     if cfg.data.source == "features":
         targets, dataset = training_source(cfg, param_dtype(cfg.run.drafter_devices[0]))
         return targets, dataset, None
-    targets = [load_target(cfg.target.spec, dev, param_dtype(dev), layer_ids=cfg.target.layer_ids,
-                           seed=cfg.train.seed, tiny=cfg.target.tiny or None)
-               for dev in cfg.run.target_devices]
+    targets = [
+        load_target(
+            cfg.target.spec,
+            dev,
+            param_dtype(dev),
+            layer_ids=cfg.target.layer_ids,
+            seed=cfg.train.seed,
+            tiny=cfg.target.tiny or None,
+        )
+        for dev in cfg.run.target_devices
+    ]
     dataset, heldout = split_heldout(build_dataset(cfg, targets[0]), cfg.data.eval_fraction, cfg.train.seed)
     return targets, dataset, heldout
 
@@ -296,8 +355,11 @@ def prepare(world: World, guard: CompileGuard, metrics: MetricsWriter) -> LoopPa
     dcfg = drafter_config(cfg, targets[0])
     replicas = build_replicas(cfg, dcfg, targets[0], total)
     # the lead evaluates tau between steps; other ranks wait for it at the next step's all-reduce
-    evaluator = TrainingEval.create(cfg, targets[0], dcfg, heldout, param_dtype(targets[0].device),
-                                    metrics.say) if world.is_lead else None
+    evaluator = (
+        TrainingEval.create(cfg, targets[0], dcfg, heldout, param_dtype(targets[0].device), metrics.say)
+        if world.is_lead
+        else None
+    )
     start, upcast = 0, None
     if cfg.run.resume:
         state = ckpt.load_checkpoint(ckpt.resolve_resume(cfg.run.resume, cfg.run.output_dir))
@@ -315,15 +377,27 @@ def prepare(world: World, guard: CompileGuard, metrics: MetricsWriter) -> LoopPa
 def make_workers(parts: LoopParts) -> TrainingWorkers:
     """The threads that train `parts.replicas` (all of them here; one per process under torchrun)."""
     cfg = parts.cfg
-    return TrainingWorkers(targets=parts.targets, replicas=parts.replicas, dataset=parts.dataset,
-                           plan=parts.plan, compute_loss=make_loss_fn(cfg), guard=parts.guard,
-                           grad_clip=cfg.train.grad_clip,
-                           feature_dtype=lambda _dev: precision.feature_dtype(precision.resolve(cfg)))
+    return TrainingWorkers(
+        targets=parts.targets,
+        replicas=parts.replicas,
+        dataset=parts.dataset,
+        plan=parts.plan,
+        compute_loss=make_loss_fn(cfg),
+        guard=parts.guard,
+        grad_clip=cfg.train.grad_clip,
+        feature_dtype=lambda _dev: precision.feature_dtype(precision.resolve(cfg)),
+    )
 
 
 def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequest) -> RunResult:
-    cfg, replicas, plan, start, total, evaluator = (parts.cfg, parts.replicas, parts.plan, parts.start,
-                                                    parts.total, parts.evaluator)
+    cfg, replicas, plan, start, total, evaluator = (
+        parts.cfg,
+        parts.replicas,
+        parts.plan,
+        parts.start,
+        parts.total,
+        parts.evaluator,
+    )
     last, path, step = None, None, start
     throughput = Throughput(start, total)
     devices = cfg.run.target_devices + cfg.run.drafter_devices
@@ -333,9 +407,18 @@ def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequ
             last = world.step(workers, step_index, stop)
             step = stop.last_step = last.step
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
-            metrics.step(step=step, total_steps=total, loss=last.loss, acc=last.acc, lr=last.lr,
-                         tokens_per_s=tokens_per_s, eta_s=eta_s, grad_norm=last.grad_norm,
-                         epoch=step / plan.steps_per_epoch, gpu_memory_gib=peak_gpu_memory_gib(devices))
+            metrics.step(
+                step=step,
+                total_steps=total,
+                loss=last.loss,
+                acc=last.acc,
+                lr=last.lr,
+                tokens_per_s=tokens_per_s,
+                eta_s=eta_s,
+                grad_norm=last.grad_norm,
+                epoch=step / plan.steps_per_epoch,
+                gpu_memory_gib=peak_gpu_memory_gib(devices),
+            )
             if evaluator is not None and evaluator.due(step, total):
                 evaluator.run(world.model(replicas), step, metrics)
                 throughput.last = throughput.clock()  # the next step's tok/s counts training only

@@ -8,6 +8,7 @@ the first evaluation and reused by every later one. The target's own greedy outp
 once and reused: the target is frozen. Writes one `eval` metrics record per evaluation, with the
 evaluations' share of the run's wall time so far.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,7 +27,7 @@ class TrainingEval:
         self.every = cfg.eval.every
         self.max_new_tokens = cfg.eval.max_new_tokens
         self.target = target
-        self.prompts = prompts[:cfg.eval.num_prompts]
+        self.prompts = prompts[: cfg.eval.num_prompts]
         self.stop_ids = stop_token_ids(target.model, target.tokenizer)
         self.reference: dict = {}
         self.decoder = None  # built at the first evaluation, reused by the others
@@ -37,19 +38,24 @@ class TrainingEval:
         self.drafter.to(device=target.device, dtype=dtype).eval()
 
     @classmethod
-    def create(cls, cfg: TrainConfig, target, dcfg: DrafterConfig, heldout, dtype,
-               say=print) -> "TrainingEval | None":
+    def create(
+        cls, cfg: TrainConfig, target, dcfg: DrafterConfig, heldout, dtype, say=print
+    ) -> "TrainingEval | None":
         """The evaluator, or None when eval.every is 0 or there is nothing unseen to prompt with
         (then `say` tells why: a run does not fail for want of evaluation prompts)."""
         if not cfg.eval.every:
             return None
         if getattr(target, "model", None) is None:  # data.source features: no decoder was loaded
-            say("eval: tau evaluation off: data.source features loads no target decoder to decode with. "
-                "Fix: run dflash-train eval --checkpoint on the run's output dir, or eval.every: 0")
+            say(
+                "eval: tau evaluation off: data.source features loads no target decoder to decode with. "
+                "Fix: run dflash-train eval --checkpoint on the run's output dir, or eval.every: 0"
+            )
             return None
         if not (cfg.eval.path or heldout is not None or cfg.data.source == "synthetic"):
-            say("eval: tau evaluation off: no unseen prompts. Fix: set data.eval_fraction (e.g. 0.01) "
-                "or eval.path, or eval.every: 0 to silence this")
+            say(
+                "eval: tau evaluation off: no unseen prompts. Fix: set data.eval_fraction (e.g. 0.01) "
+                "or eval.path, or eval.every: 0 to silence this"
+            )
             return None
         return cls(cfg, target, dcfg, eval_prompts(cfg, target, heldout, cfg.eval.num_prompts), dtype)
 
@@ -61,22 +67,52 @@ class TrainingEval:
         t0 = time.monotonic()
         self.drafter.load_state_dict(model.state_dict())
         if self.decoder is None and self.prompts:
-            self.decoder = make_decoder(self.target.model, self.target.layer_ids, self.drafter, self.prompts,
-                                        self.max_new_tokens, self.stop_ids, batch=len(self.prompts))
-        result = evaluate(self.target.model, self.target.layer_ids, self.drafter, self.prompts,
-                          max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, reference=self.reference,
-                          batch=len(self.prompts), decoder=self.decoder)
+            self.decoder = make_decoder(
+                self.target.model,
+                self.target.layer_ids,
+                self.drafter,
+                self.prompts,
+                self.max_new_tokens,
+                self.stop_ids,
+                batch=len(self.prompts),
+            )
+        result = evaluate(
+            self.target.model,
+            self.target.layer_ids,
+            self.drafter,
+            self.prompts,
+            max_new_tokens=self.max_new_tokens,
+            stop_ids=self.stop_ids,
+            reference=self.reference,
+            batch=len(self.prompts),
+            decoder=self.decoder,
+        )
         seconds = time.monotonic() - t0
         self.eval_seconds += seconds
         overhead = self.eval_seconds / max(time.monotonic() - self.started, 1e-9)
-        metrics.record("eval", step=step, tau=result.tau, tau_per_prompt_mean=result.tau_per_prompt_mean,
-                       tau_per_prompt=result.tau_per_prompt, acceptance=result.acceptance,
-                       lossless=result.lossless, prompts=result.prompts, new_tokens=result.new_tokens,
-                       seconds=seconds, overhead=overhead)
-        verdict = "ok" if result.lossless else (
-            f"FAILED at prompt {result.mismatch.prompt_index} token {result.mismatch.position}")
-        metrics.say(f"eval     step {step}: tau {result.tau:.3f} pooled, {result.tau_per_prompt_mean:.3f} per-prompt "
-                    f"mean  acceptance " + " ".join(f"{a:.2f}" for a in result.acceptance)
-                    + f"  lossless {verdict}  {result.prompts} prompts  {seconds:.2f}s  "
-                    f"(evaluation {100 * overhead:.1f}% of the run's wall time so far)")
+        metrics.record(
+            "eval",
+            step=step,
+            tau=result.tau,
+            tau_per_prompt_mean=result.tau_per_prompt_mean,
+            tau_per_prompt=result.tau_per_prompt,
+            acceptance=result.acceptance,
+            lossless=result.lossless,
+            prompts=result.prompts,
+            new_tokens=result.new_tokens,
+            seconds=seconds,
+            overhead=overhead,
+        )
+        if result.lossless:
+            verdict = "ok"
+        else:  # at temperature 0 (the default here), not lossless means a mismatch was found
+            assert result.mismatch is not None
+            verdict = f"FAILED at prompt {result.mismatch.prompt_index} token {result.mismatch.position}"
+        metrics.say(
+            f"eval     step {step}: tau {result.tau:.3f} pooled, {result.tau_per_prompt_mean:.3f} per-prompt "
+            f"mean  acceptance "
+            + " ".join(f"{a:.2f}" for a in result.acceptance)
+            + f"  lossless {verdict}  {result.prompts} prompts  {seconds:.2f}s  "
+            f"(evaluation {100 * overhead:.1f}% of the run's wall time so far)"
+        )
         return result

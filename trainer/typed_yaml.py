@@ -24,7 +24,10 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-T = typing.TypeVar("T")
+if typing.TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = typing.TypeVar("T", bound="DataclassInstance")  # build() makes dataclasses
 
 
 class YamlInputError(ValueError):
@@ -297,7 +300,10 @@ def _coerce(hint: Any, value: Any, place: _Place) -> Any:
             return None
         return _coerce(next(a for a in args if a is not type(None)), value, place)
     if dataclasses.is_dataclass(hint):
-        return _build(hint, {} if value is None else value, place)  # `section:` alone: defaults
+        # a hint is a class, never a dataclass instance
+        return _build(
+            typing.cast("type[DataclassInstance]", hint), {} if value is None else value, place
+        )  # `section:` alone: defaults
     if origin is list:
         if isinstance(value, str):  # "cuda:1,cuda:2", as given on a command line
             value = [item.strip() for item in value.split(",") if item.strip()]

@@ -15,6 +15,7 @@ Any exception in any thread stops everything: the stop event is set, the barrier
 drained, and the first real error (not a consequence such as BrokenBarrierError) is re-raised in
 the main thread as WorkerFailure, carrying the worker's traceback.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,6 +47,7 @@ class WorkerFailure(Exception):
 @dataclasses.dataclass
 class Failure:
     """Why a run ends, with a worker thread's exception unwrapped from its WorkerFailure."""
+
     raised: BaseException  # what reached the main thread
     original: BaseException  # what went wrong, in whichever thread
     where: str  # " in thread drafter1", or "" for the main thread
@@ -82,7 +84,7 @@ class Replica:
     device: str
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: torch.optim.lr_scheduler.LambdaLR  # resume rebuilds it from its lambdas
 
     @property
     def name(self) -> str:
@@ -118,10 +120,14 @@ class _Report:
     lr: float
 
 
+class _WorkerThread(threading.Thread):
+    dflash_worker = True  # see shutdown.worker_threads_alive
+
+
 class _Failures:
     """Collects worker exceptions; the first one that is not a mere consequence wins."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self.items: list[WorkerFailure] = []
         self.event = threading.Event()
@@ -142,9 +148,19 @@ class _Failures:
 class TrainingWorkers:
     """Start with `start(first_step, total_steps)`, then `run_step(step)` per step; `close()` always."""
 
-    def __init__(self, *, targets: list, replicas: list[Replica], dataset: Dataset, plan: BatchPlan,
-                 compute_loss: Callable[[Replica, Batch], LossOutput], guard, grad_clip: float,
-                 feature_dtype: Callable[[str], torch.dtype], queue_depth: int = 2):
+    def __init__(
+        self,
+        *,
+        targets: list,
+        replicas: list[Replica],
+        dataset: Dataset,
+        plan: BatchPlan,
+        compute_loss: Callable[[Replica, Batch], LossOutput],
+        guard,
+        grad_clip: float,
+        feature_dtype: Callable[[str], torch.dtype],
+        queue_depth: int = 2,
+    ):
         self.targets = targets
         self.replicas = replicas
         self.dataset = dataset
@@ -156,8 +172,10 @@ class TrainingWorkers:
         self._stop = threading.Event()
         self._failures = _Failures()
         # keyed by replica index: under torchrun a process holds one replica whose index is its rank
-        self._commands = {r.index: queue.Queue() for r in replicas}
-        self._batches = {r.index: queue.Queue(maxsize=queue_depth) for r in replicas}
+        self._commands: dict[int, queue.Queue[int]] = {r.index: queue.Queue() for r in replicas}
+        self._batches: dict[int, queue.Queue[Batch]] = {
+            r.index: queue.Queue(maxsize=queue_depth) for r in replicas
+        }
         self._reports: queue.Queue = queue.Queue()
         self._barrier = threading.Barrier(len(replicas), action=self._average_gradients)
         self._grad_norm = float("nan")
@@ -188,18 +206,27 @@ class TrainingWorkers:
             reason = give_up() if give_up is not None else None
             if reason:
                 done = {rep.replica for rep in reports}
-                busy = [f"{r.name} ({self._doing.get(r.name, '?')})" for r in self.replicas if r.index not in done]
-                raise StepAbandoned(f"{reason}: step {step + 1} did not finish: {', '.join(busy)}; "
-                                    "exiting without a checkpoint")
+                busy = [
+                    f"{r.name} ({self._doing.get(r.name, '?')})" for r in self.replicas if r.index not in done
+                ]
+                raise StepAbandoned(
+                    f"{reason}: step {step + 1} did not finish: {', '.join(busy)}; "
+                    "exiting without a checkpoint"
+                )
             try:
                 reports.append(self._reports.get(timeout=POLL_S))
             except queue.Empty:
                 pass
         reports.sort(key=lambda rep: rep.replica)
         acc = torch.stack([rep.acc for rep in reports]).mean(0)
-        return StepSummary(step=step + 1, loss=sum(rep.loss for rep in reports) / len(reports),
-                           acc=[float(a) for a in acc], tokens=sum(rep.tokens for rep in reports),
-                           grad_norm=self._grad_norm, lr=reports[0].lr)
+        return StepSummary(
+            step=step + 1,
+            loss=sum(rep.loss for rep in reports) / len(reports),
+            acc=[float(a) for a in acc],
+            tokens=sum(rep.tokens for rep in reports),
+            grad_norm=self._grad_norm,
+            lr=reports[0].lr,
+        )
 
     def close(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """Stop all threads: no thread is left blocked on a queue or the barrier.
@@ -209,7 +236,8 @@ class TrainingWorkers:
         """
         self._stop.set()
         self._barrier.abort()
-        for q in [*self._batches.values(), *self._commands.values()]:
+        queues: list[queue.Queue] = [*self._batches.values(), *self._commands.values()]
+        for q in queues:
             _drain(q)
         deadline = time.monotonic() + join_timeout_s
         for thread in self._threads:
@@ -218,6 +246,7 @@ class TrainingWorkers:
     def _raise_failure(self) -> None:
         self.close()  # also lets the other threads report, so the root cause can be chosen
         failure = self._failures.primary()
+        assert failure is not None  # called once a failure is recorded
         raise failure from failure.original
 
     def __enter__(self):
@@ -239,8 +268,7 @@ class TrainingWorkers:
                 self._barrier.abort()
 
         # daemon: a thread stuck inside a torch kernel must not keep a failed process alive
-        thread = threading.Thread(target=run, name=name, daemon=True)
-        thread.dflash_worker = True  # see shutdown.worker_threads_alive
+        thread = _WorkerThread(target=run, name=name, daemon=True)
         self._threads.append(thread)
         thread.start()
 
@@ -249,7 +277,8 @@ class TrainingWorkers:
         for step in range(first_step, total_steps):
             for r in served:
                 replica = self.replicas[r]
-                batch = make_batch(self.dataset, self.plan, step, replica.index)  # from a feature cache: has features
+                # from a feature cache: has features
+                batch = make_batch(self.dataset, self.plan, step, replica.index)
                 features = batch.features
                 if features is None:
                     mask = batch.attention_mask.to(target.device)
@@ -284,16 +313,23 @@ class TrainingWorkers:
             replica.optimizer.step()
             replica.scheduler.step()
             replica.optimizer.zero_grad(set_to_none=True)
-            self._reports.put(_Report(replica.index, float(out.loss.detach()), out.acc.detach().float().cpu(),
-                                      int(out.tokens), lr))
+            self._reports.put(
+                _Report(
+                    replica.index,
+                    float(out.loss.detach()),
+                    out.acc.detach().float().cpu(),
+                    int(out.tokens),
+                    lr,
+                )
+            )
 
     def _average_gradients(self) -> None:
         """Barrier action (one thread, all others parked): mean grads, clip, copy to every replica."""
         home = torch.device(self.replicas[0].device)
         per_replica = [r.trainable() for r in self.replicas]
-        averaged = []
-        for params in zip(*per_replica):
-            total = None
+        averaged: list[torch.Tensor] = []
+        for params in zip(*per_replica, strict=True):
+            total: torch.Tensor | None = None
             for p in params:  # fixed replica order: the sum does not depend on thread timing
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 if total is None and g.dtype == torch.float32 and g.device == home:
@@ -301,14 +337,18 @@ class TrainingWorkers:
                     continue
                 g = g.detach().to(home, torch.float32)
                 total = g.clone() if total is None else total.add_(g)
+            assert total is not None  # one parameter per replica, and there is at least one replica
             averaged.append(total.div_(len(params)) if len(params) > 1 else total)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in averaged])) \
-            if averaged else torch.tensor(0.0)
+        norm = (
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in averaged]))
+            if averaged
+            else torch.tensor(0.0)
+        )
         scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
         for i, avg in enumerate(averaged):
             avg.mul_(scale)
-            for params in per_replica:
-                p = params[i]
+            for replica_params in per_replica:
+                p = replica_params[i]
                 if p.grad is None or p.grad.data_ptr() != avg.data_ptr():  # not the accumulator itself
                     p.grad = avg.to(p.device, p.dtype, copy=True)
         self._grad_norm = float(norm)

@@ -8,6 +8,7 @@
 
 What train() and its loop ask of a world (World below); ThreadsWorld answers trivially.
 """
+
 from __future__ import annotations
 
 import typing

@@ -6,6 +6,7 @@ Extra fields (beyond Qwen3's):
 - dflash_config: {"mask_token_id": id of the MASK token, "target_layer_ids": target layers whose
   hidden states (HF hidden_states[layer_id + 1]) are concatenated into the drafter's context}.
 """
+
 from transformers import Qwen3Config
 
 

@@ -9,6 +9,7 @@
 No embedding and no lm_head: the target's are used. At inference the block sees the whole
 context and the whole block (attention_mask None); a mask may be given for other uses.
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,7 +42,7 @@ def _inv_freq(config, head_dim, device):
     rope_type, theta = _rope_parameters(config)
     if rope_type == "default":
         exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-        return 1.0 / (theta ** exponents), 1.0
+        return 1.0 / (theta**exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # scaled RoPE variants
 
     return ROPE_INIT_FUNCTIONS[rope_type](config, device)
@@ -71,7 +72,9 @@ class DFlashAttention(nn.Module):
         kv_in = torch.cat([ctx, x], dim=1)
         kv_len = kv_in.shape[1]
         q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_in).view(batch, kv_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(batch, kv_len, self.num_kv_heads, self.head_dim)).transpose(
+            1, 2
+        )
         v = self.v_proj(kv_in).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos[:, :, -q_len:] + _rotate_half(q) * sin[:, :, -q_len:]  # queries: the block positions
         k = k * cos + _rotate_half(k) * sin
