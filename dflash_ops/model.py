@@ -62,9 +62,6 @@ class Job:
     nproc_per_node: int = 1  # torchrun ranks on this target, one GPU each
     nnodes: int = 1  # hosts in the torchrun job (the targets of a group)
     rdzv_endpoint: str = ""  # HOST:PORT of the c10d rendezvous when nnodes > 1
-    # Set by a multinode job (dflash_ops/multinode.py) on each node's job, never by a target:
-    rdzv_id: str = ""  # torchrun --rdzv-id, one per launch of the job
-    runs_dir: str = ""  # the runs/ every node shares (default <workdir>/runs)
 
     def __post_init__(self):
         # Derived defaults are filled in here, once, so every reader sees the real paths.

@@ -37,6 +37,15 @@ SAME = (
 
 
 @dataclasses.dataclass(frozen=True)
+class NodeJob(Job):
+    """A node's part of a multinode job: its target's job with nnodes and the rendezvous endpoint
+    set, plus what only a multinode job has (read by jobpaths.runs_dir and torchrun.launcher_argv)."""
+
+    rdzv_id: str = ""  # torchrun --rdzv-id: one per launch of the job, the same on every node
+    runs_dir: str = ""  # the runs dir every node shares
+
+
+@dataclasses.dataclass(frozen=True)
 class MultinodeJob:
     name: str
     nodes: tuple[Target, ...]  # node i is nodes[i]
@@ -53,14 +62,11 @@ class MultinodeJob:
     def world_size(self) -> int:
         return sum(node.job.nproc_per_node for node in self.nodes)
 
-    def node_job(self, index: int, rdzv_id: str = "") -> Job:
-        return dataclasses.replace(
-            self.nodes[index].job,
-            nnodes=len(self.nodes),
-            rdzv_endpoint=self.endpoint,
-            rdzv_id=rdzv_id,
-            runs_dir=self.runs_dir,
-        )
+    def node_job(self, index: int, rdzv_id: str = "") -> NodeJob:
+        job = self.nodes[index].job
+        fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(Job)}
+        fields.update(nnodes=len(self.nodes), rdzv_endpoint=self.endpoint)
+        return NodeJob(**fields, rdzv_id=rdzv_id, runs_dir=self.runs_dir)
 
     def node_target(self, index: int, rdzv_id: str = "") -> Target:
         """Node `index` as a target whose job is its part of this job."""

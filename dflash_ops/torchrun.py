@@ -46,8 +46,9 @@ def launcher_argv(job: Job) -> list[str]:
         argv += ["--standalone"]
     else:
         argv += ["--nnodes", str(job.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", job.rdzv_endpoint]
-        if job.rdzv_id:  # a multinode job's launch: its nodes meet under this id only
-            argv += ["--rdzv-id", job.rdzv_id]
+        rdzv_id = getattr(job, "rdzv_id", "")  # a multinode job's launch (multinode_inventory.NodeJob)
+        if rdzv_id:
+            argv += ["--rdzv-id", rdzv_id]
     return argv + ["--nproc-per-node", str(job.nproc_per_node)]
 
 

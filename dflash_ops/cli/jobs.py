@@ -8,6 +8,7 @@ import threading
 import click
 
 from ..errors import InputError
+from . import multinode
 from .group import Obj, cli, dry_run_option, grace_option, one_target, target_option
 
 
@@ -95,6 +96,9 @@ def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus
         "grace": grace,
         "allow_shared_gpus": True if allow_shared_gpus else None,
     }
+    job = multinode.job_named(obj, target)
+    if job is not None:  # every node of the job, as one job
+        sys.exit(multinode.relaunch(job, options, dry_run))
     sys.exit(run_book(obj, target, "relaunch", options, dry_run))
 
 
@@ -109,6 +113,9 @@ def stop(obj, target, dry_run, grace):
     until the next relaunch), end leftover GPU processes, wait for them to leave the GPUs."""
     from .. import ops
 
+    job = multinode.job_named(obj, target)
+    if job is not None:  # every node stops, and records the stop
+        sys.exit(multinode.stop(job, grace, dry_run))
     sys.exit(run_book(obj, target, "stop", {"grace": grace}, dry_run, runner=ops.stop_job))
 
 
