@@ -77,15 +77,21 @@ class RelaunchOptions:
     min_free_gib: float = 10.0
 
 
-def each(nodes: list[Node], fn: Callable[[Node], Any]) -> list[Any]:
-    """fn on every node at once; every node's failure is named (one line each), in node order."""
+def each_outcome(nodes: list[Node], fn: Callable[[Node], Any]) -> list[tuple[Any, BaseException | None]]:
+    """fn on every node at once: (value, None) or (None, the error) per node, in node order."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
         futures = [pool.submit(fn, node) for node in nodes]
         concurrent.futures.wait(futures)
-    errors = [error for error in (f.exception() for f in futures) if error is not None]
+    return [(None, f.exception()) if f.exception() is not None else (f.result(), None) for f in futures]
+
+
+def each(nodes: list[Node], fn: Callable[[Node], Any]) -> list[Any]:
+    """fn on every node at once; every node's failure is named (one line each), in node order."""
+    outcomes = each_outcome(nodes, fn)
+    errors = [error for _, error in outcomes if error is not None]
     if errors:
         raise StepFailed("; ".join(_first_lines(error) for error in errors))
-    return [f.result() for f in futures]
+    return [value for value, _ in outcomes]
 
 
 def _first_lines(error: BaseException, most: int = 1200) -> str:
@@ -130,6 +136,38 @@ class Phases:
         self._send("end", number, name, report=report)
         if error is not None:
             raise _Stop()
+
+    def on_nodes(
+        self,
+        name: str,
+        nodes: list[Node],
+        fn: Callable[[Node], str],
+        keep_going: bool = False,
+        note: str = "",
+    ) -> list[Node]:
+        """Phase `name` as fn on every node at once, one line per node. Returns the nodes it
+        succeeded on; a failure on any node fails the phase (and ends the command unless
+        `keep_going`: the others still go on), with `note` added."""
+        done: list[Node] = []
+
+        def run() -> str:
+            lines = []
+            for node, (message, error) in zip(nodes, each_outcome(nodes, fn), strict=True):
+                lines.append(
+                    f"{node.label}: " + (message if error is None else f"FAILED: {_first_lines(error)}")
+                )
+                if error is None:
+                    done.append(node)
+            if len(done) < len(nodes):
+                raise StepFailed("\n".join(lines) + note)
+            return "\n".join(lines)
+
+        try:
+            self.run(name, run)
+        except _Stop:
+            if not keep_going:
+                raise
+        return done
 
     def skip(self, name: str, why: str) -> None:
         number = self.names.index(name) + 1
@@ -221,44 +259,34 @@ def _relaunch(job: MultinodeJob, nodes: list[Node], options: RelaunchOptions, ph
 
     facts: list[dict] = []
 
-    def preflight_all() -> str:
-        def one(node: Node) -> str:
-            job_ = node.target.job
-            outcome = preflight(
-                node.ctx("preflight"),
-                gpus=list(job_.gpus),
-                deploy=options.deploy,
-                min_free_gib=options.min_free_gib,
-                allow_shared_gpus=options.allow_shared_gpus,
-                import_torch=True,
-            )
-            return outcome.message
-
-        return f"{len(nodes)} nodes ready\n" + per_node(nodes, each(nodes, one))
+    def preflight_one(node: Node) -> str:
+        return preflight(
+            node.ctx("preflight"),
+            gpus=list(node.target.job.gpus),
+            deploy=options.deploy,
+            min_free_gib=options.min_free_gib,
+            allow_shared_gpus=options.allow_shared_gpus,
+            import_torch=True,
+        ).message
 
     def same_job() -> str:
         facts[:] = each(nodes, lambda node: checks.facts(node.ctx("same_job")))
         return checks.same_job(job, nodes, facts, options.deploy)
 
-    phases.run("preflight", checked(preflight_all))
+    phases.on_nodes("preflight", nodes, preflight_one, note="\nnothing was stopped on any node")
     phases.run("same_job", checked(same_job))
     phases.run("shared_runs_dir", checked(lambda: checks.prove_shared(job, nodes)))
     phases.run("rendezvous", checked(lambda: checks.rendezvous(job, nodes, facts)))
     # from here on the job is stopped everywhere, then launched everywhere
     _stop_everywhere(nodes, phases, options.grace_s, options.gpu_free_timeout_s, record=False)
     if options.purge:
-        phases.run(
+        phases.on_nodes(
             "purge_cache",
-            lambda: per_node(
-                nodes,
-                each(
-                    nodes,
-                    lambda n: (
-                        steps.purge_cache(
-                            n.ctx("purge_cache"), paths=[n.target.job.cache_dir], if_unmarked="skip"
-                        ).message
-                    ),
-                ),
+            nodes,
+            lambda n: (
+                steps.purge_cache(
+                    n.ctx("purge_cache"), paths=[n.target.job.cache_dir], if_unmarked="skip"
+                ).message
             ),
         )
     else:
@@ -284,7 +312,9 @@ def _relaunch(job: MultinodeJob, nodes: list[Node], options: RelaunchOptions, ph
 def _stop_everywhere(
     nodes: list[Node], phases: Phases, grace_s: float, gpu_free_timeout_s: float, record: bool
 ) -> None:
-    """stop_session (then mark_stopped when `record`) and free_gpus, each on every node at once."""
+    """stop_session (then mark_stopped when `record`) and free_gpus, each on every node at once.
+    For `stop` (record) a node that fails does not hold up the others: they are stopped, recorded
+    and freed all the same, and the command fails naming the node."""
 
     def stop(node: Node) -> str:
         outcome = steps.stop_session(
@@ -293,11 +323,13 @@ def _stop_everywhere(
         node.data["foreign"] = list(outcome.data.get("foreign") or [])
         return outcome.message
 
-    phases.run("stop_session", lambda: per_node(nodes, each(nodes, stop)))
+    nodes = phases.on_nodes("stop_session", nodes, stop, keep_going=record)
     if record:
-        phases.run(
+        nodes = phases.on_nodes(
             "mark_stopped",
-            lambda: per_node(nodes, each(nodes, lambda n: steps.mark_stopped(n.ctx("mark_stopped")).message)),
+            nodes,
+            lambda n: steps.mark_stopped(n.ctx("mark_stopped")).message,
+            keep_going=True,
         )
 
     def free(node: Node) -> str:
@@ -314,7 +346,7 @@ def _stop_everywhere(
         )
         return f"{killed.message}; {waited.message}"
 
-    phases.run("free_gpus", lambda: per_node(nodes, each(nodes, free)))
+    phases.on_nodes("free_gpus", nodes, free, keep_going=record)
 
 
 def _deploy(nodes: list[Node]) -> str:

@@ -168,13 +168,13 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     inventory, job, _ = pair
     a, b = job.node_targets()
     reference = threaded_reference(tmp_path / "reference", COMPARED_STEPS)
-    options = multinode.RelaunchOptions(timeout_s=300.0, grace_s=60.0)
-
-    first = multinode.relaunch(job, options)
-    assert first.ok, first.summary() + "\n" + "\n".join(s.message for s in first.steps)
-    assert [s.step for s in first.steps] == multinode.RELAUNCH_PHASES
-    launch = next(s for s in first.steps if s.step == "launch").message
-    assert f"on 2 nodes, rendezvous 127.0.0.1:{job.rdzv_port} id pair-0001-" in launch
+    first = cli(inventory, "relaunch", "-t", "pair", "--timeout", "300", "--grace", "60")
+    print("\n$ dflash-ops relaunch -t pair\n" + first.stdout + first.stderr)  # the README's example output
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert [line.split(" ... ")[0] for line in first.stdout.splitlines() if line.startswith("[")][:-1] == [
+        f"[{i}/10] {name}" for i, name in enumerate(multinode.RELAUNCH_PHASES, 1)]
+    assert f"run 0001 on 2 nodes, rendezvous 127.0.0.1:{job.rdzv_port} id pair-0001-" in first.stdout
+    assert first.stdout.splitlines()[-1].startswith("[pair] relaunch: ok, 10 of 10 steps run")
     # one rank per node, world size 2, ranks 0 and 1 between them; one run on both nodes
     ranks = {name: list(ranks_of(t.job).values()) for name, t in (("a", a), ("b", b))}
     assert [len(r) for r in ranks.values()] == [1, 1], ranks
@@ -210,8 +210,10 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     assert tail.returncode == 0 and "launching run 0001" in tail.stdout, tail.stdout[-2000:] + tail.stderr
     assert "--rdzv-id pair-0001-" in tail.stdout
 
-    stopped = multinode.stop(job, grace_s=60.0)
-    assert stopped.ok, stopped.summary() + "\n" + "\n".join(s.message for s in stopped.steps)
+    stopped = cli(inventory, "stop", "-t", "pair", "--grace", "60")
+    print("\n$ dflash-ops stop -t pair\n" + stopped.stdout + stopped.stderr)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert stopped.stdout.count("0 needed SIGKILL") == 2, stopped.stdout  # both nodes' ranks stopped on SIGTERM
     assert processes_of(a.job) == {} and processes_of(b.job) == {}
     assert [state_of(t.job)["state"] for t in (a, b)] == ["stopped", "stopped"]
     after_stop = multinode_status.check(job, timeout_s=20)
@@ -302,6 +304,7 @@ def test_refusals_before_anything_stops(pair, hidden_runs_server, client_key, kn
     current.unlink()
     current.symlink_to("releases/0.0.9-fake")
     result = cli(path, "relaunch", "-t", "pair", "--no-deploy")
+    print("\n$ dflash-ops relaunch -t pair --no-deploy\n" + result.stdout + result.stderr)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "[2/10] same_job ... failed" in result.stdout
     assert "node 1 box-b has trainer release 0.0.9-fake but node 0 box-a has 0.1.0-" in result.stdout
