@@ -268,17 +268,19 @@ def hidden_runs_server(sshd_server, client_key, tmp_path):
     server.stop()
 
 
-def test_refusals_before_anything_stops(pair, hidden_runs_server, client_key, known_hosts, tmp_path):
+def test_refusals_before_anything_stops(pair, hidden_runs_server, client_key, known_hosts, tmp_path, silent_server):
     _, job, nodes = pair
     hosts = tmp_path / "known_hosts_ns"
     hosts.write_text(known_hosts.read_text() + hidden_runs_server.known_hosts_line())
     tag = uuid.uuid4().hex[:6]
     node_c = node_yaml("box-c", hidden_runs_server.port, client_key, hosts, tmp_path / "work-c", tag)
     runs = f"runs_dir: {job.runs_dir}, rdzv_port: {job.rdzv_port}"
-    path = write_inventory(tmp_path / "inventory-refusals.yaml", [*nodes, node_c], {
+    silent = node_yaml("box-silent", silent_server, client_key, hosts, tmp_path / "work-s", tag)
+    path = write_inventory(tmp_path / "inventory-refusals.yaml", [*nodes, node_c, silent], {
         "pair": f"{{nodes: [box-a, box-b], {runs}}}",
         "unshared": f"{{nodes: [box-a, box-c], {runs}}}",
         "lost": f"{{nodes: [box-a, box-b], {runs}, rdzv_host: no-such-host.invalid}}",
+        "half": f"{{nodes: [box-a, box-silent], {runs}}}",
     })
     jobs = load_inventory(str(path)).multinode
     a, b = jobs["pair"].node_targets()
@@ -326,4 +328,18 @@ def test_refusals_before_anything_stops(pair, hidden_runs_server, client_key, kn
     assert (f"node 0 box-a cannot reach the rendezvous endpoint no-such-host.invalid:{job.rdzv_port}: dns"
             in refused.failed.message), refused.failed.message
     assert "nothing was stopped on any node" in refused.failed.message
+    untouched()
+
+    # a node that does not answer: UNKNOWN within the budget, the other node still shown
+    began = time.monotonic()
+    status = cli(path, "status", "-t", "half", "--timeout", "4")
+    assert time.monotonic() - began < 15, "the budget holds for every node at once"
+    assert status.returncode == 3, status.stdout + status.stderr
+    assert "\nnode 0: box-a (" in status.stdout and "\nnode 1: box-silent\n" in status.stdout, status.stdout
+    lines = status.stdout.splitlines()
+    assert any(line.startswith("session ") and "running" in line for line in lines), status.stdout
+    assert lines[-1].startswith("UNKNOWN: ") and "node 1 box-silent: [box-silent] probe: " in lines[-1], lines[-1]
+    refused = multinode.relaunch(jobs["half"])
+    assert not refused.ok and refused.failed.step == "preflight", refused.summary()
+    assert "node 0 box-a: torch " in refused.failed.message and "node 1 box-silent: FAILED: " in refused.failed.message
     untouched()
