@@ -15,6 +15,7 @@ from .relaunch_guard import RelaunchGuard
 from .status import render_table
 
 TORCHRUN_MODULE = "torch.distributed.run"
+TRAINER_MODULE = "trainer"
 
 
 @dataclasses.dataclass
@@ -31,12 +32,23 @@ def check(job: MultinodeJob, timeout_s: float | None = None) -> JobChecked:
     return combine(job, checked)
 
 
+def _runs_module(process: dict, module: str) -> bool:
+    """`python -m MODULE ...` (not the pane's shell, whose arguments carry the same words)."""
+    words = (process.get("cmdline") or "").split()
+    return "-m" in words[1:3] and words[words.index("-m", 1) + 1 : words.index("-m", 1) + 2] == [module]
+
+
 def ranks(status: dict, expected: int) -> dict:
-    """The node's torchrun and the ranks it runs, from the session's process tree."""
+    """The node's torchrun and the ranks it runs (its `-m trainer` children), from the session's
+    process tree."""
     processes = status.get("processes") or []
-    agents = [p for p in processes if TORCHRUN_MODULE in (p.get("cmdline") or "")]
+    agents = [p for p in processes if _runs_module(p, TORCHRUN_MODULE)]
     agent = min(agents, key=lambda p: p["pid"]) if agents else None
-    alive = sorted(p["pid"] for p in processes if agent is not None and p.get("ppid") == agent["pid"])
+    alive = sorted(
+        p["pid"]
+        for p in processes
+        if agent is not None and p.get("ppid") == agent["pid"] and _runs_module(p, TRAINER_MODULE)
+    )
     return {"torchrun_pid": agent["pid"] if agent else None, "alive": alive, "expected": expected}
 
 

@@ -204,6 +204,10 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     assert "(2 nodes, world size 2)" in status.stdout.splitlines()[-1]
     as_json = json.loads(cli(inventory, "status", "-t", "pair", "--json").stdout)
     assert [n["target"] for n in as_json["nodes"]] == ["box-a", "box-b"] and as_json["verdict"] == "OK"
+    for node, target in zip(as_json["nodes"], (a, b)):  # rank liveness: torchrun and its rank, by pid
+        agent = [pid for pid, env in processes_of(target.job).items() if not env["RANK"]
+                 and "torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert node["ranks"] == {"torchrun_pid": min(agent), "alive": sorted(ranks_of(target.job)), "expected": 1}
     healthy = cli(inventory, "health", "-t", "pair")
     assert healthy.returncode == 0 and healthy.stdout.startswith("DFLASH OK: pair: step "), healthy.stdout
     tail = cli(inventory, "tail-log", "-t", "pair", "--node", "box-b", "-n", "400")

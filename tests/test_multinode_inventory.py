@@ -193,8 +193,10 @@ def test_nodes_in_different_runs_and_lost_ranks_are_critical():
     a, b = job.node_targets()
     jc = multinode_status.combine(job, [_checked(a, "OK", ["step 4"], run=2), _checked(b, "OK", ["step 4"], run=1)])
     assert jc.verdict.level == "CRITICAL" and "the nodes train different runs" in jc.verdict.reasons[0]
-    tree = [{"pid": 10, "ppid": 1, "cmdline": "python -m torch.distributed.run --nnodes 2"},
-            {"pid": 11, "ppid": 10, "cmdline": "python -u -m trainer"}]
+    tree = [{"pid": 9, "ppid": 1, "cmdline": "bash -c ... pane.sh LOG python -m torch.distributed.run -m trainer"},
+            {"pid": 10, "ppid": 9, "cmdline": "/v/bin/python -m torch.distributed.run --nnodes 2 -m trainer"},
+            {"pid": 11, "ppid": 10, "cmdline": "/v/bin/python -u -m trainer --config tiny-cpu"},
+            {"pid": 12, "ppid": 10, "cmdline": "/v/bin/python -c from multiprocessing... (not a rank)"}]
     jc = multinode_status.combine(job, [_checked(a, "OK", ["step 4"], processes=tree), _checked(b, "OK", ["step 4"])])
     assert jc.verdict.level == "CRITICAL"
     assert jc.verdict.reasons[0] == "node 0 gpu-a: 1 of 2 local ranks alive (torchrun pid 10): a rank died"
