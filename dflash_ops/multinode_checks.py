@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from . import jobpaths
 from .errors import StepFailed
@@ -24,7 +24,7 @@ SHARED_PREFIX = ".dflash-ops-shared-"
 LISTENING = " (something listens there now: this job's torchrun, which the stop ends, or another program)"
 
 
-def facts(ctx: StepContext, connect: list[tuple[str, int]] = ()) -> dict:  # type: ignore[assignment]
+def facts(ctx: StepContext, connect: Sequence[tuple[str, int]] = ()) -> dict:
     """What the node would run (remote/multinode_facts.py), and its TCP connects to `connect`."""
     job = ctx.job
     args: dict[str, object] = {
