@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from . import jobpaths
 from .errors import StepFailed
 from .multinode_inventory import MultinodeJob
+from .multinode_phases import Node, each
 from .playbook import StepContext
 from .remote import bundle, python_command, shell_command
-
-if TYPE_CHECKING:
-    from .multinode import Node
 
 FACTS = "multinode_facts.py"
 CONNECT_TIMEOUT_S = 5.0
@@ -99,8 +97,6 @@ def prove_shared(job: MultinodeJob, nodes: list[Node]) -> str:
     """Node 0 writes a random token into the runs dir and every other node must read it back; each
     other node writes one that node 0 must read (so every node can write there too). The files go
     again whatever happens."""
-    from .multinode import each
-
     token = secrets.token_hex(16)
     names = {node.index: f"{SHARED_PREFIX}{token}-{node.index}" for node in nodes}
     first, others = nodes[0], nodes[1:]
@@ -143,7 +139,6 @@ def rendezvous(job: MultinodeJob, nodes: list[Node], found: list[dict]) -> str:
     """From every node: the rendezvous endpoint, and each other node's own address (c10d gives
     group rank 0 to one node at the rendezvous, and the ranks meet at that node's address, its
     fully qualified name), each reached or refused, never timed out or unresolved."""
-    from .multinode import each
 
     def check(node: Node) -> str:
         wanted = [(job.rdzv_host, job.rdzv_port)] + [
