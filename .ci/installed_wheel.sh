@@ -33,7 +33,7 @@ site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("pureli
 "$python" -m pip --python "$venv/bin/python" install -q --no-deps --ignore-installed "$wheel"
 echo "== installed $(basename "$wheel") into $venv ($((SECONDS - start)) s)"
 
-cd "$run_dir"  # no inventory.yaml or playbooks/ here: the embedded `local` target, the built-in playbooks
+cd "$run_dir"  # no inventory.yaml here: the embedded `local` target
 where=$("${wheel_env[@]}" "$venv/bin/python" -c 'import dflash_ops, trainer; print(dflash_ops.__file__, trainer.__file__)')
 case "$where" in
     "$site/dflash_ops/__init__.py $site/trainer/__init__.py") ;;
@@ -41,8 +41,8 @@ case "$where" in
 esac
 
 "${wheel_env[@]}" "$venv/bin/dflash-ops" relaunch --dry-run >"$work/dry-run.log" 2>&1 || { cat "$work/dry-run.log"; fail "relaunch --dry-run failed"; }
-grep -q "^relaunch: ran $site/dflash_ops/playbooks/relaunch.yaml\$" "$work/dry-run.log" \
-    || { head -3 "$work/dry-run.log"; fail "relaunch --dry-run did not run the installed package's playbook"; }
+grep -q "^relaunch: ran dflash_ops.commands.relaunch\$" "$work/dry-run.log" \
+    || { head -3 "$work/dry-run.log"; fail "relaunch --dry-run did not run the relaunch command"; }
 echo "== relaunch --dry-run: ok ($(wc -l <"$work/dry-run.log") lines)"
 
 start=$SECONDS
@@ -52,6 +52,6 @@ tail -3 "$work/relaunch.log"
 echo "== relaunch from the wheel: first step reached ($((SECONDS - start)) s)"
 
 "${wheel_env[@]}" "$venv/bin/dflash-ops" stop >"$work/stop.log" 2>&1 || { cat "$work/stop.log"; fail "stop failed"; }
-grep -q "^stop: ran $site/dflash_ops/playbooks/stop.yaml\$" "$work/stop.log" || { cat "$work/stop.log"; fail "stop did not run the installed playbook"; }
+grep -q "^stop: ran dflash_ops.commands.stop\$" "$work/stop.log" || { cat "$work/stop.log"; fail "stop did not run the stop command"; }
 tail -1 "$work/stop.log"
 echo "== installed wheel: relaunch --dry-run, relaunch and stop passed"

@@ -7,6 +7,7 @@
   compile. It saves and restores the global FX flag around its own internal compile: never mix it
   into a run that also calls compiled code (trainer.compile_lock.assert_fx_flag_clear).
 """
+
 from __future__ import annotations
 
 from trainer.compile_lock import COMPILE_LOCK_MODES, CompileGuard

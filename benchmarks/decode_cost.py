@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TypedDict
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -30,7 +31,16 @@ import torch  # noqa: E402
 
 from benchmarks.common import versions  # noqa: E402
 
-SHAPES = {
+
+class Shape(TypedDict):
+    target: dict[str, int]  # Qwen3Config fields
+    drafter_layers: int
+    layer_ids: list[int]
+    prompt: int  # tokens
+    new: int  # tokens decoded
+
+
+SHAPES: dict[str, Shape] = {
     "tiny": {
         "target": {
             "vocab_size": 512,
@@ -86,9 +96,8 @@ def build(shape: str, device: str, dtype):
     from trainer.model import DFlashDrafter, DrafterConfig
 
     spec = SHAPES[shape]
-    cfg = Qwen3Config(
-        **spec["target"], max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False
-    )
+    dims: dict = dict(spec["target"])  # Qwen3Config's keyword types are wider than these ints
+    cfg = Qwen3Config(**dims, max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
@@ -318,13 +327,14 @@ def main() -> int:
     for shape in args.shapes.split(","):
         print(f"== {shape}", flush=True)
         model, drafter = build(shape, device, dtype)
-        part = {"rows": [], "reference": reference_loop(model, shape, args.reference_tokens)}
+        rows: list[dict] = []
+        part = {"rows": rows, "reference": reference_loop(model, shape, args.reference_tokens)}
         print(f"  reference {part['reference']}", flush=True)
         for compile in [c == "on" for c in args.compile.split(",")]:
             for block in [int(b) for b in args.blocks.split(",")]:
                 row = measure(model, drafter, shape, block, compile, device, args.iterations)
                 print("  " + json.dumps(row), flush=True)
-                part["rows"].append(row)
+                rows.append(row)
                 results[shape] = part
                 Path(args.out).with_suffix(".json").write_text(json.dumps({"info": info, "results": results}))
         del model, drafter

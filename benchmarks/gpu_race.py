@@ -23,6 +23,7 @@ not started when --budget seconds are up are reported as skipped.
   python benchmarks/gpu_race.py --modes none,lock --checkpointing none,layers --trials-none 8 \\
       --trials 20 --parallel 8 --out benchmarks/results/race-checkpointing.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,20 +57,47 @@ WATCHDOG_LINE = "dflash-train watchdog:"  # the trainer's stop watchdog SIGKILLe
 
 
 def hang_exit_of(returncode: int, text: str) -> str | None:
-    """How a hung trial ended: "SIGTERM" (by itself), "watchdog" (its stop watchdog), "SIGKILL" (by `timeout`)."""
+    """How a hung trial ended: "SIGTERM" (by itself), "watchdog" (its stop watchdog), "SIGKILL" (by
+    `timeout`)."""
     how = HANG_EXITS.get(returncode)
     return "watchdog" if how and WATCHDOG_LINE in text else how
 
 
 def trainer_argv(mode: str, checkpointing: str, tmp: str, args) -> list[str]:
-    sizes = ["--set", f"drafter.num_layers={args.layers}", "--set", f"drafter.head_dim={args.head_dim}",
-             "--set", f"drafter.intermediate_size={args.intermediate}"]
-    return [sys.executable, "-m", "trainer", "--config", args.config, "--output-dir", f"{tmp}/out",
-            "--max-steps", str(args.steps), "--compile-lock", mode, "--attention", args.attention,
-            "--target-devices", args.device, "--drafter-devices", ",".join([args.device] * args.threads),
-            "--metrics-file", f"{tmp}/metrics.jsonl", *sizes,
-            "--set", f"train.activation_checkpointing={checkpointing}",
-            "--set", f"run.stop_grace_s={args.stop_grace}"] + args.extra
+    sizes = [
+        "--set",
+        f"drafter.num_layers={args.layers}",
+        "--set",
+        f"drafter.head_dim={args.head_dim}",
+        "--set",
+        f"drafter.intermediate_size={args.intermediate}",
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--config",
+        args.config,
+        "--output-dir",
+        f"{tmp}/out",
+        "--max-steps",
+        str(args.steps),
+        "--compile-lock",
+        mode,
+        "--attention",
+        args.attention,
+        "--target-devices",
+        args.device,
+        "--drafter-devices",
+        ",".join([args.device] * args.threads),
+        "--metrics-file",
+        f"{tmp}/metrics.jsonl",
+        *sizes,
+        "--set",
+        f"train.activation_checkpointing={checkpointing}",
+        "--set",
+        f"run.stop_grace_s={args.stop_grace}",
+    ] + args.extra
 
 
 def classify(returncode: int, text: str) -> str:
@@ -84,14 +112,25 @@ def classify(returncode: int, text: str) -> str:
 
 def trial(mode: str, checkpointing: str, index: int, args) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"race-{mode}-{checkpointing}-{index}-") as tmp:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton",
-                   PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-        argv = ["timeout", "-k", str(args.kill_after), str(args.timeout),
-                *trainer_argv(mode, checkpointing, tmp, args)]
+        env = dict(
+            os.environ,
+            TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor",
+            TRITON_CACHE_DIR=f"{tmp}/triton",
+            PYTHONPATH=str(REPO),
+            PYTHONUNBUFFERED="1",
+        )
+        argv = [
+            "timeout",
+            "-k",
+            str(args.kill_after),
+            str(args.timeout),
+            *trainer_argv(mode, checkpointing, tmp, args),
+        ]
         started = time.monotonic()
         # The whole trial gets its own session; after `timeout` is done nothing of it may survive.
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         try:
             text, _ = proc.communicate(timeout=args.timeout + args.kill_after + 30)
         except subprocess.TimeoutExpired:
@@ -103,19 +142,29 @@ def trial(mode: str, checkpointing: str, index: int, args) -> dict:
         outcome = "other"  # the setting did not reach the trainer: the trial measured something else
     lines = [line for line in text.strip().splitlines() if line.strip()]
     hang_exit = hang_exit_of(proc.returncode, text)
-    return {"mode": mode, "checkpointing": checkpointing, "trial": index, "outcome": outcome,
-            "seconds": round(seconds, 1), "rc": proc.returncode, "hang_exit": hang_exit,
-            # from the trainer's compile log lines (trainer.compile_lock.compile_reason)
-            "recompute_compiles": text.count("in checkpoint recompute"),
-            "unexclusive_compiles": text.count("NOT exclusive"),
-            "last_line": lines[-1][:300] if lines and outcome != "clean" else ""}
+    return {
+        "mode": mode,
+        "checkpointing": checkpointing,
+        "trial": index,
+        "outcome": outcome,
+        "seconds": round(seconds, 1),
+        "rc": proc.returncode,
+        "hang_exit": hang_exit,
+        # from the trainer's compile log lines (trainer.compile_lock.compile_reason)
+        "recompute_compiles": text.count("in checkpoint recompute"),
+        "unexclusive_compiles": text.count("NOT exclusive"),
+        "last_line": lines[-1][:300] if lines and outcome != "clean" else "",
+    }
 
 
 def cells(args) -> list[tuple[str, str, int]]:
     """(mode, checkpointing, trials); unprotected first so their hangs overlap the lock trials."""
     modes = sorted(args.modes.split(","), key=lambda m: m != "none")
-    return [(mode, ckpt, args.trials_none if (mode == "none" and args.trials_none) else args.trials)
-            for mode in modes for ckpt in args.checkpointing.split(",")]
+    return [
+        (mode, ckpt, args.trials_none if (mode == "none" and args.trials_none) else args.trials)
+        for mode in modes
+        for ckpt in args.checkpointing.split(",")
+    ]
 
 
 def summarise(rows: list[dict], plan: list[tuple[str, str, int]]) -> list[dict]:
@@ -125,40 +174,60 @@ def summarise(rows: list[dict], plan: list[tuple[str, str, int]]) -> list[dict]:
         counts = {o: sum(r["outcome"] == o for r in mine) for o in OUTCOMES}
         times = sorted(r["seconds"] for r in mine)
         first = next((r["last_line"] for r in mine if r["outcome"] != "clean"), "")
-        table.append({"mode": mode, "checkpointing": ckpt, "planned": planned, "trials": len(mine), **counts,
-                      "hang_sigterm": sum(r["hang_exit"] == "SIGTERM" for r in mine),
-                      "hang_watchdog": sum(r["hang_exit"] == "watchdog" for r in mine),
-                      "hang_sigkill": sum(r["hang_exit"] == "SIGKILL" for r in mine),
-                      "recompute_compiles": sum(r["recompute_compiles"] for r in mine),
-                      "unexclusive_compiles": sum(r["unexclusive_compiles"] for r in mine),
-                      "median_s": times[len(times) // 2] if times else None, "first_failure": first})
+        table.append(
+            {
+                "mode": mode,
+                "checkpointing": ckpt,
+                "planned": planned,
+                "trials": len(mine),
+                **counts,
+                "hang_sigterm": sum(r["hang_exit"] == "SIGTERM" for r in mine),
+                "hang_watchdog": sum(r["hang_exit"] == "watchdog" for r in mine),
+                "hang_sigkill": sum(r["hang_exit"] == "SIGKILL" for r in mine),
+                "recompute_compiles": sum(r["recompute_compiles"] for r in mine),
+                "unexclusive_compiles": sum(r["unexclusive_compiles"] for r in mine),
+                "median_s": times[len(times) // 2] if times else None,
+                "first_failure": first,
+            }
+        )
     return table
 
 
 def render(table: list[dict], args, command: str) -> str:
-    lines = [f"\n### {args.label or 'race'} — {datetime.date.today()}\n", f"`{command}`\n",
-             ", ".join(f"{k} {v}" for k, v in versions(args.device).items()) + "\n",
-             f"Drafter: {args.layers} layers, head_dim {args.head_dim}, intermediate {args.intermediate} "
-             f"(config {args.config}); {args.threads} drafter threads + 1 target worker on {args.device}; "
-             f"{args.steps} steps; fresh caches per trial; hang = no exit within {args.timeout:g} s "
-             f"(then SIGTERM; SIGKILL {args.kill_after:g} s later; trainer stop grace {args.stop_grace:g} s).\n",
-             "| mode | checkpointing | trials | FX errors | mask KeyErrors | other errors | hangs (left on SIGTERM / "
-             "ended by its watchdog / needed SIGKILL) | clean | median trial s | compiles in recompute / not exclusive | first failure |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"\n### {args.label or 'race'} — {datetime.date.today()}\n",
+        f"`{command}`\n",
+        ", ".join(f"{k} {v}" for k, v in versions(args.device).items()) + "\n",
+        f"Drafter: {args.layers} layers, head_dim {args.head_dim}, intermediate {args.intermediate} "
+        f"(config {args.config}); {args.threads} drafter threads + 1 target worker on {args.device}; "
+        f"{args.steps} steps; fresh caches per trial; hang = no exit within {args.timeout:g} s "
+        f"(then SIGTERM; SIGKILL {args.kill_after:g} s later; trainer stop grace {args.stop_grace:g} s).\n",
+        "| mode | checkpointing | trials | FX errors | mask KeyErrors | other errors | "
+        "hangs (left on SIGTERM / ended by its watchdog / needed SIGKILL) | clean | median trial s | "
+        "compiles in recompute / not exclusive | first failure |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for t in table:
         skipped = f" ({t['planned'] - t['trials']} skipped: budget)" if t["trials"] < t["planned"] else ""
         median = f"{t['median_s']:.1f}" if t["median_s"] is not None else "n/a"
-        lines.append(f"| {t['mode']} | {t['checkpointing']} | {t['trials']}{skipped} | {t['fx']} | {t['mask']} | "
-                     f"{t['other']} | {t['hang']} ({t['hang_sigterm']} / {t['hang_watchdog']} / {t['hang_sigkill']}) | {t['clean']} | "
-                     f"{median} | {t['recompute_compiles']} / {t['unexclusive_compiles']} | "
-                     f"{t['first_failure'][:120].replace('|', '/')} |")
+        lines.append(
+            f"| {t['mode']} | {t['checkpointing']} | {t['trials']}{skipped} | {t['fx']} | {t['mask']} | "
+            f"{t['other']} | {t['hang']} ({t['hang_sigterm']} / {t['hang_watchdog']} / "
+            f"{t['hang_sigkill']}) | {t['clean']} | "
+            f"{median} | {t['recompute_compiles']} / {t['unexclusive_compiles']} | "
+            f"{t['first_failure'][:120].replace('|', '/')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--modes", default="none,lock")
-    parser.add_argument("--checkpointing", default="none,layers", help="train.activation_checkpointing values")
+    parser.add_argument(
+        "--checkpointing", default="none,layers", help="train.activation_checkpointing values"
+    )
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--trials-none", type=int, default=8, help="trials for mode none (0: --trials)")
     parser.add_argument("--threads", type=int, default=3)
@@ -166,11 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=5, help="drafter.num_layers")
     parser.add_argument("--head-dim", type=int, default=64, help="drafter.head_dim")
     parser.add_argument("--intermediate", type=int, default=512, help="drafter.intermediate_size")
-    parser.add_argument("--parallel", type=int, default=8, help="trials run side by side (each is its own process)")
+    parser.add_argument(
+        "--parallel", type=int, default=8, help="trials run side by side (each is its own process)"
+    )
     parser.add_argument("--timeout", type=float, default=150, help="seconds; then SIGTERM (a hang)")
     parser.add_argument("--kill-after", type=float, default=20, help="seconds after the SIGTERM: SIGKILL")
     parser.add_argument("--stop-grace", type=float, default=10, help="the trainer's run.stop_grace_s")
-    parser.add_argument("--budget", type=float, default=480, help="seconds; trials not started by then are skipped")
+    parser.add_argument(
+        "--budget", type=float, default=480, help="seconds; trials not started by then are skipped"
+    )
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--attention", default="flex")
     parser.add_argument("--config", default="tiny-cpu")
@@ -186,8 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     # one slot per cell in turn, so a cut by the budget leaves every cell some trials
     jobs.sort(key=lambda job: (job[2], [c[:2] for c in plan].index(job[:2])))
     began = time.monotonic()
-    print(f"race: {len(jobs)} trials {[(m, c, k) for m, c, k in plan]} on {args.device}, {args.parallel} at a time, "
-          f"budget {args.budget:g} s", flush=True)
+    print(
+        f"race: {len(jobs)} trials {[(m, c, k) for m, c, k in plan]} on {args.device}, "
+        f"{args.parallel} at a time, "
+        f"budget {args.budget:g} s",
+        flush=True,
+    )
     rows: list[dict] = []
     lock = threading.Lock()
     if args.out:
@@ -203,19 +280,28 @@ def main(argv: list[str] | None = None) -> int:
             if args.out:  # every trial as it ends: a run cut short still leaves its evidence
                 with open(os.path.splitext(args.out)[0] + ".trials.jsonl", "a") as f:
                     f.write(json.dumps(row) + "\n")
-            print(f"  [{time.monotonic() - began:5.0f}s] {mode:5} ckpt={ckpt:6} #{index}: {row['outcome']:5} "
-                  f"{row['seconds']:6.1f}s rc={row['rc']} {row['last_line'][:140]}", flush=True)
+            print(
+                f"  [{time.monotonic() - began:5.0f}s] {mode:5} ckpt={ckpt:6} #{index}: {row['outcome']:5} "
+                f"{row['seconds']:6.1f}s rc={row['rc']} {row['last_line'][:140]}",
+                flush=True,
+            )
         return row
 
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         list(pool.map(run, jobs))
     table = summarise(rows, plan)
     for t in table:
-        print(f"{args.label} {t['mode']:5} ckpt={t['checkpointing']:6} trials={t['trials']}/{t['planned']} fx={t['fx']} "
-              f"mask={t['mask']} other={t['other']} hang={t['hang']} (sigterm {t['hang_sigterm']}, watchdog "
-              f"{t['hang_watchdog']}, sigkill {t['hang_sigkill']}) clean={t['clean']}", flush=True)
+        print(
+            f"{args.label} {t['mode']:5} ckpt={t['checkpointing']:6} trials={t['trials']}/{t['planned']} "
+            f"fx={t['fx']} "
+            f"mask={t['mask']} other={t['other']} hang={t['hang']} (sigterm {t['hang_sigterm']}, watchdog "
+            f"{t['hang_watchdog']}, sigkill {t['hang_sigkill']}) clean={t['clean']}",
+            flush=True,
+        )
     if args.out:
-        command = "python " + shlex.join(["benchmarks/gpu_race.py", *(sys.argv[1:] if argv is None else argv)])
+        command = "python " + shlex.join(
+            ["benchmarks/gpu_race.py", *(sys.argv[1:] if argv is None else argv)]
+        )
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "a") as f:
             f.write(render(table, args, command))

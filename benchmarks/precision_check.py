@@ -8,6 +8,7 @@ weight dtype; plus the mean loss of the last 5 logged steps (from <RUN_DIR>/metr
 With two or more runs, the loss of each relative to the first. Exit 1 when any norm weight of
 any run still has an element at exactly 1.0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,22 +51,31 @@ def final_loss(run_dir: str, last: int = 5) -> float | None:
 def check(runs: list[tuple[str, str]]) -> list[dict]:
     from trainer.checkpoint import latest_checkpoint
 
-    rows = []
+    rows: list[dict] = []
     for label, run_dir in runs:
         checkpoint = latest_checkpoint(run_dir)
         if checkpoint is None:
             rows.append({"run": label, "failed": f"no checkpoint in {run_dir}"})
             continue
-        rows.append({"run": label, "checkpoint": checkpoint, **norm_stats(checkpoint),
-                     "final_loss": final_loss(run_dir)})
+        rows.append(
+            {
+                "run": label,
+                "checkpoint": checkpoint,
+                **norm_stats(checkpoint),
+                "final_loss": final_loss(run_dir),
+            }
+        )
     return rows
 
 
 def render(rows: list[dict], label: str) -> str:
-    lines = [f"# RMSNorm weights after training — {label}", "",
-             "| run | norm tensors moved | elements still 1.0 | min abs(w-1) | max abs(w-1) | weight dtype "
-             "| loss, last 5 steps | vs first run |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# RMSNorm weights after training — {label}",
+        "",
+        "| run | norm tensors moved | elements still 1.0 | min abs(w-1) | max abs(w-1) | weight dtype "
+        "| loss, last 5 steps | vs first run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     base = next((r.get("final_loss") for r in rows if r.get("final_loss") is not None), None)
     for r in rows:
         if "failed" in r:
@@ -73,17 +83,26 @@ def render(rows: list[dict], label: str) -> str:
             continue
         loss = r["final_loss"]
         rel = f"{100 * (loss - base) / base:+.2f}%" if loss is not None and base else "n/a"
-        lines.append(f"| {r['run']} | {r['moved_tensors']}/{r['norm_tensors']} "
-                     f"| {r['elements_at_one']}/{r['elements']} "
-                     f"| {r['min_abs_w_minus_1']:.3g} | {r['max_abs_w_minus_1']:.3g} | {', '.join(r['dtype'])} "
-                     f"| {'n/a' if loss is None else format(loss, '.4f')} | {rel} |")
+        lines.append(
+            f"| {r['run']} | {r['moved_tensors']}/{r['norm_tensors']} "
+            f"| {r['elements_at_one']}/{r['elements']} "
+            f"| {r['min_abs_w_minus_1']:.3g} | {r['max_abs_w_minus_1']:.3g} | {', '.join(r['dtype'])} "
+            f"| {'n/a' if loss is None else format(loss, '.4f')} | {rel} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", action="append", required=True, metavar="LABEL=RUN_DIR",
-                        help="a training output dir, labelled (repeatable; the first is the loss baseline)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--run",
+        action="append",
+        required=True,
+        metavar="LABEL=RUN_DIR",
+        help="a training output dir, labelled (repeatable; the first is the loss baseline)",
+    )
     parser.add_argument("--label", default="", help="what ran (device, steps, lr) for the heading")
     parser.add_argument("--out", help="markdown file to write")
     args = parser.parse_args(argv)

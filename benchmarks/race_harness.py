@@ -23,6 +23,7 @@ torch >= 2.12 hides the race by holding is_compiling() true for a whole compile 
 --emulate-old-torch restores the older behaviour. On CPU (smoke runs) flex_attention has no
 backward, so trials run forward only under no_grad.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,6 +55,7 @@ RESULT_TAG = "TRIAL_RESULT "
 
 # ---- one trial (child process) -----------------------------------------------------------------
 
+
 def _drafter_setup(args, torch):
     """Small dims: a trial should cost seconds of compute, not minutes (compiles dominate)."""
     from trainer.model import DFlashDrafter, DrafterConfig
@@ -67,10 +69,18 @@ def _drafter_setup(args, torch):
     with torch.no_grad():
         embed.weight.normal_(0, 0.02, generator=gen)
         lm_head.weight.normal_(0, 0.02, generator=gen)
-    cfg = DrafterConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_heads=4,
-                        num_kv_heads=2, head_dim=hidden // 4, vocab_size=vocab,
-                        mask_token_id=vocab - 1, target_layer_ids=[1, 2, 3],
-                        num_layers=args.layers, block_size=16)
+    cfg = DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=hidden // 4,
+        vocab_size=vocab,
+        mask_token_id=vocab - 1,
+        target_layer_ids=[1, 2, 3],
+        num_layers=args.layers,
+        block_size=16,
+    )
     embed, lm_head = embed.to(device, dtype), lm_head.to(device, dtype)
     replicas = []
     for _ in range(args.threads):
@@ -92,7 +102,8 @@ def run_trial(args) -> dict:
     if args.emulate_old_torch and hasattr(torch.compiler, "_compile_session_context"):
         import contextlib
 
-        torch.compiler._compile_session_context = contextlib.nullcontext
+        # a deliberate patch of torch's internals: the compile session of older torch versions
+        torch.compiler._compile_session_context = contextlib.nullcontext  # type: ignore[assignment]
     from trainer import model as model_module
     from trainer.compile_lock import is_fx_tracing_error
     from trainer.loss import block_labels
@@ -103,8 +114,9 @@ def run_trial(args) -> dict:
         # Same ONE compiled flex_attention the trainer uses, through a cheaper backend.
         from torch.nn.attention.flex_attention import flex_attention
 
-        model_module._compiled_flex = torch.compile(
-            flex_attention, backend=args.compile_backend, dynamic=False, fullgraph=True)
+        model_module._compiled_flex = torch.compile(  # type: ignore[assignment]  # lazily set global
+            flex_attention, backend=args.compile_backend, dynamic=False, fullgraph=True
+        )
     cfg, replicas, dtype = _drafter_setup(args, torch)
     train = args.device.startswith("cuda")  # CPU: flex_attention refuses backward
     errors: list[dict] = []
@@ -146,30 +158,49 @@ def run_trial(args) -> dict:
             return  # another thread failed first; its error is the one that counts
         except BaseException as exc:  # noqa: BLE001 - a trial reports every failure
             text = str(exc)
-            kind = ("fx_tracing" if is_fx_tracing_error(exc)
-                    else "key_error_custom" if isinstance(exc, KeyError) and "custom" in text
-                    else "other")
+            kind = (
+                "fx_tracing"
+                if is_fx_tracing_error(exc)
+                else "key_error_custom"
+                if isinstance(exc, KeyError) and "custom" in text
+                else "other"
+            )
             with errors_lock:
-                errors.append({"thread": name, "step": step, "kind": kind, "type": type(exc).__name__,
-                               "message": (text.splitlines() or [""])[0][:300],
-                               "traceback": traceback.format_exc()[-2000:]})
+                errors.append(
+                    {
+                        "thread": name,
+                        "step": step,
+                        "kind": kind,
+                        "type": type(exc).__name__,
+                        "message": (text.splitlines() or [""])[0][:300],
+                        "traceback": traceback.format_exc()[-2000:],
+                    }
+                )
             start.abort()
             grad_sync.abort()
 
     began = time.perf_counter()
-    threads = [threading.Thread(target=drafter, args=(i,), name=f"drafter{i}", daemon=True)
-               for i in range(args.threads)]
+    threads = [
+        threading.Thread(target=drafter, args=(i,), name=f"drafter{i}", daemon=True)
+        for i in range(args.threads)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     faulthandler.cancel_dump_traceback_later()
-    return {"mode": args.mode, "errors": errors, "compiles": guard.events,
-            "first_step_s": first_step_s, "elapsed_s": round(time.perf_counter() - began, 3),
-            "trained": train}
+    return {
+        "mode": args.mode,
+        "errors": errors,
+        "compiles": guard.events,
+        "first_step_s": first_step_s,
+        "elapsed_s": round(time.perf_counter() - began, 3),
+        "trained": train,
+    }
 
 
 # ---- the harness (parent process) --------------------------------------------------------------
+
 
 def classify(result: dict | None, hung: bool) -> str:
     if hung:
@@ -183,11 +214,33 @@ def classify(result: dict | None, hung: bool) -> str:
 
 
 def trial_command(args, mode: str) -> list[str]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode,
-           "--threads", str(args.threads), "--timeout", str(args.timeout), "--device", args.device,
-           "--steps", str(args.steps), "--ctx", str(args.ctx), "--anchors", str(args.anchors),
-           "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab),
-           "--compile-backend", args.compile_backend]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        "--mode",
+        mode,
+        "--threads",
+        str(args.threads),
+        "--timeout",
+        str(args.timeout),
+        "--device",
+        args.device,
+        "--steps",
+        str(args.steps),
+        "--ctx",
+        str(args.ctx),
+        "--anchors",
+        str(args.anchors),
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--vocab",
+        str(args.vocab),
+        "--compile-backend",
+        args.compile_backend,
+    ]
     if args.recompile:
         cmd.append("--recompile")
     if args.emulate_old_torch:
@@ -198,12 +251,23 @@ def trial_command(args, mode: str) -> list[str]:
 def run_one(args, mode: str, index: int) -> dict:
     """A fresh process with fresh empty caches; killed (with its children) at --timeout."""
     scratch = tempfile.mkdtemp(prefix=f"race-{mode}-{index}-")
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"),
-               TRITON_CACHE_DIR=os.path.join(scratch, "triton"), PYTHONPATH=REPO,
-               PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"),
+        TRITON_CACHE_DIR=os.path.join(scratch, "triton"),
+        PYTHONPATH=REPO,
+        PYTHONUNBUFFERED="1",
+    )
     began = time.monotonic()
-    proc = subprocess.Popen(trial_command(args, mode), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(
+        trial_command(args, mode),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
     hung = False
     try:
         out, err = proc.communicate(timeout=args.timeout)
@@ -216,19 +280,27 @@ def run_one(args, mode: str, index: int) -> dict:
     result = None
     for line in (out or "").splitlines():
         if line.startswith(RESULT_TAG):
-            result = json.loads(line[len(RESULT_TAG):])
+            result = json.loads(line[len(RESULT_TAG) :])
     outcome = classify(result, hung)
     first_error = ""
     if result and result["errors"]:
         e = result["errors"][0]
         first_error = f"{e['thread']} step {e['step']}: {e['type']}: {e['message']}"
     elif outcome != "clean":
-        first_error = (err or "").strip().splitlines()[-1][:300] if (err or "").strip() else f"rc {proc.returncode}"
-    return {"mode": mode, "trial": index, "outcome": outcome, "seconds": round(time.monotonic() - began, 1),
-            "first_error": first_error, "compiles": len(result["compiles"]) if result else None,
-            "first_step_s": result.get("first_step_s") if result else None,
-            "error_kinds": sorted({e["kind"] for e in result["errors"]}) if result else [],
-            "stderr_tail": (err or "")[-3000:] if outcome != "clean" else ""}
+        first_error = (
+            (err or "").strip().splitlines()[-1][:300] if (err or "").strip() else f"rc {proc.returncode}"
+        )
+    return {
+        "mode": mode,
+        "trial": index,
+        "outcome": outcome,
+        "seconds": round(time.monotonic() - began, 1),
+        "first_error": first_error,
+        "compiles": len(result["compiles"]) if result else None,
+        "first_step_s": result.get("first_step_s") if result else None,
+        "error_kinds": sorted({e["kind"] for e in result["errors"]}) if result else [],
+        "stderr_tail": (err or "")[-3000:] if outcome != "clean" else "",
+    }
 
 
 def summarise(rows: list[dict], modes: list[str]) -> list[dict]:
@@ -236,43 +308,70 @@ def summarise(rows: list[dict], modes: list[str]) -> list[dict]:
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
         counts = {o: sum(r["outcome"] == o for r in mine) for o in OUTCOMES}
-        table.append({"mode": mode, "trials": len(mine), **counts,
-                      "key_error_custom": sum("key_error_custom" in r["error_kinds"] for r in mine),
-                      "failed": len(mine) - counts["clean"],
-                      "median_trial_s": sorted(r["seconds"] for r in mine)[len(mine) // 2] if mine else None})
+        table.append(
+            {
+                "mode": mode,
+                "trials": len(mine),
+                **counts,
+                "key_error_custom": sum("key_error_custom" in r["error_kinds"] for r in mine),
+                "failed": len(mine) - counts["clean"],
+                "median_trial_s": sorted(r["seconds"] for r in mine)[len(mine) // 2] if mine else None,
+            }
+        )
     return table
 
 
 def render(table: list[dict], rows: list[dict], info: dict, command: str, args) -> str:
-    lines = [f"# FX-tracing race harness — {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-             "", f"Command: `{command}`", "",
-             "Versions: " + ", ".join(f"{k} {v}" for k, v in info.items()), "",
-             f"Setup: {args.threads} drafter threads on {args.device}, {args.steps} steps, context {args.ctx}"
-             f"{' (+128 per step after step 0, staggered per thread)' if args.recompile else ''}, "
-             f"{args.anchors} anchors, hidden {args.hidden}, {args.layers} layers, compile backend "
-             f"{args.compile_backend}, fresh empty inductor/triton caches per trial, per-trial limit "
-             f"{args.timeout} s, {args.parallel} trial(s) at a time"
-             f"{', old-torch emulation' if args.emulate_old_torch else ''}.", "",
-             "| mode | trials | clean | FX-tracing error | other error | of which KeyError 'custom' | hang | failed | median trial s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# FX-tracing race harness — {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in info.items()),
+        "",
+        f"Setup: {args.threads} drafter threads on {args.device}, {args.steps} steps, context {args.ctx}"
+        f"{' (+128 per step after step 0, staggered per thread)' if args.recompile else ''}, "
+        f"{args.anchors} anchors, hidden {args.hidden}, {args.layers} layers, compile backend "
+        f"{args.compile_backend}, fresh empty inductor/triton caches per trial, per-trial limit "
+        f"{args.timeout} s, {args.parallel} trial(s) at a time"
+        f"{', old-torch emulation' if args.emulate_old_torch else ''}.",
+        "",
+        "| mode | trials | clean | FX-tracing error | other error | of which KeyError 'custom' | hang "
+        "| failed | median trial s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for t in table:
-        lines.append(f"| {t['mode']} | {t['trials']} | {t['clean']} | {t['fx_tracing']} | {t['other_error']} "
-                     f"| {t['key_error_custom']} | {t['hang']} | {t['failed']} | {t['median_trial_s']} |")
-    lines += ["", "Trials:", "", "| mode | # | outcome | s | compiles | first-step s per thread | first error |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {t['mode']} | {t['trials']} | {t['clean']} | {t['fx_tracing']} | {t['other_error']} "
+            f"| {t['key_error_custom']} | {t['hang']} | {t['failed']} | {t['median_trial_s']} |"
+        )
+    lines += [
+        "",
+        "Trials:",
+        "",
+        "| mode | # | outcome | s | compiles | first-step s per thread | first error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         first = json.dumps(r["first_step_s"]) if r["first_step_s"] else ""
-        lines.append(f"| {r['mode']} | {r['trial']} | {r['outcome']} | {r['seconds']} | {r['compiles']} "
-                     f"| {first} | {r['first_error'].replace('|', '/')} |")
+        lines.append(
+            f"| {r['mode']} | {r['trial']} | {r['outcome']} | {r['seconds']} | {r['compiles']} "
+            f"| {first} | {r['first_error'].replace('|', '/')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def print_table(table: list[dict]) -> None:
-    header = f"{'mode':<11} {'trials':>6} {'clean':>6} {'fx_err':>6} {'other':>6} {'keyerr':>6} {'hang':>5} {'failed':>6}"
+    header = (
+        f"{'mode':<11} {'trials':>6} {'clean':>6} {'fx_err':>6} {'other':>6} {'keyerr':>6} {'hang':>5} "
+        f"{'failed':>6}"
+    )
     print(header)
     for t in table:
-        print(f"{t['mode']:<11} {t['trials']:>6} {t['clean']:>6} {t['fx_tracing']:>6} {t['other_error']:>6} "
-              f"{t['key_error_custom']:>6} {t['hang']:>5} {t['failed']:>6}")
+        print(
+            f"{t['mode']:<11} {t['trials']:>6} {t['clean']:>6} {t['fx_tracing']:>6} {t['other_error']:>6} "
+            f"{t['key_error_custom']:>6} {t['hang']:>5} {t['failed']:>6}"
+        )
 
 
 def verdict(table: list[dict]) -> list[str]:
@@ -280,17 +379,25 @@ def verdict(table: list[dict]) -> list[str]:
     problems = []
     for t in table:
         if t["mode"] == "none" and t["trials"] and t["failed"] == 0:
-            problems.append("mode none never failed: this run cannot tell a fix from luck "
-                            "(warm cache? torch >= 2.12 without --emulate-old-torch?)")
+            problems.append(
+                "mode none never failed: this run cannot tell a fix from luck "
+                "(warm cache? torch >= 2.12 without --emulate-old-torch?)"
+            )
         if t["mode"] == "lock" and t["failed"]:
             problems.append(f"mode lock failed {t['failed']} of {t['trials']} trials")
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", default="all", choices=GUARD_MODES + ("all",),
-                        help="all = none, lock, patch (first-step only when named)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--mode",
+        default="all",
+        choices=GUARD_MODES + ("all",),
+        help="all = none, lock, patch (first-step only when named)",
+    )
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--threads", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300.0, help="per trial, seconds; past it = hang")
@@ -305,8 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager"))
-    parser.add_argument("--emulate-old-torch", action="store_true",
-                        help="null torch.compiler._compile_session_context (torch >= 2.12 hides the race)")
+    parser.add_argument(
+        "--emulate-old-torch",
+        action="store_true",
+        help="null torch.compiler._compile_session_context (torch >= 2.12 hides the race)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if min(args.trials, args.threads, args.steps, args.parallel) < 1:
@@ -318,8 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         print(RESULT_TAG + json.dumps(run_trial(args)), flush=True)
         return 0
 
-    command = shlex.join([os.path.relpath(sys.argv[0]) if argv is None else "benchmarks/race_harness.py",
-                          *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(
+        [
+            os.path.relpath(sys.argv[0]) if argv is None else "benchmarks/race_harness.py",
+            *(sys.argv[1:] if argv is None else argv),
+        ]
+    )
     modes = ["none", "lock", "patch"] if args.mode == "all" else [args.mode]
     info = versions(args.device)
     print(f"race harness: {args.trials} trials x {modes} on {args.device} ({info})", flush=True)
@@ -331,8 +445,11 @@ def main(argv: list[str] | None = None) -> int:
             for future in concurrent.futures.as_completed(futures):
                 row = future.result()
                 rows.append(row)
-                print(f"  {mode:<10} trial {row['trial'] + 1}/{args.trials}: {row['outcome']:<12} "
-                      f"{row['seconds']:>6} s  {row['first_error'][:100]}", flush=True)
+                print(
+                    f"  {mode:<10} trial {row['trial'] + 1}/{args.trials}: {row['outcome']:<12} "
+                    f"{row['seconds']:>6} s  {row['first_error'][:100]}",
+                    flush=True,
+                )
     rows.sort(key=lambda r: (modes.index(r["mode"]), r["trial"]))
     table = summarise(rows, modes)
     print()

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from typing import Any
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +43,7 @@ TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-FULL = {
+FULL: dict[str, Any] = {
     "corpus_mb": 80,
     "per_package_mb": 6,
     "vocab": 8192,
@@ -207,7 +208,7 @@ def train_lm(tokenizer, train_chunks, held_chunks, p: dict, device: str, model_d
     )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).to(device)
+    model = Qwen3ForCausalLM(cfg).to(device)  # type: ignore[arg-type]  # transformers' decorated .to
     params = sum(x.numel() for x in model.parameters())
     rows = torch.tensor([chat_ids(tokenizer, a, b) for a, b in train_chunks])
     held = torch.tensor([chat_ids(tokenizer, a, b) for a, b in held_chunks[:256]])

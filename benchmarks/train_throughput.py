@@ -40,6 +40,7 @@ Model FLOPs per step (counted, not measured; norms, RoPE and elementwise ops lef
   forward + input gradient only (no weight gradient).
 MFU = model FLOPs per step / median step time / measured matmul peak.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,13 +71,38 @@ RESULT_TAG = "BENCH_RESULT "
 PURE_BF16 = "bf16-pure"  # baseline only: bf16 parameters and AdamW state, no fp32 master weights
 BEFORE = "before: flex compiled, layers + loss chunks eager"  # the trainer's path before, same run
 
-PAPER = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, layers=5,
-             block=16, anchors=512, ctx=3072, vocab=151936, target_layers=5, batch=1)
-SMALL = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, layers=2,
-             block=16, anchors=16, ctx=256, vocab=512, target_layers=3, batch=1)
+PAPER = {
+    "hidden": 4096,
+    "heads": 32,
+    "kv_heads": 8,
+    "head_dim": 128,
+    "intermediate": 12288,
+    "layers": 5,
+    "block": 16,
+    "anchors": 512,
+    "ctx": 3072,
+    "vocab": 151936,
+    "target_layers": 5,
+    "batch": 1,
+}
+SMALL = {
+    "hidden": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "intermediate": 128,
+    "layers": 2,
+    "block": 16,
+    "anchors": 16,
+    "ctx": 256,
+    "vocab": 512,
+    "target_layers": 3,
+    "batch": 1,
+}
 
 
 # ---- FLOPs --------------------------------------------------------------------------------------
+
 
 def visible_pairs(anchors, valid, block: int) -> int:
     """Query-key pairs the DFlash mask lets through (see trainer/masks.py for the rule)."""
@@ -92,9 +118,11 @@ def step_flops(dims: dict, pairs: int) -> dict:
     q_rows = b * dims["anchors"] * dims["block"]
     kv_rows = b * dims["ctx"] + q_rows
     lm_rows = b * dims["anchors"] * (dims["block"] - 1)
-    layer_linear = (2 * q_rows * h * nh * hd * 2          # q_proj, o_proj
-                    + 2 * kv_rows * h * nkv * hd * 2      # k_proj, v_proj
-                    + 2 * q_rows * h * i * 3)             # gate, up, down
+    layer_linear = (
+        2 * q_rows * h * nh * hd * 2  # q_proj, o_proj
+        + 2 * kv_rows * h * nkv * hd * 2  # k_proj, v_proj
+        + 2 * q_rows * h * i * 3
+    )  # gate, up, down
     attention = 4 * hd * nh * pairs  # summed over the batch already
     fc = 2 * b * dims["ctx"] * dims["target_layers"] * h * h
     lm_head = 2 * lm_rows * h * dims["vocab"]
@@ -109,6 +137,7 @@ def step_flops(dims: dict, pairs: int) -> dict:
 
 
 # ---- child processes ----------------------------------------------------------------------------
+
 
 def _sync(torch, device: str) -> None:
     if device.startswith("cuda"):
@@ -143,17 +172,24 @@ def _build(args, dims, torch, seed: int = 0):
     cuda = args.device.startswith("cuda")
     pure = args.precision == PURE_BF16
     dtype = torch.bfloat16 if pure else precision.compute_dtype(args.precision)  # frozen target, features
-    cfg = DrafterConfig(hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
-                        num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
-                        vocab_size=dims["vocab"], mask_token_id=dims["vocab"] - 1,
-                        target_layer_ids=list(range(1, dims["target_layers"] + 1)),
-                        num_layers=dims["layers"], block_size=dims["block"])
+    cfg = DrafterConfig(
+        hidden_size=dims["hidden"],
+        intermediate_size=dims["intermediate"],
+        num_heads=dims["heads"],
+        num_kv_heads=dims["kv_heads"],
+        head_dim=dims["head_dim"],
+        vocab_size=dims["vocab"],
+        mask_token_id=dims["vocab"] - 1,
+        target_layer_ids=list(range(1, dims["target_layers"] + 1)),
+        num_layers=dims["layers"],
+        block_size=dims["block"],
+    )
     torch.manual_seed(seed)
     with torch.device(args.device):  # initialise on the device: 1B parameters on a CPU is slow
         embed = torch.nn.Embedding(dims["vocab"], dims["hidden"]).to(dtype).requires_grad_(False)
         lm_head = torch.nn.Linear(dims["hidden"], dims["vocab"], bias=False).to(dtype).requires_grad_(False)
-        model = DFlashDrafter(cfg, embed, lm_head)
-        model = model.to(dtype) if pure else precision.place(model, args.device, args.precision)
+        drafter = DFlashDrafter(cfg, embed, lm_head)
+        model = drafter.to(dtype) if pure else precision.place(drafter, args.device, args.precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)  # as the trainer
     return cfg, model, optimizer, dtype
 
@@ -162,7 +198,7 @@ def _batch(args, dims, cfg, torch, dtype, gen):
     b, t = dims["batch"], dims["ctx"]
     input_ids = torch.randint(0, cfg.vocab_size - 1, (b, t), generator=gen)
     loss_mask = torch.zeros(b, t, dtype=torch.bool)
-    loss_mask[:, t // 4:] = True  # a prompt without loss, then the response
+    loss_mask[:, t // 4 :] = True  # a prompt without loss, then the response
     features = torch.randn(b, t, cfg.context_size, generator=gen, dtype=torch.float32)
     return input_ids.to(args.device), loss_mask, features.to(args.device, dtype)
 
@@ -183,7 +219,9 @@ def _train_step(args, dims, cfg, model, optimizer, batch, gen, attention: str, t
     with contextlib.nullcontext() if pure else precision.autocast(args.device, args.precision):
         # what trainer.train.make_loss_fn does
         hidden = model(features, input_ids, anchors, mask, attention_backend(attention))
-        labels, label_mask = block_labels(input_ids, loss_mask.to(args.device), anchors, valid, cfg.block_size)
+        labels, label_mask = block_labels(
+            input_ids, loss_mask.to(args.device), anchors, valid, cfg.block_size
+        )
         hidden = hidden if pure else precision.loss_input(hidden, args.precision)
         loss, _ = model.loss(hidden, labels, label_mask, gamma=7.0)
     loss.backward()
@@ -197,7 +235,7 @@ def child_train(args, dims) -> dict:
 
     from trainer.compile_lock import CompileGuard, assert_fx_flag_clear
 
-    events = []
+    events: list = []
     guard = CompileGuard("lock", on_event=events.append).install()
     cfg, model, optimizer, dtype = _build(args, dims, torch)
     model.checkpoint_layers = args.checkpointing == "layers"
@@ -212,7 +250,9 @@ def child_train(args, dims) -> dict:
         _sync(torch, args.device)
         began = time.perf_counter()
         with guard.step("drafter0", step, tuple(batch[0].shape)):
-            pairs, tokens, mask = _train_step(args, dims, cfg, model, optimizer, batch, gen, args.attention, torch)
+            pairs, tokens, mask = _train_step(
+                args, dims, cfg, model, optimizer, batch, gen, args.attention, torch
+            )
         _sync(torch, args.device)
         elapsed = time.perf_counter() - began
         if step == 0:
@@ -229,21 +269,32 @@ def child_train(args, dims) -> dict:
             tokens_seen.append(tokens)
     median = statistics.median(times)
     result = {
-        "attention": args.attention, "checkpointing": args.checkpointing,
-        "compile_layers": args.compile_layers, "loss_kernel": args.loss_kernel,
-        "first_step_s": first_step_s, "median_step_s": median,
-        "step_times_s": [round(t, 4) for t in times], "pairs_per_step": statistics.mean(pairs_seen),
+        "attention": args.attention,
+        "checkpointing": args.checkpointing,
+        "compile_layers": args.compile_layers,
+        "loss_kernel": args.loss_kernel,
+        "first_step_s": first_step_s,
+        "median_step_s": median,
+        "step_times_s": [round(t, 4) for t in times],
+        "pairs_per_step": statistics.mean(pairs_seen),
         "block_tokens_per_step": statistics.mean(tokens_seen),
         "context_tokens_per_step": dims["batch"] * dims["ctx"],
-        "compiles": [{k: e[k] for k in ("thread", "step", "duration_s", "reason", "trigger")} for e in events],
-        "peak_memory_gib": (torch.cuda.max_memory_allocated(args.device) / 2**30
-                            if args.device.startswith("cuda") else None),
+        "compiles": [
+            {k: e[k] for k in ("thread", "step", "duration_s", "reason", "trigger")} for e in events
+        ],
+        "peak_memory_gib": (
+            torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.startswith("cuda") else None
+        ),
         "precision": args.precision,
         "params": sum(p.numel() for p in model.parameters()),
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "param_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()}),
-        "optimizer_state_bytes": sum(t.numel() * t.element_size() for st in optimizer.state.values()
-                                     for t in st.values() if torch.is_tensor(t) and t.dim() > 0),
+        "optimizer_state_bytes": sum(
+            t.numel() * t.element_size()
+            for st in optimizer.state.values()
+            for t in st.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        ),
     }
     if args.profile:
         result["profile"] = _profile(args, dims, cfg, model, optimizer, batch, gen, guard, torch)
@@ -290,8 +341,13 @@ def child_first_step(args, dims) -> dict:
                 _sync(torch, args.device)
             latency[f"drafter{index}"] = round(time.perf_counter() - began, 3)
         except Exception as exc:  # noqa: BLE001 - reported, not raised: "none" may hit the race
-            errors.append({"thread": f"drafter{index}", "fx_tracing": is_fx_tracing_error(exc),
-                           "message": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"})
+            errors.append(
+                {
+                    "thread": f"drafter{index}",
+                    "fx_tracing": is_fx_tracing_error(exc),
+                    "message": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+                }
+            )
 
     threads = [threading.Thread(target=drafter, args=(i,), daemon=True) for i in range(args.threads)]
     for thread in threads:
@@ -300,31 +356,49 @@ def child_first_step(args, dims) -> dict:
     began = time.perf_counter()
     for thread in threads:
         thread.join()
-    return {"lock": args.lock, "latency_s": latency, "all_done_s": round(time.perf_counter() - began, 3),
-            "errors": errors, "compiles": len(guard.events)}
+    return {
+        "lock": args.lock,
+        "latency_s": latency,
+        "all_done_s": round(time.perf_counter() - began, 3),
+        "errors": errors,
+        "compiles": len(guard.events),
+    }
 
 
 def _write_synthetic_cache(args, dims, cfg, torch, cache_dir: str, sequences: int) -> dict:
     """A feature cache at these dims through the trainer's own writer (random target features)."""
     from trainer.feature_cache import FORMAT, ShardWriter, write_manifest
 
-    manifest = {"format": FORMAT, "target": {"hidden_size": dims["hidden"], "synthetic": True},
-                "layer_ids": list(cfg.target_layer_ids), "seq_len": dims["ctx"], "dtype": "bf16", "pad_id": 0,
-                "tokenizer": None, "data": {"source": "random"}, "complete": False, "shards": []}
+    manifest = {
+        "format": FORMAT,
+        "target": {"hidden_size": dims["hidden"], "synthetic": True},
+        "layer_ids": list(cfg.target_layer_ids),
+        "seq_len": dims["ctx"],
+        "dtype": "bf16",
+        "pad_id": 0,
+        "tokenizer": None,
+        "data": {"source": "random"},
+        "complete": False,
+        "shards": [],
+    }
     writer = ShardWriter(cache_dir, manifest, args.shard_mb << 20)
     gen = torch.Generator().manual_seed(2)
     t = dims["ctx"]
     loss_mask = torch.zeros(t, dtype=torch.bool)
-    loss_mask[t // 4:] = True
+    loss_mask[t // 4 :] = True
     began = time.perf_counter()
     for _ in range(sequences):
         feats = torch.randn(t, cfg.context_size, device=args.device, dtype=torch.bfloat16).cpu()
         writer.add(feats, torch.randint(0, cfg.vocab_size - 1, (t,), generator=gen), loss_mask)
     writer.flush()
     shards = manifest["shards"]
-    manifest["counts"] = {"sequences": sequences, "tokens": sum(s["tokens"] for s in shards),
-                          "loss_tokens": sum(s["loss_tokens"] for s in shards),
-                          "bytes": sum(s["bytes"] for s in shards), "shards": len(shards)}
+    manifest["counts"] = {
+        "sequences": sequences,
+        "tokens": sum(s["tokens"] for s in shards),
+        "loss_tokens": sum(s["loss_tokens"] for s in shards),
+        "bytes": sum(s["bytes"] for s in shards),
+        "shards": len(shards),
+    }
     manifest["complete"] = True
     write_manifest(cache_dir, manifest)
     return {"write_s": round(time.perf_counter() - began, 2), **manifest["counts"]}
@@ -344,7 +418,7 @@ def child_cache(args, dims) -> dict:
     from trainer.compile_lock import CompileGuard
     from trainer.config import TrainConfig
     from trainer.data import BatchPlan
-    from trainer.feature_cache import bytes_per_token, open_cache
+    from trainer.feature_cache import CacheReader, bytes_per_token, open_cache
     from trainer.train import make_loss_fn
     from trainer.workers import Replica, TrainingWorkers
 
@@ -354,7 +428,9 @@ def child_cache(args, dims) -> dict:
     from trainer import precision
 
     if args.precision == PURE_BF16:
-        raise SystemExit("the cache part trains through the trainer's own loss: use --precision bf16-mixed or fp32")
+        raise SystemExit(
+            "the cache part trains through the trainer's own loss: use --precision bf16-mixed or fp32"
+        )
     run_cfg = TrainConfig()
     run_cfg.drafter.block_size, run_cfg.train.num_anchors = dims["block"], dims["anchors"]
     run_cfg.train.gamma, run_cfg.run.attention = 7.0, args.attention
@@ -365,27 +441,43 @@ def child_cache(args, dims) -> dict:
     cache_dir = tempfile.mkdtemp(prefix="feature-cache-", dir=args.cache_dir)
     try:
         written = _write_synthetic_cache(args, dims, cfg, torch, cache_dir, total)
-        expected = {"target": {"hidden_size": dims["hidden"], "synthetic": True},
-                    "layer_ids": list(cfg.target_layer_ids), "seq_len": dims["ctx"]}
+        expected = {
+            "target": {"hidden_size": dims["hidden"], "synthetic": True},
+            "layer_ids": list(cfg.target_layer_ids),
+            "seq_len": dims["ctx"],
+        }
         cached = open_cache(cache_dir, expected, pin_memory=args.device.startswith("cuda"))
-        reader = cached.features.__self__
+        reader = getattr(cached.features, "__self__", None)  # the shards' reader behind the dataset
+        assert isinstance(reader, CacheReader)
         for index in range(len(reader.shards)):  # sha256 checks now, not inside the timed steps
             reader._handle(index)
         for shard in reader.shards:
             _drop_page_cache(os.path.join(cache_dir, shard["file"]))
-        resident_features = torch.randn(dims["batch"], dims["ctx"], cfg.context_size, device=args.device, dtype=dtype)
+        resident_features = torch.randn(
+            dims["batch"], dims["ctx"], cfg.context_size, device=args.device, dtype=dtype
+        )
         resident = copy.copy(cached)
-        resident.features = lambda idx: resident_features[:len(idx)]  # contiguous, like a cache batch
+        resident.features = lambda idx: resident_features[: len(idx)]  # contiguous, like a cache batch
         stand_in = types.SimpleNamespace(device="cpu")  # the loader thread's "target": it computes nothing
         results = {}
-        arms = (("drafter-only (features resident on the device)", resident), ("feature cache (disk)", cached),
-                ("feature cache (page cache)", cached))  # the second pass finds the shards in RAM
+        arms = (
+            ("drafter-only (features resident on the device)", resident),
+            ("feature cache (disk)", cached),
+            ("feature cache (page cache)", cached),
+        )  # the second pass finds the shards in RAM
         for name, dataset in arms:
             plan = BatchPlan(len(dataset), dims["batch"], 1, seed=0)
             times = []
-            with TrainingWorkers(targets=[stand_in], replicas=[replica], dataset=dataset, plan=plan,
-                                 compute_loss=make_loss_fn(run_cfg), guard=guard, grad_clip=1.0,
-                                 feature_dtype=lambda dev: feature_dtype) as workers:
+            with TrainingWorkers(
+                targets=[stand_in],
+                replicas=[replica],
+                dataset=dataset,
+                plan=plan,
+                compute_loss=make_loss_fn(run_cfg),
+                guard=guard,
+                grad_clip=1.0,
+                feature_dtype=lambda dev: feature_dtype,
+            ) as workers:
                 workers.start(0, plan.total_steps(1, total))
                 for step in range(plan.total_steps(1, total)):
                     _sync(torch, args.device)
@@ -393,23 +485,49 @@ def child_cache(args, dims) -> dict:
                     workers.run_step(step)
                     _sync(torch, args.device)
                     times.append(time.perf_counter() - began)
-            measured = times[args.warmup:]
-            results[name] = {"median_step_s": statistics.median(measured), "first_step_s": times[0],
-                             "step_times_s": [round(t, 4) for t in measured]}
+            measured = times[args.warmup :]
+            results[name] = {
+                "median_step_s": statistics.median(measured),
+                "first_step_s": times[0],
+                "step_times_s": [round(t, 4) for t in measured],
+            }
         per_1k = 1000 * bytes_per_token(len(cfg.target_layer_ids), dims["hidden"], "bf16")
-        return {"runs": results, "cache": written, "cache_bytes_per_1k_tokens": per_1k,
-                "measured_bytes_per_1k_tokens": 1000 * written["bytes"] / written["tokens"],
-                "read_per_step_mib": dims["batch"] * dims["ctx"] * cfg.context_size * 2 / 2**20}
+        return {
+            "runs": results,
+            "cache": written,
+            "cache_bytes_per_1k_tokens": per_1k,
+            "measured_bytes_per_1k_tokens": 1000 * written["bytes"] / written["tokens"],
+            "read_per_step_mib": dims["batch"] * dims["ctx"] * cfg.context_size * 2 / 2**20,
+        }
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
 
 
 # Qwen3-8B's shape (random weights: a step-time question needs no trained target)
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
-SMALL_TARGET = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+QWEN3_8B = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1e6,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+SMALL_TARGET = dict(
+    QWEN3_8B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+)
 
 
 def _random_target(args, torch):
@@ -428,8 +546,13 @@ def _random_target(args, torch):
     finally:
         torch.set_default_dtype(before)
     layer_ids = default_layer_ids(config.num_hidden_layers)
-    return TargetModel(model=model, layer_ids=layer_ids, tokenizer=None, device=args.device,
-                       mask_token_id=config.vocab_size - 1)
+    return TargetModel(
+        model=model,
+        layer_ids=layer_ids,
+        tokenizer=None,
+        device=args.device,
+        mask_token_id=config.vocab_size - 1,
+    )
 
 
 def _timed(torch, device: str, fn, repeats: int, warmup: int = 1) -> list[float]:
@@ -469,24 +592,37 @@ def child_e2e(args, dims) -> dict:
     sequences = max(args.warmup + args.steps, args.cache_sequences)
     ids = torch.randint(0, target.vocab_size - 1, (sequences, t), generator=gen)
     loss_mask = torch.zeros(sequences, t, dtype=torch.bool)
-    loss_mask[:, t // 4:] = True
+    loss_mask[:, t // 4 :] = True
     dataset = Dataset(ids, loss_mask, torch.ones_like(loss_mask), source="random")
     result = {"target_layer_ids": target.layer_ids, "target_layers": target.num_layers}
 
     one = ids[:b].to(args.device)
     with torch.no_grad():
-        bare = _timed(torch, args.device, lambda: target.features(one, attention_mask=torch.ones_like(one)),
-                      args.steps)
+        bare = _timed(
+            torch, args.device, lambda: target.features(one, attention_mask=torch.ones_like(one)), args.steps
+        )
     result["target_forward_s"] = statistics.median(bare)
 
-    cfg = DrafterConfig(hidden_size=target.hidden_size, intermediate_size=dims["intermediate"],
-                        num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
-                        vocab_size=target.vocab_size, mask_token_id=target.mask_token_id,
-                        target_layer_ids=target.layer_ids, num_layers=dims["layers"], block_size=dims["block"])
+    cfg = DrafterConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=dims["intermediate"],
+        num_heads=dims["heads"],
+        num_kv_heads=dims["kv_heads"],
+        head_dim=dims["head_dim"],
+        vocab_size=target.vocab_size,
+        mask_token_id=target.mask_token_id,
+        target_layer_ids=target.layer_ids,
+        num_layers=dims["layers"],
+        block_size=dims["block"],
+    )
     torch.manual_seed(0)
-    model = precision.place(DFlashDrafter(cfg, target.embed_tokens, target.lm_head), args.device, args.precision)
+    model = precision.place(
+        DFlashDrafter(cfg, target.embed_tokens, target.lm_head), args.device, args.precision
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device.startswith("cuda") or None)
-    replica = Replica(0, args.device, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    replica = Replica(
+        0, args.device, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    )
     run_cfg = TrainConfig()
     run_cfg.drafter.block_size, run_cfg.train.num_anchors = dims["block"], dims["anchors"]
     run_cfg.train.gamma, run_cfg.run.attention = 7.0, args.attention
@@ -497,29 +633,42 @@ def child_e2e(args, dims) -> dict:
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(args.device)
 
-    def steps(source: Dataset, stand_in) -> list[float]:
+    def steps(source: Dataset, stand_in, replica: Replica) -> list[float]:
         plan = BatchPlan(len(source), b, 1, seed=0)
         total = min(plan.total_steps(1, None), args.warmup + args.steps)
-        with TrainingWorkers(targets=[stand_in], replicas=[replica], dataset=source, plan=plan,
-                             compute_loss=make_loss_fn(run_cfg), guard=guard, grad_clip=1.0,
-                             feature_dtype=lambda dev: feature_dtype) as workers:
+        with TrainingWorkers(
+            targets=[stand_in],
+            replicas=[replica],
+            dataset=source,
+            plan=plan,
+            compute_loss=make_loss_fn(run_cfg),
+            guard=guard,
+            grad_clip=1.0,
+            feature_dtype=lambda dev: feature_dtype,
+        ) as workers:
             workers.start(0, total)
             counter = iter(range(total))
-            return _timed(torch, args.device, lambda: workers.run_step(next(counter)), total - args.warmup,
-                          warmup=args.warmup)
+            return _timed(
+                torch,
+                args.device,
+                lambda: workers.run_step(next(counter)),
+                total - args.warmup,
+                warmup=args.warmup,
+            )
 
     resident = copy.copy(dataset)
-    resident.features = lambda idx: resident_features[:len(idx)]
-    drafter = steps(resident, types.SimpleNamespace(device=args.device))
+    resident.features = lambda idx, features=resident_features: features[: len(idx)]
+    drafter = steps(resident, types.SimpleNamespace(device=args.device), replica)
     result["drafter_step_s"] = statistics.median(drafter)
-    both = steps(dataset, target)
+    both = steps(dataset, target, replica)
     result["e2e_step_s"] = statistics.median(both)
     result["e2e_step_times_s"] = [round(x, 4) for x in both]
     result["sum_s"] = result["target_forward_s"] + result["drafter_step_s"]
     result["e2e_vs_sum"] = result["sum_s"] / result["e2e_step_s"]
-    result["peak_memory_gib"] = (torch.cuda.max_memory_allocated(args.device) / 2**30
-                                 if args.device.startswith("cuda") else None)
-    del replica, model, optimizer, resident_features
+    result["peak_memory_gib"] = (
+        torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.startswith("cuda") else None
+    )
+    del replica, model, optimizer, resident_features, resident
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
 
@@ -528,9 +677,13 @@ def child_e2e(args, dims) -> dict:
     cache_set = Dataset(ids[:count], loss_mask[:count], torch.ones_like(loss_mask[:count]), source="random")
     batch = auto_batch_size(t)
     with torch.no_grad():
-        batches = [ids[i:i + batch].to(args.device) for i in range(0, count, batch)]
-        fwd = _timed(torch, args.device, lambda: [target.features(x, attention_mask=torch.ones_like(x))
-                                                 for x in batches], 1)
+        batches = [ids[i : i + batch].to(args.device) for i in range(0, count, batch)]
+        fwd = _timed(
+            torch,
+            args.device,
+            lambda: [target.features(x, attention_mask=torch.ones_like(x)) for x in batches],
+            1,
+        )
     header_cfg = TrainConfig()
     header_cfg.target.spec, header_cfg.data.seq_len = "random-qwen3-8b-shape", t
     header_cfg.data.source = "synthetic"  # the provenance fields of random data
@@ -544,10 +697,18 @@ def child_e2e(args, dims) -> dict:
         cache_s = time.perf_counter() - began
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    result["cache"] = {"sequences": count, "batch": batch, "tokens": count * t, "bare_forward_s": fwd[0],
-                       "write_cache_s": cache_s, "tokens_per_s": count * t / cache_s,
-                       "bare_tokens_per_s": count * t / fwd[0], "ratio": cache_s / fwd[0],
-                       "bytes": manifest["counts"]["bytes"], "shards": manifest["counts"]["shards"]}
+    result["cache"] = {
+        "sequences": count,
+        "batch": batch,
+        "tokens": count * t,
+        "bare_forward_s": fwd[0],
+        "write_cache_s": cache_s,
+        "tokens_per_s": count * t / cache_s,
+        "bare_tokens_per_s": count * t / fwd[0],
+        "ratio": cache_s / fwd[0],
+        "bytes": manifest["counts"]["bytes"],
+        "shards": manifest["counts"]["shards"],
+    }
     return result
 
 
@@ -555,30 +716,44 @@ def render_e2e(result: dict) -> list[str]:
     if "failed" in result:
         return ["", f"End to end: failed: {result['failed']}"]
     c = result["cache"]
-    return ["", f"Same GPU, Qwen3-8B-shaped random target ({result['target_layers']} layers, features of layers "
-                f"{result['target_layer_ids']}) and the drafter, one process, the trainer's TrainingWorkers:", "",
-            "| part | median s |", "|---|---|",
-            f"| target feature forward (bare) | {result['target_forward_s']:.4f} |",
-            f"| drafter step (features resident) | {result['drafter_step_s']:.4f} |",
-            f"| sum | {result['sum_s']:.4f} |",
-            f"| end to end (target worker + drafter thread) | {result['e2e_step_s']:.4f} |", "",
-            f"End to end vs the sum of its parts: {result['e2e_vs_sum']:.3f} (1.0 = no overhead; >1 = overlap); "
-            f"peak memory {_fmt(result['peak_memory_gib'], '.1f')} GiB. Steps: {result['e2e_step_times_s']}.", "",
-            f"cache-features at these dims: {c['sequences']} sequences x {c['tokens'] // c['sequences']} tokens in "
-            f"batches of {c['batch']}: {c['write_cache_s']:.2f} s = {c['tokens_per_s']:.0f} tokens/s, against "
-            f"{c['bare_forward_s']:.2f} s ({c['bare_tokens_per_s']:.0f} tokens/s) for the bare forward of the same "
-            f"batches: {c['ratio']:.3f}x the bare forward time ({c['bytes'] / 2**30:.2f} GiB in {c['shards']} "
-            f"shard(s), fsynced)."]
+    return [
+        "",
+        f"Same GPU, Qwen3-8B-shaped random target ({result['target_layers']} layers, features of layers "
+        f"{result['target_layer_ids']}) and the drafter, one process, the trainer's TrainingWorkers:",
+        "",
+        "| part | median s |",
+        "|---|---|",
+        f"| target feature forward (bare) | {result['target_forward_s']:.4f} |",
+        f"| drafter step (features resident) | {result['drafter_step_s']:.4f} |",
+        f"| sum | {result['sum_s']:.4f} |",
+        f"| end to end (target worker + drafter thread) | {result['e2e_step_s']:.4f} |",
+        "",
+        f"End to end vs the sum of its parts: {result['e2e_vs_sum']:.3f} (1.0 = no overhead; >1 = overlap); "
+        f"peak memory {_fmt(result['peak_memory_gib'], '.1f')} GiB. Steps: {result['e2e_step_times_s']}.",
+        "",
+        f"cache-features at these dims: {c['sequences']} sequences x {c['tokens'] // c['sequences']} tokens "
+        "in "
+        f"batches of {c['batch']}: {c['write_cache_s']:.2f} s = {c['tokens_per_s']:.0f} tokens/s, against "
+        f"{c['bare_forward_s']:.2f} s ({c['bare_tokens_per_s']:.0f} tokens/s) for the bare forward of the "
+        "same "
+        f"batches: {c['ratio']:.3f}x the bare forward time ({c['bytes'] / 2**30:.2f} GiB in {c['shards']} "
+        f"shard(s), fsynced).",
+    ]
 
 
 def render_cache(result: dict) -> list[str]:
     if "failed" in result:
         return ["", f"Feature cache: failed: {result['failed']}"]
     runs = result["runs"]
-    lines = ["", "Training steps through the trainer's pipeline (loader thread, queue depth 2, pinned memory). "
-             "`disk`: the shards' page cache dropped (posix_fadvise) before the pass, so every batch is read from "
-             "the disk; `page cache`: a second pass over the same shards:", "",
-             "| features | median step s | first step s | steps s |", "|---|---|---|---|"]
+    lines = [
+        "",
+        "Training steps through the trainer's pipeline (loader thread, queue depth 2, pinned memory). "
+        "`disk`: the shards' page cache dropped (posix_fadvise) before the pass, so every batch is read from "
+        "the disk; `page cache`: a second pass over the same shards:",
+        "",
+        "| features | median step s | first step s | steps s |",
+        "|---|---|---|---|",
+    ]
     for name, r in runs.items():
         lines.append(f"| {name} | {r['median_step_s']:.4f} | {r['first_step_s']:.2f} | {r['step_times_s']} |")
     base = runs["drafter-only (features resident on the device)"]["median_step_s"]
@@ -586,39 +761,75 @@ def render_cache(result: dict) -> list[str]:
     lines.append("")
     for name in ("feature cache (disk)", "feature cache (page cache)"):
         cache = runs[name]["median_step_s"]
-        lines.append(f"Cache-backed step ({name}) vs drafter-only step: {cache / base:.3f}x "
-                     f"({100 * (cache / base - 1):+.1f} %).")
-    lines += [f"Each step reads {result['read_per_step_mib']:.1f} MiB of features.",
-              f"Cache size: {result['cache_bytes_per_1k_tokens'] / 2**20:.2f} MiB per 1k tokens at these dims "
-              f"(measured {result['measured_bytes_per_1k_tokens'] / 2**20:.2f} MiB incl. headers); "
-              f"{c['sequences']} sequences, {c['tokens']} tokens, {c['bytes'] / 2**30:.2f} GiB in "
-              f"{c['shards']} shard(s), written in {c['write_s']} s."]
+        lines.append(
+            f"Cache-backed step ({name}) vs drafter-only step: {cache / base:.3f}x "
+            f"({100 * (cache / base - 1):+.1f} %)."
+        )
+    lines += [
+        f"Each step reads {result['read_per_step_mib']:.1f} MiB of features.",
+        f"Cache size: {result['cache_bytes_per_1k_tokens'] / 2**20:.2f} MiB per 1k tokens at these dims "
+        f"(measured {result['measured_bytes_per_1k_tokens'] / 2**20:.2f} MiB incl. headers); "
+        f"{c['sequences']} sequences, {c['tokens']} tokens, {c['bytes'] / 2**30:.2f} GiB in "
+        f"{c['shards']} shard(s), written in {c['write_s']} s.",
+    ]
     return lines
 
 
 # ---- parent -------------------------------------------------------------------------------------
 
+
 def run_child(args, what: str, extra: list[str], timeout: float) -> dict:
     scratch = tempfile.mkdtemp(prefix=f"throughput-{what}-")
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"),
-               TRITON_CACHE_DIR=os.path.join(scratch, "triton"), PYTHONPATH=REPO)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", what, "--device", args.device,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--batch", str(args.batch), "--precision", args.precision, *(["--small"] if args.small else []), *extra]
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"),
+        TRITON_CACHE_DIR=os.path.join(scratch, "triton"),
+        PYTHONPATH=REPO,
+    )
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        what,
+        "--device",
+        args.device,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--batch",
+        str(args.batch),
+        "--precision",
+        args.precision,
+        *(["--small"] if args.small else []),
+        *extra,
+    ]
     began = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        return {"failed": f"no result within {timeout:.0f} s (hang?)", "wall_s": round(time.monotonic() - began, 1)}
+        return {
+            "failed": f"no result within {timeout:.0f} s (hang?)",
+            "wall_s": round(time.monotonic() - began, 1),
+        }
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     for line in out.splitlines():
         if line.startswith(RESULT_TAG):
-            result = json.loads(line[len(RESULT_TAG):])
+            result = json.loads(line[len(RESULT_TAG) :])
             result["wall_s"] = round(time.monotonic() - began, 1)
             return result
     tail = err.strip().splitlines()[-1] if err.strip() else f"rc {proc.returncode}"
@@ -632,12 +843,17 @@ def summarise(run: dict, dims: dict, peak_tflops: float | None) -> dict:
     step = run["median_step_s"]
     achieved = flops["total"] / step / 1e12
     return {
-        "median_step_s": step, "first_step_s": run["first_step_s"],
+        "median_step_s": step,
+        "first_step_s": run["first_step_s"],
         "block_tokens_per_s": run["block_tokens_per_step"] / step,
         "context_tokens_per_s": run["context_tokens_per_step"] / step,
-        "achieved_tflops": achieved, "mfu": achieved / peak_tflops if peak_tflops else None,
-        "peak_memory_gib": run["peak_memory_gib"], "flops_per_step": flops,
-        "compiles": len(run["compiles"]), "precision": run["precision"], "params": run["params"],
+        "achieved_tflops": achieved,
+        "mfu": achieved / peak_tflops if peak_tflops else None,
+        "peak_memory_gib": run["peak_memory_gib"],
+        "flops_per_step": flops,
+        "compiles": len(run["compiles"]),
+        "precision": run["precision"],
+        "params": run["params"],
         "param_dtypes": run["param_dtypes"],
         # weights + AdamW exp_avg and exp_avg_sq: 12 B per parameter with fp32 masters (4 + 8)
         "master_and_adam_gib": (run["param_bytes"] + run["optimizer_state_bytes"]) / 2**30,
@@ -650,44 +866,69 @@ def _fmt(value, spec: str) -> str:
 
 
 def render(report: dict) -> str:
-    lines = [f"# Drafter training throughput — {report['date']}", "", f"Command: `{report['command']}`", "",
-             "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
-             "Dims: " + ", ".join(f"{k} {v}" for k, v in report["dims"].items()), "",
-             f"Matmul peak (measured): {_fmt(report['peak'].get('tflops'), '.1f')} TFLOP/s "
-             f"({report['peak'].get('dtype', '?')} {report['peak'].get('n', '?')}^3)", "",
-             "| run | precision | median step s | first step s | block tok/s | context tok/s | TFLOP/s | MFU "
-             "| peak mem GiB | weights+Adam GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Drafter training throughput — {report['date']}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+        "",
+        "Dims: " + ", ".join(f"{k} {v}" for k, v in report["dims"].items()),
+        "",
+        f"Matmul peak (measured): {_fmt(report['peak'].get('tflops'), '.1f')} TFLOP/s "
+        f"({report['peak'].get('dtype', '?')} {report['peak'].get('n', '?')}^3)",
+        "",
+        "| run | precision | median step s | first step s | block tok/s | context tok/s | TFLOP/s | MFU "
+        "| peak mem GiB | weights+Adam GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, s in report["runs"].items():
         if "failed" in s:
             lines.append(f"| {name} | failed: {s['failed']} | | | | | | | | |")
             continue
-        lines.append(f"| {name} | {s['precision']} | {s['median_step_s']:.4f} | {s['first_step_s']:.2f} "
-                     f"| {s['block_tokens_per_s']:.0f} | {s['context_tokens_per_s']:.0f} | {s['achieved_tflops']:.2f} | "
-                     f"{_fmt(s['mfu'] and 100 * s['mfu'], '.1f')}% | {_fmt(s['peak_memory_gib'], '.1f')} "
-                     f"| {s['master_and_adam_gib']:.1f} |")
+        lines.append(
+            f"| {name} | {s['precision']} | {s['median_step_s']:.4f} | {s['first_step_s']:.2f} "
+            f"| {s['block_tokens_per_s']:.0f} | {s['context_tokens_per_s']:.0f} "
+            f"| {s['achieved_tflops']:.2f} | "
+            f"{_fmt(s['mfu'] and 100 * s['mfu'], '.1f')}% | {_fmt(s['peak_memory_gib'], '.1f')} "
+            f"| {s['master_and_adam_gib']:.1f} |"
+        )
     after, prior = report["runs"].get("compiled flex", {}), report["runs"].get(BEFORE, {})
     if "median_step_s" in after and "median_step_s" in prior:
-        lines += ["", f"Compiled layers + compiled loss kernel vs before (same run): "
-                      f"{prior['median_step_s'] / after['median_step_s']:.3f}x faster per step "
-                      f"({prior['median_step_s']:.4f} -> {after['median_step_s']:.4f} s), peak memory "
-                      f"{_fmt(prior['peak_memory_gib'], '.1f')} -> {_fmt(after['peak_memory_gib'], '.1f')} GiB."]
+        lines += [
+            "",
+            f"Compiled layers + compiled loss kernel vs before (same run): "
+            f"{prior['median_step_s'] / after['median_step_s']:.3f}x faster per step "
+            f"({prior['median_step_s']:.4f} -> {after['median_step_s']:.4f} s), peak memory "
+            f"{_fmt(prior['peak_memory_gib'], '.1f')} -> {_fmt(after['peak_memory_gib'], '.1f')} GiB.",
+        ]
     if report.get("speedup") is not None:
         note = f" ({report['speedup_note']})" if report.get("speedup_note") else ""
         lines += ["", f"Compiled vs eager flex_attention: {report['speedup']:.2f}x faster per step{note}."]
     some = next((s for s in report["runs"].values() if "flops_per_step" in s), None)
     if some:
         dtypes = ", ".join(some["param_dtypes"])
-        lines += ["", f"Drafter parameters: {some['params']:,} ({dtypes}); {dtypes} weights + AdamW moments "
-                      f"= {some['master_and_adam_gib']:.2f} GiB "
-                      f"({(some['master_and_adam_gib'] * 2**30) / some['params']:.1f} bytes/parameter; "
-                      f"gradients add {some['param_bytes'] / 2**30:.2f} GiB)."]
+        lines += [
+            "",
+            f"Drafter parameters: {some['params']:,} ({dtypes}); {dtypes} weights + AdamW moments "
+            f"= {some['master_and_adam_gib']:.2f} GiB "
+            f"({(some['master_and_adam_gib'] * 2**30) / some['params']:.1f} bytes/parameter; "
+            f"gradients add {some['param_bytes'] / 2**30:.2f} GiB).",
+        ]
         parts = some["flops_per_step"]
-        lines += ["", "Model FLOPs per step (fwd+bwd, GFLOP): " + ", ".join(
-            f"{k} {v / 1e9:.3f}" for k, v in parts.items())]
+        lines += [
+            "",
+            "Model FLOPs per step (fwd+bwd, GFLOP): "
+            + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in parts.items()),
+        ]
     if report.get("first_step"):
-        lines += ["", "First-step latency per thread (from a common start; includes waiting for the lock):", "",
-                  "| compile lock | per thread s | all done s | errors |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "First-step latency per thread (from a common start; includes waiting for the lock):",
+            "",
+            "| compile lock | per thread s | all done s | errors |",
+            "|---|---|---|---|",
+        ]
         for lock, r in report["first_step"].items():
             if "failed" in r:
                 lines.append(f"| {lock} | failed: {r['failed']} | | |")
@@ -696,25 +937,39 @@ def render(report: dict) -> str:
             lines.append(f"| {lock} | {json.dumps(r['latency_s'])} | {r['all_done_s']} | {errors} |")
     ckpt = report.get("checkpointing")
     if ckpt:
-        lines += ["", "Activation checkpointing (every drafter layer recomputed in backward), same run settings:", "",
-                  "| train.activation_checkpointing | median step s | peak mem GiB |", "|---|---|---|"]
+        lines += [
+            "",
+            "Activation checkpointing (every drafter layer recomputed in backward), same run settings:",
+            "",
+            "| train.activation_checkpointing | median step s | peak mem GiB |",
+            "|---|---|---|",
+        ]
         for name, s in ckpt["runs"].items():
             if "failed" in s:
                 lines.append(f"| {name} | failed: {s['failed']} | |")
             else:
                 lines.append(f"| {name} | {s['median_step_s']:.4f} | {_fmt(s['peak_memory_gib'], '.2f')} |")
         if ckpt.get("memory_saved_gib") is not None:
-            lines += ["", f"Checkpointing saves {ckpt['memory_saved_gib']:.2f} GiB of peak memory "
-                          f"({ckpt['memory_saved_pct']:.0f}%) and costs {ckpt['step_time_cost_pct']:+.1f}% step time."]
+            lines += [
+                "",
+                f"Checkpointing saves {ckpt['memory_saved_gib']:.2f} GiB of peak memory "
+                f"({ckpt['memory_saved_pct']:.0f}%) and costs {ckpt['step_time_cost_pct']:+.1f}% step time.",
+            ]
         elif ckpt.get("step_time_cost_pct") is not None:
-            lines += ["", f"Checkpointing costs {ckpt['step_time_cost_pct']:+.1f}% step time (no memory figure on CPU)."]
+            lines += [
+                "",
+                f"Checkpointing costs {ckpt['step_time_cost_pct']:+.1f}% step time "
+                "(no memory figure on CPU).",
+            ]
     for name, text in report.get("profiles", {}).items():
         lines += ["", f"Profile, {name} (top kernels, 3 steps):", "", "```", text, "```"]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--out", help="markdown results file (a .json copy is written next to it)")
     parser.add_argument("--small", action="store_true", help="tiny dims on CPU with sdpa (a smoke run)")
@@ -723,28 +978,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--threads", type=int, default=3, help="drafter threads for the first-step timing")
     parser.add_argument("--profile", action="store_true", help="torch profiler table of the top kernels")
-    parser.add_argument("--parts", default="compiled,eager,first-step",
-                        help="comma list of compiled, before, eager, first-step, cache, checkpointing, e2e "
-                             "(the matmul peak always runs)")
-    parser.add_argument("--cache-dir", help="where the cache part writes its feature cache (default: $TMPDIR)")
+    parser.add_argument(
+        "--parts",
+        default="compiled,eager,first-step",
+        help="comma list of compiled, before, eager, first-step, cache, checkpointing, e2e "
+        "(the matmul peak always runs)",
+    )
+    parser.add_argument(
+        "--cache-dir", help="where the cache part writes its feature cache (default: $TMPDIR)"
+    )
     parser.add_argument("--shard-mb", type=int, default=1024, help="feature cache shard size cap, MiB")
     parser.add_argument("--anchors", type=int, help="override the anchors per sequence (paper: 512)")
     parser.add_argument("--ctx", type=int, help="override the context length (paper: 3072)")
     parser.add_argument("--child-timeout", type=float, default=420.0, help="seconds per training part")
-    parser.add_argument("--first-step-timeout", type=float, default=300.0,
-                        help="seconds per first-step part (lock 'none' may hang: that is the race)")
-    parser.add_argument("--precision", choices=("fp32", "bf16-mixed", PURE_BF16),
-                        help="the trainer's train.precision (default: bf16-mixed on CUDA, fp32 on CPU); "
-                             f"{PURE_BF16}: the old bf16-weights baseline")
-    parser.add_argument("--cache-sequences", type=int, default=30,
-                        help="sequences the e2e part writes with cache-features (paper dims: ~126 MB each)")
-    parser.add_argument("--child", choices=("peak", "train", "first_step", "cache", "e2e"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--first-step-timeout",
+        type=float,
+        default=300.0,
+        help="seconds per first-step part (lock 'none' may hang: that is the race)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16-mixed", PURE_BF16),
+        help="the trainer's train.precision (default: bf16-mixed on CUDA, fp32 on CPU); "
+        f"{PURE_BF16}: the old bf16-weights baseline",
+    )
+    parser.add_argument(
+        "--cache-sequences",
+        type=int,
+        default=30,
+        help="sequences the e2e part writes with cache-features (paper dims: ~126 MB each)",
+    )
+    parser.add_argument(
+        "--child", choices=("peak", "train", "first_step", "cache", "e2e"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--attention", default="flex", help=argparse.SUPPRESS)
     parser.add_argument("--lock", default="lock", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--compile-layers", choices=("auto", "off"), default="auto", help=argparse.SUPPRESS)
-    parser.add_argument("--loss-kernel", choices=("auto", "eager", "compiled"), default="auto",
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--loss-kernel", choices=("auto", "eager", "compiled"), default="auto", help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.small:
         args.device = "cpu"
@@ -765,8 +1039,13 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.manual_seed(0)
-        fn = {"peak": child_peak, "train": child_train, "first_step": child_first_step, "cache": child_cache,
-              "e2e": child_e2e}[args.child]
+        fn = {
+            "peak": child_peak,
+            "train": child_train,
+            "first_step": child_first_step,
+            "cache": child_cache,
+            "e2e": child_e2e,
+        }[args.child]
         print(RESULT_TAG + json.dumps(fn(args, dims)), flush=True)
         return 0
 
@@ -779,22 +1058,34 @@ def main(argv: list[str] | None = None) -> int:
     # name -> (attention, child options); "before": only flex_attention compiled, layers and the
     # loss's chunks eager (the trainer's path before its layers and loss kernel were compiled)
     before = ["--compile-layers", "off", "--loss-kernel", "eager"]
-    variants = ({"sdpa": ("sdpa", [])} if args.small else
-                {"compiled flex": ("flex", []), BEFORE: ("flex", before),
-                 "eager flex": (FLEX_EAGER, before)})
-    wanted = {"sdpa": "compiled", "compiled flex": "compiled", "eager flex": "eager",
-              BEFORE: "before"}
+    variants = (
+        {"sdpa": ("sdpa", [])}
+        if args.small
+        else {"compiled flex": ("flex", []), BEFORE: ("flex", before), "eager flex": (FLEX_EAGER, before)}
+    )
+    wanted = {"sdpa": "compiled", "compiled flex": "compiled", "eager flex": "eager", BEFORE: "before"}
     runs, profiles, raw = {}, {}, {}
 
     def measure(name: str, attention: str, anchors: int, checkpointing: str = "none", options=()) -> dict:
-        extra = ["--attention", attention, "--anchors", str(anchors), "--ctx", str(dims["ctx"]),
-                 "--checkpointing", checkpointing, *options]
+        extra = [
+            "--attention",
+            attention,
+            "--anchors",
+            str(anchors),
+            "--ctx",
+            str(dims["ctx"]),
+            "--checkpointing",
+            checkpointing,
+            *options,
+        ]
         extra += ["--profile"] if args.profile else []
         result = run_child(args, "train", extra, args.child_timeout)
         run_dims = dict(dims, anchors=anchors)
         summary = summarise(result, run_dims, peak.get("tflops"))
-        say(f"  {name} ({anchors} anchors): "
-            f"{json.dumps({k: v for k, v in summary.items() if k != 'flops_per_step'})}")
+        say(
+            f"  {name} ({anchors} anchors): "
+            f"{json.dumps({k: v for k, v in summary.items() if k != 'flops_per_step'})}"
+        )
         if result.get("profile"):
             profiles[f"{name}, {anchors} anchors"] = result["profile"]
         raw[f"{name}, {anchors} anchors"] = result
@@ -811,19 +1102,26 @@ def main(argv: list[str] | None = None) -> int:
         # the largest anchor count where eager fits, and say so.
         while "failed" in eager and "OutOfMemory" in eager["failed"] and anchors > 64:
             anchors //= 2
-            eager = runs[f"eager flex @{anchors} anchors"] = measure("eager flex", FLEX_EAGER, anchors, options=before)
+            eager = runs[f"eager flex @{anchors} anchors"] = measure(
+                "eager flex", FLEX_EAGER, anchors, options=before
+            )
             if "failed" not in eager:
-                compiled = runs[f"compiled flex @{anchors} anchors"] = measure("compiled flex", "flex", anchors)
+                compiled = runs[f"compiled flex @{anchors} anchors"] = measure(
+                    "compiled flex", "flex", anchors
+                )
         if "median_step_s" in compiled and "median_step_s" in eager:
             speedup = eager["median_step_s"] / compiled["median_step_s"]
             if anchors != dims["anchors"]:
-                speedup_note = (f"measured at {anchors} anchors: eager flex runs out of memory at "
-                                f"{dims['anchors']}")
+                speedup_note = (
+                    f"measured at {anchors} anchors: eager flex runs out of memory at {dims['anchors']}"
+                )
     checkpointing = {}
     if "checkpointing" in parts:
         name, (attention, _) = next(iter(variants.items()))
-        ckpt_runs = {"none": runs.get(name) or measure(name, attention, dims["anchors"]),
-                     "layers": measure(f"{name}, checkpointed layers", attention, dims["anchors"], "layers")}
+        ckpt_runs = {
+            "none": runs.get(name) or measure(name, attention, dims["anchors"]),
+            "layers": measure(f"{name}, checkpointed layers", attention, dims["anchors"], "layers"),
+        }
         checkpointing = {"runs": ckpt_runs}
         off, on = ckpt_runs["none"], ckpt_runs["layers"]
         if "median_step_s" in off and "median_step_s" in on:
@@ -836,30 +1134,70 @@ def main(argv: list[str] | None = None) -> int:
     if "first-step" in parts:
         attention = next(iter(variants.values()))[0]
         for lock in ("lock", "none"):
-            first_step[lock] = run_child(args, "first_step", ["--lock", lock, "--attention", attention,
-                                                              "--anchors", str(dims["anchors"]),
-                                                              "--ctx", str(dims["ctx"])],
-                                         args.first_step_timeout)
+            first_step[lock] = run_child(
+                args,
+                "first_step",
+                [
+                    "--lock",
+                    lock,
+                    "--attention",
+                    attention,
+                    "--anchors",
+                    str(dims["anchors"]),
+                    "--ctx",
+                    str(dims["ctx"]),
+                ],
+                args.first_step_timeout,
+            )
             say(f"  first step, lock {lock}: {first_step[lock]}")
     cache = None
     if "cache" in parts:
         attention = next(iter(variants.values()))[0]
-        extra = ["--attention", attention, "--anchors", str(dims["anchors"]), "--ctx", str(dims["ctx"]),
-                 "--shard-mb", str(args.shard_mb), *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
+        extra = [
+            "--attention",
+            attention,
+            "--anchors",
+            str(dims["anchors"]),
+            "--ctx",
+            str(dims["ctx"]),
+            "--shard-mb",
+            str(args.shard_mb),
+            *(["--cache-dir", args.cache_dir] if args.cache_dir else []),
+        ]
         cache = run_child(args, "cache", extra, args.child_timeout)
         say(f"  feature cache: {json.dumps({k: v for k, v in cache.items() if k != 'stderr_tail'})}")
     e2e = None
     if "e2e" in parts:
         attention = next(iter(variants.values()))[0]
-        extra = ["--attention", attention, "--anchors", str(dims["anchors"]), "--ctx", str(dims["ctx"]),
-                 "--cache-sequences", str(args.cache_sequences),
-                 *(["--cache-dir", args.cache_dir] if args.cache_dir else [])]
+        extra = [
+            "--attention",
+            attention,
+            "--anchors",
+            str(dims["anchors"]),
+            "--ctx",
+            str(dims["ctx"]),
+            "--cache-sequences",
+            str(args.cache_sequences),
+            *(["--cache-dir", args.cache_dir] if args.cache_dir else []),
+        ]
         e2e = run_child(args, "e2e", extra, args.child_timeout)
         say(f"  e2e: {json.dumps({k: v for k, v in e2e.items() if k != 'stderr_tail'})}")
-    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command,
-              "versions": versions(args.device), "dims": dims, "peak": peak, "runs": runs,
-              "speedup": speedup, "speedup_note": speedup_note, "first_step": first_step,
-              "checkpointing": checkpointing, "profiles": profiles, "raw": raw, "cache": cache, "e2e": e2e}
+    report = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command,
+        "versions": versions(args.device),
+        "dims": dims,
+        "peak": peak,
+        "runs": runs,
+        "speedup": speedup,
+        "speedup_note": speedup_note,
+        "first_step": first_step,
+        "checkpointing": checkpointing,
+        "profiles": profiles,
+        "raw": raw,
+        "cache": cache,
+        "e2e": e2e,
+    }
     text = render(report)
     if cache is not None:
         text += "\n".join(render_cache(cache)) + "\n"

@@ -11,9 +11,9 @@ drafter that memorised its training data.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from trainer import metrics_format
+from trainer.typed_yaml import finite
 
 GAP_RATIO = 0.7  # WARNING when measured tau < GAP_RATIO x expected tau
 ACC_WINDOW = 10  # step records averaged for the expected tau (one batch's accuracy is noisy)
@@ -27,12 +27,6 @@ class Acceptance:
     lossless: bool | None
     time: float | None
     expected_tau: float | None  # from training accuracy up to the eval's step
-
-
-def _finite(value) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
 
 
 def latest(records: list[dict]) -> Acceptance | None:
@@ -55,7 +49,7 @@ def latest(records: list[dict]) -> Acceptance | None:
     expected = None
     if steps:
         width = min(len(r["acc"]) for r in steps)
-        columns = [[_finite(r["acc"][k]) for r in steps] for k in range(width)]
+        columns = [[finite(r["acc"][k]) for r in steps] for k in range(width)]
         if all(v is not None for column in columns for v in column):
             expected = metrics_format.expected_tau(
                 [sum(v for v in c if v is not None) / len(c) for c in columns]
@@ -64,10 +58,10 @@ def latest(records: list[dict]) -> Acceptance | None:
     lossless = record.get("lossless") if isinstance(record.get("lossless"), bool) else None
     return Acceptance(
         step=step,
-        tau=_finite(record.get("tau")),
-        acceptance=tuple(v for v in (_finite(a) for a in acceptance) if v is not None),
+        tau=finite(record.get("tau")),
+        acceptance=tuple(v for v in (finite(a) for a in acceptance) if v is not None),
         lossless=lossless,
-        time=_finite(record.get("time")),
+        time=finite(record.get("time")),
         expected_tau=expected,
     )
 

@@ -11,12 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Callable, TypeVar
 
 from .model import Target
-
-if TYPE_CHECKING:  # the CLI reads this module's defaults at start-up, before any check runs
-    from .health import Verdict
 
 DEFAULT_HEALTH_S = 10.0  # NRPE's default check timeout
 DEFAULT_STATUS_S = 20.0
@@ -76,42 +73,3 @@ def within(seconds: float, work: Callable[[], T], on_timeout: Callable[[], T]) -
     if "error" in box:
         raise box["error"]
     return box["value"]
-
-
-PART_NAMES = {"gpu": "GPUs", "session": "tmux session"}
-
-
-def unknown_parts(report) -> list[str]:
-    """One UNKNOWN reason per probe part that ran out of its time."""
-    errors = {"gpu": report.gpu.error, "session": report.session.error}
-    return [
-        f"{PART_NAMES.get(part, part)} UNKNOWN: {errors.get(part) or 'no answer in time'}"
-        for part in report.out_of_time
-    ]
-
-
-def judged_without_unknown_parts(report):
-    """The report the verdict is drawn from: a part that ran out of time is reported UNKNOWN by
-    itself, so it must not also count as a failure (a tmux that did not answer is not a dead job)."""
-    if "session" not in report.out_of_time:
-        return report
-    session = dataclasses.replace(report.session, error=None, exists=True, running=True)
-    return dataclasses.replace(report, session=session)
-
-
-def mark_unknown_parts(status: dict, report) -> dict:
-    """`status` with the parts that ran out of time shown as unknown (null), not as false."""
-    if "session" in report.out_of_time:
-        status["session"].update(running=None, exists=None)
-    return status
-
-
-def with_unknown_parts(verdict: Verdict, unknown: list[str]) -> Verdict:
-    """The verdict with the parts that ran out of time reported as UNKNOWN: they lead the reasons,
-    and the level is UNKNOWN unless what was seen is worse (a dead job stays CRITICAL)."""
-    from .health import SEVERITY
-
-    if not unknown:
-        return verdict
-    level = verdict.level if SEVERITY[verdict.level] > SEVERITY["UNKNOWN"] else "UNKNOWN"
-    return dataclasses.replace(verdict, level=level, reasons=tuple(unknown) + verdict.reasons)

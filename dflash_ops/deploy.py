@@ -23,7 +23,6 @@ from .model import Job
 from .remote import shell_command
 
 KEEP_RELEASES = 5
-PREVIOUS = "previous"  # the rollback target meaning "the release deployed before the current one"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,7 +79,7 @@ class GpuUnavailable(DflashOpsError):
 # --------------------------------------------------------------------------- parsing
 
 
-def _number(text: str) -> int | None:
+def _smi_int(text: str) -> int | None:
     """'1234' or '1234 MiB' or '45 %' -> int; '[N/A]' and friends -> None."""
     text = text.strip()
     if text in NOT_AVAILABLE:
@@ -118,9 +118,9 @@ def parse_nvidia_smi(gpu_csv: str, apps_csv: str = "", source: str = "nvidia-smi
                     "index": int(index),
                     "uuid": uuid,
                     "name": name,
-                    "memory_used_mib": _number(used),
-                    "memory_total_mib": _number(total),
-                    "utilization_pct": _number(util),
+                    "memory_used_mib": _smi_int(used),
+                    "memory_total_mib": _smi_int(total),
+                    "utilization_pct": _smi_int(util),
                 }
             )
     except ValueError:
@@ -137,7 +137,7 @@ def parse_nvidia_smi(gpu_csv: str, apps_csv: str = "", source: str = "nvidia-smi
             # process_name (4th, free text) is optional: `pid,gpu_uuid,used_memory` is parsed too
             pid, uuid, used, name = _split(line, 3, 0) if line.count(",") >= 3 else _split(line, 2, 0) + [""]
             if uuid in index_of:
-                processes.append(GpuProcess(int(pid), index_of[uuid], _number(used), name))
+                processes.append(GpuProcess(int(pid), index_of[uuid], _smi_int(used), name))
         except ValueError:
             continue  # one odd row (a process name nvidia-smi mangled) must not hide the GPUs
     return _snapshot(gpus, processes, source)

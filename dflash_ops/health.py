@@ -70,16 +70,35 @@ def _seconds(value: float) -> str:
     return f"{int(round(value))} s"
 
 
+PART_NAMES = {"gpu": "GPUs", "session": "tmux session"}
+
+
 def evaluate(report, job: Job, now: float | None = None) -> Verdict:
     """Verdict for a ProbeReport. `now` defaults to the target's clock at probe time (report.time),
-    which is the clock the log mtimes and metrics times were written with."""
-    now = report.time if now is None else now
+    which is the clock the log mtimes and metrics times were written with.
+
+    A probe part that ran out of its time is UNKNOWN by itself: its reason leads, and the level is
+    UNKNOWN unless what was seen is worse (a dead job stays CRITICAL). A tmux that did not answer is
+    no dead job: the session counts as possibly running, so progress is still judged."""
+    verdict = _judged(report, job, report.time if now is None else now)
+    unknown = [
+        f"{PART_NAMES.get(part, part)} UNKNOWN: "
+        f"{(report.gpu.error if part == 'gpu' else report.session.error) or 'no answer in time'}"
+        for part in report.out_of_time
+    ]
+    if not unknown:
+        return verdict
+    level = verdict.level if SEVERITY[verdict.level] > SEVERITY["UNKNOWN"] else "UNKNOWN"
+    return dataclasses.replace(verdict, level=level, reasons=tuple(unknown) + verdict.reasons)
+
+
+def _judged(report, job: Job, now: float) -> Verdict:
     progress = logs.progress(list(report.records))
     finished = progress.done_reason == "max_steps"
     age = progress_age(report, progress, now)
     accept = acceptance.latest(list(report.records))
     unusable = unattended.unusable_state(report, job)
-    if unusable and not report.session.running:  # maybe an operator's stop: never CRITICAL
+    if unusable and report.session.running is False:  # maybe an operator's stop: never CRITICAL
         return Verdict("UNKNOWN", (unusable,), _with_tau(_perfdata(progress, age, {}, job), accept, job))
     parked = unattended.parked(report, progress)
     if parked:  # an operator's stop or a finished run: like scheduled downtime, nothing to alert on
@@ -89,7 +108,9 @@ def evaluate(report, job: Job, now: float | None = None) -> Verdict:
         critical.append(f"loss is {progress.loss} at step {progress.step}")
     stall, warning = _stall(report, progress, age, job.health.stall_seconds, finished)
     critical += stall
-    training = report.session.running and progress.step is not None and not stall and not finished
+    training = (
+        report.session.running is not False and progress.step is not None and not stall and not finished
+    )
     drafter_util = _drafter_utilization(report.gpu, job)
     if training:
         warning += _slowness(progress, job.health.min_tokens_per_s)
@@ -109,7 +130,7 @@ def _with_tau(perfdata: dict, accept, job: Job) -> dict:
     if accept is not None or job.health.min_tau > 0:  # runs without tau evaluation keep their line
         perfdata["tau"] = Perf(
             accept.tau if accept else None,
-            warn=f"{_number(job.health.min_tau)}:" if job.health.min_tau > 0 else "",
+            warn=f"{_perfdata_number(job.health.min_tau)}:" if job.health.min_tau > 0 else "",
         )
     return perfdata
 
@@ -130,6 +151,8 @@ def progress_age(report, progress: logs.Progress, now: float) -> float | None:
 
 
 def _session_problems(session, finished: bool) -> list[str]:
+    if session.running is None:  # tmux gave no answer in time: reported as UNKNOWN by evaluate
+        return []
     if session.error:
         return [f"cannot see tmux session '{session.name}': {session.error}"]
     if session.running or finished:
@@ -158,7 +181,7 @@ def _stall(
     report, progress: logs.Progress, age: float | None, stall_seconds: float, finished: bool
 ) -> tuple[list[str], list[str]]:
     """(critical, warning) about progress over time; only a live, unfinished job can stall."""
-    if not report.session.running or finished:
+    if report.session.running is False or finished:
         return [], []
     if age is None:  # a log named by the job state but missing is reported by unattended.warnings
         return [], [] if getattr(report, "log_missing", None) else [
@@ -206,14 +229,16 @@ def _perfdata(progress: logs.Progress, age: float | None, drafter_util: dict, jo
     perfdata = {
         "step": Perf(progress.step),
         "loss": Perf(progress.loss if progress.loss_is_finite else None),
-        "tokens_per_s": Perf(progress.tokens_per_s, warn=f"{_number(min_tps)}:" if min_tps > 0 else ""),
-        "age_s": Perf(age, crit=_number(thresholds.stall_seconds)),
+        "tokens_per_s": Perf(
+            progress.tokens_per_s, warn=f"{_perfdata_number(min_tps)}:" if min_tps > 0 else ""
+        ),
+        "age_s": Perf(age, crit=_perfdata_number(thresholds.stall_seconds)),
     }
     if job.drafter_gpus:
         known = [u for u in drafter_util.values() if u is not None]
         floor = thresholds.min_drafter_util_pct
         perfdata["drafter_util_pct"] = Perf(
-            min(known) if known else None, warn=f"{_number(floor)}:" if floor > 0 else "", uom="%"
+            min(known) if known else None, warn=f"{_perfdata_number(floor)}:" if floor > 0 else "", uom="%"
         )
     return perfdata
 
@@ -244,7 +269,7 @@ def _ok_summary(progress: logs.Progress, age: float | None, finished: bool) -> s
 # --------------------------------------------------------------------------- Nagios output
 
 
-def _number(value: float) -> str:
+def _perfdata_number(value: float) -> str:
     """Plain decimal (perfdata allows no exponent), at most 4 decimals."""
     if isinstance(value, int) or float(value).is_integer():
         return str(int(value))
@@ -261,7 +286,7 @@ def perfdata_text(perfdata: dict, prefix: str = "") -> str:
     items = []
     for label, perf in perfdata.items():
         finite = perf.value is not None and math.isfinite(perf.value)
-        value = (_number(perf.value) + perf.uom) if finite else "U"
+        value = (_perfdata_number(perf.value) + perf.uom) if finite else "U"
         items.append(f"{_label(prefix + label)}={value};{perf.warn};{perf.crit}")
     return " ".join(items)
 

@@ -18,6 +18,9 @@ import dataclasses
 import os
 import sys
 
+from trainer.launchers import TORCHRUN
+from trainer.typed_yaml import kind_of, show
+
 from .errors import InputError
 from .inventory_layers import (
     Fields,
@@ -28,7 +31,6 @@ from .inventory_layers import (
     mapping_or_empty,
     merge,
     unknown_field,
-    wrap,
 )
 from .inventory_rules import (
     HOST_FIELDS,
@@ -37,8 +39,6 @@ from .inventory_rules import (
     REMOTE_PATH_EXAMPLES,
     TARGET_FIELDS,
     TRANSPORTS,
-    kind_of,
-    show,
     with_article,
 )
 from .inventory_target import TargetBuilder
@@ -50,6 +50,8 @@ from .strict_yaml import YamlMap, parse_yaml, read_yaml
 ENV_VAR = "DFLASH_OPS_INVENTORY"
 LOCAL = "local"
 TOP_LEVEL_KEYS = ("defaults", "targets", "groups", "default_target", multinode_inventory.KEY)
+# a key written twice there is "target 'box'"
+NAMED_ITEMS = {"targets": "target", "groups": "group", multinode_inventory.KEY: "multinode job"}
 
 # The embedded `local` target's job. Thresholds fit the tiny CPU run: its speed depends on the
 # machine, so the throughput and GPU-utilisation floors are off; a tiny run that makes no step
@@ -131,14 +133,15 @@ def load_inventory(path: str | None = None) -> Inventory:
     found = find_inventory_file(path)
     if found is None:
         return builtin_inventory()
-    return inventory_from_data(read_yaml(found), found, os.path.dirname(os.path.abspath(found)))
+    data = read_yaml(found, NAMED_ITEMS)
+    return inventory_from_data(data, found, os.path.dirname(os.path.abspath(found)))
 
 
 def load_inventory_text(
     text: str, filename: str = "inventory.yaml", base_dir: str | None = None
 ) -> Inventory:
     """Validate inventory YAML given as text; `filename` only names it in messages."""
-    return inventory_from_data(parse_yaml(text, filename), filename, base_dir or os.getcwd())
+    return inventory_from_data(parse_yaml(text, filename, NAMED_ITEMS), filename, base_dir or os.getcwd())
 
 
 def builtin_inventory() -> Inventory:
@@ -164,7 +167,7 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
             "see the example inventory.yaml",
         )
     if not isinstance(data, YamlMap):
-        data = wrap(data)
+        data = YamlMap.of(data)
     for key in data:
         if key not in TOP_LEVEL_KEYS:
             raise top.error(data.key_lines.get(key), str(key), _unknown_top_level(key))
@@ -239,7 +242,7 @@ def _check_rendezvous(targets: dict[str, Target], raw_targets: YamlMap, top: Whe
     seen: dict[str, list[str]] = {}
     for name, target in targets.items():
         job = target.job
-        if job.launcher != "torchrun" or job.nnodes == 1:
+        if job.launcher != TORCHRUN or job.nnodes == 1:
             continue
         members = seen.setdefault(job.rdzv_endpoint, [])
         where = Where(top.filename, f"target {name!r}")

@@ -1,20 +1,20 @@
 """Checking one layer of the inventory (`defaults:`, a target, a group list) against the field
 schema, merging layers, and naming the place in the file where a mistake is.
 
-Every mapping checked here comes from parse_yaml, or from `wrap` for plain dicts: a `YamlMap` that
-knows the line of each key.
+Every mapping checked here comes from parse_yaml, or from `YamlMap.of` for plain dicts: a
+`YamlMap` that knows the line of each key.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from typing import Any, Collection
 
+from trainer.typed_yaml import YamlMap, did_you_mean, kind_of, located, show
+
 from .errors import InputError
-from .inventory_rules import HEALTH_FIELDS, JOB_FIELDS, TARGET_FIELDS, Bad, Schema, kind_of, show
-from .strict_yaml import YamlMap
+from .inventory_rules import HEALTH_FIELDS, JOB_FIELDS, TARGET_FIELDS, Bad, Schema
 
 Fields = dict[str, Any]  # clean values by field name; a mapping field (job:, health:) nests
 Lines = dict[str, int]  # the line of each field, by dotted name ("job.health.stall_seconds")
@@ -30,7 +30,7 @@ class Where:
     scope: str = ""  # "target 'gpu-box'", "defaults", "group 'all'" or "" for the top level
 
     def error(self, line: int | None, field: str | None, problem: str) -> InputError:
-        parts = [f"{self.filename}:{line}" if line else self.filename]
+        parts = [located(self.filename, line)]
         if self.scope:
             parts.append(self.scope)
         if field:
@@ -47,8 +47,7 @@ def unknown_field(key: Any, schema: Collection[str], prefix: str) -> str:
         return f"unknown field here; {key!r} is a target field: move it out of 'job:'"
     if prefix == "job." and key in HEALTH_FIELDS:
         return f"unknown field here; {key!r} is a health threshold: put it under 'job: health:'"
-    close = difflib.get_close_matches(key, list(schema), n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]!r}?" if close else f"known fields: {', '.join(schema)}"
+    hint = did_you_mean(key, schema) or f"known fields: {', '.join(schema)}"
     return f"unknown field; {hint}"
 
 
@@ -91,14 +90,6 @@ def merge(base: Fields, over: Fields) -> Fields:
         else:
             merged[key] = value
     return merged
-
-
-def wrap(data: dict[Any, Any]) -> YamlMap:
-    """Plain dicts (from code, not parse_yaml) get line 0 everywhere."""
-    wrapped = YamlMap()
-    for key, value in data.items():
-        wrapped[key] = wrap(value) if isinstance(value, dict) and not isinstance(value, YamlMap) else value
-    return wrapped
 
 
 def check_name(name: Any, kind: str, where: Where, line: int) -> str:

@@ -7,17 +7,19 @@ how to fix it" (the caller adds file, line, target and field).
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import math
 import re
 from typing import Any, Callable, Union
+
+from trainer.launchers import LAUNCHERS
+from trainer.typed_yaml import did_you_mean, kind_of, show
 
 from .model import JumpHost
 
 TRANSPORTS = ("local", "ssh", "pct")
 HOST_KEY_POLICIES = ("strict", "accept-new", "off")
 GPU_QUERY_ON = ("container", "host")
-LAUNCHERS = ("threads", "torchrun")
 
 Rule = Callable[[Any], Any]
 Schema = dict[str, Union[Rule, "Schema"]]  # a nested schema is a mapping field (job:, health:)
@@ -33,27 +35,6 @@ def with_article(word: str) -> str:
 
 class Bad(Exception):
     """What is wrong with one value and how to fix it; the caller says where."""
-
-
-def show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def kind_of(value: Any) -> str:
-    if value is None:
-        return "nothing"
-    if isinstance(value, bool):
-        return f"the boolean {str(value).lower()}"
-    if isinstance(value, (int, float)):
-        return f"the number {value}"
-    if isinstance(value, str):
-        return f"the text {show(value)}"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return f"a {type(value).__name__} ({value})"
 
 
 def _text(value: Any, example: str) -> str:
@@ -98,8 +79,8 @@ def _choice(options: tuple[str, ...]) -> Rule:
     def rule(value: Any) -> str:
         if isinstance(value, str) and value in options:
             return value
-        close = difflib.get_close_matches(str(value), options, n=1) if isinstance(value, str) else []
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        close = did_you_mean(value, options) if isinstance(value, str) else ""
+        hint = f"; {close}" if close else ""
         raise Bad(f"must be one of {', '.join(options)}, got {kind_of(value)}{hint}")
 
     return rule
@@ -128,10 +109,12 @@ def _jump(value: Any) -> JumpHost:
     match = _JUMP.match(text)
     if not match or match["host"].startswith("-") or (match["user"] or "").startswith("-"):
         raise Bad(f"expected 'user@host:port' (user and port optional), got {show(text)}")
-    port = int(match["port"] or 22)
-    if not 1 <= port <= 65535:
-        raise Bad(f"port must be between 1 and 65535, got {port}")
-    return JumpHost(host=match["host"].strip("[]"), port=port, user=match["user"])
+    jump = JumpHost(host=match["host"].strip("[]"), user=match["user"])  # JumpHost's default port
+    if match["port"]:
+        jump = dataclasses.replace(jump, port=int(match["port"]))
+    if not 1 <= jump.port <= 65535:
+        raise Bad(f"port must be between 1 and 65535, got {jump.port}")
+    return jump
 
 
 def _path(value: Any) -> str:

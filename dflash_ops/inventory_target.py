@@ -9,11 +9,20 @@ import posixpath
 import shutil
 from importlib.util import find_spec
 
+from trainer.launchers import DEFAULT_LAUNCHER, TORCHRUN
+from trainer.typed_yaml import show
+
 from . import cache_guard
 from .errors import InputError
 from .inventory_layers import Fields, Lines, Where
-from .inventory_rules import REMOTE_PATH_EXAMPLES, TORCHRUN_FIELDS, show, with_article
-from .model import Health, HostSpec, Job, Target
+from .inventory_rules import REMOTE_PATH_EXAMPLES, TORCHRUN_FIELDS, with_article
+from .model import CACHE_DIR_NAME, LOG_DIR_NAME, Health, HostSpec, Job, Target
+
+# Fields passed on only when the file sets them, so the defaults are model.py's.
+HOST_OPTIONAL = ("port", "user", "jump", "host_key_policy", "connect_timeout_s")
+HOST_LOCAL_FILES = ("identity_file", "known_hosts_file")  # paths on this machine
+JOB_OPTIONAL = ("session", "tmux_socket", "launcher") + TORCHRUN_FIELDS
+TARGET_OPTIONAL = ("gpu_query_on",)
 
 
 def _strip_slashes(path: str) -> str:
@@ -58,7 +67,7 @@ class TargetBuilder:
             job=self.job(),
             ssh=ssh,
             ctid=ctid if self.transport == "pct" else None,
-            gpu_query_on=self.values.get("gpu_query_on", "container"),
+            **{key: self.values[key] for key in TARGET_OPTIONAL if key in self.values},
         )
 
     def local_file(self, path: str) -> str:
@@ -74,16 +83,9 @@ class TargetBuilder:
                 + ("Proxmox host" if self.transport == "pct" else "machine")
                 + " to ssh to, e.g. host: pve1.example.lan",
             )
-        return HostSpec(
-            host=v["host"],
-            port=v.get("port", 22),
-            user=v.get("user", "root"),
-            identity_file=self.local_file(v["identity_file"]) if "identity_file" in v else None,
-            jump=v.get("jump"),
-            host_key_policy=v.get("host_key_policy", "strict"),
-            known_hosts_file=self.local_file(v["known_hosts_file"]) if "known_hosts_file" in v else None,
-            connect_timeout_s=v.get("connect_timeout_s", 10.0),
-        )
+        given: Fields = {key: v[key] for key in HOST_OPTIONAL if key in v}
+        given.update({key: self.local_file(v[key]) for key in HOST_LOCAL_FILES if key in v})
+        return HostSpec(host=v["host"], **given)
 
     def job_path(self, key: str, value: str) -> str:
         field = f"job.{key}"
@@ -146,7 +148,7 @@ class TargetBuilder:
         def own_dir(key: str, default: str) -> str:
             return _strip_slashes(self.job_path(key, job[key])) if key in job else join(workdir, default)
 
-        log_dir, cache_dir = own_dir("log_dir", "logs"), own_dir("cache_dir", "cache")
+        log_dir, cache_dir = own_dir("log_dir", LOG_DIR_NAME), own_dir("cache_dir", CACHE_DIR_NAME)
         python = self.job_python(job["python"])
         self.check_cache_dir(workdir, log_dir, cache_dir, python)
         target_gpus, drafter_gpus = job.get("target_gpus", ()), job.get("drafter_gpus", ())
@@ -161,21 +163,19 @@ class TargetBuilder:
             workdir=workdir,
             python=python,
             config=self.job_config(job["config"]),
-            session=job.get("session", "dflash"),
             log_dir=log_dir,
             cache_dir=cache_dir,
             target_gpus=tuple(target_gpus),
             drafter_gpus=tuple(drafter_gpus),
-            tmux_socket=job.get("tmux_socket", "dflash"),
             train_args=tuple(job.get("train_args", ())),
             env=tuple(job.get("env", {}).items()),
             health=Health(**job.get("health", {})),
-            **{key: job[key] for key in TORCHRUN_FIELDS + ("launcher",) if key in job},
+            **{key: job[key] for key in JOB_OPTIONAL if key in job},
         )
 
     def check_launcher(self, job: Fields) -> None:
         """torchrun fields belong together: ranks per host, hosts, rendezvous, one GPU per rank."""
-        if job.get("launcher", "threads") != "torchrun":
+        if job.get("launcher", DEFAULT_LAUNCHER) != TORCHRUN:
             for key in TORCHRUN_FIELDS:
                 if key in job:
                     raise self.fail(
@@ -219,5 +219,5 @@ class TargetBuilder:
         # inside, the job's code, runs, logs or python (cache_guard; checked again on the target).
         why = cache_guard.problem(cache_dir, cache_guard.owned_paths(workdir, log_dir, python))
         if why is not None:
-            fix = f"use a directory of its own, e.g. {posixpath.join(workdir, 'cache')}"
+            fix = f"use a directory of its own, e.g. {posixpath.join(workdir, CACHE_DIR_NAME)}"
             raise self.fail("job.cache_dir", f"{cache_dir!r} {why} and is purged on relaunch; {fix}")

@@ -236,18 +236,20 @@ def step_rate(records: list[dict], window: int = 10) -> float | None:
     if len(steps) < 2:
         return None
     first, last = steps[0], steps[-1]
-    began, ended = _number(first.get("time")), _number(last.get("time"))
+    began, ended = _record_number(first.get("time")), _record_number(last.get("time"))
     if began is None or ended is None or not ended > began:
         return None
     return (float(last["step"]) - float(first["step"])) / (ended - began)  # step_records: numbers
 
 
-def _number(value) -> float | None:
+def _record_number(value) -> float | None:
+    """A metrics record's number as float; NaN and inf are kept (a NaN loss is news, see
+    loss_is_finite), anything else (text, a boolean, missing) is None."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _whole(value) -> int | None:
-    number = _number(value)
+    number = _record_number(value)
     return int(number) if number is not None and math.isfinite(number) else None
 
 
@@ -265,14 +267,17 @@ def progress(records: list[dict]) -> Progress:
     return Progress(
         step=_whole(last.get("step")) if last else None,
         total_steps=total,
-        loss=_number(last.get("loss")) if last else None,
+        loss=_record_number(last.get("loss")) if last else None,
         tokens_per_s=recent_tokens_per_s(records),
-        eta_s=_number(last.get("eta_s")) if last else None,
-        last_step_time=_number(last.get("time")) if last else None,
-        last_record_time=_number(records[-1].get("time")) if records else None,
-        start_time=_number(start.get("time")) if start else None,
+        eta_s=_record_number(last.get("eta_s")) if last else None,
+        last_step_time=_record_number(last.get("time")) if last else None,
+        last_record_time=_record_number(records[-1].get("time")) if records else None,
+        start_time=_record_number(start.get("time")) if start else None,
         steps_per_s=step_rate(records),
         done_reason=str(done.get("reason"))
-        if done and (last is None or (_number(done.get("time")) or 0) >= (_number(last.get("time")) or 0))
+        if done
+        and (
+            last is None or (_record_number(done.get("time")) or 0) >= (_record_number(last.get("time")) or 0)
+        )
         else None,
     )

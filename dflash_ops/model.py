@@ -1,8 +1,17 @@
-"""Plain data describing targets and jobs, as loaded from inventory.yaml (see inventory.py)."""
+"""Plain data describing targets and jobs, as loaded from inventory.yaml (see inventory.py).
+
+The defaults written here are the only ones: the inventory passes only the fields a file sets.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+
+from trainer.launchers import DEFAULT_LAUNCHER
+
+# A job's logs and compile cache live under its workdir unless the inventory says otherwise.
+LOG_DIR_NAME = "logs"
+CACHE_DIR_NAME = "cache"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +67,7 @@ class Job:
     train_args: tuple[str, ...] = ()  # extra dflash-train arguments
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the trainer
     health: Health = dataclasses.field(default_factory=Health)
-    launcher: str = "threads"  # "torchrun": one process per rank, DDP (dflash_ops/torchrun.py)
+    launcher: str = DEFAULT_LAUNCHER  # "torchrun": one process per rank, DDP (dflash_ops/torchrun.py)
     nproc_per_node: int = 1  # torchrun ranks on this target, one GPU each
     nnodes: int = 1  # hosts in the torchrun job (the targets of a group)
     rdzv_endpoint: str = ""  # HOST:PORT of the c10d rendezvous when nnodes > 1
@@ -67,9 +76,9 @@ class Job:
         # Derived defaults are filled in here, once, so every reader sees the real paths.
         workdir = self.workdir.rstrip("/") or "/"
         if not self.log_dir:
-            object.__setattr__(self, "log_dir", workdir + "/logs")
+            object.__setattr__(self, "log_dir", f"{workdir}/{LOG_DIR_NAME}")
         if not self.cache_dir:
-            object.__setattr__(self, "cache_dir", workdir + "/cache")
+            object.__setattr__(self, "cache_dir", f"{workdir}/{CACHE_DIR_NAME}")
 
     @property
     def gpus(self) -> tuple[int, ...]:

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from trainer.launchers import TORCHRUN
+from trainer.typed_yaml import kind_of, show
+
 from . import cache_guard, jobpaths
 from .inventory_layers import Where, check_name, unknown_field
-from .inventory_rules import Bad, _host, _path, _whole, kind_of, show
+from .inventory_rules import Bad, _host, _path, _whole
 from .model import Job, Target
 from .strict_yaml import YamlMap
 
@@ -164,7 +167,7 @@ def _nodes(value: object, line: int, targets: dict[str, Target], where: Where) -
         nodes.append(targets[name])
     for node in nodes:
         job = node.job
-        if job.launcher != "torchrun":
+        if job.launcher != TORCHRUN:
             raise where.error(
                 line,
                 "nodes",

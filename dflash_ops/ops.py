@@ -10,8 +10,8 @@ import shlex
 import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from . import budget, health, joblock, jobpaths, jobstate, status as status_lib
-from .errors import ContainerNotRunning, DflashOpsError, InputError, JobBusy, RemoteCommandError
+from . import budget, commands, health, jobpaths, jobstate, status as status_lib
+from .errors import DflashOpsError, InputError, JobBusy, RemoteCommandError
 from .model import Target
 from .probe import run_probe
 from .relaunch_guard import RelaunchGuard
@@ -20,9 +20,10 @@ from .transport.base import quote_argv
 from .transport.factory import make_transport
 
 if TYPE_CHECKING:
-    from . import deploy, playbook
+    from . import deploy
+    from .playbook.run import RunResult
 
-# The playbook engine and the step library are imported by the functions that run playbooks, so
+# The commands that act on a job are dflash_ops.commands; they import the steps when they run, so
 # `status`, `health` and `tail-log` start without them.
 
 
@@ -33,96 +34,6 @@ def connect(target: Target) -> Iterator:
         yield transport
     finally:
         transport.close()
-
-
-# The options each built-in command's flags set, in the playbook it runs: a user's file that
-# shadows the shipped one must declare them (see playbook.load_builtin).
-BUILTIN_FLAGS: dict[str, dict[str, str]] = {
-    "relaunch": {
-        "purge": "--no-purge",
-        "deploy": "--no-deploy",
-        "resume": "--fresh",
-        "timeout": "--timeout",
-        "grace": "--grace",
-        "allow_shared_gpus": "--allow-shared-gpus",
-    },
-    "stop": {"grace": "--grace"},
-    "gpu-clean": {"force": "--force"},
-    "purge-cache": {},
-    "deploy": {},
-    "rollback": {"release": "--rollback"},
-}
-
-
-def load_book(name: str, search_dirs=None, options: dict | None = None) -> playbook.Loaded:
-    """The playbook `name` names, checked against the step library; for a built-in command's
-    name, also that a shadowing user file declares the options the given flags set."""
-    from . import playbook, steps
-
-    dirs = playbook.playbook_search_dirs() if search_dirs is None else search_dirs
-    return playbook.load_builtin(name, dirs, BUILTIN_FLAGS.get(name, {}), options, registry=steps.registry)
-
-
-def run_playbook(
-    target: Target,
-    name: str,
-    options: dict | None = None,
-    dry_run: bool = False,
-    on_progress: Callable | None = None,
-    search_dirs=None,
-    on_locked: Callable[[], None] | None = None,
-) -> playbook.PlaybookResult:
-    """Load, validate (before touching anything) and run one playbook on one target, holding the
-    job's lock on the target throughout (JobBusy when another command holds it; `on_locked` runs
-    once it is ours). A dry run takes no lock: it touches nothing."""
-    from . import playbook, steps
-
-    book = load_book(name, search_dirs, options).playbook
-    given = {k: v for k, v in (options or {}).items() if v is not None}
-    with connect(target) as transport:
-        ctx = playbook.StepContext(target=target, transport=transport)
-        with contextlib.nullcontext() if dry_run else joblock.held(transport, target, name):
-            if on_locked is not None:
-                on_locked()
-            return playbook.run_playbook(
-                book, steps.registry, ctx, dry_run=dry_run, on_progress=on_progress, options=given
-            )
-
-
-@dataclasses.dataclass(frozen=True)
-class NothingToDo:
-    """A command with nothing to act on (reads like a PlaybookResult for the CLI)."""
-
-    target: str
-    message: str
-    ok = True
-    exit_code = 0
-
-    def summary(self) -> str:
-        return f"[{self.target}] {self.message}"
-
-
-def stop_job(
-    target: Target,
-    name: str = "stop",
-    options: dict | None = None,
-    dry_run: bool = False,
-    on_progress: Callable | None = None,
-    search_dirs=None,
-):
-    """`stop`: in a stopped container the job cannot be running, so there is nothing to stop."""
-    if target.transport == "pct" and not dry_run:
-        with connect(target) as transport:
-            try:
-                transport.run("true", timeout=30, step="stop")
-            except ContainerNotRunning as exc:
-                if "is not running" not in exc.reason:
-                    raise  # a container that does not exist is a mistake, not a stopped job
-                return NothingToDo(
-                    target.name,
-                    f"stop: container {target.ctid} is not running, so neither is the job; nothing to stop",
-                )
-    return run_playbook(target, name, options, dry_run, on_progress, search_dirs)
 
 
 @dataclasses.dataclass
@@ -179,24 +90,18 @@ def _check(target: Target, now: float | None, shares: budget.Shares | None = Non
                 )
     except DflashOpsError as exc:
         return _unknown(target, str(exc).splitlines()[0])
-    verdict = budget.with_unknown_parts(
-        health.evaluate(budget.judged_without_unknown_parts(report), target.job, now),
-        budget.unknown_parts(report),
-    )
-    status = budget.mark_unknown_parts(
-        status_lib.build_status(target.name, report, target.job, verdict), report
-    )
-    return Checked(target, verdict, status, report)
+    verdict = health.evaluate(report, target.job, now)
+    return Checked(target, verdict, status_lib.build_status(target.name, report, target.job, verdict), report)
 
 
 @dataclasses.dataclass
 class HealthAction:
     attempted: bool
     message: str
-    result: playbook.PlaybookResult | None = None
+    result: RunResult | None = None
 
 
-def auto_relaunch(target: Target, checked: Checked, search_dirs=None) -> HealthAction | None:
+def auto_relaunch(target: Target, checked: Checked) -> HealthAction | None:
     """Relaunch a CRITICAL target, at most max_relaunches_per_hour, never twice at once."""
     if checked.verdict.level != "CRITICAL":
         return None
@@ -204,15 +109,14 @@ def auto_relaunch(target: Target, checked: Checked, search_dirs=None) -> HealthA
     with guard.hold() as allowed:
         if allowed is not True:
             return HealthAction(False, f"auto-relaunch skipped: {allowed}")
-        loaded = load_book("relaunch", search_dirs)
         try:  # an attempt counts against the hourly budget once it holds the job's lock
-            result = run_playbook(target, "relaunch", search_dirs=search_dirs, on_locked=guard.record)
+            result = commands.relaunch(target, on_locked=guard.record)
         except JobBusy as exc:
             return HealthAction(False, f"auto-relaunch skipped: {exc.reason}")
         except DflashOpsError as exc:
             return HealthAction(True, f"auto-relaunch FAILED: {str(exc).splitlines()[0]}")
     outcome = "succeeded" if result.ok else "FAILED: " + result.summary()
-    return HealthAction(True, f"auto-relaunch {outcome} ({loaded.describe()})", result)
+    return HealthAction(True, f"auto-relaunch {outcome}", result)
 
 
 def list_releases(target: Target) -> list[deploy.Release]:

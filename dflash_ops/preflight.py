@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from . import jobpaths
 from .errors import DflashOpsError
-from .playbook import StepContext, StepOutcome
+from .model import Job
+from .playbook.context import StepContext, StepOutcome
 from .remote import shell_command
 from .steps import (
     _fail,
@@ -15,7 +16,6 @@ from .steps import (
     describe_foreign,
     job_processes,
     refuse_while_job_lives,
-    registry,
     resolve_cache,
     surely_foreign,
 )
@@ -47,64 +47,66 @@ def _answers(stdout: str) -> dict[str, str]:
     return out
 
 
-@registry.step(
-    "preflight",
-    params={
-        "gpus": list[int],
-        "deploy": (bool, True),
-        "min_free_gib": (float, 10.0),
-        "allow_shared_gpus": (bool, False),
-        "import_torch": (bool, True),
-    },
-)
+_UNTOUCHED = "; nothing was stopped"
+
+
 def preflight(
     ctx: StepContext,
-    gpus: list[int],
+    job: Job,
+    *,
     deploy: bool,
     min_free_gib: float,
     allow_shared_gpus: bool,
     import_torch: bool,
 ) -> StepOutcome:
-    """Check, before anything is stopped, that the launch can work; a failed check names itself
-    and leaves the running job untouched."""
-    job = ctx.job
+    """Check, before anything is stopped, that the launch can work (`deploy`: a release will be
+    deployed, so none needs to be there yet); a failed check names itself and leaves the running
+    job untouched."""
     try:
         result = ctx.run(
             _shell_checks(job, need_release=not deploy, import_torch=import_torch), timeout=150, check=False
         )
     except DflashOpsError as exc:  # ssh, pct or the container did not answer
-        raise _fail(ctx, f"check 'reachable': {str(exc).splitlines()[0]}; nothing was stopped") from None
-    if result is None:
+        raise _fail(ctx, f"check 'reachable': {str(exc).splitlines()[0]}{_UNTOUCHED}") from None
+    if ctx.dry_run:
         return StepOutcome(
             "would check python+torch, the release, free disk, the GPU query and foreign GPU processes"
         )
     found = _answers(result.stdout)
-    untouched = "; nothing was stopped"
     if found.get("reach") != "ok":
-        raise _fail(
-            ctx,
-            "check 'reachable': the target did not answer "
-            f"({(result.stderr or result.stdout).strip()[-300:]}){untouched}",
-        )
+        answer = (result.stderr or result.stdout).strip()[-300:]
+        raise _fail(ctx, f"check 'reachable': the target did not answer ({answer}){_UNTOUCHED}")
+    free_gib = _check_answers(ctx, job, found, min_free_gib)
+    _, why = resolve_cache(ctx, job, job.cache_dir)  # purged and marked by this relaunch: never the job's own
+    if why is not None:
+        raise _fail(ctx, f"check 'cache': {why}{_UNTOUCHED}")
+    said = [f"torch {found.get('torch', '?')}", f"{free_gib:.0f} GiB free"]
+    if job.gpus:
+        said.append(_check_gpus(ctx, job, allow_shared_gpus))
+    return StepOutcome("; ".join(said))
+
+
+def _check_answers(ctx: StepContext, job: Job, found: dict[str, str], min_free_gib: float) -> float:
+    """The checks remote/preflight.sh answered: python, release, job state, disk; the free GiB."""
     if "python_error" in found:
         raise _fail(
             ctx,
             f"check 'python': {job.python} cannot import torch ({found['python_error']}); "
-            "fix job.python or install torch there" + untouched,
+            "fix job.python or install torch there" + _UNTOUCHED,
         )
     if found.get("release") == "missing":
         raise _fail(
             ctx,
             f"check 'release': no trainer release at {jobpaths.current_release(job)}; "
-            "deploy one (drop --no-deploy)" + untouched,
+            "deploy one (drop --no-deploy)" + _UNTOUCHED,
         )
     if found.get("release") == "unwritable":
-        raise _fail(ctx, f"check 'release': cannot write {job.workdir} to deploy the trainer" + untouched)
+        raise _fail(ctx, f"check 'release': cannot write {job.workdir} to deploy the trainer" + _UNTOUCHED)
     if found.get("state") == "not-a-file":
         raise _fail(
             ctx,
             f"check 'job state': {jobpaths.state_file(job)} is not a regular file, so the launch "
-            "could not record its state; remove it" + untouched,
+            "could not record its state; remove it" + _UNTOUCHED,
         )
     free_kib = found.get("free_kib") or ""
     free_gib = int(free_kib) / 2**20 if free_kib.isdigit() else 0.0
@@ -112,42 +114,38 @@ def preflight(
         raise _fail(
             ctx,
             f"check 'disk': {free_gib:.1f} GiB free under {job.workdir}, checkpoints need "
-            f"{min_free_gib:g} GiB" + untouched,
+            f"{min_free_gib:g} GiB" + _UNTOUCHED,
         )
-    _, why = resolve_cache(ctx, job.cache_dir)  # purged and marked by this relaunch: never the job's own
-    if why is not None:
-        raise _fail(ctx, f"check 'cache': {why}" + untouched)
-    said = [f"torch {found.get('torch', '?')}", f"{free_gib:.0f} GiB free"]
-    if gpus:
-        try:
-            snapshot = _gpu_snapshot(ctx)
-        except Exception as exc:  # the GPU query itself failed: name it, stop nothing
-            raise _fail(ctx, f"check 'GPU query': {str(exc).split(': ', 1)[-1]}" + untouched) from None
-        missing = [i for i in gpus if snapshot.by_index(i) is None]
-        if missing:
-            raise _fail(
-                ctx,
-                f"check 'GPU query': job GPUs {','.join(map(str, missing))} do not exist on the "
-                "target; fix target_gpus/drafter_gpus" + untouched,
-            )
-        report = job_processes(ctx, job, gpus, 0.0, True, "list")
-        assert report is not None  # None only under dry-run, which returned above
-        foreign = surely_foreign(report["unidentified"])
-        if foreign and not allow_shared_gpus:
-            raise _fail(
-                ctx,
-                f"check 'foreign GPU processes': {describe_foreign(foreign)}; they are not this "
-                "job's and are never signalled: end them, or pass --allow-shared-gpus" + untouched,
-            )
-        said.append(
-            f"GPUs {','.join(map(str, gpus))} answer"
-            + (f", shared with {describe_foreign(foreign)}" if foreign else "")
-        )
-    return StepOutcome("; ".join(said))
+    return free_gib
 
 
-@registry.step("require_job_stopped", params={})
-def require_job_stopped(ctx: StepContext) -> StepOutcome:
+def _check_gpus(ctx: StepContext, job: Job, allow_shared_gpus: bool) -> str:
+    """The job's GPUs exist and no foreign process uses them (unless allowed); what was found."""
+    gpus = list(job.gpus)
+    try:
+        snapshot = _gpu_snapshot(ctx)
+    except Exception as exc:  # the GPU query itself failed: name it, stop nothing
+        raise _fail(ctx, f"check 'GPU query': {str(exc).split(': ', 1)[-1]}" + _UNTOUCHED) from None
+    missing = [i for i in gpus if snapshot.by_index(i) is None]
+    if missing:
+        raise _fail(
+            ctx,
+            f"check 'GPU query': job GPUs {','.join(map(str, missing))} do not exist on the "
+            "target; fix target_gpus/drafter_gpus" + _UNTOUCHED,
+        )
+    foreign = surely_foreign(job_processes(ctx, job, gpus, 0.0, True, "list")["unidentified"])
+    if foreign and not allow_shared_gpus:
+        raise _fail(
+            ctx,
+            f"check 'foreign GPU processes': {describe_foreign(foreign)}; they are not this "
+            "job's and are never signalled: end them, or pass --allow-shared-gpus" + _UNTOUCHED,
+        )
+    return f"GPUs {','.join(map(str, gpus))} answer" + (
+        f", shared with {describe_foreign(foreign)}" if foreign else ""
+    )
+
+
+def require_job_stopped(ctx: StepContext, job: Job) -> StepOutcome:
     """Fail while any process of the job lives (its tmux tree or the launcher's marker)."""
-    refuse_while_job_lives(ctx, "stop it first (dflash-ops stop), or pass --force")
+    refuse_while_job_lives(ctx, job, "stop it first (dflash-ops stop), or pass --force")
     return StepOutcome("would check that the job is not running" if ctx.dry_run else "the job is not running")

@@ -33,8 +33,8 @@ class ProbeError(DflashOpsError):
 class SessionState:
     name: str
     socket: str
-    exists: bool  # tmux knows the session (its pane may be dead with remain-on-exit)
-    running: bool  # the pane's process is alive
+    exists: bool | None  # tmux knows the session (its pane may be dead); None: tmux gave no answer in time
+    running: bool | None  # the pane's process is alive; None: tmux gave no answer in time
     pane_pid: int | None = None
     exit_status: int | None = None  # of a dead pane
     error: str | None = None  # tmux itself could not be asked
@@ -242,11 +242,12 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
         raise ProbeError(f"[{target}] probe: the answer is not the probe's JSON: {shown}")
     try:
         session = data.get("session") or {}
+        unanswered = session.get("out_of_time") is True  # neither alive nor gone: unknown
         state = SessionState(
             name=str(session.get("name", "")),
             socket=str(session.get("socket", "")),
-            exists=bool(session.get("exists")),
-            running=bool(session.get("running")),
+            exists=None if unanswered else bool(session.get("exists")),
+            running=None if unanswered else bool(session.get("running")),
             pane_pid=_whole(session.get("pane_pid")),
             exit_status=_whole(session.get("exit_status"), signed=True),
             error=None if session.get("error") is None else str(session.get("error"))[:500],

@@ -1,4 +1,4 @@
-"""How playbook progress reaches a person: one line per finished step, and a step's transient
+"""How a run's progress reaches a person: one line per finished step, and a step's transient
 status ("waiting for the first step: 42 s …") rewritten in place on a terminal, or printed at most
 once every `every_s` seconds where output goes to a file (cron, CI) and cannot be rewritten."""
 
@@ -7,10 +7,33 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from .playbook import Progress, format_progress
+from .playbook.run import DRY_RUN, FAILED, OK, SKIPPED, Progress
 
 STATUS_EVERY_S = 15.0
 CLEAR_LINE = "\r\033[K"
+
+
+def format_progress(p: Progress, with_target: bool = False, show_commands: bool = True) -> str:
+    """`[3/7] wait_gpu_free ... ok (4.2s) GPUs 1,2,3 free`; dry-run lists the commands below."""
+    head = (f"[{p.target}] " if with_target else "") + f"[{p.number}/{p.total}] {p.step} ..."
+    if p.event == "start":
+        return head
+    if p.event in ("log", "status"):
+        return (f"[{p.target}] " if with_target else "") + f"      {p.message}"
+    r = p.report
+    assert r is not None
+    line = f"{head} {r.status}"
+    if r.status in (OK, FAILED, DRY_RUN):
+        line += f" ({r.seconds:.1f}s)"
+    if r.status == SKIPPED:
+        return f"{line} ({r.message})"
+    if r.message:
+        first, *rest = r.message.splitlines()
+        line += f" {first}" + "".join(f"\n      {x}" for x in rest)
+    if show_commands and r.status == DRY_RUN:
+        for command in r.commands:
+            line += "\n      $ " + command.replace("\n", "\n        ")
+    return line
 
 
 class ProgressPrinter:

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
 from trainer import metrics_format
+from trainer.typed_yaml import finite
 
 from . import acceptance, gpu_owners, jobstate, logs
 from .gpu import IDLE_USED_MIB
 from .health import Verdict, progress_age
 
 COLORS = {"OK": "32", "WARNING": "33", "CRITICAL": "31", "UNKNOWN": "35"}
-
-
-def _finite(value):
-    # JSON has no NaN: a non-finite number becomes null (the verdict's reasons say what it was).
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def _roles(job) -> dict:
@@ -138,12 +130,13 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
     # the age the verdict judged, so `status --json` carries one value for it (perfdata.age_s too)
     judged = verdict.perfdata.get("age_s")
     age = judged.value if judged is not None else progress_age(report, progress, report.time)
+    # JSON has no NaN: a non-finite number becomes null (the verdict's reasons say what it was).
     status["training"] = {
         "step": progress.step,
         "total_steps": progress.total_steps,
-        "loss": _finite(progress.loss),
-        "tokens_per_s": _finite(progress.tokens_per_s),
-        "eta_s": None if _ended(report, progress) else _finite(progress.eta_s),
+        "loss": finite(progress.loss),
+        "tokens_per_s": finite(progress.tokens_per_s),
+        "eta_s": None if _ended(report, progress) else finite(progress.eta_s),
         "last_update_age_s": age,
         "finished": progress.done_reason == "max_steps",
     }
@@ -161,7 +154,7 @@ def _eval_status(accept, now: float) -> dict | None:
         "tau": accept.tau,
         "acceptance": list(accept.acceptance),
         "lossless": accept.lossless,
-        "expected_tau": _finite(accept.expected_tau),
+        "expected_tau": finite(accept.expected_tau),
         "age_s": None if accept.time is None else max(0.0, round(now - accept.time, 1)),
     }
 

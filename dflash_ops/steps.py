@@ -1,7 +1,11 @@
-"""The step library behind the playbooks: stop, clean GPUs, wait, purge, deploy, launch, confirm.
+"""The step library behind the commands and playbooks: stop, clean GPUs, wait, purge, deploy,
+launch, confirm.
 
-Each step is a small function of a StepContext; every remote command goes through `ctx.run`, which
-records its exact command line (that is what --dry-run prints) and runs nothing under dry-run.
+A step is `fn(ctx, job, ...)`: the StepContext it acts through, the job, what an earlier step gave
+(a parameter typed as its result, e.g. `launched: Launched`) and its own parameters. Every remote
+command goes through `ctx.run`, which records its exact command line; under --dry-run nothing
+reaches the target, so a step says what it would do instead of reading an answer. A parameter that
+a command sets from its options has no default here: the command's default is the one.
 """
 
 from __future__ import annotations
@@ -19,11 +23,9 @@ from . import cache_guard, jobpaths, jobstate, launch as launch_lib, tmux
 from .errors import DflashOpsError, StepFailed
 from .gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
 from .model import Job
-from .playbook import Param, StepContext, StepOutcome, StepRegistry
+from .playbook.context import StepContext, StepOutcome
 from .remote import bundle, facts, python_command, shell_command
 from .transport.base import quote_argv
-
-registry = StepRegistry()
 
 _JOBPROCS = "jobprocs.py"
 _JOBPROCS_LISTS = ("job", "unidentified", "exited_panes", "terminated", "killed", "survivors")
@@ -40,14 +42,12 @@ def _host_ctid(ctx: StepContext) -> int | None:
 
 def _gpu_snapshot(ctx: StepContext):
     """The GPUs as nvidia-smi sees them: on the Proxmox host (pids mapped to this container, others
-    labelled) when the inventory says so, else where the job runs. None under dry-run."""
+    labelled) when the inventory says so, else where the job runs. None listed under dry-run."""
     ctid = _host_ctid(ctx)
     if ctid is not None:
         result = ctx.run_on_host(HOST_GPU_QUERY, timeout=60, check=False)
     else:
         result = ctx.run(GPU_QUERY, timeout=60, check=False)
-    if result is None:
-        return None
     if not result.ok:
         raise _fail(ctx, "nvidia-smi failed: " + (result.stdout + result.stderr).strip()[-500:])
     return parse_host_gpu_query(result.stdout, ctid) if ctid is not None else parse_gpu_query(result.stdout)
@@ -58,9 +58,9 @@ def _gpu_snapshot(ctx: StepContext):
 
 def job_processes(
     ctx: StepContext, job: Job, gpus: list[int], grace_s: float, include_session: bool, action: str
-) -> dict | None:
+) -> dict:
     """Run remote/jobprocs.py: the job's living processes and the foreign ones on its GPUs, ended
-    when action is "kill". None under dry-run."""
+    when action is "kill". Under dry-run none are found."""
     args = {
         "marker_env": jobpaths.JOB_MARKER_ENV,
         "marker": jobpaths.marker_value(job),
@@ -73,19 +73,17 @@ def job_processes(
     }
     if gpus and _host_ctid(ctx) is not None:
         # Inside LXC nvidia-smi shows host pids; hand the script the host's mapped view instead.
-        snapshot = _gpu_snapshot(ctx)
-        if snapshot is not None:
-            args["gpu_apps"] = [
-                [p.pid, g.index, p.used_memory_mib, p.owner, p.name]
-                for g in snapshot.gpus
-                if g.index in gpus
-                for p in g.processes
-            ]
+        args["gpu_apps"] = [
+            [p.pid, g.index, p.used_memory_mib, p.owner, p.name]
+            for g in _gpu_snapshot(ctx).gpus
+            if g.index in gpus
+            for p in g.processes
+        ]
     result = ctx.run(
         python_command(job.python, _JOBPROCS, args), timeout=grace_s + 60, stdin=bundle(_JOBPROCS)
     )
-    if result is None:
-        return None
+    if ctx.dry_run:
+        return {key: [] for key in _JOBPROCS_LISTS}
     try:
         report = json.loads(result.stdout)
     except (ValueError, RecursionError):
@@ -113,15 +111,20 @@ def describe_foreign(others: list[dict], invisible: str = "not visible here") ->
     )
 
 
-def _end_job_processes(
-    ctx: StepContext, job: Job, gpus: list[int], grace_s: float, include_session: bool
-) -> StepOutcome:
-    report = job_processes(ctx, job, gpus, grace_s, include_session, "kill")
-    if report is None:
-        return StepOutcome(
-            "would SIGTERM this job's processes, SIGKILL after "
-            f"{grace_s:g}s; other processes are only reported",
-            data={"foreign": []},
+@dataclasses.dataclass(kw_only=True)
+class Ended(StepOutcome):
+    """What stop_session and kill_gpu_processes give: they saw the job's processes end. `foreign`
+    are the processes on its GPUs known not to be the job's (see surely_foreign), left alone."""
+
+    foreign: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def _end_job_processes(ctx: StepContext, job: Job, grace_s: float, include_session: bool) -> Ended:
+    report = job_processes(ctx, job, list(job.gpus), grace_s, include_session, "kill")
+    if ctx.dry_run:
+        return Ended(
+            message="would SIGTERM this job's processes, SIGKILL after "
+            f"{grace_s:g}s; other processes are only reported"
         )
     if report["survivors"]:
         raise _fail(ctx, f"processes survived SIGKILL: {report['survivors']}")
@@ -139,12 +142,7 @@ def _end_job_processes(
         message += "; left alone (not this job's): " + describe_foreign(
             report["unidentified"], _invisible_pid(ctx)
         )
-    return StepOutcome(message, data={**report, "foreign": surely_foreign(report["unidentified"])})
-
-
-# The processes on the job's GPUs that stop_session and kill_gpu_processes left alone, as known not
-# to be the job's (see surely_foreign): wait_gpu_free's `ignore`.
-_FOREIGN = {"foreign": list[dict[str, Any]]}
+    return Ended(message=message, data=report, foreign=surely_foreign(report["unidentified"]))
 
 
 def _invisible_pid(ctx: StepContext) -> str:
@@ -154,24 +152,21 @@ def _invisible_pid(ctx: StepContext) -> str:
     return "not visible here: a host pid?" if in_container else "exited, no longer in /proc"
 
 
-@registry.step("stop_session", params={"session": str, "grace_s": (float, 30.0)}, outputs=_FOREIGN)
-def stop_session(ctx: StepContext, session: str, grace_s: float) -> StepOutcome:
+def stop_session(ctx: StepContext, job: Job, grace_s: float) -> Ended:
     """SIGTERM the session's process tree (the trainer checkpoints and exits), SIGKILL after
     grace_s, then remove the tmux session."""
-    job = dataclasses.replace(ctx.job, session=session)
-    outcome = _end_job_processes(ctx, job, list(job.gpus), grace_s, include_session=True)
+    ended = _end_job_processes(ctx, job, grace_s, include_session=True)
     ctx.run(tmux.kill_session(job) + " || true", timeout=30)
     still = ctx.run(tmux.has_session(job), timeout=30, check=False)
-    if still is not None and still.ok:
-        raise _fail(ctx, f"session {session!r} is still there after kill-session")
-    return outcome
+    if still.ok and not ctx.dry_run:
+        raise _fail(ctx, f"session {job.session!r} is still there after kill-session")
+    return ended
 
 
-@registry.step("kill_gpu_processes", params={"gpus": list[int], "grace_s": (float, 10.0)}, outputs=_FOREIGN)
-def kill_gpu_processes(ctx: StepContext, gpus: list[int], grace_s: float) -> StepOutcome:
+def kill_gpu_processes(ctx: StepContext, job: Job, grace_s: float = 10.0) -> Ended:
     """End leftovers of earlier launches (they carry the launcher's marker). GPU processes that are
     not this job's are reported, never signalled."""
-    return _end_job_processes(ctx, ctx.job, gpus, grace_s, include_session=False)
+    return _end_job_processes(ctx, job, grace_s, include_session=False)
 
 
 # ------------------------------------------------------------------ GPUs
@@ -194,49 +189,33 @@ def _pid_owner(processes: list[dict[str, Any]]) -> set[tuple[int, str]]:
     return {(int(p["pid"]), p.get("owner") or "") for p in processes}
 
 
-@registry.step(
-    "wait_gpu_free",
-    params={
-        "gpus": list[int],
-        "timeout_s": (float, 120.0),
-        "max_used_mib": (int, 1024),
-        "poll_s": (float, 2.0),
-        "ignore": Param(
-            list[dict[str, Any]],
-            [],
-            help='processes not to wait for ({pid, owner} each), e.g. "{steps.kill_gpu_processes.foreign}"',
-        ),
-        "processes_ended": Param(
-            bool, False, help="an earlier step saw the job's processes end: a failing GPU query does not fail"
-        ),
-    },
-)
 def wait_gpu_free(
     ctx: StepContext,
-    gpus: list[int],
+    job: Job,
+    ended: Ended | None = None,
+    *,
     timeout_s: float,
-    max_used_mib: int,
-    poll_s: float,
-    ignore: list[dict[str, Any]],
-    processes_ended: bool,
+    max_used_mib: int = 1024,
+    poll_s: float = 2.0,
 ) -> StepOutcome:
-    """Wait until the job's processes have left its GPUs (at most max_used_mib besides what the
-    `ignore`d processes hold: others' processes, left alone); name what still holds them."""
+    """Wait until the job's processes have left its GPUs (at most max_used_mib besides what others'
+    processes hold); name what still holds them. After a step that `ended` the job's processes,
+    the foreign ones it saw are not waited for, and a failing GPU query cannot undo that they ended."""
+    gpus = list(job.gpus)
     if not gpus:
         return StepOutcome("no GPUs assigned to this job")
-    foreign = _pid_owner(ignore)
+    foreign = _pid_owner(ended.foreign if ended is not None else [])
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             snapshot = _gpu_snapshot(ctx)
         except StepFailed as exc:
-            if not processes_ended:
+            if ended is None:
                 raise
-            # an earlier step saw every job process end; a GPU query that fails cannot undo that
             return StepOutcome(
                 f"the job's processes are gone; GPUs not checked: {str(exc).split(': ', 1)[-1]}"
             )
-        if snapshot is None:
+        if ctx.dry_run:
             return StepOutcome(f"would wait up to {timeout_s:g}s for GPUs {gpus}")
         holders = [
             b.describe() for b in busy_gpus(without(snapshot, foreign), gpus, max_used_mib=max_used_mib)
@@ -272,9 +251,9 @@ def without(snapshot, foreign: set[tuple[int, str]]):
 # ------------------------------------------------------------------ cache, deploy, launch
 
 
-def _check_purgeable(ctx: StepContext, path: str) -> None:
+def _check_purgeable(ctx: StepContext, job: Job, path: str) -> None:
     norm = posixpath.normpath(path)
-    protected = {posixpath.normpath(p) for p in (ctx.job.workdir, "/root", "/home", "/tmp", "/var", "/usr")}
+    protected = {posixpath.normpath(p) for p in (job.workdir, "/root", "/home", "/tmp", "/var", "/usr")}
     if not posixpath.isabs(norm) or norm.count("/") < 2 or norm in protected:
         raise _fail(
             ctx,
@@ -283,16 +262,15 @@ def _check_purgeable(ctx: StepContext, path: str) -> None:
         )
 
 
-def resolve_cache(ctx: StepContext, path: str) -> tuple[str | None, str | None]:
+def resolve_cache(ctx: StepContext, job: Job, path: str) -> tuple[str | None, str | None]:
     """(the cache path as the target resolves it, why it may not be used as a cache or None):
     the cache and the job's own places are resolved ON THE TARGET (realpath -m: symlinks followed,
     missing parts allowed), then cache_guard's rule is applied to what they really are.
-    (None, None) under dry-run."""
-    job = ctx.job
+    (None, None) under dry-run: nothing is known."""
     owned = cache_guard.owned_paths(job.workdir, job.log_dir, job.python)
     paths = [path] + [p for p, _, _ in owned]
     result = ctx.run(quote_argv(["realpath", "-m", "-z", "--", *paths]), timeout=30)
-    if result is None:
+    if ctx.dry_run:
         return None, None
     parts = result.stdout.split("\0")
     if len(parts) != len(paths) + 1 or not all(p.startswith("/") for p in parts[:-1]):
@@ -308,34 +286,37 @@ def resolve_cache(ctx: StepContext, path: str) -> tuple[str | None, str | None]:
     return resolved, f"{field} {shown} {why}; give the cache a directory of its own"
 
 
-def refuse_while_job_lives(ctx: StepContext, what: str) -> None:
+def refuse_while_job_lives(ctx: StepContext, job: Job, what: str) -> None:
     """Fail, naming pids, while any process of the job lives: its tmux tree or anything carrying
     the launcher's marker (an orphan of an earlier launch included)."""
-    report = job_processes(ctx, ctx.job, [], 0.0, True, "list")
-    if report and report["job"]:
+    report = job_processes(ctx, job, [], 0.0, True, "list")
+    if report["job"]:
         pids = ", ".join(f"{p['pid']} ({p['cmd'][:40]})" for p in report["job"][:5])
         raise _fail(ctx, f"the job is running (pids {pids}); {what}")
 
 
-@registry.step("purge_cache", params={"paths": list[str], "if_unmarked": (str, "fail")})
-def purge_cache(ctx: StepContext, paths: list[str], if_unmarked: str) -> StepOutcome:
-    """Remove these compile-cache dirs, each only if it holds the marker the launcher puts there
-    (if_unmarked: "fail" or "skip" a dir without it); refuses while any job process lives."""
+def purge_cache(
+    ctx: StepContext, job: Job, paths: list[str] | None = None, if_unmarked: str = "fail"
+) -> StepOutcome:
+    """Remove these compile-cache dirs (default the job's cache_dir), each only if it holds the
+    marker the launcher puts there (if_unmarked: "fail" or "skip" a dir without it); refuses while
+    any job process lives."""
     if if_unmarked not in ("fail", "skip"):
         raise _fail(ctx, f"if_unmarked must be fail or skip, not {if_unmarked!r}")
+    paths = [job.cache_dir] if paths is None else paths
     for path in paths:
-        _check_purgeable(ctx, path)
-        real, why = resolve_cache(ctx, path)  # what the path really is on the target
+        _check_purgeable(ctx, job, path)
+        real, why = resolve_cache(ctx, job, path)  # what the path really is on the target
         if why is not None:
             raise _fail(ctx, f"refusing to purge: {why}")
         if real:
-            _check_purgeable(ctx, real)  # /tmp through a symlink is /tmp
-    refuse_while_job_lives(ctx, "stop it first (dflash-ops stop)")
+            _check_purgeable(ctx, job, real)  # /tmp through a symlink is /tmp
+    refuse_while_job_lives(ctx, job, "stop it first (dflash-ops stop)")
     done, skipped = [], []
     for path in paths:
         marker = posixpath.join(path, jobpaths.CACHE_MARKER)
         result = ctx.run(shell_command("purge_cache.sh", path, marker), timeout=300)
-        answer = result.stdout.strip() if result is not None else "purged"
+        answer = "purged" if ctx.dry_run else result.stdout.strip()
         if answer == "unmarked":
             if if_unmarked == "fail":
                 raise _fail(
@@ -351,50 +332,49 @@ def purge_cache(ctx: StepContext, paths: list[str], if_unmarked: str) -> StepOut
     return StepOutcome("; ".join(parts) or "nothing to purge")
 
 
-@registry.step("deploy", params={"keep_releases": (int, 5)})
-def deploy(ctx: StepContext, keep_releases: int) -> StepOutcome:
+def deploy(ctx: StepContext, job: Job, keep_releases: int = deploy_lib.KEEP_RELEASES) -> StepOutcome:
     """Upload the bundled trainer as a versioned release and switch `current` to it."""
     bundle = deploy_lib.build_bundle()
-    tarball = posixpath.join(jobpaths.releases_dir(ctx.job), bundle.release_id + ".tar.gz")
-    ctx.run(quote_argv(["mkdir", "-p", jobpaths.releases_dir(ctx.job)]), timeout=30)
+    tarball = posixpath.join(jobpaths.releases_dir(job), bundle.release_id + ".tar.gz")
+    ctx.run(quote_argv(["mkdir", "-p", jobpaths.releases_dir(job)]), timeout=30)
     ctx.put(bundle.data, tarball)
-    ctx.run(deploy_lib.install_script(ctx.job, bundle, tarball, keep_releases), timeout=120)
+    ctx.run(deploy_lib.install_script(job, bundle, tarball, keep_releases), timeout=120)
     return StepOutcome(f"release {bundle.release_id} is current", data={"release": bundle.release_id})
 
 
-@registry.step(
-    "launch",
-    params={"session": str, "cache_dir": str, "resume": (bool, True)},
-    outputs={"log": str},
-)
-def launch(ctx: StepContext, session: str, cache_dir: str, resume: bool) -> StepOutcome:
+@dataclasses.dataclass(kw_only=True)
+class Launched(StepOutcome):
+    """What launch gives: the log the new trainer writes."""
+
+    log: str
+
+
+def launch(ctx: StepContext, job: Job, resume: bool) -> Launched:
     """Start the trainer in a detached tmux session writing the next numbered log; the run is the
     newest unfinished one (resume) or a new one (after a finished run, or resume false: --fresh)."""
-    job = dataclasses.replace(ctx.job, session=session, cache_dir=cache_dir)
-    _, why = resolve_cache(dataclasses.replace(ctx, job=job), cache_dir)
+    _, why = resolve_cache(ctx, job, job.cache_dir)
     if why is not None:
         raise _fail(ctx, f"refusing to launch: {why}")
     result = ctx.run(launch_lib.launch_script(job, resume=resume), timeout=60)
-    if result is None:
-        return StepOutcome(
-            f"would start tmux session {session!r} running: "
+    if ctx.dry_run:
+        return Launched(
+            message=f"would start tmux session {job.session!r} running: "
             f"{shlex.join(launch_lib.trainer_argv(job, jobpaths.runs_dir(job) + '/NNNN'))}",
-            data={"log": posixpath.join(job.log_dir, f"{facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX}")},
+            log=posixpath.join(job.log_dir, f"{facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX}"),
         )
     printed = result.stdout.strip().splitlines()
     if not printed or not printed[-1].startswith("/"):
         raise _fail(ctx, f"the launch printed no log path: {result.stdout.strip()[:200]!r}")
     log = printed[-1]
-    return StepOutcome(f"session {session!r} started, log {log}", data={"log": log})
+    return Launched(message=f"session {job.session!r} started, log {log}", log=log)
 
 
-@registry.step("mark_stopped", params={})
-def mark_stopped(ctx: StepContext) -> StepOutcome:
+def mark_stopped(ctx: StepContext, job: Job) -> StepOutcome:
     """Record the operator's stop in the job state: health reports it as OK and never relaunches
     the job; only a relaunch clears it. A stop that cannot be recorded fails this step."""
-    path = jobpaths.state_file(ctx.job)
-    result = ctx.run(jobstate.read_script(ctx.job), timeout=30)
-    if result is None:
+    path = jobpaths.state_file(job)
+    result = ctx.run(jobstate.read_script(job), timeout=30)
+    if ctx.dry_run:
         return StepOutcome(f"would record `stopped` in {path}")
     try:
         clock, kind, previous = jobstate.parse_read(result.stdout)
@@ -414,14 +394,14 @@ def mark_stopped(ctx: StepContext) -> StepOutcome:
         # a completed run is not an interrupted one: status and health keep reporting it as finished
         return StepOutcome("job state kept: the run had finished")
     wanted = jobstate.encode(jobstate.stopped(previous, clock))
-    ctx.run(quote_argv(["mkdir", "-p", ctx.job.workdir]), timeout=30)
+    ctx.run(quote_argv(["mkdir", "-p", job.workdir]), timeout=30)
     try:
         ctx.put(wanted, path)
     except DflashOpsError as exc:
         raise unrecorded(f"writing {path} failed ({str(exc).splitlines()[-1].strip()})") from None
     # read back: the stop counts only once the file says so
-    written = ctx.run(jobstate.read_command(ctx.job), timeout=30, check=False)
-    if written is not None and written.stdout.encode() != wanted:
+    written = ctx.run(jobstate.read_command(job), timeout=30, check=False)
+    if written.stdout.encode() != wanted:
         raise unrecorded(f"{path} does not hold what was written")
     return StepOutcome(f"job state: stopped by {jobstate.STOPPED_BY}")
 
@@ -448,28 +428,18 @@ def _watch_script(job: Job, log: str) -> str:
     )
 
 
-@registry.step(
-    "wait_first_step",
-    params={
-        "log": Param(str, help='the log the launch started: "{steps.launch.log}"'),
-        "timeout_s": (float, 900.0),
-        "poll_s": (float, 1.0),
-    },
-)
-def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float) -> StepOutcome:
-    """Wait until the metrics file shows a training step; on failure print the last log lines and
-    the failure signature."""
+def wait_first_step(
+    ctx: StepContext, job: Job, launched: Launched, timeout_s: float, poll_s: float = 1.0
+) -> StepOutcome:
+    """Wait until the metrics file of the log the launch started shows a training step; on failure
+    print the last log lines and the failure signature."""
     from trainer.metrics_format import current_run, last_of, parse_lines
 
-    from .logs import find_failures
-
     started = time.monotonic()
-    deadline = started + timeout_s
-    why = f"no training step after {timeout_s:g}s"
     shown_line = ""
     while True:
-        result = ctx.run(_watch_script(ctx.job, log), timeout=60, check=False)
-        if result is None:
+        result = ctx.run(_watch_script(job, launched.log), timeout=60, check=False)
+        if ctx.dry_run:
             return StepOutcome(f"would wait up to {timeout_s:g}s for the first step in the metrics file")
         panes, _, rest = result.stdout.partition("@@")
         metrics, _, rest = rest.partition("@@")
@@ -485,26 +455,11 @@ def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float)
                 f"step {step.get('step')}: loss {loss:.4f}, {ktok:.1f} Ktok/s",
                 data={"step": step},
             )
-        error = last_of(records, "error")
-        pane = panes.split()
-        if error is not None:
-            why = f"the trainer reported {error.get('kind', 'an error')}: {error.get('message', '')}"
-            break
-        done = last_of(records, "done")
-        if done is not None and done.get("reason") == "max_steps":
-            why = (
-                f"the resumed run was already complete (step {done.get('step')}): nothing left to train; "
-                "`dflash-ops relaunch --fresh` starts a new run"
-            )
-            break
-        if not pane:
-            why = "the tmux session is gone"
-            break
-        if len(pane) >= 2 and pane[1] == "1":
-            why = "the trainer exited" + (f" with code {pane[2]}" if len(pane) >= 3 else "")
-            break
-        if time.monotonic() > deadline:
-            break
+        why = _why_no_step(records, panes.split())
+        if why is None and time.monotonic() > started + timeout_s:
+            why = f"no training step after {timeout_s:g}s"
+        if why is not None:
+            raise _no_first_step(ctx, launched.log, why)
         # each new last line of the log once, as a line that stays; the elapsed time as the status
         line = " ".join(last_line.split())[:160]
         if line and line != shown_line:
@@ -513,24 +468,65 @@ def wait_first_step(ctx: StepContext, log: str, timeout_s: float, poll_s: float)
         ctx.status(f"waiting for the first step: {time.monotonic() - started:.0f} s of {timeout_s:g} s")
         ctx.commands.clear()
         time.sleep(poll_s)
+
+
+def _why_no_step(records: list, pane: list[str]) -> str | None:
+    """Why no step will come (the trainer reported an error, had nothing left to train, or is
+    gone), or None while one may still come. `pane`: tmux's pane pid, dead flag, exit status."""
+    from trainer.metrics_format import last_of
+
+    error, done = last_of(records, "error"), last_of(records, "done")
+    if error is not None:
+        return f"the trainer reported {error.get('kind', 'an error')}: {error.get('message', '')}"
+    if done is not None and done.get("reason") == "max_steps":
+        return (
+            f"the resumed run was already complete (step {done.get('step')}): nothing left to train; "
+            "`dflash-ops relaunch --fresh` starts a new run"
+        )
+    if not pane:
+        return "the tmux session is gone"
+    if len(pane) >= 2 and pane[1] == "1":
+        return "the trainer exited" + (f" with code {pane[2]}" if len(pane) >= 3 else "")
+    return None
+
+
+def _no_first_step(ctx: StepContext, log: str, why: str) -> StepFailed:
+    """The failure, with the last lines of the log and the failure signature found in them."""
+    from .logs import find_failures
+
     read = ctx.run(
         f"{quote_argv(['tail', '-n', '400', log])} | tail -c {_WATCH_BYTES}", timeout=30, check=False
     )
-    tail = read.stdout if read is not None else ""
-    failures = find_failures(tail)
+    failures = find_failures(read.stdout)
     signature = f" (signature: {failures[0].name})" if failures else ""
-    last = "\n    ".join(tail.rstrip().splitlines()[-30:])
-    raise _fail(ctx, f"{why}{signature}\n  last lines of {log}:\n    {last}")
+    last = "\n    ".join(read.stdout.rstrip().splitlines()[-30:])
+    return _fail(ctx, f"{why}{signature}\n  last lines of {log}:\n    {last}")
 
 
-@registry.step("rollback", params={"release": (str, deploy_lib.PREVIOUS)})
-def rollback(ctx: StepContext, release: str) -> StepOutcome:
-    """Point `current` at a kept release, or (`previous`) at the one deployed before it."""
-    named = None if release == deploy_lib.PREVIOUS else release
-    result = ctx.run(deploy_lib.rollback_script(ctx.job, named), timeout=60)
-    return StepOutcome(
-        result.stdout.strip() if result else f"would switch `current` to {named or 'the previous release'}"
+def rollback(ctx: StepContext, job: Job, release: str | None = None) -> StepOutcome:
+    """Point `current` at a kept release, or (none named) at the one deployed before it."""
+    result = ctx.run(deploy_lib.rollback_script(job, release), timeout=60)
+    if ctx.dry_run:
+        return StepOutcome(f"would switch `current` to {release or 'the previous release'}")
+    return StepOutcome(result.stdout.strip())
+
+
+from .preflight import preflight, require_job_stopped  # noqa: E402  (they use the helpers above)
+
+# The steps a playbook file may name.
+LIBRARY = {
+    step.__name__: step
+    for step in (
+        preflight,
+        require_job_stopped,
+        stop_session,
+        mark_stopped,
+        kill_gpu_processes,
+        wait_gpu_free,
+        purge_cache,
+        deploy,
+        launch,
+        wait_first_step,
+        rollback,
     )
-
-
-from . import preflight  # noqa: E402,F401  (registers the preflight and require_job_stopped steps)
+}

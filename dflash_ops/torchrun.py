@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import re
 
+from trainer.launchers import TORCHRUN
+
 from .model import Job
 
 RUN_MODULE = ("-m", "torch.distributed.run")  # == the `torchrun` script, from the job's own python
@@ -36,7 +38,7 @@ _TORCHRUN_OWN_ERRORS = (
 
 
 def uses_torchrun(job: Job) -> bool:
-    return job.launcher == "torchrun"
+    return job.launcher == TORCHRUN
 
 
 def launcher_argv(job: Job) -> list[str]:
@@ -65,7 +67,7 @@ def launch_line(job: Job, trainer: list[str]) -> list[str]:
             at = kept.index(flag)
             del kept[at : at + 2]
     devices = ["--target-devices", "cuda", "--drafter-devices", "cuda"] if job.drafter_gpus else []
-    return launcher_argv(job) + module + kept + ["--launcher", "torchrun"] + devices + list(job.train_args)
+    return launcher_argv(job) + module + kept + ["--launcher", TORCHRUN] + devices + list(job.train_args)
 
 
 def env(job: Job) -> dict[str, str]:

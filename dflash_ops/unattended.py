@@ -32,7 +32,7 @@ def unusable_state(report, job) -> str | None:
 
 def parked(report, progress) -> str | None:
     """The OK reason for a job that is deliberately not running, else None."""
-    if report.session.running:
+    if report.session.running is not False:
         return None
     state = jobstate.JobState.from_dict(report.job_state)
     if state is not None and state.state == jobstate.STOPPED:
@@ -49,7 +49,7 @@ def _live_pid(report) -> int | None:
 
 def warnings(report, job) -> list[str]:
     found = []
-    if report.log_missing and report.session.running:
+    if report.log_missing and report.session.running is not False:
         found.append(
             f"log {report.log_missing} is missing while the trainer (pid {_live_pid(report)}) is alive: "
             "deleted or rotated away? progress is read from its metrics file"

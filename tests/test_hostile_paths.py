@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from dflash_ops import launch, ops, steps
-from dflash_ops.playbook import StepContext
+from dflash_ops.playbook.context import StepContext
 from dflash_ops.transport.local import LocalTransport
 
 STANDIN = str(Path(__file__).parent / "sim" / "standin-trainer")
@@ -22,8 +22,8 @@ def test_launch_wait_and_tail_log_run_nothing_from_hostile_paths(local_target, t
     with LocalTransport("local") as t:
         log = t.check(launch.launch_script(job, resume=True)).stdout.strip().splitlines()[-1]
         assert log == f"{job.log_dir}/train-0001.log"
-        ctx = StepContext(target=target, transport=t, job=job, step="wait_first_step")
-        outcome = steps.wait_first_step(ctx, log=log, timeout_s=30, poll_s=0.2)
+        ctx = StepContext(target=target, transport=t, step="wait_first_step")
+        outcome = steps.wait_first_step(ctx, job, steps.Launched(log=log), timeout_s=30, poll_s=0.2)
         assert outcome.message.startswith("step "), outcome.message
         shown = []
         ops.tail_log(target, lines=2, emit=shown.append)
@@ -59,8 +59,8 @@ def test_preflight_purge_follow_and_put_run_nothing_from_hostile_paths(local_tar
         for d in (marked, unmarked):
             d.mkdir()
         (marked / ".dflash-ops-cache").write_text("x\n")
-        ctx = StepContext(target=target, transport=t, job=job, step="purge_cache")
-        outcome = steps.purge_cache(ctx, paths=[str(marked), str(unmarked), str(root / "gone")], if_unmarked="skip")
+        ctx = StepContext(target=target, transport=t, step="purge_cache")
+        outcome = steps.purge_cache(ctx, job, paths=[str(marked), str(unmarked), str(root / "gone")], if_unmarked="skip")
         assert not marked.exists() and unmarked.exists(), outcome.message
 
         log = root / "logs" / "train-0001.log"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import ops
+from dflash_ops import commands, ops
 from dflash_ops.model import Health
 from dflash_ops.relaunch_guard import RelaunchGuard
 
@@ -60,7 +60,7 @@ def test_relaunch_local_then_status_health_tail_stop(local_target, cleanup):
     target = standin(local_target)
     cleanup(target)
     lines = []
-    result = ops.run_playbook(target, "relaunch", quick(), on_progress=lambda p: lines.append(p))
+    result = commands.relaunch(target, **quick(), on_progress=lambda p: lines.append(p))
     assert result.ok, result.summary()
     assert [s.step for s in result.steps] == ["preflight", "stop_session", "kill_gpu_processes", "wait_gpu_free",
                                               "purge_cache", "deploy", "launch", "wait_first_step"]
@@ -79,7 +79,7 @@ def test_relaunch_local_then_status_health_tail_stop(local_target, cleanup):
     ops.tail_log(target, lines=3, grep=r"^step \d+", emit=shown.append)
     assert 1 <= len(shown) <= 3 and all(line.startswith("step ") for line in shown)
 
-    stopped = ops.run_playbook(target, "stop", {"grace": 5.0})
+    stopped = commands.stop(target, grace=5.0)
     assert stopped.ok, stopped.summary()
     assert "1 on SIGTERM" in stopped.steps[0].message or "SIGTERM" in stopped.steps[0].message
     after = ops.check(target)
@@ -92,8 +92,8 @@ def test_relaunch_local_then_status_health_tail_stop(local_target, cleanup):
 def test_relaunch_twice_in_a_row_is_safe_and_numbers_logs(local_target, cleanup):
     target = standin(local_target)
     cleanup(target)
-    first = ops.run_playbook(target, "relaunch", quick())
-    second = ops.run_playbook(target, "relaunch", quick())
+    first = commands.relaunch(target, **quick())
+    second = commands.relaunch(target, **quick())
     assert first.ok and second.ok, second.summary()
     assert step(first, "launch").data["log"].endswith("train-0001.log")
     assert step(second, "launch").data["log"].endswith("train-0002.log")
@@ -104,13 +104,13 @@ def test_relaunch_twice_in_a_row_is_safe_and_numbers_logs(local_target, cleanup)
 def test_dry_run_touches_nothing(local_target, cleanup):
     target = standin(local_target)
     cleanup(target)
-    result = ops.run_playbook(target, "relaunch", quick(), dry_run=True)
+    result = commands.relaunch(target, **quick(), dry_run=True)
     assert result.ok and all(s.status == "dry-run" for s in result.steps)
     assert not Path(target.job.workdir).exists()
     assert subprocess.run(["tmux", "-L", target.job.tmux_socket, "has-session"],
                           capture_output=True).returncode != 0
-    commands = [c for s in result.steps for c in s.commands]
-    assert any("new-session" in c for c in commands) and any("rm -rf" in c for c in commands)
+    lines = [c for s in result.steps for c in s.commands]
+    assert any("new-session" in c for c in lines) and any("rm -rf" in c for c in lines)
 
 
 def _write_gpus(path: Path, apps=()):
@@ -136,13 +136,13 @@ def test_relaunch_in_container_kills_only_the_jobs_gpu_processes(pct_target, gpu
         _write_gpus(gpu_state_path, [{"pid": bystander, "gpu_index": 3, "used_memory_mib": 5000,
                                       "process_name": "sleep"}])
         try:
-            first = ops.run_playbook(target, "relaunch", quick())
+            first = commands.relaunch(target, **quick())
             assert first.ok, first.summary()
             state = json.loads(gpu_state_path.read_text())
             job_pids = [a["pid"] for a in state["compute_apps"] if a["gpu_index"] in (0, 1)]
             assert len(job_pids) == 2  # the trainer shows up on both job GPUs
 
-            second = ops.run_playbook(target, "relaunch", quick())
+            second = commands.relaunch(target, **quick())
             assert second.ok, second.summary()
             assert "ended" in step(second, "stop_session").message
             assert t.run(f"kill -0 {bystander}", timeout=20).ok, "an unrelated process was killed"
@@ -166,12 +166,12 @@ def test_unrelated_process_on_a_job_gpu_is_named_and_spared(local_target, gpu_st
     _write_gpus(gpu_state_path, [{"pid": squatter.pid, "gpu_index": 1, "used_memory_mib": 7000,
                                   "process_name": "sleep"}])
     try:
-        result = ops.run_playbook(target, "relaunch", quick(gpu_free_timeout=2.0))
+        result = commands.relaunch(target, **quick(gpu_free_timeout=2.0))
         assert not result.ok and result.failed.step == "preflight"
         assert f"pid {squatter.pid} sleep on GPU 1 (7000 MiB" in result.failed.message
         assert "--allow-shared-gpus" in result.failed.message
         assert [s.status for s in result.steps[1:]] == ["not-run"] * 7
-        shared = ops.run_playbook(target, "relaunch", quick(gpu_free_timeout=2.0, allow_shared_gpus=True))
+        shared = commands.relaunch(target, **quick(gpu_free_timeout=2.0, allow_shared_gpus=True))
         assert shared.ok, shared.summary()
         assert f"pid {squatter.pid} sleep on GPU 1" in step(shared, "kill_gpu_processes").message
         assert "left alone" in step(shared, "kill_gpu_processes").message
@@ -185,7 +185,7 @@ def test_unrelated_process_on_a_job_gpu_is_named_and_spared(local_target, gpu_st
 def test_a_failing_launch_reports_the_log_and_the_signature(local_target, cleanup, mode, signature):
     target = standin(local_target, mode=mode)
     cleanup(target)
-    result = ops.run_playbook(target, "relaunch", quick())
+    result = commands.relaunch(target, **quick())
     assert not result.ok and result.failed.step == "wait_first_step" if mode == "fx" else True
     # crash mode passes its first step, so the relaunch returns before the trainer dies
     deadline = time.monotonic() + 20
@@ -203,7 +203,7 @@ def test_a_failing_launch_reports_the_log_and_the_signature(local_target, cleanu
 def test_health_stalled_and_slow(local_target, cleanup):
     stalled = standin(local_target, mode="stall", health=Health(stall_seconds=1))
     cleanup(stalled)
-    assert ops.run_playbook(stalled, "relaunch", quick()).ok
+    assert commands.relaunch(stalled, **quick()).ok
     time.sleep(2.5)
     verdict = ops.check(stalled).verdict
     assert verdict.level == "CRITICAL" and any("no new step" in r or "stall" in r for r in verdict.reasons), verdict
@@ -211,7 +211,7 @@ def test_health_stalled_and_slow(local_target, cleanup):
     slow = standin(local_target, mode="slow", health=Health(min_tokens_per_s=1000, stall_seconds=60),
                    workdir=str(Path(local_target.job.workdir).with_name("work-slow")))
     cleanup(slow)
-    assert ops.run_playbook(slow, "relaunch", quick()).ok
+    assert commands.relaunch(slow, **quick()).ok
     verdict = ops.check(slow).verdict
     assert verdict.level == "WARNING" and any("eager" in r for r in verdict.reasons), verdict
 
@@ -261,7 +261,7 @@ def test_fan_out_runs_each_target_and_reports_each(ssh_target, ssh_target_b, cle
     cleanup(a)
     cleanup(b)
     started = time.monotonic()
-    outcomes = fan_out([a, b], lambda t: ops.run_playbook(t, "relaunch", quick()))
+    outcomes = fan_out([a, b], lambda t: commands.relaunch(t, **quick()))
     assert [o.target.name for o in outcomes] == ["box-a", "box-b"]
     assert all(o.error is None and o.value.ok for o in outcomes), [o.error or o.value.summary() for o in outcomes]
     checked = fan_out([a, b], ops.check)
@@ -295,7 +295,7 @@ def test_gpus_queried_on_the_proxmox_host_map_pids_into_the_container(pct_target
     host_bystander = subprocess.Popen(["sleep", "300"])  # a host process on a GPU the job does not use
     _write_gpus(gpu_state_path)
     try:
-        first = ops.run_playbook(target, "relaunch", quick())
+        first = commands.relaunch(target, **quick())
         assert first.ok, first.summary()
         pids = {}
         for _ in range(50):
@@ -318,11 +318,11 @@ def test_gpus_queried_on_the_proxmox_host_map_pids_into_the_container(pct_target
         assert [(p["pid"], p["owner"]) for p in by_index[3]["processes"]] == [(host_bystander.pid, "host")]
         assert f"sleep/{host_bystander.pid}(3000M)[host]" in ops.status_lib.render_table(st)
 
-        dry = ops.run_playbook(target, "relaunch", quick(), dry_run=True)
+        dry = commands.relaunch(target, **quick(), dry_run=True)
         gpu_cmds = [c for s in dry.steps if s.step == "wait_gpu_free" for c in s.commands]
         assert gpu_cmds and all("pct exec" not in c and "nvidia-smi" in c for c in gpu_cmds)
 
-        second = ops.run_playbook(target, "relaunch", quick())
+        second = commands.relaunch(target, **quick())
         assert second.ok, second.summary()
         assert not os.path.exists(f"/proc/{host_pid}") or "Z" in open(f"/proc/{host_pid}/stat").read().split()[2]
         assert host_bystander.poll() is None
@@ -373,15 +373,15 @@ def test_resuming_a_run_that_is_already_complete_says_so(local_target, cleanup):
     target = standin(local_target)
     target = dataclasses.replace(target, job=dataclasses.replace(target.job, env=(*target.job.env, ("STANDIN_STEPS", "2"))))
     cleanup(target)
-    assert ops.run_playbook(target, "relaunch", quick()).ok
+    assert commands.relaunch(target, **quick()).ok
     runs = Path(target.job.workdir) / "runs"
     finished = runs / "0001" / "FINISHED"
     deadline = time.monotonic() + 20
     while not finished.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     finished.unlink()
-    again = ops.run_playbook(target, "relaunch", quick())
+    again = commands.relaunch(target, **quick())
     assert not again.ok and again.failed.step == "wait_first_step"
     assert "already complete (step 2)" in again.failed.message and "--fresh" in again.failed.message
-    assert ops.run_playbook(target, "relaunch", quick(resume=False)).ok
+    assert commands.relaunch(target, **quick(resume=False)).ok
     assert sorted(p.name for p in runs.iterdir()) == ["0001", "0002"]

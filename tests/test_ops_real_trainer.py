@@ -7,7 +7,7 @@ import time
 import uuid
 from pathlib import Path
 
-from dflash_ops import ops
+from dflash_ops import commands, ops
 from dflash_ops.model import Health
 
 
@@ -21,7 +21,7 @@ def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
                               train_args=("--max-steps", "400"), health=Health(stall_seconds=120))
     target = dataclasses.replace(local_target, job=job)
     try:
-        first = ops.run_playbook(target, "relaunch", {"timeout": 240.0, "grace": 60.0})
+        first = commands.relaunch(target, timeout=240.0, grace=60.0)
         assert first.ok, first.summary()
         step = first.steps[-1].data["step"]
         assert step["step"] >= 1 and step["loss"] > 0 and step["tokens_per_s"] > 0
@@ -30,7 +30,7 @@ def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
         assert checked.verdict.level == "OK", checked.verdict.reasons
         assert checked.status["training"]["total_steps"] == 400
 
-        stopped = ops.run_playbook(target, "stop", {"grace": 60.0})
+        stopped = commands.stop(target, grace=60.0)
         assert stopped.ok and "0 needed SIGKILL" in stopped.steps[0].message, stopped.steps[0].message
         assert ops.check(target).verdict.reasons[0].startswith("stopped by dflash-ops stop")
         log = Path(launch_of(first).data["log"])
@@ -40,7 +40,7 @@ def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
         stopped_at = records[-1]["step"]
         assert not (Path(job.workdir) / "runs" / "0001" / "FINISHED").exists()  # interrupted, not complete
 
-        second = ops.run_playbook(target, "relaunch", {"timeout": 240.0, "grace": 60.0, "deploy": False})
+        second = commands.relaunch(target, timeout=240.0, grace=60.0, deploy=False)
         assert second.ok, second.summary()
         assert second.steps[-1].data["step"]["step"] > stopped_at, "the relaunch did not resume"
         assert "--resume" in Path(launch_of(second).data["log"]).read_text()
@@ -57,7 +57,7 @@ def test_the_bundled_tiny_run_finishes_healthy_with_the_tau_its_accuracy_predict
                               health=Health(stall_seconds=120))
     target = dataclasses.replace(local_target, job=job)
     try:
-        assert ops.run_playbook(target, "relaunch", {"timeout": 240.0}).ok
+        assert commands.relaunch(target, timeout=240.0).ok
         deadline = time.monotonic() + 240
         checked = ops.check(target)
         while not checked.status["training"]["finished"] and time.monotonic() < deadline:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import jobpaths, ops
+from dflash_ops import commands, jobpaths, ops
 from dflash_ops.model import Health
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -56,10 +56,10 @@ def metrics_of(log: str) -> list[dict]:
 def test_torchrun_job_relaunch_status_stop_resume_and_a_dead_rank(ssh_target):
     target = torchrun_job(ssh_target, uuid.uuid4().hex[:8])
     try:
-        dry = ops.run_playbook(target, "relaunch", {"timeout": 240.0}, dry_run=True)
+        dry = commands.relaunch(target, timeout=240.0, dry_run=True)
         assert "-m torch.distributed.run --standalone --nproc-per-node 2 -m trainer" in launch_of(dry).message
 
-        first = ops.run_playbook(target, "relaunch", {"timeout": 240.0, "grace": 60.0})
+        first = commands.relaunch(target, timeout=240.0, grace=60.0)
         assert first.ok, first.summary()
         ranks = job_processes(target.job)
         assert sorted(ranks.values()) == ["", "0", "1"], ranks  # torchrun and both ranks carry the marker
@@ -71,7 +71,7 @@ def test_torchrun_job_relaunch_status_stop_resume_and_a_dead_rank(ssh_target):
         starts = [r for r in metrics_of(log) if r["event"] == "start"]
         assert len(starts) == 1 and starts[0]["config"]["run"]["launcher"] == "torchrun"  # rank 0 alone
 
-        stopped = ops.run_playbook(target, "stop", {"grace": 60.0})
+        stopped = commands.stop(target, grace=60.0)
         assert stopped.ok and "0 needed SIGKILL" in stopped.steps[0].message, stopped.steps[0].message
         assert job_processes(target.job) == {}
         records = metrics_of(log)
@@ -80,7 +80,7 @@ def test_torchrun_job_relaunch_status_stop_resume_and_a_dead_rank(ssh_target):
         stopped_at = records[-1]["step"]
         assert "aborted" not in Path(log).read_text()  # torchrun's forwarded SIGTERM is not a second stop
 
-        second = ops.run_playbook(target, "relaunch", {"timeout": 240.0, "grace": 60.0, "deploy": False})
+        second = commands.relaunch(target, timeout=240.0, grace=60.0, deploy=False)
         assert second.ok, second.summary()
         assert second.steps[-1].data["step"]["step"] > stopped_at, "the relaunch did not resume"
 

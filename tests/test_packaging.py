@@ -15,16 +15,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 # What the product opens by path at run time (grep for __file__ and importlib.resources): the
-# built-in playbooks, the scripts run on targets (bash, and the stdlib-only Python sent on stdin),
-# the bundled trainer configs, the export's modeling files, and the whole trainer package, which
-# `deploy` packs up from where it is installed.
+# scripts run on targets (bash, and the stdlib-only Python sent on stdin), the bundled trainer
+# configs, the export's modeling files, and the whole trainer package, which `deploy` packs up
+# from where it is installed.
 RUNTIME_FILES = [
-    "dflash_ops/playbooks/relaunch.yaml",
-    "dflash_ops/playbooks/stop.yaml",
-    "dflash_ops/playbooks/deploy.yaml",
-    "dflash_ops/playbooks/rollback.yaml",
-    "dflash_ops/playbooks/gpu-clean.yaml",
-    "dflash_ops/playbooks/purge-cache.yaml",
     "dflash_ops/remote/launch.sh",
     "dflash_ops/remote/run_python.sh",
     "dflash_ops/remote/probe_script.py",
@@ -72,19 +66,14 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
 def test_the_wheel_holds_every_file_the_product_reads_at_run_time(wheel):
     names = set(wheel.namelist())
     assert [f for f in RUNTIME_FILES if f not in names] == []
-    # and everything else under the two packages: a new playbook, script or config is covered too
+    # and everything else under the two packages: a new script or config is covered too
     missing = [f for f in tracked("dflash_ops", "trainer") if f not in names]
     assert missing == []
 
 
-def test_the_built_in_playbooks_are_found_inside_the_installed_package():
-    from dflash_ops import playbook
-
-    shipped = playbook.SHIPPED_PLAYBOOKS
-    import dflash_ops
-
-    assert shipped.parent == Path(dflash_ops.__file__).resolve().parent
-    assert {p.stem for p in shipped.glob("*.yaml")} >= {"relaunch", "stop", "deploy", "rollback", "gpu-clean",
-                                                         "purge-cache"}
-    # the checkout's top-level playbooks/ holds the user's own files, none of the built-in ones
+def test_the_built_in_commands_are_python_and_playbooks_are_only_the_users(wheel):
+    # relaunch, stop, ... are dflash_ops.commands; no YAML of theirs ships, and the checkout's
+    # top-level playbooks/ holds the user's own files only
+    assert "dflash_ops/commands.py" in wheel.namelist()
+    assert not [name for name in wheel.namelist() if name.startswith("dflash_ops/") and name.endswith(".yaml")]
     assert not list((REPO / "playbooks").glob("*.yaml"))

@@ -1,33 +1,40 @@
-"""The playbook engine: validation, templates, dry-run, ordering, failures, timings, lookup.
+"""User playbooks: a YAML list of library steps with literal parameters, checked against the step
+functions' signatures before anything runs; the run records each step, halts at the first failure
+and, under dry-run, reaches nothing.
 
-Steps here are small real steps (they write files, run real bash); the engine sees only the registry.
+The steps here are small real steps (they run real bash through ctx.run); the engine sees only the
+library it is given.
 """
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
+import json
+import os
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from dflash_ops import model
-from dflash_ops.errors import InputError, RemoteCommandError
-from dflash_ops.playbook import (
-    DRY_RUN, FAILED, NOT_RUN, OK, SHIPPED_PLAYBOOKS, SKIPPED, Param, StepContext, StepFailed,
-    StepOutcome, StepRegistry, bind_options, format_progress, load_playbook, parse_option_assignments,
-    parse_playbook, playbook_search_dirs, run_playbook, validate_playbook,
+from dflash_ops.errors import InputError, RemoteCommandError, StepFailed
+from dflash_ops.model import Job
+from dflash_ops.playbook.context import DryRunTransport, StepContext, StepOutcome
+from dflash_ops.playbook.run import DRY_RUN, FAILED, NOT_RUN, OK, SKIPPED, RunResult
+from dflash_ops.playbook.signature import describe, inputs_of
+from dflash_ops.playbook.user import (
+    bind_options, list_playbooks, load, parse_option_assignments, run_playbook, search_dirs,
 )
+from dflash_ops.progress_view import format_progress
 from dflash_ops.transport.base import Result, Transport
 
 HOSTILE = "a b 'single' \"double\" $(touch pwned) `touch pwned2` $HOME ; rm -rf x\nline2 ünï €"
 
 
 class BashTransport(Transport):
-    """A real local bash, for steps that run commands (the project's local transport stands apart)."""
+    """A real local bash in `cwd`, counting what it is asked to do."""
 
     def __init__(self, name: str, cwd: Path):
         super().__init__(name)
@@ -41,10 +48,7 @@ class BashTransport(Transport):
 
     def put(self, data, remote_path, mode=0o644, step="put"):
         self.calls += 1
-        tmp = Path(remote_path + ".tmp")
-        tmp.write_bytes(data)
-        tmp.chmod(mode)
-        tmp.rename(remote_path)
+        Path(self.cwd, remote_path).write_bytes(data)
 
     def interactive(self, script):
         return subprocess.call(["bash", "-c", script])
@@ -53,80 +57,79 @@ class BashTransport(Transport):
         return "bash -c " + shlex.quote(script)
 
 
-def make_job(tmp_path: Path, **overrides) -> model.Job:
-    fields = dict(workdir=str(tmp_path / "work"), python=sys.executable, config="tiny-cpu",
-                  session="dflash", cache_dir=str(tmp_path / "cache"), target_gpus=(0,), drafter_gpus=(1, 2))
-    fields.update(overrides)
-    return model.Job(**fields)
+# ----------------------------------------------------------------------------------- the test library
+# Module-level, so their annotations resolve as the library's do.
+
+@dataclasses.dataclass(kw_only=True)
+class Noted(StepOutcome):
+    text: str
 
 
-def make_ctx(tmp_path: Path, **job_overrides) -> StepContext:
-    target = model.Target(name="box", transport="local", job=make_job(tmp_path, **job_overrides))
-    return StepContext(target=target, transport=BashTransport("box", tmp_path))
+def note(ctx: StepContext, text: str) -> Noted:
+    """Append `text` to ./journal."""
+    ctx.run(f"printf '%s\\n' {shlex.quote(text)} >> journal")
+    return Noted(message=f"noted {text}", text=text)
 
 
-def file_registry(tmp_path: Path) -> StepRegistry:
-    """Steps with visible effects in tmp_path: a journal of what ran, files written through bash."""
-    registry = StepRegistry()
-    journal = tmp_path / "journal"
+def write_file(ctx: StepContext, path: str, content: str) -> str:
+    ctx.run(f"printf '%s' {shlex.quote(content)} > {shlex.quote(path)}")
+    return f"wrote {path}"
 
-    @registry.step("note", params={"text": str}, outputs={"text": str})
-    def note(ctx, text):
-        if not ctx.dry_run:
-            with journal.open("a", encoding="utf-8") as f:
-                f.write(text + "\n")
-        return StepOutcome(f"noted {text}", data={"text": text})
 
-    @registry.step("write_file", params={"path": str, "content": str})
-    def write_file(ctx, path, content):
-        ctx.run(f"printf '%s' {shlex.quote(content)} > {shlex.quote(path)}")
-        return f"wrote {path}"
+def fail(ctx: StepContext, how: str = "raise") -> StepOutcome | str:
+    if how == "raise":
+        raise StepFailed(f"[{ctx.target_name}] {ctx.step}: the disk is full")
+    if how == "remote":
+        ctx.run("echo 'no space left' >&2; exit 3")
+    if how == "return":
+        return StepOutcome.failed("GPU 2 still holds 4000 MiB")
+    if how == "bug":
+        return {}["missing"]
+    return "did not fail"
 
-    @registry.step("fail", params={"how": (str, "raise")})
-    def fail(ctx, how):
-        if how == "raise":
-            raise StepFailed(f"[{ctx.target_name}] {ctx.step}: the disk is full")
-        if how == "remote":
-            ctx.run("echo 'no space left' >&2; exit 3")
-        if how == "return":
-            return StepOutcome.failed("GPU 2 still holds 4000 MiB")
-        if how == "bug":
-            return {}["missing"]
-        return "did not fail"
 
-    @registry.step("sleep", params={"seconds": float})
-    def sleep(ctx, seconds):
-        if not ctx.dry_run:
-            time.sleep(seconds)
-        return f"slept {seconds}"
+def sleep(ctx: StepContext, seconds: float) -> str:
+    ctx.run(f"sleep {seconds}")
+    return f"slept {seconds:g}"
 
-    @registry.step("record", params={"value": (str, ""), "gpus": (list[int], []),
-                                     "number": (float, 0.0), "flag": (bool, False),
-                                     "env": (dict[str, str], {})})
-    def record(ctx, value, gpus, number, flag, env):
-        return StepOutcome("recorded", data={"value": value, "gpus": gpus, "number": number,
-                                             "flag": flag, "env": env})
 
-    @registry.step("rogue")
-    def rogue(ctx):
-        ctx.transport.run("touch rogue-ran")  # ignores ctx.dry_run on purpose
-        return "touched"
+def record(ctx: StepContext, value: str = "", gpus: list[int] | None = None, number: float = 0.0,
+           flag: bool = False) -> StepOutcome:
+    return StepOutcome("recorded", data={"value": value, "gpus": gpus, "number": number, "flag": flag})
 
-    @registry.step("log_twice")
-    def log_twice(ctx):
-        ctx.log("first line")
-        ctx.log("second line")
-        return "logged"
 
-    @registry.step("use_result", params={"said": str})
-    def use_result(ctx, said):
-        return f"earlier note said {said}"
+def rogue(ctx: StepContext) -> str:
+    ctx.transport.run("touch rogue-ran")  # past ctx.run, straight to the transport
+    ctx.transport.put(b"x", "rogue-put")
+    return "touched"
 
-    @registry.step("forgetful", params={"give": (bool, False)}, outputs={"count": int})
-    def forgetful(ctx, give):
-        return StepOutcome("done", data={"count": 3} if give else {"other": 1})
 
-    return registry
+def log_twice(ctx: StepContext) -> str:
+    ctx.log("first line")
+    ctx.log("second line")
+    return "logged"
+
+
+def use_result(ctx: StepContext, noted: Noted, prefix: str = "earlier note said") -> str:
+    return f"{prefix} {noted.text}"
+
+
+def session_of(ctx: StepContext, job: Job) -> str:
+    return f"the job's session is {job.session}"
+
+
+LIBRARY = {f.__name__: f for f in (note, write_file, fail, sleep, record, rogue, log_twice, use_result, session_of)}
+
+
+def make_target(tmp_path: Path, **job_overrides) -> model.Target:
+    fields = dict(workdir=str(tmp_path / "work"), python=sys.executable, config="tiny-cpu", session="dflash",
+                  cache_dir=str(tmp_path / "cache"), target_gpus=(0,), drafter_gpus=(1, 2))
+    return model.Target(name="box", transport="local", job=model.Job(**{**fields, **job_overrides}))
+
+
+def make_ctx(tmp_path: Path, dry_run: bool = False, **job_overrides) -> StepContext:
+    bash = BashTransport("box", tmp_path)
+    return StepContext(make_target(tmp_path, **job_overrides), DryRunTransport(bash) if dry_run else bash)
 
 
 def pb(text: str, tmp_path: Path, name: str = "test") -> Path:
@@ -135,211 +138,167 @@ def pb(text: str, tmp_path: Path, name: str = "test") -> Path:
     return path
 
 
+def play(tmp_path: Path, text: str, options=None, ctx=None, events=None) -> RunResult:
+    book = load(str(pb(text, tmp_path)), [], LIBRARY)
+    bound = bind_options(book, LIBRARY, options or {})
+    return run_playbook(book, LIBRARY, ctx or make_ctx(tmp_path), bound, events.append if events is not None else None)
+
+
 def journal(tmp_path: Path) -> list[str]:
     path = tmp_path / "journal"
     return path.read_text(encoding="utf-8").splitlines() if path.exists() else []
 
 
-def invalid(tmp_path: Path, text: str, registry: StepRegistry | None = None) -> str:
-    """The InputError message for a playbook that must be rejected (by parse or by validation)."""
+def invalid(tmp_path: Path, text: str, options=None) -> str:
+    """The one-line InputError (exit 2) for a playbook that must be refused before anything runs."""
     path = pb(text, tmp_path)
     with pytest.raises(InputError) as info:
-        load_playbook(path, registry=registry or file_registry(tmp_path))
-    assert info.value.exit_code == 2
-    assert str(path) in str(info.value), "the message names the playbook file"
-    return str(info.value)
+        bind_options(load(str(path), [], LIBRARY), LIBRARY, options or {})
+    message = str(info.value)
+    assert info.value.exit_code == 2 and "\n" not in message, message
+    assert str(path) in message, "the message names the playbook file"
+    assert journal(tmp_path) == []
+    return message
 
 
-# ----------------------------------------------------------------------------------- registry
+# ----------------------------------------------------------------------------------- signatures
 
-def test_registry_declares_params_three_ways_and_lists_signatures():
-    registry = StepRegistry()
-
-    @registry.step("wait", params={"gpus": list[int], "timeout_s": (float, 120.0),
-                                   "poll_s": Param(float, 2.0, help="between polls")})
-    def wait(ctx, gpus, timeout_s, poll_s):
-        """Wait for free GPUs."""
-
-    spec = registry.get("wait")
-    assert spec.params["gpus"].required and not spec.params["timeout_s"].required
-    assert spec.params["poll_s"].help == "between polls" and spec.doc == "Wait for free GPUs."
-    assert spec.signature() == "wait(gpus: list[int], timeout_s: float = 120.0, poll_s: float = 2.0)"
-    assert "wait" in registry and registry.names() == ["wait"] and len(registry) == 1
+def test_a_steps_signature_says_what_the_file_gives_it_and_what_the_run_gives_it():
+    info = inputs_of(use_result)
+    assert dict(info.literals) == {"prefix": str} and dict(info.results) == {"noted": Noted}
+    assert info.required == {"noted"} and info.job is None and info.gives is None
+    assert inputs_of(session_of).job == "job" and inputs_of(note).gives is Noted
+    assert describe("use_result", use_result) == "use_result(prefix: str = 'earlier note said') takes Noted"
+    assert describe("note", note) == "note(text: str) gives Noted"
+    assert describe("session_of", session_of) == "session_of()"  # the job comes from the run
 
 
-@pytest.mark.parametrize("declare, fn, complaint", [
-    ({"a": int}, lambda ctx, b: None, "does not match"),           # declared a, function takes b
-    ({}, lambda ctx, needed: None, "does not match"),               # function needs an undeclared one
-    ({"a": (int, "x")}, lambda ctx, a: None, "default"),            # default of the wrong type
-    ({"a": set}, lambda ctx, a: None, "unsupported type"),
-])
-def test_registry_rejects_step_declarations_that_do_not_fit(declare, fn, complaint):
-    with pytest.raises(ValueError, match=complaint):
-        StepRegistry().add("s", fn, declare)
+def test_every_library_step_can_be_named_in_a_playbook():
+    from dflash_ops import steps
+
+    assert all(name == step.__name__ for name, step in steps.LIBRARY.items())
+    givers = {inputs_of(step).gives for step in steps.LIBRARY.values()}
+    for name, step in steps.LIBRARY.items():
+        info = inputs_of(step)
+        assert info.job == "job", f"{name} takes the job"
+        assert set(info.results.values()) <= givers, f"{name} takes a result no library step gives"
+        assert describe(name, step).startswith(f"{name}(")
+    assert describe("wait_first_step", steps.wait_first_step) == (
+        "wait_first_step(timeout_s: float, poll_s: float = 1.0) takes Launched")
+    assert describe("launch", steps.launch) == "launch(resume: bool) gives Launched"
 
 
-def test_registry_rejects_a_name_twice():
-    registry = StepRegistry()
-    registry.add("s", lambda ctx: None)
-    with pytest.raises(ValueError, match="twice"):
-        registry.add("s", lambda ctx: None)
+# ----------------------------------------------------------------------------------- checked before running
 
-
-# ----------------------------------------------------------------------------------- validation
-
-def test_unknown_step_suggests_the_closest_name(tmp_path):
+def test_unknown_step_names_file_line_and_the_closest_name(tmp_path):
     msg = invalid(tmp_path, "steps:\n  - step: note\n    params: {text: a}\n  - step: wirte_file\n")
-    assert "step 2 (wirte_file, line 4)" in msg and "did you mean 'write_file'" in msg
+    assert f"{tmp_path / 'test.yaml'}:4: step 2 (wirte_file): unknown step (did you mean 'write_file'?)" in msg
 
 
 def test_unknown_parameter_suggests_the_closest_and_lists_the_known(tmp_path):
     msg = invalid(tmp_path, "steps:\n  - step: sleep\n    params: {secnds: 1}\n")
-    assert "step 1 (sleep" in msg and "params.secnds" in msg and "did you mean 'seconds'" in msg
+    assert ":2: step 1 (sleep): unknown parameter 'secnds' (did you mean 'seconds'?); it takes seconds" in msg
 
 
-def test_missing_required_parameter_is_named_with_its_type(tmp_path):
+def test_missing_required_parameter_is_named(tmp_path):
     msg = invalid(tmp_path, "steps:\n  - step: write_file\n    params: {path: /x}\n")
-    assert "params.content" in msg and "missing required parameter (str)" in msg
+    assert "step 1 (write_file): params.content is missing; add `content: VALUE` under params:" in msg
 
 
-@pytest.mark.parametrize("params, field, expected", [
-    ("{seconds: soon}", "params.seconds", "expected float, got str 'soon'"),
-    ("{seconds: true}", "params.seconds", "expected float, got bool True"),
-    ("{seconds: [1]}", "params.seconds", "expected float, got list"),
+@pytest.mark.parametrize("params, expected", [
+    ("{seconds: soon}", "params.seconds: expected float, got 'soon'"),
+    ("{seconds: true}", "params.seconds: expected float, got True"),
+    ("{seconds: [1]}", "params.seconds: expected float, got [1]"),
 ])
-def test_mistyped_literal_parameter(tmp_path, params, field, expected):
-    msg = invalid(tmp_path, f"steps:\n  - step: sleep\n    params: {params}\n")
-    assert field in msg and expected in msg
+def test_mistyped_literal_parameter(tmp_path, params, expected):
+    assert expected in invalid(tmp_path, f"steps:\n  - step: sleep\n    params: {params}\n")
 
 
-def test_mistyped_list_element_names_its_index(tmp_path):
+def test_mistyped_list_element(tmp_path):
     msg = invalid(tmp_path, "steps:\n  - step: record\n    params: {gpus: [0, two]}\n")
-    assert "params.gpus[1]" in msg and "expected int, got str 'two'" in msg
+    assert "params.gpus: expected list[int] | None, got [0, 'two']" in msg
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("{jobb.session}", "must start with target., job., options. or steps. (did you mean 'job'?)"),
-    ("{job.cach_dir}/inductor", "job has no field 'cach_dir' (did you mean 'cache_dir'?)"),
-    ("{options.nope}", "declare 'nope' under options:"),
-    ("{job.session", "unmatched '{'"),
-    ("x}", "unmatched '}'"),
-    ("{job session}", "bad reference"),
-    ("{target.job}/x", "cannot be put inside text"),
-    ("{job.session.name}", "job.session is of type str"),
-    ("{target.ssh.port}", "{target.ssh.port} is of type int but the parameter takes str"),
-    ("{target.ssh.hots}", "did you mean 'host'"),
-])
-def test_bad_template_references(tmp_path, value, expected):
-    msg = invalid(tmp_path, f"steps:\n  - step: record\n    params:\n      value: {value!r}\n")
-    assert "step 1 (record" in msg and "params.value" in msg and expected in msg
-
-
-def test_whole_value_reference_of_the_wrong_kind(tmp_path):
-    msg = invalid(tmp_path, "steps:\n  - step: sleep\n    params: {seconds: '{job.session}'}\n")
-    assert "params.seconds" in msg and "{job.session} is of type str but the parameter takes float" in msg
-    msg = invalid(tmp_path, "steps:\n  - step: record\n    params: {gpus: '{job.cache_dir}'}\n")
-    assert "params.gpus" in msg and "takes list[int]" in msg
+def test_literals_of_the_right_type_are_taken(tmp_path):
+    result = play(tmp_path, "steps:\n  - step: record\n    params: {value: x, gpus: [1, 2], number: 3, flag: true}\n")
+    assert result.ok and result.steps[0].data == {"value": "x", "gpus": [1, 2], "number": 3, "flag": True}
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("", "got an empty file"),
-    ("- step: note\n", "expected a mapping with a 'steps:' list at the top, got a list"),
-    ("steps: note\n", "steps: expected a list of steps"),
-    ("steps: []\n", "the list is empty"),
-    ("description: x\n", "no 'steps:' list"),
-    ("stepz: []\n", "top-level key 'stepz': unknown key (did you mean 'steps'?)"),
+    ("", "write `steps:`"),
+    ("- step: note\n", "write `steps:`"),
+    ("stepz: []\n", "write `steps:`"),
+    ("description: x\n", "`steps:` must be a list of one step or more"),
+    ("steps: note\n", "`steps:` must be a list of one step or more"),
+    ("steps: []\n", "`steps:` must be a list of one step or more"),
     ("steps:\n  - step: note\n    params: {text: [unclosed\n", "not valid YAML"),
-    ("steps:\n  - 42\n", "step 1 (line 2): expected a step name or a mapping"),
-    ("steps:\n  - note: {text: a}\n", "write `- step: note` and put its parameters under `params:`"),
-    ("steps:\n  - step: note\n    with: {text: a}\n", "with: unknown key; allowed: step, params, when"),
-    ("steps:\n  - step: note\n    params: [a]\n", "params: expected a mapping"),
-    ("steps:\n  - step: note\n    params: {text: a}\n    when: options.purge and x\n", "when: expected `options.NAME`"),
-    ("steps:\n  - step: note\n    params: {text: a}\n    when: options.purge\n", "declare 'purge' under options:"),
-    ("options: {purge: {type: boolean}}\nsteps: [deploy]\n", "options.purge.type: unknown type 'boolean'"),
-    ("options: {purge: {type: bool, default: 3}}\nsteps: [deploy]\n", "options.purge.default: expected bool"),
-    ("options: {purge: {type: bool, defualt: true}}\nsteps: [deploy]\n", "did you mean 'default'"),
-    ("options: {limit: null}\nsteps: [deploy]\n", "options.limit: give a default or a type"),
+    ("steps:\n  - 42\n", ":2: step 1: write a step name, or `step: NAME` with `params:` and `when:`"),
+    ("steps:\n  - note: {text: a}\n", ":2: step 1: write a step name, or `step: NAME`"),
+    ("steps:\n  - step: note\n    with: {text: a}\n", ":2: step 1 (note): write a step name, or `step: NAME`"),
+    ("steps:\n  - step: note\n    params: [a]\n", "step 1 (note): params: write NAME: VALUE for each; it takes note("),
+    ("steps:\n  - step: note\n    params: {text: a}\n    when: options.purge and x\n",
+     "step 1 (note): when: write `options.NAME` or `not options.NAME`, NAME under options:"),
+    ("steps:\n  - step: note\n    params: {text: a}\n    when: options.purge\n", "NAME under options:"),
+    ("steps:\n  - step: note\n    params: {text: a}\n    when: purge\n", "write `options.NAME`"),
+    ("options: {purge: {type: bool}}\nsteps: [log_twice]\n", "options: write NAME: DEFAULT for each"),
+    ("options: {limit: null}\nsteps: [log_twice]\n", "options: write NAME: DEFAULT for each"),
+    ("steps:\n  - step: note\n    step: fail\n", ":3: key 'step' under steps is defined twice (also on line 2)"),
 ])
 def test_structural_problems(tmp_path, text, expected):
     assert expected in invalid(tmp_path, text)
 
 
-def test_yaml_error_names_the_line(tmp_path):
-    msg = invalid(tmp_path, "steps:\n  - step: note\n    params: {text: a\n")
-    assert "line 4" in msg or "line 3" in msg
+def test_a_result_no_earlier_step_gives_is_refused_before_anything_runs(tmp_path):
+    path = tmp_path / "test.yaml"
+    msg = invalid(tmp_path, "steps:\n  - use_result\n  - step: note\n    params: {text: after}\n")
+    assert msg == (f"{path}:2: step 1 (use_result): noted is what an earlier note step gives, and none runs "
+                   "before it; add one, or the same `when:`")
 
 
-def test_all_problems_are_reported_together(tmp_path):
-    msg = invalid(tmp_path, "steps:\n  - step: nope\n  - step: sleep\n    params: {seconds: x}\n"
-                            "  - step: write_file\n")
-    assert "has 4 problems" in msg
-    for part in ("step 1 (nope", "step 2 (sleep", "params.seconds", "step 3 (write_file", "params.path",
-                 "params.content"):
-        assert part in msg
-
-
-def test_invalid_playbook_runs_nothing(tmp_path):
-    """The first step is fine; the third is wrong: not even the first one runs."""
-    registry = file_registry(tmp_path)
-    playbook = parse_playbook("steps:\n  - step: note\n    params: {text: first}\n  - step: sleep\n"
-                              "    params: {seconds: 0}\n  - step: sleep\n    params: {secs: 1}\n", "inline.yaml")
-    with pytest.raises(InputError, match=r"step 3 \(sleep"):
-        run_playbook(playbook, registry, make_ctx(tmp_path))
-    assert journal(tmp_path) == []
-
-
-def test_template_that_cannot_be_filled_for_this_target_runs_nothing(tmp_path):
-    """An empty inventory field must not silently turn "{job.session}/inductor" into "/inductor"."""
-    registry = file_registry(tmp_path)
-    playbook = parse_playbook("steps:\n  - step: note\n    params: {text: first}\n  - step: record\n"
-                              "    params: {value: '{job.config}/inductor'}\n  - step: record\n"
-                              "    params: {value: '{target.ssh.host}'}\n", "inline.yaml")
-    with pytest.raises(InputError) as info:
-        run_playbook(playbook, registry, make_ctx(tmp_path, config=""))
-    msg = str(info.value)
-    assert "step 2 (record" in msg and "{job.config} is empty for target 'box'" in msg
-    assert "step 3 (record" in msg and "target.ssh is not set for target 'box'" in msg
-    assert journal(tmp_path) == []
+def test_a_result_whose_giver_is_skipped_is_refused_before_anything_runs(tmp_path):
+    text = ("options: {loud: false}\nsteps:\n  - step: note\n    when: options.loud\n    params: {text: hello}\n"
+            "  - use_result\n")
+    msg = invalid(tmp_path, text)
+    assert ":6: step 2 (use_result): noted is what an earlier note step gives, and none runs before it" in msg
+    result = play(tmp_path, text, {"loud": "true"})
+    assert result.ok and result.steps[1].message == "earlier note said hello"
 
 
 # ----------------------------------------------------------------------------------- options
 
 OPTIONS_PB = """
 options:
-  purge: {type: bool, default: true, help: purge the cache}
+  purge: true
   timeout: 900.0
   retries: 3
-  label: {type: str}
+  label: plain
 steps:
-  - step: record
-    params: {flag: "{options.purge}", number: "{options.timeout}", value: "{options.label}"}
+  - log_twice
 """
 
 
 def test_bind_options_defaults_overrides_and_text(tmp_path):
-    playbook = parse_playbook(OPTIONS_PB)
-    # Shorthand `name: default` takes its type from the default.
-    assert playbook.options["timeout"].type is float and playbook.options["retries"].type is int
-    assert bind_options(playbook, {"label": "x"}) == {"purge": True, "timeout": 900.0, "retries": 3, "label": "x"}
-    assert bind_options(playbook, {"label": "x", "purge": None, "timeout": 5}) == \
-        {"purge": True, "timeout": 5.0, "retries": 3, "label": "x"}
-    given = parse_option_assignments(["purge=off", "timeout=7.5", "retries=4", "label=a=b"])
-    assert bind_options(playbook, given) == {"purge": False, "timeout": 7.5, "retries": 4, "label": "a=b"}
+    book = load(str(pb(OPTIONS_PB, tmp_path)), [], LIBRARY)
+    assert bind_options(book, LIBRARY, {}) == {"purge": True, "timeout": 900.0, "retries": 3, "label": "plain"}
+    assert bind_options(book, LIBRARY, {"purge": None, "timeout": 5}) == \
+        {"purge": True, "timeout": 5.0, "retries": 3, "label": "plain"}
+    given = parse_option_assignments(["purge=false", "timeout=7.5", "retries=4", "label=a=b"])
+    assert bind_options(book, LIBRARY, given) == {"purge": False, "timeout": 7.5, "retries": 4, "label": "a=b"}
 
 
 @pytest.mark.parametrize("given, expected", [
-    ({"label": "x", "prune": False}, "option 'prune': playbook test has no such option (did you mean 'purge'?)"),
-    ({"label": "x", "purge": "perhaps"}, "option 'purge': expected true or false, got 'perhaps'"),
-    ({"label": "x", "timeout": "soon"}, "option 'timeout': expected float, got 'soon'"),
-    ({"label": "x", "timeout": True}, "option 'timeout': expected float, got bool"),
-    ({"label": "x", "retries": "2.5"}, "option 'retries': expected int, got '2.5'"),
-    ({}, "option 'label': required (str) and not given"),
+    ({"prune": False}, "option 'prune': not in {path} (did you mean 'purge'?); it has purge, timeout, retries, label"),
+    ({"purge": "perhaps"}, "option 'purge': expected bool, got 'perhaps'"),
+    ({"purge": "off"}, "option 'purge': expected bool, got 'off'"),
+    ({"timeout": "soon"}, "option 'timeout': expected float, got 'soon'"),
+    ({"timeout": True}, "option 'timeout': expected float, got True"),
+    ({"retries": "2.5"}, "option 'retries': expected int, got 2.5"),
 ])
-def test_bad_options(given, expected):
-    playbook = parse_playbook(OPTIONS_PB, "opts.yaml", "test")
+def test_bad_options(tmp_path, given, expected):
+    book = load(str(pb(OPTIONS_PB, tmp_path)), [], LIBRARY)
     with pytest.raises(InputError) as info:
-        bind_options(playbook, given)
-    assert expected in str(info.value) and "opts.yaml" in str(info.value)
+        bind_options(book, LIBRARY, given)
+    assert expected.format(path=book.source) in str(info.value) and info.value.exit_code == 2
 
 
 def test_option_assignment_syntax():
@@ -361,19 +320,22 @@ steps:
 
 
 def test_steps_run_in_file_order_and_reordering_needs_no_python(tmp_path):
-    registry = file_registry(tmp_path)
-    result = run_playbook(parse_playbook(SEQUENCE), registry, make_ctx(tmp_path))
+    result = play(tmp_path, SEQUENCE)
     assert result.ok and [s.status for s in result.steps] == [OK, OK, OK]
     assert journal(tmp_path) == ["one", "two", "three"]
     (tmp_path / "journal").unlink()
     reordered = SEQUENCE.replace("text: one", "text: @").replace("text: three", "text: one").replace("text: @", "text: three")
-    run_playbook(parse_playbook(reordered), registry, make_ctx(tmp_path))
+    play(tmp_path, reordered)
     assert journal(tmp_path) == ["three", "two", "one"]
 
 
 def test_bare_step_name_takes_default_parameters(tmp_path):
-    result = run_playbook(parse_playbook("steps:\n  - fail\n"), file_registry(tmp_path), make_ctx(tmp_path))
-    assert result.failed.message == "[box] fail: the disk is full"  # default how=raise
+    assert play(tmp_path, "steps:\n  - fail\n").failed.message == "[box] fail: the disk is full"  # how=raise
+
+
+def test_the_job_comes_from_the_target(tmp_path):
+    result = play(tmp_path, "steps:\n  - session_of\n", ctx=make_ctx(tmp_path, session="train"))
+    assert result.steps[0].message == "the job's session is train"
 
 
 WHEN_PB = """
@@ -390,38 +352,27 @@ steps:
     when: not options.purge
     params: {text: kept-cache}
   - step: note
-    when: "{options.deploy}"
+    when: options.deploy
     params: {text: deploy}
-  - step: note
-    when: false
-    params: {text: disabled}
-  - step: note
-    when: job.drafter_gpus
-    params: {text: has-drafters}
 """
 
 
 @pytest.mark.parametrize("options, ran", [
-    ({}, ["stop", "purge", "deploy", "has-drafters"]),
-    ({"purge": False}, ["stop", "kept-cache", "deploy", "has-drafters"]),
-    ({"purge": "false", "deploy": False}, ["stop", "kept-cache", "has-drafters"]),
+    ({}, ["stop", "purge", "deploy"]),
+    ({"purge": False}, ["stop", "kept-cache", "deploy"]),
+    ({"purge": "false", "deploy": False}, ["stop", "kept-cache"]),
 ])
 def test_when_skips_steps(tmp_path, options, ran):
-    result = run_playbook(parse_playbook(WHEN_PB), file_registry(tmp_path), make_ctx(tmp_path), options=options)
+    result = play(tmp_path, WHEN_PB, options)
     assert journal(tmp_path) == ran
     assert result.ok and sum(s.status == OK for s in result.steps) == len(ran)
     skipped = [s for s in result.steps if s.status == SKIPPED]
-    assert len(skipped) == 6 - len(ran)
+    assert len(skipped) == 4 - len(ran)
     reasons = {"purge": "options.purge is false", "kept-cache": "options.purge is true",
-               "deploy": "options.deploy is false", "disabled": "when: false"}
-    texts = ["stop", "purge", "kept-cache", "deploy", "disabled", "has-drafters"]
+               "deploy": "options.deploy is false"}
+    texts = ["stop", "purge", "kept-cache", "deploy"]
     assert [s.message for s in skipped] == [reasons[texts[s.number - 1]] for s in skipped]
-    assert [s.number for s in result.steps] == [1, 2, 3, 4, 5, 6]
-
-
-def test_when_on_an_empty_job_field_is_false(tmp_path):
-    run_playbook(parse_playbook(WHEN_PB), file_registry(tmp_path), make_ctx(tmp_path, drafter_gpus=()))
-    assert "has-drafters" not in journal(tmp_path)
+    assert [s.number for s in result.steps] == [1, 2, 3, 4]
 
 
 FAILING = """
@@ -445,8 +396,8 @@ steps:
 ])
 def test_stops_at_the_first_failure(tmp_path, how, message):
     events = []
-    result = run_playbook(parse_playbook(FAILING.replace("HOW", how), "failing.yaml"), file_registry(tmp_path),
-                          make_ctx(tmp_path), on_progress=events.append)
+    book = load(str(pb(FAILING.replace("HOW", how), tmp_path, "failing")), [], LIBRARY)
+    result = run_playbook(book, LIBRARY, make_ctx(tmp_path), bind_options(book, LIBRARY, {}), events.append)
     assert journal(tmp_path) == ["before"]
     assert [s.status for s in result.steps] == [OK, FAILED, NOT_RUN, NOT_RUN]
     assert not result.ok and result.exit_code == 1 and result.failed.number == 2
@@ -461,18 +412,17 @@ def test_stops_at_the_first_failure(tmp_path, how, message):
 
 
 def test_progress_lines_show_position_status_time_and_message(tmp_path):
-    text = "steps:\n  - step: sleep\n    params: {seconds: 0.3}\n  - log_twice\n  - step: note\n" \
-           "    params: {text: x}\n    when: false\n"
+    text = ("options: {more: false}\nsteps:\n  - step: sleep\n    params: {seconds: 0.3}\n  - log_twice\n"
+            "  - step: note\n    params: {text: x}\n    when: options.more\n")
     events = []
-    result = run_playbook(parse_playbook(text), file_registry(tmp_path), make_ctx(tmp_path),
-                          on_progress=events.append)
+    result = play(tmp_path, text, events=events)
     assert 0.3 <= result.steps[0].seconds < 2.5 and result.seconds >= result.steps[0].seconds
     lines = [format_progress(e) for e in events]
     assert lines[0] == "[1/3] sleep ..."
     assert lines[1].startswith("[1/3] sleep ... ok (0.") and lines[1].endswith("s) slept 0.3")
     assert lines[2:5] == ["[2/3] log_twice ...", "      first line", "      second line"]
     assert lines[5].startswith("[2/3] log_twice ... ok (0.0s) logged")
-    assert lines[6] == "[3/3] note ... skipped (when: false)"
+    assert lines[6] == "[3/3] note ... skipped (options.more is false)"
     assert format_progress(events[0], with_target=True) == "[box] [1/3] sleep ..."
 
 
@@ -483,304 +433,198 @@ steps:
   - step: note
     params: {text: hello}
   - step: use_result
-    params: {said: "{steps.note.text}, twice: {steps.note.text}"}
+    params: {prefix: "the latest note said"}
 """
 
 
 @pytest.mark.parametrize("dry_run", [False, True])
-def test_a_later_step_reads_an_earlier_ones_output_through_a_parameter(tmp_path, dry_run):
-    result = run_playbook(parse_playbook(READS_NOTE), file_registry(tmp_path), make_ctx(tmp_path), dry_run=dry_run)
+def test_a_later_step_takes_what_an_earlier_one_gave(tmp_path, dry_run):
+    result = play(tmp_path, READS_NOTE, ctx=make_ctx(tmp_path, dry_run=dry_run))
     assert result.ok, result.summary()
-    assert result.steps[2].message == "earlier note said hello, twice: hello"  # the latest run of `note`
-    assert result.steps[1].data == {"text": "hello"}
+    assert result.steps[2].message == "the latest note said hello"
+    assert result.steps[1].data == {"text": "hello"}  # a result's typed fields are in its report
 
 
-def test_steps_get_no_other_input_than_their_parameters():
-    import dataclasses
+def test_a_run_lists_its_whole_plan_and_refuses_a_step_out_of_it(tmp_path):
+    from dflash_ops.playbook.run import Run
+
+    with Run("check", make_ctx(tmp_path), ["note", "log_twice", "sleep"]) as run:
+        run(note, "one")
+        for wrong in (sleep, note):  # a bug in the caller: refused before anything of the step runs
+            with pytest.raises(RuntimeError, match=rf"step {wrong.__name__} is not step 2 of its plan"):
+                run(wrong, "two")
+        run(log_twice)
+    assert journal(tmp_path) == ["one"]
+    assert [s.status for s in run.result().steps] == [OK, OK, NOT_RUN]
+
+
+def test_a_failed_step_ends_the_run_and_the_rest_of_the_plan_is_not_run(tmp_path):
+    from dflash_ops.playbook.run import Run
+
+    with Run("check", make_ctx(tmp_path), ["fail", "note"]) as run:
+        run(fail, how="return")
+        run(note, "never")
+    result = run.result()
+    assert [s.status for s in result.steps] == [FAILED, NOT_RUN] and journal(tmp_path) == []
+
+
+def test_steps_get_no_other_input_than_their_arguments():
     fields = {f.name for f in dataclasses.fields(StepContext)}
-    assert not fields & {"options", "results"}, fields
-
-
-@pytest.mark.parametrize("steps, complaint", [
-    ('  - step: use_result\n    params: {said: "{steps.note.text}"}\n  - step: note\n    params: {text: a}\n',
-     "step 1 (use_result, line 2): params.said: unknown reference {steps.note.text}: no step 'note' runs "
-     "before this one (earlier steps: none)"),
-    ('  - step: note\n    params: {text: a}\n  - step: use_result\n    params: {said: "{steps.note.txt}"}\n',
-     "params.said: unknown reference {steps.note.txt}: step note has no output 'txt' (did you mean 'text'?) "
-     "(outputs: text)"),
-    ('  - step: note\n    params: {text: a}\n  - step: use_result\n    params: {said: "{steps.note}"}\n',
-     "bad reference {steps.note}: write {steps.STEP.OUTPUT}"),
-    ('  - step: note\n    params: {text: a}\n  - step: record\n    params: {gpus: "{steps.note.text}"}\n',
-     "params.gpus: {steps.note.text} is of type str but the parameter takes list[int]"),
-    ('  - step: note\n    params: {text: a}\n  - step: sleep\n    when: steps.note.text\n'
-     '    params: {seconds: 0}\n', "when: {steps.note.text}: `when:` is decided before any step runs"),
-])
-def test_a_reference_to_a_step_output_is_checked_when_loaded(tmp_path, steps, complaint):
-    assert complaint in invalid(tmp_path, "steps:\n" + steps)
-
-
-def test_a_reference_to_a_skipped_step_fails_before_anything_runs(tmp_path):
-    text = ("options: {loud: false}\nsteps:\n  - step: note\n    params: {text: first}\n"
-            "  - step: note\n    when: options.loud\n    params: {text: hello}\n"
-            "  - step: use_result\n    params: {said: \"{steps.note.text}\"}\n")
-    with pytest.raises(InputError) as info:
-        run_playbook(parse_playbook(text, "skips.yaml"), file_registry(tmp_path), make_ctx(tmp_path))
-    assert str(info.value) == (
-        "playbook skips.yaml: step 3 (use_result, line 8): params.said: {steps.note.text} reads step 2 "
-        "(note, line 5), which is skipped (options.loud is false); give both steps the same `when:` or "
-        "drop the reference")
-    assert journal(tmp_path) == []
-    result = run_playbook(parse_playbook(text), file_registry(tmp_path), make_ctx(tmp_path), options={"loud": True})
-    assert result.ok and result.steps[2].message == "earlier note said hello"
-
-
-def test_a_step_that_does_not_return_a_declared_output_fails(tmp_path):
-    text = "steps:\n  - forgetful\n  - step: note\n    params: {text: after}\n"
-    result = run_playbook(parse_playbook(text), file_registry(tmp_path), make_ctx(tmp_path))
-    assert [s.status for s in result.steps] == [FAILED, NOT_RUN]
-    assert result.failed.message == "TypeError: step forgetful returned no 'count', an output it declares"
-    given = run_playbook(parse_playbook("steps:\n  - step: forgetful\n    params: {give: true}\n"),
-                         file_registry(tmp_path), make_ctx(tmp_path))
-    assert given.ok, given.summary()
+    assert not fields & {"options", "results", "job"}, fields
 
 
 # ----------------------------------------------------------------------------------- dry run
 
 def test_dry_run_reports_exact_commands_and_touches_nothing(tmp_path):
     target_file = tmp_path / "out file.txt"
-    text = f"""
-steps:
-  - step: note
-    params: {{text: noted}}
-  - step: write_file
-    params: {{path: {str(target_file)!r}, content: "{{job.session}}"}}
-"""
-    registry, ctx = file_registry(tmp_path), make_ctx(tmp_path, session=HOSTILE)
+    text = f"steps:\n  - step: note\n    params: {{text: noted}}\n  - step: write_file\n" \
+           f"    params: {{path: {json.dumps(str(target_file))}, content: {json.dumps(HOSTILE)}}}\n"
+    dry = make_ctx(tmp_path, dry_run=True)
     events = []
-    result = run_playbook(parse_playbook(text), registry, ctx, dry_run=True, on_progress=events.append)
+    result = play(tmp_path, text, ctx=dry, events=events)
     assert result.ok and result.dry_run and [s.status for s in result.steps] == [DRY_RUN, DRY_RUN]
     script = f"printf '%s' {shlex.quote(HOSTILE)} > {shlex.quote(str(target_file))}"
     assert result.steps[1].commands == ("bash -c " + shlex.quote(script),)
-    assert not target_file.exists() and journal(tmp_path) == [] and ctx.transport.calls == 0
+    assert not target_file.exists() and journal(tmp_path) == [] and dry.transport.real.calls == 0
     assert "      $ bash -c " in format_progress(events[-1])
     # The command it reported is the one a real run executes: run it for real and compare.
-    result = run_playbook(parse_playbook(text), registry, ctx)
+    real = make_ctx(tmp_path)
+    result = play(tmp_path, text, ctx=real)
     assert result.steps[1].commands == ("bash -c " + shlex.quote(script),)
-    assert target_file.read_text(encoding="utf-8") == HOSTILE and ctx.transport.calls == 1
+    assert target_file.read_text(encoding="utf-8") == HOSTILE and real.transport.calls == 2
 
 
-def test_dry_run_from_the_context_flag(tmp_path):
-    ctx = make_ctx(tmp_path)
-    ctx.dry_run = True
-    result = run_playbook(parse_playbook(SEQUENCE), file_registry(tmp_path), ctx)
-    assert [s.status for s in result.steps] == [DRY_RUN] * 3 and journal(tmp_path) == []
+class Untouchable(BashTransport):
+    """A transport that fails the test if anything reaches it but a description of a command."""
+
+    def run(self, *args, **kwargs):
+        raise AssertionError(f"a command ran during --dry-run: {args[:1]}")
+
+    def put(self, *args, **kwargs):
+        raise AssertionError(f"a file was written during --dry-run: {args[1:2]}")
+
+    def run_on_host(self, *args, **kwargs):
+        raise AssertionError(f"a host command ran during --dry-run: {args[:1]}")
+
+    def hold(self, *args, **kwargs):
+        raise AssertionError("a lock was taken during --dry-run")
 
 
-def test_dry_run_blocks_a_step_that_ignores_it(tmp_path):
+def test_under_dry_run_even_a_step_that_goes_past_ctx_run_reaches_nothing(tmp_path):
     text = "steps:\n  - rogue\n  - step: note\n    params: {text: after}\n"
-    result = run_playbook(parse_playbook(text), file_registry(tmp_path), make_ctx(tmp_path), dry_run=True)
-    assert [s.status for s in result.steps] == [FAILED, NOT_RUN]
-    assert "tried to run a command during --dry-run" in result.failed.message
-    assert not (tmp_path / "rogue-ran").exists()
-    # Outside dry-run the same step does run: the guard, not the step, kept the file from appearing.
-    run_playbook(parse_playbook(text), file_registry(tmp_path), make_ctx(tmp_path))
-    assert (tmp_path / "rogue-ran").exists()
+    ctx = StepContext(make_target(tmp_path), DryRunTransport(Untouchable("box", tmp_path)))
+    result = play(tmp_path, text, ctx=ctx)
+    assert [s.status for s in result.steps] == [DRY_RUN, DRY_RUN], result.summary()
+    assert not (tmp_path / "rogue-ran").exists() and not (tmp_path / "rogue-put").exists()
+    # Outside dry-run the same step does act: the transport, not the step, kept the file from appearing.
+    play(tmp_path, text)
+    assert (tmp_path / "rogue-ran").exists() and (tmp_path / "rogue-put").exists()
 
 
-# ----------------------------------------------------------------------------------- templates
+@pytest.mark.parametrize("command, options", [
+    ("relaunch", {}), ("relaunch", {"purge": False, "deploy": False, "resume": False}), ("stop", {}),
+    ("gpu_clean", {}), ("gpu_clean", {"force": True}), ("purge_cache", {}), ("deploy", {}),
+    ("rollback", {"release": "0.1.0-abcdef012345"}),
+])
+def test_no_command_acts_under_dry_run(tmp_path, monkeypatch, command, options):
+    """Every real step of every command, against a transport that fails if anything reaches it."""
+    from dflash_ops import commands, ops
 
-def test_template_values_keep_or_convert_their_types(tmp_path):
-    text = """
-options: {timeout: 900.0, purge: false}
-steps:
-  - step: record
-    params:
-      value: "gpus={job.gpus} t={options.timeout}s p={options.purge} {{literal}} {target.name}"
-      gpus: "{job.gpus}"
-      number: "{options.timeout}"
-      flag: "{options.purge}"
-      env: {CACHE: "{job.cache_dir}/inductor", N: "port {target.ssh.port}"}
-"""
-    ctx = make_ctx(tmp_path)
-    ctx.target = model.Target(name="box", transport="ssh", job=ctx.job, ssh=model.HostSpec(host="h", port=2222))
-    result = run_playbook(parse_playbook(text), file_registry(tmp_path), ctx)
-    data = result.steps[0].data
-    assert data["value"] == "gpus=0,1,2 t=900s p=false {literal} box"
-    assert data["gpus"] == [0, 1, 2] and data["number"] == 900.0 and data["flag"] is False
-    assert data["env"] == {"CACHE": f"{tmp_path}/cache/inductor", "N": "port 2222"}
+    monkeypatch.setattr(ops, "make_transport", lambda target: Untouchable(target.name, tmp_path))
+    result = getattr(commands, command)(make_target(tmp_path), dry_run=True, **options)
+    assert result.ok and result.dry_run, result.summary()
+    assert {s.status for s in result.steps} <= {DRY_RUN, SKIPPED}
+    assert all(s.commands for s in result.steps if s.status == DRY_RUN)
+    assert not (tmp_path / "work").exists()
 
 
-def test_a_value_of_the_wrong_type_at_run_time(tmp_path):
-    """A job object whose field holds the wrong type is caught when the template is filled in."""
-    text = "steps:\n  - step: record\n    params: {value: '{job.session}'}\n"
-    ctx = make_ctx(tmp_path)
-    ctx.job = {"session": 7}  # not what the inventory loader produces, but the engine must not trust it
-    with pytest.raises(InputError, match=r"params.value: after filling in templates: expected str, got int 7"):
-        run_playbook(parse_playbook(text), file_registry(tmp_path), ctx)
-
-
-def test_hostile_values_are_data_not_templates_and_not_shell(tmp_path, monkeypatch):
-    """A value that looks like a template or a shell expansion arrives byte for byte."""
+def test_hostile_literals_are_data_not_shell(tmp_path, monkeypatch):
+    """A value that looks like a shell expansion or a template arrives byte for byte."""
     monkeypatch.chdir(tmp_path)
     sneaky = HOSTILE + " {job.workdir} {{ }"
     out = tmp_path / "got"
-    text = f"""
-options: {{msg: {{type: str}}}}
-steps:
-  - step: write_file
-    params: {{path: {str(out)!r}, content: "<{{options.msg}}|{{job.session}}>"}}
-"""
-    ctx = make_ctx(tmp_path, session="s'e\"s $(id)")
-    result = run_playbook(parse_playbook(text), file_registry(tmp_path), ctx, options={"msg": sneaky})
+    text = f"steps:\n  - step: write_file\n    params: {{path: {json.dumps(str(out))}, content: {json.dumps(sneaky)}}}\n"
+    result = play(tmp_path, text)
     assert result.ok, result.summary()
-    assert out.read_text(encoding="utf-8") == f"<{sneaky}|s'e\"s $(id)>"
+    assert out.read_text(encoding="utf-8") == sneaky
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
 
 
 # ----------------------------------------------------------------------------------- finding playbooks
 
-def test_lookup_by_name_follows_the_search_order(tmp_path, monkeypatch):
-    mine, env_dir, inv_dir = tmp_path / "mine", tmp_path / "env", tmp_path / "inv"
-    for d in (mine, env_dir, inv_dir / "playbooks"):
+def test_the_example_in_the_readme_is_a_valid_playbook(tmp_path):
+    from dflash_ops import steps
+
+    readme = (Path(__file__).resolve().parent.parent / "playbooks" / "README.md").read_text(encoding="utf-8")
+    example = pb(readme.split("```yaml\n", 1)[1].split("```", 1)[0], tmp_path, "example")
+    book = load(str(example), [], steps.LIBRARY)
+    assert [e.step for e in book.steps] == ["stop_session", "mark_stopped", "kill_gpu_processes", "wait_gpu_free",
+                                            "purge_cache"]
+    assert bind_options(book, steps.LIBRARY, {"purge": "true"}) == {"purge": True}
+
+
+def test_lookup_by_name_follows_the_search_order(tmp_path):
+    mine, inv_dir = tmp_path / "mine", tmp_path / "inv"
+    for d in (mine, inv_dir / "playbooks"):
         d.mkdir(parents=True)
-    pb("description: mine\nsteps: [deploy]\n", mine, "stop")
-    pb("description: env\nsteps: [deploy]\n", env_dir, "stop")
-    pb("description: env\nsteps: [deploy]\n", env_dir, "warmup")
-    pb("description: inv\nsteps: [deploy]\n", inv_dir / "playbooks", "warmup")
-    pb("description: inv\nsteps: [deploy]\n", inv_dir / "playbooks", "extra")
-    environ = {"DFLASH_OPS_PLAYBOOKS": str(env_dir)}
-    dirs = playbook_search_dirs(mine, inv_dir / "inventory.yaml", environ)
-    assert dirs == [mine, env_dir, inv_dir / "playbooks", SHIPPED_PLAYBOOKS]
-    assert load_playbook("stop", dirs).description == "mine"
-    assert load_playbook("warmup", dirs).description == "env"
-    assert load_playbook("extra", dirs).description == "inv"
-    assert load_playbook("relaunch", dirs).source == str(SHIPPED_PLAYBOOKS / "relaunch.yaml")
-    monkeypatch.setenv("DFLASH_OPS_PLAYBOOKS", str(env_dir))
-    assert playbook_search_dirs() == [env_dir, SHIPPED_PLAYBOOKS]
+    pb("description: mine\nsteps: [log_twice]\n", mine, "warmup")
+    pb("description: inv\nsteps: [log_twice]\n", inv_dir / "playbooks", "warmup")
+    pb("description: inv\nsteps: [log_twice]\n", inv_dir / "playbooks", "extra")
+    dirs = search_dirs(str(mine), str(inv_dir / "inventory.yaml"))
+    assert dirs == [mine, inv_dir / "playbooks"]
+    assert load("warmup", dirs, LIBRARY).description == "mine"
+    assert load("extra", dirs, LIBRARY).description == "inv"
+    assert list_playbooks(dirs) == {"extra": inv_dir / "playbooks" / "extra.yaml", "warmup": mine / "warmup.yaml"}
+    assert search_dirs(None, None) == []
 
 
 def test_lookup_by_path_and_errors(tmp_path):
-    path = pb("steps: [deploy]\n", tmp_path, "custom")
-    assert load_playbook(str(path)).name == "custom"
-    with pytest.raises(InputError, match="no playbook named 'relanch' \\(did you mean 'relaunch'\\?\\)"):
-        load_playbook("relanch", [SHIPPED_PLAYBOOKS])
-    with pytest.raises(InputError, match="playbook file .*missing.yaml not found"):
-        load_playbook(tmp_path / "missing.yaml")
+    path = pb("steps: [log_twice]\n", tmp_path, "custom")
+    assert load(str(path), [], LIBRARY).name == "custom"
+    pb("steps: [log_twice]\n", tmp_path, "relaunch-quick")
+    with pytest.raises(InputError, match=r"no playbook 'relaunch-quik' \(did you mean 'relaunch-quick'\?\)"):
+        load("relaunch-quik", [tmp_path], LIBRARY)
+    with pytest.raises(InputError, match="no playbook '.*missing.yaml'"):
+        load(str(tmp_path / "missing.yaml"), [], LIBRARY)
     with pytest.raises(InputError, match="--playbook-dir .*nowhere: no such directory"):
-        playbook_search_dirs(tmp_path / "nowhere", environ={})
-    with pytest.raises(InputError, match="DFLASH_OPS_PLAYBOOKS: .*nowhere is not a directory"):
-        playbook_search_dirs(environ={"DFLASH_OPS_PLAYBOOKS": str(tmp_path / "nowhere")})
+        search_dirs(str(tmp_path / "nowhere"), None)
 
 
-def test_shipped_dir_is_inside_the_package():
-    import dflash_ops
-    assert SHIPPED_PLAYBOOKS == Path(dflash_ops.__file__).resolve().parent / "playbooks"
+# ----------------------------------------------------------------------------------- the CLI
+
+def cli(tmp_path, *args):
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(f"targets:\n  here:\n    transport: local\n"
+                         f"    job: {{workdir: {tmp_path / 'w'}, python: /usr/bin/python3, config: tiny-cpu}}\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("DFLASH_OPS_INVENTORY", "DFLASH_OPS_PLAYBOOKS")}
+    return subprocess.run([sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *args],
+                          capture_output=True, text=True, env=env, timeout=120)
 
 
-# ----------------------------------------------------------------------------------- shipped playbooks
-# The step library must declare exactly these parameters (name: type, or (type, default)).
-# If a shipped playbook drifts from this table, or the table from dflash_ops.steps, a test fails.
-
-EXPECTED_STEPS = {
-    "stop_session": {"session": str, "grace_s": (float, 30.0)},
-    "kill_gpu_processes": {"gpus": list[int], "grace_s": (float, 10.0)},
-    "wait_gpu_free": {"gpus": list[int], "timeout_s": (float, 120.0), "max_used_mib": (int, 1024),
-                      "poll_s": (float, 2.0), "ignore": (list[dict[str, Any]], []), "processes_ended": (bool, False)},
-    "purge_cache": {"paths": list[str], "if_unmarked": (str, "fail")},
-    "deploy": {"keep_releases": (int, 5)},
-    "launch": {"session": str, "cache_dir": str, "resume": (bool, True)},
-    "wait_first_step": {"log": str, "timeout_s": (float, 900.0), "poll_s": (float, 1.0)},
-    "rollback": {"release": (str, "previous")},
-    "preflight": {"gpus": list[int], "deploy": (bool, True), "min_free_gib": (float, 10.0),
-                  "allow_shared_gpus": (bool, False), "import_torch": (bool, True)},
-    "mark_stopped": {},
-    "require_job_stopped": {},
-}
-# ... and these outputs, with what the stand-ins below give.
-EXPECTED_OUTPUTS = {
-    "stop_session": {"foreign": list[dict[str, Any]]},
-    "kill_gpu_processes": {"foreign": list[dict[str, Any]]},
-    "launch": {"log": str},
-}
-STAND_IN_OUTPUTS = {
-    "stop_session": {"foreign": [{"pid": 5, "owner": "ct 201"}]},
-    "kill_gpu_processes": {"foreign": [{"pid": 7, "owner": ""}]},
-    "launch": {"log": "/logs/train-0003.log"},
-}
+def test_playbook_run_names_the_file_and_reports_each_step(tmp_path):
+    d = tmp_path / "playbooks"  # next to the inventory: found by name
+    d.mkdir()
+    path = pb("options: {sure: false}\nsteps:\n  - require_job_stopped\n  - step: mark_stopped\n"
+              "    when: options.sure\n", d, "check")
+    ran = cli(tmp_path, "playbook", "run", "check", "-t", "here", "--dry-run", "--set", "sure=true")
+    assert ran.returncode == 0, ran
+    lines = ran.stdout.splitlines()
+    assert lines[0] == f"check: ran {path}"
+    assert lines[1].startswith("[1/2] require_job_stopped ... dry-run (")
+    assert any(line.startswith("[2/2] mark_stopped ... dry-run (") for line in lines)
+    assert lines[-1].startswith("[here] check (dry run): ok, 2 of 2 steps run")
+    listed = cli(tmp_path, "playbook", "list")
+    assert f"check          {path}" in listed.stdout and "  wait_first_step(timeout_s: float" in listed.stdout
 
 
-def expected_registry(calls: list):
-    """Steps with the library's names and parameters that record how they were called."""
-    registry = StepRegistry()
-    for name, params in EXPECTED_STEPS.items():
-        def fn(ctx, _name=name, **kwargs):
-            calls.append((_name, kwargs))
-            command = ctx.run(f"echo {shlex.quote(_name)}")
-            return StepOutcome(f"{_name} done", data={"had_output": command is not None,
-                                                      **STAND_IN_OUTPUTS.get(_name, {})})
-        registry.add(name, fn, params, outputs=EXPECTED_OUTPUTS.get(name))
-    return registry
-
-
-@pytest.mark.parametrize("name, order", [
-    ("relaunch", ["preflight", "stop_session", "kill_gpu_processes", "wait_gpu_free", "purge_cache", "deploy",
-                  "launch", "wait_first_step"]),
-    ("stop", ["stop_session", "mark_stopped", "kill_gpu_processes", "wait_gpu_free"]),
-    ("gpu-clean", ["require_job_stopped", "kill_gpu_processes", "wait_gpu_free"]),
-    ("deploy", ["deploy"]),
-])
-def test_shipped_playbooks_validate_and_keep_their_order(name, order):
-    playbook = load_playbook(name, [SHIPPED_PLAYBOOKS], registry=expected_registry([]))
-    assert [s.step for s in playbook.steps] == order and playbook.description
-
-
-def test_shipped_relaunch_fills_parameters_from_the_job(tmp_path):
-    calls = []
-    registry = expected_registry(calls)
-    playbook = load_playbook("relaunch", [SHIPPED_PLAYBOOKS])
-    ctx = make_ctx(tmp_path, session="train", target_gpus=(3,), drafter_gpus=(1, 2))
-    result = run_playbook(playbook, registry, ctx, dry_run=True, options={"timeout": "60"})
-    assert result.ok and all(s.status == DRY_RUN for s in result.steps)
-    assert all(s.commands == ("bash -c " + shlex.quote(f"echo {s.step}"),) for s in result.steps)
-    assert all(s.data["had_output"] is False for s in result.steps)
-    cache = str(tmp_path / "cache")
-    assert calls == [
-        ("preflight", {"gpus": [1, 2, 3], "deploy": True, "min_free_gib": 10.0, "allow_shared_gpus": False,
-                       "import_torch": True}),
-        ("stop_session", {"session": "train", "grace_s": 30.0}),
-        ("kill_gpu_processes", {"gpus": [1, 2, 3], "grace_s": 10.0}),
-        ("wait_gpu_free", {"gpus": [1, 2, 3], "timeout_s": 120.0, "max_used_mib": 1024, "poll_s": 2.0,
-                           "ignore": [{"pid": 7, "owner": ""}], "processes_ended": True}),
-        ("purge_cache", {"paths": [cache], "if_unmarked": "skip"}),
-        ("deploy", {"keep_releases": 5}),
-        ("launch", {"session": "train", "cache_dir": cache, "resume": True}),
-        ("wait_first_step", {"log": "/logs/train-0003.log", "timeout_s": 60.0, "poll_s": 1.0}),
-    ]
-
-
-def test_shipped_relaunch_no_purge_no_deploy(tmp_path):
-    calls = []
-    playbook = load_playbook("relaunch", [SHIPPED_PLAYBOOKS])
-    result = run_playbook(playbook, expected_registry(calls), make_ctx(tmp_path),
-                          options={"purge": False, "deploy": False, "resume": "false"})
-    assert [c[0] for c in calls] == ["preflight", "stop_session", "kill_gpu_processes", "wait_gpu_free", "launch",
-                                     "wait_first_step"]
-    assert calls[0][1]["deploy"] is False  # then the release must already be there
-    assert calls[4] == ("launch", {"session": "dflash", "cache_dir": str(tmp_path / "cache"), "resume": False})
-    assert [s.status for s in result.steps] == [OK, OK, OK, OK, SKIPPED, SKIPPED, OK, OK]
-    assert all(s.data["had_output"] is True for s in result.steps if s.status == OK)
-
-
-def test_step_library_matches_the_expected_table():
-    if importlib.util.find_spec("dflash_ops.steps") is None:
-        pytest.skip("dflash_ops.steps is not written yet")
-    from dflash_ops import steps
-    registry = steps.registry
-    for name, params in EXPECTED_STEPS.items():
-        spec = registry.get(name)
-        assert spec is not None, f"dflash_ops.steps.registry lacks step {name!r}"
-        declared = {k: (p.type if p.required else (p.type, p.default)) for k, p in spec.params.items()}
-        assert declared == params, f"step {name!r}: declared {declared}, playbooks expect {params}"
-        assert dict(spec.outputs) == EXPECTED_OUTPUTS.get(name, {}), f"step {name!r}: outputs {spec.outputs}"
-    for name in ("relaunch", "stop", "deploy", "gpu-clean", "purge-cache", "rollback"):
-        validate_playbook(load_playbook(name, [SHIPPED_PLAYBOOKS]), registry)
+def test_playbook_run_refuses_a_bad_file_in_one_line_before_touching_the_target(tmp_path):
+    d = tmp_path / "playbooks"
+    d.mkdir()
+    path = pb("steps:\n  - step: stop_sesion\n", d, "bad")
+    refused = cli(tmp_path, "playbook", "run", "bad", "-t", "here")
+    assert refused.returncode == 2 and refused.stdout == "", refused
+    assert refused.stderr.strip() == (f"dflash-ops: {path}:2: step 1 (stop_sesion): unknown step (did you mean "
+                                      f"'stop_session'?); steps: " + refused.stderr.split("steps: ", 1)[1].strip())
+    assert not (tmp_path / "w").exists()
+    unknown = cli(tmp_path, "playbook", "run", str(path).replace("bad", "good"), "-t", "here")
+    assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 1

@@ -7,7 +7,8 @@ import subprocess
 import pytest
 
 from dflash_ops import steps
-from dflash_ops.playbook import Progress, StepContext
+from dflash_ops.playbook.context import StepContext
+from dflash_ops.playbook.run import Progress
 from dflash_ops.progress_view import CLEAR_LINE, ProgressPrinter
 from dflash_ops.transport.local import LocalTransport
 
@@ -19,10 +20,10 @@ def test_wait_first_step_reports_elapsed_time_and_the_last_log_line(local_target
     subprocess.run(["tmux", "-L", job.tmux_socket, "new-session", "-d", "-s", "job", "sleep 30"], check=True)
     shown, logged = [], []
     try:
-        ctx = StepContext(target=local_target, transport=LocalTransport("local"), job=job, step="wait_first_step",
+        ctx = StepContext(target=local_target, transport=LocalTransport("local"), step="wait_first_step",
                           status=shown.append, log=logged.append)
         with pytest.raises(Exception, match="no training step after 1.5s"):
-            steps.wait_first_step(ctx, log=str(log), timeout_s=1.5, poll_s=0.2)
+            steps.wait_first_step(ctx, job, steps.Launched(log=str(log)), timeout_s=1.5, poll_s=0.2)
     finally:
         subprocess.run(["tmux", "-L", job.tmux_socket, "kill-server"], capture_output=True)
     assert len(shown) >= 2, shown
@@ -45,10 +46,9 @@ def test_wait_first_step_shows_each_new_log_line_once(local_target, tmp_path):
                 f.write("compiling the drafter\n")
 
     try:
-        ctx = StepContext(target=local_target, transport=LocalTransport("local"), job=job, step="wait_first_step",
-                          log=note)
+        ctx = StepContext(target=local_target, transport=LocalTransport("local"), step="wait_first_step", log=note)
         with pytest.raises(Exception, match="no training step after 2s"):
-            steps.wait_first_step(ctx, log=str(log), timeout_s=2, poll_s=0.2)
+            steps.wait_first_step(ctx, job, steps.Launched(log=str(log)), timeout_s=2, poll_s=0.2)
     finally:
         subprocess.run(["tmux", "-L", job.tmux_socket, "kill-server"], capture_output=True)
     assert logged == ["log: launching run 0001", "log: compiling the drafter"]

@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from dflash_ops import jobpaths, ops, status as status_lib
+from dflash_ops import commands, jobpaths, ops, status as status_lib
 from trainer import metrics_format
 
 try:
@@ -22,7 +22,7 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
 def test_stop_after_the_run_finished_keeps_it_finished_and_tau_stays_in_health(local_target, cleanup):
     target = finite(standin(local_target), 8)
     cleanup(target)
-    assert ops.run_playbook(target, "relaunch", quick()).ok
+    assert commands.relaunch(target, **quick()).ok
     wait_for(lambda: job_state(target)["state"] == "finished", what="the run to finish")
     metrics = metrics_format.metrics_path_for_log(job_state(target)["log"])
     with open(metrics, "a", encoding="utf-8") as f:  # an evaluation the run wrote at its last step
@@ -30,7 +30,7 @@ def test_stop_after_the_run_finished_keeps_it_finished_and_tau_stays_in_health(l
                                       lossless=True) + "\n")
     before = json.loads(Path(jobpaths.state_file(target.job)).read_text())
 
-    stopped = ops.run_playbook(target, "stop", {"grace": 5.0})
+    stopped = commands.stop(target, grace=5.0)
     assert stopped.ok, stopped.summary()
     assert step(stopped, "mark_stopped").message == "job state kept: the run had finished"
     assert job_state(target) == before  # not rewritten

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash_ops import jobpaths, ops
+from dflash_ops import commands, jobpaths, ops
 from dflash_ops.cli import cli
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.model import Health
@@ -83,9 +83,9 @@ def test_case1_a_stop_is_never_undone_by_health(pct_target, cleanup, bystander, 
     monkeypatch.setenv("DFLASH_OPS_STATE_DIR", str(tmp_path / "state"))
     target = standin(pct_target)
     cleanup(target)
-    assert ops.run_playbook(target, "relaunch", quick()).ok
+    assert commands.relaunch(target, **quick()).ok
     wait_for(lambda: checkpoints(target, 1), what="a checkpoint")
-    stopped = ops.run_playbook(target, "stop", {"grace": 5.0})
+    stopped = commands.stop(target, grace=5.0)
     assert stopped.ok, stopped.summary()
     assert step(stopped, "mark_stopped").message == "job state: stopped by dflash-ops stop"
     kept = checkpoints(target, 1)
@@ -97,7 +97,7 @@ def test_case1_a_stop_is_never_undone_by_health(pct_target, cleanup, bystander, 
     assert checked.status["session"]["running"] is not True
     assert "job: stopped by dflash-ops stop, run 0001" in ops.status_lib.render_table(checked.status)
 
-    again = ops.run_playbook(target, "relaunch", quick())  # only a relaunch clears the stop
+    again = commands.relaunch(target, **quick())  # only a relaunch clears the stop
     assert again.ok, again.summary()
     assert job_state(target)["state"] == "running" and job_state(target)["run"] == 1
     newest = int(max(kept)[len("step-"):])
@@ -110,8 +110,8 @@ def test_case1_a_stop_is_never_undone_by_health(pct_target, cleanup, bystander, 
 def test_case2_a_deleted_log_of_a_live_trainer_is_a_warning_not_a_fallback(local_target, cleanup, bystander):
     target = standin(local_target, health=Health(stall_seconds=2))
     cleanup(target)
-    assert ops.run_playbook(target, "relaunch", quick()).ok
-    second = ops.run_playbook(target, "relaunch", quick())
+    assert commands.relaunch(target, **quick()).ok
+    second = commands.relaunch(target, **quick())
     assert second.ok
     log = step(second, "launch").data["log"]
     assert log.endswith("train-0002.log")
@@ -140,24 +140,24 @@ def test_case3_purge_cache_deletes_only_what_the_launcher_marked(ssh_target, cle
     (data / "inductor").mkdir(parents=True)
     (data / "precious.bin").write_text("not a cache")
     pointed = dataclasses.replace(target, job=dataclasses.replace(target.job, cache_dir=str(data)))
-    refused = ops.run_playbook(pointed, "purge-cache")
+    refused = commands.purge_cache(pointed)
     assert not refused.ok and "no .dflash-ops-cache file" in refused.failed.message
     assert (data / "precious.bin").exists()
-    relaunched = ops.run_playbook(pointed, "relaunch", quick())  # relaunch leaves it alone and goes on
+    relaunched = commands.relaunch(pointed, **quick())  # relaunch leaves it alone and goes on
     assert relaunched.ok, relaunched.summary()
     assert "left " + str(data) + " alone" in step(relaunched, "purge_cache").message
     assert not (data / jobpaths.CACHE_MARKER).exists()  # a dir with foreign files is never adopted
-    assert ops.run_playbook(pointed, "stop", {"grace": 5.0}).ok
+    assert commands.stop(pointed, grace=5.0).ok
     assert (data / "precious.bin").exists()
 
     # the job's own cache: created with the marker by the launch, purged once the job is stopped
-    assert ops.run_playbook(target, "relaunch", quick()).ok
+    assert commands.relaunch(target, **quick()).ok
     cache = Path(target.job.cache_dir)
     assert (cache / jobpaths.CACHE_MARKER).exists() and (cache / "inductor").is_dir()
-    busy = ops.run_playbook(target, "purge-cache")
+    busy = commands.purge_cache(target)
     assert not busy.ok and "the job is running" in busy.failed.message and cache.exists()
-    assert ops.run_playbook(target, "stop", {"grace": 5.0}).ok
-    purged = ops.run_playbook(target, "purge-cache")
+    assert commands.stop(target, grace=5.0).ok
+    purged = commands.purge_cache(target)
     assert purged.ok and not cache.exists(), purged.summary()
     assert checkpoints(target, 1) and alive(bystander.pid)
 
@@ -170,14 +170,14 @@ def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, clean
     cleanup(target)
     _write_gpus(gpu_state_path)
     try:
-        assert ops.run_playbook(target, "relaunch", quick()).ok
+        assert commands.relaunch(target, **quick()).ok
         pid = trainer_pid(target)
-        assert ops.run_playbook(target, "relaunch", quick(deploy=False)).ok  # a release is current: fine
+        assert commands.relaunch(target, **quick(deploy=False)).ok  # a release is current: fine
         pid = trainer_pid(target)
         state = json.loads(gpu_state_path.read_text())
 
         gpu_state_path.write_text(json.dumps(dict(state, driver_error=True)))
-        failed = ops.run_playbook(target, "relaunch", quick())
+        failed = commands.relaunch(target, **quick())
         assert failed.failed.step == "preflight" and "check 'GPU query'" in failed.failed.message
         assert "nothing was stopped" in failed.failed.message
         assert [s.status for s in failed.steps[1:]] == ["not-run"] * 7
@@ -187,21 +187,21 @@ def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, clean
         gpu_state_path.write_text(json.dumps(state))
 
         no_python = dataclasses.replace(target, job=dataclasses.replace(target.job, python="/nonexistent/python3"))
-        failed = ops.run_playbook(no_python, "relaunch", quick())
+        failed = commands.relaunch(no_python, **quick())
         assert failed.failed.step == "preflight" and "check 'python'" in failed.failed.message
         assert "not installed" in failed.failed.message
         if subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode != 0:
             no_torch = dataclasses.replace(target, job=dataclasses.replace(target.job, python="/usr/bin/python3"))
             for full_import in (True, False):
-                failed = ops.run_playbook(no_torch, "relaunch", quick(import_torch=full_import))
+                failed = commands.relaunch(no_torch, **quick(import_torch=full_import))
                 assert failed.failed.step == "preflight" and "check 'python'" in failed.failed.message
                 assert "/usr/bin/python3 cannot import torch" in failed.failed.message
                 assert "No module named" in failed.failed.message, failed.failed.message
-        imported = ops.run_playbook(target, "relaunch", quick(import_torch=True, min_free_gib=1e9))
+        imported = commands.relaunch(target, **quick(import_torch=True, min_free_gib=1e9))
         assert imported.failed.step == "preflight" and "check 'disk'" in imported.failed.message  # torch imported
 
         (Path(target.job.workdir) / "current").unlink()  # the release is gone and --no-deploy is asked
-        failed = ops.run_playbook(target, "relaunch", quick(deploy=False))
+        failed = commands.relaunch(target, **quick(deploy=False))
         assert failed.failed.step == "preflight" and "check 'release'" in failed.failed.message
 
         assert alive_in_ct(target, pid) and trainer_pid(target) == pid, "a failed preflight stopped the job"
@@ -209,7 +209,7 @@ def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, clean
 
         # stop with the GPU query failing: the job's processes end, so the stop succeeds and says so
         gpu_state_path.write_text(json.dumps(dict(state, driver_error=True)))
-        stopped = ops.run_playbook(target, "stop", {"grace": 5.0})
+        stopped = commands.stop(target, grace=5.0)
         assert stopped.ok, stopped.summary()
         assert step(stopped, "wait_gpu_free").message.startswith("the job's processes are gone; GPUs not checked")
         assert not alive_in_ct(target, pid)
@@ -229,7 +229,7 @@ def alive_in_ct(target, pid: int) -> bool:
 def test_case5_6_runs_finish_resume_and_fresh_keep_every_checkpoint(local_target, cleanup, bystander):
     target = finite(standin(local_target), 12)
     cleanup(target)
-    first = ops.run_playbook(target, "relaunch", quick())
+    first = commands.relaunch(target, **quick())
     assert first.ok, first.summary()
     wait_for(lambda: job_state(target)["state"] == "finished", what="the run to finish")
     assert checkpoints(target, 1) == ["step-0000005", "step-0000010", "step-0000012"]
@@ -238,18 +238,18 @@ def test_case5_6_runs_finish_resume_and_fresh_keep_every_checkpoint(local_target
     assert checked.verdict.level == "OK" and checked.verdict.reasons == ("finished at step 12",)
 
     # the README's main command, run a second time: a new run, not a resume of the finished one
-    second = ops.run_playbook(target, "relaunch", quick())
+    second = commands.relaunch(target, **quick())
     assert second.ok, second.summary()
     assert job_state(target)["run"] == 2 and job_state(target)["state"] in ("running", "finished")
     wait_for(lambda: job_state(target)["state"] == "finished", what="run 2 to finish")
 
     # --fresh after a finished run, then stop: each run keeps its own newest checkpoints
     long_run = finite(target, 400)
-    fresh = ops.run_playbook(long_run, "relaunch", quick(resume=False))
+    fresh = commands.relaunch(long_run, **quick(resume=False))
     assert fresh.ok, fresh.summary()
     assert job_state(target)["run"] == 3
     wait_for(lambda: checkpoints(target, 3), what="a checkpoint of run 3")
-    assert ops.run_playbook(target, "stop", {"grace": 5.0}).ok
+    assert commands.stop(target, grace=5.0).ok
     newest = checkpoints(target, 3)[-1]
     log = Path(job_state(target)["log"]).read_text()
     assert f"last checkpoint {jobpaths.runs_dir(target.job)}/0003/checkpoints/{newest}" in log
@@ -257,7 +257,7 @@ def test_case5_6_runs_finish_resume_and_fresh_keep_every_checkpoint(local_target
     assert checkpoints(target, 2) == ["step-0000005", "step-0000010", "step-0000012"]
 
     # the next relaunch resumes run 3 where it stopped, not run 1's step 12
-    resumed = ops.run_playbook(long_run, "relaunch", quick())
+    resumed = commands.relaunch(long_run, **quick())
     assert resumed.ok, resumed.summary()
     assert job_state(target)["run"] == 3
     assert f"resumed from step {int(newest[5:])}" in Path(job_state(target)["log"]).read_text()
@@ -269,26 +269,26 @@ def test_case5_6_runs_finish_resume_and_fresh_keep_every_checkpoint(local_target
 def test_case7_gpu_clean_and_purge_cache_refuse_while_the_job_lives(local_target, cleanup, bystander):
     target = standin(local_target)
     cleanup(target)
-    assert ops.run_playbook(target, "relaunch", quick()).ok
+    assert commands.relaunch(target, **quick()).ok
     pid = trainer_pid(target)
-    refused = ops.run_playbook(target, "gpu-clean", {"gpu_free_timeout": 5.0})
+    refused = commands.gpu_clean(target, gpu_free_timeout=5.0)
     assert refused.failed.step == "require_job_stopped" and str(pid) in refused.failed.message
     assert "--force" in refused.failed.message and alive(pid)
     help_text = CliRunner().invoke(cli, ["gpu-clean", "--help"]).output
     assert "the trainer included" in help_text and "--force" in help_text
 
     # an orphan carrying the job's marker, outside the tmux tree
-    assert ops.run_playbook(target, "stop", {"grace": 5.0}).ok
+    assert commands.stop(target, grace=5.0).ok
     orphan = subprocess.Popen(["sleep", "300"], start_new_session=True,
                               env={**os.environ, jobpaths.JOB_MARKER_ENV: jobpaths.marker_value(target.job)})
     try:
-        busy = ops.run_playbook(target, "purge-cache")
+        busy = commands.purge_cache(target)
         assert not busy.ok and f"{orphan.pid} (sleep 300)" in busy.failed.message
         assert Path(target.job.cache_dir).exists()
-        forced = ops.run_playbook(target, "gpu-clean", {"force": True, "gpu_free_timeout": 5.0})
+        forced = commands.gpu_clean(target, force=True, gpu_free_timeout=5.0)
         assert forced.ok and "ended 1 process" in step(forced, "kill_gpu_processes").message
         orphan.wait(10)
-        assert ops.run_playbook(target, "purge-cache").ok and not Path(target.job.cache_dir).exists()
+        assert commands.purge_cache(target).ok and not Path(target.job.cache_dir).exists()
     finally:
         orphan.kill()
     assert checkpoints(target, 1) and alive(bystander.pid)
@@ -306,7 +306,7 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
         t.check(f"setsid -f bash -c 'echo $$ > {pid_file}; exec sleep 300' </dev/null >/dev/null 2>&1", timeout=20)
     foreign = int(wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), what="the foreign pid"))
     try:
-        started = ops.run_playbook(target, "relaunch", quick())
+        started = commands.relaunch(target, **quick())
         assert started.ok
         state = json.loads(gpu_state_path.read_text())
         state["compute_apps"].append({"pid": foreign, "gpu_index": 1, "used_memory_mib": 7000, "process_name": "sleep"})
@@ -321,7 +321,7 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
         assert "[foreign]" in ops.status_lib.render_table(checked.status)
 
         began = time.monotonic()
-        stopped = ops.run_playbook(target, "stop", {"grace": 5.0, "gpu_free_timeout": 30.0})
+        stopped = commands.stop(target, grace=5.0, gpu_free_timeout=30.0)
         assert stopped.ok, stopped.summary()
         assert time.monotonic() - began < 20  # no wait for a process that is not the job's
         assert f"pid {foreign} sleep on GPU 1" in step(stopped, "kill_gpu_processes").message
@@ -330,10 +330,10 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
         # a job whose trainer already exited: stop says so instead of "ended 1 process(es)"
         crashed = standin(pct_target, mode="crash")
         cleanup(crashed)
-        ops.run_playbook(crashed, "relaunch", quick())
+        commands.relaunch(crashed, **quick())
         wait_for(lambda: ops.check(crashed).status["session"]["exists"] and
                  not ops.check(crashed).status["session"]["running"], what="the crash")
-        again = ops.run_playbook(crashed, "stop", {"grace": 5.0})
+        again = commands.stop(crashed, grace=5.0)
         message = step(again, "stop_session").message
         # tmux (3.3a, in the simulated container) now and then marks the pane dead without ever
         # reporting #{pane_dead_status}: stop then says the status is unknown, never "ended N process(es)".
@@ -354,7 +354,7 @@ def test_the_single_run_dir_of_earlier_versions_becomes_run_0001_and_is_resumed(
     (legacy / "state.json").write_text('{"step": 7}')
     old_cache = Path(target.job.cache_dir) / "inductor"
     old_cache.mkdir(parents=True)  # what an earlier version's launch left: adopted, so purgeable
-    assert ops.run_playbook(target, "relaunch", quick()).ok
+    assert commands.relaunch(target, **quick()).ok
     assert (Path(target.job.cache_dir) / jobpaths.CACHE_MARKER).exists()
     assert job_state(target)["run"] == 1 and not legacy.parent.parent.exists()
     assert "resumed from step 7" in Path(job_state(target)["log"]).read_text()
@@ -371,7 +371,7 @@ def test_a_host_pid_invisible_in_the_container_is_never_called_foreign():
 
 
 def test_an_unreachable_container_fails_the_reachable_check_before_anything(stopped_pct_target):
-    result = ops.run_playbook(stopped_pct_target, "relaunch", quick())
+    result = commands.relaunch(stopped_pct_target, **quick())
     assert result.failed.step == "preflight" and "check 'reachable'" in result.failed.message
     assert "not running" in result.failed.message and "nothing was stopped" in result.failed.message
     assert [s.status for s in result.steps[1:]] == ["not-run"] * 7

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import jobpaths, ops
+from dflash_ops import commands, jobpaths, ops
 from dflash_ops.cli import main as cli_main
 
 try:
@@ -108,7 +108,7 @@ def cli(*argv: str, inventory: Path) -> tuple[int, str, str]:
 def test_a_foreign_process_on_a_dead_panes_pid_is_never_the_jobs(pct_target, cleanup, bystander):
     target = finite(standin(pct_target), 6)
     cleanup(target)
-    assert ops.run_playbook(target, "relaunch", quick()).ok
+    assert commands.relaunch(target, **quick()).ok
     wait_for(lambda: job_state(target)["state"] == "finished", what="the run to finish")
     seen: list = []
     try:
@@ -121,18 +121,18 @@ def test_a_foreign_process_on_a_dead_panes_pid_is_never_the_jobs(pct_target, cle
         checked = ops.check(target)
         assert foreign not in [p["pid"] for p in checked.status["processes"]], checked.status["processes"]
 
-        stopped = ops.run_playbook(target, "stop", {"grace": 2.0})
+        stopped = commands.stop(target, grace=2.0)
         assert stopped.ok, stopped.summary()
         assert "ended" not in step(stopped, "stop_session").message, step(stopped, "stop_session").message
         assert alive_in(target, foreign), "stop signalled a foreign process that took the dead pane's pid"
 
-        assert ops.run_playbook(target, "purge-cache").ok  # never "the job is running (pids <foreign>)"
-        cleaned = ops.run_playbook(target, "gpu-clean", {"gpu_free_timeout": 5.0})
+        assert commands.purge_cache(target).ok  # never "the job is running (pids <foreign>)"
+        cleaned = commands.gpu_clean(target, gpu_free_timeout=5.0)
         assert cleaned.ok and str(foreign) not in cleaned.summary(), cleaned.summary()
-        relaunched = ops.run_playbook(finite(target, 400), "relaunch", quick())
+        relaunched = commands.relaunch(finite(target, 400), **quick())
         assert relaunched.ok, relaunched.summary()
         assert alive_in(target, foreign)
-        assert ops.run_playbook(target, "stop", {"grace": 5.0}).ok
+        assert commands.stop(target, grace=5.0).ok
         assert alive_in(target, foreign)
         assert set(kept) <= set(checkpoints(target, 1)) | set(checkpoints(target, 2))
     finally:
@@ -187,9 +187,9 @@ def one_line(stdout: str, stderr: str) -> str:
 def test_a_cache_dir_through_a_symlink_into_runs_is_refused_on_the_target(ssh_target, cleanup, bystander, tmp_path):
     target = named(standin(ssh_target))
     cleanup(target)
-    assert ops.run_playbook(target, "relaunch", quick()).ok
+    assert commands.relaunch(target, **quick()).ok
     wait_for(lambda: len(checkpoints(target, 1)) >= 2, what="checkpoints")
-    assert ops.run_playbook(target, "stop", {"grace": 5.0}).ok
+    assert commands.stop(target, grace=5.0).ok
     kept = checkpoints(target, 1)
     work = Path(target.job.workdir)
     (work / "scratch").symlink_to(work / "runs")  # on the target: scratch -> runs
@@ -317,7 +317,7 @@ def test_a_stop_that_cannot_be_recorded_fails_loudly_and_is_never_undone(pct_tar
     monkeypatch.setenv("DFLASH_OPS_STATE_DIR", str(tmp_path / "state"))
     target = named(standin(pct_target))
     cleanup(target)
-    assert ops.run_playbook(target, "relaunch", quick()).ok
+    assert commands.relaunch(target, **quick()).ok
     wait_for(lambda: checkpoints(target, 1), what="a checkpoint")
     state = Path(jobpaths.state_file(target.job))
     state.unlink()
@@ -346,17 +346,17 @@ def test_a_stop_that_cannot_be_recorded_fails_loudly_and_is_never_undone(pct_tar
 def test_a_deleted_logs_number_and_metrics_are_never_reused(pct_target, cleanup, bystander):
     target = standin(pct_target)
     cleanup(target)
-    first = ops.run_playbook(target, "relaunch", quick())
+    first = commands.relaunch(target, **quick())
     assert first.ok
     old_log = Path(step(first, "launch").data["log"])
     old_metrics = Path(str(old_log)[: -len(".log")] + ".metrics.jsonl")
     wait_for(lambda: old_metrics.read_text().count('"step"') >= 12, what="a dozen steps")
-    assert ops.run_playbook(target, "stop", {"grace": 5.0}).ok
+    assert commands.stop(target, grace=5.0).ok
     before = old_metrics.read_bytes()
     last_old = max(json.loads(line).get("step", 0) for line in before.decode().splitlines())
     old_log.unlink()
 
-    again = ops.run_playbook(target, "relaunch", quick())
+    again = commands.relaunch(target, **quick())
     assert again.ok, again.summary()
     new_log = step(again, "launch").data["log"]
     assert new_log.endswith("train-0002.log"), new_log
@@ -488,6 +488,6 @@ def test_metrics_records_of_the_wrong_types_read_as_absent():
 def test_an_unreachable_target_is_left_to_the_preflight_not_the_lock(silent_server, ssh_target):
     target = dataclasses.replace(ssh_target, ssh=dataclasses.replace(ssh_target.ssh, port=silent_server,
                                                                      connect_timeout_s=1.0))
-    result = ops.run_playbook(target, "relaunch", quick())
+    result = commands.relaunch(target, **quick())
     assert result.failed.step == "preflight" and "check 'reachable'" in result.failed.message
     assert "nothing was stopped" in result.failed.message

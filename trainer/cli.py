@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import yaml
 
 from .config import COMPILE_LOCK_MODES, ATTENTION_BACKENDS, LAUNCHERS, ConfigError
+from .typed_yaml import parse_value
+from .errors import input_error, run_command
 
 # torch is imported only once the config, the arguments and the paths are known good: every input
 # error is reported in well under a second.
@@ -48,7 +49,7 @@ Write a checkpoint's drafter in the format inference engines load: config.json
 """
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """Usage errors as one line naming the flag (exit 2), like every other input error."""
 
     def error(self, message: str):
@@ -66,7 +67,7 @@ def _positive_int(text: str) -> int:
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dflash-train", description=TRAIN_HELP,
+    p = Parser(prog="dflash-train", description=TRAIN_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Subcommands: dflash-train export --help | dflash-train data --help | "
                                        "dflash-train eval --help | dflash-train report --help")
@@ -84,14 +85,16 @@ def _train_parser() -> argparse.ArgumentParser:
                         "(default lock; none/patch are for experiments)")
     p.add_argument("--attention", choices=ATTENTION_BACKENDS,
                    help="flex: compiled flex_attention (GPU); sdpa: dense mask (CPU, or any device)")
-    p.add_argument("--target-devices", metavar="LIST", help="comma-separated, e.g. cuda:0 (one target worker each)")
+    p.add_argument("--target-devices", metavar="LIST",
+                   help="comma-separated, e.g. cuda:0 (one target worker each)")
     p.add_argument("--drafter-devices", metavar="LIST",
                    help="comma-separated, e.g. cuda:1,cuda:2 (one drafter thread + replica each; "
                         "repeat a device for several threads on it, e.g. cpu,cpu)")
     p.add_argument("--launcher", choices=LAUNCHERS,
                    help="threads (default): one process, a drafter thread per device; torchrun: this "
                         "process is one rank of `torchrun --nproc-per-node N -m trainer ...` (DDP)")
-    p.add_argument("--metrics-file", metavar="PATH", help="JSON-lines metrics (default <output-dir>/metrics.jsonl)")
+    p.add_argument("--metrics-file", metavar="PATH",
+                   help="JSON-lines metrics (default <output-dir>/metrics.jsonl)")
     p.add_argument("--seed", type=int, help="seed for init, data order and anchors")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key (YAML value), repeatable: --set train.lr=3e-4")
@@ -99,7 +102,7 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def _export_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dflash-train export", description=EXPORT_HELP,
+    p = Parser(prog="dflash-train export", description=EXPORT_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="a checkpoints/step-NNNNNNN directory, or an output dir (its latest checkpoint)")
@@ -121,10 +124,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=3e-4")
-        try:
-            overrides[key.strip()] = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            overrides[key.strip()] = raw
+        overrides[key.strip()] = parse_value(raw)  # the config file's rules: `off` stays text
     return overrides
 
 
@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         from .eval_cli import eval_parser, run_eval
         return run_eval(eval_parser().parse_args(argv[1:]))
     if argv and argv[0] == "export":
-        return _run_export(_export_parser().parse_args(argv[1:]))
+        export_args = _export_parser().parse_args(argv[1:])
+        return run_command("dflash-train", lambda: _run_export(export_args))
     if argv and argv[0] == "report":
         from .report_cli import report_parser, run_report
 
@@ -158,36 +159,21 @@ def main(argv: list[str] | None = None) -> int:
         from .data_cli import main as data_main
 
         return data_main(argv[1:])
-    return _run_train(_train_parser().parse_args(argv))
-
-
-def _input_errors():
-    from .checkpoint import CheckpointError
-    from .data import DataError
-
-    return ConfigError, DataError, CheckpointError
+    train_args = _train_parser().parse_args(argv)
+    return run_command("dflash-train", lambda: _run_train(train_args))
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError
     from .config import load_config
     from .preflight import check_output_paths, check_resume
 
-    try:
-        cfg = load_config(args.config, overrides_from_args(args))
-        check_resume(cfg)  # before anything is created
-        check_output_paths(cfg)
-    except (ConfigError, CheckpointError) as exc:
-        print(f"dflash-train: error: {exc}", file=sys.stderr)
-        return 2
-    input_errors = _input_errors()
+    cfg = load_config(args.config, overrides_from_args(args))
+    check_resume(cfg)  # before anything is created
+    check_output_paths(cfg)
     try:
         from .train import train  # torch and transformers load only after the config is known good
 
         result = train(cfg)
-    except input_errors as exc:
-        print(f"dflash-train: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         from .shutdown import EXIT_ABORTED, exit_if_threads_stuck
 
@@ -195,10 +181,8 @@ def _run_train(args: argparse.Namespace) -> int:
         exit_if_threads_stuck(EXIT_ABORTED)
         return EXIT_ABORTED
     except Exception as exc:  # noqa: BLE001 - recorded in the metrics file; the log has the traceback
-        original = getattr(exc, "original", exc)
-        if isinstance(original, input_errors):
-            print(f"dflash-train: error: {original}", file=sys.stderr)
-            return 2
+        if input_error(exc) is not None:
+            raise  # bad input: run_command says it in one line
         print(f"dflash-train: training failed: {exc}", file=sys.stderr)
         return 1
     what = "finished" if result.reason == "max_steps" else "stopped on request"
@@ -208,20 +192,10 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError, resolve_export_source
+    from .checkpoint import load_checkpoint, resolve_export_source
 
-    try:
-        path = resolve_export_source(args.checkpoint)  # a step dir, or a run dir's latest
-    except CheckpointError as exc:
-        print(f"dflash-train: error: {exc}", file=sys.stderr)
-        return 2
-    from .checkpoint import load_checkpoint
-
-    try:
-        out = export_checkpoint(load_checkpoint(path), args.out, args.dtype)
-    except _input_errors() as exc:
-        print(f"dflash-train: error: {exc}", file=sys.stderr)
-        return 2
+    path = resolve_export_source(args.checkpoint)  # a step dir, or a run dir's latest
+    out = export_checkpoint(load_checkpoint(path), args.out, args.dtype)
     print(f"dflash-train: exported {path} -> {out}")
     return 0
 

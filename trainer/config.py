@@ -8,25 +8,24 @@ short names in OVERRIDE_ALIASES (`max_steps`, `output_dir`, ...).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 import typing
 from pathlib import Path
 
-import yaml
-
+from . import typed_yaml
+from .block_size import DEFAULT_BLOCK_SIZE, block_size_problem
 from .compile_lock import COMPILE_LOCK_MODES
 from .trackers import TRACKERS
 from .compile_modes import COMPILE_MODES, REFUSED_COMPILE_MODES
+from .launchers import DEFAULT_LAUNCHER, LAUNCHERS
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 ATTENTION_BACKENDS = ("flex", "sdpa")
 ACTIVATION_CHECKPOINTING = ("none", "layers")  # "layers": see trainer.activation_checkpoint
 DATA_SOURCES = ("synthetic", "jsonl", "features")
 PRECISIONS = ("fp32", "bf16-mixed")  # bf16-mixed: fp32 master weights + AdamW state, bf16 compute
-LAUNCHERS = ("threads", "torchrun")  # one process with drafter threads | one process per rank (DDP)
-_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 class ConfigError(Exception):
@@ -47,7 +46,7 @@ class DrafterSection:
     """Drafter shape. A null (None) value copies the target's own value (the paper's choice)."""
 
     num_layers: int = 5
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_heads: typing.Optional[int] = None
     num_kv_heads: typing.Optional[int] = None
     head_dim: typing.Optional[int] = None
@@ -114,7 +113,7 @@ class RunConfig:
     # the drafter threads already keep the cores busy, and oversubscribed OpenMP pools spin.
     torch_threads: typing.Optional[int] = None
     resume: typing.Optional[str] = None  # None: fresh run; "latest"; or a checkpoint directory
-    launcher: str = "threads"  # "torchrun": this process is one rank (trainer/distributed.py)
+    launcher: str = DEFAULT_LAUNCHER  # "torchrun": this process is one rank (trainer/distributed.py)
     # experiment trackers fed from the metrics records (trainer/trackers.py): tensorboard, wandb, mlflow
     report_to: list[str] = dataclasses.field(default_factory=list)
 
@@ -137,8 +136,9 @@ class TrainConfig:
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
-    # the file this came from (for messages); not a config key
+    # the file this came from and the line of each key it sets (for messages); not config keys
     source: str = dataclasses.field(default="", metadata={"internal": True})
+    key_lines: dict = dataclasses.field(default_factory=dict, metadata={"internal": True}, repr=False)
 
     @property
     def metrics_path(self) -> str:
@@ -146,7 +146,8 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.pop("source")
+        for internal in ("source", "key_lines"):
+            d.pop(internal)
         return d
 
 
@@ -184,25 +185,16 @@ def load_config(path: str, overrides: dict | None = None) -> TrainConfig:
     """Read, merge overrides into, and validate a config. Raises ConfigError on any bad value."""
     file = resolve_config_path(path)
     try:
-        raw = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{file}:{mark.line + 1}" if mark is not None else str(file)
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{where}: not valid YAML ({problem}). Fix the syntax at that line.") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {file}: {exc.strerror}") from None
+        raw = typed_yaml.read_yaml(str(file))
+    except typed_yaml.YamlInputError as exc:
+        raise ConfigError(str(exc)) from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: the top level must be a mapping of sections (target, drafter, data, train, run)")
     for key, value in (overrides or {}).items():
         _set_dotted(raw, OVERRIDE_ALIASES.get(key, key), value)
-    cfg = _build(TrainConfig, raw, "", str(file))
-    cfg.source = str(file)
-    validate(cfg)
-    cfg.train.precision = cfg.train.precision or default_precision(cfg.run.drafter_devices)
-    return cfg
+    return config_from_dict(raw, str(file))
 
 
 def default_precision(drafter_devices: list[str]) -> str:
@@ -211,9 +203,14 @@ def default_precision(drafter_devices: list[str]) -> str:
 
 
 def config_from_dict(raw: dict, source: str) -> TrainConfig:
-    """A validated TrainConfig from a resolved config mapping (e.g. a checkpoint's config.json)."""
-    cfg = _build(TrainConfig, raw, "", source)
+    """A validated TrainConfig from a config mapping: a parsed file (its lines go into the
+    messages) or a resolved one, e.g. a checkpoint's config.json."""
+    try:
+        cfg = typed_yaml.build(TrainConfig, raw, source)
+    except typed_yaml.YamlInputError as exc:
+        raise ConfigError(str(exc)) from None
     cfg.source = source
+    cfg.key_lines = typed_yaml.dotted_lines(raw)
     validate(cfg)
     cfg.train.precision = cfg.train.precision or default_precision(cfg.run.drafter_devices)
     return cfg
@@ -230,75 +227,13 @@ def _set_dotted(raw: dict, dotted: str, value) -> None:
             raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
         node = child
     node[parts[-1]] = value
-
-
-def _build(cls, data, prefix: str, file: str):
-    """Build dataclass `cls` from a mapping, checking each key's type against the annotation."""
-    section = prefix.rstrip(".") or "top level"
-    if not isinstance(data, dict):
-        raise ConfigError(f"{file}: `{section}` must be a mapping of keys, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
-    kwargs = {}
-    for key, value in data.items():
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" Did you mean `{prefix}{close[0]}`?" if close else ""
-            raise ConfigError(
-                f"{file}: unknown config key `{prefix}{key}`.{hint} "
-                f"Valid keys in `{section}`: {', '.join(fields)}"
-            )
-        kwargs[key] = _coerce(hints[key], value, prefix + key, file)
-    return cls(**kwargs)
-
-
-def _coerce(hint, value, key: str, file: str):
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin is typing.Union:  # Optional[X]
-        if value is None:
-            return None
-        return _coerce(next(a for a in args if a is not type(None)), value, key, file)
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value if value is not None else {}, key + ".", file)
-    if origin is list:
-        if isinstance(value, str):  # "cuda:1,cuda:2" from the command line
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{file}: `{key}` must be a list, got {value!r}. Fix: write it as [a, b, ...]")
-        return [_coerce(args[0], v, f"{key}[{i}]", file) for i, v in enumerate(value)]
-    if hint is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{file}: `{key}` must be a mapping, got {value!r}")
-        return value
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{file}: `{key}` must be true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
-            return int(value)
-        raise ConfigError(f"{file}: `{key}` must be a whole number, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `6e-4` (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{file}: `{key}` must be a number (like 6e-4), got {value!r}")
-    if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{file}: `{key}` must be a string, got {value!r}")
-    raise TypeError(f"unsupported config type {hint!r} for {key}")
+    # The value no longer comes from the file: a message about it must not point at a file line.
+    getattr(node, "key_lines", {}).pop(parts[-1], None)
 
 
 def _fail(cfg: TrainConfig, key: str, message: str) -> typing.NoReturn:
-    raise ConfigError(f"{cfg.source or 'config'}: `{key}` {message}")
+    where = typed_yaml.located(cfg.source or "config", cfg.key_lines.get(key))
+    raise ConfigError(f"{where}: `{key}` {message}")
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -316,8 +251,9 @@ def validate(cfg: TrainConfig) -> None:
     ]:
         if value < 1:
             _fail(cfg, key, f"must be at least 1, got {value}. Fix: set a positive value.")
-    if d.block_size < 2:
-        _fail(cfg, "drafter.block_size", "must be at least 2 (position 0 is the anchor). Fix: use 16.")
+    block_problem = block_size_problem(d.block_size)
+    if block_problem:
+        _fail(cfg, "drafter.block_size", f"{block_problem}. Fix: use {DEFAULT_BLOCK_SIZE}.")
     if d.num_heads and d.num_kv_heads and d.num_heads % d.num_kv_heads:
         _fail(cfg, "drafter.num_kv_heads", f"({d.num_kv_heads}) must divide drafter.num_heads ({d.num_heads}).")
     if t.max_steps is not None and t.max_steps < 1:
@@ -355,8 +291,8 @@ def validate(cfg: TrainConfig) -> None:
         _fail(cfg, "run.launcher", f"must be one of {', '.join(LAUNCHERS)}, got {r.launcher!r}.")
     for name in r.report_to:
         if name not in TRACKERS:
-            close = difflib.get_close_matches(name, TRACKERS, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            close = typed_yaml.closest_match(name, TRACKERS)
+            hint = f" Did you mean {close!r}?" if close else ""
             _fail(cfg, "run.report_to", f"has {name!r}, which is not a tracker.{hint} "
                   f"Fix: any of {', '.join(TRACKERS)}, e.g. [tensorboard].")
     r.report_to = list(dict.fromkeys(r.report_to))  # each tracker once
@@ -374,7 +310,7 @@ def validate(cfg: TrainConfig) -> None:
         if not devices:
             _fail(cfg, key, "must name at least one device. Fix: e.g. [cpu] or [cuda:0].")
         for dev in devices:
-            if not _DEVICE_RE.match(dev):
+            if not DEVICE_RE.match(dev):
                 _fail(cfg, key, f"has {dev!r}, which is not a device. Fix: use cpu, cuda or cuda:N.")
     if r.attention == "flex" and any(dev == "cpu" for dev in r.drafter_devices):
         _fail(cfg, "run.attention",

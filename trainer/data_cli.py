@@ -13,6 +13,9 @@ import signal
 import sys
 import time
 
+from .config import DEVICE_RE, ConfigError
+from .errors import input_error, run_command
+
 DATA_HELP = """\
 Prepare training data for a DFlash drafter.
 
@@ -44,17 +47,21 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-train data", description=DATA_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="{regenerate,cache-features}")
-    r = sub.add_parser("regenerate", help="regenerate assistant turns with the target", description=REGEN_HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("--target", required=True, metavar="SPEC", help="a local HF model directory, or tiny-random")
+    r = sub.add_parser("regenerate", help="regenerate assistant turns with the target",
+                       description=REGEN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--target", required=True, metavar="SPEC",
+                   help="a local HF model directory, or tiny-random")
     r.add_argument("--in", dest="input", required=True, metavar="FILE", help='JSONL of {"messages": [...]}')
-    r.add_argument("--out", required=True, metavar="FILE", help="output JSONL (rejects go to FILE.rejects.jsonl)")
+    r.add_argument("--out", required=True, metavar="FILE",
+                   help="output JSONL (rejects go to FILE.rejects.jsonl)")
     r.add_argument("--max-new-tokens", type=int, default=2048, metavar="N")
     r.add_argument("--max-prompt-tokens", type=int, metavar="N",
-                   help="reject turns whose prompt is longer (default: the model's context minus --max-new-tokens)")
+                   help="reject turns whose prompt is longer "
+                        "(default: the model's context minus --max-new-tokens)")
     r.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     r.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    r.add_argument("--batch-size", type=int, default=8, metavar="B", help="records generated together per device")
+    r.add_argument("--batch-size", type=int, default=8, metavar="B",
+                   help="records generated together per device")
     r.add_argument("--devices", default="cpu", metavar="LIST", help="comma-separated, e.g. cuda:0,cuda:1")
     r.add_argument("--chat-template-kwargs", default="{}", metavar="JSON",
                    help='passed to apply_chat_template, e.g. \'{"enable_thinking": false}\'')
@@ -62,33 +69,33 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue a stopped run of the same command")
     c = sub.add_parser("cache-features", help="cache the target's features on disk", description=CACHE_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("--config", required=True, metavar="FILE", help="the training config (target + data sections)")
-    c.add_argument("--out", required=True, metavar="DIR", help="cache directory (created; resumed if it exists)")
-    c.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="feature dtype on disk (default bf16)")
-    c.add_argument("--shard-size-mb", type=int, default=2048, metavar="MB", help="shard size cap (default 2048)")
+    c.add_argument("--config", required=True, metavar="FILE",
+                   help="the training config (target + data sections)")
+    c.add_argument("--out", required=True, metavar="DIR",
+                   help="cache directory (created; resumed if it exists)")
+    c.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="feature dtype on disk (default bf16)")
+    c.add_argument("--shard-size-mb", type=int, default=2048, metavar="MB",
+                   help="shard size cap (default 2048)")
     c.add_argument("--batch-size", type=int, metavar="B",
                    help="sequences per target forward (default: about 16384 tokens' worth)")
-    c.add_argument("--device", metavar="DEV", help="target device (default: the config's first target device)")
+    c.add_argument("--device", metavar="DEV",
+                   help="target device (default: the config's first target device)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     return p
 
 
-def _fail(message: str) -> int:
-    print(f"dflash-train data: error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str]) -> int:
+    """`dflash-train data`: bad input is one line and exit 2 (trainer.errors), failures exit 1."""
     args = _parser().parse_args(argv)
-    from .config import ConfigError
-    from .data import DataError
+    return run_command("dflash-train data", lambda: _run(args))
 
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "regenerate":
             return _regenerate(args)
         return _cache_features(args)
-    except (ConfigError, DataError) as exc:
-        return _fail(str(exc))
     except KeyboardInterrupt as exc:
         print("dflash-train data: interrupted; rerun the same command to continue"
               + (" with --resume" if args.command == "regenerate" else ""), file=sys.stderr)
@@ -98,6 +105,8 @@ def main(argv: list[str]) -> int:
               + (" with --resume" if args.command == "regenerate" else ""), file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - one line, no traceback
+        if input_error(exc) is not None:
+            raise  # bad input: run_command says it
         print(f"dflash-train data: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 
@@ -105,29 +114,30 @@ def main(argv: list[str]) -> int:
 def _regenerate(args) -> int:
     import torch
 
-    from .config import _DEVICE_RE
     from .regenerate import RegenerateOptions, regenerate
 
-    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1)):
-        if value < low:
-            return _fail(f"{flag} must be at least {low}, got {value}")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
     if args.temperature < 0:
-        return _fail(f"--temperature must be >= 0, got {args.temperature}")
+        raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
     try:
         template_kwargs = json.loads(args.chat_template_kwargs)
     except ValueError as exc:
-        return _fail(f"--chat-template-kwargs is not JSON ({exc}). Fix: e.g. '{{\"enable_thinking\": false}}'")
+        raise ConfigError(f"--chat-template-kwargs is not JSON ({exc}). "
+                          f"Fix: e.g. '{{\"enable_thinking\": false}}'") from None
     if not isinstance(template_kwargs, dict):
-        return _fail("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+        raise ConfigError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
-    bad = [d for d in devices if not _DEVICE_RE.match(d)]
+    bad = [d for d in devices if not DEVICE_RE.match(d)]
     if not devices or bad:
-        return _fail(f"--devices {args.devices!r}: {', '.join(bad) or 'empty'} is not a device. "
+        raise ConfigError(f"--devices {args.devices!r}: {', '.join(bad) or 'empty'} is not a device. "
                      f"Fix: e.g. cpu, cuda:0 or cuda:0,cuda:1")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    missing = [d for d in devices if d.startswith("cuda") and (int(d.split(":")[1]) if ":" in d else 0) >= count]
+    missing = [d for d in devices
+               if d.startswith("cuda") and (int(d.split(":")[1]) if ":" in d else 0) >= count]
     if missing:
-        return _fail(f"--devices names {', '.join(missing)} but {count} CUDA device(s) are visible")
+        raise ConfigError(f"--devices names {', '.join(missing)} but {count} CUDA device(s) are visible")
     options = RegenerateOptions(target=args.target, input=args.input, output=args.out,
                                 max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                                 temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
@@ -149,8 +159,9 @@ def _regenerate(args) -> int:
 def _regen_summary(s: dict) -> str:
     """One line: the committed totals, this run's share and its new tokens/s."""
     run = s["this_run"]
-    return (f"{s['records']} records ({s['turns']} turns, {s['new_tokens']} new tokens, {s['truncated']} cut at "
-            f"--max-new-tokens), {s['rejects']} rejected" + (f" -> {s['rejects_path']}" if s["rejects"] else "")
+    rejects = f" -> {s['rejects_path']}" if s["rejects"] else ""
+    return (f"{s['records']} records ({s['turns']} turns, {s['new_tokens']} new tokens, "
+            f"{s['truncated']} cut at --max-new-tokens), {s['rejects']} rejected{rejects}"
             + f"; this run {run['seen']} records, {run['new_tokens']} new tokens in {s['seconds']:.1f} s = "
             f"{run['new_tokens'] / max(s['seconds'], 1e-9):.1f} new tokens/s -> {s['output']}")
 
@@ -194,10 +205,10 @@ def _cache_features(args) -> int:
     from .train import build_dataset, param_dtype
 
     if args.shard_size_mb < 1 or (args.batch_size is not None and args.batch_size < 1):
-        return _fail("--shard-size-mb and --batch-size must be at least 1")
+        raise ConfigError("--shard-size-mb and --batch-size must be at least 1")
     cfg = load_config(args.config, overrides_from_args(argparse.Namespace(set=args.set)))
     if cfg.data.source == "features":
-        return _fail(f"{cfg.source}: data.source is features; cache-features needs the text data "
+        raise ConfigError(f"{cfg.source}: data.source is features; cache-features needs the text data "
                      f"(jsonl or synthetic) to run the target over")
     if args.device:
         cfg.run.target_devices = [args.device]
@@ -208,7 +219,8 @@ def _cache_features(args) -> int:
     device = cfg.run.target_devices[0]
     say = lambda text: print(f"dflash-train data: {text}", flush=True)  # noqa: E731
     say(f"loading the target ({cfg.target.spec}) on {device} and the {cfg.data.source} data"
-        + (" (the target's greedy continuations: this takes a while)" if cfg.data.source == "synthetic" else ""))
+        + (" (the target's greedy continuations: this takes a while)"
+           if cfg.data.source == "synthetic" else ""))
     target = load_target(cfg.target.spec, device, param_dtype(device), layer_ids=cfg.target.layer_ids,
                          seed=cfg.train.seed, tiny=cfg.target.tiny or None)
     dataset = build_dataset(cfg, target)

@@ -3,9 +3,10 @@
     torchrun --nproc-per-node N [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT] \\
         -m trainer --config ... --launcher torchrun
 
-Each rank runs the same per-replica step as the threaded mode (trainer.workers: a target worker
-thread feeding one drafter thread under the compile guard), with the drafter wrapped in
-DistributedDataParallel (NCCL on CUDA, gloo on CPU) so backward all-reduces the gradients.
+trainer.train's one setup and loop run here too, over TorchrunWorld (trainer.world says what a
+world answers). Each rank runs the same per-replica step as the threaded mode (trainer.workers: a
+target worker thread feeding one drafter thread under the compile guard), with the drafter wrapped
+in DistributedDataParallel (NCCL on CUDA, gloo on CPU) so backward all-reduces the gradients.
 
 Equivalence with the threaded mode: rank r is replica r. The batch plan is built for WORLD_SIZE
 replicas, so rank r reads exactly the sequences and anchors replica r reads in a threaded run with
@@ -28,28 +29,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import random
 import signal
 import sys
 import time
-from typing import TextIO
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import checkpoint as ckpt
-from . import precision
-from .compile_lock import CompileGuard
-from .config import ConfigError, TrainConfig, check_devices
-from .data import BatchPlan, Dataset
-from .feature_cache import training_source
-from .heldout import split_heldout
-from .metrics import MetricsWriter, Throughput
+from .config import ConfigError, TrainConfig
+from .data import Dataset
+from .launchers import THREADS, TORCHRUN
 from .shutdown import StopRequest
-from .target import load_target
-from .training_eval import TrainingEval
-from .workers import Failure, Replica, StepSummary
+from .workers import Failure, Replica, StepSummary, TrainingWorkers
 
 # A signal this soon after the first is the same request: torchrun forwards the operator's SIGTERM
 # to every rank that already got it from the operator, and Ctrl-C reaches torchrun and ranks alike.
@@ -87,12 +80,12 @@ def rank_from_env(env=os.environ) -> Rank | None:
 def check_launcher(cfg: TrainConfig, env=os.environ) -> None:
     """run.launcher must match how the process was started (raises ConfigError, exit 2)."""
     rank = rank_from_env(env)
-    if cfg.run.launcher == "torchrun" and rank is None:
+    if cfg.run.launcher == TORCHRUN and rank is None:
         raise ConfigError(
             f"{cfg.source}: `run.launcher` is torchrun, but this process was not started by torchrun "
             f"(no RANK/WORLD_SIZE in its environment). Fix: torchrun --nproc-per-node N -m trainer ..., "
             f"or --launcher threads.")
-    if cfg.run.launcher == "threads" and rank is not None and rank.world_size > 1:
+    if cfg.run.launcher == THREADS and rank is not None and rank.world_size > 1:
         raise ConfigError(
             f"{cfg.source}: started by torchrun with WORLD_SIZE {rank.world_size}, but `run.launcher` is "
             f"threads, so every rank would train the whole job. Fix: add --launcher torchrun.")
@@ -175,7 +168,8 @@ def check_same_start(start: int, rank: Rank, device: str) -> None:
     starts = [int(s.item()) for s in _gather(torch.tensor([start], dtype=torch.int64, device=device),
                                               rank.world_size)]
     if len(set(starts)) != 1:
-        where = ", ".join(f"rank {r}: {'step ' + str(s) if s else 'fresh start'}" for r, s in enumerate(starts))
+        where = ", ".join(f"rank {r}: {'step ' + str(s) if s else 'fresh start'}"
+                          for r, s in enumerate(starts))
         raise ckpt.CheckpointError(
             f"the ranks would start from different steps ({where}): every host must see the same "
             f"checkpoints. Fix: put run.output_dir on storage all hosts share, or start every rank fresh.")
@@ -197,132 +191,90 @@ def check_world_size(state: ckpt.Checkpoint, world_size: int) -> None:
         raise ckpt.CheckpointError(
             f"--resume {state.path}: trained with {saved} replicas, this run has world size {world_size}; "
             f"the global batch sets the data order and schedule, so step {state.step} would mean other data. "
-            f"Fix: relaunch with {saved} ranks in total (--nproc-per-node x --nnodes), or start a new --output-dir.")
+            f"Fix: relaunch with {saved} ranks in total (--nproc-per-node x --nnodes), "
+            f"or start a new --output-dir.")
 
 
-# ---- the run ---------------------------------------------------------------------------------
+# ---- the world --------------------------------------------------------------------------------
 
-def train_rank(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None):
-    """Run this rank of a torchrun job. Rank 0 returns the RunResult the threaded mode returns."""
-    from . import train as threaded  # the building blocks both launchers share
+class TorchrunWorld:
+    """This process is one rank: one replica (DDP), rank 0 writes, the ranks agree every step."""
 
-    rank = rank_from_env()
-    device = rank_device(cfg, rank)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    devices = dataclasses.replace(cfg.run, target_devices=[device], drafter_devices=[device])
-    cfg = dataclasses.replace(cfg, run=devices)
-    check_devices(cfg)
-    speaks = rank.speaks(cfg)
-    if not speaks:
-        sys.stdout = open(os.devnull, "w")  # the other ranks speak only when they fail
-    out = out if out is not None else sys.stdout
-    metrics = MetricsWriter(cfg.metrics_path if speaks else os.devnull,
-                            out=out if speaks else open(os.devnull, "w"), tty=tty, log_every=cfg.run.log_every,
-                            report_to=rank.trackers(cfg), report_dir=cfg.run.output_dir)
-    guard = CompileGuard(cfg.run.compile_lock, on_event=lambda e: metrics.compile(
-        f"rank{rank.rank}/{e.get('thread', '?')}", e.get("duration_s") or 0.0, e.get("step", -1),
-        e.get("reason", "")))
-    stop = StopRequest()
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    try:
-        guard.install()
-        if cfg.run.torch_threads:
-            torch.set_num_threads(cfg.run.torch_threads)
-        random.seed(cfg.train.seed)
-        torch.manual_seed(cfg.train.seed)
-        if cfg.data.source == "features":  # no target forward: features come from disk
-            heads, dataset = training_source(cfg, threaded.param_dtype(device))
-            target, heldout = heads[0], None
-        else:
-            target = load_target(cfg.target.spec, device, threaded.param_dtype(device),
-                                 layer_ids=cfg.target.layer_ids, seed=cfg.train.seed, tiny=cfg.target.tiny or None)
-            dataset, heldout = split_heldout(threaded.build_dataset(cfg, target), cfg.data.eval_fraction,
-                                             cfg.train.seed)
-        check_same_data(dataset, rank, device)
-        plan = BatchPlan(len(dataset), cfg.train.batch_size, rank.world_size, cfg.train.seed, dataset.source)
-        total = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
-        dcfg = threaded.drafter_config(cfg, target)
-        replica = threaded.build_replicas(cfg, dcfg, target, total)[0]
-        replica.index = rank.rank
-        # rank 0 evaluates tau between steps; the other ranks wait for it at the next step's all-reduce
-        evaluator = TrainingEval.create(cfg, target, dcfg, heldout, threaded.param_dtype(device), metrics.say) \
-            if rank.is_lead else None
-        start, upcast = 0, None
-        if cfg.run.resume:
-            state = ckpt.load_checkpoint(ckpt.resolve_resume(cfg.run.resume, cfg.run.output_dir))
-            check_world_size(state, rank.world_size)
-            threaded.restore([replica], state, dcfg)
-            start, upcast = state.step, precision.upcast_note(state.weights, state.path)
-        check_same_start(start, rank, device)
-        replica.model = DrafterDDP(replica.model, device_ids=[torch.device(device)] if device.startswith("cuda") else None)
-        summary = threaded.startup_summary(cfg, guard, dataset, plan, total, start, [replica])
-        summary.append(f"launcher: torchrun, {rank.world_size} ranks ({dist.get_backend()}), one replica each; "
-                       f"this log is rank 0's, on {device}")
-        metrics.start(cfg.to_dict(), [device], cfg.run.compile_lock, total, summary)
-        if upcast:
-            metrics.say(upcast)
+    def __init__(self, cfg: TrainConfig, rank: Rank):
+        self.rank = rank
+        self.device = rank_device(cfg, rank)
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))
+        devices = dataclasses.replace(cfg.run, target_devices=[self.device], drafter_devices=[self.device])
+        self.cfg = dataclasses.replace(cfg, run=devices)
+        self.size, self.is_lead = rank.world_size, rank.is_lead
+        self.speaks = rank.speaks(self.cfg)  # every host's launcher reads its own run directory
+        self.devices = [self.device]
+        self.trackers = rank.trackers(self.cfg)
+        self._agreed_stop = False
+
+    @classmethod
+    def from_env(cls, cfg: TrainConfig) -> TorchrunWorld:
+        rank = rank_from_env()
+        assert rank is not None  # check_launcher refused a torchrun config without torchrun
+        return cls(cfg, rank)
+
+    def thread(self, name: str) -> str:
+        return f"rank{self.rank.rank}/{name}"
+
+    def join(self) -> None:
+        dist.init_process_group("nccl" if self.device.startswith("cuda") else "gloo")
+
+    def agree_data(self, dataset: Dataset) -> None:
+        check_same_data(dataset, self.rank, self.device)
+
+    def agree_resume(self, state: ckpt.Checkpoint) -> None:
+        check_world_size(state, self.rank.world_size)
+
+    def ready(self, replicas: list[Replica], start: int) -> None:
+        check_same_start(start, self.rank, self.device)
+        (replica,) = replicas
+        replica.index = self.rank.rank  # rank r is replica r: it reads replica r's batches
+        cuda = self.device.startswith("cuda")
+        replica.model = DrafterDDP(replica.model, device_ids=[torch.device(self.device)] if cuda else None)
+
+    def describe(self) -> list[str]:
+        return [f"launcher: torchrun, {self.rank.world_size} ranks ({dist.get_backend()}), one replica each; "
+                f"this log is rank 0's, on {self.device}"]
+
+    def stop_request(self) -> StopRequest:
+        return StopRequest()  # no watchdog, no giving up on a step: the other ranks wait in it too
+
+    def listen(self, stop: StopRequest) -> None:
         RankStopRequest(stop).install()
-        parts = threaded.LoopParts(cfg, [target], [replica], dataset, plan, dcfg, guard, start, total, evaluator)
-        return _loop(parts, rank, device, metrics, stop)
-    except BaseException as exc:
-        failure = Failure.of(exc)
+
+    def step(self, workers: TrainingWorkers, index: int, stop: StopRequest) -> StepSummary:
+        summary, self._agreed_stop = global_summary(workers.run_step(index), stop.requested, self.rank,
+                                                    self.device)
+        return summary
+
+    def stopping(self, stop: StopRequest) -> bool:
+        return self._agreed_stop  # never this rank's own flag alone: all ranks stop after the same step
+
+    def model(self, replicas: list[Replica]) -> torch.nn.Module:
+        ddp = replicas[0].model
+        assert isinstance(ddp, DrafterDDP)
+        return ddp.module
+
+    def failed(self, failure: Failure) -> str | None:
         if getattr(failure.original, "exit_code", None) == 2:  # bad input: the CLI's one line says it
-            if not speaks:
+            if not self.speaks:
                 sys.stderr = open(os.devnull, "w")
-            raise
+            return None
         # one line naming the rank on stderr (the log), whichever rank it is
+        rank = self.rank
         what = "aborted" if failure.interrupted else "failed"
         print(f"dflash-train: rank {rank.rank} of {rank.world_size} {what}{failure.where}: "
               f"{type(failure.original).__name__}: {failure.original}", file=sys.stderr, flush=True)
         if not failure.interrupted and not rank.is_lead:
             print(failure.traceback_text.rstrip(), file=sys.stderr, flush=True)
-        metrics.failed(failure, stop.last_step, label=f"rank {rank.rank}: ")
-        raise
-    finally:
-        stop.uninstall()
-        guard.uninstall()
-        metrics.close()
+        return f"rank {rank.rank}: "
+
+    def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _loop(parts, rank: Rank, device: str, metrics: MetricsWriter, stop: StopRequest):
-    from . import train as threaded
-
-    cfg, replica, plan, start, total, evaluator = (parts.cfg, parts.replicas[0], parts.plan, parts.start,
-                                                   parts.total, parts.evaluator)
-    last, path, step = None, None, start
-    throughput = Throughput(start, total)
-    with threaded.make_workers(parts) as workers:
-        workers.start(start, total)
-        for step_index in range(start, total):
-            last, stopping = global_summary(workers.run_step(step_index), stop.requested, rank, device)
-            step = stop.last_step = last.step
-            tokens_per_s, eta_s = throughput.update(step, last.tokens)
-            metrics.step(step=step, total_steps=total, loss=last.loss, acc=last.acc, tokens_per_s=tokens_per_s,
-                         eta_s=eta_s, lr=last.lr, grad_norm=last.grad_norm, epoch=step / plan.steps_per_epoch,
-                         gpu_memory_gib=threaded.peak_gpu_memory_gib([device]))
-            if evaluator is not None and evaluator.due(step, total):
-                evaluator.run(replica.model.module, step, metrics)
-                throughput.last = throughput.clock()
-            if rank.is_lead and (step % cfg.run.checkpoint_every == 0 or step == total or stopping):
-                path = save(cfg, replica, parts.dcfg, plan, step, rank.world_size)
-                metrics.checkpoint(step, path)
-            if stopping and step < total:  # a stop during the last step leaves a complete run
-                metrics.say(f"{stop.signal_name or 'another rank'}: stopped after step {step}")
-                metrics.done(step, "interrupted")
-                return threaded.RunResult(step, total, "interrupted", last, path, [replica])
-    if rank.speaks(cfg):  # every host's launcher reads its own run directory
-        ckpt.mark_finished(cfg.run.output_dir, step)
-    metrics.done(step, "max_steps")
-    return threaded.RunResult(step, total, "max_steps", last, path, [replica])
-
-
-def save(cfg: TrainConfig, replica: Replica, dcfg, plan: BatchPlan, step: int, world_size: int) -> str:
-    return ckpt.save_checkpoint(
-        cfg.run.output_dir, step, weights=replica.model.module.state_dict(),
-        optimizer=replica.optimizer.state_dict(), scheduler=replica.scheduler.state_dict(),
-        data_position={**plan.position(step), "replicas": world_size},
-        rng=ckpt.rng_state(cfg.run.drafter_devices), config=cfg.to_dict(), drafter_config=dcfg.to_dict(),
-        keep_last=cfg.run.keep_last)

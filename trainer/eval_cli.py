@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError
+from .config import DEVICE_RE, ConfigError
+from .errors import run_command
 
 EVAL_HELP = """\
 Measure a drafter by real DFlash speculative decoding against its target: tau (tokens accepted
@@ -30,14 +31,18 @@ def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-train eval", description=EVAL_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a run's output dir (its latest checkpoint), a checkpoints/step-NNNNNNN dir, or an export dir")
-    p.add_argument("--target", metavar="SPEC", help="tiny-random or a local HF model dir (default: the run's own)")
+                   help="a run's output dir (its latest checkpoint), a checkpoints/step-NNNNNNN dir, "
+                        "or an export dir")
+    p.add_argument("--target", metavar="SPEC",
+                   help="tiny-random or a local HF model dir (default: the run's own)")
     p.add_argument("--prompts", metavar="FILE.jsonl",
-                   help='{"messages": [...]} or {"input_ids": [...]} per line (default: the run\'s held-out data)')
+                   help='{"messages": [...]} or {"input_ids": [...]} per line '
+                        "(default: the run's held-out data)")
     p.add_argument("--num-prompts", type=int, default=8, metavar="N")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     p.add_argument("--batch", type=int, default=1, metavar="N",
                    help="prompts decoded together (tokens/s then counts all of them; default 1)")
@@ -74,7 +79,8 @@ def load_drafter_source(checkpoint: str):
     if _is_export(path):
         return drafter_config_from_export(path), load_file(str(path / WEIGHTS_FILE)), None, f"export {path}"
     state = load_checkpoint(resolve_resume(checkpoint, checkpoint))
-    return DrafterConfig.from_dict(state.drafter_config), state.weights, state.config, f"checkpoint {state.path}"
+    dcfg = DrafterConfig.from_dict(state.drafter_config)
+    return dcfg, state.weights, state.config, f"checkpoint {state.path}"
 
 
 def target_mismatch(dcfg, target, run_config: dict | None) -> str | None:
@@ -85,10 +91,13 @@ def target_mismatch(dcfg, target, run_config: dict | None) -> str | None:
     if dcfg.vocab_size != target.vocab_size:
         problems.append(f"vocab {dcfg.vocab_size} vs the target's {target.vocab_size}")
     if dcfg.num_target_layers is not None and dcfg.num_target_layers != target.num_layers:
-        problems.append(f"trained on a {dcfg.num_target_layers}-layer target, this one has {target.num_layers}")
+        problems.append(f"trained on a {dcfg.num_target_layers}-layer target, "
+                        f"this one has {target.num_layers}")
     elif any(not 0 <= i < target.num_layers for i in dcfg.target_layer_ids):
-        problems.append(f"layer ids {dcfg.target_layer_ids} do not exist in a {target.num_layers}-layer target")
-    mask_was_default = run_config is not None and (run_config.get("drafter") or {}).get("mask_token_id") is None
+        problems.append(f"layer ids {dcfg.target_layer_ids} do not exist "
+                        f"in a {target.num_layers}-layer target")
+    run_drafter = (run_config or {}).get("drafter") or {}
+    mask_was_default = run_config is not None and run_drafter.get("mask_token_id") is None
     if mask_was_default and dcfg.mask_token_id != target.mask_token_id:
         problems.append(f"mask token {dcfg.mask_token_id} vs the target's {target.mask_token_id}")
     if not problems:
@@ -116,7 +125,7 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
         raise ConfigError(f"{spec}: {problem}. Fix: pass the --target the drafter was trained for.")
     target.layer_ids = list(dcfg.target_layer_ids)
     drafter = DFlashDrafter(dcfg, target.embed_tokens, target.lm_head)
-    drafter.load_state_dict({k: v for k, v in weights.items()})
+    drafter.load_state_dict(dict(weights))
     drafter.to(device=device, dtype=param_dtype(device)).eval()
     return target, drafter
 
@@ -149,7 +158,8 @@ def _progress(stream):
         from .metrics import format_duration, progress_bar
 
         eta = (time.monotonic() - start) / done * (total - done)
-        stream.write(f"\r\x1b[2K{progress_bar(done, total)} {done}/{total} prompts  eta {format_duration(eta)}")
+        stream.write(f"\r\x1b[2K{progress_bar(done, total)} {done}/{total} prompts  "
+                     f"eta {format_duration(eta)}")
         if done == total:
             stream.write("\n")
         stream.flush()
@@ -191,11 +201,13 @@ def _finite(value):
 
 
 def run_eval(args: argparse.Namespace, out=None, err=None) -> int:
-    from .data import DataError
-    from .checkpoint import CheckpointError
-
+    """`dflash-train eval`: 0 done, 1 failed (or not lossless), 2 bad input (trainer.errors)."""
     out = out or sys.stdout
     err = err or sys.stderr
+    return run_command("dflash-train eval", lambda: _run_eval(args, out, err), err)
+
+
+def _run_eval(args: argparse.Namespace, out, err) -> int:
     try:
         for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
                             ("--batch", args.batch)):
@@ -204,8 +216,7 @@ def run_eval(args: argparse.Namespace, out=None, err=None) -> int:
         if args.temperature < 0:
             raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
         device = args.device or _default_device()
-        from .config import _DEVICE_RE
-        if not _DEVICE_RE.match(device):
+        if not DEVICE_RE.match(device):
             raise ConfigError(f"--device {device!r} is not a device. Fix: cpu, cuda or cuda:N.")
         dcfg, weights, run_config, described = load_drafter_source(args.checkpoint)
         target, drafter = load_models(dcfg, weights, run_config, args.target, device)
@@ -220,13 +231,11 @@ def run_eval(args: argparse.Namespace, out=None, err=None) -> int:
         from .evaluate import evaluate, stop_token_ids
 
         show = _progress(err) if err.isatty() and not args.json else None
-        result = evaluate(target.model, target.layer_ids, drafter, prompts, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, stop_ids=stop_token_ids(target.model, target.tokenizer),
-                          seed=args.seed, progress=show, warmup=True, batch=args.batch, loop=args.loop,
+        result = evaluate(target.model, target.layer_ids, drafter, prompts,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          stop_ids=stop_token_ids(target.model, target.tokenizer), seed=args.seed,
+                          progress=show, warmup=True, batch=args.batch, loop=args.loop,
                           compile=device.startswith("cuda") if args.compile is None else args.compile)
-    except (ConfigError, DataError, CheckpointError) as exc:
-        print(f"dflash-train eval: error: {exc}", file=err)
-        return 2
     except RuntimeError as exc:  # e.g. CUDA out of memory: one line, not a traceback
         print(f"dflash-train eval: failed: {type(exc).__name__}: {str(exc).splitlines()[0]}", file=err)
         return 1

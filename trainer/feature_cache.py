@@ -30,6 +30,7 @@ import torch
 
 from .atomic import write_atomic
 from .data import DataError, Dataset
+from .safetensors_stream import write_pieces
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -151,7 +152,7 @@ def shard_problem(cache_dir: str, shard: dict, check_sha: bool) -> str | None:
 class ShardWriter:
     """Collects sequences and writes a shard when `shard_bytes` is reached.
 
-    With `parallel` > 0 up to that many shards are written (concatenate, save, fsync, sha256) by a
+    With `parallel` > 0 up to that many shards are written (save + sha256 in one pass, fsync) by a
     thread pool at once, and committed to the manifest strictly in order: a shard file always exists
     before the manifest names it, and a kill leaves only whole, named shards (prepare() removes the
     rest). close() waits for them.
@@ -208,20 +209,14 @@ class ShardWriter:
                 self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _write(self, name, first, features, ids, masks, lengths) -> dict:
-        from safetensors.torch import save_file
-
         path = os.path.join(self.cache_dir, name)
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(lengths).cumsum(0)
-        tensors = {"features": torch.cat(features).contiguous(), "input_ids": torch.cat(ids),
-                   "loss_mask": torch.cat(masks), "offsets": offsets}
-        save_file(tensors, path + ".tmp")
-        with open(path + ".tmp", "rb") as f:
-            os.fsync(f.fileno())
+        size, sha256 = write_pieces(path + ".tmp", {"features": features, "input_ids": ids, "loss_mask": masks,
+                                                    "offsets": [offsets]})
         os.replace(path + ".tmp", path)
         return {"file": name, "first": first, "count": len(lengths), "tokens": int(offsets[-1]),
-                "loss_tokens": int(tensors["loss_mask"].sum()), "bytes": os.path.getsize(path),
-                "sha256": file_sha256(path)}
+                "loss_tokens": sum(int(m.sum()) for m in masks), "bytes": size, "sha256": sha256}
 
     def _commit(self, shard: dict) -> None:
         self.manifest["shards"].append(shard)
@@ -271,7 +266,7 @@ def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
 # Sequences per target forward when no batch size is given: about this many tokens.
 BATCH_TOKENS = 16384
 WRITE_QUEUE_DEPTH = 2  # batches computed ahead of the writer thread
-# Shards written at once (concatenate + save + fsync + sha256 of ~2 GiB is seconds of CPU and disk
+# Shards written at once (writing + sha256 of ~2 GiB in one pass, then fsync, is seconds of CPU and disk
 # per shard; at paper dims the target fills one in about a second)
 SHARD_WRITERS = 4
 

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from trainer.block_size import block_size_problem
 from trainer.compile_lock import MASK_LOCK
 
 
@@ -39,8 +40,9 @@ def sample_anchors(
     """
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2 (position 0 is the anchor), got {block_size}")
+    block_problem = block_size_problem(block_size)
+    if block_problem:
+        raise ValueError(f"block_size {block_problem}")
     if loss_mask.dim() != 2:
         raise ValueError(f"loss_mask must be [batch, seq_len], got shape {tuple(loss_mask.shape)}")
     batch, seq_len = loss_mask.shape

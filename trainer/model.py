@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .block_size import DEFAULT_BLOCK_SIZE, block_size_problem
 from .config import ATTENTION_BACKENDS
 from .precision import attention_inputs
 
@@ -45,7 +46,7 @@ class DrafterConfig:
     num_layers: int = 5
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     # The target's layer count; written to the export (inference engines read it).
     num_target_layers: int | None = None
     # The target's context length and RoPE scaling, copied into the export (see EXPORT_METADATA).
@@ -60,8 +61,9 @@ class DrafterConfig:
         if self.num_heads % max(self.num_kv_heads, 1) != 0:
             problems.append(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.block_size < 2:
-            problems.append(f"block_size={self.block_size} must be >= 2 (position 0 is the anchor)")
+        block_problem = block_size_problem(self.block_size)
+        if block_problem:
+            problems.append(f"block_size {block_problem}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(
                 f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")

@@ -20,9 +20,9 @@ block position (latest eval against earliest), tokens/s with relaunch and stop m
 
 
 def report_parser() -> argparse.ArgumentParser:
-    from .cli import _Parser
+    from .cli import Parser
 
-    p = _Parser(
+    p = Parser(
         prog="dflash-train report",
         description=REPORT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,

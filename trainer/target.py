@@ -16,18 +16,18 @@ from torch import nn
 from trainer.config import ConfigError
 
 # The tiny-random target: small enough for CPU tests and the tiny run, same architecture as Qwen3.
-TINY_DEFAULTS = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+TINY_DEFAULTS = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
 
 
 class _EnoughLayers(Exception):
@@ -66,7 +66,7 @@ def _decoder_of(model: nn.Module) -> nn.Module:
     return decoder
 
 
-def _default_mask_token_id(tokenizer, vocab_size: int) -> int:
+def default_mask_token_id(tokenizer, vocab_size: int) -> int:
     """The tokenizer's mask token, else its pad token, else the last embedding row."""
     if tokenizer is not None:
         for token_id in (getattr(tokenizer, "mask_token_id", None),
@@ -135,7 +135,7 @@ class TargetModel:
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
 
 
-def _tiny_target(device: str, dtype, seed: int, tiny: dict | None):
+def tiny_target(device: str, dtype, seed: int, tiny: dict | None):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     values = dict(TINY_DEFAULTS)
@@ -183,11 +183,11 @@ def load_target(
 ) -> TargetModel:
     """The frozen target: spec "tiny-random" (seeded random Qwen3) or a local HF model directory."""
     if spec == "tiny-random":
-        model, tokenizer = _tiny_target(device, dtype, seed, tiny), None
+        model, tokenizer = tiny_target(device, dtype, seed, tiny), None
     else:
         model, tokenizer = _hf_target(spec, device, dtype)
     num_layers = len(_decoder_of(model).layers)
     ids = list(layer_ids) if layer_ids is not None else default_layer_ids(num_layers)
     vocab_size = model.get_input_embeddings().weight.shape[0]
     return TargetModel(model=model, layer_ids=ids, tokenizer=tokenizer, device=str(device),
-                       mask_token_id=_default_mask_token_id(tokenizer, vocab_size))
+                       mask_token_id=default_mask_token_id(tokenizer, vocab_size))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError
-from .target import _default_mask_token_id, _tiny_target, check_layer_ids, default_layer_ids
+from .target import check_layer_ids, default_layer_ids, default_mask_token_id, tiny_target
 
 
 @dataclass(eq=False)
@@ -61,8 +61,8 @@ def _weight_files(path: str) -> dict[str, str]:
 
         with safe_open(single, framework="pt") as f:
             return {k: single for k in f.keys()}
-    raise ConfigError(f"target.spec: {path!r} has no model.safetensors(.index.json). Fix: a feature-cache run "
-                      f"reads the embedding and lm_head from safetensors weights")
+    raise ConfigError(f"target.spec: {path!r} has no model.safetensors(.index.json). "
+                      f"Fix: a feature-cache run reads the embedding and lm_head from safetensors weights")
 
 
 def _read_tensor(files: dict[str, str], suffix: str):
@@ -104,12 +104,13 @@ def _hf_head(path: str, dtype):
 def load_target_head(spec: str, dtype, layer_ids: list[int] | None = None, seed: int = 0,
                      tiny: dict | None = None) -> TargetHead:
     if spec == "tiny-random":
-        model = _tiny_target("cpu", dtype, seed, tiny)
-        config, embed, head, tokenizer = model.config, model.get_input_embeddings(), model.get_output_embeddings(), None
+        model = tiny_target("cpu", dtype, seed, tiny)
+        config, tokenizer = model.config, None
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     else:
         config, embed, head, tokenizer = _hf_head(spec, dtype)
     embed.requires_grad_(False)
     head.requires_grad_(False)
     ids = list(layer_ids) if layer_ids is not None else default_layer_ids(int(config.num_hidden_layers))
     return TargetHead(config=config, embed_tokens=embed, lm_head=head, layer_ids=ids, tokenizer=tokenizer,
-                      mask_token_id=_default_mask_token_id(tokenizer, embed.weight.shape[0]))
+                      mask_token_id=default_mask_token_id(tokenizer, embed.weight.shape[0]))

@@ -1,14 +1,19 @@
 """Train a DFlash drafter. The loop reads top to bottom; the pieces live in their own modules.
 
-    config -> target(s) -> data -> drafter replicas (+ AdamW, warmup+cosine) -> [resume]
-    for each step: all drafter threads train one batch, gradients averaged  (trainer.workers)
+    config -> world -> target(s) -> data -> drafter replicas (+ AdamW, warmup+cosine) -> [resume]
+    for each step: every replica trains one batch, gradients averaged  (trainer.workers; DDP)
                    log a metrics record, checkpoint every N steps or when asked to stop
+
+One setup and one loop for both launchers; what differs lives in the world (trainer.world):
+ThreadsWorld (one process, a drafter thread per device) or TorchrunWorld (trainer.distributed:
+this process is one rank, rank 0 writes, the ranks agree on every step's summary and on stopping).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import math
+import os
 import random
 import sys
 from typing import TextIO
@@ -20,10 +25,11 @@ from . import checkpoint as ckpt
 from . import precision
 from .compile_lock import CompileGuard, compile_reason
 from .config import ConfigError, TrainConfig, check_devices
-from .distributed import check_launcher, train_rank
+from .distributed import TorchrunWorld, check_launcher
 from .feature_cache import training_source
 from .data import Batch, BatchPlan, Dataset, derive_seed, load_jsonl, synthetic_dataset
 from .heldout import split_heldout
+from .launchers import TORCHRUN
 from .masks import build_block_mask, dense_mask, sample_anchors
 from .loss import block_labels
 from .metrics import MetricsWriter, Throughput
@@ -32,6 +38,7 @@ from .shutdown import StopRequest
 from .target import load_target
 from .training_eval import TrainingEval
 from .workers import Failure, LossOutput, Replica, StepSummary, TrainingWorkers
+from .world import ThreadsWorld, World
 
 
 @dataclasses.dataclass
@@ -46,7 +53,7 @@ class RunResult:
 
 @dataclasses.dataclass
 class LoopParts:
-    """What the step loop trains with (built by train(), or by distributed.train_rank for one rank)."""
+    """What the step loop trains with (built by prepare(); under torchrun: this rank's replica)."""
     cfg: TrainConfig
     targets: list
     replicas: list[Replica]
@@ -186,13 +193,15 @@ def make_loss_fn(cfg: TrainConfig):
     return compute
 
 
-def save(cfg: TrainConfig, replicas: list[Replica], dcfg: DrafterConfig, plan: BatchPlan, step: int) -> str:
-    lead = replicas[0]  # replicas are identical; one copy is the checkpoint
+def save(parts: LoopParts, model: torch.nn.Module, step: int) -> str:
+    """One checkpoint of the run: `model` is the lead replica's drafter (all replicas are identical)."""
+    cfg, lead, plan = parts.cfg, parts.replicas[0], parts.plan
     return ckpt.save_checkpoint(
-        cfg.run.output_dir, step, weights=lead.model.state_dict(), optimizer=lead.optimizer.state_dict(),
-        scheduler=lead.scheduler.state_dict(), data_position=plan.position(step),
+        cfg.run.output_dir, step, weights=model.state_dict(), optimizer=lead.optimizer.state_dict(),
+        scheduler=lead.scheduler.state_dict(),
+        data_position={**plan.position(step), "replicas": plan.num_replicas},
         rng=ckpt.rng_state(cfg.run.target_devices + cfg.run.drafter_devices),
-        config=cfg.to_dict(), drafter_config=dcfg.to_dict(), keep_last=cfg.run.keep_last)
+        config=cfg.to_dict(), drafter_config=parts.dcfg.to_dict(), keep_last=cfg.run.keep_last)
 
 
 def startup_summary(cfg: TrainConfig, guard: CompileGuard, dataset: Dataset, plan: BatchPlan,
@@ -201,12 +210,13 @@ def startup_summary(cfg: TrainConfig, guard: CompileGuard, dataset: Dataset, pla
     lines = ["dflash-train: resolved config (" + cfg.source + "):"]
     lines += ["  " + line for line in yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()]
     lines += [
-        f"devices: target {', '.join(cfg.run.target_devices)} | drafters {', '.join(cfg.run.drafter_devices)} "
-        f"({len(replicas)} replica thread(s))",
+        f"devices: target {', '.join(cfg.run.target_devices)} "
+        f"| drafters {', '.join(cfg.run.drafter_devices)} ({len(replicas)} replica thread(s))",
         guard.describe(),
-        f"attention: {cfg.run.attention} (compile mode {cfg.run.compile_mode}) | precision {precision.resolve(cfg)} "
-        f"| activation checkpointing: {cfg.train.activation_checkpointing} | torch {torch.__version__} "
-        f"| drafter params {params:,}",
+        f"attention: {cfg.run.attention} (compile mode {cfg.run.compile_mode}) "
+        f"| precision {precision.resolve(cfg)} "
+        f"| activation checkpointing: {cfg.train.activation_checkpointing} "
+        f"| torch {torch.__version__} | drafter params {params:,}",
         f"data: {len(dataset)} sequences x {cfg.data.seq_len} tokens from {dataset.source}; "
         f"{plan.steps_per_epoch} steps/epoch; {total_steps} steps total"
         + (f"; resuming after step {start_step}" if start_step else ""),
@@ -218,59 +228,88 @@ def startup_summary(cfg: TrainConfig, guard: CompileGuard, dataset: Dataset, pla
 # ---- the run ---------------------------------------------------------------------------------
 
 def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) -> RunResult:
-    """Run (or resume) training as configured. Raises on failure after writing an `error` record."""
+    """Run (or resume) training as configured: the whole job in threads, or this process's rank
+    of a torchrun job. Raises on failure after writing an `error` record."""
     check_launcher(cfg)
-    if cfg.run.launcher == "torchrun":
-        return train_rank(cfg, out, tty)  # this process is one rank of a torchrun job
-    out = out if out is not None else sys.stdout
+    world: World = TorchrunWorld.from_env(cfg) if cfg.run.launcher == TORCHRUN else ThreadsWorld(cfg)
+    cfg = world.cfg
     check_devices(cfg)
-    metrics = MetricsWriter(cfg.metrics_path, out=out, tty=tty, log_every=cfg.run.log_every,
-                            report_to=cfg.run.report_to, report_dir=cfg.run.output_dir)
+    metrics = open_metrics(world, out, tty)
     guard = CompileGuard(cfg.run.compile_lock, on_event=lambda e: metrics.compile(
-        e.get("thread", "?"), e.get("duration_s") or 0.0, e.get("step", -1), compile_reason(e)))
-    stop = StopRequest(cfg.run.stop_grace_s, watchdog=True)
+        world.thread(e.get("thread", "?")), e.get("duration_s") or 0.0, e.get("step", -1), compile_reason(e)))
+    stop = world.stop_request()
+    world.join()
     try:
-        guard.install()  # before anything is compiled (patch mode must precede torch.compile)
-        set_compile_mode(cfg.run.compile_mode)
-        if cfg.run.torch_threads:
-            torch.set_num_threads(cfg.run.torch_threads)
-        random.seed(cfg.train.seed)
-        torch.manual_seed(cfg.train.seed)
-        if cfg.data.source == "features":  # no target forward: features come from disk
-            targets, dataset = training_source(cfg, param_dtype(cfg.run.drafter_devices[0]))
-            heldout = None
-        else:
-            targets = [load_target(cfg.target.spec, dev, param_dtype(dev), layer_ids=cfg.target.layer_ids,
-                                   seed=cfg.train.seed, tiny=cfg.target.tiny or None)
-                       for dev in cfg.run.target_devices]
-            dataset, heldout = split_heldout(build_dataset(cfg, targets[0]), cfg.data.eval_fraction,
-                                             cfg.train.seed)
-        plan = BatchPlan(len(dataset), cfg.train.batch_size, len(cfg.run.drafter_devices), cfg.train.seed,
-                         dataset.source)
-        total = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
-        dcfg = drafter_config(cfg, targets[0])
-        replicas = build_replicas(cfg, dcfg, targets[0], total)
-        evaluator = TrainingEval.create(cfg, targets[0], dcfg, heldout, param_dtype(targets[0].device),
-                                        metrics.say)
-        start, upcast = 0, None
-        if cfg.run.resume:
-            state = ckpt.load_checkpoint(ckpt.resolve_resume(cfg.run.resume, cfg.run.output_dir))
-            restore(replicas, state, dcfg)
-            start, upcast = state.step, precision.upcast_note(state.weights, state.path)
-        metrics.start(cfg.to_dict(), cfg.run.target_devices + cfg.run.drafter_devices, cfg.run.compile_lock,
-                      total, startup_summary(cfg, guard, dataset, plan, total, start, replicas))
-        if upcast:
-            metrics.say(upcast)
-        stop.install()
-        return _loop(LoopParts(cfg, targets, replicas, dataset, plan, dcfg, guard, start, total, evaluator),
-                     metrics, stop)
+        parts = prepare(world, guard, metrics)
+        world.listen(stop)
+        return _loop(parts, world, metrics, stop)
     except BaseException as exc:
-        metrics.failed(Failure.of(exc), stop.last_step)
+        failure = Failure.of(exc)
+        label = world.failed(failure)
+        if label is not None:
+            metrics.failed(failure, stop.last_step, label=label)
         raise
     finally:
         stop.uninstall()
         guard.uninstall()
         metrics.close()
+        world.close()
+
+
+def open_metrics(world: World, out: TextIO | None, tty: bool | None) -> MetricsWriter:
+    """The metrics file and readable lines; a process that does not speak (a torchrun rank) writes
+    them to /dev/null and says only why it fails."""
+    cfg = world.cfg
+    if not world.speaks:
+        sys.stdout = out = open(os.devnull, "w")
+    return MetricsWriter(cfg.metrics_path if world.speaks else os.devnull,
+                         out=out if out is not None else sys.stdout, tty=tty, log_every=cfg.run.log_every,
+                         report_to=world.trackers, report_dir=cfg.run.output_dir)
+
+
+def load_source(cfg: TrainConfig) -> tuple[list, Dataset, Dataset | None]:
+    """(targets, training data, held-out data): one target per target device, or from a feature
+    cache one embedding+lm_head stand-in per drafter device (no target forward)."""
+    if cfg.data.source == "features":
+        targets, dataset = training_source(cfg, param_dtype(cfg.run.drafter_devices[0]))
+        return targets, dataset, None
+    targets = [load_target(cfg.target.spec, dev, param_dtype(dev), layer_ids=cfg.target.layer_ids,
+                           seed=cfg.train.seed, tiny=cfg.target.tiny or None)
+               for dev in cfg.run.target_devices]
+    dataset, heldout = split_heldout(build_dataset(cfg, targets[0]), cfg.data.eval_fraction, cfg.train.seed)
+    return targets, dataset, heldout
+
+
+def prepare(world: World, guard: CompileGuard, metrics: MetricsWriter) -> LoopParts:
+    """Everything the loop trains with, resumed if asked; the `start` record written."""
+    cfg = world.cfg
+    guard.install()  # before anything is compiled (patch mode must precede torch.compile)
+    set_compile_mode(cfg.run.compile_mode)
+    if cfg.run.torch_threads:
+        torch.set_num_threads(cfg.run.torch_threads)
+    random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    targets, dataset, heldout = load_source(cfg)
+    world.agree_data(dataset)
+    plan = BatchPlan(len(dataset), cfg.train.batch_size, world.size, cfg.train.seed, dataset.source)
+    total = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
+    dcfg = drafter_config(cfg, targets[0])
+    replicas = build_replicas(cfg, dcfg, targets[0], total)
+    # the lead evaluates tau between steps; other ranks wait for it at the next step's all-reduce
+    evaluator = TrainingEval.create(cfg, targets[0], dcfg, heldout, param_dtype(targets[0].device),
+                                    metrics.say) if world.is_lead else None
+    start, upcast = 0, None
+    if cfg.run.resume:
+        state = ckpt.load_checkpoint(ckpt.resolve_resume(cfg.run.resume, cfg.run.output_dir))
+        world.agree_resume(state)
+        restore(replicas, state, dcfg)
+        start, upcast = state.step, precision.upcast_note(state.weights, state.path)
+    world.ready(replicas, start)
+    summary = startup_summary(cfg, guard, dataset, plan, total, start, replicas) + world.describe()
+    metrics.start(cfg.to_dict(), world.devices, cfg.run.compile_lock, total, summary)
+    if upcast:
+        metrics.say(upcast)
+    return LoopParts(cfg, targets, replicas, dataset, plan, dcfg, guard, start, total, evaluator)
 
 
 def make_workers(parts: LoopParts) -> TrainingWorkers:
@@ -282,32 +321,33 @@ def make_workers(parts: LoopParts) -> TrainingWorkers:
                            feature_dtype=lambda _dev: precision.feature_dtype(precision.resolve(cfg)))
 
 
-def _loop(parts: LoopParts, metrics: MetricsWriter, stop: StopRequest) -> RunResult:
+def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequest) -> RunResult:
     cfg, replicas, plan, start, total, evaluator = (parts.cfg, parts.replicas, parts.plan, parts.start,
                                                     parts.total, parts.evaluator)
     last, path, step = None, None, start
     throughput = Throughput(start, total)
+    devices = cfg.run.target_devices + cfg.run.drafter_devices
     with make_workers(parts) as workers:
         workers.start(start, total)
         for step_index in range(start, total):
-            last = workers.run_step(step_index, give_up=stop.overdue)
-            if stop.requested:
-                stop.step_finished()
+            last = world.step(workers, step_index, stop)
             step = stop.last_step = last.step
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
-            metrics.step(step=step, total_steps=total, loss=last.loss, acc=last.acc, tokens_per_s=tokens_per_s,
-                         eta_s=eta_s, lr=last.lr, grad_norm=last.grad_norm, epoch=step / plan.steps_per_epoch,
-                         gpu_memory_gib=peak_gpu_memory_gib(cfg.run.target_devices + cfg.run.drafter_devices))
+            metrics.step(step=step, total_steps=total, loss=last.loss, acc=last.acc, lr=last.lr,
+                         tokens_per_s=tokens_per_s, eta_s=eta_s, grad_norm=last.grad_norm,
+                         epoch=step / plan.steps_per_epoch, gpu_memory_gib=peak_gpu_memory_gib(devices))
             if evaluator is not None and evaluator.due(step, total):
-                evaluator.run(replicas[0].model, step, metrics)
+                evaluator.run(world.model(replicas), step, metrics)
                 throughput.last = throughput.clock()  # the next step's tok/s counts training only
-            if step % cfg.run.checkpoint_every == 0 or step == total or stop.requested:
-                path = save(cfg, replicas, parts.dcfg, plan, step)
+            stopping = world.stopping(stop)
+            if world.is_lead and (step % cfg.run.checkpoint_every == 0 or step == total or stopping):
+                path = save(parts, world.model(replicas), step)
                 metrics.checkpoint(step, path)
-            if stop.requested and step < total:  # a stop during the last step leaves a complete run
-                metrics.say(f"{stop.signal_name}: stopped after step {step}")
+            if stopping and step < total:  # a stop during the last step leaves a complete run
+                metrics.say(f"{stop.signal_name or 'another rank'}: stopped after step {step}")
                 metrics.done(step, "interrupted")
                 return RunResult(step, total, "interrupted", last, path, replicas)
-    ckpt.mark_finished(cfg.run.output_dir, step)
+    if world.speaks:  # under torchrun every host's launcher reads its own run directory
+        ckpt.mark_finished(cfg.run.output_dir, step)
     metrics.done(step, "max_steps")
     return RunResult(step, total, "max_steps", last, path, replicas)

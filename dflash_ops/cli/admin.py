@@ -9,7 +9,7 @@ import click
 
 from .. import inventory as inventory_lib
 from .group import cli, dry_run_option, target_option
-from .jobs import run_book
+from .jobs import run_each
 
 
 @cli.command()
@@ -25,18 +25,21 @@ def targets(obj):
 
 @cli.group("playbook")
 def playbook_group():
-    """List or run playbooks (ordered steps in YAML; `playbook list` shows where each one is)."""
+    """List or run your playbooks (library steps in YAML; see playbooks/README.md)."""
 
 
 @playbook_group.command("list")
 @click.pass_obj
 def playbook_list(obj):
-    """Show the playbooks found and the steps they may use."""
-    from .. import playbook, steps
+    """Show your playbooks and the steps they may use."""
+    from .. import steps
+    from ..playbook import signature, user
 
-    for name, path in playbook.list_playbooks(obj.search_dirs()).items():
+    for name, path in user.list_playbooks(obj.search_dirs()).items():
         click.echo(f"{name:14} {path}")
-    click.echo("\nsteps: " + ", ".join(spec.signature() for spec in steps.registry))
+    click.echo("\nsteps:")
+    for name, step in steps.LIBRARY.items():
+        click.echo(f"  {signature.describe(name, step)}")
 
 
 @playbook_group.command("run")
@@ -47,9 +50,17 @@ def playbook_list(obj):
 @click.pass_obj
 def playbook_run(obj, name, target, dry_run, assignments):
     """Run the playbook NAME (a name from `playbook list`, or a path)."""
-    from .. import playbook
+    from .. import commands, steps
+    from ..playbook import user
 
-    sys.exit(run_book(obj, target, name, playbook.parse_option_assignments(assignments), dry_run))
+    obj.targets(target)  # an unknown target is refused before the file is read
+    book = user.load(name, obj.search_dirs(), steps.LIBRARY)
+    options = user.bind_options(book, steps.LIBRARY, user.parse_option_assignments(assignments))
+
+    def act(tgt, show):
+        return commands.run_playbook(tgt, book, options, dry_run=dry_run, on_progress=show)
+
+    sys.exit(run_each(obj, target, book.name, book.source, act))
 
 
 @cli.group("cron")

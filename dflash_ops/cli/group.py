@@ -37,9 +37,9 @@ class Obj:
         return self.inventory.resolve(name)
 
     def search_dirs(self):
-        from .. import playbook
+        from ..playbook import user
 
-        return playbook.playbook_search_dirs(self.playbook_dir, self.inventory.source)
+        return user.search_dirs(self.playbook_dir, self.inventory.source)
 
 
 def _merge_target(ctx, param, value):
@@ -79,7 +79,7 @@ def target_option(f):
     "--playbook-dir",
     envvar="DFLASH_OPS_PLAYBOOKS",
     metavar="DIR",
-    help="Extra directory searched first for playbooks.",
+    help="Directory searched first for your playbooks (then playbooks/ next to the inventory).",
 )
 @click.option("-t", "--target", "target", envvar=TARGET_ENV_VAR, metavar="NAME|GROUP", help=TARGET_HELP)
 @click.version_option(package_name="dflash-ops")

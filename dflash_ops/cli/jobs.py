@@ -1,31 +1,35 @@
-"""Commands that act on the job through playbooks: relaunch, stop, gpu-clean, purge-cache, deploy."""
+"""Commands that act on the job: relaunch, stop, gpu-clean, purge-cache, deploy (each one is a
+function of dflash_ops.commands; its defaults are read from there)."""
 
 from __future__ import annotations
 
 import sys
 import threading
+from typing import Any, Callable
 
 import click
 
+from .. import commands
 from ..errors import InputError
 from . import multinode
 from .group import Obj, cli, dry_run_option, grace_option, one_target, target_option
 
 
-def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, runner=None) -> int:
-    """Run playbook `book` on each target (`runner`: ops.run_playbook or one with its signature)."""
-    from .. import ops, playbook
+def default(command: Callable, option: str) -> str:
+    """`(default 30)`: the command's own default, for --help."""
+    return f"(default {commands.default_of(command, option):g})"
+
+
+def run_each(obj: Obj, target_name, name: str, source: str, act: Callable[[Any, Callable], Any]) -> int:
+    """`act(target, on_progress)` on each target in parallel, with progress as it goes and one
+    summary per target; the exit code is the worst."""
     from ..fanout import fan_out
     from ..progress_view import ProgressPrinter
 
-    runner = runner or ops.run_playbook
-
     targets = obj.targets(target_name)
-    many = len(targets) > 1
     lock = threading.Lock()
-
     printer = ProgressPrinter(
-        lambda text: click.echo(text, nl=False), is_tty=sys.stdout.isatty(), with_target=many
+        lambda text: click.echo(text, nl=False), is_tty=sys.stdout.isatty(), with_target=len(targets) > 1
     )
 
     def show(progress):
@@ -33,25 +37,29 @@ def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, run
             try:
                 printer(progress)
             except BrokenPipeError:
-                pass  # the reader left (`| head`): the playbook still runs to its end, silently
+                pass  # the reader left (`| head`): the command still runs to its end, silently
 
-    dirs = obj.search_dirs()
-    # Validate once before any target is touched: a bad playbook or option is exit 2 for all.
-    loaded = ops.load_book(book, dirs, options)
-    playbook.bind_options(loaded.playbook, {k: v for k, v in options.items() if v is not None})
-    for warning in loaded.warnings:
-        click.echo(warning, err=True)
-    click.echo(f"{book}: {loaded.describe()}")
-    outcomes = fan_out(targets, lambda t: runner(t, book, options, dry_run, show, dirs))
+    click.echo(f"{name}: ran {source}")
     code = 0
-    for outcome in outcomes:
+    for outcome in fan_out(targets, lambda t: act(t, show)):
         if outcome.error is not None:
-            click.echo(f"[{outcome.target.name}] {book}: {outcome.error}", err=True)
+            click.echo(f"[{outcome.target.name}] {name}: {outcome.error}", err=True)
             code = max(code, getattr(outcome.error, "exit_code", 1))
         else:
             click.echo(outcome.value.summary(), err=not outcome.value.ok)
             code = max(code, outcome.value.exit_code)
     return code
+
+
+def run_command(obj: Obj, target_name, command: Callable, dry_run: bool, **options) -> int:
+    """Run one of dflash_ops.commands on each target; options left None take its defaults."""
+    given = {k: v for k, v in options.items() if v is not None}
+    name = command.__name__.replace("_", "-")
+
+    def act(target, show):
+        return command(target, dry_run=dry_run, on_progress=show, **given)
+
+    return run_each(obj, target_name, name, f"{command.__module__}.{command.__name__}", act)
 
 
 @cli.command()
@@ -70,16 +78,16 @@ def run_book(obj: Obj, target_name, book: str, options: dict, dry_run: bool, run
     type=click.FloatRange(min=1),
     default=None,
     metavar="S",
-    help="Seconds to wait for the first training step (default 900).",
+    help=f"Seconds to wait for the first training step {default(commands.relaunch, 'timeout')}.",
 )
-@grace_option("Seconds between SIGTERM and SIGKILL when stopping (default 30).")
+@grace_option(f"Seconds between SIGTERM and SIGKILL when stopping {default(commands.relaunch, 'grace')}.")
 @click.pass_obj
 def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus, timeout, grace):
     """Check, stop, clean the GPUs, purge the compile cache, deploy, launch in tmux, confirm step 1.
 
-    Runs the relaunch playbook; safe to run twice in a row. The checks (python imports torch,
-    release, GPU query, no foreign GPU process, free disk) run before anything is stopped. It
-    resumes the newest run, or starts a new one when that run finished; it clears a `stop`.
+    Safe to run twice in a row. The checks (python imports torch, release, GPU query, no foreign
+    GPU process, free disk) run before anything is stopped. It resumes the newest run, or starts
+    a new one when that run finished; it clears a `stop`.
 
     \b
     Example:
@@ -99,24 +107,22 @@ def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus
     job = multinode.job_named(obj, target)
     if job is not None:  # every node of the job, as one job
         sys.exit(multinode.relaunch(job, options, dry_run))
-    sys.exit(run_book(obj, target, "relaunch", options, dry_run))
+    sys.exit(run_command(obj, target, commands.relaunch, dry_run, **options))
 
 
 @cli.command()
 @target_option
 @dry_run_option
-@grace_option("Seconds between SIGTERM and SIGKILL (default 30).")
+@grace_option(f"Seconds between SIGTERM and SIGKILL {default(commands.stop, 'grace')}.")
 @click.pass_obj
 def stop(obj, target, dry_run, grace):
     """Stop the job: SIGTERM its processes (it checkpoints), SIGKILL after the grace period,
     remove the tmux session, record the stop (health then reports OK and never relaunches it
     until the next relaunch), end leftover GPU processes, wait for them to leave the GPUs."""
-    from .. import ops
-
     job = multinode.job_named(obj, target)
     if job is not None:  # every node stops, and records the stop
         sys.exit(multinode.stop(job, grace, dry_run))
-    sys.exit(run_book(obj, target, "stop", {"grace": grace}, dry_run, runner=ops.stop_job))
+    sys.exit(run_command(obj, target, commands.stop, dry_run, grace=grace))
 
 
 @cli.command("gpu-clean")
@@ -128,7 +134,7 @@ def gpu_clean(obj, target, dry_run, force):
     """End every process of this job (its tmux tree and anything carrying its DFLASH_OPS_JOB
     marker, the trainer included) and wait until they left its GPUs; processes that are not the
     job's are reported, never signalled. Refuses while the job runs unless --force."""
-    sys.exit(run_book(obj, target, "gpu-clean", {"force": True if force else None}, dry_run))
+    sys.exit(run_command(obj, target, commands.gpu_clean, dry_run, force=True if force else None))
 
 
 @cli.command("purge-cache")
@@ -138,7 +144,7 @@ def gpu_clean(obj, target, dry_run, force):
 def purge_cache(obj, target, dry_run):
     """Remove the job's inductor/triton compile cache: only a dir holding the marker the launcher
     put there; refuses while any process of the job lives."""
-    sys.exit(run_book(obj, target, "purge-cache", {}, dry_run))
+    sys.exit(run_command(obj, target, commands.purge_cache, dry_run))
 
 
 @cli.command()
@@ -166,10 +172,10 @@ def deploy(obj, target, dry_run, rollback, list_):
             click.echo(line)
         return
     if rollback is None:
-        sys.exit(run_book(obj, target, "deploy", {}, dry_run))
+        sys.exit(run_command(obj, target, commands.deploy, dry_run))
     if rollback:
         deploy_lib.check_release_id(rollback)
         if not dry_run:
             for tgt in obj.targets(target):
                 ops.require_kept_release(tgt, rollback)
-    sys.exit(run_book(obj, target, "rollback", {"release": rollback or deploy_lib.PREVIOUS}, dry_run))
+    sys.exit(run_command(obj, target, commands.rollback, dry_run, release=rollback or None))

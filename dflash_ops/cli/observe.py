@@ -114,7 +114,7 @@ def _health(obj, target, as_json, auto_relaunch, timeout) -> int:
     actions = {}
     if auto_relaunch:
         for c in checked:
-            action = ops.auto_relaunch(c.target, c, obj.search_dirs())
+            action = ops.auto_relaunch(c.target, c)
             if action is not None:
                 actions[c.target.name] = action
     if as_json:

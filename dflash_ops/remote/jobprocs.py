@@ -95,8 +95,25 @@ def main():
     # a dead pane's pid is never a root: tmux has reaped it, and it may be anyone's since
     roots = procs.owned_pane_roots(session_panes, table, marker)
     job = sorted(procs.job_pids(session_panes, table, marker))
-    # [pid, gpu, MiB, owner, name]: from the Proxmox host (pids already mapped into this container;
-    # owner names another container or the host, whose pids mean nothing here), else asked here.
+    report = {
+        "job": [{"pid": p, "cmd": procs.cmdline(p)} for p in job],
+        "unidentified": unidentified_gpu_apps(args, job),
+        "exited_panes": [{"pid": p["pid"], "status": p["status"]} for p in session_panes if p["dead"]],
+        "terminated": [],
+        "killed": [],
+        "survivors": [],
+    }
+    if args.get("action") == "kill" and job:
+        end_job(report, table, job, roots, float(args.get("grace_s", 10)))
+    print(json.dumps(report))
+
+
+def unidentified_gpu_apps(args, job):
+    """GPU processes that are not the job's, as [{pid, gpu, used_memory_mib, owner, visible, cmd, name}].
+
+    The apps come as [pid, gpu, MiB, owner, name] from the Proxmox host (pids already mapped into
+    this container; owner names another container or the host, whose pids mean nothing here), else
+    they are asked here."""
     apps = args.get("gpu_apps")
     if apps is None:
         apps = [(pid, gpu, used, "", "") for pid, gpu, used in gpu_apps(set(args.get("gpus", [])))]
@@ -115,39 +132,35 @@ def main():
                     "name": (name[0] if name else "") or (_comm(pid) if visible else ""),
                 }
             )
-    report = {
-        "job": [{"pid": p, "cmd": procs.cmdline(p)} for p in job],
-        "unidentified": unidentified,
-        "exited_panes": [{"pid": p["pid"], "status": p["status"]} for p in session_panes if p["dead"]],
-        "terminated": [],
-        "killed": [],
-        "survivors": [],
-    }
-    if args.get("action") == "kill" and job:
-        # Signal the pane's shell last: when it dies tmux closes the pty and the trainer gets
-        # SIGHUP, which would cut its graceful shutdown (final checkpoint) short.
-        first = [p for p in job if p not in roots] or job
-        for pid in first:
-            if not same_process(table, pid):
-                continue
+    return unidentified
+
+
+def end_job(report, table, job, roots, grace_s):
+    """SIGTERM, up to `grace_s` for the job to leave, then SIGKILL for what is left; each signal only
+    to a process that is still the one listed in `table`."""
+    # Signal the pane's shell last: when it dies tmux closes the pty and the trainer gets
+    # SIGHUP, which would cut its graceful shutdown (final checkpoint) short.
+    first = [p for p in job if p not in roots] or job
+    for pid in first:
+        if not same_process(table, pid):
+            continue
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.time() + grace_s
+    while time.time() < deadline and any(same_process(table, p) for p in job):
+        time.sleep(0.2)
+    report["terminated"] = [p for p in job if not same_process(table, p)]
+    for pid in job:
+        if same_process(table, pid):
             try:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGKILL)
+                report["killed"].append(pid)
             except OSError:
                 pass
-        deadline = time.time() + float(args.get("grace_s", 10))
-        while time.time() < deadline and any(same_process(table, p) for p in job):
-            time.sleep(0.2)
-        report["terminated"] = [p for p in job if not same_process(table, p)]
-        for pid in job:
-            if same_process(table, pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    report["killed"].append(pid)
-                except OSError:
-                    pass
-        time.sleep(0.3)
-        report["survivors"] = [p for p in job if same_process(table, p)]
-    print(json.dumps(report))
+    time.sleep(0.3)
+    report["survivors"] = [p for p in job if same_process(table, p)]
 
 
 main()

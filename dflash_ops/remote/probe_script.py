@@ -290,10 +290,20 @@ def section(errors, name, fn, *args):
 def main(argv):
     try:
         args = json.loads(argv[1])
-        log_dir, session, sock = str(args["log_dir"]), str(args["session"]), str(args["socket"])
+        where = {name: str(args[name]) for name in ("log_dir", "session", "socket")}
+        lines = {name: int(args[name]) for name in ("log_lines", "metrics_lines")}
     except (IndexError, ValueError, KeyError, TypeError) as e:
-        sys.stderr.write("dflash probe: needs one JSON argument with log_dir, session, socket (%s)\n" % e)
+        sys.stderr.write(
+            "dflash probe: needs one JSON argument with log_dir, session, socket, log_lines, "
+            "metrics_lines (%s)\n" % e
+        )
         return 2
+    sys.stdout.write(json.dumps(probe(args, where, lines)) + "\n")
+    return 0
+
+
+def probe(args, where, lines):
+    """Everything status and health need, gathered with the slow parts running side by side."""
     errors = []
     report = {
         "probe_version": PROBE_VERSION,
@@ -305,7 +315,7 @@ def main(argv):
     part_s = float(args.get("part_s") or PART_S)
     deadline = time.monotonic() + part_s
     gpu_source = args.get("gpu_source", "auto")
-    tmux_started = section(errors, "tmux", start_tmux, sock, session)
+    tmux_started = section(errors, "tmux", start_tmux, where["socket"], where["session"])
     # "none": the caller asks the Proxmox host instead, which sees the real pids
     gpu_started = (
         None
@@ -324,21 +334,34 @@ def main(argv):
     report["job_state"], report["job_state_error"] = section(
         errors, "job state", read_job_state, args.get("state_file")
     ) or (None, "unreadable")
-    files = (
-        section(
-            errors,
-            "files",
-            files_state,
-            log_dir,
-            int(args.get("log_lines", 200)),
-            int(args.get("metrics_lines", 400)),
-            report["job_state"],
-            (int(args.get("eval_context_steps", 0)), MAX_EVAL_SCAN_BYTES, deadline),
-        )
-        or {}
+    eval_search = (int(args.get("eval_context_steps", 0)), MAX_EVAL_SCAN_BYTES, deadline)
+    files = section(
+        errors,
+        "files",
+        files_state,
+        where["log_dir"],
+        lines["log_lines"],
+        lines["metrics_lines"],
+        report["job_state"],
+        eval_search,
     )
+    finish_parts(report, errors, tmux_started, gpu_started, gpu_source, where, deadline, part_s)
+    report["processes"], report["marked_pids"] = section(
+        errors, "processes", job_processes, (report["session"] or {}).pop("panes", []), args.get("marker")
+    ) or ([], [])
+    report.update(files or {})
+    report["out_of_time"] = [
+        name for name in ("gpu", "session") if (report.get(name) or {}).get("out_of_time")
+    ]
+    return report
+
+
+def finish_parts(report, errors, tmux_started, gpu_started, gpu_source, where, deadline, part_s):
+    """The tmux and GPU answers, each within what is left of its time."""
     report["session"] = (
-        section(errors, "tmux", finish_tmux, tmux_started, sock, session, deadline, part_s)
+        section(
+            errors, "tmux", finish_tmux, tmux_started, where["socket"], where["session"], deadline, part_s
+        )
         if tmux_started
         else None
     )
@@ -348,16 +371,6 @@ def main(argv):
         "error": "not queried in the container" if gpu_source == "none" else "probe failed",
     }
     report["gpu_pids_visible"] = section(errors, "gpu", visible_gpu_pids, report["gpu"]) or []
-    panes = (report["session"] or {}).pop("panes", [])
-    report["processes"], report["marked_pids"] = section(
-        errors, "processes", job_processes, panes, args.get("marker")
-    ) or ([], [])
-    report.update(files)
-    report["out_of_time"] = [
-        name for name in ("gpu", "session") if (report.get(name) or {}).get("out_of_time")
-    ]
-    sys.stdout.write(json.dumps(report) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -186,6 +186,15 @@ class SshConnecting:
                 f"banner within {self.spec.connect_timeout_s:g} s (is it an SSH "
                 "server? is sshd wedged?)",
             )
+        return (
+            self._host_key_error(exc, step, port, host, what, entry)
+            or self._auth_error(exc, step, where, user)
+            or self._reach_error(exc, step, host, port, what, where, field)
+        )
+
+    def _host_key_error(
+        self, exc: BaseException, step: str, port: int, host: str, what: str, entry: str
+    ) -> TransportError | None:
         if isinstance(exc, paramiko.BadHostKeyException) and self._is_revoked(exc.key, entry):
             exc = _RevokedHostKey(entry, exc.key)  # revoked outranks "changed", as for ssh
         if isinstance(exc, _RevokedHostKey):
@@ -223,6 +232,9 @@ class SshConnecting:
             return HostKeyError(
                 self.name, step, f"cannot read {self.known_hosts} ({exc}); check ssh.known_hosts_file"
             )
+        return None
+
+    def _auth_error(self, exc: BaseException, step: str, where: str, user: str) -> TransportError | None:
         if isinstance(exc, OSError) and exc.filename:
             return AuthError(
                 self.name, step, f"cannot read {exc.filename} ({exc.strerror}); check ssh.identity_file"
@@ -244,6 +256,11 @@ class SshConnecting:
                 f"{where} refused {key} for user {user!r} ({exc}); check ssh.user, "
                 "ssh.identity_file and the host's authorized_keys",
             )
+        return None
+
+    def _reach_error(
+        self, exc: BaseException, step: str, host: str, port: int, what: str, where: str, field: str
+    ) -> TransportError:
         if isinstance(exc, socket.gaierror):
             return ConnectError(
                 self.name, step, f"cannot resolve {what or 'host '}{host!r} ({exc.strerror}); check {field}"

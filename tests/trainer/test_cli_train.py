@@ -211,3 +211,11 @@ def test_hostile_paths_are_just_paths(tmp_path, capsys):
     assert recs[-1]["event"] == "done"
     assert Path([r for r in recs if r["event"] == "checkpoint"][-1]["path"]).parent.parent == odd
     assert not (Path.cwd() / "pwned").exists() and not (tmp_path / "pwned").exists()
+
+
+def test_a_set_value_is_read_by_the_config_files_rules(tmp_path, capsys):
+    """`off` is text on the command line too (YAML 1.2), so it is refused as the file would refuse it."""
+    assert main(["--config", "tiny-cpu", "--output-dir", str(tmp_path / "run"), "--set", "run.compile_lock=off"]) == 2
+    err = capsys.readouterr().err
+    assert "`run.compile_lock`" in err and "'off'" in err, err
+    assert not (tmp_path / "run").exists()

@@ -120,3 +120,62 @@ def test_devices_that_do_not_exist_are_named(tmp_path):
 def test_drafter_overrides_only_carry_what_the_config_sets(tmp_path):
     cfg = load_config(write(tmp_path, MINIMAL + "    drafter: {num_layers: 2, head_dim: 8}\n"), {})
     assert cfg.drafter.overrides() == {"num_layers": 2, "block_size": 16, "head_dim": 8}
+
+
+# --------------------------------------------------------------------------- strict YAML (1.2)
+
+
+@pytest.mark.parametrize("value", ["off", "no", "on", "yes"])
+def test_yaml_1_1_booleans_stay_text_and_are_refused_at_their_line(tmp_path, value):
+    # YAML 1.1 would read `off` as False and the message would blame a boolean the user never wrote.
+    path = write(tmp_path, f"data: {{source: synthetic}}\nrun:\n  compile_lock: {value}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {})
+    message = str(err.value)
+    assert message.startswith(f"{path}:3: `run.compile_lock` must be one of lock, none, patch, got '{value}'")
+
+
+def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path):
+    path = write(tmp_path, "data: {source: synthetic}\ntrain:\n  lr: 0.1\n  seed: 3\n  lr: 0.2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {})
+    assert str(err.value).startswith(f"{path}:5: key 'lr' under train is defined twice (also on line 3)")
+
+
+def test_a_section_written_twice_is_refused(tmp_path):
+    path = write(tmp_path, "train: {lr: 0.1}\ndata: {source: synthetic}\ntrain: {seed: 1}\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:3: key 'train' is defined twice \(also on line 1\)"):
+        load_config(path, {})
+
+
+@pytest.mark.parametrize("yaml_text, line, key", [
+    ("data: {source: synthetic}\ntrain:\n  lrr: 0.1\n", 3, "train.lrr"),  # unknown key
+    ("data: {source: synthetic}\ntrain:\n  seed: 1\n  max_steps: 2.5\n", 4, "train.max_steps"),  # wrong type
+    ("data: {source: synthetic}\nrun:\n  attention: flash\n", 3, "run.attention"),  # a cross-field check
+    ("data:\n  source: synthetic\n  seq_len: 0\n", 3, "data.seq_len"),
+])
+def test_bad_values_name_their_line(tmp_path, yaml_text, line, key):
+    path = write(tmp_path, yaml_text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {})
+    assert str(err.value).startswith(f"{path}:{line}: ")
+    assert f"`{key}`" in str(err.value)
+
+
+def test_a_bad_override_names_no_file_line(tmp_path):
+    # The file's line holds a good value; the bad one came from the command line.
+    path = write(tmp_path, "data: {source: synthetic}\ntrain:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {"train.lr": "fast"})
+    assert str(err.value).startswith(f"{path}: `train.lr` must be a number")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {"train.lr": -1.0})
+    assert str(err.value).startswith(f"{path}: `train.lr` must be positive")
+
+
+def test_line_bookkeeping_stays_out_of_the_saved_config(tmp_path):
+    text = MINIMAL.replace("{spec: tiny-random}", "{spec: tiny-random, tiny: {hidden_size: 8}}")
+    cfg = load_config(write(tmp_path, text), {})
+    saved = cfg.to_dict()
+    assert "key_lines" not in saved and "source" not in saved
+    assert type(saved["target"]["tiny"]) is dict and saved["target"]["tiny"] == {"hidden_size": 8}

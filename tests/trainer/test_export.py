@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.trainer.conftest import EXPORT_BLOCK as BLOCK
+from tests.trainer.reference_drafter import ReferenceDrafter
 from trainer.export import (
     WEIGHTS_FILE,
-    ReferenceDrafter,
     drafter_config_from_export,
     export_drafter,
     export_weights,

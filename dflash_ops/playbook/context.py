@@ -1,0 +1,115 @@
+"""Where a step acts (the target and the transport to it, recording every command line) and what
+it returns. Under --dry-run the transport is a DryRunTransport: the same commands are recorded,
+none reaches the target, each answers as an empty success."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..errors import RemoteCommandError
+from ..transport.base import Result, Transport
+
+if TYPE_CHECKING:
+    from ..model import Target
+
+
+@dataclasses.dataclass
+class StepOutcome:
+    """What a step returns: a one-line message, data for the report, and ok=False to fail without
+    raising. A step whose result a later step takes returns a subclass with typed fields
+    (steps.Launched: the log the launch started)."""
+
+    message: str = ""
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    ok: bool = True
+
+    @classmethod
+    def failed(cls, message: str, **kwargs: Any) -> StepOutcome:
+        return cls(message, ok=False, **kwargs)
+
+    def report_data(self) -> dict[str, Any]:
+        """`data` and a subclass's typed fields, as the report shows them."""
+        typed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _BASE}
+        return {**self.data, **typed}
+
+
+_BASE = {f.name for f in dataclasses.fields(StepOutcome)}
+_EMPTY = Result(0, "", "", 0.0)
+
+
+class DryRunTransport(Transport):
+    """Describes commands as the real transport would run them and runs none: every run answers
+    as an empty success (as invoke's dry=True does), every put writes nothing."""
+
+    def __init__(self, real: Transport):
+        super().__init__(real.name)
+        self.real = real
+
+    def run(self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None) -> Result:
+        return _EMPTY
+
+    def run_on_host(
+        self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None
+    ) -> Result:
+        return _EMPTY
+
+    def put(self, data: bytes, remote_path: str, mode: int = 0o644, step: str = "put") -> None:
+        pass
+
+    def interactive(self, script: str) -> int:
+        return 0
+
+    def command_line(self, script: str, timeout: float = 60) -> str:
+        return self.real.command_line(script, timeout)
+
+    def host_command_line(self, script: str, timeout: float = 60) -> str:
+        return self.real.host_command_line(script, timeout)
+
+
+def _ignore(_message: str) -> None:
+    pass
+
+
+@dataclasses.dataclass
+class StepContext:
+    """Where a step acts. The runner hands each step its own copy: its name and number, a fresh
+    record of commands, and where its progress lines go."""
+
+    target: Target
+    transport: Transport
+    log: Callable[[str], None] = _ignore  # a line that stays
+    status: Callable[[str], None] = _ignore  # a transient progress line; each replaces the last
+    step: str = ""
+    number: int = 0
+    commands: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def dry_run(self) -> bool:
+        """Whether commands are only described (a step says what it would do, from no output)."""
+        return isinstance(self.transport, DryRunTransport)
+
+    @property
+    def target_name(self) -> str:
+        return self.target.name
+
+    def run(
+        self, script: str, *, timeout: float = 60.0, check: bool = True, stdin: bytes | None = None
+    ) -> Result:
+        """Run `script` on the target and record its exact command line."""
+        self.commands.append(self.transport.command_line(script, timeout))
+        runner = self.transport.check if check else self.transport.run
+        return runner(script, timeout=timeout, step=self.step or "run", stdin=stdin)
+
+    def run_on_host(self, script: str, *, timeout: float = 60.0, check: bool = True) -> Result:
+        """Like run, but on the Proxmox host of a pct target (real pids, the host's nvidia-smi)."""
+        self.commands.append(self.transport.host_command_line(script, timeout))
+        result = self.transport.run_on_host(script, timeout=timeout, step=self.step or "run")
+        if check and not result.ok:
+            raise RemoteCommandError(self.target_name, self.step or "run", result)
+        return result
+
+    def put(self, data: bytes, remote_path: str, mode: int = 0o644) -> None:
+        """Write `data` to `remote_path` on the target (atomically), recording it."""
+        self.commands.append(f"# put {len(data)} bytes -> {remote_path} (mode {mode:04o})")
+        self.transport.put(data, remote_path, mode=mode, step=self.step or "put")

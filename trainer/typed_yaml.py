@@ -1,0 +1,353 @@
+"""YAML that users write, read strictly and turned into typed dataclasses, with one-line errors.
+
+Shared by the trainer (its config files) and dflash-ops (its inventory), so both read YAML the
+same way. Standard library and PyYAML only: the trainer imports nothing from dflash_ops, and
+dflash_ops may import this module.
+
+- `parse_yaml` / `read_yaml`: a key written twice in one mapping is refused (PyYAML would keep the
+  last one silently), only true/false are booleans (YAML 1.2: `off`, `no`, `on` stay text), and
+  every mapping is a `YamlMap` that remembers the line of each key.
+- `build`: a (nested) dataclass from such a mapping, each value checked against the field's type.
+- Every problem is one `YamlInputError` line: `FILE:LINE: `field.path` problem; fix`.
+- `did_you_mean`, `closest_match`, `show`, `kind_of`, `finite`: the small helpers behind such lines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+T = typing.TypeVar("T")
+
+
+class YamlInputError(ValueError):
+    """Bad input, said in one line that names the file, the line, the field and the fix."""
+
+
+def located(filename: str, line: int | None) -> str:
+    """`FILE:LINE`, or just `FILE` when the line is unknown (values from code or the command line)."""
+    return f"{filename}:{line}" if line else filename
+
+
+# --------------------------------------------------------------------------- describing values
+
+
+def show(value: Any) -> str:
+    """repr, cut to 60 characters: a message stays one readable line."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def kind_of(value: Any) -> str:
+    """What a value is, for 'expected X, got ...': 'the text 'abc'', 'a list', 'the boolean true'."""
+    if value is None:
+        return "nothing"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    if isinstance(value, str):
+        return f"the text {show(value)}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"a {type(value).__name__} ({value})"
+
+
+def closest_match(word: str, choices: Iterable[str]) -> str | None:
+    """The choice `word` was most likely meant to be (a typo), or None."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def did_you_mean(word: str, choices: Iterable[str], quote=repr) -> str:
+    """'did you mean 'host'?' for a near miss, else ''."""
+    match = closest_match(word, choices)
+    return f"did you mean {quote(match)}?" if match is not None else ""
+
+
+def finite(value: Any) -> float | None:
+    """A real, finite number as float; anything else (NaN, inf, text, a boolean, None) is None.
+    JSON has no NaN, and a boolean is not a measurement."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+# --------------------------------------------------------------------------- strict loading
+
+
+class YamlMap(dict):
+    """A YAML mapping that remembers its own line and the line of each key (1-based)."""
+
+    def __init__(self, line: int = 0):
+        super().__init__()
+        self.line = line
+        self.key_lines: dict = {}
+
+    @classmethod
+    def of(cls, data: Mapping) -> YamlMap:
+        """A plain mapping (from code, not a file) as a YamlMap with no lines, nested ones too."""
+        wrapped = cls()
+        for key, value in data.items():
+            is_plain = isinstance(value, dict) and not isinstance(value, YamlMap)
+            wrapped[key] = cls.of(value) if is_plain else value
+        return wrapped
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, where: str, first_line: int, line: int):
+        super().__init__(where)
+        self.where, self.first_line, self.line = where, first_line, line
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that reads only true/false as booleans, as YAML 1.2 does: `host_key_policy: off`
+    must stay the text 'off', and `no`/`on` never turn into booleans."""
+
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictLoader.add_implicit_resolver(
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def _construct_map(loader: _StrictLoader, node: yaml.MappingNode) -> YamlMap:
+    loader.flatten_mapping(node)  # applies `<<: *anchor` merges; later keys win
+    result = YamlMap(node.start_mark.line + 1)
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, "a mapping key must be a plain name, not a list or mapping", key_node.start_mark
+            ) from None
+        result[key] = loader.construct_object(value_node, deep=True)
+        result.key_lines[key] = key_node.start_mark.line + 1
+    return result
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:map", _construct_map)
+
+
+def _refuse_duplicate_keys(node, path: tuple, seen_nodes: set, named_items: Mapping[str, str]) -> None:
+    """PyYAML silently keeps the last of two equal keys; we refuse them. Only keys written in the
+    same mapping count: keys pulled in by a `<<: *anchor` merge may be overridden."""
+    if id(node) in seen_nodes:  # an alias of a node already checked
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicate_keys(item, path, seen_nodes, named_items)
+    elif isinstance(node, yaml.MappingNode):
+        first_lines: dict = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is not None and key_node.tag != _MERGE_TAG:
+                line = key_node.start_mark.line + 1
+                if key in first_lines:
+                    raise _DuplicateKey(_describe_key(path, key, named_items), first_lines[key], line)
+                first_lines[key] = line
+            _refuse_duplicate_keys(value_node, path + (key,), seen_nodes, named_items)
+
+
+def _describe_key(path: tuple, key: str, named_items: Mapping[str, str]) -> str:
+    if len(path) == 1 and path[0] in named_items:
+        return f"{named_items[path[0]]} {key!r}"
+    return f"key {key!r}" + (f" under {'.'.join(map(str, path))}" if path else "")
+
+
+def parse_yaml(text: str, filename: str, named_items: Mapping[str, str] | None = None) -> Any:
+    """Parse YAML text strictly; any problem is one YamlInputError naming `filename` and the line.
+
+    `named_items` names the things that top-level sections hold, for messages about a key written
+    twice: {"targets": "target"} says "target 'box' is defined twice" instead of "key 'box' ..."."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node, (), set(), named_items or {})
+        return loader.construct_document(node)
+    except _DuplicateKey as e:
+        raise YamlInputError(
+            f"{filename}:{e.line}: {e.where} is defined twice (also on line {e.first_line}); "
+            f"YAML would silently keep only the last one: rename or remove one of them"
+        ) from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        column = f" (column {mark.column + 1})" if mark else ""
+        problem = " ".join(p for p in (e.context, e.problem) if p)
+        where = located(filename, mark.line + 1 if mark else None)
+        raise YamlInputError(f"{where}: not valid YAML: {problem}{column}; fix the syntax there") from None
+    except yaml.YAMLError as e:
+        raise YamlInputError(
+            f"{filename}: not valid YAML: {' '.join(str(e).split())}; fix the syntax"
+        ) from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml(path: str, named_items: Mapping[str, str] | None = None) -> Any:
+    """Read and parse a YAML file; an unreadable file is a YamlInputError too."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise YamlInputError(f"{path}: file not found; check the path") from None
+    except IsADirectoryError:
+        raise YamlInputError(f"{path}: is a directory, not a YAML file; give the file's path") from None
+    except PermissionError:
+        raise YamlInputError(f"{path}: permission denied; make the file readable") from None
+    except UnicodeDecodeError as e:
+        raise YamlInputError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise YamlInputError(f"{path}: cannot read it ({e.strerror}); check the file") from None
+    return parse_yaml(text, path, named_items)
+
+
+def parse_value(text: str) -> Any:
+    """One value given on a command line (`--set KEY=VALUE`), read by the same rules as the files
+    (`off` stays text); text that is not valid YAML is taken as written."""
+    try:
+        return parse_yaml(text, "the command line")
+    except YamlInputError:
+        return text
+
+
+def dotted_lines(data: Any, prefix: str = "") -> dict[str, int]:
+    """{"train.lr": 7, ...}: the line of every key in a parsed mapping, nested keys dotted."""
+    lines: dict[str, int] = {}
+    if isinstance(data, YamlMap):
+        for key, value in data.items():
+            name = f"{prefix}{key}"
+            if key in data.key_lines:
+                lines[name] = data.key_lines[key]
+            lines.update(dotted_lines(value, name + "."))
+    return lines
+
+
+# --------------------------------------------------------------------------- building dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class _Place:
+    """Where a value sits: the file, its line (0: unknown) and its dotted field path."""
+
+    filename: str
+    line: int
+    path: str
+
+    def error(self, problem: str) -> YamlInputError:
+        return YamlInputError(f"{located(self.filename, self.line)}: `{self.path}` {problem}")
+
+    def child(self, data: Any, key: Any) -> _Place:
+        line = getattr(data, "key_lines", {}).get(key, 0)  # none: set by code or a command line
+        return _Place(self.filename, line, f"{self.path}.{key}" if self.path else str(key))
+
+
+def build(cls: type[T], data: Any, filename: str) -> T:
+    """Dataclass `cls` from a parsed mapping: every key must be a field (a near miss is named),
+    and every value must fit the field's type; nested dataclasses are built the same way. Fields
+    with metadata {"internal": True} are not read from the mapping."""
+    if not isinstance(data, dict):
+        raise YamlInputError(f"{filename}: expected a mapping of keys, got {kind_of(data)}")
+    return _build(cls, data, _Place(filename, getattr(data, "line", 0), ""))
+
+
+def _build(cls: type[T], data: Any, place: _Place) -> T:
+    section = f"`{place.path}`" if place.path else "the top level"
+    if not isinstance(data, dict):
+        raise place.error(f"must be a mapping of keys, got {kind_of(data)}; write it as {{key: value, ...}}")
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+    values = {}
+    for key, value in data.items():
+        here = place.child(data, key)
+        if key not in fields:
+            match = closest_match(str(key), fields)
+            hint = f" Did you mean `{place.child(data, match).path}`?" if match else ""
+            raise YamlInputError(
+                f"{located(here.filename, here.line)}: unknown key `{here.path}`.{hint} "
+                f"Valid keys in {section}: {', '.join(fields)}"
+            )
+        values[key] = _coerce(hints[key], value, here)
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, place: _Place) -> Any:
+    """`value` as the annotated type, or a YamlInputError naming the field."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):  # Optional[X] / X | None
+        if value is None:
+            return None
+        return _coerce(next(a for a in args if a is not type(None)), value, place)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, {} if value is None else value, place)  # `section:` alone: defaults
+    if origin is list:
+        if isinstance(value, str):  # "cuda:1,cuda:2", as given on a command line
+            value = [item.strip() for item in value.split(",") if item.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise place.error(f"must be a list, got {kind_of(value)}; write it as [a, b, ...]")
+        return [
+            _coerce(args[0], item, _Place(place.filename, place.line, f"{place.path}[{i}]"))
+            for i, item in enumerate(value)
+        ]
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise place.error(f"must be a mapping, got {kind_of(value)}; write it as {{key: value, ...}}")
+        return _plain(value)
+    return _scalar(hint, value, place)
+
+
+def _scalar(hint: Any, value: Any, place: _Place) -> Any:
+    # bool is an int subclass in Python: `epochs: true` must not become 1 epoch.
+    real_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        why = " (only true and false are booleans: YAML 1.2)" if isinstance(value, str) else ""
+        raise place.error(f"must be true or false, got {kind_of(value)}{why}")
+    if hint is int:
+        if real_number and isinstance(value, int):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):  # from a command line
+            return int(value)
+        raise place.error(f"must be a whole number, got {kind_of(value)}")
+    if hint is float:
+        if real_number:
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads `6e-4` (no dot) as text, as YAML 1.1 says
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise place.error(f"must be a number (like 6e-4), got {kind_of(value)}")
+    if hint is str:
+        if real_number or isinstance(value, str):
+            return str(value)
+        raise place.error(f"must be a string, got {kind_of(value)}; quote it")
+    raise TypeError(f"typed_yaml cannot build a {hint!r} (field {place.path})")
+
+
+def _plain(value: Any) -> Any:
+    """YamlMaps as plain dicts, so the built object copies and compares like one from code."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value

@@ -1,0 +1,121 @@
+"""Who trains: the one loop of trainer.train runs over a world, and the world says how it is spread.
+
+    ThreadsWorld   (here) one process: a drafter thread per drafter device, gradients averaged in
+                   the process (trainer.workers); this process writes everything.
+    TorchrunWorld  (trainer.distributed) this process is one rank of a torchrun job: one drafter
+                   thread, its model wrapped in DDP; rank 0 writes the checkpoints; every step the
+                   ranks exchange their summaries and agree on stopping.
+
+What train() and its loop ask of a world (World below); ThreadsWorld answers trivially.
+"""
+from __future__ import annotations
+
+import typing
+
+import torch
+
+from .config import TrainConfig
+from .shutdown import StopRequest
+from .workers import Failure, Replica, StepSummary, TrainingWorkers
+
+
+class World(typing.Protocol):
+    cfg: TrainConfig  # the config as this process trains it (a rank: its own device only)
+    size: int  # replicas in the whole job: the batch plan is built for that many
+    is_lead: bool  # evaluates and writes checkpoints
+    speaks: bool  # writes the metrics file and readable lines, marks the run finished
+    devices: list[str]  # for the start record
+    trackers: list[str]  # experiment trackers this process reports to
+
+    def thread(self, name: str) -> str:
+        """A worker thread's name in compile events."""
+
+    def join(self) -> None:
+        """Meet the other processes (before the run's try block: nothing is built yet)."""
+
+    def agree_data(self, dataset) -> None:
+        """Refuse when the processes built different training data."""
+
+    def agree_resume(self, state) -> None:
+        """Refuse a checkpoint that this world cannot continue (before it is restored)."""
+
+    def ready(self, replicas: list[Replica], start: int) -> None:
+        """Last step before training: agree on the start step, wrap the replicas as needed."""
+
+    def describe(self) -> list[str]:
+        """Lines for the startup summary."""
+
+    def stop_request(self) -> StopRequest:
+        """The stop request train() installs with listen()."""
+
+    def listen(self, stop: StopRequest) -> None:
+        """Install `stop`'s signal handlers."""
+
+    def step(self, workers: TrainingWorkers, index: int, stop: StopRequest) -> StepSummary:
+        """Train step `index` (0-based) on every replica; the summary of the whole job."""
+
+    def stopping(self, stop: StopRequest) -> bool:
+        """Whether the run stops after the step just done."""
+
+    def model(self, replicas: list[Replica]) -> torch.nn.Module:
+        """The drafter to evaluate and checkpoint (replicas are identical: the lead's, unwrapped)."""
+
+    def failed(self, failure: Failure) -> str | None:
+        """Say the failure as this world must; the error record's label, or None for no record."""
+
+    def close(self) -> None:
+        """Leave the other processes (in train()'s finally)."""
+
+
+class ThreadsWorld:
+    """One process, a drafter thread per drafter device (trainer.workers averages the gradients)."""
+
+    is_lead = speaks = True
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.size = len(cfg.run.drafter_devices)
+        self.devices = cfg.run.target_devices + cfg.run.drafter_devices
+        self.trackers = list(cfg.run.report_to)
+
+    def thread(self, name: str) -> str:
+        return name
+
+    def join(self) -> None:
+        pass
+
+    def agree_data(self, dataset) -> None:
+        pass
+
+    def agree_resume(self, state) -> None:
+        pass
+
+    def ready(self, replicas: list[Replica], start: int) -> None:
+        pass
+
+    def describe(self) -> list[str]:
+        return []
+
+    def stop_request(self) -> StopRequest:
+        return StopRequest(self.cfg.run.stop_grace_s, watchdog=True)
+
+    def listen(self, stop: StopRequest) -> None:
+        stop.install()
+
+    def step(self, workers: TrainingWorkers, index: int, stop: StopRequest) -> StepSummary:
+        summary = workers.run_step(index, give_up=stop.overdue)  # a stop that runs out of grace gives up
+        if stop.requested:
+            stop.step_finished()  # disarms the watchdog before the checkpoint is written
+        return summary
+
+    def stopping(self, stop: StopRequest) -> bool:
+        return stop.requested
+
+    def model(self, replicas: list[Replica]) -> torch.nn.Module:
+        return replicas[0].model
+
+    def failed(self, failure: Failure) -> str | None:
+        return ""
+
+    def close(self) -> None:
+        pass
