@@ -12,9 +12,10 @@ runs on all its nodes or on none.
 stop: every node's job ends (SIGTERM; the ranks agree on the step to stop at and rank 0
 checkpoints) and every node records the stop, so health treats the job as operator-stopped.
 
-The steps are the single-target ones (steps.py, preflight.py) called per node; see
-multinode_checks for the cross-node checks, multinode_phases for how phases run on every node
-and multinode_status for status/health.
+Each command is one playbook Run over the job whose steps are phases: a single-target step
+(steps.py, preflight.py) run on every node at once, or a step of the whole job defined here. See
+multinode_checks for the cross-node checks, multinode_phases for how phases run on the nodes and
+multinode_status for status/health. The options and their defaults are dflash_ops.commands'.
 """
 
 from __future__ import annotations
@@ -24,28 +25,22 @@ import functools
 import secrets
 import shlex
 import time
-from typing import Callable
+from typing import Any, Callable, Sequence, TypeVar, cast
 
-from . import jobpaths, launch as launch_lib, multinode_checks as checks, steps, tmux
+from . import commands, jobpaths, launch as launch_lib, multinode_checks as checks, steps, tmux
+from .commands import GPU_FREE_S, GRACE_S
 from .errors import DflashOpsError, StepFailed
+from .model import Job
 from .multinode_inventory import MultinodeJob
-from .multinode_phases import Emit, Node, Phases, Stop, connected, each, first_lines, per_node
-from .playbook import PlaybookResult
+from .multinode_phases import JobContext, Node, each, first_lines, on_nodes, one, per_node, running
+from .playbook.context import StepContext, StepOutcome
+from .playbook.run import OnProgress, Run, RunResult
 from .preflight import preflight
 from .remote import shell_command
 
-
-@dataclasses.dataclass(frozen=True)
-class RelaunchOptions:
-    purge: bool = True
-    deploy: bool = True
-    resume: bool = True  # False: --fresh
-    timeout_s: float = 900.0  # for the first step
-    grace_s: float = 30.0
-    allow_shared_gpus: bool = False
-    gpu_free_timeout_s: float = 120.0
-    min_free_gib: float = 10.0
-
+F = TypeVar("F", bound=Callable[..., Any])
+_default = functools.partial(commands.default_of, commands.relaunch)
+UNTOUCHED = "nothing was stopped on any node"
 
 RELAUNCH_PHASES = [
     "preflight",
@@ -59,208 +54,261 @@ RELAUNCH_PHASES = [
     "launch",
     "wait_first_step",
 ]
+STOP_PHASES = ["stop_session", "mark_stopped", "free_gpus"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """A relaunch's options (commands.relaunch's)."""
+
+    purge: bool
+    deploy: bool
+    resume: bool
+    timeout: float
+    grace: float
+    gpu_free_timeout: float
+    allow_shared_gpus: bool
+    min_free_gib: float
 
 
 def relaunch(
     job: MultinodeJob,
-    options: RelaunchOptions = RelaunchOptions(),
-    emit: Emit | None = None,
+    *,
+    purge: bool = True,
+    deploy: bool = True,
+    resume: bool = True,
+    timeout: float = _default("timeout"),
+    grace: float = GRACE_S,
+    gpu_free_timeout: float = GPU_FREE_S,
+    allow_shared_gpus: bool = False,
+    min_free_gib: float = _default("min_free_gib"),
     dry_run: bool = False,
+    on_progress: OnProgress | None = None,
     on_locked: Callable[[], None] | None = None,
-) -> PlaybookResult:
-    """Relaunch the whole job; see the module doc. Checks fail before anything stops anywhere."""
-    phases = Phases("relaunch", job.name, RELAUNCH_PHASES, emit, dry_run)
-    if dry_run:
-        return _dry_relaunch(job, options, phases)
-    with connected(job, "relaunch") as nodes:
-        if on_locked is not None:
-            on_locked()
-        for node in nodes:
-            node.said = phases.say("wait_first_step")
-        try:
-            _relaunch(job, nodes, options, phases)
-        except Stop:
-            pass
-    return phases.result()
+) -> RunResult:
+    """Relaunch the whole job (commands.relaunch's options, for every node); see the module doc.
+    Checks fail before anything stops anywhere. `on_locked` runs once every node's lock is ours."""
+    options = _Options(
+        purge, deploy, resume, timeout, grace, gpu_free_timeout, allow_shared_gpus, min_free_gib
+    )
+    with running(job, "relaunch", RELAUNCH_PHASES, dry_run, on_progress, on_locked) as (run, nodes):
+        _relaunch(run, job, nodes, options)
+    return run.result()
 
 
-def _relaunch(job: MultinodeJob, nodes: list[Node], options: RelaunchOptions, phases: Phases) -> None:
-    untouched = "; nothing was stopped on any node"
-
-    def checked(fn: Callable[[], str]) -> Callable[[], str]:
-        def run() -> str:
-            try:
-                return fn()
-            except DflashOpsError as exc:
-                text = str(exc)
-                raise StepFailed(text if "nothing was stopped" in text else text + untouched) from None
-
-        return run
-
-    facts: list[dict] = []
-
-    def preflight_one(node: Node) -> str:
-        return preflight(
-            node.ctx("preflight"),
-            gpus=list(node.target.job.gpus),
-            deploy=options.deploy,
-            min_free_gib=options.min_free_gib,
-            allow_shared_gpus=options.allow_shared_gpus,
-            import_torch=True,
-        ).message
-
-    def same_job() -> str:
-        facts[:] = each(nodes, lambda node: checks.facts(node.ctx("same_job")))
-        return checks.same_job(job, nodes, facts, options.deploy)
-
-    phases.on_nodes("preflight", nodes, preflight_one, note="\nnothing was stopped on any node")
-    phases.run("same_job", checked(same_job))
-    phases.run("shared_runs_dir", checked(lambda: checks.prove_shared(job, nodes)))
-    phases.run("rendezvous", checked(lambda: checks.rendezvous(job, nodes, facts)))
+def _relaunch(run: Run, job: MultinodeJob, nodes: list[Node], o: _Options) -> None:
+    on_nodes(
+        run,
+        preflight,
+        nodes,
+        deploy=o.deploy,
+        min_free_gib=o.min_free_gib,
+        allow_shared_gpus=o.allow_shared_gpus,
+        import_torch=True,
+        note=f"\n{UNTOUCHED}",
+    )
+    found = run(same_job, job, deploy=o.deploy)
+    run(shared_runs_dir, job)
+    run(rendezvous, job, found)
     # from here on the job is stopped everywhere, then launched everywhere
-    _stop_everywhere(nodes, phases, options.grace_s, options.gpu_free_timeout_s, record=False)
-    if options.purge:
-        phases.on_nodes(
-            "purge_cache",
-            nodes,
-            lambda n: (
-                steps.purge_cache(
-                    n.ctx("purge_cache"), paths=[n.target.job.cache_dir], if_unmarked="skip"
-                ).message
-            ),
-        )
+    on_nodes(run, steps.stop_session, nodes, grace_s=o.grace)
+    on_nodes(run, free_gpus, nodes, timeout_s=o.gpu_free_timeout)
+    if o.purge:  # a cache dir without the launcher's marker is left alone, never deleted
+        on_nodes(run, steps.purge_cache, nodes, if_unmarked="skip")
     else:
-        phases.skip("purge_cache", "--no-purge")
-    if options.deploy:
-        phases.run("deploy", lambda: _deploy(nodes))
+        run.skip(steps.purge_cache, "--no-purge")
+    if o.deploy:
+        run(deploy)
     else:
-        phases.skip("deploy", "--no-deploy: the release every node has (checked the same in same_job)")
-    try:
-        phases.run("launch", lambda: _launch(job, nodes, options.resume))
-        phases.run(
-            "wait_first_step",
-            lambda: _wait_first_step(nodes, options.timeout_s, phases.status("wait_first_step")),
-        )
-    except Stop:
-        note = _no_half_job(nodes, options.grace_s)
-        if note:
-            last = phases.reports[-1]
-            phases.reports[-1] = dataclasses.replace(last, message=f"{last.message}\n{note}")
-        raise
+        run.skip(deploy, "--no-deploy: the release every node has (checked the same in same_job)")
+    launched = run(launch, job, resume=o.resume, grace_s=o.grace)
+    run(wait_first_step, job, launched, timeout_s=o.timeout, grace_s=o.grace)
 
 
-def _stop_everywhere(
-    nodes: list[Node], phases: Phases, grace_s: float, gpu_free_timeout_s: float, record: bool
-) -> None:
-    """stop_session (then mark_stopped when `record`) and free_gpus, each on every node at once.
-    For `stop` (record) a node that fails does not hold up the others: they are stopped, recorded
-    and freed all the same, and the command fails naming the node."""
-
-    def stop(node: Node) -> str:
-        outcome = steps.stop_session(
-            node.ctx("stop_session"), session=node.target.job.session, grace_s=grace_s
-        )
-        node.data["foreign"] = list(outcome.data.get("foreign") or [])
-        return outcome.message
-
-    nodes = phases.on_nodes("stop_session", nodes, stop, keep_going=record)
-    if record:
-        nodes = phases.on_nodes(
-            "mark_stopped",
-            nodes,
-            lambda n: steps.mark_stopped(n.ctx("mark_stopped")).message,
-            keep_going=True,
-        )
-
-    def free(node: Node) -> str:
-        gpus = list(node.target.job.gpus)
-        killed = steps.kill_gpu_processes(node.ctx("free_gpus"), gpus=gpus, grace_s=10.0)
-        waited = steps.wait_gpu_free(
-            node.ctx("free_gpus"),
-            gpus=gpus,
-            timeout_s=gpu_free_timeout_s,
-            max_used_mib=1024,
-            poll_s=2.0,
-            ignore=node.data.get("foreign", []) + list(killed.data.get("foreign") or []),
-            processes_ended=True,
-        )
-        return f"{killed.message}; {waited.message}"
-
-    phases.on_nodes("free_gpus", nodes, free, keep_going=record)
+def stop(
+    job: MultinodeJob,
+    *,
+    grace: float = GRACE_S,
+    gpu_free_timeout: float = GPU_FREE_S,
+    dry_run: bool = False,
+    on_progress: OnProgress | None = None,
+) -> RunResult:
+    """End the job on every node at once and record the stop on every node. A node that fails does
+    not hold up the others: they are stopped, recorded and freed all the same, and the command
+    fails naming the node."""
+    with running(job, "stop", STOP_PHASES, dry_run, on_progress) as (run, nodes):
+        ended = on_nodes(run, steps.stop_session, nodes, grace_s=grace, keep_going=True)
+        recorded = on_nodes(run, steps.mark_stopped, [n for n, _ in ended], keep_going=True)
+        on_nodes(run, free_gpus, [n for n, _ in recorded], timeout_s=gpu_free_timeout, keep_going=True)
+    return run.result()
 
 
-def _deploy(nodes: list[Node]) -> str:
-    outcomes = each(nodes, lambda n: steps.deploy(n.ctx("deploy"), keep_releases=5))
+# ------------------------------------------------------------------ the phases of the whole job
+
+
+def _before_any_stop(phase: F) -> F:
+    """A check before anything stops: its failure says that nothing was stopped."""
+
+    @functools.wraps(phase)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return phase(*args, **kwargs)
+        except DflashOpsError as exc:
+            text = str(exc)
+            raise StepFailed(text if UNTOUCHED in text else f"{text}; {UNTOUCHED}") from None
+
+    return cast(F, checked)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Found(StepOutcome):
+    """What same_job gives: each node's facts (remote/multinode_facts.py), in node order."""
+
+    facts: list[dict]
+
+
+@_before_any_stop
+def same_job(ctx: JobContext, job: MultinodeJob, *, deploy: bool) -> Found:
+    """The same python, torch and config on every node (and the same release without a deploy)."""
+    found = each(ctx, ctx.nodes, lambda node, c: checks.facts(c, node.target.job))
+    if ctx.dry_run:
+        return Found("would compare python, torch, trainer release and config across the nodes", facts=found)
+    return Found(checks.same_job(job, ctx.nodes, found, deploy), facts=found)
+
+
+@_before_any_stop
+def shared_runs_dir(ctx: JobContext, job: MultinodeJob) -> StepOutcome:
+    """The runs dir is one filesystem on every node (multinode_checks.prove_shared)."""
+    return StepOutcome(checks.prove_shared(ctx, job))
+
+
+@_before_any_stop
+def rendezvous(ctx: JobContext, job: MultinodeJob, found: Found) -> StepOutcome:
+    """Every node reaches the rendezvous and the other nodes (multinode_checks.rendezvous)."""
+    return StepOutcome(checks.rendezvous(ctx, job, found.facts))
+
+
+def free_gpus(ctx: StepContext, job: Job, *, timeout_s: float) -> StepOutcome:
+    """On one node: end leftover job processes, then wait for its GPUs (the processes that are
+    not the job's are left alone, and not waited for)."""
+    ended = steps.kill_gpu_processes(ctx, job)
+    waited = steps.wait_gpu_free(ctx, job, ended, timeout_s=timeout_s)
+    return StepOutcome(f"{ended.message}; {waited.message}")
+
+
+def deploy(ctx: JobContext) -> StepOutcome:
+    """The same trainer release deployed to every node, and current on each."""
+    outcomes = each(ctx, ctx.nodes, lambda node, c: steps.deploy(c, node.target.job))
     releases = {o.data.get("release") for o in outcomes}
     if len(releases) != 1:
         raise StepFailed(
             f"deploy: the nodes hold different releases after the deploy: {sorted(map(str, releases))}"
         )
-    return f"release {releases.pop()} is current on every node"
+    release = releases.pop()
+    if ctx.dry_run:
+        return StepOutcome(f"would make release {release} current on every node")
+    return StepOutcome(f"release {release} is current on every node", data={"release": release})
 
 
-def _launch(job: MultinodeJob, nodes: list[Node], resume: bool) -> str:
+@dataclasses.dataclass(kw_only=True)
+class JobLaunched(StepOutcome):
+    """What launch gives: the run every node launched, its rendezvous id, and each node's launch
+    (the log it started), in node order."""
+
+    run: str
+    rdzv_id: str
+    nodes: list[steps.Launched]
+
+
+def launch(ctx: JobContext, job: MultinodeJob, *, resume: bool, grace_s: float) -> JobLaunched:
     """Choose the run once (node 0, in the shared runs dir), then start every node under one
-    rendezvous id."""
-    first = nodes[0]
-    chosen = first.ctx("launch").run(
-        shell_command("choose_run.sh", job.runs_dir, "resume" if resume else "fresh", jobpaths.RUN_FINISHED),
-        timeout=30,
+    rendezvous id. A launch that leaves the job on some nodes only stops it there again."""
+    try:
+        return _launch(ctx, job, resume)
+    except DflashOpsError as exc:
+        raise _all_or_none(ctx, exc, grace_s) from None
+
+
+def _launch(ctx: JobContext, job: MultinodeJob, resume: bool) -> JobLaunched:
+    first = ctx.nodes[0]
+    mode = "resume" if resume else "fresh"
+    chosen = one(
+        ctx,
+        first,
+        lambda _node, c: c.run(
+            shell_command("choose_run.sh", job.runs_dir, mode, jobpaths.RUN_FINISHED), timeout=30
+        ),
     )
-    assert chosen is not None
-    run = chosen.stdout.strip().splitlines()[-1] if chosen.stdout.strip() else ""
-    if not run.isdigit():
+    printed = chosen.stdout.split()
+    run = "NNNN" if ctx.dry_run else printed[-1] if printed else ""
+    if not (run.isdigit() or ctx.dry_run):
         raise StepFailed(f"[{first.name}] launch: no run number from {job.runs_dir}: {chosen.stdout[:200]!r}")
     rdzv_id = f"{job.name}-{run}-{secrets.token_hex(4)}"
-
-    def start(node: Node) -> str:
-        node.target = job.node_target(node.index, rdzv_id)
-        ctx = node.ctx("launch")
-        node_job = node.target.job
-        _, why = steps.resolve_cache(ctx, node_job.cache_dir)
-        if why is not None:
-            raise StepFailed(f"[{node.name}] launch: refusing to launch: {why}")
-        result = ctx.run(launch_lib.launch_script(node_job, run=run), timeout=60)
-        assert result is not None
-        printed = result.stdout.strip().splitlines()
-        if not printed or not printed[-1].startswith("/"):
-            raise StepFailed(f"[{node.name}] launch: the launch printed no log path: {result.stdout[:200]!r}")
-        node.data["log"] = printed[-1]
-        return f"session {node_job.session!r} started, log {printed[-1]}"
-
-    started = per_node(nodes, each(nodes, start))
-    return f"run {run} on {len(nodes)} nodes, rendezvous {job.endpoint} id {rdzv_id}\n{started}"
+    started = each(ctx, ctx.nodes, lambda node, c: _start(c, job, node, run, rdzv_id))
+    which = f"the run chosen in {job.runs_dir} ({mode})" if ctx.dry_run else f"run {run}"
+    return JobLaunched(
+        f"{which} on {len(ctx.nodes)} nodes, rendezvous {job.endpoint} id {rdzv_id}\n"
+        + per_node(ctx.nodes, [s.message for s in started]),
+        run=run,
+        rdzv_id=rdzv_id,
+        nodes=started,
+    )
 
 
-def _wait_first_step(nodes: list[Node], timeout_s: float, status: Callable[[str], None]) -> str:
+def _start(ctx: StepContext, job: MultinodeJob, node: Node, run: str, rdzv_id: str) -> steps.Launched:
+    """Start run `run` on `node` under the rendezvous id (steps.launch, with the run given)."""
+    ctx = dataclasses.replace(ctx, target=job.node_target(node.index, rdzv_id))
+    node_job = ctx.target.job
+    _, why = steps.resolve_cache(ctx, node_job, node_job.cache_dir)
+    if why is not None:
+        raise StepFailed(f"[{node.name}] launch: refusing to launch: {why}")
+    result = ctx.run(launch_lib.launch_script(node_job, run=run), timeout=60)
+    if ctx.dry_run:
+        argv = launch_lib.trainer_argv(node_job, f"{jobpaths.runs_dir(node_job)}/{run}")
+        return steps.Launched(
+            message=f"would start tmux session {node_job.session!r} running: {shlex.join(argv)}", log=""
+        )
+    printed = result.stdout.strip().splitlines()
+    if not printed or not printed[-1].startswith("/"):
+        raise StepFailed(f"[{node.name}] launch: the launch printed no log path: {result.stdout[:200]!r}")
+    return steps.Launched(message=f"session {node_job.session!r} started, log {printed[-1]}", log=printed[-1])
+
+
+def wait_first_step(
+    ctx: JobContext, job: MultinodeJob, launched: JobLaunched, *, timeout_s: float, grace_s: float
+) -> StepOutcome:
     """Node 0's metrics show the first step (rank 0's, or node 0's local rank 0: the same records);
-    meanwhile a node whose trainer exits ends the wait at once. Then every other node's metrics."""
-    first, others = nodes[0], nodes[1:]
+    meanwhile a node whose trainer exits ends the wait at once. Then every other node's metrics.
+    A job that runs on some nodes only after a failure is stopped there again."""
+    try:
+        return _wait_first_step(ctx, launched, timeout_s)
+    except DflashOpsError as exc:
+        raise _all_or_none(ctx, exc, grace_s) from None
+
+
+def _wait_first_step(ctx: JobContext, launched: JobLaunched, timeout_s: float) -> StepOutcome:
+    first, others = ctx.nodes[0], ctx.nodes[1:]
+    logs = launched.nodes
     last_look = [time.monotonic()]
 
     def watching(message: str) -> None:
-        status(message)
+        ctx.status(message)
         if time.monotonic() - last_look[0] >= 3.0:
             last_look[0] = time.monotonic()
             for node in others:
                 why = _pane_problem(node)
                 if why is not None:
-                    raise StepFailed(f"[{node.name}] wait_first_step: {node.label}: {why}{_log_tail(node)}")
+                    tail = _log_tail(node, logs[node.index].log)
+                    raise StepFailed(f"[{node.name}] wait_first_step: {node.label}: {why}{tail}")
+
+    def wait(node: Node, c: StepContext, seconds: float) -> StepOutcome:
+        return steps.wait_first_step(c, node.target.job, logs[node.index], timeout_s=seconds)
 
     began = time.monotonic()
-    outcome = steps.wait_first_step(
-        first.ctx("wait_first_step", status=watching), log=first.data["log"], timeout_s=timeout_s, poll_s=1.0
-    )
+    outcome = one(ctx, first, lambda node, c: wait(node, dataclasses.replace(c, status=watching), timeout_s))
     left = max(30.0, timeout_s - (time.monotonic() - began))
-    rest = each(
-        others,
-        lambda n: (
-            steps.wait_first_step(
-                n.ctx("wait_first_step"), log=n.data["log"], timeout_s=left, poll_s=1.0
-            ).message
-        ),
-    )
-    return f"{outcome.message} (node 0)\n" + per_node(nodes, [outcome.message] + rest)
+    rest = each(ctx, others, lambda node, c: wait(node, c, left).message)
+    return StepOutcome(f"{outcome.message} (node 0)\n" + per_node(ctx.nodes, [outcome.message, *rest]))
 
 
 def _pane_problem(node: Node) -> str | None:
@@ -276,8 +324,7 @@ def _pane_problem(node: Node) -> str | None:
     return None
 
 
-def _log_tail(node: Node, lines: int = 20) -> str:
-    log = node.data.get("log")
+def _log_tail(node: Node, log: str, lines: int = 20) -> str:
     if not log:
         return ""
     read = node.transport.run(
@@ -287,9 +334,15 @@ def _log_tail(node: Node, lines: int = 20) -> str:
     return f"\n  last lines of {log}:\n    {text}" if text else ""
 
 
-def _no_half_job(nodes: list[Node], grace_s: float) -> str:
-    """After a failed launch or start: when the job runs on some nodes but not all, stop it on
-    those too, since a partial job only waits at the rendezvous. Returns what was done."""
+def _all_or_none(ctx: JobContext, error: DflashOpsError, grace_s: float) -> StepFailed:
+    """The failure of a launch or of its first step, after the job was stopped again on the nodes
+    where it runs when it does not run on all: a partial job only waits at the rendezvous."""
+    note = _no_half_job(ctx, ctx.nodes, grace_s)
+    return StepFailed(f"{error}\n{note}" if note else str(error))
+
+
+def _no_half_job(ctx: StepContext, nodes: Sequence[Node], grace_s: float) -> str:
+    """When the job runs on some nodes but not all, stop it on those; what was done."""
     alive = []
     for node in nodes:
         try:
@@ -300,12 +353,7 @@ def _no_half_job(nodes: list[Node], grace_s: float) -> str:
     if not alive or len(alive) == len(nodes):
         return ""
     try:
-        each(
-            alive,
-            lambda n: steps.stop_session(
-                n.ctx("stop_session"), session=n.target.job.session, grace_s=grace_s
-            ),
-        )
+        each(ctx, alive, lambda node, c: steps.stop_session(c, node.target.job, grace_s=grace_s))
     except DflashOpsError as exc:
         where = ", ".join(n.label for n in alive)
         return f"the job still runs on {where}; stopping it failed: {first_lines(exc)}"
@@ -313,48 +361,3 @@ def _no_half_job(nodes: list[Node], grace_s: float) -> str:
         f"stopped the job again on {', '.join(n.label for n in alive)}: a job runs on all its nodes or none "
         "(`dflash-ops status` shows each node)"
     )
-
-
-def _dry_relaunch(job: MultinodeJob, options: RelaunchOptions, phases: Phases) -> PlaybookResult:
-    nodes = [Node(i, t) for i, t in enumerate(job.node_targets("<rdzv-id>"))]
-    mode = "resume" if options.resume else "fresh"
-    would = {
-        "preflight": "would run the single-target preflight on every node",
-        "same_job": "would compare python, torch, trainer release and config across the nodes",
-        "shared_runs_dir": f"would prove {job.runs_dir} shared (every node reads what the others write)",
-        "rendezvous": f"would connect to {job.endpoint} (and to each node's address) from every node",
-        "stop_session": "would stop the job on every node",
-        "free_gpus": "would end leftover job processes and wait for the GPUs on every node",
-        "purge_cache": "would purge each node's compile cache",
-        "deploy": "would deploy the same trainer release to every node",
-        "launch": f"would choose the run in {job.runs_dir} ({mode}) and start:\n"
-        + per_node(nodes, [shlex.join(launch_lib.trainer_argv(n.target.job)) for n in nodes]),
-        "wait_first_step": f"would wait up to {options.timeout_s:g}s for the first step (node 0 first)",
-    }
-    for name in RELAUNCH_PHASES:
-        if (name == "purge_cache" and not options.purge) or (name == "deploy" and not options.deploy):
-            phases.skip(name, "--no-purge" if name == "purge_cache" else "--no-deploy")
-        else:
-            phases.run(name, functools.partial(would.__getitem__, name))
-    return phases.result()
-
-
-STOP_PHASES = ["stop_session", "mark_stopped", "free_gpus"]
-
-
-def stop(
-    job: MultinodeJob, grace_s: float = 30.0, emit: Emit | None = None, dry_run: bool = False
-) -> PlaybookResult:
-    """End the job on every node at once and record the stop on every node."""
-    phases = Phases("stop", job.name, STOP_PHASES, emit, dry_run)
-    if dry_run:
-        where = ", ".join(n.name for n in job.nodes)
-        for name in STOP_PHASES:
-            phases.run(name, functools.partial(str, f"would run {name} on every node ({where})"))
-        return phases.result()
-    with connected(job, "stop") as nodes:
-        try:
-            _stop_everywhere(nodes, phases, grace_s, 120.0, record=True)
-        except Stop:
-            pass
-    return phases.result()

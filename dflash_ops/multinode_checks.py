@@ -4,15 +4,17 @@ rendezvous (and the other nodes' addresses). Each failure names the node, the ch
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 from typing import Sequence
 
 from . import jobpaths
 from .errors import StepFailed
+from .model import Job
 from .multinode_inventory import MultinodeJob
-from .multinode_phases import Node, each
-from .playbook import StepContext
+from .multinode_phases import JobContext, Node, each, each_outcome, one, per_node
+from .playbook.context import StepContext
 from .remote import bundle, python_command, shell_command
 
 FACTS = "multinode_facts.py"
@@ -22,9 +24,9 @@ SHARED_PREFIX = ".dflash-ops-shared-"
 LISTENING = " (something listens there now: this job's torchrun, which the stop ends, or another program)"
 
 
-def facts(ctx: StepContext, connect: Sequence[tuple[str, int]] = ()) -> dict:
-    """What the node would run (remote/multinode_facts.py), and its TCP connects to `connect`."""
-    job = ctx.job
+def facts(ctx: StepContext, job: Job, connect: Sequence[tuple[str, int]] = ()) -> dict:
+    """What the node would run (remote/multinode_facts.py), and its TCP connects to `connect`
+    (under dry-run: none, and nothing is known)."""
     args: dict[str, object] = {
         "current": jobpaths.current_release(job),
         "config": job.config if job.config.startswith("/") else "",
@@ -36,7 +38,8 @@ def facts(ctx: StepContext, connect: Sequence[tuple[str, int]] = ()) -> dict:
         timeout=60 + CONNECT_TIMEOUT_S * len(connect),
         stdin=bundle(FACTS),
     )
-    assert result is not None
+    if ctx.dry_run:
+        return {"connect": []}
     try:
         answer = json.loads(result.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError, RecursionError):
@@ -48,7 +51,7 @@ def facts(ctx: StepContext, connect: Sequence[tuple[str, int]] = ()) -> dict:
     return answer
 
 
-def same_job(job: MultinodeJob, nodes: list[Node], found: list[dict], deploy: bool) -> str:
+def same_job(job: MultinodeJob, nodes: Sequence[Node], found: list[dict], deploy: bool) -> str:
     """Every node must run the same python, torch and config, and (without a deploy, which puts the
     same release everywhere) the same trainer release."""
     first = found[0]
@@ -93,10 +96,11 @@ def _short(value) -> str:
     return repr(value) if value is None else str(value)
 
 
-def prove_shared(job: MultinodeJob, nodes: list[Node]) -> str:
+def prove_shared(ctx: JobContext, job: MultinodeJob) -> str:
     """Node 0 writes a random token into the runs dir and every other node must read it back; each
     other node writes one that node 0 must read (so every node can write there too). The files go
     again whatever happens."""
+    nodes = ctx.nodes
     token = secrets.token_hex(16)
     names = {node.index: f"{SHARED_PREFIX}{token}-{node.index}" for node in nodes}
     first, others = nodes[0], nodes[1:]
@@ -106,11 +110,17 @@ def prove_shared(job: MultinodeJob, nodes: list[Node]) -> str:
         "on nodes that see different runs would start them at different steps"
     )
 
-    def run(node: Node, *args: str, check: bool = True):
-        return node.ctx("shared_runs_dir").run(shell_command("shared_dir.sh", *args), timeout=30, check=check)
+    def run(node_ctx: StepContext, *args: str, check: bool = True):
+        return node_ctx.run(shell_command("shared_dir.sh", *args), timeout=30, check=check)
 
-    def read(node: Node, writer: Node) -> None:
-        got = run(node, "read", job.runs_dir, names[writer.index], check=False)
+    def write(node: Node, node_ctx: StepContext) -> None:
+        run(node_ctx, "write", job.runs_dir, names[node.index], f"{token}-{node.index}")
+
+    def read(writer: Node, node: Node, node_ctx: StepContext) -> None:
+        """`node` reads the file `writer` wrote."""
+        got = run(node_ctx, "read", job.runs_dir, names[writer.index], check=False)
+        if node_ctx.dry_run:
+            return
         seen = got.stdout if got.ok else (got.stderr.strip() or got.stdout.strip() or f"exit {got.exit_code}")
         if not got.ok or got.stdout != f"{token}-{writer.index}":
             raise StepFailed(
@@ -119,34 +129,35 @@ def prove_shared(job: MultinodeJob, nodes: list[Node]) -> str:
             )
 
     try:
-        run(first, "write", job.runs_dir, names[first.index], f"{token}-{first.index}")
-        each(others, lambda node: read(node, first))
-        each(
-            others, lambda node: run(node, "write", job.runs_dir, names[node.index], f"{token}-{node.index}")
+        one(ctx, first, write)
+        each(ctx, others, functools.partial(read, first))
+        each(ctx, others, write)
+        for writer in others:
+            one(ctx, first, functools.partial(read, writer))
+    finally:  # cleanup: what a node says here is not the check's result (each_outcome never raises)
+        each_outcome(
+            ctx, nodes, lambda _node, c: run(c, "remove", job.runs_dir, *names.values(), check=False)
         )
-        for node in others:
-            read(first, node)
-    finally:
-        for node in nodes:
-            try:
-                run(node, "remove", job.runs_dir, *names.values(), check=False)
-            except Exception:  # noqa: BLE001 - cleanup; the check's own result is what counts
-                pass
+    if ctx.dry_run:
+        return f"would prove {job.runs_dir} shared (every node reads what the others write there)"
     return f"{job.runs_dir}: every node read the files the others wrote there"
 
 
-def rendezvous(job: MultinodeJob, nodes: list[Node], found: list[dict]) -> str:
+def rendezvous(ctx: JobContext, job: MultinodeJob, found: list[dict]) -> str:
     """From every node: the rendezvous endpoint, and each other node's own address (c10d gives
     group rank 0 to one node at the rendezvous, and the ranks meet at that node's address, its
     fully qualified name), each reached or refused, never timed out or unresolved."""
+    nodes = ctx.nodes
 
-    def check(node: Node) -> str:
+    def check(node: Node, node_ctx: StepContext) -> str:
         wanted = [(job.rdzv_host, job.rdzv_port)] + [
             (str(answer.get("fqdn")), job.rdzv_port)
             for other, answer in zip(nodes, found, strict=True)
             if other.index != node.index and answer.get("fqdn")
         ]
-        answer = facts(node.ctx("rendezvous"), wanted)
+        answer = facts(node_ctx, node.target.job, wanted)
+        if node_ctx.dry_run:
+            return "would connect to " + ", ".join(f"{host}:{port}" for host, port in wanted)
         said = []
         for i, ((host, _), reached) in enumerate(zip(wanted, answer["connect"], strict=False)):
             result = reached.get("result")
@@ -169,7 +180,6 @@ def rendezvous(job: MultinodeJob, nodes: list[Node], found: list[dict]) -> str:
             said.append(f"{host} {result}" + (LISTENING if i == 0 and result == "open" else ""))
         return ", ".join(said)
 
-    messages = each(nodes, check)
-    return f"{job.endpoint} reachable from every node\n" + "\n".join(
-        f"{node.label}: {message}" for node, message in zip(nodes, messages, strict=True)
-    )
+    messages = each(ctx, nodes, check)
+    reached = "would be checked" if ctx.dry_run else "reachable"
+    return f"{job.endpoint} {reached} from every node\n" + per_node(nodes, messages)

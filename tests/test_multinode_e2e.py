@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import jobpaths, multinode, multinode_status, ops
+from dflash_ops import commands, jobpaths, multinode, multinode_status, ops
 from dflash_ops.inventory import load_inventory
 
 try:
@@ -228,7 +228,7 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     assert checkpoints, "rank 0 checkpoints into the shared runs dir on a stop"
     stopped_at = steps_in(metrics_of(a.job))[-1]["step"]
 
-    second = multinode.relaunch(job, multinode.RelaunchOptions(deploy=False, timeout_s=300.0, grace_s=60.0))
+    second = multinode.relaunch(job, deploy=False, timeout=300.0, grace=60.0)
     assert second.ok, second.summary() + "\n" + "\n".join(s.message for s in second.steps)
     assert [state_of(t.job)["run"] for t in (a, b)] == [1, 1], "the resume picks the same run on every node"
     resumed = steps_in(metrics_of(a.job))
@@ -302,7 +302,7 @@ def test_refusals_before_anything_stops(pair, hidden_runs_server, client_key, kn
 
     # another trainer release on node b (relaunch --no-deploy keeps what each node has)
     for target in (a, b):
-        assert ops.run_playbook(target, "deploy").ok
+        assert commands.deploy(target).ok
     fake = Path(b.job.workdir) / "releases" / "0.0.9-fake"
     (fake / "trainer").mkdir(parents=True)
     (fake / "trainer" / "__init__.py").write_text("")

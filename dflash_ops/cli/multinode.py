@@ -52,28 +52,22 @@ def _finish(command: str, job, run) -> int:
 
 
 def relaunch(job, options: dict, dry_run: bool) -> int:
+    """commands.relaunch's options (those left None take its defaults), for every node."""
     from .. import multinode
 
     given = {k: v for k, v in options.items() if v is not None}
-    opts = multinode.RelaunchOptions(
-        purge=given.get("purge", True),
-        deploy=given.get("deploy", True),
-        resume=given.get("resume", True),
-        timeout_s=given.get("timeout", 900.0),
-        grace_s=given.get("grace", 30.0),
-        allow_shared_gpus=given.get("allow_shared_gpus", False),
-    )
     click.echo(f"relaunch: multinode job {job.name} on {', '.join(n.name for n in job.nodes)}")
-    return _finish("relaunch", job, lambda: multinode.relaunch(job, opts, _printer(), dry_run))
+    return _finish(
+        "relaunch", job, lambda: multinode.relaunch(job, dry_run=dry_run, on_progress=_printer(), **given)
+    )
 
 
 def stop(job, grace: float | None, dry_run: bool) -> int:
     from .. import multinode
 
+    given = {} if grace is None else {"grace": grace}
     click.echo(f"stop: multinode job {job.name} on {', '.join(n.name for n in job.nodes)}")
-    return _finish(
-        "stop", job, lambda: multinode.stop(job, 30.0 if grace is None else grace, _printer(), dry_run)
-    )
+    return _finish("stop", job, lambda: multinode.stop(job, dry_run=dry_run, on_progress=_printer(), **given))
 
 
 def status(job, as_json: bool, watch: float | None, timeout: float, color: bool) -> int:
