@@ -43,12 +43,15 @@ from .inventory_rules import (
 )
 from .inventory_target import TargetBuilder
 from .model import Target
+from . import multinode_inventory
+from .multinode_inventory import MultinodeJob
 from .strict_yaml import YamlMap, parse_yaml, read_yaml
 
 ENV_VAR = "DFLASH_OPS_INVENTORY"
 LOCAL = "local"
-TOP_LEVEL_KEYS = ("defaults", "targets", "groups", "default_target")
-NAMED_ITEMS = {"targets": "target", "groups": "group"}  # a key written twice there is "target 'box'"
+TOP_LEVEL_KEYS = ("defaults", "targets", "groups", "default_target", multinode_inventory.KEY)
+# a key written twice there is "target 'box'"
+NAMED_ITEMS = {"targets": "target", "groups": "group", multinode_inventory.KEY: "multinode job"}
 
 # The embedded `local` target's job. Thresholds fit the tiny CPU run: its speed depends on the
 # machine, so the throughput and GPU-utilisation floors are off; a tiny run that makes no step
@@ -73,6 +76,9 @@ class Inventory:
     groups: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     default_target: str = LOCAL  # a target or group name
     source: str | None = None  # the file it was read from; None for the built-in inventory
+    # one torchrun job across several targets (multinode_inventory): relaunch, stop, status,
+    # health and tail-log take its name; the other commands act on one node's target
+    multinode: dict[str, MultinodeJob] = dataclasses.field(default_factory=dict)
 
     def resolve(self, name: str | None = None) -> list[Target]:
         """Targets for a --target value: a target, or a group's targets in order; None = default."""
@@ -81,9 +87,17 @@ class Inventory:
             return [self.targets[name]]
         if name in self.groups:
             return [self.targets[member] for member in self.groups[name]]
+        if name in self.multinode:
+            nodes = ", ".join(n.name for n in self.multinode[name].nodes)
+            raise InputError(
+                f"{name!r} is a multinode job: relaunch, stop, status, health and tail-log act on it as "
+                f"one job; for this command name one of its nodes' targets ({nodes})"
+            )
         known = f"known targets: {', '.join(self.targets)}"
         if self.groups:
             known += f"; groups: {', '.join(self.groups)}"
+        if self.multinode:
+            known += f"; multinode jobs: {', '.join(self.multinode)}"
         raise InputError(
             f"unknown target or group {show(name)} ({known}); pick one of those, "
             f"or add it to {self.source or 'an inventory file (see --inventory)'}"
@@ -205,6 +219,9 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
 
     _check_rendezvous(targets, raw_targets, top)
     groups = _groups(data, targets, top)
+    multinode = multinode_inventory.parse(
+        data.get(multinode_inventory.KEY), line_of(multinode_inventory.KEY), targets, groups, top.filename
+    )
     default_target = data.get("default_target", LOCAL)
     if not isinstance(default_target, str) or (
         default_target not in targets and default_target not in groups
@@ -215,7 +232,9 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
             "default_target",
             f"{show(default_target)} is not a target or group; use one of: {known}",
         )
-    return Inventory(targets=targets, groups=groups, default_target=default_target, source=filename)
+    return Inventory(
+        targets=targets, groups=groups, default_target=default_target, source=filename, multinode=multinode
+    )
 
 
 def _check_rendezvous(targets: dict[str, Target], raw_targets: YamlMap, top: Where) -> None:

@@ -31,8 +31,9 @@ def current_release(job: Job) -> str:
 
 def runs_dir(job: Job) -> str:
     """One directory per run (`runs/NNNN/`, the trainer's --output-dir): a run's checkpoints stay
-    in it across relaunches, and a new run never touches another run's files."""
-    return posixpath.join(job.workdir, "runs")
+    in it across relaunches, and a new run never touches another run's files. The nodes of a
+    multinode job share one, on a shared filesystem (multinode_inventory.NodeJob.runs_dir)."""
+    return getattr(job, "runs_dir", "") or posixpath.join(job.workdir, "runs")
 
 
 def legacy_run_dir(job: Job) -> str:

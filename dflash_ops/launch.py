@@ -66,8 +66,9 @@ def pane_args(job: Job) -> list[str]:
     return [job.workdir, RUN_DIR, *env, "--", *trainer_argv(job)]
 
 
-def launch_script(job: Job, resume: bool = True) -> str:
-    """remote/launch.sh: picks the run (the newest unfinished one to resume, else a new one), the
+def launch_script(job: Job, resume: bool = True, run: str | None = None) -> str:
+    """remote/launch.sh: picks the run (the newest unfinished one to resume, else a new one; `run`
+    NNNN when the caller chose it, as a multinode job does once for all its nodes), the
     next train-NNNN.log, creates the cache dir with its marker (an existing dir only when it holds
     nothing but what the launcher puts there, so purge-cache never deletes anything else), starts
     the session running remote/pane.sh, records the job state `running`; prints the log path."""
@@ -90,7 +91,7 @@ def launch_script(job: Job, resume: bool = True) -> str:
         _LAUNCHER_ENTRIES,
         jobpaths.inductor_cache(job),
         jobpaths.triton_cache(job),
-        "resume" if resume else "fresh",
+        f"run={run}" if run else "resume" if resume else "fresh",
         jobpaths.RUN_FINISHED,
         jobpaths.state_file(job),
         running,

@@ -48,6 +48,9 @@ def launcher_argv(job: Job) -> list[str]:
         argv += ["--standalone"]
     else:
         argv += ["--nnodes", str(job.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", job.rdzv_endpoint]
+        rdzv_id = getattr(job, "rdzv_id", "")  # a multinode job's launch (multinode_inventory.NodeJob)
+        if rdzv_id:
+            argv += ["--rdzv-id", rdzv_id]
     return argv + ["--nproc-per-node", str(job.nproc_per_node)]
 
 

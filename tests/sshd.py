@@ -117,8 +117,9 @@ def _config_text(port: int, host_key: Path, authorized_keys: Path, pid_file: Pat
 
 
 def start_sshd(directory: Path, authorized_pubkeys: list[Path], session_env: dict,
-               host_key: Path | None = None, attempts: int = 5) -> Sshd:
-    """Start sshd -D on a free loopback port; returns once it answers with an SSH banner."""
+               host_key: Path | None = None, attempts: int = 5, wrap: tuple[str, ...] = ()) -> Sshd:
+    """Start sshd -D on a free loopback port; returns once it answers with an SSH banner. `wrap`
+    runs it under a command that execs its arguments (e.g. a private mount namespace)."""
     sshd = find_sshd()
     directory.mkdir(parents=True, exist_ok=True)
     if host_key is None:
@@ -134,7 +135,7 @@ def start_sshd(directory: Path, authorized_pubkeys: list[Path], session_env: dic
         config = directory / "sshd_config"
         config.write_text(_config_text(port, host_key, authorized, directory / "sshd.pid", session_env))
         log = open(directory / "sshd.log", "wb")
-        proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([*wrap, sshd, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT)
         log.close()
         if _wait_banner(port, proc, 15):

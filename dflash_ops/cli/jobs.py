@@ -11,6 +11,7 @@ import click
 
 from .. import commands
 from ..errors import InputError
+from . import multinode
 from .group import Obj, cli, dry_run_option, grace_option, one_target, target_option
 
 
@@ -103,6 +104,9 @@ def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus
         "grace": grace,
         "allow_shared_gpus": True if allow_shared_gpus else None,
     }
+    job = multinode.job_named(obj, target)
+    if job is not None:  # every node of the job, as one job
+        sys.exit(multinode.relaunch(job, options, dry_run))
     sys.exit(run_command(obj, target, commands.relaunch, dry_run, **options))
 
 
@@ -115,6 +119,9 @@ def stop(obj, target, dry_run, grace):
     """Stop the job: SIGTERM its processes (it checkpoints), SIGKILL after the grace period,
     remove the tmux session, record the stop (health then reports OK and never relaunches it
     until the next relaunch), end leftover GPU processes, wait for them to leave the GPUs."""
+    job = multinode.job_named(obj, target)
+    if job is not None:  # every node stops, and records the stop
+        sys.exit(multinode.stop(job, grace, dry_run))
     sys.exit(run_command(obj, target, commands.stop, dry_run, grace=grace))
 
 

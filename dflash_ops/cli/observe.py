@@ -11,6 +11,7 @@ import click
 
 from .. import budget
 from ..errors import DflashOpsError, InputError
+from . import multinode
 from .group import answer_within_option, cli, one_target, target_option
 
 
@@ -44,6 +45,9 @@ def status(obj, target, as_json, watch, timeout):
     from .. import health, ops, status as status_lib
     from ..fanout import fan_out
 
+    job = multinode.job_named(obj, target)
+    if job is not None:  # every node, one verdict
+        sys.exit(multinode.status(job, as_json, watch, timeout, color=_is_tty()))
     targets = obj.targets(target)
     while True:
         checked = [
@@ -99,6 +103,9 @@ def _health(obj, target, as_json, auto_relaunch, timeout) -> int:
     from ..fanout import fan_out
 
     try:
+        job = multinode.job_named(obj, target)
+        if job is not None:  # every node, one verdict; --auto-relaunch relaunches every node
+            return multinode.health_check(job, as_json, auto_relaunch, timeout)
         targets = obj.targets(target)
     except DflashOpsError as exc:  # the check itself could not run: UNKNOWN, not CRITICAL
         click.echo(health.nagios_line(target or "dflash", health.unknown(str(exc).splitlines()[0])))
@@ -148,8 +155,11 @@ def _health(obj, target, as_json, auto_relaunch, timeout) -> int:
     metavar="PATH",
     help="A specific log on the target (default: the log of the run in the job state).",
 )
+@click.option(
+    "--node", metavar="NAME|INDEX", help="Of a multinode job (-t JOB): this node's log (default node 0)."
+)
 @click.pass_obj
-def tail_log(obj, target, lines, follow, grep, log):
+def tail_log(obj, target, lines, follow, grep, log, node):
     """Show the end of the current run's log (the one the job state names).
 
     \b
@@ -160,9 +170,12 @@ def tail_log(obj, target, lines, follow, grep, log):
     """
     from .. import ops
 
-    tgt = one_target(obj, target)
+    job = multinode.job_named(obj, target, node)
     try:
-        ops.tail_log(tgt, lines, follow, grep, log, emit=click.echo)
+        if job is not None:
+            multinode.tail_log(job, node, lines, follow, grep, log)
+            return
+        ops.tail_log(one_target(obj, target), lines, follow, grep, log, emit=click.echo)
     except KeyboardInterrupt:
         pass  # polling leaves nothing running on the target
 

@@ -11,7 +11,8 @@
 #   RUNS/NNNN        the run directory; LEGACY_RUN moves to RUNS/0001 when RUNS does not exist
 #   CACHE            made with CACHE_MARKER (holding MARKER_VALUE) when it is absent or holds only
 #                    names matching LAUNCHER_ENTRIES (grep -E): purge-cache deletes only marked dirs
-#   MODE             resume or fresh
+#   MODE             resume, fresh, or run=NNNN: that run (a multinode job chooses one run for all its
+#                    nodes; the pane then resumes it as in resume mode)
 #   RUN_FINISHED     the file the trainer leaves in a run it completed
 #   RUNNING_STATE, FINISHED_STATE  job state JSON with the slots @run_number@ @run@ @log_number@
 #                    (both), @pid@ and @now@ (running), @now@ (finished, filled in by the pane)
@@ -50,11 +51,25 @@ for dir in "$runs"/[0-9][0-9][0-9][0-9]*; do
   [ -e "$dir" ] || continue # the pattern itself when nothing matched
   if [ -z "$last" ] || [ $((10#$name)) -gt $((10#$last)) ]; then last=$name; fi
 done
-if [ "$mode" = resume ] && [ -n "$last" ] && [ ! -e "$runs/$last/$run_finished" ]; then
-  run=$last
-else
-  run=$(printf "%04d" $((10#${last:-0} + 1)))
-fi
+pane_mode=$mode
+case $mode in
+  run=*)
+    run=${mode#run=} pane_mode=resume
+    case $run in
+      "" | ? | ?? | ??? | *[!0-9]*)
+        echo "run $run is not a run number (NNNN)" >&2
+        exit 2
+        ;;
+    esac
+    ;;
+  *)
+    if [ "$mode" = resume ] && [ -n "$last" ] && [ ! -e "$runs/$last/$run_finished" ]; then
+      run=$last
+    else
+      run=$(printf "%04d" $((10#${last:-0} + 1)))
+    fi
+    ;;
+esac
 mkdir -p "$runs/$run"
 
 # the next number after every log AND every metrics file: a deleted log's metrics keep its number
@@ -84,7 +99,7 @@ fill() { # the slots this launch knows, in state template $1
 # can reap a pane that fails at once; it keeps a crashed pane (and its exit status) visible to
 # status and health. The tmux server daemonizes, so the session outlives this ssh / pct exec call.
 tmux -L "$socket" new-session -d -s "$session" -x 200 -y 50 \
-  env "$pane_marker" bash -c "$pane_script" pane.sh "$log" "$run" "$mode" "${log%"$log_suffix"}$metrics_suffix" \
+  env "$pane_marker" bash -c "$pane_script" pane.sh "$log" "$run" "$pane_mode" "${log%"$log_suffix"}$metrics_suffix" \
   "$runs/$run" "$runs/$run/$run_finished" "$state_file" "$(fill "$finished_state")" "$@" \
   \; set-option -w -t "$target:" remain-on-exit on >/dev/null
 pid=$(tmux -L "$socket" list-panes -s -t "$target:" -F "#{pane_pid}" 2>/dev/null | head -n 1)

@@ -1,0 +1,107 @@
+"""The commands that take a multinode job's name (-t JOB): relaunch, stop, status, health and
+tail-log act on every node of it as one job. The command modules call `job_named` first and hand
+over when it finds one."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import click
+
+from ..errors import DflashOpsError, InputError
+from .group import Obj
+
+
+def job_named(obj: Obj, target: str | None, node: str | None = None):
+    """The multinode job `target` names, or None; `--node` belongs to a multinode job only."""
+    job = obj.inventory.multinode.get(target) if target is not None else None
+    if job is None and node is not None:
+        raise InputError(
+            f"--node {node}: applies to a multinode job (-t JOB); {target or 'the default target'} is not one"
+        )
+    return job
+
+
+def _printer():
+    from ..progress_view import ProgressPrinter
+
+    lock = threading.Lock()
+    printer = ProgressPrinter(lambda text: click.echo(text, nl=False), is_tty=sys.stdout.isatty())
+
+    def show(progress) -> None:
+        with lock:
+            try:
+                printer(progress)
+            except BrokenPipeError:
+                pass
+
+    return show
+
+
+def _finish(command: str, job, run) -> int:
+    try:
+        result = run()
+    except DflashOpsError as exc:  # a lock held elsewhere, a node that cannot be reached at all
+        click.echo(f"[{job.name}] {command}: {exc}", err=True)
+        return exc.exit_code
+    click.echo(result.summary(), err=not result.ok)
+    return result.exit_code
+
+
+def relaunch(job, options: dict, dry_run: bool) -> int:
+    """commands.relaunch's options (those left None take its defaults), for every node."""
+    from .. import multinode
+
+    given = {k: v for k, v in options.items() if v is not None}
+    click.echo(f"relaunch: multinode job {job.name} on {', '.join(n.name for n in job.nodes)}")
+    return _finish(
+        "relaunch", job, lambda: multinode.relaunch(job, dry_run=dry_run, on_progress=_printer(), **given)
+    )
+
+
+def stop(job, grace: float | None, dry_run: bool) -> int:
+    from .. import multinode
+
+    given = {} if grace is None else {"grace": grace}
+    click.echo(f"stop: multinode job {job.name} on {', '.join(n.name for n in job.nodes)}")
+    return _finish("stop", job, lambda: multinode.stop(job, dry_run=dry_run, on_progress=_printer(), **given))
+
+
+def status(job, as_json: bool, watch: float | None, timeout: float, color: bool) -> int:
+    from .. import health, multinode_status
+
+    while True:
+        jc = multinode_status.check(job, timeout)
+        if as_json:
+            click.echo(json.dumps(jc.status, indent=None if watch else 2))
+        else:
+            if watch and color:
+                click.clear()
+            click.echo(multinode_status.render(jc, color=color), nl=False)
+        if not watch:
+            return health.EXIT_CODES[jc.verdict.level]
+        time.sleep(watch)
+
+
+def health_check(job, as_json: bool, auto_relaunch: bool, timeout: float) -> int:
+    from .. import health, multinode_status
+
+    jc = multinode_status.check(job, timeout)
+    action = multinode_status.auto_relaunch(jc) if auto_relaunch else None
+    if as_json:
+        extra = {"auto_relaunch": action.message if action else None} if auto_relaunch else {}
+        click.echo(json.dumps(dict(jc.status, **extra), indent=2))
+    else:
+        click.echo(multinode_status.nagios_line(jc))
+        if action is not None:
+            click.echo(f"{job.name}: {action.message}")
+    return health.EXIT_CODES[jc.verdict.level]
+
+
+def tail_log(job, node: str | None, lines: int, follow: bool, grep: str | None, log: str | None) -> None:
+    from .. import multinode_status, ops
+
+    ops.tail_log(multinode_status.node_target(job, node), lines, follow, grep, log, emit=click.echo)

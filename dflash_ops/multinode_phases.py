@@ -1,0 +1,182 @@
+"""How a multinode job's commands run: on its nodes (a Node: a target running its part of the job,
+with its transport), as ONE playbook Run (playbook.run) whose target is the job and whose steps are
+phases. A phase is a single-target step run on every node at once, one line per node
+(`on_nodes`), or a step of the whole job that acts on the nodes itself (through `each`). The Run
+numbers and prints the phases like any command's steps and halts at the first that fails."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+from . import joblock
+from .errors import StepFailed
+from .model import Target
+from .multinode_inventory import MultinodeJob
+from .playbook.context import DryRunTransport, StepContext, StepOutcome
+from .playbook.run import Halted, OnProgress, Run
+from .transport.base import Transport
+from .transport.factory import make_transport
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One node of the job: its target (whose job is its part of the job) and its transport."""
+
+    index: int
+    target: Target
+    transport: Transport
+
+    @property
+    def name(self) -> str:
+        return self.target.name
+
+    @property
+    def label(self) -> str:
+        return f"node {self.index} {self.name}"
+
+    def ctx(self, phase: StepContext) -> StepContext:
+        """The node's context in `phase`: the phase's name, number and progress lines, and a record
+        of the commands of its own (`each` adds it to the phase's, under the node's label)."""
+        return StepContext(self.target, self.transport, phase.log, phase.status, phase.step, phase.number)
+
+
+@dataclasses.dataclass
+class JobContext(StepContext):
+    """A phase's context: the whole job, whose name is the run's target. `target` and `transport`
+    are node 0's (so dry_run is the nodes'); a phase acts on a node through `each` or `one`, with
+    that node's own context."""
+
+    job_name: str = ""
+    nodes: tuple[Node, ...] = ()
+
+    @property
+    def target_name(self) -> str:
+        return self.job_name
+
+
+def _recorded(phase: StepContext, node: Node, ctx: StepContext) -> None:
+    if ctx.commands:
+        phase.commands.extend([f"# {node.label}", *ctx.commands])
+
+
+def one(phase: StepContext, node: Node, fn: Callable[[Node, StepContext], T]) -> T:
+    """fn on one node, in its own context; what it raises is raised as it is."""
+    ctx = node.ctx(phase)
+    try:
+        return fn(node, ctx)
+    finally:
+        _recorded(phase, node, ctx)
+
+
+def each_outcome(
+    phase: StepContext, nodes: Sequence[Node], fn: Callable[[Node, StepContext], T]
+) -> list[tuple[T | None, BaseException | None]]:
+    """fn on every node at once, each in its own context: (value, None) or (None, the error) per
+    node, in node order."""
+    contexts = [node.ctx(phase) for node in nodes]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
+        futures = [pool.submit(fn, node, ctx) for node, ctx in zip(nodes, contexts, strict=True)]
+        concurrent.futures.wait(futures)
+    for node, ctx in zip(nodes, contexts, strict=True):
+        _recorded(phase, node, ctx)
+    return [(None, f.exception()) if f.exception() is not None else (f.result(), None) for f in futures]
+
+
+def each(phase: StepContext, nodes: Sequence[Node], fn: Callable[[Node, StepContext], T]) -> list[T]:
+    """fn on every node at once; every node's failure is named (one line each), in node order."""
+    outcomes = each_outcome(phase, nodes, fn)
+    errors = [error for _, error in outcomes if error is not None]
+    if errors:
+        raise StepFailed("; ".join(first_lines(error) for error in errors))
+    return [value for value, _ in outcomes]  # type: ignore[misc]  # no error: every value is there
+
+
+def first_lines(error: BaseException, most: int = 1200) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
+def per_node(nodes: Sequence[Node], messages: Sequence[str]) -> str:
+    return "\n".join(f"{node.label}: {message}" for node, message in zip(nodes, messages, strict=True))
+
+
+def _said(value: object) -> str:
+    return value.message if isinstance(value, StepOutcome) else str(value or "")
+
+
+def on_nodes(
+    run: Run,
+    step: Callable[..., T],
+    nodes: Sequence[Node],
+    *args: Any,
+    keep_going: bool = False,
+    note: str = "",
+    **kwargs: Any,
+) -> list[tuple[Node, T]]:
+    """The phase named after `step` (a single-target step, `step(ctx, job, *args, **kwargs)`) run
+    on every node at once, one line per node. Returns (node, what the step gave) for the nodes it
+    succeeded on; a failure on any node fails the phase, with `note` added, and ends the command
+    (Halted) unless `keep_going`: then the next phases go on with the nodes it succeeded on."""
+    done: list[tuple[Node, T]] = []
+
+    def phase(ctx: StepContext) -> StepOutcome:
+        lines = []
+        outcomes = each_outcome(ctx, nodes, lambda node, c: step(c, node.target.job, *args, **kwargs))
+        for node, (value, error) in zip(nodes, outcomes, strict=True):
+            if error is None:
+                done.append((node, value))  # type: ignore[arg-type]  # no error: the step's value
+                lines.append(f"{node.label}: {_said(value)}")
+            else:
+                lines.append(f"{node.label}: FAILED: {first_lines(error)}")
+        if len(done) < len(nodes):
+            return StepOutcome.failed("\n".join(lines) + note)
+        return StepOutcome("\n".join(lines))
+
+    phase.__name__ = step.__name__
+    try:
+        run(phase)
+    except Halted:
+        if not keep_going:
+            raise
+    return done
+
+
+@contextlib.contextmanager
+def connected(job: MultinodeJob, command: str, dry_run: bool = False) -> Iterator[list[Node]]:
+    """Every node connected and its job lock held (taken in node order, so two commands on one job
+    never wait on each other's halves; JobBusy when one is held). Under dry-run every transport
+    reaches nothing (DryRunTransport: none connects) and no lock is taken."""
+    with contextlib.ExitStack() as stack:
+        nodes = []
+        for i, target in enumerate(job.node_targets()):
+            transport = make_transport(target)
+            stack.callback(transport.close)
+            nodes.append(Node(i, target, DryRunTransport(transport) if dry_run else transport))
+        if not dry_run:
+            for node in nodes:
+                stack.enter_context(joblock.held(node.transport, node.target, command))
+        yield nodes
+
+
+@contextlib.contextmanager
+def running(
+    job: MultinodeJob,
+    command: str,
+    plan: Sequence[str],
+    dry_run: bool,
+    on_progress: OnProgress | None,
+    on_locked: Callable[[], None] | None = None,
+) -> Iterator[tuple[Run, list[Node]]]:
+    """A Run of `plan` (the phase names, in order) on the whole job, and its nodes: connected and
+    locked (see `connected`); `on_locked` runs once every lock is ours."""
+    with connected(job, command, dry_run) as nodes:
+        if on_locked is not None:
+            on_locked()
+        ctx = JobContext(nodes[0].target, nodes[0].transport, job_name=job.name, nodes=tuple(nodes))
+        with Run(command, ctx, plan, on_progress, source=f"dflash_ops.multinode.{command}") as run:
+            yield run, nodes
