@@ -316,12 +316,7 @@ def _pane_problem(node: Node) -> str | None:
     result = node.transport.run(
         tmux.pane_pids(node.target.job) + "; true", timeout=30, step="wait_first_step"
     )
-    fields = result.stdout.split()
-    if not fields:
-        return "its tmux session is gone"
-    if len(fields) >= 2 and fields[1] == "1":
-        return "its trainer exited" + (f" with code {fields[2]}" if len(fields) >= 3 else "")
-    return None
+    return tmux.pane_problem(result.stdout)
 
 
 def _log_tail(node: Node, log: str, lines: int = 20) -> str:
