@@ -12,10 +12,10 @@ import inspect
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 if TYPE_CHECKING:
-    from .model import Target
-    from .playbook.context import StepContext
-    from .playbook.run import OnProgress, Run, RunResult
-    from .playbook.user import Playbook
+    from dflash_ops.inventory.model import Target
+    from dflash_ops.playbook.context import StepContext
+    from dflash_ops.playbook.run import OnProgress, Run, RunResult
+    from dflash_ops.playbook.user import Playbook
 
 # Options several commands share.
 GRACE_S = 30.0  # between the polite stop signal (the trainer checkpoints) and the kill
@@ -46,8 +46,8 @@ def relaunch(
     """Check first, then stop the job, free its GPUs, purge its compile cache (`purge`), deploy the
     trainer (`deploy`), launch it (resuming the newest unfinished run unless not `resume`) and wait
     `timeout` seconds at most for its first training step. `on_locked` runs once the lock is ours."""
-    from . import steps as s
-    from .grace import check_grace
+    from dflash_ops.act import steps as s
+    from dflash_ops.act.grace import check_grace
 
     job = target.job
     check_grace(job, grace)
@@ -98,8 +98,8 @@ def stop(
     """Stop the job's tmux session, record the operator's stop (health then reports the job as
     OK and never relaunches it; only a relaunch clears it), end its leftover GPU processes and wait
     for them to leave its GPUs."""
-    from . import steps as s
-    from .grace import check_grace
+    from dflash_ops.act import steps as s
+    from dflash_ops.act.grace import check_grace
 
     check_grace(target.job, grace)
     if target.transport == "pct" and not dry_run and not _container_running(target):
@@ -125,7 +125,7 @@ def gpu_clean(
 ) -> RunResult:
     """End every process of the job on its GPUs and wait for them to leave; refuses while the job
     runs unless `force`. Processes that are not the job's are reported, never signalled."""
-    from . import steps as s
+    from dflash_ops.act import steps as s
 
     job = target.job
     plan = (s.require_job_stopped, s.kill_gpu_processes, s.wait_gpu_free)
@@ -142,7 +142,7 @@ def gpu_clean(
 def purge_cache(target: Target, *, dry_run: bool = False, on_progress: OnProgress | None = None) -> RunResult:
     """Remove the job's compile cache (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR under it): only a
     dir holding the launcher's marker, and never while the job runs."""
-    from . import steps as s
+    from dflash_ops.act import steps as s
 
     with _running(target, "purge-cache", (s.purge_cache,), dry_run, on_progress) as run:
         run(s.purge_cache, target.job)
@@ -151,7 +151,7 @@ def purge_cache(target: Target, *, dry_run: bool = False, on_progress: OnProgres
 
 def deploy(target: Target, *, dry_run: bool = False, on_progress: OnProgress | None = None) -> RunResult:
     """Deploy the trainer as a versioned release and switch `current` to it atomically."""
-    from . import steps as s
+    from dflash_ops.act import steps as s
 
     with _running(target, "deploy", (s.deploy,), dry_run, on_progress) as run:
         run(s.deploy, target.job)
@@ -166,7 +166,7 @@ def rollback(
     on_progress: OnProgress | None = None,
 ) -> RunResult:
     """Point `current` at a kept release, by default the one deployed before the current one."""
-    from . import steps as s
+    from dflash_ops.act import steps as s
 
     with _running(target, "rollback", (s.rollback,), dry_run, on_progress) as run:
         run(s.rollback, target.job, release=release)
@@ -182,8 +182,8 @@ def run_playbook(
     on_progress: OnProgress | None = None,
 ) -> RunResult:
     """Run a user's playbook (playbook.user.load) with its bound options (bind_options)."""
-    from . import steps
-    from .playbook.user import run_playbook
+    from dflash_ops.act import steps
+    from dflash_ops.playbook.user import run_playbook
 
     with acting_on(target, book.name, dry_run) as ctx:
         return run_playbook(book, steps.LIBRARY, ctx, options, on_progress)
@@ -195,9 +195,9 @@ def acting_on(
 ) -> Iterator[StepContext]:
     """Where steps act on `target`: connected, holding the job's lock (JobBusy when another
     command holds it); under dry-run through a transport that reaches nothing, without a lock."""
-    from . import joblock
-    from .ops import connect
-    from .playbook.context import DryRunTransport, StepContext
+    from dflash_ops.act import joblock
+    from dflash_ops.ops import connect
+    from dflash_ops.playbook.context import DryRunTransport, StepContext
 
     with connect(target) as transport:
         with contextlib.nullcontext() if dry_run else joblock.held(transport, target, command):
@@ -216,7 +216,7 @@ def _running(
     on_locked: Callable[[], None] | None = None,
 ) -> Iterator[Run]:
     """A Run of `plan` (the steps `command` calls, in order) on `target`."""
-    from .playbook.run import Run
+    from dflash_ops.playbook.run import Run
 
     with acting_on(target, command, dry_run, on_locked) as ctx:
         source = f"{__name__}.{command.replace('-', '_')}"
@@ -239,8 +239,8 @@ class NothingToDo:
 
 def _container_running(target: Target) -> bool:
     """Whether the pct container runs (a container that does not exist is a mistake: raised)."""
-    from .errors import ContainerNotRunning
-    from .ops import connect
+    from dflash_ops.errors import ContainerNotRunning
+    from dflash_ops.ops import connect
 
     with connect(target) as transport:
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 import subprocess
 
-from .errors import DflashOpsError, InputError
+from dflash_ops.errors import DflashOpsError, InputError
 
 TAG = "# dflash-ops-health:"
 CRON_PERCENT = "\\%"  # how a crontab command line writes a literal %

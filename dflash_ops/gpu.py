@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from .errors import DflashOpsError, InputError
-from .remote import facts, shell_argv
-from .transport.base import quote_argv
+from dflash_ops.errors import DflashOpsError, InputError
+from dflash_ops.remote import facts, shell_argv
+from dflash_ops.transport.base import quote_argv
 
 NOT_AVAILABLE = ("[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]", "")
 # What counts as "free" by default: an idle H200 shows a few MiB; a CUDA context is ~500 MiB.

@@ -10,18 +10,22 @@ import shlex
 import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from . import budget, commands, health, jobpaths, jobstate, status as status_lib
-from .errors import DflashOpsError, InputError, JobBusy, RemoteCommandError
-from .model import Target
-from .probe import run_probe
-from .relaunch_guard import RelaunchGuard
-from .remote import facts, shell_command
-from .transport.base import quote_argv
-from .transport.factory import make_transport
+from dflash_ops.observe import budget, health, status as status_lib
+
+from dflash_ops import commands
+
+from dflash_ops.act import jobpaths, jobstate
+from dflash_ops.errors import DflashOpsError, InputError, JobBusy, RemoteCommandError
+from dflash_ops.inventory.model import Target
+from dflash_ops.observe.probe import run_probe
+from dflash_ops.act.relaunch_guard import RelaunchGuard
+from dflash_ops.remote import facts, shell_command
+from dflash_ops.transport.base import quote_argv
+from dflash_ops.transport.factory import make_transport
 
 if TYPE_CHECKING:
-    from . import deploy
-    from .playbook.run import RunResult
+    from dflash_ops.act import deploy
+    from dflash_ops.playbook.run import RunResult
 
 # The commands that act on a job are dflash_ops.commands; they import the steps when they run, so
 # `status`, `health` and `tail-log` start without them.
@@ -121,7 +125,7 @@ def auto_relaunch(target: Target, checked: Checked) -> HealthAction | None:
 
 def list_releases(target: Target) -> list[deploy.Release]:
     """The releases kept on the target, most recently deployed first."""
-    from . import deploy
+    from dflash_ops.act import deploy
 
     with connect(target) as transport:
         return deploy.parse_list(

@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 
-from dflash_ops import acceptance, health, probe, status
+from dflash_ops.observe import acceptance, health, probe, status
 from dflash_ops.gpu import GpuSnapshot
-from dflash_ops.model import Health, Job
+from dflash_ops.inventory.model import Health, Job
 from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format
 

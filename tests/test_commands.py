@@ -10,7 +10,11 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from dflash_ops import commands, model, steps
+from dflash_ops import commands
+
+from dflash_ops.inventory import model
+
+from dflash_ops.act import steps
 from dflash_ops.errors import StepFailed
 from dflash_ops.playbook.run import DRY_RUN, FAILED, NOT_RUN, OK, SKIPPED
 from dflash_ops.transport.local import LocalTransport

@@ -7,9 +7,9 @@ import shlex
 
 import pytest
 
-from dflash_ops import deploy, jobpaths
+from dflash_ops.act import deploy, jobpaths
 from dflash_ops.errors import InputError, RemoteCommandError
-from dflash_ops.model import Job
+from dflash_ops.inventory.model import Job
 from dflash_ops.transport.local import LocalTransport
 
 

@@ -8,9 +8,9 @@ import subprocess
 import pytest
 from test_cli import cli
 
-from dflash_ops.grace import check_grace, trainer_stop_grace
+from dflash_ops.act.grace import check_grace, trainer_stop_grace
 from dflash_ops.errors import InputError
-from dflash_ops.model import Job
+from dflash_ops.inventory.model import Job
 from trainer import stop_timing
 
 

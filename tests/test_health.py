@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 
-from dflash_ops import health, probe
+from dflash_ops.observe import health, probe
 from dflash_ops.gpu import Gpu, GpuSnapshot
-from dflash_ops.model import Health, Job
+from dflash_ops.inventory.model import Health, Job
 from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format
 

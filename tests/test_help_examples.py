@@ -10,7 +10,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from dflash_ops import health, status
+from dflash_ops.observe import health, status
 from dflash_ops.cli import cli
 from trainer.metrics import step_line
 

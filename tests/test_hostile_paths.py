@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from dflash_ops import launch, ops, steps
+from dflash_ops.act import launch, steps
+
+from dflash_ops import ops
 from dflash_ops.playbook.context import StepContext
 from dflash_ops.transport.local import LocalTransport
 
@@ -37,7 +39,7 @@ def test_preflight_purge_follow_and_put_run_nothing_from_hostile_paths(local_tar
     import os
     import sys
 
-    from dflash_ops import preflight
+    from dflash_ops.act import preflight
     from dflash_ops.transport.ssh import put_script
 
     monkeypatch.chdir(tmp_path)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_ops import inventory_rules, inventory_target
+from dflash_ops.inventory import rules as inventory_rules, target as inventory_target
 from dflash_ops.errors import InputError
-from dflash_ops.inventory import (
+from dflash_ops.inventory.load import (
     ENV_VAR, Inventory, builtin_inventory, describe, load_inventory, load_inventory_text,
 )
-from dflash_ops.model import Health, HostSpec, Job, JumpHost, Target
+from dflash_ops.inventory.model import Health, HostSpec, Job, JumpHost, Target
 
 REAL_BUNDLED_CONFIG_NAMES = inventory_target.bundled_config_names
 REPO = Path(__file__).resolve().parent.parent

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from dflash_ops import jobstate
+from dflash_ops.act import jobstate
 
 
 def test_state_template_keeps_hostile_paths_as_data(tmp_path):

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from dflash_ops import logs
+from dflash_ops.observe import logs
 from trainer import metrics_format
 
 FX_LOG = """\

@@ -23,8 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import commands, jobpaths, multinode, multinode_status, ops
-from dflash_ops.inventory import load_inventory
+from dflash_ops import commands, ops
+
+from dflash_ops.act import jobpaths, multinode
+
+from dflash_ops.observe import multinode as multinode_status
+from dflash_ops.inventory.load import load_inventory
 
 try:
     from tests import sshd as sshd_helpers

@@ -7,10 +7,14 @@ import textwrap
 
 import pytest
 
-from dflash_ops import health, inventory_target, multinode_status, ops
+from dflash_ops.observe import health, multinode as multinode_status
+
+from dflash_ops.inventory import target as inventory_target
+
+from dflash_ops import ops
 from dflash_ops.errors import InputError
-from dflash_ops.inventory import load_inventory_text
-from dflash_ops.launch import trainer_argv
+from dflash_ops.inventory.load import load_inventory_text
+from dflash_ops.act.launch import trainer_argv
 
 pytestmark = pytest.mark.multinode
 
@@ -222,7 +226,7 @@ def test_a_job_written_twice_is_named():
 
 
 def test_dry_run_relaunch_and_stop_show_every_node_and_reach_nothing():
-    from dflash_ops import multinode
+    from dflash_ops.act import multinode
 
     job = _job()  # 10.0.0.7/8: a connection attempt would fail the run
     events = []

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from dflash_ops import commands, ops
-from dflash_ops.model import Health
-from dflash_ops.relaunch_guard import RelaunchGuard
+from dflash_ops.inventory.model import Health
+from dflash_ops.act.relaunch_guard import RelaunchGuard
 
 STANDIN = str(Path(__file__).parent / "sim" / "standin-trainer")
 

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 from dflash_ops import commands, ops
-from dflash_ops.model import Health
+from dflash_ops.inventory.model import Health
 
 
 def launch_of(result):

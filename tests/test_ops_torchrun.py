@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import commands, jobpaths, ops
-from dflash_ops.model import Health
+from dflash_ops import commands, ops
+
+from dflash_ops.act import jobpaths
+from dflash_ops.inventory.model import Health
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import model
+from dflash_ops.inventory import model
 from dflash_ops.errors import InputError, RemoteCommandError, StepFailed
-from dflash_ops.model import Job
+from dflash_ops.inventory.model import Job
 from dflash_ops.playbook.context import DryRunTransport, StepContext, StepOutcome
 from dflash_ops.playbook.run import DRY_RUN, FAILED, NOT_RUN, OK, SKIPPED, RunResult
 from dflash_ops.playbook.signature import describe, inputs_of
@@ -174,7 +174,7 @@ def test_a_steps_signature_says_what_the_file_gives_it_and_what_the_run_gives_it
 
 
 def test_every_library_step_can_be_named_in_a_playbook():
-    from dflash_ops import steps
+    from dflash_ops.act import steps
 
     assert all(name == step.__name__ for name, step in steps.LIBRARY.items())
     givers = {inputs_of(step).gives for step in steps.LIBRARY.values()}
@@ -553,7 +553,7 @@ def test_hostile_literals_are_data_not_shell(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------- finding playbooks
 
 def test_the_example_in_the_readme_is_a_valid_playbook(tmp_path):
-    from dflash_ops import steps
+    from dflash_ops.act import steps
 
     readme = (Path(__file__).resolve().parent.parent / "playbooks" / "README.md").read_text(encoding="utf-8")
     example = pb(readme.split("```yaml\n", 1)[1].split("```", 1)[0], tmp_path, "example")

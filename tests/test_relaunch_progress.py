@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from dflash_ops import steps
+from dflash_ops.act import steps
 from dflash_ops.playbook.context import StepContext
 from dflash_ops.playbook.run import Progress
 from dflash_ops.progress_view import CLEAR_LINE, ProgressPrinter

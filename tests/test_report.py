@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import jobpaths, jobstate, report
+from dflash_ops.act import jobpaths, jobstate
+
+from dflash_ops.observe import report
 from dflash_ops.errors import InputError
-from dflash_ops.model import Job, Target
+from dflash_ops.inventory.model import Job, Target
 from dflash_ops.remote import report_read
 from trainer import metrics_format, metrics_history, run_summary
 

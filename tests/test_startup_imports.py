@@ -17,7 +17,7 @@ main(sys.argv[1:])
 """
 
 SSH_MODULES = {"fabric", "paramiko", "invoke", "dflash_ops.transport.ssh", "dflash_ops.transport.pct"}
-PLAYBOOK_MODULES = {"dflash_ops.playbook", "dflash_ops.steps", "dflash_ops.playbook.run", "dflash_ops.playbook.user"}
+PLAYBOOK_MODULES = {"dflash_ops.playbook", "dflash_ops.act.steps", "dflash_ops.playbook.run", "dflash_ops.playbook.user"}
 
 
 def modules_after(tmp_path, *argv: str) -> set[str]:
@@ -35,17 +35,17 @@ def modules_after(tmp_path, *argv: str) -> set[str]:
 def test_importing_the_cli_loads_neither_ssh_nor_the_playbook_engine(tmp_path):
     loaded = modules_after(tmp_path, "--help")
     assert not loaded & (SSH_MODULES | PLAYBOOK_MODULES)
-    assert "dflash_ops.ops" not in loaded and "dflash_ops.health" not in loaded
+    assert "dflash_ops.ops" not in loaded and "dflash_ops.observe.health" not in loaded
 
 
 @pytest.mark.parametrize("command", [["status"], ["health"], ["status", "--json"]])
 def test_status_and_health_on_local_load_neither_ssh_nor_the_playbook_engine(tmp_path, command):
     loaded = modules_after(tmp_path, *command)
-    assert "dflash_ops.probe" in loaded  # the check did run
+    assert "dflash_ops.observe.probe" in loaded  # the check did run
     assert not loaded & (SSH_MODULES | PLAYBOOK_MODULES)
 
 
 def test_a_playbook_on_local_loads_the_engine_but_not_ssh(tmp_path):
     loaded = modules_after(tmp_path, "relaunch", "--dry-run")
-    assert "dflash_ops.steps" in loaded
+    assert "dflash_ops.act.steps" in loaded
     assert not loaded & SSH_MODULES

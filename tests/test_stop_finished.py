@@ -8,7 +8,11 @@ import json
 import time
 from pathlib import Path
 
-from dflash_ops import commands, jobpaths, ops, status as status_lib
+from dflash_ops import commands, ops
+
+from dflash_ops.act import jobpaths
+
+from dflash_ops.observe import status as status_lib
 from trainer import metrics_format
 
 try:
@@ -44,7 +48,7 @@ def test_stop_after_the_run_finished_keeps_it_finished_and_tau_stays_in_health(l
 
 
 def test_a_stopped_job_keeps_tau_and_one_age_in_health_and_status():
-    from dflash_ops import health
+    from dflash_ops.observe import health
 
     try:
         from tests.test_health import JOB, NOW, make_report, steps

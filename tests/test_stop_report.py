@@ -8,7 +8,7 @@ import os
 import pytest
 from conftest import SIM_DIR
 
-from dflash_ops import steps
+from dflash_ops.act import steps
 from dflash_ops.errors import StepFailed
 from dflash_ops.playbook.context import StepContext
 from dflash_ops.transport.local import LocalTransport

@@ -54,7 +54,7 @@ def test_log_that_is_not_a_regular_file_is_refused(local_target, tmp_path, kind)
 def test_follow_goes_by_the_job_state_not_the_newest_file_name(local_target):
     """The log the job state names is the job's log: a stray higher-numbered file is not followed,
     and a relaunch that names its new log in the state is."""
-    from dflash_ops import jobpaths, jobstate
+    from dflash_ops.act import jobpaths, jobstate
 
     logs = Path(local_target.job.log_dir)
     logs.mkdir(parents=True)

@@ -108,7 +108,7 @@ def test_time_limit_kills_a_command_that_ignores_term(pct_target):
 
 def _inventory_error(target_yaml: str) -> str:
     """The inventory is the one place that checks a target; transports get only checked ones."""
-    from dflash_ops.inventory import load_inventory_text
+    from dflash_ops.inventory.load import load_inventory_text
 
     with pytest.raises(InputError) as info:
         load_inventory_text("targets:\n  ct200:\n" + target_yaml

@@ -10,7 +10,7 @@ import paramiko
 import pytest
 
 from dflash_ops.errors import AuthError, ConnectError, HostKeyError, InputError
-from dflash_ops.model import HostSpec, JumpHost
+from dflash_ops.inventory.model import HostSpec, JumpHost
 from dflash_ops.transport import SshTransport
 
 try:
@@ -206,7 +206,7 @@ def test_background_output_holder_does_not_hang_the_run(ssh_spec):
 ])
 def test_bad_host_settings_are_input_errors(field, value, words):
     """The inventory is the one place that checks a target: the transport gets only good ones."""
-    from dflash_ops.inventory import load_inventory_text
+    from dflash_ops.inventory.load import load_inventory_text
 
     host = "" if field == "host" else "    host: h\n"
     text = (f"targets:\n  box:\n    transport: ssh\n{host}    {field}: {value}\n"

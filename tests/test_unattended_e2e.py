@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash_ops import commands, jobpaths, ops
+from dflash_ops import commands, ops
+
+from dflash_ops.act import jobpaths
 from dflash_ops.cli import cli
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.model import Health
+from dflash_ops.inventory.model import Health
 
 try:
     from tests.test_ops_e2e import _write_gpus, cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
@@ -362,7 +364,7 @@ def test_the_single_run_dir_of_earlier_versions_becomes_run_0001_and_is_resumed(
 
 
 def test_a_host_pid_invisible_in_the_container_is_never_called_foreign():
-    from dflash_ops.steps import surely_foreign
+    from dflash_ops.act.steps import surely_foreign
 
     others = [{"pid": 1, "owner": "", "visible": False},  # inside LXC: maybe the job's own trainer
               {"pid": 2, "owner": "ct 201", "visible": False}, {"pid": 3, "owner": "", "visible": True},

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import commands, jobpaths, ops
+from dflash_ops import commands, ops
+
+from dflash_ops.act import jobpaths
 from dflash_ops.cli import main as cli_main
 
 try:
@@ -474,7 +476,7 @@ def test_a_live_panes_pid_needs_proof_a_foreign_process_there_is_never_a_root():
 
 
 def test_metrics_records_of_the_wrong_types_read_as_absent():
-    from dflash_ops import logs
+    from dflash_ops.observe import logs
 
     records = [{"v": 1, "event": "start", "time": "soon", "total_steps": "many"},
                {"v": 1, "event": "step", "time": 5.0, "step": 3, "total_steps": 9},
@@ -497,7 +499,7 @@ def test_an_unreachable_target_is_left_to_the_preflight_not_the_lock(silent_serv
 def test_the_pane_answer_reads_the_same_outside_a_utf8_locale(tmp_path, locale):
     """cron and a bare ssh session run tmux in the C locale, where it prints a tab as "_": the pane
     list must still read as the live pane it is (else health would call a running job gone)."""
-    from dflash_ops import tmux
+    from dflash_ops.act import tmux
     from dflash_ops.remote import procs
 
     socket = f"locale-{os.getpid()}-{len(locale)}"

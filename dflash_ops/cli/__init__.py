@@ -8,9 +8,9 @@ import sys
 
 import click
 
-from ..errors import DflashOpsError
-from . import admin, jobs, observe, report  # noqa: F401  (each registers its commands on `cli`)
-from .group import cli
+from dflash_ops.errors import DflashOpsError
+from dflash_ops.cli import admin, jobs, observe, report  # noqa: F401  (each registers its commands on `cli`)
+from dflash_ops.cli.group import cli
 
 __all__ = ["cli", "main"]
 

@@ -1,4 +1,4 @@
-from . import main
+from dflash_ops.cli import main
 
 if __name__ == "__main__":
     main()

@@ -7,9 +7,9 @@ import sys
 
 import click
 
-from .. import inventory as inventory_lib
-from .group import cli, dry_run_option, target_option
-from .jobs import run_each
+from dflash_ops.inventory import load as inventory_lib
+from dflash_ops.cli.group import cli, dry_run_option, target_option
+from dflash_ops.cli.jobs import run_each
 
 
 @cli.command()
@@ -32,8 +32,8 @@ def playbook_group():
 @click.pass_obj
 def playbook_list(obj):
     """Show your playbooks and the steps they may use."""
-    from .. import steps
-    from ..playbook import signature, user
+    from dflash_ops.act import steps
+    from dflash_ops.playbook import signature, user
 
     for name, path in user.list_playbooks(obj.search_dirs()).items():
         click.echo(f"{name:14} {path}")
@@ -50,8 +50,9 @@ def playbook_list(obj):
 @click.pass_obj
 def playbook_run(obj, name, target, dry_run, assignments):
     """Run the playbook NAME (a name from `playbook list`, or a path)."""
-    from .. import commands, steps
-    from ..playbook import user
+    from dflash_ops import commands
+    from dflash_ops.act import steps
+    from dflash_ops.playbook import user
 
     obj.targets(target)  # an unknown target is refused before the file is read
     book = user.load(name, obj.search_dirs(), steps.LIBRARY)
@@ -82,7 +83,7 @@ def cron_group():
 @click.pass_obj
 def cron_install(obj, target, schedule, auto_relaunch, log_path):
     """Install (or replace) the health-check line for the target."""
-    from .. import cron
+    from dflash_ops import cron
 
     name = target or obj.inventory.default_target
     obj.targets(name)  # refuse unknown names before writing anything
@@ -101,7 +102,7 @@ def cron_install(obj, target, schedule, auto_relaunch, log_path):
 @target_option
 def cron_show(target):
     """Show our crontab lines."""
-    from .. import cron
+    from dflash_ops import cron
 
     for line in cron.ours(cron.read(), target):
         click.echo(line)
@@ -111,7 +112,7 @@ def cron_show(target):
 @target_option
 def cron_remove(target):
     """Remove our crontab line(s) (for the target, or all of ours)."""
-    from .. import cron
+    from dflash_ops import cron
 
     gone = cron.remove(target)
     click.echo(f"removed {len(gone)} line(s)")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import click
 
-from .. import inventory as inventory_lib
-from ..errors import InputError
+from dflash_ops.inventory import load as inventory_lib
+from dflash_ops.errors import InputError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 TARGET_ENV_VAR = "DFLASH_OPS_TARGET"
@@ -37,7 +37,7 @@ class Obj:
         return self.inventory.resolve(name)
 
     def search_dirs(self):
-        from ..playbook import user
+        from dflash_ops.playbook import user
 
         return user.search_dirs(self.playbook_dir, self.inventory.source)
 

@@ -9,10 +9,10 @@ from typing import Any, Callable
 
 import click
 
-from .. import commands
-from ..errors import InputError
-from . import multinode
-from .group import Obj, cli, dry_run_option, grace_option, one_target, target_option
+from dflash_ops import commands
+from dflash_ops.errors import InputError
+from dflash_ops.cli import multinode
+from dflash_ops.cli.group import Obj, cli, dry_run_option, grace_option, one_target, target_option
 
 
 def default(command: Callable, option: str) -> str:
@@ -23,8 +23,8 @@ def default(command: Callable, option: str) -> str:
 def run_each(obj: Obj, target_name, name: str, source: str, act: Callable[[Any, Callable], Any]) -> int:
     """`act(target, on_progress)` on each target in parallel, with progress as it goes and one
     summary per target; the exit code is the worst."""
-    from ..fanout import fan_out
-    from ..progress_view import ProgressPrinter
+    from dflash_ops.fanout import fan_out
+    from dflash_ops.progress_view import ProgressPrinter
 
     targets = obj.targets(target_name)
     lock = threading.Lock()
@@ -163,7 +163,8 @@ def purge_cache(obj, target, dry_run):
 @click.pass_obj
 def deploy(obj, target, dry_run, rollback, list_):
     """Deploy the bundled trainer as a versioned release (checksum, atomic `current` switch)."""
-    from .. import deploy as deploy_lib, ops
+    from dflash_ops.act import deploy as deploy_lib
+    from dflash_ops import ops
 
     if list_:
         if rollback is not None:

@@ -11,8 +11,8 @@ import time
 
 import click
 
-from ..errors import DflashOpsError, InputError
-from .group import Obj
+from dflash_ops.errors import DflashOpsError, InputError
+from dflash_ops.cli.group import Obj
 
 
 def job_named(obj: Obj, target: str | None, node: str | None = None):
@@ -26,7 +26,7 @@ def job_named(obj: Obj, target: str | None, node: str | None = None):
 
 
 def _printer():
-    from ..progress_view import ProgressPrinter
+    from dflash_ops.progress_view import ProgressPrinter
 
     lock = threading.Lock()
     printer = ProgressPrinter(lambda text: click.echo(text, nl=False), is_tty=sys.stdout.isatty())
@@ -53,7 +53,7 @@ def _finish(command: str, job, run) -> int:
 
 def relaunch(job, options: dict, dry_run: bool) -> int:
     """commands.relaunch's options (those left None take its defaults), for every node."""
-    from .. import multinode
+    from dflash_ops.act import multinode
 
     given = {k: v for k, v in options.items() if v is not None}
     click.echo(f"relaunch: multinode job {job.name} on {', '.join(n.name for n in job.nodes)}")
@@ -63,7 +63,7 @@ def relaunch(job, options: dict, dry_run: bool) -> int:
 
 
 def stop(job, grace: float | None, dry_run: bool) -> int:
-    from .. import multinode
+    from dflash_ops.act import multinode
 
     given = {} if grace is None else {"grace": grace}
     click.echo(f"stop: multinode job {job.name} on {', '.join(n.name for n in job.nodes)}")
@@ -71,7 +71,7 @@ def stop(job, grace: float | None, dry_run: bool) -> int:
 
 
 def status(job, as_json: bool, watch: float | None, timeout: float, color: bool) -> int:
-    from .. import health, multinode_status
+    from dflash_ops.observe import health, multinode as multinode_status
 
     while True:
         jc = multinode_status.check(job, timeout)
@@ -87,7 +87,7 @@ def status(job, as_json: bool, watch: float | None, timeout: float, color: bool)
 
 
 def health_check(job, as_json: bool, auto_relaunch: bool, timeout: float) -> int:
-    from .. import health, multinode_status
+    from dflash_ops.observe import health, multinode as multinode_status
 
     jc = multinode_status.check(job, timeout)
     action = multinode_status.auto_relaunch(jc) if auto_relaunch else None
@@ -102,6 +102,7 @@ def health_check(job, as_json: bool, auto_relaunch: bool, timeout: float) -> int
 
 
 def tail_log(job, node: str | None, lines: int, follow: bool, grep: str | None, log: str | None) -> None:
-    from .. import multinode_status, ops
+    from dflash_ops.observe import multinode as multinode_status
+    from dflash_ops import ops
 
     ops.tail_log(multinode_status.node_target(job, node), lines, follow, grep, log, emit=click.echo)

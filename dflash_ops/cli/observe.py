@@ -9,10 +9,10 @@ import time
 
 import click
 
-from .. import budget
-from ..errors import DflashOpsError, InputError
-from . import multinode
-from .group import answer_within_option, cli, one_target, target_option
+from dflash_ops.observe import budget
+from dflash_ops.errors import DflashOpsError, InputError
+from dflash_ops.cli import multinode
+from dflash_ops.cli.group import answer_within_option, cli, one_target, target_option
 
 
 def _is_tty() -> bool:
@@ -42,8 +42,9 @@ def status(obj, target, as_json, watch, timeout):
       step 240/300  loss 2.9870  22.0 Ktok/s  ETA 7 s  last metrics 5 s ago  data synthetic
       OK: step 240/300, loss 2.9870, 22.0 Ktok/s, last step 5 s ago
     """
-    from .. import health, ops, status as status_lib
-    from ..fanout import fan_out
+    from dflash_ops.observe import health, status as status_lib
+    from dflash_ops import ops
+    from dflash_ops.fanout import fan_out
 
     job = multinode.job_named(obj, target)
     if job is not None:  # every node, one verdict
@@ -88,7 +89,7 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
       $ dflash-ops health
       DFLASH OK: local: step 240/300, loss 2.9870, 22.0 Ktok/s, last step 5 s ago | step=240;; loss=2.987;; tokens_per_s=22030.6515;1000:; age_s=5.1453;;120
     """  # noqa: E501 (a real output line)
-    from .. import health
+    from dflash_ops.observe import health
 
     try:
         sys.exit(_health(obj, target, as_json, auto_relaunch, timeout))
@@ -99,8 +100,9 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
 
 
 def _health(obj, target, as_json, auto_relaunch, timeout) -> int:
-    from .. import health, ops
-    from ..fanout import fan_out
+    from dflash_ops.observe import health
+    from dflash_ops import ops
+    from dflash_ops.fanout import fan_out
 
     try:
         job = multinode.job_named(obj, target)
@@ -168,7 +170,7 @@ def tail_log(obj, target, lines, follow, grep, log, node):
       step 239/300  loss 3.6034  acc@1 0.599  acc_avg 0.533  22,080 tok/s  lr 3.37e-04  gnorm 1.169  eta 0m07s
       step 240/300  loss 2.9870  acc@1 0.651  acc_avg 0.691  20,501 tok/s  lr 3.27e-04  gnorm 0.966  eta 0m07s
     """
-    from .. import ops
+    from dflash_ops import ops
 
     job = multinode.job_named(obj, target, node)
     try:
@@ -185,7 +187,8 @@ def tail_log(obj, target, lines, follow, grep, log, node):
 @click.pass_obj
 def attach(obj, target):
     """Attach your terminal to the job's tmux session (detach with Ctrl-b d)."""
-    from .. import ops, tmux
+    from dflash_ops import ops
+    from dflash_ops.act import tmux
 
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise InputError(

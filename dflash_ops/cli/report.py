@@ -1,10 +1,10 @@
-"""`dflash-ops report`: a picture of the job's run (dflash_ops.report does the work)."""
+"""`dflash-ops report`: a picture of the job's run (dflash_ops.observe.report does the work)."""
 
 from __future__ import annotations
 
 import click
 
-from .group import cli, one_target, target_option
+from dflash_ops.cli.group import cli, one_target, target_option
 
 
 @cli.command("report")
@@ -32,7 +32,7 @@ def report(obj, target, run, all_runs, out):
       [demo] run 0002: 512/512 steps, best τ 1.579 (step 240), 0m44s, 2 launches, finished
       wrote run.html
     """
-    from .. import report as report_lib
+    from dflash_ops.observe import report as report_lib
 
     tgt = one_target(obj, target)
     built = report_lib.report(tgt, report_lib.run_selection(run, all_runs), out)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import RemoteCommandError
-from ..transport.base import Result, Transport
+from dflash_ops.errors import RemoteCommandError
+from dflash_ops.transport.base import Result, Transport
 
 if TYPE_CHECKING:
-    from ..model import Target
+    from dflash_ops.inventory.model import Target
 
 
 @dataclasses.dataclass

@@ -8,8 +8,8 @@ import functools
 import time
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-from ..errors import DflashOpsError
-from .context import StepContext, StepOutcome
+from dflash_ops.errors import DflashOpsError
+from dflash_ops.playbook.context import StepContext, StepOutcome
 
 OK, FAILED, SKIPPED, DRY_RUN, NOT_RUN = "ok", "failed", "skipped", "dry-run", "not-run"
 T = TypeVar("T")

@@ -10,8 +10,8 @@ import types
 import typing
 from typing import Any, Callable, Mapping
 
-from ..model import Job
-from .context import StepOutcome
+from dflash_ops.inventory.model import Job
+from dflash_ops.playbook.context import StepOutcome
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,11 +15,11 @@ import yaml
 
 from trainer.typed_yaml import did_you_mean
 
-from ..errors import InputError
-from ..strict_yaml import parse_yaml
-from .context import StepContext, StepOutcome
-from .run import OnProgress, Run, RunResult
-from .signature import Inputs, describe, fits, inputs_of, type_name
+from dflash_ops.errors import InputError
+from dflash_ops.inventory.strict_yaml import parse_yaml
+from dflash_ops.playbook.context import StepContext, StepOutcome
+from dflash_ops.playbook.run import OnProgress, Run, RunResult
+from dflash_ops.playbook.signature import Inputs, describe, fits, inputs_of, type_name
 
 Library = Mapping[str, Callable[..., Any]]  # step name -> step function
 _WHEN = re.compile(r"(not )?options\.(\w+)")

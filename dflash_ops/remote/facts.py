@@ -21,7 +21,7 @@ LOG_SUFFIX = ".log"
 LOG_NAME = re.compile(r"^" + re.escape(LOG_PREFIX) + r"(\d{4,})" + re.escape(LOG_SUFFIX) + r"$")
 
 
-# The job state file (dflash_ops.jobstate) is a few hundred bytes: a reader takes no more than this
+# The job state file (dflash_ops.act.jobstate) is a few hundred bytes: a reader takes no more than this
 STATE_MAX_BYTES = 64 * 1024
 
 

@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import shlex
 
-from ..errors import RemoteCommandError, RemoteTimeout, TransportError
+from dflash_ops.errors import RemoteCommandError, RemoteTimeout, TransportError
 
 
 @dataclasses.dataclass(frozen=True)

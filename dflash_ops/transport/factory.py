@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..model import Target
-from .base import Transport
+from dflash_ops.inventory.model import Target
+from dflash_ops.transport.base import Transport
 
 
 def make_transport(target: Target) -> Transport:
@@ -11,15 +11,15 @@ def make_transport(target: Target) -> Transport:
     inventory has checked the target (transport kind, ssh section, ctid). fabric and paramiko are
     imported only for a target that uses ssh."""
     if target.transport == "local":
-        from .local import LocalTransport
+        from dflash_ops.transport.local import LocalTransport
 
         return LocalTransport(target.name)
     assert target.ssh is not None, f"target {target.name!r} did not come from the inventory"
     if target.transport == "ssh":
-        from .ssh import SshTransport
+        from dflash_ops.transport.ssh import SshTransport
 
         return SshTransport(target.name, target.ssh)
     assert target.ctid is not None, f"target {target.name!r} did not come from the inventory"
-    from .pct import PctTransport
+    from dflash_ops.transport.pct import PctTransport
 
     return PctTransport(target.name, target.ssh, target.ctid)

@@ -11,8 +11,8 @@ import tempfile
 import threading
 import time
 
-from ..errors import RemoteTimeout, TransportError
-from .base import (
+from dflash_ops.errors import RemoteTimeout, TransportError
+from dflash_ops.transport.base import (
     AFTER_EXIT_S,
     Result,
     Transport,

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import re
 
-from ..errors import ContainerNotRunning, TransportError
-from ..model import HostSpec
-from .base import Result, decode, finish, local_limit_s, quote_argv, with_remote_timeout
-from .ssh import SshTransport
+from dflash_ops.errors import ContainerNotRunning, TransportError
+from dflash_ops.inventory.model import HostSpec
+from dflash_ops.transport.base import Result, decode, finish, local_limit_s, quote_argv, with_remote_timeout
+from dflash_ops.transport.ssh import SshTransport
 
 # How Proxmox refuses an exec into a container that is stopped or missing (first stderr line).
 _NOT_RUNNING = (

@@ -22,9 +22,9 @@ import time
 import fabric
 import paramiko
 
-from ..errors import ConnectError, RemoteTimeout
-from ..model import HostSpec
-from .base import (
+from dflash_ops.errors import ConnectError, RemoteTimeout
+from dflash_ops.inventory.model import HostSpec
+from dflash_ops.transport.base import (
     AFTER_EXIT_S,
     Result,
     Transport,
@@ -34,9 +34,9 @@ from .base import (
     quote_argv,
     with_remote_timeout,
 )
-from .ssh_channel import drain, feed, first_line, passthrough, read_until_exit
-from .ssh_connect import SshConnecting
-from .ssh_put import put_script, put_timeout_s
+from dflash_ops.transport.ssh_channel import drain, feed, first_line, passthrough, read_until_exit
+from dflash_ops.transport.ssh_connect import SshConnecting
+from dflash_ops.transport.ssh_put import put_script, put_timeout_s
 
 # paramiko's reader thread logs failures (with tracebacks) that we report as one clear error
 # ourselves; without a handler Python's last-resort handler would print them on stderr.

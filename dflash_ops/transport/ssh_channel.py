@@ -14,7 +14,7 @@ import time
 
 import paramiko
 
-from .base import AFTER_EXIT_S
+from dflash_ops.transport.base import AFTER_EXIT_S
 
 POLL_S = 0.5  # how often a waiting read looks at the exit status
 

@@ -13,9 +13,9 @@ import threading
 import fabric
 import paramiko
 
-from ..errors import AuthError, ConnectError, HostKeyError, InputError, TransportError
-from ..model import HostSpec
-from .known_hosts import HostKeys, read_host_keys
+from dflash_ops.errors import AuthError, ConnectError, HostKeyError, InputError, TransportError
+from dflash_ops.inventory.model import HostSpec
+from dflash_ops.transport.known_hosts import HostKeys, read_host_keys
 
 
 def known_hosts_entry(host: str, port: int) -> str:

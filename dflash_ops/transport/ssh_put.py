@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..remote import shell_command
+from dflash_ops.remote import shell_command
 
 
 def put_script(remote_path: str, mode: int, size: int) -> str:

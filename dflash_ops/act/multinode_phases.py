@@ -11,14 +11,14 @@ import contextlib
 import dataclasses
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-from . import joblock
-from .errors import StepFailed
-from .model import Target
-from .multinode_inventory import MultinodeJob
-from .playbook.context import DryRunTransport, StepContext, StepOutcome
-from .playbook.run import Halted, OnProgress, Run
-from .transport.base import Transport
-from .transport.factory import make_transport
+from dflash_ops.act import joblock
+from dflash_ops.errors import StepFailed
+from dflash_ops.inventory.model import Target
+from dflash_ops.inventory.multinode import MultinodeJob
+from dflash_ops.playbook.context import DryRunTransport, StepContext, StepOutcome
+from dflash_ops.playbook.run import Halted, OnProgress, Run
+from dflash_ops.transport.base import Transport
+from dflash_ops.transport.factory import make_transport
 
 T = TypeVar("T")
 
@@ -178,5 +178,5 @@ def running(
         if on_locked is not None:
             on_locked()
         ctx = JobContext(nodes[0].target, nodes[0].transport, job_name=job.name, nodes=tuple(nodes))
-        with Run(command, ctx, plan, on_progress, source=f"dflash_ops.multinode.{command}") as run:
+        with Run(command, ctx, plan, on_progress, source=f"dflash_ops.act.multinode.{command}") as run:
             yield run, nodes

@@ -21,8 +21,8 @@ import sys
 from trainer.launchers import TORCHRUN
 from trainer.typed_yaml import kind_of, show
 
-from .errors import InputError
-from .inventory_layers import (
+from dflash_ops.errors import InputError
+from dflash_ops.inventory.layers import (
     Fields,
     Lines,
     Where,
@@ -32,7 +32,7 @@ from .inventory_layers import (
     merge,
     unknown_field,
 )
-from .inventory_rules import (
+from dflash_ops.inventory.rules import (
     HOST_FIELDS,
     JOB_FIELDS,
     PCT_FIELDS,
@@ -41,11 +41,11 @@ from .inventory_rules import (
     TRANSPORTS,
     with_article,
 )
-from .inventory_target import TargetBuilder
-from .model import Target
-from . import multinode_inventory
-from .multinode_inventory import MultinodeJob
-from .strict_yaml import YamlMap, parse_yaml, read_yaml
+from dflash_ops.inventory.target import TargetBuilder
+from dflash_ops.inventory.model import Target
+from dflash_ops.inventory import multinode as multinode_inventory
+from dflash_ops.inventory.multinode import MultinodeJob
+from dflash_ops.inventory.strict_yaml import YamlMap, parse_yaml, read_yaml
 
 ENV_VAR = "DFLASH_OPS_INVENTORY"
 LOCAL = "local"

@@ -13,8 +13,8 @@ from typing import Any, Collection
 
 from trainer.typed_yaml import YamlMap, did_you_mean, kind_of, located, show
 
-from .errors import InputError
-from .inventory_rules import HEALTH_FIELDS, JOB_FIELDS, TARGET_FIELDS, Bad, Schema
+from dflash_ops.errors import InputError
+from dflash_ops.inventory.rules import HEALTH_FIELDS, JOB_FIELDS, TARGET_FIELDS, Bad, Schema
 
 Fields = dict[str, Any]  # clean values by field name; a mapping field (job:, health:) nests
 Lines = dict[str, int]  # the line of each field, by dotted name ("job.health.stall_seconds")

@@ -20,11 +20,11 @@ import dataclasses
 from trainer.launchers import TORCHRUN
 from trainer.typed_yaml import kind_of, show
 
-from . import cache_guard, jobpaths
-from .inventory_layers import Where, check_name, unknown_field
-from .inventory_rules import Bad, _host, _path, _whole
-from .model import Job, Target
-from .strict_yaml import YamlMap
+from dflash_ops.act import cache_guard, jobpaths
+from dflash_ops.inventory.layers import Where, check_name, unknown_field
+from dflash_ops.inventory.rules import Bad, _host, _path, _whole
+from dflash_ops.inventory.model import Job, Target
+from dflash_ops.inventory.strict_yaml import YamlMap
 
 KEY = "multinode"
 DEFAULT_RDZV_PORT = 29400

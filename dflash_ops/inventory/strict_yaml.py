@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from trainer import typed_yaml
 from trainer.typed_yaml import YamlMap
 
-from .errors import InputError
+from dflash_ops.errors import InputError
 
 __all__ = ["YamlMap", "parse_yaml", "read_yaml"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import shlex
 
-from .model import Job
-from .remote import procs
+from dflash_ops.inventory.model import Job
+from dflash_ops.remote import procs
 
 
 def tmux(job: Job, *args: str) -> str:

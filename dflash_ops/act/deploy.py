@@ -17,10 +17,12 @@ import re
 import tarfile
 import time
 
-from . import __version__, jobpaths
-from .errors import InputError
-from .model import Job
-from .remote import shell_command
+from dflash_ops import __version__
+
+from dflash_ops.act import jobpaths
+from dflash_ops.errors import InputError
+from dflash_ops.inventory.model import Job
+from dflash_ops.remote import shell_command
 
 KEEP_RELEASES = 5
 

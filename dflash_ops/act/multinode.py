@@ -27,16 +27,27 @@ import shlex
 import time
 from typing import Any, Callable, Sequence, TypeVar, cast
 
-from . import commands, jobpaths, launch as launch_lib, multinode_checks as checks, steps, tmux
-from .commands import GPU_FREE_S, GRACE_S
-from .errors import DflashOpsError, StepFailed
-from .model import Job
-from .multinode_inventory import MultinodeJob
-from .multinode_phases import JobContext, Node, each, first_lines, on_nodes, one, per_node, running
-from .playbook.context import StepContext, StepOutcome
-from .playbook.run import OnProgress, Run, RunResult
-from .preflight import preflight
-from .remote import shell_command
+from dflash_ops import commands
+
+from dflash_ops.act import jobpaths, launch as launch_lib, multinode_checks as checks, steps, tmux
+from dflash_ops.commands import GPU_FREE_S, GRACE_S
+from dflash_ops.errors import DflashOpsError, StepFailed
+from dflash_ops.inventory.model import Job
+from dflash_ops.inventory.multinode import MultinodeJob
+from dflash_ops.act.multinode_phases import (
+    JobContext,
+    Node,
+    each,
+    first_lines,
+    on_nodes,
+    one,
+    per_node,
+    running,
+)
+from dflash_ops.playbook.context import StepContext, StepOutcome
+from dflash_ops.playbook.run import OnProgress, Run, RunResult
+from dflash_ops.act.preflight import preflight
+from dflash_ops.remote import shell_command
 
 F = TypeVar("F", bound=Callable[..., Any])
 _default = functools.partial(commands.default_of, commands.relaunch)

@@ -5,9 +5,11 @@ from __future__ import annotations
 from trainer import metrics_format
 from trainer.typed_yaml import finite
 
-from . import acceptance, gpu_owners, jobstate, logs
-from .gpu import IDLE_USED_MIB
-from .health import Verdict, progress_age
+from dflash_ops.observe import acceptance, gpu_owners, logs
+
+from dflash_ops.act import jobstate
+from dflash_ops.gpu import IDLE_USED_MIB
+from dflash_ops.observe.health import Verdict, progress_age
 
 COLORS = {"OK": "32", "WARNING": "33", "CRITICAL": "31", "UNKNOWN": "35"}
 

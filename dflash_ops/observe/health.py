@@ -12,9 +12,9 @@ import math
 import posixpath
 import re
 
-from . import acceptance, logs, unattended
-from .model import Job
-from .remote import facts
+from dflash_ops.observe import acceptance, logs, unattended
+from dflash_ops.inventory.model import Job
+from dflash_ops.remote import facts
 
 # The Nagios levels in the order of their plugin exit codes: OK exits 0, ..., UNKNOWN 3.
 LEVELS = ("OK", "WARNING", "CRITICAL", "UNKNOWN")

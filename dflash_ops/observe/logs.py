@@ -13,7 +13,7 @@ import statistics
 
 from trainer import metrics_format
 
-from . import torchrun
+from dflash_ops.act import torchrun
 
 TRACEBACK_HEADER = "Traceback (most recent call last):"
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import time
 
-from . import gpu_owners, jobpaths, jobstate
+from dflash_ops.observe import gpu_owners
+
+from dflash_ops.act import jobpaths, jobstate
 
 
 def _clock(seconds: float | None) -> str:

@@ -15,10 +15,10 @@ import re
 
 from trainer import metrics_history, run_summary
 
-from . import jobpaths, jobstate
-from .errors import DflashOpsError, InputError, RemoteCommandError
-from .model import Target
-from .remote import bundle, python_command
+from dflash_ops.act import jobpaths, jobstate
+from dflash_ops.errors import DflashOpsError, InputError, RemoteCommandError
+from dflash_ops.inventory.model import Target
+from dflash_ops.remote import bundle, python_command
 
 REPORT_SCRIPT = "report_read.py"
 TIMEOUT_S = 120.0
@@ -143,7 +143,7 @@ def report(target: Target, selection: str, out_path: str) -> Report:
     """Fetch, summarise and draw the selected run(s) of `target` into `out_path` (.png or .html)."""
     from trainer import report_plot
 
-    from .ops import connect
+    from dflash_ops.ops import connect
 
     with connect(target) as transport:
         runs, state = fetch(transport, target, selection)

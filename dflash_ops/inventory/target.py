@@ -12,11 +12,11 @@ from importlib.util import find_spec
 from trainer.launchers import DEFAULT_LAUNCHER, TORCHRUN
 from trainer.typed_yaml import show
 
-from . import cache_guard
-from .errors import InputError
-from .inventory_layers import Fields, Lines, Where
-from .inventory_rules import REMOTE_PATH_EXAMPLES, TORCHRUN_FIELDS, with_article
-from .model import CACHE_DIR_NAME, LOG_DIR_NAME, Health, HostSpec, Job, Target
+from dflash_ops.act import cache_guard
+from dflash_ops.errors import InputError
+from dflash_ops.inventory.layers import Fields, Lines, Where
+from dflash_ops.inventory.rules import REMOTE_PATH_EXAMPLES, TORCHRUN_FIELDS, with_article
+from dflash_ops.inventory.model import CACHE_DIR_NAME, LOG_DIR_NAME, Health, HostSpec, Job, Target
 
 # Fields passed on only when the file sets them, so the defaults are model.py's.
 HOST_OPTIONAL = ("port", "user", "jump", "host_key_policy", "connect_timeout_s")

@@ -18,15 +18,15 @@ import shlex
 import time
 from typing import Any
 
-from . import deploy as deploy_lib
-from . import cache_guard, jobpaths, jobstate, launch as launch_lib, tmux
-from .errors import DflashOpsError, StepFailed
-from .gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
-from .gpu_owners import ownership
-from .model import Job
-from .playbook.context import StepContext, StepOutcome
-from .remote import bundle, facts, python_command, shell_command
-from .transport.base import quote_argv
+from dflash_ops.act import deploy as deploy_lib
+from dflash_ops.act import cache_guard, jobpaths, jobstate, launch as launch_lib, tmux
+from dflash_ops.errors import DflashOpsError, StepFailed
+from dflash_ops.gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
+from dflash_ops.observe.gpu_owners import ownership
+from dflash_ops.inventory.model import Job
+from dflash_ops.playbook.context import StepContext, StepOutcome
+from dflash_ops.remote import bundle, facts, python_command, shell_command
+from dflash_ops.transport.base import quote_argv
 
 _JOBPROCS = "jobprocs.py"
 _JOBPROCS_LISTS = ("job", "unidentified", "exited_panes", "terminated", "killed", "survivors")
@@ -488,7 +488,7 @@ def _why_no_step(records: list, panes: str) -> str | None:
 
 def _no_first_step(ctx: StepContext, log: str, why: str) -> StepFailed:
     """The failure, with the last lines of the log and the failure signature found in them."""
-    from .logs import find_failures
+    from dflash_ops.observe.logs import find_failures
 
     read = ctx.run(
         f"{quote_argv(['tail', '-n', '400', log])} | tail -c {_WATCH_BYTES}", timeout=30, check=False
@@ -507,7 +507,7 @@ def rollback(ctx: StepContext, job: Job, release: str | None = None) -> StepOutc
     return StepOutcome(result.stdout.strip())
 
 
-from .preflight import preflight, require_job_stopped  # noqa: E402  (they use the helpers above)
+from dflash_ops.act.preflight import preflight, require_job_stopped  # noqa: E402  (they use the helpers above)
 
 # The steps a playbook file may name.
 LIBRARY = {

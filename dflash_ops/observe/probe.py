@@ -13,11 +13,13 @@ from collections.abc import Sequence
 
 from trainer import metrics_format
 
-from . import acceptance, jobpaths, jobstate
-from .errors import DflashOpsError, RemoteCommandError
-from .gpu import HOST_GPU_QUERY_ARGV, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
-from .model import Job
-from .remote import bundle, python_command, shell_command
+from dflash_ops.observe import acceptance
+
+from dflash_ops.act import jobpaths, jobstate
+from dflash_ops.errors import DflashOpsError, RemoteCommandError
+from dflash_ops.gpu import HOST_GPU_QUERY_ARGV, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
+from dflash_ops.inventory.model import Job
+from dflash_ops.remote import bundle, python_command, shell_command
 
 PROBE_SCRIPT = "probe_script.py"
 DEFAULT_LOG_LINES = 200

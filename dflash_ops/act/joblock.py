@@ -11,10 +11,10 @@ import socket
 import time
 from typing import Iterator
 
-from . import jobpaths
-from .errors import JobBusy, TransportError
-from .model import Target
-from .remote import shell_command
+from dflash_ops.act import jobpaths
+from dflash_ops.errors import JobBusy, TransportError
+from dflash_ops.inventory.model import Target
+from dflash_ops.remote import shell_command
 
 # A holder whose connection hung without closing lets go after this long (a relaunch waits for
 # its first step at most --timeout, default 900 s)

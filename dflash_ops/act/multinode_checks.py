@@ -9,13 +9,13 @@ import json
 import secrets
 from typing import Sequence
 
-from . import jobpaths
-from .errors import StepFailed
-from .model import Job
-from .multinode_inventory import MultinodeJob
-from .multinode_phases import JobContext, Node, each, each_outcome, one, per_node
-from .playbook.context import StepContext
-from .remote import bundle, python_command, shell_command
+from dflash_ops.act import jobpaths
+from dflash_ops.errors import StepFailed
+from dflash_ops.inventory.model import Job
+from dflash_ops.inventory.multinode import MultinodeJob
+from dflash_ops.act.multinode_phases import JobContext, Node, each, each_outcome, one, per_node
+from dflash_ops.playbook.context import StepContext
+from dflash_ops.remote import bundle, python_command, shell_command
 
 FACTS = "multinode_facts.py"
 CONNECT_TIMEOUT_S = 5.0

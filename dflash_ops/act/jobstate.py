@@ -19,9 +19,9 @@ import json
 import math
 import shlex
 
-from . import jobpaths
-from .model import Job
-from .remote import facts
+from dflash_ops.act import jobpaths
+from dflash_ops.inventory.model import Job
+from dflash_ops.remote import facts
 
 RUNNING, STOPPED, FINISHED = "running", "stopped", "finished"
 STOPPED_BY = "dflash-ops stop"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import posixpath
 
-from . import jobpaths
+from dflash_ops.act import jobpaths
 
 
 def owned_paths(workdir: str, log_dir: str, python: str = "") -> list[tuple[str, str, bool]]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from trainer import metrics_format
 
-from . import jobpaths, jobstate, tmux, torchrun
-from .remote import facts, shell_code, shell_command
-from .model import Job
+from dflash_ops.act import jobpaths, jobstate, tmux, torchrun
+from dflash_ops.remote import facts, shell_code, shell_command
+from dflash_ops.inventory.model import Job
 
 
 # Stands for the run's directory (runs/NNNN), which only the launch script picks: the pane script

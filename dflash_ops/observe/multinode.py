@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import health, jobstate, ops
-from .errors import DflashOpsError, InputError, JobBusy
-from .fanout import fan_out
-from .multinode_inventory import MultinodeJob
-from .relaunch_guard import RelaunchGuard
-from .status import render_table
+from dflash_ops.observe import health
+
+from dflash_ops.act import jobstate
+
+from dflash_ops import ops
+from dflash_ops.errors import DflashOpsError, InputError, JobBusy
+from dflash_ops.fanout import fan_out
+from dflash_ops.inventory.multinode import MultinodeJob
+from dflash_ops.act.relaunch_guard import RelaunchGuard
+from dflash_ops.observe.status import render_table
 
 TORCHRUN_MODULE = "torch.distributed.run"
 TRAINER_MODULE = "trainer"
@@ -155,7 +159,7 @@ def nagios_line(jc: JobChecked) -> str:
 def auto_relaunch(jc: JobChecked) -> ops.HealthAction | None:
     """Relaunch the WHOLE job when it is CRITICAL, at most max_relaunches_per_hour (node 0's);
     its checks run on every node first, so a node that cannot take part relaunches nothing."""
-    from . import multinode
+    from dflash_ops.act import multinode
 
     if jc.verdict.level != "CRITICAL":
         return None
