@@ -239,7 +239,11 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     assert resumed and resumed[0]["step"] == stopped_at + 1, (stopped_at, resumed[:1])
 
     # one node's rank dies: the job is CRITICAL, naming that node and rank
-    (pid, env), = ranks_of(b.job).items()
+    try:
+        (pid, env), = wait_for(lambda: ranks_of(b.job), 30, "node b's rank").items()
+    except AssertionError:
+        log = Path(state_of(b.job)["log"])
+        raise AssertionError(f"node b has no rank after the resume; its log ends:\n{log.read_text()[-3000:]}") from None
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not ranks_of(b.job), 60, "node b's torchrun to end")
     time.sleep(3)  # torchrun writes its failure summary as it exits

@@ -253,3 +253,43 @@ def test_dry_run_relaunch_and_stop_show_every_node_and_reach_nothing():
     stopped = multinode.stop(job, dry_run=True)
     assert stopped.ok and [s.step for s in stopped.steps] == multinode.STOP_PHASES
     assert "node 1 gpu-b: would record `stopped` in /srv/dflash/job-state.json" in stopped.steps[1].message
+
+
+@pytest.mark.parametrize("command", [["relaunch"], ["stop"], ["gpu-clean"]])
+def test_acting_on_one_node_alone_is_refused_before_anything_is_reached(tmp_path, command):
+    """A relaunch, stop or GPU clean of one node would kill that node's ranks and strand the job on
+    the others (a cron `health --auto-relaunch -t gpu-a` too): refused in one line, exit 2."""
+    from test_cli import cli
+
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /mnt/runs}\n").replace(
+        "/srv/dflash/train.yaml", "tiny-cpu"))
+    result = cli("--inventory", str(inventory), *command, "-t", "gpu-b")
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "gpu-b is node 1 of the multinode job 'pair'" in lines[0] and "-t pair" in lines[0]
+    assert load(with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /r}\n")).node_of("gpu-c") is None
+
+
+def test_health_auto_relaunch_of_one_node_never_relaunches_it(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from dflash_ops.cli import cli as cli_group
+
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /mnt/runs}\n").replace(
+        "/srv/dflash/train.yaml", "tiny-cpu"))
+    dead = health.Verdict("CRITICAL", ("tmux session 'dflash' is gone",))
+
+    def check(target, **_kwargs):
+        return ops.Checked(target, dead, {"target": target.name, "verdict": "CRITICAL"})
+
+    def relaunch(*_args, **_kwargs):
+        raise AssertionError("auto-relaunch relaunched one node of a multinode job")
+
+    monkeypatch.setattr(ops, "check", check)
+    monkeypatch.setattr(ops, "auto_relaunch", relaunch)
+    result = CliRunner().invoke(cli_group, ["--inventory", str(inventory), "health", "--auto-relaunch", "--json",
+                                            "-t", "gpu-a"])
+    assert result.exit_code == 2, result.output
+    assert "not relaunched: gpu-a is node 0 of the multinode job 'pair'" in result.output, result.output

@@ -55,6 +55,11 @@ def run_command(obj: Obj, target_name, command: Callable, dry_run: bool, **optio
     """Run one of dflash_ops.commands on each target; options left None take its defaults."""
     given = {k: v for k, v in options.items() if v is not None}
     name = command.__name__.replace("_", "-")
+    ends_processes = command in (commands.relaunch, commands.stop, commands.gpu_clean)
+    for target in obj.targets(target_name) if ends_processes and not dry_run else ():
+        node = obj.inventory.node_of(target.name)
+        if node is not None:
+            raise InputError(f"{name}: {node}")
 
     def act(target, show):
         return command(target, dry_run=dry_run, on_progress=show, **given)

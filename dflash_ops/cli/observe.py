@@ -116,7 +116,10 @@ def _health(obj, target, as_json, auto_relaunch, timeout) -> int:
     actions = {}
     if auto_relaunch:
         for c in checked:
-            action = ops.auto_relaunch(c.target, c)
+            node = obj.inventory.node_of(c.target.name)
+            action = (
+                ops.HealthAction(False, f"not relaunched: {node}") if node else ops.auto_relaunch(c.target, c)
+            )
             if action is not None:
                 actions[c.target.name] = action
     if as_json:

@@ -80,6 +80,17 @@ class Inventory:
     # health and tail-log take its name; the other commands act on one node's target
     multinode: dict[str, MultinodeJob] = dataclasses.field(default_factory=dict)
 
+    def node_of(self, target: str) -> str | None:
+        """Why acting on `target` alone would break a multinode job it is a node of, or None."""
+        for name, job in self.multinode.items():
+            index = next((i for i, node in enumerate(job.nodes) if node.name == target), None)
+            if index is not None:
+                return (
+                    f"{target} is node {index} of the multinode job {name!r}: acting on it alone would "
+                    f"break the job on the other nodes; act on the job with -t {name}"
+                )
+        return None
+
     def resolve(self, name: str | None = None) -> list[Target]:
         """Targets for a --target value: a target, or a group's targets in order; None = default."""
         name = self.default_target if name is None else name
