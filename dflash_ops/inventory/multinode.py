@@ -22,7 +22,7 @@ from trainer.typed_yaml import kind_of, show
 
 from dflash_ops.act import cache_guard, jobpaths
 from dflash_ops.inventory.layers import Where, check_name, unknown_field
-from dflash_ops.inventory.rules import Bad, _host, _path, _whole
+from dflash_ops.inventory.rules import Bad, host_rule, path_rule, whole_rule
 from dflash_ops.inventory.model import Job, Target
 from dflash_ops.inventory.strict_yaml import YamlMap
 
@@ -128,14 +128,14 @@ def _job(name: str, spec: object, line: int, targets: dict[str, Target], where: 
             )
             raise where.error(line, key, f"is required, e.g. {key}: {example}")
     nodes = _nodes(spec["nodes"], lines["nodes"], targets, where)
-    runs_dir = rule("runs_dir", _path).rstrip("/") or "/"
+    runs_dir = rule("runs_dir", path_rule).rstrip("/") or "/"
     if not runs_dir.startswith("/"):
         raise where.error(
             lines["runs_dir"], "runs_dir", f"must be an absolute path on every node, got {show(runs_dir)}"
         )
-    port = rule("rdzv_port", _whole(1, 65535, "29400")) if "rdzv_port" in spec else DEFAULT_RDZV_PORT
+    port = rule("rdzv_port", whole_rule(1, 65535, "29400")) if "rdzv_port" in spec else DEFAULT_RDZV_PORT
     if "rdzv_host" in spec:
-        host = rule("rdzv_host", _host)
+        host = rule("rdzv_host", host_rule)
     elif nodes[0].transport == "ssh" and nodes[0].ssh is not None:
         host = nodes[0].ssh.host
     else:

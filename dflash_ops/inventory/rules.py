@@ -47,7 +47,7 @@ def _text(value: Any, example: str) -> str:
     return value
 
 
-def _whole(lo: int, hi: int, example: str) -> Rule:
+def whole_rule(lo: int, hi: int, example: str) -> Rule:
     def rule(value: Any) -> int:
         # bool is an int subclass in Python: `port: true` must not become port 1.
         if isinstance(value, bool) or not isinstance(value, int):
@@ -86,7 +86,7 @@ def _choice(options: tuple[str, ...]) -> Rule:
     return rule
 
 
-def _host(value: Any) -> str:
+def host_rule(value: Any) -> str:
     value = _text(value, "pve1.example.lan")
     if value.startswith("-"):
         raise Bad(f"a host name cannot start with '-' ({show(value)}); ssh would read it as an option")
@@ -117,7 +117,7 @@ def _jump(value: Any) -> JumpHost:
     return jump
 
 
-def _path(value: Any) -> str:
+def path_rule(value: Any) -> str:
     return _text(value, "/root/dflash")
 
 
@@ -215,16 +215,16 @@ HEALTH_FIELDS: Schema = {
     "min_tokens_per_s": _number("20000", zero_ok=True),
     "stall_seconds": _number("900", zero_ok=False),
     "min_drafter_util_pct": _number("30", zero_ok=True, most=100),
-    "max_relaunches_per_hour": _whole(0, 60, "3"),
+    "max_relaunches_per_hour": whole_rule(0, 60, "3"),
     "min_tau": _number("3", zero_ok=True, most=64),
 }
 JOB_FIELDS: Schema = {
-    "workdir": _path,
-    "python": _path,
+    "workdir": path_rule,
+    "python": path_rule,
     "config": _config,
     "session": _session,
-    "log_dir": _path,
-    "cache_dir": _path,
+    "log_dir": path_rule,
+    "cache_dir": path_rule,
     "target_gpus": _gpus,
     "drafter_gpus": _gpus,
     "tmux_socket": _socket,
@@ -232,22 +232,22 @@ JOB_FIELDS: Schema = {
     "env": _env,
     "health": HEALTH_FIELDS,
     "launcher": _choice(LAUNCHERS),
-    "nproc_per_node": _whole(1, 64, "2"),
-    "nnodes": _whole(1, 4096, "2"),
+    "nproc_per_node": whole_rule(1, 64, "2"),
+    "nnodes": whole_rule(1, 4096, "2"),
     "rdzv_endpoint": _endpoint,
 }
 HOST_FIELDS: Schema = {
-    "host": _host,
-    "port": _whole(1, 65535, "22"),
+    "host": host_rule,
+    "port": whole_rule(1, 65535, "22"),
     "user": _user,
-    "identity_file": _path,
+    "identity_file": path_rule,
     "jump": _jump,
     "host_key_policy": _choice(HOST_KEY_POLICIES),
-    "known_hosts_file": _path,
+    "known_hosts_file": path_rule,
     "connect_timeout_s": _number("10", zero_ok=False),
 }
 # Proxmox allows container ids from 100 up.
-PCT_FIELDS: Schema = {"ctid": _whole(100, 999_999_999, "200"), "gpu_query_on": _choice(GPU_QUERY_ON)}
+PCT_FIELDS: Schema = {"ctid": whole_rule(100, 999_999_999, "200"), "gpu_query_on": _choice(GPU_QUERY_ON)}
 TARGET_FIELDS: Schema = {"transport": _choice(TRANSPORTS), **HOST_FIELDS, **PCT_FIELDS, "job": JOB_FIELDS}
 # Shown when a path on a remote target is not absolute.
 REMOTE_PATH_EXAMPLES = {
