@@ -79,7 +79,6 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
     }
     if report is None:
         return status
-    roles = _roles(job)
     status.update(
         hostname=report.hostname,
         time=report.time,
@@ -91,8 +90,22 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
         job_state_error=report.job_state_error,
         log_missing=report.log_missing,
         metrics=report.metrics.path if report.metrics else None,
+        gpus=_gpus(report, job),
+        session=_session(report.session, job),
+        processes=[
+            {"pid": p.pid, "ppid": p.ppid, "name": p.name, "cmdline": p.cmdline} for p in report.processes
+        ],
+        data_source=data_source(report.records),
+        training=_training(report, verdict),
+        eval=_eval_status(acceptance.latest(list(report.records)), report.time),
+        eval_search=report.eval_scan,
     )
-    status["gpus"] = [
+    return status
+
+
+def _gpus(report, job) -> list[dict]:
+    roles = _roles(job)
+    return [
         {
             "index": g.index,
             "name": g.name,
@@ -115,8 +128,10 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
         }
         for g in report.gpu.gpus
     ]
-    s = report.session
-    status["session"] = {
+
+
+def _session(s, job) -> dict:
+    return {
         "name": s.name or job.session,
         "socket": s.socket or job.tmux_socket,
         "running": s.running,
@@ -124,16 +139,15 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
         "pane_pid": s.pane_pid,
         "exit_status": s.exit_status,
     }
-    status["processes"] = [
-        {"pid": p.pid, "ppid": p.ppid, "name": p.name, "cmdline": p.cmdline} for p in report.processes
-    ]
+
+
+def _training(report, verdict: Verdict) -> dict:
     progress = logs.progress(list(report.records))
-    status["data_source"] = data_source(report.records)
     # the age the verdict judged, so `status --json` carries one value for it (perfdata.age_s too)
     judged = verdict.perfdata.get("age_s")
     age = judged.value if judged is not None else progress_age(report, progress, report.time)
     # JSON has no NaN: a non-finite number becomes null (the verdict's reasons say what it was).
-    status["training"] = {
+    return {
         "step": progress.step,
         "total_steps": progress.total_steps,
         "loss": finite(progress.loss),
@@ -142,9 +156,6 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> dict:
         "last_update_age_s": age,
         "finished": progress.done_reason == "max_steps",
     }
-    status["eval"] = _eval_status(acceptance.latest(list(report.records)), report.time)
-    status["eval_search"] = report.eval_scan
-    return status
 
 
 def _eval_status(accept, now: float) -> dict | None:
