@@ -186,33 +186,7 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
     def line_of(key: str) -> int:
         return data.key_lines.get(key, 1)
 
-    # Defaults apply to ssh and pct targets only, so they must already be valid remote values.
-    defaults_where = Where(top.filename, "defaults")
-    raw_defaults = mapping_or_empty(
-        data.get("defaults"),
-        "defaults",
-        line_of("defaults"),
-        top,
-        "{user: root, job: {workdir: /root/dflash}}",
-    )
-    defaults, default_lines = check_layer(raw_defaults, TARGET_FIELDS, defaults_where)
-    if defaults.get("transport") == "local":
-        raise defaults_where.error(
-            default_lines["transport"],
-            "transport",
-            "defaults apply to ssh and pct targets only; use ssh or pct, or remove it",
-        )
-    for key, example in REMOTE_PATH_EXAMPLES.items():
-        value = defaults.get("job", {}).get(key)
-        if value is not None and not value.startswith("/"):
-            raise defaults_where.error(
-                default_lines[f"job.{key}"],
-                f"job.{key}",
-                "defaults apply to ssh and pct targets, so this must be an absolute "
-                f"path on the target, got {show(value)}; write the full path, "
-                f"e.g. {example}",
-            )
-
+    defaults, default_lines = _defaults(data.get("defaults"), line_of("defaults"), top)
     raw_targets = mapping_or_empty(
         data.get("targets"),
         "targets",
@@ -246,6 +220,31 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
     return Inventory(
         targets=targets, groups=groups, default_target=default_target, source=filename, multinode=multinode
     )
+
+
+def _defaults(raw: object, line: int, top: Where) -> tuple[Fields, Lines]:
+    """The `defaults:` layer. They apply to ssh and pct targets only, so they must already be valid
+    remote values."""
+    defaults_where = Where(top.filename, "defaults")
+    raw_defaults = mapping_or_empty(raw, "defaults", line, top, "{user: root, job: {workdir: /root/dflash}}")
+    defaults, default_lines = check_layer(raw_defaults, TARGET_FIELDS, defaults_where)
+    if defaults.get("transport") == "local":
+        raise defaults_where.error(
+            default_lines["transport"],
+            "transport",
+            "defaults apply to ssh and pct targets only; use ssh or pct, or remove it",
+        )
+    for key, example in REMOTE_PATH_EXAMPLES.items():
+        value = defaults.get("job", {}).get(key)
+        if value is not None and not value.startswith("/"):
+            raise defaults_where.error(
+                default_lines[f"job.{key}"],
+                f"job.{key}",
+                "defaults apply to ssh and pct targets, so this must be an absolute "
+                f"path on the target, got {show(value)}; write the full path, "
+                f"e.g. {example}",
+            )
+    return defaults, default_lines
 
 
 def _check_rendezvous(targets: dict[str, Target], raw_targets: YamlMap, top: Where) -> None:
