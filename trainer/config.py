@@ -242,6 +242,14 @@ def _fail(cfg: TrainConfig, key: str, message: str) -> typing.NoReturn:
 
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that need no torch. Raises ConfigError naming the key and the fix."""
+    _validate_shape(cfg)
+    _validate_train(cfg)
+    _validate_data(cfg)
+    _validate_run(cfg)
+    _validate_eval(cfg)
+
+
+def _validate_shape(cfg: TrainConfig) -> None:
     d, t, data, r = cfg.drafter, cfg.train, cfg.data, cfg.run
     for key, value in [
         ("drafter.num_layers", d.num_layers),
@@ -269,6 +277,10 @@ def validate(cfg: TrainConfig) -> None:
         _fail(
             cfg, "drafter.num_kv_heads", f"({d.num_kv_heads}) must divide drafter.num_heads ({d.num_heads})."
         )
+
+
+def _validate_train(cfg: TrainConfig) -> None:
+    t = cfg.train
     if t.max_steps is not None and t.max_steps < 1:
         _fail(cfg, "train.max_steps", f"must be at least 1 or null, got {t.max_steps}.")
     if t.lr <= 0:
@@ -290,6 +302,16 @@ def validate(cfg: TrainConfig) -> None:
             f"must be one of {', '.join(PRECISIONS)}, got {t.precision!r}. "
             "Fix: bf16-mixed on GPUs, fp32 for exact CPU runs.",
         )
+    if t.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        _fail(
+            cfg,
+            "train.activation_checkpointing",
+            f"must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got {t.activation_checkpointing!r}.",
+        )
+
+
+def _validate_data(cfg: TrainConfig) -> None:
+    data = cfg.data
     if data.source not in DATA_SOURCES:
         _fail(cfg, "data.source", f"must be one of {', '.join(DATA_SOURCES)}, got {data.source!r}.")
     if data.source == "jsonl" and not data.path:
@@ -307,6 +329,12 @@ def validate(cfg: TrainConfig) -> None:
             "data.synthetic.prompt_len",
             f"({data.synthetic.prompt_len}) must be shorter than data.seq_len ({data.seq_len}).",
         )
+    if data.seq_len < 2:
+        _fail(cfg, "data.seq_len", f"must be at least 2, got {data.seq_len}.")
+
+
+def _validate_run(cfg: TrainConfig) -> None:
+    r = cfg.run
     if r.attention not in ATTENTION_BACKENDS:
         _fail(cfg, "run.attention", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {r.attention!r}.")
     if r.compile_lock not in COMPILE_LOCK_MODES:
@@ -337,12 +365,6 @@ def validate(cfg: TrainConfig) -> None:
         )
     if r.compile_mode not in COMPILE_MODES:
         _fail(cfg, "run.compile_mode", f"must be one of {', '.join(COMPILE_MODES)}, got {r.compile_mode!r}.")
-    if t.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-        _fail(
-            cfg,
-            "train.activation_checkpointing",
-            f"must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got {t.activation_checkpointing!r}.",
-        )
     if r.stop_grace_s <= 0:
         _fail(
             cfg,
@@ -365,9 +387,6 @@ def validate(cfg: TrainConfig) -> None:
             "is flex, but a drafter device is cpu and torch cannot run flex_attention backward "
             "on CPU. Fix: use --attention sdpa for CPU drafters.",
         )
-    if data.seq_len < 2:
-        _fail(cfg, "data.seq_len", f"must be at least 2, got {data.seq_len}.")
-    _validate_eval(cfg)
 
 
 def _validate_eval(cfg: TrainConfig) -> None:
