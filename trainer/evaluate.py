@@ -381,6 +381,34 @@ def evaluate(
             ties, mismatch = check_lossless(target, usable, found.own, found.spec)
     finally:
         drafter.train(was_training)
+    return _result(
+        found,
+        block,
+        prompts=len(prompts),
+        usable=len(usable),
+        sampled=temperature > 0,
+        ties=ties,
+        mismatch=mismatch,
+        seconds=time.perf_counter() - t0,
+        batch=decoder.rows if static else 1,
+        loop=name,
+    )
+
+
+def _result(
+    found,
+    block: int,
+    *,
+    prompts: int,
+    usable: int,
+    sampled: bool,
+    ties: int,
+    mismatch,
+    seconds: float,
+    batch: int,
+    loop: str,
+) -> EvalResult:
+    """The evaluation's numbers from what both decodings found."""
     rounds = [n for row in found.accepted for n in row]
     target_tps = found.target_tokens / found.target_seconds if found.target_seconds > 0 else None
     spec_tps = found.spec_tokens / found.spec_seconds if found.spec_seconds > 0 else 0.0
@@ -390,16 +418,16 @@ def evaluate(
             sum(n >= k for n in rounds) / len(rounds) if rounds else math.nan for k in range(1, block)
         ],
         rounds=len(rounds),
-        prompts=len(usable),
-        skipped_too_long=len(prompts) - len(usable),
+        prompts=usable,
+        skipped_too_long=prompts - usable,
         new_tokens=int(found.spec_tokens),
         target_tokens_per_s=target_tps,
         speculative_tokens_per_s=spec_tps,
         speedup=spec_tps / target_tps if target_tps else None,
-        lossless=None if temperature > 0 else mismatch is None,
+        lossless=None if sampled else mismatch is None,
         ties=ties,
         mismatch=mismatch,
-        seconds=time.perf_counter() - t0,
-        batch=decoder.rows if static else 1,
-        loop=name,
+        seconds=seconds,
+        batch=batch,
+        loop=loop,
     )
