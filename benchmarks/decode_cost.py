@@ -1,5 +1,5 @@
 """The decode loop's cost model: T_target(1), T_verify(B), T_draft(B) and a whole speculative round on the
-static loop (trainer.static_decode), and the speed-up each tau would give.
+static loop (trainer.infer.static_decode), and the speed-up each tau would give.
 
     python benchmarks/decode_cost.py --device cuda:0 --shapes small,8b --out $OUT/decode-cost.md
     python benchmarks/decode_cost.py --device cpu --shapes tiny --out /tmp/decode-cost.md       (smoke)
@@ -11,7 +11,7 @@ Each part is timed two ways: back-to-back graph replays (the GPU's time, CUDA ev
 host loop (replay + the one host sync + flag read per iteration). For every block size B:
 speed-up(tau) = tau * T_step / T_round (both host-loop times: a round costs T_round and emits tau
 tokens on average; target-only emits one per T_step). The HF-eager reference loop is timed too
-(trainer.speculative.target_generate: the loop this replaces).
+(trainer.infer.speculative.target_generate: the loop this replaces).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def loop_ms(run, decoder, iterations: int) -> float:
 
 
 def measure(model, drafter, shape: str, block: int, compile: bool, device: str, iterations: int) -> dict:
-    from trainer.static_decode import StaticDecoder
+    from trainer.infer.static_decode import StaticDecoder
 
     spec = SHAPES[shape]
     gen = torch.Generator().manual_seed(block)
@@ -240,7 +240,7 @@ def measure(model, drafter, shape: str, block: int, compile: bool, device: str, 
 
 
 def reference_loop(model, shape: str, tokens: int) -> dict:
-    from trainer.speculative import target_generate
+    from trainer.infer.speculative import target_generate
 
     spec = SHAPES[shape]
     prompt = list(range(3, 3 + spec["prompt"]))
@@ -269,7 +269,7 @@ def markdown(args, info, results) -> str:
         if ref:
             ms = ref["hf_eager_ms_per_token"]
             lines += [
-                "HF-eager reference loop (trainer.speculative.target_generate): "
+                "HF-eager reference loop (trainer.infer.speculative.target_generate): "
                 + ", ".join(f"{m:.2f}" for m in ms)
                 + " ms/token (3 runs)",
                 "",

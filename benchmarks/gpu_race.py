@@ -15,7 +15,7 @@ stuck in a compile), KILL_AFTER seconds later SIGKILL. A trial is counted as:
   mask   the create_block_mask race (KeyError: 'custom')
   other  any other non-zero exit
   hang   no exit within --timeout (a failure); split into "left on SIGTERM" / "ended by its stop
-         watchdog" (its Python code could not run; trainer.stop_watchdog) / "needed SIGKILL"
+         watchdog" (its Python code could not run; trainer.train.stop_watchdog) / "needed SIGKILL"
   clean  exit 0 after --steps steps
 Trials of all (mode, checkpointing) cells share one pool of --parallel slots; trials that have
 not started when --budget seconds are up are reported as skipped.
@@ -150,7 +150,7 @@ def trial(mode: str, checkpointing: str, index: int, args) -> dict:
         "seconds": round(seconds, 1),
         "rc": proc.returncode,
         "hang_exit": hang_exit,
-        # from the trainer's compile log lines (trainer.compile_lock.compile_reason)
+        # from the trainer's compile log lines (trainer.train.compile_lock.compile_reason)
         "recompute_compiles": text.count("in checkpoint recompute"),
         "unexclusive_compiles": text.count("NOT exclusive"),
         "last_line": lines[-1][:300] if lines and outcome != "clean" else "",

@@ -49,7 +49,7 @@ def final_loss(run_dir: str, last: int = 5) -> float | None:
 
 
 def check(runs: list[tuple[str, str]]) -> list[dict]:
-    from trainer.checkpoint import latest_checkpoint
+    from trainer.train.checkpoint import latest_checkpoint
 
     rows: list[dict] = []
     for label, run_dir in runs:

@@ -3,7 +3,7 @@
 A shard at paper dims: sequences of 3072 tokens x 5 layers x 4096 hidden in bf16 (120 MiB each)
 plus ids, masks and offsets. `before` is the writer the cache used before: torch.cat of the pieces,
 safetensors' save_file, fsync, then the file read back for its sha256. `after` is
-trainer.safetensors_stream.write_pieces (each piece written once through sha256, then fsync).
+trainer.data.safetensors_stream.write_pieces (each piece written once through sha256, then fsync).
 Both write the same bytes (checked). The two alternate, `--repeats` times each.
 
     python benchmarks/shard_write.py --dir /tmp/shards --sequences 16 --repeats 3
@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.feature_cache import file_sha256  # noqa: E402
-from trainer.safetensors_stream import write_pieces  # noqa: E402
+from trainer.data.feature_cache import file_sha256  # noqa: E402
+from trainer.data.safetensors_stream import write_pieces  # noqa: E402
 
 
 def pieces(sequences: int, tokens: int, width: int) -> dict[str, list[torch.Tensor]]:

@@ -217,7 +217,7 @@ def _train_step(args, dims, cfg, model, optimizer, batch, gen, attention: str, t
     mask = build(anchors, valid, t, cfg.block_size, args.device)
     pure = args.precision == PURE_BF16
     with contextlib.nullcontext() if pure else precision.autocast(args.device, args.precision):
-        # what trainer.train.make_loss_fn does
+        # what trainer.train.loop.make_loss_fn does
         hidden = model(features, input_ids, anchors, mask, attention_backend(attention))
         labels, label_mask = block_labels(
             input_ids, loss_mask.to(args.device), anchors, valid, cfg.block_size
@@ -233,7 +233,7 @@ def _train_step(args, dims, cfg, model, optimizer, batch, gen, attention: str, t
 def child_train(args, dims) -> dict:
     import torch
 
-    from trainer.compile_lock import CompileGuard, assert_fx_flag_clear
+    from trainer.train.compile_lock import CompileGuard, assert_fx_flag_clear
 
     events: list = []
     guard = CompileGuard("lock", on_event=events.append).install()
@@ -321,7 +321,7 @@ def child_first_step(args, dims) -> dict:
     """N threads, one replica each, start together; time each thread's first forward+backward."""
     import torch
 
-    from trainer.compile_lock import CompileGuard, is_fx_tracing_error
+    from trainer.train.compile_lock import CompileGuard, is_fx_tracing_error
 
     guard = CompileGuard(args.lock).install()
     replicas = [_build(args, dims, torch) for _ in range(args.threads)]
@@ -367,7 +367,7 @@ def child_first_step(args, dims) -> dict:
 
 def _write_synthetic_cache(args, dims, cfg, torch, cache_dir: str, sequences: int) -> dict:
     """A feature cache at these dims through the trainer's own writer (random target features)."""
-    from trainer.feature_cache import FORMAT, ShardWriter, write_manifest
+    from trainer.data.feature_cache import FORMAT, ShardWriter, write_manifest
 
     manifest = {
         "format": FORMAT,
@@ -415,12 +415,12 @@ def child_cache(args, dims) -> dict:
     pinned memory): features resident on the GPU (drafter-only) vs read from a feature cache on disk."""
     import torch
 
-    from trainer.compile_lock import CompileGuard
+    from trainer.train.compile_lock import CompileGuard
     from trainer.config import TrainConfig
-    from trainer.data import BatchPlan
-    from trainer.feature_cache import CacheReader, bytes_per_token, open_cache
-    from trainer.train import make_loss_fn
-    from trainer.workers import Replica, TrainingWorkers
+    from trainer.data.dataset import BatchPlan
+    from trainer.data.feature_cache import CacheReader, bytes_per_token, open_cache
+    from trainer.train.loop import make_loss_fn
+    from trainer.train.workers import Replica, TrainingWorkers
 
     cfg, model, optimizer, dtype = _build(args, dims, torch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -533,7 +533,7 @@ SMALL_TARGET = dict(
 def _random_target(args, torch):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from trainer.target import TargetModel, default_layer_ids
+    from trainer.data.target import TargetModel, default_layer_ids
 
     config = Qwen3Config(**(SMALL_TARGET if args.small else QWEN3_8B))
     config._attn_implementation = "sdpa"
@@ -572,18 +572,18 @@ def child_e2e(args, dims) -> dict:
     1. the target's bare feature forward (3072 tokens; layers up to the last feature layer);
     2. the drafter step alone (features resident), through the trainer's TrainingWorkers;
     3. end to end: the target worker computes each batch's features, the drafter trains on them;
-    4. cache-features at these dims: trainer.feature_cache.write_cache against the bare forward of
+    4. cache-features at these dims: trainer.data.feature_cache.write_cache against the bare forward of
        the same batches (same batch size)."""
     import torch
 
     from trainer import precision
-    from trainer.compile_lock import CompileGuard
+    from trainer.train.compile_lock import CompileGuard
     from trainer.config import TrainConfig
-    from trainer.data import BatchPlan, Dataset
-    from trainer.feature_cache import auto_batch_size, cache_header, write_cache
+    from trainer.data.dataset import BatchPlan, Dataset
+    from trainer.data.feature_cache import auto_batch_size, cache_header, write_cache
     from trainer.model import DFlashDrafter, DrafterConfig
-    from trainer.train import make_loss_fn
-    from trainer.workers import Replica, TrainingWorkers
+    from trainer.train.loop import make_loss_fn
+    from trainer.train.workers import Replica, TrainingWorkers
 
     guard = CompileGuard("lock").install()
     target = _random_target(args, torch)

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from dflash_ops.observe import health, status
 from dflash_ops.cli import cli
-from trainer.metrics import step_line
+from trainer.train.metrics import step_line
 
 RECORDING = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "gpu-ops.md"
 

@@ -103,7 +103,7 @@ def test_truncated_traceback_still_reported():
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("start_training.sh: line 3: 48213 Killed                  python3 -m trainer.cli", ["killed"]),
+    ("start_training.sh: line 3: 48213 Killed                  python3 -m trainer.cli.main", ["killed"]),
     ("Killed", ["killed"]),
     ("Killed 3 stale processes before launch", []),
     ("Segmentation fault (core dumped)", ["native_crash"]),

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from dflash_ops import remote
+from dflash_ops.observe import probe
 from dflash_ops.remote import facts
 from trainer import metrics_format
 
@@ -49,7 +50,8 @@ def test_facts_newest_log_name_goes_by_number_not_by_text():
 
 def test_the_probe_reports_a_missing_pynvml_and_still_answers(tmp_path):
     # pynvml is an optional extra of the job's environment: without it the probe says so and goes on
-    args = {"log_dir": str(tmp_path), "session": "none", "socket": "dflash-test-none", "gpu_source": "nvml"}
+    args = {"log_dir": str(tmp_path), "session": "none", "socket": "dflash-test-none", "gpu_source": "nvml",
+            "log_lines": probe.DEFAULT_LOG_LINES, "metrics_lines": probe.DEFAULT_METRICS_LINES}
     no_pynvml = b"import sys; sys.modules['pynvml'] = None\n"  # `import pynvml` raises ImportError
     proc = subprocess.run([sys.executable, "-I", "-S", "-", json.dumps(args)],
                           input=no_pynvml + remote.bundle("probe_script.py"), capture_output=True, cwd=tmp_path,

@@ -358,7 +358,7 @@ def test_the_answer_stays_under_its_bound(monkeypatch):
 
 
 def test_dflash_train_report_draws_a_local_metrics_file(workdir, tmp_path):
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     metrics = Path(make_job(workdir).log_dir) / "train-0001.metrics.jsonl"
     assert main(["report", str(metrics), "-o", str(tmp_path / "local.png")]) == 0
@@ -375,7 +375,7 @@ def test_dflash_train_report_draws_a_local_metrics_file(workdir, tmp_path):
 
 
 def test_dflash_train_report_without_matplotlib_is_one_line_exit_2(workdir, tmp_path, monkeypatch, capsys):
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     metrics = Path(make_job(workdir).log_dir) / "train-0001.metrics.jsonl"
@@ -442,7 +442,7 @@ def test_peak_gpu_memory_reads_and_restarts_the_allocator_peaks(monkeypatch):
     """No GPU here: torch.cuda's two allocator counters are stood in for."""
     import torch
 
-    from trainer.train import peak_gpu_memory_gib
+    from trainer.train.loop import peak_gpu_memory_gib
 
     peaks = {"cuda:0": 3 * 2**30, "cuda:1": 5 * 2**30}
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev: peaks[dev])

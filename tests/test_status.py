@@ -46,7 +46,7 @@ def make_report(recs=None, snapshot=SNAPSHOT, running=True):
         target="gpu-box", time=NOW, hostname="ct200", gpu=snapshot,
         session=probe.SessionState("dflash", "dflash", running, running, 4100 if running else None),
         processes=(probe.ProcessInfo(4100, 1, "bash", "S", "bash start.sh"),
-                   probe.ProcessInfo(4123, 4100, "python3", "S", "python3 -m trainer.cli")),
+                   probe.ProcessInfo(4123, 4100, "python3", "S", "python3 -m trainer.cli.main")),
         log_dir="/srv/dflash/logs",
         log=probe.FileTail("/srv/dflash/logs/train-0003.log", 10, NOW - 3, ("step 120",)),
         metrics=probe.FileTail("/srv/dflash/logs/train-0003.metrics.jsonl", 10, NOW - 12, ()),

@@ -2,6 +2,6 @@
 
 import sys
 
-from trainer.cli import main
+from trainer.cli.main import main
 
 sys.exit(main())

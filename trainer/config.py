@@ -14,13 +14,13 @@ import re
 import typing
 from pathlib import Path
 
-from . import typed_yaml
-from .block_size import DEFAULT_BLOCK_SIZE, block_size_problem
-from .compile_lock import COMPILE_LOCK_MODES
-from .trackers import TRACKERS
-from .compile_modes import COMPILE_MODES, REFUSED_COMPILE_MODES
-from .launchers import DEFAULT_LAUNCHER, LAUNCHERS
-from .stop_timing import DEFAULT_STOP_GRACE_S
+from trainer import typed_yaml
+from trainer.block_size import DEFAULT_BLOCK_SIZE, block_size_problem
+from trainer.train.compile_lock import COMPILE_LOCK_MODES
+from trainer.train.trackers import TRACKERS
+from trainer.train.compile_modes import COMPILE_MODES, REFUSED_COMPILE_MODES
+from trainer.launchers import DEFAULT_LAUNCHER, LAUNCHERS
+from trainer.stop_timing import DEFAULT_STOP_GRACE_S
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 ATTENTION_BACKENDS = ("flex", "sdpa")
@@ -104,7 +104,7 @@ class RunConfig:
     drafter_devices: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])
     attention: str = "sdpa"
     compile_lock: str = "lock"
-    compile_mode: str = "default"  # torch.compile mode of flex_attention (trainer.compile_modes)
+    compile_mode: str = "default"  # torch.compile mode of flex_attention (trainer.train.compile_modes)
     # After SIGTERM/SIGINT: seconds the running step may take before the trainer exits without a
     # checkpoint (a thread stuck in a compile must not keep the process alive). Below ops' --grace.
     stop_grace_s: float = DEFAULT_STOP_GRACE_S  # see trainer.stop_timing

@@ -9,7 +9,7 @@ Data flow of one forward:
 
 The target's embedding and lm_head are frozen and NOT part of this module's parameters or
 state_dict: `state_dict()` holds exactly the drafter weights under the names inference engines
-load (see trainer.export).
+load (see trainer.infer.export).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .block_size import DEFAULT_BLOCK_SIZE, block_size_problem
-from .config import ATTENTION_BACKENDS
-from .precision import attention_inputs
+from trainer.block_size import DEFAULT_BLOCK_SIZE, block_size_problem
+from trainer.config import ATTENTION_BACKENDS
+from trainer.precision import attention_inputs
 
 # An attention the trainer does not offer, (q, k, v, attn_mask) -> out, as `attend` calls it (benchmarks)
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 # DrafterConfig fields that only travel to the export: a checkpoint written before they existed
-# still resumes (trainer.train.restore does not compare them when the checkpoint lacks them).
+# still resumes (trainer.train.loop.restore does not compare them when the checkpoint lacks them).
 EXPORT_METADATA = ("max_position_embeddings", "rope_scaling")
 
 
@@ -98,7 +98,7 @@ class DrafterConfig:
 
     @classmethod
     def for_target(cls, target, **overrides) -> "DrafterConfig":
-        """Drafter dims copied from a trainer.target.TargetModel (the paper's choice).
+        """Drafter dims copied from a trainer.data.target.TargetModel (the paper's choice).
 
         hidden_size and vocab_size must match the target (its embedding and lm_head are reused);
         the others may be overridden (e.g. num_layers=1 for a quick run).
@@ -181,7 +181,7 @@ def set_compile_mode(mode: str) -> None:
     """torch.compile mode of the process's compiled regions (flex_attention, layers, loss chunk);
     before their first use."""
     global _compile_mode
-    from trainer.compile_modes import torch_compile_kwargs
+    from trainer.train.compile_modes import torch_compile_kwargs
 
     torch_compile_kwargs(mode)  # refuses unknown modes
     with _compiled_flex_init:
@@ -201,7 +201,7 @@ def compile_options() -> dict:
     silently run flex eagerly, which poisons compiled calls.
     """
     global _compile_mode_used
-    from trainer.compile_modes import torch_compile_kwargs
+    from trainer.train.compile_modes import torch_compile_kwargs
 
     with _compiled_flex_init:
         _compile_mode_used = True

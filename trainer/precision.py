@@ -20,7 +20,7 @@ import contextlib
 
 import torch
 
-from .config import PRECISIONS
+from trainer.config import PRECISIONS
 
 MASTER_DTYPE = torch.float32
 
@@ -89,6 +89,6 @@ def _check(precision: str) -> None:
 
 def resolve(cfg) -> str:
     """cfg.train.precision, or its default for the drafter devices when unset."""
-    from .config import default_precision
+    from trainer.config import default_precision
 
     return cfg.train.precision or default_precision(cfg.run.drafter_devices)

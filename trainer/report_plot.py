@@ -16,8 +16,8 @@ import html
 import io
 import math
 
-from .metrics import format_duration
-from .run_summary import RunHistory
+from trainer.train.metrics import format_duration
+from trainer.run_summary import RunHistory
 
 WIDTH_IN, PANEL_HEIGHT_IN, DPI = 14.0, 3.6, 100
 MARKER_STYLE = {

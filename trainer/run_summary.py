@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import metrics_format
-from .metrics import format_duration
+from trainer import metrics_format
+from trainer.train.metrics import format_duration
 
 
 @dataclasses.dataclass(frozen=True)

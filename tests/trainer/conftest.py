@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.model import DFlashDrafter, DrafterConfig
-from trainer.target import load_target
+from trainer.data.target import load_target
 
 EXPORT_BLOCK = 4
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from trainer.export import ARCHITECTURE, CONFIG_FILE, WEIGHTS_FILE
+from trainer.infer.export import ARCHITECTURE, CONFIG_FILE, WEIGHTS_FILE
 
 
 class ReferenceDrafter:

@@ -21,8 +21,8 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
-from trainer import train as train_module  # noqa: E402
-from trainer.cli import main  # noqa: E402
+from trainer.train import loop as train_module  # noqa: E402
+from trainer.cli.main import main  # noqa: E402
 
 STUCK_AT_STEP = 2
 

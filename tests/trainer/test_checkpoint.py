@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import checkpoint as ck
+from trainer.train import checkpoint as ck
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -104,7 +104,7 @@ CHILD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {repo!r})
     import torch
-    from trainer import checkpoint as ck
+    from trainer.train import checkpoint as ck
     out, mode = sys.argv[1], sys.argv[2]
 
     def save(step, size):

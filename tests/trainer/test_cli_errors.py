@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Runs the CLI in a fresh interpreter and reports whether torch got imported on the way.
 PROBE = """
 import json, sys
-from trainer.cli import main
+from trainer.cli.main import main
 try:
     rc = main(sys.argv[1:])
 except SystemExit as exc:
@@ -70,7 +70,7 @@ def test_export_of_a_run_without_checkpoints_says_so(tmp_path):
 
 
 def test_written_weights_follow_the_umask(tmp_path):
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     common = ["--config", "tiny-cpu", "--max-steps", "1", "--output-dir", str(tmp_path / "run"),
               "--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.epochs=30", "--set", "train.batch_size=2",

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from trainer import metrics_format
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
-from trainer.cli import main
+from trainer.train.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.cli.main import main
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,7 +41,7 @@ def run_trainer(release, cwd, *args, timeout=180):
 
 
 def stop_watchdogs_of(pid: int) -> list[int]:
-    """The trainer's stop watchdog processes (trainer.stop_watchdog) that are alive."""
+    """The trainer's stop watchdog processes (trainer.train.stop_watchdog) that are alive."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and alive(int(entry.name)):
@@ -164,7 +164,7 @@ def test_bad_data_exits_2_naming_file_and_line(tmp_path, capsys):
 
 
 def test_a_drafter_thread_exception_exits_1_with_an_error_record(tmp_path, capsys, monkeypatch):
-    import trainer.train as train_module
+    import trainer.train.loop as train_module
 
     real = train_module.make_loss_fn
 

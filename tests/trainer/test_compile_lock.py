@@ -17,8 +17,10 @@ import time
 import pytest
 import torch
 
-from trainer import compile_lock, metrics_format
-from trainer.compile_lock import (
+from trainer.train import compile_lock
+
+from trainer import metrics_format
+from trainer.train.compile_lock import (
     MASK_LOCK,
     CompileGuard,
     CompileLockError,

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from trainer.data import BatchPlan, DataError, derive_seed, load_jsonl, make_batch, synthetic_dataset
+from trainer.data.dataset import BatchPlan, DataError, derive_seed, load_jsonl, make_batch, synthetic_dataset
 
 VOCAB = 100
 
@@ -200,7 +200,7 @@ def test_make_batch_takes_the_planned_rows(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_target_fixture():
-    from trainer.target import load_target
+    from trainer.data.target import load_target
 
     return load_target("tiny-random", "cpu", torch.float32, seed=0)
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer import checkpoint as ckpt
+from trainer.train import checkpoint as ckpt
 from trainer import metrics_format
 from trainer.config import ConfigError, load_config
-from trainer.distributed import RankStopRequest, check_launcher, check_world_size
-from trainer.train import StopRequest, train
+from trainer.train.distributed import RankStopRequest, check_launcher, check_world_size
+from trainer.train.loop import StopRequest, train
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -185,8 +185,8 @@ def say(*words):  # one write per line: both ranks share the pipe
     sys.stdout.flush()
 
 
-from trainer.checkpoint import CheckpointError
-from trainer.distributed import check_same_data, check_same_start, rank_from_env
+from trainer.train.checkpoint import CheckpointError
+from trainer.train.distributed import check_same_data, check_same_start, rank_from_env
 dist.init_process_group("gloo")
 rank = rank_from_env()
 try:
@@ -195,7 +195,7 @@ try:
 except CheckpointError as exc:
     say("rank", rank.rank, "refused:", exc)
 import torch
-from trainer.data import Dataset
+from trainer.data.dataset import Dataset
 ids = torch.arange(12).view(3, 4) + rank.rank  # as if rank 1 had generated other data
 try:
     check_same_data(Dataset(ids, ids > 0, ids >= 0, "probe"), rank, "cpu")

@@ -7,13 +7,15 @@ import json
 import pytest
 import torch
 
-from trainer import cli, speculative
-from trainer.checkpoint import save_checkpoint
+from trainer.cli import main as cli
+
+from trainer.infer import speculative
+from trainer.train.checkpoint import save_checkpoint
 from trainer.config import load_config
-from trainer.evaluate import load_prompts
-from trainer.export import export_drafter
+from trainer.infer.evaluate import load_prompts
+from trainer.infer.export import export_drafter
 from trainer.model import DFlashDrafter, DrafterConfig
-from trainer.target import load_target
+from trainer.data.target import load_target
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -46,7 +48,7 @@ def run_dir(tmp_path_factory):
 
 def run(argv, tty=False):
     out, err = Tty(tty), Tty(tty)
-    from trainer.eval_cli import eval_parser, run_eval
+    from trainer.cli.eval import eval_parser, run_eval
 
     code = run_eval(eval_parser().parse_args(argv), out=out, err=err)
     return code, out.getvalue(), err.getvalue()
@@ -77,7 +79,7 @@ def test_text_report_and_progress_on_a_terminal(run_dir, tmp_path):
 
 @pytest.mark.parametrize("loop", ["static", "reference"])
 def test_a_lossless_mismatch_names_the_prompt_position_and_logits_and_exits_1(run_dir, monkeypatch, loop):
-    from trainer.static_decode import StaticDecoder
+    from trainer.infer.static_decode import StaticDecoder
 
     real_static, real_reference = StaticDecoder.decode, speculative.speculative_generate
 
@@ -96,7 +98,7 @@ def test_a_lossless_mismatch_names_the_prompt_position_and_logits_and_exits_1(ru
         return result
 
     monkeypatch.setattr(StaticDecoder, "decode", static)
-    monkeypatch.setattr("trainer.evaluate.speculative_generate", reference)
+    monkeypatch.setattr("trainer.infer.evaluate.speculative_generate", reference)
     code, out, err = run(["--checkpoint", str(run_dir), "--num-prompts", "1", "--max-new-tokens", "8",
                           "--loop", loop])
     assert code == 1

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.trainer.conftest import EXPORT_BLOCK as BLOCK
 from tests.trainer.reference_drafter import ReferenceDrafter
-from trainer.export import (
+from trainer.infer.export import (
     WEIGHTS_FILE,
     drafter_config_from_export,
     export_drafter,

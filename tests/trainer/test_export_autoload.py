@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tests.trainer.conftest import EXPORT_BLOCK as BLOCK
-from trainer.export import export_drafter
+from trainer.infer.export import export_drafter
 from trainer.masks import dense_mask
 from trainer.model import DFlashDrafter, DrafterConfig
-from trainer.target import load_target
+from trainer.data.target import load_target
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import feature_cache as fc
-from trainer.cli import main as cli_main
+from trainer.data import feature_cache as fc
+from trainer.cli.main import main as cli_main
 from trainer.config import load_config
-from trainer.data import BatchPlan, DataError, make_batch
+from trainer.data.dataset import BatchPlan, DataError, make_batch
 from trainer.model import DFlashDrafter
-from trainer.target import load_target
-from trainer.target_head import load_target_head, weight_bytes
-from trainer.train import build_dataset, drafter_config, make_loss_fn, train
-from trainer.workers import Replica
+from trainer.data.target import load_target
+from trainer.data.target_head import load_target_head, weight_bytes
+from trainer.train.loop import build_dataset, drafter_config, make_loss_fn, train
+from trainer.train.workers import Replica
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -128,7 +128,7 @@ def test_same_batch_online_and_from_the_cache_gives_the_same_loss_and_gradients(
 
 def test_training_from_the_cache_loads_no_target_layers(made, tmp_path, monkeypatch):
     cfg, target, dataset, header, manifest, root = made
-    import trainer.train as train_module
+    import trainer.train.loop as train_module
 
     def no_target(*args, **kwargs):
         raise AssertionError("the full target must not be loaded when features come from a cache")
@@ -309,8 +309,8 @@ def test_features_source_needs_a_path():
 
 def test_regenerate_then_cache_then_train_with_a_model_directory(made, tmp_path):
     """The whole route on a real HF directory (the tiny model + the byte-level ChatML tokenizer)."""
-    from trainer.chat_tokenizer import byte_chat_tokenizer
-    from trainer.regenerate import RegenerateOptions, regenerate
+    from trainer.data.chat_tokenizer import byte_chat_tokenizer
+    from trainer.data.regenerate import RegenerateOptions, regenerate
 
     cfg, target, dataset, header, manifest, root = made
     model_dir = tmp_path / "model"

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from benchmarks.baselines import eager_flex_attention
 from trainer import metrics_format, precision
 from trainer.config import ConfigError, load_config
-from trainer.train import train
+from trainer.train.loop import train
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -149,7 +149,7 @@ def test_attention_inputs_share_the_autocast_dtype():
 def test_flex_attention_gets_bf16_inputs_under_autocast_and_agrees_with_sdpa():
     from trainer.masks import build_block_mask, dense_mask, sample_anchors
     from trainer.model import DFlashDrafter, DrafterConfig
-    from trainer.target import load_target
+    from trainer.data.target import load_target
 
     target = load_target("tiny-random", "cpu", torch.float32, seed=0)
     torch.manual_seed(0)

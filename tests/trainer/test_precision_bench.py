@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from trainer.config import load_config
-from trainer.train import train
+from trainer.train.loop import train
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data_cli import main as data_main
-from trainer.regenerate import Generator, RegenerateOptions, parse_record, Reject, regenerate
+from trainer.cli.data import main as data_main
+from trainer.data.regenerate import Generator, RegenerateOptions, parse_record, Reject, regenerate
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def test_template_kwargs_reach_the_chat_template(generator):
         generator.opts.chat_template_kwargs = {"flavour": "yz"}
         assert generator.prompt_ids([{"role": "user", "content": "x"}]) == plain + generator.tokenizer.encode("yz")
     finally:
-        from trainer.chat_tokenizer import CHATML
+        from trainer.data.chat_tokenizer import CHATML
 
         generator.tokenizer.chat_template = CHATML
         generator.opts.chat_template_kwargs = {}
@@ -187,7 +187,7 @@ def test_two_devices_write_the_same_records_in_input_order(tmp_path):
 
 
 def test_progress_is_a_bar_on_a_tty_and_a_periodic_line_elsewhere():
-    from trainer.progress import ProgressLine
+    from trainer.train.progress import ProgressLine
 
     now = [0.0]
     plain = io.StringIO()

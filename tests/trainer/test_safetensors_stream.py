@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from trainer.safetensors_stream import write_pieces
+from trainer.data.safetensors_stream import write_pieces
 
 
 @pytest.mark.parametrize("features_dtype", [torch.bfloat16, torch.float32])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.shutdown import WATCHDOG_MARGIN_S
+from trainer.train.shutdown import WATCHDOG_MARGIN_S
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -11,13 +11,13 @@ import torch
 
 from trainer import metrics_format
 from trainer.config import load_config
-from trainer.drafter_cache import DrafterContext
-from trainer.evaluate import evaluate
-from trainer.heldout import eval_prompts, prompts_of, split_heldout
+from trainer.infer.drafter_cache import DrafterContext
+from trainer.infer.evaluate import evaluate
+from trainer.data.heldout import eval_prompts, prompts_of, split_heldout
 from trainer.masks import dense_mask
 from trainer.model import DFlashDrafter, DrafterConfig
-from trainer.speculative import speculative_generate, target_generate
-from trainer.target import load_target
+from trainer.infer.speculative import speculative_generate, target_generate
+from trainer.data.target import load_target
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -109,7 +109,7 @@ def trained(tmp_path_factory):
     """tiny-cpu on 128 sequences, 200 steps (about 12 epochs) with tau evaluated every 100 (about
     25-40 s on a loaded 2-core box): on its own training prompts such a drafter is accepted often,
     a strong signal for the tests below."""
-    from trainer.train import train
+    from trainer.train.loop import train
 
     out = tmp_path_factory.mktemp("trained")
     cfg = load_config("tiny-cpu", {"output_dir": str(out), "max_steps": 200, "run.checkpoint_every": 1000,
@@ -127,7 +127,7 @@ def reference():
 
 def _training_prompts(cfg, target):
     """(prompts of the training rows, the unseen prompts the trainer evaluates with)."""
-    from trainer.train import build_dataset
+    from trainer.train.loop import build_dataset
 
     return prompts_of(build_dataset(cfg, target)), eval_prompts(cfg, target, None, cfg.eval.num_prompts)
 
@@ -182,7 +182,7 @@ def test_a_label_shifted_drafter_shows_in_tau(trained, target, reference):
             logits = super().draft_logits(anchor_token)
             return torch.cat([logits[:1], logits[:-1]])  # row k now holds the guess for k-1
 
-    import trainer.speculative as spec
+    import trainer.infer.speculative as spec
     original = spec.DrafterContext
     spec.DrafterContext = Shifted
     try:
@@ -195,7 +195,7 @@ def test_a_label_shifted_drafter_shows_in_tau(trained, target, reference):
 
 
 def test_heldout_rows_never_reach_training(tmp_path):
-    from trainer.data import BatchPlan, make_batch, synthetic_dataset
+    from trainer.data.dataset import BatchPlan, make_batch, synthetic_dataset
 
     t = load_target("tiny-random", "cpu", torch.float32, layer_ids=[1, 2, 3], seed=0, tiny=TINY)
     data = synthetic_dataset(t, 40, 4, 12, seed=0)
@@ -212,8 +212,8 @@ def test_heldout_rows_never_reach_training(tmp_path):
 
 
 def test_fresh_synthetic_prompts_are_not_the_training_prompts(target):
-    from trainer.heldout import fresh_synthetic_prompts
-    from trainer.train import build_dataset
+    from trainer.data.heldout import fresh_synthetic_prompts
+    from trainer.train.loop import build_dataset
 
     cfg = load_config("tiny-cpu", {"data.synthetic.num_samples": 64})
     fresh = fresh_synthetic_prompts(512, target.mask_token_id, 16, 8, cfg.train.seed)
@@ -224,7 +224,7 @@ def test_fresh_synthetic_prompts_are_not_the_training_prompts(target):
 
 
 def test_without_unseen_prompts_training_runs_and_says_why_tau_is_off(target):
-    from trainer.training_eval import TrainingEval
+    from trainer.infer.training_eval import TrainingEval
 
     cfg = load_config("tiny-cpu", {"data.source": "jsonl", "data.path": "train.jsonl"})
     dcfg = DrafterConfig.for_target(target, **cfg.drafter.overrides())

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from trainer.config import load_config
-from trainer.evaluate import evaluate, tau_summary
-from trainer.lossless import judge, tie_bound, unit_roundoff
+from trainer.infer.evaluate import evaluate, tau_summary
+from trainer.infer.lossless import judge, tie_bound, unit_roundoff
 from trainer.model import DFlashDrafter
-from trainer.speculative import speculative_generate, target_generate
-from trainer.static_decode import StaticDecoder, StaticTarget
-from trainer.target import load_target
+from trainer.infer.speculative import speculative_generate, target_generate
+from trainer.infer.static_decode import StaticDecoder, StaticTarget
+from trainer.data.target import load_target
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,8 +33,8 @@ def target():
 def trained(tmp_path_factory, target):
     """tiny-cpu, 100 steps on 64 sequences (~20 s on 2 cores): on its training prompts the drafter is
     accepted often and unevenly, which is what ragged acceptance needs."""
-    from trainer.heldout import prompts_of
-    from trainer.train import build_dataset, train
+    from trainer.data.heldout import prompts_of
+    from trainer.train.loop import build_dataset, train
 
     out = tmp_path_factory.mktemp("trained")
     cfg = load_config(
@@ -175,7 +175,7 @@ class _AcceptsOneWrongDraft(StaticDecoder):
 
 
 def test_a_verify_broken_by_one_token_is_caught_with_the_prompt_position_and_logits(target, trained):
-    from trainer.evaluate import make_decoder
+    from trainer.infer.evaluate import make_decoder
 
     drafter = with_block(target, trained[0], 4)
     prompts = trained[1][:3]

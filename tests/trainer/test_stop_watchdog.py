@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 AFTER_S = 1.5
 STAND_IN = r"""
 import os, re, signal, sys, time
-from trainer.stop_watchdog import StopWatchdog
+from trainer.train.stop_watchdog import StopWatchdog
 after_s, mode, work_s = float(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 got = []
 signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))

@@ -8,7 +8,7 @@ import torch
 
 from trainer.config import ConfigError
 from trainer.model import DFlashDrafter, DrafterConfig
-from trainer.target import default_layer_ids, load_target
+from trainer.data.target import default_layer_ids, load_target
 
 
 @pytest.fixture(scope="module")

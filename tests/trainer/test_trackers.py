@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer import metrics_format, trackers
+from trainer import metrics_format
+
+from trainer.train import trackers
 from trainer.config import ConfigError, load_config
-from trainer.metrics import MetricsWriter
+from trainer.train.metrics import MetricsWriter
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,7 +51,7 @@ def run_tiny(tmp_path: Path, report_to: str, block_imports: tuple = ()) -> subpr
     code = (
         "import sys\n"
         + "".join(f"sys.modules[{name!r}] = None\n" for name in block_imports)
-        + f"from trainer.cli import main\nsys.exit(main({argv!r}))"
+        + f"from trainer.cli.main import main\nsys.exit(main({argv!r}))"
     )
     env = {
         **os.environ,
@@ -275,7 +277,7 @@ def test_report_to_typo_names_the_tracker_and_the_fix():
 
 
 def test_under_torchrun_only_rank_0_reports():
-    from trainer.distributed import Rank
+    from trainer.train.distributed import Rank
 
     cfg = load_config("tiny-cpu", {"run.report_to": ["tensorboard"], "run.metrics_file": "m.jsonl"})
     other_host_lead = Rank(rank=2, world_size=4, local_rank=0)

@@ -12,9 +12,9 @@ import torch
 
 from trainer import metrics_format
 from trainer.config import load_config
-from trainer.metrics import error_kind
-from trainer.train import WarmupCosine, make_loss_fn, train
-from trainer.workers import WorkerFailure
+from trainer.train.metrics import error_kind
+from trainer.train.loop import WarmupCosine, make_loss_fn, train
+from trainer.train.workers import WorkerFailure
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -138,7 +138,7 @@ def test_progress_bar_only_on_a_tty(tmp_path):
 
 
 def test_an_exception_in_a_drafter_thread_ends_the_run_with_an_error_record(tmp_path, monkeypatch):
-    import trainer.train as train_module
+    import trainer.train.loop as train_module
 
     real = make_loss_fn
 
@@ -187,7 +187,7 @@ def test_warmup_cosine_schedule():
 
 
 def test_compiles_inside_drafter_steps_are_logged_with_thread_and_duration(tmp_path, monkeypatch):
-    import trainer.train as train_module
+    import trainer.train.loop as train_module
 
     real = make_loss_fn
     scale = torch.compile(lambda loss: loss * 1.0, backend="eager", dynamic=False)  # a real dynamo compile
@@ -215,7 +215,7 @@ def test_compiles_inside_drafter_steps_are_logged_with_thread_and_duration(tmp_p
 
 
 def test_a_resumed_schedule_has_the_uninterrupted_lr_at_every_step():
-    from trainer.train import resumed_scheduler
+    from trainer.train.loop import resumed_scheduler
 
     def optimizer_and_schedule():
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.5)
@@ -245,7 +245,7 @@ def test_a_stop_during_the_last_step_still_completes_the_run(tmp_path, monkeypat
     # run is complete; calling it "interrupted" would make a resume start a trainer with nothing to do.
     import signal
 
-    from trainer import workers as workers_mod
+    from trainer.train import workers as workers_mod
 
     real_run_step = workers_mod.TrainingWorkers.run_step
 

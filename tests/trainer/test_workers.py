@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from trainer.compile_lock import CompileGuard
+from trainer.train.compile_lock import CompileGuard
 from trainer.config import load_config
-from trainer.data import BatchPlan
-from trainer.train import build_dataset, build_replicas, drafter_config, make_loss_fn, param_dtype, train
-from trainer.target import load_target
-from trainer.workers import TrainingWorkers, WorkerFailure
+from trainer.data.dataset import BatchPlan
+from trainer.train.loop import build_dataset, build_replicas, drafter_config, make_loss_fn, param_dtype, train
+from trainer.data.target import load_target
+from trainer.train.workers import TrainingWorkers, WorkerFailure
 
 pytestmark = pytest.mark.timeout(120)  # a hang is a failure, not a stuck CI job
 

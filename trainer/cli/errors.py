@@ -4,7 +4,7 @@ The trainer's input errors (config.ConfigError, data.DataError, checkpoint.Check
 config, data file, checkpoint or argument) carry `exit_code = 2` and a message that names the key
 or file:line and the fix. A command run through `run_command` lets them propagate to here, once,
 instead of catching them where they arise. An error raised in a worker thread arrives wrapped
-(trainer.workers.WorkerFailure); its `original` counts. No torch here: input errors come before it.
+(trainer.train.workers.WorkerFailure); its `original` counts. No torch here: input errors come before it.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import ConfigError
-from .target import check_layer_ids, default_layer_ids, default_mask_token_id, tiny_target
+from trainer.config import ConfigError
+from trainer.data.target import check_layer_ids, default_layer_ids, default_mask_token_id, tiny_target
 
 
 @dataclass(eq=False)

@@ -1,11 +1,11 @@
 """Train a DFlash drafter. The loop reads top to bottom; the pieces live in their own modules.
 
     config -> world -> target(s) -> data -> drafter replicas (+ AdamW, warmup+cosine) -> [resume]
-    for each step: every replica trains one batch, gradients averaged  (trainer.workers; DDP)
+    for each step: every replica trains one batch, gradients averaged  (trainer.train.workers; DDP)
                    log a metrics record, checkpoint every N steps or when asked to stop
 
-One setup and one loop for both launchers; what differs lives in the world (trainer.world):
-ThreadsWorld (one process, a drafter thread per device) or TorchrunWorld (trainer.distributed:
+One setup and one loop for both launchers; what differs lives in the world (trainer.train.world):
+ThreadsWorld (one process, a drafter thread per device) or TorchrunWorld (trainer.train.distributed:
 this process is one rank, rank 0 writes, the ranks agree on every step's summary and on stopping).
 """
 
@@ -22,24 +22,24 @@ from typing import Any, Protocol, TextIO, cast
 import torch
 import yaml
 
-from . import checkpoint as ckpt
-from . import precision
-from .compile_lock import CompileGuard, compile_reason
-from .config import ConfigError, TrainConfig, check_devices
-from .distributed import TorchrunWorld, check_launcher
-from .feature_cache import training_source
-from .data import Batch, BatchPlan, Dataset, derive_seed, load_jsonl, synthetic_dataset
-from .heldout import split_heldout
-from .launchers import TORCHRUN
-from .masks import build_block_mask, dense_mask, sample_anchors
-from .loss import block_labels
-from .metrics import MetricsWriter, Throughput
-from .model import EXPORT_METADATA, DFlashDrafter, DrafterConfig, set_compile_mode
-from .shutdown import StopRequest
-from .target import load_target
-from .training_eval import TrainingEval
-from .workers import Failure, LossOutput, Replica, StepSummary, TrainingWorkers
-from .world import ThreadsWorld, World
+from trainer.train import checkpoint as ckpt
+from trainer import precision
+from trainer.train.compile_lock import CompileGuard, compile_reason
+from trainer.config import ConfigError, TrainConfig, check_devices
+from trainer.train.distributed import TorchrunWorld, check_launcher
+from trainer.data.feature_cache import training_source
+from trainer.data.dataset import Batch, BatchPlan, Dataset, derive_seed, load_jsonl, synthetic_dataset
+from trainer.data.heldout import split_heldout
+from trainer.launchers import TORCHRUN
+from trainer.masks import build_block_mask, dense_mask, sample_anchors
+from trainer.loss import block_labels
+from trainer.train.metrics import MetricsWriter, Throughput
+from trainer.model import EXPORT_METADATA, DFlashDrafter, DrafterConfig, set_compile_mode
+from trainer.train.shutdown import StopRequest
+from trainer.data.target import load_target
+from trainer.infer.training_eval import TrainingEval
+from trainer.train.workers import Failure, LossOutput, Replica, StepSummary, TrainingWorkers
+from trainer.train.world import ThreadsWorld, World
 
 
 @dataclasses.dataclass

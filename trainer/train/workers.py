@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .data import Batch, BatchPlan, Dataset, make_batch
+from trainer.data.dataset import Batch, BatchPlan, Dataset, make_batch
 
 POLL_S = 0.1  # how often blocked threads look at the stop event
 JOIN_TIMEOUT_S = 30.0  # for all threads together
@@ -232,7 +232,7 @@ class TrainingWorkers:
         """Stop all threads: no thread is left blocked on a queue or the barrier.
 
         Waits at most `join_timeout_s` in all: a thread stuck in a kernel or a compile never ends
-        (daemon threads; trainer.shutdown decides how the process then exits).
+        (daemon threads; trainer.train.shutdown decides how the process then exits).
         """
         self._stop.set()
         self._barrier.abort()

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import TextIO
 
-from .metrics import format_duration, progress_bar
+from trainer.train.metrics import format_duration, progress_bar
 
 
 class ProgressLine:

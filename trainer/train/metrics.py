@@ -13,11 +13,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Sequence, TextIO
 
-from . import metrics_format
-from .trackers import Trackers
+from trainer import metrics_format
+from trainer.train.trackers import Trackers
 
 if TYPE_CHECKING:
-    from .workers import Failure
+    from trainer.train.workers import Failure
 
 
 def error_kind(exc: BaseException | None) -> str:
@@ -67,7 +67,7 @@ class Throughput:
 class MetricsWriter:
     """Writes metrics records to `path` and readable lines to `out`. Safe to call from any thread.
 
-    `report_to` names experiment trackers (trainer.trackers) that get each record as written to
+    `report_to` names experiment trackers (trainer.train.trackers) that get each record as written to
     `path`, reporting into `report_dir`; only the process that speaks for the run passes any.
     """
 

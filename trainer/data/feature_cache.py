@@ -29,9 +29,9 @@ from typing import Callable
 
 import torch
 
-from .atomic import write_atomic
-from .data import DataError, Dataset
-from .safetensors_stream import write_pieces
+from trainer.atomic import write_atomic
+from trainer.data.dataset import DataError, Dataset
+from trainer.data.safetensors_stream import write_pieces
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -642,7 +642,7 @@ def open_cache(cache_dir: str, expected: dict, pin_memory: bool = False) -> Data
 def training_source(cfg, dtype) -> tuple[list, Dataset]:
     """For `data.source: features`: one embedding+lm_head stand-in for the target per drafter replica
     (each is that replica's background loader thread) and the cache as a Dataset."""
-    from .target_head import load_target_head, weight_bytes
+    from trainer.data.target_head import load_target_head, weight_bytes
 
     head = load_target_head(
         cfg.target.spec,

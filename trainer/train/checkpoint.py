@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .files import follow_umask
+from trainer.files import follow_umask
 
 # torch and safetensors are imported where tensors are read or written: argument and path errors
 # (export --checkpoint, --resume) are reported before torch is loaded.
@@ -215,7 +215,7 @@ def save_checkpoint(
 
 def mark_finished(output_dir: str, step: int) -> None:
     """Leave metrics_format.RUN_FINISHED in the run's directory: this run is complete."""
-    from .metrics_format import RUN_FINISHED
+    from trainer.metrics_format import RUN_FINISHED
 
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     Path(output_dir, RUN_FINISHED).write_text(f"{step}\n", encoding="utf-8")

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .static_decode import EAGER, StaticTarget, grouped_attention, grouped_mask, rms_norm
+from trainer.infer.static_decode import EAGER, StaticTarget, grouped_attention, grouped_mask, rms_norm
 
 
 @dataclasses.dataclass

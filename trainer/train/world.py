@@ -1,8 +1,8 @@
-"""Who trains: the one loop of trainer.train runs over a world, and the world says how it is spread.
+"""Who trains: the one loop of trainer.train.loop runs over a world, and the world says how it is spread.
 
     ThreadsWorld   (here) one process: a drafter thread per drafter device, gradients averaged in
-                   the process (trainer.workers); this process writes everything.
-    TorchrunWorld  (trainer.distributed) this process is one rank of a torchrun job: one drafter
+                   the process (trainer.train.workers); this process writes everything.
+    TorchrunWorld  (trainer.train.distributed) this process is one rank of a torchrun job: one drafter
                    thread, its model wrapped in DDP; rank 0 writes the checkpoints; every step the
                    ranks exchange their summaries and agree on stopping.
 
@@ -15,9 +15,9 @@ import typing
 
 import torch
 
-from .config import TrainConfig
-from .shutdown import StopRequest
-from .workers import Failure, Replica, StepSummary, TrainingWorkers
+from trainer.config import TrainConfig
+from trainer.train.shutdown import StopRequest
+from trainer.train.workers import Failure, Replica, StepSummary, TrainingWorkers
 
 
 class World(typing.Protocol):
@@ -69,7 +69,7 @@ class World(typing.Protocol):
 
 
 class ThreadsWorld:
-    """One process, a drafter thread per drafter device (trainer.workers averages the gradients)."""
+    """One process, a drafter thread per drafter device (trainer.train.workers averages the gradients)."""
 
     is_lead = speaks = True
 

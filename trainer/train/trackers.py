@@ -25,7 +25,7 @@ import os
 import threading
 from typing import Callable
 
-from . import metrics_format
+from trainer import metrics_format
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 INSTALL_HINT = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}

@@ -3,7 +3,7 @@
 Runs in the main thread between steps, when every drafter thread is idle. The replicas hold
 identical weights, so one replica's weights are copied (in place) into an evaluation drafter that
 lives on the target's device, next to the target it decodes with. All prompts decode together as
-one batch on the static loop (trainer.static_decode), whose caches and CUDA graphs are built at
+one batch on the static loop (trainer.infer.static_decode), whose caches and CUDA graphs are built at
 the first evaluation and reused by every later one. The target's own greedy outputs are computed
 once and reused: the target is frozen. Writes one `eval` metrics record per evaluation, with the
 evaluations' share of the run's wall time so far.
@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from .config import TrainConfig
-from .evaluate import evaluate, make_decoder, stop_token_ids
-from .heldout import eval_prompts
-from .metrics import MetricsWriter
-from .model import DFlashDrafter, DrafterConfig
+from trainer.config import TrainConfig
+from trainer.infer.evaluate import evaluate, make_decoder, stop_token_ids
+from trainer.data.heldout import eval_prompts
+from trainer.train.metrics import MetricsWriter
+from trainer.model import DFlashDrafter, DrafterConfig
 
 
 class TrainingEval:

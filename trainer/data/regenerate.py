@@ -23,9 +23,9 @@ from typing import Any, TextIO
 
 import torch
 
-from .atomic import write_atomic
-from .data import DataError, derive_seed
-from .progress import ProgressLine
+from trainer.atomic import write_atomic
+from trainer.data.dataset import DataError, derive_seed
+from trainer.train.progress import ProgressLine
 
 KEPT_ROLES = ("system", "user")
 
@@ -115,7 +115,7 @@ class Generator:
     """One target copy on one device, answering batches of conversations turn by turn."""
 
     def __init__(self, spec: str, device: str, opts: RegenerateOptions):
-        from .target import load_target
+        from trainer.data.target import load_target
 
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         target = load_target(spec, device, dtype, layer_ids=[0], seed=0)
@@ -124,7 +124,7 @@ class Generator:
         self.device, self.opts = device, opts
         self.tokenizer: Any = target.tokenizer
         if self.tokenizer is None and spec == "tiny-random":
-            from .chat_tokenizer import byte_chat_tokenizer
+            from trainer.data.chat_tokenizer import byte_chat_tokenizer
 
             self.tokenizer = byte_chat_tokenizer(target.vocab_size)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):

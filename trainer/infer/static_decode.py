@@ -1,7 +1,7 @@
 """Batched greedy decoding over pre-allocated caches: target-only and DFlash speculative, one machinery.
 
-The HF-eager path (trainer.speculative) is the reference; this is the fast path. Both decode the
-same way (see trainer.speculative's docstring); what differs is where the time goes:
+The HF-eager path (trainer.infer.speculative) is the reference; this is the fast path. Both decode the
+same way (see trainer.infer.speculative's docstring); what differs is where the time goes:
 
 - Static caches. The target's KV cache [layers, rows, kv heads, positions, head dim] and the
   drafter's context K/V are allocated once. A forward WRITES its K/V at its positions and attends
@@ -32,7 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .model import DFlashDrafter, rope_cos_sin
+from trainer.model import DFlashDrafter, rope_cos_sin
 
 
 class Unsupported(ValueError):
@@ -380,7 +380,7 @@ class StaticDrafter:
 
 @dataclasses.dataclass
 class Decoded:
-    """One prompt's result (the same fields as trainer.speculative.Decoded, for evaluation)."""
+    """One prompt's result (the same fields as trainer.infer.speculative.Decoded, for evaluation)."""
 
     tokens: list[int]
     seconds: float  # the whole batch's decode time (rows decode together)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .data import DataError, Dataset, derive_seed
+from trainer.data.dataset import DataError, Dataset, derive_seed
 
 _SPLIT_SALT = 0xE7A1
 _FRESH_PROMPTS_SALT = 0xE7A2
@@ -71,10 +71,10 @@ def fresh_synthetic_prompts(
 def eval_prompts(cfg, target, heldout: Dataset | None, count: int) -> list[list[int]]:
     """Up to `count` evaluation prompts for a run: eval.path, else the held-out split, else (synthetic
     data) fresh random prompts. Training (tau while training) and `dflash-train eval` share this."""
-    from .config import ConfigError
+    from trainer.config import ConfigError
 
     if cfg.eval.path:
-        from .evaluate import load_prompts
+        from trainer.infer.evaluate import load_prompts
 
         return load_prompts(cfg.eval.path, target.tokenizer, target.vocab_size)[:count]
     if heldout is not None:

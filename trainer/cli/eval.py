@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from .config import DEVICE_RE, ConfigError
-from .errors import run_command
+from trainer.config import DEVICE_RE, ConfigError
+from trainer.cli.errors import run_command
 
 EVAL_HELP = """\
 Measure a drafter by real DFlash speculative decoding against its target: tau (tokens accepted
@@ -91,9 +91,9 @@ def load_drafter_source(checkpoint: str):
     """(DrafterConfig, weights, run config dict or None, description) from any of the three dirs."""
     from safetensors.torch import load_file
 
-    from .checkpoint import load_checkpoint, resolve_resume
-    from .export import WEIGHTS_FILE, drafter_config_from_export
-    from .model import DrafterConfig
+    from trainer.train.checkpoint import load_checkpoint, resolve_resume
+    from trainer.infer.export import WEIGHTS_FILE, drafter_config_from_export
+    from trainer.model import DrafterConfig
 
     path = Path(checkpoint)
     if not path.is_dir():
@@ -134,9 +134,9 @@ def target_mismatch(dcfg, target, run_config: dict | None) -> str | None:
 
 def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None, device: str):
     """(TargetModel, drafter) on `device`; raises ConfigError on a mismatch."""
-    from .model import DFlashDrafter
-    from .target import load_target
-    from .train import param_dtype
+    from trainer.model import DFlashDrafter
+    from trainer.data.target import load_target
+    from trainer.train.loop import param_dtype
 
     run_target = (run_config or {}).get("target") or {}
     spec = target_spec or run_target.get("spec")
@@ -167,9 +167,9 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
 
 def run_prompts(run_config: dict, target, source: str, count: int) -> list[list[int]]:
     """The prompts the run evaluated itself with (its held-out rows, eval.path or fresh synthetic ones)."""
-    from .config import config_from_dict
-    from .heldout import eval_prompts, split_heldout
-    from .train import build_dataset
+    from trainer.config import config_from_dict
+    from trainer.data.heldout import eval_prompts, split_heldout
+    from trainer.train.loop import build_dataset
 
     cfg = config_from_dict(run_config, source)
     heldout = None
@@ -191,7 +191,7 @@ def _progress(stream):
     start = time.monotonic()
 
     def show(done: int, total: int):
-        from .metrics import format_duration, progress_bar
+        from trainer.train.metrics import format_duration, progress_bar
 
         eta = (time.monotonic() - start) / done * (total - done)
         stream.write(
@@ -244,7 +244,7 @@ def _finite(value):
 
 
 def run_eval(args: argparse.Namespace, out=None, err=None) -> int:
-    """`dflash-train eval`: 0 done, 1 failed (or not lossless), 2 bad input (trainer.errors)."""
+    """`dflash-train eval`: 0 done, 1 failed (or not lossless), 2 bad input (trainer.cli.errors)."""
     out = out or sys.stdout
     err = err or sys.stderr
     return run_command("dflash-train eval", lambda: _run_eval(args, out, err), err)
@@ -267,7 +267,7 @@ def _run_eval(args: argparse.Namespace, out, err) -> int:
         dcfg, weights, run_config, described = load_drafter_source(args.checkpoint)
         target, drafter = load_models(dcfg, weights, run_config, args.target, device)
         if args.prompts:
-            from .evaluate import load_prompts
+            from trainer.infer.evaluate import load_prompts
 
             prompts = load_prompts(args.prompts, target.tokenizer, target.vocab_size)
         elif run_config is not None:
@@ -275,7 +275,7 @@ def _run_eval(args: argparse.Namespace, out, err) -> int:
         else:
             raise ConfigError("--prompts is required with an export dir. Fix: --prompts FILE.jsonl.")
         prompts = prompts[: args.num_prompts]
-        from .evaluate import evaluate, stop_token_ids
+        from trainer.infer.evaluate import evaluate, stop_token_ids
 
         show = _progress(err) if err.isatty() and not args.json else None
         result = evaluate(

@@ -2,7 +2,7 @@
 
 For each prompt the target alone decodes (the reference output and the baseline speed), then
 DFlash speculative decoding decodes the same prompt. At temperature 0 both run on the static,
-graph-captured loop (trainer.static_decode; the HF-eager trainer.speculative is its tested
+graph-captured loop (trainer.infer.static_decode; the HF-eager trainer.infer.speculative is its tested
 reference, and `loop="reference"` selects it); sampling (temperature > 0) runs the reference.
 Reported:
 - tau two ways: pooled over all rounds (mean of accepted drafts + 1 over every round of every
@@ -11,7 +11,7 @@ Reported:
 - acceptance[k-1]: share of rounds whose drafts were accepted at least up to block position k;
 - tokens/s of both and the speedup (same loop, same device, same prompts, `batch` rows at once);
 - lossless: at temperature 0 the two outputs must be equal token for token. A difference counts
-  as a tie only when the target's own fp32 logits at that position (trainer.lossless) put the two
+  as a tie only when the target's own fp32 logits at that position (trainer.infer.lossless) put the two
   tokens within the working dtype's rounding of each other; else it is a bug (`mismatch`).
 """
 
@@ -25,8 +25,8 @@ from typing import Callable, cast
 
 import torch
 
-from .data import DataError, ROLES, jsonl_records
-from .speculative import speculative_generate, target_generate
+from trainer.data.dataset import DataError, ROLES, jsonl_records
+from trainer.infer.speculative import speculative_generate, target_generate
 
 LOOPS = ("static", "reference")
 
@@ -40,7 +40,7 @@ class Mismatch:
     prompt: list[int]
     expected_logit: float  # the target's fp32 logits at that position, for both tokens
     got_logit: float
-    tie_bound: float  # the gap a floating-point tie could have (trainer.lossless.tie_bound)
+    tie_bound: float  # the gap a floating-point tie could have (trainer.infer.lossless.tie_bound)
 
 
 @dataclasses.dataclass
@@ -190,7 +190,7 @@ def make_decoder(
     compile: bool = False,
 ):
     """A StaticDecoder sized for `prompts` decoded `batch` at a time (reuse it across evaluations)."""
-    from .static_decode import StaticDecoder
+    from trainer.infer.static_decode import StaticDecoder
 
     return StaticDecoder(
         model,
@@ -278,8 +278,8 @@ def _reference(
 
 
 def check_lossless(target, prompts, own, spec) -> tuple[int, Mismatch | None]:
-    """(ties, the first bug) over all prompts: each difference is judged in fp32 (trainer.lossless)."""
-    from .lossless import judge
+    """(ties, the first bug) over all prompts: each difference is judged in fp32 (trainer.infer.lossless)."""
+    from trainer.infer.lossless import judge
 
     ties, bug = 0, None
     for index, (prompt, a, b) in enumerate(zip(prompts, own, spec, strict=True)):
@@ -323,7 +323,7 @@ def evaluate(
     `batch`: prompts decoded together by the static loop. `decoder`: a StaticDecoder to reuse
     (make_decoder), else one is built for these prompts. `warmup`: capture the graphs (and
     compile) before timing. `compile`: torch.compile the per-layer math of a new decoder."""
-    from .static_decode import StaticTarget, Unsupported
+    from trainer.infer.static_decode import StaticTarget, Unsupported
 
     if loop not in LOOPS:
         raise ValueError(f"loop {loop!r}: use one of {', '.join(LOOPS)}")

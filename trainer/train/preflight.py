@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from .checkpoint import resolve_resume
-from .config import ConfigError, TrainConfig
+from trainer.train.checkpoint import resolve_resume
+from trainer.config import ConfigError, TrainConfig
 
 
 def check_output_paths(cfg: TrainConfig) -> None:

@@ -29,7 +29,7 @@ from trainer.model import DFlashDrafter, DrafterConfig
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
-MODELING_DIR = Path(__file__).resolve().parent / "hf_modeling"
+MODELING_DIR = Path(__file__).resolve().parent.parent / "hf_modeling"
 MODELING_FILES = ("configuration_dflash.py", "modeling_dflash.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_dflash.DFlashConfig",

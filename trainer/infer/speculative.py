@@ -1,7 +1,7 @@
 """Block speculative decoding with a DFlash drafter, and the target-only decoding it must equal.
 
 One sequence at a time (batch 1). State: the target's KV cache, the drafter's cached context
-(trainer.drafter_cache), the output so far. After a prefill over the prompt (the first new token
+(trainer.infer.drafter_cache), the output so far. After a prefill over the prompt (the first new token
 is the target's own), each round:
 
     block  = [last accepted token, MASK x (B-1)] at positions start..start+B-1
@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from trainer import kv_cache
-from trainer.drafter_cache import DrafterContext
+from trainer.infer import kv_cache
+from trainer.infer.drafter_cache import DrafterContext
 
 
 @dataclasses.dataclass

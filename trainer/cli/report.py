@@ -20,7 +20,7 @@ block position (latest eval against earliest), tokens/s with relaunch and stop m
 
 
 def report_parser() -> argparse.ArgumentParser:
-    from .cli import Parser
+    from trainer.cli.main import Parser
 
     p = Parser(
         prog="dflash-train report",
@@ -39,7 +39,7 @@ def report_parser() -> argparse.ArgumentParser:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from . import metrics_history, report_plot, run_summary
+    from trainer import metrics_history, report_plot, run_summary
 
     def fail(message: str) -> int:
         print(f"dflash-train report: {message}", file=sys.stderr)

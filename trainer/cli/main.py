@@ -1,10 +1,10 @@
-"""`dflash-train`: the command line over trainer.train and trainer.export (argparse: stdlib only).
+"""`dflash-train`: the command line over trainer.train.loop and trainer.infer.export (argparse: stdlib only).
 
 Exit codes: 0 done (also after a graceful SIGTERM/SIGINT stop, which checkpoints first);
 1 training failed (an `error` record is in the metrics file, the traceback in the log);
 2 bad config, data, checkpoint or arguments (one message naming the key or file:line, and the fix);
 130 aborted without a new checkpoint: a second SIGINT/SIGTERM, or the step running at the first one
-did not finish within run.stop_grace_s (a stuck thread; see trainer.shutdown).
+did not finish within run.stop_grace_s (a stuck thread; see trainer.train.shutdown).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import argparse
 import sys
 
 
-from .config import COMPILE_LOCK_MODES, ATTENTION_BACKENDS, LAUNCHERS, ConfigError
-from .typed_yaml import closest_match, parse_value
-from .errors import input_error, run_command
+from trainer.config import COMPILE_LOCK_MODES, ATTENTION_BACKENDS, LAUNCHERS, ConfigError
+from trainer.typed_yaml import closest_match, parse_value
+from trainer.cli.errors import input_error, run_command
 
 # torch is imported only once the config, the arguments and the paths are known good: every input
 # error is reported in well under a second.
@@ -203,18 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
         _refuse_unknown_subcommand(argv[0])
     if argv and argv[0] == "eval":
-        from .eval_cli import eval_parser, run_eval
+        from trainer.cli.eval import eval_parser, run_eval
 
         return run_eval(eval_parser().parse_args(argv[1:]))
     if argv and argv[0] == "export":
         export_args = _export_parser().parse_args(argv[1:])
         return run_command("dflash-train", lambda: _run_export(export_args))
     if argv and argv[0] == "report":
-        from .report_cli import report_parser, run_report
+        from trainer.cli.report import report_parser, run_report
 
         return run_report(report_parser().parse_args(argv[1:]))
     if argv and argv[0] == "data":
-        from .data_cli import main as data_main
+        from trainer.cli.data import main as data_main
 
         return data_main(argv[1:])
     train_args = _train_parser().parse_args(argv)
@@ -222,18 +222,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .preflight import check_output_paths, check_resume
+    from trainer.config import load_config
+    from trainer.train.preflight import check_output_paths, check_resume
 
     cfg = load_config(args.config, overrides_from_args(args))
     check_resume(cfg)  # before anything is created
     check_output_paths(cfg)
     try:
-        from .train import train  # torch and transformers load only after the config is known good
+        from trainer.train.loop import (
+            train,
+        )  # torch and transformers load only after the config is known good
 
         result = train(cfg)
     except KeyboardInterrupt:
-        from .shutdown import EXIT_ABORTED, exit_if_threads_stuck
+        from trainer.train.shutdown import EXIT_ABORTED, exit_if_threads_stuck
 
         print("dflash-train: aborted (no checkpoint written)", file=sys.stderr)
         exit_if_threads_stuck(EXIT_ABORTED)
@@ -252,7 +254,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from .checkpoint import load_checkpoint, resolve_export_source
+    from trainer.train.checkpoint import load_checkpoint, resolve_export_source
 
     path = resolve_export_source(args.checkpoint)  # a step dir, or a run dir's latest
     out = export_checkpoint(load_checkpoint(path), args.out, args.dtype)
@@ -264,8 +266,8 @@ def export_checkpoint(state, out_dir: str, dtype: str = "bf16"):
     """Rebuild the drafter from a checkpoint alone (no target needed) and export it in `dtype`."""
     import torch
 
-    from .export import export_drafter
-    from .model import DFlashDrafter, DrafterConfig
+    from trainer.infer.export import export_drafter
+    from trainer.model import DFlashDrafter, DrafterConfig
 
     dcfg = DrafterConfig.from_dict(state.drafter_config)
     # The target's embedding/lm_head are not part of the export; shape-only stand-ins on the meta

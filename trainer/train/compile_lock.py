@@ -57,7 +57,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .metrics_format import FX_TRACING_ERROR
+from trainer.metrics_format import FX_TRACING_ERROR
 
 # What run.compile_lock may be, each with the line the startup summary shows for it
 COMPILE_LOCK_MODES = {

@@ -6,7 +6,7 @@
   no new checkpoint (the last periodic one stays). A stuck thread cannot be joined, and it may
   keep the interpreter's exit handlers waiting, so the exit is immediate (os._exit).
 - Second signal: abort at once, the same way.
-- Backstop (`watchdog=True`, the threaded trainer): a watchdog process (trainer.stop_watchdog)
+- Backstop (`watchdog=True`, the threaded trainer): a watchdog process (trainer.train.stop_watchdog)
   sees the signal even when the Python handler never gets to run (a thread holding the GIL in C
   code): if the trainer is still alive WATCHDOG_MARGIN_S after the grace period, it has every
   thread's stack printed, logs one line and SIGKILLs the trainer. Without that process (it could
@@ -29,8 +29,8 @@ import threading
 import time
 from typing import Any
 
-from .stop_timing import DEFAULT_STOP_GRACE_S, WATCHDOG_MARGIN_S
-from .stop_watchdog import StopWatchdog
+from trainer.stop_timing import DEFAULT_STOP_GRACE_S, WATCHDOG_MARGIN_S
+from trainer.train.stop_watchdog import StopWatchdog
 
 EXIT_ABORTED = 130
 
@@ -93,7 +93,7 @@ class StopRequest:
 
 
 def worker_threads_alive() -> list[str]:
-    """Names of this process's worker threads (trainer.workers marks them) still running."""
+    """Names of this process's worker threads (trainer.train.workers marks them) still running."""
     return [t.name for t in threading.enumerate() if getattr(t, "dflash_worker", False) and t.is_alive()]
 
 

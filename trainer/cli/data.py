@@ -14,8 +14,8 @@ import signal
 import sys
 import time
 
-from .config import DEVICE_RE, ConfigError
-from .errors import input_error, run_command
+from trainer.config import DEVICE_RE, ConfigError
+from trainer.cli.errors import input_error, run_command
 
 DATA_HELP = """\
 Prepare training data for a DFlash drafter.
@@ -115,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    """`dflash-train data`: bad input is one line and exit 2 (trainer.errors), failures exit 1."""
+    """`dflash-train data`: bad input is one line and exit 2 (trainer.cli.errors), failures exit 1."""
     args = _parser().parse_args(argv)
     return run_command("dflash-train data", lambda: _run(args))
 
@@ -149,7 +149,7 @@ def _run(args: argparse.Namespace) -> int:
 def _regenerate(args) -> int:
     import torch
 
-    from .regenerate import RegenerateOptions, regenerate
+    from trainer.data.regenerate import RegenerateOptions, regenerate
 
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size)):
         if value < 1:
@@ -251,12 +251,12 @@ def _why(exc: BaseException) -> str:
 def _cache_features(args) -> int:
     import torch
 
-    from .cli import overrides_from_args
-    from .config import check_devices, load_config
-    from .feature_cache import cache_header, human_bytes, write_cache
-    from .progress import ProgressLine
-    from .target import load_target
-    from .train import build_dataset, param_dtype
+    from trainer.cli.main import overrides_from_args
+    from trainer.config import check_devices, load_config
+    from trainer.data.feature_cache import cache_header, human_bytes, write_cache
+    from trainer.train.progress import ProgressLine
+    from trainer.data.target import load_target
+    from trainer.train.loop import build_dataset, param_dtype
 
     if args.shard_size_mb < 1 or (args.batch_size is not None and args.batch_size < 1):
         raise ConfigError("--shard-size-mb and --batch-size must be at least 1")

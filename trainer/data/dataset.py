@@ -22,7 +22,7 @@ import typing
 
 import torch
 
-from . import kv_cache
+from trainer.infer import kv_cache
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -49,7 +49,7 @@ class Dataset:
     loss_mask: torch.Tensor  # [N, T] bool: positions the drafter learns to predict
     attention_mask: torch.Tensor  # [N, T] bool: real tokens (False = padding)
     source: str
-    # indices -> [B, T, K*H] target features, when they come from a cache (trainer.feature_cache)
+    # indices -> [B, T, K*H] target features, when they come from a cache (trainer.data.feature_cache)
     features: typing.Optional[typing.Callable[[torch.Tensor], torch.Tensor]] = None
 
     def __len__(self) -> int:

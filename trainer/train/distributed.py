@@ -3,8 +3,8 @@
     torchrun --nproc-per-node N [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT] \\
         -m trainer --config ... --launcher torchrun
 
-trainer.train's one setup and loop run here too, over TorchrunWorld (trainer.world says what a
-world answers). Each rank runs the same per-replica step as the threaded mode (trainer.workers: a
+trainer.train.loop's one setup and loop run here too, over TorchrunWorld (trainer.train.world says what a
+world answers). Each rank runs the same per-replica step as the threaded mode (trainer.train.workers: a
 target worker thread feeding one drafter thread under the compile guard), with the drafter wrapped
 in DistributedDataParallel (NCCL on CUDA, gloo on CPU) so backward all-reduces the gradients.
 
@@ -38,12 +38,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from . import checkpoint as ckpt
-from .config import ConfigError, TrainConfig
-from .data import Dataset
-from .launchers import THREADS, TORCHRUN
-from .shutdown import StopRequest
-from .workers import Failure, Replica, StepSummary, TrainingWorkers
+from trainer.train import checkpoint as ckpt
+from trainer.config import ConfigError, TrainConfig
+from trainer.data.dataset import Dataset
+from trainer.launchers import THREADS, TORCHRUN
+from trainer.train.shutdown import StopRequest
+from trainer.train.workers import Failure, Replica, StepSummary, TrainingWorkers
 
 # A signal this soon after the first is the same request: torchrun forwards the operator's SIGTERM
 # to every rank that already got it from the operator, and Ctrl-C reaches torchrun and ranks alike.
