@@ -28,7 +28,7 @@ RUNTIME_FILES = [
     "trainer/hf_modeling/modeling_dflash.py",
     "trainer/hf_modeling/configuration_dflash.py",
     "trainer/metrics_format.py",
-    "trainer/stop_watchdog.py",
+    "trainer/train/stop_watchdog.py",
 ]
 
 

@@ -74,3 +74,36 @@ def test_status_lines_are_live_on_a_terminal_and_every_15_s_elsewhere():
     live(_status("waiting 2 s"))
     assert out == [CLEAR_LINE + "waiting 1 s", CLEAR_LINE + "waiting 2 s"]
 
+
+
+def test_a_trainer_already_many_records_past_its_start_is_confirmed(local_target, tmp_path):
+    """A fast trainer (or a late first look) leaves its start record far above the metrics tail; the
+    first step is still this launch's and is found (before, the watch never saw it and waited out)."""
+    import json
+    import time
+
+    from dflash_ops.act import jobpaths
+    from trainer import metrics_format
+
+    job = dataclasses.replace(local_target.job, workdir=str(tmp_path / "w"), tmux_socket=f"p3-{tmp_path.name}"[:60],
+                              session="job")
+    log = tmp_path / "train-0001.log"
+    log.write_text("step 500\n")
+    launched = time.time() - 5
+    state = {"state": "running", "run": 1, "log": str(log), "pid": 1, "since": launched}
+    state_file = jobpaths.state_file(job)
+    (tmp_path / "w").mkdir()
+    with open(state_file, "w") as f:
+        json.dump(state, f)
+    records = [metrics_format.encode("start", time=launched + 1, pid=1, total_steps=1000)]
+    records += [metrics_format.encode("step", time=launched + 2, step=n, total_steps=1000, loss=1.0,
+                                      tokens_per_s=10.0, eta_s=1.0, lr=1e-4, grad_norm=1.0) for n in range(1, 501)]
+    with open(metrics_format.metrics_path_for_log(str(log)), "w") as f:
+        f.writelines(records)
+    subprocess.run(["tmux", "-L", job.tmux_socket, "new-session", "-d", "-s", "job", "sleep 30"], check=True)
+    try:
+        ctx = StepContext(target=local_target, transport=LocalTransport("local"), step="wait_first_step")
+        outcome = steps.wait_first_step(ctx, job, steps.Launched(log=str(log)), timeout_s=3, poll_s=0.2)
+    finally:
+        subprocess.run(["tmux", "-L", job.tmux_socket, "kill-server"], capture_output=True)
+    assert outcome.message.startswith("step 500:"), outcome.message

@@ -415,14 +415,19 @@ def _number(value) -> float:
 
 
 _WATCH_BYTES = 1 << 20  # of the metrics tail per poll: 50 records are a few KiB
+_START_RECORD = '"event":"start"'  # as trainer.metrics_format encodes it
 
 
 def _watch_script(job: Job, log: str) -> str:
     from trainer.metrics_format import metrics_path_for_log
 
+    metrics = shlex.quote(metrics_path_for_log(log))
+    # the newest start record, wherever it is, then the tail: a trainer that is many records past its
+    # start (a fast one, or a late first look) is still recognised as this launch's
     return (
         f"{tmux.pane_pids(job)} | head -c 4096; echo @@; "
-        f"tail -n 50 {shlex.quote(metrics_path_for_log(log))} 2>/dev/null | tail -c {_WATCH_BYTES}; echo @@; "
+        f"{{ grep -F {shlex.quote(_START_RECORD)} {metrics} | tail -n 1 | tail -c {_WATCH_BYTES}; "
+        f"tail -n 50 {metrics} | tail -c {_WATCH_BYTES}; }} 2>/dev/null; echo @@; "
         f"tail -n 1 {shlex.quote(log)} 2>/dev/null | tail -c 2000; echo @@; "
         f"{jobstate.read_command(job)}; true"
     )
