@@ -67,7 +67,7 @@ def test_relaunch_local_then_status_health_tail_stop(local_target, cleanup):
     assert all(s.seconds >= 0 for s in result.steps)
     log = step(result, "launch").data["log"]
     assert log.endswith("train-0001.log")
-    assert (Path(target.job.workdir) / "current" / "trainer" / "train.py").exists()
+    assert (Path(target.job.workdir) / "current" / "trainer" / "train" / "loop.py").exists()
 
     checked = ops.check(target)
     st = checked.status
