@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 if TYPE_CHECKING:
     from dflash_ops.inventory.model import Target
-    from dflash_ops.playbook.context import StepContext
-    from dflash_ops.playbook.run import OnProgress, Run, RunResult
+    from dflash_ops.act.context import StepContext
+    from dflash_ops.act.runner import OnProgress, Run, RunResult
     from dflash_ops.playbook.user import Playbook
 
 # Options several commands share.
@@ -197,7 +197,8 @@ def acting_on(
     command holds it); under dry-run through a transport that reaches nothing, without a lock."""
     from dflash_ops.act import joblock
     from dflash_ops.ops import connect
-    from dflash_ops.playbook.context import DryRunTransport, StepContext
+    from dflash_ops.act.context import StepContext
+    from dflash_ops.transport.dry_run import DryRunTransport
 
     with connect(target) as transport:
         with contextlib.nullcontext() if dry_run else joblock.held(transport, target, command):
@@ -216,7 +217,7 @@ def _running(
     on_locked: Callable[[], None] | None = None,
 ) -> Iterator[Run]:
     """A Run of `plan` (the steps `command` calls, in order) on `target`."""
-    from dflash_ops.playbook.run import Run
+    from dflash_ops.act.runner import Run
 
     with acting_on(target, command, dry_run, on_locked) as ctx:
         source = f"{__name__}.{command.replace('-', '_')}"

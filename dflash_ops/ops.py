@@ -25,7 +25,7 @@ from dflash_ops.transport.factory import make_transport
 
 if TYPE_CHECKING:
     from dflash_ops.act import deploy
-    from dflash_ops.playbook.run import RunResult
+    from dflash_ops.act.runner import RunResult
 
 # The commands that act on a job are dflash_ops.commands; they import the steps when they run, so
 # `status`, `health` and `tail-log` start without them.

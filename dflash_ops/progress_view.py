@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from dflash_ops.playbook.run import DRY_RUN, FAILED, OK, SKIPPED, Progress
+from dflash_ops.act.runner import DRY_RUN, FAILED, OK, SKIPPED, Progress
 
 STATUS_EVERY_S = 15.0
 CLEAR_LINE = "\r\033[K"

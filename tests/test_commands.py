@@ -16,7 +16,7 @@ from dflash_ops.inventory import model
 
 from dflash_ops.act import steps
 from dflash_ops.errors import StepFailed
-from dflash_ops.playbook.run import DRY_RUN, FAILED, NOT_RUN, OK, SKIPPED
+from dflash_ops.act.runner import DRY_RUN, FAILED, NOT_RUN, OK, SKIPPED
 from dflash_ops.transport.local import LocalTransport
 
 LIBRARY_STEPS = ("preflight", "require_job_stopped", "stop_session", "mark_stopped", "kill_gpu_processes",

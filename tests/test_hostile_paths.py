@@ -8,7 +8,7 @@ from pathlib import Path
 from dflash_ops.act import launch, steps
 
 from dflash_ops import ops
-from dflash_ops.playbook.context import StepContext
+from dflash_ops.act.context import StepContext
 from dflash_ops.transport.local import LocalTransport
 
 STANDIN = str(Path(__file__).parent / "sim" / "standin-trainer")

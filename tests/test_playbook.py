@@ -21,8 +21,8 @@ import pytest
 from dflash_ops.inventory import model
 from dflash_ops.errors import InputError, RemoteCommandError, StepFailed
 from dflash_ops.inventory.model import Job
-from dflash_ops.playbook.context import DryRunTransport, StepContext, StepOutcome
-from dflash_ops.playbook.run import DRY_RUN, FAILED, NOT_RUN, OK, SKIPPED, RunResult
+from dflash_ops.act.context import DryRunTransport, StepContext, StepOutcome
+from dflash_ops.act.runner import DRY_RUN, FAILED, NOT_RUN, OK, SKIPPED, RunResult
 from dflash_ops.playbook.signature import describe, inputs_of
 from dflash_ops.playbook.user import (
     bind_options, list_playbooks, load, parse_option_assignments, run_playbook, search_dirs,
@@ -446,7 +446,7 @@ def test_a_later_step_takes_what_an_earlier_one_gave(tmp_path, dry_run):
 
 
 def test_a_run_lists_its_whole_plan_and_refuses_a_step_out_of_it(tmp_path):
-    from dflash_ops.playbook.run import Run
+    from dflash_ops.act.runner import Run
 
     with Run("check", make_ctx(tmp_path), ["note", "log_twice", "sleep"]) as run:
         run(note, "one")
@@ -459,7 +459,7 @@ def test_a_run_lists_its_whole_plan_and_refuses_a_step_out_of_it(tmp_path):
 
 
 def test_a_failed_step_ends_the_run_and_the_rest_of_the_plan_is_not_run(tmp_path):
-    from dflash_ops.playbook.run import Run
+    from dflash_ops.act.runner import Run
 
     with Run("check", make_ctx(tmp_path), ["fail", "note"]) as run:
         run(fail, how="return")

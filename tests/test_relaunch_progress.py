@@ -7,8 +7,8 @@ import subprocess
 import pytest
 
 from dflash_ops.act import steps
-from dflash_ops.playbook.context import StepContext
-from dflash_ops.playbook.run import Progress
+from dflash_ops.act.context import StepContext
+from dflash_ops.act.runner import Progress
 from dflash_ops.progress_view import CLEAR_LINE, ProgressPrinter
 from dflash_ops.transport.local import LocalTransport
 

@@ -17,7 +17,7 @@ main(sys.argv[1:])
 """
 
 SSH_MODULES = {"fabric", "paramiko", "invoke", "dflash_ops.transport.ssh", "dflash_ops.transport.pct"}
-PLAYBOOK_MODULES = {"dflash_ops.playbook", "dflash_ops.act.steps", "dflash_ops.playbook.run", "dflash_ops.playbook.user"}
+PLAYBOOK_MODULES = {"dflash_ops.playbook", "dflash_ops.act.steps", "dflash_ops.act.runner", "dflash_ops.playbook.user"}
 
 
 def modules_after(tmp_path, *argv: str) -> set[str]:

@@ -10,7 +10,7 @@ from conftest import SIM_DIR
 
 from dflash_ops.act import steps
 from dflash_ops.errors import StepFailed
-from dflash_ops.playbook.context import StepContext
+from dflash_ops.act.context import StepContext
 from dflash_ops.transport.local import LocalTransport
 
 

@@ -44,8 +44,8 @@ from dflash_ops.act.multinode_phases import (
     per_node,
     running,
 )
-from dflash_ops.playbook.context import StepContext, StepOutcome
-from dflash_ops.playbook.run import OnProgress, Run, RunResult
+from dflash_ops.act.context import StepContext, StepOutcome
+from dflash_ops.act.runner import OnProgress, Run, RunResult
 from dflash_ops.act.preflight import preflight
 from dflash_ops.remote import shell_command
 

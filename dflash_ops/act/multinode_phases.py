@@ -1,5 +1,5 @@
 """How a multinode job's commands run: on its nodes (a Node: a target running its part of the job,
-with its transport), as ONE playbook Run (playbook.run) whose target is the job and whose steps are
+with its transport), as ONE Run (act/runner.py) whose target is the job and whose steps are
 phases. A phase is a single-target step run on every node at once, one line per node
 (`on_nodes`), or a step of the whole job that acts on the nodes itself (through `each`). The Run
 numbers and prints the phases like any command's steps and halts at the first that fails."""
@@ -15,8 +15,9 @@ from dflash_ops.act import joblock
 from dflash_ops.errors import StepFailed
 from dflash_ops.inventory.model import Target
 from dflash_ops.inventory.multinode import MultinodeJob
-from dflash_ops.playbook.context import DryRunTransport, StepContext, StepOutcome
-from dflash_ops.playbook.run import Halted, OnProgress, Run
+from dflash_ops.act.context import StepContext, StepOutcome
+from dflash_ops.transport.dry_run import DryRunTransport
+from dflash_ops.act.runner import Halted, OnProgress, Run
 from dflash_ops.transport.base import Transport
 from dflash_ops.transport.factory import make_transport
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dflash_ops.act import jobpaths
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.inventory.model import Job
-from dflash_ops.playbook.context import StepContext, StepOutcome
+from dflash_ops.act.context import StepContext, StepOutcome
 from dflash_ops.remote import shell_command
 from dflash_ops.act.steps import (
     _fail,

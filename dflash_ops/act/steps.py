@@ -24,7 +24,7 @@ from dflash_ops.errors import DflashOpsError, StepFailed
 from dflash_ops.gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
 from dflash_ops.observe.gpu_owners import ownership
 from dflash_ops.inventory.model import Job
-from dflash_ops.playbook.context import StepContext, StepOutcome
+from dflash_ops.act.context import StepContext, StepOutcome
 from dflash_ops.remote import bundle, facts, python_command, shell_command
 from dflash_ops.transport.base import quote_argv
 

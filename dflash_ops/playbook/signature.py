@@ -11,7 +11,7 @@ import typing
 from typing import Any, Callable, Mapping
 
 from dflash_ops.inventory.model import Job
-from dflash_ops.playbook.context import StepOutcome
+from dflash_ops.act.context import StepOutcome
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,8 @@ from trainer.typed_yaml import did_you_mean
 
 from dflash_ops.errors import InputError
 from dflash_ops.inventory.strict_yaml import parse_yaml
-from dflash_ops.playbook.context import StepContext, StepOutcome
-from dflash_ops.playbook.run import OnProgress, Run, RunResult
+from dflash_ops.act.context import StepContext, StepOutcome
+from dflash_ops.act.runner import OnProgress, Run, RunResult
 from dflash_ops.playbook.signature import Inputs, describe, fits, inputs_of, type_name
 
 Library = Mapping[str, Callable[..., Any]]  # step name -> step function

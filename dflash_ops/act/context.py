@@ -1,6 +1,6 @@
 """Where a step acts (the target and the transport to it, recording every command line) and what
-it returns. Under --dry-run the transport is a DryRunTransport: the same commands are recorded,
-none reaches the target, each answers as an empty success."""
+it returns. Under --dry-run the transport is a DryRunTransport (transport/dry_run.py): the same
+commands are recorded, none reaches the target."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from dflash_ops.errors import RemoteCommandError
 from dflash_ops.transport.base import Result, Transport
+from dflash_ops.transport.dry_run import DryRunTransport
 
 if TYPE_CHECKING:
     from dflash_ops.inventory.model import Target
@@ -35,36 +36,6 @@ class StepOutcome:
 
 
 _BASE = {f.name for f in dataclasses.fields(StepOutcome)}
-_EMPTY = Result(0, "", "", 0.0)
-
-
-class DryRunTransport(Transport):
-    """Describes commands as the real transport would run them and runs none: every run answers
-    as an empty success (as invoke's dry=True does), every put writes nothing."""
-
-    def __init__(self, real: Transport):
-        super().__init__(real.name)
-        self.real = real
-
-    def run(self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None) -> Result:
-        return _EMPTY
-
-    def run_on_host(
-        self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None
-    ) -> Result:
-        return _EMPTY
-
-    def put(self, data: bytes, remote_path: str, mode: int = 0o644, step: str = "put") -> None:
-        pass
-
-    def interactive(self, script: str) -> int:
-        return 0
-
-    def command_line(self, script: str, timeout: float = 60) -> str:
-        return self.real.command_line(script, timeout)
-
-    def host_command_line(self, script: str, timeout: float = 60) -> str:
-        return self.real.host_command_line(script, timeout)
 
 
 def _ignore(_message: str) -> None:

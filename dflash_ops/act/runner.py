@@ -9,7 +9,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.playbook.context import StepContext, StepOutcome
+from dflash_ops.act.context import StepContext, StepOutcome
 
 OK, FAILED, SKIPPED, DRY_RUN, NOT_RUN = "ok", "failed", "skipped", "dry-run", "not-run"
 T = TypeVar("T")
