@@ -9,6 +9,7 @@ from dflash_ops.act import launch, steps
 
 from dflash_ops import ops
 from dflash_ops.act.context import StepContext
+from dflash_ops.observe import log_tail
 from dflash_ops.transport.local import LocalTransport
 
 STANDIN = str(Path(__file__).parent / "sim" / "standin-trainer")
@@ -68,7 +69,7 @@ def test_preflight_purge_follow_and_put_run_nothing_from_hostile_paths(local_tar
         log = root / "logs" / "train-0001.log"
         log.parent.mkdir()
         log.write_text("one\ntwo\n")
-        current, size, chunk = ops._read_from(t, target, str(log), 4, follow_job=True)
+        current, size, chunk = log_tail._poll(t, target, str(log), 4)
         assert (current, size, chunk) == (str(log), 8, "two\n")
 
         data = b"hostile put\n"

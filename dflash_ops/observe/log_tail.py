@@ -1,0 +1,184 @@
+"""`tail-log`: the job's log (the one its state names), its last lines, and with --follow the lines
+added since, by polling byte offsets (nothing keeps running on the target when we stop). The reads
+on the target are remote/log_read.sh, log_list.sh and log_follow.sh."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Callable
+
+from dflash_ops.act import jobpaths, jobstate
+from dflash_ops.errors import DflashOpsError, InputError, RemoteCommandError
+from dflash_ops.inventory.model import Target
+from dflash_ops.remote import facts, shell_command
+from dflash_ops.transport.base import quote_argv
+from dflash_ops.transport.factory import make_transport
+
+# --grep filters here (Python regex), over at most this many of the newest lines, so a log of a
+# week-long run is not pulled over ssh whole.
+GREP_WINDOW_LINES = 200_000
+
+# A --log that is not a regular file (a directory, a device) would "read" as nothing at all:
+# remote/log_read.sh exits with this code.
+_NOT_A_FILE = 3
+
+
+def tail_log(
+    target: Target,
+    lines: int = 50,
+    follow: bool = False,
+    grep: str | None = None,
+    log: str | None = None,
+    emit: Callable[[str], None] = print,
+    poll_s: float = 1.0,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> str:
+    """Print the last `lines` lines (matching `grep`) of the job's log, or of `log`; with follow,
+    keep printing new lines. Following the job's log (no `log` given) moves on to the log the job
+    state names when a relaunch starts one, as tail -F does. Returns the path read last."""
+    pattern = compile_grep(grep)
+    transport = make_transport(target)
+    try:
+        path = log or job_log(transport, target)
+        offset = _print_last(transport, target, path, lines, pattern, emit, given=log is not None)
+        if follow:
+            path = _follow(transport, target, path, offset, pattern, emit, poll_s, should_stop, log is None)
+        return path
+    finally:
+        transport.close()
+
+
+def compile_grep(grep: str | None) -> re.Pattern | None:
+    if grep is None:
+        return None
+    try:
+        return re.compile(grep)
+    except re.error as exc:
+        raise InputError(f"--grep {grep!r}: not a valid regular expression ({exc})") from None
+
+
+def job_log(transport, target: Target) -> str:
+    """The log of the run the job state names (never merely the newest file); the newest
+    train-NNNN.log only for a job launched before there was a job state. A state file that cannot
+    be read as one is refused (one line), never guessed past."""
+    path = jobpaths.state_file(target.job)
+    out = transport.check(jobstate.read_script(target.job), timeout=30, step="find the job's log").stdout
+    _, kind, text = (out.split("\n", 2) + ["", ""])[:3]
+    state, named = jobstate.parse(text), jobstate.load(text)
+    why = None
+    if kind.strip() == jobstate.NOT_A_FILE:
+        why = "is not a regular file"
+    elif text.strip() and state is None:
+        why = f"holds no dflash-ops job state (damaged, or larger than {jobstate.MAX_BYTES} bytes)"
+    elif isinstance(named, dict) and named.get("log") is not None and state is not None and state.log is None:
+        why = f"names a log that is not a path ({json.dumps(named['log'])[:60]})"
+    if why is not None:
+        raise DflashOpsError(
+            f"[{target.name}] job state {path} {why}; pass --log PATH to read a log "
+            "(the next relaunch rewrites the state)"
+        )
+    if state is None or not state.log:
+        return newest_log(transport, target)
+    if not transport.run(quote_argv(["test", "-e", state.log]), timeout=30, step="find the job's log").ok:
+        run = f"run {state.run:04d}" if isinstance(state.run, int) else "the current run"
+        raise DflashOpsError(
+            f"[{target.name}] the log of {run}, {state.log}, is missing (deleted or rotated "
+            "away?); pass --log PATH to read another file"
+        )
+    return state.log
+
+
+def newest_log(transport, target: Target) -> str:
+    log_dir = target.job.log_dir
+    listing = transport.check(shell_command("log_list.sh", log_dir), timeout=30, step="find newest log")
+    path = _newest_path(target, listing.stdout)
+    if path is None:
+        raise DflashOpsError(
+            f"[{target.name}] no {facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX} in {log_dir} yet; "
+            "launch the job first (dflash-ops relaunch)"
+        )
+    return path
+
+
+def _newest_path(target: Target, listing: str) -> str | None:
+    """The newest train-NNNN.log of a log_list.sh line, as a path."""
+    name = facts.newest_log_name(listing.strip().split("/"))
+    return f"{target.job.log_dir.rstrip('/')}/{name}" if name else None
+
+
+def _print_last(transport, target: Target, path: str, lines: int, pattern, emit, given: bool) -> int:
+    """Emit the last `lines` lines of `path`; returns its size as read, so a follower continues
+    exactly where this read ended."""
+    first = transport.run(
+        shell_command("log_read.sh", path, str(GREP_WINDOW_LINES if pattern else int(lines))),
+        timeout=60,
+        step="read log",
+    )
+    if given and first.exit_code == _NOT_A_FILE:
+        raise InputError(
+            f"--log {path}: {first.stdout.strip() or 'not a regular file'} on {target.name}; "
+            f"give a log file ({facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX} in {target.job.log_dir})"
+        )
+    if not first.ok:
+        raise RemoteCommandError(target.name, "read log", first)
+    size_line, _, text = first.stdout.partition("\n")
+    for line in _matching(text.splitlines(), pattern)[-lines:]:
+        emit(line)
+    return _size(target, size_line)
+
+
+def _follow(transport, target, path, offset, pattern, emit, poll_s, should_stop, follow_job) -> str:
+    partial = ""
+    while not should_stop():
+        time.sleep(poll_s)
+        current, size, chunk = _poll(transport, target, path, offset)
+        if size < offset:  # truncated or replaced: start again from its beginning
+            offset, partial = 0, ""
+            continue
+        offset = size
+        partial += chunk
+        *complete, partial = partial.split("\n")
+        for line in _matching(complete, pattern):
+            emit(line)
+        if follow_job and current and current != path and _is_file(transport, current):
+            for line in _matching([partial] if partial else [], pattern):
+                emit(line)
+            path, offset, partial = current, 0, ""
+            emit(f"==> following {path} (a newer log) <==")
+    return path
+
+
+def _poll(transport, target: Target, path: str, offset: int) -> tuple[str | None, int, str]:
+    """(the job's current log, the size of `path`, its bytes after `offset`) in one round trip. The
+    current log is the one the job state names; the newest train-NNNN.log only without a state."""
+    job = target.job
+    out = transport.check(
+        shell_command(
+            "log_follow.sh", jobpaths.state_file(job), str(jobstate.MAX_BYTES), job.log_dir, path, str(offset)
+        ),
+        timeout=60,
+        step="follow log",
+    ).stdout
+    state_line, _, rest = out.partition("\n")
+    listing, _, rest = rest.partition("\n")
+    size_line, _, chunk = rest.partition("\n")
+    state = jobstate.parse(state_line.strip())
+    current = state.log if state is not None and state.log else _newest_path(target, listing)
+    return current, _size(target, size_line), chunk
+
+
+def _is_file(transport, path: str) -> bool:
+    return transport.run(quote_argv(["test", "-f", path]), timeout=30, step="follow log").ok
+
+
+def _matching(lines: list[str], pattern: re.Pattern | None) -> list[str]:
+    return [line for line in lines if pattern is None or pattern.search(line)]
+
+
+def _size(target: Target, line: str) -> int:
+    """A file size the log scripts printed; anything else is a failure in one line."""
+    if not line.strip().isdigit():
+        raise DflashOpsError(f"[{target.name}] read log: expected the log's size, got {line.strip()[:80]!r}")
+    return int(line)
