@@ -9,6 +9,7 @@ import base64
 import binascii
 import dataclasses
 import json
+from typing import Any
 from collections.abc import Sequence
 
 from trainer import metrics_format
@@ -119,23 +120,11 @@ def probe_args(
     return args
 
 
-def probe_script_for(
-    job: Job,
-    log_lines: int = DEFAULT_LOG_LINES,
-    metrics_lines: int = DEFAULT_METRICS_LINES,
-    gpu_source: str = "auto",
-    nvidia_smi: str = "nvidia-smi",
-    part_s: float | None = None,
-) -> str:
+def probe_script_for(job: Job, **options: Any) -> str:
     """The bash script for `transport.run`: the job's python (python3 when that is not installed
     yet, e.g. before the first deploy) runs the probe, whose text (remote.bundle) the caller passes
-    as stdin; every word is quoted."""
-    return python_command(
-        job.python,
-        PROBE_SCRIPT,
-        probe_args(job, log_lines, metrics_lines, gpu_source, nvidia_smi, part_s),
-        who="dflash probe",
-    )
+    as stdin; every word is quoted. `options` are probe_args' own."""
+    return python_command(job.python, PROBE_SCRIPT, probe_args(job, **options), who="dflash probe")
 
 
 def run_probe(
@@ -160,7 +149,14 @@ def run_probe(
     """
     if gpu_on_host is not None:
         return _run_probe_gpu_on_host(transport, job, timeout, log_lines, metrics_lines, gpu_on_host, part_s)
-    script = probe_script_for(job, log_lines, metrics_lines, gpu_source, nvidia_smi, part_s)
+    script = probe_script_for(
+        job,
+        log_lines=log_lines,
+        metrics_lines=metrics_lines,
+        gpu_source=gpu_source,
+        nvidia_smi=nvidia_smi,
+        part_s=part_s,
+    )
     result = transport.run(script, timeout=timeout, step="probe", stdin=bundle(PROBE_SCRIPT))
     if not result.ok:
         raise RemoteCommandError(transport.name, "probe", result)
@@ -179,7 +175,9 @@ def _run_probe_gpu_on_host(
 ) -> ProbeReport:
     """Still one ssh session and one `pct exec`: the Proxmox host answers for the GPUs (real pids,
     mapped to containers), then the probe runs in the container without its GPU section."""
-    inside = probe_script_for(job, log_lines, metrics_lines, gpu_source="none", part_s=part_s)
+    inside = probe_script_for(
+        job, log_lines=log_lines, metrics_lines=metrics_lines, gpu_source="none", part_s=part_s
+    )
     query = HOST_GPU_QUERY_ARGV if part_s is None else host_query_limited(part_s)
     container = transport.in_container(inside, timeout if part_s is None else max(1.0, timeout - part_s))
     script = shell_command("probe_on_host.sh", container, *query)
