@@ -69,3 +69,14 @@ def test_rollback_to_a_release_that_is_not_kept_is_one_line_and_exit_2(tmp_path)
     assert proc.stderr.count("nosuchrelease") == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert f"kept: {kept}" in proc.stderr and "exit code" not in proc.stderr
     assert f"* {kept}" in run(tmp_path, "--inventory", str(inventory), "deploy", "--list").stdout  # unchanged
+
+
+@pytest.mark.parametrize("name", ["--first-step-timeout", "--timeout"])
+def test_relaunchs_wait_for_the_first_step_is_named_for_what_it_bounds(tmp_path, name):
+    """`status --timeout` bounds an answer; relaunch's bounds the wait for step 1, and says so
+    (the short name stays for crontabs that use it)."""
+    proc = run(tmp_path, "relaunch", "--dry-run", name, "77")
+    assert proc.returncode == 0, proc.stderr
+    assert "would wait up to 77s for the first step" in proc.stdout
+    refused = run(tmp_path, "relaunch", "--dry-run", name, "0")
+    assert refused.returncode == 2 and "'--first-step-timeout'" in refused.stderr

@@ -79,7 +79,9 @@ def run_command(obj: Obj, target_name, command: Callable, dry_run: bool, **optio
     "--allow-shared-gpus", is_flag=True, help="Launch although foreign processes use the job's GPUs."
 )
 @click.option(
+    "--first-step-timeout",
     "--timeout",
+    "timeout",
     type=click.FloatRange(min=1),
     default=None,
     metavar="S",
