@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from dflash_ops.act.runner import DRY_RUN, FAILED, OK, SKIPPED, Progress
+from dflash_ops.act.runner import DRY_RUN, FAILED, OK, SKIPPED, StepEvent
 
 STATUS_EVERY_S = 15.0
 CLEAR_LINE = "\r\033[K"
 
 
-def format_progress(p: Progress, with_target: bool = False, show_commands: bool = True) -> str:
+def format_progress(p: StepEvent, with_target: bool = False, show_commands: bool = True) -> str:
     """`[3/7] wait_gpu_free ... ok (4.2s) GPUs 1,2,3 free`; dry-run lists the commands below."""
     head = (f"[{p.target}] " if with_target else "") + f"[{p.number}/{p.total}] {p.step} ..."
     if p.event == "start":
@@ -50,7 +50,7 @@ class ProgressPrinter:
         self._live = False  # a status line is on screen without its newline
         self._last_status: float | None = None
 
-    def __call__(self, progress: Progress) -> None:
+    def __call__(self, progress: StepEvent) -> None:
         if progress.event == "start":
             self._last_status = self.clock()  # the first status line comes every_s into the step
             return  # the end line carries the timing

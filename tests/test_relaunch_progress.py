@@ -8,7 +8,7 @@ import pytest
 
 from dflash_ops.act import steps
 from dflash_ops.act.context import StepContext
-from dflash_ops.act.runner import Progress
+from dflash_ops.act.runner import StepEvent
 from dflash_ops.progress_view import CLEAR_LINE, ProgressPrinter
 from dflash_ops.transport.local import LocalTransport
 
@@ -55,14 +55,14 @@ def test_wait_first_step_shows_each_new_log_line_once(local_target, tmp_path):
 
 
 def _status(message):
-    return Progress("status", 7, 7, "wait_first_step", message=message)
+    return StepEvent("status", 7, 7, "wait_first_step", message=message)
 
 
 def test_status_lines_are_live_on_a_terminal_and_every_15_s_elsewhere():
     now = [0.0]
     out = []
     printer = ProgressPrinter(out.append, is_tty=False, clock=lambda: now[0])
-    printer(Progress("start", 7, 7, "wait_first_step"))
+    printer(StepEvent("start", 7, 7, "wait_first_step"))
     for second in range(0, 46):
         now[0] = float(second)
         printer(_status(f"waiting {second} s"))

@@ -63,8 +63,8 @@ class RunResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class Progress:
-    """One progress event: a step starts, logs a line, shows a transient status, or ends."""
+class StepEvent:
+    """What a running step reports: it starts, logs a line, shows a transient status, or ends."""
 
     event: str  # start | log | status | end
     number: int
@@ -75,7 +75,7 @@ class Progress:
     report: StepReport | None = None
 
 
-OnProgress = Callable[[Progress], None]
+OnProgress = Callable[[StepEvent], None]
 
 
 class Halted(Exception):
@@ -159,12 +159,12 @@ class Run:
         return index + 1
 
     def _progress(self, event: str, number: int, name: str, message: str = "") -> None:
-        self.emit(Progress(event, number, len(self.plan), name, self.ctx.target_name, message))
+        self.emit(StepEvent(event, number, len(self.plan), name, self.ctx.target_name, message))
 
     def _end(self, report: StepReport) -> None:
         self.reports.append(report)
         total = len(self.plan)
-        self.emit(Progress("end", report.number, total, report.step, self.ctx.target_name, report=report))
+        self.emit(StepEvent("end", report.number, total, report.step, self.ctx.target_name, report=report))
 
 
 def _as_outcome(name: str, returned: object) -> StepOutcome:
