@@ -157,3 +157,16 @@ def test_the_run_dir_of_earlier_versions_becomes_run_0001(job):
     assert run_launcher(dataclasses.replace(job, env=())).returncode == 0
     assert (Path(jobpaths.runs_dir(job)) / "0001" / "checkpoints" / "step-0000007").is_dir()
     assert not Path(jobpaths.legacy_run_dir(job)).exists()
+
+
+def test_the_launcher_and_the_run_choice_run_where_only_the_standard_library_is(job, tmp_path):
+    def isolated(filename, args):  # -I -S: nothing of dflash_ops or the trainer is importable
+        return subprocess.run([sys.executable, "-I", "-S", "-", json.dumps(args)], input=remote.bundle(filename),
+                              capture_output=True, cwd=tmp_path, timeout=60)
+
+    chosen = isolated("choose_run.py", {"runs": jobpaths.runs_dir(job), "resume": True})
+    assert chosen.returncode == 0 and chosen.stdout == b"0001\n", chosen
+    launched = isolated(launch.LAUNCHER, launch.launch_args(job, run="0001"))
+    assert launched.returncode == 0 and launched.stdout.decode() == f"{job.log_dir}/train-0001.log\n", launched
+    assert state(job)["run"] == 1 and state(job)["state"] == "running"
+    wait_for(lambda: state(job)["state"] == "finished")
