@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dflash_ops.act import launch, steps
 
-from dflash_ops import ops
+from dflash_ops import ops, remote
 from dflash_ops.act.context import StepContext
 from dflash_ops.observe import log_tail
 from dflash_ops.transport.local import LocalTransport
@@ -23,7 +23,8 @@ def test_launch_wait_and_tail_log_run_nothing_from_hostile_paths(local_target, t
                               session="s $(touch PWNED3) `x` 'q'", tmux_socket=f"h-{tmp_path.name}"[:40])
     target = dataclasses.replace(local_target, job=job)
     with LocalTransport("local") as t:
-        log = t.check(launch.launch_script(job, resume=True)).stdout.strip().splitlines()[-1]
+        launched = t.check(launch.launch_command(job, resume=True), stdin=remote.bundle(launch.LAUNCHER))
+        log = launched.stdout.strip().splitlines()[-1]
         assert log == f"{job.log_dir}/train-0001.log"
         ctx = StepContext(target=target, transport=t, step="wait_first_step")
         outcome = steps.wait_first_step(ctx, job, steps.Launched(log=log), timeout_s=30, poll_s=0.2)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ops import commands, ops
+from dflash_ops.act import launch
 from dflash_ops.inventory.model import Health
 from dflash_ops.act.relaunch_guard import RelaunchGuard
 
@@ -110,7 +111,9 @@ def test_dry_run_touches_nothing(local_target, cleanup):
     assert subprocess.run(["tmux", "-L", target.job.tmux_socket, "has-session"],
                           capture_output=True).returncode != 0
     lines = [c for s in result.steps for c in s.commands]
-    assert any("new-session" in c for c in lines) and any("rm -rf" in c for c in lines)
+    # the launch is the launcher's one JSON word, which names the session it would start
+    assert any(launch.LAUNCHER in c and json.dumps(target.job.session) in c for c in lines), lines
+    assert any("rm -rf" in c for c in lines)
 
 
 def _write_gpus(path: Path, apps=()):

@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 # configs, the export's modeling files, and the whole trainer package, which `deploy` packs up
 # from where it is installed.
 RUNTIME_FILES = [
-    "dflash_ops/remote/launch.sh",
+    "dflash_ops/remote/pane.sh",
+    "dflash_ops/remote/launch_job.py",
     "dflash_ops/remote/run_python.sh",
     "dflash_ops/remote/probe_script.py",
     "dflash_ops/remote/jobprocs.py",

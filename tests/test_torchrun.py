@@ -9,7 +9,7 @@ import pytest
 from dflash_ops.inventory import target as inventory_target
 from dflash_ops.act import launch, torchrun
 from dflash_ops.observe import logs
-from dflash_ops import remote
+from dflash_ops.remote import launch_job
 from dflash_ops.errors import InputError
 from dflash_ops.inventory.load import load_inventory_text
 from dflash_ops.inventory.model import Job
@@ -157,12 +157,11 @@ def test_threads_stays_the_default_launch():
 def test_the_pane_script_runs_a_hostile_python_path_as_data(tmp_path):
     hostile = str(tmp_path / "py $(touch pwned); 'x'")
     job = Job(workdir=str(tmp_path), python=hostile, config="tiny-cpu", launcher="torchrun", nproc_per_node=2)
-    args = launch.pane_args(job)
-    words = args[args.index("--") + 1:]
+    args = launch.launch_args(job)
+    words = args["argv"]
     assert words[0] == hostile and words[1:4] == ["-m", "torch.distributed.run", "--standalone"]
     log, out = tmp_path / "train-0001.log", tmp_path / "runs" / "0001"
-    pane = remote.shell_argv("pane.sh", str(log), "0001", "fresh", str(tmp_path / "m.jsonl"), str(out),
-                             str(out / "done"), str(tmp_path / "state.json"), "{}", *args)
+    pane = launch_job.pane_command(args, str(log), "0001", False, str(out), {"state": "finished"})
     ran = subprocess.run(pane, capture_output=True, text=True, timeout=30)
     assert ran.returncode == 127, ran  # the path is one word naming no program
     first = log.read_text().splitlines()[0]

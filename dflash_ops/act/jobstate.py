@@ -125,33 +125,6 @@ def parse_read(stdout: str) -> tuple[float, str, JobState | None]:
     return seconds, kind.strip(), parse(text)
 
 
-@dataclasses.dataclass(frozen=True)
-class Slot:
-    """A number only the script writing a state knows (digits only): `@name@` in json_template."""
-
-    name: str
-
-
-def json_template(**fields) -> str:
-    """A state's JSON text for a script to complete: Python values are encoded here (hostile paths
-    stay data), a Slot stands for a number (`@name@`, unquoted), a tuple (text, Slot, text) for a
-    string with a number in its middle, e.g. a numbered log path. Every "@" of a value is written
-    as \\u0040 (the same JSON), so data never reads as a slot."""
-
-    def text(value) -> str:
-        return json.dumps(value).replace("@", "\\u0040")
-
-    def encoded(value) -> str:
-        if isinstance(value, Slot):
-            return f"@{value.name}@"
-        if isinstance(value, tuple):
-            head, slot, tail = value
-            return text(head)[:-1] + encoded(slot) + text(tail)[1:]
-        return text(value)
-
-    return "{" + ",".join(f"{text(key)}:{encoded(value)}" for key, value in fields.items()) + "}"
-
-
 def stopped(previous: JobState | None, when: float) -> JobState:
     """The state `dflash-ops stop` leaves: the last run and log stay named for status and tail-log."""
     base = previous or JobState(STOPPED)

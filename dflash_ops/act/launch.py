@@ -1,5 +1,5 @@
 """The launch: a numbered log, the trainer in a detached tmux session, environment set explicitly
-(remote/launch.sh and remote/pane.sh).
+(remote/launch_job.py and remote/pane.sh).
 
 `bash -c` under pct exec is a non-login shell (no profile, no venv activation), so every path is
 absolute and every variable the trainer needs is passed here.
@@ -7,15 +7,15 @@ absolute and every variable the trainer needs is passed here.
 
 from __future__ import annotations
 
-from trainer import metrics_format
+import posixpath
 
-from dflash_ops.act import jobpaths, jobstate, tmux, torchrun
-from dflash_ops.remote import facts, shell_code, shell_command
+from dflash_ops.act import jobpaths, tmux, torchrun
+from dflash_ops.remote import python_command, script_source, shell_code
 from dflash_ops.inventory.model import Job
 
 
-# Stands for the run's directory (runs/NNNN), which only the launch script picks: the pane script
-# puts it in its place.
+# Stands for the run's directory (runs/NNNN), which only the launcher picks: it puts the run's
+# directory in its place.
 RUN_DIR = "@RUN_DIR@"
 
 
@@ -43,60 +43,54 @@ def trainer_env(job: Job) -> dict[str, str]:
     return env
 
 
-# train-0007.log -> train-0007.metrics.jsonl: what the trainer's rule appends to a log's stem
-_METRICS_OF_LOG = metrics_format.metrics_path_for_log(facts.LOG_SUFFIX)
-# What the launcher itself puts into the cache dir, as grep -E sees it.
-_LAUNCHER_ENTRIES = "inductor|triton|" + jobpaths.CACHE_MARKER.replace(".", "\\.")
+LAUNCHER = "launch_job.py"
 
 
-def _state(job: Job, state: str, **more) -> str:
-    """The job state a launched run writes; remote/launch.sh and pane.sh fill in its slots."""
-    return jobstate.json_template(
-        state=state,
-        run=jobstate.Slot("run_number"),
-        run_dir=(jobpaths.runs_dir(job) + "/", jobstate.Slot("run"), ""),
-        log=(job.log_dir.rstrip("/") + "/" + facts.LOG_PREFIX, jobstate.Slot("log_number"), facts.LOG_SUFFIX),
-        **more,
-    )
+def pane_args(job: Job) -> dict:
+    """What the pane runs: the trainer's workdir, environment and argv (its run dir as RUN_DIR)."""
+    return {
+        "workdir": job.workdir,
+        "env": trainer_env(job),
+        "argv": trainer_argv(job),
+        "run_dir_word": RUN_DIR,
+    }
 
 
-def pane_args(job: Job) -> list[str]:
-    """remote/pane.sh's arguments from WORKDIR on: the trainer's environment and argv."""
-    env = [f"{name}={value}" for name, value in trainer_env(job).items()]
-    return [job.workdir, RUN_DIR, *env, "--", *trainer_argv(job)]
+def launch_args(job: Job, resume: bool = True, run: str | None = None) -> dict:
+    """remote/launch_job.py's one JSON argument. It picks the run (the newest unfinished one to
+    resume, else a new one; `run` NNNN when the caller chose it, as a multinode job does once for
+    all its nodes), the next train-NNNN.log, creates the cache dir with its marker (an existing dir
+    only when it holds nothing but what the launcher puts there, so purge-cache never deletes
+    anything else), starts the session running remote/pane.sh, records the job state `running`;
+    prints the log path."""
+    return {
+        "socket": job.tmux_socket,
+        "session": job.session,
+        "target": tmux.exact(job),
+        "logs": job.log_dir,
+        "runs": jobpaths.runs_dir(job),
+        "legacy_run": jobpaths.legacy_run_dir(job),
+        "cache": job.cache_dir,
+        "cache_marker": jobpaths.cache_marker(job),
+        "cache_entries": [
+            posixpath.basename(jobpaths.inductor_cache(job)),
+            posixpath.basename(jobpaths.triton_cache(job)),
+            jobpaths.CACHE_MARKER,
+        ],
+        "compiler_caches": [jobpaths.inductor_cache(job), jobpaths.triton_cache(job)],
+        "marker_env": jobpaths.JOB_MARKER_ENV,
+        "marker": jobpaths.marker_value(job),
+        "resume": resume,
+        "run": run,
+        "state_file": jobpaths.state_file(job),
+        "python": job.python,
+        "pane_script": shell_code("pane.sh"),
+        # the program the pane's python runs to write the finished state
+        "state_writer": script_source("state_write.py"),
+        **pane_args(job),
+    }
 
 
-def launch_script(job: Job, resume: bool = True, run: str | None = None) -> str:
-    """remote/launch.sh: picks the run (the newest unfinished one to resume, else a new one; `run`
-    NNNN when the caller chose it, as a multinode job does once for all its nodes), the
-    next train-NNNN.log, creates the cache dir with its marker (an existing dir only when it holds
-    nothing but what the launcher puts there, so purge-cache never deletes anything else), starts
-    the session running remote/pane.sh, records the job state `running`; prints the log path."""
-    running = _state(job, jobstate.RUNNING, pid=jobstate.Slot("pid"), since=jobstate.Slot("now"))
-    finished = _state(job, jobstate.FINISHED, when=jobstate.Slot("now"))
-    return shell_command(
-        "launch.sh",
-        job.tmux_socket,
-        job.session,
-        tmux.exact(job),
-        job.log_dir,
-        facts.LOG_PREFIX,
-        facts.LOG_SUFFIX,
-        _METRICS_OF_LOG,
-        jobpaths.runs_dir(job),
-        jobpaths.legacy_run_dir(job),
-        job.cache_dir,
-        jobpaths.cache_marker(job),
-        jobpaths.marker_value(job),
-        _LAUNCHER_ENTRIES,
-        jobpaths.inductor_cache(job),
-        jobpaths.triton_cache(job),
-        f"run={run}" if run else "resume" if resume else "fresh",
-        jobpaths.RUN_FINISHED,
-        jobpaths.state_file(job),
-        running,
-        finished,
-        shell_code("pane.sh"),
-        f"{jobpaths.JOB_MARKER_ENV}={jobpaths.marker_value(job)}",
-        *pane_args(job),
-    )
+def launch_command(job: Job, resume: bool = True, run: str | None = None) -> str:
+    """The launch as one command line (the launcher's program, bundle(LAUNCHER), goes on stdin)."""
+    return python_command(job.python, LAUNCHER, launch_args(job, resume, run), who="launch")

@@ -47,11 +47,12 @@ from dflash_ops.act.multinode_phases import (
 from dflash_ops.act.context import StepContext, StepOutcome
 from dflash_ops.act.runner import OnProgress, Run, RunResult
 from dflash_ops.act.preflight import preflight
-from dflash_ops.remote import shell_command
+from dflash_ops.remote import bundle, python_command
 
 F = TypeVar("F", bound=Callable[..., Any])
 _default = functools.partial(commands.default_of, commands.relaunch)
 UNTOUCHED = "nothing was stopped on any node"
+_CHOOSE_RUN = "choose_run.py"
 
 RELAUNCH_PHASES = [
     "preflight",
@@ -246,8 +247,10 @@ def _launch(ctx: JobContext, job: MultinodeJob, resume: bool) -> JobLaunched:
     chosen = one(
         ctx,
         first,
-        lambda _node, c: c.run(
-            shell_command("choose_run.sh", job.runs_dir, mode, jobpaths.RUN_FINISHED), timeout=30
+        lambda node, c: c.run(
+            python_command(node.target.job.python, _CHOOSE_RUN, {"runs": job.runs_dir, "resume": resume}),
+            timeout=30,
+            stdin=bundle(_CHOOSE_RUN),
         ),
     )
     printed = chosen.stdout.split()
@@ -273,7 +276,9 @@ def _start(ctx: StepContext, job: MultinodeJob, node: Node, run: str, rdzv_id: s
     _, why = steps.resolve_cache(ctx, node_job, node_job.cache_dir)
     if why is not None:
         raise StepFailed(f"[{node.name}] launch: refusing to launch: {why}")
-    result = ctx.run(launch_lib.launch_script(node_job, run=run), timeout=60)
+    result = ctx.run(
+        launch_lib.launch_command(node_job, run=run), timeout=60, stdin=bundle(launch_lib.LAUNCHER)
+    )
     if ctx.dry_run:
         argv = launch_lib.trainer_argv(node_job, f"{jobpaths.runs_dir(node_job)}/{run}")
         return steps.Launched(

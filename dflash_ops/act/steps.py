@@ -355,7 +355,9 @@ def launch(ctx: StepContext, job: Job, resume: bool) -> Launched:
     _, why = resolve_cache(ctx, job, job.cache_dir)
     if why is not None:
         raise _fail(ctx, f"refusing to launch: {why}")
-    result = ctx.run(launch_lib.launch_script(job, resume=resume), timeout=60)
+    result = ctx.run(
+        launch_lib.launch_command(job, resume=resume), timeout=60, stdin=bundle(launch_lib.LAUNCHER)
+    )
     if ctx.dry_run:
         return Launched(
             message=f"would start tmux session {job.session!r} running: "

@@ -30,6 +30,8 @@ SHARED_MODULES = (
     ("procs", _HERE / "procs.py"),
     ("gpu_read", _HERE / "gpu_read.py"),
     ("metrics_history", pathlib.Path(metrics_history.__file__)),
+    ("runs", _HERE / "runs.py"),
+    ("state_write", _HERE / "state_write.py"),
 )
 
 

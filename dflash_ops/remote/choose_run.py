@@ -1,0 +1,26 @@
+"""Stdlib-only script run ON THE TARGET: the run a multinode job launches on every node, chosen once
+in the shared runs dir by the rule a single target's launch follows (runs.choose); its directory is
+created.
+Usage: python3 - '{"runs": DIR, "resume": BOOL}' < (remote.bundle('choose_run.py')); prints NNNN.
+"""
+
+import json
+import sys
+
+try:  # imported from the package (tests)
+    from dflash_ops.remote import runs
+except ImportError:  # on the target: remote.bundle() defined it ahead of this script
+    import runs  # type: ignore[no-redef]
+
+
+def main():
+    args = json.loads(sys.argv[1])
+    try:
+        print(runs.choose(args["runs"], args["resume"]))
+    except OSError as exc:
+        print("choose run: %s" % exc, file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
