@@ -13,7 +13,8 @@ from dflash_ops.remote import procs
 
 
 def tmux(job: Job, *args: str) -> str:
-    return " ".join(["tmux", "-L", shlex.quote(job.tmux_socket), *(shlex.quote(a) for a in args)])
+    words = ["tmux", "-L", job.tmux_socket, *(procs.tmux_word(a) for a in args)]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def exact(job: Job) -> str:

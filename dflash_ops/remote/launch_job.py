@@ -15,11 +15,12 @@ import subprocess
 import sys
 
 try:  # imported from the package (tests)
-    from dflash_ops.remote import facts, runs, state_write
+    from dflash_ops.remote import facts, procs, runs, state_write
     from trainer import metrics_format
 except ImportError:  # on the target: remote.bundle() defined these ahead of this script
     import facts  # type: ignore[no-redef]
     import metrics_format  # type: ignore[no-redef]
+    import procs  # type: ignore[no-redef]
     import runs  # type: ignore[no-redef]
     import state_write  # type: ignore[no-redef]
 
@@ -98,8 +99,7 @@ def tmux(socket, *commands, **options):
     words = []
     for command in commands:
         words += [";"] if words else []
-        # tmux ends a command at any word ending in ";", and reads a final "\;" as the ";" itself
-        words += [word[:-1] + "\\;" if word.endswith(";") else word for word in command]
+        words += [procs.tmux_word(word) for word in command]
     return subprocess.run(["tmux", "-L", socket] + words, stdin=subprocess.DEVNULL, **options)
 
 

@@ -40,6 +40,12 @@ def read(path, limit=65536):
         return None
 
 
+def tmux_word(word):
+    """`word` as one tmux argument: tmux ends a command at any word ending in ";", and reads a
+    final "\\;" as the ";" itself."""
+    return word[:-1] + "\\;" if word.endswith(";") else word
+
+
 def pane_command(sock, session):
     """argv listing the session's panes; "=NAME:" because tmux 3.3 resolves `-t =NAME` of
     list-panes -s by prefix (=job finds jobber)."""
