@@ -18,6 +18,7 @@ from dflash_ops.act import jobpaths, jobstate
 from dflash_ops.errors import DflashOpsError, InputError, JobBusy, RemoteCommandError
 from dflash_ops.inventory.model import Target
 from dflash_ops.observe.probe import run_probe
+from dflash_ops.observe.target_status import TargetStatus
 from dflash_ops.act.relaunch_guard import RelaunchGuard
 from dflash_ops.remote import facts, shell_command
 from dflash_ops.transport.base import quote_argv
@@ -46,7 +47,7 @@ class Checked:
 
     target: Target
     verdict: health.Verdict
-    status: dict
+    status: TargetStatus
     report: object = None
 
 
