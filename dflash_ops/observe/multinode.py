@@ -79,7 +79,9 @@ def _verdict(job: MultinodeJob, checked: list[ops.Checked], nodes: tuple[NodeSta
     return health.Verdict(level, tuple(reasons), checked[0].verdict.perfdata)
 
 
-def _whole_job_problems(job: MultinodeJob, checked: list[ops.Checked], nodes: tuple[NodeStatus, ...]) -> list[str]:
+def _whole_job_problems(
+    job: MultinodeJob, checked: list[ops.Checked], nodes: tuple[NodeStatus, ...]
+) -> list[str]:
     """Half of it stopped, nodes in different runs, a node whose torchrun lost ranks."""
     problems = []
     parked = [n.index for n in nodes if _parked(n)]

@@ -19,7 +19,9 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> TargetStatu
     """The status of one target. `report` may be None when the probe could not run; the job's
     identity and the (UNKNOWN) verdict are still reported."""
     if report is None:
-        return TargetStatus(target=target_name, session=TmuxSession(job.session, job.tmux_socket), verdict=verdict)
+        return TargetStatus(
+            target=target_name, session=TmuxSession(job.session, job.tmux_socket), verdict=verdict
+        )
     return TargetStatus(
         target=target_name,
         hostname=report.hostname,

@@ -30,10 +30,9 @@ def status_json(statuses: Sequence[Printable], indent: int | None = 2) -> str:
 def health_json(statuses: Sequence[Printable], relaunched: Mapping[str, str] | None = None) -> str:
     """`status --json`'s document; with --auto-relaunch (`relaunched` given, by name: what the
     relaunch did) each object adds `auto_relaunch`, null where none was tried."""
-    objects = [s.to_json() for s in statuses]
-    if relaunched is not None:
-        objects = [dict(o, auto_relaunch=relaunched.get(s.name)) for o, s in zip(objects, statuses)]
-    return _document(objects, indent=2)
+    if relaunched is None:
+        return _document([s.to_json() for s in statuses], indent=2)
+    return _document([dict(s.to_json(), auto_relaunch=relaunched.get(s.name)) for s in statuses], indent=2)
 
 
 def _document(objects: list[dict], indent: int | None) -> str:

@@ -71,17 +71,28 @@ class TargetStatus:
 
     @classmethod
     def from_json(cls, data: dict) -> TargetStatus:
-        """The status `to_json` gave (a recorded `status --json`, say)."""
-        nested = {
-            "gpus": tuple(GpuRow.from_json(g) for g in data["gpus"]),
-            "session": TmuxSession.from_json(data["session"]),
-            "processes": tuple(JobProcess.from_json(p) for p in data["processes"]),
-            "training": Training.from_json(data["training"]),
-            "eval": None if data["eval"] is None else EvalStatus.from_json(data["eval"]),
-            "verdict": verdict_from_json(data),
-        }
-        plain = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data and f.name not in nested}
-        return cls(**plain, **nested)
+        """The status `to_json` gave (a recorded `status --json`, say; keys it lacks are None)."""
+        return cls(
+            target=data["target"],
+            hostname=data.get("hostname"),
+            time=data.get("time"),
+            probe_seconds=data.get("probe_seconds"),
+            gpu_source=data.get("gpu_source"),
+            gpu_error=data.get("gpu_error"),
+            gpus=tuple(GpuRow.from_json(g) for g in data["gpus"]),
+            session=TmuxSession.from_json(data["session"]),
+            processes=tuple(JobProcess.from_json(p) for p in data["processes"]),
+            log=data.get("log"),
+            metrics=data.get("metrics"),
+            data_source=data.get("data_source"),
+            job_state=data.get("job_state"),
+            job_state_error=data.get("job_state_error"),
+            log_missing=data.get("log_missing"),
+            training=Training.from_json(data["training"]),
+            eval=None if data.get("eval") is None else EvalStatus.from_json(data["eval"]),
+            verdict=verdict_from_json(data),
+            eval_search=data.get("eval_search"),
+        )
 
     def to_text(self, color: bool = False) -> str:
         """Dense text for people: one line per GPU, then session, progress and the verdict."""

@@ -67,9 +67,8 @@ def progress_line(training: Training, evaluated: EvalStatus | None, data_source:
     tau = ""
     if evaluated is not None and evaluated.tau is not None:
         tau = f"  tau {evaluated.tau:.2f} ({format_age(evaluated.age_s)} ago)"
-    return (
-        f"step {t.step_text()}  loss {loss}  {speed} Ktok/s{tau}  ETA {format_eta(t.eta_s)}  {freshness}{source}"
-    )
+    eta = format_eta(t.eta_s)
+    return f"step {t.step_text()}  loss {loss}  {speed} Ktok/s{tau}  ETA {eta}  {freshness}{source}"
 
 
 def format_eta(seconds) -> str:
