@@ -14,6 +14,7 @@ from dflash_ops.errors import DflashOpsError, InputError, JobBusy
 from dflash_ops.inventory.model import Target
 from dflash_ops.observe.probe import run_probe
 from dflash_ops.observe.log_tail import tail_log  # noqa: F401 (tail-log, one of the operations)
+from dflash_ops.observe.target_status import TargetStatus
 from dflash_ops.act.relaunch_guard import RelaunchGuard
 from dflash_ops.transport.factory import make_transport
 
@@ -40,7 +41,7 @@ class Checked:
 
     target: Target
     verdict: health.Verdict
-    status: dict
+    status: TargetStatus
     report: object = None
 
 

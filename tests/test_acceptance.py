@@ -66,11 +66,12 @@ def test_latest_eval_uses_the_accuracy_up_to_its_step_and_ignores_earlier_runs()
 
 def test_status_json_and_table_show_tau_and_its_age():
     r = report(metrics())
-    st = status.build_status("box", r, job(), health.evaluate(r, job()))
+    target_status = status.build_status("box", r, job(), health.evaluate(r, job()))
+    st = target_status.to_json()
     json.dumps(st, allow_nan=False)
     assert st["eval"] == {"step": 200, "tau": 2.5, "acceptance": [0.7, 0.5, 0.3], "lossless": True,
                           "expected_tau": pytest.approx(2.696), "age_s": 90.0}
-    assert "40.0 Ktok/s  tau 2.50 (90 s ago)" in status.render_table(st)
+    assert "40.0 Ktok/s  tau 2.50 (90 s ago)" in target_status.to_text()
     assert st["verdict"] == "OK", st["reasons"]
     assert st["perfdata"]["tau"]["value"] == 2.5
 
@@ -79,7 +80,7 @@ def test_no_eval_yet_keeps_status_and_the_nagios_line_as_they_were():
     r = report(metrics(with_eval=False))
     verdict = health.evaluate(r, job())
     st = status.build_status("box", r, job(), verdict)
-    assert st["eval"] is None and "tau" not in status.render_table(st)
+    assert st.eval is None and "tau" not in st.to_text()
     assert "tau" not in health.nagios_line("box", verdict)
 
 

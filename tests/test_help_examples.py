@@ -10,7 +10,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from dflash_ops.observe import health, status
+from dflash_ops.observe import health
+from dflash_ops.observe.target_status import TargetStatus
 from dflash_ops.cli import cli
 from trainer.train.metrics import step_line
 
@@ -39,7 +40,7 @@ def recorded_status() -> dict:
 def test_the_status_example_is_what_status_prints_for_the_recorded_state():
     line, lines = help_example("status")
     assert line == "dflash-ops status"
-    assert lines == status.render_table(recorded_status(), color=False).splitlines()
+    assert lines == TargetStatus.from_json(recorded_status()).to_text(color=False).splitlines()
 
 
 def test_the_health_example_is_what_health_prints_for_the_recorded_state():

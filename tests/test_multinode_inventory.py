@@ -7,7 +7,9 @@ import textwrap
 
 import pytest
 
-from dflash_ops.observe import health, multinode as multinode_status
+from dflash_ops.observe import health, multinode as multinode_status, status as status_lib
+from dflash_ops.observe.session_status import JobProcess, TmuxSession
+from dflash_ops.observe.target_status import TargetStatus
 
 from dflash_ops.inventory import target as inventory_target
 
@@ -153,8 +155,8 @@ def _job():
 
 def _checked(target, level, reasons, running=True, state="running", run=1, processes=()):
     verdict = health.Verdict(level, tuple(reasons))
-    status = {"target": target.name, "session": {"running": running}, "job_state": {"state": state, "run": run},
-              "processes": [dict(p) for p in processes]}
+    status = TargetStatus(target=target.name, session=TmuxSession("dflash", "dflash", running=running),
+                          job_state={"state": state, "run": run}, processes=tuple(processes), verdict=verdict)
     return ops.Checked(target, verdict, status)
 
 
@@ -176,7 +178,7 @@ def test_an_unreachable_node_is_unknown_while_the_others_are_still_shown():
                                         _checked(b, "UNKNOWN", ["no answer within the 10 s budget"], running=None)])
     assert jc.verdict.level == "UNKNOWN"
     assert jc.verdict.reasons == ("node 1 gpu-b: no answer within the 10 s budget",)
-    assert [n["target"] for n in jc.status["nodes"]] == ["gpu-a", "gpu-b"]
+    assert [n.status.target for n in jc.status.nodes] == ["gpu-a", "gpu-b"]
 
 
 def test_all_nodes_stopped_is_ok_but_half_stopped_is_critical():
@@ -197,14 +199,14 @@ def test_nodes_in_different_runs_and_lost_ranks_are_critical():
     a, b = job.node_targets()
     jc = multinode_status.combine(job, [_checked(a, "OK", ["step 4"], run=2), _checked(b, "OK", ["step 4"], run=1)])
     assert jc.verdict.level == "CRITICAL" and "the nodes train different runs" in jc.verdict.reasons[0]
-    tree = [{"pid": 9, "ppid": 1, "cmdline": "bash -c ... pane.sh LOG python -m torch.distributed.run -m trainer"},
-            {"pid": 10, "ppid": 9, "cmdline": "/v/bin/python -m torch.distributed.run --nnodes 2 -m trainer"},
-            {"pid": 11, "ppid": 10, "cmdline": "/v/bin/python -u -m trainer --config tiny-cpu"},
-            {"pid": 12, "ppid": 10, "cmdline": "/v/bin/python -c from multiprocessing... (not a rank)"}]
+    tree = [JobProcess(9, 1, "bash", "bash -c ... pane.sh LOG python -m torch.distributed.run -m trainer"),
+            JobProcess(10, 9, "python", "/v/bin/python -m torch.distributed.run --nnodes 2 -m trainer"),
+            JobProcess(11, 10, "python", "/v/bin/python -u -m trainer --config tiny-cpu"),
+            JobProcess(12, 10, "python", "/v/bin/python -c from multiprocessing... (not a rank)")]
     jc = multinode_status.combine(job, [_checked(a, "OK", ["step 4"], processes=tree), _checked(b, "OK", ["step 4"])])
     assert jc.verdict.level == "CRITICAL"
     assert jc.verdict.reasons[0] == "node 0 gpu-a: 1 of 2 local ranks alive (torchrun pid 10): a rank died"
-    assert jc.status["nodes"][0]["ranks"] == {"torchrun_pid": 10, "alive": [11], "expected": 2}
+    assert jc.status.to_json()["nodes"][0]["ranks"] == {"torchrun_pid": 10, "alive": [11], "expected": 2}
 
 
 def test_tail_log_node_choice():
@@ -282,7 +284,7 @@ def test_health_auto_relaunch_of_one_node_never_relaunches_it(tmp_path, monkeypa
     dead = health.Verdict("CRITICAL", ("tmux session 'dflash' is gone",))
 
     def check(target, **_kwargs):
-        return ops.Checked(target, dead, {"target": target.name, "verdict": "CRITICAL"})
+        return ops.Checked(target, dead, status_lib.build_status(target.name, None, target.job, dead))
 
     def relaunch(*_args, **_kwargs):
         raise AssertionError("auto-relaunch relaunched one node of a multinode job")

@@ -71,7 +71,7 @@ def test_relaunch_local_then_status_health_tail_stop(local_target, cleanup):
     assert (Path(target.job.workdir) / "current" / "trainer" / "train" / "loop.py").exists()
 
     checked = ops.check(target)
-    st = checked.status
+    st = checked.status.to_json()
     assert st["session"]["running"] is True and st["session"]["name"] == target.job.session
     assert st["training"]["step"] >= 1 and st["training"]["tokens_per_s"] == 50000.0
     assert st["verdict"] == "OK", st["reasons"]
@@ -84,7 +84,7 @@ def test_relaunch_local_then_status_health_tail_stop(local_target, cleanup):
     assert stopped.ok, stopped.summary()
     assert "1 on SIGTERM" in stopped.steps[0].message or "SIGTERM" in stopped.steps[0].message
     after = ops.check(target)
-    assert after.status["session"]["running"] is not True
+    assert after.status.session.running is not True
     assert after.verdict.level == "OK" and after.verdict.reasons[0].startswith("stopped by dflash-ops stop at ")
     metrics = Path(log[:-4] + ".metrics.jsonl").read_text().splitlines()
     assert json.loads(metrics[-1])["event"] == "done"  # SIGTERM reached the trainer, which said so
@@ -99,7 +99,7 @@ def test_relaunch_twice_in_a_row_is_safe_and_numbers_logs(local_target, cleanup)
     assert step(first, "launch").data["log"].endswith("train-0001.log")
     assert step(second, "launch").data["log"].endswith("train-0002.log")
     assert "ended" in step(second, "stop_session").message  # the first run's trainer was stopped
-    assert ops.check(target).status["session"]["running"] is True
+    assert ops.check(target).status.session.running is True
 
 
 def test_dry_run_touches_nothing(local_target, cleanup):
@@ -149,7 +149,7 @@ def test_relaunch_in_container_kills_only_the_jobs_gpu_processes(pct_target, gpu
             assert second.ok, second.summary()
             assert "ended" in step(second, "stop_session").message
             assert t.run(f"kill -0 {bystander}", timeout=20).ok, "an unrelated process was killed"
-            st = ops.check(target).status
+            st = ops.check(target).status.to_json()
             assert st["verdict"] in ("OK", "WARNING"), st["reasons"]
             gpu3 = [g for g in st["gpus"] if g["index"] == 3][0]
             assert [p["pid"] for p in gpu3["processes"]] == [bystander]
@@ -268,7 +268,7 @@ def test_fan_out_runs_each_target_and_reports_each(ssh_target, ssh_target_b, cle
     assert [o.target.name for o in outcomes] == ["box-a", "box-b"]
     assert all(o.error is None and o.value.ok for o in outcomes), [o.error or o.value.summary() for o in outcomes]
     checked = fan_out([a, b], ops.check)
-    assert [c.value.status["session"]["running"] for c in checked] == [True, True]
+    assert [c.value.status.session.running for c in checked] == [True, True]
     assert time.monotonic() - started < 60
 
 
@@ -315,11 +315,11 @@ def test_gpus_queried_on_the_proxmox_host_map_pids_into_the_container(pct_target
                                       "process_name": "python3"} for i in (0, 1)]
                     + [{"pid": host_bystander.pid, "gpu_index": 3, "used_memory_mib": 3000, "process_name": "sleep"}])
 
-        st = ops.check(target).status
-        by_index = {g["index"]: g for g in st["gpus"]}
+        target_status = ops.check(target).status
+        by_index = {g["index"]: g for g in target_status.to_json()["gpus"]}
         assert [(p["pid"], p["owner"]) for p in by_index[0]["processes"]] == [(inside_pid, None)]
         assert [(p["pid"], p["owner"]) for p in by_index[3]["processes"]] == [(host_bystander.pid, "host")]
-        assert f"sleep/{host_bystander.pid}(3000M)[host]" in ops.status_lib.render_table(st)
+        assert f"sleep/{host_bystander.pid}(3000M)[host]" in target_status.to_text()
 
         dry = commands.relaunch(target, **quick(), dry_run=True)
         gpu_cmds = [c for s in dry.steps if s.step == "wait_gpu_free" for c in s.commands]

@@ -28,7 +28,7 @@ def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
 
         checked = ops.check(target)
         assert checked.verdict.level == "OK", checked.verdict.reasons
-        assert checked.status["training"]["total_steps"] == 400
+        assert checked.status.training.total_steps == 400
 
         stopped = commands.stop(target, grace=60.0)
         assert stopped.ok and "0 needed SIGKILL" in stopped.steps[0].message, stopped.steps[0].message
@@ -60,14 +60,14 @@ def test_the_bundled_tiny_run_finishes_healthy_with_the_tau_its_accuracy_predict
         assert commands.relaunch(target, timeout=240.0).ok
         deadline = time.monotonic() + 240
         checked = ops.check(target)
-        while not checked.status["training"]["finished"] and time.monotonic() < deadline:
+        while not checked.status.training.finished and time.monotonic() < deadline:
             time.sleep(2)
             checked = ops.check(target)
-        assert checked.status["training"]["finished"], checked.status["training"]
+        assert checked.status.training.finished, checked.status.training
         assert checked.verdict.level == "OK", checked.verdict.reasons
-        tau = checked.status["eval"]
-        assert tau["step"] == checked.status["training"]["total_steps"] and tau["lossless"], tau
-        assert tau["tau"] >= 0.8 * tau["expected_tau"], tau
+        tau = checked.status.eval
+        assert tau.step == checked.status.training.total_steps and tau.lossless, tau
+        assert tau.tau >= 0.8 * tau.expected_tau, tau
     finally:
         with ops.connect(target) as t:
             t.run(f"tmux -L {job.tmux_socket} kill-server", timeout=30)

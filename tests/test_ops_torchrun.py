@@ -68,7 +68,7 @@ def test_torchrun_job_relaunch_status_stop_resume_and_a_dead_rank(ssh_target):
 
         checked = ops.check(target)
         assert checked.verdict.level == "OK", checked.verdict.reasons
-        assert checked.status["training"]["total_steps"] == 40000  # 32 sequences / (2 ranks x 4) x 10000 epochs
+        assert checked.status.training.total_steps == 40000  # 32 sequences / (2 ranks x 4) x 10000 epochs
         log = launch_of(first).data["log"]
         starts = [r for r in metrics_of(log) if r["event"] == "start"]
         assert len(starts) == 1 and starts[0]["config"]["run"]["launcher"] == "torchrun"  # rank 0 alone

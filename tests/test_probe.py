@@ -312,7 +312,7 @@ def test_probe_finds_the_newest_eval_far_behind_the_tail_and_says_when_its_searc
     scan = report.raw["metrics"]["eval_scan"]
     assert scan["cap_hit"] and not scan["found"] and scan["bytes_read"] == scan["cap_bytes"]
     st = status.build_status("bare", report, job, health.evaluate(report, job))
-    assert st["eval"] is None and st["eval_search"]["cap_hit"]
+    assert st.eval is None and st.eval_search["cap_hit"]
     assert len(report.metrics.lines) == 100 and report.records[0]["event"] == "start"
 
 

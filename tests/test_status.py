@@ -1,4 +1,4 @@
-"""`status`: the JSON-ready dict and the table, from hand-built reports and from a real probe."""
+"""`status`: its JSON and its table, from hand-built reports and from a real probe."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops.observe import health, probe, status
+from dflash_ops.observe import health, probe, status, status_output, training_status
 from dflash_ops.gpu import Gpu, GpuProcess, GpuSnapshot
 from dflash_ops.inventory.model import Health, Job
+from dflash_ops.observe.target_status import TargetStatus
 from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format
 
@@ -56,7 +57,7 @@ def make_report(recs=None, snapshot=SNAPSHOT, running=True):
 def test_status_json_fields():
     report = make_report()
     verdict = health.evaluate(report, JOB)
-    st = status.build_status("gpu-box", report, JOB, verdict)
+    st = status.build_status("gpu-box", report, JOB, verdict).to_json()
     json.dumps(st, allow_nan=False)  # plain JSON: what `status --json` prints
     assert st["target"] == "gpu-box" and st["hostname"] == "ct200" and st["probe_seconds"] == 0.21
     assert [(g["index"], g["name"], g["memory_used_mib"], g["memory_total_mib"], g["utilization_pct"], g["role"])
@@ -76,7 +77,7 @@ def test_status_json_fields():
 
 def test_status_json_has_no_nan():
     report = make_report(records(loss=float("nan")))
-    st = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB))
+    st = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB)).to_json()
     assert st["training"]["loss"] is None and st["verdict"] == "CRITICAL"
     assert "loss is nan at step 120" in st["reasons"]
     json.dumps(st, allow_nan=False)
@@ -84,7 +85,7 @@ def test_status_json_has_no_nan():
 
 def test_table_lines():
     report = make_report()
-    table = status.render_table(status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB)))
+    table = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB)).to_text()
     lines = table.splitlines()
     assert lines[0] == "gpu-box (ct200)  probe 0.21 s"
     assert lines[1] == "[0] NVIDIA H200 |  97 % |  70000 / 143771 MiB | target  | python3/4123(69000M)"
@@ -99,7 +100,7 @@ def test_table_lines():
 def test_table_colour_only_when_asked():
     report = make_report(running=False)
     st = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB))
-    plain, coloured = status.render_table(st), status.render_table(st, color=True)
+    plain, coloured = st.to_text(), st.to_text(color=True)
     assert "\033" not in plain
     assert "\033[31mCRITICAL\033[0m: tmux session 'dflash' is gone" in coloured
     assert "session dflash (tmux -L dflash): not running" in plain
@@ -110,8 +111,8 @@ def test_no_driver_is_one_line_and_the_job_is_still_reported():
                                              "communicate with the NVIDIA driver.)")
     report = make_report(snapshot=snapshot)
     st = status.build_status("gpu-box", report, Job(workdir="/w", python="/p", config="c"), health.evaluate(report, JOB))
-    assert st["gpus"] == [] and st["gpu_error"].startswith("no NVIDIA driver")
-    lines = status.render_table(st).splitlines()
+    assert st.to_json()["gpus"] == [] and st.gpu_error.startswith("no NVIDIA driver")
+    lines = st.to_text().splitlines()
     assert [line for line in lines if "GPU" in line or line.startswith("[")] == [
         f"GPUs: {snapshot.error}", f"WARNING: GPUs 0,1 are assigned but the GPU query failed: {snapshot.error}"]
     assert lines[2].startswith("session dflash") and lines[3].startswith("step 120/1000")
@@ -120,23 +121,40 @@ def test_no_driver_is_one_line_and_the_job_is_still_reported():
 def test_unreachable_target_still_has_a_row():
     verdict = health.unknown("[gpu-box] ssh: connection refused")
     st = status.build_status("gpu-box", None, JOB, verdict)
-    assert st["verdict"] == "UNKNOWN" and st["gpus"] == [] and st["session"]["running"] is None
-    assert st["training"]["step"] is None
-    assert status.render_table(st) == ("gpu-box\n"
+    assert st.verdict.level == "UNKNOWN" and st.gpus == () and st.session.running is None
+    assert st.training.step is None
+    assert st.to_text() == ("gpu-box\n"
                                        "session dflash (tmux -L dflash): unknown\n"
                                        "step -  loss -  - Ktok/s  ETA -  no metrics yet\n"
                                        "UNKNOWN: [gpu-box] ssh: connection refused\n")
 
 
+def test_a_status_reads_back_from_its_json():
+    report = make_report()
+    st = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB))
+    assert TargetStatus.from_json(json.loads(json.dumps(st.to_json()))) == st
+    unprobed = status.build_status("gpu-box", None, JOB, health.unknown("unreachable"))
+    assert "eval_search" not in unprobed.to_json() and TargetStatus.from_json(unprobed.to_json()) == unprobed
+
+
+def test_health_json_is_the_status_json_with_what_auto_relaunch_did():
+    report = make_report()
+    up = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB))
+    down = status.build_status("gpu-2", None, JOB, health.unknown("unreachable"))
+    assert json.loads(status_output.health_json([up])) == json.loads(status_output.status_json([up]))
+    assert json.loads(status_output.health_json([up, down], {"gpu-2": "auto-relaunch skipped"})) == [
+        dict(up.to_json(), auto_relaunch=None), dict(down.to_json(), auto_relaunch="auto-relaunch skipped")]
+
+
 @pytest.mark.parametrize("seconds, text", [(0, "0 s"), (22.4, "22 s"), (90, "1m30s"), (3599, "59m59s"), (4980, "1:23"),
                                            (90000, "25:00"), (None, "-")])
 def test_format_eta(seconds, text):
-    assert status.format_eta(seconds) == text
+    assert training_status.format_eta(seconds) == text
 
 
 @pytest.mark.parametrize("seconds, text", [(12.4, "12 s"), (600, "10 min"), (9000, "2.5 h"), (None, "-")])
 def test_format_age(seconds, text):
-    assert status.format_age(seconds) == text
+    assert training_status.format_age(seconds) == text
 
 
 # --------------------------------------------------------------------------- from a real probe
@@ -164,12 +182,12 @@ def test_status_of_a_live_session_from_a_real_probe(tmp_path, monkeypatch):
     finally:
         subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)
     st = status.build_status("local", report, job, health.evaluate(report, job))
-    assert st["session"]["running"] is True
-    assert st["gpus"][0]["memory_used_mib"] == 50000 and st["gpus"][0]["processes"][0]["pid"] == 912345
-    assert st["training"]["step"] == 5 and st["training"]["eta_s"] == 90.0
-    assert 0 <= st["training"]["last_update_age_s"] < 30
-    assert st["verdict"] == "OK"
-    table = status.render_table(st)
+    assert st.session.running is True
+    assert st.gpus[0].memory_used_mib == 50000 and st.gpus[0].processes[0].pid == 912345
+    assert st.training.step == 5 and st.training.eta_s == 90.0
+    assert 0 <= st.training.last_update_age_s < 30
+    assert st.verdict.level == "OK"
+    table = st.to_text()
     assert "[0] NVIDIA H200 |  64 % |  50000 / 143771 MiB | drafter | python3/912345(50000M)" in table
     assert "step 5/50  loss 4.0000  0.8 Ktok/s  ETA 1m30s" in table
 
@@ -179,13 +197,13 @@ def test_status_shows_the_runs_data_source_from_its_start_record():
                                   config={"data": {"source": "features", "path": "/data/feat cache", "seq_len": 3072}})
     report = make_report(tuple(metrics_format.parse_lines(start)) + records()[1:])
     st = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB))
-    assert st["data_source"] == "features /data/feat cache"
-    assert status.render_table(st).splitlines()[4].endswith("last metrics 12 s ago  data features /data/feat cache")
+    assert st.to_json()["data_source"] == "features /data/feat cache"
+    assert st.to_text().splitlines()[4].endswith("last metrics 12 s ago  data features /data/feat cache")
     synthetic = metrics_format.encode("start", time=NOW, total_steps=1, devices=[], compile_lock="lock", pid=1,
                                       config={"data": {"source": "synthetic", "path": None}})
     assert status.data_source(metrics_format.parse_lines(synthetic)) == "synthetic"
     assert status.data_source(records()) is None  # an older trainer's start record: nothing shown
-    assert status.build_status("gpu-box", None, JOB, health.unknown("unreachable"))["data_source"] is None
+    assert status.build_status("gpu-box", None, JOB, health.unknown("unreachable")).to_json()["data_source"] is None
 
 
 @pytest.mark.parametrize("state", ["stopped", "finished"])
@@ -193,12 +211,12 @@ def test_no_eta_for_a_stopped_or_finished_job(state):
     report = make_report(running=False)
     report = dataclasses.replace(report, job_state={"state": state, "run": 3, "log": report.log.path})
     st = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB))
-    assert st["training"]["step"] == 120 and st["training"]["eta_s"] is None
-    assert "ETA -" in status.render_table(st)
+    assert st.training.step == 120 and st.training.eta_s is None
+    assert "ETA -" in st.to_text()
 
 
 def test_no_eta_once_the_trainer_said_done():
     recs = records() + tuple(metrics_format.parse_lines(
         metrics_format.encode("done", time=NOW - 5, step=120, reason="interrupted")))
     st = status.build_status("gpu-box", make_report(recs), JOB, health.evaluate(make_report(recs), JOB))
-    assert st["training"]["eta_s"] is None
+    assert st.training.eta_s is None

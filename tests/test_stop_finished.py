@@ -42,9 +42,10 @@ def test_stop_after_the_run_finished_keeps_it_finished_and_tau_stays_in_health(l
     checked = ops.check(target)
     assert checked.verdict.level == "OK" and checked.verdict.reasons == ("finished at step 8",)
     assert checked.verdict.perfdata["tau"].value == 2.5
-    assert checked.status["eval"]["tau"] == 2.5 and "tau 2.50" in status_lib.render_table(checked.status)
+    assert checked.status.eval.tau == 2.5 and "tau 2.50" in checked.status.to_text()
     # one value for the age of the last step: the same number in the training block and in perfdata
-    assert checked.status["training"]["last_update_age_s"] == checked.status["perfdata"]["age_s"]["value"]
+    st = checked.status.to_json()
+    assert st["training"]["last_update_age_s"] == st["perfdata"]["age_s"]["value"]
 
 
 def test_a_stopped_job_keeps_tau_and_one_age_in_health_and_status():
@@ -61,7 +62,7 @@ def test_a_stopped_job_keeps_tau_and_one_age_in_health_and_status():
     verdict = health.evaluate(report, JOB)
     assert verdict.level == "OK" and verdict.reasons[0].startswith("stopped by dflash-ops stop")
     assert verdict.perfdata["tau"].value == 3.1 and "tau=3.1" in health.nagios_line("gpu-box", verdict)
-    st = status_lib.build_status("gpu-box", report, JOB, verdict)
+    st = status_lib.build_status("gpu-box", report, JOB, verdict).to_json()
     assert st["eval"]["tau"] == 3.1
     # the eval record is newer than the last step: still one age, the last step's
     assert st["training"]["last_update_age_s"] == st["perfdata"]["age_s"]["value"] == 58.09

@@ -103,4 +103,4 @@ def test_a_hung_tmux_is_unknown_not_a_dead_job(local_target, tmp_path, monkeypat
     assert time.monotonic() - start <= 3.5
     assert checked.verdict.level == "UNKNOWN", checked.verdict
     assert checked.verdict.reasons[0].startswith("tmux session UNKNOWN: tmux gave no answer within")
-    assert checked.status["session"]["running"] is None
+    assert checked.status.session.running is None

@@ -96,8 +96,8 @@ def test_case1_a_stop_is_never_undone_by_health(pct_target, cleanup, bystander, 
     assert checked.verdict.level == "OK", checked.verdict
     assert checked.verdict.reasons[0].startswith("stopped by dflash-ops stop at ")
     assert ops.auto_relaunch(target, checked) is None  # nothing to do: nobody relaunches a stop
-    assert checked.status["session"]["running"] is not True
-    assert "job: stopped by dflash-ops stop, run 0001" in ops.status_lib.render_table(checked.status)
+    assert checked.status.session.running is not True
+    assert "job: stopped by dflash-ops stop, run 0001" in checked.status.to_text()
 
     again = commands.relaunch(target, **quick())  # only a relaunch clears the stop
     assert again.ok, again.summary()
@@ -124,9 +124,9 @@ def test_case2_a_deleted_log_of_a_live_trainer_is_a_warning_not_a_fallback(local
     checked = ops.check(target)
     assert checked.verdict.level == "WARNING", checked.verdict
     assert any(f"log {log} is missing while the trainer (pid {pid}) is alive" in r for r in checked.verdict.reasons)
-    assert checked.status["log_missing"] == log and checked.status["log"] is None
-    assert checked.status["metrics"].endswith("train-0002.metrics.jsonl")  # never train-0001's
-    assert checked.status["training"]["last_update_age_s"] < 2
+    assert checked.status.log_missing == log and checked.status.log is None
+    assert checked.status.metrics.endswith("train-0002.metrics.jsonl")  # never train-0001's
+    assert checked.status.training.last_update_age_s < 2
     with pytest.raises(DflashOpsError, match="the log of run 0001, .*train-0002.log, is missing"):
         ops.tail_log(target, lines=3, emit=lambda _line: None)
     assert alive(pid) and alive(bystander.pid)
@@ -207,7 +207,7 @@ def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, clean
         assert failed.failed.step == "preflight" and "check 'release'" in failed.failed.message
 
         assert alive_in_ct(target, pid) and trainer_pid(target) == pid, "a failed preflight stopped the job"
-        assert ops.check(target).status["session"]["running"] is True
+        assert ops.check(target).status.session.running is True
 
         # stop with the GPU query failing: the job's processes end, so the stop succeeds and says so
         gpu_state_path.write_text(json.dumps(dict(state, driver_error=True)))
@@ -317,10 +317,10 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
         checked = ops.check(target)
         assert checked.verdict.level == "WARNING", checked.verdict
         assert any(f"pid {foreign} sleep on GPU 1 (7000 MiB" in r for r in checked.verdict.reasons)
-        procs = {p["pid"]: p for g in checked.status["gpus"] for p in g["processes"]}
-        assert procs[foreign]["foreign"] is True
-        assert [p["foreign"] for pid, p in procs.items() if pid != foreign] == [False]  # the trainer, on GPUs 0 and 1
-        assert "[foreign]" in ops.status_lib.render_table(checked.status)
+        procs = {p.pid: p for g in checked.status.gpus for p in g.processes}
+        assert procs[foreign].foreign is True
+        assert [p.foreign for pid, p in procs.items() if pid != foreign] == [False]  # the trainer, on GPUs 0 and 1
+        assert "[foreign]" in checked.status.to_text()
 
         began = time.monotonic()
         stopped = commands.stop(target, gpu_free_timeout=30.0)
@@ -333,8 +333,8 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
         crashed = standin(pct_target, mode="crash")
         cleanup(crashed)
         commands.relaunch(crashed, **quick())
-        wait_for(lambda: ops.check(crashed).status["session"]["exists"] and
-                 not ops.check(crashed).status["session"]["running"], what="the crash")
+        wait_for(lambda: ops.check(crashed).status.session.exists and
+                 not ops.check(crashed).status.session.running, what="the crash")
         again = commands.stop(crashed)
         message = step(again, "stop_session").message
         # tmux (3.3a, in the simulated container) now and then marks the pane dead without ever

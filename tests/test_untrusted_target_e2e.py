@@ -121,7 +121,7 @@ def test_a_foreign_process_on_a_dead_panes_pid_is_never_the_jobs(pct_target, cle
     kept = checkpoints(target, 1)
     try:
         checked = ops.check(target)
-        assert foreign not in [p["pid"] for p in checked.status["processes"]], checked.status["processes"]
+        assert foreign not in [p.pid for p in checked.status.processes], checked.status.processes
 
         stopped = commands.stop(target)
         assert stopped.ok, stopped.summary()
@@ -433,7 +433,7 @@ def test_two_relaunches_at_once_one_says_who_runs_and_touches_nothing(pct_target
         assert f"another relaunch is running (pid {winner.pid} on " in line, line
         assert "nothing was done here" in line and "[1/" not in other.stdout  # no step ran
     assert job_state(target)["state"] == "running" and job_state(target)["run"] == 1
-    assert ops.check(target).status["session"]["running"] is True  # the winner's trainer, never stopped
+    assert ops.check(target).status.session.running is True  # the winner's trainer, never stopped
     assert not Path(jobpaths.lock_file(target.job)).read_text().strip()  # released when the winner ended
     assert alive(bystander.pid)
 

@@ -4,7 +4,6 @@ over when it finds one."""
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -71,29 +70,29 @@ def stop(job, grace: float | None, dry_run: bool) -> int:
 
 
 def status(job, as_json: bool, watch: float | None, timeout: float, color: bool) -> int:
-    from dflash_ops.observe import health, multinode as multinode_status
+    from dflash_ops.observe import health, multinode as multinode_status, status_output
 
     while True:
         jc = multinode_status.check(job, timeout)
         if as_json:
-            click.echo(json.dumps(jc.status, indent=None if watch else 2))
+            click.echo(status_output.status_json([jc.status], indent=None if watch else 2))
         else:
             if watch and color:
                 click.clear()
-            click.echo(multinode_status.render(jc, color=color), nl=False)
+            click.echo(status_output.status_text([jc.status], color=color), nl=False)
         if not watch:
             return health.EXIT_CODES[jc.verdict.level]
         time.sleep(watch)
 
 
 def health_check(job, as_json: bool, auto_relaunch: bool, timeout: float) -> int:
-    from dflash_ops.observe import health, multinode as multinode_status
+    from dflash_ops.observe import health, multinode as multinode_status, status_output
 
     jc = multinode_status.check(job, timeout)
     action = multinode_status.auto_relaunch(jc) if auto_relaunch else None
     if as_json:
-        extra = {"auto_relaunch": action.message if action else None} if auto_relaunch else {}
-        click.echo(json.dumps(dict(jc.status, **extra), indent=2))
+        relaunched = ({job.name: action.message} if action else {}) if auto_relaunch else None
+        click.echo(status_output.health_json([jc.status], relaunched))
     else:
         click.echo(multinode_status.nagios_line(jc))
         if action is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -42,7 +41,7 @@ def status(obj, target, as_json, watch, timeout):
       step 240/300  loss 2.9870  22.0 Ktok/s  ETA 7 s  last metrics 5 s ago  data synthetic
       OK: step 240/300, loss 2.9870, 22.0 Ktok/s, last step 5 s ago
     """
-    from dflash_ops.observe import health, status as status_lib
+    from dflash_ops.observe import health, status_output
     from dflash_ops import ops
     from dflash_ops.fanout import fan_out
 
@@ -54,16 +53,13 @@ def status(obj, target, as_json, watch, timeout):
         checked = [
             ops.checked_outcome(o) for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))
         ]
+        statuses = [c.status for c in checked]
         if as_json:
-            objs = [c.status for c in checked]
-            click.echo(json.dumps(objs[0] if len(objs) == 1 else objs, indent=None if watch else 2))
+            click.echo(status_output.status_json(statuses, indent=None if watch else 2))
         else:
             if watch and _is_tty():
                 click.clear()
-            # each table ends with its newline; one blank line between targets, none after the last
-            click.echo(
-                "\n".join(status_lib.render_table(c.status, color=_is_tty()) for c in checked), nl=False
-            )
+            click.echo(status_output.status_text(statuses, color=_is_tty()), nl=False)
         if not watch:
             sys.exit(health.EXIT_CODES[health.worst(c.verdict.level for c in checked)])
         time.sleep(watch)
@@ -100,7 +96,7 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
 
 
 def _health(obj, target, as_json, auto_relaunch, timeout) -> int:
-    from dflash_ops.observe import health
+    from dflash_ops.observe import health, status_output
     from dflash_ops import ops
     from dflash_ops.fanout import fan_out
 
@@ -123,19 +119,8 @@ def _health(obj, target, as_json, auto_relaunch, timeout) -> int:
             if action is not None:
                 actions[c.target.name] = action
     if as_json:
-        # the same shape as `status --json`: one object for one target, a list for several
-        objs = [
-            dict(
-                c.status,
-                **(
-                    {"auto_relaunch": actions[c.target.name].message if c.target.name in actions else None}
-                    if auto_relaunch
-                    else {}
-                ),
-            )
-            for c in checked
-        ]
-        click.echo(json.dumps(objs[0] if len(objs) == 1 else objs, indent=2))
+        relaunched = {name: action.message for name, action in actions.items()} if auto_relaunch else None
+        click.echo(status_output.health_json([c.status for c in checked], relaunched))
     else:
         if len(checked) == 1:
             line, code = (
