@@ -180,4 +180,4 @@ def test_progress_nan_loss_and_done():
 
 def test_empty_metrics():
     p = logs.progress([])
-    assert p == logs.Progress()
+    assert p == logs.TrainingProgress()

@@ -135,7 +135,7 @@ def _with_tau(perfdata: dict, accept, job: Job) -> dict:
     return perfdata
 
 
-def progress_age(report, progress: logs.Progress, now: float) -> float | None:
+def progress_age(report, progress: logs.TrainingProgress, now: float) -> float | None:
     """Seconds since the last sign of training progress, to 0.01 s: the one age health judges and
     status shows (never negative: the probe reads its clock a moment before it reads the files, so
     a line written in between looks a little "future")."""
@@ -178,7 +178,7 @@ def _failures(report) -> list[str]:
 
 
 def _stall(
-    report, progress: logs.Progress, age: float | None, stall_seconds: float, finished: bool
+    report, progress: logs.TrainingProgress, age: float | None, stall_seconds: float, finished: bool
 ) -> tuple[list[str], list[str]]:
     """(critical, warning) about progress over time; only a live, unfinished job can stall."""
     if report.session.running is False or finished:
@@ -197,7 +197,7 @@ def _stall(
     return [f"{what}; stall threshold {_seconds(stall_seconds)}"], []
 
 
-def _slowness(progress: logs.Progress, min_tokens_per_s: float) -> list[str]:
+def _slowness(progress: logs.TrainingProgress, min_tokens_per_s: float) -> list[str]:
     if min_tokens_per_s <= 0 or progress.tokens_per_s is None or progress.tokens_per_s >= min_tokens_per_s:
         return []
     return [
@@ -223,7 +223,7 @@ def _idle_drafters(snapshot, job: Job, drafter_util: dict) -> list[str]:
     return reasons
 
 
-def _perfdata(progress: logs.Progress, age: float | None, drafter_util: dict, job: Job) -> dict:
+def _perfdata(progress: logs.TrainingProgress, age: float | None, drafter_util: dict, job: Job) -> dict:
     thresholds = job.health
     min_tps = thresholds.min_tokens_per_s
     perfdata = {
@@ -251,7 +251,7 @@ def _drafter_utilization(snapshot, job: Job) -> dict:
     }
 
 
-def _ok_summary(progress: logs.Progress, age: float | None, finished: bool) -> str:
+def _ok_summary(progress: logs.TrainingProgress, age: float | None, finished: bool) -> str:
     if finished:
         return f"finished at step {progress.step}"
     if progress.step is None:

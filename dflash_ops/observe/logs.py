@@ -198,7 +198,7 @@ def failures_from_records(records: list[dict]) -> list[Failure]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Progress:
+class TrainingProgress:
     """Where training stands, from the tail of the metrics file."""
 
     step: int | None = None
@@ -253,7 +253,7 @@ def _whole(value) -> int | None:
     return int(number) if number is not None and math.isfinite(number) else None
 
 
-def progress(records: list[dict]) -> Progress:
+def progress(records: list[dict]) -> TrainingProgress:
     """Summarize metrics records (oldest first). A new `start` begins a new run: older ones are ignored."""
     start = metrics_format.last_of(records, "start")
     if start is not None:
@@ -264,7 +264,7 @@ def progress(records: list[dict]) -> Progress:
     total = _whole((last or {}).get("total_steps"))
     if total is None:
         total = _whole((start or {}).get("total_steps"))
-    return Progress(
+    return TrainingProgress(
         step=_whole(last.get("step")) if last else None,
         total_steps=total,
         loss=_record_number(last.get("loss")) if last else None,
