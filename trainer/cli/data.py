@@ -16,21 +16,7 @@ import time
 
 from trainer.config import DEVICE_RE, ConfigError
 from trainer.cli.errors import input_error, run_command
-from trainer.cli.options import (
-    add_batch_size,
-    add_config,
-    add_device,
-    add_dtype,
-    add_max_new_tokens,
-    add_out,
-    add_overrides,
-    add_sampling_seed,
-    add_target,
-    add_temperature,
-    check_at_least_one,
-    check_temperature,
-    command_parser,
-)
+from trainer.cli import options
 
 DATA_HELP = """\
 Prepare training data for a DFlash drafter.
@@ -60,33 +46,34 @@ same arguments resumes after the last whole shard.
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = command_parser("dflash-train data", DATA_HELP, argparse.ArgumentParser)
+    p = options.command_parser("dflash-train data", DATA_HELP, argparse.ArgumentParser)
     sub = p.add_subparsers(dest="command", required=True, metavar="{regenerate,cache-features}")
     _add_regenerate_parser(sub)
     _add_cache_features_parser(sub)
     return p
 
 
-def _add_regenerate_parser(sub) -> None:
-    r = sub.add_parser(
-        "regenerate",
-        help="regenerate assistant turns with the target",
-        description=REGEN_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def _subcommand(sub, name: str, help: str, description: str) -> argparse.ArgumentParser:
+    return sub.add_parser(
+        name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_target(r, "a local HF model directory, or tiny-random", required=True)
+
+
+def _add_regenerate_parser(sub) -> None:
+    r = _subcommand(sub, "regenerate", "regenerate assistant turns with the target", REGEN_HELP)
+    options.add_target(r, "a local HF model directory, or tiny-random", required=True)
     r.add_argument("--in", dest="input", required=True, metavar="FILE", help='JSONL of {"messages": [...]}')
-    add_out(r, "FILE", "output JSONL (rejects go to FILE.rejects.jsonl)")
-    add_max_new_tokens(r, 2048)
+    options.add_out(r, "FILE", "output JSONL (rejects go to FILE.rejects.jsonl)")
+    options.add_max_new_tokens(r, 2048)
     r.add_argument(
         "--max-prompt-tokens",
         type=int,
         metavar="N",
         help="reject turns whose prompt is longer (default: the model's context minus --max-new-tokens)",
     )
-    add_temperature(r, "0 = greedy (default)")
+    options.add_temperature(r, "0 = greedy (default)")
     r.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    add_batch_size(r, "records generated together per device", default=8)
+    options.add_batch_size(r, "records generated together per device", default=8)
     r.add_argument("--devices", default="cpu", metavar="LIST", help="comma-separated, e.g. cuda:0,cuda:1")
     r.add_argument(
         "--chat-template-kwargs",
@@ -94,26 +81,21 @@ def _add_regenerate_parser(sub) -> None:
         metavar="JSON",
         help="passed to apply_chat_template, e.g. '{\"enable_thinking\": false}'",
     )
-    add_sampling_seed(r)
+    options.add_sampling_seed(r)
     r.add_argument("--resume", action="store_true", help="continue a stopped run of the same command")
 
 
 def _add_cache_features_parser(sub) -> None:
-    c = sub.add_parser(
-        "cache-features",
-        help="cache the target's features on disk",
-        description=CACHE_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_config(c, "the training config (target + data sections)")
-    add_out(c, "DIR", "cache directory (created; resumed if it exists)")
-    add_dtype(c, "feature dtype on disk (default bf16)")
+    c = _subcommand(sub, "cache-features", "cache the target's features on disk", CACHE_HELP)
+    options.add_config(c, "the training config (target + data sections)")
+    options.add_out(c, "DIR", "cache directory (created; resumed if it exists)")
+    options.add_dtype(c, "feature dtype on disk (default bf16)")
     c.add_argument(
         "--shard-size-mb", type=int, default=2048, metavar="MB", help="shard size cap (default 2048)"
     )
-    add_batch_size(c, "sequences per target forward (default: about 16384 tokens' worth)")
-    add_device(c, "target device (default: the config's first target device)", metavar="DEV")
-    add_overrides(c, "override a config key")
+    options.add_batch_size(c, "sequences per target forward (default: about 16384 tokens' worth)")
+    options.add_device(c, "target device (default: the config's first target device)", metavar="DEV")
+    options.add_overrides(c, "override a config key")
 
 
 def main(argv: list[str]) -> int:
@@ -151,11 +133,11 @@ def _run(args: argparse.Namespace) -> int:
 def _regenerate(args) -> int:
     from trainer.data.regenerate import RegenerateOptions, regenerate
 
-    check_at_least_one(("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size))
-    check_temperature(args.temperature)
+    options.check_at_least_one(("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size))
+    options.check_temperature(args.temperature)
     template_kwargs = _chat_template_kwargs(args.chat_template_kwargs)
     devices = _regenerate_devices(args.devices)
-    options = RegenerateOptions(
+    job = RegenerateOptions(
         target=args.target,
         input=args.input,
         output=args.out,
@@ -172,7 +154,7 @@ def _regenerate(args) -> int:
     report: dict = {}
     try:
         with _sigterm_as_interrupt():
-            summary = regenerate(options, report=report)
+            summary = regenerate(job, report=report)
     except BaseException as exc:  # the summary of what is committed, on every way out
         if report:
             print(

@@ -14,17 +14,7 @@ from pathlib import Path
 
 from trainer.config import DEVICE_RE, ConfigError
 from trainer.cli.errors import run_command
-from trainer.cli.options import (
-    add_checkpoint,
-    add_device,
-    add_max_new_tokens,
-    add_sampling_seed,
-    add_target,
-    add_temperature,
-    check_at_least_one,
-    check_temperature,
-    command_parser,
-)
+from trainer.cli import options
 
 EVAL_HELP = """\
 Measure a drafter by real DFlash speculative decoding against its target: tau (tokens accepted
@@ -40,21 +30,21 @@ are within the working dtype's rounding).
 
 
 def eval_parser() -> argparse.ArgumentParser:
-    p = command_parser("dflash-train eval", EVAL_HELP, argparse.ArgumentParser)
-    add_checkpoint(
+    p = options.command_parser("dflash-train eval", EVAL_HELP, argparse.ArgumentParser)
+    options.add_checkpoint(
         p, "a run's output dir (its latest checkpoint), a checkpoints/step-NNNNNNN dir, or an export dir"
     )
-    add_target(p, "tiny-random or a local HF model dir (default: the run's own)")
+    options.add_target(p, "tiny-random or a local HF model dir (default: the run's own)")
     p.add_argument(
         "--prompts",
         metavar="FILE.jsonl",
         help='{"messages": [...]} or {"input_ids": [...]} per line (default: the run\'s held-out data)',
     )
     p.add_argument("--num-prompts", type=int, default=8, metavar="N")
-    add_max_new_tokens(p, 64)
-    add_temperature(p)
-    add_device(p, "cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)")
-    add_sampling_seed(p)
+    options.add_max_new_tokens(p, 64)
+    options.add_temperature(p)
+    options.add_device(p, "cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)")
+    options.add_sampling_seed(p)
     _add_loop_options(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return p
@@ -287,12 +277,12 @@ def _run_eval(args: argparse.Namespace, out, err) -> int:
 
 def _checked_device(args: argparse.Namespace) -> str:
     """The device to evaluate on, once the numeric arguments are known good."""
-    check_at_least_one(
+    options.check_at_least_one(
         ("--num-prompts", args.num_prompts),
         ("--max-new-tokens", args.max_new_tokens),
         ("--batch", args.batch),
     )
-    check_temperature(args.temperature)
+    options.check_temperature(args.temperature)
     device = args.device or _default_device()
     if not DEVICE_RE.match(device):
         raise ConfigError(f"--device {device!r} is not a device. Fix: cpu, cuda or cuda:N.")

@@ -16,14 +16,7 @@ import sys
 from trainer.config import COMPILE_LOCK_MODES, ATTENTION_BACKENDS, LAUNCHERS, ConfigError
 from trainer.typed_yaml import closest_match, parse_value
 from trainer.cli.errors import input_error, run_command
-from trainer.cli.options import (
-    add_checkpoint,
-    add_config,
-    add_dtype,
-    add_out,
-    add_overrides,
-    command_parser,
-)
+from trainer.cli import options
 
 # torch is imported only once the config, the arguments and the paths are known good: every input
 # error is reported in well under a second.
@@ -68,7 +61,7 @@ def _positive_int(text: str) -> int:
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    p = command_parser(
+    p = options.command_parser(
         "dflash-train",
         TRAIN_HELP,
         epilog="Subcommands: dflash-train export --help | dflash-train data --help | "
@@ -83,7 +76,7 @@ def _train_parser() -> argparse.ArgumentParser:
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     """What to train, where it goes, how long, and where it continues from."""
-    add_config(p, "YAML config file, or a bundled name: tiny-cpu, gpu-paper")
+    options.add_config(p, "YAML config file, or a bundled name: tiny-cpu, gpu-paper")
     p.add_argument("--output-dir", metavar="DIR", help="where checkpoints (and by default metrics) go")
     p.add_argument(
         "--max-steps",
@@ -140,14 +133,16 @@ def _add_record_options(p: argparse.ArgumentParser) -> None:
         "--metrics-file", metavar="PATH", help="JSON-lines metrics (default <output-dir>/metrics.jsonl)"
     )
     p.add_argument("--seed", type=int, help="seed for init, data order and anchors")
-    add_overrides(p, "override any config key (YAML value), repeatable: --set train.lr=3e-4")
+    options.add_overrides(p, "override any config key (YAML value), repeatable: --set train.lr=3e-4")
 
 
 def _export_parser() -> argparse.ArgumentParser:
-    p = command_parser("dflash-train export", EXPORT_HELP)
-    add_checkpoint(p, "a checkpoints/step-NNNNNNN directory, or an output dir (its latest checkpoint)")
-    add_out(p, "DIR", "export directory (created)")
-    add_dtype(p, "weight dtype of the export (default bf16; training keeps fp32 masters)")
+    p = options.command_parser("dflash-train export", EXPORT_HELP)
+    options.add_checkpoint(
+        p, "a checkpoints/step-NNNNNNN directory, or an output dir (its latest checkpoint)"
+    )
+    options.add_out(p, "DIR", "export directory (created)")
+    options.add_dtype(p, "weight dtype of the export (default bf16; training keeps fp32 masters)")
     return p
 
 
