@@ -7,7 +7,7 @@ import argparse
 
 from trainer.config import ConfigError
 
-DTYPES = ("bf16", "fp32")
+DTYPE_CHOICES = ("bf16", "fp32")
 
 
 class Parser(argparse.ArgumentParser):
@@ -48,7 +48,7 @@ def add_out(p: argparse.ArgumentParser, metavar: str, help: str) -> None:
 
 
 def add_dtype(p: argparse.ArgumentParser, help: str) -> None:
-    p.add_argument("--dtype", choices=DTYPES, default="bf16", help=help)
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16", help=help)
 
 
 def add_device(p: argparse.ArgumentParser, help: str, metavar: str | None = None) -> None:

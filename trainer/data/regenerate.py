@@ -392,7 +392,9 @@ def _generate_chunk(
     return results
 
 
-def _write_results(chunk, results: dict, stats: dict, out_file, rej_file) -> None:
+def _write_results(
+    chunk: list[tuple[int, str]], results: dict[int, Conversation | Reject], stats: dict, out_file, rej_file
+) -> None:
     """Append the chunk's records and rejects in input order, counting them into `stats`."""
     for index, text in chunk:
         result = results[index]

@@ -319,18 +319,9 @@ class StaticTarget(_LayerStack):
         )
         wanted = set(self.layer_ids) if features else set()
         last = len(self.layers) - 1
+        before_last = wanted - {last}
         x, taken = self.run_layers(
-            kernels,
-            x,
-            cos,
-            sin,
-            where,
-            mask,
-            self.eps,
-            self.heads,
-            self.kv_heads,
-            self.head_dim,
-            wanted - {last},
+            kernels, x, cos, sin, where, mask, self.eps, self.heads, self.kv_heads, self.head_dim, before_last
         )
         normed = rms_norm(x, self.norm_weight, self.norm_eps)
         if last in wanted:
