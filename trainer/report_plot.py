@@ -71,65 +71,86 @@ def draw(histories: list[RunHistory], title: str = "") -> Picture:
     if not runs:
         raise NoMetrics("no step records yet")
     plt = _matplotlib()
+    fig, panel = _panels(plt, with_memory=any(h.gpu_memory_gib for h in runs))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    overlay = len(runs) > 1
+    for index, run in enumerate(runs):
+        _plot_run(panel, run, colours[index % len(colours)], overlay)
+    _titles(panel, runs, plt)
+    if title:
+        fig.suptitle(title, fontsize=12)
+    fig.tight_layout()
+    picture = _picture(fig, panel)
+    plt.close(fig)
+    return picture
+
+
+def _panels(plt, with_memory: bool):
+    """(figure, panel name -> axes): two panels a row, GPU memory only when recorded."""
     names = ["loss", "tau", "acceptance", "tokens_per_s"]
-    if any(h.gpu_memory_gib for h in runs):
+    if with_memory:
         names.append("gpu_memory")
     rows = (len(names) + 1) // 2
     fig, axes = plt.subplots(rows, 2, figsize=(WIDTH_IN, PANEL_HEIGHT_IN * rows), dpi=DPI, squeeze=False)
     panel = dict(zip(names, axes.flat, strict=False))
     for extra in list(axes.flat)[len(names) :]:
         extra.remove()
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    overlay = len(runs) > 1
-    for index, run in enumerate(runs):
-        colour = colours[index % len(colours)]
-        label = run.name if overlay else None
-        window = max(1, len(run.steps) // 50)
-        prefix = run.name + ": " if overlay else ""
-        if window > 1:  # the raw per-step loss is noisy: faint, under its trailing mean
-            panel["loss"].plot(run.steps, run.loss, color=colour, lw=0.6, alpha=0.3)
-        panel["loss"].plot(run.steps, _smooth(run.loss, window), color=colour, lw=1.4, label=label)
-        panel["tau"].plot(
-            run.steps,
-            _smooth(run.tau_expected, window),
+    return fig, panel
+
+
+def _plot_run(panel, run: RunHistory, colour, overlay: bool) -> None:
+    label = run.name if overlay else None
+    window = max(1, len(run.steps) // 50)
+    if window > 1:  # the raw per-step loss is noisy: faint, under its trailing mean
+        panel["loss"].plot(run.steps, run.loss, color=colour, lw=0.6, alpha=0.3)
+    panel["loss"].plot(run.steps, _smooth(run.loss, window), color=colour, lw=1.4, label=label)
+    _tau(panel["tau"], run, colour, overlay, window)
+    _acceptance(panel["acceptance"], run, colour, overlay)
+    panel["tokens_per_s"].plot(run.steps, run.tokens_per_s, color=colour, lw=1.0, label=label)
+    for marker in run.markers:
+        line_colour, style = MARKER_STYLE.get(marker.kind, ("gray", ":"))
+        panel["tokens_per_s"].axvline(marker.step, color=line_colour, ls=style, lw=1.2, alpha=0.8)
+    if run.gpu_memory_gib:
+        panel["gpu_memory"].plot(run.steps, run.gpu_memory_gib, color=colour, lw=1.2, label=label)
+
+
+def _tau(ax, run: RunHistory, colour, overlay: bool, window: int) -> None:
+    """tau expected from accuracy, and measured: pooled and as the mean of per-prompt means."""
+    prefix = run.name + ": " if overlay else ""
+    ax.plot(
+        run.steps,
+        _smooth(run.tau_expected, window),
+        color=colour,
+        lw=1.0,
+        ls="--",
+        label=f"{prefix}expected from accuracy",
+    )
+    if run.evals:
+        ax.plot(
+            [e.step for e in run.evals],
+            [e.tau for e in run.evals],
+            color=colour,
+            lw=1.8,
+            marker="o",
+            ms=5,
+            label=f"{prefix}measured (pooled)",
+        )
+    per_prompt = [(e.step, e.tau_per_prompt_mean) for e in run.evals if e.tau_per_prompt_mean is not None]
+    if per_prompt:
+        ax.plot(
+            [step for step, _ in per_prompt],
+            [tau for _, tau in per_prompt],
             color=colour,
             lw=1.0,
-            ls="--",
-            label=f"{prefix}expected from accuracy",
+            ls=":",
+            marker="s",
+            ms=4,
+            label=f"{prefix}measured (mean of per-prompt)",
         )
-        if run.evals:
-            panel["tau"].plot(
-                [e.step for e in run.evals],
-                [e.tau for e in run.evals],
-                color=colour,
-                lw=1.8,
-                marker="o",
-                ms=5,
-                label=f"{prefix}measured (pooled)",
-            )
-        per_prompt = [(e.step, e.tau_per_prompt_mean) for e in run.evals if e.tau_per_prompt_mean is not None]
-        if per_prompt:
-            panel["tau"].plot(
-                [step for step, _ in per_prompt],
-                [tau for _, tau in per_prompt],
-                color=colour,
-                lw=1.0,
-                ls=":",
-                marker="s",
-                ms=4,
-                label=f"{prefix}measured (mean of per-prompt)",
-            )
-        _acceptance(panel["acceptance"], run, colour, overlay)
-        panel["tokens_per_s"].plot(run.steps, run.tokens_per_s, color=colour, lw=1.0, label=label)
-        for marker in run.markers:
-            line_colour, style = MARKER_STYLE.get(marker.kind, ("gray", ":"))
-            panel["tokens_per_s"].axvline(marker.step, color=line_colour, ls=style, lw=1.2, alpha=0.8)
-        if run.gpu_memory_gib:
-            panel["gpu_memory"].plot(run.steps, run.gpu_memory_gib, color=colour, lw=1.2, label=label)
-    _titles(panel, runs, plt)
-    if title:
-        fig.suptitle(title, fontsize=12)
-    fig.tight_layout()
+
+
+def _picture(fig, panel) -> Picture:
+    """The PNG of `fig` and where each panel lies in it."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=DPI)
     width, height = (int(round(v)) for v in fig.get_size_inches() * DPI)
@@ -142,7 +163,6 @@ def draw(histories: list[RunHistory], title: str = "") -> Picture:
             int(box.x1 * width),
             int((1 - box.y0) * height),
         )
-    plt.close(fig)
     return Picture(buffer.getvalue(), width, height, boxes)
 
 

@@ -109,76 +109,100 @@ def segments(records: list[dict]) -> list[list[dict]]:
     return parts
 
 
-def history(name: str, launches: list[list[dict]]) -> RunHistory:
-    """A run's history from its launches' records (each list oldest first, launches in order)."""
-    steps, loss, tau_expected, tokens, memory = [], [], [], [], []
-    evals, markers = [], []
-    total, finished, wall = None, False, 0.0
-    launches = [part for launch in launches for part in segments([r for r in launch if isinstance(r, dict)])]
-    launches = [part for part in launches if part]
-    for number, launch in enumerate(launches):
+@dataclasses.dataclass
+class _Series:
+    """A run's history as it is read, launch by launch."""
+
+    steps: list[int] = dataclasses.field(default_factory=list)
+    loss: list[float] = dataclasses.field(default_factory=list)
+    tau_expected: list[float] = dataclasses.field(default_factory=list)
+    tokens: list[float] = dataclasses.field(default_factory=list)
+    memory: list[float] = dataclasses.field(default_factory=list)
+    evals: list[EvalPoint] = dataclasses.field(default_factory=list)
+    markers: list[Marker] = dataclasses.field(default_factory=list)
+    total: int | None = None
+    finished: bool = False
+    wall: float = 0.0
+
+    @property
+    def last_step(self) -> int:
+        return self.steps[-1] if self.steps else 0
+
+    def add_launch(self, launch: list[dict], relaunched: bool, followed: bool) -> None:
+        """One launch's records; `relaunched`: a launch came before it, `followed`: one comes after."""
         times = [t for t in (_float(r.get("time")) for r in launch) if t is not None and math.isfinite(t)]
-        wall += (max(times) - min(times)) if times else 0.0
+        self.wall += (max(times) - min(times)) if times else 0.0
         first_step = None
         for record in launch:
-            event, step = record.get("event"), _int(record.get("step"))
-            if event == "step" and step is not None:
-                value = _float(record.get("loss"))
-                if value is None:
-                    continue
-                if first_step is None:
-                    first_step = step
-                acc = _floats(record.get("acc"))
-                steps.append(step)
-                loss.append(value)
-                tau_expected.append(metrics_format.expected_tau(list(acc)) if acc else float("nan"))
-                rate = _float(record.get("tokens_per_s"))
-                tokens.append(rate if rate is not None else float("nan"))
-                mem = _float(record.get("gpu_memory_gib"))
-                if mem is not None:
-                    memory.append(mem)
-                total = _int(record.get("total_steps")) or total
-            elif event == "eval" and step is not None:
-                tau = _float(record.get("tau"))
-                if tau is not None:
-                    evals.append(
-                        EvalPoint(
-                            step,
-                            tau,
-                            _floats(record.get("acceptance")) or (),
-                            _float(record.get("tau_per_prompt_mean")),
-                        )
-                    )
-            elif event == "done" and step is not None:
-                reason = str(record.get("reason"))[:80]
-                finished = reason == "max_steps"
-                if not finished:
-                    markers.append(Marker(step, "stop", f"stopped at step {step} ({reason})"))
-            elif event == "error":
-                at = steps[-1] if steps else 0
-                markers.append(Marker(at, "error", f"error at step {at}: {str(record.get('kind'))[:40]}"))
-        if number > 0 and first_step is not None:
-            markers.append(
+            step = self.add_record(record)
+            if first_step is None:
+                first_step = step
+        if relaunched and first_step is not None:
+            self.markers.append(
                 Marker(first_step - 1, "relaunch", f"relaunch: resumed after step {first_step - 1}")
             )
-        last_event = launch[-1].get("event")
-        if number < len(launches) - 1 and last_event not in ("done", "error"):
-            at = steps[-1] if steps else 0
-            markers.append(Marker(at, "ended", f"launch ended at step {at} without a last record"))
-    if len(memory) != len(steps):
-        memory = []  # only some launches recorded it: not one series
+        if followed and launch[-1].get("event") not in ("done", "error"):
+            at = self.last_step
+            self.markers.append(Marker(at, "ended", f"launch ended at step {at} without a last record"))
+
+    def add_record(self, record: dict) -> int | None:
+        """Takes in one record; returns its step when it is a step record with a loss."""
+        event, step = record.get("event"), _int(record.get("step"))
+        if event == "step" and step is not None:
+            return self.add_step(step, record)
+        if event == "eval" and step is not None:
+            tau = _float(record.get("tau"))
+            if tau is not None:
+                acceptance = _floats(record.get("acceptance")) or ()
+                self.evals.append(EvalPoint(step, tau, acceptance, _float(record.get("tau_per_prompt_mean"))))
+        elif event == "done" and step is not None:
+            reason = str(record.get("reason"))[:80]
+            self.finished = reason == "max_steps"
+            if not self.finished:
+                self.markers.append(Marker(step, "stop", f"stopped at step {step} ({reason})"))
+        elif event == "error":
+            at = self.last_step
+            self.markers.append(Marker(at, "error", f"error at step {at}: {str(record.get('kind'))[:40]}"))
+        return None
+
+    def add_step(self, step: int, record: dict) -> int | None:
+        value = _float(record.get("loss"))
+        if value is None:
+            return None
+        acc = _floats(record.get("acc"))
+        self.steps.append(step)
+        self.loss.append(value)
+        self.tau_expected.append(metrics_format.expected_tau(list(acc)) if acc else float("nan"))
+        rate = _float(record.get("tokens_per_s"))
+        self.tokens.append(rate if rate is not None else float("nan"))
+        mem = _float(record.get("gpu_memory_gib"))
+        if mem is not None:
+            self.memory.append(mem)
+        self.total = _int(record.get("total_steps")) or self.total
+        return step
+
+
+def history(name: str, launches: list[list[dict]]) -> RunHistory:
+    """A run's history from its launches' records (each list oldest first, launches in order)."""
+    launches = [part for launch in launches for part in segments([r for r in launch if isinstance(r, dict)])]
+    launches = [part for part in launches if part]
+    series = _Series()
+    for number, launch in enumerate(launches):
+        series.add_launch(launch, relaunched=number > 0, followed=number < len(launches) - 1)
+    # only some launches recorded GPU memory: not one series
+    memory = series.memory if len(series.memory) == len(series.steps) else []
     return RunHistory(
         name=name,
-        steps=tuple(steps),
-        loss=tuple(loss),
-        tau_expected=tuple(tau_expected),
-        tokens_per_s=tuple(tokens),
+        steps=tuple(series.steps),
+        loss=tuple(series.loss),
+        tau_expected=tuple(series.tau_expected),
+        tokens_per_s=tuple(series.tokens),
         gpu_memory_gib=tuple(memory),
-        evals=tuple(evals),
-        markers=tuple(sorted(markers, key=lambda m: m.step)),
-        total_steps=total,
-        finished=finished,
-        wall_s=wall,
+        evals=tuple(series.evals),
+        markers=tuple(sorted(series.markers, key=lambda m: m.step)),
+        total_steps=series.total,
+        finished=series.finished,
+        wall_s=series.wall,
         launches=len(launches),
     )
 

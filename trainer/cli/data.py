@@ -16,6 +16,7 @@ import time
 
 from trainer.config import DEVICE_RE, ConfigError
 from trainer.cli.errors import input_error, run_command
+from trainer.cli import options
 
 DATA_HELP = """\
 Prepare training data for a DFlash drafter.
@@ -45,35 +46,34 @@ same arguments resumes after the last whole shard.
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dflash-train data", description=DATA_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = options.command_parser("dflash-train data", DATA_HELP, argparse.ArgumentParser)
     sub = p.add_subparsers(dest="command", required=True, metavar="{regenerate,cache-features}")
-    r = sub.add_parser(
-        "regenerate",
-        help="regenerate assistant turns with the target",
-        description=REGEN_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    _add_regenerate_parser(sub)
+    _add_cache_features_parser(sub)
+    return p
+
+
+def _subcommand(sub, name: str, help: str, description: str) -> argparse.ArgumentParser:
+    return sub.add_parser(
+        name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    r.add_argument(
-        "--target", required=True, metavar="SPEC", help="a local HF model directory, or tiny-random"
-    )
+
+
+def _add_regenerate_parser(sub) -> None:
+    r = _subcommand(sub, "regenerate", "regenerate assistant turns with the target", REGEN_HELP)
+    options.add_target(r, "a local HF model directory, or tiny-random", required=True)
     r.add_argument("--in", dest="input", required=True, metavar="FILE", help='JSONL of {"messages": [...]}')
-    r.add_argument(
-        "--out", required=True, metavar="FILE", help="output JSONL (rejects go to FILE.rejects.jsonl)"
-    )
-    r.add_argument("--max-new-tokens", type=int, default=2048, metavar="N")
+    options.add_out(r, "FILE", "output JSONL (rejects go to FILE.rejects.jsonl)")
+    options.add_max_new_tokens(r, 2048)
     r.add_argument(
         "--max-prompt-tokens",
         type=int,
         metavar="N",
         help="reject turns whose prompt is longer (default: the model's context minus --max-new-tokens)",
     )
-    r.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    options.add_temperature(r, "0 = greedy (default)")
     r.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    r.add_argument(
-        "--batch-size", type=int, default=8, metavar="B", help="records generated together per device"
-    )
+    options.add_batch_size(r, "records generated together per device", default=8)
     r.add_argument("--devices", default="cpu", metavar="LIST", help="comma-separated, e.g. cuda:0,cuda:1")
     r.add_argument(
         "--chat-template-kwargs",
@@ -81,37 +81,21 @@ def _parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="passed to apply_chat_template, e.g. '{\"enable_thinking\": false}'",
     )
-    r.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    options.add_sampling_seed(r)
     r.add_argument("--resume", action="store_true", help="continue a stopped run of the same command")
-    c = sub.add_parser(
-        "cache-features",
-        help="cache the target's features on disk",
-        description=CACHE_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    c.add_argument(
-        "--config", required=True, metavar="FILE", help="the training config (target + data sections)"
-    )
-    c.add_argument(
-        "--out", required=True, metavar="DIR", help="cache directory (created; resumed if it exists)"
-    )
-    c.add_argument(
-        "--dtype", choices=("bf16", "fp32"), default="bf16", help="feature dtype on disk (default bf16)"
-    )
+
+
+def _add_cache_features_parser(sub) -> None:
+    c = _subcommand(sub, "cache-features", "cache the target's features on disk", CACHE_HELP)
+    options.add_config(c, "the training config (target + data sections)")
+    options.add_out(c, "DIR", "cache directory (created; resumed if it exists)")
+    options.add_dtype(c, "feature dtype on disk (default bf16)")
     c.add_argument(
         "--shard-size-mb", type=int, default=2048, metavar="MB", help="shard size cap (default 2048)"
     )
-    c.add_argument(
-        "--batch-size",
-        type=int,
-        metavar="B",
-        help="sequences per target forward (default: about 16384 tokens' worth)",
-    )
-    c.add_argument(
-        "--device", metavar="DEV", help="target device (default: the config's first target device)"
-    )
-    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    return p
+    options.add_batch_size(c, "sequences per target forward (default: about 16384 tokens' worth)")
+    options.add_device(c, "target device (default: the config's first target device)", metavar="DEV")
+    options.add_overrides(c, "override a config key")
 
 
 def main(argv: list[str]) -> int:
@@ -147,37 +131,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _regenerate(args) -> int:
-    import torch
-
     from trainer.data.regenerate import RegenerateOptions, regenerate
 
-    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size)):
-        if value < 1:
-            raise ConfigError(f"{flag} must be at least 1, got {value}")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
-    try:
-        template_kwargs = json.loads(args.chat_template_kwargs)
-    except ValueError as exc:
-        raise ConfigError(
-            f"--chat-template-kwargs is not JSON ({exc}). Fix: e.g. '{{\"enable_thinking\": false}}'"
-        ) from None
-    if not isinstance(template_kwargs, dict):
-        raise ConfigError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
-    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
-    bad = [d for d in devices if not DEVICE_RE.match(d)]
-    if not devices or bad:
-        raise ConfigError(
-            f"--devices {args.devices!r}: {', '.join(bad) or 'empty'} is not a device. "
-            f"Fix: e.g. cpu, cuda:0 or cuda:0,cuda:1"
-        )
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    missing = [
-        d for d in devices if d.startswith("cuda") and (int(d.split(":")[1]) if ":" in d else 0) >= count
-    ]
-    if missing:
-        raise ConfigError(f"--devices names {', '.join(missing)} but {count} CUDA device(s) are visible")
-    options = RegenerateOptions(
+    options.check_at_least_one(("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size))
+    options.check_temperature(args.temperature)
+    template_kwargs = _chat_template_kwargs(args.chat_template_kwargs)
+    devices = _regenerate_devices(args.devices)
+    job = RegenerateOptions(
         target=args.target,
         input=args.input,
         output=args.out,
@@ -194,7 +154,7 @@ def _regenerate(args) -> int:
     report: dict = {}
     try:
         with _sigterm_as_interrupt():
-            summary = regenerate(options, report=report)
+            summary = regenerate(job, report=report)
     except BaseException as exc:  # the summary of what is committed, on every way out
         if report:
             print(
@@ -206,6 +166,38 @@ def _regenerate(args) -> int:
         raise
     print(f"dflash-train data: regenerated {_regen_summary(summary)}")
     return 0
+
+
+def _chat_template_kwargs(text: str) -> dict:
+    try:
+        template_kwargs = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(
+            f"--chat-template-kwargs is not JSON ({exc}). Fix: e.g. '{{\"enable_thinking\": false}}'"
+        ) from None
+    if not isinstance(template_kwargs, dict):
+        raise ConfigError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return template_kwargs
+
+
+def _regenerate_devices(text: str) -> list[str]:
+    """The --devices list, each a device name and, for CUDA, one that is visible."""
+    import torch
+
+    devices = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in devices if not DEVICE_RE.match(d)]
+    if not devices or bad:
+        raise ConfigError(
+            f"--devices {text!r}: {', '.join(bad) or 'empty'} is not a device. "
+            f"Fix: e.g. cpu, cuda:0 or cuda:0,cuda:1"
+        )
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [
+        d for d in devices if d.startswith("cuda") and (int(d.split(":")[1]) if ":" in d else 0) >= count
+    ]
+    if missing:
+        raise ConfigError(f"--devices names {', '.join(missing)} but {count} CUDA device(s) are visible")
+    return devices
 
 
 def _regen_summary(s: dict) -> str:
@@ -249,14 +241,32 @@ def _why(exc: BaseException) -> str:
 
 
 def _cache_features(args) -> int:
+    from trainer.data.feature_cache import human_bytes
+
+    cfg = _cache_config(args)
+    began = time.monotonic()
+    say = lambda text: print(f"dflash-train data: {text}", flush=True)  # noqa: E731
+    target, dataset = _load_target_and_data(cfg, say)
+    manifest, progress, seconds = _write_features(cfg, target, dataset, args, say)
+    counts = manifest["counts"]
+    computed = len(dataset) - progress.first  # a resumed run skips what is cached
+    tokens = int(dataset.attention_mask[progress.first :].sum())
+    say(
+        f"feature cache complete: {counts['sequences']} sequences, {counts['tokens']} tokens, "
+        f"{counts['shards']} shard(s), {human_bytes(counts['bytes'])}, {time.monotonic() - began:.1f} s "
+        f"-> {args.out}; this run computed {computed} sequences at "
+        f"{computed / max(seconds, 1e-9):.1f} sequences/s, "
+        f"{tokens / max(seconds, 1e-9):.0f} tokens/s"
+    )
+    return 0
+
+
+def _cache_config(args):
+    """The training config the cache is made from, its target device checked."""
     import torch
 
     from trainer.cli.main import overrides_from_args
     from trainer.config import check_devices, load_config
-    from trainer.data.feature_cache import cache_header, human_bytes, write_cache
-    from trainer.train.progress import ProgressLine
-    from trainer.data.target import load_target
-    from trainer.train.loop import build_dataset, param_dtype
 
     if args.shard_size_mb < 1 or (args.batch_size is not None and args.batch_size < 1):
         raise ConfigError("--shard-size-mb and --batch-size must be at least 1")
@@ -271,9 +281,14 @@ def _cache_features(args) -> int:
     check_devices(cfg)
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
-    began = time.monotonic()
+    return cfg
+
+
+def _load_target_and_data(cfg, say):
+    from trainer.data.target import load_target
+    from trainer.train.loop import build_dataset, param_dtype
+
     device = cfg.run.target_devices[0]
-    say = lambda text: print(f"dflash-train data: {text}", flush=True)  # noqa: E731
     say(
         f"loading the target ({cfg.target.spec}) on {device} and the {cfg.data.source} data"
         + (
@@ -290,7 +305,16 @@ def _cache_features(args) -> int:
         seed=cfg.train.seed,
         tiny=cfg.target.tiny or None,
     )
-    dataset = build_dataset(cfg, target)
+    return target, build_dataset(cfg, target)
+
+
+def _write_features(cfg, target, dataset, args, say):
+    """(manifest, progress, seconds spent writing) of the cache written under args.out."""
+    import torch
+
+    from trainer.data.feature_cache import cache_header, write_cache
+    from trainer.train.progress import ProgressLine
+
     tokenizer = target.tokenizer
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     header = cache_header(cfg, target, args.dtype, pad if pad is not None else 0)
@@ -308,13 +332,4 @@ def _cache_features(args) -> int:
             progress=progress,
         )
     progress.finish()
-    counts, seconds = manifest["counts"], time.monotonic() - writing
-    tokens = int(dataset.attention_mask[progress.first :].sum())  # this run's (a resumed run skips some)
-    say(
-        f"feature cache complete: {counts['sequences']} sequences, {counts['tokens']} tokens, "
-        f"{counts['shards']} shard(s), {human_bytes(counts['bytes'])}, {time.monotonic() - began:.1f} s "
-        f"-> {args.out}; this run computed {len(dataset) - progress.first} sequences at "
-        f"{(len(dataset) - progress.first) / max(seconds, 1e-9):.1f} sequences/s, "
-        f"{tokens / max(seconds, 1e-9):.0f} tokens/s"
-    )
-    return 0
+    return manifest, progress, time.monotonic() - writing

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from trainer.config import DEVICE_RE, ConfigError
 from trainer.cli.errors import run_command
+from trainer.cli import options
 
 EVAL_HELP = """\
 Measure a drafter by real DFlash speculative decoding against its target: tau (tokens accepted
@@ -29,30 +30,28 @@ are within the working dtype's rounding).
 
 
 def eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dflash-train eval", description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    p = options.command_parser("dflash-train eval", EVAL_HELP, argparse.ArgumentParser)
+    options.add_checkpoint(
+        p, "a run's output dir (its latest checkpoint), a checkpoints/step-NNNNNNN dir, or an export dir"
     )
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="DIR",
-        help="a run's output dir (its latest checkpoint), a checkpoints/step-NNNNNNN dir, or an export dir",
-    )
-    p.add_argument(
-        "--target", metavar="SPEC", help="tiny-random or a local HF model dir (default: the run's own)"
-    )
+    options.add_target(p, "tiny-random or a local HF model dir (default: the run's own)")
     p.add_argument(
         "--prompts",
         metavar="FILE.jsonl",
         help='{"messages": [...]} or {"input_ids": [...]} per line (default: the run\'s held-out data)',
     )
     p.add_argument("--num-prompts", type=int, default=8, metavar="N")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T")
-    p.add_argument(
-        "--device", default=None, help="cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)"
-    )
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    options.add_max_new_tokens(p, 64)
+    options.add_temperature(p)
+    options.add_device(p, "cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)")
+    options.add_sampling_seed(p)
+    _add_loop_options(p)
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    return p
+
+
+def _add_loop_options(p: argparse.ArgumentParser) -> None:
+    """How the decoding loop runs: rows at once, static or reference, compiled or not."""
     p.add_argument(
         "--batch",
         type=int,
@@ -72,8 +71,6 @@ def eval_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch.compile the static loop's per-layer math (default: on with CUDA)",
     )
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    return p
 
 
 # ---- loading ---------------------------------------------------------------------------------
@@ -252,47 +249,11 @@ def run_eval(args: argparse.Namespace, out=None, err=None) -> int:
 
 def _run_eval(args: argparse.Namespace, out, err) -> int:
     try:
-        for flag, value in (
-            ("--num-prompts", args.num_prompts),
-            ("--max-new-tokens", args.max_new_tokens),
-            ("--batch", args.batch),
-        ):
-            if value < 1:
-                raise ConfigError(f"{flag} must be at least 1, got {value}")
-        if args.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
-        device = args.device or _default_device()
-        if not DEVICE_RE.match(device):
-            raise ConfigError(f"--device {device!r} is not a device. Fix: cpu, cuda or cuda:N.")
+        device = _checked_device(args)
         dcfg, weights, run_config, described = load_drafter_source(args.checkpoint)
         target, drafter = load_models(dcfg, weights, run_config, args.target, device)
-        if args.prompts:
-            from trainer.infer.evaluate import load_prompts
-
-            prompts = load_prompts(args.prompts, target.tokenizer, target.vocab_size)
-        elif run_config is not None:
-            prompts = run_prompts(run_config, target, described, args.num_prompts)
-        else:
-            raise ConfigError("--prompts is required with an export dir. Fix: --prompts FILE.jsonl.")
-        prompts = prompts[: args.num_prompts]
-        from trainer.infer.evaluate import evaluate, stop_token_ids
-
-        show = _progress(err) if err.isatty() and not args.json else None
-        result = evaluate(
-            target.model,
-            target.layer_ids,
-            drafter,
-            prompts,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            stop_ids=stop_token_ids(target.model, target.tokenizer),
-            seed=args.seed,
-            progress=show,
-            warmup=True,
-            batch=args.batch,
-            loop=args.loop,
-            compile=device.startswith("cuda") if args.compile is None else args.compile,
-        )
+        prompts = _prompts(args, target, run_config, described)
+        result = _evaluate(args, target, drafter, prompts, device, err)
     except RuntimeError as exc:  # e.g. CUDA out of memory: one line, not a traceback
         print(f"dflash-train eval: failed: {type(exc).__name__}: {str(exc).splitlines()[0]}", file=err)
         return 1
@@ -309,13 +270,63 @@ def _run_eval(args: argparse.Namespace, out, err) -> int:
         out.write(f"dflash-train eval: {described} on {device}\n")
         out.write("".join(line + "\n" for line in report_lines(result, dcfg.block_size)))
     if result.mismatch is not None:
-        m = result.mismatch
-        print(
-            f"dflash-train eval: LOSSLESS CHECK FAILED: prompt {m.prompt_index} (first tokens "
-            f"{m.prompt[:12]}), new token {m.position}: target {m.expected}, speculative {m.got}; "
-            f"the target's fp32 logits there {m.expected_logit:.4f} vs {m.got_logit:.4f}, a gap beyond "
-            f"the {m.tie_bound:.2e} a rounding tie allows",
-            file=err,
-        )
+        print(_mismatch_line(result.mismatch), file=err)
         return 1
     return 0
+
+
+def _checked_device(args: argparse.Namespace) -> str:
+    """The device to evaluate on, once the numeric arguments are known good."""
+    options.check_at_least_one(
+        ("--num-prompts", args.num_prompts),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--batch", args.batch),
+    )
+    options.check_temperature(args.temperature)
+    device = args.device or _default_device()
+    if not DEVICE_RE.match(device):
+        raise ConfigError(f"--device {device!r} is not a device. Fix: cpu, cuda or cuda:N.")
+    return device
+
+
+def _prompts(args: argparse.Namespace, target, run_config: dict | None, described: str) -> list[list[int]]:
+    """--prompts, else the run's own evaluation prompts (an export dir has none)."""
+    if args.prompts:
+        from trainer.infer.evaluate import load_prompts
+
+        prompts = load_prompts(args.prompts, target.tokenizer, target.vocab_size)
+    elif run_config is not None:
+        prompts = run_prompts(run_config, target, described, args.num_prompts)
+    else:
+        raise ConfigError("--prompts is required with an export dir. Fix: --prompts FILE.jsonl.")
+    return prompts[: args.num_prompts]
+
+
+def _evaluate(args: argparse.Namespace, target, drafter, prompts, device: str, err):
+    from trainer.infer.evaluate import evaluate, stop_token_ids
+
+    show = _progress(err) if err.isatty() and not args.json else None
+    return evaluate(
+        target.model,
+        target.layer_ids,
+        drafter,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        stop_ids=stop_token_ids(target.model, target.tokenizer),
+        seed=args.seed,
+        progress=show,
+        warmup=True,
+        batch=args.batch,
+        loop=args.loop,
+        compile=device.startswith("cuda") if args.compile is None else args.compile,
+    )
+
+
+def _mismatch_line(m) -> str:
+    return (
+        f"dflash-train eval: LOSSLESS CHECK FAILED: prompt {m.prompt_index} (first tokens "
+        f"{m.prompt[:12]}), new token {m.position}: target {m.expected}, speculative {m.got}; "
+        f"the target's fp32 logits there {m.expected_logit:.4f} vs {m.got_logit:.4f}, a gap beyond "
+        f"the {m.tie_bound:.2e} a rounding tie allows"
+    )

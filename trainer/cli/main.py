@@ -16,10 +16,10 @@ import sys
 from trainer.config import COMPILE_LOCK_MODES, ATTENTION_BACKENDS, LAUNCHERS, ConfigError
 from trainer.typed_yaml import closest_match, parse_value
 from trainer.cli.errors import input_error, run_command
+from trainer.cli import options
 
 # torch is imported only once the config, the arguments and the paths are known good: every input
 # error is reported in well under a second.
-EXPORT_DTYPES = ("bf16", "fp32")
 
 TRAIN_HELP = """\
 Train a DFlash drafter for a frozen target model.
@@ -50,13 +50,6 @@ Write a checkpoint's drafter in the format inference engines load: config.json
 """
 
 
-class Parser(argparse.ArgumentParser):
-    """Usage errors as one line naming the flag (exit 2), like every other input error."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}. See {self.prog} --help\n")
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -68,19 +61,22 @@ def _positive_int(text: str) -> int:
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="dflash-train",
-        description=TRAIN_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = options.command_parser(
+        "dflash-train",
+        TRAIN_HELP,
         epilog="Subcommands: dflash-train export --help | dflash-train data --help | "
         "dflash-train eval --help | dflash-train report --help",
     )
-    p.add_argument(
-        "--config",
-        required=True,
-        metavar="FILE",
-        help="YAML config file, or a bundled name: tiny-cpu, gpu-paper",
-    )
+    _add_run_options(p)
+    _add_engine_options(p)
+    _add_device_options(p)
+    _add_record_options(p)
+    return p
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """What to train, where it goes, how long, and where it continues from."""
+    options.add_config(p, "YAML config file, or a bundled name: tiny-cpu, gpu-paper")
     p.add_argument("--output-dir", metavar="DIR", help="where checkpoints (and by default metrics) go")
     p.add_argument(
         "--max-steps",
@@ -97,6 +93,9 @@ def _train_parser() -> argparse.ArgumentParser:
         help="continue from the latest checkpoint in --output-dir, or from PATH "
         "(a checkpoints/step-NNNNNNN directory, or another run's output dir)",
     )
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile-lock",
         choices=COMPILE_LOCK_MODES,
@@ -108,6 +107,9 @@ def _train_parser() -> argparse.ArgumentParser:
         choices=ATTENTION_BACKENDS,
         help="flex: compiled flex_attention (GPU); sdpa: dense mask (CPU, or any device)",
     )
+
+
+def _add_device_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target-devices", metavar="LIST", help="comma-separated, e.g. cuda:0 (one target worker each)"
     )
@@ -123,39 +125,24 @@ def _train_parser() -> argparse.ArgumentParser:
         help="threads (default): one process, a drafter thread per device; torchrun: this "
         "process is one rank of `torchrun --nproc-per-node N -m trainer ...` (DDP)",
     )
+
+
+def _add_record_options(p: argparse.ArgumentParser) -> None:
+    """The metrics file, the seed and config overrides."""
     p.add_argument(
         "--metrics-file", metavar="PATH", help="JSON-lines metrics (default <output-dir>/metrics.jsonl)"
     )
     p.add_argument("--seed", type=int, help="seed for init, data order and anchors")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any config key (YAML value), repeatable: --set train.lr=3e-4",
-    )
-    return p
+    options.add_overrides(p, "override any config key (YAML value), repeatable: --set train.lr=3e-4")
 
 
 def _export_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="dflash-train export",
-        description=EXPORT_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = options.command_parser("dflash-train export", EXPORT_HELP)
+    options.add_checkpoint(
+        p, "a checkpoints/step-NNNNNNN directory, or an output dir (its latest checkpoint)"
     )
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="DIR",
-        help="a checkpoints/step-NNNNNNN directory, or an output dir (its latest checkpoint)",
-    )
-    p.add_argument("--out", required=True, metavar="DIR", help="export directory (created)")
-    p.add_argument(
-        "--dtype",
-        choices=EXPORT_DTYPES,
-        default="bf16",
-        help="weight dtype of the export (default bf16; training keeps fp32 masters)",
-    )
+    options.add_out(p, "DIR", "export directory (created)")
+    options.add_dtype(p, "weight dtype of the export (default bf16; training keeps fp32 masters)")
     return p
 
 

@@ -20,13 +20,9 @@ block position (latest eval against earliest), tokens/s with relaunch and stop m
 
 
 def report_parser() -> argparse.ArgumentParser:
-    from trainer.cli.main import Parser
+    from trainer.cli.options import command_parser
 
-    p = Parser(
-        prog="dflash-train report",
-        description=REPORT_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = command_parser("dflash-train report", REPORT_HELP)
     p.add_argument("metrics", metavar="METRICS.jsonl", help="a metrics file (the trainer's --metrics-file)")
     p.add_argument(
         "-o",

@@ -450,21 +450,7 @@ def write_cache(
     a writer thread stores them while the next batch runs.
     """
     manifest, start = prepare(cache_dir, header)
-    estimate = disk_estimate(dataset, start, len(target.layer_ids), target.hidden_size, header["dtype"])
-    free = shutil.disk_usage(cache_dir).free
-    say(
-        f"feature cache: {estimate['sequences']} sequences to write ({start} already cached), "
-        f"{estimate['tokens']} tokens x {len(target.layer_ids)} layers x {target.hidden_size} hidden x "
-        f"{DTYPES[header['dtype']].itemsize} bytes = {human_bytes(estimate['bytes'])} "
-        f"({human_bytes(estimate['bytes_per_1k_tokens'])} per 1k tokens); "
-        f"free on {cache_dir}: {human_bytes(free)}"
-    )
-    if estimate["bytes"] > free:
-        raise DataError(
-            cache_dir,
-            f"needs {human_bytes(estimate['bytes'])} but the filesystem has "
-            f"{human_bytes(free)} free. Fix: free space or choose another --out.",
-        )
+    _check_space(target, dataset, cache_dir, header["dtype"], start, say)
     dtype = DTYPES[header["dtype"]]
     seq_len = dataset.input_ids.shape[1]
     batch_size = batch_size or auto_batch_size(seq_len)
@@ -477,22 +463,50 @@ def write_cache(
     try:
         for begin in range(start, len(dataset), batch_size):
             end = min(begin + batch_size, len(dataset))
-            attn = dataset.attention_mask[begin:end]
-            ids = dataset.input_ids[begin:end]
-            # Always the full seq_len: a sequence's features then do not depend on its batch (a resumed
-            # cache is byte-identical to a fresh one); a batch cut to its longest sequence would not be.
-            feats = target.features(ids.to(target.device), attention_mask=attn.to(target.device))
-            if buffers is not None:
-                host, ready, release = buffers.copy_of(feats.to(dtype), writer)
-            else:
-                host, ready, release = feats.to("cpu", dtype), None, (lambda: None)
-            writer.put(
-                (host, ready, ids, dataset.loss_mask[begin:end], attn.sum(dim=1).tolist(), end, release)
-            )
+            writer.put(_features_of(target, dataset, begin, end, dtype, buffers, writer))
         writer.close()
     except BaseException:
         writer.abort()
         raise
+    _complete(cache_dir, manifest)
+    return manifest
+
+
+def _check_space(target, dataset: Dataset, cache_dir: str, dtype: str, start: int, say) -> None:
+    """Say how much the cache needs and refuse when the filesystem lacks it."""
+    estimate = disk_estimate(dataset, start, len(target.layer_ids), target.hidden_size, dtype)
+    free = shutil.disk_usage(cache_dir).free
+    say(
+        f"feature cache: {estimate['sequences']} sequences to write ({start} already cached), "
+        f"{estimate['tokens']} tokens x {len(target.layer_ids)} layers x {target.hidden_size} hidden x "
+        f"{DTYPES[dtype].itemsize} bytes = {human_bytes(estimate['bytes'])} "
+        f"({human_bytes(estimate['bytes_per_1k_tokens'])} per 1k tokens); "
+        f"free on {cache_dir}: {human_bytes(free)}"
+    )
+    if estimate["bytes"] > free:
+        raise DataError(
+            cache_dir,
+            f"needs {human_bytes(estimate['bytes'])} but the filesystem has "
+            f"{human_bytes(free)} free. Fix: free space or choose another --out.",
+        )
+
+
+def _features_of(target, dataset: Dataset, begin: int, end: int, dtype, buffers, writer) -> tuple:
+    """The writer's item for sequences begin..end: their features on the host (or on their way)."""
+    attn = dataset.attention_mask[begin:end]
+    ids = dataset.input_ids[begin:end]
+    # Always the full seq_len: a sequence's features then do not depend on its batch (a resumed
+    # cache is byte-identical to a fresh one); a batch cut to its longest sequence would not be.
+    feats = target.features(ids.to(target.device), attention_mask=attn.to(target.device))
+    if buffers is not None:
+        host, ready, release = buffers.copy_of(feats.to(dtype), writer)
+    else:
+        host, ready, release = feats.to("cpu", dtype), None, (lambda: None)
+    return host, ready, ids, dataset.loss_mask[begin:end], attn.sum(dim=1).tolist(), end, release
+
+
+def _complete(cache_dir: str, manifest: dict) -> None:
+    """Total the shards into the manifest and mark the cache complete."""
     shards = manifest["shards"]
     manifest["counts"] = {
         "sequences": sum(s["count"] for s in shards),
@@ -503,7 +517,6 @@ def write_cache(
     }
     manifest["complete"] = True
     write_manifest(cache_dir, manifest)
-    return manifest
 
 
 # ---- reading ------------------------------------------------------------------------------------

@@ -328,8 +328,7 @@ def regenerate(
     os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
     state = _start_state(opts)
     stats = state["stats"]
-    with open(opts.input, encoding="utf-8") as f:
-        total = sum(1 for line in f if line.strip())
+    total = _count_records(opts.input)
     first = dict(stats)
     report.update(
         run_summary(stats, first, 0.0),
@@ -349,44 +348,10 @@ def regenerate(
         open(rejects_path(opts.output), "ab") as rej_file,
         ThreadPoolExecutor(max_workers=len(generators)) as pool,
     ):
-        while True:
-            chunk = [item for _, item in zip(range(chunk_size), lines, strict=False)]
-            if not chunk:
-                break
-            results: dict[int, Conversation | Reject] = {}
-            if opts.temperature > 0:  # seeded by position: a resumed run samples what the first would have
-                torch.manual_seed(derive_seed(opts.seed, chunk[0][0]))
-            shares: list[list[tuple[int, Conversation]]] = [[] for _ in generators]
-            for n, (index, text) in enumerate(chunk):
-                try:
-                    shares[n % len(generators)].append((index, parse_record(text)))
-                except Reject as reason:
-                    results[index] = reason
-            if len(generators) == 1:  # in this thread: CPU torch in a pool thread runs far slower
-                results.update(generators[0].run(shares[0]))
-            else:
-                for part in pool.map(lambda pair: pair[0].run(pair[1]), zip(generators, shares, strict=True)):
-                    results.update(part)
-            for index, text in chunk:  # input order
-                result = results[index]
-                stats["seen"] += 1
-                if isinstance(result, Reject):
-                    stats["rejects"] += 1
-                    rej_file.write(_jsonl({"line": index + 1, "reason": str(result), "record": text.strip()}))
-                    continue
-                record = dict(result.record) if isinstance(result.record, dict) else {}
-                record["messages"] = result.messages
-                out_file.write(_jsonl(record))
-                stats["records"] += 1
-                stats["turns"] += len(result.slots)
-                stats["new_tokens"] += result.new_tokens
-                stats["prompt_tokens"] += result.prompt_tokens
-                stats["truncated"] += result.truncated
-            for file in (out_file, rej_file):
-                file.flush()
-                os.fsync(file.fileno())
-            state.update(next_line=chunk[-1][0] + 1, out_bytes=out_file.tell(), rejects_bytes=rej_file.tell())
-            write_atomic(_progress_path(opts.output), json.dumps(state))  # the commit point
+        while chunk := [item for _, item in zip(range(chunk_size), lines, strict=False)]:
+            results = _generate_chunk(chunk, generators, pool, opts)
+            _write_results(chunk, results, stats, out_file, rej_file)
+            _commit(state, chunk[-1][0] + 1, out_file, rej_file, opts.output)
             report.update(run_summary(stats, first, time.monotonic() - began))
             progress.update(
                 stats["seen"],
@@ -396,6 +361,65 @@ def regenerate(
     progress.finish()
     report.update(run_summary(stats, first, time.monotonic() - began))
     return dict(report)
+
+
+def _count_records(path: str) -> int:
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _generate_chunk(
+    chunk: list[tuple[int, str]],
+    generators: list[Generator],
+    pool: ThreadPoolExecutor,
+    opts: RegenerateOptions,
+) -> dict[int, Conversation | Reject]:
+    """Each input line's result by line index: its regenerated conversation, or why it is rejected."""
+    results: dict[int, Conversation | Reject] = {}
+    if opts.temperature > 0:  # seeded by position: a resumed run samples what the first would have
+        torch.manual_seed(derive_seed(opts.seed, chunk[0][0]))
+    shares: list[list[tuple[int, Conversation]]] = [[] for _ in generators]
+    for n, (index, text) in enumerate(chunk):
+        try:
+            shares[n % len(generators)].append((index, parse_record(text)))
+        except Reject as reason:
+            results[index] = reason
+    if len(generators) == 1:  # in this thread: CPU torch in a pool thread runs far slower
+        results.update(generators[0].run(shares[0]))
+    else:
+        for part in pool.map(lambda pair: pair[0].run(pair[1]), zip(generators, shares, strict=True)):
+            results.update(part)
+    return results
+
+
+def _write_results(
+    chunk: list[tuple[int, str]], results: dict[int, Conversation | Reject], stats: dict, out_file, rej_file
+) -> None:
+    """Append the chunk's records and rejects in input order, counting them into `stats`."""
+    for index, text in chunk:
+        result = results[index]
+        stats["seen"] += 1
+        if isinstance(result, Reject):
+            stats["rejects"] += 1
+            rej_file.write(_jsonl({"line": index + 1, "reason": str(result), "record": text.strip()}))
+            continue
+        record = dict(result.record) if isinstance(result.record, dict) else {}
+        record["messages"] = result.messages
+        out_file.write(_jsonl(record))
+        stats["records"] += 1
+        stats["turns"] += len(result.slots)
+        stats["new_tokens"] += result.new_tokens
+        stats["prompt_tokens"] += result.prompt_tokens
+        stats["truncated"] += result.truncated
+
+
+def _commit(state: dict, next_line: int, out_file, rej_file, output: str) -> None:
+    """Make what is written durable, then record where the next run continues."""
+    for file in (out_file, rej_file):
+        file.flush()
+        os.fsync(file.fileno())
+    state.update(next_line=next_line, out_bytes=out_file.tell(), rejects_bytes=rej_file.tell())
+    write_atomic(_progress_path(output), json.dumps(state))  # the commit point
 
 
 def _jsonl(obj) -> bytes:

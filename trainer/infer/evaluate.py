@@ -214,11 +214,31 @@ def _fits_decoder(decoder, drafter, prompts, max_new_tokens, stop_ids) -> bool:
     )
 
 
-def _static(decoder, prompts, max_new_tokens, reference, key_of, progress) -> _Decodings:
+@dataclasses.dataclass
+class _Job:
+    """What both loops decode: the prompts that fit, how far, and how."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    stops: tuple[int, ...]
+    temperature: float
+    seed: int
+    reference: dict | None  # the target's own greedy outputs by key_of, across calls
+    progress: Callable[[int, int], None] | None
+    warmup: bool
+
+    def key_of(self, prompt: list[int]) -> tuple:
+        return tuple(prompt), self.max_new_tokens, self.stops
+
+
+def _decode_static(decoder, job: _Job) -> _Decodings:
+    prompts, max_new_tokens, reference = job.prompts, job.max_new_tokens, job.reference
+    if job.warmup:
+        decoder.prepare(prompts)
     found = _Decodings([], [], [])
     for lo in range(0, len(prompts), decoder.rows):
         chunk = prompts[lo : lo + decoder.rows]
-        cached = [reference.get(key_of(p)) if reference is not None else None for p in chunk]
+        cached = [reference.get(job.key_of(p)) if reference is not None else None for p in chunk]
         own_tokens: list[list[int]]
         if any(c is None for c in cached):
             own = decoder.decode(chunk, max_new_tokens, speculative=False)
@@ -226,7 +246,7 @@ def _static(decoder, prompts, max_new_tokens, reference, key_of, progress) -> _D
             found.target_tokens += sum(len(t) for t in own_tokens)
             found.target_seconds += own.seconds
             if reference is not None:
-                reference.update({key_of(p): t for p, t in zip(chunk, own_tokens, strict=True)})
+                reference.update({job.key_of(p): t for p, t in zip(chunk, own_tokens, strict=True)})
         else:
             own_tokens = cast("list[list[int]]", cached)  # no None in it: all came from the reference
         spec = decoder.decode(chunk, max_new_tokens, speculative=True)
@@ -235,45 +255,38 @@ def _static(decoder, prompts, max_new_tokens, reference, key_of, progress) -> _D
         found.accepted += [r.accepted for r in spec.results]
         found.spec_tokens += sum(len(r.tokens) for r in spec.results)
         found.spec_seconds += spec.seconds
-        if progress is not None:
-            progress(lo + len(chunk), len(prompts))
+        if job.progress is not None:
+            job.progress(lo + len(chunk), len(prompts))
     return found
 
 
-def _reference(
-    model,
-    layer_ids,
-    drafter,
-    prompts,
-    max_new_tokens,
-    stop_ids,
-    temperature,
-    seed,
-    reference,
-    key_of,
-    progress,
-) -> _Decodings:
-    generator = torch.Generator(device=model.get_input_embeddings().weight.device).manual_seed(seed)
+def _decode_reference(model, layer_ids, drafter, job: _Job) -> _Decodings:
+    prompts, max_new_tokens, temperature = job.prompts, job.max_new_tokens, job.temperature
+    if job.warmup and prompts:
+        target_generate(model, prompts[0], 4)
+        speculative_generate(model, layer_ids, drafter, prompts[0], 4)
+    generator = torch.Generator(device=model.get_input_embeddings().weight.device).manual_seed(job.seed)
+    cache = job.reference if temperature <= 0 else None  # it holds greedy outputs only
     found = _Decodings([], [], [])
     for index, prompt in enumerate(prompts):
-        own = reference.get(key_of(prompt)) if reference is not None and temperature <= 0 else None
+        own = cache.get(job.key_of(prompt)) if cache is not None else None
         if own is None:
-            decoded = target_generate(model, prompt, max_new_tokens, stop_ids, temperature, generator)
+            decoded = target_generate(model, prompt, max_new_tokens, job.stops, temperature, generator)
             own = decoded.tokens
             found.target_tokens += len(own)
             found.target_seconds += decoded.seconds
-            if reference is not None and temperature <= 0:
-                reference[key_of(prompt)] = own
+            if cache is not None:
+                cache[job.key_of(prompt)] = own
         spec = speculative_generate(
-            model, layer_ids, drafter, prompt, max_new_tokens, stop_ids, temperature, generator
+            model, layer_ids, drafter, prompt, max_new_tokens, job.stops, temperature, generator
         )
         found.own.append(own)
         found.spec.append(spec.tokens)
         found.accepted.append(spec.accepted)
         found.spec_tokens += len(spec.tokens)
         found.spec_seconds += spec.seconds
-        if progress is not None:
-            progress(index + 1, len(prompts))
+        if job.progress is not None:
+            job.progress(index + 1, len(prompts))
     return found
 
 
@@ -323,8 +336,6 @@ def evaluate(
     `batch`: prompts decoded together by the static loop. `decoder`: a StaticDecoder to reuse
     (make_decoder), else one is built for these prompts. `warmup`: capture the graphs (and
     compile) before timing. `compile`: torch.compile the per-layer math of a new decoder."""
-    from trainer.infer.static_decode import StaticTarget, Unsupported
-
     if loop not in LOOPS:
         raise ValueError(f"loop {loop!r}: use one of {', '.join(LOOPS)}")
     t0 = time.perf_counter()
@@ -332,53 +343,19 @@ def evaluate(
     limit = max_positions(model)
     usable = [p for p in prompts if fits(p, max_new_tokens, block, limit)]
     stops = tuple(sorted({int(s) for s in stop_ids}))
-
-    def key_of(prompt):
-        return tuple(prompt), max_new_tokens, stops
-
+    job = _Job(usable, max_new_tokens, stops, temperature, seed, reference, progress, warmup)
     was_training = drafter.training
     drafter.eval()
-    static = loop == "static" and temperature <= 0 and bool(usable)
-    if static and (decoder is None or not _fits_decoder(decoder, drafter, usable, max_new_tokens, stops)):
-        try:
-            decoder = make_decoder(model, layer_ids, drafter, usable, max_new_tokens, stops, batch, compile)
-        except Unsupported:  # an architecture the static loop does not implement: the reference decodes
-            static = False
+    if loop == "static" and temperature <= 0 and usable:
+        decoder = _static_decoder(decoder, model, layer_ids, drafter, job, batch, compile)
+    else:
+        decoder = None
     try:
-        if static:
-            if warmup:
-                decoder.prepare(usable)
-            found = _static(decoder, usable, max_new_tokens, reference, key_of, progress)
-            name = (
-                "static"
-                + ("+graphs" if decoder.graphs else "")
-                + ("+compile" if decoder.kernels.compiled else "")
-            )
+        if decoder is not None:
+            found = _decode_static(decoder, job)
         else:
-            if warmup and usable:
-                target_generate(model, usable[0], 4)
-                speculative_generate(model, layer_ids, drafter, usable[0], 4)
-            found = _reference(
-                model,
-                layer_ids,
-                drafter,
-                usable,
-                max_new_tokens,
-                stops,
-                temperature,
-                seed,
-                reference,
-                key_of,
-                progress,
-            )
-            name = "reference"
-        ties, mismatch = 0, None
-        if temperature <= 0:
-            try:
-                target = decoder.target if static else StaticTarget(model, layer_ids, 1, 1)
-            except Unsupported:
-                target = None  # no fp32 referee for this architecture: every difference is a bug
-            ties, mismatch = check_lossless(target, usable, found.own, found.spec)
+            found = _decode_reference(model, layer_ids, drafter, job)
+        ties, mismatch = _judge(model, layer_ids, decoder, job, found)
     finally:
         drafter.train(was_training)
     return _result(
@@ -390,9 +367,45 @@ def evaluate(
         ties=ties,
         mismatch=mismatch,
         seconds=time.perf_counter() - t0,
-        batch=decoder.rows if static else 1,
-        loop=name,
+        batch=decoder.rows if decoder is not None else 1,
+        loop=_loop_name(decoder),
     )
+
+
+def _static_decoder(decoder, model, layer_ids, drafter, job: _Job, batch: int, compile: bool):
+    """`decoder` if it fits the job, else a new one; None for an architecture the static loop does
+    not implement (the reference loop decodes then)."""
+    from trainer.infer.static_decode import Unsupported
+
+    if decoder is not None and _fits_decoder(decoder, drafter, job.prompts, job.max_new_tokens, job.stops):
+        return decoder
+    try:
+        return make_decoder(
+            model, layer_ids, drafter, job.prompts, job.max_new_tokens, job.stops, batch, compile
+        )
+    except Unsupported:
+        return None
+
+
+def _loop_name(decoder) -> str:
+    """The result's `loop`: the static loop with what it runs on, or the reference loop (None)."""
+    if decoder is None:
+        return "reference"
+    return "static" + ("+graphs" if decoder.graphs else "") + ("+compile" if decoder.kernels.compiled else "")
+
+
+def _judge(model, layer_ids, decoder, job: _Job, found: _Decodings) -> tuple[int, Mismatch | None]:
+    """check_lossless, refereed by the static loop's target (a new one after the reference loop);
+    sampled outputs are not compared."""
+    from trainer.infer.static_decode import StaticTarget, Unsupported
+
+    if job.temperature > 0:
+        return 0, None
+    try:
+        target = decoder.target if decoder is not None else StaticTarget(model, layer_ids, 1, 1)
+    except Unsupported:
+        target = None  # no fp32 referee for this architecture: every difference is a bug
+    return check_lossless(target, job.prompts, found.own, found.spec)
 
 
 def _result(

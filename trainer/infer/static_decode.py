@@ -223,7 +223,53 @@ class Kernels:
 EAGER = Kernels(compile=False)
 
 
-class StaticTarget:
+class _LayerStack:
+    """Decoder layers over a pre-allocated K/V cache per layer, `rows` sequences at once."""
+
+    layers: list[_Layer]
+    keys: torch.Tensor  # [layers, rows, kv_heads, positions, head_dim]
+    values: torch.Tensor
+    row_index: torch.Tensor  # [rows, 1]
+
+    def run_layers(
+        self,
+        kernels: Kernels,
+        x,
+        cos,
+        sin,
+        where,
+        mask,
+        eps: float,
+        heads,
+        kv_heads,
+        head_dim,
+        keep=frozenset(),
+    ):
+        """(the last layer's output, {i: layer i's output for i in keep}); every layer writes its
+        K/V at `where`."""
+        kept = {}
+        for i, w in enumerate(self.layers):
+            x = kernels.layer(
+                x,
+                w,
+                cos,
+                sin,
+                self.keys[i],
+                self.values[i],
+                self.row_index,
+                where,
+                mask,
+                eps,
+                heads,
+                kv_heads,
+                head_dim,
+            )
+            if i in keep:
+                kept[i] = x
+        return x, kept
+
+
+class StaticTarget(_LayerStack):
     """The HF target's forward over a pre-allocated KV cache, batched by rows, with the drafter's
     features (HF `hidden_states[l + 1]` of each layer id) taken on the way."""
 
@@ -272,26 +318,11 @@ class StaticTarget:
             self.key_positions <= where.unsqueeze(-1), self.heads // self.kv_heads, self.dtype
         )
         wanted = set(self.layer_ids) if features else set()
-        taken = {}
         last = len(self.layers) - 1
-        for i, w in enumerate(self.layers):
-            x = kernels.layer(
-                x,
-                w,
-                cos,
-                sin,
-                self.keys[i],
-                self.values[i],
-                self.row_index,
-                where,
-                mask,
-                self.eps,
-                self.heads,
-                self.kv_heads,
-                self.head_dim,
-            )
-            if i in wanted and i != last:
-                taken[i] = x
+        before_last = wanted - {last}
+        x, taken = self.run_layers(
+            kernels, x, cos, sin, where, mask, self.eps, self.heads, self.kv_heads, self.head_dim, before_last
+        )
         normed = rms_norm(x, self.norm_weight, self.norm_eps)
         if last in wanted:
             taken[last] = normed  # HF reports the last layer's state after the final norm
@@ -301,7 +332,7 @@ class StaticTarget:
         return F.linear(hidden, self.head_weight, self.head_bias)
 
 
-class StaticDrafter:
+class StaticDrafter(_LayerStack):
     """The drafter's context K/V per layer in a pre-allocated cache; one block forward per call."""
 
     def __init__(self, drafter: DFlashDrafter, rows: int, positions: int):
@@ -358,22 +389,9 @@ class StaticDrafter:
         # [B, 1, S]: the same for each query
         visible = self.key_positions < (start + self.block).view(-1, 1, 1)
         mask = grouped_mask(visible.expand(-1, self.block, -1), cfg.num_heads // cfg.num_kv_heads, x.dtype)
-        for i, w in enumerate(self.layers):
-            x = kernels.layer(
-                x,
-                w,
-                cos,
-                sin,
-                self.keys[i],
-                self.values[i],
-                self.row_index,
-                where,
-                mask,
-                cfg.rms_norm_eps,
-                cfg.num_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-            )
+        x, _ = self.run_layers(
+            kernels, x, cos, sin, where, mask, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        )
         hidden = rms_norm(x[:, 1:], d.norm.weight, d.norm.eps)
         return F.linear(hidden, d.lm_head_weight.to(hidden.dtype), d.lm_head_bias).argmax(-1)
 

@@ -1,0 +1,83 @@
+"""The argparse pieces the `dflash-train` commands share: the parser class and each option that more
+than one command takes, declared once (stdlib only: parsing must stay fast)."""
+
+from __future__ import annotations
+
+import argparse
+
+from trainer.config import ConfigError
+
+DTYPE_CHOICES = ("bf16", "fp32")
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line naming the flag (exit 2), like every other input error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}. See {self.prog} --help\n")
+
+
+def command_parser(
+    prog: str, description: str, parser_class: type[argparse.ArgumentParser] = Parser, **kwargs
+) -> argparse.ArgumentParser:
+    """A parser whose description keeps its own line breaks (the examples in it)."""
+    return parser_class(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs
+    )
+
+
+def add_config(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--config", required=True, metavar="FILE", help=help)
+
+
+def add_overrides(p: argparse.ArgumentParser, help: str) -> None:
+    """--set KEY=VALUE, repeatable (trainer.cli.main.overrides_from_args reads it)."""
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def add_checkpoint(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help=help)
+
+
+def add_target(p: argparse.ArgumentParser, help: str, required: bool = False) -> None:
+    p.add_argument("--target", required=required, metavar="SPEC", help=help)
+
+
+def add_out(p: argparse.ArgumentParser, metavar: str, help: str) -> None:
+    p.add_argument("--out", required=True, metavar=metavar, help=help)
+
+
+def add_dtype(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16", help=help)
+
+
+def add_device(p: argparse.ArgumentParser, help: str, metavar: str | None = None) -> None:
+    p.add_argument("--device", metavar=metavar, help=help)
+
+
+def add_batch_size(p: argparse.ArgumentParser, help: str, default: int | None = None) -> None:
+    p.add_argument("--batch-size", type=int, default=default, metavar="B", help=help)
+
+
+def add_max_new_tokens(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=default, metavar="N")
+
+
+def add_temperature(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help=help)
+
+
+def add_sampling_seed(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+
+
+def check_at_least_one(*flags: tuple[str, int]) -> None:
+    """(flag, value) pairs whose value must be a positive count."""
+    for flag, value in flags:
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+
+
+def check_temperature(temperature: float) -> None:
+    if temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
