@@ -13,7 +13,6 @@ import pytest
 from dflash_ops.observe import acceptance, health, probe, status
 from dflash_ops.gpu import GpuSnapshot
 from dflash_ops.inventory.model import Health, Job
-from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format
 
 NOW = 80_000.0

@@ -72,6 +72,6 @@ def test_the_readme_examples_are_recorded_output():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     for command in ("status", "health", "tail-log -n 20"):
         example = readme.split(f"$ dflash-ops {command.split(' -n')[0]}", 1)[1].split("\n```", 1)[0]
-        body = [line for line in example.splitlines()[1:]]
+        body = list(example.splitlines()[1:])
         assert body and all(line in recorded(command).splitlines() for line in body), (command, body)
     assert not re.search(r"age_s=-", readme)  # ages are clamped at 0

@@ -284,8 +284,9 @@ def test_probe_finds_the_newest_eval_far_behind_the_tail_and_says_when_its_searc
     logs = tmp_path / "logs"
     t = time.time() - 3600
     metrics = Path(metrics_format.metrics_path_for_log(str(write_run(logs, 1, 3, 0, t))))
-    step = lambda n, acc: metrics_format.encode("step", time=t + n, step=n, total_steps=10**6, loss=2.0, acc=acc,
-                                                tokens_per_s=1000.0, eta_s=1.0, lr=1e-4, grad_norm=1.0)
+    def step(n, acc):
+        return metrics_format.encode("step", time=t + n, step=n, total_steps=10**6, loss=2.0, acc=acc,
+                                                    tokens_per_s=1000.0, eta_s=1.0, lr=1e-4, grad_norm=1.0)
     with metrics.open("a") as f:
         f.write("".join(step(n, [0.9, 0.5]) for n in range(1, 21)))
         f.write(metrics_format.encode("eval", time=t + 20, step=20, tau=1.9, acceptance=[0.8, 0.4], lossless=True,

@@ -187,7 +187,7 @@ def test_command_line_is_what_run_executes(transport):
         assert subprocess.run(["bash", "-c", line], capture_output=True, text=True).stdout == "hi there\n"
     else:
         argv = shlex.split(line)
-        assert argv[0] == "ssh" and argv[-2] == f"root@127.0.0.1"
+        assert argv[0] == "ssh" and argv[-2] == "root@127.0.0.1"
         remote = shlex.split(argv[-1].removesuffix("; exit $?"))
         if transport.name.startswith("ct"):
             assert remote[:4] == ["pct", "exec", "200", "--"]

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -22,7 +21,6 @@ import pytest
 from dflash_ops import commands, ops
 
 from dflash_ops.act import jobpaths
-from dflash_ops.cli import main as cli_main
 
 try:
     from tests.test_ops_e2e import STANDIN, cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
@@ -427,7 +425,7 @@ def test_two_relaunches_at_once_one_says_who_runs_and_touches_nothing(pct_target
     finally:
         winner.kill()
     assert winner.returncode == 0, won_out + won_err
-    for other, command in ((loser, "relaunch"), (stop, "stop")):
+    for other, _command in ((loser, "relaunch"), (stop, "stop")):
         assert other.returncode == 75, other.stdout + other.stderr
         line = one_line(other.stdout, other.stderr)
         assert f"another relaunch is running (pid {winner.pid} on " in line, line

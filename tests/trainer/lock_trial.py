@@ -150,7 +150,7 @@ def run_race(args) -> dict:
                     # are cache hits, the calls that meet another thread's tracing.
                     # Gradient accumulation over micro-batches keeps a cached step busy for
                     # about as long as another thread needs to reach make_fx in its compile.
-                    for micro in range(args.micro):
+                    for _micro in range(args.micro):
                         h = x
                         for w_in, w_out in weights:
                             if args.checkpoint:

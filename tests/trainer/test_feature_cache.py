@@ -37,7 +37,7 @@ def pretokenized(path: Path, count: int = 12) -> str:
     """Records of different lengths (so batches have padding), loss on the second half."""
     rng = random.Random(0)
     with open(path, "w", encoding="utf-8") as f:
-        for i in range(count):
+        for _i in range(count):
             n = rng.randint(12, SEQ)
             f.write(json.dumps({"input_ids": [rng.randrange(500) for _ in range(n)],
                                 "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)}) + "\n")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 
 import pytest
 import torch

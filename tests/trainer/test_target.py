@@ -20,7 +20,7 @@ def hf_reference(target, input_ids, layer_ids, attention_mask=None):
     """What the DFlash convention asks for: HF output_hidden_states[l + 1], concatenated."""
     with torch.no_grad():
         out = target.model(input_ids, attention_mask=attention_mask, output_hidden_states=True)
-    return torch.cat([out.hidden_states[l + 1] for l in layer_ids], dim=-1)
+    return torch.cat([out.hidden_states[layer + 1] for layer in layer_ids], dim=-1)
 
 
 def test_tiny_target_shape_and_defaults(tiny):
