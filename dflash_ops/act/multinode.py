@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence, TypeVar, cast
 
 from dflash_ops import commands
 
-from dflash_ops.act import jobpaths, launch as launch_lib, multinode_checks as checks, steps, tmux
+from dflash_ops.act import multinode_checks as checks, steps, tmux
 from dflash_ops.commands import GPU_FREE_S, GRACE_S
 from dflash_ops.errors import DflashOpsError, StepFailed
 from dflash_ops.inventory.model import Job
@@ -270,24 +270,9 @@ def _launch(ctx: JobContext, job: MultinodeJob, resume: bool) -> JobLaunched:
 
 
 def _start(ctx: StepContext, job: MultinodeJob, node: Node, run: str, rdzv_id: str) -> steps.Launched:
-    """Start run `run` on `node` under the rendezvous id (steps.launch, with the run given)."""
-    ctx = dataclasses.replace(ctx, target=job.node_target(node.index, rdzv_id))
-    node_job = ctx.target.job
-    _, why = steps.resolve_cache(ctx, node_job, node_job.cache_dir)
-    if why is not None:
-        raise StepFailed(f"[{node.name}] launch: refusing to launch: {why}")
-    result = ctx.run(
-        launch_lib.launch_command(node_job, run=run), timeout=60, stdin=bundle(launch_lib.LAUNCHER)
-    )
-    if ctx.dry_run:
-        argv = launch_lib.trainer_argv(node_job, f"{jobpaths.runs_dir(node_job)}/{run}")
-        return steps.Launched(
-            message=f"would start tmux session {node_job.session!r} running: {shlex.join(argv)}", log=""
-        )
-    printed = result.stdout.strip().splitlines()
-    if not printed or not printed[-1].startswith("/"):
-        raise StepFailed(f"[{node.name}] launch: the launch printed no log path: {result.stdout[:200]!r}")
-    return steps.Launched(message=f"session {node_job.session!r} started, log {printed[-1]}", log=printed[-1])
+    """Start run `run` on `node` under the rendezvous id."""
+    node_target = job.node_target(node.index, rdzv_id)
+    return steps.start_run(dataclasses.replace(ctx, target=node_target), node_target.job, run=run)
 
 
 def wait_first_step(

@@ -352,16 +352,23 @@ class Launched(StepOutcome):
 def launch(ctx: StepContext, job: Job, resume: bool) -> Launched:
     """Start the trainer in a detached tmux session writing the next numbered log; the run is the
     newest unfinished one (resume) or a new one (after a finished run, or resume false: --fresh)."""
+    return start_run(ctx, job, resume=resume)
+
+
+def start_run(ctx: StepContext, job: Job, *, resume: bool = True, run: str | None = None) -> Launched:
+    """launch, or with `run` (NNNN) that run whatever `resume` says: a multinode job chooses its
+    run once for all its nodes."""
     _, why = resolve_cache(ctx, job, job.cache_dir)
     if why is not None:
         raise _fail(ctx, f"refusing to launch: {why}")
     result = ctx.run(
-        launch_lib.launch_command(job, resume=resume), timeout=60, stdin=bundle(launch_lib.LAUNCHER)
+        launch_lib.launch_command(job, resume=resume, run=run), timeout=60, stdin=bundle(launch_lib.LAUNCHER)
     )
     if ctx.dry_run:
+        shown = run or "NNNN"
         return Launched(
             message=f"would start tmux session {job.session!r} running: "
-            f"{shlex.join(launch_lib.trainer_argv(job, jobpaths.runs_dir(job) + '/NNNN'))}",
+            f"{shlex.join(launch_lib.trainer_argv(job, f'{jobpaths.runs_dir(job)}/{shown}'))}",
             log=posixpath.join(job.log_dir, f"{facts.LOG_PREFIX}NNNN{facts.LOG_SUFFIX}"),
         )
     printed = result.stdout.strip().splitlines()
