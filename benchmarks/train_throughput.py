@@ -410,6 +410,23 @@ def _drop_page_cache(path: str) -> None:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def _one_replica(stand_in, replica, dataset, plan, run_cfg, guard, feature_dtype):
+    """The trainer's TrainingWorkers for one target and one drafter replica, as a run builds them."""
+    from trainer.train.loop import make_loss_fn
+    from trainer.train.workers import TrainingWorkers
+
+    return TrainingWorkers(
+        targets=[stand_in],
+        replicas=[replica],
+        dataset=dataset,
+        plan=plan,
+        compute_loss=make_loss_fn(run_cfg),
+        guard=guard,
+        grad_clip=1.0,
+        feature_dtype=lambda dev: feature_dtype,
+    )
+
+
 def child_cache(args, dims) -> dict:
     """Steps through the trainer's real pipeline (TrainingWorkers: a loader thread, a queue of 2,
     pinned memory): features resident on the GPU (drafter-only) vs read from a feature cache on disk."""
@@ -419,8 +436,7 @@ def child_cache(args, dims) -> dict:
     from trainer.config import TrainConfig
     from trainer.data.dataset import BatchPlan
     from trainer.data.feature_cache import CacheReader, bytes_per_token, open_cache
-    from trainer.train.loop import make_loss_fn
-    from trainer.train.workers import Replica, TrainingWorkers
+    from trainer.train.workers import Replica
 
     cfg, model, optimizer, dtype = _build(args, dims, torch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -468,16 +484,7 @@ def child_cache(args, dims) -> dict:
         for name, dataset in arms:
             plan = BatchPlan(len(dataset), dims["batch"], 1, seed=0)
             times = []
-            with TrainingWorkers(
-                targets=[stand_in],
-                replicas=[replica],
-                dataset=dataset,
-                plan=plan,
-                compute_loss=make_loss_fn(run_cfg),
-                guard=guard,
-                grad_clip=1.0,
-                feature_dtype=lambda dev: feature_dtype,
-            ) as workers:
+            with _one_replica(stand_in, replica, dataset, plan, run_cfg, guard, feature_dtype) as workers:
                 workers.start(0, plan.total_steps(1, total))
                 for step in range(plan.total_steps(1, total)):
                     _sync(torch, args.device)
@@ -582,8 +589,7 @@ def child_e2e(args, dims) -> dict:
     from trainer.data.dataset import BatchPlan, Dataset
     from trainer.data.feature_cache import auto_batch_size, cache_header, write_cache
     from trainer.model import DFlashDrafter, DrafterConfig
-    from trainer.train.loop import make_loss_fn
-    from trainer.train.workers import Replica, TrainingWorkers
+    from trainer.train.workers import Replica
 
     guard = CompileGuard("lock").install()
     target = _random_target(args, torch)
@@ -636,16 +642,7 @@ def child_e2e(args, dims) -> dict:
     def steps(source: Dataset, stand_in, replica: Replica) -> list[float]:
         plan = BatchPlan(len(source), b, 1, seed=0)
         total = min(plan.total_steps(1, None), args.warmup + args.steps)
-        with TrainingWorkers(
-            targets=[stand_in],
-            replicas=[replica],
-            dataset=source,
-            plan=plan,
-            compute_loss=make_loss_fn(run_cfg),
-            guard=guard,
-            grad_clip=1.0,
-            feature_dtype=lambda dev: feature_dtype,
-        ) as workers:
+        with _one_replica(stand_in, replica, source, plan, run_cfg, guard, feature_dtype) as workers:
             workers.start(0, total)
             counter = iter(range(total))
             return _timed(
