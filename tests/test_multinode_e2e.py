@@ -32,8 +32,10 @@ from dflash_ops.inventory.load import load_inventory
 
 try:
     from tests import sshd as sshd_helpers
-except ImportError:
+    from tests.test_ops_torchrun import marked_python_processes
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import sshd as sshd_helpers
+    from test_ops_torchrun import marked_python_processes
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -80,18 +82,8 @@ def write_inventory(path: Path, nodes: list[str], jobs: dict[str, str]) -> Path:
 
 def processes_of(job) -> dict[int, dict]:
     """pid -> {RANK, WORLD_SIZE} of every python process carrying the node's job marker."""
-    marker = f"{jobpaths.JOB_MARKER_ENV}={jobpaths.marker_value(job)}".encode()
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if marker in env and os.path.basename(cmd.split(b"\0")[0]).startswith(b"python"):
-            pairs = dict(e.decode(errors="replace").split("=", 1) for e in env if b"=" in e)
-            found[int(pid)] = {"RANK": pairs.get("RANK", ""), "WORLD_SIZE": pairs.get("WORLD_SIZE", "")}
-    return found
+    return {pid: {"RANK": env.get("RANK", ""), "WORLD_SIZE": env.get("WORLD_SIZE", "")}
+            for pid, env in marked_python_processes(job).items()}
 
 
 def ranks_of(job) -> dict[int, dict]:

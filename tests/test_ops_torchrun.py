@@ -32,6 +32,11 @@ def torchrun_job(target, tag):
 def job_processes(job) -> dict[int, str]:
     """pid -> RANK ('' for torchrun itself) of every python process carrying the job's marker (the pane's
     shell carries it too, with the trainer's command line among its arguments)."""
+    return {pid: env.get("RANK", "") for pid, env in marked_python_processes(job).items()}
+
+
+def marked_python_processes(job) -> dict[int, dict[str, str]]:
+    """pid -> environment of every python process carrying the job's marker."""
     marker = f"{jobpaths.JOB_MARKER_ENV}={jobpaths.marker_value(job)}".encode()
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -41,8 +46,7 @@ def job_processes(job) -> dict[int, str]:
         except OSError:
             continue
         if marker in env and os.path.basename(cmd.split(b"\0")[0]).startswith(b"python"):
-            rank = [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")]
-            found[int(pid)] = rank[0] if rank else ""
+            found[int(pid)] = dict(e.decode(errors="replace").split("=", 1) for e in env if b"=" in e)
     return found
 
 
