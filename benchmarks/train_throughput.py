@@ -1127,36 +1127,26 @@ def main(argv: list[str] | None = None) -> int:
                 saved = off["peak_memory_gib"] - on["peak_memory_gib"]
                 checkpointing["memory_saved_gib"] = saved
                 checkpointing["memory_saved_pct"] = 100 * saved / off["peak_memory_gib"]
+    # the first variant's attention and the block shape, for the children that measure one setup
+    one_setup = [
+        "--attention",
+        next(iter(variants.values()))[0],
+        "--anchors",
+        str(dims["anchors"]),
+        "--ctx",
+        str(dims["ctx"]),
+    ]
     first_step = {}
     if "first-step" in parts:
-        attention = next(iter(variants.values()))[0]
         for lock in ("lock", "none"):
             first_step[lock] = run_child(
-                args,
-                "first_step",
-                [
-                    "--lock",
-                    lock,
-                    "--attention",
-                    attention,
-                    "--anchors",
-                    str(dims["anchors"]),
-                    "--ctx",
-                    str(dims["ctx"]),
-                ],
-                args.first_step_timeout,
+                args, "first_step", ["--lock", lock, *one_setup], args.first_step_timeout
             )
             say(f"  first step, lock {lock}: {first_step[lock]}")
     cache = None
     if "cache" in parts:
-        attention = next(iter(variants.values()))[0]
         extra = [
-            "--attention",
-            attention,
-            "--anchors",
-            str(dims["anchors"]),
-            "--ctx",
-            str(dims["ctx"]),
+            *one_setup,
             "--shard-mb",
             str(args.shard_mb),
             *(["--cache-dir", args.cache_dir] if args.cache_dir else []),
@@ -1165,14 +1155,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"  feature cache: {json.dumps({k: v for k, v in cache.items() if k != 'stderr_tail'})}")
     e2e = None
     if "e2e" in parts:
-        attention = next(iter(variants.values()))[0]
         extra = [
-            "--attention",
-            attention,
-            "--anchors",
-            str(dims["anchors"]),
-            "--ctx",
-            str(dims["ctx"]),
+            *one_setup,
             "--cache-sequences",
             str(args.cache_sequences),
             *(["--cache-dir", args.cache_dir] if args.cache_dir else []),
