@@ -367,7 +367,7 @@ def child_first_step(args, dims) -> dict:
 
 def _write_synthetic_cache(args, dims, cfg, torch, cache_dir: str, sequences: int) -> dict:
     """A feature cache at these dims through the trainer's own writer (random target features)."""
-    from trainer.data.feature_cache import FORMAT, ShardWriter, write_manifest
+    from trainer.data.feature_cache import FORMAT, ShardWriter, complete_manifest
 
     manifest = {
         "format": FORMAT,
@@ -391,16 +391,7 @@ def _write_synthetic_cache(args, dims, cfg, torch, cache_dir: str, sequences: in
         feats = torch.randn(t, cfg.context_size, device=args.device, dtype=torch.bfloat16).cpu()
         writer.add(feats, torch.randint(0, cfg.vocab_size - 1, (t,), generator=gen), loss_mask)
     writer.flush()
-    shards = manifest["shards"]
-    manifest["counts"] = {
-        "sequences": sequences,
-        "tokens": sum(s["tokens"] for s in shards),
-        "loss_tokens": sum(s["loss_tokens"] for s in shards),
-        "bytes": sum(s["bytes"] for s in shards),
-        "shards": len(shards),
-    }
-    manifest["complete"] = True
-    write_manifest(cache_dir, manifest)
+    complete_manifest(cache_dir, manifest)
     return {"write_s": round(time.perf_counter() - began, 2), **manifest["counts"]}
 
 

@@ -468,7 +468,7 @@ def write_cache(
     except BaseException:
         writer.abort()
         raise
-    _complete(cache_dir, manifest)
+    complete_manifest(cache_dir, manifest)
     return manifest
 
 
@@ -505,7 +505,7 @@ def _features_of(target, dataset: Dataset, begin: int, end: int, dtype, buffers,
     return host, ready, ids, dataset.loss_mask[begin:end], attn.sum(dim=1).tolist(), end, release
 
 
-def _complete(cache_dir: str, manifest: dict) -> None:
+def complete_manifest(cache_dir: str, manifest: dict) -> None:
     """Total the shards into the manifest and mark the cache complete."""
     shards = manifest["shards"]
     manifest["counts"] = {
