@@ -165,7 +165,7 @@ def run_race(args) -> dict:
         except threading.BrokenBarrierError:
             return  # another thread failed first; its error is the one that counts
         except BaseException as exc:  # noqa: BLE001 - a trial reports every failure
-            kind = "fx_tracing" if is_fx_tracing_error(exc) else "other"
+            kind = race_kind(exc)
             with errors_lock:
                 errors.append(
                     {
@@ -220,6 +220,17 @@ def run_flag(args) -> dict:
     finally:
         symbolic_trace._is_fx_tracing_flag = False
     return outcome
+
+
+def race_kind(exc: BaseException) -> str:
+    """Which symptom of compiling in one thread while another steps: "fx_tracing" (the global FX flag
+    seen set), "mask_race" (`KeyError: 'custom'`: a compile swapped the annotate dict under a
+    block-mask build, see run_masks), else "other"."""
+    if is_fx_tracing_error(exc):
+        return "fx_tracing"
+    if isinstance(exc, KeyError) and exc.args == ("custom",):
+        return "mask_race"
+    return "other"
 
 
 def run_masks(args) -> dict:

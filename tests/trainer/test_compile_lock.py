@@ -68,14 +68,16 @@ def test_unprotected_drafter_threads_hit_the_fx_tracing_race(tmp_path):
     failed = failures_within(tmp_path, 4, "race", "--mode", "none")
     assert failed, "4 unprotected trials all ran clean: the trial no longer reproduces the race"
     kinds = {e["kind"] for e in failed[0]["errors"]}
-    assert kinds & {"fx_tracing", "hang"}, failed[0]["errors"]
+    assert kinds & {"fx_tracing", "mask_race", "hang"}, failed[0]["errors"]
 
 
 def test_first_step_only_lock_fails_once_shapes_change(tmp_path):
     failed = failures_within(tmp_path, 4, "race", "--mode", "first-step")
     assert failed, "the first-step-only lock survived 4 trials with recompiles after step 0"
     errors = failed[0]["errors"]
-    assert any(e["kind"] in ("fx_tracing", "hang") for e in errors), errors
+    # either symptom of a recompile next to another thread's step (about 1 failing trial in 12 shows
+    # only the mask one here); an error of any other kind is not the race
+    assert any(e["kind"] in ("fx_tracing", "mask_race", "hang") for e in errors), errors
     # The first step IS covered by that lock; what breaks is a later recompile.
     assert all(e["step"] is None or e["step"] >= 1 for e in errors), errors
 
