@@ -26,6 +26,7 @@ from torch import nn
 from trainer.block_size import DEFAULT_BLOCK_SIZE, block_size_problem
 from trainer.config import ATTENTION_BACKENDS
 from trainer.precision import attention_inputs
+from trainer.target_family import is_hybrid
 
 # An attention the trainer does not offer, (q, k, v, attn_mask) -> out, as `attend` calls it (benchmarks)
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
@@ -107,9 +108,7 @@ class DrafterConfig:
         values = {
             "hidden_size": target.hidden_size,
             "intermediate_size": hf.intermediate_size,
-            "num_heads": hf.num_attention_heads,
-            "num_kv_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            "head_dim": getattr(hf, "head_dim", None) or target.hidden_size // hf.num_attention_heads,
+            **_attention_dims(hf, target.hidden_size),
             "vocab_size": target.vocab_size,
             "mask_token_id": target.mask_token_id,
             "target_layer_ids": list(target.layer_ids),
@@ -121,6 +120,21 @@ class DrafterConfig:
         }
         values.update(overrides)
         return cls(**values)
+
+
+def _attention_dims(hf_config, hidden_size: int) -> dict:
+    """The drafter's attention shape: the target's own for a dense target. A hybrid target's gated
+    attention (head_dim 256, few heads) is not what its published drafters use: they are plain Qwen3
+    layers with head_dim 128, 32 heads and 8 KV heads at 27B (z-lab's Qwen3.6-27B drafter), which
+    this rule gives and scales down for smaller targets."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if is_hybrid(hf_config):
+        head_dim = min(128, head_dim)
+        heads = max(1, min(32, hidden_size // head_dim))
+        kv_heads = max(1, heads // 4)
+    return {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim}
 
 
 def _rope_theta_of(hf_config) -> float:

@@ -292,7 +292,7 @@ def synthetic_dataset(
 def greedy_continue(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """prompts [B, P] -> [B, P + new_tokens] by argmax decoding, one token per forward with the
     target's KV cache (the same decoding as speculative.target_generate, batched)."""
-    cache = kv_cache.new_cache()
+    cache = kv_cache.new_cache(model)
     columns = [prompts]
     logits = kv_cache.forward(model, prompts, cache).logits[:, -1]
     for i in range(new_tokens):

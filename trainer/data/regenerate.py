@@ -115,7 +115,7 @@ class Generator:
     """One target copy on one device, answering batches of conversations turn by turn."""
 
     def __init__(self, spec: str, device: str, opts: RegenerateOptions):
-        from trainer.data.target import load_target
+        from trainer.data.target import is_tiny, load_target
 
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         target = load_target(spec, device, dtype, layer_ids=[0], seed=0)
@@ -123,7 +123,7 @@ class Generator:
         self.model: Any = target.model
         self.device, self.opts = device, opts
         self.tokenizer: Any = target.tokenizer
-        if self.tokenizer is None and spec == "tiny-random":
+        if self.tokenizer is None and is_tiny(spec):
             from trainer.data.chat_tokenizer import byte_chat_tokenizer
 
             self.tokenizer = byte_chat_tokenizer(target.vocab_size)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError
+from trainer.target_family import check_supported, text_config
 
 # The tiny-random target: small enough for CPU tests and the tiny run, same architecture as Qwen3.
 TINY_DEFAULTS: dict[str, Any] = {
@@ -30,6 +31,21 @@ TINY_DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
+# tiny-random-hybrid: a Qwen3.5-style hybrid (Gated DeltaNet layers, full attention every 4th layer).
+TINY_HYBRID_DEFAULTS: dict[str, Any] = {
+    **{k: v for k, v in TINY_DEFAULTS.items() if k != "num_hidden_layers"},
+    "num_hidden_layers": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+TINY_SPECS = ("tiny-random", "tiny-random-hybrid")
+
+
+def is_tiny(spec: str) -> bool:
+    """A generated (seeded random) target rather than a model directory."""
+    return spec in TINY_SPECS
 
 
 class _EnoughLayers(Exception):
@@ -106,7 +122,7 @@ class TargetModel:
     def __post_init__(self) -> None:
         hf: HFModel = self.model  # for its HF accessors: config, input and output embeddings
         hf.eval().requires_grad_(False)
-        self.config = hf.config
+        self.config = text_config(hf.config)
         self._decoder = _decoder_of(hf)
         self.num_layers = len(self._decoder.layers)
         self.embed_tokens: nn.Embedding = hf.get_input_embeddings()
@@ -155,34 +171,53 @@ class TargetModel:
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
 
 
-def tiny_target(device: str, dtype, seed: int, tiny: dict | None) -> HFModel:
+def _tiny_classes(spec: str):
+    if spec == "tiny-random-hybrid":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig, Qwen3_5ForCausalLM, TINY_HYBRID_DEFAULTS
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    values = dict(TINY_DEFAULTS)
-    unknown = set(tiny or {}) - set(Qwen3Config().to_dict())
+    return Qwen3Config, Qwen3ForCausalLM, TINY_DEFAULTS
+
+
+def tiny_target(device: str, dtype, seed: int, tiny: dict | None, spec: str = "tiny-random") -> HFModel:
+    """A seeded random target: Qwen3 (`tiny-random`) or a Qwen3.5 hybrid (`tiny-random-hybrid`)."""
+    config_class, model_class, defaults = _tiny_classes(spec)
+    values = dict(defaults)
+    unknown = set(tiny or {}) - set(config_class().to_dict())
     if unknown:
         raise ConfigError(
-            f"target.tiny: unknown Qwen3Config key(s) {sorted(unknown)}. "
-            f"Fix: use Qwen3Config fields such as {', '.join(sorted(TINY_DEFAULTS))}"
+            f"target.tiny: unknown {config_class.__name__} key(s) {sorted(unknown)}. "
+            f"Fix: use {config_class.__name__} fields such as {', '.join(sorted(defaults))}"
         )
     values.update(tiny or {})
-    config = Qwen3Config(**values)
+    config = config_class(**values)
     config._attn_implementation = "sdpa"
     # Seeded without disturbing the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model: HFModel = Qwen3ForCausalLM(config)
+        model: HFModel = model_class(config)
     return model.to(device=device, dtype=dtype)
 
 
 def _hf_target(path: str, device: str, dtype) -> tuple[HFModel, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers import AutoConfig
+
     if not os.path.isdir(path):
         raise ConfigError(
-            f"target.spec: {path!r} is neither 'tiny-random' nor a local directory. "
+            f"target.spec: {path!r} is neither {' nor '.join(map(repr, TINY_SPECS))} nor a local directory. "
             f"Fix: point it at a downloaded Hugging Face model directory (config.json + weights)"
         )
+    try:
+        check_supported(AutoConfig.from_pretrained(path, local_files_only=True))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"target.spec: cannot read the model config in {path!r}: {exc}. "
+            f"Fix: check that the directory holds a config.json"
+        ) from exc
     try:
         model: HFModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -205,9 +240,9 @@ def load_target(
     seed: int = 0,
     tiny: dict | None = None,
 ) -> TargetModel:
-    """The frozen target: spec "tiny-random" (seeded random Qwen3) or a local HF model directory."""
-    if spec == "tiny-random":
-        model, tokenizer = tiny_target(device, dtype, seed, tiny), None
+    """The frozen target: a tiny spec (seeded random Qwen3 or Qwen3.5 hybrid) or a local HF model dir."""
+    if is_tiny(spec):
+        model, tokenizer = tiny_target(device, dtype, seed, tiny, spec), None
     else:
         model, tokenizer = _hf_target(spec, device, dtype)
     num_layers = len(_decoder_of(model).layers)

@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError
-from trainer.data.target import check_layer_ids, default_layer_ids, default_mask_token_id, tiny_target
+from trainer.data.target import (
+    check_layer_ids,
+    default_layer_ids,
+    default_mask_token_id,
+    is_tiny,
+    tiny_target,
+)
+from trainer.target_family import check_supported, text_config
 
 
 @dataclass(eq=False)
@@ -86,10 +93,12 @@ def _hf_head(path: str, dtype):
 
     if not os.path.isdir(path):
         raise ConfigError(
-            f"target.spec: {path!r} is neither 'tiny-random' nor a local directory. "
+            f"target.spec: {path!r} is neither a tiny-random spec nor a local directory. "
             f"Fix: point it at a downloaded Hugging Face model directory"
         )
     config = AutoConfig.from_pretrained(path, local_files_only=True)
+    check_supported(config)
+    config = text_config(config)
     files = _weight_files(path)
     embed_w = _read_tensor(files, "embed_tokens.weight")
     if embed_w is None:
@@ -112,8 +121,8 @@ def _hf_head(path: str, dtype):
 def load_target_head(
     spec: str, dtype, layer_ids: list[int] | None = None, seed: int = 0, tiny: dict | None = None
 ) -> TargetHead:
-    if spec == "tiny-random":
-        model = tiny_target("cpu", dtype, seed, tiny)
+    if is_tiny(spec):
+        model = tiny_target("cpu", dtype, seed, tiny, spec)
         config, tokenizer = model.config, None
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     else:

@@ -1,5 +1,13 @@
-"""The target's forward with an HF KV cache, the same way in every transformers version the trainer
-supports: the cache argument's name changed (`past_key_values` -> `cache`), DynamicCache did not."""
+"""The target's forward with an HF cache, for dense and hybrid targets alike.
+
+The cache argument's name changed across transformers versions (`past_key_values` -> `cache`); the
+cache is built from the model's config, so a hybrid Qwen3.5 target gets its conv and recurrent
+states beside the attention layers' K/V.
+
+Rolling back a verify pass: attention layers crop their K/V. A recurrent layer cannot be cropped
+(its state mixes every token it saw), so `checkpoint` copies the recurrent layers' states before the
+pass and `rewind` puts them back; the caller then feeds the tokens it keeps again.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +17,12 @@ import inspect
 import torch
 
 
-def new_cache():
+def new_cache(model):
+    """An empty cache for `model`: per-layer kinds (K/V or conv + recurrent state) from its config."""
     from transformers import DynamicCache
 
+    if "config" in inspect.signature(DynamicCache.__init__).parameters:
+        return DynamicCache(config=model.config)
     return DynamicCache()
 
 
@@ -27,9 +38,58 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, cache, hidden: bool = Fal
     return model(input_ids=ids, use_cache=True, output_hidden_states=hidden, **{argument: cache})
 
 
-def crop(cache, length: int) -> None:
-    """Keep the first `length` positions (a negative crop removes tokens in every transformers
-    version that has DynamicCache.crop)."""
+def _recurrent_layers(cache) -> list:
+    """The cache's layers that hold recurrent/conv states (Gated DeltaNet and the like)."""
+    return [layer for layer in getattr(cache, "layers", []) if hasattr(layer, "recurrent_states")]
+
+
+def _states(layer) -> list[tuple[dict, int]]:
+    return [
+        (states, i)
+        for states in (layer.conv_states, layer.recurrent_states)
+        for i, tensor in states.items()
+        if tensor is not None
+    ]
+
+
+def checkpoint(cache) -> list[torch.Tensor] | None:
+    """Copies of every recurrent layer's states, or None when the cache has no recurrent layer."""
+    layers = _recurrent_layers(cache)
+    if not layers:
+        return None
+    return [states[i].clone() for layer in layers for states, i in _states(layer)]
+
+
+def rewind(cache, length: int, saved: list[torch.Tensor] | None) -> None:
+    """Back to `length` positions: attention layers crop, recurrent layers take back their states
+    from `checkpoint` (taken when the cache held `length` positions)."""
     extra = cache.get_seq_length() - length
+    if saved is None:
+        if extra > 0:
+            cache.crop(-extra)
+        return
+    recurrent = _recurrent_layers(cache)
+    copies = iter(saved)
+    for layer in recurrent:
+        for states, i in _states(layer):
+            states[i].copy_(next(copies))
     if extra > 0:
-        cache.crop(-extra)
+        for layer in cache.layers:
+            if not any(layer is r for r in recurrent):
+                layer.crop(-extra)
+
+
+def keep(model, cache, ids: torch.Tensor, length: int, kept: int, saved: list[torch.Tensor] | None) -> None:
+    """After a pass over `ids` [1, T] from `length` positions, keep its first `kept` tokens: a crop
+    for a dense cache; for a recurrent one, a rewind and a pass over the kept tokens again (unless
+    all were kept)."""
+    if saved is None:
+        rewind(cache, length + kept, None)
+    elif kept < ids.shape[1]:
+        rewind(cache, length, saved)
+        forward(model, ids[:, :kept], cache)
+
+
+def crop(cache, length: int) -> None:
+    """Keep the first `length` positions of a dense cache."""
+    rewind(cache, length, None)

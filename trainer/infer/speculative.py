@@ -8,8 +8,10 @@ is the target's own), each round:
     drafter: ONE forward over the block against its cached context -> B-1 greedy proposals
     target:  ONE forward over [last token, proposals] with its KV cache -> its token at each position
     accept the longest prefix where proposal k equals the target's token at k-1, plus the
-    target's next token (the bonus); crop the target cache to the accepted length; the accepted
-    positions' target features extend the drafter's context.
+    target's next token (the bonus); crop the target cache to the accepted length (a hybrid
+    target's recurrent layers take back their states from before the pass and see the accepted
+    tokens again: a recurrent state cannot be cropped); the accepted positions' target features
+    extend the drafter's context.
 
 Nothing before `start` is recomputed. At temperature 0 the output is exactly the target's greedy
 output; at temperature > 0 the target's tokens are sampled and the proposals compared with them,
@@ -74,7 +76,7 @@ def target_generate(
     stop_ids = set(stop_ids)
     _sync(device)
     t0 = time.perf_counter()
-    cache = kv_cache.new_cache()
+    cache = kv_cache.new_cache(model)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     tokens: list[int] = []
     while len(tokens) < max_new_tokens:
@@ -106,7 +108,7 @@ def speculative_generate(
     stop_ids = set(stop_ids)
     _sync(device)
     t0 = time.perf_counter()
-    cache = kv_cache.new_cache()
+    cache = kv_cache.new_cache(model)
     context = DrafterContext(drafter)
     out = kv_cache.forward(model, torch.tensor([prompt], dtype=torch.long, device=device), cache, hidden=True)
     tokens = [int(pick(out.logits[0, -1:], temperature, generator)[0])]
@@ -118,6 +120,7 @@ def speculative_generate(
         # row k of the block predicts position start+k; row 0 is the anchor itself
         proposals = context.draft_logits(tokens[-1])[1:].argmax(dim=-1)
         verify = torch.cat([torch.tensor([tokens[-1]], device=device), proposals.to(device)]).unsqueeze(0)
+        saved = kv_cache.checkpoint(cache)  # a hybrid target's recurrent states before the pass
         out = kv_cache.forward(model, verify, cache, hidden=True)
         target_tokens = pick(out.logits[0], temperature, generator).tolist()  # for start+1..start+B
         drafts = proposals.tolist()
@@ -127,7 +130,7 @@ def speculative_generate(
         accepted.append(n)
         tokens += target_tokens[: n + 1]  # n accepted drafts (equal to the target's) + the bonus
         stopped = bool(stop_ids.intersection(target_tokens[: n + 1]))  # a stop token anywhere ends it
-        kv_cache.crop(cache, start + n + 1)
+        kv_cache.keep(model, cache, verify, start, n + 1, saved)
         context.extend(features_of(out.hidden_states, layer_ids)[: n + 1])
         start += n + 1
     _sync(device)
