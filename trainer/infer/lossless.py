@@ -15,7 +15,16 @@ import math
 
 import torch
 
-from trainer.infer.static_decode import EAGER, StaticTarget, grouped_attention, grouped_mask, rms_norm
+from trainer.infer import gated_deltanet
+from trainer.infer.static_decode import (
+    EAGER,
+    DeltaLayer,
+    StaticTarget,
+    grouped_attention,
+    grouped_mask,
+    residual_mlp,
+    rms_norm,
+)
 
 
 @dataclasses.dataclass
@@ -65,10 +74,31 @@ def tie_bound(
     return 2 * one
 
 
+def _fp32_attention(target: StaticTarget, w, x, cos, sin, mask):
+    f = {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in dataclasses.asdict(w).items()}
+    q, k, v, gate = EAGER.pre(
+        x, f["ln"], f["wq"], f["bq"], f["wk"], f["bk"], f["wv"], f["bv"], f["q_norm"], f["k_norm"], cos, sin,
+        target.eps, target.heads, target.kv_heads, target.head_dim, w.centered, w.gated,
+    )  # fmt: skip
+    out = grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask)
+    return EAGER.post(
+        x, out, gate, f["wo"], f["bo"], f["ln2"], f["gate"], f["up"], f["down"], target.eps, w.centered
+    )
+
+
+def _fp32_delta(w, x):
+    f = w.upcast()
+    conv, state = gated_deltanet.new_state(f.mixer, 1, x.device, torch.float32)
+    h = rms_norm(x, f.ln, f.eps, centered=True)
+    mixed = gated_deltanet.run(h, f.mixer, conv, state, torch.tensor([x.shape[1]], device=x.device))
+    return residual_mlp(x, mixed, f.ln2, f.gate, f.up, f.down, f.eps, centered=True)
+
+
 @torch.no_grad()
 def fp32_last_hidden(target: StaticTarget, prefix: list[int]) -> torch.Tensor:
     """The target's final normed hidden state [H] at the last position of `prefix`, computed in fp32
-    (weights upcast one layer at a time, no cache, causal attention over the whole prefix)."""
+    (weights upcast one layer at a time, no cache: causal attention over the whole prefix, a hybrid
+    target's recurrent layers from an empty state)."""
     device = target.device
     ids = torch.tensor([prefix], device=device)
     length = len(prefix)
@@ -78,28 +108,8 @@ def fp32_last_hidden(target: StaticTarget, prefix: list[int]) -> torch.Tensor:
     visible = torch.ones(length, length, dtype=torch.bool, device=device).tril().unsqueeze(0)
     mask = grouped_mask(visible, target.heads // target.kv_heads, torch.float32)
     for w in target.layers:
-        f = {k: (None if v is None else v.float()) for k, v in dataclasses.asdict(w).items()}
-        q, k, v = EAGER.pre(
-            x,
-            f["ln"],
-            f["wq"],
-            f["bq"],
-            f["wk"],
-            f["bk"],
-            f["wv"],
-            f["bv"],
-            f["q_norm"],
-            f["k_norm"],
-            cos,
-            sin,
-            target.eps,
-            target.heads,
-            target.kv_heads,
-            target.head_dim,
-        )
-        out = grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask)
-        x = EAGER.post(x, out, f["wo"], f["bo"], f["ln2"], f["gate"], f["up"], f["down"], target.eps)
-    return rms_norm(x[0, -1], target.norm_weight.float(), target.norm_eps)
+        x = _fp32_delta(w, x) if isinstance(w, DeltaLayer) else _fp32_attention(target, w, x, cos, sin, mask)
+    return rms_norm(x[0, -1], target.norm_weight.float(), target.norm_eps, target.centered)
 
 
 def judge(target: StaticTarget, prefix: list[int], expected: int, got: int) -> Verdict:

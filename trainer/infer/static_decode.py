@@ -28,27 +28,42 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from trainer.infer import gated_deltanet
 from trainer.model import DFlashDrafter, rope_cos_sin
+from trainer.target_family import HYBRID_TYPES, is_hybrid
 
 
 class Unsupported(ValueError):
     """The target's architecture is outside what the static path implements (use the reference path)."""
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3 RMSNorm (HF and trainer.model.RMSNorm alike): normalise in fp32, scale in the input dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, centered: bool = False) -> torch.Tensor:
+    """Qwen3 RMSNorm (HF and trainer.model.RMSNorm alike): normalise in fp32, scale in the input dtype.
+    `centered`: Qwen3.5's norm, scaled by (1 + weight) in fp32 before the cast."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if centered:
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] dims of each head (all of them, or Qwen3.5's partial rotary)."""
+    turned = cos.shape[-1]
+    if turned == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    head, rest = x[..., :turned], x[..., turned:]
+    return torch.cat([head * cos + _rotate_half(head) * sin, rest], dim=-1)
 
 
 def pre_attention(
@@ -68,35 +83,49 @@ def pre_attention(
     heads: int,
     kv_heads: int,
     head_dim: int,
+    centered: bool = False,
+    gated: bool = False,
 ):
     """Input norm, q/k/v projections, per-head norms and RoPE of one layer. x [B, T, H];
-    cos/sin [B, T, D]. Returns q grouped by kv head [B, Hkv, G*T, D] (see grouped_attention) and
-    k, v [B, T, Hkv, D] (the cache's write layout)."""
+    cos/sin [B, T, D or Qwen3.5's rotary part]. Returns q grouped by kv head [B, Hkv, G*T, D] (see
+    grouped_attention), k, v [B, T, Hkv, D] (the cache's write layout) and the output gate
+    [B, T, heads*D] of a gated attention (Qwen3.5: q_proj gives each head's query and gate), else None."""
     batch, length, _ = x.shape
-    h = rms_norm(x, ln, eps)
-    q = F.linear(h, wq, bq).view(batch, length, heads, head_dim)
+    h = rms_norm(x, ln, eps, centered)
+    q = F.linear(h, wq, bq).view(batch, length, heads, -1)
+    gate = None
+    if gated:
+        q, gate = q.chunk(2, dim=-1)
+        gate = gate.reshape(batch, length, heads * head_dim)
     k = F.linear(h, wk, bk).view(batch, length, kv_heads, head_dim)
     v = F.linear(h, wv, bv).view(batch, length, kv_heads, head_dim)
     if q_norm is not None:
-        q = rms_norm(q, q_norm, eps)
-        k = rms_norm(k, k_norm, eps)
+        q = rms_norm(q, q_norm, eps, centered)
+        k = rms_norm(k, k_norm, eps, centered)
     c, s = cos.unsqueeze(2), sin.unsqueeze(2)
-    q = q * c + _rotate_half(q) * s
-    k = k * c + _rotate_half(k) * s
+    q, k = rotate(q, c, s), rotate(k, c, s)
     group = heads // kv_heads
-    grouped = q.view(batch, length, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    return grouped.reshape(batch, kv_heads, group * length, head_dim), k, v
+    grouped = q.reshape(batch, length, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    return grouped.reshape(batch, kv_heads, group * length, head_dim), k, v, gate
 
 
-def post_attention(x, attn, wo, bo, ln, gate, up, down, eps: float):
-    """Output projection, residual, post-attention norm, SiLU MLP, residual. attn: the grouped
-    attention output [B, Hkv, G*T, D]."""
+def residual_mlp(x, branch, ln, gate, up, down, eps: float, centered: bool = False):
+    """x + branch, then the post-mixing norm, the SiLU MLP and its residual (every layer kind ends so)."""
+    x = x + branch
+    h = rms_norm(x, ln, eps, centered)
+    return x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+
+
+def post_attention(x, attn, out_gate, wo, bo, ln, gate, up, down, eps: float, centered: bool = False):
+    """Output gate (when gated), output projection, then residual_mlp. attn: the grouped attention
+    output [B, Hkv, G*T, D]."""
     batch, length, _ = x.shape
     kv_heads, rows, dim = attn.shape[1:]
     attn = attn.view(batch, kv_heads, rows // length, length, dim).permute(0, 3, 1, 2, 4)
-    x = x + F.linear(attn.reshape(batch, length, -1), wo, bo)
-    h = rms_norm(x, ln, eps)
-    return x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+    attn = attn.reshape(batch, length, -1)
+    if out_gate is not None:
+        attn = attn * torch.sigmoid(out_gate)
+    return residual_mlp(x, F.linear(attn, wo, bo), ln, gate, up, down, eps, centered)
 
 
 def context_kv(ctx, wk, bk, wv, bv, k_norm, cos, sin, eps: float, kv_heads: int, head_dim: int):
@@ -143,16 +172,43 @@ class _Layer:
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
+    centered: bool = False  # Qwen3.5 norms (1 + weight)
+    gated: bool = False  # Qwen3.5 gated attention
+
+
+@dataclasses.dataclass
+class DeltaLayer:
+    """One Gated DeltaNet layer: its token mixer and the norms and MLP around it."""
+
+    ln: torch.Tensor
+    mixer: gated_deltanet.DeltaNetWeights
+    ln2: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    eps: float
+
+    def upcast(self) -> "DeltaLayer":
+        return DeltaLayer(
+            self.ln.float(),
+            self.mixer.upcast(),
+            self.ln2.float(),
+            self.gate.float(),
+            self.up.float(),
+            self.down.float(),
+            self.eps,
+        )
 
 
 def _bias(linear):
     return None if linear.bias is None else linear.bias
 
 
-def _layer_of(layer) -> _Layer:
+def _layer_of(layer, centered: bool = False) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     q_norm = getattr(attn, "q_norm", None)
     k_norm = getattr(attn, "k_norm", None)
+    heads_width = attn.o_proj.weight.shape[1]
     return _Layer(
         layer.input_layernorm.weight,
         attn.q_proj.weight,
@@ -169,6 +225,21 @@ def _layer_of(layer) -> _Layer:
         mlp.gate_proj.weight,
         mlp.up_proj.weight,
         mlp.down_proj.weight,
+        centered,
+        gated=attn.q_proj.weight.shape[0] == 2 * heads_width,
+    )
+
+
+def _delta_layer_of(layer) -> DeltaLayer:
+    mlp = layer.mlp
+    return DeltaLayer(
+        layer.input_layernorm.weight,
+        gated_deltanet.DeltaNetWeights.of(layer.linear_attn),
+        layer.post_attention_layernorm.weight,
+        mlp.gate_proj.weight,
+        mlp.up_proj.weight,
+        mlp.down_proj.weight,
+        _eps_of(layer.input_layernorm),
     )
 
 
@@ -196,7 +267,7 @@ class Kernels:
     ):
         """One decoder layer over a static cache: its K/V written at `where` of `rows`, then
         attention over everything the mask lets each query see."""
-        q, k, v = self.pre(
+        q, k, v, out_gate = self.pre(
             x,
             w.ln,
             w.wq,
@@ -213,11 +284,13 @@ class Kernels:
             heads,
             kv_heads,
             head_dim,
+            w.centered,
+            w.gated,
         )
         keys[rows, :, where] = k
         values[rows, :, where] = v
         out = grouped_attention(q, keys, values, mask)
-        return self.post(x, out, w.wo, w.bo, w.ln2, w.gate, w.up, w.down, eps)
+        return self.post(x, out, out_gate, w.wo, w.bo, w.ln2, w.gate, w.up, w.down, eps, w.centered)
 
 
 EAGER = Kernels(compile=False)
@@ -269,23 +342,51 @@ class _LayerStack:
         return x, kept
 
 
-class StaticTarget(_LayerStack):
-    """The HF target's forward over a pre-allocated KV cache, batched by rows, with the drafter's
-    features (HF `hidden_states[l + 1]` of each layer id) taken on the way."""
+class Pass(NamedTuple):
+    """What one target pass gives: the final normed hidden [B, T, H], the drafter's features
+    [B, T, K*H] (None when not asked for) and each recurrent layer's Pending (for commit)."""
+
+    hidden: torch.Tensor
+    features: torch.Tensor | None
+    pending: dict[int, gated_deltanet.Pending]
+
+
+def _check_static(model) -> None:
+    """Raise Unsupported for what the static path does not implement (the reference loop decodes then)."""
+    cfg = model.config
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise Unsupported(f"hidden_act {cfg.hidden_act!r} (the static path implements silu)")
+    if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (
+        getattr(cfg, "layer_types", None) or []
+    ):
+        raise Unsupported("sliding-window attention")
+    decoder = model.get_decoder()
+    if not hasattr(decoder, "rotary_emb") or not all(
+        hasattr(getattr(layer, "mlp", None), "gate_proj") for layer in decoder.layers
+    ):
+        raise Unsupported(f"{type(model).__name__} has no model-level rotary_emb / dense SiLU MLP layers")
+    if getattr(cfg, "model_type", "") not in HYBRID_TYPES and is_hybrid(cfg):
+        raise Unsupported(f"recurrent layers of model_type {cfg.model_type!r}")
+
+
+class StaticTarget:
+    """The HF target's forward over pre-allocated state, batched by rows, with the drafter's
+    features (HF `hidden_states[l + 1]` of each layer id) taken on the way. Attention layers keep a
+    static KV cache; a hybrid target's Gated DeltaNet layers keep a conv window and a recurrent state
+    (trainer.infer.gated_deltanet), advanced by `commit` once the caller knows how many tokens stay."""
 
     def __init__(self, model, layer_ids, rows: int, positions: int):
+        _check_static(model)
         cfg = model.config
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise Unsupported(f"hidden_act {cfg.hidden_act!r} (the static path implements silu)")
-        if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (
-            getattr(cfg, "layer_types", None) or []
-        ):
-            raise Unsupported("sliding-window attention")
         decoder = model.get_decoder()
-        if not hasattr(decoder, "rotary_emb") or not hasattr(decoder.layers[0], "mlp"):
-            raise Unsupported(f"{type(model).__name__} has no model-level rotary_emb / Llama-style layers")
-        self.model = model
-        self.layers = [_layer_of(layer) for layer in decoder.layers]
+        centered = is_hybrid(cfg)  # Qwen3.5 norms scale by (1 + weight)
+        self.model, self.centered = model, centered
+        self.layers: list[_Layer | DeltaLayer] = [
+            _delta_layer_of(layer) if hasattr(layer, "linear_attn") else _layer_of(layer, centered)
+            for layer in decoder.layers
+        ]
+        attention = [i for i, w in enumerate(self.layers) if isinstance(w, _Layer)]
+        self.kv_slot = {layer: slot for slot, layer in enumerate(attention)}
         self.eps = _eps_of(decoder.layers[0].input_layernorm)
         self.norm_weight = decoder.norm.weight
         self.norm_eps = _eps_of(decoder.norm)
@@ -293,25 +394,50 @@ class StaticTarget(_LayerStack):
         head = model.get_output_embeddings()
         self.head_weight, self.head_bias = head.weight, _bias(head)
         self.layer_ids = list(layer_ids)
-        attn = decoder.layers[0].self_attn
-        self.head_dim = attn.head_dim
+        self.head_dim = decoder.layers[attention[0]].self_attn.head_dim if attention else 1
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.rows, self.positions = rows, positions
         self.device, self.dtype = self.embed.device, self.embed.dtype
-        shape = (len(self.layers), rows, self.kv_heads, positions, self.head_dim)
+        shape = (len(attention), rows, self.kv_heads, positions, self.head_dim)
         self.keys = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.values = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        with torch.no_grad():  # the model's own RoPE (scaling included), tabulated once
+        self.conv_state: dict[int, torch.Tensor] = {}
+        self.recurrent_state: dict[int, torch.Tensor] = {}
+        for i, w in enumerate(self.layers):
+            if isinstance(w, DeltaLayer):
+                self.conv_state[i], self.recurrent_state[i] = gated_deltanet.new_state(
+                    w.mixer, rows, self.device, self.dtype
+                )
+        with torch.no_grad():  # the model's own RoPE (scaling, partial rotary included), tabulated once
             where = torch.arange(positions, device=self.device).unsqueeze(0)
-            cos, sin = decoder.rotary_emb(self.keys[0, :1, 0], where)
-        self.cos, self.sin = cos[0], sin[0]  # [positions, D]
+            cos, sin = decoder.rotary_emb(self.embed[:1].unsqueeze(0), where)
+        self.cos, self.sin = cos[0], sin[0]  # [positions, rotary dims]
         self.row_index = torch.arange(rows, device=self.device).unsqueeze(1)
         self.key_positions = torch.arange(positions, device=self.device)
 
-    def hidden(self, ids: torch.Tensor, where: torch.Tensor, kernels: Kernels = EAGER, features: bool = True):
-        """(final normed hidden [B, T, H], features [B, T, K*H] or None) of tokens ids [B, T] at
-        positions where [B, T]; writes their K/V. B == rows."""
+    def _delta(self, i: int, x, w: DeltaLayer, lengths):
+        """A Gated DeltaNet layer: mix from the state (Pending to commit) or, given `lengths`, run a
+        whole prompt and advance the state at once (no Pending)."""
+        h = rms_norm(x, w.ln, w.eps, centered=True)
+        conv, state = self.conv_state[i], self.recurrent_state[i]
+        if lengths is None:
+            mixed, pending = gated_deltanet.mix(h, w.mixer, conv, state)
+        else:
+            mixed, pending = gated_deltanet.run(h, w.mixer, conv, state, lengths), None
+        return residual_mlp(x, mixed, w.ln2, w.gate, w.up, w.down, w.eps, centered=True), pending
+
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        where: torch.Tensor,
+        kernels: Kernels = EAGER,
+        features: bool = True,
+        lengths: torch.Tensor | None = None,
+    ) -> Pass:
+        """The target over tokens ids [B, T] at positions where [B, T] (B == rows): attention layers
+        write their K/V; recurrent layers leave Pending for `commit`, or, given `lengths` [B] (a
+        prompt, right-padded), take the first lengths tokens of each row into their state at once."""
         x = F.embedding(ids, self.embed)
         cos, sin = self.cos[where], self.sin[where]
         mask = grouped_mask(
@@ -319,14 +445,35 @@ class StaticTarget(_LayerStack):
         )
         wanted = set(self.layer_ids) if features else set()
         last = len(self.layers) - 1
-        before_last = wanted - {last}
-        x, taken = self.run_layers(
-            kernels, x, cos, sin, where, mask, self.eps, self.heads, self.kv_heads, self.head_dim, before_last
-        )
-        normed = rms_norm(x, self.norm_weight, self.norm_eps)
+        taken, pending = {}, {}
+        for i, w in enumerate(self.layers):
+            if isinstance(w, DeltaLayer):
+                x, left = self._delta(i, x, w, lengths)
+                if left is not None:
+                    pending[i] = left
+            else:
+                slot = self.kv_slot[i]
+                x = kernels.layer(
+                    x, w, cos, sin, self.keys[slot], self.values[slot], self.row_index, where, mask,
+                    self.eps, self.heads, self.kv_heads, self.head_dim,
+                )  # fmt: skip
+            if i in wanted and i != last:
+                taken[i] = x
+        normed = rms_norm(x, self.norm_weight, self.norm_eps, self.centered)
         if last in wanted:
             taken[last] = normed  # HF reports the last layer's state after the final norm
-        return normed, torch.cat([taken[i] for i in self.layer_ids], dim=-1) if wanted else None
+        found = torch.cat([taken[i] for i in self.layer_ids], dim=-1) if wanted else None
+        return Pass(normed, found, pending)
+
+    def commit(self, pending: dict[int, gated_deltanet.Pending], kept: torch.Tensor) -> None:
+        """Advance every recurrent layer by the first `kept` [B] tokens of the pass that left `pending`."""
+        for i, left in pending.items():
+            gated_deltanet.commit(left, kept, self.conv_state[i], self.recurrent_state[i])
+
+    def reset(self) -> None:
+        """Empty recurrent states (a new prefill; K/V need no reset: every query's horizon is its own)."""
+        for state in (*self.conv_state.values(), *self.recurrent_state.values()):
+            state.zero_()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head_weight, self.head_bias)
@@ -472,9 +619,10 @@ class StaticDecoder:
 
     # ---- one step / round: tensor ops on the state only ------------------------------------------
 
-    def _emit(self, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+    def _emit(self, tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
         """Append tokens[:, :accepted+1] per active row (cut at a stop token and at the budget), log
-        the round, advance the anchor."""
+        the round, advance the anchor. Returns how many tokens each row emitted: the tokens of the
+        pass the target keeps (the anchor and the accepted drafts before them)."""
         width = tokens.shape[1]
         offsets = self.offsets[:width]
         within = offsets <= accepted.unsqueeze(1)
@@ -495,12 +643,14 @@ class StaticDecoder:
         self.emitted += count
         self.active &= ~stopped & (self.emitted < self.budget)
         self.any_active.copy_(self.active.any().view(1))
+        return count
 
     def _target_step(self) -> None:
-        hidden, _ = self.target.hidden(
+        step = self.target.hidden(
             self.anchor.unsqueeze(1), self.start.unsqueeze(1), self.kernels, features=False
         )
-        self._emit(self.target.logits(hidden).argmax(-1), torch.zeros_like(self.start))
+        count = self._emit(self.target.logits(step.hidden).argmax(-1), torch.zeros_like(self.start))
+        self.target.commit(step.pending, count)
         self.host_flag.copy_(self.any_active, non_blocking=True)
 
     def _speculative_round(self) -> None:
@@ -511,12 +661,13 @@ class StaticDecoder:
         drafter.extend(self.pending, self.pending_start.unsqueeze(1) + self.offsets, k)
         proposals = drafter.proposals(self.anchor, self.start, k)
         where = self.start.unsqueeze(1) + self.offsets
-        hidden, features = self.target.hidden(torch.cat([self.anchor.unsqueeze(1), proposals], 1), where, k)
-        targets = self.target.logits(hidden).argmax(-1)  # the target's token for positions start+1..start+B
+        verify = self.target.hidden(torch.cat([self.anchor.unsqueeze(1), proposals], 1), where, k)
+        targets = self.target.logits(verify.hidden).argmax(-1)  # the target's token for start+1..start+B
         accepted = (proposals == targets[:, : block - 1]).long().cumprod(1).sum(1)
-        self.pending.copy_(features)
+        assert verify.features is not None  # asked for (features=True)
+        self.pending.copy_(verify.features)
         self.pending_start.copy_(self.start)
-        self._emit(targets, accepted)
+        self.target.commit(verify.pending, self._emit(targets, accepted))
         self.host_flag.copy_(self.any_active, non_blocking=True)
 
     # ---- prefill (eager, once per call) -----------------------------------------------------------
@@ -526,12 +677,15 @@ class StaticDecoder:
         token, the drafter's context when speculative, and a fresh state. Eager kernels: one shape,
         run once per decode (as a graph on CUDA)."""
         where = self.prompt_positions
-        hidden, features = self.target.hidden(self.prompt_ids, where, features=speculative)
-        last = hidden[self.row_index[:, 0], self.prompt_len - 1]
+        self.target.reset()
+        prefill = self.target.hidden(self.prompt_ids, where, features=speculative, lengths=self.prompt_len)
+        last = prefill.hidden[self.row_index[:, 0], self.prompt_len - 1]
         first = self.target.logits(last).argmax(-1)
         if speculative:
-            assert self.drafter is not None  # decode() and prepare() prefill speculatively only with one
-            self.drafter.extend(features, where)
+            assert (
+                self.drafter is not None and prefill.features is not None
+            )  # prefilled speculatively only with one
+            self.drafter.extend(prefill.features, where)
         self.start.copy_(self.prompt_len)
         self.anchor.copy_(first)
         self.out[:, 0] = first

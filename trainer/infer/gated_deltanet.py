@@ -1,0 +1,196 @@
+"""A Gated DeltaNet layer (Qwen3.5/3.6 linear attention) over a static state, with deferred commit.
+
+Per layer and row the state is a causal-conv window (the last K-1 inputs of the depthwise conv) and
+a recurrent matrix S [value heads, key dim, value dim] (fp32). One token t updates it as
+
+    S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
+
+(q, k l2-normalised, q scaled by 1/sqrt(key dim): the target's own `use_qk_l2norm_in_kernel`).
+
+A pass over T tokens solves the chunk in closed form (the WY form the target's own chunked kernel
+uses): with gc the cumulative sum of g, the "new values" U solve a unit lower-triangular system,
+outputs read S0 and U, and the state after the first n tokens is
+
+    S_n = exp(gc_{n-1}) S0 + sum_{j<n} exp(gc_{n-1} - gc_j) k_j u_j^T .
+
+u_j depends only on tokens <= j, so ONE pass over a verify block gives the outputs at every
+position AND, once the target has decided how many tokens it accepts, the exact state after that
+many (`commit`): a rejected draft never touches the state, with static shapes and per-row n.
+Long inputs (a prompt) run in chunks of CHUNK tokens, each committed in full before the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+@dataclasses.dataclass
+class DeltaNetWeights:
+    """One Gated DeltaNet layer's tensors (the model's own, not copies) and its shape."""
+
+    in_qkv: torch.Tensor
+    in_z: torch.Tensor
+    in_b: torch.Tensor
+    in_a: torch.Tensor
+    conv: torch.Tensor  # [conv channels, K]
+    conv_bias: torch.Tensor | None
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    norm: torch.Tensor  # gated RMSNorm weight [value head dim]
+    out: torch.Tensor
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    eps: float
+
+    @classmethod
+    def of(cls, module) -> "DeltaNetWeights":
+        return cls(
+            module.in_proj_qkv.weight,
+            module.in_proj_z.weight,
+            module.in_proj_b.weight,
+            module.in_proj_a.weight,
+            module.conv1d.weight.squeeze(1),
+            module.conv1d.bias,
+            module.A_log,
+            module.dt_bias,
+            module.norm.weight,
+            module.out_proj.weight,
+            module.num_k_heads,
+            module.num_v_heads,
+            module.head_k_dim,
+            module.head_v_dim,
+            float(module.norm.variance_epsilon),
+        )
+
+    def upcast(self) -> "DeltaNetWeights":
+        """A float32 copy (the lossless referee's recomputation)."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).float()
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
+
+    @property
+    def kernel(self) -> int:
+        return self.conv.shape[-1]
+
+    @property
+    def channels(self) -> int:
+        return self.conv.shape[0]
+
+
+@dataclasses.dataclass
+class Pending:
+    """What a pass leaves for `commit`: the conv window and the chunk's keys, new values and decays."""
+
+    window: torch.Tensor  # [B, channels, K-1+T]
+    keys: torch.Tensor  # [B, Hv, T, dk] (fp32, normalised)
+    values: torch.Tensor  # [B, Hv, T, dv] (U, fp32)
+    decay: torch.Tensor  # [B, Hv, T] (gc, fp32)
+
+
+def new_state(w: DeltaNetWeights, rows: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv window [rows, channels, K-1] in the working dtype, S [rows, Hv, dk, dv] in fp32), zeroed."""
+    conv = torch.zeros(rows, w.channels, w.kernel - 1, device=device, dtype=dtype)
+    recurrent = torch.zeros(rows, w.value_heads, w.key_dim, w.value_dim, device=device, dtype=torch.float32)
+    return conv, recurrent
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The output norm: RMSNorm over the value head dim, then times silu(gate) (in fp32)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return ((weight * x32.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
+
+
+def _inputs(x: torch.Tensor, w: DeltaNetWeights, conv_state: torch.Tensor):
+    """Projections and the causal conv of a pass: (q, k, v [B, H, T, d] fp32, beta, g [B, Hv, T] fp32,
+    z [B, T, Hv, dv], the conv window)."""
+    batch, length, _ = x.shape
+    mixed = F.linear(x, w.in_qkv).transpose(1, 2)  # [B, channels, T]
+    window = torch.cat([conv_state, mixed], dim=-1)
+    conv = F.silu(F.conv1d(window, w.conv.unsqueeze(1), w.conv_bias, groups=w.channels)).transpose(1, 2)
+    key_width = w.key_heads * w.key_dim
+    q, k, v = torch.split(conv, [key_width, key_width, w.value_heads * w.value_dim], dim=-1)
+    repeat = w.value_heads // w.key_heads
+
+    def heads(t, count, dim):
+        t = t.reshape(batch, length, count, dim).transpose(1, 2).float()
+        return t.repeat_interleave(repeat, dim=1) if count != w.value_heads else t
+
+    q = _l2norm(heads(q, w.key_heads, w.key_dim)) * w.key_dim**-0.5
+    k = _l2norm(heads(k, w.key_heads, w.key_dim))
+    v = heads(v, w.value_heads, w.value_dim)
+    beta = torch.sigmoid(F.linear(x, w.in_b).float()).transpose(1, 2)
+    g = (-w.a_log.float().exp() * F.softplus(F.linear(x, w.in_a).float() + w.dt_bias)).transpose(1, 2)
+    z = F.linear(x, w.in_z).view(batch, length, w.value_heads, w.value_dim)
+    return q, k, v, beta, g, z, window
+
+
+def _chunk(q, k, v, beta, g, state):
+    """Outputs [B, Hv, T, dv] and (U, gc) of one chunk from state S0 (see the module docstring)."""
+    length = q.shape[2]
+    gc = g.cumsum(-1)
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    decay = torch.exp((gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, float("-inf")))
+    strict = (k @ k.transpose(-1, -2)) * decay * beta.unsqueeze(-1)
+    system = torch.eye(length, device=q.device) + strict.tril(-1)
+    start = gc.exp().unsqueeze(-1)
+    rhs = beta.unsqueeze(-1) * (v - start * (k @ state))
+    values = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    out = start * (q @ state) + ((q @ k.transpose(-1, -2)) * decay) @ values
+    return out, values, gc
+
+
+def mix(x: torch.Tensor, w: DeltaNetWeights, conv_state: torch.Tensor, state: torch.Tensor):
+    """The layer's token mixing over x [B, T, H] (already input-normed) from the given state, which
+    is NOT changed: (output [B, T, H], Pending for commit). T <= CHUNK."""
+    batch, length, _ = x.shape
+    q, k, v, beta, g, z, window = _inputs(x, w, conv_state)
+    out, values, gc = _chunk(q, k, v, beta, g, state)
+    out = out.transpose(1, 2).to(x.dtype)  # [B, T, Hv, dv]
+    out = gated_rms_norm(out, z, w.norm, w.eps).reshape(batch, length, -1)
+    return F.linear(out, w.out), Pending(window, k, values, gc)
+
+
+def commit(pending: Pending, kept: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor) -> None:
+    """Advance the state in place by the first `kept` [B] tokens of the pass (0 leaves a row as it was)."""
+    length = pending.keys.shape[2]
+    last = (kept - 1).clamp(min=0)
+    index = last.view(-1, 1, 1).expand(-1, pending.decay.shape[1], 1)
+    end = pending.decay.gather(2, index)  # [B, Hv, 1]: gc at the last kept token
+    taken = torch.arange(length, device=kept.device) < kept.view(-1, 1)  # [B, T]
+    weight = torch.where(taken.unsqueeze(1), torch.exp(end - pending.decay), torch.zeros_like(pending.decay))
+    moved = end.exp().unsqueeze(-1) * state + pending.keys.transpose(-1, -2) @ (
+        weight.unsqueeze(-1) * pending.values
+    )
+    state.copy_(torch.where((kept > 0).view(-1, 1, 1, 1), moved, state))
+    span = conv_state.shape[-1]
+    where = (kept.view(-1, 1) + torch.arange(span, device=kept.device)).unsqueeze(1)
+    conv_state.copy_(pending.window.gather(2, where.expand(-1, conv_state.shape[1], -1)))
+
+
+def run(x: torch.Tensor, w: DeltaNetWeights, conv_state, state, lengths: torch.Tensor) -> torch.Tensor:
+    """The layer over a whole input x [B, T, H] (a prompt), chunk by chunk, the state advanced by the
+    first `lengths` [B] tokens of each row (the rest is padding: it changes nothing)."""
+    outputs = []
+    for begin in range(0, x.shape[1], CHUNK):
+        piece = x[:, begin : begin + CHUNK]
+        out, pending = mix(piece, w, conv_state, state)
+        outputs.append(out)
+        commit(pending, (lengths - begin).clamp(0, piece.shape[1]), conv_state, state)
+    return torch.cat(outputs, dim=1)
