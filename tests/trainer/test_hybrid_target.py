@@ -193,3 +193,35 @@ def test_a_stop_token_ends_both_loops_where_the_target_says_it(target, greedy, m
     )
     batch = decoder.decode(PROMPTS[:2], NEW, speculative=True)
     assert batch.results[0].tokens == greedy[0][:end]
+
+
+def test_training_with_in_training_tau_then_eval_both_loops_and_export(tmp_path):
+    """The seeds' crash: a hybrid target died at its first tau evaluation; eval and export after it."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    train = [sys.executable, "-m", "trainer", "--config", "tiny-cpu", "--output-dir", str(run),
+             "--set", "target.spec=tiny-random-hybrid", "--set", "target.layer_ids=[1,3,5]",
+             "--set", "max_steps=12", "--set", "eval.every=5", "--set", "eval.max_new_tokens=12",
+             "--set", "data.synthetic.num_samples=48", "--set", "run.log_every=5"]  # fmt: skip
+    done = subprocess.run(train, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r.get("event") == "eval"]
+    assert len(evals) >= 2 and all(r["lossless"] is True and r["tau"] >= 1.0 for r in evals)
+    for loop in ("static", "reference"):
+        done = subprocess.run(
+            [sys.executable, "-m", "trainer", "eval", "--checkpoint", str(run), "--num-prompts", "2",
+             "--max-new-tokens", "10", "--loop", loop, "--json"],
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        result = json.loads(done.stdout)
+        assert result["lossless"] is True and result["loop"].startswith(loop)
+    done = subprocess.run([sys.executable, "-m", "trainer", "export", "--checkpoint", str(run), "--out",
+                           str(tmp_path / "export")], capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["num_target_layers"] == 8
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3, 5]
