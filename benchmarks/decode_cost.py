@@ -195,8 +195,7 @@ def measure(model, drafter, shape: str, block: int, compile: bool, device: str, 
     def verify():
         where = dec.start.unsqueeze(1) + offsets
         ids = torch.cat([dec.anchor.unsqueeze(1), dec.anchor.unsqueeze(1).expand(-1, block - 1)], 1)
-        hidden, features = dec.target.hidden(ids, where, k)
-        dec.target.logits(hidden).argmax(-1)
+        dec.target.logits(dec.target.hidden(ids, where, k).hidden).argmax(-1)
 
     def draft():
         dec.drafter.extend(dec.pending, dec.pending_start.unsqueeze(1) + offsets, k)
