@@ -66,16 +66,21 @@ def ragged(prompts: list[list[int]]) -> list[list[int]]:
     return [p[: len(p) - i % 3] for i, p in enumerate(prompts)]
 
 
-def test_static_target_forward_is_the_hf_forward(target):
+@pytest.mark.parametrize("spec", ["tiny-random", "tiny-random-hybrid"])
+def test_static_target_forward_is_the_hf_forward(target, spec):
+    if spec != "tiny-random":
+        target = load_target(spec, "cpu", torch.float32, layer_ids=[1, 3, 7], seed=0, tiny=TINY)
     ids = torch.randint(0, 511, (2, 13), generator=torch.Generator().manual_seed(1))
     static = StaticTarget(target.model, target.layer_ids, rows=2, positions=20)
     where = torch.arange(13).expand(2, 13)
     with torch.no_grad():
         hf = target.model(input_ids=ids, output_hidden_states=True)
-        hidden, features = static.hidden(ids[:, :9], where[:, :9])  # prefill, then 4 more in two steps
+        prefill = static.hidden(ids[:, :9], where[:, :9], lengths=torch.tensor([9, 9]))  # then 4 more in two steps
+        hidden, features = prefill.hidden, prefill.features
         for lo, hi in ((9, 10), (10, 13)):
-            step, more = static.hidden(ids[:, lo:hi], where[:, lo:hi])
-            hidden, features = torch.cat([hidden, step], 1), torch.cat([features, more], 1)
+            step = static.hidden(ids[:, lo:hi], where[:, lo:hi])
+            static.commit(step.pending, torch.tensor([hi - lo] * 2))
+            hidden, features = torch.cat([hidden, step.hidden], 1), torch.cat([features, step.features], 1)
     torch.testing.assert_close(static.logits(hidden), hf.logits, atol=1e-5, rtol=1e-5)
     expected = torch.cat([hf.hidden_states[i + 1] for i in target.layer_ids], dim=-1)
     torch.testing.assert_close(features, expected, atol=1e-5, rtol=1e-5)
