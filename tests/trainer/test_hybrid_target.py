@@ -225,3 +225,27 @@ def test_training_with_in_training_tau_then_eval_both_loops_and_export(tmp_path)
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["model_type"] == "qwen3" and config["num_target_layers"] == 8
     assert config["dflash_config"]["target_layer_ids"] == [1, 3, 5]
+
+
+def test_a_multimodal_qwen3_5_checkpoint_loads_its_language_model(tmp_path):
+    """Published Qwen3.5/3.6 checkpoints are Qwen3_5ForConditionalGeneration: the text model is read."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from trainer.data.target_head import load_target_head
+
+    text = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}  # fmt: skip
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    torch.manual_seed(0)
+    Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(tmp_path)
+    target = load_target(str(tmp_path), "cpu", torch.float32)
+    assert target.num_layers == 8 and target.layer_ids == [1, 2, 3, 4, 5]  # the default spread over the text model
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    assert target.features(ids).shape == (1, 8, 5 * 64)
+    head = load_target_head(str(tmp_path), torch.float32)
+    assert head.num_layers == 8 and torch.equal(head.embed_tokens.weight, target.embed_tokens.weight)
+    decoded = StaticDecoder(target.model, target.layer_ids, None, rows=1, max_prompt=8, max_new_tokens=6)
+    assert decoded.decode([ids[0].tolist()], 6, speculative=False).results[0].tokens == target_generate(
+        target.model, ids[0].tolist(), 6
+    ).tokens
