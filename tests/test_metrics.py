@@ -242,3 +242,34 @@ def test_the_cron_metrics_line_writes_the_file_as_cron_runs_it(tmp_path):
     subprocess.run(["/bin/sh", "-c", command], env=env, cwd=str(tmp_path), timeout=60)
     written = (directory / "dflash-ops-t1.prom").read_text()
     assert value(samples(written), "dflash_up", target="t1") == 1
+
+
+@pytest.mark.skipif(shutil.which("crontab") is None, reason="cron is not installed (.ci/run installs it)")
+def test_cron_install_metrics_sits_beside_the_health_line(tmp_path):
+    before = subprocess.run(["crontab", "-l"], capture_output=True, text=True)
+    saved = before.stdout if before.returncode == 0 else None
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text("targets: {}\n")
+    try:
+        subprocess.run(["crontab", "-"], input="0 3 * * * /bin/true\n", text=True, check=True)
+        assert dflash_ops(inventory, "cron", "install", "--log", str(tmp_path / "h.log")).returncode == 0
+        for schedule in ("*/2 * * * *", "* * * * *"):  # installed twice: replaced, never doubled
+            done = dflash_ops(inventory, "cron", "install", "--metrics", str(tmp_path), "--schedule", schedule,
+                              "--log", str(tmp_path / "m.log"))
+            assert done.returncode == 0, done.stderr
+        table = subprocess.run(["crontab", "-l"], capture_output=True, text=True).stdout.splitlines()
+        metrics = [line for line in table if line.endswith("# dflash-ops-metrics:local")]
+        assert len(metrics) == 1 and metrics[0].startswith("* * * * * ")
+        assert f"metrics --target local --textfile-dir {tmp_path}" in metrics[0]
+        assert len([line for line in table if line.endswith("# dflash-ops-health:local")]) == 1
+        assert len(dflash_ops(inventory, "cron", "show").stdout.splitlines()) == 2
+        bad = dflash_ops(inventory, "cron", "install", "--metrics", str(tmp_path / "nope"))
+        assert bad.returncode == 2 and bad.stderr.startswith(f"dflash-ops: --metrics {tmp_path / 'nope'}: no such")
+        assert dflash_ops(inventory, "cron", "remove").stdout.strip() == "removed 2 line(s)"
+        left = subprocess.run(["crontab", "-l"], capture_output=True, text=True).stdout
+        assert left.strip() == "0 3 * * * /bin/true"
+    finally:
+        if saved is None:
+            subprocess.run(["crontab", "-r"], capture_output=True)
+        else:
+            subprocess.run(["crontab", "-"], input=saved, text=True)
