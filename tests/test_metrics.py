@@ -3,6 +3,7 @@ command writes into its textfile directory, scraped over HTTP; `promtool check m
 a live stand-in job (tests/sim/standin-trainer) on the local target, relaunched and observed by the
 real CLI. Also the exposition's own rules (label escaping, family grouping, absent values), the
 cron line, and --serve through prometheus-client."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,14 +57,24 @@ def value(found: dict, name: str, **labels):
 def node_exporter(tmp_path):
     binary = next((shutil.which(b) for b in NODE_EXPORTERS if shutil.which(b)), None)
     if binary is None:
-        pytest.skip("prometheus-node-exporter is not installed (.ci/run installs it: apt-get install prometheus-node-exporter)")
+        pytest.skip(
+            "prometheus-node-exporter is not installed (.ci/run installs it: apt-get install prometheus-node-exporter)"
+        )
     directory = tmp_path / "textfile"
     directory.mkdir()
     port = free_port()
-    proc = subprocess.Popen([binary, f"--web.listen-address=127.0.0.1:{port}", "--collector.disable-defaults",
-                             "--collector.textfile", f"--collector.textfile.directory={directory}",
-                             "--web.disable-exporter-metrics"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--collector.disable-defaults",
+            "--collector.textfile",
+            f"--collector.textfile.directory={directory}",
+            "--web.disable-exporter-metrics",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     url = f"http://127.0.0.1:{port}/metrics"
     deadline = time.monotonic() + 20
     while True:
@@ -82,26 +93,51 @@ def node_exporter(tmp_path):
 
 def inventory_file(tmp_path: Path, target) -> Path:
     job = target.job
-    data = {"targets": {target.name: {"transport": "local", "job": {
-        "workdir": job.workdir, "python": job.python, "config": job.config, "session": job.session,
-        "tmux_socket": job.tmux_socket, "env": dict(job.env), "health": dataclasses.asdict(job.health)}}}}
+    data = {
+        "targets": {
+            target.name: {
+                "transport": "local",
+                "job": {
+                    "workdir": job.workdir,
+                    "python": job.python,
+                    "config": job.config,
+                    "session": job.session,
+                    "tmux_socket": job.tmux_socket,
+                    "env": dict(job.env),
+                    "health": dataclasses.asdict(job.health),
+                },
+            }
+        }
+    }
     path = tmp_path / "inventory.yaml"
     path.write_text(json.dumps(data))  # JSON is YAML
     return path
 
 
 def dflash_ops(inventory: Path, *args: str, env=None, timeout=60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *args],
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def live_job(local_target, tmp_path):
     target = standin(local_target, health=Health(stall_seconds=60))
-    return dataclasses.replace(target, name="box-1", job=dataclasses.replace(
-        target.job, env=target.job.env + (("STANDIN_EVAL_EVERY", "2"), ("STANDIN_TAU", "1.4"))))
+    return dataclasses.replace(
+        target,
+        name="box-1",
+        job=dataclasses.replace(
+            target.job, env=target.job.env + (("STANDIN_EVAL_EVERY", "2"), ("STANDIN_TAU", "1.4"))
+        ),
+    )
 
 
-def test_node_exporter_serves_the_metrics_of_a_live_job(local_target, node_exporter, cleanup, tmp_path, monkeypatch):
+def test_node_exporter_serves_the_metrics_of_a_live_job(
+    local_target, node_exporter, cleanup, tmp_path, monkeypatch
+):
     monkeypatch.setenv("DFLASH_OPS_STATE_DIR", str(tmp_path / "state"))
     directory, url = node_exporter
     target = live_job(local_target, tmp_path)
@@ -139,7 +175,9 @@ def test_node_exporter_serves_the_metrics_of_a_live_job(local_target, node_expor
 
     promtool = shutil.which("promtool")
     if promtool:  # Debian's `prometheus` package; .ci/run installs it
-        lint = subprocess.run([promtool, "check", "metrics"], input=path.read_text(), capture_output=True, text=True)
+        lint = subprocess.run(
+            [promtool, "check", "metrics"], input=path.read_text(), capture_output=True, text=True
+        )
         assert lint.returncode == 0, lint.stdout + lint.stderr
 
     # a relaunch is the next launch; a stop is the state `stopped`, rewritten in place
@@ -188,18 +226,51 @@ def test_textfile_write_is_atomic_and_names_a_missing_directory(tmp_path):
     inventory.write_text("targets: {}\n")
     bad = dflash_ops(inventory, "metrics", "--textfile-dir", str(tmp_path / "nope"))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip() == (f"dflash-ops: --textfile-dir {tmp_path / 'nope'}: no such directory; give the "
-                                  "directory node_exporter reads (its --collector.textfile.directory)")
+    assert bad.stderr.strip() == (
+        f"dflash-ops: --textfile-dir {tmp_path / 'nope'}: no such directory; give the "
+        "directory node_exporter reads (its --collector.textfile.directory)"
+    )
 
 
 def test_serve_answers_scrapes_with_the_same_families(tmp_path):
     inventory = tmp_path / "inv.yaml"
-    inventory.write_text(json.dumps({"targets": {"gone": {"transport": "local", "job": {
-        "workdir": str(tmp_path / "w"), "python": sys.executable, "config": "tiny-cpu", "tmux_socket": "none-here"}}}}))
+    inventory.write_text(
+        json.dumps(
+            {
+                "targets": {
+                    "gone": {
+                        "transport": "local",
+                        "job": {
+                            "workdir": str(tmp_path / "w"),
+                            "python": sys.executable,
+                            "config": "tiny-cpu",
+                            "tmux_socket": "none-here",
+                        },
+                    }
+                }
+            }
+        )
+    )
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "metrics", "-t", "gone",
-                             "--serve", str(port), "--timeout", "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "DFLASH_OPS_STATE_DIR": str(tmp_path / "state")})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dflash_ops",
+            "--inventory",
+            str(inventory),
+            "metrics",
+            "-t",
+            "gone",
+            "--serve",
+            str(port),
+            "--timeout",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "DFLASH_OPS_STATE_DIR": str(tmp_path / "state")},
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -227,18 +298,48 @@ def test_the_cron_metrics_line_writes_the_file_as_cron_runs_it(tmp_path):
     except ImportError:
         from test_cron import REPO, as_cron_runs_it
     inventory = tmp_path / "inv%d.yaml"
-    inventory.write_text(json.dumps({"targets": {"t1": {"transport": "local", "job": {
-        "workdir": str(tmp_path / "w"), "python": sys.executable, "config": "tiny-cpu", "tmux_socket": "none-here"}}}}))
+    inventory.write_text(
+        json.dumps(
+            {
+                "targets": {
+                    "t1": {
+                        "transport": "local",
+                        "job": {
+                            "workdir": str(tmp_path / "w"),
+                            "python": sys.executable,
+                            "config": "tiny-cpu",
+                            "tmux_socket": "none-here",
+                        },
+                    }
+                }
+            }
+        )
+    )
     directory = tmp_path / "text 50%"
     directory.mkdir()
-    argv = [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "metrics", "--target", "t1",
-            "--textfile-dir", str(directory)]
+    argv = [
+        sys.executable,
+        "-m",
+        "dflash_ops",
+        "--inventory",
+        str(inventory),
+        "metrics",
+        "--target",
+        "t1",
+        "--textfile-dir",
+        str(directory),
+    ]
     line = cron.health_line("* * * * *", argv, str(tmp_path / "m.log"), "t1", cron.METRICS_TAG)
     assert line.endswith("# dflash-ops-metrics:t1") and cron.ours([line, "0 3 * * * true"], "t1") == [line]
     command, stdin = as_cron_runs_it(line)
     assert stdin == ""
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(REPO), "SHELL": "/bin/sh",
-           "DFLASH_OPS_STATE_DIR": str(tmp_path / "state")}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "PYTHONPATH": str(REPO),
+        "SHELL": "/bin/sh",
+        "DFLASH_OPS_STATE_DIR": str(tmp_path / "state"),
+    }
     subprocess.run(["/bin/sh", "-c", command], env=env, cwd=str(tmp_path), timeout=60)
     written = (directory / "dflash-ops-t1.prom").read_text()
     assert value(samples(written), "dflash_up", target="t1") == 1
@@ -254,8 +355,17 @@ def test_cron_install_metrics_sits_beside_the_health_line(tmp_path):
         subprocess.run(["crontab", "-"], input="0 3 * * * /bin/true\n", text=True, check=True)
         assert dflash_ops(inventory, "cron", "install", "--log", str(tmp_path / "h.log")).returncode == 0
         for schedule in ("*/2 * * * *", "* * * * *"):  # installed twice: replaced, never doubled
-            done = dflash_ops(inventory, "cron", "install", "--metrics", str(tmp_path), "--schedule", schedule,
-                              "--log", str(tmp_path / "m.log"))
+            done = dflash_ops(
+                inventory,
+                "cron",
+                "install",
+                "--metrics",
+                str(tmp_path),
+                "--schedule",
+                schedule,
+                "--log",
+                str(tmp_path / "m.log"),
+            )
             assert done.returncode == 0, done.stderr
         table = subprocess.run(["crontab", "-l"], capture_output=True, text=True).stdout.splitlines()
         metrics = [line for line in table if line.endswith("# dflash-ops-metrics:local")]
@@ -264,7 +374,9 @@ def test_cron_install_metrics_sits_beside_the_health_line(tmp_path):
         assert len([line for line in table if line.endswith("# dflash-ops-health:local")]) == 1
         assert len(dflash_ops(inventory, "cron", "show").stdout.splitlines()) == 2
         bad = dflash_ops(inventory, "cron", "install", "--metrics", str(tmp_path / "nope"))
-        assert bad.returncode == 2 and bad.stderr.startswith(f"dflash-ops: --metrics {tmp_path / 'nope'}: no such")
+        assert bad.returncode == 2 and bad.stderr.startswith(
+            f"dflash-ops: --metrics {tmp_path / 'nope'}: no such"
+        )
         assert dflash_ops(inventory, "cron", "remove").stdout.strip() == "removed 2 line(s)"
         left = subprocess.run(["crontab", "-l"], capture_output=True, text=True).stdout
         assert left.strip() == "0 3 * * * /bin/true"
