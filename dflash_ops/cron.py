@@ -9,6 +9,10 @@ import subprocess
 from dflash_ops.errors import DflashOpsError, InputError
 
 TAG = "# dflash-ops-health:"
+METRICS_TAG = (
+    "# dflash-ops-metrics:"  # `cron install --metrics DIR`: the metrics line, beside the health line
+)
+TAGS = (TAG, METRICS_TAG)
 CRON_PERCENT = "\\%"  # how a crontab command line writes a literal %
 
 
@@ -35,11 +39,14 @@ def write(lines: list[str]) -> None:
 
 
 def ours(lines: list[str], target: str | None = None) -> list[str]:
-    tag = TAG + (target or "")
-    return [line for line in lines if (line.endswith(tag) if target else tag in line)]
+    return [
+        line
+        for line in lines
+        if any((line.endswith(tag + target) if target else tag in line) for tag in TAGS)
+    ]
 
 
-def health_line(schedule: str, argv: list[str], log: str, target: str) -> str:
+def health_line(schedule: str, argv: list[str], log: str, target: str, tag: str = TAG) -> str:
     fields = schedule.split()
     if len(fields) != 5:
         raise InputError(f"--schedule {schedule!r}: a cron schedule has 5 fields, e.g. '*/5 * * * *'")
@@ -48,11 +55,11 @@ def health_line(schedule: str, argv: list[str], log: str, target: str) -> str:
     cmd = f"{' '.join(shlex.quote(a) for a in argv)} >> {shlex.quote(log)} 2>&1"
     # cron runs with a minimal PATH and no terminal: absolute paths, output appended to a log.
     # cron ends the command at an unescaped `%` (the rest becomes stdin): `\%` is its plain `%`.
-    return f"{schedule} {cmd.replace('%', CRON_PERCENT)} {TAG}{target}"
+    return f"{schedule} {cmd.replace('%', CRON_PERCENT)} {tag}{target}"
 
 
-def install(line: str, target: str) -> list[str]:
-    lines = [kept for kept in read() if not kept.endswith(TAG + target)] + [line]
+def install(line: str, target: str, tag: str = TAG) -> list[str]:
+    lines = [kept for kept in read() if not kept.endswith(tag + target)] + [line]
     write(lines)
     return ours(lines, target)
 

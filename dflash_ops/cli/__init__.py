@@ -9,7 +9,7 @@ import sys
 import click
 
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.cli import admin, jobs, observe, report  # noqa: F401  (each registers its commands on `cli`)
+from dflash_ops.cli import admin, jobs, metrics, observe, report  # noqa: F401  (each registers its commands on `cli`)
 from dflash_ops.cli.group import cli
 
 __all__ = ["cli", "main"]

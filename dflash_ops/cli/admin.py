@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from dflash_ops.errors import InputError
 from dflash_ops.inventory import load as inventory_lib
 from dflash_ops.cli.group import cli, dry_run_option, target_option
 from dflash_ops.cli.jobs import run_each
@@ -66,7 +67,7 @@ def playbook_run(obj, name, target, dry_run, assignments):
 
 @cli.group("cron")
 def cron_group():
-    """Manage the crontab line that runs `dflash-ops health` for a target."""
+    """Manage the crontab lines that run `dflash-ops health` (and `metrics`) for a target."""
 
 
 @cron_group.command("install")
@@ -80,9 +81,16 @@ def cron_group():
     show_default=True,
     help="File the health output is appended to.",
 )
+@click.option(
+    "--metrics",
+    "metrics_dir",
+    metavar="DIR",
+    help="Install (or replace) the line that writes `dflash-ops metrics` into DIR (node_exporter's "
+    "textfile directory) instead of the health line.",
+)
 @click.pass_obj
-def cron_install(obj, target, schedule, auto_relaunch, log_path):
-    """Install (or replace) the health-check line for the target."""
+def cron_install(obj, target, schedule, auto_relaunch, log_path, metrics_dir):
+    """Install (or replace) the health-check line for the target (or its metrics line)."""
     from dflash_ops import cron
 
     name = target or obj.inventory.default_target
@@ -91,10 +99,21 @@ def cron_install(obj, target, schedule, auto_relaunch, log_path):
     argv = [exe] if exe else [sys.executable, "-m", "dflash_ops"]
     if obj.inventory.source:
         argv += ["--inventory", os.path.abspath(obj.inventory.source)]
-    argv += ["health", "--target", name] + (["--auto-relaunch"] if auto_relaunch else [])
+    tag = cron.TAG
+    if metrics_dir is not None:
+        if auto_relaunch:
+            raise InputError("--auto-relaunch belongs to the health line; install it without --metrics")
+        if not os.path.isdir(metrics_dir):
+            raise InputError(
+                f"--metrics {metrics_dir}: no such directory; give node_exporter's textfile directory"
+            )
+        argv += ["metrics", "--target", name, "--textfile-dir", os.path.abspath(metrics_dir)]
+        tag = cron.METRICS_TAG
+    else:
+        argv += ["health", "--target", name] + (["--auto-relaunch"] if auto_relaunch else [])
     log_path = os.path.expanduser(log_path)
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-    for line in cron.install(cron.health_line(schedule, argv, log_path, name), name):
+    for line in cron.install(cron.health_line(schedule, argv, log_path, name, tag), name, tag):
         click.echo(line)
 
 

@@ -73,11 +73,18 @@ def status(obj, target, as_json, watch, timeout):
     is_flag=True,
     help="Relaunch a CRITICAL target (at most max_relaunches_per_hour; never two at once).",
 )
+@click.option(
+    "--on-change",
+    metavar="CMD",
+    help="Run CMD (sh -c) when a job's verdict changes or it was relaunched; what changed is in its "
+    "environment (DFLASH_OLD_STATE, DFLASH_NEW_STATE, DFLASH_REASON, DFLASH_PERFDATA, …). It gets what "
+    "is left of --timeout and never changes the verdict.",
+)
 @answer_within_option(
     budget.DEFAULT_HEALTH_S, "Answer within S seconds (NRPE's default); parts that take longer are UNKNOWN."
 )
 @click.pass_obj
-def health_cmd(obj, target, as_json, auto_relaunch, timeout):
+def health_cmd(obj, target, as_json, auto_relaunch, on_change, timeout):
     """For cron/Nagios: one line `DFLASH OK|WARNING|CRITICAL|UNKNOWN: … | perfdata`, exit 0/1/2/3.
 
     \b
@@ -88,17 +95,21 @@ def health_cmd(obj, target, as_json, auto_relaunch, timeout):
     from dflash_ops.observe import health
 
     try:
-        sys.exit(_health(obj, target, as_json, auto_relaunch, timeout))
+        sys.exit(_health(obj, target, as_json, auto_relaunch, timeout, on_change))
     except Exception as exc:  # noqa: BLE001 - cron reads one line and an exit code, never a traceback
         first = (str(exc).splitlines() or [""])[0][:300]
         click.echo(health.nagios_line(target or "dflash", health.unknown(f"{type(exc).__name__}: {first}")))
         sys.exit(3)
 
 
-def _health(obj, target, as_json, auto_relaunch, timeout) -> int:
+def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int:
     from dflash_ops.observe import health, status_output
     from dflash_ops import ops
     from dflash_ops.fanout import fan_out
+
+    deadline = time.monotonic() + timeout
+    if on_change:  # the hook's share comes out of the budget, so health still answers within it
+        timeout = max(1.0, timeout - budget.hook_share(timeout))
 
     try:
         job = multinode.job_named(obj, target)
@@ -132,6 +143,13 @@ def _health(obj, target, as_json, auto_relaunch, timeout) -> int:
         click.echo(line)
         for name, action in actions.items():
             click.echo(f"{name}: {action.message}")
+    if on_change:
+        from dflash_ops.observe import on_change as hooks
+
+        sys.stdout.flush()  # the verdict is out before any hook runs
+        hooks.run_hooks(
+            on_change, checked, deadline - budget.MARGIN_S / 2, lambda text: click.echo(text, err=True)
+        )
     return health.EXIT_CODES[health.worst(c.verdict.level for c in checked)]
 
 

@@ -24,7 +24,15 @@ HOST_PARTS_SHARE = 0.35  # each of the two in turn when the GPUs are asked on th
 MARGIN_S = 1.0  # the answer's way back and the verdict, after the remote command ends
 STARTUP_S = 1.0  # the probe's python starting and writing its answer, around the parts
 
+HOOK_SHARE = 0.25  # `health --on-change`: the hook's part of the budget, at most HOOK_MAX_S
+HOOK_MAX_S = 3.0
+
 T = TypeVar("T")
+
+
+def hook_share(total_s: float) -> float:
+    """Seconds of `total_s` kept for an on-change hook, after the check."""
+    return min(HOOK_MAX_S, total_s * HOOK_SHARE)
 
 
 @dataclasses.dataclass(frozen=True)

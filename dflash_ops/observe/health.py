@@ -12,6 +12,7 @@ import math
 import posixpath
 import re
 
+from dflash_ops import gpu_faults
 from dflash_ops.observe import acceptance, logs, unattended
 from dflash_ops.inventory.model import Job
 from dflash_ops.remote import facts
@@ -108,6 +109,9 @@ def _judged(report, job: Job, now: float) -> Verdict:
         critical.append(f"loss is {progress.loss} at step {progress.step}")
     stall, warning = _stall(report, progress, age, job.health.stall_seconds, finished)
     critical += stall
+    faulty, suspect = gpu_faults.problems(report.gpu_faults, job.gpus)
+    critical += faulty
+    warning += suspect
     training = (
         report.session.running is not False and progress.step is not None and not stall and not finished
     )

@@ -18,6 +18,7 @@ from dflash_ops.observe import acceptance
 
 from dflash_ops.act import jobpaths, jobstate
 from dflash_ops.errors import DflashOpsError, RemoteCommandError
+from dflash_ops import gpu_faults
 from dflash_ops.gpu import HOST_GPU_QUERY_ARGV, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
 from dflash_ops.inventory.model import Job
 from dflash_ops.remote import bundle, python_command, shell_command
@@ -85,6 +86,7 @@ class ProbeReport:
     marked_pids: tuple[int, ...] = ()  # processes carrying the launcher's marker
     gpu_pids_visible: tuple[int, ...] = ()  # GPU process pids that exist where the probe ran
     seconds: float | None = None  # round trip, when run through run_probe
+    gpu_faults: gpu_faults.FaultReport = gpu_faults.NOT_QUERIED  # ECC, row remapping, Xid events
     raw: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -287,6 +289,7 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
         log_missing=data.get("log_missing") or None,
         marked_pids=marked,
         gpu_pids_visible=visible,
+        gpu_faults=gpu_faults.parse(data.get("gpu_faults")),
         raw=data,
     )
 

@@ -29,6 +29,7 @@ SHARED_MODULES = (
     ("bounded", _HERE / "bounded.py"),
     ("procs", _HERE / "procs.py"),
     ("gpu_read", _HERE / "gpu_read.py"),
+    ("gpu_faults", _HERE / "gpu_faults.py"),
     ("metrics_history", pathlib.Path(metrics_history.__file__)),
     ("runs", _HERE / "runs.py"),
     ("state_write", _HERE / "state_write.py"),

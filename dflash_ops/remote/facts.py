@@ -37,3 +37,20 @@ def gpu_query_argv(binary="nvidia-smi", fields=GPU_FIELDS):
 
 def apps_query_argv(binary="nvidia-smi", fields=APP_FIELDS):
     return [binary, "--query-compute-apps=" + ",".join(fields), CSV_FORMAT]
+
+
+# GPU faults (dflash_ops.gpu_faults parses these): ECC and page retirement from --query-gpu, row
+# remapping from --query-remapped-rows (nvidia-smi --help-query-remapped-rows; Ampere and newer),
+# rows matched by PCI bus id. Unsupported fields print [N/A] and read as absent.
+FAULT_GPU_FIELDS = ("index", "pci.bus_id", "ecc.errors.uncorrected.volatile.total", "retired_pages.pending")
+REMAP_FIELDS = ("gpu_bus_id", "remapped_rows.uncorrectable", "remapped_rows.pending", "remapped_rows.failure")
+# The kernel's line for an Xid event: `NVRM: Xid (PCI:0000:18:00): 79, pid=..., GPU has fallen off the bus.`
+XID_MARK = "NVRM: Xid"
+
+
+def fault_query_argv(binary="nvidia-smi"):
+    return gpu_query_argv(binary, FAULT_GPU_FIELDS)
+
+
+def remap_query_argv(binary="nvidia-smi"):
+    return [binary, "--query-remapped-rows=" + ",".join(REMAP_FIELDS), CSV_FORMAT]

@@ -33,6 +33,7 @@ import time
 try:  # imported from the package (dflash_ops.gpu, tests)
     from dflash_ops.remote import facts, procs
     from dflash_ops.remote.bounded import finish, out_of_time, start
+    from dflash_ops.remote.gpu_faults import finish_faults, start_faults
     from dflash_ops.remote.gpu_read import finish_gpu_state, start_gpu_state
     from trainer import metrics_format
 except ImportError:  # on the target: remote.bundle() defined these ahead of this script
@@ -40,6 +41,7 @@ except ImportError:  # on the target: remote.bundle() defined these ahead of thi
     import metrics_format  # type: ignore[no-redef]
     import procs  # type: ignore[no-redef]
     from bounded import finish, out_of_time, start  # type: ignore[no-redef]
+    from gpu_faults import finish_faults, start_faults  # type: ignore[no-redef]
     from gpu_read import finish_gpu_state, start_gpu_state  # type: ignore[no-redef]
 
 PROBE_VERSION = 1
@@ -330,6 +332,14 @@ def probe(args, where, lines):
             part_s,
         )
     )
+    # GPU faults (ECC, row remapping, Xid in the kernel log) beside the GPU query
+    faults_started = (
+        None
+        if gpu_source == "none"
+        else section(
+            errors, "gpu faults", start_faults, gpu_source, args.get("nvidia_smi") or "nvidia-smi", deadline
+        )
+    )
     # the files are read while those commands run
     report["job_state"], report["job_state_error"] = section(
         errors, "job state", read_job_state, args.get("state_file")
@@ -350,6 +360,9 @@ def probe(args, where, lines):
         errors, "processes", job_processes, (report["session"] or {}).pop("panes", []), args.get("marker")
     ) or ([], [])
     report.update(files or {})
+    report["gpu_faults"] = (
+        section(errors, "gpu faults", finish_faults, faults_started, deadline) if faults_started else None
+    )
     report["out_of_time"] = [
         name for name in ("gpu", "session") if (report.get(name) or {}).get("out_of_time")
     ]

@@ -1,0 +1,151 @@
+"""`health --on-change CMD`: run CMD when a job's verdict changes (OK/WARNING/CRITICAL/UNKNOWN,
+stopped, finished) or the job was relaunched since the last health run, never on a repeat.
+
+CMD runs with `/bin/sh -c`, in its own process group, with what changed in its environment:
+DFLASH_TARGET, DFLASH_JOB, DFLASH_EVENT (`changed` or `relaunched`), DFLASH_OLD_STATE,
+DFLASH_NEW_STATE, DFLASH_LEVEL, DFLASH_EXIT_CODE, DFLASH_REASON, DFLASH_PERFDATA,
+DFLASH_OLD_LAUNCH, DFLASH_NEW_LAUNCH. Its output is appended to `on-change.log` in the state
+directory (a pipe would hold a monitor's read open after health exits). It gets only what is left
+of health's time budget: a hook still running then is killed with its process group, and the
+verdict health already printed stays as it is. With no memory of a job yet (its first check), the
+hook runs only for a state that is not OK, stopped or finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+
+from dflash_ops.act import jobpaths
+from dflash_ops.act.relaunch_guard import state_dir
+from dflash_ops.inventory.model import Target
+from dflash_ops.observe import health, job_phase, verdict_memory
+
+QUIET_FIRST = ("OK", job_phase.STOPPED, job_phase.FINISHED)
+LOG_NAME = "on-change.log"
+MIN_HOOK_S = 0.2  # less time than this left: the hook is not started (and runs at the next check)
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    target: Target
+    event: str  # "changed" | "relaunched"
+    old: verdict_memory.Remembered | None
+    new: verdict_memory.Remembered
+    verdict: health.Verdict
+
+    def env(self) -> dict:
+        job = self.target.job
+
+        return {
+            "DFLASH_TARGET": self.target.name,
+            "DFLASH_JOB": jobpaths.marker_value(job),
+            "DFLASH_EVENT": self.event,
+            "DFLASH_OLD_STATE": self.old.state if self.old else "none",
+            "DFLASH_NEW_STATE": self.new.state,
+            "DFLASH_LEVEL": self.verdict.level,
+            "DFLASH_EXIT_CODE": str(self.verdict.exit_code),
+            "DFLASH_REASON": self.verdict.summary,
+            "DFLASH_PERFDATA": health.perfdata_text(self.verdict.perfdata),
+            "DFLASH_OLD_LAUNCH": _text(self.old.launch if self.old else None),
+            "DFLASH_NEW_LAUNCH": _text(self.new.launch),
+        }
+
+
+def _text(number: int | None) -> str:
+    return "" if number is None else str(number)
+
+
+def state_word(checked) -> str:
+    """What a hook is told the job is: stopped or finished when the job rests, else the level."""
+    phase = job_phase.phase(checked.status)
+    return phase if phase in (job_phase.STOPPED, job_phase.FINISHED) else checked.verdict.level
+
+
+def seen(checked, now: float | None = None) -> verdict_memory.Remembered:
+    return verdict_memory.Remembered(
+        state=state_word(checked),
+        launch=job_phase.launch_number(checked.status),
+        reason=checked.verdict.summary[:500],
+        time=time.time() if now is None else now,
+    )
+
+
+def change_of(checked, old: verdict_memory.Remembered | None) -> Change | None:
+    """The change since `old`, or None for a repeat."""
+    new = seen(checked)
+    if new.launch is None and old is not None:  # not readable now (UNKNOWN): keep what was known
+        new = dataclasses.replace(new, launch=old.launch)
+    if old is None:
+        return (
+            None
+            if new.state in QUIET_FIRST
+            else Change(checked.target, "changed", None, new, checked.verdict)
+        )
+    relaunched = new.launch is not None and old.launch is not None and new.launch > old.launch
+    if relaunched:
+        return Change(checked.target, "relaunched", old, new, checked.verdict)
+    if new.state != old.state:
+        return Change(checked.target, "changed", old, new, checked.verdict)
+    return None
+
+
+def run_hooks(command: str, checked_list, deadline: float, say) -> None:
+    """Run `command` for each job whose verdict changed, all at once, until `deadline` (monotonic);
+    remember each job's verdict. `say(line)` reports a hook that failed or ran out of time."""
+    started = []
+    for checked in checked_list:
+        old = verdict_memory.recall(checked.target)
+        change = change_of(checked, old)
+        if change is None:
+            if old is None or old.state != state_word(checked):
+                verdict_memory.remember(checked.target, seen(checked))  # a quiet first sighting
+            continue
+        if deadline - time.monotonic() < MIN_HOOK_S:
+            say(f"{checked.target.name}: on-change hook not run: no time left in the budget (next check)")
+            continue  # not remembered: the next check sees the same change
+        started.append((change, _start(command, change)))
+        verdict_memory.remember(checked.target, change.new)
+    for change, proc in started:
+        name = change.target.name
+        try:
+            code = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            say(f"{name}: on-change hook still running at the end of the time budget: killed")
+            continue
+        if code != 0:
+            say(f"{name}: on-change hook exited with status {code} (output in {state_dir() / LOG_NAME})")
+
+
+def _start(command: str, change: Change) -> subprocess.Popen:
+    directory = state_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / LOG_NAME, "ab") as log:
+        log.write(
+            f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {change.target.name}: "
+            f"{change.event} {change.old.state if change.old else 'none'} -> {change.new.state}\n".encode()
+        )
+        log.flush()
+        return subprocess.Popen(
+            ["/bin/sh", "-c", command],
+            env={**os.environ, **change.env()},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=1)
+    except subprocess.TimeoutExpired:
+        pass

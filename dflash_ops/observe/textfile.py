@@ -1,0 +1,50 @@
+"""Writing a file for node_exporter's textfile collector: it reads `*.prom` files from its
+`--collector.textfile.directory` at each scrape, so a file must appear whole: written under a name
+the collector ignores, flushed, then renamed into place (atomic within one filesystem)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+from dflash_ops.errors import DflashOpsError, InputError
+
+SUFFIX = ".prom"
+DEBIAN_DIR = "/var/lib/prometheus/node-exporter"  # prometheus-node-exporter's default directory
+
+
+def file_name(selection: str) -> str:
+    """`dflash-ops-<target or group>.prom`, one file per selection, so the cron lines of several
+    targets never overwrite each other's."""
+    return f"dflash-ops-{re.sub(r'[^A-Za-z0-9_.-]', '_', selection)}{SUFFIX}"
+
+
+def write(directory: str, name: str, text: str) -> str:
+    """Write `text` to directory/name atomically; returns the path."""
+    if not os.path.isdir(directory):
+        raise InputError(
+            f"--textfile-dir {directory}: no such directory; give the directory node_exporter reads "
+            "(its --collector.textfile.directory)"
+        )
+    path = os.path.join(directory, name)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)  # not *.prom: unread
+    except OSError as exc:
+        raise DflashOpsError(f"cannot write in {directory}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # node_exporter runs as its own user
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise DflashOpsError(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise
+    return path

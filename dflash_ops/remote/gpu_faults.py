@@ -1,0 +1,129 @@
+"""GPU faults as the target sees them: uncorrected ECC errors, pages pending retirement and row
+remapping (NVML when the job's python has pynvml, else nvidia-smi), and Xid events from the kernel
+log (`dmesg`, else `journalctl -k`; inside a container the kernel log is often not readable, which
+is reported, never guessed at). Raw answers only: dflash_ops.gpu_faults parses them, so there is
+one parser. Standard library only, Python >= 3.8: remote.bundle() sends this file's text ahead of
+each remote script."""
+
+from __future__ import annotations
+
+import time
+
+try:  # imported from the package (probe_script in tests)
+    from dflash_ops.remote import facts
+    from dflash_ops.remote.bounded import finish, in_thread, start
+except ImportError:  # on the target: remote.bundle() defined both ahead of this script
+    import facts  # type: ignore[no-redef]
+    from bounded import finish, in_thread, start  # type: ignore[no-redef]
+
+MAX_XID_LINES = 200  # the newest ones; a flapping GPU can log thousands
+KERNEL_LOG_COMMANDS = (("dmesg",), ("journalctl", "-k", "-b", "-o", "short-monotonic", "--no-pager", "-q"))
+
+
+def nvml_faults():
+    """Per GPU: uncorrected volatile ECC errors, retired pages pending, remapped rows (uncorrectable,
+    pending, failure); a field the GPU does not support is None. Never raises."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        gpus = [_nvml_gpu(pynvml, index) for index in range(pynvml.nvmlDeviceGetCount())]
+        return {"source": "nvml", "gpus": gpus}
+    except Exception as e:
+        return {"source": "nvml", "error": "NVML fault query failed: %s: %s" % (type(e).__name__, e)}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _nvml_gpu(pynvml, index):
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    remapped = _call(pynvml.nvmlDeviceGetRemappedRows, handle)  # (corr., uncorr., pending, failure)
+    ecc = _call(
+        pynvml.nvmlDeviceGetTotalEccErrors,
+        handle,
+        pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+        pynvml.NVML_VOLATILE_ECC,
+    )
+    pci = _call(pynvml.nvmlDeviceGetPciInfo, handle)
+    pending = _call(pynvml.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+    return {
+        "index": index,
+        "pci_bus_id": None if pci is None else _text(pci.busId),
+        "ecc_uncorrected": None if ecc is None else int(ecc),
+        "retired_pending": None if pending is None else int(pending),
+        "remap_uncorrectable": None if remapped is None else int(remapped[1]),
+        "remap_pending": None if remapped is None else int(remapped[2]),
+        "remap_failure": None if remapped is None else int(remapped[3]),
+    }
+
+
+def _call(fn, *args):
+    try:
+        return fn(*args)
+    except Exception:  # NVMLError_NotSupported and friends: the GPU cannot say
+        return None
+
+
+def _text(value):
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def start_faults(source, binary, deadline):
+    """NVML answers in-process; otherwise both nvidia-smi queries start now. The kernel log's
+    first reader starts either way."""
+    nvml = in_thread(nvml_faults, deadline) if source in ("auto", "nvml") else None
+    smi = (
+        None
+        if nvml is not None
+        else (start(facts.fault_query_argv(binary)), start(facts.remap_query_argv(binary)))
+    )
+    return nvml, smi, start(list(KERNEL_LOG_COMMANDS[0]))
+
+
+def finish_faults(started, deadline):
+    nvml, smi, kernel = started
+    if nvml is not None:
+        result = dict(nvml)
+    else:
+        rc, out, err = finish(smi[0], deadline)
+        rc2, remap, err2 = finish(smi[1], deadline)
+        result = {
+            "source": "nvidia-smi",
+            "gpu_csv": out if rc == 0 else "",
+            "remap_csv": remap if rc2 == 0 else "",
+        }
+        if rc != 0:
+            result["error"] = "nvidia-smi fault query: %s" % _first(out, err, rc)
+        if rc2 != 0:  # pre-Ampere GPUs and older drivers have no row remapper: not an error of ours
+            result["remap_error"] = _first(remap, err2, rc2)
+    result["kernel_log"] = _xid_lines(kernel, deadline)
+    return result
+
+
+def _first(out, err, rc):
+    return ((out.strip() or err.strip() or "exit code %d" % rc).splitlines() or [""])[0][:300]
+
+
+def _xid_lines(started, deadline):
+    """The newest Xid lines of the kernel log with the clock their `[seconds]` stamps count on (the
+    kernel's printk clock runs with CLOCK_MONOTONIC, which containers share with the host, unlike
+    the /proc/uptime lxcfs shows them), or why the kernel log could not be read (each reader tried
+    in turn)."""
+    tried = []
+    for position, argv in enumerate(KERNEL_LOG_COMMANDS):
+        rc, out, err = finish(started if position == 0 else start(list(argv)), deadline)
+        if rc == 0 and not out.strip():  # a kernel log always has boot messages: this one is not readable
+            rc, err = 1, "no kernel messages readable"
+        if rc == 0:
+            lines = [line for line in out.splitlines() if facts.XID_MARK in line]
+            return {"source": " ".join(argv), "lines": lines[-MAX_XID_LINES:], "uptime_s": time.monotonic()}
+        tried.append("%s: %s" % (argv[0], _first("", err or out, rc)))
+    return {"error": "; ".join(tried)}
