@@ -238,14 +238,35 @@ def test_a_multimodal_qwen3_5_checkpoint_loads_its_language_model(tmp_path):
             "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}  # fmt: skip
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
     torch.manual_seed(0)
-    Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(tmp_path)
+    Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(
+        tmp_path
+    )
     target = load_target(str(tmp_path), "cpu", torch.float32)
-    assert target.num_layers == 8 and target.layer_ids == [1, 2, 3, 4, 5]  # the default spread over the text model
+    assert target.num_layers == 8 and target.layer_ids == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]  # the default spread over the text model
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     assert target.features(ids).shape == (1, 8, 5 * 64)
     head = load_target_head(str(tmp_path), torch.float32)
     assert head.num_layers == 8 and torch.equal(head.embed_tokens.weight, target.embed_tokens.weight)
     decoded = StaticDecoder(target.model, target.layer_ids, None, rows=1, max_prompt=8, max_new_tokens=6)
-    assert decoded.decode([ids[0].tolist()], 6, speculative=False).results[0].tokens == target_generate(
-        target.model, ids[0].tolist(), 6
-    ).tokens
+    assert (
+        decoded.decode([ids[0].tolist()], 6, speculative=False).results[0].tokens
+        == target_generate(target.model, ids[0].tolist(), 6).tokens
+    )
+
+
+def test_the_compiled_static_loop_decodes_the_same_tokens(target, greedy):
+    block = 4
+    decoder = StaticDecoder(
+        target.model, target.layer_ids, drafter_for(target, block), rows=3, max_prompt=40, max_new_tokens=8,
+        compile=True,
+    )  # fmt: skip
+    assert decoder.kernels.compiled
+    for drafted in (False, True):
+        batch = decoder.decode(PROMPTS, 8, speculative=drafted)
+        assert [r.tokens for r in batch.results] == [g[:8] for g in greedy]

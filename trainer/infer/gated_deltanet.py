@@ -156,15 +156,24 @@ def _chunk(q, k, v, beta, g, state):
     return out, values, gc
 
 
-def mix(x: torch.Tensor, w: DeltaNetWeights, conv_state: torch.Tensor, state: torch.Tensor):
-    """The layer's token mixing over x [B, T, H] (already input-normed) from the given state, which
-    is NOT changed: (output [B, T, H], Pending for commit). T <= CHUNK."""
+def mix_tensors(x: torch.Tensor, w: DeltaNetWeights, conv_state: torch.Tensor, state: torch.Tensor):
+    """`mix` as plain tensors (output, window, keys, values, decay): what torch.compile wraps."""
     batch, length, _ = x.shape
     q, k, v, beta, g, z, window = _inputs(x, w, conv_state)
     out, values, gc = _chunk(q, k, v, beta, g, state)
     out = out.transpose(1, 2).to(x.dtype)  # [B, T, Hv, dv]
     out = gated_rms_norm(out, z, w.norm, w.eps).reshape(batch, length, -1)
-    return F.linear(out, w.out), Pending(window, k, values, gc)
+    return F.linear(out, w.out), window, k, values, gc
+
+
+def mix(
+    x: torch.Tensor, w: DeltaNetWeights, conv_state: torch.Tensor, state: torch.Tensor, kernel=mix_tensors
+):
+    """The layer's token mixing over x [B, T, H] (already input-normed) from the given state, which
+    is NOT changed: (output [B, T, H], Pending for commit). T <= CHUNK. `kernel`: mix_tensors or a
+    compiled copy of it."""
+    out, window, keys, values, decay = kernel(x, w, conv_state, state)
+    return out, Pending(window, keys, values, decay)
 
 
 def commit(pending: Pending, kept: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor) -> None:

@@ -261,6 +261,7 @@ class Kernels:
         self.pre = wrap(pre_attention)
         self.post = wrap(post_attention)
         self.context = wrap(context_kv)
+        self.delta = wrap(gated_deltanet.mix_tensors)
 
     def layer(
         self, x, w: _Layer, cos, sin, keys, values, rows, where, mask, eps: float, heads, kv_heads, head_dim
@@ -416,13 +417,13 @@ class StaticTarget:
         self.row_index = torch.arange(rows, device=self.device).unsqueeze(1)
         self.key_positions = torch.arange(positions, device=self.device)
 
-    def _delta(self, i: int, x, w: DeltaLayer, lengths):
+    def _delta(self, i: int, x, w: DeltaLayer, lengths, kernels: Kernels):
         """A Gated DeltaNet layer: mix from the state (Pending to commit) or, given `lengths`, run a
         whole prompt and advance the state at once (no Pending)."""
         h = rms_norm(x, w.ln, w.eps, centered=True)
         conv, state = self.conv_state[i], self.recurrent_state[i]
         if lengths is None:
-            mixed, pending = gated_deltanet.mix(h, w.mixer, conv, state)
+            mixed, pending = gated_deltanet.mix(h, w.mixer, conv, state, kernels.delta)
         else:
             mixed, pending = gated_deltanet.run(h, w.mixer, conv, state, lengths), None
         return residual_mlp(x, mixed, w.ln2, w.gate, w.up, w.down, w.eps, centered=True), pending
@@ -448,7 +449,7 @@ class StaticTarget:
         taken, pending = {}, {}
         for i, w in enumerate(self.layers):
             if isinstance(w, DeltaLayer):
-                x, left = self._delta(i, x, w, lengths)
+                x, left = self._delta(i, x, w, lengths, kernels)
                 if left is not None:
                     pending[i] = left
             else:
