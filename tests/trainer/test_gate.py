@@ -1,5 +1,6 @@
 """The serving gate passes a clean pipeline and fails each of SpecForge #455's three bugs, planted here
 with monkeypatch (production code has no hook for them)."""
+
 from __future__ import annotations
 
 import pytest

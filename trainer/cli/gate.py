@@ -28,7 +28,10 @@ require every drafted block to be accepted whole. A drafter that trains fine but
 def gate_parser() -> argparse.ArgumentParser:
     p = options.command_parser("dflash-train gate", GATE_HELP)
     p.add_argument(
-        "--config", default="tiny-cpu", metavar="FILE", help="whose target and drafter shape (default tiny-cpu)"
+        "--config",
+        default="tiny-cpu",
+        metavar="FILE",
+        help="whose target and drafter shape (default tiny-cpu)",
     )
     p.add_argument("--steps", type=int, default=None, metavar="N", help="training steps (default 300)")
     p.add_argument("--work-dir", metavar="DIR", help="keep the run and the export here (default: a temp dir)")
