@@ -74,6 +74,9 @@ class DataConfig:
     path: typing.Optional[str] = None
     seq_len: int = 3072  # every sequence is padded/truncated to this, so shapes stay static
     eval_fraction: float = 0.0  # share of sequences held out from training for the tau evaluation
+    # apply_chat_template arguments for `messages` records; null: what `data regenerate` recorded
+    # beside data.path (trainer/data/template_args.py), else none
+    chat_template_kwargs: typing.Optional[dict] = None
     synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
 
 
@@ -217,6 +220,9 @@ def config_from_dict(raw: dict, source: str) -> TrainConfig:
     cfg.key_lines = typed_yaml.dotted_lines(raw)
     validate(cfg)
     cfg.train.precision = cfg.train.precision or default_precision(cfg.run.drafter_devices)
+    from trainer.data.template_args import resolve_for_run
+
+    resolve_for_run(cfg)  # the run records what its data was rendered with
     return cfg
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 import dataclasses
 
 from trainer import metrics_format
+from trainer.tau_diagnosis import ACC_WINDOW as ACC_WINDOW  # the probe reads it here
+from trainer.tau_diagnosis import GAP_RATIO, expected_tau_of, likely_cause
 from trainer.typed_yaml import finite
-
-GAP_RATIO = 0.7  # WARNING when measured tau < GAP_RATIO x expected tau
-ACC_WINDOW = 10  # step records averaged for the expected tau (one batch's accuracy is noisy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,18 +41,9 @@ def latest(records: list[dict]) -> Acceptance | None:
         r
         for r in records
         if r.get("event") == "step"
-        and isinstance(r.get("acc"), list)
-        and r["acc"]
         and (step is None or not isinstance(r.get("step"), int) or r["step"] <= step)
-    ][-ACC_WINDOW:]
-    expected = None
-    if steps:
-        width = min(len(r["acc"]) for r in steps)
-        columns = [[finite(r["acc"][k]) for r in steps] for k in range(width)]
-        if all(v is not None for column in columns for v in column):
-            expected = metrics_format.expected_tau(
-                [sum(v for v in c if v is not None) / len(c) for c in columns]
-            )
+    ]
+    expected = expected_tau_of(steps)
     acceptance: list = record["acceptance"] if isinstance(record.get("acceptance"), list) else []
     lossless = record.get("lossless") if isinstance(record.get("lossless"), bool) else None
     return Acceptance(
@@ -85,7 +75,7 @@ def problems(accept: Acceptance | None, min_tau: float) -> list[str]:
     if accept.expected_tau is not None and accept.tau < GAP_RATIO * accept.expected_tau:
         reasons.append(
             f"measured tau {accept.tau:.2f}{at} is below {GAP_RATIO:g} x the {accept.expected_tau:.2f} "
-            "that training accuracy predicts: train/inference mismatch (chat template, mask, labels) "
-            "or a drafter that memorised its data"
+            "that training accuracy predicts; "
+            + likely_cause(accept.expected_tau, accept.tau).removeprefix("likely cause: ")
         )
     return reasons

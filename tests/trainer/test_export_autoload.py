@@ -111,15 +111,17 @@ def test_export_config_carries_what_loaders_read(drafter, tmp_path):
     assert config["dflash_config"] == {"mask_token_id": 511, "target_layer_ids": [1, 2, 3]}
 
 
-def test_a_scaled_rope_target_is_copied_into_the_export(tmp_path):
+def test_a_scaled_rope_target_exports_the_rope_its_drafter_was_trained_with(tmp_path):
+    """Engines rotate the draft's q/k by the draft config: it must name the RoPE the drafter was trained
+    with (plain, the target's theta), not the target's scaling, or acceptance collapses silently."""
     from transformers import Qwen3Config
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 5e5}
     target = load_target("tiny-random", "cpu", torch.float32, seed=0, tiny={"rope_parameters": yarn})
     cfg = DrafterConfig.for_target(target, num_layers=1, block_size=BLOCK)
+    assert cfg.rope_scaling is not None  # the target does scale its RoPE
     export_dir = export_drafter(DFlashDrafter(cfg, target.embed_tokens, target.lm_head), tmp_path / "export")
     config = json.loads((export_dir / "config.json").read_text())
-    assert config["rope_scaling"]["rope_type"] == "yarn" and config["rope_scaling"]["factor"] == 4.0
-    assert config["rope_theta"] == 5e5
+    assert config["rope_scaling"] is None and config["rope_theta"] == 5e5
     loaded = Qwen3Config.from_pretrained(export_dir)
-    assert loaded.rope_parameters["rope_type"] == "yarn" and loaded.rope_parameters["rope_theta"] == 5e5
+    assert loaded.rope_parameters["rope_type"] == "default" and loaded.rope_parameters["rope_theta"] == 5e5

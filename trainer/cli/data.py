@@ -152,6 +152,9 @@ def _regenerate(args) -> int:
         resume=args.resume,
     )
     report: dict = {}
+    from trainer.data.template_args import write_for_data
+
+    write_for_data(args.out, template_kwargs)  # the arguments travel with the data into the run
     try:
         with _sigterm_as_interrupt():
             summary = regenerate(job, report=report)

@@ -46,6 +46,18 @@ def eval_parser() -> argparse.ArgumentParser:
     options.add_device(p, "cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)")
     options.add_sampling_seed(p)
     _add_loop_options(p)
+    p.add_argument(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        help="apply_chat_template arguments for --prompts messages (default: what the drafter's "
+        "training data was rendered with; another value is used, with a warning)",
+    )
+    p.add_argument(
+        "--why",
+        action="store_true",
+        help="tau on the run's held-in records, on --prompts (held out) and the tau training accuracy "
+        "predicts, and the likely cause of a gap (needs a run dir or checkpoint)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return p
 
@@ -251,7 +263,15 @@ def _run_eval(args: argparse.Namespace, out, err) -> int:
     try:
         device = _checked_device(args)
         dcfg, weights, run_config, described = load_drafter_source(args.checkpoint)
+        if args.why and run_config is None:
+            raise ConfigError(
+                "--why needs the run (its held-in records and training accuracy), not an export dir. "
+                "Fix: --checkpoint RUN_DIR or a checkpoints/step-NNNNNNN dir."
+            )
         target, drafter = load_models(dcfg, weights, run_config, args.target, device)
+        args.template_kwargs = _template_kwargs(args, run_config, err)
+        if args.why:
+            return _run_why(args, target, drafter, run_config, described, device, out, err)
         prompts = _prompts(args, target, run_config, described)
         result = _evaluate(args, target, drafter, prompts, device, err)
     except RuntimeError as exc:  # e.g. CUDA out of memory: one line, not a traceback
@@ -294,12 +314,93 @@ def _prompts(args: argparse.Namespace, target, run_config: dict | None, describe
     if args.prompts:
         from trainer.infer.evaluate import load_prompts
 
-        prompts = load_prompts(args.prompts, target.tokenizer, target.vocab_size)
+        prompts = load_prompts(args.prompts, target.tokenizer, target.vocab_size, args.template_kwargs)
     elif run_config is not None:
         prompts = run_prompts(run_config, target, described, args.num_prompts)
     else:
         raise ConfigError("--prompts is required with an export dir. Fix: --prompts FILE.jsonl.")
     return prompts[: args.num_prompts]
+
+
+def _template_kwargs(args: argparse.Namespace, run_config: dict | None, err) -> dict | None:
+    """--chat-template-kwargs, else what the training data was rendered with (the run's config, or an
+    export's serve.json); a warning when the two differ."""
+    from trainer.data.template_args import differs_warning, run_chat_template_kwargs
+
+    trained = run_chat_template_kwargs(run_config)
+    if run_config is None:
+        trained = _export_template_kwargs(args.checkpoint)
+    if args.chat_template_kwargs is None:
+        return trained
+    try:
+        asked = json.loads(args.chat_template_kwargs)
+    except ValueError:
+        asked = None
+    if not isinstance(asked, dict):
+        raise ConfigError(
+            "--chat-template-kwargs must be a JSON object. Fix: e.g. '{\"enable_thinking\": false}'"
+        )
+    warning = differs_warning(trained, asked)
+    if warning:
+        print(f"dflash-train eval: {warning}", file=err)
+    return asked
+
+
+def _export_template_kwargs(export_dir: str) -> dict | None:
+    from trainer.infer.serve_recipe import SERVE_JSON
+
+    try:
+        kwargs = json.loads((Path(export_dir) / SERVE_JSON).read_text(encoding="utf-8")).get(
+            "chat_template_kwargs"
+        )
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kwargs if isinstance(kwargs, dict) else None
+
+
+def _run_why(args, target, drafter, run_config, described: str, device: str, out, err) -> int:
+    """--why: tau held-in, held-out and expected, and the likely cause (trainer.tau_diagnosis)."""
+    from trainer import metrics_format
+    from trainer.infer.evaluate import load_prompts
+    from trainer.tau_diagnosis import expected_tau_of, likely_cause
+
+    held_in = _evaluate(
+        args, target, drafter, run_prompts(run_config, target, described, args.num_prompts), device, err
+    )
+    held_out = None
+    if args.prompts:
+        prompts = load_prompts(args.prompts, target.tokenizer, target.vocab_size, args.template_kwargs)
+        held_out = _evaluate(args, target, drafter, prompts[: args.num_prompts], device, err)
+    run = run_config.get("run") or {}
+    metrics = run.get("metrics_file") or str(Path(run.get("output_dir", ".")) / "metrics.jsonl")
+    try:
+        records = metrics_format.parse_lines(Path(metrics).read_text(encoding="utf-8"))
+    except OSError:
+        records = []
+    expected = expected_tau_of([r for r in metrics_format.current_run(records) if r.get("event") == "step"])
+    numbers = {
+        "tau_held_in": held_in.tau,
+        "tau_held_out": held_out.tau if held_out else None,
+        "tau_expected": expected,
+        "likely_cause": likely_cause(expected, held_in.tau, held_out.tau if held_out else None),
+    }
+    if args.json:
+        out.write(json.dumps(_finite(dict(numbers, checkpoint=described)), allow_nan=False) + "\n")
+    else:
+        out.write(f"dflash-train eval --why: {described} on {device} (tau pooled over rounds)\n")
+        out.write(
+            f"tau held-in  {held_in.tau:.3f}  ({held_in.prompts} unseen records of the training data)\n"
+        )
+        if held_out:
+            out.write(f"tau held-out {held_out.tau:.3f}  ({held_out.prompts} prompts of {args.prompts})\n")
+        shown = f"{expected:.3f}" if expected is not None else "unknown (no step records in " + metrics + ")"
+        out.write(f"tau expected {shown}  (from training accuracy, last steps of {metrics})\n")
+        out.write(numbers["likely_cause"] + "\n")
+    bug = held_in.mismatch or (held_out.mismatch if held_out else None)
+    if bug is not None:
+        print(_mismatch_line(bug), file=err)
+        return 1
+    return 0
 
 
 def _evaluate(args: argparse.Namespace, target, drafter, prompts, device: str, err):

@@ -47,6 +47,11 @@ Write a checkpoint's drafter in the format inference engines load: config.json
 
   dflash-train export --checkpoint runs/tiny/checkpoints/step-0000512 --out drafter/
   dflash-train export --checkpoint runs/tiny --out drafter/     (its latest checkpoint)
+
+It also writes SERVE.md and serve.json beside the weights (and prints them): the vLLM and SGLang
+command lines that serve this drafter with its target. An export an engine would refuse or serve
+wrongly (fc width, a mask_hidden weight, causal layers, another RoPE, a bad mask token or layer
+id) is refused in one line, exit 2, and nothing is written.
 """
 
 
@@ -65,7 +70,7 @@ def _train_parser() -> argparse.ArgumentParser:
         "dflash-train",
         TRAIN_HELP,
         epilog="Subcommands: dflash-train export --help | dflash-train data --help | "
-        "dflash-train eval --help | dflash-train report --help",
+        "dflash-train eval --help | dflash-train gate --help | dflash-train report --help",
     )
     _add_run_options(p)
     _add_engine_options(p)
@@ -143,6 +148,7 @@ def _export_parser() -> argparse.ArgumentParser:
     )
     options.add_out(p, "DIR", "export directory (created)")
     options.add_dtype(p, "weight dtype of the export (default bf16; training keeps fp32 masters)")
+    options.add_target(p, "the target to serve with (default: the one the run trained against)")
     return p
 
 
@@ -172,7 +178,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     return overrides
 
 
-SUBCOMMANDS = ("export", "data", "eval", "report")
+SUBCOMMANDS = ("export", "data", "eval", "gate", "report")
 
 
 def _refuse_unknown_subcommand(word: str) -> None:
@@ -193,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.cli.eval import eval_parser, run_eval
 
         return run_eval(eval_parser().parse_args(argv[1:]))
+    if argv and argv[0] == "gate":
+        from trainer.cli.gate import gate_parser, run_gate_command
+
+        return run_gate_command(gate_parser().parse_args(argv[1:]))
     if argv and argv[0] == "export":
         export_args = _export_parser().parse_args(argv[1:])
         return run_command("dflash-train", lambda: _run_export(export_args))
@@ -243,20 +253,46 @@ def _run_train(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace) -> int:
     from trainer.train.checkpoint import load_checkpoint, resolve_export_source
 
+    from trainer.infer.serve_recipe import write_recipe
+
     path = resolve_export_source(args.checkpoint)  # a step dir, or a run dir's latest
-    out = export_checkpoint(load_checkpoint(path), args.out, args.dtype)
+    state = load_checkpoint(path)
+    out = export_checkpoint(state, args.out, args.dtype)
+    recipe = serve_recipe_for(state, out, args.target)
+    write_recipe(recipe, out)
     print(f"dflash-train: exported {path} -> {out}")
+    print("\n".join(recipe.lines()))
     return 0
+
+
+def serve_recipe_for(state, out_dir, target: str | None = None):
+    """How to serve the export of checkpoint `state` in `out_dir` (trainer.infer.serve_recipe)."""
+    import os
+
+    from trainer.data.template_args import run_chat_template_kwargs
+    from trainer.infer.serve_recipe import ServeRecipe, target_as_trained
+
+    spec = target or ((state.config or {}).get("target") or {}).get("spec") or "TARGET"
+    return ServeRecipe(
+        target=target_as_trained(spec),
+        draft=os.path.abspath(out_dir),
+        block_size=int(state.drafter_config["block_size"]),
+        chat_template_kwargs=run_chat_template_kwargs(state.config),
+    )
 
 
 def export_checkpoint(state, out_dir: str, dtype: str = "bf16"):
     """Rebuild the drafter from a checkpoint alone (no target needed) and export it in `dtype`."""
     import torch
 
-    from trainer.infer.export import export_drafter
+    from trainer.infer.engine_rules import check_engine_rules
+    from trainer.infer.export import export_config, export_drafter
     from trainer.model import DFlashDrafter, DrafterConfig
 
     dcfg = DrafterConfig.from_dict(state.drafter_config)
+    # The engine rules first: weights the drafter cannot load (a mask_hidden) are refused in one line.
+    shapes = {name: tuple(t.shape) for name, t in state.weights.items()}
+    check_engine_rules(export_config(dcfg, torch.float32), shapes, dcfg.rope_theta)
     # The target's embedding/lm_head are not part of the export; shape-only stand-ins on the meta
     # device satisfy the constructor without loading the target or allocating vocab x hidden.
     embed = torch.nn.Embedding(dcfg.vocab_size, dcfg.hidden_size, device="meta")

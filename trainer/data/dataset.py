@@ -137,14 +137,22 @@ def jsonl_records(path: str, what: str, missing_fix: str):
                 ) from None
 
 
-def load_jsonl(path: str, seq_len: int, vocab_size: int, tokenizer=None, pad_id: int = 0) -> Dataset:
-    """Read and check every record; raises DataError at the first bad one (file:line)."""
+def load_jsonl(
+    path: str,
+    seq_len: int,
+    vocab_size: int,
+    tokenizer=None,
+    pad_id: int = 0,
+    chat_template_kwargs: dict | None = None,
+) -> Dataset:
+    """Read and check every record; raises DataError at the first bad one (file:line).
+    `chat_template_kwargs` go to apply_chat_template for `messages` records."""
     rows_ids, rows_mask, rows_attn = [], [], []
     for where, record in jsonl_records(path, "data", "set data.path to an existing .jsonl file."):
         if not isinstance(record, dict):
             raise DataError(where, "expected a JSON object with input_ids+loss_mask or messages.")
         if "messages" in record:
-            ids, mask = _tokenize_messages(record["messages"], tokenizer, where)
+            ids, mask = _tokenize_messages(record["messages"], tokenizer, where, chat_template_kwargs)
         elif "input_ids" in record:
             ids, mask = _check_pretokenized(record, where)
         else:
@@ -203,7 +211,9 @@ def _check_pretokenized(record: dict, where: str) -> tuple[list[int], list[int]]
     return ids, [int(v) for v in mask]
 
 
-def _tokenize_messages(messages, tokenizer, where: str) -> tuple[list[int], list[int]]:
+def _tokenize_messages(
+    messages, tokenizer, where: str, chat_template_kwargs: dict | None = None
+) -> tuple[list[int], list[int]]:
     """Token ids of the whole conversation; loss_mask 1 on each assistant turn's tokens.
 
     An assistant turn's tokens are those the template adds between "everything before it plus the
@@ -232,7 +242,9 @@ def _tokenize_messages(messages, tokenizer, where: str) -> tuple[list[int], list
     def encode(msgs, generation_prompt=False) -> list[int]:
         if not msgs:
             return []
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        text = tokenizer.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=generation_prompt, **(chat_template_kwargs or {})
+        )
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     ids = encode(messages)

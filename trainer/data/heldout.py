@@ -76,7 +76,8 @@ def eval_prompts(cfg, target, heldout: Dataset | None, count: int) -> list[list[
     if cfg.eval.path:
         from trainer.infer.evaluate import load_prompts
 
-        return load_prompts(cfg.eval.path, target.tokenizer, target.vocab_size)[:count]
+        kwargs = cfg.data.chat_template_kwargs  # rendered like the training data
+        return load_prompts(cfg.eval.path, target.tokenizer, target.vocab_size, kwargs)[:count]
     if heldout is not None:
         return prompts_of(heldout)[:count]
     if cfg.data.source == "synthetic":

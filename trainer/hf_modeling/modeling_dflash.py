@@ -8,7 +8,14 @@
 
 No embedding and no lm_head: the target's are used. At inference the block sees the whole
 context and the whole block (attention_mask None); a mask may be given for other uses.
+
+`spec_generate(target=..., input_ids=..., max_new_tokens=..., stop_token_ids=[...], temperature=0.0)`
+decodes with a Transformers target the way z-lab's published drafters do (see its docstring).
 """
+
+import copy
+import inspect
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +74,27 @@ class DFlashAttention(nn.Module):
         self.q_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
 
+    def context_kv(self, ctx, cos, sin):
+        """Keys (k_norm, RoPE) and values [B, Hkv, T, D] of context positions, for a cache."""
+        batch, ctx_len, _ = ctx.shape
+        k = self.k_norm(self.k_proj(ctx).view(batch, ctx_len, self.num_kv_heads, self.head_dim)).transpose(
+            1, 2
+        )
+        v = self.v_proj(ctx).view(batch, ctx_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return k * cos + _rotate_half(k) * sin, v
+
+    def forward_cached(self, x, keys, values, cos, sin):
+        """The block x [B, L, H] at the positions of cos/sin, against cached context keys/values;
+        the block sees the whole context and itself (no mask)."""
+        batch, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        k_block, v_block = self.context_kv(x, cos, sin)
+        q = q * cos + _rotate_half(q) * sin
+        k = k_block if keys is None else torch.cat([keys, k_block], dim=2)
+        v = v_block if values is None else torch.cat([values, v_block], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
+
     def forward(self, x, ctx, cos, sin, attention_mask):
         batch, q_len, _ = x.shape
         kv_in = torch.cat([ctx, x], dim=1)
@@ -107,6 +135,10 @@ class DFlashDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, attention_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_cached(self, x, keys, values, cos, sin):
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), keys, values, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class DFlashDraftModel(PreTrainedModel):
     config_class = DFlashConfig
@@ -136,11 +168,214 @@ class DFlashDraftModel(PreTrainedModel):
         batch, ctx_len, block_len = x.shape[0], ctx.shape[1], x.shape[1]
         if position_ids is None:
             position_ids = torch.arange(ctx_len + block_len, device=x.device).expand(batch, -1)
-        head_dim = self.layers[0].self_attn.head_dim
-        inv_freq, scaling = _inv_freq(self.config, head_dim, x.device)
-        freqs = position_ids.float().unsqueeze(-1) * inv_freq.float()
-        angles = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
-        cos, sin = (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
+        cos, sin = self.rope(position_ids)
         for layer in self.layers:
             x = layer(x, ctx, cos, sin, attention_mask)
         return self.norm(x)
+
+    def rope(self, position_ids):
+        """cos, sin [B, 1, N, head_dim] for positions [B, N], in the weights' dtype."""
+        head_dim = self.layers[0].self_attn.head_dim
+        inv_freq, scaling = _inv_freq(self.config, head_dim, position_ids.device)
+        freqs = position_ids.float().unsqueeze(-1) * inv_freq.float()
+        angles = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
+        dtype = self.fc.weight.dtype
+        return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
+
+    @torch.no_grad()
+    def spec_generate(
+        self,
+        target,
+        input_ids,
+        max_new_tokens,
+        stop_token_ids=None,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        return_stats=False,
+    ):
+        """Speculative decoding of `input_ids` [1, T] with `target` (a Transformers causal LM), as
+        z-lab's published DFlash drafters do it; returns output_ids [1, T + new] (prompt included,
+        ending at the first stop token or after max_new_tokens), or with return_stats=True a namespace
+        with output_ids, acceptance_lengths (tokens emitted per round: accepted drafts + the target's
+        bonus token) and accepted (drafts accepted per round).
+
+        Each round drafts the block [last token, MASK x (B-1)] in ONE drafter forward against the
+        cached context (the target features of every accepted position), verifies it in ONE target
+        forward, and keeps the longest prefix of drafts equal to the target's own tokens plus the
+        target's next token. temperature 0: the output is the target's greedy output; temperature > 0:
+        the target's tokens are sampled (temperature, top_p, top_k) and the greedy drafts compared
+        with them, so every token is a target sample given the right prefix.
+
+        The target's cache is rolled back after each verify: a DynamicCache is cropped; a cache that
+        cannot be cropped (recurrent layers without past recording, e.g. Gated DeltaNet) is restored
+        to its state before the verify and fed the accepted tokens again.
+        """
+        self.eval()
+        device = target.get_input_embeddings().weight.device
+        input_ids = input_ids.to(device)
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(
+                f"spec_generate decodes one sequence: input_ids must be [1, T], got {tuple(input_ids.shape)}"
+            )
+        stops = {int(t) for t in (stop_token_ids or [])}
+        block = int(self.config.block_size)
+        mask_id = int(self.config.dflash_config["mask_token_id"])
+        layer_ids = list(self.config.dflash_config["target_layer_ids"])
+        embed = target.get_input_embeddings()
+        head = target.get_output_embeddings()
+        generator = None  # sampling draws from torch's global RNG, as HF generate does
+
+        def pick(logits):
+            return _pick(logits, temperature, top_p, top_k, generator)
+
+        cache = _target_cache(target)
+        rollback = _rollback_supported(cache)
+        cache_arg = _cache_argument(target)
+
+        def verify(ids, kv):
+            return target(input_ids=ids, use_cache=True, output_hidden_states=True, **{cache_arg: kv})
+
+        prompt_len = input_ids.shape[1]
+        out = verify(input_ids, cache)
+        tokens = [int(pick(out.logits[0, -1:])[0])]
+        context = _DraftContext(self)
+        context.extend(_features(out.hidden_states, layer_ids), 0)
+        start = prompt_len  # position of the last accepted token, the next block's anchor
+        accepted = []
+        stopped = tokens[-1] in stops
+        while len(tokens) < max_new_tokens and not stopped:
+            block_ids = torch.full((1, block), mask_id, dtype=torch.long, device=device)
+            block_ids[0, 0] = tokens[-1]
+            hidden = context.draft(embed(block_ids), start)
+            drafts = head(hidden[:, 1:]).argmax(dim=-1)[0]
+            block_ids[0, 1:] = drafts
+            saved = None if rollback else copy.deepcopy(cache)
+            out = verify(block_ids, cache)
+            verified = pick(out.logits[0]).tolist()  # the target's token after each block position
+            drafted = drafts.tolist()
+            n = 0
+            while n < block - 1 and drafted[n] == verified[n]:
+                n += 1
+            accepted.append(n)
+            features = _features(out.hidden_states, layer_ids)[:, : n + 1]
+            if rollback:
+                _crop(cache, start + n + 1)
+            else:  # back to the state before the verify, then exactly the accepted tokens
+                cache = saved
+                again = verify(block_ids[:, : n + 1], cache)
+                features = _features(again.hidden_states, layer_ids)
+            context.extend(features, start)
+            tokens += verified[: n + 1]  # n drafts equal to the target's tokens, then its bonus token
+            stopped = bool(stops.intersection(verified[: n + 1]))
+            start += n + 1
+        tokens = _finish(tokens, max_new_tokens, stops)
+        output_ids = torch.cat(
+            [input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=device)], dim=1
+        )
+        if not return_stats:
+            return output_ids
+        return SimpleNamespace(
+            output_ids=output_ids,
+            num_input_tokens=prompt_len,
+            num_output_tokens=len(tokens),
+            acceptance_lengths=[n + 1 for n in accepted],
+            accepted=accepted,
+        )
+
+
+class _DraftContext:
+    """Per drafter layer, the cached keys/values of the context positions (one sequence)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.keys = [None] * len(model.layers)
+        self.values = [None] * len(model.layers)
+
+    def extend(self, features, first_position):
+        """Append target features [1, T, K*H] of positions first_position.. to the cache."""
+        m = self.model
+        dtype = m.fc.weight.dtype
+        ctx = m.hidden_norm(m.fc(features.to(dtype)))
+        positions = torch.arange(first_position, first_position + ctx.shape[1], device=ctx.device).unsqueeze(
+            0
+        )
+        cos, sin = m.rope(positions)
+        for i, layer in enumerate(m.layers):
+            k, v = layer.self_attn.context_kv(ctx, cos, sin)
+            self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], dim=2)
+            self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v], dim=2)
+
+    def draft(self, block_embedding, anchor_position):
+        """Final hidden states [1, B, H] of the block whose anchor sits at `anchor_position`."""
+        m = self.model
+        x = block_embedding.to(m.fc.weight.dtype)
+        positions = torch.arange(anchor_position, anchor_position + x.shape[1], device=x.device).unsqueeze(0)
+        cos, sin = m.rope(positions)
+        for i, layer in enumerate(m.layers):
+            x = layer.forward_cached(x, self.keys[i], self.values[i], cos, sin)
+        return m.norm(x)
+
+
+def _features(hidden_states, layer_ids):
+    """[1, T, K*H]: HF hidden_states[layer + 1] (index 0 is the embedding output) per target layer."""
+    return torch.cat([hidden_states[layer + 1] for layer in layer_ids], dim=-1)
+
+
+def _pick(logits, temperature, top_p, top_k, generator):
+    """Tokens [N] from logits [N, V]: argmax at temperature 0, else a sample."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        keep = ordered.cumsum(dim=-1) - ordered < top_p  # the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, ordered * keep)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _finish(tokens, max_new_tokens, stops):
+    tokens = tokens[:max_new_tokens]
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _cache_argument(target):
+    """The name the target's forward takes its cache by (newer transformers: `cache`)."""
+    return "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
+
+
+def _target_cache(target):
+    """A DynamicCache for the target (its hybrid layer types when it has them), recording past
+    states where the layers support it so they can be cropped."""
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=target.config)
+    except TypeError:  # older transformers: no config argument
+        cache = DynamicCache()
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()
+    return cache
+
+
+def _rollback_supported(cache):
+    """Whether every layer of the cache can be cropped back (attention layers, and recurrent ones
+    that record their past states)."""
+    for layer in getattr(cache, "layers", None) or []:
+        recurrent = hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states")
+        if recurrent and not getattr(layer, "record_past", False):
+            return False
+    return True
+
+
+def _crop(cache, length):
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)

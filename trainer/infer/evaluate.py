@@ -84,7 +84,9 @@ def tau_summary(accepted_per_prompt: list[list[int]]) -> dict:
     }
 
 
-def load_prompts(path: str, tokenizer=None, vocab_size: int | None = None) -> list[list[int]]:
+def load_prompts(
+    path: str, tokenizer=None, vocab_size: int | None = None, chat_template_kwargs: dict | None = None
+) -> list[list[int]]:
     """Prompts from JSONL: `{"input_ids": [...]}` (used as is) or `{"messages": [...]}` rendered with
     the target's chat template and a generation prompt (a final assistant turn, the reference
     answer, is left out). Raises DataError naming file:line."""
@@ -99,7 +101,7 @@ def load_prompts(path: str, tokenizer=None, vocab_size: int | None = None) -> li
             ):
                 raise DataError(where, "input_ids must be a non-empty list of integers.")
         elif isinstance(record, dict) and "messages" in record:
-            ids = _render_messages(record["messages"], tokenizer, where)
+            ids = _render_messages(record["messages"], tokenizer, where, chat_template_kwargs)
         else:
             raise DataError(where, 'expected {"messages": [...]} or {"input_ids": [...]}.')
         bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
@@ -115,7 +117,7 @@ def load_prompts(path: str, tokenizer=None, vocab_size: int | None = None) -> li
     return prompts
 
 
-def _render_messages(messages, tokenizer, where: str) -> list[int]:
+def _render_messages(messages, tokenizer, where: str, chat_template_kwargs: dict | None = None) -> list[int]:
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise DataError(
             where,
@@ -138,7 +140,9 @@ def _render_messages(messages, tokenizer, where: str) -> list[int]:
         messages = messages[:-1]
     if not messages:
         raise DataError(where, "only an assistant turn: nothing to prompt with.")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+    )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -1,13 +1,19 @@
 """Export the drafter in the format inference engines load.
 
 An export directory holds:
-- config.json: a Qwen3 config (dims, rope, eps, vocab, the target's max_position_embeddings and
-  rope scaling, layer_types) with `architectures: ["DFlashDraftModel"]`, `block_size`,
-  `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}` and an `auto_map`;
+- config.json: a Qwen3 config (dims, eps, vocab, the target's max_position_embeddings, layer_types,
+  and the RoPE the drafter was trained with: plain, its rope_theta, whatever scaling the target has,
+  since engines rotate the draft's own q/k by the draft config) with
+  `architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers`,
+  `dflash_config: {mask_token_id, target_layer_ids}` and an `auto_map`;
 - model.safetensors: the drafter weights only (fc, hidden_norm, norm, layers.*), no embedding and
   no lm_head: engines use the target's;
 - modeling_dflash.py + configuration_dflash.py (from trainer/hf_modeling): the architecture as
   Transformers code, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` builds it.
+
+Before anything is written the export is checked against the rules inference engines apply
+(trainer.infer.engine_rules); `dflash-train export` also writes how to serve it
+(trainer.infer.serve_recipe).
 
 tests/trainer/reference_drafter.py reads an export the way an inference engine does and checks
 the trainer's logits against it.
@@ -24,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from trainer.files import follow_umask
+from trainer.infer.engine_rules import check_engine_rules
 from trainer.model import DFlashDrafter, DrafterConfig
 
 CONFIG_FILE = "config.json"
@@ -48,7 +55,9 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
             "Fix: build the config with DrafterConfig.for_target(target, ...) or set it to the "
             "target's layer count"
         )
-    rope = dict(cfg.rope_scaling or {"rope_type": "default"}, rope_theta=cfg.rope_theta)
+    # The drafter's own RoPE (trainer.model.rope_cos_sin: unscaled), not the target's scaling:
+    # engines apply the draft config's RoPE to the draft's q/k (trainer.infer.engine_rules).
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     config = {
         "architectures": [ARCHITECTURE],
         "auto_map": dict(AUTO_MAP),
@@ -64,7 +73,7 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "rms_norm_eps": cfg.rms_norm_eps,
         # All spellings: older transformers read rope_theta + rope_scaling, newer rope_parameters.
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": rope if cfg.rope_scaling else None,
+        "rope_scaling": None,
         "rope_parameters": rope,
         "layer_types": ["full_attention"] * cfg.num_layers,
         "vocab_size": cfg.vocab_size,
@@ -114,6 +123,7 @@ def export_weights(weights: dict, cfg: DrafterConfig, out_dir, dtype: torch.dtyp
     """Same as export_drafter from a drafter state_dict (e.g. a checkpoint): no target needed."""
     config_dtype = dtype or next(iter(weights.values())).dtype
     config = export_config(cfg, config_dtype)  # validates before anything is written
+    check_engine_rules(config, {name: tuple(t.shape) for name, t in weights.items()}, cfg.rope_theta)
     if set(weights) != weight_names(cfg):
         raise ValueError(
             f"cannot export: weights do not match the drafter config: missing "

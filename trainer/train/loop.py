@@ -101,7 +101,12 @@ def build_dataset(cfg: TrainConfig, target) -> Dataset:
     pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     assert cfg.data.path is not None  # validate(): a jsonl source names its path
     return load_jsonl(
-        cfg.data.path, cfg.data.seq_len, target.vocab_size, tokenizer, pad_id if pad_id is not None else 0
+        cfg.data.path,
+        cfg.data.seq_len,
+        target.vocab_size,
+        tokenizer,
+        pad_id if pad_id is not None else 0,
+        cfg.data.chat_template_kwargs,
     )
 
 

@@ -1,0 +1,77 @@
+"""tau that says why: the likely cause from held-in, held-out and expected tau, and `eval --why`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainer.cli.eval import eval_parser, run_eval
+from trainer.cli.main import main
+from trainer.metrics_format import expected_tau
+from trainer.tau_diagnosis import expected_tau_of, likely_cause
+
+
+def test_mismatch_when_held_in_is_far_below_expected():
+    line = likely_cause(expected=4.0, held_in=2.0, held_out=1.9)
+    assert line.startswith("likely cause: mismatch") and "over-fit" not in line
+
+
+def test_over_fit_when_held_out_is_far_below_held_in():
+    line = likely_cause(expected=4.0, held_in=3.8, held_out=1.5)
+    assert line.startswith("likely cause: over-fit") and "mismatch" not in line
+
+
+def test_both_and_neither():
+    assert "mismatch" in likely_cause(4.0, 2.0, 1.0) and "over-fit" in likely_cause(4.0, 2.0, 1.0)
+    assert likely_cause(4.0, 3.5, 3.4).startswith("likely cause: none found")
+
+
+def test_expected_tau_averages_the_last_steps():
+    steps = [{"acc": [0.0, 0.0]}] + [{"acc": [0.5, 0.5]}] * 10
+    assert expected_tau_of(steps) == pytest.approx(expected_tau([0.5, 0.5]))
+    assert expected_tau_of([{"loss": 1.0}]) is None
+
+
+TRAIN = ["--config", "tiny-cpu", "--max-steps", "3", "--set", "eval.every=0", "--set", "run.log_every=100"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("why") / "run"
+    assert main([*TRAIN, "--output-dir", str(run)]) == 0
+    return run
+
+
+def test_eval_why_reports_three_taus_and_a_cause(run, tmp_path, capsys):
+    prompts = tmp_path / "other.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": [i, i + 1] * 4}) + "\n" for i in range(3)))
+    capsys.readouterr()
+    base = [
+        "--checkpoint",
+        str(run),
+        "--num-prompts",
+        "3",
+        "--max-new-tokens",
+        "12",
+        "--device",
+        "cpu",
+        "--json",
+    ]
+    assert run_eval(eval_parser().parse_args(base + ["--why", "--prompts", str(prompts)])) == 0
+    why = json.loads(capsys.readouterr().out)
+    assert run_eval(eval_parser().parse_args(base)) == 0  # plain eval: the run's held-in prompts
+    plain = json.loads(capsys.readouterr().out)
+    assert why["tau_held_in"] == pytest.approx(plain["tau"])
+    assert why["tau_held_out"] >= 1 and why["tau_expected"] >= 1
+    assert why["likely_cause"] == likely_cause(why["tau_expected"], why["tau_held_in"], why["tau_held_out"])
+
+
+def test_eval_why_needs_a_run(run, tmp_path, capsys):
+    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "e")]) == 0
+    capsys.readouterr()
+    code = run_eval(
+        eval_parser().parse_args(["--checkpoint", str(tmp_path / "e"), "--why", "--device", "cpu"])
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--why needs the run" in err[0]

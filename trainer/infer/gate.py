@@ -1,0 +1,252 @@
+"""The serving gate: over-fit one sequence, export, serve it through Transformers, demand full blocks.
+
+The field's most reported DFlash failure is a drafter that trains to high accuracy and accepts
+nothing once served (SpecForge #455: labels shifted by one, a padding shift in the feature path,
+blocks seeing later context). Each such bug is a disagreement between what training computes and
+what serving computes, and an over-fit shows it at once: a fresh drafter trained a few hundred
+steps on ONE sequence (the target's own greedy continuation of a random prompt) must, when its
+export is loaded the way users load it (`AutoModel.from_pretrained(dir, trust_remote_code=True)`)
+and decodes that prompt with `spec_generate`, accept every drafted token of every block. Anything
+less means training and serving disagree, whatever the training accuracy says.
+
+The sequence is prompt + 1 + rounds x block_size tokens: the first new token comes from the
+prefill, then each of `rounds` blocks must be accepted whole (tau = block_size). The drafter served
+is the one of the first checkpoint where training is perfect on the sequence (every block position
+right): a bug that lets training see what serving does not (later context) reaches perfect training
+accuracy early through that leak, long before a drafter could memorise the sequence without it, so
+serving that checkpoint shows the leak; a clean drafter serves exactly what it trained to.
+
+An over-fit drafter may also memorise the sequence without leaning on a leak, so the gate checks a
+second thing on the same blocks: the logits the training computation gives (its feature path, its
+context mask) must equal those of the export run the way engines run it (the target's HF hidden
+states, the context strictly before each anchor), to float tolerance. A leak or a misaligned feature
+changes the training side only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+import torch
+
+GATE_ROUNDS = 6  # full blocks the served drafter must accept
+GATE_PROMPT_LEN = 8
+GATE_STEPS = 300
+GATE_LR = 3e-3
+CHECK_EVERY = 10  # steps between the checkpoints the gate may serve
+LOGITS_TOLERANCE = 1e-3  # training vs serving logits, relative to their spread (fp32 agrees to ~1e-6)
+
+
+@dataclasses.dataclass
+class GateResult:
+    block_size: int
+    accepted: list[int]  # drafts accepted per round
+    rounds: int  # rounds a clean drafter decodes the sequence in
+    same_tokens: bool  # the served output equals the sequence it trained on
+    train_acc: list[float]  # per block position, at the served checkpoint's step
+    seconds: float
+    export_dir: str
+    step: int  # the training step of the served checkpoint
+    logits_gap: float  # max |training - serving| logits over the sequence's blocks, relative to their spread
+
+    @property
+    def passed(self) -> bool:
+        whole = all(n == self.block_size - 1 for n in self.accepted)
+        agree = self.logits_gap <= LOGITS_TOLERANCE
+        return self.learned and agree and self.same_tokens and len(self.accepted) == self.rounds and whole
+
+    @property
+    def learned(self) -> bool:
+        """Training got every block position of the sequence right."""
+        return bool(self.train_acc) and all(a == 1.0 for a in self.train_acc)
+
+    @property
+    def tau(self) -> float:
+        return sum(n + 1 for n in self.accepted) / len(self.accepted) if self.accepted else float("nan")
+
+    def line(self) -> str:
+        acc = " ".join(f"{a:.2f}" for a in self.train_acc)
+        if self.passed:
+            return (
+                f"serving gate: ok: training learned one sequence at step {self.step} (accuracy by "
+                f"position {acc}), served "
+                f"through the export it accepted every block whole: tau {self.tau:.2f} = block "
+                f"{self.block_size} over {len(self.accepted)} rounds ({self.seconds:.0f}s)"
+            )
+        if not self.learned:
+            return (
+                f"serving gate FAILED: training did not learn the one sequence in {self.step} steps "
+                f"(accuracy by position {acc}); raise --steps, or look for a training bug"
+            )
+        if self.logits_gap > LOGITS_TOLERANCE:
+            return (
+                f"serving gate FAILED: training computes other logits than the served export on the same "
+                f"blocks (relative gap {self.logits_gap:.3g} > {LOGITS_TOLERANCE:g}; served it accepted "
+                f"{self.accepted} drafts per round): the training feature path or context mask sees "
+                f"something serving does not"
+            )
+        what = "" if self.same_tokens else "; the served output is not the target's own continuation"
+        return (
+            f"serving gate FAILED: training learned one sequence at step {self.step} (accuracy by position "
+            f"{acc}), but served "
+            f"through the export it accepted {self.accepted} drafts per round (tau {self.tau:.2f}; a full "
+            f"block is {self.block_size}){what}: training and serving disagree (labels, feature alignment, "
+            f"context mask or export)"
+        )
+
+
+def gate_config(config: str, overrides: dict, work_dir: str, steps: int):
+    """The run the gate trains: `config`'s target and drafter, one synthetic sequence, `steps` steps."""
+    from trainer.config import load_config
+
+    cfg = load_config(config, overrides)
+    block = cfg.drafter.block_size
+    seq_len = GATE_PROMPT_LEN + 1 + GATE_ROUNDS * block
+    forced = {
+        "data.source": "synthetic",
+        "data.path": None,
+        "data.eval_fraction": 0.0,
+        "data.seq_len": seq_len,
+        "data.synthetic.num_samples": 1,
+        "data.synthetic.prompt_len": GATE_PROMPT_LEN,
+        "train.batch_size": 1,
+        "train.num_anchors": seq_len,  # every trained position, every step
+        "train.epochs": steps,  # one sequence: an epoch is one step
+        "train.max_steps": steps,
+        "train.lr": GATE_LR,
+        "train.warmup_frac": 0.05,
+        "run.output_dir": os.path.join(work_dir, "run"),
+        "run.metrics_file": None,
+        "run.drafter_devices": cfg.run.drafter_devices[:1],
+        "run.checkpoint_every": CHECK_EVERY,
+        "run.keep_last": steps // CHECK_EVERY + 1,
+        "run.log_every": steps,
+        "run.report_to": [],
+        "run.resume": None,
+        "eval.every": 0,
+    }
+    return load_config(config, {**overrides, **forced})
+
+
+def run_gate(
+    work_dir: str, config: str = "tiny-cpu", overrides: dict | None = None, steps: int = GATE_STEPS, out=None
+) -> GateResult:
+    """Train, export, reload through Transformers and decode (see the module docstring)."""
+    import io
+
+    from trainer.cli.eval import load_drafter_source, load_models
+    from trainer.cli.main import export_checkpoint
+    from trainer.data.heldout import prompts_of
+    from trainer.train.checkpoint import load_checkpoint
+    from trainer.train.loop import build_dataset, train
+
+    t0 = time.monotonic()
+    cfg = gate_config(config, dict(overrides or {}), work_dir, steps)
+    result = train(cfg, out=out if out is not None else io.StringIO(), tty=False)
+    step, train_acc = _first_perfect_step(cfg.metrics_path)
+    checkpoint = _checkpoint_at(result.checkpoint, step)
+    state = load_checkpoint(checkpoint)
+    export_dir = export_checkpoint(state, os.path.join(work_dir, "export"), "fp32")
+    dcfg, weights, run_config, _ = load_drafter_source(checkpoint)
+    target, drafter = load_models(dcfg, weights, run_config, None, cfg.run.target_devices[0])
+    row = build_dataset(cfg, target)
+    prompt = prompts_of(row)[0]
+    sequence = row.input_ids[0][row.attention_mask[0]].tolist()
+    continuation = sequence[len(prompt) :]
+    stats = served_decode(export_dir, target.model, prompt, len(continuation))
+    rounds = (len(continuation) - 1) // dcfg.block_size
+    anchors = [len(prompt) + i * dcfg.block_size for i in range(rounds)]
+    gap = logits_gap(export_dir, target, drafter, sequence, anchors)
+    return GateResult(
+        block_size=dcfg.block_size,
+        accepted=list(stats.accepted),
+        rounds=rounds,
+        same_tokens=stats.output_ids[0, len(prompt) :].tolist() == continuation,
+        train_acc=train_acc,
+        seconds=time.monotonic() - t0,
+        export_dir=str(export_dir),
+        step=step,
+        logits_gap=gap,
+    )
+
+
+def logits_gap(export_dir, target, drafter, sequence: list[int], anchors: list[int]) -> float:
+    """max |training logits - served logits| / std(training logits) over the blocks at `anchors`.
+
+    Training side: the trainer's drafter on TargetModel.features with the training context mask
+    (trainer.masks.dense_mask), as a training step computes it. Serving side: the export loaded by
+    Transformers, fed the target's own hidden states of the positions before each anchor."""
+    from transformers import AutoModel
+
+    from trainer.masks import dense_mask
+
+    device = target.device
+    block = drafter.cfg.block_size
+    ids = torch.tensor([sequence], dtype=torch.long, device=device)
+    starts = torch.tensor([anchors], device=device)
+    valid = torch.ones_like(starts, dtype=torch.bool)
+    with torch.no_grad():
+        features = target.features(ids, attention_mask=torch.ones_like(ids, dtype=torch.bool))
+        mask = dense_mask(starts, valid, ids.shape[1], block, device)
+        trained = drafter.logits(drafter(features, ids, starts, mask, "sdpa")).view(len(anchors), block, -1)
+        draft = AutoModel.from_pretrained(str(Path(export_dir).resolve()), trust_remote_code=True)
+        draft.to(device=device, dtype=drafter.fc.weight.dtype).eval()
+        hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+        served_features = torch.cat([hidden[layer + 1] for layer in target.layer_ids], dim=-1)
+        gaps = []
+        for i, anchor in enumerate(anchors):
+            tokens = torch.full((1, block), drafter.cfg.mask_token_id, dtype=torch.long, device=device)
+            tokens[0, 0] = sequence[anchor]
+            out = draft(
+                target_hidden=served_features[:, :anchor],
+                noise_embedding=target.embed_tokens(tokens),
+                position_ids=torch.arange(anchor + block, device=device).unsqueeze(0),
+            )
+            served = drafter.logits(out)[0]
+            gaps.append(float((served - trained[i]).abs().max() / trained[i].std()))
+    return max(gaps)
+
+
+def served_decode(export_dir, target_model, prompt: list[int], max_new_tokens: int):
+    """Decode `prompt` the way a user of the export does: AutoModel + spec_generate, greedy."""
+    from transformers import AutoModel
+
+    device = target_model.get_input_embeddings().weight.device
+    dtype = target_model.get_input_embeddings().weight.dtype
+    draft = AutoModel.from_pretrained(str(Path(export_dir).resolve()), trust_remote_code=True, dtype=dtype)
+    draft.to(device).eval()
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    return draft.spec_generate(
+        target=target_model, input_ids=ids, max_new_tokens=max_new_tokens, temperature=0.0, return_stats=True
+    )
+
+
+def _step_accuracy(metrics_path: str) -> dict[int, list[float]]:
+    """Per-position training accuracy of each step (one sequence, every position: exact)."""
+    from trainer import metrics_format
+
+    with open(metrics_path, encoding="utf-8") as f:
+        records = metrics_format.parse_lines(f.read())
+    return {
+        r["step"]: [float(a) for a in r["acc"]] for r in records if r.get("event") == "step" and r.get("acc")
+    }
+
+
+def _first_perfect_step(metrics_path: str) -> tuple[int, list[float]]:
+    """The first checkpointed step whose training accuracy is perfect, else the last step."""
+    by_step = _step_accuracy(metrics_path)
+    for step in sorted(by_step):
+        if step % CHECK_EVERY == 0 and all(a == 1.0 for a in by_step[step]):
+            return step, by_step[step]
+    last = max(by_step)
+    return last, by_step[last]
+
+
+def _checkpoint_at(last_checkpoint, step: int) -> str:
+    """The run's checkpoint of `step` (checkpoints/step-NNNNNNN beside the last one)."""
+    from trainer.train.checkpoint import step_dir_name
+
+    return str(Path(last_checkpoint).parent / step_dir_name(step))
