@@ -1,4 +1,5 @@
 """Which Gated DeltaNet path a hybrid target runs, as the trainer's start log and metrics say it."""
+
 from __future__ import annotations
 
 import io
@@ -48,15 +49,27 @@ def test_the_implementation_transformers_picked_is_what_is_reported(hybrid, monk
     monkeypatch.setattr(home, "torch_chunk_gated_delta_rule", decorate(kernel))
     path = gdn_kernels.gated_deltanet_path(hybrid)
     assert path == {"delta rule": "fla", "conv": "torch"}
-    assert gdn_kernels.describe(path).startswith("Gated DeltaNet: delta rule fla kernels (flash-linear-attention")
+    assert gdn_kernels.describe(path).startswith(
+        "Gated DeltaNet: delta rule fla kernels (flash-linear-attention"
+    )
 
 
 def test_training_a_hybrid_target_on_synthetic_data_says_its_path_in_the_log_and_the_metrics(tmp_path):
-    cfg = load_config("tiny-cpu", {
-        "output_dir": str(tmp_path), "target.spec": "tiny-random-hybrid", "target.layer_ids": [1, 3, 5],
-        "data.seq_len": 32, "data.synthetic.num_samples": 8, "train.batch_size": 2, "train.num_anchors": 4,
-        "max_steps": 2, "eval.every": 0, "run.drafter_devices": ["cpu"],
-    })
+    cfg = load_config(
+        "tiny-cpu",
+        {
+            "output_dir": str(tmp_path),
+            "target.spec": "tiny-random-hybrid",
+            "target.layer_ids": [1, 3, 5],
+            "data.seq_len": 32,
+            "data.synthetic.num_samples": 8,
+            "train.batch_size": 2,
+            "train.num_anchors": 4,
+            "max_steps": 2,
+            "eval.every": 0,
+            "run.drafter_devices": ["cpu"],
+        },
+    )
     out = io.StringIO()
     result = train(cfg, out=out)
     assert result.reason == "max_steps" and result.steps_done == 2
