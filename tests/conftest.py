@@ -33,7 +33,6 @@ files a test puts there are visible to the test directly.
 Missing sshd/tmux/unshare FAIL these fixtures with the fix in the message; set
 DFLASH_SKIP_SSH_TESTS=1 to skip the tests that use them instead.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -141,9 +140,7 @@ def pct_sim_root(_ssh_base):
 
 
 def _pct(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(SIM_DIR / "pct"), *args], env=pct_env(root), capture_output=True, text=True, timeout=60
-    )
+    return subprocess.run([str(SIM_DIR / "pct"), *args], env=pct_env(root), capture_output=True, text=True, timeout=60)
 
 
 @pytest.fixture
@@ -154,44 +151,27 @@ def pct_cli(pct_sim_root):
 
 def _session_env(pct_root: Path, gpu_state: Path) -> dict:
     python_bin = os.path.dirname(sys.executable)
-    path = os.pathsep.join(
-        [
-            str(SIM_DIR),
-            python_bin,
-            "/usr/local/sbin",
-            "/usr/local/bin",
-            "/usr/sbin",
-            "/usr/bin",
-            "/sbin",
-            "/bin",
-        ]
-    )
+    path = os.pathsep.join([str(SIM_DIR), python_bin, "/usr/local/sbin", "/usr/local/bin",
+                            "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
     # SHLVL=1: Debian's bash sources ~/.bashrc for every ssh command unless it is nested; this
     # machine's root .bashrc (pyenv init) costs ~0.3 s per command, which a lean Proxmox host's
     # does not, and it would reorder PATH. The sessions see exactly the PATH above.
-    return {
-        "PATH": path,
-        "PCT_SIM_ROOT": str(pct_root),
-        "NVIDIA_SMI_SIM_STATE": str(gpu_state),
-        "SHLVL": "1",
-        "TMUX_TMPDIR": str(TMUX_DIR),
-    }
+    return {"PATH": path, "PCT_SIM_ROOT": str(pct_root), "NVIDIA_SMI_SIM_STATE": str(gpu_state), "SHLVL": "1",
+            "TMUX_TMPDIR": str(TMUX_DIR)}
 
 
 @pytest.fixture(scope="session")
 def sshd_server(_ssh_base, client_key, pct_sim_root, gpu_state_path):
-    server = sshd_helpers.start_sshd(
-        _ssh_base / "sshd-a", [Path(f"{client_key}.pub")], _session_env(pct_sim_root, gpu_state_path)
-    )
+    server = sshd_helpers.start_sshd(_ssh_base / "sshd-a", [Path(f"{client_key}.pub")],
+                                     _session_env(pct_sim_root, gpu_state_path))
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def sshd_server_b(_ssh_base, client_key, pct_sim_root, gpu_state_path):
-    server = sshd_helpers.start_sshd(
-        _ssh_base / "sshd-b", [Path(f"{client_key}.pub")], _session_env(pct_sim_root, gpu_state_path)
-    )
+    server = sshd_helpers.start_sshd(_ssh_base / "sshd-b", [Path(f"{client_key}.pub")],
+                                     _session_env(pct_sim_root, gpu_state_path))
     yield server
     server.stop()
 
@@ -205,9 +185,7 @@ def known_hosts(_ssh_base, sshd_server, sshd_server_b) -> Path:
 
 def _written(obj) -> dict:
     """The fields of a model dataclass that differ from their defaults."""
-    return {
-        f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if getattr(obj, f.name) != f.default
-    }
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if getattr(obj, f.name) != f.default}
 
 
 def checked(target: Target) -> Target:
@@ -222,15 +200,8 @@ def checked(target: Target) -> Target:
 
 
 def host_spec(server, client_key: Path, known_hosts: Path) -> HostSpec:
-    spec = HostSpec(
-        host="127.0.0.1",
-        port=server.port,
-        user="root",
-        identity_file=str(client_key),
-        host_key_policy="strict",
-        known_hosts_file=str(known_hosts),
-        connect_timeout_s=5.0,
-    )
+    spec = HostSpec(host="127.0.0.1", port=server.port, user="root", identity_file=str(client_key),
+                    host_key_policy="strict", known_hosts_file=str(known_hosts), connect_timeout_s=5.0)
     return checked(Target(name="box", transport="ssh", job=make_job(Path("/srv/w")), ssh=spec)).ssh
 
 
@@ -268,38 +239,22 @@ def _ensure(root: Path, ctid: int, running: bool) -> None:
     if is_running != running:
         done = _pct(root, "start" if running else "stop", str(ctid))
         if done.returncode != 0:
-            pytest.fail(
-                f"pct simulator could not {'start' if running else 'stop'} CT {ctid}: {done.stderr}",
-                pytrace=False,
-            )
+            pytest.fail(f"pct simulator could not {'start' if running else 'stop'} CT {ctid}: {done.stderr}",
+                        pytrace=False)
 
 
 @pytest.fixture
 def pct_target(ssh_spec, pct_sim_root, tmp_path) -> Target:
     _ensure(pct_sim_root, RUNNING_CT, True)
-    return checked(
-        Target(
-            name=f"ct{RUNNING_CT}",
-            transport="pct",
-            job=make_job(tmp_path / "work-ct"),
-            ssh=ssh_spec,
-            ctid=RUNNING_CT,
-        )
-    )
+    return checked(Target(name=f"ct{RUNNING_CT}", transport="pct", job=make_job(tmp_path / "work-ct"),
+                          ssh=ssh_spec, ctid=RUNNING_CT))
 
 
 @pytest.fixture
 def stopped_pct_target(ssh_spec, pct_sim_root, tmp_path) -> Target:
     _ensure(pct_sim_root, STOPPED_CT, False)
-    return checked(
-        Target(
-            name=f"ct{STOPPED_CT}",
-            transport="pct",
-            job=make_job(tmp_path / "work-ct-stopped"),
-            ssh=ssh_spec,
-            ctid=STOPPED_CT,
-        )
-    )
+    return checked(Target(name=f"ct{STOPPED_CT}", transport="pct", job=make_job(tmp_path / "work-ct-stopped"),
+                          ssh=ssh_spec, ctid=STOPPED_CT))
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 Used by tests/conftest.py; importable by any test (`from tests.sshd import ...`) that needs an
 extra server, e.g. one with a different host key.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -30,27 +29,21 @@ def find_sshd() -> str:
     if not path:
         raise MissingTool(
             "OpenSSH server (sshd) not found: the transport tests run against a real sshd. "
-            f"Install it (`apt-get install -y openssh-server`) or set {SKIP_ENV}=1 to skip these tests."
-        )
+            f"Install it (`apt-get install -y openssh-server`) or set {SKIP_ENV}=1 to skip these tests.")
     return path
 
 
 def require_tools(*names: str) -> None:
     for name in names:
         if not shutil.which(name):
-            raise MissingTool(
-                f"`{name}` not found on PATH: the integration tests need it. "
-                f"Install it (see .ci/run) or set {SKIP_ENV}=1 to skip these tests."
-            )
+            raise MissingTool(f"`{name}` not found on PATH: the integration tests need it. "
+                              f"Install it (see .ci/run) or set {SKIP_ENV}=1 to skip these tests.")
 
 
 def make_keypair(path: Path, kind: str = "ed25519") -> Path:
     """Write an unencrypted key pair at path / path.pub; returns path."""
-    subprocess.run(
-        ["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", f"dflash-test-{path.name}", "-f", str(path)],
-        check=True,
-        capture_output=True,
-    )
+    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", f"dflash-test-{path.name}", "-f", str(path)],
+                   check=True, capture_output=True)
     return path
 
 
@@ -101,38 +94,30 @@ def _config_text(port: int, host_key: Path, authorized_keys: Path, pid_file: Pat
         if any(c.isspace() or c == '"' for c in value):
             raise ValueError(f"sshd SetEnv cannot carry {key}={value!r} (whitespace or quote)")
     setenv = " ".join(f"{k}={v}" for k, v in session_env.items())
-    return "\n".join(
-        [
-            f"Port {port}",
-            "ListenAddress 127.0.0.1",
-            f"HostKey {host_key}",
-            f"PidFile {pid_file}",
-            f"AuthorizedKeysFile {authorized_keys}",
-            "PermitRootLogin yes",
-            "PubkeyAuthentication yes",
-            "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no",
-            "UsePAM no",
-            "StrictModes no",  # the key files live in a world-readable tmp dir
-            "AllowTcpForwarding yes",  # for the jump-host tests
-            "MaxStartups 100",
-            "MaxSessions 100",
-            "LogLevel ERROR",
-            "Subsystem sftp internal-sftp",
-            f"SetEnv {setenv}",
-            "",
-        ]
-    )
+    return "\n".join([
+        f"Port {port}",
+        "ListenAddress 127.0.0.1",
+        f"HostKey {host_key}",
+        f"PidFile {pid_file}",
+        f"AuthorizedKeysFile {authorized_keys}",
+        "PermitRootLogin yes",
+        "PubkeyAuthentication yes",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "StrictModes no",  # the key files live in a world-readable tmp dir
+        "AllowTcpForwarding yes",  # for the jump-host tests
+        "MaxStartups 100",
+        "MaxSessions 100",
+        "LogLevel ERROR",
+        "Subsystem sftp internal-sftp",
+        f"SetEnv {setenv}",
+        "",
+    ])
 
 
-def start_sshd(
-    directory: Path,
-    authorized_pubkeys: list[Path],
-    session_env: dict,
-    host_key: Path | None = None,
-    attempts: int = 5,
-    wrap: tuple[str, ...] = (),
-) -> Sshd:
+def start_sshd(directory: Path, authorized_pubkeys: list[Path], session_env: dict,
+               host_key: Path | None = None, attempts: int = 5, wrap: tuple[str, ...] = ()) -> Sshd:
     """Start sshd -D on a free loopback port; returns once it answers with an SSH banner. `wrap`
     runs it under a command that execs its arguments (e.g. a private mount namespace)."""
     sshd = find_sshd()
@@ -150,12 +135,8 @@ def start_sshd(
         config = directory / "sshd_config"
         config.write_text(_config_text(port, host_key, authorized, directory / "sshd.pid", session_env))
         log = open(directory / "sshd.log", "wb")
-        proc = subprocess.Popen(
-            [*wrap, sshd, "-D", "-e", "-f", str(config)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        proc = subprocess.Popen([*wrap, sshd, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT)
         log.close()
         if _wait_banner(port, proc, 15):
             return Sshd(port, directory, host_key, config, proc, dict(session_env))

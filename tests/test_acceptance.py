@@ -1,5 +1,4 @@
 """Drafter quality in `status` and `health`: the latest tau, its age, and the rules on it."""
-
 from __future__ import annotations
 
 import json
@@ -21,72 +20,31 @@ ACC = [0.8, 0.7, 0.6]  # expected tau = 1 + .8 + .56 + .336 = 2.696
 
 
 def job(**health_fields):
-    return Job(
-        workdir="/srv/dflash",
-        python="/usr/bin/python3",
-        config="tiny-cpu",
-        session="dflash",
-        health=Health(stall_seconds=900, **health_fields),
-    )
+    return Job(workdir="/srv/dflash", python="/usr/bin/python3", config="tiny-cpu", session="dflash",
+               health=Health(stall_seconds=900, **health_fields))
 
 
 def metrics(tau=2.5, lossless=True, acc=ACC, eval_time=NOW - 90, with_eval=True) -> str:
-    text = metrics_format.encode(
-        "start", time=NOW - 900, total_steps=1000, config={}, devices=[], compile_lock="lock", pid=1
-    )
+    text = metrics_format.encode("start", time=NOW - 900, total_steps=1000, config={}, devices=[],
+                                 compile_lock="lock", pid=1)
     for step in range(191, 201):
-        text += metrics_format.encode(
-            "step",
-            time=NOW - 300 + step,
-            step=step,
-            total_steps=1000,
-            loss=2.0,
-            acc=acc,
-            tokens_per_s=40000.0,
-            eta_s=600.0,
-            lr=1e-4,
-            grad_norm=1.0,
-        )
+        text += metrics_format.encode("step", time=NOW - 300 + step, step=step, total_steps=1000, loss=2.0,
+                                      acc=acc, tokens_per_s=40000.0, eta_s=600.0, lr=1e-4, grad_norm=1.0)
     if with_eval:
-        text += metrics_format.encode(
-            "eval",
-            time=eval_time,
-            step=200,
-            tau=tau,
-            acceptance=[0.7, 0.5, 0.3],
-            lossless=lossless,
-            prompts=8,
-            new_tokens=512,
-            seconds=3.2,
-        )
-    text += metrics_format.encode(
-        "step",
-        time=NOW - 5,
-        step=201,
-        total_steps=1000,
-        loss=2.0,
-        acc=[0.1, 0.1, 0.1],
-        tokens_per_s=40000.0,
-        eta_s=600.0,
-        lr=1e-4,
-        grad_norm=1.0,
-    )
+        text += metrics_format.encode("eval", time=eval_time, step=200, tau=tau, acceptance=[0.7, 0.5, 0.3],
+                                      lossless=lossless, prompts=8, new_tokens=512, seconds=3.2)
+    text += metrics_format.encode("step", time=NOW - 5, step=201, total_steps=1000, loss=2.0, acc=[0.1, 0.1, 0.1],
+                                  tokens_per_s=40000.0, eta_s=600.0, lr=1e-4, grad_norm=1.0)
     return text
 
 
 def report(text: str) -> probe.ProbeReport:
     return probe.ProbeReport(
-        target="box",
-        time=NOW,
-        hostname="ct200",
-        gpu=GpuSnapshot((), "nvidia-smi"),
-        session=probe.SessionState("dflash", "dflash", True, True, 4100),
-        processes=(),
-        log_dir="/srv/dflash/logs",
-        log=probe.FileTail("/srv/dflash/logs/train-0001.log", 10, NOW - 5, ("step",)),
+        target="box", time=NOW, hostname="ct200", gpu=GpuSnapshot((), "nvidia-smi"),
+        session=probe.SessionState("dflash", "dflash", True, True, 4100), processes=(),
+        log_dir="/srv/dflash/logs", log=probe.FileTail("/srv/dflash/logs/train-0001.log", 10, NOW - 5, ("step",)),
         metrics=probe.FileTail("/srv/dflash/logs/train-0001.metrics.jsonl", 10, NOW - 5, ()),
-        records=tuple(metrics_format.parse_lines(text)),
-    )
+        records=tuple(metrics_format.parse_lines(text)))
 
 
 def test_expected_tau_is_the_acceptance_length_accuracy_predicts():
@@ -100,9 +58,8 @@ def test_latest_eval_uses_the_accuracy_up_to_its_step_and_ignores_earlier_runs()
     assert (accept.step, accept.tau, accept.lossless) == (200, 2.5, True)
     assert accept.acceptance == (0.7, 0.5, 0.3)
     assert accept.expected_tau == pytest.approx(2.696)  # step 201's low accuracy comes after the eval
-    newer_run = metrics() + metrics_format.encode(
-        "start", time=NOW, total_steps=5, config={}, devices=[], compile_lock="lock", pid=2
-    )
+    newer_run = metrics() + metrics_format.encode("start", time=NOW, total_steps=5, config={}, devices=[],
+                                                  compile_lock="lock", pid=2)
     assert acceptance.latest(metrics_format.parse_lines(newer_run)) is None
 
 
@@ -111,14 +68,8 @@ def test_status_json_and_table_show_tau_and_its_age():
     target_status = status.build_status("box", r, job(), health.evaluate(r, job()))
     st = target_status.to_json()
     json.dumps(st, allow_nan=False)
-    assert st["eval"] == {
-        "step": 200,
-        "tau": 2.5,
-        "acceptance": [0.7, 0.5, 0.3],
-        "lossless": True,
-        "expected_tau": pytest.approx(2.696),
-        "age_s": 90.0,
-    }
+    assert st["eval"] == {"step": 200, "tau": 2.5, "acceptance": [0.7, 0.5, 0.3], "lossless": True,
+                          "expected_tau": pytest.approx(2.696), "age_s": 90.0}
     assert "40.0 Ktok/s  tau 2.50 (90 s ago)" in target_status.to_text()
     assert st["verdict"] == "OK", st["reasons"]
     assert st["perfdata"]["tau"]["value"] == 2.5
@@ -147,10 +98,7 @@ def test_tau_far_below_what_training_accuracy_predicts_warns_naming_both_numbers
     verdict = health.evaluate(report(metrics(tau=1.3)), job())
     assert verdict.level == "WARNING"
     (reason,) = verdict.reasons
-    assert (
-        "measured tau 1.30 at step 200" in reason
-        and "0.7 x the 2.70 that training accuracy predicts" in reason
-    )
+    assert "measured tau 1.30 at step 200" in reason and "0.7 x the 2.70 that training accuracy predicts" in reason
     # 0.7 x 2.696 = 1.887: just above it is fine
     assert health.evaluate(report(metrics(tau=1.9)), job()).level == "OK"
 
@@ -185,21 +133,13 @@ def status_json_through_cli(tmp_path, metrics_text: str, with_health: bool = Fal
         "targets:\n  box:\n    transport: local\n    job:\n"
         f"      workdir: {json.dumps(str(tmp_path))}\n      python: {json.dumps(sys.executable)}\n"
         f"      config: tiny-cpu\n      session: dflash\n      tmux_socket: {socket}\n"
-        "      health: {min_tau: 2}\n"
-    )
-    subprocess.run(
-        ["tmux", "-L", socket, "new-session", "-d", "-s", "dflash", "sleep 120"], check=True, timeout=30
-    )
+        "      health: {min_tau: 2}\n")
+    subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", "dflash", "sleep 120"], check=True, timeout=30)
     cli = [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory)]
     try:
-        out = subprocess.run(
-            cli + ["status", "--json", "-t", "box"], capture_output=True, text=True, timeout=120
-        )
-        nagios = (
-            subprocess.run(cli + ["health", "-t", "box"], capture_output=True, text=True, timeout=120)
-            if with_health
-            else None
-        )
+        out = subprocess.run(cli + ["status", "--json", "-t", "box"], capture_output=True, text=True, timeout=120)
+        nagios = (subprocess.run(cli + ["health", "-t", "box"], capture_output=True, text=True, timeout=120)
+                  if with_health else None)
     finally:
         subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)
     assert out.returncode == 0, out.stderr
@@ -219,18 +159,9 @@ def test_an_eval_far_behind_the_metrics_tail_still_reaches_status_and_health(tmp
     # eval.every 1000 with a record per step: the newest eval lies far before the probe's tail
     text, t = metrics_now(tau=2.75, eval_time_ago=1500)
     for step in range(202, 1702):
-        text += metrics_format.encode(
-            "step",
-            time=t - 1500 + step - 202,
-            step=step,
-            total_steps=5000,
-            loss=1.5,
-            acc=[0.1, 0.1, 0.1],
-            tokens_per_s=40000.0,
-            eta_s=600.0,
-            lr=1e-4,
-            grad_norm=1.0,
-        )
+        text += metrics_format.encode("step", time=t - 1500 + step - 202, step=step, total_steps=5000, loss=1.5,
+                                      acc=[0.1, 0.1, 0.1], tokens_per_s=40000.0, eta_s=600.0, lr=1e-4,
+                                      grad_norm=1.0)
     st, nagios = status_json_through_cli(tmp_path, text, with_health=True)
     assert st["training"]["step"] == 1701
     assert st["eval"]["step"] == 200 and st["eval"]["tau"] == 2.75

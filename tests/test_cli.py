@@ -1,5 +1,4 @@
 """The CLI as a user meets it: real subprocesses of `python -m dflash_ops`, exit codes, messages."""
-
 from __future__ import annotations
 
 import os
@@ -16,14 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 def cli(*args, env=None, cwd=None, timeout=120):
     full_env = {k: v for k, v in os.environ.items() if k != "DFLASH_OPS_INVENTORY"}
     full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "dflash_ops", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=cwd or REPO,
-        timeout=timeout,
-    )
+    return subprocess.run([sys.executable, "-m", "dflash_ops", *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd or REPO, timeout=timeout)
 
 
 def write_inventory(path: Path, text: str) -> Path:
@@ -66,9 +59,7 @@ def test_unknown_target_and_bad_args_are_exit_2(tmp_path):
 
 
 def test_unreachable_host_is_unknown_for_health_and_named_for_relaunch(tmp_path):
-    inv = write_inventory(
-        tmp_path / "inv.yaml",
-        """
+    inv = write_inventory(tmp_path / "inv.yaml", """
 targets:
   gone:
     transport: ssh
@@ -76,8 +67,7 @@ targets:
     port: 1
     connect_timeout_s: 3
     job: {workdir: /w, python: /usr/bin/python3, config: tiny-cpu}
-""",
-    )
+""")
     health = cli("--inventory", str(inv), "health", "-t", "gone")
     assert health.returncode == 3 and health.stdout.startswith("DFLASH UNKNOWN: gone:"), health.stdout
     relaunch = cli("--inventory", str(inv), "relaunch", "-t", "gone")
@@ -90,9 +80,7 @@ def test_cron_install_show_remove_only_touches_our_lines(tmp_path):
     before = subprocess.run(["crontab", "-l"], capture_output=True, text=True)
     saved = before.stdout if before.returncode == 0 else None
     try:
-        subprocess.run(
-            ["crontab", "-"], input="# a line of the user's own\n0 3 * * * /bin/true\n", text=True, check=True
-        )
+        subprocess.run(["crontab", "-"], input="# a line of the user's own\n0 3 * * * /bin/true\n", text=True, check=True)
         installed = cli("cron", "install", "--schedule", "*/10 * * * *", "--log", str(tmp_path / "h.log"))
         assert installed.returncode == 0, installed.stderr
         again = cli("cron", "install", "--auto-relaunch", "--log", str(tmp_path / "h.log"))

@@ -1,5 +1,4 @@
 """CLI edges a user meets: no terminal, bad paths, stopped jobs — one line, the right exit code."""
-
 from __future__ import annotations
 
 import os
@@ -14,10 +13,8 @@ def local_job(tmp_path):
     """An inventory whose local target runs on a tmux socket of its own, removed afterwards."""
     socket = f"edges-{os.getpid()}-{tmp_path.name}"[:60]
     inventory = tmp_path / "inv.yaml"
-    inventory.write_text(
-        f"targets:\n  local:\n    transport: local\n    job: {{workdir: {tmp_path}/w, "
-        f"python: /usr/bin/python3, config: tiny-cpu, session: job, tmux_socket: {socket}}}\n"
-    )
+    inventory.write_text(f"targets:\n  local:\n    transport: local\n    job: {{workdir: {tmp_path}/w, "
+                         f"python: /usr/bin/python3, config: tiny-cpu, session: job, tmux_socket: {socket}}}\n")
     yield inventory, socket
     subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)
 
@@ -52,9 +49,7 @@ def test_attach_without_a_terminal_refuses_at_once(local_job, ssh_spec, tmp_path
 
 def test_deploy_list_and_rollback_by_name(local_job):
     inventory, _ = local_job
-    assert cli("--inventory", str(inventory), "deploy", "--list").stdout.startswith(
-        "no releases deployed yet"
-    )
+    assert cli("--inventory", str(inventory), "deploy", "--list").stdout.startswith("no releases deployed yet")
     assert cli("--inventory", str(inventory), "deploy").returncode == 0
     listed = cli("--inventory", str(inventory), "deploy", "--list")
     assert listed.returncode == 0 and listed.stdout.startswith("* ") and "(current)" in listed.stdout, listed
@@ -98,20 +93,13 @@ def test_health_json_and_status_json_have_the_same_shape(tmp_path):
 
     sockets = {name: f"shape-{os.getpid()}-{name}-{tmp_path.name}"[:60] for name in ("a", "b")}
     inventory = tmp_path / "inv.yaml"
-    inventory.write_text(
-        "targets:\n"
-        + "".join(
-            f"  {name}:\n    transport: local\n    job: {{workdir: {tmp_path}/{name}, python: /usr/bin/python3, "
-            f"config: tiny-cpu, session: job, tmux_socket: {socket}}}\n"
-            for name, socket in sockets.items()
-        )
-        + "groups:\n  both: [a, b]\n"
-    )
+    inventory.write_text("targets:\n" + "".join(
+        f"  {name}:\n    transport: local\n    job: {{workdir: {tmp_path}/{name}, python: /usr/bin/python3, "
+        f"config: tiny-cpu, session: job, tmux_socket: {socket}}}\n" for name, socket in sockets.items())
+        + "groups:\n  both: [a, b]\n")
 
     def both(*args):
-        outputs = [
-            cli("--inventory", str(inventory), command, "--json", *args) for command in ("health", "status")
-        ]
+        outputs = [cli("--inventory", str(inventory), command, "--json", *args) for command in ("health", "status")]
         assert outputs[0].returncode == outputs[1].returncode, outputs
         return [json.loads(o.stdout) for o in outputs]
 

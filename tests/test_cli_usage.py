@@ -1,6 +1,5 @@
 """Command-line conventions every command shares: where -t/--target may stand, and output piped
 into a reader that stops early."""
-
 from __future__ import annotations
 
 import fcntl
@@ -16,28 +15,14 @@ def run(tmp_path, *args, env=None, **kwargs):
     home.mkdir(exist_ok=True)
     full_env = {k: v for k, v in os.environ.items() if k not in ("DFLASH_OPS_INVENTORY", "DFLASH_OPS_TARGET")}
     full_env.update({"HOME": str(home), **(env or {})})
-    return subprocess.run(
-        [sys.executable, "-m", "dflash_ops", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=tmp_path,
-        timeout=120,
-        **kwargs,
-    )
+    return subprocess.run([sys.executable, "-m", "dflash_ops", *args], capture_output=True, text=True,
+                          env=full_env, cwd=tmp_path, timeout=120, **kwargs)
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["-t", "nosuch", "status"],
-        ["status", "-t", "nosuch"],
-        ["--target", "nosuch", "health", "--json"],
-        ["-t", "nosuch", "relaunch", "--dry-run"],
-        ["tail-log", "--target", "nosuch"],
-        ["-t", "nosuch", "deploy", "--list"],
-    ],
-)
+@pytest.mark.parametrize("args", [
+    ["-t", "nosuch", "status"], ["status", "-t", "nosuch"], ["--target", "nosuch", "health", "--json"],
+    ["-t", "nosuch", "relaunch", "--dry-run"], ["tail-log", "--target", "nosuch"], ["-t", "nosuch", "deploy", "--list"],
+])
 def test_the_target_may_stand_before_or_after_the_subcommand(tmp_path, args):
     proc = run(tmp_path, *args)
     assert "unknown target or group 'nosuch'" in (proc.stderr + proc.stdout)
@@ -62,14 +47,8 @@ def test_output_into_a_pipe_whose_reader_leaves_ends_quietly(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "DFLASH_OPS_INVENTORY"}
     read_end, write_end = os.pipe()
     fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_ops", "relaunch", "--dry-run"],
-        cwd=tmp_path,
-        env={**env, "HOME": str(home)},
-        stdout=write_end,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_ops", "relaunch", "--dry-run"], cwd=tmp_path,
+                            env={**env, "HOME": str(home)}, stdout=write_end, stderr=subprocess.PIPE, text=True)
     os.close(write_end)
     with os.fdopen(read_end) as reader:
         head = [reader.readline(), reader.readline()]
@@ -81,10 +60,8 @@ def test_output_into_a_pipe_whose_reader_leaves_ends_quietly(tmp_path):
 
 def test_rollback_to_a_release_that_is_not_kept_is_one_line_and_exit_2(tmp_path):
     inventory = tmp_path / "inv.yaml"
-    inventory.write_text(
-        f"targets:\n  local:\n    transport: local\n    job: {{workdir: {tmp_path}/w, "
-        "python: /usr/bin/python3, config: tiny-cpu, session: job}\n"
-    )
+    inventory.write_text(f"targets:\n  local:\n    transport: local\n    job: {{workdir: {tmp_path}/w, "
+                         "python: /usr/bin/python3, config: tiny-cpu, session: job}\n")
     assert run(tmp_path, "--inventory", str(inventory), "deploy").returncode == 0
     kept = run(tmp_path, "--inventory", str(inventory), "deploy", "--list").stdout.split()[1]
     proc = run(tmp_path, "--inventory", str(inventory), "deploy", "--rollback", "nosuchrelease")

@@ -3,7 +3,6 @@ values; what their options default to; and that the CLI's --help states those sa
 
 The steps here are stand-ins that record how they were called (the real ones run end to end in
 test_ops_e2e.py and test_unattended_e2e.py)."""
-
 from __future__ import annotations
 
 import sys
@@ -20,32 +19,14 @@ from dflash_ops.errors import StepFailed
 from dflash_ops.act.runner import DRY_RUN, FAILED, NOT_RUN, OK, SKIPPED
 from dflash_ops.transport.local import LocalTransport
 
-LIBRARY_STEPS = (
-    "preflight",
-    "require_job_stopped",
-    "stop_session",
-    "mark_stopped",
-    "kill_gpu_processes",
-    "wait_gpu_free",
-    "purge_cache",
-    "deploy",
-    "launch",
-    "wait_first_step",
-    "rollback",
-)
+LIBRARY_STEPS = ("preflight", "require_job_stopped", "stop_session", "mark_stopped", "kill_gpu_processes",
+                 "wait_gpu_free", "purge_cache", "deploy", "launch", "wait_first_step", "rollback")
 
 
 @pytest.fixture
 def target(tmp_path):
-    job = model.Job(
-        workdir=str(tmp_path / "work"),
-        python=sys.executable,
-        config="tiny-cpu",
-        session="train",
-        cache_dir=str(tmp_path / "cache"),
-        target_gpus=(3,),
-        drafter_gpus=(1, 2),
-    )
+    job = model.Job(workdir=str(tmp_path / "work"), python=sys.executable, config="tiny-cpu", session="train",
+                    cache_dir=str(tmp_path / "cache"), target_gpus=(3,), drafter_gpus=(1, 2))
     return model.Target(name="box", transport="local", job=job)
 
 
@@ -60,11 +41,9 @@ def calls(monkeypatch):
             ctx.run(f"echo {name}")
             if name == made.fail:
                 raise StepFailed(f"[{ctx.target_name}] {name}: failed on purpose")
-            given = {
-                "stop_session": steps.Ended(foreign=[{"pid": 5, "owner": "ct 201"}]),
-                "kill_gpu_processes": steps.Ended(foreign=[{"pid": 7, "owner": ""}]),
-                "launch": steps.Launched(log="/logs/train-0003.log"),
-            }.get(name, steps.StepOutcome(f"{name} done"))
+            given = {"stop_session": steps.Ended(foreign=[{"pid": 5, "owner": "ct 201"}]),
+                     "kill_gpu_processes": steps.Ended(foreign=[{"pid": 7, "owner": ""}]),
+                     "launch": steps.Launched(log="/logs/train-0003.log")}.get(name, steps.StepOutcome(f"{name} done"))
             made.append((name, args, kwargs, given))
             return given
 
@@ -88,11 +67,8 @@ def test_relaunch_runs_its_steps_in_order_with_the_jobs_values_and_its_defaults(
     job = target.job
     killed, launched = calls[2][3], calls[6][3]
     assert [c[:3] for c in calls] == [
-        (
-            "preflight",
-            (job,),
-            {"deploy": True, "min_free_gib": 10.0, "allow_shared_gpus": False, "import_torch": True},
-        ),
+        ("preflight", (job,), {"deploy": True, "min_free_gib": 10.0, "allow_shared_gpus": False,
+                               "import_torch": True}),
         ("stop_session", (job,), {"grace_s": 30.0}),
         ("kill_gpu_processes", (job,), {}),
         ("wait_gpu_free", (job, killed), {"timeout_s": 120.0}),  # not stop_session's foreign processes
@@ -106,14 +82,8 @@ def test_relaunch_runs_its_steps_in_order_with_the_jobs_values_and_its_defaults(
 
 def test_relaunch_no_purge_no_deploy_fresh(target, calls):
     result = commands.relaunch(target, purge=False, deploy=False, resume=False, grace=35.0)
-    assert [c[0] for c in calls] == [
-        "preflight",
-        "stop_session",
-        "kill_gpu_processes",
-        "wait_gpu_free",
-        "launch",
-        "wait_first_step",
-    ]
+    assert [c[0] for c in calls] == ["preflight", "stop_session", "kill_gpu_processes", "wait_gpu_free", "launch",
+                                     "wait_first_step"]
     assert calls[0][2]["deploy"] is False  # then the release must already be there
     assert calls[1][2] == {"grace_s": 35.0} and calls[4][2] == {"resume": False}
     assert [s.status for s in result.steps] == [OK, OK, OK, OK, SKIPPED, SKIPPED, OK, OK]
@@ -138,12 +108,8 @@ def test_stop_records_the_operators_stop_and_waits_only_for_the_jobs_processes(t
         ("kill_gpu_processes", (job,), {}),
         ("wait_gpu_free", (job, calls[2][3]), {"timeout_s": 120.0}),
     ]
-    assert result.ok and [s.step for s in result.steps] == [
-        "stop_session",
-        "mark_stopped",
-        "kill_gpu_processes",
-        "wait_gpu_free",
-    ]
+    assert result.ok and [s.step for s in result.steps] == ["stop_session", "mark_stopped", "kill_gpu_processes",
+                                                             "wait_gpu_free"]
 
 
 @pytest.mark.parametrize("force, first", [(False, OK), (True, SKIPPED)])
@@ -153,15 +119,12 @@ def test_gpu_clean_refuses_a_running_job_unless_forced(target, calls, force, fir
     assert result.steps[0].status == first and calls[-1][2] == {"timeout_s": 5.0}
 
 
-@pytest.mark.parametrize(
-    "command, kwargs, step, expected",
-    [
-        (commands.purge_cache, {}, "purge_cache", {}),
-        (commands.deploy, {}, "deploy", {}),
-        (commands.rollback, {}, "rollback", {"release": None}),
-        (commands.rollback, {"release": "0.1.0-abcdef012345"}, "rollback", {"release": "0.1.0-abcdef012345"}),
-    ],
-)
+@pytest.mark.parametrize("command, kwargs, step, expected", [
+    (commands.purge_cache, {}, "purge_cache", {}),
+    (commands.deploy, {}, "deploy", {}),
+    (commands.rollback, {}, "rollback", {"release": None}),
+    (commands.rollback, {"release": "0.1.0-abcdef012345"}, "rollback", {"release": "0.1.0-abcdef012345"}),
+])
 def test_one_step_commands(target, calls, command, kwargs, step, expected):
     result = command(target, **kwargs)
     assert result.ok and calls == [(step, (target.job,), expected, calls[0][3])]
@@ -169,9 +132,7 @@ def test_one_step_commands(target, calls, command, kwargs, step, expected):
 
 def test_the_help_states_the_commands_own_defaults():
     def shown(*args):
-        return " ".join(
-            CliRunner().invoke(commands_cli(), [*args, "--help"], terminal_width=200).output.split()
-        )
+        return " ".join(CliRunner().invoke(commands_cli(), [*args, "--help"], terminal_width=200).output.split())
 
     relaunch = shown("relaunch")
     assert f"first training step (default {commands.default_of(commands.relaunch, 'timeout'):g})" in relaunch

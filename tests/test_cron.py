@@ -1,5 +1,4 @@
 """The crontab line `cron install` writes, run the way cron runs it."""
-
 from __future__ import annotations
 
 import os
@@ -26,7 +25,7 @@ def as_cron_runs_it(line: str) -> tuple[str, str]:
             escaped = False
             continue
         if ch == "%":
-            return "".join(out), command[i + 1 :].replace("%", "\n")
+            return "".join(out), command[i + 1:].replace("%", "\n")
         escaped = ch == "\\"
         out.append(ch)
     return "".join(out), ""

@@ -1,5 +1,4 @@
 """Deploy: versioned releases, checksum, atomic `current`, pruning, rollback — through a real transport."""
-
 from __future__ import annotations
 
 import os
@@ -69,7 +68,7 @@ def test_rollback_without_an_earlier_release_says_so(tmp_path):
         assert result.exit_code == 3 and "no earlier release" in result.stderr
 
 
-HOSTILE_DIR = "w $(touch PWNED) `touch PWNED2` \"q\" 's' ; $HOME"
+HOSTILE_DIR = 'w $(touch PWNED) `touch PWNED2` "q" \'s\' ; $HOME'
 
 
 def test_checksum_mismatch_message_runs_nothing_from_a_hostile_workdir(tmp_path, monkeypatch):
@@ -92,11 +91,8 @@ def test_list_and_rollback_to_any_kept_release(tmp_path):
         for bundle in (one, two, three):
             install(t, job, bundle)
         listed = deploy.parse_list(t.check(deploy.list_script(job)).stdout)
-        assert [(r.id, r.current) for r in listed] == [
-            (three.release_id, True),
-            (two.release_id, False),
-            (one.release_id, False),
-        ]
+        assert [(r.id, r.current) for r in listed] == [(three.release_id, True), (two.release_id, False),
+                                                       (one.release_id, False)]
         t.check(deploy.rollback_script(job, one.release_id))  # two steps back, not only the previous
         assert current_text(job) == "print('one')\n"
         t.check(deploy.rollback_script(job, three.release_id))

@@ -1,6 +1,5 @@
 """GPU snapshots: CSV parsing, the nvidia-smi simulator's CLI surface, NVML conversion, free-memory
 checks and host-pid -> container mapping."""
-
 from __future__ import annotations
 
 import json
@@ -17,10 +16,8 @@ from dflash_ops.errors import InputError
 from dflash_ops.remote import facts, gpu_read
 
 NVIDIA_SMI = str(Path(__file__).resolve().parent / "sim" / "nvidia-smi")
-DRIVER_FAILURE = (
-    "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-    "Make sure that the latest NVIDIA driver is installed and running."
-)
+DRIVER_FAILURE = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+                  "Make sure that the latest NVIDIA driver is installed and running.")
 UUID0 = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
 UUID1 = "GPU-bbbbbbbb-1111-2222-3333-444444444444"
 
@@ -44,14 +41,8 @@ def state_file(tmp_path):
 
 TWO_GPUS = {
     "gpus": [
-        {
-            "index": 0,
-            "uuid": UUID0,
-            "name": "NVIDIA H200",
-            "memory_total_mib": 143771,
-            "ghost_memory_mib": 4,
-            "utilization_pct": 97,
-        },
+        {"index": 0, "uuid": UUID0, "name": "NVIDIA H200", "memory_total_mib": 143771, "ghost_memory_mib": 4,
+         "utilization_pct": 97},
         {"index": 1, "uuid": UUID1, "name": "NVIDIA H200", "memory_total_mib": 143771},  # util missing
     ],
     "compute_apps": [
@@ -64,25 +55,17 @@ TWO_GPUS = {
 
 
 def test_parse_csv_with_na_fields_blank_lines_and_comma_in_names():
-    gpu_csv = (
-        "0, GPU-a, NVIDIA H200, 70004, 143771, 97\n"
-        "\n"
-        "1, GPU-b, NVIDIA H200, 0, 143771, [N/A]\n"
-        "2, GPU-c, Tesla, PG503-216, [N/A], 32768, [Not Supported]\n"
-    )
-    apps_csv = (
-        "4123, GPU-a, 70000, python3\n77, GPU-b, [N/A], my, odd, name\n55, GPU-zz, 10, ignored-unknown-gpu\n"
-    )
+    gpu_csv = ("0, GPU-a, NVIDIA H200, 70004, 143771, 97\n"
+               "\n"
+               "1, GPU-b, NVIDIA H200, 0, 143771, [N/A]\n"
+               "2, GPU-c, Tesla, PG503-216, [N/A], 32768, [Not Supported]\n")
+    apps_csv = ("4123, GPU-a, 70000, python3\n"
+                "77, GPU-b, [N/A], my, odd, name\n"
+                "55, GPU-zz, 10, ignored-unknown-gpu\n")
     snap = gpu.parse_nvidia_smi(gpu_csv, apps_csv)
     assert snap.ok and snap.source == "nvidia-smi"
     g0, g1, g2 = snap.gpus
-    assert (g0.index, g0.uuid, g0.memory_used_mib, g0.memory_total_mib, g0.utilization_pct) == (
-        0,
-        "GPU-a",
-        70004,
-        143771,
-        97,
-    )
+    assert (g0.index, g0.uuid, g0.memory_used_mib, g0.memory_total_mib, g0.utilization_pct) == (0, "GPU-a", 70004, 143771, 97)
     assert g1.utilization_pct is None
     assert g2.name == "Tesla, PG503-216" and g2.memory_used_mib is None and g2.utilization_pct is None
     assert g0.processes == (gpu.GpuProcess(4123, 0, 70000, "python3"),)
@@ -92,9 +75,8 @@ def test_parse_csv_with_na_fields_blank_lines_and_comma_in_names():
 
 
 def test_parse_accepts_values_with_units():
-    snap = gpu.parse_nvidia_smi(
-        "0, GPU-a, NVIDIA H200, 1234 MiB, 143771 MiB, 45 %\n", "9, GPU-a, 1000 MiB, python\n"
-    )
+    snap = gpu.parse_nvidia_smi("0, GPU-a, NVIDIA H200, 1234 MiB, 143771 MiB, 45 %\n",
+                                "9, GPU-a, 1000 MiB, python\n")
     g = snap.gpus[0]
     assert (g.memory_used_mib, g.memory_total_mib, g.utilization_pct) == (1234, 143771, 45)
     assert g.processes[0].used_memory_mib == 1000
@@ -121,11 +103,8 @@ def test_parse_no_gpus_is_empty_not_error():
 
 
 def test_sim_query_gpu_csv_with_header_and_units(state_file):
-    result = smi(
-        state_file(TWO_GPUS),
-        "--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu",
-        "--format=csv",
-    )
+    result = smi(state_file(TWO_GPUS), "--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu",
+                 "--format=csv")
     assert result.returncode == 0, result.stdout
     assert result.stdout.splitlines() == [
         "index, uuid, name, memory.used [MiB], memory.total [MiB], utilization.gpu [%]",
@@ -135,13 +114,8 @@ def test_sim_query_gpu_csv_with_header_and_units(state_file):
 
 
 def test_sim_noheader_nounits_and_id_selection(state_file):
-    result = smi(
-        state_file(TWO_GPUS),
-        "-i",
-        "1",
-        "--query-gpu=index,memory.free,utilization.gpu",
-        "--format=csv,noheader,nounits",
-    )
+    result = smi(state_file(TWO_GPUS), "-i", "1", "--query-gpu=index,memory.free,utilization.gpu",
+                 "--format=csv,noheader,nounits")
     assert result.returncode == 0
     assert result.stdout == "1, 143771, [N/A]\n"
     result = smi(state_file.path, "--id=1,0", "--query-gpu=index", "--format=csv,noheader")
@@ -151,10 +125,8 @@ def test_sim_noheader_nounits_and_id_selection(state_file):
 def test_sim_compute_apps_headers_aliases_and_gpu_filter(state_file):
     state_file(TWO_GPUS)
     result = smi(state_file.path, "--query-compute-apps=pid,gpu_uuid,used_memory,name", "--format=csv")
-    assert result.stdout.splitlines() == [
-        "pid, gpu_uuid, used_gpu_memory [MiB], process_name",
-        f"912345, {UUID0}, 70000 MiB, python3",
-    ]
+    assert result.stdout.splitlines() == ["pid, gpu_uuid, used_gpu_memory [MiB], process_name",
+                                          f"912345, {UUID0}, 70000 MiB, python3"]
     # the app lives on GPU 0: asking about GPU 1 only lists nothing (not even with noheader)
     result = smi(state_file.path, "-i", "1", "--query-compute-apps=pid", "--format=csv,noheader")
     assert result.returncode == 0 and result.stdout == ""
@@ -166,9 +138,7 @@ def test_sim_list_and_summary_table(state_file):
     assert listing == [f"GPU 0: NVIDIA H200 (UUID: {UUID0})", f"GPU 1: NVIDIA H200 (UUID: {UUID1})"]
     table = smi(state_file.path)
     assert table.returncode == 0
-    assert (
-        "70004MiB / 143771MiB" in table.stdout and "912345" in table.stdout and "Processes:" in table.stdout
-    )
+    assert "70004MiB / 143771MiB" in table.stdout and "912345" in table.stdout and "Processes:" in table.stdout
 
 
 def test_sim_invalid_field_unknown_option_and_unknown_gpu(state_file):
@@ -196,30 +166,13 @@ def test_sim_frees_memory_when_the_watched_pid_dies_and_keeps_ghost_memory(state
     process (watch_pid) exits. Ghost memory stays with no process."""
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        state_file(
-            {
-                "free_when_pid_dead": True,
-                "gpus": [
-                    {
-                        "index": 0,
-                        "uuid": UUID0,
-                        "name": "NVIDIA H200",
-                        "memory_total_mib": 143771,
-                        "ghost_memory_mib": 2048,
-                        "utilization_pct": 0,
-                    }
-                ],
-                "compute_apps": [
-                    {
-                        "pid": 4000001,
-                        "watch_pid": worker.pid,
-                        "gpu_index": 0,
-                        "used_memory_mib": 50000,
-                        "process_name": "python3",
-                    }
-                ],
-            }
-        )
+        state_file({
+            "free_when_pid_dead": True,
+            "gpus": [{"index": 0, "uuid": UUID0, "name": "NVIDIA H200", "memory_total_mib": 143771,
+                      "ghost_memory_mib": 2048, "utilization_pct": 0}],
+            "compute_apps": [{"pid": 4000001, "watch_pid": worker.pid, "gpu_index": 0,
+                              "used_memory_mib": 50000, "process_name": "python3"}],
+        })
         query = ("--query-gpu=" + facts.GPU_QUERY, "--format=csv,noheader,nounits")
         apps = ("--query-compute-apps=" + facts.APPS_QUERY, "--format=csv,noheader,nounits")
         before = gpu.parse_nvidia_smi(smi(state_file.path, *query).stdout, smi(state_file.path, *apps).stdout)
@@ -235,12 +188,8 @@ def test_sim_frees_memory_when_the_watched_pid_dies_and_keeps_ghost_memory(state
 
 
 def test_sim_without_free_flag_keeps_dead_pids(state_file):
-    state_file(
-        {
-            "gpus": [{"index": 0, "name": "NVIDIA H200", "memory_total_mib": 100}],
-            "compute_apps": [{"pid": 4000002, "gpu_index": 0, "used_memory_mib": 60}],
-        }
-    )
+    state_file({"gpus": [{"index": 0, "name": "NVIDIA H200", "memory_total_mib": 100}],
+                "compute_apps": [{"pid": 4000002, "gpu_index": 0, "used_memory_mib": 60}]})
     out = smi(state_file.path, "--query-gpu=memory.used", "--format=csv,noheader,nounits").stdout
     assert out == "60\n"
 
@@ -248,14 +197,10 @@ def test_sim_without_free_flag_keeps_dead_pids(state_file):
 def test_sim_output_parses_back_to_the_state(state_file):
     state_file(TWO_GPUS)
     fmt = "--format=csv,noheader,nounits"
-    snap = gpu.parse_nvidia_smi(
-        smi(state_file.path, "--query-gpu=" + facts.GPU_QUERY, fmt).stdout,
-        smi(state_file.path, "--query-compute-apps=" + facts.APPS_QUERY, fmt).stdout,
-    )
+    snap = gpu.parse_nvidia_smi(smi(state_file.path, "--query-gpu=" + facts.GPU_QUERY, fmt).stdout,
+                                smi(state_file.path, "--query-compute-apps=" + facts.APPS_QUERY, fmt).stdout)
     assert [(g.index, g.uuid, g.memory_used_mib, g.utilization_pct) for g in snap.gpus] == [
-        (0, UUID0, 70004, 97),
-        (1, UUID1, 0, None),
-    ]
+        (0, UUID0, 70004, 97), (1, UUID1, 0, None)]
     assert snap.gpus[0].processes == (gpu.GpuProcess(912345, 0, 70000, "python3"),)
 
 
@@ -293,9 +238,8 @@ def fake_pynvml(monkeypatch):
     mod.nvmlDeviceGetHandleByIndex = lambda i: i
     mod.nvmlDeviceGetName = lambda h: b"NVIDIA H200"
     mod.nvmlDeviceGetUUID = lambda h: f"GPU-{h}"
-    mod.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
-        used=(h + 1) * 1024 * 1024 * 1000, total=143771 * 1024 * 1024
-    )
+    mod.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=(h + 1) * 1024 * 1024 * 1000,
+                                                                  total=143771 * 1024 * 1024)
 
     def utilization(h):
         if h == 1:
@@ -304,8 +248,7 @@ def fake_pynvml(monkeypatch):
 
     mod.nvmlDeviceGetUtilizationRates = utilization
     mod.nvmlDeviceGetComputeRunningProcesses = lambda h: (
-        [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=None)] if h == 0 else []
-    )
+        [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=None)] if h == 0 else [])
     monkeypatch.setitem(sys.modules, "pynvml", mod)
 
 
@@ -315,12 +258,7 @@ def test_nvml_snapshot_converts_the_api(monkeypatch):
     assert snap.ok and snap.source == "nvml"
     g0, g1 = snap.gpus
     assert (g0.name, g0.uuid, g0.memory_used_mib, g0.memory_total_mib, g0.utilization_pct) == (
-        "NVIDIA H200",
-        "GPU-0",
-        1000,
-        143771,
-        88,
-    )
+        "NVIDIA H200", "GPU-0", 1000, 143771, 88)
     assert g1.memory_used_mib == 2000 and g1.utilization_pct is None
     (proc,) = g0.processes
     assert proc.pid == os.getpid() and proc.used_memory_mib is None
@@ -342,10 +280,7 @@ def test_busy_gpus_names_pids_and_ghost_memory():
     busy = gpu.busy_gpus(snapshot(held, ghost, idle, starting), [3, 2, 1, 0])
     assert [b.index for b in busy] == [0, 1, 3]
     assert busy[2].describe() == "GPU 3: 300 MiB used by pid 5000"
-    assert (
-        busy[0].describe()
-        == "GPU 0: 70500 MiB used by pid 4123 (python3) 70000 MiB, 500 MiB ghost memory with no process"
-    )
+    assert busy[0].describe() == "GPU 0: 70500 MiB used by pid 4123 (python3) 70000 MiB, 500 MiB ghost memory with no process"
     assert busy[1].describe() == "GPU 1: 30000 MiB used by 30000 MiB ghost memory with no process"
     assert busy[1].ghost_mib == 30000 and busy[1].processes == ()
 
@@ -367,19 +302,16 @@ def test_busy_gpus_refuses_unknown_indices_and_missing_data():
 # --------------------------------------------------------------------------- host pid -> container
 
 
-@pytest.mark.parametrize(
-    "text, ctid",
-    [
-        ("0::/lxc/200/ns/user.slice/user-0.slice/session-3.scope\n", "200"),
-        ("0::/lxc/200/ns/init.scope\n", "200"),
-        ("12:memory:/lxc/201/ns\n11:cpu,cpuacct:/lxc/201/ns\n", "201"),
-        ("0::/lxc.payload.205/system.slice/foo.service\n", "205"),
-        ("0::/lxc.monitor/200\n", None),  # the monitor runs on the host, outside the container
-        ("0::/user.slice/user-0.slice/session-1.scope\n", None),
-        ("0::/system.slice/pve-container@200.service\n", None),
-        ("", None),
-    ],
-)
+@pytest.mark.parametrize("text, ctid", [
+    ("0::/lxc/200/ns/user.slice/user-0.slice/session-3.scope\n", "200"),
+    ("0::/lxc/200/ns/init.scope\n", "200"),
+    ("12:memory:/lxc/201/ns\n11:cpu,cpuacct:/lxc/201/ns\n", "201"),
+    ("0::/lxc.payload.205/system.slice/foo.service\n", "205"),
+    ("0::/lxc.monitor/200\n", None),  # the monitor runs on the host, outside the container
+    ("0::/user.slice/user-0.slice/session-1.scope\n", None),
+    ("0::/system.slice/pve-container@200.service\n", None),
+    ("", None),
+])
 def test_container_of_pid(text, ctid):
     assert gpu.container_of_pid(text) == ctid
 
@@ -396,31 +328,23 @@ def test_nspid_from_status():
 def test_host_query_maps_pids_into_the_container_and_labels_the_rest():
     from dflash_ops.gpu import parse_host_gpu_query
 
-    out = (
-        "0, GPU-a, NVIDIA H200, 30000, 143771, 90\n1, GPU-b, NVIDIA H200, 5000, 143771, 10\n@@\n"
-        "4321, GPU-a, 20000, python3\n999, GPU-b, 5000, python3\n555, GPU-a, 100, Xorg\n777, GPU-b, 10, gone\n@@\n"
-        "@pid 4321\n0::/lxc/200/ns/init.scope\nNSpid:\t4321\t17\n"
-        "@pid 999\n0::/lxc/201/ns\nNSpid:\t999\t40\n"
-        "@pid 555\n0::/user.slice/session-1.scope\nNSpid:\t555\n"
-        "@pid 777\n"
-    )
+    out = ("0, GPU-a, NVIDIA H200, 30000, 143771, 90\n1, GPU-b, NVIDIA H200, 5000, 143771, 10\n@@\n"
+           "4321, GPU-a, 20000, python3\n999, GPU-b, 5000, python3\n555, GPU-a, 100, Xorg\n777, GPU-b, 10, gone\n@@\n"
+           "@pid 4321\n0::/lxc/200/ns/init.scope\nNSpid:\t4321\t17\n"
+           "@pid 999\n0::/lxc/201/ns\nNSpid:\t999\t40\n"
+           "@pid 555\n0::/user.slice/session-1.scope\nNSpid:\t555\n"
+           "@pid 777\n")
     snap = parse_host_gpu_query(out, 200)
     seen = {(p.gpu_index, p.pid, p.owner, p.name) for g in snap.gpus for p in g.processes}
-    assert seen == {
-        (0, 17, "", "python3"),
-        (0, 555, "host", "Xorg"),
-        (1, 999, "ct 201", "python3"),
-        (1, 777, "gone", "gone"),
-    }
+    assert seen == {(0, 17, "", "python3"), (0, 555, "host", "Xorg"), (1, 999, "ct 201", "python3"),
+                    (1, 777, "gone", "gone")}
     assert snap.error is None and snap.source == "nvidia-smi on the Proxmox host"
 
 
 def test_host_query_driver_failure_is_an_error_not_a_crash():
     from dflash_ops.gpu import parse_host_gpu_query
 
-    snap = parse_host_gpu_query(
-        "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", 200
-    )
+    snap = parse_host_gpu_query("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", 200)
     assert snap.gpus == () or not snap.gpus
     assert snap.error
 
@@ -432,21 +356,11 @@ def test_host_query_answers_when_an_app_ends_before_its_proc_read(tmp_path):
 
     gone = 4194303  # above any pid_max in use: never a live process
     state = tmp_path / "gpu-state.json"
-    state.write_text(
-        json.dumps(
-            {
-                "gpus": [{"index": 0, "uuid": UUID0, "name": "NVIDIA H200", "memory_total_mib": 143771}],
-                "compute_apps": [
-                    {"pid": os.getpid(), "gpu_uuid": UUID0, "used_memory_mib": 100, "process_name": "py"},
-                    {"pid": gone, "gpu_uuid": UUID0, "used_memory_mib": 100, "process_name": "x"},
-                ],
-            }
-        )
-    )
-    env = {
-        "PATH": f"{Path(NVIDIA_SMI).parent}{os.pathsep}{os.environ['PATH']}",
-        "NVIDIA_SMI_SIM_STATE": str(state),
-    }
+    state.write_text(json.dumps({
+        "gpus": [{"index": 0, "uuid": UUID0, "name": "NVIDIA H200", "memory_total_mib": 143771}],
+        "compute_apps": [{"pid": os.getpid(), "gpu_uuid": UUID0, "used_memory_mib": 100, "process_name": "py"},
+                         {"pid": gone, "gpu_uuid": UUID0, "used_memory_mib": 100, "process_name": "x"}]}))
+    env = {"PATH": f"{Path(NVIDIA_SMI).parent}{os.pathsep}{os.environ['PATH']}", "NVIDIA_SMI_SIM_STATE": str(state)}
     script = "".join(f"export {k}={v!r}; " for k, v in env.items()) + gpu.HOST_GPU_QUERY
     with LocalTransport("local") as t:
         result = t.run(script, timeout=30)

@@ -1,6 +1,5 @@
 """--grace must leave the trainer its own stop grace plus its watchdog's margin: a shorter one is
 refused before anything is stopped (one line, exit 2)."""
-
 from __future__ import annotations
 
 import os
@@ -40,18 +39,14 @@ def test_a_grace_that_cannot_cover_the_trainers_stop_is_refused():
 def test_the_cli_refuses_a_short_grace_and_touches_nothing(tmp_path, command):
     socket = f"grace-{os.getpid()}-{command}"
     inventory = tmp_path / "inv.yaml"
-    inventory.write_text(
-        f"targets:\n  local:\n    transport: local\n    job: {{workdir: {tmp_path}/w, "
-        f"python: /usr/bin/python3, config: tiny-cpu, session: job, tmux_socket: {socket}}}\n"
-    )
+    inventory.write_text(f"targets:\n  local:\n    transport: local\n    job: {{workdir: {tmp_path}/w, "
+                         f"python: /usr/bin/python3, config: tiny-cpu, session: job, tmux_socket: {socket}}}\n")
     subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", "job", "sleep 60"], check=True)
     try:
         result = cli("--inventory", str(inventory), command, "--grace", "5")
         assert result.returncode == 2, result
         lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and "--grace 5 s is shorter" in lines[0] and "use --grace 29" in lines[0], (
-            lines
-        )
+        assert len(lines) == 1 and "--grace 5 s is shorter" in lines[0] and "use --grace 29" in lines[0], lines
         alive = subprocess.run(["tmux", "-L", socket, "has-session", "-t", "=job"])
         assert alive.returncode == 0, "the job's session must be untouched"
         assert not (tmp_path / "w").exists()

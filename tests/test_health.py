@@ -1,6 +1,5 @@
 """Health verdicts for each situation, Nagios output syntax, and one crashed job end to end
 (real tmux, real python traceback, real probe)."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -20,15 +19,9 @@ from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format
 
 NOW = 100_000.0
-JOB = Job(
-    workdir="/srv/dflash",
-    python="/srv/dflash/venv/bin/python",
-    config="tiny-cpu",
-    session="dflash",
-    target_gpus=(0,),
-    drafter_gpus=(1, 2),
-    health=Health(min_tokens_per_s=5000, stall_seconds=900, min_drafter_util_pct=50),
-)
+JOB = Job(workdir="/srv/dflash", python="/srv/dflash/venv/bin/python", config="tiny-cpu", session="dflash",
+          target_gpus=(0,), drafter_gpus=(1, 2),
+          health=Health(min_tokens_per_s=5000, stall_seconds=900, min_drafter_util_pct=50))
 
 
 def steps(last_step_age=12.0, count=10, tokens=40000.0, loss=2.5, start_age=None, total=1000):
@@ -36,69 +29,28 @@ def steps(last_step_age=12.0, count=10, tokens=40000.0, loss=2.5, start_age=None
     `last_step_age` seconds before NOW."""
     first = NOW - last_step_age - 10 * (count - 1)
     start = NOW - start_age if start_age is not None else first - 60
-    text = metrics_format.encode(
-        "start", time=start, total_steps=total, config={}, devices=[], compile_lock="x", pid=1
-    )
+    text = metrics_format.encode("start", time=start, total_steps=total, config={}, devices=[], compile_lock="x", pid=1)
     for i in range(count):
-        text += metrics_format.encode(
-            "step",
-            time=first + 10 * i,
-            step=i + 1,
-            total_steps=total,
-            loss=loss,
-            tokens_per_s=tokens,
-            eta_s=(total - i - 1) * 10.0,
-            lr=1e-4,
-            grad_norm=1.0,
-        )
+        text += metrics_format.encode("step", time=first + 10 * i, step=i + 1, total_steps=total, loss=loss,
+                                      tokens_per_s=tokens, eta_s=(total - i - 1) * 10.0, lr=1e-4, grad_norm=1.0)
     return metrics_format.parse_lines(text)
 
 
 def gpus(util=(97, 80, 75), error=None):
     if error:
         return GpuSnapshot((), "nvidia-smi", error)
-    return GpuSnapshot(
-        tuple(Gpu(i, f"GPU-{i}", "NVIDIA H200", 70000, 143771, u) for i, u in enumerate(util)), "nvidia-smi"
-    )
+    return GpuSnapshot(tuple(Gpu(i, f"GPU-{i}", "NVIDIA H200", 70000, 143771, u) for i, u in enumerate(util)),
+                       "nvidia-smi")
 
 
-def make_report(
-    records=(),
-    log_text="step 1\n",
-    running=True,
-    exists=None,
-    snapshot=None,
-    exit_status=None,
-    log_mtime=NOW - 5,
-    with_log=True,
-):
-    log = (
-        probe.FileTail(
-            "/srv/dflash/logs/train-0003.log", len(log_text), log_mtime, tuple(log_text.splitlines())
-        )
-        if with_log
-        else None
-    )
-    session = probe.SessionState(
-        "dflash",
-        "dflash",
-        running if exists is None else exists,
-        running,
-        4242 if running else None,
-        exit_status,
-    )
-    return probe.ProbeReport(
-        target="gpu-box",
-        time=NOW,
-        hostname="ct200",
-        gpu=snapshot or gpus(),
-        session=session,
-        processes=(),
-        log_dir="/srv/dflash/logs",
-        log=log,
-        metrics=None,
-        records=tuple(records),
-    )
+def make_report(records=(), log_text="step 1\n", running=True, exists=None, snapshot=None, exit_status=None,
+                log_mtime=NOW - 5, with_log=True):
+    log = probe.FileTail("/srv/dflash/logs/train-0003.log", len(log_text), log_mtime,
+                         tuple(log_text.splitlines())) if with_log else None
+    session = probe.SessionState("dflash", "dflash", running if exists is None else exists, running,
+                                 4242 if running else None, exit_status)
+    return probe.ProbeReport(target="gpu-box", time=NOW, hostname="ct200", gpu=snapshot or gpus(), session=session,
+                             processes=(), log_dir="/srv/dflash/logs", log=log, metrics=None, records=tuple(records))
 
 
 # --------------------------------------------------------------------------- verdicts
@@ -122,27 +74,18 @@ def test_dead_pane_reports_exit_status():
 
 
 def test_crashed_job_names_the_exception():
-    log = (
-        'step 10 loss 2.5\nTraceback (most recent call last):\n  File "train.py", line 80, in main\n'
-        "    batch = next(loader)\nValueError: bad shard /data/shard-7.jsonl\n"
-    )
+    log = ("step 10 loss 2.5\nTraceback (most recent call last):\n  File \"train.py\", line 80, in main\n"
+           "    batch = next(loader)\nValueError: bad shard /data/shard-7.jsonl\n")
     verdict = health.evaluate(make_report(steps(), log_text=log, running=False), JOB)
     assert verdict.level == "CRITICAL"
-    assert (
-        "Python exception: ValueError: bad shard /data/shard-7.jsonl (in train-0003.log)" in verdict.reasons
-    )
+    assert "Python exception: ValueError: bad shard /data/shard-7.jsonl (in train-0003.log)" in verdict.reasons
 
 
-@pytest.mark.parametrize(
-    "line, title",
-    [
-        (
-            "RuntimeError: Detected that you are using FX to symbolically trace a dynamo-optimized function.",
-            "FX-tracing race",
-        ),
-        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.", "CUDA out of memory"),
-    ],
-)
+@pytest.mark.parametrize("line, title", [
+    ("RuntimeError: Detected that you are using FX to symbolically trace a dynamo-optimized function.",
+     "FX-tracing race"),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.", "CUDA out of memory"),
+])
 def test_known_failures_in_the_log_are_critical_and_named(line, title):
     verdict = health.evaluate(make_report(steps(), log_text=f"step 9\n{line}\n"), JOB)
     assert verdict.level == "CRITICAL"
@@ -151,12 +94,9 @@ def test_known_failures_in_the_log_are_critical_and_named(line, title):
 
 def test_error_event_in_metrics_is_critical():
     records = steps() + metrics_format.parse_lines(
-        metrics_format.encode("error", time=NOW - 1, kind="cuda_oom", message="CUDA out of memory on cuda:1")
-    )
+        metrics_format.encode("error", time=NOW - 1, kind="cuda_oom", message="CUDA out of memory on cuda:1"))
     verdict = health.evaluate(make_report(records), JOB)
-    assert verdict.level == "CRITICAL" and verdict.reasons[0].startswith(
-        "CUDA out of memory: CUDA out of memory on cuda:1"
-    )
+    assert verdict.level == "CRITICAL" and verdict.reasons[0].startswith("CUDA out of memory: CUDA out of memory on cuda:1")
 
 
 def test_stalled_job_is_critical():
@@ -218,13 +158,9 @@ def test_no_utilization_warning_when_not_training():
 
 
 def test_no_driver_with_a_utilization_floor_warns():
-    verdict = health.evaluate(
-        make_report(steps(), snapshot=gpus(error="no NVIDIA driver (NVIDIA-SMI has failed)")), JOB
-    )
+    verdict = health.evaluate(make_report(steps(), snapshot=gpus(error="no NVIDIA driver (NVIDIA-SMI has failed)")), JOB)
     assert verdict.level == "WARNING"
-    assert verdict.reasons == (
-        "GPUs 0,1,2 are assigned but the GPU query failed: no NVIDIA driver (NVIDIA-SMI has failed)",
-    )
+    assert verdict.reasons == ("GPUs 0,1,2 are assigned but the GPU query failed: no NVIDIA driver (NVIDIA-SMI has failed)",)
 
 
 def test_cpu_job_without_gpus_is_fine_without_a_driver():
@@ -235,21 +171,18 @@ def test_cpu_job_without_gpus_is_fine_without_a_driver():
 
 def test_finished_job_is_ok_even_without_its_session():
     records = steps(count=3, total=3) + metrics_format.parse_lines(
-        metrics_format.encode("done", time=NOW - 5, step=3, reason="max_steps")
-    )
+        metrics_format.encode("done", time=NOW - 5, step=3, reason="max_steps"))
     verdict = health.evaluate(make_report(records, running=False), JOB)
     assert verdict.level == "OK" and verdict.reasons == ("finished at step 3",)
 
 
 def test_probe_blind_spots_are_warnings():
-    report = dataclasses.replace(
-        make_report(steps()), errors=("files: PermissionError: [Errno 13] /srv/dflash/logs",)
-    )
+    report = dataclasses.replace(make_report(steps()),
+                                 errors=("files: PermissionError: [Errno 13] /srv/dflash/logs",))
     verdict = health.evaluate(report, JOB)
     assert verdict.level == "WARNING"
-    assert verdict.reasons == (
-        "probe could not read part of the target: files: PermissionError: [Errno 13] /srv/dflash/logs",
-    )
+    assert verdict.reasons == ("probe could not read part of the target: files: PermissionError: [Errno 13] "
+                               "/srv/dflash/logs",)
 
 
 def test_now_defaults_to_the_targets_clock():
@@ -270,10 +203,8 @@ def test_several_problems_are_all_listed_critical_first():
 
 # Nagios plugin guidelines: 'label'=value[UOM];[warn];[crit];[min];[max], ranges [@][start:][end]
 _RANGE = r"@?(?:~|-?\d+(?:\.\d+)?)?:?(?:-?\d+(?:\.\d+)?)?"
-PERF_ITEM = re.compile(
-    r"(?:'(?:[^']|'')+'|[^'= ]+)=(?:-?\d+(?:\.\d+)?|U)(?:s|ms|us|%|B|KB|MB|GB|TB|c)?"
-    rf"(?:;{_RANGE}(?:;{_RANGE}(?:;-?\d+(?:\.\d+)?(?:;-?\d+(?:\.\d+)?)?)?)?)?"
-)
+PERF_ITEM = re.compile(r"(?:'(?:[^']|'')+'|[^'= ]+)=(?:-?\d+(?:\.\d+)?|U)(?:s|ms|us|%|B|KB|MB|GB|TB|c)?"
+                       rf"(?:;{_RANGE}(?:;{_RANGE}(?:;-?\d+(?:\.\d+)?(?:;-?\d+(?:\.\d+)?)?)?)?)?")
 LINE = re.compile(r"DFLASH (OK|WARNING|CRITICAL|UNKNOWN): [^|\n]+(?: \| (.+))?")
 
 
@@ -288,22 +219,17 @@ def assert_nagios(line):
 def test_nagios_line_exact():
     verdict = health.evaluate(make_report(steps()), JOB)
     line = health.nagios_line("gpu-box", verdict)
-    assert line == (
-        "DFLASH OK: gpu-box: step 10/1000, loss 2.5000, 40.0 Ktok/s, last step 12 s ago | "
-        "step=10;; loss=2.5;; tokens_per_s=40000;5000:; age_s=12;;900 drafter_util_pct=75%;50:;"
-    )
+    assert line == ("DFLASH OK: gpu-box: step 10/1000, loss 2.5000, 40.0 Ktok/s, last step 12 s ago | "
+                    "step=10;; loss=2.5;; tokens_per_s=40000;5000:; age_s=12;;900 drafter_util_pct=75%;50:;")
     assert_nagios(line)
 
 
-@pytest.mark.parametrize(
-    "report",
-    [
-        make_report(steps(loss=float("nan"))),
-        make_report((), with_log=False),
-        make_report(steps(tokens=1234.56789), running=False, log_text="x | y\nKilled\n"),
-        make_report(steps(), snapshot=gpus(error="no NVIDIA driver")),
-    ],
-)
+@pytest.mark.parametrize("report", [
+    make_report(steps(loss=float("nan"))),
+    make_report((), with_log=False),
+    make_report(steps(tokens=1234.56789), running=False, log_text="x | y\nKilled\n"),
+    make_report(steps(), snapshot=gpus(error="no NVIDIA driver")),
+])
 def test_nagios_lines_are_valid_for_every_verdict(report):
     line = health.nagios_line("gpu box|1", health.evaluate(report, JOB))
     assert_nagios(line)
@@ -346,37 +272,23 @@ def test_a_real_crash_is_critical_and_named(tmp_path, monkeypatch):
         " lr=1e-4, grad_norm=1.0))\n"
         "def load_shard(path):\n"
         "    raise ValueError(f'bad shard {path}')\n"
-        "load_shard('/data/shard-7.jsonl')\n"
-    )
+        "load_shard('/data/shard-7.jsonl')\n")
     command = f"cd {os.getcwd()} && {sys.executable} {crash} > {log} 2>&1"
-    subprocess.run(
-        ["tmux", "-L", socket, "new-session", "-d", "-s", "dflash", command], check=True, timeout=30
-    )
+    subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", "dflash", command], check=True, timeout=30)
     try:
         deadline = time.monotonic() + 20
-        while (
-            subprocess.run(
-                ["tmux", "-L", socket, "has-session", "-t", "=dflash"], capture_output=True
-            ).returncode
-            == 0
-        ):
+        while subprocess.run(["tmux", "-L", socket, "has-session", "-t", "=dflash"],
+                             capture_output=True).returncode == 0:
             assert time.monotonic() < deadline, "the crashing job did not end"
             time.sleep(0.1)
-        job = Job(
-            workdir=str(tmp_path),
-            python=sys.executable,
-            config="tiny-cpu",
-            tmux_socket=socket,
-            health=Health(stall_seconds=900),
-        )
+        job = Job(workdir=str(tmp_path), python=sys.executable, config="tiny-cpu", tmux_socket=socket,
+                  health=Health(stall_seconds=900))
         report = probe.run_probe(LocalTransport("local"), job)
         verdict = health.evaluate(report, job)
     finally:
         subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)
     assert verdict.level == "CRITICAL"
     assert verdict.reasons[0] == f"tmux session 'dflash' is gone (socket {socket})"
-    assert (
-        "Python exception: ValueError: bad shard /data/shard-7.jsonl (in train-0001.log)" in verdict.reasons
-    )
+    assert "Python exception: ValueError: bad shard /data/shard-7.jsonl (in train-0001.log)" in verdict.reasons
     assert verdict.perfdata["step"].value == 1
     assert_nagios(health.nagios_line("local", verdict))

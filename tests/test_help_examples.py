@@ -1,7 +1,6 @@
 """The examples in `--help` are real output: status and health are what this code prints for the
 status object recorded on an H200 (benchmarks/results/gpu-ops.md), tail-log's lines are recorded
 log lines that the trainer's own formatter writes again character for character."""
-
 from __future__ import annotations
 
 import json
@@ -21,9 +20,7 @@ RECORDING = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / 
 
 def recorded(command: str) -> str:
     """The output recorded after `$ dflash-ops COMMAND` (up to its `[exit N]` line)."""
-    return (
-        RECORDING.read_text(encoding="utf-8").split(f"$ dflash-ops {command}\n", 1)[1].split("\n[exit", 1)[0]
-    )
+    return RECORDING.read_text(encoding="utf-8").split(f"$ dflash-ops {command}\n", 1)[1].split("\n[exit", 1)[0]
 
 
 def help_example(*command: str) -> tuple[str, list[str]]:
@@ -48,20 +45,15 @@ def test_the_status_example_is_what_status_prints_for_the_recorded_state():
 
 def test_the_health_example_is_what_health_prints_for_the_recorded_state():
     st = recorded_status()
-    verdict = health.Verdict(
-        st["verdict"],
-        tuple(st["reasons"]),
-        {label: health.Perf(**perf) for label, perf in st["perfdata"].items()},
-    )
+    verdict = health.Verdict(st["verdict"], tuple(st["reasons"]),
+                             {label: health.Perf(**perf) for label, perf in st["perfdata"].items()})
     line, lines = help_example("health")
     assert line == "dflash-ops health"
     assert lines == [health.nagios_line(st["target"], verdict)]
 
 
-STEP = re.compile(
-    r"step +(\d+)/(\d+)  loss (\S+)  acc@1 (\S+)  acc_avg (\S+)  ([\d,]+) tok/s  lr (\S+)  "
-    r"gnorm (\S+)  eta (\d+)m(\d+)s"
-)
+STEP = re.compile(r"step +(\d+)/(\d+)  loss (\S+)  acc@1 (\S+)  acc_avg (\S+)  ([\d,]+) tok/s  lr (\S+)  "
+                  r"gnorm (\S+)  eta (\d+)m(\d+)s")
 
 
 def test_the_tail_log_example_is_recorded_log_lines_in_the_trainers_format():
@@ -71,16 +63,8 @@ def test_the_tail_log_example_is_recorded_log_lines_in_the_trainers_format():
     for text in lines:
         step, total, loss, acc1, acc_avg, tps, lr, gnorm, minutes, seconds = STEP.fullmatch(text).groups()
         acc = [float(acc1), 2 * float(acc_avg) - float(acc1)]  # a mean of acc_avg with acc@1 first
-        again = step_line(
-            int(step),
-            int(total),
-            float(loss),
-            acc,
-            float(tps.replace(",", "")),
-            60 * int(minutes) + int(seconds),
-            float(lr),
-            float(gnorm),
-        )
+        again = step_line(int(step), int(total), float(loss), acc, float(tps.replace(",", "")),
+                          60 * int(minutes) + int(seconds), float(lr), float(gnorm))
         assert again == text
 
 

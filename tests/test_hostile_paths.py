@@ -1,6 +1,5 @@
 """Every remote script quotes what it is given: a job whose paths and names hold shell syntax runs
 none of it, through the real local transport (the same bash the ssh and pct targets run)."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -14,20 +13,14 @@ from dflash_ops.observe import log_tail
 from dflash_ops.transport.local import LocalTransport
 
 STANDIN = str(Path(__file__).parent / "sim" / "standin-trainer")
-HOSTILE = "w $(touch PWNED) `touch PWNED2` \"q\" 's' ; $HOME"
+HOSTILE = 'w $(touch PWNED) `touch PWNED2` "q" \'s\' ; $HOME'
 
 
 def test_launch_wait_and_tail_log_run_nothing_from_hostile_paths(local_target, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    job = dataclasses.replace(
-        local_target.job,
-        workdir=str(tmp_path / HOSTILE),
-        log_dir=str(tmp_path / HOSTILE / "logs"),
-        cache_dir=str(tmp_path / HOSTILE / "cache"),
-        python=STANDIN,
-        session="s $(touch PWNED3) `x` 'q'",
-        tmux_socket=f"h-{tmp_path.name}"[:40],
-    )
+    job = dataclasses.replace(local_target.job, workdir=str(tmp_path / HOSTILE), log_dir=str(tmp_path / HOSTILE / "logs"),
+                              cache_dir=str(tmp_path / HOSTILE / "cache"), python=STANDIN,
+                              session="s $(touch PWNED3) `x` 'q'", tmux_socket=f"h-{tmp_path.name}"[:40])
     target = dataclasses.replace(local_target, job=job)
     with LocalTransport("local") as t:
         launched = t.check(launch.launch_command(job, resume=True), stdin=remote.bundle(launch.LAUNCHER))
@@ -56,18 +49,12 @@ def test_preflight_purge_follow_and_put_run_nothing_from_hostile_paths(local_tar
     root.mkdir()
     python = root / "python $(touch PWNED4)"
     python.symlink_to(sys.executable)
-    job = dataclasses.replace(
-        local_target.job,
-        workdir=str(root / "work"),
-        log_dir=str(root / "logs"),
-        cache_dir=str(root / "cache"),
-        python=str(python),
-    )
+    job = dataclasses.replace(local_target.job, workdir=str(root / "work"), log_dir=str(root / "logs"),
+                              cache_dir=str(root / "cache"), python=str(python))
     target = dataclasses.replace(local_target, job=job)
     with LocalTransport("local") as t:
-        checks = preflight._answers(
-            t.check(preflight._shell_checks(job, need_release=False, import_torch=False)).stdout
-        )
+        checks = preflight._answers(t.check(preflight._shell_checks(job, need_release=False,
+                                                                     import_torch=False)).stdout)
         assert checks["reach"] == "ok" and checks["release"] == "deployable" and checks["free_kib"].isdigit()
         assert "python_error" in checks or checks["torch"] == "installed", checks
         assert os.path.isdir(job.workdir)
@@ -77,9 +64,7 @@ def test_preflight_purge_follow_and_put_run_nothing_from_hostile_paths(local_tar
             d.mkdir()
         (marked / ".dflash-ops-cache").write_text("x\n")
         ctx = StepContext(target=target, transport=t, step="purge_cache")
-        outcome = steps.purge_cache(
-            ctx, job, paths=[str(marked), str(unmarked), str(root / "gone")], if_unmarked="skip"
-        )
+        outcome = steps.purge_cache(ctx, job, paths=[str(marked), str(unmarked), str(root / "gone")], if_unmarked="skip")
         assert not marked.exists() and unmarked.exists(), outcome.message
 
         log = root / "logs" / "train-0001.log"

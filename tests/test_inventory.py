@@ -1,6 +1,5 @@
 """The inventory: the example file, inheritance, groups, file selection, the built-in local target,
 and one clear error line for every kind of bad input."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -15,12 +14,7 @@ import yaml
 from dflash_ops.inventory import rules as inventory_rules, target as inventory_target
 from dflash_ops.errors import InputError
 from dflash_ops.inventory.load import (
-    ENV_VAR,
-    Inventory,
-    builtin_inventory,
-    describe,
-    load_inventory,
-    load_inventory_text,
+    ENV_VAR, Inventory, builtin_inventory, describe, load_inventory, load_inventory_text,
 )
 from dflash_ops.inventory.model import Health, HostSpec, Job, JumpHost, Target
 
@@ -89,56 +83,32 @@ def test_example_inventory_loads_with_inheritance(isolated, monkeypatch):
 
     box = inv.targets["gpu-box"]
     assert (box.transport, box.ctid, box.gpu_query_on) == ("pct", 200, "host")
-    assert box.ssh == HostSpec(
-        host="pve1.example.lan",
-        port=22,
-        user="root",
-        identity_file=str(isolated / ".ssh" / "id_ed25519"),
-        host_key_policy="strict",
-    )
+    assert box.ssh == HostSpec(host="pve1.example.lan", port=22, user="root",
+                               identity_file=str(isolated / ".ssh" / "id_ed25519"),
+                               host_key_policy="strict")
     assert box.job == Job(
-        workdir="/root/dflash",
-        python="/root/venv/bin/python3",
-        config="/root/dflash/configs/qwen3-8b.yaml",
-        session="dflash",
-        log_dir="/root/dflash/logs",
-        cache_dir="/root/dflash/cache",
-        target_gpus=(0,),
-        drafter_gpus=(1, 2, 3),
+        workdir="/root/dflash", python="/root/venv/bin/python3",
+        config="/root/dflash/configs/qwen3-8b.yaml", session="dflash",
+        log_dir="/root/dflash/logs", cache_dir="/root/dflash/cache",
+        target_gpus=(0,), drafter_gpus=(1, 2, 3),
         env=(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),),
-        health=Health(
-            min_tokens_per_s=20000,
-            stall_seconds=900,
-            min_drafter_util_pct=30,
-            max_relaunches_per_hour=3,
-            min_tau=3,
-        ),
-    )
+        health=Health(min_tokens_per_s=20000, stall_seconds=900, min_drafter_util_pct=30,
+                      max_relaunches_per_hour=3, min_tau=3))
 
     bare = inv.targets["bare-box"]
     assert bare.transport == "ssh" and bare.ctid is None
-    assert (bare.ssh.host, bare.ssh.port, bare.ssh.jump) == (
-        "10.0.0.7",
-        2222,
-        JumpHost("bastion", 22, "admin"),
-    )
+    assert (bare.ssh.host, bare.ssh.port, bare.ssh.jump) == ("10.0.0.7", 2222, JumpHost("bastion", 22, "admin"))
     # Its own lists replace the defaults'; its health overrides one threshold and keeps the rest.
     assert (bare.job.target_gpus, bare.job.drafter_gpus) == ((0,), (1,))
-    assert bare.job.health == Health(
-        min_tokens_per_s=8000,
-        stall_seconds=900,
-        min_drafter_util_pct=30,
-        max_relaunches_per_hour=3,
-        min_tau=3,
-    )
+    assert bare.job.health == Health(min_tokens_per_s=8000, stall_seconds=900,
+                                     min_drafter_util_pct=30, max_relaunches_per_hour=3, min_tau=3)
     # defaults do not reach the local target
     assert inv.targets["local"].job.python == sys.executable
 
 
 def test_example_inventory_documents_every_field():
-    header = "".join(
-        line for line in (REPO / "inventory.yaml").read_text().splitlines(True) if line.startswith("#")
-    )
+    header = "".join(line for line in (REPO / "inventory.yaml").read_text().splitlines(True)
+                     if line.startswith("#"))
     documented = [f.name for cls in (Job, Health, HostSpec) for f in dataclasses.fields(cls)]
     documented += ["ctid", "gpu_query_on", "transport", "defaults", "targets", "groups", "default_target"]
     missing = [name for name in documented if name not in header]
@@ -186,46 +156,24 @@ def test_every_field_is_read_into_the_model():
               health: {min_tokens_per_s: 1.5, stall_seconds: 60, min_drafter_util_pct: 12, max_relaunches_per_hour: 0}
     """)
     assert inv.targets["box"] == Target(
-        name="box",
-        transport="pct",
-        ctid=123,
-        gpu_query_on="host",
-        ssh=HostSpec(
-            host="pve.lan",
-            port=2200,
-            user="ops",
-            identity_file="/keys/id",
-            jump=JumpHost("bastion.lan", 2022, "jumper"),
-            host_key_policy="accept-new",
-            known_hosts_file="/keys/known",
-            connect_timeout_s=4.5,
-        ),
-        job=Job(
-            workdir="/data/w",
-            python="/opt/py/bin/python3",
-            config="gpu-paper",
-            session="train-1",
-            log_dir="/data/logs",
-            cache_dir="/scratch/ind",
-            target_gpus=(2, 3),
-            drafter_gpus=(0, 1, 4),
-            tmux_socket="ops-sock",
-            train_args=("--max-steps", "100", "--lr", "6e-4"),
-            env=(("NCCL_DEBUG", "INFO"), ("OMP_NUM_THREADS", "8")),
-            health=Health(1.5, 60, 12, 0),
-        ),
-    )
+        name="box", transport="pct", ctid=123, gpu_query_on="host",
+        ssh=HostSpec(host="pve.lan", port=2200, user="ops", identity_file="/keys/id",
+                     jump=JumpHost("bastion.lan", 2022, "jumper"), host_key_policy="accept-new",
+                     known_hosts_file="/keys/known", connect_timeout_s=4.5),
+        job=Job(workdir="/data/w", python="/opt/py/bin/python3", config="gpu-paper",
+                session="train-1", log_dir="/data/logs", cache_dir="/scratch/ind",
+                target_gpus=(2, 3), drafter_gpus=(0, 1, 4), tmux_socket="ops-sock",
+                train_args=("--max-steps", "100", "--lr", "6e-4"),
+                env=(("NCCL_DEBUG", "INFO"), ("OMP_NUM_THREADS", "8")),
+                health=Health(1.5, 60, 12, 0)))
 
 
-@pytest.mark.parametrize(
-    "text, parsed, destination",
-    [
-        ("jump.example", JumpHost("jump.example", 22, None), "jump.example:22"),
-        ("ops@jump.example", JumpHost("jump.example", 22, "ops"), "ops@jump.example:22"),
-        ("ops@10.0.0.1:2222", JumpHost("10.0.0.1", 2222, "ops"), "ops@10.0.0.1:2222"),
-        ("[fe80::1]:2200", JumpHost("fe80::1", 2200, None), "[fe80::1]:2200"),
-    ],
-)
+@pytest.mark.parametrize("text, parsed, destination", [
+    ("jump.example", JumpHost("jump.example", 22, None), "jump.example:22"),
+    ("ops@jump.example", JumpHost("jump.example", 22, "ops"), "ops@jump.example:22"),
+    ("ops@10.0.0.1:2222", JumpHost("10.0.0.1", 2222, "ops"), "ops@10.0.0.1:2222"),
+    ("[fe80::1]:2200", JumpHost("fe80::1", 2200, None), "[fe80::1]:2200"),
+])
 def test_jump_host_is_read_as_user_host_port(text, parsed, destination):
     inv = load(f"""
         targets:
@@ -278,65 +226,46 @@ def test_defaults_deep_merge_and_target_wins():
 
 
 def test_pct_only_defaults_reach_only_pct_targets():
-    inv = load(
-        REMOTE_DEFAULTS
-        + """\
+    inv = load(REMOTE_DEFAULTS + """\
   ctid: 200
   gpu_query_on: host
 targets:
   box: {transport: ssh, host: a.lan}
   ct: {transport: pct, host: pve.lan}
-"""
-    )
+""")
     assert (inv.targets["ct"].ctid, inv.targets["ct"].gpu_query_on) == (200, "host")
     assert (inv.targets["box"].ctid, inv.targets["box"].gpu_query_on) == (None, "container")
 
 
 def test_yaml_anchors_and_merge_keys_are_not_duplicates():
-    inv = load(
-        REMOTE_DEFAULTS
-        + """\
+    inv = load(REMOTE_DEFAULTS + """\
 targets:
   a: &common {transport: ssh, host: a.lan, port: 2201}
   b:
     <<: *common
     host: b.lan
-"""
-    )
+""")
     assert (inv.targets["b"].ssh.host, inv.targets["b"].ssh.port) == ("b.lan", 2201)
 
 
 def test_only_true_and_false_are_booleans():
     # YAML 1.1 reads `off` as False; the documented policy value must survive unquoted.
-    inv = load(
-        REMOTE_DEFAULTS
-        + """\
+    inv = load(REMOTE_DEFAULTS + """\
 targets:
   box: {transport: ssh, host: a.lan, host_key_policy: off, job: {env: {FLAG: yes}}}
-"""
-    )
+""")
     assert inv.targets["box"].ssh.host_key_policy == "off"
     assert inv.targets["box"].job.env == (("FLAG", "yes"),)
 
 
 def test_hostile_strings_are_kept_exactly(tmp_path):
-    hostile = 'it\'s "q" $(touch pwned) `touch pwned2` ; rm -rf x ü 日本'
+    hostile = "it's \"q\" $(touch pwned) `touch pwned2` ; rm -rf x ü 日本"
     data = {
-        "targets": {
-            "box": {
-                "transport": "ssh",
-                "host": "a.lan",
-                "job": {
-                    "workdir": "/srv/" + hostile,
-                    "python": "/srv/v env/bin/python3",
-                    "config": "/srv/c $(id).yaml",
-                    "session": hostile,
-                    "train_args": ["--note", hostile, "--multi\nline"],
-                    "env": {"NOTE": hostile + "\nsecond line"},
-                },
-            }
-        }
-    }
+        "targets": {"box": {"transport": "ssh", "host": "a.lan", "job": {
+            "workdir": "/srv/" + hostile, "python": "/srv/v env/bin/python3",
+            "config": "/srv/c $(id).yaml", "session": hostile,
+            "train_args": ["--note", hostile, "--multi\nline"],
+            "env": {"NOTE": hostile + "\nsecond line"}}}}}
     text = yaml.safe_dump(data, allow_unicode=True)
     job = load_inventory_text(text, FILE).targets["box"].job
     assert job.workdir == "/srv/" + hostile
@@ -353,9 +282,7 @@ def test_hostile_strings_are_kept_exactly(tmp_path):
 # Groups and the default target
 
 
-GROUPED = (
-    REMOTE_DEFAULTS
-    + """\
+GROUPED = REMOTE_DEFAULTS + """\
 targets:
   a: {transport: ssh, host: a.lan}
   b: {transport: ssh, host: b.lan}
@@ -363,7 +290,6 @@ targets:
 groups:
   backwards: [c, a]
 """
-)
 
 
 def test_group_fans_out_in_group_order():
@@ -478,8 +404,7 @@ def test_file_overrides_local_job_and_local_paths_resolve_here(tmp_path, isolate
     tool.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tool.parent}{os.pathsep}{os.environ['PATH']}")
     path = folder / "inventory.yaml"
-    path.write_text(
-        textwrap.dedent("""\
+    path.write_text(textwrap.dedent("""\
         defaults:
           job: {workdir: /srv/dflash, python: /srv/venv/bin/python3, config: /srv/c.yaml, session: remote}
         targets:
@@ -488,8 +413,7 @@ def test_file_overrides_local_job_and_local_paths_resolve_here(tmp_path, isolate
           other-local:
             transport: local
             job: {python: mypython}
-    """)
-    )
+    """))
     inv = load_inventory(str(path))
     local = inv.targets["local"]
     assert local.transport == "local"
@@ -530,11 +454,8 @@ def test_describe_one_aligned_line_per_target():
 
 
 def test_describe_marks_the_default_group():
-    marked = [
-        line.split()[1]
-        for line in describe(load(GROUPED + "default_target: backwards\n"))
-        if line.startswith("*")
-    ]
+    marked = [line.split()[1] for line in describe(load(GROUPED + "default_target: backwards\n"))
+              if line.startswith("*")]
     assert marked == ["a", "c"]
 
 
@@ -544,570 +465,150 @@ def test_describe_marks_the_default_group():
 
 BOX = REMOTE_DEFAULTS + "targets:\n"
 CASES = [
-    (
-        "unknown-key",
-        BOX + "  box: {transport: ssh, hots: a.lan}\n",
-        "box",
-        "hots",
-        "hots",
-        ["did you mean 'host'"],
-    ),
-    (
-        "unknown-job-key",
-        BOX + "  box:\n    transport: ssh\n    host: a\n    job:\n      sesion: x\n",
-        "box",
-        "job.sesion",
-        "sesion",
-        ["did you mean 'session'"],
-    ),
-    (
-        "job-key-on-target",
-        BOX + "  box: {transport: ssh, host: a, workdir: /w}\n",
-        "box",
-        "workdir",
-        "workdir: /w",
-        ["under 'job:'"],
-    ),
-    (
-        "unknown-top-level",
-        REMOTE_DEFAULTS + "target:\n  box: {transport: ssh, host: a}\n",
-        None,
-        "target",
-        "target:",
-        ["did you mean 'targets'"],
-    ),
-    (
-        "port-text",
-        BOX + "  box: {transport: ssh, host: a, port: abc}\n",
-        "box",
-        "port",
-        "port",
-        ["whole number", "'abc'"],
-    ),
+    ("unknown-key", BOX + "  box: {transport: ssh, hots: a.lan}\n", "box", "hots", "hots", ["did you mean 'host'"]),
+    ("unknown-job-key", BOX + "  box:\n    transport: ssh\n    host: a\n    job:\n      sesion: x\n",
+     "box", "job.sesion", "sesion", ["did you mean 'session'"]),
+    ("job-key-on-target", BOX + "  box: {transport: ssh, host: a, workdir: /w}\n", "box", "workdir", "workdir: /w",
+     ["under 'job:'"]),
+    ("unknown-top-level", REMOTE_DEFAULTS + "target:\n  box: {transport: ssh, host: a}\n", None, "target",
+     "target:", ["did you mean 'targets'"]),
+    ("port-text", BOX + "  box: {transport: ssh, host: a, port: abc}\n", "box", "port", "port", ["whole number", "'abc'"]),
     ("port-bool", BOX + "  box: {transport: ssh, host: a, port: true}\n", "box", "port", "port", ["boolean"]),
     ("port-range", BOX + "  box: {transport: ssh, host: a, port: 70000}\n", "box", "port", "port", ["65535"]),
     ("ctid-low", BOX + "  box: {transport: pct, host: a, ctid: 5}\n", "box", "ctid", "ctid", ["100"]),
-    (
-        "gpus-not-list",
-        BOX + "  box: {transport: ssh, host: a, job: {target_gpus: 0}}\n",
-        "box",
-        "job.target_gpus",
-        "target_gpus",
-        ["[0, 1]"],
-    ),
-    (
-        "gpus-negative",
-        BOX + "  box: {transport: ssh, host: a, job: {drafter_gpus: [1, -1]}}\n",
-        "box",
-        "job.drafter_gpus",
-        "drafter_gpus",
-        [">= 0"],
-    ),
-    (
-        "gpus-text",
-        BOX + "  box: {transport: ssh, host: a, job: {drafter_gpus: ['1']}}\n",
-        "box",
-        "job.drafter_gpus",
-        "drafter_gpus",
-        ["'1'"],
-    ),
-    (
-        "gpus-bool",
-        BOX + "  box: {transport: ssh, host: a, job: {drafter_gpus: [true]}}\n",
-        "box",
-        "job.drafter_gpus",
-        "drafter_gpus",
-        ["boolean"],
-    ),
-    (
-        "gpus-repeated",
-        BOX + "  box: {transport: ssh, host: a, job: {drafter_gpus: [1, 2, 1]}}\n",
-        "box",
-        "job.drafter_gpus",
-        "drafter_gpus",
-        ["GPU 1 is listed twice"],
-    ),
-    (
-        "gpu-two-roles",
-        "defaults:\n  job: {workdir: /w, python: /p, config: tiny-cpu, target_gpus: [0, 1]}\n"
-        "targets:\n  box: {transport: ssh, host: a, job: {drafter_gpus: [2, 1]}}\n",
-        "box",
-        "job.drafter_gpus",
-        "drafter_gpus",
-        ["GPU 1 is in both target_gpus and drafter_gpus; give each GPU one role"],
-    ),
+    ("gpus-not-list", BOX + "  box: {transport: ssh, host: a, job: {target_gpus: 0}}\n", "box", "job.target_gpus",
+     "target_gpus", ["[0, 1]"]),
+    ("gpus-negative", BOX + "  box: {transport: ssh, host: a, job: {drafter_gpus: [1, -1]}}\n", "box",
+     "job.drafter_gpus", "drafter_gpus", [">= 0"]),
+    ("gpus-text", BOX + "  box: {transport: ssh, host: a, job: {drafter_gpus: ['1']}}\n", "box",
+     "job.drafter_gpus", "drafter_gpus", ["'1'"]),
+    ("gpus-bool", BOX + "  box: {transport: ssh, host: a, job: {drafter_gpus: [true]}}\n", "box",
+     "job.drafter_gpus", "drafter_gpus", ["boolean"]),
+    ("gpus-repeated", BOX + "  box: {transport: ssh, host: a, job: {drafter_gpus: [1, 2, 1]}}\n", "box",
+     "job.drafter_gpus", "drafter_gpus", ["GPU 1 is listed twice"]),
+    ("gpu-two-roles", "defaults:\n  job: {workdir: /w, python: /p, config: tiny-cpu, target_gpus: [0, 1]}\n"
+     "targets:\n  box: {transport: ssh, host: a, job: {drafter_gpus: [2, 1]}}\n", "box", "job.drafter_gpus", "drafter_gpus",
+     ["GPU 1 is in both target_gpus and drafter_gpus; give each GPU one role"]),
     ("ssh-without-host", BOX + "  box: {transport: ssh}\n", "box", "host", "box:", ["required", "host:"]),
-    (
-        "pct-without-host",
-        BOX + "  box: {transport: pct, ctid: 200}\n",
-        "box",
-        "host",
-        "box:",
-        ["Proxmox host"],
-    ),
+    ("pct-without-host", BOX + "  box: {transport: pct, ctid: 200}\n", "box", "host", "box:", ["Proxmox host"]),
     ("pct-without-ctid", BOX + "  box: {transport: pct, host: pve}\n", "box", "ctid", "box:", ["ctid: 200"]),
-    (
-        "ctid-on-ssh",
-        BOX + "  box: {transport: ssh, host: a, ctid: 200}\n",
-        "box",
-        "ctid",
-        "box:",
-        ["only to pct targets"],
-    ),
-    (
-        "host-on-local",
-        "targets:\n  mine: {transport: local, host: a}\n",
-        "mine",
-        "host",
-        "mine:",
-        ["local target"],
-    ),
-    (
-        "unknown-transport",
-        BOX + "  box: {transport: docker, host: a}\n",
-        "box",
-        "transport",
-        "box:",
-        ["local, ssh, pct", "'docker'"],
-    ),
+    ("ctid-on-ssh", BOX + "  box: {transport: ssh, host: a, ctid: 200}\n", "box", "ctid", "box:",
+     ["only to pct targets"]),
+    ("host-on-local", "targets:\n  mine: {transport: local, host: a}\n", "mine", "host", "mine:", ["local target"]),
+    ("unknown-transport", BOX + "  box: {transport: docker, host: a}\n", "box", "transport", "box:",
+     ["local, ssh, pct", "'docker'"]),
     ("no-transport", BOX + "  box: {host: a}\n", "box", "transport", "box:", ["required"]),
-    (
-        "local-not-local",
-        BOX + "  local: {transport: ssh, host: a}\n",
-        "local",
-        "transport",
-        "local:",
-        ["reserved"],
-    ),
-    (
-        "duplicate-target",
-        BOX + "  box: {transport: ssh, host: a}\n  other: {transport: ssh, host: b}\n"
-        "  box: {transport: ssh, host: c}\n",
-        None,
-        None,
-        "host: c",
-        ["target 'box' is defined twice", "line 4"],
-    ),
-    (
-        "duplicate-field",
-        BOX + "  box:\n    transport: ssh\n    host: a\n    host: b\n",
-        None,
-        None,
-        "host: b",
-        ["key 'host' under targets.box is defined twice"],
-    ),
-    (
-        "group-is-target",
-        BOX + "  box: {transport: ssh, host: a}\ngroups:\n  box: [box]\n",
-        "group 'box'",
-        None,
-        "box: [box]",
-        ["also a target"],
-    ),
-    (
-        "group-named-local",
-        BOX + "  box: {transport: ssh, host: a}\ngroups:\n  local: [box]\n",
-        "group 'local'",
-        None,
-        "local: [box]",
-        ["also a target"],
-    ),
-    (
-        "group-unknown-member",
-        BOX + "  box: {transport: ssh, host: a}\ngroups:\n  all: [box, nope]\n",
-        "group 'all'",
-        None,
-        "all:",
-        ["unknown target 'nope'", "box"],
-    ),
-    (
-        "group-of-groups",
-        BOX + "  box: {transport: ssh, host: a}\ngroups:\n  g1: [box]\n  g2: [g1]\n",
-        "group 'g2'",
-        None,
-        "g2:",
-        ["targets only"],
-    ),
-    (
-        "group-empty",
-        BOX + "  box: {transport: ssh, host: a}\ngroups:\n  all: []\n",
-        "group 'all'",
-        None,
-        "all:",
-        ["non-empty list"],
-    ),
-    (
-        "group-not-list",
-        BOX + "  box: {transport: ssh, host: a}\ngroups:\n  all: box\n",
-        "group 'all'",
-        None,
-        "all:",
-        ["list of target names"],
-    ),
-    (
-        "host-key-policy",
-        BOX + "  box: {transport: ssh, host: a, host_key_policy: lax}\n",
-        "box",
-        "host_key_policy",
-        "box:",
-        ["strict, accept-new, off"],
-    ),
-    (
-        "relative-workdir",
-        BOX + "  box: {transport: ssh, host: a, job: {workdir: dflash}}\n",
-        "box",
-        "job.workdir",
-        "box:",
-        ["absolute", "/root/dflash"],
-    ),
-    (
-        "tilde-workdir",
-        BOX + "  box: {transport: ssh, host: a, job: {workdir: ~/dflash}}\n",
-        "box",
-        "job.workdir",
-        "box:",
-        ["absolute"],
-    ),
-    (
-        "relative-python",
-        BOX + "  box: {transport: ssh, host: a, job: {python: python3}}\n",
-        "box",
-        "job.python",
-        "box:",
-        ["absolute", "non-login"],
-    ),
-    (
-        "relative-log-dir",
-        BOX + "  box: {transport: ssh, host: a, job: {log_dir: logs}}\n",
-        "box",
-        "job.log_dir",
-        "box:",
-        ["absolute"],
-    ),
-    (
-        "relative-cache-dir",
-        BOX + "  box: {transport: ssh, host: a, job: {cache_dir: cache}}\n",
-        "box",
-        "job.cache_dir",
-        "box:",
-        ["absolute"],
-    ),
-    (
-        "relative-default-workdir",
-        "defaults:\n  job: {workdir: dflash}\n",
-        "defaults",
-        "job.workdir",
-        "workdir",
-        ["absolute"],
-    ),
-    (
-        "relative-config",
-        BOX + "  box: {transport: ssh, host: a, job: {config: configs/x.yaml}}\n",
-        "box",
-        "job.config",
-        "box:",
-        ["absolute", "tiny-cpu"],
-    ),
-    (
-        "unknown-bundled-config",
-        BOX + "  box: {transport: ssh, host: a, job: {config: tiny-gpu}}\n",
-        "box",
-        "job.config",
-        "box:",
-        ["bundled", "tiny-cpu", "gpu-paper"],
-    ),
-    (
-        "session-dot",
-        BOX + "  box: {transport: ssh, host: a, job: {session: v1.2}}\n",
-        "box",
-        "job.session",
-        "box:",
-        ["'.' and ':'"],
-    ),
-    (
-        "session-colon",
-        BOX + "  box: {transport: ssh, host: a, job: {session: 'a:b'}}\n",
-        "box",
-        "job.session",
-        "box:",
-        ["'.' and ':'"],
-    ),
-    (
-        "session-newline",
-        BOX + '  box: {transport: ssh, host: a, job: {session: "a\\nb"}}\n',
-        "box",
-        "job.session",
-        "box:",
-        ["control character"],
-    ),
-    (
-        "session-format",
-        BOX + "  box: {transport: ssh, host: a, job: {session: 'job#{pane_pid}'}}\n",
-        "box",
-        "job.session",
-        "box:",
-        ["tmux format"],
-    ),
-    (
-        "session-empty",
-        BOX + "  box: {transport: ssh, host: a, job: {session: ''}}\n",
-        "box",
-        "job.session",
-        "box:",
-        ["empty"],
-    ),
-    (
-        "socket-path",
-        BOX + "  box: {transport: ssh, host: a, job: {tmux_socket: /tmp/s}}\n",
-        "box",
-        "job.tmux_socket",
-        "box:",
-        ["NAME"],
-    ),
-    (
-        "stall-zero",
-        BOX + "  box: {transport: ssh, host: a, job: {health: {stall_seconds: 0}}}\n",
-        "box",
-        "job.health.stall_seconds",
-        "box:",
-        ["> 0"],
-    ),
-    (
-        "tokens-negative",
-        BOX + "  box: {transport: ssh, host: a, job: {health: {min_tokens_per_s: -5}}}\n",
-        "box",
-        "job.health.min_tokens_per_s",
-        "box:",
-        [">= 0"],
-    ),
-    (
-        "util-over-100",
-        BOX + "  box: {transport: ssh, host: a, job: {health: {min_drafter_util_pct: 130}}}\n",
-        "box",
-        "job.health.min_drafter_util_pct",
-        "box:",
-        ["at most 100"],
-    ),
-    (
-        "tau-negative",
-        BOX + "  box: {transport: ssh, host: a, job: {health: {min_tau: -1}}}\n",
-        "box",
-        "job.health.min_tau",
-        "box:",
-        [">= 0"],
-    ),
-    (
-        "relaunches-negative",
-        BOX + "  box: {transport: ssh, host: a, job: {health: {max_relaunches_per_hour: -1}}}\n",
-        "box",
-        "job.health.max_relaunches_per_hour",
-        "box:",
-        ["between 0"],
-    ),
-    (
-        "stall-text",
-        BOX + "  box: {transport: ssh, host: a, job: {health: {stall_seconds: 15m}}}\n",
-        "box",
-        "job.health.stall_seconds",
-        "box:",
-        ["number", "'15m'"],
-    ),
-    (
-        "stall-infinite",
-        BOX + "  box: {transport: ssh, host: a, job: {health: {stall_seconds: .inf}}}\n",
-        "box",
-        "job.health.stall_seconds",
-        "box:",
-        ["finite"],
-    ),
-    (
-        "connect-timeout-zero",
-        BOX + "  box: {transport: ssh, host: a, connect_timeout_s: 0}\n",
-        "box",
-        "connect_timeout_s",
-        "box:",
-        ["> 0"],
-    ),
-    (
-        "health-key-in-job",
-        BOX + "  box: {transport: ssh, host: a, job: {stall_seconds: 5}}\n",
-        "box",
-        "job.stall_seconds",
-        "box:",
-        ["health"],
-    ),
-    (
-        "cache-is-workdir",
-        BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash}}\n",
-        "box",
-        "job.cache_dir",
-        "box:",
-        ["workdir", "purged"],
-    ),
-    (
-        "cache-above-logs",
-        BOX + "  box: {transport: ssh, host: a, job: {log_dir: /srv/x/logs, cache_dir: /srv/x}}\n",
-        "box",
-        "job.cache_dir",
-        "box:",
-        ["log_dir"],
-    ),
-    (
-        "cache-is-runs",
-        BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/runs}}\n",
-        "box",
-        "job.cache_dir",
-        "box:",
-        ["runs (checkpoints)", "purged"],
-    ),
-    (
-        "cache-in-a-run",
-        BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/runs/0001/c}}\n",
-        "box",
-        "job.cache_dir",
-        "box:",
-        ["inside the runs"],
-    ),
-    (
-        "cache-dotdot-legacy-run",
-        BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/cache/../run}}\n",
-        "box",
-        "job.cache_dir",
-        "box:",
-        ["run dir of earlier versions"],
-    ),
-    (
-        "cache-dotdot-runs",
-        BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/cache/../runs}}\n",
-        "box",
-        "job.cache_dir",
-        "box:",
-        ["runs (checkpoints)"],
-    ),
-    (
-        "cache-is-releases",
-        BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/releases}}\n",
-        "box",
-        "job.cache_dir",
-        "box:",
-        ["releases"],
-    ),
-    (
-        "cache-is-current",
-        BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/current}}\n",
-        "box",
-        "job.cache_dir",
-        "box:",
-        ["current release"],
-    ),
-    (
-        "cache-in-logs",
-        BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/logs/c}}\n",
-        "box",
-        "job.cache_dir",
-        "box:",
-        ["inside the log_dir"],
-    ),
-    (
-        "cache-is-python-prefix",
-        BOX + "  box: {transport: ssh, host: a, job: {python: /opt/venv/bin/python3, "
-        "cache_dir: /opt/venv}}\n",
-        "box",
-        "job.cache_dir",
-        "box:",
-        ["contains the python prefix (/opt/venv)"],
-    ),
-    (
-        "cache-in-python-lib",
-        BOX + "  box: {transport: ssh, host: a, job: {python: /opt/venv/bin/python3, "
-        "cache_dir: /opt/venv/lib/c}}\n",
-        "box",
-        "job.cache_dir",
-        "box:",
-        ["inside the python's lib"],
-    ),
-    (
-        "cache-root",
-        BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /tmp}}\n",
-        "box",
-        "job.cache_dir",
-        "box:",
-        ["too close to '/'"],
-    ),
-    (
-        "env-bad-name",
-        BOX + "  box: {transport: ssh, host: a, job: {env: {BAD-NAME: x}}}\n",
-        "box",
-        "job.env",
-        "box:",
-        ["'BAD-NAME'"],
-    ),
-    (
-        "env-bool",
-        BOX + "  box: {transport: ssh, host: a, job: {env: {FLAG: true}}}\n",
-        "box",
-        "job.env",
-        "box:",
-        ["FLAG", "quote"],
-    ),
-    (
-        "train-args-float",
-        BOX + "  box: {transport: ssh, host: a, job: {train_args: [--lr, 6.0e-4]}}\n",
-        "box",
-        "job.train_args",
-        "box:",
-        ["quote"],
-    ),
-    (
-        "host-option",
-        BOX + "  box: {transport: ssh, host: -oProxyCommand=x}\n",
-        "box",
-        "host",
-        "box:",
-        ["option"],
-    ),
+    ("local-not-local", BOX + "  local: {transport: ssh, host: a}\n", "local", "transport", "local:", ["reserved"]),
+    ("duplicate-target", BOX + "  box: {transport: ssh, host: a}\n  other: {transport: ssh, host: b}\n"
+     "  box: {transport: ssh, host: c}\n", None, None, "host: c", ["target 'box' is defined twice", "line 4"]),
+    ("duplicate-field", BOX + "  box:\n    transport: ssh\n    host: a\n    host: b\n", None, None, "host: b",
+     ["key 'host' under targets.box is defined twice"]),
+    ("group-is-target", BOX + "  box: {transport: ssh, host: a}\ngroups:\n  box: [box]\n", "group 'box'", None,
+     "box: [box]", ["also a target"]),
+    ("group-named-local", BOX + "  box: {transport: ssh, host: a}\ngroups:\n  local: [box]\n", "group 'local'",
+     None, "local: [box]", ["also a target"]),
+    ("group-unknown-member", BOX + "  box: {transport: ssh, host: a}\ngroups:\n  all: [box, nope]\n", "group 'all'",
+     None, "all:", ["unknown target 'nope'", "box"]),
+    ("group-of-groups", BOX + "  box: {transport: ssh, host: a}\ngroups:\n  g1: [box]\n  g2: [g1]\n", "group 'g2'",
+     None, "g2:", ["targets only"]),
+    ("group-empty", BOX + "  box: {transport: ssh, host: a}\ngroups:\n  all: []\n", "group 'all'", None,
+     "all:", ["non-empty list"]),
+    ("group-not-list", BOX + "  box: {transport: ssh, host: a}\ngroups:\n  all: box\n", "group 'all'", None,
+     "all:", ["list of target names"]),
+    ("host-key-policy", BOX + "  box: {transport: ssh, host: a, host_key_policy: lax}\n", "box", "host_key_policy",
+     "box:", ["strict, accept-new, off"]),
+    ("relative-workdir", BOX + "  box: {transport: ssh, host: a, job: {workdir: dflash}}\n", "box", "job.workdir",
+     "box:", ["absolute", "/root/dflash"]),
+    ("tilde-workdir", BOX + "  box: {transport: ssh, host: a, job: {workdir: ~/dflash}}\n", "box", "job.workdir",
+     "box:", ["absolute"]),
+    ("relative-python", BOX + "  box: {transport: ssh, host: a, job: {python: python3}}\n", "box", "job.python",
+     "box:", ["absolute", "non-login"]),
+    ("relative-log-dir", BOX + "  box: {transport: ssh, host: a, job: {log_dir: logs}}\n", "box", "job.log_dir",
+     "box:", ["absolute"]),
+    ("relative-cache-dir", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: cache}}\n", "box",
+     "job.cache_dir", "box:", ["absolute"]),
+    ("relative-default-workdir", "defaults:\n  job: {workdir: dflash}\n", "defaults", "job.workdir", "workdir",
+     ["absolute"]),
+    ("relative-config", BOX + "  box: {transport: ssh, host: a, job: {config: configs/x.yaml}}\n", "box",
+     "job.config", "box:", ["absolute", "tiny-cpu"]),
+    ("unknown-bundled-config", BOX + "  box: {transport: ssh, host: a, job: {config: tiny-gpu}}\n", "box",
+     "job.config", "box:", ["bundled", "tiny-cpu", "gpu-paper"]),
+    ("session-dot", BOX + "  box: {transport: ssh, host: a, job: {session: v1.2}}\n", "box", "job.session", "box:",
+     ["'.' and ':'"]),
+    ("session-colon", BOX + "  box: {transport: ssh, host: a, job: {session: 'a:b'}}\n", "box", "job.session",
+     "box:", ["'.' and ':'"]),
+    ("session-newline", BOX + "  box: {transport: ssh, host: a, job: {session: \"a\\nb\"}}\n", "box", "job.session",
+     "box:", ["control character"]),
+    ("session-format", BOX + "  box: {transport: ssh, host: a, job: {session: 'job#{pane_pid}'}}\n", "box",
+     "job.session", "box:", ["tmux format"]),
+    ("session-empty", BOX + "  box: {transport: ssh, host: a, job: {session: ''}}\n", "box", "job.session",
+     "box:", ["empty"]),
+    ("socket-path", BOX + "  box: {transport: ssh, host: a, job: {tmux_socket: /tmp/s}}\n", "box",
+     "job.tmux_socket", "box:", ["NAME"]),
+    ("stall-zero", BOX + "  box: {transport: ssh, host: a, job: {health: {stall_seconds: 0}}}\n", "box",
+     "job.health.stall_seconds", "box:", ["> 0"]),
+    ("tokens-negative", BOX + "  box: {transport: ssh, host: a, job: {health: {min_tokens_per_s: -5}}}\n", "box",
+     "job.health.min_tokens_per_s", "box:", [">= 0"]),
+    ("util-over-100", BOX + "  box: {transport: ssh, host: a, job: {health: {min_drafter_util_pct: 130}}}\n",
+     "box", "job.health.min_drafter_util_pct", "box:", ["at most 100"]),
+    ("tau-negative", BOX + "  box: {transport: ssh, host: a, job: {health: {min_tau: -1}}}\n", "box",
+     "job.health.min_tau", "box:", [">= 0"]),
+    ("relaunches-negative", BOX + "  box: {transport: ssh, host: a, job: {health: {max_relaunches_per_hour: -1}}}\n",
+     "box", "job.health.max_relaunches_per_hour", "box:", ["between 0"]),
+    ("stall-text", BOX + "  box: {transport: ssh, host: a, job: {health: {stall_seconds: 15m}}}\n", "box",
+     "job.health.stall_seconds", "box:", ["number", "'15m'"]),
+    ("stall-infinite", BOX + "  box: {transport: ssh, host: a, job: {health: {stall_seconds: .inf}}}\n", "box",
+     "job.health.stall_seconds", "box:", ["finite"]),
+    ("connect-timeout-zero", BOX + "  box: {transport: ssh, host: a, connect_timeout_s: 0}\n", "box",
+     "connect_timeout_s", "box:", ["> 0"]),
+    ("health-key-in-job", BOX + "  box: {transport: ssh, host: a, job: {stall_seconds: 5}}\n", "box",
+     "job.stall_seconds", "box:", ["health"]),
+    ("cache-is-workdir", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash}}\n", "box",
+     "job.cache_dir", "box:", ["workdir", "purged"]),
+    ("cache-above-logs", BOX + "  box: {transport: ssh, host: a, job: {log_dir: /srv/x/logs, cache_dir: /srv/x}}\n",
+     "box", "job.cache_dir", "box:", ["log_dir"]),
+    ("cache-is-runs", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/runs}}\n", "box",
+     "job.cache_dir", "box:", ["runs (checkpoints)", "purged"]),
+    ("cache-in-a-run", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/runs/0001/c}}\n", "box",
+     "job.cache_dir", "box:", ["inside the runs"]),
+    ("cache-dotdot-legacy-run", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/cache/../run}}\n",
+     "box", "job.cache_dir", "box:", ["run dir of earlier versions"]),
+    ("cache-dotdot-runs", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/cache/../runs}}\n",
+     "box", "job.cache_dir", "box:", ["runs (checkpoints)"]),
+    ("cache-is-releases", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/releases}}\n", "box",
+     "job.cache_dir", "box:", ["releases"]),
+    ("cache-is-current", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/current}}\n", "box",
+     "job.cache_dir", "box:", ["current release"]),
+    ("cache-in-logs", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /srv/dflash/logs/c}}\n", "box",
+     "job.cache_dir", "box:", ["inside the log_dir"]),
+    ("cache-is-python-prefix", BOX + "  box: {transport: ssh, host: a, job: {python: /opt/venv/bin/python3, "
+     "cache_dir: /opt/venv}}\n", "box", "job.cache_dir", "box:", ["contains the python prefix (/opt/venv)"]),
+    ("cache-in-python-lib", BOX + "  box: {transport: ssh, host: a, job: {python: /opt/venv/bin/python3, "
+     "cache_dir: /opt/venv/lib/c}}\n", "box", "job.cache_dir", "box:", ["inside the python's lib"]),
+    ("cache-root", BOX + "  box: {transport: ssh, host: a, job: {cache_dir: /tmp}}\n", "box", "job.cache_dir",
+     "box:", ["too close to '/'"]),
+    ("env-bad-name", BOX + "  box: {transport: ssh, host: a, job: {env: {BAD-NAME: x}}}\n", "box", "job.env",
+     "box:", ["'BAD-NAME'"]),
+    ("env-bool", BOX + "  box: {transport: ssh, host: a, job: {env: {FLAG: true}}}\n", "box", "job.env", "box:",
+     ["FLAG", "quote"]),
+    ("train-args-float", BOX + "  box: {transport: ssh, host: a, job: {train_args: [--lr, 6.0e-4]}}\n", "box",
+     "job.train_args", "box:", ["quote"]),
+    ("host-option", BOX + "  box: {transport: ssh, host: -oProxyCommand=x}\n", "box", "host", "box:", ["option"]),
     ("host-with-user", BOX + "  box: {transport: ssh, host: root@a}\n", "box", "host", "box:", ["'user:'"]),
-    (
-        "jump-malformed",
-        BOX + "  box: {transport: ssh, host: a, jump: 'a b@c'}\n",
-        "box",
-        "jump",
-        "box:",
-        ["user@host:port"],
-    ),
-    (
-        "bad-target-name",
-        BOX + "  'my box': {transport: ssh, host: a}\n",
-        None,
-        None,
-        "my box",
-        ["'my box'", "letters"],
-    ),
+    ("jump-malformed", BOX + "  box: {transport: ssh, host: a, jump: 'a b@c'}\n", "box", "jump", "box:",
+     ["user@host:port"]),
+    ("bad-target-name", BOX + "  'my box': {transport: ssh, host: a}\n", None, None, "my box", ["'my box'", "letters"]),
     ("target-not-mapping", BOX + "  box: a.lan\n", "box", None, "box:", ["mapping"]),
     ("target-empty", BOX + "  box:\n", "box", None, "box:", ["no fields"]),
-    (
-        "missing-python",
-        "targets:\n  box: {transport: ssh, host: a, job: {workdir: /w, config: tiny-cpu}}\n",
-        "box",
-        "job.python",
-        "box:",
-        ["required"],
-    ),
-    (
-        "default-target-unknown",
-        BOX + "  box: {transport: ssh, host: a}\ndefault_target: bx\n",
-        None,
-        "default_target",
-        "default_target",
-        ["'bx'", "box", "local"],
-    ),
+    ("missing-python", "targets:\n  box: {transport: ssh, host: a, job: {workdir: /w, config: tiny-cpu}}\n", "box",
+     "job.python", "box:", ["required"]),
+    ("default-target-unknown", BOX + "  box: {transport: ssh, host: a}\ndefault_target: bx\n", None,
+     "default_target", "default_target", ["'bx'", "box", "local"]),
     ("targets-not-mapping", "targets: [a, b]\n", None, "targets", "targets", ["mapping"]),
 ]
 
 
-@pytest.mark.parametrize(
-    "text, scope, field, needle, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
-)
+@pytest.mark.parametrize("text, scope, field, needle, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_gives_one_clear_line(text, scope, field, needle, words):
     message = error_of(text)
     assert message.startswith(f"{FILE}:{line_of(text, needle)}: "), message

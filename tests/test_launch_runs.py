@@ -1,7 +1,6 @@
 """The launcher on the target (remote/launch_job.py) and its pieces: the run it chooses, the log it
 numbers, the cache it adopts, the job state it writes with json (and the pane with the same
 program), through real tmux and the stand-in trainer where it starts one."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -26,26 +25,9 @@ def test_the_pane_writes_the_finished_state_with_json_hostile_paths_as_data(tmp_
     root = tmp_path / HOSTILE
     root.mkdir()
     path = root / "job-state.json"
-    fields = {
-        "state": "finished",
-        "run": 7,
-        "run_dir": str(root / "runs/0007"),
-        "log": str(root / "train-0012.log"),
-    }
-    subprocess.run(
-        [
-            sys.executable,
-            "-I",
-            "-c",
-            remote.script_source("state_write.py"),
-            str(path),
-            json.dumps(fields),
-            "when",
-        ],
-        cwd=tmp_path,
-        check=True,
-        timeout=30,
-    )
+    fields = {"state": "finished", "run": 7, "run_dir": str(root / "runs/0007"), "log": str(root / "train-0012.log")}
+    subprocess.run([sys.executable, "-I", "-c", remote.script_source("state_write.py"), str(path), json.dumps(fields),
+                    "when"], cwd=tmp_path, check=True, timeout=30)
     written = json.loads(path.read_text())
     assert written == {**fields, "when": written["when"]} and isinstance(written["when"], int)
     assert jobstate.parse(path.read_text()) == jobstate.JobState(**written)
@@ -99,16 +81,9 @@ def test_the_cache_dir_is_adopted_only_when_it_holds_what_the_launcher_puts_ther
 @pytest.fixture
 def job(local_target, tmp_path):
     root = tmp_path / HOSTILE
-    job = dataclasses.replace(
-        local_target.job,
-        workdir=str(root / "work"),
-        log_dir=str(root / "logs"),
-        cache_dir=str(root / "cache"),
-        python=STANDIN,
-        env=(("STANDIN_STEPS", "3"),),
-        session="s $(touch PWNED3) x;",
-        tmux_socket=f"l-{tmp_path.name}"[:40],
-    )
+    job = dataclasses.replace(local_target.job, workdir=str(root / "work"), log_dir=str(root / "logs"),
+                              cache_dir=str(root / "cache"), python=STANDIN, env=(("STANDIN_STEPS", "3"),),
+                              session="s $(touch PWNED3) x;", tmux_socket=f"l-{tmp_path.name}"[:40])
     yield job
     subprocess.run(["tmux", "-L", job.tmux_socket, "kill-server"], capture_output=True, timeout=20)
 
@@ -149,13 +124,7 @@ def test_the_launcher_starts_the_run_and_records_running_then_the_pane_finished(
 
     wait_for(lambda: state(job)["state"] == "finished")
     finished = state(job)
-    assert finished == {
-        "state": "finished",
-        "run": 1,
-        "run_dir": run_dir,
-        "log": log,
-        "when": finished["when"],
-    }
+    assert finished == {"state": "finished", "run": 1, "run_dir": run_dir, "log": log, "when": finished["when"]}
     assert f"--output-dir {run_dir} " in Path(log).read_text().splitlines()[0]
 
     subprocess.run(["tmux", "-L", job.tmux_socket, "kill-server"], check=True, timeout=20)
@@ -170,10 +139,7 @@ def test_a_running_session_is_refused_with_exit_3_and_nothing_changes(job):
     assert run_launcher(long_job).returncode == 0
     before = state(job)
     refused = run_launcher(long_job)
-    assert (
-        refused.returncode == 3
-        and refused.stderr.strip() == f"session {job.session} is already running; stop it first"
-    )
+    assert refused.returncode == 3 and refused.stderr.strip() == f"session {job.session} is already running; stop it first"
     assert state(job) == before and not Path(job.log_dir, "train-0002.log").exists()
 
 
@@ -195,19 +161,12 @@ def test_the_run_dir_of_earlier_versions_becomes_run_0001(job):
 
 def test_the_launcher_and_the_run_choice_run_where_only_the_standard_library_is(job, tmp_path):
     def isolated(filename, args):  # -I -S: nothing of dflash_ops or the trainer is importable
-        return subprocess.run(
-            [sys.executable, "-I", "-S", "-", json.dumps(args)],
-            input=remote.bundle(filename),
-            capture_output=True,
-            cwd=tmp_path,
-            timeout=60,
-        )
+        return subprocess.run([sys.executable, "-I", "-S", "-", json.dumps(args)], input=remote.bundle(filename),
+                              capture_output=True, cwd=tmp_path, timeout=60)
 
     chosen = isolated("choose_run.py", {"runs": jobpaths.runs_dir(job), "resume": True})
     assert chosen.returncode == 0 and chosen.stdout == b"0001\n", chosen
     launched = isolated(launch.LAUNCHER, launch.launch_args(job, run="0001"))
-    assert launched.returncode == 0 and launched.stdout.decode() == f"{job.log_dir}/train-0001.log\n", (
-        launched
-    )
+    assert launched.returncode == 0 and launched.stdout.decode() == f"{job.log_dir}/train-0001.log\n", launched
     assert state(job)["run"] == 1 and state(job)["state"] == "running"
     wait_for(lambda: state(job)["state"] == "finished")

@@ -1,5 +1,4 @@
 """Failure signatures in training logs, and training progress from metrics records."""
-
 from __future__ import annotations
 
 import math
@@ -65,14 +64,11 @@ def test_cuda_oom_matches_once():
     assert failure.describe().startswith("CUDA out of memory: torch.OutOfMemoryError: CUDA out of memory.")
 
 
-@pytest.mark.parametrize(
-    "line",
-    [
-        "RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB",
-        "torch.cuda.OutOfMemoryError: CUDA out of memory.",
-        "RuntimeError: CUDA error: out of memory",
-    ],
-)
+@pytest.mark.parametrize("line", [
+    "RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB",
+    "torch.cuda.OutOfMemoryError: CUDA out of memory.",
+    "RuntimeError: CUDA error: out of memory",
+])
 def test_cuda_oom_variants(line):
     assert names(line) == ["cuda_oom"]
 
@@ -89,17 +85,14 @@ def test_generic_traceback_names_the_exception_line():
 
 
 def test_chained_exceptions_report_the_last_one():
-    text = (
-        PLAIN_TRACEBACK
-        + "\nDuring handling of the above exception, another exception occurred:\n\n"
-        + 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\nOSError: disk full\n'
-    )
+    text = PLAIN_TRACEBACK + "\nDuring handling of the above exception, another exception occurred:\n\n" + \
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nOSError: disk full\n"
     (failure,) = logs.find_failures(text)
     assert failure.line == "OSError: disk full"
 
 
 def test_keyboard_interrupt_is_an_operator_stop_not_a_failure():
-    text = 'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\nKeyboardInterrupt\n'
+    text = "Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\nKeyboardInterrupt\n"
     assert logs.find_failures(text) == []
 
 
@@ -109,28 +102,19 @@ def test_truncated_traceback_still_reported():
     assert failure.name == "traceback" and failure.line == "Traceback (most recent call last):"
 
 
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("start_training.sh: line 3: 48213 Killed                  python3 -m trainer.cli.main", ["killed"]),
-        ("Killed", ["killed"]),
-        ("Killed 3 stale processes before launch", []),
-        ("Segmentation fault (core dumped)", ["native_crash"]),
-        ("bash: line 1:   812 Aborted                 (core dumped) python3 train.py", ["native_crash"]),
-        (
-            "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error",
-            ["nccl"],
-        ),
-        (
-            "[E ProcessGroupNCCL.cpp:475] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1)",
-            ["nccl"],
-        ),
-        ("RuntimeError: CUDA error: an illegal memory access was encountered", ["cuda_error"]),
-        ("torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:", ["compile_failed"]),
-        ("step 120 loss 2.31 tokens/s 45210 eta 1:23", []),
-        ("UserWarning: TypedStorage is deprecated", []),
-    ],
-)
+@pytest.mark.parametrize("text, expected", [
+    ("start_training.sh: line 3: 48213 Killed                  python3 -m trainer.cli.main", ["killed"]),
+    ("Killed", ["killed"]),
+    ("Killed 3 stale processes before launch", []),
+    ("Segmentation fault (core dumped)", ["native_crash"]),
+    ("bash: line 1:   812 Aborted                 (core dumped) python3 train.py", ["native_crash"]),
+    ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error", ["nccl"]),
+    ("[E ProcessGroupNCCL.cpp:475] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1)", ["nccl"]),
+    ("RuntimeError: CUDA error: an illegal memory access was encountered", ["cuda_error"]),
+    ("torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:", ["compile_failed"]),
+    ("step 120 loss 2.31 tokens/s 45210 eta 1:23", []),
+    ("UserWarning: TypedStorage is deprecated", []),
+])
 def test_other_signatures(text, expected):
     assert names(text) == expected
 
@@ -143,8 +127,7 @@ def test_most_specific_first_regardless_of_position():
 def test_failures_from_metrics_error_events():
     records = metrics_format.parse_lines(
         metrics_format.encode("error", time=5, kind="fx_tracing", message="Detected that you are using FX")
-        + metrics_format.encode("error", time=6, kind="exception", message="ValueError: bad shard")
-    )
+        + metrics_format.encode("error", time=6, kind="exception", message="ValueError: bad shard"))
     found = {f.name: f.line for f in logs.failures_from_records(records)}
     assert found == {"fx_tracing": "Detected that you are using FX", "traceback": "ValueError: bad shard"}
 
@@ -154,22 +137,13 @@ def test_failures_from_metrics_error_events():
 
 def run_records(start_time=1000.0, steps=8, interval=10.0, tokens=None, total=100):
     """A run as the trainer writes it: start, then one step record every `interval` seconds."""
-    text = metrics_format.encode(
-        "start", time=start_time, total_steps=total, config={}, devices=[], compile_lock="first_step", pid=1
-    )
+    text = metrics_format.encode("start", time=start_time, total_steps=total, config={}, devices=[],
+                                 compile_lock="first_step", pid=1)
     for i in range(1, steps + 1):
         tps = tokens[i - 1] if tokens else 40000.0
-        text += metrics_format.encode(
-            "step",
-            time=start_time + 30 + i * interval,
-            step=i,
-            total_steps=total,
-            loss=5.0 - 0.1 * i,
-            tokens_per_s=tps,
-            eta_s=(total - i) * interval,
-            lr=1e-4,
-            grad_norm=1.0,
-        )
+        text += metrics_format.encode("step", time=start_time + 30 + i * interval, step=i, total_steps=total,
+                                      loss=5.0 - 0.1 * i, tokens_per_s=tps, eta_s=(total - i) * interval,
+                                      lr=1e-4, grad_norm=1.0)
     return metrics_format.parse_lines(text)
 
 
@@ -196,17 +170,8 @@ def test_progress_before_first_step_and_after_a_restart():
 
 
 def test_progress_nan_loss_and_done():
-    text = metrics_format.encode(
-        "step",
-        time=10,
-        step=3,
-        total_steps=3,
-        loss=float("nan"),
-        tokens_per_s=5.0,
-        eta_s=0.0,
-        lr=0.0,
-        grad_norm=float("nan"),
-    )
+    text = metrics_format.encode("step", time=10, step=3, total_steps=3, loss=float("nan"), tokens_per_s=5.0,
+                                 eta_s=0.0, lr=0.0, grad_norm=float("nan"))
     text += metrics_format.encode("done", time=11, step=3, reason="max_steps")
     p = logs.progress(metrics_format.parse_lines(text))
     assert math.isnan(p.loss) and not p.loss_is_finite

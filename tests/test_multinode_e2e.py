@@ -9,7 +9,6 @@ naming that node and rank, and `health --auto-relaunch` relaunches every node. T
 node with another trainer release, a runs dir that is not shared (a third sshd whose sessions see
 their own tmpfs there) and an unresolvable rendezvous host stop nothing anywhere.
 """
-
 from __future__ import annotations
 
 import json
@@ -42,16 +41,8 @@ pytestmark = [pytest.mark.multinode, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
 # test_distributed's tiny shapes; enough epochs that the job is still training when stopped or killed
-SMALL = {
-    "data.seq_len": 32,
-    "data.synthetic.num_samples": 16,
-    "train.epochs": 2000,
-    "train.batch_size": 2,
-    "train.num_anchors": 6,
-    "run.torch_threads": 1,
-    "run.log_every": 25,
-    "run.checkpoint_every": 1000,
-}
+SMALL = {"data.seq_len": 32, "data.synthetic.num_samples": 16, "train.epochs": 2000, "train.batch_size": 2,
+         "train.num_anchors": 6, "run.torch_threads": 1, "run.log_every": 25, "run.checkpoint_every": 1000}
 TRAIN_ARGS = [word for key, value in SMALL.items() for word in ("--set", f"{key}={value}")]
 COMPARED_STEPS = 6
 
@@ -91,10 +82,8 @@ def write_inventory(path: Path, nodes: list[str], jobs: dict[str, str]) -> Path:
 
 def processes_of(job) -> dict[int, dict]:
     """pid -> {RANK, WORLD_SIZE} of every python process carrying the node's job marker."""
-    return {
-        pid: {"RANK": env.get("RANK", ""), "WORLD_SIZE": env.get("WORLD_SIZE", "")}
-        for pid, env in marked_python_processes(job).items()
-    }
+    return {pid: {"RANK": env.get("RANK", ""), "WORLD_SIZE": env.get("WORLD_SIZE", "")}
+            for pid, env in marked_python_processes(job).items()}
 
 
 def ranks_of(job) -> dict[int, dict]:
@@ -128,33 +117,19 @@ def wait_for(predicate, seconds: float, what: str):
 
 
 def cli(inventory: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=REPO,
-    )
+    return subprocess.run([sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *args],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
 
 
 def threaded_reference(out: Path, steps: int) -> list[dict]:
     """The threaded trainer with 2 drafter replicas (tiny-cpu's own) and the same settings, stopped
     once it has logged `steps` steps: the trajectory the two nodes' ranks must follow."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer", "--config", "tiny-cpu", "--output-dir", str(out), *TRAIN_ARGS],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", "tiny-cpu", "--output-dir", str(out),
+                             *TRAIN_ARGS], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_for(
-            lambda: len(steps_in(out / "metrics.jsonl")) >= steps or proc.poll() is not None,
-            180,
-            "the threaded reference",
-        )
+        wait_for(lambda: len(steps_in(out / "metrics.jsonl")) >= steps or proc.poll() is not None, 180,
+                 "the threaded reference")
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
@@ -170,10 +145,8 @@ def kill_tmux(job) -> None:
 @pytest.fixture
 def pair(sshd_server, sshd_server_b, client_key, known_hosts, tmp_path):
     tag = uuid.uuid4().hex[:6]
-    nodes = [
-        node_yaml("box-a", sshd_server.port, client_key, known_hosts, tmp_path / "work-a", tag),
-        node_yaml("box-b", sshd_server_b.port, client_key, known_hosts, tmp_path / "work-b", tag),
-    ]
+    nodes = [node_yaml("box-a", sshd_server.port, client_key, known_hosts, tmp_path / "work-a", tag),
+             node_yaml("box-b", sshd_server_b.port, client_key, known_hosts, tmp_path / "work-b", tag)]
     spec = f"{{nodes: [box-a, box-b], runs_dir: {tmp_path / 'shared' / 'runs'}, rdzv_port: {free_port()}}}"
     path = write_inventory(tmp_path / "inventory.yaml", nodes, {"pair": spec})
     job = load_inventory(str(path)).multinode["pair"]
@@ -195,8 +168,7 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     print("\n$ dflash-ops relaunch -t pair\n" + first.stdout + first.stderr)  # the README's example output
     assert first.returncode == 0, first.stdout + first.stderr
     assert [line.split(" ... ")[0] for line in first.stdout.splitlines() if line.startswith("[")][:-1] == [
-        f"[{i}/10] {name}" for i, name in enumerate(multinode.RELAUNCH_PHASES, 1)
-    ]
+        f"[{i}/10] {name}" for i, name in enumerate(multinode.RELAUNCH_PHASES, 1)]
     assert f"run 0001 on 2 nodes, rendezvous 127.0.0.1:{job.rdzv_port} id pair-0001-" in first.stdout
     assert first.stdout.splitlines()[-1].startswith("[pair] relaunch: ok, 10 of 10 steps run")
     # one rank per node, world size 2, ranks 0 and 1 between them; one run on both nodes
@@ -205,20 +177,13 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     assert sorted(r[0]["RANK"] for r in ranks.values()) == ["0", "1"]
     assert {r[0]["WORLD_SIZE"] for r in ranks.values()} == {"2"}
     runs = [state_of(t.job) for t in (a, b)]
-    assert [s["run"] for s in runs] == [1, 1] and runs[0]["run_dir"] == runs[1][
-        "run_dir"
-    ] == f"{job.runs_dir}/0001"
+    assert [s["run"] for s in runs] == [1, 1] and runs[0]["run_dir"] == runs[1]["run_dir"] == f"{job.runs_dir}/0001"
     assert "2 ranks (gloo)" in Path(runs[0]["log"]).read_text() + Path(runs[1]["log"]).read_text()
 
     # the loss trajectory of the threaded 2-replica run, on both nodes' metrics
     for target in (a, b):
-        got = wait_for(
-            lambda t=target: (
-                len(steps_in(metrics_of(t.job))) >= COMPARED_STEPS and steps_in(metrics_of(t.job))
-            ),
-            120,
-            "the compared steps",
-        )[:COMPARED_STEPS]
+        got = wait_for(lambda t=target: len(steps_in(metrics_of(t.job))) >= COMPARED_STEPS and
+                       steps_in(metrics_of(t.job)), 120, "the compared steps")[:COMPARED_STEPS]
         assert [r["step"] for r in got] == [r["step"] for r in reference]
         for ours, theirs in zip(got, reference):
             assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-6), (ours, theirs)
@@ -228,26 +193,17 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     status = cli(inventory, "status", "-t", "pair")
     print("\n$ dflash-ops status -t pair\n" + status.stdout)  # the README's example output
     assert status.returncode == 0, status.stdout + status.stderr
-    assert status.stdout.startswith(
-        f"pair: multinode job, 2 nodes x 1 rank (world size 2), rendezvous 127.0.0.1:"
-        f"{job.rdzv_port}, runs {job.runs_dir}\nnode 0: box-a"
-    )
+    assert status.stdout.startswith(f"pair: multinode job, 2 nodes x 1 rank (world size 2), rendezvous 127.0.0.1:"
+                                    f"{job.rdzv_port}, runs {job.runs_dir}\nnode 0: box-a")
     assert "\nnode 1: box-b" in status.stdout and status.stdout.count("local ranks alive 1 of 1") == 2
     assert status.stdout.splitlines()[-1].startswith("OK: step ")
     assert "(2 nodes, world size 2)" in status.stdout.splitlines()[-1]
     as_json = json.loads(cli(inventory, "status", "-t", "pair", "--json").stdout)
     assert [n["target"] for n in as_json["nodes"]] == ["box-a", "box-b"] and as_json["verdict"] == "OK"
     for node, target in zip(as_json["nodes"], (a, b)):  # rank liveness: torchrun and its rank, by pid
-        agent = [
-            pid
-            for pid, env in processes_of(target.job).items()
-            if not env["RANK"] and "torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_text()
-        ]
-        assert node["ranks"] == {
-            "torchrun_pid": min(agent),
-            "alive": sorted(ranks_of(target.job)),
-            "expected": 1,
-        }
+        agent = [pid for pid, env in processes_of(target.job).items() if not env["RANK"]
+                 and "torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert node["ranks"] == {"torchrun_pid": min(agent), "alive": sorted(ranks_of(target.job)), "expected": 1}
     healthy = cli(inventory, "health", "-t", "pair")
     assert healthy.returncode == 0 and healthy.stdout.startswith("DFLASH OK: pair: step "), healthy.stdout
     tail = cli(inventory, "tail-log", "-t", "pair", "--node", "box-b", "-n", "400")
@@ -257,9 +213,7 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     stopped = cli(inventory, "stop", "-t", "pair", "--grace", "60")
     print("\n$ dflash-ops stop -t pair\n" + stopped.stdout + stopped.stderr)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    assert stopped.stdout.count("0 needed SIGKILL") == 2, (
-        stopped.stdout
-    )  # both nodes' ranks stopped on SIGTERM
+    assert stopped.stdout.count("0 needed SIGKILL") == 2, stopped.stdout  # both nodes' ranks stopped on SIGTERM
     assert processes_of(a.job) == {} and processes_of(b.job) == {}
     assert [state_of(t.job)["state"] for t in (a, b)] == ["stopped", "stopped"]
     after_stop = multinode_status.check(job, timeout_s=20)
@@ -278,21 +232,18 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
 
     # one node's rank dies: the job is CRITICAL, naming that node and rank
     try:
-        ((pid, env),) = wait_for(lambda: ranks_of(b.job), 30, "node b's rank").items()
+        (pid, env), = wait_for(lambda: ranks_of(b.job), 30, "node b's rank").items()
     except AssertionError:
         log = Path(state_of(b.job)["log"])
-        raise AssertionError(
-            f"node b has no rank after the resume; its log ends:\n{log.read_text()[-3000:]}"
-        ) from None
+        raise AssertionError(f"node b has no rank after the resume; its log ends:\n{log.read_text()[-3000:]}") from None
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not ranks_of(b.job), 60, "node b's torchrun to end")
     time.sleep(3)  # torchrun writes its failure summary as it exits
     critical = multinode_status.check(job, timeout_s=20)
     assert critical.verdict.level == "CRITICAL", critical.verdict.reasons
     named = [r for r in critical.verdict.reasons if r.startswith("node 1 box-b: rank died:")]
-    assert (
-        named and f"rank {env['RANK']} (local rank 0, pid {pid}) exited with code -9 (SIGKILL)" in named[0]
-    ), critical.verdict.reasons
+    assert named and f"rank {env['RANK']} (local rank 0, pid {pid}) exited with code -9 (SIGKILL)" in named[0], \
+        critical.verdict.reasons
     wait_for(lambda: not processes_of(a.job), 120, "node a's ranks to end (the collective lost its peer)")
 
     # health --auto-relaunch relaunches the whole job, never half
@@ -310,29 +261,18 @@ def hidden_runs_server(sshd_server, client_key, tmp_path):
     a node on which the runs dir is not the shared one."""
     hidden = tmp_path / "shared"
     hidden.mkdir()
-    mount = (
-        "unshare",
-        "-m",
-        "--propagation",
-        "private",
-        "sh",
-        "-c",
-        'mount -t tmpfs tmpfs "$0" && exec "$@"',
-        str(hidden),
-    )
+    mount = ("unshare", "-m", "--propagation", "private", "sh", "-c", 'mount -t tmpfs tmpfs "$0" && exec "$@"',
+             str(hidden))
     probe = subprocess.run([*mount, "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"no private mount namespace with a tmpfs here: {probe.stderr.strip()}")
-    server = sshd_helpers.start_sshd(
-        tmp_path / "sshd-ns", [Path(f"{client_key}.pub")], sshd_server.session_env, wrap=mount
-    )
+    server = sshd_helpers.start_sshd(tmp_path / "sshd-ns", [Path(f"{client_key}.pub")], sshd_server.session_env,
+                                     wrap=mount)
     yield server
     server.stop()
 
 
-def test_refusals_before_anything_stops(
-    pair, hidden_runs_server, client_key, known_hosts, tmp_path, silent_server
-):
+def test_refusals_before_anything_stops(pair, hidden_runs_server, client_key, known_hosts, tmp_path, silent_server):
     _, job, nodes = pair
     hosts = tmp_path / "known_hosts_ns"
     hosts.write_text(known_hosts.read_text() + hidden_runs_server.known_hosts_line())
@@ -340,32 +280,24 @@ def test_refusals_before_anything_stops(
     node_c = node_yaml("box-c", hidden_runs_server.port, client_key, hosts, tmp_path / "work-c", tag)
     runs = f"runs_dir: {job.runs_dir}, rdzv_port: {job.rdzv_port}"
     silent = node_yaml("box-silent", silent_server, client_key, hosts, tmp_path / "work-s", tag)
-    path = write_inventory(
-        tmp_path / "inventory-refusals.yaml",
-        [*nodes, node_c, silent],
-        {
-            "pair": f"{{nodes: [box-a, box-b], {runs}}}",
-            "unshared": f"{{nodes: [box-a, box-c], {runs}}}",
-            "lost": f"{{nodes: [box-a, box-b], {runs}, rdzv_host: no-such-host.invalid}}",
-            "half": f"{{nodes: [box-a, box-silent], {runs}}}",
-        },
-    )
+    path = write_inventory(tmp_path / "inventory-refusals.yaml", [*nodes, node_c, silent], {
+        "pair": f"{{nodes: [box-a, box-b], {runs}}}",
+        "unshared": f"{{nodes: [box-a, box-c], {runs}}}",
+        "lost": f"{{nodes: [box-a, box-b], {runs}, rdzv_host: no-such-host.invalid}}",
+        "half": f"{{nodes: [box-a, box-silent], {runs}}}",
+    })
     jobs = load_inventory(str(path)).multinode
     a, b = jobs["pair"].node_targets()
     # a job "running" on both nodes: a relaunch that stops it would end these sessions
     for target in (a, b):
         with ops.connect(target) as t:
-            t.check(
-                f"tmux -L {target.job.tmux_socket} new-session -d -s {target.job.session} sleep 600",
-                timeout=30,
-            )
+            t.check(f"tmux -L {target.job.tmux_socket} new-session -d -s {target.job.session} sleep 600", timeout=30)
 
     def untouched():
         for target in (a, b):
             with ops.connect(target) as t:
-                assert t.run(
-                    f"tmux -L {target.job.tmux_socket} has-session -t ={target.job.session}", timeout=30
-                ).ok, f"{target.name}'s session was stopped"
+                assert t.run(f"tmux -L {target.job.tmux_socket} has-session -t ={target.job.session}",
+                             timeout=30).ok, f"{target.name}'s session was stopped"
             assert not Path(jobpaths.state_file(target.job)).exists()
 
     # another trainer release on node b (relaunch --no-deploy keeps what each node has)
@@ -389,9 +321,7 @@ def test_refusals_before_anything_stops(
     # a runs dir that node c sees as another (empty) filesystem
     refused = multinode.relaunch(jobs["unshared"])
     assert not refused.ok and refused.failed.step == "shared_runs_dir", refused.summary()
-    assert (
-        f"node 1 box-c does not see the file node 0 box-a wrote in {job.runs_dir}" in refused.failed.message
-    )
+    assert f"node 1 box-c does not see the file node 0 box-a wrote in {job.runs_dir}" in refused.failed.message
     assert "is not one shared filesystem: mount the same shared storage" in refused.failed.message
     assert not list(Path(job.runs_dir).glob(".dflash-ops-shared-*")), "the token files are removed"
     untouched()
@@ -399,10 +329,8 @@ def test_refusals_before_anything_stops(
     # a rendezvous host that does not resolve
     refused = multinode.relaunch(jobs["lost"])
     assert not refused.ok and refused.failed.step == "rendezvous", refused.summary()
-    assert (
-        f"node 0 box-a cannot reach the rendezvous endpoint no-such-host.invalid:{job.rdzv_port}: dns"
-        in refused.failed.message
-    ), refused.failed.message
+    assert (f"node 0 box-a cannot reach the rendezvous endpoint no-such-host.invalid:{job.rdzv_port}: dns"
+            in refused.failed.message), refused.failed.message
     assert "nothing was stopped on any node" in refused.failed.message
     untouched()
 
@@ -414,13 +342,8 @@ def test_refusals_before_anything_stops(
     assert "\nnode 0: box-a (" in status.stdout and "\nnode 1: box-silent\n" in status.stdout, status.stdout
     lines = status.stdout.splitlines()
     assert any(line.startswith("session ") and "running" in line for line in lines), status.stdout
-    assert lines[-1].startswith("UNKNOWN: ") and "node 1 box-silent: [box-silent] probe: " in lines[-1], (
-        lines[-1]
-    )
+    assert lines[-1].startswith("UNKNOWN: ") and "node 1 box-silent: [box-silent] probe: " in lines[-1], lines[-1]
     refused = multinode.relaunch(jobs["half"])
     assert not refused.ok and refused.failed.step == "preflight", refused.summary()
-    assert (
-        "node 0 box-a: torch " in refused.failed.message
-        and "node 1 box-silent: FAILED: " in refused.failed.message
-    )
+    assert "node 0 box-a: torch " in refused.failed.message and "node 1 box-silent: FAILED: " in refused.failed.message
     untouched()

@@ -1,6 +1,5 @@
 """A multinode job in the inventory (`multinode:`): what it accepts, the one-line refusals, each
 node's torchrun line, and how the nodes' verdicts make one (no target is reached here)."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -60,18 +59,12 @@ def test_a_two_node_job_and_what_each_node_runs():
     job = inv.multinode["pair"]
     assert [n.name for n in job.nodes] == ["gpu-a", "gpu-b"]
     assert (job.rdzv_host, job.rdzv_port, job.endpoint, job.runs_dir) == (
-        "10.0.0.7",
-        29400,
-        "10.0.0.7:29400",
-        "/mnt/shared/runs",
-    )  # the first node's host by default
+        "10.0.0.7", 29400, "10.0.0.7:29400", "/mnt/shared/runs")  # the first node's host by default
     assert job.world_size == 4
     argv = trainer_argv(job.node_job(1, rdzv_id="pair-0003-abcd"))
     line = " ".join(argv)
-    assert (
-        "-m torch.distributed.run --nnodes 2 --rdzv-backend c10d --rdzv-endpoint 10.0.0.7:29400 "
-        "--rdzv-id pair-0003-abcd --nproc-per-node 2 -m trainer" in line
-    )
+    assert "-m torch.distributed.run --nnodes 2 --rdzv-backend c10d --rdzv-endpoint 10.0.0.7:29400 " \
+           "--rdzv-id pair-0003-abcd --nproc-per-node 2 -m trainer" in line
     assert "--node-rank" not in line  # c10d assigns node ranks at the rendezvous (and ignores the flag)
     assert job.node_job(0).runs_dir == "/mnt/shared/runs"
     assert not hasattr(inv.targets["gpu-a"].job, "runs_dir")  # the targets themselves stay single-node jobs
@@ -79,11 +72,7 @@ def test_a_two_node_job_and_what_each_node_runs():
 
 
 def test_other_commands_refuse_the_job_name_and_name_its_nodes():
-    inv = load(
-        with_job(
-            "pair: {nodes: [gpu-a, gpu-b], runs_dir: /mnt/runs, rdzv_host: head.lan, rdzv_port: 29500}\n"
-        )
-    )
+    inv = load(with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /mnt/runs, rdzv_host: head.lan, rdzv_port: 29500}\n"))
     assert inv.multinode["pair"].endpoint == "head.lan:29500"
     with pytest.raises(InputError, match=r"'pair' is a multinode job: .*its nodes' targets \(gpu-a, gpu-b\)"):
         inv.resolve("pair")
@@ -91,78 +80,44 @@ def test_other_commands_refuse_the_job_name_and_name_its_nodes():
         inv.resolve("nope")
 
 
-@pytest.mark.parametrize(
-    "extra,targets,expected",
-    [
-        (
-            "pair: {nodes: [gpu-a], runs_dir: /r}\n",
-            "",
-            "inv.yaml:9: multinode 'pair': field 'nodes': expected a list of at least two target names",
-        ),
-        ("pair: {nodes: [gpu-a, ghost], runs_dir: /r}\n", "", "field 'nodes': names unknown target 'ghost'"),
-        ("pair: {nodes: [gpu-a, gpu-a], runs_dir: /r}\n", "", "lists target 'gpu-a' twice"),
-        (
-            "pair: {nodes: [gpu-a, gpu-b]}\n",
-            "",
-            "inv.yaml:9: multinode 'pair': field 'runs_dir': is required",
-        ),
-        (
-            "pair: {nodes: [gpu-a, gpu-b], runs_dir: runs}\n",
-            "",
-            "field 'runs_dir': must be an absolute path on every node, got 'runs'",
-        ),
-        (
-            "pair: {nodes: [gpu-a, gpu-b], runs_dir: /r, rdzv_prot: 1}\n",
-            "",
-            "field 'rdzv_prot': unknown field; did you mean 'rdzv_port'?",
-        ),
-        (
-            "pair: {nodes: [gpu-a, gpu-b], runs_dir: /r, rdzv_port: 0}\n",
-            "",
-            "field 'rdzv_port': must be between 1 and 65535, got 0",
-        ),
-        (
-            "gpu-a: {nodes: [gpu-a, gpu-b], runs_dir: /r}\n",
-            "",
-            "multinode 'gpu-a': 'gpu-a' is also a target name; give the job another name",
-        ),
-        ("pair: [gpu-a, gpu-b]\n", "", "multinode 'pair': expected a mapping like {nodes: [gpu-a, gpu-b]"),
-    ],
-)
+@pytest.mark.parametrize("extra,targets,expected", [
+    ("pair: {nodes: [gpu-a], runs_dir: /r}\n", "",
+     "inv.yaml:9: multinode 'pair': field 'nodes': expected a list of at least two target names"),
+    ("pair: {nodes: [gpu-a, ghost], runs_dir: /r}\n", "",
+     "field 'nodes': names unknown target 'ghost'"),
+    ("pair: {nodes: [gpu-a, gpu-a], runs_dir: /r}\n", "",
+     "lists target 'gpu-a' twice"),
+    ("pair: {nodes: [gpu-a, gpu-b]}\n", "",
+     "inv.yaml:9: multinode 'pair': field 'runs_dir': is required"),
+    ("pair: {nodes: [gpu-a, gpu-b], runs_dir: runs}\n", "",
+     "field 'runs_dir': must be an absolute path on every node, got 'runs'"),
+    ("pair: {nodes: [gpu-a, gpu-b], runs_dir: /r, rdzv_prot: 1}\n", "",
+     "field 'rdzv_prot': unknown field; did you mean 'rdzv_port'?"),
+    ("pair: {nodes: [gpu-a, gpu-b], runs_dir: /r, rdzv_port: 0}\n", "",
+     "field 'rdzv_port': must be between 1 and 65535, got 0"),
+    ("gpu-a: {nodes: [gpu-a, gpu-b], runs_dir: /r}\n", "",
+     "multinode 'gpu-a': 'gpu-a' is also a target name; give the job another name"),
+    ("pair: [gpu-a, gpu-b]\n", "",
+     "multinode 'pair': expected a mapping like {nodes: [gpu-a, gpu-b]"),
+])
 def test_one_line_refusals(extra, targets, expected):
     assert expected in error_of(with_job(extra, targets))
 
 
 def test_a_node_that_is_not_a_torchrun_target_is_refused():
-    message = error_of(
-        with_job("pair: {nodes: [gpu-a, local], runs_dir: /r}\n")
-    )  # local: the threaded tiny job
-    assert message.startswith(
-        "inv.yaml:9: multinode 'pair': field 'nodes': target 'local' runs launcher threads"
-    )
+    message = error_of(with_job("pair: {nodes: [gpu-a, local], runs_dir: /r}\n"))  # local: the threaded tiny job
+    assert message.startswith("inv.yaml:9: multinode 'pair': field 'nodes': target 'local' runs launcher threads")
     assert "give it job: {launcher: torchrun, nproc_per_node: N}" in message
 
 
-@pytest.mark.parametrize(
-    "job,fragment",
-    [
-        (
-            "{nproc_per_node: 1, drafter_gpus: [0]}",
-            "target 'odd' has job.nproc_per_node 1 but the first node 'gpu-a' has 2",
-        ),
-        (
-            "{python: /opt/other/bin/python3}",
-            "has job.python '/opt/other/bin/python3' but the first node 'gpu-a' has "
-            "'/srv/venv/bin/python3'; every node runs the same job",
-        ),
-        ("{config: /srv/dflash/other.yaml}", "has job.config '/srv/dflash/other.yaml'"),
-        (
-            "{train_args: ['--max-steps', '5']}",
-            "has job.train_args ['--max-steps', '5'] but the first node 'gpu-a' has []",
-        ),
-        ("{nnodes: 2, rdzv_endpoint: '10.0.0.7:29400'}", "sets job.nnodes/rdzv_endpoint itself"),
-    ],
-)
+@pytest.mark.parametrize("job,fragment", [
+    ("{nproc_per_node: 1, drafter_gpus: [0]}", "target 'odd' has job.nproc_per_node 1 but the first node 'gpu-a' has 2"),
+    ("{python: /opt/other/bin/python3}", "has job.python '/opt/other/bin/python3' but the first node 'gpu-a' has "
+                                         "'/srv/venv/bin/python3'; every node runs the same job"),
+    ("{config: /srv/dflash/other.yaml}", "has job.config '/srv/dflash/other.yaml'"),
+    ("{train_args: ['--max-steps', '5']}", "has job.train_args ['--max-steps', '5'] but the first node 'gpu-a' has []"),
+    ("{nnodes: 2, rdzv_endpoint: '10.0.0.7:29400'}", "sets job.nnodes/rdzv_endpoint itself"),
+])
 def test_nodes_must_run_the_same_job(job, fragment):
     targets = f"  odd: {{transport: ssh, host: 10.0.0.10, job: {job}}}\n"
     message = error_of(with_job("pair: {nodes: [gpu-a, odd], runs_dir: /r}\n", targets))
@@ -170,7 +125,7 @@ def test_nodes_must_run_the_same_job(job, fragment):
 
 
 def test_the_first_node_must_be_reachable_by_address_or_rdzv_host_given():
-    targets = "  box: {transport: pct, host: pve.lan, ctid: 200}\n"
+    targets = ("  box: {transport: pct, host: pve.lan, ctid: 200}\n")
     message = error_of(with_job("pair: {nodes: [box, gpu-b], runs_dir: /r}\n", targets))
     assert "field 'rdzv_host': is required: the first node 'box' is a pct target" in message
     inv = load(with_job("pair: {nodes: [box, gpu-b], runs_dir: /r, rdzv_host: 10.1.0.5}\n", targets))
@@ -200,13 +155,8 @@ def _job():
 
 def _checked(target, level, reasons, running=True, state="running", run=1, processes=()):
     verdict = health.Verdict(level, tuple(reasons))
-    status = TargetStatus(
-        target=target.name,
-        session=TmuxSession("dflash", "dflash", running=running),
-        job_state={"state": state, "run": run},
-        processes=tuple(processes),
-        verdict=verdict,
-    )
+    status = TargetStatus(target=target.name, session=TmuxSession("dflash", "dflash", running=running),
+                          job_state={"state": state, "run": run}, processes=tuple(processes), verdict=verdict)
     return ops.Checked(target, verdict, status)
 
 
@@ -214,26 +164,18 @@ def test_one_dead_node_makes_the_job_critical_and_names_it():
     job = _job()
     a, b = job.node_targets()
     died = "rank died: rank 3 (local rank 1, pid 4242) exited with code -9 (SIGKILL), the first failure torchrun saw"
-    jc = multinode_status.combine(
-        job, [_checked(a, "OK", ["step 40/100, loss 2.0"]), _checked(b, "CRITICAL", [died], running=False)]
-    )
+    jc = multinode_status.combine(job, [_checked(a, "OK", ["step 40/100, loss 2.0"]),
+                                        _checked(b, "CRITICAL", [died], running=False)])
     assert jc.verdict.level == "CRITICAL"
     assert f"node 1 gpu-b: {died}" in jc.verdict.reasons
-    assert multinode_status.nagios_line(jc).startswith(
-        "DFLASH CRITICAL: pair: node 1 gpu-b: rank died: rank 3"
-    )
+    assert multinode_status.nagios_line(jc).startswith("DFLASH CRITICAL: pair: node 1 gpu-b: rank died: rank 3")
 
 
 def test_an_unreachable_node_is_unknown_while_the_others_are_still_shown():
     job = _job()
     a, b = job.node_targets()
-    jc = multinode_status.combine(
-        job,
-        [
-            _checked(a, "OK", ["step 40/100"]),
-            _checked(b, "UNKNOWN", ["no answer within the 10 s budget"], running=None),
-        ],
-    )
+    jc = multinode_status.combine(job, [_checked(a, "OK", ["step 40/100"]),
+                                        _checked(b, "UNKNOWN", ["no answer within the 10 s budget"], running=None)])
     assert jc.verdict.level == "UNKNOWN"
     assert jc.verdict.reasons == ("node 1 gpu-b: no answer within the 10 s budget",)
     assert [n.status.target for n in jc.status.nodes] == ["gpu-a", "gpu-b"]
@@ -243,42 +185,25 @@ def test_all_nodes_stopped_is_ok_but_half_stopped_is_critical():
     job = _job()
     a, b = job.node_targets()
     stopped = "stopped by dflash-ops stop at 2026-12-01 10:00:00 UTC"
-    jc = multinode_status.combine(
-        job,
-        [
-            _checked(a, "OK", [stopped], running=False, state="stopped"),
-            _checked(b, "OK", [stopped], running=False, state="stopped"),
-        ],
-    )
-    assert jc.verdict.level == "OK" and jc.verdict.reasons == (
-        f"{stopped} (2 nodes, world size 4, on every node)",
-    )
-    jc = multinode_status.combine(
-        job,
-        [_checked(a, "OK", ["step 40/100"]), _checked(b, "OK", [stopped], running=False, state="stopped")],
-    )
+    jc = multinode_status.combine(job, [_checked(a, "OK", [stopped], running=False, state="stopped"),
+                                        _checked(b, "OK", [stopped], running=False, state="stopped")])
+    assert jc.verdict.level == "OK" and jc.verdict.reasons == (f"{stopped} (2 nodes, world size 4, on every node)",)
+    jc = multinode_status.combine(job, [_checked(a, "OK", ["step 40/100"]),
+                                        _checked(b, "OK", [stopped], running=False, state="stopped")])
     assert jc.verdict.level == "CRITICAL"
-    assert jc.verdict.reasons[0].startswith(
-        "half the job: node 1 gpu-b stopped or finished while node 0 gpu-a did not"
-    )
+    assert jc.verdict.reasons[0].startswith("half the job: node 1 gpu-b stopped or finished while node 0 gpu-a did not")
 
 
 def test_nodes_in_different_runs_and_lost_ranks_are_critical():
     job = _job()
     a, b = job.node_targets()
-    jc = multinode_status.combine(
-        job, [_checked(a, "OK", ["step 4"], run=2), _checked(b, "OK", ["step 4"], run=1)]
-    )
+    jc = multinode_status.combine(job, [_checked(a, "OK", ["step 4"], run=2), _checked(b, "OK", ["step 4"], run=1)])
     assert jc.verdict.level == "CRITICAL" and "the nodes train different runs" in jc.verdict.reasons[0]
-    tree = [
-        JobProcess(9, 1, "bash", "bash -c ... pane.sh LOG python -m torch.distributed.run -m trainer"),
-        JobProcess(10, 9, "python", "/v/bin/python -m torch.distributed.run --nnodes 2 -m trainer"),
-        JobProcess(11, 10, "python", "/v/bin/python -u -m trainer --config tiny-cpu"),
-        JobProcess(12, 10, "python", "/v/bin/python -c from multiprocessing... (not a rank)"),
-    ]
-    jc = multinode_status.combine(
-        job, [_checked(a, "OK", ["step 4"], processes=tree), _checked(b, "OK", ["step 4"])]
-    )
+    tree = [JobProcess(9, 1, "bash", "bash -c ... pane.sh LOG python -m torch.distributed.run -m trainer"),
+            JobProcess(10, 9, "python", "/v/bin/python -m torch.distributed.run --nnodes 2 -m trainer"),
+            JobProcess(11, 10, "python", "/v/bin/python -u -m trainer --config tiny-cpu"),
+            JobProcess(12, 10, "python", "/v/bin/python -c from multiprocessing... (not a rank)")]
+    jc = multinode_status.combine(job, [_checked(a, "OK", ["step 4"], processes=tree), _checked(b, "OK", ["step 4"])])
     assert jc.verdict.level == "CRITICAL"
     assert jc.verdict.reasons[0] == "node 0 gpu-a: 1 of 2 local ranks alive (torchrun pid 10): a rank died"
     assert jc.status.to_json()["nodes"][0]["ranks"] == {"torchrun_pid": 10, "alive": [11], "expected": 2}
@@ -295,9 +220,7 @@ def test_tail_log_node_choice():
 
 
 def test_a_job_written_twice_is_named():
-    message = error_of(
-        with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /r}\npair: {nodes: [gpu-b, gpu-c], runs_dir: /r}\n")
-    )
+    message = error_of(with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /r}\npair: {nodes: [gpu-b, gpu-c], runs_dir: /r}\n"))
     assert message.startswith("inv.yaml:10: multinode job 'pair' is defined twice (also on line 9)"), message
 
 
@@ -320,18 +243,14 @@ def test_dry_run_relaunch_and_stop_show_every_node_and_reach_nothing():
         assert commands[0] == "# node 0 gpu-a" and "# node 1 gpu-b" in commands, (step, commands[:1])
         assert any("root@10.0.0.8" in c for c in commands), step
     launch = by_step["launch"].message
-    assert launch.startswith(
-        "the run chosen in /r (fresh) on 2 nodes, rendezvous 10.0.0.7:29400 id pair-NNNN-"
-    )
+    assert launch.startswith("the run chosen in /r (fresh) on 2 nodes, rendezvous 10.0.0.7:29400 id pair-NNNN-")
     assert "--rdzv-id pair-NNNN-" in launch and "--output-dir /r/NNNN" in launch
     assert relaunched.summary().startswith("[pair] relaunch (dry run): ok, 10 of 10 steps run")
     assert [e.step for e in events if e.event == "end"] == multinode.RELAUNCH_PHASES
 
     skipped = multinode.relaunch(job, dry_run=True, purge=False, deploy=False)
     assert [(s.step, s.status) for s in skipped.steps if s.status != "dry-run"] == [
-        ("purge_cache", "skipped"),
-        ("deploy", "skipped"),
-    ]
+        ("purge_cache", "skipped"), ("deploy", "skipped")]
 
     stopped = multinode.stop(job, dry_run=True)
     assert stopped.ok and [s.step for s in stopped.steps] == multinode.STOP_PHASES
@@ -345,19 +264,12 @@ def test_acting_on_one_node_alone_is_refused_before_anything_is_reached(tmp_path
     from test_cli import cli
 
     inventory = tmp_path / "inv.yaml"
-    inventory.write_text(
-        with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /mnt/runs}\n").replace(
-            "/srv/dflash/train.yaml", "tiny-cpu"
-        )
-    )
+    inventory.write_text(with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /mnt/runs}\n").replace(
+        "/srv/dflash/train.yaml", "tiny-cpu"))
     result = cli("--inventory", str(inventory), *command, "-t", "gpu-b")
     assert result.returncode == 2, result
     lines = result.stderr.strip().splitlines()
-    assert (
-        len(lines) == 1
-        and "gpu-b is node 1 of the multinode job 'pair'" in lines[0]
-        and "-t pair" in lines[0]
-    )
+    assert len(lines) == 1 and "gpu-b is node 1 of the multinode job 'pair'" in lines[0] and "-t pair" in lines[0]
     assert load(with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /r}\n")).node_of("gpu-c") is None
 
 
@@ -367,11 +279,8 @@ def test_health_auto_relaunch_of_one_node_never_relaunches_it(tmp_path, monkeypa
     from dflash_ops.cli import cli as cli_group
 
     inventory = tmp_path / "inv.yaml"
-    inventory.write_text(
-        with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /mnt/runs}\n").replace(
-            "/srv/dflash/train.yaml", "tiny-cpu"
-        )
-    )
+    inventory.write_text(with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /mnt/runs}\n").replace(
+        "/srv/dflash/train.yaml", "tiny-cpu"))
     dead = health.Verdict("CRITICAL", ("tmux session 'dflash' is gone",))
 
     def check(target, **_kwargs):
@@ -382,8 +291,7 @@ def test_health_auto_relaunch_of_one_node_never_relaunches_it(tmp_path, monkeypa
 
     monkeypatch.setattr(ops, "check", check)
     monkeypatch.setattr(ops, "auto_relaunch", relaunch)
-    result = CliRunner().invoke(
-        cli_group, ["--inventory", str(inventory), "health", "--auto-relaunch", "--json", "-t", "gpu-a"]
-    )
+    result = CliRunner().invoke(cli_group, ["--inventory", str(inventory), "health", "--auto-relaunch", "--json",
+                                            "-t", "gpu-a"])
     assert result.exit_code == 2, result.output
     assert "not relaunched: gpu-a is node 0 of the multinode job 'pair'" in result.output, result.output

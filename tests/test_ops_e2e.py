@@ -1,6 +1,5 @@
 """relaunch / status / health / tail-log / stop end to end: real tmux, real sshd, the pct simulator,
 the nvidia-smi simulator, and a stand-in trainer that honours the metrics contract."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -26,16 +25,9 @@ def standin(target, mode="train", gpus=((), ()), health=None, **job_fields):
     """The target's job, running the stand-in trainer on its own tmux socket."""
     tag = uuid.uuid4().hex[:8]
     job = dataclasses.replace(
-        target.job,
-        python=STANDIN,
-        env=(("STANDIN_MODE", mode),),
-        tmux_socket=f"t-{tag}",
-        session=f"job {tag}",
-        target_gpus=tuple(gpus[0]),
-        drafter_gpus=tuple(gpus[1]),
-        health=health or Health(stall_seconds=30),
-        **job_fields,
-    )
+        target.job, python=STANDIN, env=(("STANDIN_MODE", mode),), tmux_socket=f"t-{tag}",
+        session=f"job {tag}", target_gpus=tuple(gpus[0]), drafter_gpus=tuple(gpus[1]),
+        health=health or Health(stall_seconds=30), **job_fields)
     return dataclasses.replace(target, job=job)
 
 
@@ -71,16 +63,8 @@ def test_relaunch_local_then_status_health_tail_stop(local_target, cleanup):
     lines = []
     result = commands.relaunch(target, **quick(), on_progress=lambda p: lines.append(p))
     assert result.ok, result.summary()
-    assert [s.step for s in result.steps] == [
-        "preflight",
-        "stop_session",
-        "kill_gpu_processes",
-        "wait_gpu_free",
-        "purge_cache",
-        "deploy",
-        "launch",
-        "wait_first_step",
-    ]
+    assert [s.step for s in result.steps] == ["preflight", "stop_session", "kill_gpu_processes", "wait_gpu_free",
+                                              "purge_cache", "deploy", "launch", "wait_first_step"]
     assert all(s.seconds >= 0 for s in result.steps)
     log = step(result, "launch").data["log"]
     assert log.endswith("train-0001.log")
@@ -101,9 +85,7 @@ def test_relaunch_local_then_status_health_tail_stop(local_target, cleanup):
     assert "1 on SIGTERM" in stopped.steps[0].message or "SIGTERM" in stopped.steps[0].message
     after = ops.check(target)
     assert after.status.session.running is not True
-    assert after.verdict.level == "OK" and after.verdict.reasons[0].startswith(
-        "stopped by dflash-ops stop at "
-    )
+    assert after.verdict.level == "OK" and after.verdict.reasons[0].startswith("stopped by dflash-ops stop at ")
     metrics = Path(log[:-4] + ".metrics.jsonl").read_text().splitlines()
     assert json.loads(metrics[-1])["event"] == "done"  # SIGTERM reached the trainer, which said so
 
@@ -126,10 +108,8 @@ def test_dry_run_touches_nothing(local_target, cleanup):
     result = commands.relaunch(target, **quick(), dry_run=True)
     assert result.ok and all(s.status == "dry-run" for s in result.steps)
     assert not Path(target.job.workdir).exists()
-    assert (
-        subprocess.run(["tmux", "-L", target.job.tmux_socket, "has-session"], capture_output=True).returncode
-        != 0
-    )
+    assert subprocess.run(["tmux", "-L", target.job.tmux_socket, "has-session"],
+                          capture_output=True).returncode != 0
     lines = [c for s in result.steps for c in s.commands]
     # the launch is the launcher's one JSON word, which names the session it would start
     assert any(launch.LAUNCHER in c and json.dumps(target.job.session) in c for c in lines), lines
@@ -137,43 +117,27 @@ def test_dry_run_touches_nothing(local_target, cleanup):
 
 
 def _write_gpus(path: Path, apps=()):
-    state = {
-        "free_when_pid_dead": True,
-        "gpus": [
-            {
-                "index": i,
-                "name": "NVIDIA H200",
-                "memory_total_mib": 143771,
-                "ghost_memory_mib": 0,
-                "utilization_pct": 90,
-            }
-            for i in range(4)
-        ],
-        "compute_apps": list(apps),
-    }
+    state = {"free_when_pid_dead": True,
+             "gpus": [{"index": i, "name": "NVIDIA H200", "memory_total_mib": 143771, "ghost_memory_mib": 0,
+                       "utilization_pct": 90} for i in range(4)],
+             "compute_apps": list(apps)}
     path.write_text(json.dumps(state))
 
 
-def test_relaunch_in_container_kills_only_the_jobs_gpu_processes(
-    pct_target, gpu_state_path, cleanup, tmp_path
-):
+def test_relaunch_in_container_kills_only_the_jobs_gpu_processes(pct_target, gpu_state_path, cleanup, tmp_path):
     target = standin(pct_target, gpus=((0,), (1,)))
     cleanup(target)
     # An unrelated GPU process in the same container, on a GPU that is not the job's.
     pid_file = tmp_path / "bystander.pid"
     with ops.connect(target) as t:
-        t.check(
-            f"setsid -f bash -c 'echo $$ > {pid_file}; exec sleep 300' </dev/null >/dev/null 2>&1", timeout=20
-        )
+        t.check(f"setsid -f bash -c 'echo $$ > {pid_file}; exec sleep 300' </dev/null >/dev/null 2>&1", timeout=20)
         for _ in range(50):
             if pid_file.exists() and pid_file.read_text().strip():
                 break
             time.sleep(0.1)
         bystander = int(pid_file.read_text())
-        _write_gpus(
-            gpu_state_path,
-            [{"pid": bystander, "gpu_index": 3, "used_memory_mib": 5000, "process_name": "sleep"}],
-        )
+        _write_gpus(gpu_state_path, [{"pid": bystander, "gpu_index": 3, "used_memory_mib": 5000,
+                                      "process_name": "sleep"}])
         try:
             first = commands.relaunch(target, **quick())
             assert first.ok, first.summary()
@@ -190,26 +154,20 @@ def test_relaunch_in_container_kills_only_the_jobs_gpu_processes(
             gpu3 = [g for g in st["gpus"] if g["index"] == 3][0]
             assert [p["pid"] for p in gpu3["processes"]] == [bystander]
             live_job_pids = {p["pid"] for g in st["gpus"] if g["index"] in (0, 1) for p in g["processes"]}
-            assert live_job_pids and not (live_job_pids & set(job_pids)), (
-                "the first launch's trainer survived"
-            )
+            assert live_job_pids and not (live_job_pids & set(job_pids)), "the first launch's trainer survived"
         finally:
             t.run(f"kill {bystander}", timeout=20)
             gpu_state_path.unlink(missing_ok=True)
 
 
-def test_unrelated_process_on_a_job_gpu_is_named_and_spared(
-    local_target, gpu_state_path, cleanup, monkeypatch
-):
+def test_unrelated_process_on_a_job_gpu_is_named_and_spared(local_target, gpu_state_path, cleanup, monkeypatch):
     monkeypatch.setenv("NVIDIA_SMI_SIM_STATE", str(gpu_state_path))
     monkeypatch.setenv("PATH", str(Path(STANDIN).parent) + os.pathsep + os.environ["PATH"])
     target = standin(local_target, gpus=((0,), (1,)))
     cleanup(target)
     squatter = subprocess.Popen(["sleep", "300"])
-    _write_gpus(
-        gpu_state_path,
-        [{"pid": squatter.pid, "gpu_index": 1, "used_memory_mib": 7000, "process_name": "sleep"}],
-    )
+    _write_gpus(gpu_state_path, [{"pid": squatter.pid, "gpu_index": 1, "used_memory_mib": 7000,
+                                  "process_name": "sleep"}])
     try:
         result = commands.relaunch(target, **quick(gpu_free_timeout=2.0))
         assert not result.ok and result.failed.step == "preflight"
@@ -242,9 +200,7 @@ def test_a_failing_launch_reports_the_log_and_the_signature(local_target, cleanu
     reasons = " ".join(checked.verdict.reasons).lower()
     assert signature in reasons or ("fx" in reasons if signature == "fx" else "valueerror" in reasons)
     if mode == "fx":
-        assert (
-            "signature" in result.failed.message and "Detected that you are using FX" in result.failed.message
-        )
+        assert "signature" in result.failed.message and "Detected that you are using FX" in result.failed.message
 
 
 def test_health_stalled_and_slow(local_target, cleanup):
@@ -253,16 +209,10 @@ def test_health_stalled_and_slow(local_target, cleanup):
     assert commands.relaunch(stalled, **quick()).ok
     time.sleep(2.5)
     verdict = ops.check(stalled).verdict
-    assert verdict.level == "CRITICAL" and any("no new step" in r or "stall" in r for r in verdict.reasons), (
-        verdict
-    )
+    assert verdict.level == "CRITICAL" and any("no new step" in r or "stall" in r for r in verdict.reasons), verdict
 
-    slow = standin(
-        local_target,
-        mode="slow",
-        health=Health(min_tokens_per_s=1000, stall_seconds=60),
-        workdir=str(Path(local_target.job.workdir).with_name("work-slow")),
-    )
+    slow = standin(local_target, mode="slow", health=Health(min_tokens_per_s=1000, stall_seconds=60),
+                   workdir=str(Path(local_target.job.workdir).with_name("work-slow")))
     cleanup(slow)
     assert commands.relaunch(slow, **quick()).ok
     verdict = ops.check(slow).verdict
@@ -316,9 +266,7 @@ def test_fan_out_runs_each_target_and_reports_each(ssh_target, ssh_target_b, cle
     started = time.monotonic()
     outcomes = fan_out([a, b], lambda t: commands.relaunch(t, **quick()))
     assert [o.target.name for o in outcomes] == ["box-a", "box-b"]
-    assert all(o.error is None and o.value.ok for o in outcomes), [
-        o.error or o.value.summary() for o in outcomes
-    ]
+    assert all(o.error is None and o.value.ok for o in outcomes), [o.error or o.value.summary() for o in outcomes]
     checked = fan_out([a, b], ops.check)
     assert [c.value.status.session.running for c in checked] == [True, True]
     assert time.monotonic() - started < 60
@@ -358,19 +306,14 @@ def test_gpus_queried_on_the_proxmox_host_map_pids_into_the_container(pct_target
             if pids:
                 break
             time.sleep(0.1)
-        ((host_pid, inside_pid),) = pids.items()
+        (host_pid, inside_pid), = pids.items()
         if "/lxc/200" not in open(f"/proc/{host_pid}/cgroup").read():
             pytest.skip("this machine does not let the pct simulator place containers in an lxc/200 cgroup")
         assert host_pid != inside_pid  # the container has its own pid namespace
         # What the real driver does in LXC: it reports HOST pids.
-        _write_gpus(
-            gpu_state_path,
-            [
-                {"pid": host_pid, "gpu_index": i, "used_memory_mib": 20000, "process_name": "python3"}
-                for i in (0, 1)
-            ]
-            + [{"pid": host_bystander.pid, "gpu_index": 3, "used_memory_mib": 3000, "process_name": "sleep"}],
-        )
+        _write_gpus(gpu_state_path, [{"pid": host_pid, "gpu_index": i, "used_memory_mib": 20000,
+                                      "process_name": "python3"} for i in (0, 1)]
+                    + [{"pid": host_bystander.pid, "gpu_index": 3, "used_memory_mib": 3000, "process_name": "sleep"}])
 
         target_status = ops.check(target).status
         by_index = {g["index"]: g for g in target_status.to_json()["gpus"]}
@@ -384,9 +327,7 @@ def test_gpus_queried_on_the_proxmox_host_map_pids_into_the_container(pct_target
 
         second = commands.relaunch(target, **quick())
         assert second.ok, second.summary()
-        assert (
-            not os.path.exists(f"/proc/{host_pid}") or "Z" in open(f"/proc/{host_pid}/stat").read().split()[2]
-        )
+        assert not os.path.exists(f"/proc/{host_pid}") or "Z" in open(f"/proc/{host_pid}/stat").read().split()[2]
         assert host_bystander.poll() is None
     finally:
         host_bystander.kill()
@@ -400,18 +341,9 @@ def test_tail_log_follow_prints_new_lines_and_stops_cleanly(ssh_target):
     log = logs / "train-0002.log"
     log.write_text("line 1\nline 2\n")
     shown, stop = [], threading.Event()
-    follower = threading.Thread(
-        target=ops.tail_log,
-        kwargs=dict(
-            target=ssh_target,
-            lines=1,
-            follow=True,
-            grep=r"^line",
-            emit=shown.append,
-            poll_s=0.1,
-            should_stop=stop.is_set,
-        ),
-    )
+    follower = threading.Thread(target=ops.tail_log, kwargs=dict(
+        target=ssh_target, lines=1, follow=True, grep=r"^line", emit=shown.append, poll_s=0.1,
+        should_stop=stop.is_set))
     follower.start()
     try:
         for _ in range(50):
@@ -442,9 +374,7 @@ def test_resuming_a_run_that_is_already_complete_says_so(local_target, cleanup):
     # A complete run whose FINISHED marker is missing (e.g. a trainer that stopped at its last step
     # without leaving one) is resumed; the trainer has nothing to train and exits 0 at once.
     target = standin(local_target)
-    target = dataclasses.replace(
-        target, job=dataclasses.replace(target.job, env=(*target.job.env, ("STANDIN_STEPS", "2")))
-    )
+    target = dataclasses.replace(target, job=dataclasses.replace(target.job, env=(*target.job.env, ("STANDIN_STEPS", "2"))))
     cleanup(target)
     assert commands.relaunch(target, **quick()).ok
     runs = Path(target.job.workdir) / "runs"

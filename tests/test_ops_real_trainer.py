@@ -1,5 +1,4 @@
 """relaunch → status → stop → relaunch (resume) with the REAL tiny trainer on the local target."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -18,13 +17,8 @@ def launch_of(result):
 
 def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
     tag = uuid.uuid4().hex[:8]
-    job = dataclasses.replace(
-        local_target.job,
-        tmux_socket=f"real-{tag}",
-        session="tiny",
-        train_args=("--max-steps", "400"),
-        health=Health(stall_seconds=120),
-    )
+    job = dataclasses.replace(local_target.job, tmux_socket=f"real-{tag}", session="tiny",
+                              train_args=("--max-steps", "400"), health=Health(stall_seconds=120))
     target = dataclasses.replace(local_target, job=job)
     try:
         first = commands.relaunch(target, timeout=240.0, grace=60.0)
@@ -40,9 +34,7 @@ def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
         assert stopped.ok and "0 needed SIGKILL" in stopped.steps[0].message, stopped.steps[0].message
         assert ops.check(target).verdict.reasons[0].startswith("stopped by dflash-ops stop")
         log = Path(launch_of(first).data["log"])
-        records = [
-            json.loads(line) for line in log.with_name(log.stem + ".metrics.jsonl").read_text().splitlines()
-        ]
+        records = [json.loads(line) for line in log.with_name(log.stem + ".metrics.jsonl").read_text().splitlines()]
         assert records[-1]["event"] == "done" and records[-1]["reason"] == "interrupted"
         assert any(r["event"] == "checkpoint" for r in records), "SIGTERM must leave a checkpoint"
         stopped_at = records[-1]["step"]
@@ -61,9 +53,8 @@ def test_the_bundled_tiny_run_finishes_healthy_with_the_tau_its_accuracy_predict
     # The README's main job, whole: it must end OK, its measured tau near the one training accuracy
     # predicts (a memorising config ends in health's tau-gap WARNING).
     tag = uuid.uuid4().hex[:8]
-    job = dataclasses.replace(
-        local_target.job, tmux_socket=f"real-{tag}", session="tiny", health=Health(stall_seconds=120)
-    )
+    job = dataclasses.replace(local_target.job, tmux_socket=f"real-{tag}", session="tiny",
+                              health=Health(stall_seconds=120))
     target = dataclasses.replace(local_target, job=job)
     try:
         assert commands.relaunch(target, timeout=240.0).ok

@@ -1,7 +1,6 @@
 """A `launcher: torchrun` job end to end over the real sshd: 2 CPU ranks of the REAL tiny trainer under
 the real torchrun — relaunch, status from rank 0's metrics, stop ends every rank (with a checkpoint),
 relaunch resumes, and a rank killed with SIGKILL makes the job CRITICAL with that rank named."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -21,26 +20,12 @@ from dflash_ops.inventory.model import Health
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-SMALL = (
-    "--set",
-    "train.epochs=10000",
-    "--set",
-    "data.synthetic.num_samples=32",
-    "--set",
-    "run.checkpoint_every=1000",
-)
+SMALL = ("--set", "train.epochs=10000", "--set", "data.synthetic.num_samples=32", "--set", "run.checkpoint_every=1000")
 
 
 def torchrun_job(target, tag):
-    job = dataclasses.replace(
-        target.job,
-        tmux_socket=f"tr-{tag}",
-        session=f"ranks {tag}",
-        launcher="torchrun",
-        nproc_per_node=2,
-        train_args=SMALL,
-        health=Health(stall_seconds=120),
-    )
+    job = dataclasses.replace(target.job, tmux_socket=f"tr-{tag}", session=f"ranks {tag}", launcher="torchrun",
+                              nproc_per_node=2, train_args=SMALL, health=Health(stall_seconds=120))
     return dataclasses.replace(target, job=job)
 
 
@@ -114,9 +99,8 @@ def test_torchrun_job_relaunch_status_stop_resume_and_a_dead_rank(ssh_target):
         verdict = ops.check(target).verdict
         assert verdict.level == "CRITICAL"
         died = [r for r in verdict.reasons if r.startswith("rank died:")]
-        assert died and f"rank 1 (local rank 1, pid {rank1}) exited with code -9 (SIGKILL)" in died[0], (
+        assert died and f"rank 1 (local rank 1, pid {rank1}) exited with code -9 (SIGKILL)" in died[0], \
             verdict.reasons
-        )
         assert not any("ChildFailedError" in r for r in verdict.reasons), verdict.reasons
     finally:
         with ops.connect(target) as t:

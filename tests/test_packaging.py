@@ -1,7 +1,6 @@
 """The wheel is complete: every file the product reads at run time is in it (an editable install
 reads the checkout and would hide a missing one). .ci/installed_wheel.sh runs the commands from an
 installed wheel."""
-
 from __future__ import annotations
 
 import io
@@ -37,20 +36,12 @@ RUNTIME_FILES = [
 def tracked(*folders: str) -> list[str]:
     """The repository's files under `folders` (git's list; the tree itself without git)."""
     try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO), "ls-files", "-z", "--", *folders],
-            capture_output=True,
-            check=True,
-            timeout=30,
-        ).stdout.decode()
+        out = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--", *folders], capture_output=True,
+                             check=True, timeout=30).stdout.decode()
         return [name for name in out.split("\0") if name and (REPO / name).is_file()]
     except (OSError, subprocess.CalledProcessError):
-        return [
-            str(p.relative_to(REPO))
-            for f in folders
-            for p in (REPO / f).rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts
-        ]
+        return [str(p.relative_to(REPO)) for f in folders for p in (REPO / f).rglob("*")
+                if p.is_file() and "__pycache__" not in p.parts]
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +58,8 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     buf.seek(0)
     with tarfile.open(fileobj=buf) as tar:
         tar.extractall(src)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(src), "-w", str(root / "dist")],
-        check=True,
-        timeout=600,
-    )
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(src), "-w", str(root / "dist")],
+                   check=True, timeout=600)
     (path,) = (root / "dist").glob("dflash_ops-*.whl")
     return zipfile.ZipFile(path)
 
@@ -88,7 +76,5 @@ def test_the_built_in_commands_are_python_and_playbooks_are_only_the_users(wheel
     # relaunch, stop, ... are dflash_ops.commands; no YAML of theirs ships, and the checkout's
     # top-level playbooks/ holds the user's own files only
     assert "dflash_ops/commands.py" in wheel.namelist()
-    assert not [
-        name for name in wheel.namelist() if name.startswith("dflash_ops/") and name.endswith(".yaml")
-    ]
+    assert not [name for name in wheel.namelist() if name.startswith("dflash_ops/") and name.endswith(".yaml")]
     assert not list((REPO / "playbooks").glob("*.yaml"))

@@ -5,7 +5,6 @@ and, under dry-run, reaches nothing.
 The steps here are small real steps (they run real bash through ctx.run); the engine sees only the
 library it is given.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -26,12 +25,7 @@ from dflash_ops.act.context import DryRunTransport, StepContext, StepOutcome
 from dflash_ops.act.runner import DRY_RUN, FAILED, NOT_RUN, OK, SKIPPED, RunResult
 from dflash_ops.playbook.signature import describe, inputs_of
 from dflash_ops.playbook.user import (
-    bind_options,
-    list_playbooks,
-    load,
-    parse_option_assignments,
-    run_playbook,
-    search_dirs,
+    bind_options, list_playbooks, load, parse_option_assignments, run_playbook, search_dirs,
 )
 from dflash_ops.progress_view import format_progress
 from dflash_ops.transport.base import Result, Transport
@@ -49,9 +43,7 @@ class BashTransport(Transport):
     def run(self, script, timeout=60, step="run", stdin=None):
         self.calls += 1
         started = time.monotonic()
-        p = subprocess.run(
-            ["bash", "-c", script], cwd=self.cwd, input=stdin, capture_output=True, timeout=timeout
-        )
+        p = subprocess.run(["bash", "-c", script], cwd=self.cwd, input=stdin, capture_output=True, timeout=timeout)
         return Result(p.returncode, p.stdout.decode(), p.stderr.decode(), time.monotonic() - started)
 
     def put(self, data, remote_path, mode=0o644, step="put"):
@@ -67,7 +59,6 @@ class BashTransport(Transport):
 
 # ----------------------------------------------------------------------------------- the test library
 # Module-level, so their annotations resolve as the library's do.
-
 
 @dataclasses.dataclass(kw_only=True)
 class Noted(StepOutcome):
@@ -102,9 +93,8 @@ def sleep(ctx: StepContext, seconds: float) -> str:
     return f"slept {seconds:g}"
 
 
-def record(
-    ctx: StepContext, value: str = "", gpus: list[int] | None = None, number: float = 0.0, flag: bool = False
-) -> StepOutcome:
+def record(ctx: StepContext, value: str = "", gpus: list[int] | None = None, number: float = 0.0,
+           flag: bool = False) -> StepOutcome:
     return StepOutcome("recorded", data={"value": value, "gpus": gpus, "number": number, "flag": flag})
 
 
@@ -128,21 +118,12 @@ def session_of(ctx: StepContext, job: Job) -> str:
     return f"the job's session is {job.session}"
 
 
-LIBRARY = {
-    f.__name__: f for f in (note, write_file, fail, sleep, record, rogue, log_twice, use_result, session_of)
-}
+LIBRARY = {f.__name__: f for f in (note, write_file, fail, sleep, record, rogue, log_twice, use_result, session_of)}
 
 
 def make_target(tmp_path: Path, **job_overrides) -> model.Target:
-    fields = dict(
-        workdir=str(tmp_path / "work"),
-        python=sys.executable,
-        config="tiny-cpu",
-        session="dflash",
-        cache_dir=str(tmp_path / "cache"),
-        target_gpus=(0,),
-        drafter_gpus=(1, 2),
-    )
+    fields = dict(workdir=str(tmp_path / "work"), python=sys.executable, config="tiny-cpu", session="dflash",
+                  cache_dir=str(tmp_path / "cache"), target_gpus=(0,), drafter_gpus=(1, 2))
     return model.Target(name="box", transport="local", job=model.Job(**{**fields, **job_overrides}))
 
 
@@ -160,9 +141,7 @@ def pb(text: str, tmp_path: Path, name: str = "test") -> Path:
 def play(tmp_path: Path, text: str, options=None, ctx=None, events=None) -> RunResult:
     book = load(str(pb(text, tmp_path)), [], LIBRARY)
     bound = bind_options(book, LIBRARY, options or {})
-    return run_playbook(
-        book, LIBRARY, ctx or make_ctx(tmp_path), bound, events.append if events is not None else None
-    )
+    return run_playbook(book, LIBRARY, ctx or make_ctx(tmp_path), bound, events.append if events is not None else None)
 
 
 def journal(tmp_path: Path) -> list[str]:
@@ -183,7 +162,6 @@ def invalid(tmp_path: Path, text: str, options=None) -> str:
 
 
 # ----------------------------------------------------------------------------------- signatures
-
 
 def test_a_steps_signature_says_what_the_file_gives_it_and_what_the_run_gives_it():
     info = inputs_of(use_result)
@@ -206,19 +184,15 @@ def test_every_library_step_can_be_named_in_a_playbook():
         assert set(info.results.values()) <= givers, f"{name} takes a result no library step gives"
         assert describe(name, step).startswith(f"{name}(")
     assert describe("wait_first_step", steps.wait_first_step) == (
-        "wait_first_step(timeout_s: float, poll_s: float = 1.0) takes Launched"
-    )
+        "wait_first_step(timeout_s: float, poll_s: float = 1.0) takes Launched")
     assert describe("launch", steps.launch) == "launch(resume: bool) gives Launched"
 
 
 # ----------------------------------------------------------------------------------- checked before running
 
-
 def test_unknown_step_names_file_line_and_the_closest_name(tmp_path):
     msg = invalid(tmp_path, "steps:\n  - step: note\n    params: {text: a}\n  - step: wirte_file\n")
-    assert (
-        f"{tmp_path / 'test.yaml'}:4: step 2 (wirte_file): unknown step (did you mean 'write_file'?)" in msg
-    )
+    assert f"{tmp_path / 'test.yaml'}:4: step 2 (wirte_file): unknown step (did you mean 'write_file'?)" in msg
 
 
 def test_unknown_parameter_suggests_the_closest_and_lists_the_known(tmp_path):
@@ -231,14 +205,11 @@ def test_missing_required_parameter_is_named(tmp_path):
     assert "step 1 (write_file): params.content is missing; add `content: VALUE` under params:" in msg
 
 
-@pytest.mark.parametrize(
-    "params, expected",
-    [
-        ("{seconds: soon}", "params.seconds: expected float, got 'soon'"),
-        ("{seconds: true}", "params.seconds: expected float, got True"),
-        ("{seconds: [1]}", "params.seconds: expected float, got [1]"),
-    ],
-)
+@pytest.mark.parametrize("params, expected", [
+    ("{seconds: soon}", "params.seconds: expected float, got 'soon'"),
+    ("{seconds: true}", "params.seconds: expected float, got True"),
+    ("{seconds: [1]}", "params.seconds: expected float, got [1]"),
+])
 def test_mistyped_literal_parameter(tmp_path, params, expected):
     assert expected in invalid(tmp_path, f"steps:\n  - step: sleep\n    params: {params}\n")
 
@@ -249,46 +220,30 @@ def test_mistyped_list_element(tmp_path):
 
 
 def test_literals_of_the_right_type_are_taken(tmp_path):
-    result = play(
-        tmp_path, "steps:\n  - step: record\n    params: {value: x, gpus: [1, 2], number: 3, flag: true}\n"
-    )
+    result = play(tmp_path, "steps:\n  - step: record\n    params: {value: x, gpus: [1, 2], number: 3, flag: true}\n")
     assert result.ok and result.steps[0].data == {"value": "x", "gpus": [1, 2], "number": 3, "flag": True}
 
 
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("", "write `steps:`"),
-        ("- step: note\n", "write `steps:`"),
-        ("stepz: []\n", "write `steps:`"),
-        ("description: x\n", "`steps:` must be a list of one step or more"),
-        ("steps: note\n", "`steps:` must be a list of one step or more"),
-        ("steps: []\n", "`steps:` must be a list of one step or more"),
-        ("steps:\n  - step: note\n    params: {text: [unclosed\n", "not valid YAML"),
-        ("steps:\n  - 42\n", ":2: step 1: write a step name, or `step: NAME` with `params:` and `when:`"),
-        ("steps:\n  - note: {text: a}\n", ":2: step 1: write a step name, or `step: NAME`"),
-        (
-            "steps:\n  - step: note\n    with: {text: a}\n",
-            ":2: step 1 (note): write a step name, or `step: NAME`",
-        ),
-        (
-            "steps:\n  - step: note\n    params: [a]\n",
-            "step 1 (note): params: write NAME: VALUE for each; it takes note(",
-        ),
-        (
-            "steps:\n  - step: note\n    params: {text: a}\n    when: options.purge and x\n",
-            "step 1 (note): when: write `options.NAME` or `not options.NAME`, NAME under options:",
-        ),
-        ("steps:\n  - step: note\n    params: {text: a}\n    when: options.purge\n", "NAME under options:"),
-        ("steps:\n  - step: note\n    params: {text: a}\n    when: purge\n", "write `options.NAME`"),
-        ("options: {purge: {type: bool}}\nsteps: [log_twice]\n", "options: write NAME: DEFAULT for each"),
-        ("options: {limit: null}\nsteps: [log_twice]\n", "options: write NAME: DEFAULT for each"),
-        (
-            "steps:\n  - step: note\n    step: fail\n",
-            ":3: key 'step' under steps is defined twice (also on line 2)",
-        ),
-    ],
-)
+@pytest.mark.parametrize("text, expected", [
+    ("", "write `steps:`"),
+    ("- step: note\n", "write `steps:`"),
+    ("stepz: []\n", "write `steps:`"),
+    ("description: x\n", "`steps:` must be a list of one step or more"),
+    ("steps: note\n", "`steps:` must be a list of one step or more"),
+    ("steps: []\n", "`steps:` must be a list of one step or more"),
+    ("steps:\n  - step: note\n    params: {text: [unclosed\n", "not valid YAML"),
+    ("steps:\n  - 42\n", ":2: step 1: write a step name, or `step: NAME` with `params:` and `when:`"),
+    ("steps:\n  - note: {text: a}\n", ":2: step 1: write a step name, or `step: NAME`"),
+    ("steps:\n  - step: note\n    with: {text: a}\n", ":2: step 1 (note): write a step name, or `step: NAME`"),
+    ("steps:\n  - step: note\n    params: [a]\n", "step 1 (note): params: write NAME: VALUE for each; it takes note("),
+    ("steps:\n  - step: note\n    params: {text: a}\n    when: options.purge and x\n",
+     "step 1 (note): when: write `options.NAME` or `not options.NAME`, NAME under options:"),
+    ("steps:\n  - step: note\n    params: {text: a}\n    when: options.purge\n", "NAME under options:"),
+    ("steps:\n  - step: note\n    params: {text: a}\n    when: purge\n", "write `options.NAME`"),
+    ("options: {purge: {type: bool}}\nsteps: [log_twice]\n", "options: write NAME: DEFAULT for each"),
+    ("options: {limit: null}\nsteps: [log_twice]\n", "options: write NAME: DEFAULT for each"),
+    ("steps:\n  - step: note\n    step: fail\n", ":3: key 'step' under steps is defined twice (also on line 2)"),
+])
 def test_structural_problems(tmp_path, text, expected):
     assert expected in invalid(tmp_path, text)
 
@@ -296,17 +251,13 @@ def test_structural_problems(tmp_path, text, expected):
 def test_a_result_no_earlier_step_gives_is_refused_before_anything_runs(tmp_path):
     path = tmp_path / "test.yaml"
     msg = invalid(tmp_path, "steps:\n  - use_result\n  - step: note\n    params: {text: after}\n")
-    assert msg == (
-        f"{path}:2: step 1 (use_result): noted is what an earlier note step gives, and none runs "
-        "before it; add one, or the same `when:`"
-    )
+    assert msg == (f"{path}:2: step 1 (use_result): noted is what an earlier note step gives, and none runs "
+                   "before it; add one, or the same `when:`")
 
 
 def test_a_result_whose_giver_is_skipped_is_refused_before_anything_runs(tmp_path):
-    text = (
-        "options: {loud: false}\nsteps:\n  - step: note\n    when: options.loud\n    params: {text: hello}\n"
-        "  - use_result\n"
-    )
+    text = ("options: {loud: false}\nsteps:\n  - step: note\n    when: options.loud\n    params: {text: hello}\n"
+            "  - use_result\n")
     msg = invalid(tmp_path, text)
     assert ":6: step 2 (use_result): noted is what an earlier note step gives, and none runs before it" in msg
     result = play(tmp_path, text, {"loud": "true"})
@@ -328,41 +279,21 @@ steps:
 
 def test_bind_options_defaults_overrides_and_text(tmp_path):
     book = load(str(pb(OPTIONS_PB, tmp_path)), [], LIBRARY)
-    assert bind_options(book, LIBRARY, {}) == {
-        "purge": True,
-        "timeout": 900.0,
-        "retries": 3,
-        "label": "plain",
-    }
-    assert bind_options(book, LIBRARY, {"purge": None, "timeout": 5}) == {
-        "purge": True,
-        "timeout": 5.0,
-        "retries": 3,
-        "label": "plain",
-    }
+    assert bind_options(book, LIBRARY, {}) == {"purge": True, "timeout": 900.0, "retries": 3, "label": "plain"}
+    assert bind_options(book, LIBRARY, {"purge": None, "timeout": 5}) == \
+        {"purge": True, "timeout": 5.0, "retries": 3, "label": "plain"}
     given = parse_option_assignments(["purge=false", "timeout=7.5", "retries=4", "label=a=b"])
-    assert bind_options(book, LIBRARY, given) == {
-        "purge": False,
-        "timeout": 7.5,
-        "retries": 4,
-        "label": "a=b",
-    }
+    assert bind_options(book, LIBRARY, given) == {"purge": False, "timeout": 7.5, "retries": 4, "label": "a=b"}
 
 
-@pytest.mark.parametrize(
-    "given, expected",
-    [
-        (
-            {"prune": False},
-            "option 'prune': not in {path} (did you mean 'purge'?); it has purge, timeout, retries, label",
-        ),
-        ({"purge": "perhaps"}, "option 'purge': expected bool, got 'perhaps'"),
-        ({"purge": "off"}, "option 'purge': expected bool, got 'off'"),
-        ({"timeout": "soon"}, "option 'timeout': expected float, got 'soon'"),
-        ({"timeout": True}, "option 'timeout': expected float, got True"),
-        ({"retries": "2.5"}, "option 'retries': expected int, got 2.5"),
-    ],
-)
+@pytest.mark.parametrize("given, expected", [
+    ({"prune": False}, "option 'prune': not in {path} (did you mean 'purge'?); it has purge, timeout, retries, label"),
+    ({"purge": "perhaps"}, "option 'purge': expected bool, got 'perhaps'"),
+    ({"purge": "off"}, "option 'purge': expected bool, got 'off'"),
+    ({"timeout": "soon"}, "option 'timeout': expected float, got 'soon'"),
+    ({"timeout": True}, "option 'timeout': expected float, got True"),
+    ({"retries": "2.5"}, "option 'retries': expected int, got 2.5"),
+])
 def test_bad_options(tmp_path, given, expected):
     book = load(str(pb(OPTIONS_PB, tmp_path)), [], LIBRARY)
     with pytest.raises(InputError) as info:
@@ -393,11 +324,7 @@ def test_steps_run_in_file_order_and_reordering_needs_no_python(tmp_path):
     assert result.ok and [s.status for s in result.steps] == [OK, OK, OK]
     assert journal(tmp_path) == ["one", "two", "three"]
     (tmp_path / "journal").unlink()
-    reordered = (
-        SEQUENCE.replace("text: one", "text: @")
-        .replace("text: three", "text: one")
-        .replace("text: @", "text: three")
-    )
+    reordered = SEQUENCE.replace("text: one", "text: @").replace("text: three", "text: one").replace("text: @", "text: three")
     play(tmp_path, reordered)
     assert journal(tmp_path) == ["three", "two", "one"]
 
@@ -430,25 +357,19 @@ steps:
 """
 
 
-@pytest.mark.parametrize(
-    "options, ran",
-    [
-        ({}, ["stop", "purge", "deploy"]),
-        ({"purge": False}, ["stop", "kept-cache", "deploy"]),
-        ({"purge": "false", "deploy": False}, ["stop", "kept-cache"]),
-    ],
-)
+@pytest.mark.parametrize("options, ran", [
+    ({}, ["stop", "purge", "deploy"]),
+    ({"purge": False}, ["stop", "kept-cache", "deploy"]),
+    ({"purge": "false", "deploy": False}, ["stop", "kept-cache"]),
+])
 def test_when_skips_steps(tmp_path, options, ran):
     result = play(tmp_path, WHEN_PB, options)
     assert journal(tmp_path) == ran
     assert result.ok and sum(s.status == OK for s in result.steps) == len(ran)
     skipped = [s for s in result.steps if s.status == SKIPPED]
     assert len(skipped) == 4 - len(ran)
-    reasons = {
-        "purge": "options.purge is false",
-        "kept-cache": "options.purge is true",
-        "deploy": "options.deploy is false",
-    }
+    reasons = {"purge": "options.purge is false", "kept-cache": "options.purge is true",
+               "deploy": "options.deploy is false"}
     texts = ["stop", "purge", "kept-cache", "deploy"]
     assert [s.message for s in skipped] == [reasons[texts[s.number - 1]] for s in skipped]
     assert [s.number for s in result.steps] == [1, 2, 3, 4]
@@ -467,15 +388,12 @@ steps:
 """
 
 
-@pytest.mark.parametrize(
-    "how, message",
-    [
-        ("raise", "[box] fail: the disk is full"),
-        ("remote", "[box] fail: exit code 3\n  remote stderr: no space left"),
-        ("return", "GPU 2 still holds 4000 MiB"),
-        ("bug", "KeyError: 'missing'"),
-    ],
-)
+@pytest.mark.parametrize("how, message", [
+    ("raise", "[box] fail: the disk is full"),
+    ("remote", "[box] fail: exit code 3\n  remote stderr: no space left"),
+    ("return", "GPU 2 still holds 4000 MiB"),
+    ("bug", "KeyError: 'missing'"),
+])
 def test_stops_at_the_first_failure(tmp_path, how, message):
     events = []
     book = load(str(pb(FAILING.replace("HOW", how), tmp_path, "failing")), [], LIBRARY)
@@ -487,19 +405,15 @@ def test_stops_at_the_first_failure(tmp_path, how, message):
     assert result.summary().startswith("[box] failing: FAILED at step 2/4 fail after ")
     assert result.summary().endswith(message)
     if how == "remote":  # the error object travels with the report, as raised by the transport
-        assert (
-            isinstance(result.failed.error, RemoteCommandError) and result.failed.error.result.exit_code == 3
-        )
+        assert isinstance(result.failed.error, RemoteCommandError) and result.failed.error.result.exit_code == 3
     ends = [e for e in events if e.event == "end"]
     assert [e.report.status for e in ends] == [OK, FAILED, NOT_RUN, NOT_RUN]
     assert [e.step for e in events if e.event == "start"] == ["note", "fail"]
 
 
 def test_progress_lines_show_position_status_time_and_message(tmp_path):
-    text = (
-        "options: {more: false}\nsteps:\n  - step: sleep\n    params: {seconds: 0.3}\n  - log_twice\n"
-        "  - step: note\n    params: {text: x}\n    when: options.more\n"
-    )
+    text = ("options: {more: false}\nsteps:\n  - step: sleep\n    params: {seconds: 0.3}\n  - log_twice\n"
+            "  - step: note\n    params: {text: x}\n    when: options.more\n")
     events = []
     result = play(tmp_path, text, events=events)
     assert 0.3 <= result.steps[0].seconds < 2.5 and result.seconds >= result.steps[0].seconds
@@ -561,13 +475,10 @@ def test_steps_get_no_other_input_than_their_arguments():
 
 # ----------------------------------------------------------------------------------- dry run
 
-
 def test_dry_run_reports_exact_commands_and_touches_nothing(tmp_path):
     target_file = tmp_path / "out file.txt"
-    text = (
-        f"steps:\n  - step: note\n    params: {{text: noted}}\n  - step: write_file\n"
-        f"    params: {{path: {json.dumps(str(target_file))}, content: {json.dumps(HOSTILE)}}}\n"
-    )
+    text = f"steps:\n  - step: note\n    params: {{text: noted}}\n  - step: write_file\n" \
+           f"    params: {{path: {json.dumps(str(target_file))}, content: {json.dumps(HOSTILE)}}}\n"
     dry = make_ctx(tmp_path, dry_run=True)
     events = []
     result = play(tmp_path, text, ctx=dry, events=events)
@@ -610,19 +521,11 @@ def test_under_dry_run_even_a_step_that_goes_past_ctx_run_reaches_nothing(tmp_pa
     assert (tmp_path / "rogue-ran").exists() and (tmp_path / "rogue-put").exists()
 
 
-@pytest.mark.parametrize(
-    "command, options",
-    [
-        ("relaunch", {}),
-        ("relaunch", {"purge": False, "deploy": False, "resume": False}),
-        ("stop", {}),
-        ("gpu_clean", {}),
-        ("gpu_clean", {"force": True}),
-        ("purge_cache", {}),
-        ("deploy", {}),
-        ("rollback", {"release": "0.1.0-abcdef012345"}),
-    ],
-)
+@pytest.mark.parametrize("command, options", [
+    ("relaunch", {}), ("relaunch", {"purge": False, "deploy": False, "resume": False}), ("stop", {}),
+    ("gpu_clean", {}), ("gpu_clean", {"force": True}), ("purge_cache", {}), ("deploy", {}),
+    ("rollback", {"release": "0.1.0-abcdef012345"}),
+])
 def test_no_command_acts_under_dry_run(tmp_path, monkeypatch, command, options):
     """Every real step of every command, against a transport that fails if anything reaches it."""
     from dflash_ops import commands, ops
@@ -649,20 +552,14 @@ def test_hostile_literals_are_data_not_shell(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------------- finding playbooks
 
-
 def test_the_example_in_the_readme_is_a_valid_playbook(tmp_path):
     from dflash_ops.act import steps
 
     readme = (Path(__file__).resolve().parent.parent / "playbooks" / "README.md").read_text(encoding="utf-8")
     example = pb(readme.split("```yaml\n", 1)[1].split("```", 1)[0], tmp_path, "example")
     book = load(str(example), [], steps.LIBRARY)
-    assert [e.step for e in book.steps] == [
-        "stop_session",
-        "mark_stopped",
-        "kill_gpu_processes",
-        "wait_gpu_free",
-        "purge_cache",
-    ]
+    assert [e.step for e in book.steps] == ["stop_session", "mark_stopped", "kill_gpu_processes", "wait_gpu_free",
+                                            "purge_cache"]
     assert bind_options(book, steps.LIBRARY, {"purge": "true"}) == {"purge": True}
 
 
@@ -677,10 +574,7 @@ def test_lookup_by_name_follows_the_search_order(tmp_path):
     assert dirs == [mine, inv_dir / "playbooks"]
     assert load("warmup", dirs, LIBRARY).description == "mine"
     assert load("extra", dirs, LIBRARY).description == "inv"
-    assert list_playbooks(dirs) == {
-        "extra": inv_dir / "playbooks" / "extra.yaml",
-        "warmup": mine / "warmup.yaml",
-    }
+    assert list_playbooks(dirs) == {"extra": inv_dir / "playbooks" / "extra.yaml", "warmup": mine / "warmup.yaml"}
     assert search_dirs(None, None) == []
 
 
@@ -698,32 +592,20 @@ def test_lookup_by_path_and_errors(tmp_path):
 
 # ----------------------------------------------------------------------------------- the CLI
 
-
 def cli(tmp_path, *args):
     inventory = tmp_path / "inv.yaml"
-    inventory.write_text(
-        f"targets:\n  here:\n    transport: local\n"
-        f"    job: {{workdir: {tmp_path / 'w'}, python: /usr/bin/python3, config: tiny-cpu}}\n"
-    )
+    inventory.write_text(f"targets:\n  here:\n    transport: local\n"
+                         f"    job: {{workdir: {tmp_path / 'w'}, python: /usr/bin/python3, config: tiny-cpu}}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("DFLASH_OPS_INVENTORY", "DFLASH_OPS_PLAYBOOKS")}
-    return subprocess.run(
-        [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    return subprocess.run([sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *args],
+                          capture_output=True, text=True, env=env, timeout=120)
 
 
 def test_playbook_run_names_the_file_and_reports_each_step(tmp_path):
     d = tmp_path / "playbooks"  # next to the inventory: found by name
     d.mkdir()
-    path = pb(
-        "options: {sure: false}\nsteps:\n  - require_job_stopped\n  - step: mark_stopped\n"
-        "    when: options.sure\n",
-        d,
-        "check",
-    )
+    path = pb("options: {sure: false}\nsteps:\n  - require_job_stopped\n  - step: mark_stopped\n"
+              "    when: options.sure\n", d, "check")
     ran = cli(tmp_path, "playbook", "run", "check", "-t", "here", "--dry-run", "--set", "sure=true")
     assert ran.returncode == 0, ran
     lines = ran.stdout.splitlines()
@@ -741,10 +623,8 @@ def test_playbook_run_refuses_a_bad_file_in_one_line_before_touching_the_target(
     path = pb("steps:\n  - step: stop_sesion\n", d, "bad")
     refused = cli(tmp_path, "playbook", "run", "bad", "-t", "here")
     assert refused.returncode == 2 and refused.stdout == "", refused
-    assert refused.stderr.strip() == (
-        f"dflash-ops: {path}:2: step 1 (stop_sesion): unknown step (did you mean "
-        f"'stop_session'?); steps: " + refused.stderr.split("steps: ", 1)[1].strip()
-    )
+    assert refused.stderr.strip() == (f"dflash-ops: {path}:2: step 1 (stop_sesion): unknown step (did you mean "
+                                      f"'stop_session'?); steps: " + refused.stderr.split("steps: ", 1)[1].strip())
     assert not (tmp_path / "w").exists()
     unknown = cli(tmp_path, "playbook", "run", str(path).replace("bad", "good"), "-t", "here")
     assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 1

@@ -1,6 +1,5 @@
 """The one-round-trip probe against real tmux sessions, real files and the nvidia-smi simulator:
 through a bare `bash -c` runner, through LocalTransport, and through ssh + `pct exec`."""
-
 from __future__ import annotations
 
 import json
@@ -25,19 +24,11 @@ HOSTILE = "wörk 'q' \"d\" $(touch PWNED) `touch PWNED2` ü\nnext"
 UUID0 = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
 UUID1 = "GPU-bbbbbbbb-1111-2222-3333-444444444444"
 GPU_STATE = {
-    "gpus": [
-        {"index": 0, "uuid": UUID0, "name": "NVIDIA H200", "memory_total_mib": 143771, "utilization_pct": 91},
-        {
-            "index": 1,
-            "uuid": UUID1,
-            "name": "NVIDIA H200",
-            "memory_total_mib": 143771,
-            "ghost_memory_mib": 1500,
-        },
-    ],
-    "compute_apps": [
-        {"pid": 3000001, "gpu_uuid": UUID0, "used_memory_mib": 64000, "process_name": "python3"}
-    ],
+    "gpus": [{"index": 0, "uuid": UUID0, "name": "NVIDIA H200", "memory_total_mib": 143771,
+              "utilization_pct": 91},
+             {"index": 1, "uuid": UUID1, "name": "NVIDIA H200", "memory_total_mib": 143771,
+              "ghost_memory_mib": 1500}],
+    "compute_apps": [{"pid": 3000001, "gpu_uuid": UUID0, "used_memory_mib": 64000, "process_name": "python3"}],
 }
 
 
@@ -52,9 +43,8 @@ class BashRunner(Transport):
     def run(self, script, timeout=60, step="run", stdin=None):
         self.calls += 1
         start = time.monotonic()
-        proc = subprocess.run(
-            ["/bin/bash", "-c", script], input=stdin, capture_output=True, timeout=timeout, env=self.env
-        )
+        proc = subprocess.run(["/bin/bash", "-c", script], input=stdin, capture_output=True, timeout=timeout,
+                              env=self.env)
         return Result(proc.returncode, proc.stdout.decode(), proc.stderr.decode(), time.monotonic() - start)
 
     def put(self, data, remote_path, mode=0o644, step="put"):
@@ -91,9 +81,7 @@ def sim_gpus(tmp_path, monkeypatch):
 
 
 def tmux(socket, *args, check=True):
-    return subprocess.run(
-        ["tmux", "-L", socket, *args], capture_output=True, text=True, check=check, timeout=30
-    )
+    return subprocess.run(["tmux", "-L", socket, *args], capture_output=True, text=True, check=check, timeout=30)
 
 
 @pytest.fixture
@@ -107,18 +95,14 @@ def tmux_socket():
 def start_trainer_like_session(socket, session, marker, tmp_path):
     """pane pid = a bash whose child is python, as the launcher makes it."""
     launcher = tmp_path / "launch.sh"
-    launcher.write_text(
-        f'#!/bin/bash\n"{sys.executable}" -c "import time; time.sleep(300)" "$1"\necho exited\n'
-    )
+    launcher.write_text(f'#!/bin/bash\n"{sys.executable}" -c "import time; time.sleep(300)" "$1"\necho exited\n')
     tmux(socket, "new-session", "-d", "-s", session, f"bash {launcher} {marker}")
     pane_pid = int(tmux(socket, "display-message", "-p", "-t", f"={session}:", "#{pane_pid}").stdout)
     # wait until the python child is there (tmux returns before the pane's command has forked)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if any(
-            marker in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
-            for p in _children(pane_pid)
-        ):
+        if any(marker in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+               for p in _children(pane_pid)):
             break
         time.sleep(0.05)
     return pane_pid
@@ -132,7 +116,7 @@ def _children(pid):
                 stat = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            if int(stat[stat.rfind(")") + 2 :].split()[1]) == pid:
+            if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
                 found.append(int(entry))
     return found
 
@@ -141,27 +125,11 @@ def write_run(log_dir: Path, number: int, log_lines: int, steps: int, start_time
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"train-{number:04d}.log"
     log.write_text("".join(f"log line {i} é\n" for i in range(1, log_lines + 1)))
-    text = metrics_format.encode(
-        "start",
-        time=start_time,
-        total_steps=1000,
-        config={},
-        devices=["cpu"],
-        compile_lock="first_step",
-        pid=1,
-    )
+    text = metrics_format.encode("start", time=start_time, total_steps=1000, config={}, devices=["cpu"],
+                                 compile_lock="first_step", pid=1)
     for step in range(1, steps + 1):
-        text += metrics_format.encode(
-            "step",
-            time=start_time + step,
-            step=step,
-            total_steps=1000,
-            loss=2.0,
-            tokens_per_s=1000.0 + step,
-            eta_s=1000.0 - step,
-            lr=1e-4,
-            grad_norm=1.0,
-        )
+        text += metrics_format.encode("step", time=start_time + step, step=step, total_steps=1000, loss=2.0,
+                                      tokens_per_s=1000.0 + step, eta_s=1000.0 - step, lr=1e-4, grad_norm=1.0)
     Path(metrics_format.metrics_path_for_log(str(log))).write_text(text)
     return log
 
@@ -249,20 +217,8 @@ def test_probe_session_name_is_matched_exactly(tmp_path, tmux_socket, sim_gpus):
 
 
 def test_probe_reports_a_dead_pane_and_its_exit_status(tmp_path, tmux_socket, sim_gpus):
-    tmux(
-        tmux_socket,
-        "new-session",
-        "-d",
-        "-s",
-        "job",
-        "sleep 0.3; exit 3",
-        ";",
-        "set-option",
-        "-t",
-        "=job:",
-        "remain-on-exit",
-        "on",
-    )
+    tmux(tmux_socket, "new-session", "-d", "-s", "job", "sleep 0.3; exit 3", ";",
+         "set-option", "-t", "=job:", "remain-on-exit", "on")
     deadline = time.monotonic() + 10
     while tmux(tmux_socket, "display-message", "-p", "-t", "=job:", "#{pane_dead}").stdout.strip() != "1":
         assert time.monotonic() < deadline
@@ -307,67 +263,34 @@ def test_probe_script_passes_hostile_strings_unchanged(tmp_path):
     fake_dir.mkdir()
     fake_python = fake_dir / "python"
     argv_file = tmp_path / "argv.json"
-    fake_python.write_text(
-        f"#!{sys.executable}\nimport json, sys\n"
-        f"open({str(argv_file)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
-    )
+    fake_python.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                           f"open({str(argv_file)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
     fake_python.chmod(0o755)
     job = Job(workdir=HOSTILE, python=str(fake_python), config="x", session="a'b $(c)", tmux_socket='s"q`d`')
     result = BashRunner().run(probe.probe_script_for(job, log_lines=7))
     assert result.ok, result.stderr
     flag, args = json.loads(argv_file.read_text())
     assert flag == "-"
-    assert json.loads(args) == {
-        "log_dir": HOSTILE + "/logs",
-        "session": "a'b $(c)",
-        "socket": 's"q`d`',
-        "log_lines": 7,
-        "metrics_lines": probe.DEFAULT_METRICS_LINES,
-        "gpu_source": "auto",
-        "nvidia_smi": "nvidia-smi",
-        "state_file": HOSTILE + "/job-state.json",
-        "marker": "DFLASH_OPS_JOB=s\"q`d`/a'b $(c)",
-        "eval_context_steps": acceptance.ACC_WINDOW,
-    }
+    assert json.loads(args) == {"log_dir": HOSTILE + "/logs", "session": "a'b $(c)", "socket": 's"q`d`',
+                                "log_lines": 7, "metrics_lines": probe.DEFAULT_METRICS_LINES,
+                                "gpu_source": "auto", "nvidia_smi": "nvidia-smi",
+                                "state_file": HOSTILE + "/job-state.json", "marker": "DFLASH_OPS_JOB=s\"q`d`/a'b $(c)",
+                                "eval_context_steps": acceptance.ACC_WINDOW}
     assert not list(tmp_path.rglob("PWNED*"))
 
 
 def test_probe_finds_the_newest_eval_far_behind_the_tail_and_says_when_its_search_hit_the_cap(
-    tmp_path, tmux_socket, sim_gpus
-):
+        tmp_path, tmux_socket, sim_gpus):
     logs = tmp_path / "logs"
     t = time.time() - 3600
     metrics = Path(metrics_format.metrics_path_for_log(str(write_run(logs, 1, 3, 0, t))))
-
     def step(n, acc):
-        return metrics_format.encode(
-            "step",
-            time=t + n,
-            step=n,
-            total_steps=10**6,
-            loss=2.0,
-            acc=acc,
-            tokens_per_s=1000.0,
-            eta_s=1.0,
-            lr=1e-4,
-            grad_norm=1.0,
-        )
-
+        return metrics_format.encode("step", time=t + n, step=n, total_steps=10**6, loss=2.0, acc=acc,
+                                                    tokens_per_s=1000.0, eta_s=1.0, lr=1e-4, grad_norm=1.0)
     with metrics.open("a") as f:
         f.write("".join(step(n, [0.9, 0.5]) for n in range(1, 21)))
-        f.write(
-            metrics_format.encode(
-                "eval",
-                time=t + 20,
-                step=20,
-                tau=1.9,
-                acceptance=[0.8, 0.4],
-                lossless=True,
-                prompts=4,
-                new_tokens=64,
-                seconds=1.0,
-            )
-        )
+        f.write(metrics_format.encode("eval", time=t + 20, step=20, tau=1.9, acceptance=[0.8, 0.4], lossless=True,
+                                      prompts=4, new_tokens=64, seconds=1.0))
         f.write("".join(step(n, [0.2, 0.1]) for n in range(21, 10_021)))  # ~1.7 MiB after the eval
     job = job_in(tmp_path, tmux_socket, "s")
 
@@ -379,11 +302,7 @@ def test_probe_finds_the_newest_eval_far_behind_the_tail_and_says_when_its_searc
     assert around == list(range(11, 21))
     assert [r["step"] for r in report.records if r["event"] == "step"][-1] == 10_020
     scan = report.raw["metrics"]["eval_scan"]
-    assert (
-        scan["found"]
-        and not scan["cap_hit"]
-        and 0 < scan["bytes_read"] < scan["cap_bytes"] == 16 * 1024 * 1024
-    )
+    assert scan["found"] and not scan["cap_hit"] and 0 < scan["bytes_read"] < scan["cap_bytes"] == 16 * 1024 * 1024
 
     # more than the cap after the eval: not found, and the answer says the search stopped at the cap
     line = step(10_021, [0.2, 0.1])
@@ -400,15 +319,9 @@ def test_probe_finds_the_newest_eval_far_behind_the_tail_and_says_when_its_searc
 
 def test_the_eval_search_stops_at_the_probes_deadline_and_says_so(tmp_path):
     from dflash_ops.remote import probe_script
-
     path = tmp_path / "m.metrics.jsonl"
-    path.write_text(
-        metrics_format.encode(
-            "eval", step=1, tau=2.0, acceptance=[], lossless=True, prompts=1, new_tokens=1, seconds=1.0
-        )
-        + "x" * 100
-        + "\n"
-    )
+    path.write_text(metrics_format.encode("eval", step=1, tau=2.0, acceptance=[], lossless=True, prompts=1,
+                                          new_tokens=1, seconds=1.0) + "x" * 100 + "\n")
     size = path.stat().st_size
     lines, scan = probe_script.newest_eval(str(path), size, 10, 1 << 20, time.monotonic() - 1)
     assert lines == [] and scan["out_of_time"] and scan["bytes_read"] == 0 and not scan["found"]
@@ -416,11 +329,8 @@ def test_the_eval_search_stops_at_the_probes_deadline_and_says_so(tmp_path):
     assert [metrics_format.parse_line(line)["step"] for line in lines] == [1] and scan["found"]
     # an eval appended after the tail was read is the tail's business, not the search's
     with path.open("a") as f:
-        f.write(
-            metrics_format.encode(
-                "eval", step=2, tau=3.0, acceptance=[], lossless=True, prompts=1, new_tokens=1, seconds=1.0
-            )
-        )
+        f.write(metrics_format.encode("eval", step=2, tau=3.0, acceptance=[], lossless=True, prompts=1,
+                                      new_tokens=1, seconds=1.0))
     lines, scan = probe_script.newest_eval(str(path), size, 10, 1 << 20, time.monotonic() + 60)
     assert [metrics_format.parse_line(line)["step"] for line in lines] == [1]
 
@@ -438,18 +348,10 @@ def test_parse_probe_output_rejects_non_json_naming_the_target():
 
 
 def test_parse_probe_output_skips_a_login_banner():
-    answer = {
-        "probe_version": 1,
-        "time": 100.0,
-        "hostname": "ct200",
-        "errors": [],
-        "gpu": {"source": "nvml", "error": "no NVIDIA driver (x)"},
-        "session": {"name": "dflash", "socket": "dflash", "exists": False, "running": False},
-        "processes": [],
-        "log_dir": "/w/logs",
-        "log": None,
-        "metrics": None,
-    }
+    answer = {"probe_version": 1, "time": 100.0, "hostname": "ct200", "errors": [],
+              "gpu": {"source": "nvml", "error": "no NVIDIA driver (x)"},
+              "session": {"name": "dflash", "socket": "dflash", "exists": False, "running": False},
+              "processes": [], "log_dir": "/w/logs", "log": None, "metrics": None}
     report = probe.parse_probe_output("Welcome to ct200!\n" + json.dumps(answer) + "\n", target="ct200")
     assert report.hostname == "ct200" and report.gpu.no_driver and not report.session.running
 
@@ -477,9 +379,8 @@ def test_probe_through_ssh_and_pct_is_one_round_trip(pct_target, gpu_state_path)
     gpu_state_path.write_text(json.dumps(GPU_STATE))
     transport = factory.make_transport(pct_target)
     try:
-        started = transport.run(
-            f"tmux -L {job.tmux_socket} new-session -d -s {job.session} 'sleep 300'", timeout=30
-        )
+        started = transport.run(f"tmux -L {job.tmux_socket} new-session -d -s {job.session} 'sleep 300'",
+                                timeout=30)
         assert started.ok, started.stderr
         counting(transport)
         report = probe.run_probe(transport, job)

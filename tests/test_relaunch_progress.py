@@ -1,5 +1,4 @@
 """relaunch shows how its longest step (waiting for the first training step) is going."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -21,21 +20,14 @@ def test_wait_first_step_reports_elapsed_time_and_the_last_log_line(local_target
     subprocess.run(["tmux", "-L", job.tmux_socket, "new-session", "-d", "-s", "job", "sleep 30"], check=True)
     shown, logged = [], []
     try:
-        ctx = StepContext(
-            target=local_target,
-            transport=LocalTransport("local"),
-            step="wait_first_step",
-            status=shown.append,
-            log=logged.append,
-        )
+        ctx = StepContext(target=local_target, transport=LocalTransport("local"), step="wait_first_step",
+                          status=shown.append, log=logged.append)
         with pytest.raises(Exception, match="no training step after 1.5s"):
             steps.wait_first_step(ctx, job, steps.Launched(log=str(log)), timeout_s=1.5, poll_s=0.2)
     finally:
         subprocess.run(["tmux", "-L", job.tmux_socket, "kill-server"], capture_output=True)
     assert len(shown) >= 2, shown
-    assert all(s.startswith("waiting for the first step: ") and s.endswith(" s of 1.5 s") for s in shown), (
-        shown
-    )
+    assert all(s.startswith("waiting for the first step: ") and s.endswith(" s of 1.5 s") for s in shown), shown
     # the log's last line is shown once, not again with every status
     assert logged == ["log: still compiling (layer 3)"]
 
@@ -54,9 +46,7 @@ def test_wait_first_step_shows_each_new_log_line_once(local_target, tmp_path):
                 f.write("compiling the drafter\n")
 
     try:
-        ctx = StepContext(
-            target=local_target, transport=LocalTransport("local"), step="wait_first_step", log=note
-        )
+        ctx = StepContext(target=local_target, transport=LocalTransport("local"), step="wait_first_step", log=note)
         with pytest.raises(Exception, match="no training step after 2s"):
             steps.wait_first_step(ctx, job, steps.Launched(log=str(log)), timeout_s=2, poll_s=0.2)
     finally:
@@ -85,6 +75,7 @@ def test_status_lines_are_live_on_a_terminal_and_every_15_s_elsewhere():
     assert out == [CLEAR_LINE + "waiting 1 s", CLEAR_LINE + "waiting 2 s"]
 
 
+
 def test_a_trainer_already_many_records_past_its_start_is_confirmed(local_target, tmp_path):
     """A fast trainer (or a late first look) leaves its start record far above the metrics tail; the
     first step is still this launch's and is found (before, the watch never saw it and waited out)."""
@@ -94,9 +85,8 @@ def test_a_trainer_already_many_records_past_its_start_is_confirmed(local_target
     from dflash_ops.act import jobpaths
     from trainer import metrics_format
 
-    job = dataclasses.replace(
-        local_target.job, workdir=str(tmp_path / "w"), tmux_socket=f"p3-{tmp_path.name}"[:60], session="job"
-    )
+    job = dataclasses.replace(local_target.job, workdir=str(tmp_path / "w"), tmux_socket=f"p3-{tmp_path.name}"[:60],
+                              session="job")
     log = tmp_path / "train-0001.log"
     log.write_text("step 500\n")
     launched = time.time() - 5
@@ -106,20 +96,8 @@ def test_a_trainer_already_many_records_past_its_start_is_confirmed(local_target
     with open(state_file, "w") as f:
         json.dump(state, f)
     records = [metrics_format.encode("start", time=launched + 1, pid=1, total_steps=1000)]
-    records += [
-        metrics_format.encode(
-            "step",
-            time=launched + 2,
-            step=n,
-            total_steps=1000,
-            loss=1.0,
-            tokens_per_s=10.0,
-            eta_s=1.0,
-            lr=1e-4,
-            grad_norm=1.0,
-        )
-        for n in range(1, 501)
-    ]
+    records += [metrics_format.encode("step", time=launched + 2, step=n, total_steps=1000, loss=1.0,
+                                      tokens_per_s=10.0, eta_s=1.0, lr=1e-4, grad_norm=1.0) for n in range(1, 501)]
     with open(metrics_format.metrics_path_for_log(str(log)), "w") as f:
         f.writelines(records)
     subprocess.run(["tmux", "-L", job.tmux_socket, "new-session", "-d", "-s", "job", "sleep 30"], check=True)

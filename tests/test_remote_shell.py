@@ -1,6 +1,5 @@
 """The bash scripts run on targets are package data: every one the code names ships with the
 package (an installed wheel included), and each passes shellcheck."""
-
 from __future__ import annotations
 
 import importlib.resources
@@ -45,27 +44,11 @@ def test_the_wheel_carries_every_script(tmp_path):
         shutil.copytree(ROOT / name, source / name, ignore=skip)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    build = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "-q",
-            "-w",
-            str(tmp_path / "dist"),
-            str(source),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-    )
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                            "--no-index", "-q", "-w", str(tmp_path / "dist"), str(source)],
+                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert build.returncode == 0, build.stderr
-    (wheel,) = (tmp_path / "dist").glob("dflash_ops-*.whl")
+    wheel, = (tmp_path / "dist").glob("dflash_ops-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = {f"dflash_ops/remote/{n}" for n in scripts_named_in_code()} - names
     assert not missing, missing
@@ -91,12 +74,7 @@ def test_arguments_reach_a_script_unchanged(tmp_path):
     for value in hostile:
         argv = remote.shell_argv("purge_cache.sh", str(tmp_path / "absent" / value), "marker")
         assert argv[4] == str(tmp_path / "absent" / value)
-        shown = subprocess.run(
-            ["bash", "-c", remote.shell_command("purge_cache.sh", value, "m")],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        shown = subprocess.run(["bash", "-c", remote.shell_command("purge_cache.sh", value, "m")],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=30)
         assert shown.stdout == "absent\n", (value, shown)
     assert not list(tmp_path.rglob("PWNED*"))

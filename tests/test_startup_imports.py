@@ -1,6 +1,5 @@
 """A command imports what it needs when it needs it: fabric/paramiko only for targets reached over
 ssh, the playbook engine only for commands that run playbooks (speed itself: benchmarks/startup.py)."""
-
 from __future__ import annotations
 
 import os
@@ -18,12 +17,7 @@ main(sys.argv[1:])
 """
 
 SSH_MODULES = {"fabric", "paramiko", "invoke", "dflash_ops.transport.ssh", "dflash_ops.transport.pct"}
-PLAYBOOK_MODULES = {
-    "dflash_ops.playbook",
-    "dflash_ops.act.steps",
-    "dflash_ops.act.runner",
-    "dflash_ops.playbook.user",
-}
+PLAYBOOK_MODULES = {"dflash_ops.playbook", "dflash_ops.act.steps", "dflash_ops.act.runner", "dflash_ops.playbook.user"}
 
 
 def modules_after(tmp_path, *argv: str) -> set[str]:
@@ -31,14 +25,8 @@ def modules_after(tmp_path, *argv: str) -> set[str]:
     home.mkdir(exist_ok=True)
     env = {**os.environ, "HOME": str(home)}
     env.pop("DFLASH_OPS_INVENTORY", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", RUN_AND_LIST, *argv],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = subprocess.run([sys.executable, "-c", RUN_AND_LIST, *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("MODULES ")]
     assert lines, proc.stderr
     return set(lines[-1].split()[1:])

@@ -1,5 +1,4 @@
 """`status`: its JSON and its table, from hand-built reports and from a real probe."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -21,74 +20,38 @@ from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format
 
 NOW = 50_000.0
-JOB = Job(
-    workdir="/srv/dflash",
-    python="/srv/dflash/venv/bin/python",
-    config="tiny-cpu",
-    session="dflash",
-    target_gpus=(0,),
-    drafter_gpus=(1,),
-    health=Health(stall_seconds=900),
-)
+JOB = Job(workdir="/srv/dflash", python="/srv/dflash/venv/bin/python", config="tiny-cpu", session="dflash",
+          target_gpus=(0,), drafter_gpus=(1,), health=Health(stall_seconds=900))
 SIM_DIR = Path(__file__).resolve().parent / "sim"
 
 
 def records(loss=2.31412, eta=4980.0):
-    text = metrics_format.encode(
-        "start", time=NOW - 500, total_steps=1000, config={}, devices=[], compile_lock="x", pid=1
-    )
-    text += metrics_format.encode(
-        "step",
-        time=NOW - 22,
-        step=119,
-        total_steps=1000,
-        loss=2.4,
-        tokens_per_s=45000.0,
-        eta_s=eta + 10,
-        lr=1e-4,
-        grad_norm=1.0,
-    )
-    text += metrics_format.encode(
-        "step",
-        time=NOW - 12,
-        step=120,
-        total_steps=1000,
-        loss=loss,
-        tokens_per_s=45400.0,
-        eta_s=eta,
-        lr=1e-4,
-        grad_norm=1.0,
-    )
+    text = metrics_format.encode("start", time=NOW - 500, total_steps=1000, config={}, devices=[],
+                                 compile_lock="x", pid=1)
+    text += metrics_format.encode("step", time=NOW - 22, step=119, total_steps=1000, loss=2.4, tokens_per_s=45000.0,
+                                  eta_s=eta + 10, lr=1e-4, grad_norm=1.0)
+    text += metrics_format.encode("step", time=NOW - 12, step=120, total_steps=1000, loss=loss, tokens_per_s=45400.0,
+                                  eta_s=eta, lr=1e-4, grad_norm=1.0)
     return tuple(metrics_format.parse_lines(text))
 
 
-SNAPSHOT = GpuSnapshot(
-    (
-        Gpu(0, "GPU-0", "NVIDIA H200", 70000, 143771, 97, (GpuProcess(4123, 0, 69000, "python3"),)),
-        Gpu(1, "GPU-1", "NVIDIA H200", 30000, 143771, None, ()),
-    ),
-    "nvidia-smi",
-)
+SNAPSHOT = GpuSnapshot((
+    Gpu(0, "GPU-0", "NVIDIA H200", 70000, 143771, 97, (GpuProcess(4123, 0, 69000, "python3"),)),
+    Gpu(1, "GPU-1", "NVIDIA H200", 30000, 143771, None, ()),
+), "nvidia-smi")
 
 
 def make_report(recs=None, snapshot=SNAPSHOT, running=True):
     recs = records() if recs is None else recs
     return probe.ProbeReport(
-        target="gpu-box",
-        time=NOW,
-        hostname="ct200",
-        gpu=snapshot,
+        target="gpu-box", time=NOW, hostname="ct200", gpu=snapshot,
         session=probe.SessionState("dflash", "dflash", running, running, 4100 if running else None),
-        processes=(
-            probe.ProcessInfo(4100, 1, "bash", "S", "bash start.sh"),
-            probe.ProcessInfo(4123, 4100, "python3", "S", "python3 -m trainer.cli.main"),
-        ),
+        processes=(probe.ProcessInfo(4100, 1, "bash", "S", "bash start.sh"),
+                   probe.ProcessInfo(4123, 4100, "python3", "S", "python3 -m trainer.cli.main")),
         log_dir="/srv/dflash/logs",
         log=probe.FileTail("/srv/dflash/logs/train-0003.log", 10, NOW - 3, ("step 120",)),
         metrics=probe.FileTail("/srv/dflash/logs/train-0003.metrics.jsonl", 10, NOW - 12, ()),
-        records=recs,
-        seconds=0.21,
-    )
+        records=recs, seconds=0.21)
 
 
 def test_status_json_fields():
@@ -97,25 +60,16 @@ def test_status_json_fields():
     st = status.build_status("gpu-box", report, JOB, verdict).to_json()
     json.dumps(st, allow_nan=False)  # plain JSON: what `status --json` prints
     assert st["target"] == "gpu-box" and st["hostname"] == "ct200" and st["probe_seconds"] == 0.21
-    assert [
-        (g["index"], g["name"], g["memory_used_mib"], g["memory_total_mib"], g["utilization_pct"], g["role"])
-        for g in st["gpus"]
-    ] == [(0, "NVIDIA H200", 70000, 143771, 97, "target"), (1, "NVIDIA H200", 30000, 143771, None, "drafter")]
+    assert [(g["index"], g["name"], g["memory_used_mib"], g["memory_total_mib"], g["utilization_pct"], g["role"])
+            for g in st["gpus"]] == [(0, "NVIDIA H200", 70000, 143771, 97, "target"),
+                                     (1, "NVIDIA H200", 30000, 143771, None, "drafter")]
     # foreign None: this report cannot tell (pid 4123 is not visible where the probe ran)
-    assert st["gpus"][0]["processes"] == [
-        {"pid": 4123, "used_memory_mib": 69000, "name": "python3", "owner": None, "foreign": None}
-    ]
+    assert st["gpus"][0]["processes"] == [{"pid": 4123, "used_memory_mib": 69000, "name": "python3", "owner": None,
+                                           "foreign": None}]
     assert st["gpus"][1]["ghost_memory_mib"] == 30000
     assert st["session"]["name"] == "dflash" and st["session"]["running"] is True
-    assert st["training"] == {
-        "step": 120,
-        "total_steps": 1000,
-        "loss": 2.31412,
-        "tokens_per_s": 45200.0,
-        "eta_s": 4980.0,
-        "last_update_age_s": 12.0,
-        "finished": False,
-    }
+    assert st["training"] == {"step": 120, "total_steps": 1000, "loss": 2.31412, "tokens_per_s": 45200.0,
+                              "eta_s": 4980.0, "last_update_age_s": 12.0, "finished": False}
     assert st["verdict"] == "OK" and st["reasons"] == list(verdict.reasons)
     assert [p["pid"] for p in st["processes"]] == [4100, 4123]
     assert st["log"].endswith("train-0003.log")
@@ -153,21 +107,14 @@ def test_table_colour_only_when_asked():
 
 
 def test_no_driver_is_one_line_and_the_job_is_still_reported():
-    snapshot = GpuSnapshot(
-        (),
-        "nvidia-smi",
-        "no NVIDIA driver (NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.)",
-    )
+    snapshot = GpuSnapshot((), "nvidia-smi", "no NVIDIA driver (NVIDIA-SMI has failed because it couldn't "
+                                             "communicate with the NVIDIA driver.)")
     report = make_report(snapshot=snapshot)
-    st = status.build_status(
-        "gpu-box", report, Job(workdir="/w", python="/p", config="c"), health.evaluate(report, JOB)
-    )
+    st = status.build_status("gpu-box", report, Job(workdir="/w", python="/p", config="c"), health.evaluate(report, JOB))
     assert st.to_json()["gpus"] == [] and st.gpu_error.startswith("no NVIDIA driver")
     lines = st.to_text().splitlines()
     assert [line for line in lines if "GPU" in line or line.startswith("[")] == [
-        f"GPUs: {snapshot.error}",
-        f"WARNING: GPUs 0,1 are assigned but the GPU query failed: {snapshot.error}",
-    ]
+        f"GPUs: {snapshot.error}", f"WARNING: GPUs 0,1 are assigned but the GPU query failed: {snapshot.error}"]
     assert lines[2].startswith("session dflash") and lines[3].startswith("step 120/1000")
 
 
@@ -176,12 +123,10 @@ def test_unreachable_target_still_has_a_row():
     st = status.build_status("gpu-box", None, JOB, verdict)
     assert st.verdict.level == "UNKNOWN" and st.gpus == () and st.session.running is None
     assert st.training.step is None
-    assert st.to_text() == (
-        "gpu-box\n"
-        "session dflash (tmux -L dflash): unknown\n"
-        "step -  loss -  - Ktok/s  ETA -  no metrics yet\n"
-        "UNKNOWN: [gpu-box] ssh: connection refused\n"
-    )
+    assert st.to_text() == ("gpu-box\n"
+                                       "session dflash (tmux -L dflash): unknown\n"
+                                       "step -  loss -  - Ktok/s  ETA -  no metrics yet\n"
+                                       "UNKNOWN: [gpu-box] ssh: connection refused\n")
 
 
 def test_a_status_reads_back_from_its_json():
@@ -198,23 +143,11 @@ def test_health_json_is_the_status_json_with_what_auto_relaunch_did():
     down = status.build_status("gpu-2", None, JOB, health.unknown("unreachable"))
     assert json.loads(status_output.health_json([up])) == json.loads(status_output.status_json([up]))
     assert json.loads(status_output.health_json([up, down], {"gpu-2": "auto-relaunch skipped"})) == [
-        dict(up.to_json(), auto_relaunch=None),
-        dict(down.to_json(), auto_relaunch="auto-relaunch skipped"),
-    ]
+        dict(up.to_json(), auto_relaunch=None), dict(down.to_json(), auto_relaunch="auto-relaunch skipped")]
 
 
-@pytest.mark.parametrize(
-    "seconds, text",
-    [
-        (0, "0 s"),
-        (22.4, "22 s"),
-        (90, "1m30s"),
-        (3599, "59m59s"),
-        (4980, "1:23"),
-        (90000, "25:00"),
-        (None, "-"),
-    ],
-)
+@pytest.mark.parametrize("seconds, text", [(0, "0 s"), (22.4, "22 s"), (90, "1m30s"), (3599, "59m59s"), (4980, "1:23"),
+                                           (90000, "25:00"), (None, "-")])
 def test_format_eta(seconds, text):
     assert training_status.format_eta(seconds) == text
 
@@ -229,14 +162,8 @@ def test_format_age(seconds, text):
 
 def test_status_of_a_live_session_from_a_real_probe(tmp_path, monkeypatch):
     state = tmp_path / "gpu.json"
-    state.write_text(
-        json.dumps(
-            {
-                "gpus": [{"name": "NVIDIA H200", "memory_total_mib": 143771, "utilization_pct": 64}],
-                "compute_apps": [{"pid": 912345, "gpu_index": 0, "used_memory_mib": 50000}],
-            }
-        )
-    )
+    state.write_text(json.dumps({"gpus": [{"name": "NVIDIA H200", "memory_total_mib": 143771, "utilization_pct": 64}],
+                                 "compute_apps": [{"pid": 912345, "gpu_index": 0, "used_memory_mib": 50000}]}))
     monkeypatch.setenv("PATH", f"{SIM_DIR}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("NVIDIA_SMI_SIM_STATE", str(state))
     socket = f"dflash-status-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -245,27 +172,11 @@ def test_status_of_a_live_session_from_a_real_probe(tmp_path, monkeypatch):
     (logs / "train-0001.log").write_text("starting\n")
     t = time.time()
     (logs / "train-0001.metrics.jsonl").write_text(
-        metrics_format.encode(
-            "start", time=t - 30, total_steps=50, config={}, devices=[], compile_lock="x", pid=1
-        )
-        + metrics_format.encode(
-            "step",
-            time=t - 2,
-            step=5,
-            total_steps=50,
-            loss=4.0,
-            tokens_per_s=800.0,
-            eta_s=90.0,
-            lr=1e-4,
-            grad_norm=1.0,
-        )
-    )
-    job = Job(
-        workdir=str(tmp_path), python=sys.executable, config="tiny-cpu", tmux_socket=socket, drafter_gpus=(0,)
-    )
-    subprocess.run(
-        ["tmux", "-L", socket, "new-session", "-d", "-s", "dflash", "sleep 120"], check=True, timeout=30
-    )
+        metrics_format.encode("start", time=t - 30, total_steps=50, config={}, devices=[], compile_lock="x", pid=1)
+        + metrics_format.encode("step", time=t - 2, step=5, total_steps=50, loss=4.0, tokens_per_s=800.0,
+                                eta_s=90.0, lr=1e-4, grad_norm=1.0))
+    job = Job(workdir=str(tmp_path), python=sys.executable, config="tiny-cpu", tmux_socket=socket, drafter_gpus=(0,))
+    subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", "dflash", "sleep 120"], check=True, timeout=30)
     try:
         report = probe.run_probe(LocalTransport("local"), job)
     finally:
@@ -282,34 +193,17 @@ def test_status_of_a_live_session_from_a_real_probe(tmp_path, monkeypatch):
 
 
 def test_status_shows_the_runs_data_source_from_its_start_record():
-    start = metrics_format.encode(
-        "start",
-        time=NOW - 500,
-        total_steps=1000,
-        devices=[],
-        compile_lock="lock",
-        pid=1,
-        config={"data": {"source": "features", "path": "/data/feat cache", "seq_len": 3072}},
-    )
+    start = metrics_format.encode("start", time=NOW - 500, total_steps=1000, devices=[], compile_lock="lock", pid=1,
+                                  config={"data": {"source": "features", "path": "/data/feat cache", "seq_len": 3072}})
     report = make_report(tuple(metrics_format.parse_lines(start)) + records()[1:])
     st = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB))
     assert st.to_json()["data_source"] == "features /data/feat cache"
     assert st.to_text().splitlines()[4].endswith("last metrics 12 s ago  data features /data/feat cache")
-    synthetic = metrics_format.encode(
-        "start",
-        time=NOW,
-        total_steps=1,
-        devices=[],
-        compile_lock="lock",
-        pid=1,
-        config={"data": {"source": "synthetic", "path": None}},
-    )
+    synthetic = metrics_format.encode("start", time=NOW, total_steps=1, devices=[], compile_lock="lock", pid=1,
+                                      config={"data": {"source": "synthetic", "path": None}})
     assert status.data_source(metrics_format.parse_lines(synthetic)) == "synthetic"
     assert status.data_source(records()) is None  # an older trainer's start record: nothing shown
-    assert (
-        status.build_status("gpu-box", None, JOB, health.unknown("unreachable")).to_json()["data_source"]
-        is None
-    )
+    assert status.build_status("gpu-box", None, JOB, health.unknown("unreachable")).to_json()["data_source"] is None
 
 
 @pytest.mark.parametrize("state", ["stopped", "finished"])
@@ -322,10 +216,7 @@ def test_no_eta_for_a_stopped_or_finished_job(state):
 
 
 def test_no_eta_once_the_trainer_said_done():
-    recs = records() + tuple(
-        metrics_format.parse_lines(
-            metrics_format.encode("done", time=NOW - 5, step=120, reason="interrupted")
-        )
-    )
+    recs = records() + tuple(metrics_format.parse_lines(
+        metrics_format.encode("done", time=NOW - 5, step=120, reason="interrupted")))
     st = status.build_status("gpu-box", make_report(recs), JOB, health.evaluate(make_report(recs), JOB))
     assert st.training.eta_s is None

@@ -1,7 +1,6 @@
 """`stop` after the run finished: the job state stays `finished` (a completed run is not an
 interrupted one), and health keeps tau in its perfdata while status shows it. Real tmux and the
 stand-in trainer on the local target."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -31,12 +30,8 @@ def test_stop_after_the_run_finished_keeps_it_finished_and_tau_stays_in_health(l
     wait_for(lambda: job_state(target)["state"] == "finished", what="the run to finish")
     metrics = metrics_format.metrics_path_for_log(job_state(target)["log"])
     with open(metrics, "a", encoding="utf-8") as f:  # an evaluation the run wrote at its last step
-        f.write(
-            metrics_format.encode(
-                "eval", time=time.time(), step=8, tau=2.5, acceptance=[0.8, 0.5], lossless=True
-            )
-            + "\n"
-        )
+        f.write(metrics_format.encode("eval", time=time.time(), step=8, tau=2.5, acceptance=[0.8, 0.5],
+                                      lossless=True) + "\n")
     before = json.loads(Path(jobpaths.state_file(target.job)).read_text())
 
     stopped = commands.stop(target)
@@ -60,17 +55,10 @@ def test_a_stopped_job_keeps_tau_and_one_age_in_health_and_status():
         from tests.test_health import JOB, NOW, make_report, steps
     except ImportError:
         from test_health import JOB, NOW, make_report, steps
-    records = steps(last_step_age=58.09) + list(
-        metrics_format.parse_lines(
-            metrics_format.encode(
-                "eval", time=NOW - 53.0, step=10, tau=3.1, acceptance=[0.9, 0.7], lossless=True
-            )
-        )
-    )
-    report = dataclasses.replace(
-        make_report(records, running=False),
-        job_state={"state": "stopped", "by": "dflash-ops stop", "when": NOW - 40},
-    )
+    records = steps(last_step_age=58.09) + list(metrics_format.parse_lines(metrics_format.encode(
+        "eval", time=NOW - 53.0, step=10, tau=3.1, acceptance=[0.9, 0.7], lossless=True)))
+    report = dataclasses.replace(make_report(records, running=False),
+                                 job_state={"state": "stopped", "by": "dflash-ops stop", "when": NOW - 40})
     verdict = health.evaluate(report, JOB)
     assert verdict.level == "OK" and verdict.reasons[0].startswith("stopped by dflash-ops stop")
     assert verdict.perfdata["tau"].value == 3.1 and "tau=3.1" in health.nagios_line("gpu-box", verdict)

@@ -1,6 +1,5 @@
 """tail-log follows the job's CURRENT log across a relaunch (like tail -F) and refuses a --log that
 is not a regular file."""
-
 from __future__ import annotations
 
 import threading
@@ -26,12 +25,8 @@ def test_follow_moves_to_the_new_log_after_a_relaunch(local_target):
     first = logs / "train-0001.log"
     first.write_text("run 1 line 1\n")
     shown, stop = [], threading.Event()
-    follower = threading.Thread(
-        target=ops.tail_log,
-        kwargs=dict(
-            target=local_target, lines=5, follow=True, emit=shown.append, poll_s=0.1, should_stop=stop.is_set
-        ),
-    )
+    follower = threading.Thread(target=ops.tail_log, kwargs=dict(
+        target=local_target, lines=5, follow=True, emit=shown.append, poll_s=0.1, should_stop=stop.is_set))
     follower.start()
     try:
         assert wait_for(lambda: shown == ["run 1 line 1"]), shown
@@ -40,11 +35,8 @@ def test_follow_moves_to_the_new_log_after_a_relaunch(local_target):
         assert wait_for(lambda: "run 1 last words" in shown), shown
         (logs / "train-0002.log").write_text("run 2 line 1\nrun 2 line 2\n")  # the relaunch's new log
         assert wait_for(lambda: "run 2 line 2" in shown), shown
-        assert shown[-3:] == [
-            f"==> following {logs / 'train-0002.log'} (a newer log) <==",
-            "run 2 line 1",
-            "run 2 line 2",
-        ]
+        assert shown[-3:] == [f"==> following {logs / 'train-0002.log'} (a newer log) <==", "run 2 line 1",
+                              "run 2 line 2"]
     finally:
         stop.set()
         follower.join(10)
@@ -75,12 +67,8 @@ def test_follow_goes_by_the_job_state_not_the_newest_file_name(local_target):
     first.write_text("run 1 line 1\n")
     name_in_state(first, 1)
     shown, stop = [], threading.Event()
-    follower = threading.Thread(
-        target=ops.tail_log,
-        kwargs=dict(
-            target=local_target, lines=5, follow=True, emit=shown.append, poll_s=0.1, should_stop=stop.is_set
-        ),
-    )
+    follower = threading.Thread(target=ops.tail_log, kwargs=dict(
+        target=local_target, lines=5, follow=True, emit=shown.append, poll_s=0.1, should_stop=stop.is_set))
     follower.start()
     try:
         assert wait_for(lambda: shown == ["run 1 line 1"]), shown

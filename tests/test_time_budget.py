@@ -1,6 +1,5 @@
 """health and status answer within --timeout even when nvidia-smi hangs: the GPU part says UNKNOWN,
 the session and the training progress are still reported (NRPE gives a check 10 s)."""
-
 from __future__ import annotations
 
 import json
@@ -33,8 +32,7 @@ def training_job(tmp_path, pct_target, pct_cli):
     (logs / "train-0001.log").write_text("step 7/100 loss 3.2\n")
     (logs / "train-0001.metrics.jsonl").write_text(
         metrics_format.encode("start", total_steps=100)
-        + metrics_format.encode("step", step=7, total_steps=100, loss=3.25, tokens_per_s=1000.0, eta_s=93.0)
-    )
+        + metrics_format.encode("step", step=7, total_steps=100, loss=3.25, tokens_per_s=1000.0, eta_s=93.0))
     yield tmp_path / "w", socket
     pct_cli("exec", 200, "--", "tmux", "-L", socket, "kill-server")
 
@@ -57,8 +55,7 @@ def pct_inventory(path, spec, workdir, socket, gpu_query_on):
 @pytest.mark.parametrize("gpu_query_on", ["container", "host"])
 @pytest.mark.parametrize("command", ["health", "status"])
 def test_a_hung_nvidia_smi_is_unknown_for_the_gpus_only_and_ends_within_the_budget(
-    pct_target, ssh_spec, hung_gpus, training_job, tmp_path, gpu_query_on, command
-):
+        pct_target, ssh_spec, hung_gpus, training_job, tmp_path, gpu_query_on, command):
     workdir, socket = training_job
     inventory = pct_inventory(tmp_path / "inv.yaml", ssh_spec, workdir, socket, gpu_query_on)
     start = time.monotonic()

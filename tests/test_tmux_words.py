@@ -1,7 +1,6 @@
 """A job's tmux commands hold its session name as one word whatever it ends with: tmux ends a
 command at any word ending in ";", so `kill-session -t =job;` would kill `job`, a different
 session. Real tmux on a private socket."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -27,24 +26,19 @@ def bash(script: str) -> subprocess.CompletedProcess:
 
 
 def sessions(socket: str) -> set[str]:
-    out = subprocess.run(
-        ["tmux", "-L", socket, "list-sessions", "-F", "#{session_name}"], capture_output=True, text=True
-    ).stdout
+    out = subprocess.run(["tmux", "-L", socket, "list-sessions", "-F", "#{session_name}"],
+                         capture_output=True, text=True).stdout
     return set(out.splitlines())
 
 
 @pytest.mark.parametrize("name", ["job;", "a b;", "x;;"])
 def test_a_session_name_ending_in_a_semicolon_is_that_session_and_no_other(tmp_path, socket, name):
-    job = dataclasses.replace(
-        Job(workdir=str(tmp_path), python=sys.executable, config="tiny-cpu"), session=name, tmux_socket=socket
-    )
+    job = dataclasses.replace(Job(workdir=str(tmp_path), python=sys.executable, config="tiny-cpu"),
+                              session=name, tmux_socket=socket)
     plain = name.rstrip(";")
     for session in (name, plain):  # the job's session, and one its name without ";" would reach
-        started = subprocess.run(
-            ["tmux", "-L", socket, "new-session", "-d", "-s", procs.tmux_word(session), "sleep 60"],
-            capture_output=True,
-            text=True,
-        )
+        started = subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", procs.tmux_word(session),
+                                  "sleep 60"], capture_output=True, text=True)
         assert started.returncode == 0, started.stderr
     assert sessions(socket) == {name, plain}
 

@@ -1,5 +1,4 @@
 """`launcher: torchrun` jobs: inventory checks, the launch line, and reading which rank died."""
-
 from __future__ import annotations
 
 import subprocess
@@ -69,67 +68,32 @@ def error_of(extra: str) -> str:
     return message
 
 
-@pytest.mark.parametrize(
-    "extra,field,fix",
-    [
-        ("launcher: torchrun", "job.nproc_per_node", "e.g. nproc_per_node: 2"),
-        ("nproc_per_node: 2", "job.nproc_per_node", "only applies with 'launcher: torchrun'"),
-        ("launcher: mpi", "job.launcher", "must be one of threads, torchrun"),
-        ("launcher: torchrun, nproc_per_node: 0", "job.nproc_per_node", "between 1 and 64"),
-        ("launcher: torchrun, nproc_per_node: 2, nnodes: 2", "job.rdzv_endpoint", "10.0.0.7:29400"),
-        (
-            "launcher: torchrun, nproc_per_node: 2, rdzv_endpoint: 'a:1'",
-            "job.rdzv_endpoint",
-            "only used when nnodes > 1",
-        ),
-        (
-            "launcher: torchrun, nproc_per_node: 1, nnodes: 2, rdzv_endpoint: 'h; rm -rf /:1'",
-            "job.rdzv_endpoint",
-            "expected HOST:PORT",
-        ),
-        (
-            "launcher: torchrun, nproc_per_node: 1, nnodes: 2, rdzv_endpoint: 'h:99999'",
-            "job.rdzv_endpoint",
-            "expected HOST:PORT",
-        ),
-        ("launcher: torchrun, nproc_per_node: 2, drafter_gpus: [0]", "job.drafter_gpus", "one GPU per rank"),
-        ("launcher: torchrun, nproc_per_node: 1, target_gpus: [0]", "job.target_gpus", "set target_gpus: []"),
-    ],
-)
+@pytest.mark.parametrize("extra,field,fix", [
+    ("launcher: torchrun", "job.nproc_per_node", "e.g. nproc_per_node: 2"),
+    ("nproc_per_node: 2", "job.nproc_per_node", "only applies with 'launcher: torchrun'"),
+    ("launcher: mpi", "job.launcher", "must be one of threads, torchrun"),
+    ("launcher: torchrun, nproc_per_node: 0", "job.nproc_per_node", "between 1 and 64"),
+    ("launcher: torchrun, nproc_per_node: 2, nnodes: 2", "job.rdzv_endpoint", "10.0.0.7:29400"),
+    ("launcher: torchrun, nproc_per_node: 2, rdzv_endpoint: 'a:1'", "job.rdzv_endpoint", "only used when nnodes > 1"),
+    ("launcher: torchrun, nproc_per_node: 1, nnodes: 2, rdzv_endpoint: 'h; rm -rf /:1'", "job.rdzv_endpoint",
+     "expected HOST:PORT"),
+    ("launcher: torchrun, nproc_per_node: 1, nnodes: 2, rdzv_endpoint: 'h:99999'", "job.rdzv_endpoint",
+     "expected HOST:PORT"),
+    ("launcher: torchrun, nproc_per_node: 2, drafter_gpus: [0]", "job.drafter_gpus", "one GPU per rank"),
+    ("launcher: torchrun, nproc_per_node: 1, target_gpus: [0]", "job.target_gpus", "set target_gpus: []"),
+])
 def test_bad_torchrun_fields_get_one_line_naming_the_field(extra, field, fix):
     message = error_of(extra)
     assert f"field '{field}'" in message and fix in message, message
 
 
 def test_one_host_gets_a_private_rendezvous_and_one_gpu_per_rank():
-    job = job_of(
-        "launcher: torchrun, nproc_per_node: 2, drafter_gpus: [3, 5], "
-        "train_args: [--max-steps, '9', --drafter-devices, cuda]"
-    )
+    job = job_of("launcher: torchrun, nproc_per_node: 2, drafter_gpus: [3, 5], "
+                 "train_args: [--max-steps, '9', --drafter-devices, cuda]")
     assert launch.trainer_argv(job, "/w/runs/0001") == [
-        "/w/py",
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "trainer",
-        "--config",
-        "tiny-cpu",
-        "--output-dir",
-        "/w/runs/0001",
-        "--launcher",
-        "torchrun",
-        "--target-devices",
-        "cuda",
-        "--drafter-devices",
-        "cuda",
-        "--max-steps",
-        "9",
-        "--drafter-devices",
-        "cuda",
-    ]
+        "/w/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trainer",
+        "--config", "tiny-cpu", "--output-dir", "/w/runs/0001", "--launcher", "torchrun",
+        "--target-devices", "cuda", "--drafter-devices", "cuda", "--max-steps", "9", "--drafter-devices", "cuda"]
     assert launch.trainer_env(job)["CUDA_VISIBLE_DEVICES"] == "3,5"
     assert job.gpus == (3, 5)  # what stop/gpu-clean wait for
 
@@ -137,18 +101,8 @@ def test_one_host_gets_a_private_rendezvous_and_one_gpu_per_rank():
 def test_several_hosts_meet_at_the_rendezvous_endpoint():
     job = job_of("launcher: torchrun, nproc_per_node: 1, nnodes: 3, rdzv_endpoint: '10.0.0.7:29400'")
     argv = launch.trainer_argv(job)
-    assert argv[1:11] == [
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "3",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "10.0.0.7:29400",
-        "--nproc-per-node",
-        "1",
-    ]
+    assert argv[1:11] == ["-m", "torch.distributed.run", "--nnodes", "3", "--rdzv-backend", "c10d",
+                          "--rdzv-endpoint", "10.0.0.7:29400", "--nproc-per-node", "1"]
     assert "CUDA_VISIBLE_DEVICES" not in launch.trainer_env(job)  # CPU ranks
 
 
@@ -163,17 +117,10 @@ def test_a_torchrun_target_clears_the_target_gpus_its_defaults_give():
     assert (job.target_gpus, job.drafter_gpus, job.nproc_per_node) == ((), (0, 1), 2)
 
 
-@pytest.mark.parametrize(
-    "b_fields,field,fix",
-    [
-        (
-            "nnodes: 3",
-            "job.nnodes",
-            "is 3 but target 'a' meets at the same rdzv_endpoint 10.0.0.7:29400 with nnodes 2",
-        ),
-        ("nnodes: 2", None, None),
-    ],
-)
+@pytest.mark.parametrize("b_fields,field,fix", [
+    ("nnodes: 3", "job.nnodes", "is 3 but target 'a' meets at the same rdzv_endpoint 10.0.0.7:29400 with nnodes 2"),
+    ("nnodes: 2", None, None),
+])
 def test_hosts_of_one_rendezvous_agree_on_nnodes(b_fields, field, fix):
     job = "workdir: /w, python: /w/py, config: tiny-cpu, launcher: torchrun, nproc_per_node: 1"
     text = textwrap.dedent(f"""\
@@ -191,19 +138,14 @@ def test_hosts_of_one_rendezvous_agree_on_nnodes(b_fields, field, fix):
 
 
 def test_more_hosts_than_nnodes_at_one_rendezvous_is_refused():
-    job = (
-        "workdir: /w, python: /w/py, config: tiny-cpu, launcher: torchrun, nproc_per_node: 1, nnodes: 2, "
-        "rdzv_endpoint: '10.0.0.7:29400'"
-    )
+    job = ("workdir: /w, python: /w/py, config: tiny-cpu, launcher: torchrun, nproc_per_node: 1, nnodes: 2, "
+           "rdzv_endpoint: '10.0.0.7:29400'")
     text = "targets:\n" + "".join(f"  {n}: {{transport: ssh, host: {n}, job: {{{job}}}}}\n" for n in "abc")
     with pytest.raises(InputError) as caught:
         load_inventory_text(text, FILE)
     message = str(caught.value)
-    assert (
-        "target 'c': field 'job.rdzv_endpoint': 3 targets (a, b, c) meet at 10.0.0.7:29400 but nnodes is 2"
-        in message
-        and message.startswith(f"{FILE}:4:")
-    ), message
+    assert "target 'c': field 'job.rdzv_endpoint': 3 targets (a, b, c) meet at 10.0.0.7:29400 but nnodes is 2" \
+        in message and message.startswith(f"{FILE}:4:"), message
 
 
 def test_threads_stays_the_default_launch():
@@ -233,20 +175,15 @@ def test_a_killed_rank_is_named_with_its_signal_and_torchruns_traceback_is_not_n
     assert [f.name for f in failures] == ["rank_died"]
     assert failures[0].describe() == (
         "rank died: rank 1 (local rank 1, pid 28305) exited with code -9 (SIGKILL), the first failure "
-        "torchrun saw; it ended the other ranks"
-    )
+        "torchrun saw; it ended the other ranks")
 
 
 def test_a_rank_that_raised_adds_its_own_reason():
-    text = "dflash-train: rank 1 of 2 failed: RuntimeError: boom\n" + KILLED_RANK_LOG.replace(
-        "exitcode  : -9 (pid: 28305)  (SIGKILL)", "exitcode  : 1 (pid: 28305)"
-    )
+    text = ("dflash-train: rank 1 of 2 failed: RuntimeError: boom\n" + KILLED_RANK_LOG.replace("exitcode  : -9 (pid: 28305)  (SIGKILL)", "exitcode  : 1 (pid: 28305)"))
     died = logs.find_failures(text)[0]
     assert died.name == "rank_died"
-    assert died.line == (
-        "rank 1 (local rank 1, pid 28305) exited with code 1, the first failure torchrun saw; "
-        "it ended the other ranks; it reported: RuntimeError: boom"
-    )
+    assert died.line == ("rank 1 (local rank 1, pid 28305) exited with code 1, the first failure torchrun saw; "
+                         "it ended the other ranks; it reported: RuntimeError: boom")
 
 
 def test_while_torchrun_shuts_down_the_agent_line_names_the_local_rank():

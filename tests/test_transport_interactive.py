@@ -3,7 +3,6 @@
 Each case runs a small client process on a real pseudo-terminal, types into it, and reads the
 screen, as a user at a terminal would.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -39,13 +38,8 @@ print(f"\r\nEXIT={code}\r")
 SCRIPT = 'tty >/dev/null && echo "HAS-TTY"; read -r line; echo "GOT<$line>"; exit 7'
 
 
-def _run_on_pty(
-    argv: list[str],
-    typed: bytes,
-    type_after: bytes = b"HAS-TTY",
-    timeout_s: float = 30,
-    until: bytes | None = None,
-) -> tuple[int, str]:
+def _run_on_pty(argv: list[str], typed: bytes, type_after: bytes = b"HAS-TTY", timeout_s: float = 30,
+                until: bytes | None = None) -> tuple[int, str]:
     """Run argv on a new pty; type `typed` once `type_after` shows (and again every 2 s until
     `until` shows, when given); (exit code, screen)."""
     master, slave = os.openpty()
@@ -66,12 +60,8 @@ def _run_on_pty(
                 if not data:
                     break
                 screen += data
-            again = (
-                until is not None
-                and until not in screen
-                and typed_at is not None
-                and time.monotonic() - typed_at > 2
-            )
+            again = (until is not None and until not in screen and typed_at is not None
+                     and time.monotonic() - typed_at > 2)
             if (typed_at is None and type_after in screen) or again:
                 os.write(master, typed)
                 typed_at = time.monotonic()
@@ -91,9 +81,7 @@ def _client(kind: str, target, script: str) -> list[str]:
 
 @pytest.fixture(params=["local", "ssh", "pct"])
 def client_argv(request):
-    target = request.getfixturevalue(
-        {"local": "local_target", "ssh": "ssh_target", "pct": "pct_target"}[request.param]
-    )
+    target = request.getfixturevalue({"local": "local_target", "ssh": "ssh_target", "pct": "pct_target"}[request.param])
     return lambda script: _client(request.param, target, script)
 
 
@@ -107,7 +95,6 @@ def test_terminal_passes_both_ways_and_the_exit_code_returns(client_argv):
 def test_attach_to_a_tmux_session_in_the_container(pct_target):
     # What `dflash-ops attach` does: tmux attach inside the container, detach with C-b d.
     from dflash_ops.transport import make_transport
-
     with make_transport(pct_target) as t:
         t.check("tmux -L att new-session -d -s job 'echo TRAINING-OUTPUT; sleep 600'")
     try:
@@ -124,7 +111,6 @@ def test_attach_to_a_tmux_session_in_the_container(pct_target):
 
 def test_interactive_errors_are_transport_errors(ssh_spec):
     from dflash_ops.transport import SshTransport
-
     closed = dataclasses.replace(ssh_spec, port=1)
     with pytest.raises(TransportError) as info:
         SshTransport("box", closed).interactive("true")

@@ -1,5 +1,4 @@
 """LocalTransport details that the shared round-trip tests do not reach."""
-
 from __future__ import annotations
 
 import os

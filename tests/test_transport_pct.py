@@ -1,5 +1,4 @@
 """PctTransport through a real sshd to the pct simulator: containers that persist, stop and refuse."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -67,9 +66,7 @@ def test_tmux_server_started_in_one_exec_lives_in_the_next(pct_target):
         t.check("tmux -L persist new-session -d -s job 'sleep 4242.5'")
     time.sleep(0.2)
     with make_transport(pct_target) as t2:  # a new ssh connection and a new pct exec
-        out = t2.check(
-            "tmux -L persist has-session -t =job && tmux -L persist list-panes -t =job -F '#{pane_current_command}'"
-        )
+        out = t2.check("tmux -L persist has-session -t =job && tmux -L persist list-panes -t =job -F '#{pane_current_command}'")
         assert out.stdout == "sleep\n"
         t2.check("tmux -L persist kill-server")
 
@@ -82,10 +79,8 @@ def _unique_seconds() -> str:
 def test_pct_stop_kills_everything_inside(pct_target, pct_cli, pct_sim_root):
     a, b, c = (_unique_seconds() for _ in range(3))
     with make_transport(pct_target) as t:
-        t.check(
-            f"tmux -L doomed new-session -d -s job 'sleep {a}'; "
-            f"setsid -f sleep {b} >/dev/null 2>&1; nohup sleep {c} >/dev/null 2>&1 &"
-        )
+        t.check(f"tmux -L doomed new-session -d -s job 'sleep {a}'; "
+                f"setsid -f sleep {b} >/dev/null 2>&1; nohup sleep {c} >/dev/null 2>&1 &")
     time.sleep(0.2)
     markers = [f"sleep {a}", f"sleep {b}", f"sleep {c}", f"pct-init-200 ct200 {pct_sim_root}/"]
     assert all(_host_processes_with(m) for m in markers)
@@ -116,11 +111,8 @@ def _inventory_error(target_yaml: str) -> str:
     from dflash_ops.inventory.load import load_inventory_text
 
     with pytest.raises(InputError) as info:
-        load_inventory_text(
-            "targets:\n  ct200:\n"
-            + target_yaml
-            + "    job: {workdir: /w, python: /usr/bin/python3, config: tiny-cpu}\n"
-        )
+        load_inventory_text("targets:\n  ct200:\n" + target_yaml
+                            + "    job: {workdir: /w, python: /usr/bin/python3, config: tiny-cpu}\n")
     return str(info.value)
 
 
@@ -137,14 +129,11 @@ def test_factory_builds_each_kind(local_target, ssh_target, pct_target):
     assert isinstance(pct, PctTransport) and pct.ctid == 200
 
 
-@pytest.mark.parametrize(
-    "target_yaml,words",
-    [
-        ("    transport: telnet\n", ["telnet", "local, ssh, pct"]),
-        ("    transport: ssh\n", ["host"]),
-        ("    transport: pct\n    host: h\n", ["ctid"]),
-    ],
-)
+@pytest.mark.parametrize("target_yaml,words", [
+    ("    transport: telnet\n", ["telnet", "local, ssh, pct"]),
+    ("    transport: ssh\n", ["host"]),
+    ("    transport: pct\n    host: h\n", ["ctid"]),
+])
 def test_incomplete_targets_are_refused(target_yaml, words):
     message = _inventory_error(target_yaml)
     assert all(w in message for w in words) and "ct200" in message, message

@@ -3,7 +3,6 @@
 Expected texts come from pve-container's PVE/CLI/pct.pm (`status: %s`, the list format
 "%-10s %-10s %-12s %-20s") and pve-common's CLIHandler (usage errors exit -1, i.e. 255).
 """
-
 from __future__ import annotations
 
 import os
@@ -43,16 +42,13 @@ def test_unknown_container_exits_2(pct_cli):
         assert done.stderr == "Configuration file 'nodes/pve/lxc/999.conf' does not exist\n"
 
 
-@pytest.mark.parametrize(
-    "args,first_line",
-    [
-        (["status", "abc"], "400 Parameter verification failed."),
-        (["status", "42"], "400 Parameter verification failed."),
-        (["status"], "400 not enough arguments"),
-        (["frobnicate", "200"], "ERROR: unknown command 'pct frobnicate'"),
-        ([], "ERROR: no command specified"),
-    ],
-)
+@pytest.mark.parametrize("args,first_line", [
+    (["status", "abc"], "400 Parameter verification failed."),
+    (["status", "42"], "400 Parameter verification failed."),
+    (["status"], "400 not enough arguments"),
+    (["frobnicate", "200"], "ERROR: unknown command 'pct frobnicate'"),
+    ([], "ERROR: no command specified"),
+])
 def test_bad_calls_exit_255_with_usage(pct_cli, args, first_line):
     done = pct_cli(*args)
     assert done.returncode == 255
@@ -66,10 +62,7 @@ def test_exec_refuses_a_stopped_container(stopped_pct_target, pct_cli):
 
 
 def test_start_and_stop_refuse_the_wrong_state(pct_target, stopped_pct_target, pct_cli):
-    assert (pct_cli("start", 200).returncode, pct_cli("start", 200).stderr) == (
-        255,
-        "CT 200 already running\n",
-    )
+    assert (pct_cli("start", 200).returncode, pct_cli("start", 200).stderr) == (255, "CT 200 already running\n")
     assert (pct_cli("stop", 201).returncode, pct_cli("stop", 201).stderr) == (255, "CT 201 not running\n")
 
 
@@ -90,9 +83,7 @@ def test_exec_passes_stdin_and_exit_codes(pct_target, pct_sim_root):
     env = {**os.environ, "PCT_SIM_ROOT": str(pct_sim_root)}
 
     def pct_exec(*argv, data=b""):
-        return subprocess.run(
-            [PCT, "exec", "200", "--", *argv], input=data, capture_output=True, env=env, timeout=30
-        )
+        return subprocess.run([PCT, "exec", "200", "--", *argv], input=data, capture_output=True, env=env, timeout=30)
 
     assert pct_exec("cat", data=b"\0\xff binary \n").stdout == b"\0\xff binary \n"
     assert pct_exec("sh", "-c", "exit 42").returncode == 42
@@ -107,9 +98,7 @@ def test_a_locked_container_does_not_start(pct_cli, pct_sim_root):
     try:
         done = pct_cli("start", 205)
         assert (done.returncode, done.stderr) == (255, "CT is locked (backup)\n")
-        assert (
-            "205        stopped    backup       backup-me           " in pct_cli("list").stdout.splitlines()
-        )
+        assert "205        stopped    backup       backup-me           " in pct_cli("list").stdout.splitlines()
     finally:
         conf.unlink()
 
@@ -127,10 +116,7 @@ def test_without_namespaces_exec_and_stop_still_work(pct_sim_root):
     try:
         started = pct("start", "206")
         assert started.returncode == 0 and "plain process session" in started.stderr
-        assert (
-            pct("exec", "206", "--", "tmux", "-L", "plain", "new-session", "-d", f"sleep {secs}").returncode
-            == 0
-        )
+        assert pct("exec", "206", "--", "tmux", "-L", "plain", "new-session", "-d", f"sleep {secs}").returncode == 0
         assert pct("exec", "206", "--", "tmux", "-L", "plain", "ls").returncode == 0  # persists across execs
         assert pct("stop", "206").returncode == 0
         leftovers = subprocess.run(["pgrep", "-f", f"sleep {secs}"], capture_output=True, text=True).stdout

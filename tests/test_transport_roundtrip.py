@@ -3,7 +3,6 @@
 Strings must arrive byte-exact, exit codes must propagate, the time limit must kill the command
 ON THE TARGET, and put must replace files atomically with the requested mode.
 """
-
 from __future__ import annotations
 
 import hashlib
@@ -32,38 +31,18 @@ HOSTILE = [
     "trailing newline\n",
     "\r\ncrlf",
     "unicode ✓ ünïcödé 中文 🚀",
-    "*",
-    "?",
-    "[a-z]*",
-    "~",
-    "~root",
-    ";",
-    "a; echo pwned",
-    "a && b || c | d > e < f >> g 2>&1",
-    "back\\slash",
-    "\\",
-    "\\\\n",
-    "'",
-    '"',
-    "'\\''",
-    "--",
-    "-n",
-    "-e \\n",
-    "#not a comment",
-    "!bang !!",
-    "%s %d %%",
-    "{a,b}",
-    "$'\\x41'",
-    "\x1b[31mescape\x1b[0m",
+    "*", "?", "[a-z]*", "~", "~root",
+    ";", "a; echo pwned", "a && b || c | d > e < f >> g 2>&1",
+    "back\\slash", "\\", "\\\\n", "'", '"', "'\\''",
+    "--", "-n", "-e \\n", "#not a comment", "!bang !!", "%s %d %%",
+    "{a,b}", "$'\\x41'", "\x1b[31mescape\x1b[0m",
 ]
 HOSTILE_NAME = "dir with 'quotes' \"and\" $(x) `y`/new\nline ✓;*.txt"
 
 
 @pytest.fixture(params=["local", "ssh", "pct"])
 def transport(request):
-    target = request.getfixturevalue(
-        {"local": "local_target", "ssh": "ssh_target", "pct": "pct_target"}[request.param]
-    )
+    target = request.getfixturevalue({"local": "local_target", "ssh": "ssh_target", "pct": "pct_target"}[request.param])
     t = make_transport(target)
     t.workdir = target.job.workdir  # where this test may write
     yield t
@@ -107,17 +86,9 @@ def test_large_multibyte_output_is_not_mangled(transport):
     assert result.stdout == "€中🚀\n" * 100000
 
 
-@pytest.mark.parametrize(
-    "script,code",
-    [
-        ("true", 0),
-        ("false", 1),
-        ("exit 42", 42),
-        ("kill -TERM $$", 143),
-        ("kill -KILL $$", 137),
-        ("exit 124", 124),
-    ],
-)
+@pytest.mark.parametrize("script,code", [("true", 0), ("false", 1), ("exit 42", 42),
+                                         ("kill -TERM $$", 143), ("kill -KILL $$", 137),
+                                         ("exit 124", 124)])
 def test_exit_codes_propagate(transport, script, code):
     # 143/137 = 128 + SIGTERM/SIGKILL as a shell reports them; 124 and 137 that come quickly are
     # the script's own, not the time limit's.
@@ -130,22 +101,18 @@ def test_check_names_target_step_and_stderr(transport):
     with pytest.raises(RemoteCommandError) as info:
         transport.check("echo 'disk on fire' >&2; exit 3", step="inspect disk")
     text = str(info.value)
-    assert (
-        transport.name in text and "inspect disk" in text and "exit code 3" in text and "disk on fire" in text
-    )
+    assert transport.name in text and "inspect disk" in text and "exit code 3" in text and "disk on fire" in text
 
 
 def _alive(transport, pids: list[str]) -> str:
     """The pids that still run on the target. A zombie is dead: it only waits for its parent
     (here the machine's pid 1, which may never reap it) to collect its exit status."""
-    return transport.run(
-        "for p in " + " ".join(pids) + "; do s=$(cat /proc/$p/stat 2>/dev/null) || continue; "
-        's=${s##*) }; [ "${s%% *}" != Z ] && echo $p; done'
-    ).stdout
+    return transport.run("for p in " + " ".join(pids) + "; do s=$(cat /proc/$p/stat 2>/dev/null) || continue; "
+                         "s=${s##*) }; [ \"${s%% *}\" != Z ] && echo $p; done").stdout
 
 
 def test_time_limit_kills_the_command_on_the_target(transport):
-    script = 'sleep 300 & echo "pids $$ $!" >&2; wait'
+    script = "sleep 300 & echo \"pids $$ $!\" >&2; wait"
     start = time.monotonic()
     with pytest.raises(RemoteTimeout) as info:
         transport.run(script, timeout=1, step="slow step")
@@ -184,11 +151,8 @@ def test_put_replaces_by_rename_and_leaves_no_temp_file(transport):
     seen: dict = {}
 
     def watcher():
-        seen["result"] = watch(
-            f"for i in $(seq 2000); do s=$(stat -c %s -- {q}); echo $s; "
-            f"[ $s = {len(new)} ] && break; sleep 0.005; done",
-            timeout=60,
-        )
+        seen["result"] = watch(f"for i in $(seq 2000); do s=$(stat -c %s -- {q}); echo $s; "
+                               f"[ $s = {len(new)} ] && break; sleep 0.005; done", timeout=60)
 
     thread = threading.Thread(target=watcher)
     thread.start()
@@ -209,10 +173,8 @@ def test_put_refuses_a_short_transfer_and_keeps_the_old_file(transport):
         transport.check(put_script(path, 0o644, 100), stdin=b"truncated", step="put")
     assert "received 9 of 100 bytes" in str(info.value)
     q = shlex.quote(path)
-    assert (
-        transport.check(f"cat -- {q}; ls -A -- {shlex.quote(transport.workdir + '/short')}").stdout
-        == "good: 1\nconfig.yaml\n"
-    )
+    assert transport.check(f"cat -- {q}; ls -A -- {shlex.quote(transport.workdir + '/short')}").stdout == \
+        "good: 1\nconfig.yaml\n"
 
 
 def test_command_line_is_what_run_executes(transport):
@@ -222,7 +184,6 @@ def test_command_line_is_what_run_executes(transport):
     # for local, or check its shape for remote ones (ssh host, pct exec with `--`)
     if transport.name == "local":
         import subprocess
-
         assert subprocess.run(["bash", "-c", line], capture_output=True, text=True).stdout == "hi there\n"
     else:
         argv = shlex.split(line)

@@ -1,5 +1,4 @@
 """SshTransport against a real sshd: every way of failing to get in gives its own clear error."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -112,7 +111,7 @@ def test_unknown_host_under_accept_new_is_recorded(ssh_spec, sshd_server, tmp_pa
 
 def test_accept_new_keeps_existing_lines(ssh_spec, sshd_server, tmp_path):
     kh = tmp_path / "known_hosts"
-    other_key = tmp_path / "other.pub"
+    other_key = (tmp_path / "other.pub")
     other_key.write_text(sshd_server.host_key_pub.read_text())
     hashed = paramiko.HostKeys.hash_host("other.example")  # a HashKnownHosts entry, as OpenSSH writes it
     kh.write_text("# my hosts\n" + sshd_helpers.known_hosts_line("x", 22, other_key).replace("x", hashed, 1))
@@ -129,18 +128,15 @@ def _other_key_line(tmp_path, names: str, marker: str = "") -> str:
 
 def test_known_hosts_lines_that_do_not_apply_are_skipped_as_ssh_does(ssh_spec, sshd_server, tmp_path):
     kh = tmp_path / "known_hosts"
-    kh.write_text(
-        "# my hosts\n\n"
-        + _other_key_line(tmp_path, "*.example.com", "@cert-authority")
-        + _other_key_line(tmp_path, "*", "@revoked")
-        + "other.example ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample\n"  # bad padding
-        + "|1|not-base64|x ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample\n"
-        + "short-line ssh-ed25519\n"
-        + "odd.example ssh-unknown-type AAAA\n"
-        + _other_key_line(tmp_path, "!127.0.0.1,*")  # ruled out for us by the negation
-        + sshd_server.known_hosts_line().rstrip("\n")
-        + " a trailing comment\n"
-    )
+    kh.write_text("# my hosts\n\n"
+                  + _other_key_line(tmp_path, "*.example.com", "@cert-authority")
+                  + _other_key_line(tmp_path, "*", "@revoked")
+                  + "other.example ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample\n"  # bad padding
+                  + "|1|not-base64|x ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample\n"
+                  + "short-line ssh-ed25519\n"
+                  + "odd.example ssh-unknown-type AAAA\n"
+                  + _other_key_line(tmp_path, "!127.0.0.1,*")  # ruled out for us by the negation
+                  + sshd_server.known_hosts_line().rstrip("\n") + " a trailing comment\n")
     assert _run(dataclasses.replace(ssh_spec, known_hosts_file=str(kh))).stdout == "ok\n"
 
 
@@ -175,9 +171,7 @@ def test_unreadable_known_hosts_is_named(ssh_spec, tmp_path):
 def test_policy_off_trusts_without_recording(ssh_spec, tmp_path):
     kh = tmp_path / "known_hosts"
     kh.write_text("")
-    assert (
-        _run(dataclasses.replace(ssh_spec, known_hosts_file=str(kh), host_key_policy="off")).stdout == "ok\n"
-    )
+    assert _run(dataclasses.replace(ssh_spec, known_hosts_file=str(kh), host_key_policy="off")).stdout == "ok\n"
     assert kh.read_text() == ""
 
 
@@ -205,23 +199,18 @@ def test_background_output_holder_does_not_hang_the_run(ssh_spec):
     assert time.monotonic() - start < 5
 
 
-@pytest.mark.parametrize(
-    "field,value,words",
-    [
-        ("host_key_policy", "yolo", ["host_key_policy", "strict"]),
-        ("jump", "user@@host:xx", ["jump", "user@host:port"]),
-        ("host", '""', ["host"]),
-    ],
-)
+@pytest.mark.parametrize("field,value,words", [
+    ("host_key_policy", "yolo", ["host_key_policy", "strict"]),
+    ("jump", "user@@host:xx", ["jump", "user@host:port"]),
+    ("host", '""', ["host"]),
+])
 def test_bad_host_settings_are_input_errors(field, value, words):
     """The inventory is the one place that checks a target: the transport gets only good ones."""
     from dflash_ops.inventory.load import load_inventory_text
 
     host = "" if field == "host" else "    host: h\n"
-    text = (
-        f"targets:\n  box:\n    transport: ssh\n{host}    {field}: {value}\n"
-        "    job: {workdir: /w, python: /usr/bin/python3, config: tiny-cpu}\n"
-    )
+    text = (f"targets:\n  box:\n    transport: ssh\n{host}    {field}: {value}\n"
+            "    job: {workdir: /w, python: /usr/bin/python3, config: tiny-cpu}\n")
     with pytest.raises(InputError) as info:
         load_inventory_text(text)
     assert all(w in str(info.value) for w in words) and "'box'" in str(info.value), str(info.value)
@@ -249,24 +238,11 @@ def test_skip_switch_skips_instead_of_failing():
     import os
     import subprocess
     import sys
-
     env = {**os.environ, "DFLASH_SKIP_SSH_TESTS": "1"}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/test_transport_ssh.py::test_runs_and_names_the_target",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_transport_ssh.py::test_runs_and_names_the_target"],
+                          capture_output=True, text=True, env=env, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert "1 skipped" in done.stdout, done.stdout + done.stderr
 
 
@@ -274,15 +250,11 @@ def test_a_server_without_a_banner_is_named_and_nothing_else_is_printed(silent_s
     spec = dataclasses.replace(ssh_spec, port=silent_server, connect_timeout_s=1)
     with pytest.raises(ConnectError) as info:
         _run(spec)
-    assert str(info.value) == (
-        f"[box] probe: 127.0.0.1:{silent_server} accepted the connection but sent "
-        "no SSH banner within 1 s (is it an SSH server? is sshd wedged?)"
-    )
+    assert str(info.value) == (f"[box] probe: 127.0.0.1:{silent_server} accepted the connection but sent "
+                               "no SSH banner within 1 s (is it an SSH server? is sshd wedged?)")
     _no_raw_cause(info.value)
     deadline = time.monotonic() + 5  # paramiko's reader thread gives up on the banner in the background
-    while (
-        any(isinstance(t, paramiko.Transport) for t in threading.enumerate()) and time.monotonic() < deadline
-    ):
+    while any(isinstance(t, paramiko.Transport) for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert capfd.readouterr().err == ""
 

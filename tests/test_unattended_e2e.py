@@ -6,7 +6,6 @@ that stopped the job before finding out it could not start it, a relaunch after 
 Real tmux, real sshd + the pct simulator where the container matters, the nvidia-smi simulator and
 the stand-in trainer (fast: 0.2 s steps, short timeouts). Each test also checks that a bystander
 process outside the job is alive and that no checkpoint was lost."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -43,9 +42,8 @@ def checkpoints(target, run: int) -> list[str]:
 
 def finite(target, steps: int):
     """The stand-in trainer with a run of `steps` steps (a checkpoint every 5)."""
-    return dataclasses.replace(
-        target, job=dataclasses.replace(target.job, env=target.job.env + (("STANDIN_STEPS", str(steps)),))
-    )
+    return dataclasses.replace(target, job=dataclasses.replace(
+        target.job, env=target.job.env + (("STANDIN_STEPS", str(steps)),)))
 
 
 def wait_for(predicate, seconds: float = 20.0, what: str = "condition"):
@@ -83,7 +81,6 @@ def trainer_pid(target) -> int:
 
 # 1 ------------------------------------------------------------------------------------------------
 
-
 def test_case1_a_stop_is_never_undone_by_health(pct_target, cleanup, bystander, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_OPS_STATE_DIR", str(tmp_path / "state"))
     target = standin(pct_target)
@@ -105,13 +102,12 @@ def test_case1_a_stop_is_never_undone_by_health(pct_target, cleanup, bystander, 
     again = commands.relaunch(target, **quick())  # only a relaunch clears the stop
     assert again.ok, again.summary()
     assert job_state(target)["state"] == "running" and job_state(target)["run"] == 1
-    newest = int(max(kept)[len("step-") :])
+    newest = int(max(kept)[len("step-"):])
     assert f"resumed from step {newest}" in Path(job_state(target)["log"]).read_text()
     assert alive(bystander.pid)
 
 
 # 2 ------------------------------------------------------------------------------------------------
-
 
 def test_case2_a_deleted_log_of_a_live_trainer_is_a_warning_not_a_fallback(local_target, cleanup, bystander):
     target = standin(local_target, health=Health(stall_seconds=2))
@@ -127,9 +123,7 @@ def test_case2_a_deleted_log_of_a_live_trainer_is_a_warning_not_a_fallback(local
 
     checked = ops.check(target)
     assert checked.verdict.level == "WARNING", checked.verdict
-    assert any(
-        f"log {log} is missing while the trainer (pid {pid}) is alive" in r for r in checked.verdict.reasons
-    )
+    assert any(f"log {log} is missing while the trainer (pid {pid}) is alive" in r for r in checked.verdict.reasons)
     assert checked.status.log_missing == log and checked.status.log is None
     assert checked.status.metrics.endswith("train-0002.metrics.jsonl")  # never train-0001's
     assert checked.status.training.last_update_age_s < 2
@@ -139,7 +133,6 @@ def test_case2_a_deleted_log_of_a_live_trainer_is_a_warning_not_a_fallback(local
 
 
 # 3 ------------------------------------------------------------------------------------------------
-
 
 def test_case3_purge_cache_deletes_only_what_the_launcher_marked(ssh_target, cleanup, bystander):
     target = standin(ssh_target)
@@ -173,7 +166,6 @@ def test_case3_purge_cache_deletes_only_what_the_launcher_marked(ssh_target, cle
 
 # 4 ------------------------------------------------------------------------------------------------
 
-
 @pytest.mark.slow  # one full torch import in preflight, seven relaunch attempts: ~15-30 s on 2 cores
 def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, cleanup, bystander):
     target = standin(pct_target, gpus=((0,), (1,)))
@@ -192,30 +184,23 @@ def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, clean
         assert "nothing was stopped" in failed.failed.message
         assert [s.status for s in failed.steps[1:]] == ["not-run"] * 7
         health = ops.check(target).verdict
-        assert health.level == "WARNING" and any(
-            "GPUs 0,1 are assigned but the GPU query failed" in r for r in health.reasons
-        ), health
+        assert health.level == "WARNING" and any("GPUs 0,1 are assigned but the GPU query failed" in r
+                                                 for r in health.reasons), health
         gpu_state_path.write_text(json.dumps(state))
 
-        no_python = dataclasses.replace(
-            target, job=dataclasses.replace(target.job, python="/nonexistent/python3")
-        )
+        no_python = dataclasses.replace(target, job=dataclasses.replace(target.job, python="/nonexistent/python3"))
         failed = commands.relaunch(no_python, **quick())
         assert failed.failed.step == "preflight" and "check 'python'" in failed.failed.message
         assert "not installed" in failed.failed.message
         if subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode != 0:
-            no_torch = dataclasses.replace(
-                target, job=dataclasses.replace(target.job, python="/usr/bin/python3")
-            )
+            no_torch = dataclasses.replace(target, job=dataclasses.replace(target.job, python="/usr/bin/python3"))
             for full_import in (True, False):
                 failed = commands.relaunch(no_torch, **quick(import_torch=full_import))
                 assert failed.failed.step == "preflight" and "check 'python'" in failed.failed.message
                 assert "/usr/bin/python3 cannot import torch" in failed.failed.message
                 assert "No module named" in failed.failed.message, failed.failed.message
         imported = commands.relaunch(target, **quick(import_torch=True, min_free_gib=1e9))
-        assert (
-            imported.failed.step == "preflight" and "check 'disk'" in imported.failed.message
-        )  # torch imported
+        assert imported.failed.step == "preflight" and "check 'disk'" in imported.failed.message  # torch imported
 
         (Path(target.job.workdir) / "current").unlink()  # the release is gone and --no-deploy is asked
         failed = commands.relaunch(target, **quick(deploy=False))
@@ -228,9 +213,7 @@ def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, clean
         gpu_state_path.write_text(json.dumps(dict(state, driver_error=True)))
         stopped = commands.stop(target)
         assert stopped.ok, stopped.summary()
-        assert step(stopped, "wait_gpu_free").message.startswith(
-            "the job's processes are gone; GPUs not checked"
-        )
+        assert step(stopped, "wait_gpu_free").message.startswith("the job's processes are gone; GPUs not checked")
         assert not alive_in_ct(target, pid)
         assert ops.check(target).verdict.reasons[0].startswith("stopped by dflash-ops stop")
         assert alive(bystander.pid)
@@ -244,7 +227,6 @@ def alive_in_ct(target, pid: int) -> bool:
 
 
 # 5 and 6 ------------------------------------------------------------------------------------------
-
 
 def test_case5_6_runs_finish_resume_and_fresh_keep_every_checkpoint(local_target, cleanup, bystander):
     target = finite(standin(local_target), 12)
@@ -286,7 +268,6 @@ def test_case5_6_runs_finish_resume_and_fresh_keep_every_checkpoint(local_target
 
 # 7 ------------------------------------------------------------------------------------------------
 
-
 def test_case7_gpu_clean_and_purge_cache_refuse_while_the_job_lives(local_target, cleanup, bystander):
     target = standin(local_target)
     cleanup(target)
@@ -300,11 +281,8 @@ def test_case7_gpu_clean_and_purge_cache_refuse_while_the_job_lives(local_target
 
     # an orphan carrying the job's marker, outside the tmux tree
     assert commands.stop(target).ok
-    orphan = subprocess.Popen(
-        ["sleep", "300"],
-        start_new_session=True,
-        env={**os.environ, jobpaths.JOB_MARKER_ENV: jobpaths.marker_value(target.job)},
-    )
+    orphan = subprocess.Popen(["sleep", "300"], start_new_session=True,
+                              env={**os.environ, jobpaths.JOB_MARKER_ENV: jobpaths.marker_value(target.job)})
     try:
         busy = commands.purge_cache(target)
         assert not busy.ok and f"{orphan.pid} (sleep 300)" in busy.failed.message
@@ -320,28 +298,20 @@ def test_case7_gpu_clean_and_purge_cache_refuse_while_the_job_lives(local_target
 
 # 8 ------------------------------------------------------------------------------------------------
 
-
-def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(
-    pct_target, gpu_state_path, cleanup, bystander, tmp_path
-):
+def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_target, gpu_state_path, cleanup,
+                                                                          bystander, tmp_path):
     target = standin(pct_target, gpus=((0,), (1,)))
     cleanup(target)
     _write_gpus(gpu_state_path)
     pid_file = tmp_path / "foreign.pid"
     with ops.connect(target) as t:  # a foreign process in the container, on the job's GPU 1
-        t.check(
-            f"setsid -f bash -c 'echo $$ > {pid_file}; exec sleep 300' </dev/null >/dev/null 2>&1", timeout=20
-        )
-    foreign = int(
-        wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), what="the foreign pid")
-    )
+        t.check(f"setsid -f bash -c 'echo $$ > {pid_file}; exec sleep 300' </dev/null >/dev/null 2>&1", timeout=20)
+    foreign = int(wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), what="the foreign pid"))
     try:
         started = commands.relaunch(target, **quick())
         assert started.ok
         state = json.loads(gpu_state_path.read_text())
-        state["compute_apps"].append(
-            {"pid": foreign, "gpu_index": 1, "used_memory_mib": 7000, "process_name": "sleep"}
-        )
+        state["compute_apps"].append({"pid": foreign, "gpu_index": 1, "used_memory_mib": 7000, "process_name": "sleep"})
         gpu_state_path.write_text(json.dumps(state))
 
         checked = ops.check(target)
@@ -349,9 +319,7 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(
         assert any(f"pid {foreign} sleep on GPU 1 (7000 MiB" in r for r in checked.verdict.reasons)
         procs = {p.pid: p for g in checked.status.gpus for p in g.processes}
         assert procs[foreign].foreign is True
-        assert [p.foreign for pid, p in procs.items() if pid != foreign] == [
-            False
-        ]  # the trainer, on GPUs 0 and 1
+        assert [p.foreign for pid, p in procs.items() if pid != foreign] == [False]  # the trainer, on GPUs 0 and 1
         assert "[foreign]" in checked.status.to_text()
 
         began = time.monotonic()
@@ -365,19 +333,14 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(
         crashed = standin(pct_target, mode="crash")
         cleanup(crashed)
         commands.relaunch(crashed, **quick())
-        wait_for(
-            lambda: (
-                ops.check(crashed).status.session.exists and not ops.check(crashed).status.session.running
-            ),
-            what="the crash",
-        )
+        wait_for(lambda: ops.check(crashed).status.session.exists and
+                 not ops.check(crashed).status.session.running, what="the crash")
         again = commands.stop(crashed)
         message = step(again, "stop_session").message
         # tmux (3.3a, in the simulated container) now and then marks the pane dead without ever
         # reporting #{pane_dead_status}: stop then says the status is unknown, never "ended N process(es)".
-        assert again.ok and message.startswith(
-            ("the trainer had already exited (status 1)", "the trainer had already exited (status ?)")
-        ), message
+        assert again.ok and message.startswith(("the trainer had already exited (status 1)",
+                                                "the trainer had already exited (status ?)")), message
     finally:
         with ops.connect(target) as t:
             t.run(f"kill {foreign}", timeout=20)
@@ -403,12 +366,9 @@ def test_the_single_run_dir_of_earlier_versions_becomes_run_0001_and_is_resumed(
 def test_a_host_pid_invisible_in_the_container_is_never_called_foreign():
     from dflash_ops.act.steps import surely_foreign
 
-    others = [
-        {"pid": 1, "owner": "", "visible": False},  # inside LXC: maybe the job's own trainer
-        {"pid": 2, "owner": "ct 201", "visible": False},
-        {"pid": 3, "owner": "", "visible": True},
-        {"pid": 4, "owner": "gone", "visible": False},
-    ]
+    others = [{"pid": 1, "owner": "", "visible": False},  # inside LXC: maybe the job's own trainer
+              {"pid": 2, "owner": "ct 201", "visible": False}, {"pid": 3, "owner": "", "visible": True},
+              {"pid": 4, "owner": "gone", "visible": False}]
     assert [o["pid"] for o in surely_foreign(others)] == [2, 3]
 
 

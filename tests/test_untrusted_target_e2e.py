@@ -164,33 +164,17 @@ def _nudge_tmux(target, parent: int) -> None:
 
 # helpers for the CLI runs --------------------------------------------------------------------------
 
-
 def inventory_of(target, path: Path) -> Path:
     """An inventory file naming `target` as the tests built it (JSON is YAML)."""
     job = target.job
-    fields = {
-        "transport": target.transport,
-        "job": {
-            "workdir": job.workdir,
-            "python": job.python,
-            "config": job.config,
-            "session": job.session,
-            "tmux_socket": job.tmux_socket,
-            "cache_dir": job.cache_dir,
-            "env": dict(job.env),
-            "health": {"stall_seconds": job.health.stall_seconds},
-        },
-    }
+    fields = {"transport": target.transport,
+              "job": {"workdir": job.workdir, "python": job.python, "config": job.config,
+                      "session": job.session, "tmux_socket": job.tmux_socket, "cache_dir": job.cache_dir,
+                      "env": dict(job.env), "health": {"stall_seconds": job.health.stall_seconds}}}
     if target.ssh is not None:
         s = target.ssh
-        fields.update(
-            host=s.host,
-            port=s.port,
-            user=s.user,
-            identity_file=s.identity_file,
-            known_hosts_file=s.known_hosts_file,
-            connect_timeout_s=s.connect_timeout_s,
-        )
+        fields.update(host=s.host, port=s.port, user=s.user, identity_file=s.identity_file,
+                      known_hosts_file=s.known_hosts_file, connect_timeout_s=s.connect_timeout_s)
     if target.ctid is not None:
         fields["ctid"] = target.ctid
     path.write_text(json.dumps({"targets": {target.name: fields}}))
@@ -210,10 +194,7 @@ def one_line(stdout: str, stderr: str) -> str:
 
 # 2 ------------------------------------------------------------------------------------------------
 
-
-def test_a_cache_dir_through_a_symlink_into_runs_is_refused_on_the_target(
-    ssh_target, cleanup, bystander, tmp_path
-):
+def test_a_cache_dir_through_a_symlink_into_runs_is_refused_on_the_target(ssh_target, cleanup, bystander, tmp_path):
     target = named(standin(ssh_target))
     cleanup(target)
     assert commands.relaunch(target, **quick()).ok
@@ -222,9 +203,7 @@ def test_a_cache_dir_through_a_symlink_into_runs_is_refused_on_the_target(
     kept = checkpoints(target, 1)
     work = Path(target.job.workdir)
     (work / "scratch").symlink_to(work / "runs")  # on the target: scratch -> runs
-    aimed = dataclasses.replace(
-        target, job=dataclasses.replace(target.job, cache_dir=str(work / "scratch" / "0001"))
-    )
+    aimed = dataclasses.replace(target, job=dataclasses.replace(target.job, cache_dir=str(work / "scratch" / "0001")))
     (work / "runs" / "0001" / jobpaths.CACHE_MARKER).write_text("planted\n")  # as a past launch marked it
     inventory = inventory_of(aimed, tmp_path / "inv.json")
     real = work / "runs" / "0001"
@@ -242,23 +221,18 @@ def test_a_cache_dir_through_a_symlink_into_runs_is_refused_on_the_target(
 
 # 3 ------------------------------------------------------------------------------------------------
 
-
-@pytest.mark.parametrize(
-    "when", ["$(touch /tmp/dflash-pwned)", 1e308, "yesterday", [1, 2], {"t": 1}, True, -5]
-)
+@pytest.mark.parametrize("when", ["$(touch /tmp/dflash-pwned)", 1e308, "yesterday", [1, 2], {"t": 1}, True, -5])
 def test_a_stopped_state_with_an_unusable_when_is_ok_in_one_line(pct_target, tmp_path, when):
     target = named(standin(pct_target))
     work = Path(target.job.workdir)
     work.mkdir(parents=True)
-    Path(jobpaths.state_file(target.job)).write_text(
-        json.dumps({"state": "stopped", "by": "dflash-ops stop", "when": when, "run": 1})
-    )
+    Path(jobpaths.state_file(target.job)).write_text(json.dumps({"state": "stopped", "by": "dflash-ops stop",
+                                                                 "when": when, "run": 1}))
     inventory = inventory_of(target, tmp_path / "inv.json")
     code, out, err = cli("health", inventory=inventory)
     assert code == 0, (out, err)
     assert out.count("DFLASH ") == 1 and one_line(out, err).startswith(
-        f"DFLASH OK: {target.name}: stopped by dflash-ops stop at an unknown time"
-    ), out
+        f"DFLASH OK: {target.name}: stopped by dflash-ops stop at an unknown time"), out
     code, out, err = cli("status", "--json", inventory=inventory)
     assert code == 0 and "Traceback" not in err, err
     assert json.loads(out)["verdict"] == "OK"
@@ -281,21 +255,15 @@ def test_a_check_that_raises_is_one_unknown_line_naming_the_target(pct_target, t
     monkeypatch.setattr(ops, "check", broken)
     result = CliRunner().invoke(cli_group, ["--inventory", str(inventory), "health", "-t", target.name])
     assert result.exit_code == 3 and result.exception is None or isinstance(result.exception, SystemExit)
-    assert result.output.strip() == (
-        f"DFLASH UNKNOWN: {target.name}: the check itself failed "
-        "(OverflowError: timestamp out of range for platform time_t)"
-    )
-    result = CliRunner().invoke(
-        cli_group, ["--inventory", str(inventory), "status", "--json", "-t", target.name]
-    )
+    assert result.output.strip() == (f"DFLASH UNKNOWN: {target.name}: the check itself failed "
+                                     "(OverflowError: timestamp out of range for platform time_t)")
+    result = CliRunner().invoke(cli_group, ["--inventory", str(inventory), "status", "--json", "-t", target.name])
     assert result.exit_code == 3
     assert json.loads(result.output)["reasons"] == [
-        "the check itself failed (OverflowError: timestamp out of range for platform time_t)"
-    ]
+        "the check itself failed (OverflowError: timestamp out of range for platform time_t)"]
 
 
 # 4 ------------------------------------------------------------------------------------------------
-
 
 @pytest.mark.parametrize("log", [12345, ["/etc/passwd"], {"path": "x"}, ""])
 def test_tail_log_on_a_log_that_is_no_path_is_one_line(pct_target, tmp_path, log):
@@ -305,31 +273,24 @@ def test_tail_log_on_a_log_that_is_no_path_is_one_line(pct_target, tmp_path, log
     code, out, err = cli("tail-log", "-n", "3", inventory=inventory_of(target, tmp_path / "inv.json"))
     line = one_line(out, err)
     assert code == 1 and len((out + err).strip().splitlines()) == 1, (out, err)
-    assert "job state" in line and (
-        "names a log that is not a path" in line or "no dflash-ops job state" in line
-    )
+    assert "job state" in line and ("names a log that is not a path" in line or "no dflash-ops job state" in line)
     assert "--log PATH" in line
 
 
 # 5 ------------------------------------------------------------------------------------------------
 
-
 def no_session(target) -> bool:
     return not in_ct(target, f"tmux -L {target.job.tmux_socket} has-session -t '={target.job.session}'").ok
 
 
-@pytest.mark.parametrize(
-    "text, why",
-    [
-        ("[" * 50_000, "not JSON (RecursionError)"),
-        ('{"state": "stopped", "by": "' + "x" * 100_000 + '"}', "larger than 65536 bytes"),
-        ('{"state": ["stopped"], "when": 1}', "not a dflash-ops job state"),
-        ("\x00\xff garbage", "not JSON"),
-    ],
-)
-def test_a_damaged_state_is_unknown_never_relaunched_and_tail_log_says_so(
-    pct_target, tmp_path, monkeypatch, text, why
-):
+@pytest.mark.parametrize("text, why", [
+    ("[" * 50_000, "not JSON (RecursionError)"),
+    ('{"state": "stopped", "by": "' + "x" * 100_000 + '"}', "larger than 65536 bytes"),
+    ('{"state": ["stopped"], "when": 1}', "not a dflash-ops job state"),
+    ("\x00\xff garbage", "not JSON"),
+])
+def test_a_damaged_state_is_unknown_never_relaunched_and_tail_log_says_so(pct_target, tmp_path, monkeypatch,
+                                                                         text, why):
     monkeypatch.setenv("DFLASH_OPS_STATE_DIR", str(tmp_path / "state"))
     target = named(standin(pct_target))
     Path(target.job.workdir).mkdir(parents=True)
@@ -350,32 +311,19 @@ def test_a_damaged_state_is_unknown_never_relaunched_and_tail_log_says_so(
 def test_wrong_types_in_every_field_of_a_stop_read_as_absent(pct_target, tmp_path):
     target = named(standin(pct_target))
     Path(target.job.workdir).mkdir(parents=True)
-    Path(jobpaths.state_file(target.job)).write_text(
-        json.dumps(
-            {
-                "state": "stopped",
-                "run": "0001",
-                "run_dir": 7,
-                "pid": "1",
-                "since": [],
-                "when": {"t": 1},
-                "by": {"who": "x"},
-                "extra": [[[]]],
-            }
-        )
-    )
+    Path(jobpaths.state_file(target.job)).write_text(json.dumps(
+        {"state": "stopped", "run": "0001", "run_dir": 7, "pid": "1", "since": [], "when": {"t": 1},
+         "by": {"who": "x"}, "extra": [[[]]]}))
     inventory = inventory_of(target, tmp_path / "inv.json")
     code, out, err = cli("health", inventory=inventory)
     assert code == 0 and one_line(out, err).startswith(
-        f"DFLASH OK: {target.name}: stopped by dflash-ops stop at an unknown time"
-    ), (out, err)
+        f"DFLASH OK: {target.name}: stopped by dflash-ops stop at an unknown time"), (out, err)
     code, out, err = cli("status", inventory=inventory)
     assert code == 0 and "\njob: stopped\n" in out and "Traceback" not in err
 
 
-def test_a_stop_that_cannot_be_recorded_fails_loudly_and_is_never_undone(
-    pct_target, cleanup, bystander, tmp_path, monkeypatch
-):
+def test_a_stop_that_cannot_be_recorded_fails_loudly_and_is_never_undone(pct_target, cleanup, bystander,
+                                                                          tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_OPS_STATE_DIR", str(tmp_path / "state"))
     target = named(standin(pct_target))
     cleanup(target)
@@ -394,9 +342,8 @@ def test_a_stop_that_cannot_be_recorded_fails_loudly_and_is_never_undone(
     assert no_session(target)
 
     code, out, err = cli("health", "--auto-relaunch", inventory=inventory)
-    assert code == 3 and out.startswith(
-        f"DFLASH UNKNOWN: {target.name}: job state {state} is unusable (not a regular file)"
-    ), (out, err)
+    assert code == 3 and out.startswith(f"DFLASH UNKNOWN: {target.name}: job state {state} is unusable "
+                                        "(not a regular file)"), (out, err)
     assert "auto-relaunch" not in out and no_session(target), out
     code, out, err = cli("relaunch", "--timeout", "30", inventory=inventory)  # never launched unrecorded
     assert code == 1 and f"check 'job state': {state} is not a regular file" in err, (out, err)
@@ -405,7 +352,6 @@ def test_a_stop_that_cannot_be_recorded_fails_loudly_and_is_never_undone(
 
 
 # 6 ------------------------------------------------------------------------------------------------
-
 
 def test_a_deleted_logs_number_and_metrics_are_never_reused(pct_target, cleanup, bystander):
     target = standin(pct_target)
@@ -442,23 +388,12 @@ def test_progress_counts_only_records_of_the_trainer_the_launch_started(pct_targ
     log = logs / "train-0001.log"
     log.write_text("starting\n")
     now = time.time()
-    old = [
-        {"v": 1, "event": "start", "time": now - 1000, "pid": 1, "total_steps": 1000},
-        {
-            "v": 1,
-            "event": "step",
-            "time": now - 900,
-            "step": 156,
-            "total_steps": 1000,
-            "loss": 1.0,
-            "tokens_per_s": 50000.0,
-            "eta_s": 10.0,
-        },
-    ]
+    old = [{"v": 1, "event": "start", "time": now - 1000, "pid": 1, "total_steps": 1000},
+           {"v": 1, "event": "step", "time": now - 900, "step": 156, "total_steps": 1000, "loss": 1.0,
+            "tokens_per_s": 50000.0, "eta_s": 10.0}]
     (logs / "train-0001.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
-    Path(jobpaths.state_file(target.job)).write_text(
-        json.dumps({"state": "running", "run": 1, "log": str(log), "since": int(now) - 1})
-    )
+    Path(jobpaths.state_file(target.job)).write_text(json.dumps(
+        {"state": "running", "run": 1, "log": str(log), "since": int(now) - 1}))
     in_ct(target, f"tmux -L {target.job.tmux_socket} new-session -d -s {target.job.session} 'sleep 300'")
     code, out, err = cli("status", "--json", inventory=inventory_of(target, tmp_path / "inv.json"))
     assert json.loads(out)["training"]["step"] is None, out  # never the old trainer's step 156
@@ -466,49 +401,25 @@ def test_progress_counts_only_records_of_the_trainer_the_launch_started(pct_targ
 
 # the job's lock -----------------------------------------------------------------------------------
 
-
-def test_two_relaunches_at_once_one_says_who_runs_and_touches_nothing(
-    pct_target, cleanup, bystander, tmp_path
-):
-    slow = (
-        tmp_path / "slow-trainer"
-    )  # the trainer starts 10 s late: the first relaunch holds the lock meanwhile
+def test_two_relaunches_at_once_one_says_who_runs_and_touches_nothing(pct_target, cleanup, bystander, tmp_path):
+    slow = tmp_path / "slow-trainer"  # the trainer starts 10 s late: the first relaunch holds the lock meanwhile
     slow.write_text(f'#!/bin/bash\ncase " $* " in *" -m trainer "*) sleep 10 ;; esac\nexec {STANDIN} "$@"\n')
     slow.chmod(0o755)
     target = named(standin(pct_target))
     target = dataclasses.replace(target, job=dataclasses.replace(target.job, python=str(slow)))
     cleanup(target)
     inventory = inventory_of(target, tmp_path / "inv.json")
-    argv = [
-        sys.executable,
-        "-m",
-        "dflash_ops",
-        "--inventory",
-        str(inventory),
-        "relaunch",
-        "-t",
-        target.name,
-        "--timeout",
-        "60",
-        "--grace",
-        "30",
-    ]
-    winner = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    argv = [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "relaunch", "-t", target.name,
+            "--timeout", "60", "--grace", "30"]
+    winner = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         seen = [winner.stdout.readline()]
         while "preflight ... ok" not in seen[-1]:  # the first relaunch is under way
             assert seen[-1], "".join(seen)
             seen.append(winner.stdout.readline())
         loser = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-        stop = subprocess.run(
-            [*argv[:5], "stop", "-t", target.name], capture_output=True, text=True, timeout=120
-        )
+        stop = subprocess.run([*argv[:5], "stop", "-t", target.name], capture_output=True, text=True, timeout=120)
         won_out, won_err = winner.communicate(timeout=240)
         won_out = "".join(seen) + won_out
     finally:
@@ -530,31 +441,14 @@ def test_the_lock_goes_with_a_command_that_dies(pct_target, cleanup, tmp_path):
     cleanup(target)
     inventory = inventory_of(target, tmp_path / "inv.json")
     lock = Path(jobpaths.lock_file(target.job))
-    argv = [
-        sys.executable,
-        "-m",
-        "dflash_ops",
-        "--inventory",
-        str(inventory),
-        "relaunch",
-        "-t",
-        target.name,
-        "--timeout",
-        "60",
-        "--grace",
-        "30",
-    ]
+    argv = [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "relaunch", "-t", target.name,
+            "--timeout", "60", "--grace", "30"]
     doomed = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(lambda: lock.exists() and lock.read_text().strip(), what="the relaunch to hold the lock")
     doomed.kill()  # SIGKILL: no cleanup of ours runs; the connection closes with the process
     doomed.wait()
-    result = wait_for(
-        lambda: (lambda r: r if r.returncode != 75 else None)(
-            subprocess.run(argv, capture_output=True, text=True, timeout=240)
-        ),
-        seconds=60,
-        what="the lock to go",
-    )
+    result = wait_for(lambda: (lambda r: r if r.returncode != 75 else None)(
+        subprocess.run(argv, capture_output=True, text=True, timeout=240)), seconds=60, what="the lock to go")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -570,15 +464,12 @@ def test_a_live_panes_pid_needs_proof_a_foreign_process_there_is_never_a_root():
         time.sleep(0.2)
         table = procs.process_table()
         started = procs.started_at(table, foreign.pid, procs.boot_time())
-        answer = "\n".join(
-            [
-                f"{foreign.pid}:0::{int(started) - 600}",  # alive per tmux, but started long after the session
-                f"{marked.pid}:0::{int(started) - 600}",  # the same, carrying the job's marker: the job's
-                f"{foreign.pid}:1:0:{int(started)}",  # dead: never a root, whenever it started
-                "garbage:line",
-                "12x:0::1",
-            ]
-        )
+        answer = "\n".join([
+            f"{foreign.pid}:0::{int(started) - 600}",  # alive per tmux, but started long after the session
+            f"{marked.pid}:0::{int(started) - 600}",  # the same, carrying the job's marker: the job's
+            f"{foreign.pid}:1:0:{int(started)}",  # dead: never a root, whenever it started
+            "garbage:line", "12x:0::1",
+        ])
         panes = procs.parse_panes(answer)
         assert [p["pid"] for p in panes] == [foreign.pid, marked.pid, foreign.pid]
         assert procs.owned_pane_roots(panes, table, marker) == [marked.pid]
@@ -595,26 +486,18 @@ def test_a_live_panes_pid_needs_proof_a_foreign_process_there_is_never_a_root():
 def test_metrics_records_of_the_wrong_types_read_as_absent():
     from dflash_ops.observe import logs
 
-    records = [
-        {"v": 1, "event": "start", "time": "soon", "total_steps": "many"},
-        {"v": 1, "event": "step", "time": 5.0, "step": 3, "total_steps": 9},
-        {"v": 1, "event": "step", "time": [], "step": "four", "total_steps": None, "loss": "low"},
-        {"v": 1, "event": "done", "time": {}, "reason": "max_steps"},
-    ]
+    records = [{"v": 1, "event": "start", "time": "soon", "total_steps": "many"},
+               {"v": 1, "event": "step", "time": 5.0, "step": 3, "total_steps": 9},
+               {"v": 1, "event": "step", "time": [], "step": "four", "total_steps": None, "loss": "low"},
+               {"v": 1, "event": "done", "time": {}, "reason": "max_steps"}]
     progress = logs.progress(records)
-    assert (progress.step, progress.total_steps, progress.loss, progress.start_time) == (
-        None,
-        None,
-        None,
-        None,
-    )
+    assert (progress.step, progress.total_steps, progress.loss, progress.start_time) == (None, None, None, None)
     assert progress.done_reason == "max_steps" and logs.step_rate(records) is None
 
 
 def test_an_unreachable_target_is_left_to_the_preflight_not_the_lock(silent_server, ssh_target):
-    target = dataclasses.replace(
-        ssh_target, ssh=dataclasses.replace(ssh_target.ssh, port=silent_server, connect_timeout_s=1.0)
-    )
+    target = dataclasses.replace(ssh_target, ssh=dataclasses.replace(ssh_target.ssh, port=silent_server,
+                                                                     connect_timeout_s=1.0))
     result = commands.relaunch(target, **quick())
     assert result.failed.step == "preflight" and "check 'reachable'" in result.failed.message
     assert "nothing was stopped" in result.failed.message
@@ -632,9 +515,7 @@ def test_the_pane_answer_reads_the_same_outside_a_utf8_locale(tmp_path, locale):
     try:
         bare = {k: v for k, v in os.environ.items() if not k.startswith(("LANG", "LC_"))}  # the C locale
         env = {**bare, **locale}
-        answer = subprocess.run(
-            procs.pane_command(socket, "job"), env=env, capture_output=True, text=True
-        ).stdout
+        answer = subprocess.run(procs.pane_command(socket, "job"), env=env, capture_output=True, text=True).stdout
         panes = procs.parse_panes(answer)
         assert len(panes) == 1 and not panes[0]["dead"] and panes[0]["created"], answer
         assert tmux.pane_problem(answer) is None

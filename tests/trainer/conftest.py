@@ -1,6 +1,5 @@
 """Fixtures the export tests share: the tiny-random target and a drafter whose weights every term of
 the computation depends on (module-scoped: each test module gets its own)."""
-
 from __future__ import annotations
 
 import pytest
@@ -20,11 +19,8 @@ def target():
 @pytest.fixture(scope="module")
 def drafter(target):
     torch.manual_seed(0)
-    model = DFlashDrafter(
-        DrafterConfig.for_target(target, num_layers=2, block_size=EXPORT_BLOCK),
-        target.embed_tokens,
-        target.lm_head,
-    )
+    model = DFlashDrafter(DrafterConfig.for_target(target, num_layers=2, block_size=EXPORT_BLOCK),
+                          target.embed_tokens, target.lm_head)
     with torch.no_grad():  # weights far from init, so every term of the computation matters
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

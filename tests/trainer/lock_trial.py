@@ -27,7 +27,6 @@ compile_lock.carry_step, as trainer.activation_checkpoint does. `--recompile-in-
 the compiled layer an int that differs in the recompute (a guard failure only there), so every
 thread's every step compiles inside its backward while the others run cached forwards.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -157,15 +156,8 @@ def run_race(args) -> dict:
                             if args.checkpoint:
                                 tag = 1 + step if args.recompile_in_recompute else 0
                                 run = carry_step(recompute_tagged(one_layer, tag))
-                                h = checkpoint(
-                                    run,
-                                    h,
-                                    w_in,
-                                    w_out,
-                                    block_mask,
-                                    use_reentrant=False,
-                                    preserve_rng_state=False,
-                                )
+                                h = checkpoint(run, h, w_in, w_out, block_mask, use_reentrant=False,
+                                               preserve_rng_state=False)
                             else:
                                 h = one_layer(h, w_in, w_out, block_mask)
                         h.pow(2).mean().backward()
@@ -291,9 +283,7 @@ def run_masks(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     race = sub.add_parser("race")
     race.add_argument("--mode", default="lock", choices=GUARD_MODES)
@@ -301,9 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     race.add_argument("--steps", type=int, default=5)
     race.add_argument("--repeat", type=int, default=1, help="steps per sequence length")
     race.add_argument(
-        "--stagger",
-        type=int,
-        default=1,
+        "--stagger", type=int, default=1,
         help="drafter i starts i*STAGGER steps ahead in the shape schedule, so at each step some "
         "threads compile while others run cached compiled calls",
     )
@@ -311,14 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     race.add_argument("--micro", type=int, default=10, help="micro-batches per step")
     race.add_argument("--hide-shapes", action="store_true", help="constant shape_key for the guard")
     race.add_argument("--no-mask-lock", action="store_true")
-    race.add_argument(
-        "--checkpoint", action="store_true", help="checkpoint each layer (recompute in backward)"
-    )
-    race.add_argument(
-        "--recompile-in-recompute",
-        action="store_true",
-        help="with --checkpoint: the recompute meets a guard failure and compiles",
-    )
+    race.add_argument("--checkpoint", action="store_true", help="checkpoint each layer (recompute in backward)")
+    race.add_argument("--recompile-in-recompute", action="store_true",
+                      help="with --checkpoint: the recompute meets a guard failure and compiles")
     race.add_argument("--no-emulate-old-torch", dest="emulate_old_torch", action="store_false")
     flag = sub.add_parser("flag")
     flag.add_argument("--mode", default="none", choices=COMPILE_LOCK_MODES)
@@ -329,12 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     masks.add_argument("--no-lock", action="store_true", help="builders skip MASK_LOCK")
     masks.add_argument("--compiles", type=int, default=0, help="a thread compiling N new shapes")
     masks.add_argument("--guard", default="lock", choices=COMPILE_LOCK_MODES)
-    parser.add_argument(
-        "--switch-interval",
-        type=float,
-        default=None,
-        help="sys.setswitchinterval (default: Python's own, 5 ms)",
-    )
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval (default: Python's own, 5 ms)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # several trials share two cores
     # Every step may bring a new shape: stay compiled rather than fall back to eager after 8.

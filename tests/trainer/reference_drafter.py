@@ -6,7 +6,6 @@ step: the cache holds the target features of every position before the anchor, t
 [anchor, MASK...] at the next positions, and nothing is masked. If trainer logits for a training
 block equal these, the export, the positions and the training mask all match inference.
 """
-
 from __future__ import annotations
 
 import json
@@ -26,10 +25,8 @@ class ReferenceDrafter:
         export_dir = Path(export_dir)
         self.config = json.loads((export_dir / CONFIG_FILE).read_text())
         if self.config.get("architectures") != [ARCHITECTURE]:
-            raise ValueError(
-                f"{export_dir}: architectures is {self.config.get('architectures')}, "
-                f"expected [{ARCHITECTURE!r}]"
-            )
+            raise ValueError(f"{export_dir}: architectures is {self.config.get('architectures')}, "
+                             f"expected [{ARCHITECTURE!r}]")
         self.w = {k: v.double() for k, v in load_file(str(export_dir / WEIGHTS_FILE)).items()}
         c = self.config
         self.num_layers = c["num_hidden_layers"]
@@ -47,16 +44,12 @@ class ReferenceDrafter:
         for i in range(self.num_layers):
             p = f"layers.{i}."
             expected |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-            expected |= {
-                p + f"self_attn.{n}.weight"
-                for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
-            }
+            expected |= {p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "q_norm", "k_norm")}
             expected |= {p + f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
         if set(self.w) != expected:
-            raise ValueError(
-                f"export weights differ from the DFlash layout: missing "
-                f"{sorted(expected - set(self.w))}, unexpected {sorted(set(self.w) - expected)}"
-            )
+            raise ValueError(f"export weights differ from the DFlash layout: missing "
+                             f"{sorted(expected - set(self.w))}, unexpected {sorted(set(self.w) - expected)}")
 
     def _rms(self, x, name):
         return self.w[name] * (x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + self.eps))
@@ -99,9 +92,8 @@ class ReferenceDrafter:
         positions_kv = list(range(ctx_len)) + positions_q
         for i in range(self.num_layers):
             p = f"layers.{i}."
-            x = x + self._attention(
-                i, self._rms(x, p + "input_layernorm.weight"), ctx, positions_q, positions_kv
-            )
+            x = x + self._attention(i, self._rms(x, p + "input_layernorm.weight"), ctx,
+                                    positions_q, positions_kv)
             h = self._rms(x, p + "post_attention_layernorm.weight")
             gate = h @ self.w[p + "mlp.gate_proj.weight"].T
             up = h @ self.w[p + "mlp.up_proj.weight"].T

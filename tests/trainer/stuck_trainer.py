@@ -7,7 +7,6 @@ inductor compile would): it writes MARKER_DIR/stuck when it is inside, then wait
 --hold-gil it waits until MARKER_DIR/hold-gil exists and then holds the GIL (a regex that
 backtracks for ever), so that not even the main thread can run Python any more.
 """
-
 from __future__ import annotations
 
 import os
@@ -61,6 +60,6 @@ def install(marker_dir: str, hold_gil: bool) -> None:
 
 if __name__ == "__main__":
     split = sys.argv.index("--")
-    own, trainer_args = sys.argv[1:split], sys.argv[split + 1 :]
+    own, trainer_args = sys.argv[1:split], sys.argv[split + 1:]
     install(own[0], "--hold-gil" in own)
     sys.exit(main(trainer_args))

@@ -1,5 +1,4 @@
 """Activation checkpointing of drafter layers: the same numbers, less kept, recompute under the lock."""
-
 from __future__ import annotations
 
 import json
@@ -83,17 +82,13 @@ def test_cuda_checkpointed_compiled_flex_gives_the_same_loss_and_gradients():
 
     device = "cuda"
     context, input_ids, anchors, valid = (t.to(device) for t in make_batch(seed=9, pad_blocks=1))
-    labels, label_mask = block_labels(
-        input_ids, torch.ones_like(input_ids, dtype=torch.bool), anchors, valid, BLOCK
-    )
+    labels, label_mask = block_labels(input_ids, torch.ones_like(input_ids, dtype=torch.bool), anchors, valid, BLOCK)
     results = {}
     for checkpointed in (False, True):
         drafter = make_drafter(seed=2, head_dim=16).to(device)  # fp32; flex kernels need head_dim >= 16
         drafter.checkpoint_layers = checkpointed
         mask = build_block_mask(anchors, valid, CTX, BLOCK, device)
-        loss, _ = drafter.loss(
-            drafter(context, input_ids, anchors, mask, backend="flex"), labels, label_mask, 7.0
-        )
+        loss, _ = drafter.loss(drafter(context, input_ids, anchors, mask, backend="flex"), labels, label_mask, 7.0)
         loss.backward()
         results[checkpointed] = (loss.detach(), {n: p.grad for n, p in drafter.named_parameters()})
     torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-6)
@@ -103,12 +98,9 @@ def test_cuda_checkpointed_compiled_flex_gives_the_same_loss_and_gradients():
 
 # ---- config --------------------------------------------------------------------------------
 
-
 def test_config_defaults_and_choices():
-    cfg = load_config(
-        "tiny-cpu",
-        {"train.activation_checkpointing": "layers", "run.compile_mode": "max-autotune-no-cudagraphs"},
-    )
+    cfg = load_config("tiny-cpu", {"train.activation_checkpointing": "layers",
+                                   "run.compile_mode": "max-autotune-no-cudagraphs"})
     assert cfg.train.activation_checkpointing == "layers"
     default = load_config("tiny-cpu", {})
     assert default.train.activation_checkpointing == "none" and default.run.compile_mode == "default"
@@ -129,7 +121,6 @@ def test_unknown_checkpointing_names_the_key_and_choices():
 
 
 # ---- the compile lock and the recompute, in process ---------------------------------------------
-
 
 @pytest.fixture
 def installed_guard():
@@ -195,12 +186,7 @@ def test_a_recompile_in_another_threads_recompute_waits_and_is_logged(installed_
     assert order == ["b leaves", "recompute done"]
     assert len(recompiles) == 1, events
     event = recompiles[0]
-    assert (event["thread"], event["step"], event["reason"], event["exclusive"]) == (
-        "a",
-        1,
-        "unpredicted",
-        True,
-    )
+    assert (event["thread"], event["step"], event["reason"], event["exclusive"]) == ("a", 1, "unpredicted", True)
     assert event["os_thread"] == "autograd-worker"
     # every thread's next step is exclusive again after an unpredicted compile
     with guard.step("b", 2, (1,), device="cuda:2"):
@@ -213,53 +199,26 @@ def test_a_recompute_beside_steps_on_its_own_gpu_does_not_wait_for_itself(instal
     recompiles, order, finished_before_b = _recompute_elsewhere(guard, events, ("cuda:0", "cuda:0"), 7)
     assert finished_before_b and order == ["recompute done", "b leaves"]
     event = recompiles[0]
-    assert (event["thread"], event["reason"], event["exclusive"]) == (
-        "a",
-        "recompute_beside_same_device_steps",
-        False,
-    )
+    assert (event["thread"], event["reason"], event["exclusive"]) == ("a", "recompute_beside_same_device_steps", False)
     from trainer.train.compile_lock import compile_reason
 
-    assert (
-        compile_reason(event) == "recompute_beside_same_device_steps, in checkpoint recompute, NOT exclusive"
-    )
+    assert compile_reason(event) == "recompute_beside_same_device_steps, in checkpoint recompute, NOT exclusive"
     with guard.step("a", 2, (1,), device="cuda:0"):
         assert guard._lock.writer is not None
 
 
 # ---- the race in checkpoint recompute, end to end (fresh processes, older-torch emulation) -------
 
-RECOMPUTE_TRIAL = (
-    "race",
-    "--checkpoint",
-    "--recompile-in-recompute",
-    "--repeat",
-    "100",
-    "--steps",
-    "2",
-    "--micro",
-    "6",
-    "--layers",
-    "3",
-)
+RECOMPUTE_TRIAL = ("race", "--checkpoint", "--recompile-in-recompute", "--repeat", "100", "--steps", "2",
+                   "--micro", "6", "--layers", "3")
 
 
 def _start_trial(tmp_path, mode: str) -> subprocess.Popen:
     cache = tmp_path / f"cache-{mode}-{time.monotonic_ns()}"
-    env = dict(
-        os.environ,
-        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-        TRITON_CACHE_DIR=str(cache / "triton"),
-        PYTHONPATH=REPO,
-    )
-    return subprocess.Popen(
-        [sys.executable, TRIAL, *RECOMPUTE_TRIAL, "--mode", mode],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"),
+               PYTHONPATH=REPO)
+    return subprocess.Popen([sys.executable, TRIAL, *RECOMPUTE_TRIAL, "--mode", mode], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _result(proc: subprocess.Popen, timeout: float = 240) -> dict:
@@ -271,7 +230,7 @@ def _result(proc: subprocess.Popen, timeout: float = 240) -> dict:
         return {"hang": True, "errors": [{"kind": "hang", "step": None}], "compiles": []}
     for line in out.splitlines():
         if line.startswith("TRIAL_RESULT "):
-            return json.loads(line[len("TRIAL_RESULT ") :])
+            return json.loads(line[len("TRIAL_RESULT "):])
     raise AssertionError(f"trial printed no result (rc {proc.returncode}):\n{err[-3000:]}")
 
 
@@ -286,13 +245,9 @@ def test_recompiles_in_checkpoint_recompute_race_unless_the_full_lock_covers_the
     result, unprotected = _result(locked), _result(baseline)
     if not unprotected["errors"]:  # the race is timing-dependent: one more chance
         unprotected = _result(_start_trial(tmp_path, "first-step"))
-    assert unprotected["errors"], (
-        "recompute compiles never raced without the full lock: the trial proves nothing"
-    )
-    assert all(
-        e["kind"] in ("fx_tracing", "hang") and (e["step"] is None or e["step"] >= 1)
-        for e in unprotected["errors"]
-    ), unprotected["errors"]
+    assert unprotected["errors"], "recompute compiles never raced without the full lock: the trial proves nothing"
+    assert all(e["kind"] in ("fx_tracing", "hang") and (e["step"] is None or e["step"] >= 1)
+               for e in unprotected["errors"]), unprotected["errors"]
 
     assert result["errors"] == [], result["errors"]
     compiles = result["compiles"]

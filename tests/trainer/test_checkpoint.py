@@ -1,5 +1,4 @@
 """Checkpoints: full round trip, keep-last-K, and a kill -9 mid-save leaves the last good one."""
-
 from __future__ import annotations
 
 import os
@@ -21,17 +20,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def save_step(out, step, keep_last=3, size=8):
     return ck.save_checkpoint(
-        str(out),
-        step,
-        weights={"fc.weight": torch.full((size, size), float(step))},
+        str(out), step, weights={"fc.weight": torch.full((size, size), float(step))},
         optimizer={"state": {}, "param_groups": [{"lr": 0.1 * step, "params": [0]}]},
-        scheduler={"last_epoch": step},
-        data_position={"step": step, "epoch": 0, "position": step},
-        rng=ck.rng_state(["cpu"]),
-        config={"saved_step": step},
-        drafter_config={"hidden_size": size},
-        keep_last=keep_last,
-    )
+        scheduler={"last_epoch": step}, data_position={"step": step, "epoch": 0, "position": step},
+        rng=ck.rng_state(["cpu"]), config={"saved_step": step}, drafter_config={"hidden_size": size},
+        keep_last=keep_last)
 
 
 def test_round_trip_restores_weights_optimizer_schedule_and_rng(tmp_path):
@@ -43,18 +36,9 @@ def test_round_trip_restores_weights_optimizer_schedule_and_rng(tmp_path):
     sched.step()
     random.seed(5)
     torch.manual_seed(5)
-    path = ck.save_checkpoint(
-        str(tmp_path),
-        12,
-        weights=model.state_dict(),
-        optimizer=opt.state_dict(),
-        scheduler=sched.state_dict(),
-        data_position={"step": 12, "epoch": 1, "position": 2},
-        rng=ck.rng_state(["cpu"]),
-        config={"a": 1},
-        drafter_config={"b": 2},
-        keep_last=2,
-    )
+    path = ck.save_checkpoint(str(tmp_path), 12, weights=model.state_dict(), optimizer=opt.state_dict(),
+                              scheduler=sched.state_dict(), data_position={"step": 12, "epoch": 1, "position": 2},
+                              rng=ck.rng_state(["cpu"]), config={"a": 1}, drafter_config={"b": 2}, keep_last=2)
     expected_draws = (random.random(), torch.rand(3))
     assert path == str(tmp_path / "checkpoints" / "step-0000012")
 
@@ -95,18 +79,9 @@ def test_latest_ignores_temp_and_incomplete_directories(tmp_path):
 
 def test_saving_the_same_step_again_replaces_it(tmp_path):
     save_step(tmp_path, 3)
-    ck.save_checkpoint(
-        str(tmp_path),
-        3,
-        weights={"fc.weight": torch.zeros(2)},
-        optimizer={},
-        scheduler={},
-        data_position={},
-        rng=ck.rng_state(["cpu"]),
-        config={"again": True},
-        drafter_config={},
-        keep_last=3,
-    )
+    ck.save_checkpoint(str(tmp_path), 3, weights={"fc.weight": torch.zeros(2)}, optimizer={}, scheduler={},
+                       data_position={}, rng=ck.rng_state(["cpu"]), config={"again": True},
+                       drafter_config={}, keep_last=3)
     state = ck.load_checkpoint(ck.latest_checkpoint(str(tmp_path)))
     assert state.config == {"again": True} and torch.equal(state.weights["fc.weight"], torch.zeros(2))
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-0000003"]
@@ -159,9 +134,8 @@ CHILD = textwrap.dedent("""
 def start_child(tmp_path, mode):
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(repo=str(REPO)), encoding="utf-8")
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path / "run"), mode], stdout=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), mode],
+                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "saved 1"
     return proc
 

@@ -1,5 +1,4 @@
 """dflash-train input errors: one line naming the flag or path and the fix, exit 2, before torch loads."""
-
 from __future__ import annotations
 
 import json
@@ -26,37 +25,22 @@ print(json.dumps({"rc": rc, "torch": "torch" in sys.modules}))
 
 def cli(*args):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env,
+                          timeout=120)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     return result["rc"], result["torch"], proc.stderr
 
 
-@pytest.mark.parametrize(
-    "args, expected",
-    [
-        (["--config", "tiny-cpu", "--max-steps", "-5"], "argument --max-steps: must be at least 1, got -5"),
-        (["--config", "tiny-cpu", "--max-steps", "many"], "argument --max-steps: expected a whole number"),
-        (["--config", "no-such-config"], "config file 'no-such-config' not found"),
-        (
-            ["--config", "tiny-cpu", "--set", "train.precision=fp16"],
-            "`train.precision` must be one of fp32, bf16-mixed",
-        ),
-        (
-            ["--config", "tiny-cpu", "--output-dir", "/proc/forbidden"],
-            "output dir '/proc/forbidden' (--output-dir / run.output_dir): cannot create it",
-        ),
-        (
-            ["export", "--checkpoint", "/nonexistent", "--out", "x"],
-            "--checkpoint /nonexistent: no such file or directory",
-        ),
-        (
-            ["--config", "tiny-cpu", "--output-dir", "{tmp}/run", "--resume"],
-            "--resume latest: no checkpoint in",
-        ),
-    ],
-)
+@pytest.mark.parametrize("args, expected", [
+    (["--config", "tiny-cpu", "--max-steps", "-5"], "argument --max-steps: must be at least 1, got -5"),
+    (["--config", "tiny-cpu", "--max-steps", "many"], "argument --max-steps: expected a whole number"),
+    (["--config", "no-such-config"], "config file 'no-such-config' not found"),
+    (["--config", "tiny-cpu", "--set", "train.precision=fp16"], "`train.precision` must be one of fp32, bf16-mixed"),
+    (["--config", "tiny-cpu", "--output-dir", "/proc/forbidden"],
+     "output dir '/proc/forbidden' (--output-dir / run.output_dir): cannot create it"),
+    (["export", "--checkpoint", "/nonexistent", "--out", "x"], "--checkpoint /nonexistent: no such file or directory"),
+    (["--config", "tiny-cpu", "--output-dir", "{tmp}/run", "--resume"], "--resume latest: no checkpoint in"),
+])
 def test_input_errors_are_one_line_exit_2_and_come_before_torch(args, expected, tmp_path):
     rc, torch_loaded, stderr = cli(*[arg.replace("{tmp}", str(tmp_path)) for arg in args])
     assert rc == 2
@@ -80,9 +64,7 @@ def test_export_of_a_missing_path_suggests_only_export_flags(tmp_path):
 
 def test_export_of_a_run_without_checkpoints_says_so(tmp_path):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    rc, torch_loaded, stderr = cli(
-        "export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "x")
-    )
+    rc, torch_loaded, stderr = cli("export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "x"))
     assert rc == 2 and not torch_loaded
     assert "no complete checkpoint in" in stderr and "--resume" not in stderr
 
@@ -90,26 +72,9 @@ def test_export_of_a_run_without_checkpoints_says_so(tmp_path):
 def test_written_weights_follow_the_umask(tmp_path):
     from trainer.cli.main import main
 
-    common = [
-        "--config",
-        "tiny-cpu",
-        "--max-steps",
-        "1",
-        "--output-dir",
-        str(tmp_path / "run"),
-        "--set",
-        "data.seq_len=32",
-        "--set",
-        "data.synthetic.num_samples=16",
-        "--set",
-        "train.epochs=30",
-        "--set",
-        "train.batch_size=2",
-        "--set",
-        "train.num_anchors=6",
-        "--set",
-        "run.torch_threads=1",
-    ]
+    common = ["--config", "tiny-cpu", "--max-steps", "1", "--output-dir", str(tmp_path / "run"),
+              "--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.epochs=30", "--set", "train.batch_size=2",
+              "--set", "train.num_anchors=6", "--set", "run.torch_threads=1"]
     previous = os.umask(0o022)
     try:
         assert main(common) == 0
@@ -117,11 +82,8 @@ def test_written_weights_follow_the_umask(tmp_path):
     finally:
         os.umask(previous)
     step = tmp_path / "run" / "checkpoints" / "step-0000001"
-    modes = {
-        p.name: oct(p.stat().st_mode & 0o777)
-        for p in [*step.iterdir(), *(tmp_path / "export").iterdir()]
-        if p.is_file()
-    }
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in [*step.iterdir(), *(tmp_path / "export").iterdir()]
+             if p.is_file()}
     assert set(modes.values()) == {"0o644"}, modes
     assert {"drafter.safetensors", "model.safetensors", "config.json"} <= set(modes)
 

@@ -1,5 +1,4 @@
 """dflash-train end to end: deployed as a bare package dir, SIGTERM, resume, export, exit codes."""
-
 from __future__ import annotations
 
 import json
@@ -22,20 +21,8 @@ from trainer.cli.main import main
 pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = [
-    "--set",
-    "data.seq_len=32",
-    "--set",
-    "data.synthetic.num_samples=16",
-    "--set",
-    "train.epochs=30",
-    "--set",
-    "train.batch_size=2",
-    "--set",
-    "train.num_anchors=6",
-    "--set",
-    "run.log_every=1",
-]
+SMALL = ["--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.epochs=30", "--set", "train.batch_size=2",
+         "--set", "train.num_anchors=6", "--set", "run.log_every=1"]
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +36,8 @@ def release(tmp_path_factory):
 def run_trainer(release, cwd, *args, timeout=180):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(release)
-    return subprocess.run(
-        [sys.executable, "-m", "trainer", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def stop_watchdogs_of(pid: int) -> list[int]:
@@ -75,9 +56,7 @@ def stop_watchdogs_of(pid: int) -> list[int]:
 
 def alive(pid: int) -> bool:
     try:
-        return (
-            Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        )  # a zombie has exited
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
     except OSError:
         return False
 
@@ -90,19 +69,8 @@ def test_deployed_trainer_trains_resumes_and_exports(release, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     # 1. a first run of 3 steps, metrics where dflash-ops asks for them
-    first = run_trainer(
-        release,
-        work,
-        "--config",
-        "tiny-cpu",
-        "--output-dir",
-        "run",
-        "--max-steps",
-        "3",
-        "--metrics-file",
-        "logs/train-0001.metrics.jsonl",
-        *SMALL,
-    )
+    first = run_trainer(release, work, "--config", "tiny-cpu", "--output-dir", "run", "--max-steps", "3",
+                        "--metrics-file", "logs/train-0001.metrics.jsonl", *SMALL)
     assert first.returncode == 0, first.stderr
     assert "compile lock: lock" in first.stdout and "step 3/3" in first.stdout
     assert f"({release}/trainer/configs/tiny-cpu.yaml)" in first.stdout  # the deployed copy ran
@@ -111,24 +79,10 @@ def test_deployed_trainer_trains_resumes_and_exports(release, tmp_path):
     assert not (work / "run" / "metrics.jsonl").exists()
 
     # 2. --resume (latest) with a longer run continues at step 4
-    second = run_trainer(
-        release,
-        work,
-        "--config",
-        "tiny-cpu",
-        "--output-dir",
-        "run",
-        "--max-steps",
-        "5",
-        "--resume",
-        "--metrics-file",
-        "logs/train-0002.metrics.jsonl",
-        *SMALL,
-    )
+    second = run_trainer(release, work, "--config", "tiny-cpu", "--output-dir", "run", "--max-steps", "5",
+                         "--resume", "--metrics-file", "logs/train-0002.metrics.jsonl", *SMALL)
     assert second.returncode == 0, second.stderr
-    steps = [
-        r["step"] for r in read_records(work / "logs" / "train-0002.metrics.jsonl") if r["event"] == "step"
-    ]
+    steps = [r["step"] for r in read_records(work / "logs" / "train-0002.metrics.jsonl") if r["event"] == "step"]
     assert steps == [4, 5] and "resuming after step 3" in second.stdout
 
     # 3. export the latest checkpoint in the inference format
@@ -152,27 +106,9 @@ def test_a_stop_signal_finishes_the_step_checkpoints_and_exits_cleanly(release, 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(release)
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "--config",
-            "tiny-cpu",
-            "--output-dir",
-            "run",
-            "--max-steps",
-            "100000",
-            "--metrics-file",
-            str(metrics),
-            *SMALL,
-        ],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", "tiny-cpu", "--output-dir", "run",
+                             "--max-steps", "100000", "--metrics-file", str(metrics), *SMALL],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # wait for training to be under way
@@ -219,21 +155,9 @@ def test_bad_override_exits_2(tmp_path, capsys):
 
 def test_bad_data_exits_2_naming_file_and_line(tmp_path, capsys):
     data = tmp_path / "train.jsonl"
-    data.write_text(
-        '{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}\n{"input_ids": [1, 2], "loss_mask": [1]}\n'
-    )
-    code = main(
-        [
-            "--config",
-            "tiny-cpu",
-            "--output-dir",
-            str(tmp_path / "run"),
-            "--set",
-            "data.source=jsonl",
-            "--set",
-            f"data.path={data}",
-        ]
-    )
+    data.write_text('{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}\n{"input_ids": [1, 2], "loss_mask": [1]}\n')
+    code = main(["--config", "tiny-cpu", "--output-dir", str(tmp_path / "run"), "--set", "data.source=jsonl",
+                 "--set", f"data.path={data}"])
     err = capsys.readouterr().err
     assert code == 2 and f"{data}:2:" in err and "loss_mask has 1 entries" in err
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -291,10 +215,7 @@ def test_hostile_paths_are_just_paths(tmp_path, capsys):
 
 def test_a_set_value_is_read_by_the_config_files_rules(tmp_path, capsys):
     """`off` is text on the command line too (YAML 1.2), so it is refused as the file would refuse it."""
-    assert (
-        main(["--config", "tiny-cpu", "--output-dir", str(tmp_path / "run"), "--set", "run.compile_lock=off"])
-        == 2
-    )
+    assert main(["--config", "tiny-cpu", "--output-dir", str(tmp_path / "run"), "--set", "run.compile_lock=off"]) == 2
     err = capsys.readouterr().err
     assert "`run.compile_lock`" in err and "'off'" in err, err
     assert not (tmp_path / "run").exists()

@@ -5,7 +5,6 @@ inductor cache, emulating the older-torch behaviour that exposes the race (see t
 Unprotected and first-step-only runs must fail at least once: that is the proof the trials can
 fail at all. The full lock must come out clean in every trial.
 """
-
 from __future__ import annotations
 
 import json
@@ -39,21 +38,16 @@ def run_trial(tmp_path, *args: str, timeout: float = TRIAL_TIMEOUT_S) -> dict:
     """One trial in a fresh process with a fresh, empty inductor/triton cache."""
     cache = tmp_path / f"cache-{time.monotonic_ns()}"
     cache.mkdir()
-    env = dict(
-        os.environ,
-        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-        TRITON_CACHE_DIR=str(cache / "triton"),
-        PYTHONPATH=REPO,
-    )
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
+               TRITON_CACHE_DIR=str(cache / "triton"), PYTHONPATH=REPO)
     try:
-        proc = subprocess.run(
-            [sys.executable, TRIAL, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
-        )
+        proc = subprocess.run([sys.executable, TRIAL, *args], capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd=REPO)
     except subprocess.TimeoutExpired:
         return {"hang": True, "errors": [{"kind": "hang", "step": None}]}
     for line in proc.stdout.splitlines():
         if line.startswith("TRIAL_RESULT "):
-            return json.loads(line[len("TRIAL_RESULT ") :])
+            return json.loads(line[len("TRIAL_RESULT "):])
     raise AssertionError(f"trial {args} printed no result (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
@@ -69,7 +63,6 @@ def failures_within(tmp_path, trials: int, *args: str) -> list[dict]:
 
 
 # ---- the FX-tracing race, end to end ---------------------------------------------------------
-
 
 def test_unprotected_drafter_threads_hit_the_fx_tracing_race(tmp_path):
     failed = failures_within(tmp_path, 4, "race", "--mode", "none")
@@ -122,12 +115,8 @@ def test_lock_catches_recompiles_nobody_announced(tmp_path):
 @pytest.mark.skipif(not os.environ.get("DFLASH_LONG_RACE"), reason="~3 min; set DFLASH_LONG_RACE=1")
 def test_full_lock_clean_over_many_trials_and_modes_compared(tmp_path):
     counts = {}
-    for mode, extra, trials in (
-        ("lock", (), 12),
-        ("lock", ("--hide-shapes",), 8),
-        ("first-step", (), 6),
-        ("none", (), 6),
-    ):
+    for mode, extra, trials in (("lock", (), 12), ("lock", ("--hide-shapes",), 8),
+                                ("first-step", (), 6), ("none", (), 6)):
         results = [run_trial(tmp_path, "race", "--mode", mode, *extra) for _ in range(trials)]
         counts[(mode, extra)] = sum(bool(r["errors"]) for r in results)
     print(counts)
@@ -136,7 +125,6 @@ def test_full_lock_clean_over_many_trials_and_modes_compared(tmp_path):
 
 
 # ---- deterministic: the global flag ------------------------------------------------------------
-
 
 def test_set_fx_flag_breaks_a_compiled_call_without_the_patch(tmp_path):
     result = run_trial(tmp_path, "flag", "--mode", "none")
@@ -175,7 +163,6 @@ def test_assert_fx_flag_clear_in_process():
 
 # ---- the mask race -----------------------------------------------------------------------------
 
-
 def test_create_block_mask_next_to_compiles_needs_the_lock(tmp_path):
     """Builders under MASK_LOCK still break when another thread compiles, unless compiles hold it."""
     args = ("masks", "--threads", "2", "--iters", "20", "--compiles", "12")
@@ -197,7 +184,6 @@ def test_concurrent_mask_builders_under_mask_lock(tmp_path):
 
 
 # ---- the lock's rules, in process (no compiling, fast) -----------------------------------------
-
 
 def _run_in_thread(fn):
     thread = threading.Thread(target=fn, daemon=True)
@@ -393,7 +379,6 @@ def test_mask_lock_is_one_process_wide_reentrant_lock():
 
 # ---- compile detection, in process (backend "eager": dynamo only, ~1 s) -------------------------
 
-
 @pytest.fixture
 def installed_guard():
     events = []
@@ -409,9 +394,7 @@ def test_every_compile_is_logged_with_thread_step_reason_and_duration(installed_
         with guard.step("drafter0", step, (n,)):
             compiled(torch.randn(n))
     assert [(e["thread"], e["step"], e["reason"]) for e in events] == [
-        ("drafter0", 0, "first_step"),
-        ("drafter0", 2, "new_shape"),
-    ]
+        ("drafter0", 0, "first_step"), ("drafter0", 2, "new_shape")]
     assert all(e["event"] == "compile" and e["duration_s"] > 0 for e in events)
     assert guard.events == events
 
@@ -451,7 +434,6 @@ def test_an_unannounced_compile_waits_for_the_other_steps(installed_guard):
 
 # ---- the benchmark scripts (the GPU runs use the same code) -------------------------------------
 
-
 def _load_benchmark(name: str):
     import importlib.util
 
@@ -463,20 +445,8 @@ def _load_benchmark(name: str):
 
 def test_throughput_flop_count_by_hand():
     bench = _load_benchmark("train_throughput")
-    dims = dict(
-        hidden=2,
-        heads=1,
-        kv_heads=1,
-        head_dim=2,
-        intermediate=4,
-        layers=1,
-        block=2,
-        anchors=1,
-        ctx=3,
-        vocab=5,
-        target_layers=1,
-        batch=1,
-    )
+    dims = dict(hidden=2, heads=1, kv_heads=1, head_dim=2, intermediate=4, layers=1, block=2,
+                anchors=1, ctx=3, vocab=5, target_layers=1, batch=1)
     # One valid block anchored at 2: each of its 2 queries sees context 0,1 and both block keys.
     pairs = bench.visible_pairs(torch.tensor([[2]]), torch.tensor([[True]]), 2)
     assert pairs == 8
@@ -484,12 +454,7 @@ def test_throughput_flop_count_by_hand():
     # = 208 forward, x3 with backward; attention 4*2*1*8 = 64, x3; fc 2*3*2*2 = 24, x2 (weight
     # grad only); lm_head on 1 trained row 2*1*2*5 = 20, x2 (input grad only).
     assert bench.step_flops(dims, pairs) == {
-        "layers_linear": 624,
-        "attention": 192,
-        "fc": 48,
-        "lm_head": 40,
-        "total": 904,
-    }
+        "layers_linear": 624, "attention": 192, "fc": 48, "lm_head": 40, "total": 904}
 
 
 def test_throughput_pair_count_matches_the_trainer_mask():
@@ -506,25 +471,10 @@ def test_throughput_pair_count_matches_the_trainer_mask():
 
 def test_throughput_small_run_end_to_end(tmp_path):
     out = tmp_path / "throughput.md"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "benchmarks", "train_throughput.py"),
-            "--small",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--parts",
-            "compiled,first-step,checkpointing",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=REPO,
-    )
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "train_throughput.py"), "--small",
+                           "--steps", "2", "--warmup", "1", "--parts", "compiled,first-step,checkpointing",
+                           "--out", str(out)],
+                          capture_output=True, text=True, timeout=180, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     text = out.read_text()
     assert "| sdpa |" in text and "MFU" in text and "| lock |" in text and "| none |" in text, text
@@ -540,34 +490,11 @@ def test_throughput_small_run_end_to_end(tmp_path):
 
 def test_race_harness_runs_and_writes_its_table(tmp_path):
     out = tmp_path / "race.md"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "benchmarks", "race_harness.py"),
-            "--mode",
-            "lock",
-            "--trials",
-            "1",
-            "--threads",
-            "2",
-            "--timeout",
-            "120",
-            "--device",
-            "cpu",
-            "--compile-backend",
-            "aot_eager",
-            "--emulate-old-torch",
-            "--steps",
-            "2",
-            "--recompile",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=REPO,
-    )
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "race_harness.py"),
+                           "--mode", "lock", "--trials", "1", "--threads", "2", "--timeout", "120",
+                           "--device", "cpu", "--compile-backend", "aot_eager", "--emulate-old-torch",
+                           "--steps", "2", "--recompile", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     text = out.read_text()
     assert "| lock | 1 | 1 | 0 | 0 | 0 | 0 | 0 |" in text, text

@@ -1,5 +1,4 @@
 """Trainer config: bundled files load, overrides apply, bad values name the key and the fix."""
-
 from __future__ import annotations
 
 import textwrap
@@ -36,27 +35,17 @@ def test_bundled_names_resolve_to_the_packaged_files():
 
 
 def test_gpu_config_runs_on_cpu_devices_with_sdpa():
-    cfg = load_config(
-        "gpu-paper", {"target_devices": "cpu", "drafter_devices": "cpu,cpu,cpu", "attention": "sdpa"}
-    )
+    cfg = load_config("gpu-paper", {"target_devices": "cpu", "drafter_devices": "cpu,cpu,cpu",
+                                    "attention": "sdpa"})
     assert cfg.run.drafter_devices == ["cpu", "cpu", "cpu"]
     check_devices(cfg)  # cpu always exists
 
 
 def test_cli_style_overrides_land_in_their_sections(tmp_path):
-    cfg = load_config(
-        write(tmp_path, MINIMAL),
-        {
-            "output_dir": "/x/run",
-            "max_steps": 7,
-            "resume": "latest",
-            "compile_lock": "none",
-            "seed": 3,
-            "metrics_file": "/x/m.jsonl",
-            "train.lr": "6e-4",
-            "data.synthetic.num_samples": 9,
-        },
-    )
+    cfg = load_config(write(tmp_path, MINIMAL), {
+        "output_dir": "/x/run", "max_steps": 7, "resume": "latest", "compile_lock": "none",
+        "seed": 3, "metrics_file": "/x/m.jsonl", "train.lr": "6e-4", "data.synthetic.num_samples": 9,
+    })
     assert cfg.run.output_dir == "/x/run" and cfg.train.max_steps == 7 and cfg.run.resume == "latest"
     assert cfg.run.compile_lock == "none" and cfg.train.seed == 3
     assert cfg.metrics_path == "/x/m.jsonl"
@@ -69,24 +58,21 @@ def test_metrics_file_defaults_into_output_dir(tmp_path):
     assert cfg.metrics_path == "/runs/a/metrics.jsonl"
 
 
-@pytest.mark.parametrize(
-    "yaml_text, key, fix",
-    [
-        ("train: {lrr: 0.1}", "train.lrr", "train.lr"),
-        ("train: {lr: fast}", "train.lr", "number"),
-        ("train: {max_steps: 2.5}", "train.max_steps", "whole number"),
-        ("run: {attention: flash}", "run.attention", "flex, sdpa"),
-        ("run: {compile_lock: maybe}", "run.compile_lock", "lock, none, patch"),
-        ("run: {drafter_devices: [gpu1]}", "run.drafter_devices", "cuda:N"),
-        ("run: {drafter_devices: []}", "run.drafter_devices", "at least one"),
-        ("data: {source: jsonl}", "data.path", ".jsonl"),
-        ("train: {warmup_frac: 1.5}", "train.warmup_frac", "0.04"),
-        ("drafter: {num_heads: 6, num_kv_heads: 4}", "drafter.num_kv_heads", "divide"),
-        ("data: {source: synthetic, seq_len: 0}", "data.seq_len", "at least 1"),
-        ("train: {betas: 0.9}", "train.betas", "list"),
-        ("wat: 1", "wat", "target, drafter, data, train, run"),
-    ],
-)
+@pytest.mark.parametrize("yaml_text, key, fix", [
+    ("train: {lrr: 0.1}", "train.lrr", "train.lr"),
+    ("train: {lr: fast}", "train.lr", "number"),
+    ("train: {max_steps: 2.5}", "train.max_steps", "whole number"),
+    ("run: {attention: flash}", "run.attention", "flex, sdpa"),
+    ("run: {compile_lock: maybe}", "run.compile_lock", "lock, none, patch"),
+    ("run: {drafter_devices: [gpu1]}", "run.drafter_devices", "cuda:N"),
+    ("run: {drafter_devices: []}", "run.drafter_devices", "at least one"),
+    ("data: {source: jsonl}", "data.path", ".jsonl"),
+    ("train: {warmup_frac: 1.5}", "train.warmup_frac", "0.04"),
+    ("drafter: {num_heads: 6, num_kv_heads: 4}", "drafter.num_kv_heads", "divide"),
+    ("data: {source: synthetic, seq_len: 0}", "data.seq_len", "at least 1"),
+    ("train: {betas: 0.9}", "train.betas", "list"),
+    ("wat: 1", "wat", "target, drafter, data, train, run"),
+])
 def test_bad_values_name_the_key_and_the_fix(tmp_path, yaml_text, key, fix):
     if not yaml_text.startswith("data:"):  # everything else needs valid data to get that far
         yaml_text = "data: {source: synthetic}\n" + yaml_text
@@ -162,19 +148,12 @@ def test_a_section_written_twice_is_refused(tmp_path):
         load_config(path, {})
 
 
-@pytest.mark.parametrize(
-    "yaml_text, line, key",
-    [
-        ("data: {source: synthetic}\ntrain:\n  lrr: 0.1\n", 3, "train.lrr"),  # unknown key
-        (
-            "data: {source: synthetic}\ntrain:\n  seed: 1\n  max_steps: 2.5\n",
-            4,
-            "train.max_steps",
-        ),  # wrong type
-        ("data: {source: synthetic}\nrun:\n  attention: flash\n", 3, "run.attention"),  # a cross-field check
-        ("data:\n  source: synthetic\n  seq_len: 0\n", 3, "data.seq_len"),
-    ],
-)
+@pytest.mark.parametrize("yaml_text, line, key", [
+    ("data: {source: synthetic}\ntrain:\n  lrr: 0.1\n", 3, "train.lrr"),  # unknown key
+    ("data: {source: synthetic}\ntrain:\n  seed: 1\n  max_steps: 2.5\n", 4, "train.max_steps"),  # wrong type
+    ("data: {source: synthetic}\nrun:\n  attention: flash\n", 3, "run.attention"),  # a cross-field check
+    ("data:\n  source: synthetic\n  seq_len: 0\n", 3, "data.seq_len"),
+])
 def test_bad_values_name_their_line(tmp_path, yaml_text, line, key):
     path = write(tmp_path, yaml_text)
     with pytest.raises(ConfigError) as err:

@@ -1,5 +1,4 @@
 """Training data: JSONL records, chat templates, bad records named by file:line, deterministic order."""
-
 from __future__ import annotations
 
 import json
@@ -15,24 +14,19 @@ VOCAB = 100
 
 def write_jsonl(tmp_path, records, name="d.jsonl"):
     path = tmp_path / name
-    path.write_text(
-        "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8"
-    )
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records),
+                    encoding="utf-8")
     return str(path)
 
 
 # ---- pre-tokenized ------------------------------------------------------------------------
 
-
 def test_records_are_padded_and_truncated_to_seq_len(tmp_path):
-    path = write_jsonl(
-        tmp_path,
-        [
-            {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
-            {"input_ids": list(range(10, 20)), "loss_mask": [1] * 10},
-            "",  # blank lines are allowed
-        ],
-    )
+    path = write_jsonl(tmp_path, [
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
+        {"input_ids": list(range(10, 20)), "loss_mask": [1] * 10},
+        "",  # blank lines are allowed
+    ])
     ds = load_jsonl(path, seq_len=6, vocab_size=VOCAB, pad_id=99)
     assert ds.input_ids.tolist() == [[5, 6, 7, 99, 99, 99], [10, 11, 12, 13, 14, 15]]
     assert ds.loss_mask.tolist() == [[False, True, True, False, False, False], [True] * 6]
@@ -40,23 +34,17 @@ def test_records_are_padded_and_truncated_to_seq_len(tmp_path):
     assert ds.input_ids.dtype == torch.long and ds.loss_mask.dtype == torch.bool
 
 
-@pytest.mark.parametrize(
-    "bad, says",
-    [
-        ('{"input_ids": [1, 2], "loss_mask": [1]', "not valid JSON"),
-        ({"input_ids": [1, 2], "loss_mask": [1]}, "loss_mask has 1 entries but input_ids has 2"),
-        ({"input_ids": [1, 2]}, "loss_mask is missing"),
-        ({"input_ids": [1, "x"], "loss_mask": [1, 1]}, "list of integers"),
-        ({"input_ids": [1, 2], "loss_mask": [1, 2]}, "0/1"),
-        (
-            {"input_ids": [1, 100], "loss_mask": [1, 1]},
-            "input_ids[1] = 100 is outside the target's vocabulary",
-        ),
-        ({"text": "hello"}, "expected"),
-        ([1, 2, 3], "JSON object"),
-        ({"messages": [{"role": "user", "content": "hi"}]}, "no tokenizer"),
-    ],
-)
+@pytest.mark.parametrize("bad, says", [
+    ('{"input_ids": [1, 2], "loss_mask": [1]', "not valid JSON"),
+    ({"input_ids": [1, 2], "loss_mask": [1]}, "loss_mask has 1 entries but input_ids has 2"),
+    ({"input_ids": [1, 2]}, "loss_mask is missing"),
+    ({"input_ids": [1, "x"], "loss_mask": [1, 1]}, "list of integers"),
+    ({"input_ids": [1, 2], "loss_mask": [1, 2]}, "0/1"),
+    ({"input_ids": [1, 100], "loss_mask": [1, 1]}, "input_ids[1] = 100 is outside the target's vocabulary"),
+    ({"text": "hello"}, "expected"),
+    ([1, 2, 3], "JSON object"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no tokenizer"),
+])
 def test_a_bad_record_is_named_by_file_and_line(tmp_path, bad, says):
     good = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}
     path = write_jsonl(tmp_path, [good, good, bad, good])  # the bad one is on line 3
@@ -81,27 +69,10 @@ def test_data_with_nothing_to_learn_inside_seq_len_is_refused(tmp_path):
 
 # ---- chat messages ------------------------------------------------------------------------
 
-WORDS = [
-    "<pad>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "user",
-    "assistant",
-    "system",
-    "hello",
-    "world",
-    "hi",
-    "there",
-    "how",
-    "are",
-    "you",
-    "fine",
-    "thanks",
-]
-CHATML = (
-    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
-)
+WORDS = ["<pad>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system",
+         "hello", "world", "hi", "there", "how", "are", "you", "fine", "thanks"]
+CHATML = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
 
 
 def word_tokenizer(template: str):
@@ -121,12 +92,8 @@ def ids(*words):
 
 
 def test_messages_train_on_assistant_turns_only(tmp_path):
-    conversation = [
-        {"role": "user", "content": "hello world"},
-        {"role": "assistant", "content": "hi there"},
-        {"role": "user", "content": "how are you"},
-        {"role": "assistant", "content": "fine thanks"},
-    ]
+    conversation = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "hi there"},
+                    {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "fine thanks"}]
     path = write_jsonl(tmp_path, [{"messages": conversation}])
     ds = load_jsonl(path, seq_len=24, vocab_size=len(WORDS), tokenizer=word_tokenizer(CHATML))
     # Expected by hand from the template: each turn is "<|im_start|> role content <|im_end|>".
@@ -135,12 +102,8 @@ def test_messages_train_on_assistant_turns_only(tmp_path):
     user2 = ids("<|im_start|>", "user", "how", "are", "you", "<|im_end|>")
     asst2_prompt, asst2 = ids("<|im_start|>", "assistant"), ids("fine", "thanks", "<|im_end|>")
     expected_ids = user1 + asst1_prompt + asst1 + user2 + asst2_prompt + asst2
-    expected_mask = (
-        [0] * len(user1 + asst1_prompt)
-        + [1] * len(asst1)
-        + [0] * len(user2 + asst2_prompt)
-        + [1] * len(asst2)
-    )
+    expected_mask = ([0] * len(user1 + asst1_prompt) + [1] * len(asst1) + [0] * len(user2 + asst2_prompt)
+                     + [1] * len(asst2))
     n = len(expected_ids)
     assert ds.input_ids[0, :n].tolist() == expected_ids
     assert ds.loss_mask[0, :n].int().tolist() == expected_mask
@@ -149,26 +112,19 @@ def test_messages_train_on_assistant_turns_only(tmp_path):
 
 def test_template_that_rewrites_earlier_turns_is_reported(tmp_path):
     # Drops the content of every assistant turn but the last (like templates that strip reasoning).
-    rewriting = (
-        "{% for m in messages %}<|im_start|> {{ m['role'] }} "
-        "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }} {% endif %}<|im_end|> "
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
-    )
-    conversation = [
-        {"role": "user", "content": "hello"},
-        {"role": "assistant", "content": "hi there"},
-        {"role": "user", "content": "how are you"},
-        {"role": "assistant", "content": "fine"},
-    ]
+    rewriting = ("{% for m in messages %}<|im_start|> {{ m['role'] }} "
+                 "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }} {% endif %}<|im_end|> "
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+    conversation = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"},
+                    {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "fine"}]
     path = write_jsonl(tmp_path, [{"messages": conversation}])
     with pytest.raises(DataError, match=rf"{path}:1: .*messages\[1\].*pre-tokenize"):
         load_jsonl(path, 32, len(WORDS), tokenizer=word_tokenizer(rewriting))
 
 
 def test_malformed_messages_are_named(tmp_path):
-    path = write_jsonl(
-        tmp_path, [{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "hello"}]}]
-    )
+    path = write_jsonl(tmp_path, [{"messages": [{"role": "user", "content": "hi"},
+                                                {"role": "robot", "content": "hello"}]}])
     with pytest.raises(DataError, match=r":1: messages\[1\] must be"):
         load_jsonl(path, 32, len(WORDS), tokenizer=word_tokenizer(CHATML))
     path = write_jsonl(tmp_path, [{"messages": [{"role": "user", "content": "hi"}]}], name="u.jsonl")
@@ -178,17 +134,15 @@ def test_malformed_messages_are_named(tmp_path):
 
 # ---- order ----------------------------------------------------------------------------------
 
-
 def test_each_epoch_visits_every_full_step_once_and_epochs_differ():
     plan = BatchPlan(num_samples=23, batch_size=2, num_replicas=3, seed=7)
     assert plan.steps_per_epoch == 3  # 23 // 6, the remainder is dropped
     for epoch in range(2):
-        seen = [int(i) for pos in range(3) for r in range(3) for i in plan.indices(epoch * 3 + pos, r)]
+        seen = [int(i) for pos in range(3) for r in range(3)
+                for i in plan.indices(epoch * 3 + pos, r)]
         assert len(seen) == len(set(seen)) == 18 and all(0 <= i < 23 for i in seen)
-    assert (
-        plan.indices(0, 0).tolist() != plan.indices(3, 0).tolist()
-        or plan.indices(0, 1).tolist() != plan.indices(3, 1).tolist()
-    )
+    assert plan.indices(0, 0).tolist() != plan.indices(3, 0).tolist() or \
+        plan.indices(0, 1).tolist() != plan.indices(3, 1).tolist()
     assert plan.position(7) == {"step": 7, "epoch": 2, "position": 1}
 
 
@@ -212,11 +166,10 @@ def test_too_little_data_for_one_step_says_what_to_change():
 def test_derive_seed_is_stable_and_distinct():
     assert derive_seed(1, 2) == derive_seed(1, 2)
     assert len({derive_seed(0, s, r) for s in range(50) for r in range(4)}) == 200
-    assert 0 <= derive_seed(123, 456) < 2**63
+    assert 0 <= derive_seed(123, 456) < 2 ** 63
 
 
 # ---- synthetic ------------------------------------------------------------------------------
-
 
 def test_synthetic_data_is_the_targets_own_greedy_continuation(tiny_target_fixture):
     target = tiny_target_fixture

@@ -6,7 +6,6 @@ exactly for two replicas (halving is exact in binary floating point). The test s
 with 1e-6 relative slack, so a change of reduction order in a future torch (a legitimate
 last-bit difference) reads as what it is and not as a broken data split, which shows up at 1e-2.
 """
-
 from __future__ import annotations
 
 import io
@@ -30,31 +29,10 @@ from trainer.train.loop import StopRequest, train
 pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = [
-    "--set",
-    "data.seq_len=32",
-    "--set",
-    "data.synthetic.num_samples=16",
-    "--set",
-    "train.epochs=30",
-    "--set",
-    "train.batch_size=2",
-    "--set",
-    "train.num_anchors=6",
-    "--set",
-    "run.torch_threads=1",
-    "--set",
-    "run.log_every=1000",
-]
-OVERRIDES = {
-    "data.seq_len": 32,
-    "data.synthetic.num_samples": 16,
-    "train.epochs": 30,
-    "train.batch_size": 2,
-    "train.num_anchors": 6,
-    "run.torch_threads": 1,
-    "run.log_every": 1000,
-}
+SMALL = ["--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.epochs=30", "--set", "train.batch_size=2",
+         "--set", "train.num_anchors=6", "--set", "run.torch_threads=1", "--set", "run.log_every=1000"]
+OVERRIDES = {"data.seq_len": 32, "data.synthetic.num_samples": 16, "train.epochs": 30, "train.batch_size": 2,
+             "train.num_anchors": 6, "run.torch_threads": 1, "run.log_every": 1000}
 
 
 def free_port() -> int:
@@ -66,31 +44,10 @@ def free_port() -> int:
 def torchrun(nproc: int, out_dir: Path, *args: str, timeout: int = 150) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node N -m trainer ...` on loopback, under a hard time limit."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [
-        "timeout",
-        "-k",
-        "10",
-        str(timeout),
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "trainer",
-        "--config",
-        "tiny-cpu",
-        "--launcher",
-        "torchrun",
-        "--output-dir",
-        str(out_dir),
-        *SMALL,
-        *args,
-    ]
+    cmd = ["timeout", "-k", "10", str(timeout), sys.executable, "-m", "torch.distributed.run",
+           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "trainer", "--config", "tiny-cpu", "--launcher", "torchrun", "--output-dir", str(out_dir),
+           *SMALL, *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout + 30)
 
 
@@ -139,46 +96,14 @@ def test_two_hosts_meet_at_the_rendezvous_and_each_host_logs_the_same_run(runs, 
     from dflash_ops.act.torchrun import launcher_argv
 
     root, _, _ = runs
-    job = Job(
-        workdir=str(tmp_path),
-        python=sys.executable,
-        config="tiny-cpu",
-        launcher="torchrun",
-        nproc_per_node=1,
-        nnodes=2,
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-    )
+    job = Job(workdir=str(tmp_path), python=sys.executable, config="tiny-cpu", launcher="torchrun",
+              nproc_per_node=1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    hosts = [
-        subprocess.Popen(
-            [
-                "timeout",
-                "-k",
-                "10",
-                "150",
-                *launcher_argv(job),
-                "-m",
-                "trainer",
-                "--config",
-                "tiny-cpu",
-                "--launcher",
-                "torchrun",
-                "--output-dir",
-                str(tmp_path / "shared"),
-                "--metrics-file",
-                str(tmp_path / f"host{h}.jsonl"),
-                "--max-steps",
-                "4",
-                *SMALL,
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for h in (0, 1)
-    ]
+    hosts = [subprocess.Popen(
+        ["timeout", "-k", "10", "150", *launcher_argv(job), "-m", "trainer", "--config", "tiny-cpu", "--launcher",
+         "torchrun", "--output-dir", str(tmp_path / "shared"), "--metrics-file", str(tmp_path / f"host{h}.jsonl"),
+         "--max-steps", "4", *SMALL], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for h in (0, 1)]
     outputs = [host.communicate(timeout=180)[0] for host in hosts]
     assert [host.returncode for host in hosts] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     reference = [r["loss"] for r in steps(root / "threads" / "metrics.jsonl")]
@@ -193,17 +118,12 @@ def test_only_rank_0_writes_and_the_checkpoint_records_the_world_size(runs):
     metrics = root / "ranks" / "metrics.jsonl"
     starts = [r for r in metrics_format.parse_lines(metrics.read_text()) if r["event"] == "start"]
     assert len(starts) == 1  # one per launch, not one per rank
-    assert (
-        sum(line.startswith("step 4/4") for line in first.stdout.splitlines()) == 1
-    )  # rank 1 prints nothing...
+    assert sum(line.startswith("step 4/4") for line in first.stdout.splitlines()) == 1  # rank 1 prints nothing...
     assert first.stdout.count("dflash-train: finished at step 4/4") == 1  # ...not even its result
     assert "2 ranks (gloo)" in first.stdout
     state = ckpt.load_checkpoint(str(root / "ranks" / "checkpoints" / "step-0000004"))
     assert state.data_position["replicas"] == 2
-    assert sorted(p.name for p in (root / "ranks" / "checkpoints").iterdir()) == [
-        "step-0000002",
-        "step-0000004",
-    ]
+    assert sorted(p.name for p in (root / "ranks" / "checkpoints").iterdir()) == ["step-0000002", "step-0000004"]
 
 
 @pytest.mark.slow
@@ -232,17 +152,9 @@ def test_launcher_must_match_how_the_process_was_started():
 
 
 def test_a_threaded_checkpoint_resumes_on_the_same_number_of_ranks(tmp_path):
-    state = ckpt.Checkpoint(
-        path="x",
-        step=3,
-        weights={},
-        optimizer={},
-        scheduler={},
-        data_position={"step": 3},
-        rng={},
-        config={"run": {"drafter_devices": ["cpu", "cpu"]}},
-        drafter_config={},
-    )
+    state = ckpt.Checkpoint(path="x", step=3, weights={}, optimizer={}, scheduler={},
+                            data_position={"step": 3}, rng={}, config={"run": {"drafter_devices": ["cpu", "cpu"]}},
+                            drafter_config={})
     check_world_size(state, 2)
     with pytest.raises(ckpt.CheckpointError, match="trained with 2 replicas, this run has world size 4"):
         check_world_size(state, 4)
@@ -298,56 +210,21 @@ def test_ranks_that_would_start_from_different_steps_or_data_refuse_instead_of_h
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [
-            "timeout",
-            "-k",
-            "10",
-            "120",
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            str(script),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+    proc = subprocess.run(["timeout", "-k", "10", "120", sys.executable, "-m", "torch.distributed.run",
+                           "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                           str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-2000:]
     refused = sorted(line for line in proc.stdout.splitlines() if "refused:" in line)
     assert len(refused) == 2, proc.stdout
     assert "(rank 0: step 31, rank 1: fresh start)" in refused[0] and "all hosts share" in refused[0]
     data = [line for line in proc.stdout.splitlines() if " data: " in line]
-    assert len(data) == 2 and all(
-        "ranks [1] built different training data than rank 0" in line for line in data
-    )
+    assert len(data) == 2 and all("ranks [1] built different training data than rank 0" in line for line in data)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_cuda_rank_trains_with_compiled_flex_over_nccl(tmp_path):
-    proc = torchrun(
-        1,
-        tmp_path / "out",
-        "--max-steps",
-        "5",
-        "--attention",
-        "flex",
-        "--target-devices",
-        "cuda",
-        "--drafter-devices",
-        "cuda",
-        "--set",
-        "run.log_every=1",
-        timeout=300,
-    )
+    proc = torchrun(1, tmp_path / "out", "--max-steps", "5", "--attention", "flex", "--target-devices", "cuda",
+                    "--drafter-devices", "cuda", "--set", "run.log_every=1", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "1 ranks (nccl)" in proc.stdout
     records = metrics_format.parse_lines((tmp_path / "out" / "metrics.jsonl").read_text())

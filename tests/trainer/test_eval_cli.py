@@ -1,5 +1,4 @@
 """`dflash-train eval`: the report, the lossless verdict, and one clear line for each bad input."""
-
 from __future__ import annotations
 
 import io
@@ -35,31 +34,14 @@ def run_dir(tmp_path_factory):
     """A run directory holding one checkpoint of an untrained tiny-cpu drafter (no training needed)."""
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("run")
-    cfg = load_config(
-        "tiny-cpu", {"output_dir": str(out), "data.synthetic.num_samples": 40, "data.eval_fraction": 0.1}
-    )
-    target = load_target(
-        "tiny-random",
-        "cpu",
-        torch.float32,
-        layer_ids=cfg.target.layer_ids,
-        seed=cfg.train.seed,
-        tiny=cfg.target.tiny,
-    )
+    cfg = load_config("tiny-cpu", {"output_dir": str(out), "data.synthetic.num_samples": 40,
+                                   "data.eval_fraction": 0.1})
+    target = load_target("tiny-random", "cpu", torch.float32, layer_ids=cfg.target.layer_ids,
+                         seed=cfg.train.seed, tiny=cfg.target.tiny)
     dcfg = DrafterConfig.for_target(target, **cfg.drafter.overrides())
     drafter = DFlashDrafter(dcfg, target.embed_tokens, target.lm_head)
-    save_checkpoint(
-        str(out),
-        1,
-        weights=drafter.state_dict(),
-        optimizer={},
-        scheduler={},
-        data_position={},
-        rng={},
-        config=cfg.to_dict(),
-        drafter_config=dcfg.to_dict(),
-        keep_last=1,
-    )
+    save_checkpoint(str(out), 1, weights=drafter.state_dict(), optimizer={}, scheduler={}, data_position={},
+                    rng={}, config=cfg.to_dict(), drafter_config=dcfg.to_dict(), keep_last=1)
     export_drafter(drafter, out / "export")
     return out
 
@@ -73,18 +55,12 @@ def run(argv, tty=False):
 
 
 def test_eval_of_a_run_dir_uses_its_held_out_prompts_and_reports_json(run_dir):
-    code, out, err = run(
-        ["--checkpoint", str(run_dir), "--num-prompts", "2", "--max-new-tokens", "8", "--json"]
-    )
+    code, out, err = run(["--checkpoint", str(run_dir), "--num-prompts", "2", "--max-new-tokens", "8", "--json"])
     assert code == 0, err
     result = json.loads(out)
     assert result["prompts"] == 2 and result["lossless"] is True and result["block_size"] == 8
     assert 1.0 <= result["tau"] <= 8 and len(result["acceptance"]) == 7
-    assert 1.0 <= result["tau_per_prompt_mean"] <= 8 and set(result["tau_per_prompt"]) == {
-        "min",
-        "median",
-        "max",
-    }
+    assert 1.0 <= result["tau_per_prompt_mean"] <= 8 and set(result["tau_per_prompt"]) == {"min", "median", "max"}
     assert result["loop"] == "static" and result["batch"] == 1
     assert result["target_tokens_per_s"] > 0 and result["speedup"] > 0
     assert "step-0000001" in result["checkpoint"] and err == ""  # no progress bar off a terminal
@@ -92,22 +68,9 @@ def test_eval_of_a_run_dir_uses_its_held_out_prompts_and_reports_json(run_dir):
 
 def test_text_report_and_progress_on_a_terminal(run_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(
-        json.dumps({"input_ids": [5, 6, 7, 8]}) + "\n\n" + json.dumps({"input_ids": [9, 10]}) + "\n"
-    )
-    code, out, err = run(
-        [
-            "--checkpoint",
-            str(run_dir / "export"),
-            "--target",
-            "tiny-random",
-            "--prompts",
-            str(prompts),
-            "--max-new-tokens",
-            "6",
-        ],
-        tty=True,
-    )
+    prompts.write_text(json.dumps({"input_ids": [5, 6, 7, 8]}) + "\n\n" + json.dumps({"input_ids": [9, 10]}) + "\n")
+    code, out, err = run(["--checkpoint", str(run_dir / "export"), "--target", "tiny-random", "--prompts",
+                          str(prompts), "--max-new-tokens", "6"], tty=True)
     assert code == 0, err
     assert "tau " in out and "acceptance by block position: 1:" in out and "lossless check: ok" in out
     assert "pooled over" in out and "as the mean of per-prompt means; per prompt min" in out
@@ -136,9 +99,8 @@ def test_a_lossless_mismatch_names_the_prompt_position_and_logits_and_exits_1(ru
 
     monkeypatch.setattr(StaticDecoder, "decode", static)
     monkeypatch.setattr("trainer.infer.evaluate.speculative_generate", reference)
-    code, out, err = run(
-        ["--checkpoint", str(run_dir), "--num-prompts", "1", "--max-new-tokens", "8", "--loop", loop]
-    )
+    code, out, err = run(["--checkpoint", str(run_dir), "--num-prompts", "1", "--max-new-tokens", "8",
+                          "--loop", loop])
     assert code == 1
     assert "LOSSLESS CHECK FAILED: prompt 0" in err and "new token 3" in err and "fp32 logits there" in err
 
@@ -165,18 +127,8 @@ def test_a_target_that_does_not_fit_the_drafter_is_one_line_exit_2(run_dir, tmp_
     cfg = json.loads((run_dir / "checkpoints" / "step-0000001" / "config.json").read_text())
     model_dir = tmp_path / "other"
     from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=512,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-        )
-    ).save_pretrained(model_dir)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)).save_pretrained(model_dir)
     code, _, err = run(["--checkpoint", str(run_dir), "--target", str(model_dir)])
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "the drafter does not match the target: hidden size 64 vs the target's 32" in err
@@ -190,9 +142,7 @@ def test_a_target_that_does_not_fit_the_drafter_is_one_line_exit_2(run_dir, tmp_
 
 def test_prompts_longer_than_the_target_context_are_skipped_with_a_count(run_dir, tmp_path):
     prompts = tmp_path / "long.jsonl"
-    prompts.write_text(
-        json.dumps({"input_ids": [7] * 4090}) + "\n" + json.dumps({"input_ids": [3, 4, 5]}) + "\n"
-    )
+    prompts.write_text(json.dumps({"input_ids": [7] * 4090}) + "\n" + json.dumps({"input_ids": [3, 4, 5]}) + "\n")
     code, out, err = run(["--checkpoint", str(run_dir), "--prompts", str(prompts), "--max-new-tokens", "4"])
     assert code == 0, err
     assert "skipped 1 prompt(s) longer than the target's context allows" in out
@@ -210,18 +160,12 @@ def test_prompts_from_messages_use_the_chat_template_without_the_answer(tmp_path
             return [len(part) for part in text.split("|")]
 
     path = tmp_path / "m.jsonl"
-    path.write_text(
-        json.dumps(
-            {"messages": [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "the answer"}]}
-        )
-        + "\n"
-    )
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "abc"},
+                                             {"role": "assistant", "content": "the answer"}]}) + "\n")
     assert load_prompts(str(path), Tokenizer(), 512) == [[3, 2]]
 
 
 def test_dflash_train_eval_is_a_subcommand(run_dir, capsys):
-    code = cli.main(
-        ["eval", "--checkpoint", str(run_dir), "--num-prompts", "1", "--max-new-tokens", "4", "--json"]
-    )
+    code = cli.main(["eval", "--checkpoint", str(run_dir), "--num-prompts", "1", "--max-new-tokens", "4", "--json"])
     assert code == 0
     assert json.loads(capsys.readouterr().out)["prompts"] == 1

@@ -1,5 +1,4 @@
 """Export format, and trainer logits == inference-side reference logits on real target features."""
-
 from __future__ import annotations
 
 import json
@@ -28,22 +27,10 @@ def exported(drafter, tmp_path_factory):
 def expected_names(num_layers):
     names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     for i in range(num_layers):
-        names |= {
-            f"layers.{i}.{n}.weight"
-            for n in (
-                "input_layernorm",
-                "post_attention_layernorm",
-                "self_attn.q_proj",
-                "self_attn.k_proj",
-                "self_attn.v_proj",
-                "self_attn.o_proj",
-                "self_attn.q_norm",
-                "self_attn.k_norm",
-                "mlp.gate_proj",
-                "mlp.up_proj",
-                "mlp.down_proj",
-            )
-        }
+        names |= {f"layers.{i}.{n}.weight" for n in (
+            "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+            "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
     return names
 
 
@@ -64,14 +51,8 @@ def test_config_loads_as_a_qwen3_config(exported, target):
     from transformers import Qwen3Config
 
     cfg = Qwen3Config.from_pretrained(exported)
-    assert (
-        cfg.hidden_size,
-        cfg.num_hidden_layers,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        cfg.vocab_size,
-    ) == (64, 2, 4, 2, 16, 512)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (64, 2, 4, 2, 16, 512)
     assert cfg.intermediate_size == target.config.intermediate_size
     assert cfg.rope_parameters["rope_theta"] == target.config.rope_parameters["rope_theta"]
 

@@ -1,5 +1,4 @@
 """An export loads through Transformers' own loader (its modeling file, auto_map) and matches the trainer."""
-
 from __future__ import annotations
 
 import json
@@ -44,21 +43,9 @@ def load_with_transformers(export_dir, inputs: dict, tmp_path) -> dict:
     torch.save(inputs, isolated / "inputs.pt")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_HOME"] = str(tmp_path / "hf-home")  # remote code is cached there, not in the user's home
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            LOADER,
-            str(isolated / "drafter"),
-            str(isolated / "inputs.pt"),
-            str(isolated / "out.pt"),
-        ],
-        cwd=isolated,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+    proc = subprocess.run([sys.executable, "-c", LOADER, str(isolated / "drafter"), str(isolated / "inputs.pt"),
+                           str(isolated / "out.pt")], cwd=isolated, env=env, capture_output=True, text=True,
+                          timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(isolated / "out.pt")
 
@@ -71,21 +58,15 @@ def test_automodel_loads_the_export_and_matches_the_trainer_logits(drafter, targ
     context = target.features(input_ids)
     anchors, valid = torch.tensor([[anchor]]), torch.tensor([[True]])
     with torch.no_grad():
-        hidden = drafter(
-            context, input_ids, anchors, dense_mask(anchors, valid, seq_len, BLOCK, "cpu"), "sdpa"
-        )
+        hidden = drafter(context, input_ids, anchors, dense_mask(anchors, valid, seq_len, BLOCK, "cpu"), "sdpa")
         trainer_logits = drafter.logits(hidden)[0]
     # at inference the cache holds the features of positions 0..anchor-1; the block follows
     block_tokens = [int(input_ids[0, anchor])] + [drafter.cfg.mask_token_id] * (BLOCK - 1)
-    result = load_with_transformers(
-        export_dir,
-        {
-            "context": context[:, :anchor].contiguous(),
-            "block_embedding": target.embed_tokens.weight.detach()[block_tokens].unsqueeze(0),
-            "lm_head": target.lm_head.weight.detach(),
-        },
-        tmp_path,
-    )
+    result = load_with_transformers(export_dir, {
+        "context": context[:, :anchor].contiguous(),
+        "block_embedding": target.embed_tokens.weight.detach()[block_tokens].unsqueeze(0),
+        "lm_head": target.lm_head.weight.detach(),
+    }, tmp_path)
     assert result["model_class"] == "DFlashDraftModel" and result["config_class"] == "DFlashConfig"
     assert result["dtypes"] == ["torch.float32"]
     loaded_logits = result["logits"][0]
@@ -105,11 +86,9 @@ def test_the_comparison_would_notice_a_wrong_weight(drafter, target, tmp_path):
     ids = torch.randint(0, 511, (1, 10), generator=torch.Generator().manual_seed(4))
     context = target.features(ids)
     tokens = [int(ids[0, 6])] + [drafter.cfg.mask_token_id] * (BLOCK - 1)
-    inputs = {
-        "context": context[:, :6].contiguous(),
-        "block_embedding": target.embed_tokens.weight.detach()[tokens].unsqueeze(0),
-        "lm_head": target.lm_head.weight.detach(),
-    }
+    inputs = {"context": context[:, :6].contiguous(),
+              "block_embedding": target.embed_tokens.weight.detach()[tokens].unsqueeze(0),
+              "lm_head": target.lm_head.weight.detach()}
     anchors, valid = torch.tensor([[6]]), torch.tensor([[True]])
     with torch.no_grad():
         mask = dense_mask(anchors, valid, 10, BLOCK, "cpu")
@@ -122,13 +101,9 @@ def test_export_config_carries_what_loaders_read(drafter, tmp_path):
     export_dir = export_drafter(drafter, tmp_path / "export")
     config = json.loads((export_dir / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
-    assert config["auto_map"] == {
-        "AutoConfig": "configuration_dflash.DFlashConfig",
-        "AutoModel": "modeling_dflash.DFlashDraftModel",
-    }
-    assert (export_dir / "modeling_dflash.py").is_file() and (
-        export_dir / "configuration_dflash.py"
-    ).is_file()
+    assert config["auto_map"] == {"AutoConfig": "configuration_dflash.DFlashConfig",
+                                  "AutoModel": "modeling_dflash.DFlashDraftModel"}
+    assert (export_dir / "modeling_dflash.py").is_file() and (export_dir / "configuration_dflash.py").is_file()
     assert "trainer" not in (export_dir / "modeling_dflash.py").read_text()  # architecture only
     assert config["max_position_embeddings"] == 4096  # the tiny target's, not a loader's 32768 default
     assert config["rope_scaling"] is None and config["rope_parameters"]["rope_type"] == "default"

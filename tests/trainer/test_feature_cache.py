@@ -1,5 +1,4 @@
 """The offline feature cache: manifest, resume per shard, refusals, corruption, and online == cached training."""
-
 from __future__ import annotations
 
 import io
@@ -40,30 +39,15 @@ def pretokenized(path: Path, count: int = 12) -> str:
     with open(path, "w", encoding="utf-8") as f:
         for _i in range(count):
             n = rng.randint(12, SEQ)
-            f.write(
-                json.dumps(
-                    {
-                        "input_ids": [rng.randrange(500) for _ in range(n)],
-                        "loss_mask": [0] * (n // 2) + [1] * (n - n // 2),
-                    }
-                )
-                + "\n"
-            )
+            f.write(json.dumps({"input_ids": [rng.randrange(500) for _ in range(n)],
+                                "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)}) + "\n")
     return str(path)
 
 
 def config(tmp_path, data_path, **extra):
-    overrides = {
-        "data.source": "jsonl",
-        "data.path": data_path,
-        "data.seq_len": SEQ,
-        "train.batch_size": 2,
-        "train.num_anchors": 6,
-        "run.torch_threads": 1,
-        "run.log_every": 1000,
-        "run.drafter_devices": ["cpu"],
-        "output_dir": str(tmp_path / "run"),
-    }
+    overrides = {"data.source": "jsonl", "data.path": data_path, "data.seq_len": SEQ, "train.batch_size": 2,
+                 "train.num_anchors": 6, "run.torch_threads": 1, "run.log_every": 1000,
+                 "run.drafter_devices": ["cpu"], "output_dir": str(tmp_path / "run")}
     overrides.update(extra)
     return load_config("tiny-cpu", overrides)
 
@@ -73,23 +57,17 @@ def made(tmp_path_factory):
     """A tiny target, its jsonl data, and a fp32 cache of it in several shards."""
     root = tmp_path_factory.mktemp("cache")
     cfg = config(root, pretokenized(root / "data.jsonl"))
-    target = load_target(
-        "tiny-random", "cpu", torch.float32, layer_ids=cfg.target.layer_ids, seed=0, tiny=cfg.target.tiny
-    )
+    target = load_target("tiny-random", "cpu", torch.float32, layer_ids=cfg.target.layer_ids, seed=0,
+                         tiny=cfg.target.tiny)
     dataset = build_dataset(cfg, target)
     header = fc.cache_header(cfg, target, "fp32", 0)
-    manifest = fc.write_cache(
-        target, dataset, str(root / "fp32"), header, batch_size=3, shard_bytes=60_000, say=lambda _: None
-    )
+    manifest = fc.write_cache(target, dataset, str(root / "fp32"), header, batch_size=3, shard_bytes=60_000,
+                              say=lambda _: None)
     return cfg, target, dataset, header, manifest, root
 
 
 def expected_for(cfg, target):
-    return {
-        "target": fc.target_identity(target),
-        "layer_ids": list(target.layer_ids),
-        "seq_len": cfg.data.seq_len,
-    }
+    return {"target": fc.target_identity(target), "layer_ids": list(target.layer_ids), "seq_len": cfg.data.seq_len}
 
 
 def test_manifest_describes_the_cache(made):
@@ -98,9 +76,7 @@ def test_manifest_describes_the_cache(made):
     assert manifest["dtype"] == "fp32" and manifest["data"]["sha256"] == fc.file_sha256(cfg.data.path)
     assert manifest["target"]["hidden_size"] == 64 and len(manifest["target"]["config_sha256"]) == 64
     tokens = int(dataset.attention_mask.sum())
-    assert (
-        manifest["counts"]["sequences"] == 12 and manifest["counts"]["tokens"] == tokens
-    )  # no padding stored
+    assert manifest["counts"]["sequences"] == 12 and manifest["counts"]["tokens"] == tokens  # no padding stored
     assert len(manifest["shards"]) >= 3  # the size cap split it
     for shard in manifest["shards"]:
         path = root / "fp32" / shard["file"]
@@ -111,9 +87,7 @@ def test_manifest_describes_the_cache(made):
 def test_cached_features_are_the_targets_features(made):
     cfg, target, dataset, header, manifest, root = made
     cached = fc.open_cache(str(root / "fp32"), expected_for(cfg, target))
-    assert torch.equal(cached.input_ids, dataset.input_ids) and torch.equal(
-        cached.loss_mask, dataset.loss_mask
-    )
+    assert torch.equal(cached.input_ids, dataset.input_ids) and torch.equal(cached.loss_mask, dataset.loss_mask)
     idx = torch.tensor([7, 0, 11])
     online = target.features(dataset.input_ids[idx], attention_mask=dataset.attention_mask[idx])
     real = dataset.attention_mask[idx].unsqueeze(-1)
@@ -160,11 +134,8 @@ def test_training_from_the_cache_loads_no_target_layers(made, tmp_path, monkeypa
         raise AssertionError("the full target must not be loaded when features come from a cache")
 
     monkeypatch.setattr(train_module, "load_target", no_target)
-    run = config(
-        tmp_path,
-        str(root / "fp32"),
-        **{"data.source": "features", "max_steps": 3, "run.drafter_devices": ["cpu", "cpu"]},
-    )
+    run = config(tmp_path, str(root / "fp32"), **{"data.source": "features", "max_steps": 3,
+                                                   "run.drafter_devices": ["cpu", "cpu"]})
     out = io.StringIO()
     result = train(run, out=out)
     assert result.steps_done == 3 and all(r.model.fc.weight.grad is None for r in result.replicas)
@@ -174,33 +145,16 @@ def test_training_from_the_cache_loads_no_target_layers(made, tmp_path, monkeypa
     assert torch.equal(head.lm_head.weight, target.lm_head.weight)
 
 
-@pytest.mark.parametrize(
-    "override, difference",
-    [
-        ({"target.layer_ids": [1, 2]}, "layer_ids: cache [1, 2, 3], config [1, 2]"),
-        ({"data.seq_len": 48}, "seq_len: cache 32, config 48"),
-        ({"train.seed": 5}, "target.weights_fingerprint"),  # tiny-random's weights come from the seed
-        ({"target.tiny": {"initializer_range": 0.05, "rms_norm_eps": 0.001}}, "target.config_sha256"),
-    ],
-)
-def test_a_cache_for_another_setup_is_refused_with_the_difference(
-    made, tmp_path, capsys, override, difference
-):
+@pytest.mark.parametrize("override, difference", [
+    ({"target.layer_ids": [1, 2]}, "layer_ids: cache [1, 2, 3], config [1, 2]"),
+    ({"data.seq_len": 48}, "seq_len: cache 32, config 48"),
+    ({"train.seed": 5}, "target.weights_fingerprint"),  # tiny-random's weights come from the seed
+    ({"target.tiny": {"initializer_range": 0.05, "rms_norm_eps": 0.001}}, "target.config_sha256"),
+])
+def test_a_cache_for_another_setup_is_refused_with_the_difference(made, tmp_path, capsys, override, difference):
     cfg, target, dataset, header, manifest, root = made
-    args = [
-        "--config",
-        "tiny-cpu",
-        "--output-dir",
-        str(tmp_path / "run"),
-        "--drafter-devices",
-        "cpu",
-        "--set",
-        "data.source=features",
-        "--set",
-        f"data.path={root / 'fp32'}",
-        "--set",
-        f"data.seq_len={SEQ}",
-    ]
+    args = ["--config", "tiny-cpu", "--output-dir", str(tmp_path / "run"), "--drafter-devices", "cpu",
+            "--set", "data.source=features", "--set", f"data.path={root / 'fp32'}", "--set", f"data.seq_len={SEQ}"]
     for key, value in override.items():
         args += ["--set", f"{key}={json.dumps(value)}"]
     assert cli_main(args) == 2
@@ -248,9 +202,7 @@ def test_cache_features_resumes_after_the_last_whole_shard(made, tmp_path):
 
     target.features = counting
     try:
-        again = fc.write_cache(
-            target, dataset, str(copy), header, batch_size=3, shard_bytes=60_000, say=lambda _: None
-        )
+        again = fc.write_cache(target, dataset, str(copy), header, batch_size=3, shard_bytes=60_000, say=lambda _: None)
     finally:
         del target.features
     done_before = sum(s["count"] for s in manifest["shards"][:2])
@@ -277,20 +229,8 @@ def test_another_setup_in_the_out_dir_and_too_little_space_are_refused(made, tmp
 
 def test_cache_features_command(tmp_path, capsys):
     data = pretokenized(tmp_path / "d.jsonl", count=4)
-    args = [
-        "data",
-        "cache-features",
-        "--config",
-        "tiny-cpu",
-        "--out",
-        str(tmp_path / "c"),
-        "--set",
-        "data.source=jsonl",
-        "--set",
-        f"data.path={data}",
-        "--set",
-        f"data.seq_len={SEQ}",
-    ]
+    args = ["data", "cache-features", "--config", "tiny-cpu", "--out", str(tmp_path / "c"), "--set", "data.source=jsonl",
+            "--set", f"data.path={data}", "--set", f"data.seq_len={SEQ}"]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "per 1k tokens" in out and "feature cache complete: 4 sequences" in out
@@ -302,16 +242,8 @@ def test_cache_features_command(tmp_path, capsys):
 def test_gpu_memory_an_8b_target_no_longer_holds():
     from transformers import Qwen3Config
 
-    qwen3_8b = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-    )
+    qwen3_8b = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
     sizes = weight_bytes(qwen3_8b)
     h, i, layers = 4096, 12288, 36
     per_layer = h * (32 * 128) * 2 + h * (8 * 128) * 2 + 3 * h * i + 2 * h + 2 * 128  # attn, mlp, norms
@@ -327,36 +259,13 @@ def test_throughput_benchmark_cache_part_runs_small(tmp_path):
 
     repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "features.md"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(repo / "benchmarks" / "train_throughput.py"),
-            "--small",
-            "--parts",
-            "cache",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--shard-mb",
-            "1",
-            "--cache-dir",
-            str(tmp_path),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        cwd=repo,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "train_throughput.py"), "--small", "--parts", "cache",
+                           "--steps", "2", "--warmup", "1", "--shard-mb", "1", "--cache-dir", str(tmp_path),
+                           "--out", str(out)], capture_output=True, text=True, timeout=170, cwd=repo,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     text = out.read_text()
-    assert (
-        "| feature cache (disk) |" in text
-        and "Cache-backed step (feature cache (disk)) vs drafter-only" in text
-    ), text
+    assert "| feature cache (disk) |" in text and "Cache-backed step (feature cache (disk)) vs drafter-only" in text, text
     report = json.loads((tmp_path / "features.json").read_text())["cache"]
     assert report["cache_bytes_per_1k_tokens"] == 1000 * (3 * 64 * 2 + 5)  # small dims: 3 layers x 64 hidden
     assert all(r["median_step_s"] > 0 for r in report["runs"].values())
@@ -384,17 +293,11 @@ def test_rerunning_cache_features_rewrites_a_bad_shard_and_everything_after_it(m
     victim = copy / manifest["shards"][1]["file"]
     victim.write_bytes(victim.read_bytes()[:-50])
     found, start = fc.prepare(str(copy), header)
-    assert (
-        start == manifest["shards"][1]["first"] and not found["complete"]
-    )  # a kill now leaves it incomplete
+    assert start == manifest["shards"][1]["first"] and not found["complete"]  # a kill now leaves it incomplete
     with pytest.raises(DataError, match="incomplete"):
         fc.open_cache(str(copy), expected_for(cfg, target))
-    again = fc.write_cache(
-        target, dataset, str(copy), header, batch_size=3, shard_bytes=60_000, say=lambda _: None
-    )
-    assert again["complete"] and [s["sha256"] for s in again["shards"]] == [
-        s["sha256"] for s in manifest["shards"]
-    ]
+    again = fc.write_cache(target, dataset, str(copy), header, batch_size=3, shard_bytes=60_000, say=lambda _: None)
+    assert again["complete"] and [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]
 
 
 def test_features_source_needs_a_path():
@@ -414,54 +317,21 @@ def test_regenerate_then_cache_then_train_with_a_model_directory(made, tmp_path)
     target.model.save_pretrained(model_dir)
     byte_chat_tokenizer(target.vocab_size).save_pretrained(model_dir)
     chats = tmp_path / "chats.jsonl"
-    chats.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "messages": [
-                        {"role": "user", "content": f"question {i}"},
-                        {"role": "assistant", "content": "written elsewhere"},
-                    ]
-                }
-            )
-            + "\n"
-            for i in range(4)
-        ),
-        encoding="utf-8",
-    )
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                      {"role": "assistant", "content": "written elsewhere"}]}) + "\n"
+                             for i in range(4)), encoding="utf-8")
     regen = tmp_path / "regen.jsonl"
-    summary = regenerate(
-        RegenerateOptions(str(model_dir), str(chats), str(regen), max_new_tokens=8, batch_size=4),
-        out=io.StringIO(),
-        tty=False,
-    )
+    summary = regenerate(RegenerateOptions(str(model_dir), str(chats), str(regen), max_new_tokens=8, batch_size=4),
+                         out=io.StringIO(), tty=False)
     assert summary["records"] == 4
     base = {"target.spec": str(model_dir), "data.path": str(regen), "data.seq_len": 64}
-    assert (
-        cli_main(
-            [
-                "data",
-                "cache-features",
-                "--config",
-                "tiny-cpu",
-                "--out",
-                str(tmp_path / "cache"),
-                *[
-                    a
-                    for k, v in dict(base, **{"data.source": "jsonl"}).items()
-                    for a in ("--set", f"{k}={v}")
-                ],
-            ]
-        )
-        == 0
-    )
+    assert cli_main(["data", "cache-features", "--config", "tiny-cpu", "--out", str(tmp_path / "cache"),
+                     *[a for k, v in dict(base, **{"data.source": "jsonl"}).items() for a in ("--set", f"{k}={v}")]]) == 0
     cache_manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
     assert cache_manifest["tokenizer"]["vocab_size"] == 512 and cache_manifest["counts"]["loss_tokens"] > 0
-    run = config(
-        tmp_path,
-        str(tmp_path / "cache"),
-        **dict(base, **{"data.source": "features", "data.path": str(tmp_path / "cache"), "max_steps": 2}),
-    )
+    run = config(tmp_path, str(tmp_path / "cache"), **dict(base, **{"data.source": "features",
+                                                                     "data.path": str(tmp_path / "cache"),
+                                                                     "max_steps": 2}))
     assert train(run, out=io.StringIO()).steps_done == 2
 
 
@@ -475,26 +345,9 @@ def test_a_corrupted_shard_found_while_training_is_exit_2_naming_it(made, tmp_pa
         path = copy / shard["file"]
         data = path.read_bytes()
         path.write_bytes(data[:-8] + bytes(8))
-    args = [
-        "--config",
-        "tiny-cpu",
-        "--output-dir",
-        str(tmp_path / "run"),
-        "--drafter-devices",
-        "cpu",
-        "--set",
-        "data.source=features",
-        "--set",
-        f"data.path={copy}",
-        "--set",
-        f"data.seq_len={SEQ}",
-        "--set",
-        "train.batch_size=2",
-        "--set",
-        "train.num_anchors=6",
-        "--max-steps",
-        "2",
-    ]
+    args = ["--config", "tiny-cpu", "--output-dir", str(tmp_path / "run"), "--drafter-devices", "cpu",
+            "--set", "data.source=features", "--set", f"data.path={copy}", "--set", f"data.seq_len={SEQ}",
+            "--set", "train.batch_size=2", "--set", "train.num_anchors=6", "--max-steps", "2"]
     assert cli_main(args) == 2
     err = capsys.readouterr().err
     assert "fails its sha256 check (corrupted)" in err and "shard-0000" in err, err
@@ -526,58 +379,21 @@ def test_two_torchrun_ranks_from_the_cache_follow_the_threaded_run(made, tmp_pat
 
     cfg, target, dataset, header, manifest, root = made
     cache = str(root / "fp32")
-    threaded = config(
-        tmp_path / "threads",
-        cache,
-        **{"data.source": "features", "max_steps": 3, "run.drafter_devices": ["cpu", "cpu"]},
-    )
+    threaded = config(tmp_path / "threads", cache, **{"data.source": "features", "max_steps": 3,
+                                                      "run.drafter_devices": ["cpu", "cpu"]})
     train(threaded, out=io.StringIO())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     repo = Path(__file__).resolve().parents[2]
-    sets = {
-        "data.source": "features",
-        "data.path": cache,
-        "data.seq_len": SEQ,
-        "train.batch_size": 2,
-        "train.num_anchors": 6,
-        "run.torch_threads": 1,
-    }
-    cmd = [
-        "timeout",
-        "-k",
-        "10",
-        "150",
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
-        "-m",
-        "trainer",
-        "--config",
-        "tiny-cpu",
-        "--launcher",
-        "torchrun",
-        "--output-dir",
-        str(tmp_path / "ranks"),
-        "--max-steps",
-        "3",
-        *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
-    ]
-    proc = subprocess.run(
-        cmd,
-        cwd=repo,
-        env=dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    sets = {"data.source": "features", "data.path": cache, "data.seq_len": SEQ, "train.batch_size": 2,
+            "train.num_anchors": 6, "run.torch_threads": 1}
+    cmd = ["timeout", "-k", "10", "150", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "trainer", "--config", "tiny-cpu",
+           "--launcher", "torchrun", "--output-dir", str(tmp_path / "ranks"), "--max-steps", "3",
+           *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    proc = subprocess.run(cmd, cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     def losses(path):
@@ -589,24 +405,18 @@ def test_two_torchrun_ranks_from_the_cache_follow_the_threaded_run(made, tmp_pat
 
 # ---- batched target forwards + the writer thread ---------------------------------------------------
 
-
 def _cache_the_old_way(target, dataset, cache_dir, header, shard_bytes):
     """The writer loop before batching by tokens and the writer thread: 4 sequences per forward,
     each sequence added to the shard writer in the loop (the reference for byte identity)."""
     manifest, _ = fc.prepare(cache_dir, header)
     writer = fc.ShardWriter(cache_dir, manifest, shard_bytes)
     for begin in range(0, len(dataset), 4):
-        attn = dataset.attention_mask[begin : begin + 4]
-        feats = target.features(dataset.input_ids[begin : begin + 4], attention_mask=attn).to(
-            "cpu", torch.bfloat16
-        )
+        attn = dataset.attention_mask[begin:begin + 4]
+        feats = target.features(dataset.input_ids[begin:begin + 4], attention_mask=attn).to("cpu", torch.bfloat16)
         for row in range(attn.shape[0]):
             length = int(attn[row].sum())
-            writer.add(
-                feats[row, :length].clone(),
-                dataset.input_ids[begin + row, :length],
-                dataset.loss_mask[begin + row, :length],
-            )
+            writer.add(feats[row, :length].clone(), dataset.input_ids[begin + row, :length],
+                       dataset.loss_mask[begin + row, :length])
     writer.flush()
     return manifest
 
@@ -615,9 +425,8 @@ def _cache_the_old_way(target, dataset, cache_dir, header, shard_bytes):
 def tiny_cpu(tmp_path_factory):
     """The tiny-cpu config's target and synthetic data (fewer sequences: 300, two auto batches)."""
     cfg = load_config("tiny-cpu", {"data.synthetic.num_samples": 300})
-    target = load_target(
-        "tiny-random", "cpu", torch.float32, layer_ids=cfg.target.layer_ids, seed=0, tiny=cfg.target.tiny
-    )
+    target = load_target("tiny-random", "cpu", torch.float32, layer_ids=cfg.target.layer_ids, seed=0,
+                         tiny=cfg.target.tiny)
     with torch.no_grad():
         dataset = build_dataset(cfg, target)
     return cfg, target, dataset, fc.cache_header(cfg, target, "bf16", 0)
@@ -629,29 +438,17 @@ def test_batched_cache_is_byte_identical_to_the_old_writer(tiny_cpu, tmp_path):
     shard_bytes = 2_000_000  # several shards
     with torch.no_grad():
         old = _cache_the_old_way(target, dataset, str(tmp_path / "old"), header, shard_bytes)
-    new = fc.write_cache(
-        target, dataset, str(tmp_path / "new"), header, shard_bytes=shard_bytes, say=lambda _: None
-    )
-    assert len(new["shards"]) >= 3 and [s["sha256"] for s in new["shards"]] == [
-        s["sha256"] for s in old["shards"]
-    ]
+    new = fc.write_cache(target, dataset, str(tmp_path / "new"), header, shard_bytes=shard_bytes,
+                         say=lambda _: None)
+    assert len(new["shards"]) >= 3 and [s["sha256"] for s in new["shards"]] == [s["sha256"] for s in old["shards"]]
     for shard in new["shards"]:
-        assert (tmp_path / "new" / shard["file"]).read_bytes() == (
-            tmp_path / "old" / shard["file"]
-        ).read_bytes()
+        assert (tmp_path / "new" / shard["file"]).read_bytes() == (tmp_path / "old" / shard["file"]).read_bytes()
 
 
 def test_an_interrupted_cache_keeps_its_whole_shards_and_resumes_identically(tiny_cpu, tmp_path, monkeypatch):
     cfg, target, dataset, header = tiny_cpu
-    fresh = fc.write_cache(
-        target,
-        dataset,
-        str(tmp_path / "fresh"),
-        header,
-        batch_size=32,
-        shard_bytes=500_000,
-        say=lambda _: None,
-    )
+    fresh = fc.write_cache(target, dataset, str(tmp_path / "fresh"), header, batch_size=32, shard_bytes=500_000,
+                           say=lambda _: None)
     real_features, calls = target.features, []
 
     def interrupted(*args, **kwargs):
@@ -662,21 +459,13 @@ def test_an_interrupted_cache_keeps_its_whole_shards_and_resumes_identically(tin
 
     monkeypatch.setattr(target, "features", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        fc.write_cache(
-            target,
-            dataset,
-            str(tmp_path / "cut"),
-            header,
-            batch_size=32,
-            shard_bytes=500_000,
-            say=lambda _: None,
-        )
+        fc.write_cache(target, dataset, str(tmp_path / "cut"), header, batch_size=32, shard_bytes=500_000,
+                       say=lambda _: None)
     cut = fc.read_manifest(str(tmp_path / "cut"))
     assert not cut["complete"] and 1 <= len(cut["shards"]) < len(fresh["shards"])
     monkeypatch.setattr(target, "features", real_features)
-    again = fc.write_cache(
-        target, dataset, str(tmp_path / "cut"), header, batch_size=32, shard_bytes=500_000, say=lambda _: None
-    )
+    again = fc.write_cache(target, dataset, str(tmp_path / "cut"), header, batch_size=32, shard_bytes=500_000,
+                           say=lambda _: None)
     assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in fresh["shards"]]
 
 
@@ -689,12 +478,5 @@ def test_a_writer_thread_failure_reaches_the_caller(tiny_cpu, tmp_path, monkeypa
 
     monkeypatch.setattr(fc.ShardWriter, "flush", full_disk)
     with pytest.raises(OSError, match="No space left"):
-        fc.write_cache(
-            target,
-            dataset,
-            str(tmp_path / "full"),
-            header,
-            batch_size=16,
-            shard_bytes=100_000,
-            say=lambda _: None,
-        )
+        fc.write_cache(target, dataset, str(tmp_path / "full"), header, batch_size=16, shard_bytes=100_000,
+                       say=lambda _: None)

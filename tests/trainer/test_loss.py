@@ -1,5 +1,4 @@
 """Block labels and the DFlash loss, against hand-computed values and first-principles rules."""
-
 from __future__ import annotations
 
 import math
@@ -7,7 +6,8 @@ import math
 import pytest
 import torch
 
-from trainer.loss import IGNORE_INDEX, block_labels, dflash_loss, dflash_loss_fused, position_weights
+from trainer.loss import (IGNORE_INDEX, block_labels, dflash_loss, dflash_loss_fused,
+                          position_weights)
 
 
 def test_block_labels_hand_example():
@@ -19,14 +19,12 @@ def test_block_labels_hand_example():
     valid = torch.tensor([[True, True, True, False]])
     labels, label_mask = block_labels(input_ids, loss_mask, anchors, valid, block_size=4)
     x = IGNORE_INDEX
-    assert labels.tolist() == [
-        [
-            [x, 102, 103, 104],  # anchor 1 predicts positions 2, 3, 4
-            [x, 106, 107, 108],  # anchor 5 predicts 6, 7, 8
-            [x, x, x, x],  # anchor 9: 10 and 11 are not trained, 12 is past the end
-            [x, x, x, x],  # padding block
-        ]
-    ]
+    assert labels.tolist() == [[
+        [x, 102, 103, 104],   # anchor 1 predicts positions 2, 3, 4
+        [x, 106, 107, 108],   # anchor 5 predicts 6, 7, 8
+        [x, x, x, x],         # anchor 9: 10 and 11 are not trained, 12 is past the end
+        [x, x, x, x],         # padding block
+    ]]
     assert torch.equal(label_mask, labels != IGNORE_INDEX)
 
 
@@ -73,20 +71,10 @@ def hand_batch():
     """B=1, two blocks of 4, vocab 3; logits chosen so each CE is a closed form."""
     ln2 = math.log(2.0)
     junk = [100.0, -100.0, 7.0]  # position 0 rows: never trained, must not matter
-    logits = torch.tensor(
-        [
-            [
-                junk,
-                [0.1, 0.0, 0.0],
-                [ln2, 0.0, 0.0],
-                [ln2, 0.0, 0.0],  # block 0
-                junk,
-                [0.0, ln2, 0.0],
-                [5.0, 1.0, 2.0],
-                [1.0, 2.0, 3.0],  # block 1
-            ]
-        ]
-    )
+    logits = torch.tensor([[
+        junk, [0.1, 0.0, 0.0], [ln2, 0.0, 0.0], [ln2, 0.0, 0.0],     # block 0
+        junk, [0.0, ln2, 0.0], [5.0, 1.0, 2.0], [1.0, 2.0, 3.0],     # block 1
+    ]])
     x = IGNORE_INDEX
     labels = torch.tensor([[[x, 1, 0, 2], [x, 1, x, x]]])
     return logits, labels, labels != IGNORE_INDEX
@@ -96,12 +84,10 @@ def test_dflash_loss_hand_computed():
     logits, labels, label_mask = hand_batch()
     gamma = 2.0
     w1, w2, w3 = 1.0, math.exp(-1 / gamma), math.exp(-2 / gamma)
-    ce_b0 = [
-        math.log(math.exp(0.1) + 2.0),  # softmax([0.1, 0, 0])[1]
-        math.log(2.0),  # softmax([ln2, 0, 0]) = [1/2, 1/4, 1/4], label 0
-        math.log(4.0),
-    ]  # same row, label 2
-    ce_b1 = math.log(2.0)  # softmax([0, ln2, 0])[1] = 1/2
+    ce_b0 = [math.log(math.exp(0.1) + 2.0),   # softmax([0.1, 0, 0])[1]
+             math.log(2.0),                   # softmax([ln2, 0, 0]) = [1/2, 1/4, 1/4], label 0
+             math.log(4.0)]                   # same row, label 2
+    ce_b1 = math.log(2.0)                     # softmax([0, ln2, 0])[1] = 1/2
     expected = (w1 * ce_b0[0] + w2 * ce_b0[1] + w3 * ce_b0[2] + w1 * ce_b1) / (w1 + w2 + w3 + w1)
     loss, acc = dflash_loss(logits, labels, label_mask, gamma)
     assert loss.item() == pytest.approx(expected, rel=1e-6)
@@ -148,9 +134,8 @@ def test_fused_loss_equals_full_logits_loss(with_bias):
 
     h_fused = h.clone().requires_grad_(True)
     # chunk of 5 rows over 24 trained rows: several chunks and a ragged last one
-    loss_fused, acc_fused = dflash_loss_fused(
-        h_fused, weight, labels, label_mask, 3.0, bias=bias, chunk_rows=5
-    )
+    loss_fused, acc_fused = dflash_loss_fused(h_fused, weight, labels, label_mask, 3.0,
+                                              bias=bias, chunk_rows=5)
     (2.5 * loss_fused).backward()  # upstream gradient other than 1 must scale the result
 
     assert loss_fused.item() == pytest.approx(loss_full.item(), rel=1e-12)
@@ -172,10 +157,8 @@ def test_fused_loss_without_grad():
 
 # ---- the compiled chunk kernel (the CUDA default) -------------------------------------------------
 
-
-def _loss_case(
-    seed: int, batch=2, num_blocks=3, block=5, hidden=8, vocab=11, ignored_rows=(), dtype=torch.float64
-):
+def _loss_case(seed: int, batch=2, num_blocks=3, block=5, hidden=8, vocab=11, ignored_rows=(),
+               dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(batch, num_blocks * block, hidden, generator=g, dtype=dtype)
     weight = torch.randn(vocab, hidden, generator=g, dtype=dtype)
@@ -211,9 +194,8 @@ def test_compiled_kernel_path_equals_the_full_logits_loss(kernel_math, chunk_row
     h, weight, labels, label_mask = _loss_case(4, ignored_rows=ignored_rows)
     ref_loss, ref_acc, ref_grad = _reference(h, weight, labels, label_mask, 3.0)
     h_k = h.clone().requires_grad_(True)
-    loss, acc = dflash_loss_fused(
-        h_k, weight, labels, label_mask, 3.0, chunk_rows=chunk_rows, kernel="compiled"
-    )
+    loss, acc = dflash_loss_fused(h_k, weight, labels, label_mask, 3.0, chunk_rows=chunk_rows,
+                                  kernel="compiled")
     (2.5 * loss).backward()
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-12)
     assert torch.equal(acc, ref_acc)
@@ -236,9 +218,8 @@ def test_ce_chunk_compiles_whole_and_equals_the_eager_chunk(monkeypatch):
     import trainer.model as model_module
 
     monkeypatch.setattr(loss_module, "_compiled_ce_chunk", None)
-    monkeypatch.setattr(
-        model_module, "compile_options", lambda: {"dynamic": False, "fullgraph": True, "backend": "aot_eager"}
-    )
+    monkeypatch.setattr(model_module, "compile_options",
+                        lambda: {"dynamic": False, "fullgraph": True, "backend": "aot_eager"})
     h, weight, labels, label_mask = _loss_case(6, dtype=torch.float32)
     ref_loss, ref_acc, ref_grad = _reference(h.double(), weight.double(), labels, label_mask, 7.0)
     h_k = h.clone().requires_grad_(True)

@@ -1,5 +1,4 @@
 """Anchors and the block attention mask, checked against rules written out from first principles."""
-
 from __future__ import annotations
 
 import threading
@@ -44,14 +43,11 @@ def random_anchor_batch(seed, batch, num_blocks, ctx_len, pad_blocks):
     return anchors, valid
 
 
-@pytest.mark.parametrize(
-    "seed,batch,num_blocks,ctx_len,block_size,pad",
-    [
-        (0, 2, 5, 23, 4, 0),
-        (1, 3, 6, 17, 3, 2),
-        (2, 1, 4, 9, 5, 1),
-    ],
-)
+@pytest.mark.parametrize("seed,batch,num_blocks,ctx_len,block_size,pad", [
+    (0, 2, 5, 23, 4, 0),
+    (1, 3, 6, 17, 3, 2),
+    (2, 1, 4, 9, 5, 1),
+])
 def test_dense_mask_equals_brute_force(seed, batch, num_blocks, ctx_len, block_size, pad):
     anchors, valid = random_anchor_batch(seed, batch, num_blocks, ctx_len, pad)
     expected = brute_force_visible(anchors.tolist(), valid.tolist(), ctx_len, block_size)
@@ -68,10 +64,10 @@ def test_anchor_position_itself_is_hidden():
     valid = torch.tensor([[True, True]])
     mask = dense_mask(anchors, valid, ctx_len=12, block_size=4, device="cpu")[0, 0]
     for n, a in enumerate([5, 9]):
-        rows = mask[n * 4 : (n + 1) * 4]
+        rows = mask[n * 4:(n + 1) * 4]
         assert rows[:, a - 1].all(), "the position just before the anchor must be visible"
         assert not rows[:, a].any(), "the anchor's own target position must be hidden"
-        assert not rows[:, a + 1 : 12].any()
+        assert not rows[:, a + 1:12].any()
 
 
 def test_every_row_sees_something_and_padding_sees_only_itself():
@@ -113,9 +109,8 @@ def test_block_mask_tiles_match_brute_force():
     assert torch.equal(tiles, expected)
     # and the element-level rule the kernel applies inside partial tiles is the same mask_mod
     b = torch.arange(2).view(2, 1, 1)
-    evaluated = block_mask.mask_mod(
-        b, 0, torch.arange(q_len).view(1, -1, 1), torch.arange(kv_len).view(1, 1, -1)
-    )
+    evaluated = block_mask.mask_mod(b, 0, torch.arange(q_len).view(1, -1, 1),
+                                    torch.arange(kv_len).view(1, 1, -1))
     assert torch.equal(evaluated, elements)
 
 
@@ -158,7 +153,6 @@ def test_concurrent_mask_building_is_consistent():
 
 # ---- anchors ---------------------------------------------------------------------------------
 
-
 def eligible_positions(loss_mask_row):
     """Positions a with the loss on at a and at a+1 (so the block has a label to learn)."""
     m = loss_mask_row.tolist()
@@ -180,8 +174,8 @@ def test_anchors_are_sorted_unique_and_eligible():
 
 def test_too_few_eligible_positions_pad_with_invalid_blocks():
     loss_mask = torch.zeros(2, 20, dtype=torch.bool)
-    loss_mask[0, 3:6] = True  # eligible: 3, 4 (5 has no trained successor)
-    loss_mask[1, 19] = True  # last position only: nothing eligible
+    loss_mask[0, 3:6] = True       # eligible: 3, 4 (5 has no trained successor)
+    loss_mask[1, 19] = True        # last position only: nothing eligible
     anchors, valid = sample_anchors(loss_mask, 5, 4, torch.Generator().manual_seed(0))
     assert valid.tolist() == [[True, True, False, False, False], [False] * 5]
     assert anchors[0, :2].tolist() == [3, 4]

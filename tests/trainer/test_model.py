@@ -1,5 +1,4 @@
 """The drafter module: state layout, frozen target weights, what each block can see, both backends."""
-
 from __future__ import annotations
 
 import copy
@@ -17,19 +16,9 @@ VOCAB, HIDDEN, BLOCK, CTX = 64, 32, 4, 24
 
 
 def small_config(**overrides) -> DrafterConfig:
-    values = dict(
-        hidden_size=HIDDEN,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        vocab_size=VOCAB,
-        mask_token_id=VOCAB - 1,
-        target_layer_ids=[0, 2],
-        block_size=BLOCK,
-        num_target_layers=4,
-    )
+    values = dict(hidden_size=HIDDEN, intermediate_size=48, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, vocab_size=VOCAB, mask_token_id=VOCAB - 1,
+                  target_layer_ids=[0, 2], block_size=BLOCK, num_target_layers=4)
     values.update(overrides)
     return DrafterConfig(**values)
 
@@ -60,9 +49,8 @@ def make_batch(seed=0, batch=2, num_blocks=5, pad_blocks=1):
     g = torch.Generator().manual_seed(seed)
     context = torch.randn(batch, CTX, 2 * HIDDEN, generator=g)
     input_ids = torch.randint(0, VOCAB - 1, (batch, CTX), generator=g)
-    anchors = torch.stack(
-        [torch.randperm(CTX - 1, generator=g)[:num_blocks].sort().values for _ in range(batch)]
-    )
+    anchors = torch.stack([torch.randperm(CTX - 1, generator=g)[:num_blocks].sort().values
+                           for _ in range(batch)])
     valid = torch.ones(batch, num_blocks, dtype=torch.bool)
     if pad_blocks:
         valid[:, -pad_blocks:] = False
@@ -76,22 +64,10 @@ def run_sdpa(drafter, context, input_ids, anchors, valid):
 
 
 EXPORT_NAMES = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
-    f"layers.{i}.{name}.weight"
-    for i in range(2)
-    for name in (
-        "input_layernorm",
-        "post_attention_layernorm",
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_proj",
-        "self_attn.q_norm",
-        "self_attn.k_norm",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-        "mlp.down_proj",
-    )
-]
+    f"layers.{i}.{name}.weight" for i in range(2) for name in (
+        "input_layernorm", "post_attention_layernorm",
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
 
 
 def test_state_dict_is_exactly_the_export_layout():
@@ -140,7 +116,7 @@ def test_a_block_sees_only_context_strictly_before_its_anchor():
     later = context.clone()
     later[b, a:] += 10 * torch.randn_like(later[b, a:])
     after = per_block(run_sdpa(drafter, later, input_ids, anchors, valid), 5)
-    assert torch.allclose(after[b, : n + 1], base[b, : n + 1], atol=1e-6)
+    assert torch.allclose(after[b, :n + 1], base[b, :n + 1], atol=1e-6)
     # ...but the position right before the anchor is seen.
     just_before = context.clone()
     just_before[b, a - 1] += 10
@@ -188,9 +164,8 @@ def test_all_padding_batch_trains_nothing():
     drafter = make_drafter()
     context, input_ids, anchors, valid = make_batch(pad_blocks=5)
     hidden = run_sdpa(drafter, context, input_ids, anchors, valid)
-    labels, label_mask = block_labels(
-        input_ids, torch.ones_like(input_ids, dtype=torch.bool), anchors, valid, BLOCK
-    )
+    labels, label_mask = block_labels(input_ids, torch.ones_like(input_ids, dtype=torch.bool),
+                                      anchors, valid, BLOCK)
     loss, acc = drafter.loss(hidden, labels, label_mask, 7.0)
     loss.backward()
     assert loss.item() == 0.0 and (acc == 0).all()
@@ -200,17 +175,18 @@ def test_all_padding_batch_trains_nothing():
 def test_sdpa_training_reaches_every_weight_and_learns():
     drafter = make_drafter()
     context, input_ids, anchors, valid = make_batch(pad_blocks=1)
-    labels, label_mask = block_labels(
-        input_ids, torch.ones_like(input_ids, dtype=torch.bool), anchors, valid, BLOCK
-    )
+    labels, label_mask = block_labels(input_ids, torch.ones_like(input_ids, dtype=torch.bool),
+                                      anchors, valid, BLOCK)
     opt = torch.optim.Adam(drafter.parameters(), lr=5e-3)
     losses = []
     for _ in range(20):
         opt.zero_grad()
-        loss, _ = drafter.loss(run_sdpa(drafter, context, input_ids, anchors, valid), labels, label_mask, 7.0)
+        loss, _ = drafter.loss(run_sdpa(drafter, context, input_ids, anchors, valid),
+                               labels, label_mask, 7.0)
         loss.backward()
         if not losses:
-            missing = [n for n, p in drafter.named_parameters() if p.grad is None or not (p.grad != 0).any()]
+            missing = [n for n, p in drafter.named_parameters()
+                       if p.grad is None or not (p.grad != 0).any()]
             assert missing == []
         opt.step()
         losses.append(loss.item())
@@ -221,10 +197,10 @@ def test_bf16_drafter_matches_fp32_within_bf16_tolerance():
     # GPU training runs the drafter (and the frozen target weights) in bf16.
     drafter = make_drafter()
     context, input_ids, anchors, valid = make_batch(pad_blocks=1)
-    labels, label_mask = block_labels(
-        input_ids, torch.ones_like(input_ids, dtype=torch.bool), anchors, valid, BLOCK
-    )
-    loss32, _ = drafter.loss(run_sdpa(drafter, context, input_ids, anchors, valid), labels, label_mask, 7.0)
+    labels, label_mask = block_labels(input_ids, torch.ones_like(input_ids, dtype=torch.bool),
+                                      anchors, valid, BLOCK)
+    loss32, _ = drafter.loss(run_sdpa(drafter, context, input_ids, anchors, valid),
+                             labels, label_mask, 7.0)
     half = copy.deepcopy(drafter).to(dtype=torch.bfloat16)
     assert half.lm_head_weight.dtype == torch.bfloat16
     hidden = run_sdpa(half, context.to(torch.bfloat16), input_ids, anchors, valid)
@@ -232,7 +208,8 @@ def test_bf16_drafter_matches_fp32_within_bf16_tolerance():
     loss16, acc16 = half.loss(hidden, labels, label_mask, 7.0)
     loss16.backward()
     assert loss16.item() == pytest.approx(loss32.item(), rel=2e-2)
-    assert all(p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all() for p in half.parameters())
+    assert all(p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all()
+               for p in half.parameters())
 
 
 def test_config_validation_names_the_field():
@@ -289,7 +266,8 @@ def flex_vs_sdpa():
             flex = drafter(context, input_ids, anchors, block_mask, backend="flex")
             new_graphs = counters["stats"]["unique_graphs"] - graphs_before
             sdpa = run_sdpa(drafter, context, input_ids, anchors, valid)
-            ref64 = run_sdpa(copy.deepcopy(drafter).double(), context.double(), input_ids, anchors, valid)
+            ref64 = run_sdpa(copy.deepcopy(drafter).double(), context.double(), input_ids,
+                             anchors, valid)
             out.append((flex, sdpa, ref64, new_graphs))
     return out
 
@@ -316,9 +294,8 @@ def test_a_new_mask_with_the_same_shapes_does_not_recompile(flex_vs_sdpa):
 def test_cuda_flex_and_sdpa_give_the_same_loss_and_gradients(dtype, tol):
     device = "cuda"
     context, input_ids, anchors, valid = (t.to(device) for t in make_batch(seed=9, pad_blocks=1))
-    labels, label_mask = block_labels(
-        input_ids, torch.ones_like(input_ids, dtype=torch.bool), anchors, valid, BLOCK
-    )
+    labels, label_mask = block_labels(input_ids, torch.ones_like(input_ids, dtype=torch.bool),
+                                      anchors, valid, BLOCK)
     results = {}
     for backend in ("flex", "sdpa"):
         # flex_attention's GPU kernels need head_dim >= 16
@@ -358,9 +335,8 @@ def test_compiled_layers_equal_eager_and_share_one_graph_across_layers_and_repli
     import trainer.model as model_module
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(
-        model_module, "compile_options", lambda: {"dynamic": False, "fullgraph": True, "backend": "aot_eager"}
-    )
+    monkeypatch.setattr(model_module, "compile_options",
+                        lambda: {"dynamic": False, "fullgraph": True, "backend": "aot_eager"})
     torch._dynamo.reset()
     counters.clear()
     context, input_ids, anchors, valid = make_batch(seed=3)

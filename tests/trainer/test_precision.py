@@ -1,5 +1,4 @@
 """train.precision: bf16-mixed keeps fp32 master weights (norm weights move), tracks fp32, resumes exactly."""
-
 from __future__ import annotations
 
 import io
@@ -18,25 +17,15 @@ from trainer.train.loop import train
 pytestmark = pytest.mark.timeout(180)
 
 SMALL = {
-    "data.seq_len": 32,
-    "data.synthetic.num_samples": 16,
-    "train.epochs": 30,
-    "train.batch_size": 2,
-    "train.num_anchors": 6,
-    "run.torch_threads": 1,
-    "run.log_every": 1000,
+    "data.seq_len": 32, "data.synthetic.num_samples": 16, "train.epochs": 30, "train.batch_size": 2, "train.num_anchors": 6,
+    "run.torch_threads": 1, "run.log_every": 1000,
 }
 
 
 def tiny_run(out_dir, mode: str, steps: int = 40, **extra):
     """The bundled tiny run, `steps` steps long (the schedule follows), in precision `mode`."""
-    overrides = {
-        "output_dir": str(out_dir),
-        "max_steps": steps,
-        "train.precision": mode,
-        "run.checkpoint_every": 1000,
-        "run.log_every": 1000,
-    }
+    overrides = {"output_dir": str(out_dir), "max_steps": steps, "train.precision": mode,
+                 "run.checkpoint_every": 1000, "run.log_every": 1000}
     overrides.update(extra)
     cfg = load_config("tiny-cpu", overrides)
     out = io.StringIO()
@@ -63,8 +52,7 @@ def test_bf16_mixed_moves_every_norm_weight_and_ends_near_the_fp32_loss(tmp_path
     def place_and_watch(model, device, mode):  # records the dtype a matmul of each replica ran in
         placed = place(model, device, mode)
         placed.layers[0].mlp.down_proj.register_forward_hook(
-            lambda _module, _inputs, output: compute_dtypes.add(output.dtype)
-        )
+            lambda _module, _inputs, output: compute_dtypes.add(output.dtype))
         return placed
 
     monkeypatch.setattr(precision, "place", place_and_watch)
@@ -89,7 +77,6 @@ def test_bf16_mixed_moves_every_norm_weight_and_ends_near_the_fp32_loss(tmp_path
 
 def test_the_norm_check_fails_with_bf16_master_weights(tmp_path, monkeypatch):
     """The same 40 steps with bf16 parameters updated in place: every norm weight stays 1.0."""
-
     def pure_bf16(model, device, mode):
         return model.to(device=device, dtype=torch.bfloat16)
 
@@ -101,9 +88,8 @@ def test_the_norm_check_fails_with_bf16_master_weights(tmp_path, monkeypatch):
 
 
 def test_bf16_mixed_resume_is_exact(tmp_path):
-    straight, losses, _ = tiny_run(
-        tmp_path / "a", "bf16-mixed", steps=6, **SMALL, **{"run.checkpoint_every": 3, "run.keep_last": 5}
-    )
+    straight, losses, _ = tiny_run(tmp_path / "a", "bf16-mixed", steps=6,
+                                   **SMALL, **{"run.checkpoint_every": 3, "run.keep_last": 5})
     mid = tmp_path / "a" / "checkpoints" / "step-0000003"
     weights = load_file(str(mid / "drafter.safetensors"))
     assert {t.dtype for t in weights.values()} == {torch.float32}  # checkpoints hold the masters
@@ -145,10 +131,7 @@ def test_an_old_bf16_checkpoint_resumes_upcast_with_one_log_line(tmp_path):
 
 def test_precision_default_follows_the_drafter_devices_and_bad_values_are_named(tmp_path):
     assert load_config("tiny-cpu", {}).train.precision == "fp32"
-    assert (
-        load_config("tiny-cpu", {"drafter_devices": "cuda:0", "attention": "sdpa"}).train.precision
-        == "bf16-mixed"
-    )
+    assert load_config("tiny-cpu", {"drafter_devices": "cuda:0", "attention": "sdpa"}).train.precision == "bf16-mixed"
     assert load_config("tiny-cpu", {"train.precision": "bf16-mixed"}).train.precision == "bf16-mixed"
     with pytest.raises(ConfigError, match=r"`train.precision` must be one of fp32, bf16-mixed, got 'fp16'"):
         load_config("tiny-cpu", {"train.precision": "fp16"})
@@ -170,38 +153,23 @@ def test_flex_attention_gets_bf16_inputs_under_autocast_and_agrees_with_sdpa():
 
     target = load_target("tiny-random", "cpu", torch.float32, seed=0)
     torch.manual_seed(0)
-    drafter = precision.place(
-        DFlashDrafter(
-            DrafterConfig.for_target(target, num_layers=1, block_size=4), target.embed_tokens, target.lm_head
-        ),
-        "cpu",
-        "bf16-mixed",
-    )
+    drafter = precision.place(DFlashDrafter(DrafterConfig.for_target(target, num_layers=1, block_size=4),
+                                            target.embed_tokens, target.lm_head), "cpu", "bf16-mixed")
     ids = torch.randint(0, 511, (1, 32), generator=torch.Generator().manual_seed(1))
     features = target.features(ids).to(precision.feature_dtype("bf16-mixed"))
-    anchors, valid = sample_anchors(
-        torch.ones(1, 32, dtype=torch.bool), 4, 4, torch.Generator().manual_seed(0)
-    )
+    anchors, valid = sample_anchors(torch.ones(1, 32, dtype=torch.bool), 4, 4, torch.Generator().manual_seed(0))
     # eager flex_attention, forward only: CPU has no flex backward (compiled flex runs on the GPU)
     with torch.no_grad(), precision.autocast("cpu", "bf16-mixed"):
-        flex = drafter(
-            features, ids, anchors, build_block_mask(anchors, valid, 32, 4, "cpu"), eager_flex_attention
-        )
+        flex = drafter(features, ids, anchors, build_block_mask(anchors, valid, 32, 4, "cpu"),
+                       eager_flex_attention)
         sdpa = drafter(features, ids, anchors, dense_mask(anchors, valid, 32, 4, "cpu"), "sdpa")
     assert (flex - sdpa).abs().max() <= 0.02 * sdpa.abs().max()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bf16_mixed_on_cuda_with_compiled_flex_moves_every_norm_weight(tmp_path):
-    result, losses, log = tiny_run(
-        tmp_path,
-        "bf16-mixed",
-        steps=40,
-        attention="flex",
-        target_devices="cuda:0",
-        drafter_devices="cuda:0",
-        **{"train.lr": 6e-4},
-    )
+    result, losses, log = tiny_run(tmp_path, "bf16-mixed", steps=40, attention="flex", target_devices="cuda:0",
+                                   drafter_devices="cuda:0", **{"train.lr": 6e-4})
     model = result.replicas[0].model
     assert "precision bf16-mixed" in log
     assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -1,5 +1,4 @@
 """dflash-train data regenerate on the tiny-random target: batching, rejects, exactly-once resume after a kill."""
-
 from __future__ import annotations
 
 import io
@@ -22,20 +21,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def conversation(i: int) -> dict:
-    return {
-        "id": i,
-        "messages": [
-            {"role": "system", "content": "be brief"},
-            {"role": "user", "content": f"question {i}" + " and more" * (i % 3)},
-            {"role": "assistant", "content": "an answer another model wrote"},
-        ],
-    }
+    return {"id": i, "messages": [{"role": "system", "content": "be brief"},
+                                  {"role": "user", "content": f"question {i}" + " and more" * (i % 3)},
+                                  {"role": "assistant", "content": "an answer another model wrote"}]}
 
 
 def write_lines(path: Path, lines: list) -> Path:
-    path.write_text(
-        "".join((json.dumps(x) if not isinstance(x, str) else x) + "\n" for x in lines), encoding="utf-8"
-    )
+    path.write_text("".join((json.dumps(x) if not isinstance(x, str) else x) + "\n" for x in lines), encoding="utf-8")
     return path
 
 
@@ -63,21 +55,18 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(generator)
     ids = torch.tensor([short])
     for _ in range(6):
         ids = torch.cat([ids, generator.model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    expected = ids[0, len(short) :].tolist()
+    expected = ids[0, len(short):].tolist()
     cut = next((k for k, t in enumerate(expected) if t in generator.eos_ids), None)
     assert together[0][0] == expected[:cut]
 
 
 def test_template_kwargs_reach_the_chat_template(generator):
-    generator.tokenizer.chat_template = (
-        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if flavour %}{{ flavour }}{% endif %}"
-    )
+    generator.tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                         "{% if flavour %}{{ flavour }}{% endif %}")
     try:
         plain = generator.prompt_ids([{"role": "user", "content": "x"}])
         generator.opts.chat_template_kwargs = {"flavour": "yz"}
-        assert generator.prompt_ids([{"role": "user", "content": "x"}]) == plain + generator.tokenizer.encode(
-            "yz"
-        )
+        assert generator.prompt_ids([{"role": "user", "content": "x"}]) == plain + generator.tokenizer.encode("yz")
     finally:
         from trainer.data.chat_tokenizer import CHATML
 
@@ -85,60 +74,33 @@ def test_template_kwargs_reach_the_chat_template(generator):
         generator.opts.chat_template_kwargs = {}
 
 
-@pytest.mark.parametrize(
-    "line, reason",
-    [
-        ("not json", "not valid JSON"),
-        ('{"text": "x"}', "no `messages` list"),
-        ('{"messages": [{"role": "tool", "content": "x"}]}', "role 'tool'"),
-        (
-            '{"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}',
-            "before any user",
-        ),
-        ('{"messages": [{"role": "system", "content": "x"}]}', "no user turn"),
-        ('{"messages": [{"role": "user", "content": 3}]}', "content"),
-    ],
-)
+@pytest.mark.parametrize("line, reason", [
+    ("not json", "not valid JSON"),
+    ('{"text": "x"}', "no `messages` list"),
+    ('{"messages": [{"role": "tool", "content": "x"}]}', "role 'tool'"),
+    ('{"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}', "before any user"),
+    ('{"messages": [{"role": "system", "content": "x"}]}', "no user turn"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "content"),
+])
 def test_bad_records_are_rejected_with_a_reason(line, reason):
     with pytest.raises(Reject, match=reason):
         parse_record(line)
 
 
 def test_turns_to_answer_keep_user_and_system_and_answer_a_trailing_question():
-    conv = parse_record(
-        json.dumps(
-            {
-                "messages": [
-                    {"role": "system", "content": "s"},
-                    {"role": "user", "content": "u1"},
-                    {"role": "assistant", "content": "a1"},
-                    {"role": "user", "content": "u2"},
-                ]
-            }
-        )
-    )
+    conv = parse_record(json.dumps({"messages": [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "u2"}]}))
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "user", "assistant"]
     assert conv.slots == [2, 4] and conv.messages[1]["content"] == "u1"
 
 
 def test_regenerate_writes_target_answers_rejects_and_a_summary(tmp_path):
-    src = write_lines(
-        tmp_path / "in.jsonl",
-        [
-            conversation(0),
-            "not json",
-            conversation(1),
-            {"messages": [{"role": "user", "content": "x" * 600}]},
-        ],
-    )
+    src = write_lines(tmp_path / "in.jsonl", [conversation(0), "not json", conversation(1),
+                                              {"messages": [{"role": "user", "content": "x" * 600}]}])
     out = tmp_path / "out.jsonl"
-    summary = regenerate(
-        RegenerateOptions(
-            "tiny-random", str(src), str(out), max_new_tokens=4, batch_size=2, max_prompt_tokens=200
-        ),
-        out=io.StringIO(),
-        tty=False,
-    )
+    summary = regenerate(RegenerateOptions("tiny-random", str(src), str(out), max_new_tokens=4, batch_size=2,
+                                           max_prompt_tokens=200), out=io.StringIO(), tty=False)
     assert (summary["records"], summary["rejects"], summary["turns"], summary["seen"]) == (2, 2, 2, 4)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [0, 1]
@@ -154,17 +116,7 @@ def test_regenerate_writes_target_answers_rejects_and_a_summary(tmp_path):
 def test_existing_output_without_resume_or_with_other_settings_is_refused(tmp_path, capsys):
     src = write_lines(tmp_path / "in.jsonl", [conversation(0)])
     out = tmp_path / "out.jsonl"
-    args = [
-        "regenerate",
-        "--target",
-        "tiny-random",
-        "--in",
-        str(src),
-        "--out",
-        str(out),
-        "--max-new-tokens",
-        "2",
-    ]
+    args = ["regenerate", "--target", "tiny-random", "--in", str(src), "--out", str(out), "--max-new-tokens", "2"]
     assert data_main(args) == 0
     assert data_main(args) == 2
     assert "add --resume" in capsys.readouterr().err
@@ -176,30 +128,9 @@ def test_existing_output_without_resume_or_with_other_settings_is_refused(tmp_pa
 
 def _run(src, out, *extra):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "data",
-            "regenerate",
-            "--target",
-            "tiny-random",
-            "--in",
-            str(src),
-            "--out",
-            str(out),
-            "--max-new-tokens",
-            "3",
-            "--batch-size",
-            "1",
-            *extra,
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return subprocess.Popen([sys.executable, "-m", "trainer", "data", "regenerate", "--target", "tiny-random",
+                             "--in", str(src), "--out", str(out), "--max-new-tokens", "3", "--batch-size", "1",
+                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_killed_run_resumes_with_no_duplicate_or_lost_record(tmp_path):
@@ -222,41 +153,24 @@ def test_killed_run_resumes_with_no_duplicate_or_lost_record(tmp_path):
         f.write(b'{"messages": [{"role": "user", "cont')
     reference = tmp_path / "reference.jsonl"  # the same work uninterrupted
     options = dict(max_new_tokens=3, batch_size=1)
-    regenerate(
-        RegenerateOptions("tiny-random", str(src), str(reference), **options), out=io.StringIO(), tty=False
-    )
-    summary = regenerate(
-        RegenerateOptions("tiny-random", str(src), str(killed_out), resume=True, **options),
-        out=io.StringIO(),
-        tty=False,
-    )
+    regenerate(RegenerateOptions("tiny-random", str(src), str(reference), **options), out=io.StringIO(), tty=False)
+    summary = regenerate(RegenerateOptions("tiny-random", str(src), str(killed_out), resume=True, **options),
+                         out=io.StringIO(), tty=False)
     assert killed_out.read_bytes() == reference.read_bytes()
-    assert (
-        Path(str(killed_out) + ".rejects.jsonl").read_bytes()
-        == Path(str(reference) + ".rejects.jsonl").read_bytes()
-    )
+    assert Path(str(killed_out) + ".rejects.jsonl").read_bytes() == Path(str(reference) + ".rejects.jsonl").read_bytes()
     ids = [json.loads(line)["id"] for line in killed_out.read_text().splitlines()]
     assert ids == [i for i in range(60) if i != 5]
     assert (summary["records"], summary["rejects"], summary["seen"]) == (59, 1, 60)
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--devices", "gpu0"], "gpu0 is not a device"),
-        (["--devices", "cuda:7"], "names cuda:7 but"),
-        (["--batch-size", "0"], "--batch-size must be at least 1"),
-        (["--temperature", "-1"], "--temperature"),
-    ],
-)
+@pytest.mark.parametrize("flags, message", [
+    (["--devices", "gpu0"], "gpu0 is not a device"), (["--devices", "cuda:7"], "names cuda:7 but"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"), (["--temperature", "-1"], "--temperature"),
+])
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
     src = write_lines(tmp_path / "in.jsonl", [conversation(0)])
-    assert (
-        data_main(
-            ["regenerate", "--target", "tiny-random", "--in", str(src), "--out", str(tmp_path / "o"), *flags]
-        )
-        == 2
-    )
+    assert data_main(["regenerate", "--target", "tiny-random", "--in", str(src), "--out", str(tmp_path / "o"),
+                      *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
@@ -265,18 +179,10 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
 def test_two_devices_write_the_same_records_in_input_order(tmp_path):
     src = write_lines(tmp_path / "in.jsonl", [conversation(i) for i in range(5)])
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
-    regenerate(
-        RegenerateOptions("tiny-random", str(src), str(one), max_new_tokens=3, batch_size=1),
-        out=io.StringIO(),
-        tty=False,
-    )
-    summary = regenerate(
-        RegenerateOptions(
-            "tiny-random", str(src), str(two), max_new_tokens=3, batch_size=1, devices=["cpu", "cpu"]
-        ),
-        out=io.StringIO(),
-        tty=False,
-    )
+    regenerate(RegenerateOptions("tiny-random", str(src), str(one), max_new_tokens=3, batch_size=1),
+               out=io.StringIO(), tty=False)
+    summary = regenerate(RegenerateOptions("tiny-random", str(src), str(two), max_new_tokens=3, batch_size=1,
+                                           devices=["cpu", "cpu"]), out=io.StringIO(), tty=False)
     assert summary["records"] == 5 and two.read_bytes() == one.read_bytes()
 
 
@@ -290,18 +196,13 @@ def test_progress_is_a_bar_on_a_tty_and_a_periodic_line_elsewhere():
         now[0] = t
         line.update(done)
     # a line at 31 s (30 s passed) and at the end; rates count this run's work only (resumed at 20)
-    assert plain.getvalue().splitlines() == [
-        "records 40/100  0.65/s  ETA 1m33s",
-        "records 100/100  1.60/s  ETA 0m00s",
-    ]
+    assert plain.getvalue().splitlines() == ["records 40/100  0.65/s  ETA 1m33s", "records 100/100  1.60/s  ETA 0m00s"]
     bar = io.StringIO()
     line = ProgressLine("records", 10, out=bar, tty=True, clock=lambda: now[0])
     now[0] += 2
     line.update(5, "7 rejected")
     line.finish()
-    assert (
-        bar.getvalue() == "\r\x1b[2K[############............] records 5/10  2.50/s  ETA 0m02s  7 rejected\n"
-    )
+    assert bar.getvalue() == "\r\x1b[2K[############............] records 5/10  2.50/s  ETA 0m02s  7 rejected\n"
 
 
 def test_sampling_is_seeded_by_position_so_a_resumed_run_samples_the_same(tmp_path):
@@ -312,19 +213,14 @@ def test_sampling_is_seeded_by_position_so_a_resumed_run_samples_the_same(tmp_pa
     head = write_lines(tmp_path / "head.jsonl", [conversation(i) for i in range(2)])
     regenerate(RegenerateOptions("tiny-random", str(head), str(part), **opts), out=io.StringIO(), tty=False)
     greedy = tmp_path / "greedy.jsonl"
-    regenerate(
-        RegenerateOptions("tiny-random", str(head), str(greedy), max_new_tokens=4, batch_size=2),
-        out=io.StringIO(),
-        tty=False,
-    )
+    regenerate(RegenerateOptions("tiny-random", str(head), str(greedy), max_new_tokens=4, batch_size=2),
+               out=io.StringIO(), tty=False)
     first_two = whole.read_text().splitlines()[:2]
     assert part.read_text().splitlines() == first_two  # same chunk position, same samples
     assert greedy.read_text().splitlines() != first_two  # and it did sample
 
 
-@pytest.mark.parametrize(
-    "how, code, word", [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "interrupted")]
-)
+@pytest.mark.parametrize("how, code, word", [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "interrupted")])
 def test_a_stopped_run_prints_its_summary_with_new_tokens_per_second(tmp_path, how, code, word):
     src = write_lines(tmp_path / "in.jsonl", [conversation(i) for i in range(60)])
     out = tmp_path / "out.jsonl"
@@ -338,11 +234,7 @@ def test_a_stopped_run_prints_its_summary_with_new_tokens_per_second(tmp_path, h
     victim.send_signal(how)
     _, err = victim.communicate(timeout=60)
     assert victim.returncode == code, err
-    summary = [
-        line
-        for line in err.splitlines()
-        if line.startswith(f"dflash-train data: regenerate stopped ({word})")
-    ]
+    summary = [line for line in err.splitlines() if line.startswith(f"dflash-train data: regenerate stopped ({word})")]
     assert len(summary) == 1, err
     committed = json.loads(progress.read_text())["stats"]
     assert f": {committed['records']} records (" in summary[0] and "new tokens/s" in summary[0]
@@ -352,27 +244,10 @@ def test_a_stopped_run_prints_its_summary_with_new_tokens_per_second(tmp_path, h
 
 def test_a_finished_run_reports_new_tokens_per_second(tmp_path, capsys):
     src = write_lines(tmp_path / "in.jsonl", [conversation(0), conversation(1)])
-    assert (
-        data_main(
-            [
-                "regenerate",
-                "--target",
-                "tiny-random",
-                "--in",
-                str(src),
-                "--out",
-                str(tmp_path / "o.jsonl"),
-                "--max-new-tokens",
-                "3",
-            ]
-        )
-        == 0
-    )
+    assert data_main(["regenerate", "--target", "tiny-random", "--in", str(src), "--out", str(tmp_path / "o.jsonl"),
+                      "--max-new-tokens", "3"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert (
-        line.startswith("dflash-train data: regenerated 2 records (2 turns, 6 new tokens")
-        and "new tokens/s" in line
-    )
+    assert line.startswith("dflash-train data: regenerated 2 records (2 turns, 6 new tokens") and "new tokens/s" in line
 
 
 def test_a_truncated_record_is_rejected_at_its_real_column():

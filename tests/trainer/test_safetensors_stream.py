@@ -1,5 +1,4 @@
 """The streamed shard writer gives save_file's exact bytes for the concatenated tensors, and their sha256."""
-
 import hashlib
 
 import pytest
@@ -18,12 +17,8 @@ def test_pieces_are_written_as_save_file_writes_them_whole(tmp_path, features_dt
     ids = [torch.randint(0, 1000, (n,), generator=gen, dtype=torch.int32) for n in lengths]
     masks = [torch.rand(n, generator=gen) > 0.5 for n in lengths]
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    whole = {
-        "features": torch.cat(features),
-        "input_ids": torch.cat(ids),
-        "loss_mask": torch.cat(masks),
-        "offsets": offsets,
-    }
+    whole = {"features": torch.cat(features), "input_ids": torch.cat(ids), "loss_mask": torch.cat(masks),
+             "offsets": offsets}
     save_file(whole, str(tmp_path / "whole.safetensors"))
 
     parts = {"features": features, "input_ids": ids, "loss_mask": masks, "offsets": [offsets]}

@@ -1,5 +1,4 @@
 """A stop request ends the trainer even while a drafter thread is stuck inside a compile."""
-
 from __future__ import annotations
 
 import json
@@ -18,26 +17,9 @@ pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
 STUCK = REPO / "tests" / "trainer" / "stuck_trainer.py"
-ARGS = [
-    "--config",
-    "tiny-cpu",
-    "--max-steps",
-    "100000",
-    "--drafter-devices",
-    "cpu,cpu",
-    "--set",
-    "data.seq_len=32",
-    "--set",
-    "data.synthetic.num_samples=16",
-    "--set",
-    "train.epochs=30",
-    "--set",
-    "train.batch_size=2",
-    "--set",
-    "train.num_anchors=6",
-    "--set",
-    "run.torch_threads=1",
-]
+ARGS = ["--config", "tiny-cpu", "--max-steps", "100000", "--drafter-devices", "cpu,cpu",
+        "--set", "data.seq_len=32", "--set", "data.synthetic.num_samples=16", "--set", "train.epochs=30", "--set", "train.batch_size=2",
+        "--set", "train.num_anchors=6", "--set", "run.torch_threads=1"]
 
 
 def start_stuck_trainer(tmp_path, grace_s: float, *own: str) -> tuple[subprocess.Popen, Path]:
@@ -45,27 +27,10 @@ def start_stuck_trainer(tmp_path, grace_s: float, *own: str) -> tuple[subprocess
     markers.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(STUCK),
-            str(markers),
-            *own,
-            "--",
-            *ARGS,
-            "--output-dir",
-            str(tmp_path / "run"),
-            "--metrics-file",
-            str(metrics),
-            "--set",
-            f"run.stop_grace_s={grace_s}",
-        ],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = subprocess.Popen([sys.executable, str(STUCK), str(markers), *own, "--", *ARGS,
+                             "--output-dir", str(tmp_path / "run"), "--metrics-file", str(metrics),
+                             "--set", f"run.stop_grace_s={grace_s}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while not (markers / "stuck").exists():
         assert time.monotonic() < deadline, "drafter1 never got stuck"
@@ -100,10 +65,8 @@ def test_sigterm_exits_after_the_grace_period_although_a_thread_is_stuck_in_a_co
     assert proc.returncode == 130, err[-3000:]
     # grace, then at most 5 s for the healthy threads to leave; far below ops' 30 s SIGKILL
     assert grace <= took < grace + 12, took
-    assert (
-        "SIGTERM 3 s ago (run.stop_grace_s): step 3 did not finish: drafter0 (waiting for the others at the "
-        "gradient barrier), drafter1 (in forward+backward); exiting without a checkpoint"
-    ) in out, out
+    assert ("SIGTERM 3 s ago (run.stop_grace_s): step 3 did not finish: drafter0 (waiting for the others at the "
+            "gradient barrier), drafter1 (in forward+backward); exiting without a checkpoint") in out, out
     assert "exiting with threads still running: drafter1" in err
     done = records(metrics)[-1]
     assert done["event"] == "done" and done["reason"] == "interrupted" and done["step"] == 2, done

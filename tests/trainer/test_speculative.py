@@ -1,6 +1,5 @@
 """Speculative decoding with the drafter: the cached path is the training forward, the output is the
 target's own, and tau moves from ~1 (untrained) to clearly more (trained)."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -104,7 +103,6 @@ def test_untrained_drafter_is_lossless_and_accepts_about_nothing(target, block_s
 
 # ---- a trained drafter: one short tiny-cpu run shared by the tests below -------------------------
 
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """tiny-cpu on 128 sequences, 200 steps (about 12 epochs) with tau evaluated every 100 (about
@@ -113,19 +111,9 @@ def trained(tmp_path_factory):
     from trainer.train.loop import train
 
     out = tmp_path_factory.mktemp("trained")
-    cfg = load_config(
-        "tiny-cpu",
-        {
-            "output_dir": str(out),
-            "max_steps": 200,
-            "run.checkpoint_every": 1000,
-            "data.synthetic.num_samples": 128,
-            "train.epochs": 30,
-            "run.log_every": 1000,
-            "eval.every": 100,
-            "eval.max_new_tokens": 24,
-        },
-    )
+    cfg = load_config("tiny-cpu", {"output_dir": str(out), "max_steps": 200, "run.checkpoint_every": 1000,
+                                   "data.synthetic.num_samples": 128, "train.epochs": 30,
+                                   "run.log_every": 1000, "eval.every": 100, "eval.max_new_tokens": 24})
     result = train(cfg, out=io.StringIO())
     return cfg, result
 
@@ -161,17 +149,10 @@ def test_tau_rises_from_one_with_training_and_is_logged_during_training(trained,
     cfg, result = trained
     train_prompts, held_prompts = _training_prompts(cfg, target)
     drafter = result.replicas[0].model.eval()
-    before = evaluate(
-        target.model,
-        target.layer_ids,
-        untrained(target, 8),
-        train_prompts[:6],
-        max_new_tokens=32,
-        reference=reference,
-    )
-    after = evaluate(
-        target.model, target.layer_ids, drafter, train_prompts[:6], max_new_tokens=32, reference=reference
-    )
+    before = evaluate(target.model, target.layer_ids, untrained(target, 8), train_prompts[:6], max_new_tokens=32,
+                    reference=reference)
+    after = evaluate(target.model, target.layer_ids, drafter, train_prompts[:6], max_new_tokens=32,
+                    reference=reference)
     assert before.tau < 1.1 and after.tau > 1.6, (before.tau, after.tau)
     assert after.lossless and after.acceptance[0] > 0.25
 
@@ -192,15 +173,8 @@ def test_a_label_shifted_drafter_shows_in_tau(trained, target, reference):
     cfg, result = trained
     train_prompts, _ = _training_prompts(cfg, target)
     drafter = result.replicas[0].model.eval()
-    good = evaluate(
-        target.model,
-        target.layer_ids,
-        drafter,
-        train_prompts[:6],
-        max_new_tokens=32,
-        reference=reference,
-        loop="reference",
-    )
+    good = evaluate(target.model, target.layer_ids, drafter, train_prompts[:6], max_new_tokens=32,
+                    reference=reference, loop="reference")
 
     class Shifted(DrafterContext):
         def draft_logits(self, anchor_token):
@@ -208,19 +182,11 @@ def test_a_label_shifted_drafter_shows_in_tau(trained, target, reference):
             return torch.cat([logits[:1], logits[:-1]])  # row k now holds the guess for k-1
 
     import trainer.infer.speculative as spec
-
     original = spec.DrafterContext
     spec.DrafterContext = Shifted
     try:
-        shifted = evaluate(
-            target.model,
-            target.layer_ids,
-            drafter,
-            train_prompts[:6],
-            max_new_tokens=32,
-            reference=reference,
-            loop="reference",
-        )
+        shifted = evaluate(target.model, target.layer_ids, drafter, train_prompts[:6], max_new_tokens=32,
+                           reference=reference, loop="reference")
     finally:
         spec.DrafterContext = original
     assert shifted.lossless  # still lossless: acceptance only decides how much is kept
@@ -237,12 +203,8 @@ def test_heldout_rows_never_reach_training(tmp_path):
     again, held_again = split_heldout(data, 0.1, seed=0)
     assert torch.equal(held.input_ids, held_again.input_ids)  # eval finds the same rows later
     plan = BatchPlan(len(rows), 2, 2, seed=0)
-    seen = {
-        tuple(r)
-        for step in range(plan.total_steps(3, None))
-        for rep in range(2)
-        for r in make_batch(rows, plan, step, rep).input_ids.tolist()
-    }
+    seen = {tuple(r) for step in range(plan.total_steps(3, None)) for rep in range(2)
+            for r in make_batch(rows, plan, step, rep).input_ids.tolist()}
     held_set = {tuple(r) for r in held.input_ids.tolist()}
     assert len(seen) == 36 and not seen & held_set
     assert prompts_of(held) == [r[:4] for r in held.input_ids.tolist()]  # prompt = before the loss mask
@@ -254,9 +216,7 @@ def test_fresh_synthetic_prompts_are_not_the_training_prompts(target):
 
     cfg = load_config("tiny-cpu", {"data.synthetic.num_samples": 64})
     fresh = fresh_synthetic_prompts(512, target.mask_token_id, 16, 8, cfg.train.seed)
-    assert fresh == fresh_synthetic_prompts(
-        512, target.mask_token_id, 16, 8, cfg.train.seed
-    )  # eval finds them again
+    assert fresh == fresh_synthetic_prompts(512, target.mask_token_id, 16, 8, cfg.train.seed)  # eval finds them again
     training = {tuple(p) for p in prompts_of(build_dataset(cfg, target))}
     assert len(fresh) == 16 and not training & {tuple(p) for p in fresh}
     assert all(target.mask_token_id not in p for p in fresh)
@@ -269,13 +229,9 @@ def test_without_unseen_prompts_training_runs_and_says_why_tau_is_off(target):
     dcfg = DrafterConfig.for_target(target, **cfg.drafter.overrides())
     said = []
     assert TrainingEval.create(cfg, target, dcfg, None, torch.float32, said.append) is None
-    assert said == [
-        "eval: tau evaluation off: no unseen prompts. Fix: set data.eval_fraction (e.g. 0.01) "
-        "or eval.path, or eval.every: 0 to silence this"
-    ]
-    on = load_config(
-        "tiny-cpu", {"data.source": "jsonl", "data.path": "train.jsonl", "data.eval_fraction": 0.1}
-    )
+    assert said == ["eval: tau evaluation off: no unseen prompts. Fix: set data.eval_fraction (e.g. 0.01) "
+                    "or eval.path, or eval.every: 0 to silence this"]
+    on = load_config("tiny-cpu", {"data.source": "jsonl", "data.path": "train.jsonl", "data.eval_fraction": 0.1})
     assert on.eval.every == 240  # the split is what makes prompts; create() then takes its rows
     head = type("TargetHead", (), {"model": None})()  # what data.source features trains with
     said.clear()

@@ -4,7 +4,6 @@ and never a healthy one, and it never outlives the trainer.
 A small stand-in trainer (real StopWatchdog, real signals, a real GIL-holding regex) keeps these fast;
 tests/trainer/test_shutdown.py runs the real trainer.
 """
-
 from __future__ import annotations
 
 import os
@@ -48,14 +47,8 @@ print("finished", flush=True)
 
 def start(mode: str, work_s: float = 0.0) -> tuple[subprocess.Popen, int]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", STAND_IN, str(AFTER_S), mode, str(work_s)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, str(AFTER_S), mode, str(work_s)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     watchdog_pid = int(proc.stdout.readline())
     assert alive(watchdog_pid) and parent_of(watchdog_pid) == proc.pid
     return proc, watchdog_pid
@@ -94,16 +87,12 @@ def finish(proc) -> tuple[str, str, float]:
 def test_it_kills_a_trainer_whose_python_handler_cannot_run():
     proc, watchdog = start("hold-gil")
     time.sleep(0.3)  # the regex holds the GIL by now
-    os.killpg(
-        proc.pid, signal.SIGTERM
-    )  # the whole group, as `timeout` and ops' stop do: the watchdog ignores it
+    os.killpg(proc.pid, signal.SIGTERM)  # the whole group, as `timeout` and ops' stop do: the watchdog ignores it
     out, err, took = finish(proc)
     assert proc.returncode == -signal.SIGKILL, err
     assert AFTER_S <= took < AFTER_S + 3, took
-    assert (
-        f"dflash-train watchdog: pid {proc.pid} still running 2 s after SIGTERM: the interpreter did not get "
-        f"control back (a thread stuck in C code, stacks above); ending it with SIGKILL"
-    ) in err, err
+    assert (f"dflash-train watchdog: pid {proc.pid} still running 2 s after SIGTERM: the interpreter did not get "
+            f"control back (a thread stuck in C code, stacks above); ending it with SIGKILL") in err, err
     assert 'File "<string>", line 17 in <module>' in err, err  # the stuck thread's stack, printed before
     assert "finished" not in out
     assert gone_soon(watchdog)

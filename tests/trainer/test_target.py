@@ -1,5 +1,4 @@
 """The frozen target: features equal Hugging Face hidden states, tiny-random and local loading."""
-
 from __future__ import annotations
 
 import threading
@@ -26,9 +25,9 @@ def hf_reference(target, input_ids, layer_ids, attention_mask=None):
 
 def test_tiny_target_shape_and_defaults(tiny):
     assert (tiny.num_layers, tiny.hidden_size, tiny.vocab_size) == (6, 64, 512)
-    assert tiny.layer_ids == [1, 2, 3]  # spread over 1 .. num_layers-3
+    assert tiny.layer_ids == [1, 2, 3]      # spread over 1 .. num_layers-3
     assert tiny.tokenizer is None
-    assert tiny.mask_token_id == 511  # no tokenizer: the last embedding row
+    assert tiny.mask_token_id == 511        # no tokenizer: the last embedding row
     assert tiny.device == "cpu"
     assert not tiny.embed_tokens.weight.requires_grad
     assert not tiny.lm_head.weight.requires_grad
@@ -61,10 +60,8 @@ def test_features_with_padding_mask(tiny):
 
 def test_layers_after_the_last_needed_one_do_not_run(tiny):
     calls = []
-    handles = [
-        layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
-        for i, layer in enumerate(tiny.model.model.layers)
-    ]
+    handles = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
+               for i, layer in enumerate(tiny.model.model.layers)]
     try:
         tiny.features(torch.zeros(1, 4, dtype=torch.long))
     finally:
@@ -155,9 +152,8 @@ def test_tiny_target_is_seeded_and_leaves_global_rng_alone():
 
 
 def test_tiny_overrides_and_dtype():
-    target = load_target(
-        "tiny-random", "cpu", torch.bfloat16, tiny={"num_hidden_layers": 8, "hidden_size": 32, "head_dim": 8}
-    )
+    target = load_target("tiny-random", "cpu", torch.bfloat16,
+                         tiny={"num_hidden_layers": 8, "hidden_size": 32, "head_dim": 8})
     assert (target.num_layers, target.hidden_size) == (8, 32)
     assert target.layer_ids == [1, 2, 3, 4, 5]
     assert target.features(torch.zeros(1, 3, dtype=torch.long)).dtype == torch.bfloat16
@@ -202,7 +198,7 @@ def test_local_hf_directory(tiny, tmp_path):
     local = load_target(str(tmp_path), "cpu", torch.float32, layer_ids=[0, 2])
     assert local.tokenizer is not None
     assert local.tokenizer("w5 w7")["input_ids"] == [5, 7]
-    assert local.mask_token_id == 1  # the tokenizer's pad token
+    assert local.mask_token_id == 1   # the tokenizer's pad token
     ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(3))
     assert torch.allclose(local.features(ids), hf_reference(tiny, ids, [0, 2]), atol=1e-6)
 
@@ -210,12 +206,7 @@ def test_local_hf_directory(tiny, tmp_path):
 def test_drafter_config_for_target(tiny):
     cfg = DrafterConfig.for_target(tiny, num_layers=1, block_size=4)
     assert (cfg.hidden_size, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
-        64,
-        512,
-        4,
-        2,
-        16,
-    )
+        64, 512, 4, 2, 16)
     assert cfg.target_layer_ids == [1, 2, 3] and cfg.num_target_layers == 6
     assert cfg.mask_token_id == 511 and cfg.rope_theta == tiny.config.rope_parameters["rope_theta"]
     drafter = DFlashDrafter(cfg, tiny.embed_tokens, tiny.lm_head)

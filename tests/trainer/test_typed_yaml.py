@@ -1,6 +1,5 @@
 """trainer.typed_yaml: strict YAML (1.2 booleans, no duplicate keys, lines kept) and typed dataclasses
 built from it, every problem one line naming FILE:LINE, the field and the fix."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -78,20 +77,10 @@ def test_unreadable_files_say_why_and_what_to_do(tmp_path):
     assert typed_yaml.read_yaml(str(good)) == {"a": "off"}
 
 
-@pytest.mark.parametrize(
-    "text, value",
-    [
-        ("off", "off"),
-        ("3", 3),
-        ("0.5", 0.5),
-        ("true", True),
-        ("null", None),
-        ("[a, b]", ["a", "b"]),
-        ("{a: 1}", {"a": 1}),
-        ("[unclosed", "[unclosed"),
-        ("a: 1: 2", "a: 1: 2"),
-    ],
-)
+@pytest.mark.parametrize("text, value", [
+    ("off", "off"), ("3", 3), ("0.5", 0.5), ("true", True), ("null", None), ("[a, b]", ["a", "b"]),
+    ("{a: 1}", {"a": 1}), ("[unclosed", "[unclosed"), ("a: 1: 2", "a: 1: 2"),
+])
 def test_command_line_values_follow_the_file_rules(text, value):
     assert parse_value(text) == value
 
@@ -162,21 +151,18 @@ def test_internal_fields_are_not_keys():
     assert "Valid keys in the top level: name, enabled, limit, extra, inner" in error_of("source: f\n")
 
 
-@pytest.mark.parametrize(
-    "text, line, words",
-    [
-        ("enabled: off\n", 1, ["`enabled` must be true or false, got the text 'off'", "only true and"]),
-        ("name: a\nlimit: 2.5\n", 2, ["`limit` must be a whole number, got the number 2.5"]),
-        ("limit: true\n", 1, ["`limit` must be a whole number, got the boolean true"]),
-        ("inner:\n  ratio: fast\n", 2, ["`inner.ratio` must be a number", "'fast'"]),
-        ("inner:\n  ratio: .nan\n", None, []),  # a number; whether NaN is allowed is the caller's rule
-        ("name: [a]\n", 1, ["`name` must be a string", "quote it"]),
-        ("inner: {names: 3}\n", 1, ["`inner.names` must be a list", "[a, b, ...]"]),
-        ("inner: {names: [a, [b]]}\n", 1, ["`inner.names[1]` must be a string"]),
-        ("extra: [a]\n", 1, ["`extra` must be a mapping"]),
-        ("name: a\ninner: 3\n", 2, ["`inner` must be a mapping of keys, got the number 3"]),
-    ],
-)
+@pytest.mark.parametrize("text, line, words", [
+    ("enabled: off\n", 1, ["`enabled` must be true or false, got the text 'off'", "only true and"]),
+    ("name: a\nlimit: 2.5\n", 2, ["`limit` must be a whole number, got the number 2.5"]),
+    ("limit: true\n", 1, ["`limit` must be a whole number, got the boolean true"]),
+    ("inner:\n  ratio: fast\n", 2, ["`inner.ratio` must be a number", "'fast'"]),
+    ("inner:\n  ratio: .nan\n", None, []),  # a number; whether NaN is allowed is the caller's rule
+    ("name: [a]\n", 1, ["`name` must be a string", "quote it"]),
+    ("inner: {names: 3}\n", 1, ["`inner.names` must be a list", "[a, b, ...]"]),
+    ("inner: {names: [a, [b]]}\n", 1, ["`inner.names[1]` must be a string"]),
+    ("extra: [a]\n", 1, ["`extra` must be a mapping"]),
+    ("name: a\ninner: 3\n", 2, ["`inner` must be a mapping of keys, got the number 3"]),
+])
 def test_a_bad_value_is_one_line_naming_file_line_and_field(text, line, words):
     if line is None:
         assert math.isnan(built(text).inner.ratio)
@@ -207,18 +193,9 @@ def test_did_you_mean_and_closest_match():
     assert typed_yaml.did_you_mean("zzz", ["host"]) == ""
 
 
-@pytest.mark.parametrize(
-    "value, expected",
-    [
-        (1, 1.0),
-        (2.5, 2.5),
-        (float("nan"), None),
-        (float("inf"), None),
-        (True, None),
-        ("3", None),
-        (None, None),
-    ],
-)
+@pytest.mark.parametrize("value, expected", [
+    (1, 1.0), (2.5, 2.5), (float("nan"), None), (float("inf"), None), (True, None), ("3", None), (None, None),
+])
 def test_finite(value, expected):
     assert typed_yaml.finite(value) == expected
 

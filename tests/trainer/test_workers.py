@@ -1,5 +1,4 @@
 """Worker threads: gradients averaged and clipped, replicas stay identical, a failure stops everything."""
-
 from __future__ import annotations
 
 import threading
@@ -18,13 +17,8 @@ from trainer.train.workers import TrainingWorkers, WorkerFailure
 pytestmark = pytest.mark.timeout(120)  # a hang is a failure, not a stuck CI job
 
 SMALL = {
-    "data.seq_len": 32,
-    "data.synthetic.num_samples": 16,
-    "train.epochs": 30,
-    "train.batch_size": 2,
-    "train.num_anchors": 6,
-    "run.torch_threads": 1,
-    "run.log_every": 1000,
+    "data.seq_len": 32, "data.synthetic.num_samples": 16, "train.epochs": 30, "train.batch_size": 2, "train.num_anchors": 6,
+    "run.torch_threads": 1, "run.log_every": 1000,
 }
 
 
@@ -39,9 +33,8 @@ def parts(tmp_path_factory):
     """Real tiny target, synthetic data and two CPU drafter replicas (built like train() does)."""
     cfg = tiny_cfg(tmp_path_factory.mktemp("w"))
     torch.set_num_threads(1)
-    target = load_target(
-        cfg.target.spec, "cpu", torch.float32, layer_ids=cfg.target.layer_ids, tiny=cfg.target.tiny
-    )
+    target = load_target(cfg.target.spec, "cpu", torch.float32, layer_ids=cfg.target.layer_ids,
+                         tiny=cfg.target.tiny)
     dataset = build_dataset(cfg, target)
     return cfg, target, dataset
 
@@ -53,16 +46,9 @@ def make_workers(parts, compute_loss=None, target=None, replicas=2):
     plan = BatchPlan(len(dataset), cfg.train.batch_size, replicas, cfg.train.seed)
     reps = build_replicas(cfg, drafter_config(cfg, real_target), real_target, total_steps=20)
     guard = CompileGuard("lock")
-    workers = TrainingWorkers(
-        targets=[target],
-        replicas=reps,
-        dataset=dataset,
-        plan=plan,
-        compute_loss=compute_loss or make_loss_fn(cfg),
-        guard=guard,
-        grad_clip=cfg.train.grad_clip,
-        feature_dtype=param_dtype,
-    )
+    workers = TrainingWorkers(targets=[target], replicas=reps, dataset=dataset, plan=plan,
+                              compute_loss=compute_loss or make_loss_fn(cfg), guard=guard,
+                              grad_clip=cfg.train.grad_clip, feature_dtype=param_dtype)
     return workers, reps
 
 
@@ -87,9 +73,7 @@ def test_barrier_action_averages_then_clips_and_copies_to_every_replica(parts):
     for rep in reps:
         for p, h in zip(rep.trainable(), holders):
             torch.testing.assert_close(p.grad, h.grad)
-    assert all(
-        a.grad.data_ptr() != b.grad.data_ptr() for a, b in zip(reps[0].trainable(), reps[1].trainable())
-    )
+    assert all(a.grad.data_ptr() != b.grad.data_ptr() for a, b in zip(reps[0].trainable(), reps[1].trainable()))
 
 
 def test_one_replica_is_clipped_in_place_with_no_gradient_copy(parts):
@@ -114,9 +98,8 @@ def test_one_replica_is_clipped_in_place_with_no_gradient_copy(parts):
 
 def test_two_drafter_threads_keep_identical_replicas(tmp_path):
     cfg = tiny_cfg(tmp_path, max_steps=6)
-    target = load_target(
-        cfg.target.spec, "cpu", torch.float32, layer_ids=cfg.target.layer_ids, tiny=cfg.target.tiny
-    )
+    target = load_target(cfg.target.spec, "cpu", torch.float32, layer_ids=cfg.target.layer_ids,
+                         tiny=cfg.target.tiny)
     initial = build_replicas(cfg, drafter_config(cfg, target), target, 6)[0].model.state_dict()
     result = train(cfg, out=_Sink())
     assert result.steps_done == 6 and len(result.replicas) == 2
