@@ -47,6 +47,7 @@ class RegenerateOptions:
     seed: int = 0
     resume: bool = False
     progress_every_s: float = 30.0
+    tiny: dict = dataclasses.field(default_factory=dict)  # a tiny spec's overrides (target.tiny)
 
     def settings(self) -> dict:
         """What shapes the output: a resumed run must use the same (devices and batch size may change)."""
@@ -60,6 +61,7 @@ class RegenerateOptions:
             "top_p": self.top_p,
             "chat_template_kwargs": self.chat_template_kwargs,
             "seed": self.seed,
+            **({"tiny": self.tiny} if self.tiny else {}),
         }
 
 
@@ -120,7 +122,7 @@ class Generator:
         from trainer.data.target import is_tiny, load_target
 
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        target = load_target(spec, device, dtype, layer_ids=[0], seed=0)
+        target = load_target(spec, device, dtype, layer_ids=[0], seed=0, tiny=opts.tiny or None)
         # the HF causal LM and its tokenizer, duck-typed (generate, generation_config, chat template)
         self.model: Any = target.model
         self.device, self.opts = device, opts
