@@ -5,6 +5,8 @@ The trainer appends one JSON object per line to `<log stem>.metrics.jsonl` next 
 Every record has `v` (format version), `event` and `time` (unix seconds). Events:
 
 - start:      config (dict), devices (list[str]), compile_lock (str), total_steps (int), pid (int)
+              for a hybrid target also gated_deltanet ({"delta rule": "fla"|"torch", "conv":
+              "causal_conv1d"|"torch"}: whose code runs its Gated DeltaNet layers, trainer/gdn_kernels.py)
 - step:       step (int, 1-based count of optimizer steps done), total_steps, loss (float),
               acc (list[float], per block position 1..B-1), tokens_per_s (float, block tokens trained
               per second over the last interval), eta_s (float), lr, grad_norm, epoch (float);

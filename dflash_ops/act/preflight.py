@@ -81,9 +81,21 @@ def preflight(
     if why is not None:
         raise _fail(ctx, f"check 'cache': {why}{_UNTOUCHED}")
     said = [f"torch {found.get('torch', '?')}", f"{free_gib:.0f} GiB free"]
+    if "gdn_kernels" in found:
+        said.append(gdn_kernels_phrase(found["gdn_kernels"]))
     if job.gpus:
         said.append(_check_gpus(ctx, job, allow_shared_gpus))
     return StepOutcome("; ".join(said))
+
+
+def gdn_kernels_phrase(answer: str) -> str:
+    """What preflight.sh found of the Gated DeltaNet kernels, and the path a hybrid target takes."""
+    if answer.startswith("fla "):
+        return f"Gated DeltaNet kernels: {answer} (a hybrid target runs fla kernels)"
+    return (
+        f"Gated DeltaNet kernels: {answer} (a hybrid target runs the slow PyTorch fallback; "
+        "pip install 'dflash-ops[kernels]')"
+    )
 
 
 def _check_answers(ctx: StepContext, job: Job, found: dict[str, str], min_free_gib: float) -> float:

@@ -5,6 +5,8 @@
 #   free_kib=N       free space under WORKDIR (its nearest existing ancestor)
 #   torch=VERSION or python_error=WHY   PYTHON running the code TORCH_CHECK
 #   state=ok|not-a-file   STATE_FILE (the job state) is absent or a plain file, or something else
+#   gdn_kernels=fla VERSION|none, causal-conv1d VERSION|none   the Gated DeltaNet kernel packages
+#                    PYTHON has (read from package metadata, nothing imported)
 # usage: preflight.sh WORKDIR PYTHON TORCH_CHECK STATE_FILE [RELEASE_FILE]
 # No `set -e`: a failed check is an answer to print, not the end of the checks.
 set -u
@@ -34,4 +36,14 @@ if [ -x "$python" ]; then
   fi
 else
   echo python_error=not installed
+fi
+gdn_check='import importlib.metadata as m
+def v(name, short):
+    try:
+        return short + " " + m.version(name)
+    except Exception:
+        return short + " none" if short != "fla" else "none"
+print(v("flash-linear-attention", "fla") + ", " + v("causal-conv1d", "causal-conv1d"))'
+if [ -x "$python" ] && gdn=$(timeout 30 "$python" -c "$gdn_check" 2>/dev/null); then
+  echo "gdn_kernels=$(printf "%s" "$gdn" | tail -n 1)"
 fi

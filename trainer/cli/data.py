@@ -73,7 +73,13 @@ def _add_regenerate_parser(sub) -> None:
     )
     options.add_temperature(r, "0 = greedy (default)")
     r.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    options.add_batch_size(r, "records generated together per device", default=8)
+    r.add_argument(
+        "--batch-size",
+        default="auto",
+        metavar="B|auto",
+        help="records generated together per device (default auto: as many as the GPU's free memory "
+        "holds, from the target's cache per sequence; 8 on the CPU)",
+    )
     r.add_argument("--devices", default="cpu", metavar="LIST", help="comma-separated, e.g. cuda:0,cuda:1")
     r.add_argument(
         "--chat-template-kwargs",
@@ -133,7 +139,10 @@ def _run(args: argparse.Namespace) -> int:
 def _regenerate(args) -> int:
     from trainer.data.regenerate import RegenerateOptions, regenerate
 
-    options.check_at_least_one(("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size))
+    batch_size = _batch_size(args.batch_size)
+    options.check_at_least_one(
+        ("--max-new-tokens", args.max_new_tokens), ("--batch-size", 1 if batch_size is None else batch_size)
+    )
     options.check_temperature(args.temperature)
     template_kwargs = _chat_template_kwargs(args.chat_template_kwargs)
     devices = _regenerate_devices(args.devices)
@@ -145,7 +154,7 @@ def _regenerate(args) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
-        batch_size=args.batch_size,
+        batch_size=batch_size,
         devices=devices,
         chat_template_kwargs=template_kwargs,
         seed=args.seed,
@@ -169,6 +178,18 @@ def _regenerate(args) -> int:
         raise
     print(f"dflash-train data: regenerated {_regen_summary(summary)}")
     return 0
+
+
+def _batch_size(text: str) -> int | None:
+    """--batch-size: a count, or auto (None)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(
+            f"--batch-size {text!r} is not a number. Fix: e.g. --batch-size 64, or auto"
+        ) from None
 
 
 def _chat_template_kwargs(text: str) -> dict:
@@ -210,6 +231,7 @@ def _regen_summary(s: dict) -> str:
     return (
         f"{s['records']} records ({s['turns']} turns, {s['new_tokens']} new tokens, "
         f"{s['truncated']} cut at --max-new-tokens), {s['rejects']} rejected{rejects}"
+        + (f"; batches up to {s['batch']} ({s['batch_rule']})" if s.get("batch") else "")
         + f"; this run {run['seen']} records, {run['new_tokens']} new tokens in {s['seconds']:.1f} s = "
         f"{run['new_tokens'] / max(s['seconds'], 1e-9):.1f} new tokens/s -> {s['output']}"
     )

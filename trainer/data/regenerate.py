@@ -24,10 +24,12 @@ from typing import Any, TextIO
 import torch
 
 from trainer.atomic import write_atomic
+from trainer.data import generation_memory
 from trainer.data.dataset import DataError, derive_seed
 from trainer.train.progress import ProgressLine
 
 KEPT_ROLES = ("system", "user")
+PROMPT_GUESS = 1024  # prompt tokens assumed when sizing how many records a chunk reads
 
 
 @dataclasses.dataclass
@@ -39,12 +41,13 @@ class RegenerateOptions:
     max_prompt_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
-    batch_size: int = 8
+    batch_size: int | None = None  # None: sized from the device's free memory (generation_memory)
     devices: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     seed: int = 0
     resume: bool = False
     progress_every_s: float = 30.0
+    tiny: dict = dataclasses.field(default_factory=dict)  # a tiny spec's overrides (target.tiny)
 
     def settings(self) -> dict:
         """What shapes the output: a resumed run must use the same (devices and batch size may change)."""
@@ -58,6 +61,7 @@ class RegenerateOptions:
             "top_p": self.top_p,
             "chat_template_kwargs": self.chat_template_kwargs,
             "seed": self.seed,
+            **({"tiny": self.tiny} if self.tiny else {}),
         }
 
 
@@ -118,11 +122,15 @@ class Generator:
         from trainer.data.target import is_tiny, load_target
 
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        target = load_target(spec, device, dtype, layer_ids=[0], seed=0)
+        target = load_target(spec, device, dtype, layer_ids=[0], seed=0, tiny=opts.tiny or None)
         # the HF causal LM and its tokenizer, duck-typed (generate, generation_config, chat template)
         self.model: Any = target.model
         self.device, self.opts = device, opts
         self.tokenizer: Any = target.tokenizer
+        self.config, self.dtype_bytes = target.config, torch.finfo(dtype).bits // 8
+        auto_on_gpu = opts.batch_size is None and device.startswith("cuda")
+        self.free_bytes = torch.cuda.mem_get_info(torch.device(device))[0] if auto_on_gpu else None
+        self.largest_batch = 0
         if self.tokenizer is None and is_tiny(spec):
             from trainer.data.chat_tokenizer import byte_chat_tokenizer
 
@@ -185,6 +193,29 @@ class Generator:
             results.append((row[:end] if end is not None else row, end is None))
         return results
 
+    def batches(self, lengths: list[int]) -> list[slice]:
+        """Prompts generated together: --batch-size at a time, else as many as free memory holds."""
+        if self.free_bytes is None:
+            size = self.opts.batch_size or generation_memory.CPU_BATCH
+            return [slice(i, i + size) for i in range(0, len(lengths), size)]
+        return generation_memory.split_by_memory(
+            lengths, self.opts.max_new_tokens, self.config, self.free_bytes, self.dtype_bytes
+        )
+
+    def records_per_chunk(self) -> int:
+        """Records this generator takes per committed chunk: one batch of 1k-token prompts."""
+        if self.free_bytes is None:
+            return self.opts.batch_size or generation_memory.CPU_BATCH
+        positions = PROMPT_GUESS + self.opts.max_new_tokens
+        return generation_memory.batch_that_fits(
+            self.config, positions, PROMPT_GUESS, self.free_bytes, self.dtype_bytes
+        )
+
+    def batch_rule(self) -> str:
+        if self.opts.batch_size:
+            return "--batch-size"
+        return "free memory" if self.free_bytes is not None else "CPU default"
+
     def run(self, items: list[tuple[int, Conversation]]) -> dict[int, Conversation | Reject]:
         results: dict[int, Conversation | Reject] = {}
         active = dict(items)
@@ -210,8 +241,8 @@ class Generator:
                     continue
                 batch.append(conv)
                 prompts.append(prompt)
-            for start in range(0, len(batch), self.opts.batch_size):
-                chunk = slice(start, start + self.opts.batch_size)
+            for chunk in self.batches([len(p) for p in prompts]):
+                self.largest_batch = max(self.largest_batch, len(prompts[chunk]))
                 for conv, prompt, (tokens, cut) in zip(
                     batch[chunk], prompts[chunk], self.generate(prompts[chunk]), strict=True
                 ):
@@ -341,7 +372,7 @@ def regenerate(
     progress = ProgressLine(
         "records", total, done=stats["seen"], out=out, tty=tty, every_s=opts.progress_every_s
     )
-    chunk_size = opts.batch_size * len(generators)
+    chunk_size = sum(g.records_per_chunk() for g in generators)
     lines = _lines(opts.input, state["next_line"])
     with (
         open(opts.output, "ab") as out_file,
@@ -352,15 +383,20 @@ def regenerate(
             results = _generate_chunk(chunk, generators, pool, opts)
             _write_results(chunk, results, stats, out_file, rej_file)
             _commit(state, chunk[-1][0] + 1, out_file, rej_file, opts.output)
-            report.update(run_summary(stats, first, time.monotonic() - began))
+            report.update(run_summary(stats, first, time.monotonic() - began), **_batch_report(generators))
             progress.update(
                 stats["seen"],
                 f"{stats['new_tokens']} new tokens "
                 f"({report['new_tokens_per_s']:.1f}/s), {stats['rejects']} rejected",
             )
     progress.finish()
-    report.update(run_summary(stats, first, time.monotonic() - began))
+    report.update(run_summary(stats, first, time.monotonic() - began), **_batch_report(generators))
     return dict(report)
+
+
+def _batch_report(generators: list[Generator]) -> dict:
+    """The largest batch generated and what sized it."""
+    return {"batch": max(g.largest_batch for g in generators), "batch_rule": generators[0].batch_rule()}
 
 
 def _count_records(path: str) -> int:

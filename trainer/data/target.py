@@ -7,6 +7,7 @@ Only the layers up to the last chosen one are run: a hook stops the forward righ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass
@@ -194,11 +195,23 @@ def tiny_target(device: str, dtype, seed: int, tiny: dict | None, spec: str = "t
     values.update(tiny or {})
     config = config_class(**values)
     config._attn_implementation = "sdpa"
-    # Seeded without disturbing the caller's global RNG stream.
-    with torch.random.fork_rng(devices=[]):
+    # Built where it runs, in its dtype: a target of real size (benchmarks/seed_scale.py) never has
+    # an fp32 copy on the host. Seeded without disturbing the caller's RNG streams.
+    rng_devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices), torch.device(device), _default_dtype(dtype):
         torch.manual_seed(seed)
         model: HFModel = model_class(config)
     return model.to(device=device, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _hf_target(path: str, device: str, dtype) -> tuple[HFModel, Any]:

@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from trainer.train import checkpoint as ckpt
-from trainer import precision
+from trainer import gdn_kernels, precision
 from trainer.train.compile_lock import CompileGuard, compile_reason
 from trainer.config import ConfigError, TrainConfig, check_devices
 from trainer.train.distributed import TorchrunWorld, check_launcher
@@ -372,8 +372,10 @@ def prepare(world: World, guard: CompileGuard, metrics: MetricsWriter) -> LoopPa
         restore(replicas, state, dcfg)
         start, upcast = state.step, precision.upcast_note(state.weights, state.path)
     world.ready(replicas, start)
+    kernels = gdn_kernels.gated_deltanet_path(targets[0].model) if hasattr(targets[0], "model") else None
     summary = startup_summary(cfg, guard, dataset, plan, total, start, replicas) + world.describe()
-    metrics.start(cfg.to_dict(), world.devices, cfg.run.compile_lock, total, summary)
+    summary += [line for line in [gdn_kernels.describe(kernels)] if line]
+    metrics.start(cfg.to_dict(), world.devices, cfg.run.compile_lock, total, summary, gated_deltanet=kernels)
     if upcast:
         metrics.say(upcast)
     return LoopParts(cfg, targets, replicas, dataset, plan, dcfg, guard, start, total, evaluator)

@@ -115,7 +115,9 @@ class MetricsWriter:
         compile_lock: str,
         total_steps: int,
         summary_lines: Sequence[str] = (),
+        gated_deltanet: dict | None = None,
     ) -> None:
+        more = {} if gated_deltanet is None else {"gated_deltanet": gated_deltanet}
         self.record(
             "start",
             config=config,
@@ -123,6 +125,7 @@ class MetricsWriter:
             compile_lock=compile_lock,
             total_steps=total_steps,
             pid=os.getpid(),
+            **more,
         )
         for line in summary_lines:
             self.say(line)
