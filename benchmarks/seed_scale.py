@@ -341,12 +341,14 @@ def part_decode(args, cfg, target) -> dict:
     new = size["decode_new"]
     try:
         decoder = static_decode.StaticDecoder(
-            target.model, target.layer_ids, drafter, rows=1, max_prompt=len(prompt), max_new_tokens=new
-        )
+            target.model, target.layer_ids, drafter, rows=1, max_prompt=len(prompt), max_new_tokens=new,
+            compile=str(args.device).startswith("cuda"),  # as `dflash-train eval` decodes on a GPU
+        )  # fmt: skip
         decoder.prepare([prompt])
         plain = decoder.decode([prompt], new, speculative=False)
         spec = decoder.decode([prompt], new, speculative=True)
-        loop = "static (StaticDecoder)"
+        loop = "static (StaticDecoder" + (", compiled)" if decoder.kernels.compiled else ")")
+        same = spec.results[0].tokens == plain.results[0].tokens
         plain_s, plain_tokens = plain.seconds, len(plain.results[0].tokens)
         spec_s, rounds, spec_tokens = spec.seconds, len(spec.results[0].accepted), len(spec.results[0].tokens)
     except (static_decode.Unsupported, AttributeError) as why:  # AttributeError: a loop not yet hybrid-aware
@@ -356,6 +358,7 @@ def part_decode(args, cfg, target) -> dict:
         two = speculative.speculative_generate(target.model, target.layer_ids, drafter, prompt, new)
         plain_s, plain_tokens = one.seconds, len(one.tokens)
         spec_s, rounds, spec_tokens = two.seconds, len(two.accepted), len(two.tokens)
+        same = two.tokens == one.tokens
     step_ms = 1000 * plain_s / max(plain_tokens, 1)
     round_ms = 1000 * spec_s / max(rounds, 1)
     return {
@@ -365,6 +368,7 @@ def part_decode(args, cfg, target) -> dict:
         "round_vs_step": round_ms / step_ms,
         "rounds": rounds,
         "speculative_tokens": spec_tokens,
+        "same_tokens": same,  # speculative == target-only (a bf16 near-tie may differ: not refereed here)
         "block": drafter.cfg.block_size,
         "prompt": len(prompt),
         "new_tokens": new,

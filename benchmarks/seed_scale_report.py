@@ -74,7 +74,8 @@ def data_rows(name: str, shape: dict) -> list[str]:
             _failed(d)
             or f"target-only {d['target_ms_per_token']:.2f} ms/token; speculative round "
             f"{d['round_ms']:.2f} ms = {d['round_vs_step']:.2f} target steps at block {d['block']} "
-            f"({d['rounds']} rounds, random drafter); loop: {d['loop']}"
+            f"({d['rounds']} rounds, random drafter); loop: {d['loop']}; speculative tokens "
+            f"{'equal' if d.get('same_tokens') else 'DIFFER from'} target-only"
         )
         + " |"
     )
