@@ -5,12 +5,12 @@
   which is what the race harness shows.
 - "flex_eager" attention (eager_flex_attention): flex_attention without torch.compile, to price the
   compile. It saves and restores the global FX flag around its own internal compile: never mix it
-  into a run that also calls compiled code (trainer.train.compile_lock.assert_fx_flag_clear).
+  into a run that also calls compiled code (trainer.compile_lock.assert_fx_flag_clear).
 """
 
 from __future__ import annotations
 
-from trainer.train.compile_lock import COMPILE_LOCK_MODES, CompileGuard
+from trainer.compile_lock import COMPILE_LOCK_MODES, CompileGuard
 
 FIRST_STEP = "first-step"
 FLEX_EAGER = "flex_eager"

@@ -150,7 +150,7 @@ def trial(mode: str, checkpointing: str, index: int, args) -> dict:
         "seconds": round(seconds, 1),
         "rc": proc.returncode,
         "hang_exit": hang_exit,
-        # from the trainer's compile log lines (trainer.train.compile_lock.compile_reason)
+        # from the trainer's compile log lines (trainer.compile_lock.compile_reason)
         "recompute_compiles": text.count("in checkpoint recompute"),
         "unexclusive_compiles": text.count("NOT exclusive"),
         "last_line": lines[-1][:300] if lines and outcome != "clean" else "",

@@ -6,7 +6,7 @@
 K independent trials per compile-lock mode. Each trial is a fresh process with fresh, EMPTY inductor
 and triton cache directories (a warm cache hides the race), in which N drafter threads built from
 the real trainer code (trainer.model.DFlashDrafter, trainer.masks.build_block_mask per step, the
-trainer's compiled flex_attention, the fused DFlash loss, backward, trainer.train.compile_lock.CompileGuard)
+trainer's compiled flex_attention, the fused DFlash loss, backward, trainer.compile_lock.CompileGuard)
 start their first step together behind a barrier and meet at a barrier after every backward (where
 the trainer averages gradients). `--recompile` changes the context length every step after step 0,
 drafter i running i lengths ahead, so some threads recompile while others replay cached graphs.
@@ -105,7 +105,7 @@ def run_trial(args) -> dict:
         # a deliberate patch of torch's internals: the compile session of older torch versions
         torch.compiler._compile_session_context = contextlib.nullcontext  # type: ignore[assignment]
     from trainer import model as model_module
-    from trainer.train.compile_lock import is_fx_tracing_error
+    from trainer.compile_lock import is_fx_tracing_error
     from trainer.loss import block_labels
     from trainer.masks import build_block_mask, sample_anchors
 

@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
 # One device call holds at most ~9 minutes: SHAPES picks the shapes of this call, NO_FLA=1 adds the fallback run.
 PYTHONPATH=/tmp/site-fla:/tmp/site:$PWD timeout -k 10 "${SECONDS_MAIN:-540}" "$PY" benchmarks/seed_scale.py \
-    --device cuda:0 --shapes "${SHAPES:-qwen3.6-27b,qwen3-32b}" --out "$OUT/seed-scale.md" --work "${WORK:-/tmp}"
+    --device cuda:0 --shapes "${SHAPES:-qwen3.6-27b,qwen3-32b}" --parts "${PARTS:-build,cache,decode,regenerate,train}" --out "$OUT/seed-scale.md" --work "${WORK:-/tmp}"
 if [ "${NO_FLA:-0}" = 1 ]; then
     PYTHONPATH=/tmp/site:$PWD timeout -k 10 150 "$PY" benchmarks/seed_scale.py --device cuda:0 --shapes qwen3.6-27b \
         --parts build,regenerate --label no-fla --out "$OUT/seed-scale-no-fla.md" --work "${WORK:-/tmp}"

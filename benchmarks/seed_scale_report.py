@@ -12,6 +12,8 @@ def _f(value, spec: str = ".1f") -> str:
 
 
 def _failed(result: dict) -> str | None:
+    if not result:
+        return "not run"
     return f"failed: {result['failed']}" if "failed" in result else None
 
 
@@ -74,8 +76,8 @@ def data_rows(name: str, shape: dict) -> list[str]:
             _failed(d)
             or f"target-only {d['target_ms_per_token']:.2f} ms/token; speculative round "
             f"{d['round_ms']:.2f} ms = {d['round_vs_step']:.2f} target steps at block {d['block']} "
-            f"({d['rounds']} rounds, random drafter); loop: {d['loop']}; speculative tokens "
-            f"{'equal' if d.get('same_tokens') else 'DIFFER from'} target-only"
+            f"({d['rounds']} rounds, random drafter); loop: {d['loop']}; speculative vs target-only tokens: "
+            f"{d.get('same_tokens')}"
         )
         + " |"
     )

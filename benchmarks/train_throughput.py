@@ -233,7 +233,7 @@ def _train_step(args, dims, cfg, model, optimizer, batch, gen, attention: str, t
 def child_train(args, dims) -> dict:
     import torch
 
-    from trainer.train.compile_lock import CompileGuard, assert_fx_flag_clear
+    from trainer.compile_lock import CompileGuard, assert_fx_flag_clear
 
     events: list = []
     guard = CompileGuard("lock", on_event=events.append).install()
@@ -321,7 +321,7 @@ def child_first_step(args, dims) -> dict:
     """N threads, one replica each, start together; time each thread's first forward+backward."""
     import torch
 
-    from trainer.train.compile_lock import CompileGuard, is_fx_tracing_error
+    from trainer.compile_lock import CompileGuard, is_fx_tracing_error
 
     guard = CompileGuard(args.lock).install()
     replicas = [_build(args, dims, torch) for _ in range(args.threads)]
@@ -423,7 +423,7 @@ def child_cache(args, dims) -> dict:
     pinned memory): features resident on the GPU (drafter-only) vs read from a feature cache on disk."""
     import torch
 
-    from trainer.train.compile_lock import CompileGuard
+    from trainer.compile_lock import CompileGuard
     from trainer.config import TrainConfig
     from trainer.data.dataset import BatchPlan
     from trainer.data.feature_cache import CacheReader, bytes_per_token, open_cache
@@ -575,7 +575,7 @@ def child_e2e(args, dims) -> dict:
     import torch
 
     from trainer import precision
-    from trainer.train.compile_lock import CompileGuard
+    from trainer.compile_lock import CompileGuard
     from trainer.config import TrainConfig
     from trainer.data.dataset import BatchPlan, Dataset
     from trainer.data.feature_cache import auto_batch_size, cache_header, write_cache

@@ -6,7 +6,7 @@ never held at once) for one more layer forward per step.
 
 Non-reentrant torch.utils.checkpoint: it works with the compiled flex_attention inside the layer
 and with inputs that do not require grad. The recompute goes through compile_lock.carry_step, so
-a compile it triggers belongs to the step and follows the compile lock (see trainer.train.compile_lock).
+a compile it triggers belongs to the step and follows the compile lock (see trainer.compile_lock).
 RNG state is not saved and restored: the layers draw no random numbers, and restoring would reset
 the process-wide generators under the other drafter threads.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from trainer.train.compile_lock import carry_step
+from trainer.compile_lock import carry_step
 
 
 def run_layer(layer: torch.nn.Module, *args, checkpointed: bool):

@@ -16,9 +16,8 @@ from pathlib import Path
 
 from trainer import typed_yaml
 from trainer.block_size import DEFAULT_BLOCK_SIZE, block_size_problem
-from trainer.train.compile_lock import COMPILE_LOCK_MODES
-from trainer.train.trackers import TRACKERS
-from trainer.train.compile_modes import COMPILE_MODES, REFUSED_COMPILE_MODES
+from trainer.compile_lock import COMPILE_LOCK_MODES
+from trainer.compile_modes import COMPILE_MODES, REFUSED_COMPILE_MODES
 from trainer.launchers import DEFAULT_LAUNCHER, LAUNCHERS
 from trainer.stop_timing import DEFAULT_STOP_GRACE_S
 
@@ -28,6 +27,8 @@ ACTIVATION_CHECKPOINTING = ("none", "layers")  # "layers": see trainer.activatio
 DATA_SOURCES = ("synthetic", "jsonl", "features")
 PRECISIONS = ("fp32", "bf16-mixed")  # bf16-mixed: fp32 master weights + AdamW state, bf16 compute
 DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+# The experiment trackers run.report_to accepts (trainer.train.trackers has one class for each).
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 class ConfigError(Exception):
@@ -75,7 +76,7 @@ class DataConfig:
     seq_len: int = 3072  # every sequence is padded/truncated to this, so shapes stay static
     eval_fraction: float = 0.0  # share of sequences held out from training for the tau evaluation
     # apply_chat_template arguments for `messages` records; null: what `data regenerate` recorded
-    # beside data.path (trainer/data/template_args.py), else none
+    # beside data.path (trainer/template_args.py), else none
     chat_template_kwargs: typing.Optional[dict] = None
     synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
 
@@ -107,7 +108,7 @@ class RunConfig:
     drafter_devices: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])
     attention: str = "sdpa"
     compile_lock: str = "lock"
-    compile_mode: str = "default"  # torch.compile mode of flex_attention (trainer.train.compile_modes)
+    compile_mode: str = "default"  # torch.compile mode of flex_attention (trainer.compile_modes)
     # After SIGTERM/SIGINT: seconds the running step may take before the trainer exits without a
     # checkpoint (a thread stuck in a compile must not keep the process alive). Below ops' --grace.
     stop_grace_s: float = DEFAULT_STOP_GRACE_S  # see trainer.stop_timing
@@ -220,7 +221,7 @@ def config_from_dict(raw: dict, source: str) -> TrainConfig:
     cfg.key_lines = typed_yaml.dotted_lines(raw)
     validate(cfg)
     cfg.train.precision = cfg.train.precision or default_precision(cfg.run.drafter_devices)
-    from trainer.data.template_args import resolve_for_run
+    from trainer.template_args import resolve_for_run
 
     resolve_for_run(cfg)  # the run records what its data was rendered with
     return cfg

@@ -14,6 +14,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from trainer import compile_modes
+
 IGNORE_INDEX = -100
 # Rows of logits computed at once by the fused loss: ~2^27 fp32 values (512 MiB) per chunk.
 _FUSED_CHUNK_ELEMENTS = 1 << 27
@@ -136,9 +138,7 @@ def compiled_ce_chunk():
     if _compiled_ce_chunk is None:
         with _compiled_ce_chunk_init:
             if _compiled_ce_chunk is None:
-                from trainer.model import compile_options
-
-                _compiled_ce_chunk = torch.compile(ce_chunk, **compile_options())
+                _compiled_ce_chunk = torch.compile(ce_chunk, **compile_modes.compile_options())
     return _compiled_ce_chunk
 
 

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from trainer.block_size import block_size_problem
-from trainer.train.compile_lock import MASK_LOCK
+from trainer.compile_lock import MASK_LOCK
 
 
 def sample_anchors(

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer import compile_modes
 from trainer.block_size import DEFAULT_BLOCK_SIZE, block_size_problem
 from trainer.config import ATTENTION_BACKENDS
 from trainer.precision import attention_inputs
@@ -187,39 +188,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 _compiled_flex = None
 _compiled_flex_init = threading.Lock()
-_compile_mode = "default"
-_compile_mode_used = False  # something was compiled with _compile_mode
-
-
-def set_compile_mode(mode: str) -> None:
-    """torch.compile mode of the process's compiled regions (flex_attention, layers, loss chunk);
-    before their first use."""
-    global _compile_mode
-    from trainer.train.compile_modes import torch_compile_kwargs
-
-    torch_compile_kwargs(mode)  # refuses unknown modes
-    with _compiled_flex_init:
-        if (_compiled_flex is not None or _compile_mode_used) and mode != _compile_mode:
-            raise RuntimeError(
-                f"the trainer's regions are already compiled with mode {_compile_mode!r}; "
-                f"set the compile mode before the first step"
-            )
-        _compile_mode = mode
-
-
-def compile_options() -> dict:
-    """torch.compile keywords of every compiled region of the trainer.
-
-    dynamic=False: training shapes are static, and automatic dynamic shapes would trigger a second
-    compile mid-run (reopening the FX-tracing race window). fullgraph=True: a graph break would
-    silently run flex eagerly, which poisons compiled calls.
-    """
-    global _compile_mode_used
-    from trainer.train.compile_modes import torch_compile_kwargs
-
-    with _compiled_flex_init:
-        _compile_mode_used = True
-        return dict(dynamic=False, fullgraph=True, **torch_compile_kwargs(_compile_mode))
 
 
 def compiled_flex_attention():
@@ -234,7 +202,7 @@ def compiled_flex_attention():
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        options = compile_options()
+        options = compile_modes.compile_options()
         with _compiled_flex_init:
             if _compiled_flex is None:
                 _compiled_flex = torch.compile(flex_attention, **options)
@@ -406,7 +374,7 @@ class DFlashDrafter(nn.Module):
         if want == "auto":
             want = backend == "flex" and device.type == "cuda"
         if want and not self._layers_compiled:
-            options = compile_options()
+            options = compile_modes.compile_options()
             for layer in self.layers:
                 layer.compile(**options)
             self._layers_compiled = True

@@ -16,7 +16,7 @@ import html
 import io
 import math
 
-from trainer.train.metrics import format_duration
+from trainer.progress import format_duration
 from trainer.run_summary import RunHistory
 
 WIDTH_IN, PANEL_HEIGHT_IN, DPI = 14.0, 3.6, 100

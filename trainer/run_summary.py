@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 from trainer import metrics_format
-from trainer.train.metrics import format_duration
+from trainer.progress import format_duration
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from benchmarks.baselines import GUARD_MODES, compile_guard  # noqa: E402
-from trainer.train.compile_lock import (  # noqa: E402
+from trainer.compile_lock import (  # noqa: E402
     COMPILE_LOCK_MODES,
     MASK_LOCK,
     CompileGuard,

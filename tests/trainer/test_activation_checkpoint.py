@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.trainer.test_model import BLOCK, make_batch, make_drafter, run_sdpa
-from trainer.train.compile_lock import CompileGuard, carry_step
+from trainer.compile_lock import CompileGuard, carry_step
 from trainer.config import ConfigError, load_config
 from trainer.loss import block_labels
 
@@ -200,7 +200,7 @@ def test_a_recompute_beside_steps_on_its_own_gpu_does_not_wait_for_itself(instal
     assert finished_before_b and order == ["recompute done", "b leaves"]
     event = recompiles[0]
     assert (event["thread"], event["reason"], event["exclusive"]) == ("a", "recompute_beside_same_device_steps", False)
-    from trainer.train.compile_lock import compile_reason
+    from trainer.compile_lock import compile_reason
 
     assert compile_reason(event) == "recompute_beside_same_device_steps, in checkpoint recompute, NOT exclusive"
     with guard.step("a", 2, (1,), device="cuda:0"):

@@ -17,10 +17,10 @@ import time
 import pytest
 import torch
 
-from trainer.train import compile_lock
+from trainer import compile_lock
 
 from trainer import metrics_format
-from trainer.train.compile_lock import (
+from trainer.compile_lock import (
     MASK_LOCK,
     CompileGuard,
     CompileLockError,

@@ -12,7 +12,7 @@ from trainer.cli import main as cli
 from trainer.infer import speculative
 from trainer.train.checkpoint import save_checkpoint
 from trainer.config import load_config
-from trainer.infer.evaluate import load_prompts
+from trainer.data.prompts import load_prompts
 from trainer.infer.export import export_drafter
 from trainer.model import DFlashDrafter, DrafterConfig
 from trainer.data.target import load_target

@@ -10,7 +10,7 @@ import trainer.masks
 import trainer.train.loop
 from trainer.cli.gate import gate_parser, run_gate_command
 from trainer.data.target import TargetModel
-from trainer.infer.gate import run_gate
+from trainer.cli.serving_gate import run_gate
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -215,10 +215,10 @@ def test_ce_chunk_compiles_whole_and_equals_the_eager_chunk(monkeypatch):
     """ce_chunk traced by dynamo in one graph (fullgraph, as on CUDA; aot_eager keeps it fast on a
     CPU) gives the eager chunk's loss, accuracy and gradient in fp32."""
     import trainer.loss as loss_module
-    import trainer.model as model_module
+    from trainer import compile_modes
 
     monkeypatch.setattr(loss_module, "_compiled_ce_chunk", None)
-    monkeypatch.setattr(model_module, "compile_options",
+    monkeypatch.setattr(compile_modes, "compile_options",
                         lambda: {"dynamic": False, "fullgraph": True, "backend": "aot_eager"})
     h, weight, labels, label_mask = _loss_case(6, dtype=torch.float32)
     ref_loss, ref_acc, ref_grad = _reference(h.double(), weight.double(), labels, label_mask, 7.0)

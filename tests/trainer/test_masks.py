@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from trainer.train.compile_lock import MASK_LOCK
+from trainer.compile_lock import MASK_LOCK
 from trainer.masks import build_block_mask, dense_mask, make_mask_mod, sample_anchors
 
 

@@ -332,10 +332,10 @@ def test_compiled_layers_equal_eager_and_share_one_graph_across_layers_and_repli
     same state_dict names, and ONE graph for all layers of all replicas (plus one for the first
     layer, whose input needs no grad) - a graph per layer would hit dynamo's recompile limit and
     silently fall back to eager. aot_eager keeps the compile cheap on a CPU; CUDA uses inductor."""
-    import trainer.model as model_module
+    from trainer import compile_modes
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(model_module, "compile_options",
+    monkeypatch.setattr(compile_modes, "compile_options",
                         lambda: {"dynamic": False, "fullgraph": True, "backend": "aot_eager"})
     torch._dynamo.reset()
     counters.clear()

@@ -187,7 +187,7 @@ def test_two_devices_write_the_same_records_in_input_order(tmp_path):
 
 
 def test_progress_is_a_bar_on_a_tty_and_a_periodic_line_elsewhere():
-    from trainer.train.progress import ProgressLine
+    from trainer.progress import ProgressLine
 
     now = [0.0]
     plain = io.StringIO()

@@ -10,7 +10,7 @@ import torch
 
 from trainer.cli.eval import load_drafter_source, load_models
 from trainer.infer.evaluate import evaluate, tau_summary
-from trainer.infer.gate import run_gate
+from trainer.cli.serving_gate import run_gate
 from trainer.infer.speculative import target_generate
 
 pytestmark = pytest.mark.timeout(300)
@@ -31,7 +31,7 @@ def served(tmp_path_factory):
     g = torch.Generator().manual_seed(7)
     from trainer.data.heldout import prompts_of
     from trainer.train.loop import build_dataset
-    from trainer.infer.gate import gate_config
+    from trainer.cli.serving_gate import gate_config
 
     cfg = gate_config("tiny-cpu", {}, str(work), 150)
     prompts = prompts_of(build_dataset(cfg, target)) + torch.randint(0, 500, (3, 10), generator=g).tolist()

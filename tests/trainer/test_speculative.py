@@ -223,7 +223,7 @@ def test_fresh_synthetic_prompts_are_not_the_training_prompts(target):
 
 
 def test_without_unseen_prompts_training_runs_and_says_why_tau_is_off(target):
-    from trainer.infer.training_eval import TrainingEval
+    from trainer.train.training_eval import TrainingEval
 
     cfg = load_config("tiny-cpu", {"data.source": "jsonl", "data.path": "train.jsonl"})
     dcfg = DrafterConfig.for_target(target, **cfg.drafter.overrides())

@@ -10,10 +10,10 @@ import types
 
 from trainer.cli.data import main as data_main
 from trainer.cli.eval import _template_kwargs
-from trainer.cli.main import serve_recipe_for
+from trainer.infer.serve_recipe import recipe_for_checkpoint
 from trainer.config import load_config
 from trainer.data.dataset import load_jsonl
-from trainer.data.template_args import read_for_data, side_file, write_for_data
+from trainer.template_args import read_for_data, side_file, write_for_data
 
 NO_THINKING = {"enable_thinking": False}
 
@@ -103,7 +103,7 @@ def test_export_and_eval_of_an_export_carry_them(tmp_path):
         config={"target": {"spec": "tiny-random"}, "data": {"chat_template_kwargs": NO_THINKING}},
         drafter_config={"block_size": 8},
     )
-    recipe = serve_recipe_for(state, tmp_path)
+    recipe = recipe_for_checkpoint(state, tmp_path)
     assert recipe.chat_template_kwargs == NO_THINKING
     (tmp_path / "serve.json").write_text(json.dumps(recipe.to_dict()))
     assert _template_kwargs(_eval_args(tmp_path), None, io.StringIO()) == NO_THINKING

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from trainer.train.compile_lock import CompileGuard
+from trainer.compile_lock import CompileGuard
 from trainer.config import load_config
 from trainer.data.dataset import BatchPlan
 from trainer.train.loop import build_dataset, build_replicas, drafter_config, make_loss_fn, param_dtype, train

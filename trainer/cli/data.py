@@ -161,7 +161,7 @@ def _regenerate(args) -> int:
         resume=args.resume,
     )
     report: dict = {}
-    from trainer.data.template_args import write_for_data
+    from trainer.template_args import write_for_data
 
     write_for_data(args.out, template_kwargs)  # the arguments travel with the data into the run
     try:
@@ -290,7 +290,7 @@ def _cache_config(args):
     """The training config the cache is made from, its target device checked."""
     import torch
 
-    from trainer.cli.main import overrides_from_args
+    from trainer.cli.options import overrides_from_args
     from trainer.config import check_devices, load_config
 
     if args.shard_size_mb < 1 or (args.batch_size is not None and args.batch_size < 1):
@@ -338,7 +338,7 @@ def _write_features(cfg, target, dataset, args, say):
     import torch
 
     from trainer.data.feature_cache import cache_header, write_cache
-    from trainer.train.progress import ProgressLine
+    from trainer.progress import ProgressLine
 
     tokenizer = target.tokenizer
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None

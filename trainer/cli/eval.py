@@ -200,7 +200,7 @@ def _progress(stream):
     start = time.monotonic()
 
     def show(done: int, total: int):
-        from trainer.train.metrics import format_duration, progress_bar
+        from trainer.progress import format_duration, progress_bar
 
         eta = (time.monotonic() - start) / done * (total - done)
         stream.write(
@@ -312,7 +312,7 @@ def _checked_device(args: argparse.Namespace) -> str:
 def _prompts(args: argparse.Namespace, target, run_config: dict | None, described: str) -> list[list[int]]:
     """--prompts, else the run's own evaluation prompts (an export dir has none)."""
     if args.prompts:
-        from trainer.infer.evaluate import load_prompts
+        from trainer.data.prompts import load_prompts
 
         prompts = load_prompts(args.prompts, target.tokenizer, target.vocab_size, args.template_kwargs)
     elif run_config is not None:
@@ -325,7 +325,7 @@ def _prompts(args: argparse.Namespace, target, run_config: dict | None, describe
 def _template_kwargs(args: argparse.Namespace, run_config: dict | None, err) -> dict | None:
     """--chat-template-kwargs, else what the training data was rendered with (the run's config, or an
     export's serve.json); a warning when the two differ."""
-    from trainer.data.template_args import differs_warning, run_chat_template_kwargs
+    from trainer.template_args import differs_warning, run_chat_template_kwargs
 
     trained = run_chat_template_kwargs(run_config)
     if run_config is None:
@@ -361,7 +361,7 @@ def _export_template_kwargs(export_dir: str) -> dict | None:
 def _run_why(args, target, drafter, run_config, described: str, device: str, out, err) -> int:
     """--why: tau held-in, held-out and expected, and the likely cause (trainer.tau_diagnosis)."""
     from trainer import metrics_format
-    from trainer.infer.evaluate import load_prompts
+    from trainer.data.prompts import load_prompts
     from trainer.tau_diagnosis import expected_tau_of, likely_cause
 
     held_in = _evaluate(

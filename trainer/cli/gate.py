@@ -1,4 +1,4 @@
-"""`dflash-train gate`: the serving gate (trainer.infer.gate) from the command line.
+"""`dflash-train gate`: the serving gate (trainer.cli.serving_gate) from the command line.
 
 Exit codes: 0 the served drafter accepted every block whole; 1 it did not (one line saying what was
 accepted); 2 bad input.
@@ -46,8 +46,8 @@ def run_gate_command(args: argparse.Namespace, out=None, err=None) -> int:
 
 
 def _run(args: argparse.Namespace, out) -> int:
-    from trainer.cli.main import overrides_from_args
-    from trainer.infer.gate import GATE_STEPS, run_gate
+    from trainer.cli.options import overrides_from_args
+    from trainer.cli.serving_gate import GATE_STEPS, run_gate
 
     steps = GATE_STEPS if args.steps is None else args.steps
     options.check_at_least_one(("--steps", steps))

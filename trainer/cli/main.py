@@ -13,8 +13,8 @@ import argparse
 import sys
 
 
-from trainer.config import COMPILE_LOCK_MODES, ATTENTION_BACKENDS, LAUNCHERS, ConfigError
-from trainer.typed_yaml import closest_match, parse_value
+from trainer.config import COMPILE_LOCK_MODES, ATTENTION_BACKENDS, LAUNCHERS
+from trainer.typed_yaml import closest_match
 from trainer.cli.errors import input_error, run_command
 from trainer.cli import options
 
@@ -152,32 +152,6 @@ def _export_parser() -> argparse.ArgumentParser:
     return p
 
 
-def overrides_from_args(args: argparse.Namespace) -> dict:
-    """CLI flags -> the override dict load_config takes (short names or dotted keys)."""
-    overrides = {}
-    for name in (
-        "output_dir",
-        "max_steps",
-        "resume",
-        "compile_lock",
-        "attention",
-        "target_devices",
-        "drafter_devices",
-        "metrics_file",
-        "seed",
-        "launcher",
-    ):
-        value = getattr(args, name, None)  # other commands (dflash-train data) have --set only
-        if value is not None:
-            overrides[name] = value
-    for item in args.set:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=3e-4")
-        overrides[key.strip()] = parse_value(raw)  # the config file's rules: `off` stays text
-    return overrides
-
-
 SUBCOMMANDS = ("export", "data", "eval", "gate", "report")
 
 
@@ -222,7 +196,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from trainer.config import load_config
     from trainer.train.preflight import check_output_paths, check_resume
 
-    cfg = load_config(args.config, overrides_from_args(args))
+    cfg = load_config(args.config, options.overrides_from_args(args))
     check_resume(cfg)  # before anything is created
     check_output_paths(cfg)
     try:
@@ -253,51 +227,14 @@ def _run_train(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace) -> int:
     from trainer.train.checkpoint import load_checkpoint, resolve_export_source
 
-    from trainer.infer.serve_recipe import write_recipe
+    path = resolve_export_source(args.checkpoint)  # a step dir, or a run dir's latest: before torch loads
+    from trainer.infer.export import export_checkpoint
+    from trainer.infer.serve_recipe import recipe_for_checkpoint, write_recipe
 
-    path = resolve_export_source(args.checkpoint)  # a step dir, or a run dir's latest
     state = load_checkpoint(path)
     out = export_checkpoint(state, args.out, args.dtype)
-    recipe = serve_recipe_for(state, out, args.target)
+    recipe = recipe_for_checkpoint(state, out, args.target)
     write_recipe(recipe, out)
     print(f"dflash-train: exported {path} -> {out}")
     print("\n".join(recipe.lines()))
     return 0
-
-
-def serve_recipe_for(state, out_dir, target: str | None = None):
-    """How to serve the export of checkpoint `state` in `out_dir` (trainer.infer.serve_recipe)."""
-    import os
-
-    from trainer.data.template_args import run_chat_template_kwargs
-    from trainer.infer.serve_recipe import ServeRecipe, target_as_trained
-
-    spec = target or ((state.config or {}).get("target") or {}).get("spec") or "TARGET"
-    return ServeRecipe(
-        target=target_as_trained(spec),
-        draft=os.path.abspath(out_dir),
-        block_size=int(state.drafter_config["block_size"]),
-        chat_template_kwargs=run_chat_template_kwargs(state.config),
-    )
-
-
-def export_checkpoint(state, out_dir: str, dtype: str = "bf16"):
-    """Rebuild the drafter from a checkpoint alone (no target needed) and export it in `dtype`."""
-    import torch
-
-    from trainer.infer.engine_rules import check_engine_rules
-    from trainer.infer.export import export_config, export_drafter
-    from trainer.model import DFlashDrafter, DrafterConfig
-
-    dcfg = DrafterConfig.from_dict(state.drafter_config)
-    # The engine rules first: weights the drafter cannot load (a mask_hidden) are refused in one line.
-    shapes = {name: tuple(t.shape) for name, t in state.weights.items()}
-    check_engine_rules(export_config(dcfg, torch.float32), shapes, dcfg.rope_theta)
-    # The target's embedding/lm_head are not part of the export; shape-only stand-ins on the meta
-    # device satisfy the constructor without loading the target or allocating vocab x hidden.
-    embed = torch.nn.Embedding(dcfg.vocab_size, dcfg.hidden_size, device="meta")
-    head = torch.nn.Linear(dcfg.hidden_size, dcfg.vocab_size, bias=False, device="meta")
-    drafter = DFlashDrafter(dcfg, embed, head)
-    drafter.load_state_dict(state.weights)
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    return export_drafter(drafter, out_dir, dtype=torch_dtype)

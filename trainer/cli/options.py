@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from trainer.config import ConfigError
+from trainer.typed_yaml import parse_value
 
 DTYPE_CHOICES = ("bf16", "fp32")
 
@@ -31,7 +32,7 @@ def add_config(p: argparse.ArgumentParser, help: str) -> None:
 
 
 def add_overrides(p: argparse.ArgumentParser, help: str) -> None:
-    """--set KEY=VALUE, repeatable (trainer.cli.main.overrides_from_args reads it)."""
+    """--set KEY=VALUE, repeatable (overrides_from_args reads it)."""
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=help)
 
 
@@ -81,3 +82,29 @@ def check_at_least_one(*flags: tuple[str, int]) -> None:
 def check_temperature(temperature: float) -> None:
     if temperature < 0:
         raise ConfigError(f"--temperature must be >= 0, got {temperature}")
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict:
+    """CLI flags -> the override dict load_config takes (short names or dotted keys)."""
+    overrides = {}
+    for name in (
+        "output_dir",
+        "max_steps",
+        "resume",
+        "compile_lock",
+        "attention",
+        "target_devices",
+        "drafter_devices",
+        "metrics_file",
+        "seed",
+        "launcher",
+    ):
+        value = getattr(args, name, None)  # other commands (dflash-train data) have --set only
+        if value is not None:
+            overrides[name] = value
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=3e-4")
+        overrides[key.strip()] = parse_value(raw)  # the config file's rules: `off` stays text
+    return overrides

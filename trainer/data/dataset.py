@@ -22,7 +22,7 @@ import typing
 
 import torch
 
-from trainer.infer import kv_cache
+from trainer.data import kv_cache
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -74,7 +74,7 @@ def eval_prompts(cfg, target, heldout: Dataset | None, count: int) -> list[list[
     from trainer.config import ConfigError
 
     if cfg.eval.path:
-        from trainer.infer.evaluate import load_prompts
+        from trainer.data.prompts import load_prompts
 
         kwargs = cfg.data.chat_template_kwargs  # rendered like the training data
         return load_prompts(cfg.eval.path, target.tokenizer, target.vocab_size, kwargs)[:count]

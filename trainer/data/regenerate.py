@@ -26,7 +26,7 @@ import torch
 from trainer.atomic import write_atomic
 from trainer.data import generation_memory
 from trainer.data.dataset import DataError, derive_seed
-from trainer.train.progress import ProgressLine
+from trainer.progress import ProgressLine
 
 KEPT_ROLES = ("system", "user")
 PROMPT_GUESS = 1024  # prompt tokens assumed when sizing how many records a chunk reads

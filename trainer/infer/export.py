@@ -169,3 +169,24 @@ def drafter_config_from_export(export_dir) -> DrafterConfig:
         if config.get("rope_scaling")
         else None,
     )
+
+
+def export_checkpoint(state, out_dir: str, dtype: str = "bf16"):
+    """Rebuild the drafter from a checkpoint alone (no target needed) and export it in `dtype`."""
+    import torch
+
+    from trainer.infer.engine_rules import check_engine_rules
+    from trainer.model import DFlashDrafter, DrafterConfig
+
+    dcfg = DrafterConfig.from_dict(state.drafter_config)
+    # The engine rules first: weights the drafter cannot load (a mask_hidden) are refused in one line.
+    shapes = {name: tuple(t.shape) for name, t in state.weights.items()}
+    check_engine_rules(export_config(dcfg, torch.float32), shapes, dcfg.rope_theta)
+    # The target's embedding/lm_head are not part of the export; shape-only stand-ins on the meta
+    # device satisfy the constructor without loading the target or allocating vocab x hidden.
+    embed = torch.nn.Embedding(dcfg.vocab_size, dcfg.hidden_size, device="meta")
+    head = torch.nn.Linear(dcfg.hidden_size, dcfg.vocab_size, bias=False, device="meta")
+    drafter = DFlashDrafter(dcfg, embed, head)
+    drafter.load_state_dict(state.weights)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    return export_drafter(drafter, out_dir, dtype=torch_dtype)

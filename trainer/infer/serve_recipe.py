@@ -115,3 +115,18 @@ def write_recipe(recipe: ServeRecipe, out_dir) -> None:
     out = Path(out_dir)
     write_atomic(str(out / SERVE_DOC), recipe.markdown())
     write_atomic(str(out / SERVE_JSON), json.dumps(recipe.to_dict(), indent=2) + "\n")
+
+
+def recipe_for_checkpoint(state, out_dir, target: str | None = None):
+    """How to serve the export of checkpoint `state` in `out_dir` (trainer.infer.serve_recipe)."""
+    import os
+
+    from trainer.template_args import run_chat_template_kwargs
+
+    spec = target or ((state.config or {}).get("target") or {}).get("spec") or "TARGET"
+    return ServeRecipe(
+        target=target_as_trained(spec),
+        draft=os.path.abspath(out_dir),
+        block_size=int(state.drafter_config["block_size"]),
+        chat_template_kwargs=run_chat_template_kwargs(state.config),
+    )

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from trainer.infer import kv_cache
+from trainer.data import kv_cache
 from trainer.infer.drafter_cache import DrafterContext
 
 

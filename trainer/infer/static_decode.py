@@ -374,7 +374,7 @@ class StaticTarget:
     """The HF target's forward over pre-allocated state, batched by rows, with the drafter's
     features (HF `hidden_states[l + 1]` of each layer id) taken on the way. Attention layers keep a
     static KV cache; a hybrid target's Gated DeltaNet layers keep a conv window and a recurrent state
-    (trainer.infer.gated_deltanet), advanced by `commit` once the caller knows how many tokens stay."""
+    (trainer.cli.serving_gated_deltanet), advanced by `commit` once the caller knows how many tokens stay."""
 
     def __init__(self, model, layer_ids, rows: int, positions: int):
         _check_static(model)

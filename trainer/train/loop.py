@@ -24,7 +24,7 @@ import yaml
 
 from trainer.train import checkpoint as ckpt
 from trainer import gdn_kernels, precision
-from trainer.train.compile_lock import CompileGuard, compile_reason
+from trainer.compile_lock import CompileGuard, compile_reason
 from trainer.config import ConfigError, TrainConfig, check_devices
 from trainer.train.distributed import TorchrunWorld, check_launcher
 from trainer.data.feature_cache import training_source
@@ -34,10 +34,11 @@ from trainer.launchers import TORCHRUN
 from trainer.masks import build_block_mask, dense_mask, sample_anchors
 from trainer.loss import block_labels
 from trainer.train.metrics import MetricsWriter, Throughput
-from trainer.model import EXPORT_METADATA, DFlashDrafter, DrafterConfig, set_compile_mode
+from trainer.compile_modes import set_compile_mode
+from trainer.model import EXPORT_METADATA, DFlashDrafter, DrafterConfig
 from trainer.train.shutdown import StopRequest
 from trainer.data.target import load_target
-from trainer.infer.training_eval import TrainingEval
+from trainer.train.training_eval import TrainingEval
 from trainer.train.workers import Failure, LossOutput, Replica, StepSummary, TrainingWorkers
 from trainer.train.world import ThreadsWorld, World
 

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Sequence, TextIO
 
 from trainer import metrics_format
+from trainer.progress import format_duration, progress_bar
 from trainer.train.trackers import Trackers
 
 if TYPE_CHECKING:
@@ -37,13 +38,6 @@ def error_kind(exc: BaseException | None) -> str:
             return "block_mask"
         exc = exc.__cause__ or exc.__context__
     return "exception"
-
-
-def format_duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
 class Throughput:
@@ -212,8 +206,3 @@ def step_line(step, total_steps, loss, acc, tokens_per_s, eta_s, lr, grad_norm) 
         f"step {step:>{width}}/{total_steps}  loss {loss:.4f}  acc@1 {acc1:.3f}  acc_avg {acc_mean:.3f}  "
         f"{tokens_per_s:,.0f} tok/s  lr {lr:.2e}  gnorm {grad_norm:.3f}  eta {format_duration(eta_s)}"
     )
-
-
-def progress_bar(step: int, total: int, width: int = 24) -> str:
-    filled = int(width * step / max(total, 1))
-    return "[" + "#" * filled + "." * (width - filled) + "]"

@@ -26,8 +26,8 @@ import threading
 from typing import Callable
 
 from trainer import metrics_format
+from trainer.config import TRACKERS
 
-TRACKERS = ("tensorboard", "wandb", "mlflow")
 INSTALL_HINT = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}
 # values a step or eval record carries that are no measurement of the run
 _NOT_SCALARS = {"v", "event", "time", "step", "total_steps", "eta_s"}
@@ -245,6 +245,7 @@ class Mlflow(Tracker):
 
 
 KINDS: dict[str, type[Tracker]] = {"tensorboard": TensorBoard, "wandb": Wandb, "mlflow": Mlflow}
+assert tuple(KINDS) == TRACKERS, "a tracker class for each name run.report_to accepts"
 
 
 class Trackers:

@@ -21,6 +21,8 @@ Refused (both turn on `triton.cudagraphs`, i.e. CUDA graph trees):
 
 from __future__ import annotations
 
+import threading
+
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 REFUSED_COMPILE_MODES = {
     "reduce-overhead": "it records CUDA graph trees, which assert in the trainer's drafter threads "
@@ -34,3 +36,35 @@ def torch_compile_kwargs(mode: str) -> dict:
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
     return {} if mode == "default" else {"mode": mode}
+
+
+_lock = threading.Lock()
+_mode = "default"
+_used = False  # something was compiled with _mode
+
+
+def set_compile_mode(mode: str) -> None:
+    """torch.compile mode of the process's compiled regions (flex_attention, layers, loss chunk);
+    before their first use."""
+    global _mode
+    torch_compile_kwargs(mode)  # refuses unknown modes
+    with _lock:
+        if _used and mode != _mode:
+            raise RuntimeError(
+                f"the trainer's regions are already compiled with mode {_mode!r}; "
+                f"set the compile mode before the first step"
+            )
+        _mode = mode
+
+
+def compile_options() -> dict:
+    """torch.compile keywords of every compiled region of the trainer.
+
+    dynamic=False: training shapes are static, and automatic dynamic shapes would trigger a second
+    compile mid-run (reopening the FX-tracing race window). fullgraph=True: a graph break would
+    silently run flex eagerly, which poisons compiled calls.
+    """
+    global _used
+    with _lock:
+        _used = True
+        return dict(dynamic=False, fullgraph=True, **torch_compile_kwargs(_mode))

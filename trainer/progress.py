@@ -1,5 +1,5 @@
-"""A progress line for long data jobs: a bar with items/s and ETA on a TTY, a plain line now and then
-elsewhere."""
+"""Progress as people read it: durations, a bar, and a progress line for long data jobs (a bar with
+items/s and ETA on a TTY, a plain line now and then elsewhere)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,17 @@ import sys
 import time
 from typing import TextIO
 
-from trainer.train.metrics import format_duration, progress_bar
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def progress_bar(step: int, total: int, width: int = 24) -> str:
+    filled = int(width * step / max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
 class ProgressLine:

@@ -138,7 +138,7 @@ def run_gate(
     import io
 
     from trainer.cli.eval import load_drafter_source, load_models
-    from trainer.cli.main import export_checkpoint
+    from trainer.infer.export import export_checkpoint
     from trainer.data.heldout import prompts_of
     from trainer.train.checkpoint import load_checkpoint
     from trainer.train.loop import build_dataset, train
