@@ -76,6 +76,7 @@ def launch(args):
 
     out = args["runs"] + "/" + run
     in_state = {"run": int(run), "run_dir": out, "log": args["logs"].rstrip("/") + "/" + name}
+    in_state[facts.STATE_JOB_KEY] = args["marker"]
     finished = dict({"state": "finished"}, **in_state)
     # One tmux invocation, so remain-on-exit is set before the server can reap a pane that fails at
     # once; it keeps a crashed pane (and its exit status) visible to status and health. The tmux
