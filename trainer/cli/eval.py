@@ -286,6 +286,7 @@ def _checked_device(args: argparse.Namespace) -> str:
     device = args.device or _default_device()
     if not DEVICE_RE.match(device):
         raise ConfigError(f"--device {device!r} is not a device. Fix: cpu, cuda or cuda:N.")
+    options.check_cuda_devices("--device", [device])
     return device
 
 

@@ -243,6 +243,7 @@ def _run_train(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace) -> int:
     from trainer.train.checkpoint import load_checkpoint, resolve_export_source
 
+    options.check_out_dir(args.out)
     path = resolve_export_source(args.checkpoint)  # a step dir, or a run dir's latest
     out = export_checkpoint(load_checkpoint(path), args.out, args.dtype)
     print(f"dflash-train: exported {path} -> {out}")
