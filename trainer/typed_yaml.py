@@ -34,8 +34,11 @@ class YamlInputError(ValueError):
     """Bad input, said in one line that names the file, the line, the field and the fix."""
 
 
-def located(filename: str, line: int | None) -> str:
-    """`FILE:LINE`, or just `FILE` when the line is unknown (values from code or the command line)."""
+def located(filename: str, line: int | str | None) -> str:
+    """`FILE:LINE`, or just `FILE` when the line is unknown (a value from code); a text in place of
+    the line is the command-line flag that set the value, which is where the user wrote it."""
+    if isinstance(line, str):
+        return line
     return f"{filename}:{line}" if line else filename
 
 
@@ -269,7 +272,7 @@ class _Place:
     """Where a value sits: the file, its line (0: unknown) and its dotted field path."""
 
     filename: str
-    line: int
+    line: int | str  # a text: the command-line flag that set the value (see located)
     path: str
 
     def error(self, problem: str) -> YamlInputError:
