@@ -13,6 +13,7 @@ import posixpath
 import re
 
 from dflash_ops.observe import acceptance, logs, unattended
+from dflash_ops.observe.text_style import inert
 from dflash_ops.inventory.model import Job
 from dflash_ops.remote import facts
 
@@ -292,8 +293,9 @@ def perfdata_text(perfdata: dict, prefix: str = "") -> str:
 
 
 def _clean(text: str) -> str:
-    # The first "|" starts perfdata and a plugin's first line is all that counts.
-    return " ".join(text.replace("|", "/").split())
+    # The first "|" starts perfdata and a plugin's first line is all that counts; what the target
+    # sent (a path, a name) is shown inert.
+    return " ".join(inert(" ".join(text.split())).replace("|", "/").split())
 
 
 def nagios_line(target_name: str, verdict: Verdict) -> str:
