@@ -15,6 +15,18 @@ CHATML = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+TINY_RANDOM = "tiny-random"
+
+
+def chat_tokenizer_of(target, spec: str):
+    """The tokenizer chats are rendered with for `target` (loaded from `spec`): its own, or for
+    tiny-random, which ships none, the byte-level ChatML one. regenerate and eval both take it from
+    here, so a {"messages"} prompt means the same tokens to both."""
+    if target.tokenizer is None and spec == TINY_RANDOM:
+        return byte_chat_tokenizer(target.vocab_size)
+    return target.tokenizer
+
+
 def byte_chat_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

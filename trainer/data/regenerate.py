@@ -122,11 +122,9 @@ class Generator:
         # the HF causal LM and its tokenizer, duck-typed (generate, generation_config, chat template)
         self.model: Any = target.model
         self.device, self.opts = device, opts
-        self.tokenizer: Any = target.tokenizer
-        if self.tokenizer is None and spec == "tiny-random":
-            from trainer.data.chat_tokenizer import byte_chat_tokenizer
+        from trainer.data.chat_tokenizer import chat_tokenizer_of
 
-            self.tokenizer = byte_chat_tokenizer(target.vocab_size)
+        self.tokenizer: Any = chat_tokenizer_of(target, spec)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise DataError(
                 spec,
