@@ -68,8 +68,8 @@ def test_a_newline_in_the_logs_path_keeps_tail_logs_error_one_line(workdir):
 def test_where_nothing_was_ever_launched_status_and_health_say_so(workdir):
     inventory, _ = workdir
     health = cli(inventory, "health")
-    assert health.returncode == 0, health
-    assert health.stdout.startswith("DFLASH OK: local: no job launched here yet (`dflash-ops relaunch` starts one)")
+    assert health.returncode == 2, health  # the job is not training: still CRITICAL, said as what it is
+    assert health.stdout.startswith("DFLASH CRITICAL: local: no job launched here yet (`dflash-ops relaunch` starts one)")
     assert "no job launched here yet" in cli(inventory, "status").stdout
 
 

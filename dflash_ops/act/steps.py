@@ -158,7 +158,10 @@ def stop_session(ctx: StepContext, job: Job, grace_s: float, record_stop: bool =
 
     check_grace(job, grace_s, given_as="grace_s")  # here, so it holds for every way in
     if record_stop:
-        _record_stop(ctx, job, lambda previous, clock: jobstate.stopping(previous, clock, grace_s))
+        try:
+            _record_stop(ctx, job, lambda previous, clock: jobstate.stopping(previous, clock, grace_s))
+        except _StateUnusable:
+            pass  # health answers UNKNOWN and relaunches nothing already; mark_stopped then fails loudly
     ended = _end_job_processes(ctx, job, grace_s, include_session=True)
     session = str((ended.data or {}).get("session") or job.session)  # an earlier version's job: its own
     if (ended.data or {}).get("others_session"):
@@ -393,6 +396,11 @@ def mark_stopped(ctx: StepContext, job: Job) -> StepOutcome:
     return _record_stop(ctx, job, jobstate.stopped)
 
 
+class _StateUnusable(StepFailed):
+    """The job state path is no regular file (a directory): no state can be recorded there, and a
+    reader already takes the job as one it must not relaunch."""
+
+
 def _record_stop(ctx: StepContext, job: Job, make) -> StepOutcome:
     """Write the state `make(previous, target's clock)` gives, and read it back: the stop counts
     only once the file says so. A finished run keeps its state (it was not interrupted)."""
@@ -414,7 +422,7 @@ def _record_stop(ctx: StepContext, job: Job, make) -> StepOutcome:
         )
 
     if kind != jobstate.FILE and kind != jobstate.ABSENT:
-        raise unrecorded(f"{path} is not a regular file ({jobstate.NOT_A_FILE_FIX})")
+        raise _StateUnusable(str(unrecorded(f"{path} is not a regular file ({jobstate.NOT_A_FILE_FIX})")))
     if previous is not None and previous.state == jobstate.FINISHED:
         # a completed run is not an interrupted one: status and health keep reporting it as finished
         return StepOutcome("job state kept: the run had finished")

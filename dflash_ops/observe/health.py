@@ -104,7 +104,10 @@ def _judged(report, job: Job, now: float) -> Verdict:
     parked = unattended.parked(report, progress)
     if parked:  # an operator's stop or a finished run: like scheduled downtime, nothing to alert on
         return Verdict("OK", (parked,), _with_tau(_perfdata(progress, age, {}, job), accept, job))
-    critical = _session_problems(report.session, finished) + _failures(report)
+    never = unattended.never_launched(report)
+    critical = (
+        [unattended.NEVER_LAUNCHED] if never else _session_problems(report.session, finished)
+    ) + _failures(report)
     if not progress.loss_is_finite:
         critical.append(f"loss is {progress.loss} at step {progress.step}")
     stall, warning = _stall(report, progress, age, job.health.stall_seconds, finished)

@@ -72,7 +72,8 @@ NEVER_LAUNCHED = "no job launched here yet (`dflash-ops relaunch` starts one)"
 
 
 def never_launched(report) -> bool:
-    """Nothing of the job was ever here: no session, no state, no log, no process."""
+    """Nothing of the job was ever here: no session, no state, no log, no process. Still CRITICAL
+    (the job is not training), said as what it is rather than as a session that is gone."""
     return (
         report.session.exists is False
         and report.job_state is None
@@ -89,8 +90,6 @@ def parked(report, progress) -> str | None:
         return underway
     if report.session.running is not False:
         return None
-    if never_launched(report):
-        return NEVER_LAUNCHED
     state = jobstate.JobState.from_dict(report.job_state)
     if state is not None and state.state == jobstate.STOPPED:
         return f"stopped by {state.by or jobstate.STOPPED_BY} at {_clock(state.when)}"
