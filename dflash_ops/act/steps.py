@@ -159,7 +159,7 @@ def stop_session(ctx: StepContext, job: Job, grace_s: float, record_stop: bool =
     check_grace(job, grace_s, given_as="grace_s")  # here, so it holds for every way in
     if record_stop:
         try:
-            _record_stop(ctx, job, lambda previous, clock: jobstate.stopping(previous, clock, grace_s))
+            _record_stop(ctx, job, jobstate.STOPPING, grace_s)
         except _StateUnusable:
             pass  # health answers UNKNOWN and relaunches nothing already; mark_stopped then fails loudly
     ended = _end_job_processes(ctx, job, grace_s, include_session=True)
@@ -393,7 +393,7 @@ def start_run(ctx: StepContext, job: Job, *, resume: bool = True, run: str | Non
 def mark_stopped(ctx: StepContext, job: Job) -> StepOutcome:
     """Record the operator's stop in the job state: health reports it as OK and never relaunches
     the job; only a relaunch clears it. A stop that cannot be recorded fails this step."""
-    return _record_stop(ctx, job, jobstate.stopped)
+    return _record_stop(ctx, job, jobstate.STOPPED)
 
 
 class _StateUnusable(StepFailed):
@@ -401,34 +401,38 @@ class _StateUnusable(StepFailed):
     reader already takes the job as one it must not relaunch."""
 
 
-def _record_stop(ctx: StepContext, job: Job, make) -> StepOutcome:
-    """Write the state `make(previous, target's clock)` gives, and read it back: the stop counts
-    only once the file says so. A finished run keeps its state (it was not interrupted)."""
+def _record_stop(ctx: StepContext, job: Job, state: str, grace_s: float = 0.0) -> StepOutcome:
+    """Record `state` (STOPPING, with the stop's grace, or STOPPED) at the target's clock, and read it
+    back: the stop counts only once the file says so. A finished run keeps its state (it was not
+    interrupted)."""
     path = jobpaths.state_file(job)
     result = ctx.run(jobstate.read_script(job), timeout=30)
-    wanted_state = make(None, 0.0).state
     if ctx.dry_run:
-        return StepOutcome(f"would record `{wanted_state}` in {path}")
+        return StepOutcome(f"would record `{state}` in {path}")
     try:
         clock, kind, previous = jobstate.parse_read(result.stdout)
     except ValueError as exc:
         raise _fail(ctx, f"the stop could not be recorded: {exc}") from None
 
-    def unrecorded(why: str) -> StepFailed:
-        return _fail(
-            ctx,
-            f"the stop could not be recorded: {why}; until it is, health cannot tell this stop from "
-            "a crash: it answers UNKNOWN and --auto-relaunch relaunches nothing",
+    def unrecorded(why: str, error: type[StepFailed] = StepFailed) -> StepFailed:
+        return error(
+            f"[{ctx.target_name}] {ctx.step}: the stop could not be recorded: {why}; until it is, health "
+            "cannot tell this stop from a crash: it answers UNKNOWN and --auto-relaunch relaunches nothing"
         )
 
     if kind != jobstate.FILE and kind != jobstate.ABSENT:
-        raise _StateUnusable(str(unrecorded(f"{path} is not a regular file ({jobstate.NOT_A_FILE_FIX})")))
+        raise unrecorded(f"{path} is not a regular file ({jobstate.NOT_A_FILE_FIX})", _StateUnusable)
     if previous is not None and previous.state == jobstate.FINISHED:
         # a completed run is not an interrupted one: status and health keep reporting it as finished
         return StepOutcome("job state kept: the run had finished")
     if previous is None:  # nothing recorded yet: the state names this job (never an earlier version's)
-        previous = jobstate.JobState(jobstate.STOPPED, job=jobpaths.marker_value(job))
-    wanted = jobstate.encode(make(previous, clock))
+        previous = jobstate.JobState(state, job=jobpaths.marker_value(job))
+    record = (
+        jobstate.stopping(previous, clock, grace_s)
+        if state == jobstate.STOPPING
+        else jobstate.stopped(previous, clock)
+    )
+    wanted = jobstate.encode(record)
     ctx.run(quote_argv(["mkdir", "-p", job.workdir]), timeout=30)
     try:
         ctx.put(wanted, path)
@@ -437,7 +441,7 @@ def _record_stop(ctx: StepContext, job: Job, make) -> StepOutcome:
     written = ctx.run(jobstate.read_command(job), timeout=30, check=False)
     if written.stdout.encode() != wanted:
         raise unrecorded(f"{path} does not hold what was written")
-    return StepOutcome(f"job state: {wanted_state} by {jobstate.STOPPED_BY}")
+    return StepOutcome(f"job state: {state} by {jobstate.STOPPED_BY}")
 
 
 # ------------------------------------------------------------------ confirmation
