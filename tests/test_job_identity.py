@@ -128,6 +128,10 @@ def test_stopping_a_job_whose_session_name_another_job_holds_leaves_that_job_alo
     checked = ops.check(a)
     assert checked.verdict.level == "OK", checked.verdict.reasons
     assert ops.check(b).status.session.running is False  # a's trainer is never shown as b's
+    relaunched = commands.relaunch(b, **quick())
+    assert not relaunched.ok and "runs another job (pane pid" in relaunched.failed.message, relaunched.summary()
+    assert "give this job another job.session" in relaunched.failed.message
+    assert all(alive(pid) for pid in pids)
 
 
 def test_the_builtin_local_target_under_two_homes_is_two_jobs(tmp_path, monkeypatch, cleanup):
