@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+try:
+    from tests.trainer.test_eval_cli import run_dir  # noqa: F401 (a fixture: a real checkpoint)
+except ImportError:  # tests/trainer is not a package: pytest put it on sys.path
+    from test_eval_cli import run_dir  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -41,18 +46,18 @@ def test_a_yaml_file_with_a_control_byte_is_one_line_naming_the_line(tmp_path, b
     assert line.startswith(f"dflash-ops: {inventory}:2: character {shown} (a control byte)")
 
 
-def test_export_out_onto_a_file_or_under_one_is_one_line(tmp_path):
+def test_export_out_onto_a_file_or_under_one_is_one_line(run_dir, tmp_path):
     file = tmp_path / "model.safetensors"
     file.write_text("x")
-    line = one_line(run("export", "--checkpoint", str(tmp_path / "run"), "--out", str(file)))
+    line = one_line(run("export", "--checkpoint", str(run_dir), "--out", str(file)))
     assert line == f"dflash-train: error: --out {file}: is a file, not a directory; give a directory (created if missing)"
-    line = one_line(run("export", "--checkpoint", str(tmp_path / "run"), "--out", str(file / "export")))
+    line = one_line(run("export", "--checkpoint", str(run_dir), "--out", str(file / "export")))
     assert f"--out {file / 'export'}: lies under the file {file}, not a directory" in line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_eval_on_cuda_without_cuda_is_one_line_naming_the_flag(tmp_path):
-    line = one_line(run("eval", "--checkpoint", str(tmp_path / "run"), "--device", "cuda"))
+def test_eval_on_cuda_without_cuda_is_one_line_naming_the_flag(run_dir):
+    line = one_line(run("eval", "--checkpoint", str(run_dir), "--device", "cuda"))
     assert line == ("dflash-train eval: error: --device names cuda but no CUDA device is visible "
                     "(a CPU build of torch?). Fix: name existing devices, or cpu")
 
