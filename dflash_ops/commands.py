@@ -50,7 +50,7 @@ def relaunch(
     from dflash_ops.act.grace import check_grace
 
     job = target.job
-    check_grace(job, grace)
+    check_grace(job, grace)  # the step checks it too; here it is refused before anything connects
     plan = (
         s.preflight,
         s.stop_session,
@@ -95,20 +95,20 @@ def stop(
     dry_run: bool = False,
     on_progress: OnProgress | None = None,
 ) -> RunResult | NothingToDo:
-    """Stop the job's tmux session, record the operator's stop (health then reports the job as
-    OK and never relaunches it; only a relaunch clears it), end its leftover GPU processes and wait
-    for them to leave its GPUs."""
+    """Record the operator's stop (`stopping`, before any signal), stop the job's tmux session,
+    record it `stopped` (health then reports the job as OK and never relaunches it; only a relaunch
+    clears it), end its leftover GPU processes and wait for them to leave its GPUs."""
     from dflash_ops.act import steps as s
     from dflash_ops.act.grace import check_grace
 
-    check_grace(target.job, grace)
+    check_grace(target.job, grace)  # the step checks it too; here it is refused before anything connects
     if target.transport == "pct" and not dry_run and not _container_running(target):
         why = f"stop: container {target.ctid} is not running, so neither is the job; nothing to stop"
         return NothingToDo(target.name, why)
     job = target.job
     plan = (s.stop_session, s.mark_stopped, s.kill_gpu_processes, s.wait_gpu_free)
     with _running(target, "stop", plan, dry_run, on_progress) as run:
-        run(s.stop_session, job, grace_s=grace)
+        run(s.stop_session, job, grace_s=grace, record_stop=True)
         run(s.mark_stopped, job)
         ended = run(s.kill_gpu_processes, job)
         run(s.wait_gpu_free, job, ended, timeout_s=gpu_free_timeout)

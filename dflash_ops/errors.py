@@ -56,6 +56,12 @@ class StepFailed(DflashOpsError):
     """A step ran but could not do its job (GPUs still busy, no first step, …); the message says why."""
 
 
+class Interrupted(DflashOpsError):
+    """The operator interrupted (Ctrl-C) a command at a point where what was done must be said."""
+
+    exit_code = 130
+
+
 class RemoteCommandError(DflashOpsError):
     """A remote command ran and exited non-zero where success was required."""
 

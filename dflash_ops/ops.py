@@ -128,10 +128,18 @@ def list_releases(target: Target) -> list[deploy.Release]:
         )
 
 
-def require_kept_release(target: Target, release: str) -> None:
-    """`deploy --rollback RELEASE`: RELEASE must be kept on the target, checked before anything
-    switches (a mistyped id is the user's mistake: one line, exit 2)."""
-    kept = [r.id for r in list_releases(target)]
+def require_kept_release(target: Target, release: str | None) -> None:
+    """`deploy --rollback [RELEASE]`: RELEASE (none: a release besides the current one) must be kept
+    on the target, checked before anything switches (one line, exit 2)."""
+    releases = list_releases(target)
+    kept = [r.id for r in releases]
+    if release is None:
+        if not any(not r.current for r in releases):
+            raise InputError(
+                f"--rollback: no earlier release to roll back to on {target.name} "
+                f"(kept: {', '.join(kept) or 'none'}); nothing was changed"
+            )
+        return
     if release not in kept:
         raise InputError(
             f"--rollback {release}: no such release kept on {target.name} "

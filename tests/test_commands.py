@@ -103,7 +103,7 @@ def test_stop_records_the_operators_stop_and_waits_only_for_the_jobs_processes(t
     result = commands.stop(target, grace=42.0)
     job = target.job
     assert [c[:3] for c in calls] == [
-        ("stop_session", (job,), {"grace_s": 42.0}),
+        ("stop_session", (job,), {"grace_s": 42.0, "record_stop": True}),
         ("mark_stopped", (job,), {}),
         ("kill_gpu_processes", (job,), {}),
         ("wait_gpu_free", (job, calls[2][3]), {"timeout_s": 120.0}),

@@ -282,7 +282,7 @@ def test_a_real_crash_is_critical_and_named(tmp_path, monkeypatch):
             assert time.monotonic() < deadline, "the crashing job did not end"
             time.sleep(0.1)
         job = Job(workdir=str(tmp_path), python=sys.executable, config="tiny-cpu", tmux_socket=socket,
-                  health=Health(stall_seconds=900))
+                  session="dflash", health=Health(stall_seconds=900))
         report = probe.run_probe(LocalTransport("local"), job)
         verdict = health.evaluate(report, job)
     finally:

@@ -88,7 +88,7 @@ def test_example_inventory_loads_with_inheritance(isolated, monkeypatch):
                                host_key_policy="strict")
     assert box.job == Job(
         workdir="/root/dflash", python="/root/venv/bin/python3",
-        config="/root/dflash/configs/qwen3-8b.yaml", session="dflash",
+        config="/root/dflash/configs/qwen3-8b.yaml",
         log_dir="/root/dflash/logs", cache_dir="/root/dflash/cache",
         target_gpus=(0,), drafter_gpus=(1, 2, 3),
         env=(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),),
@@ -109,7 +109,8 @@ def test_example_inventory_loads_with_inheritance(isolated, monkeypatch):
 def test_example_inventory_documents_every_field():
     header = "".join(line for line in (REPO / "inventory.yaml").read_text().splitlines(True)
                      if line.startswith("#"))
-    documented = [f.name for cls in (Job, Health, HostSpec) for f in dataclasses.fields(cls)]
+    documented = [f.name for cls in (Job, Health, HostSpec) for f in dataclasses.fields(cls)
+                  if not f.metadata.get("derived")]  # filled in by the loader, never written
     documented += ["ctid", "gpu_query_on", "transport", "defaults", "targets", "groups", "default_target"]
     missing = [name for name in documented if name not in header]
     assert not missing, f"inventory.yaml's header does not explain: {missing}"
@@ -117,7 +118,7 @@ def test_example_inventory_documents_every_field():
 
 def test_schema_covers_exactly_the_model_fields():
     # A field added to model.Job / Health / HostSpec must become settable in the inventory.
-    assert set(inventory_rules.JOB_FIELDS) == {f.name for f in dataclasses.fields(Job)}
+    assert set(inventory_rules.JOB_FIELDS) == {f.name for f in dataclasses.fields(Job) if not f.metadata.get("derived")}
     assert set(inventory_rules.HEALTH_FIELDS) == {f.name for f in dataclasses.fields(Health)}
     assert set(inventory_rules.HOST_FIELDS) == {f.name for f in dataclasses.fields(HostSpec)}
 
@@ -165,7 +166,7 @@ def test_every_field_is_read_into_the_model():
                 target_gpus=(2, 3), drafter_gpus=(0, 1, 4), tmux_socket="ops-sock",
                 train_args=("--max-steps", "100", "--lr", "6e-4"),
                 env=(("NCCL_DEBUG", "INFO"), ("OMP_NUM_THREADS", "8")),
-                health=Health(1.5, 60, 12, 0)))
+                health=Health(1.5, 60, 12, 0), legacy_session="train-1"))
 
 
 @pytest.mark.parametrize("text, parsed, destination", [
@@ -386,7 +387,8 @@ def test_builtin_local_target_without_any_file(isolated):
     assert local.job.workdir == workdir
     assert (local.job.log_dir, local.job.cache_dir) == (workdir + "/logs", workdir + "/cache")
     assert local.job.python == sys.executable
-    assert (local.job.config, local.job.session) == ("tiny-cpu", "dflash-local")
+    assert (local.job.config, local.job.session) == ("tiny-cpu", f"dflash-{local.job.job_id}")
+    assert local.job.legacy_session == "dflash-local"  # what a job launched by an earlier version runs under
     assert local.job.gpus == ()
     # A CPU run's speed depends on the machine and there are no drafter GPUs: those floors are
     # off; a stall is still noticed.
@@ -425,12 +427,14 @@ def test_file_overrides_local_job_and_local_paths_resolve_here(tmp_path, isolate
     assert local.job.python == sys.executable  # `defaults:` never reaches a local target
     other = inv.targets["other-local"]
     assert other.job.python == str(tool)  # a bare command name is looked up on PATH
-    assert (other.job.session, other.job.config) == ("dflash-local", "tiny-cpu")
+    assert (other.job.session, other.job.config) == (f"dflash-{other.job.job_id}", "tiny-cpu")
+    assert other.job.session != local.job.session
     assert not (isolated / "w").exists(), "loading must not create anything"
 
 
 def test_local_may_be_written_without_fields():
-    assert load("targets:\n  local:\n").targets["local"].job.session == "dflash-local"
+    job = load("targets:\n  local:\n").targets["local"].job
+    assert (job.session, job.legacy_session) == (f"dflash-{job.job_id}", "dflash-local")
 
 
 # --------------------------------------------------------------------------------------------

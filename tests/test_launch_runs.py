@@ -115,7 +115,8 @@ def test_the_launcher_starts_the_run_and_records_running_then_the_pane_finished(
     assert launched.returncode == 0 and launched.stdout.splitlines()[-1] == log, launched
     running = state(job)
     run_dir = f"{jobpaths.runs_dir(job)}/0001"
-    assert list(running) == ["state", "run", "run_dir", "log", "pid", "since"]
+    assert list(running) == ["state", "run", "run_dir", "log", "job", "pid", "since"]
+    assert running["job"] == jobpaths.marker_value(job)  # whose state it is (an earlier version wrote none)
     assert running["state"] == "running" and running["run"] == 1 and running["run_dir"] == run_dir
     assert running["log"] == log and running["pid"] > 0 and isinstance(running["since"], int)
     assert jobstate.parse(json.dumps(running)).pid == running["pid"]
@@ -124,7 +125,8 @@ def test_the_launcher_starts_the_run_and_records_running_then_the_pane_finished(
 
     wait_for(lambda: state(job)["state"] == "finished")
     finished = state(job)
-    assert finished == {"state": "finished", "run": 1, "run_dir": run_dir, "log": log, "when": finished["when"]}
+    assert finished == {"state": "finished", "run": 1, "run_dir": run_dir, "log": log, "job": running["job"],
+                        "when": finished["when"]}
     assert f"--output-dir {run_dir} " in Path(log).read_text().splitlines()[0]
 
     subprocess.run(["tmux", "-L", job.tmux_socket, "kill-server"], check=True, timeout=20)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ops import commands, ops
-from dflash_ops.act import launch
+from dflash_ops.act import jobpaths, launch
 from dflash_ops.inventory.model import Health
 from dflash_ops.act.relaunch_guard import RelaunchGuard
 
@@ -275,7 +275,7 @@ def test_fan_out_runs_each_target_and_reports_each(ssh_target, ssh_target_b, cle
 def _host_pids_of_job(job) -> dict[int, int]:
     """{host pid: in-container pid} of the stand-in trainer, read from the host's /proc."""
     found = {}
-    marker = f"DFLASH_OPS_JOB={job.tmux_socket}/{job.session}".encode()
+    marker = f"{jobpaths.JOB_MARKER_ENV}={jobpaths.marker_value(job)}".encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue

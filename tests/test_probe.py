@@ -266,7 +266,8 @@ def test_probe_script_passes_hostile_strings_unchanged(tmp_path):
     fake_python.write_text(f"#!{sys.executable}\nimport json, sys\n"
                            f"open({str(argv_file)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
     fake_python.chmod(0o755)
-    job = Job(workdir=HOSTILE, python=str(fake_python), config="x", session="a'b $(c)", tmux_socket='s"q`d`')
+    job = Job(workdir=HOSTILE, python=str(fake_python), config="x", session="a'b $(c)", tmux_socket='s"q`d`',
+              legacy_session="o'ld $(e)")
     result = BashRunner().run(probe.probe_script_for(job, log_lines=7))
     assert result.ok, result.stderr
     flag, args = json.loads(argv_file.read_text())
@@ -274,7 +275,8 @@ def test_probe_script_passes_hostile_strings_unchanged(tmp_path):
     assert json.loads(args) == {"log_dir": HOSTILE + "/logs", "session": "a'b $(c)", "socket": 's"q`d`',
                                 "log_lines": 7, "metrics_lines": probe.DEFAULT_METRICS_LINES,
                                 "gpu_source": "auto", "nvidia_smi": "nvidia-smi",
-                                "state_file": HOSTILE + "/job-state.json", "marker": "DFLASH_OPS_JOB=s\"q`d`/a'b $(c)",
+                                "state_file": HOSTILE + "/job-state.json", "marker": f"DFLASH_OPS_JOB=s\"q`d`/a'b $(c)/{job.job_id}",
+                                "legacy_session": "o'ld $(e)", "legacy_marker": "DFLASH_OPS_JOB=s\"q`d`/o'ld $(e)",
                                 "eval_context_steps": acceptance.ACC_WINDOW}
     assert not list(tmp_path.rglob("PWNED*"))
 

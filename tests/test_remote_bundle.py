@@ -37,7 +37,7 @@ def test_the_probe_runs_alone_and_reads_the_newest_log_and_its_metrics(tmp_path)
 
 
 def test_jobprocs_runs_alone(tmp_path):
-    out = run_isolated("jobprocs.py", {"marker_env": "DFLASH_OPS_JOB", "marker": "none/none", "socket": "none",
+    out = run_isolated("jobprocs.py", {"marker": "DFLASH_OPS_JOB=none/none", "socket": "none",
                                        "session": "none", "gpus": [], "action": "list", "grace_s": 1,
                                        "include_session": False}, tmp_path)
     assert out["job"] == [] and out["killed"] == []

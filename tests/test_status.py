@@ -176,7 +176,7 @@ def test_status_of_a_live_session_from_a_real_probe(tmp_path, monkeypatch):
         + metrics_format.encode("step", time=t - 2, step=5, total_steps=50, loss=4.0, tokens_per_s=800.0,
                                 eta_s=90.0, lr=1e-4, grad_norm=1.0))
     job = Job(workdir=str(tmp_path), python=sys.executable, config="tiny-cpu", tmux_socket=socket, drafter_gpus=(0,))
-    subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", "dflash", "sleep 120"], check=True, timeout=30)
+    subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", job.session, "sleep 120"], check=True, timeout=30)
     try:
         report = probe.run_probe(LocalTransport("local"), job)
     finally:

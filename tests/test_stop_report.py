@@ -12,6 +12,7 @@ from dflash_ops.act import steps
 from dflash_ops.errors import StepFailed
 from dflash_ops.act.context import StepContext
 from dflash_ops.transport.local import LocalTransport
+from trainer import stop_timing
 
 
 def test_a_dead_gpu_pid_on_a_plain_host_is_not_called_a_host_pid(local_target, tmp_path, monkeypatch):
@@ -23,7 +24,7 @@ def test_a_dead_gpu_pid_on_a_plain_host_is_not_called_a_host_pid(local_target, t
     job = dataclasses.replace(local_target.job, tmux_socket=f"deadpid-{tmp_path.name}"[:60], target_gpus=(0,))
     ctx = StepContext(target=dataclasses.replace(local_target, job=job), transport=LocalTransport("local"),
                       step="stop_session")
-    outcome = steps.stop_session(ctx, job, grace_s=1)
+    outcome = steps.stop_session(ctx, job, grace_s=stop_timing.ops_grace_floor(stop_timing.DEFAULT_STOP_GRACE_S))
     assert "pid 4000000 on GPU 0" in outcome.message and "exited" in outcome.message, outcome.message
     assert "host pid" not in outcome.message
 

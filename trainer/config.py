@@ -195,14 +195,19 @@ def load_config(path: str, overrides: dict | None = None) -> TrainConfig:
     except typed_yaml.YamlInputError as exc:
         raise ConfigError(str(exc)) from None
     if raw is None:
-        raw = {}
+        raw = typed_yaml.YamlMap()
     if not isinstance(raw, dict):
         raise ConfigError(
             f"{file}: the top level must be a mapping of sections (target, drafter, data, train, run)"
         )
     for key, value in (overrides or {}).items():
-        _set_dotted(raw, OVERRIDE_ALIASES.get(key, key), value)
+        _set_dotted(raw, OVERRIDE_ALIASES.get(key, key), value, _flag_of(key))
     return config_from_dict(raw, str(file))
+
+
+def _flag_of(override: str) -> str:
+    """The command-line flag an override comes from: `--max-steps`, or `--set train.lr`."""
+    return f"--{override.replace('_', '-')}" if override in OVERRIDE_ALIASES else f"--set {override}"
 
 
 def default_precision(drafter_devices: list[str]) -> str:
@@ -227,19 +232,20 @@ def config_from_dict(raw: dict, source: str) -> TrainConfig:
     return cfg
 
 
-def _set_dotted(raw: dict, dotted: str, value) -> None:
+def _set_dotted(raw: dict, dotted: str, value, flag: str) -> None:
     parts = dotted.split(".")
     node = raw
     for part in parts[:-1]:
         child = node.get(part)
         if child is None:
-            child = node[part] = {}
+            child = node[part] = typed_yaml.YamlMap()
         if not isinstance(child, dict):
-            raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
+            raise ConfigError(f"{flag}: `{part}` is not a section")
         node = child
     node[parts[-1]] = value
-    # The value no longer comes from the file: a message about it must not point at a file line.
-    getattr(node, "key_lines", {}).pop(parts[-1], None)
+    # The value comes from the flag, not the file: a message about it names the flag (located).
+    if isinstance(node, typed_yaml.YamlMap):
+        node.key_lines[parts[-1]] = flag
 
 
 def _fail(cfg: TrainConfig, key: str, message: str) -> typing.NoReturn:

@@ -32,6 +32,26 @@ class NoMetrics(Exception):
     """Nothing to draw: no run holds a step record yet."""
 
 
+# what a report file can be, by its name's suffix
+FORMATS = {".png": "png", ".html": "html", ".htm": "html"}
+
+
+class UnknownFormat(ValueError):
+    """The output name is neither a .png nor a .html file (a report is never written under the
+    wrong name)."""
+
+
+def format_of(path: str) -> str:
+    """ "png" or "html" from `path`'s suffix; UnknownFormat (its message names the fix) otherwise."""
+    suffix = path[path.rfind(".") :].lower() if "." in path.rsplit("/", 1)[-1] else ""
+    if suffix not in FORMATS:
+        raise UnknownFormat(
+            f"{path}: a report is a .png picture or a .html page (it embeds the picture); "
+            "name the file report.png or report.html"
+        )
+    return FORMATS[suffix]
+
+
 @dataclasses.dataclass(frozen=True)
 class Picture:
     png: bytes
@@ -219,10 +239,11 @@ def _titles(panel, runs: list[RunHistory], plt) -> None:
             transform=panel["acceptance"].transAxes,
             color="gray",
         )
+    overlay = len(runs) > 1
     for ax in panel.values():
         handles, _ = ax.get_legend_handles_labels()
         if handles:
-            ax.legend(fontsize=7, handlelength=1.5, framealpha=0.6)
+            ax.legend(**_legend_place(overlay), fontsize=7, handlelength=1.5, framealpha=0.6)
     from matplotlib.lines import Line2D
 
     kinds = sorted({m.kind for r in runs for m in r.markers})
@@ -233,7 +254,15 @@ def _titles(panel, runs: list[RunHistory], plt) -> None:
             if k in MARKER_STYLE
         ]
         existing, _ = panel["tokens_per_s"].get_legend_handles_labels()
-        panel["tokens_per_s"].legend(handles=existing + handles, fontsize=7, handlelength=1.5, framealpha=0.6)
+        panel["tokens_per_s"].legend(
+            handles=existing + handles, **_legend_place(overlay), fontsize=7, handlelength=1.5, framealpha=0.6
+        )
+
+
+def _legend_place(overlay: bool) -> dict:
+    """Inside the panel for one run; beside it for several, whose legends (a few lines per run)
+    would cover their own data."""
+    return {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0} if overlay else {}
 
 
 def html_page(histories: list[RunHistory], picture: Picture, title: str) -> str:
@@ -261,9 +290,10 @@ def html_page(histories: list[RunHistory], picture: Picture, title: str) -> str:
 
 
 def write(histories: list[RunHistory], path: str, title: str) -> Picture:
-    """Draw `histories` into `path`: HTML for a .html/.htm name, else PNG."""
+    """Draw `histories` into `path`: HTML for a .html/.htm name, PNG for a .png one."""
+    kind = format_of(path)
     picture = draw(histories, title)
-    if path.lower().endswith((".html", ".htm")):
+    if kind == "html":
         data = html_page(histories, picture, title).encode()
     else:
         data = picture.png

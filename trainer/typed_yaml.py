@@ -34,8 +34,11 @@ class YamlInputError(ValueError):
     """Bad input, said in one line that names the file, the line, the field and the fix."""
 
 
-def located(filename: str, line: int | None) -> str:
-    """`FILE:LINE`, or just `FILE` when the line is unknown (values from code or the command line)."""
+def located(filename: str, line: int | str | None) -> str:
+    """`FILE:LINE`, or just `FILE` when the line is unknown (a value from code); a text in place of
+    the line is the command-line flag that set the value, which is where the user wrote it."""
+    if isinstance(line, str):
+        return line
     return f"{filename}:{line}" if line else filename
 
 
@@ -179,7 +182,10 @@ def parse_yaml(text: str, filename: str, named_items: Mapping[str, str] | None =
 
     `named_items` names the things that top-level sections hold, for messages about a key written
     twice: {"targets": "target"} says "target 'box' is defined twice" instead of "key 'box' ..."."""
-    loader = _StrictLoader(text)
+    try:
+        loader = _StrictLoader(text)  # its reader refuses control bytes (NUL, BEL …) right here
+    except yaml.reader.ReaderError as e:
+        raise _control_byte(text, filename, e) from None
     try:
         node = loader.get_single_node()
         if node is None:
@@ -191,6 +197,8 @@ def parse_yaml(text: str, filename: str, named_items: Mapping[str, str] | None =
             f"{filename}:{e.line}: {e.where} is defined twice (also on line {e.first_line}); "
             f"YAML would silently keep only the last one: rename or remove one of them"
         ) from None
+    except yaml.reader.ReaderError as e:
+        raise _control_byte(text, filename, e) from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         column = f" (column {mark.column + 1})" if mark else ""
@@ -203,6 +211,18 @@ def parse_yaml(text: str, filename: str, named_items: Mapping[str, str] | None =
         ) from None
     finally:
         loader.dispose()
+
+
+def _control_byte(text: str, filename: str, error: yaml.reader.ReaderError) -> YamlInputError:
+    position = error.position if isinstance(error.position, int) else 0
+    line = text.count("\n", 0, position) + 1
+    character = (
+        error.character if isinstance(error.character, int) else ord(text[position : position + 1] or " ")
+    )
+    return YamlInputError(
+        f"{located(filename, line)}: character {character:#04x} (a control byte) is not allowed in YAML; "
+        "remove it (a copy from a terminal or a binary file?)"
+    )
 
 
 def read_yaml(path: str, named_items: Mapping[str, str] | None = None) -> Any:
@@ -252,7 +272,7 @@ class _Place:
     """Where a value sits: the file, its line (0: unknown) and its dotted field path."""
 
     filename: str
-    line: int
+    line: int | str  # a text: the command-line flag that set the value (see located)
     path: str
 
     def error(self, problem: str) -> YamlInputError:

@@ -86,11 +86,12 @@ def switch_script(job: Job, release_id: str, keep: int = KEEP_RELEASES) -> str:
 _RELEASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}\Z")
 
 
-def check_release_id(release: str) -> str:
-    """A release id as `deploy --list` shows it (never a path: it names a directory in releases/)."""
+def check_release_id(release: str, given_as: str = "release") -> str:
+    """A release id as `deploy --list` shows it (never a path: it names a directory in releases/);
+    `given_as` names where the user wrote it (`--rollback`, or a playbook step's `release`)."""
     if not _RELEASE_ID.match(release) or ".." in release:
         raise InputError(
-            f"--rollback {release!r}: not a release id; `dflash-ops deploy --list` shows the kept ones"
+            f"{given_as} {release!r}: not a release id; `dflash-ops deploy --list` shows the kept ones"
         )
     return release
 
@@ -99,6 +100,10 @@ def rollback_script(job: Job, release: str | None = None) -> str:
     """Switch `current` to `release`, or by default to the release deployed before the current one;
     never to a release whose deploy did not complete."""
     return switch_script(job, check_release_id(release) if release else "", keep=0)
+
+
+# deploy_install.sh / deploy_switch.sh exit with this when they refuse (one line on stderr says why)
+REFUSED = 3
 
 
 def list_script(job: Job) -> str:

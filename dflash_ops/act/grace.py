@@ -56,16 +56,18 @@ def trainer_stop_grace(job: Job) -> float | None:
     return float(value)
 
 
-def check_grace(job: Job, grace_s: float) -> None:
-    """Refuse (exit 2, before anything acts) a --grace that would SIGKILL the trainer while it may
-    still be stopping by itself."""
+def check_grace(job: Job, grace_s: float, given_as: str = "--grace") -> None:
+    """Refuse (exit 2, before anything acts) a grace that would SIGKILL the trainer while it may
+    still be stopping by itself. The step that signals checks it (every way in: commands, playbooks,
+    every node of a job); a command checks it first too, to refuse before it connects. `given_as`
+    names where the user wrote it: the option, or a playbook step's parameter."""
     stop_grace = trainer_stop_grace(job)
     if stop_grace is None:
         return
     floor = stop_timing.ops_grace_floor(stop_grace)
     if grace_s < floor:
         raise InputError(
-            f"--grace {grace_s:g} s is shorter than the trainer may need to stop by itself "
+            f"{given_as} {grace_s:g} s is shorter than the trainer may need to stop by itself "
             f"(run.stop_grace_s {stop_grace:g} s + its watchdog's {stop_timing.WATCHDOG_MARGIN_S:g} s "
-            f"+ {stop_timing.LOG_MARGIN_S:g} s); use --grace {floor:g} or more, or lower run.stop_grace_s"
+            f"+ {stop_timing.LOG_MARGIN_S:g} s); use {given_as} {floor:g} or more, or lower run.stop_grace_s"
         )

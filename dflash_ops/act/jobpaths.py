@@ -73,5 +73,25 @@ def cache_marker(job: Job) -> str:
 
 
 def marker_value(job: Job) -> str:
-    """Identifies this job's processes: the tmux socket and session together are unique per box."""
-    return f"{job.tmux_socket}/{job.session}"
+    """Identifies this job's processes: unique per box by construction, since it holds the job id
+    (derived from the workdir), whatever socket and session the job is given."""
+    return f"{job.tmux_socket}/{job.session}/{job.job_id}"
+
+
+def legacy_marker_value(job: Job) -> str:
+    """The marker an earlier version put on this job's processes (socket and session only): a job it
+    launched is still seen, stopped and relaunched (remote/procs.py: pick_identity)."""
+    return f"{job.tmux_socket}/{job.legacy_session}"
+
+
+def identity_args(job: Job) -> dict:
+    """The job's identity as the remote scripts take it: its own, and the one a job launched by an
+    earlier version runs under (used only while the job state was written by such a version)."""
+    return {
+        "socket": job.tmux_socket,
+        "session": job.session,
+        "marker": f"{JOB_MARKER_ENV}={marker_value(job)}",
+        "legacy_session": job.legacy_session,
+        "legacy_marker": f"{JOB_MARKER_ENV}={legacy_marker_value(job)}",
+        "state_file": state_file(job),
+    }

@@ -1,8 +1,14 @@
 """The job state dflash-ops keeps on the target, next to the job (`<workdir>/job-state.json`).
 
-    running   {"state", "run", "run_dir", "log", "pid", "since"}   written by the launch
+    running   {"state", "job", "run", "run_dir", "log", "pid", "since"}   written by the launch
     finished  the same, "when"       written by the pane when the trainer's `done` says max_steps
-    stopped   the same, "by", "when"  written by `dflash-ops stop`; only a relaunch clears it
+    stopping  the same, "by", "when", "grace_s"  written by `dflash-ops stop` BEFORE it signals
+    stopped   the same, "by", "when"  written by `dflash-ops stop` once the job ended; only a
+              relaunch clears it
+
+"job" names the job the state records (remote/procs.py: pick_identity); a state written by an
+earlier version has none. A stop is recorded before anything is signalled, so no interrupt can leave
+a stopped trainer recorded as `running` (which health would call a crash and relaunch).
 
 Every write is a whole new file renamed into place, so a reader never sees half a state. status,
 health and tail-log follow the run and log named here, never "the newest file"; an operator's stop
@@ -23,7 +29,10 @@ from dflash_ops.act import jobpaths
 from dflash_ops.inventory.model import Job
 from dflash_ops.remote import facts
 
-RUNNING, STOPPED, FINISHED = "running", "stopped", "finished"
+RUNNING, STOPPING, STOPPED, FINISHED = "running", "stopping", "stopped", "finished"
+STATES = (RUNNING, STOPPING, STOPPED, FINISHED)
+# an operator's decision or a completed run: nothing to alert on, nothing to relaunch
+NOT_TO_RESTART = (STOPPING, STOPPED, FINISHED)
 STOPPED_BY = "dflash-ops stop"
 MAX_BYTES = facts.STATE_MAX_BYTES  # a reader takes no more (a runaway file is damage)
 _MAX_TEXT = 4096  # a path or a name
@@ -47,6 +56,7 @@ def _time(value) -> float | None:
 @dataclasses.dataclass(frozen=True)
 class JobState:
     state: str
+    job: str | None = None
     run: int | None = None
     run_dir: str | None = None
     log: str | None = None
@@ -54,16 +64,18 @@ class JobState:
     since: float | None = None
     when: float | None = None
     by: str | None = None
+    grace_s: float | None = None
 
     @classmethod
     def from_dict(cls, data) -> "JobState | None":
         """None for anything that is not a state record (absent, foreign or damaged file); a field
         of the wrong type or out of range is left out."""
-        if not isinstance(data, dict) or data.get("state") not in (RUNNING, STOPPED, FINISHED):
+        if not isinstance(data, dict) or data.get("state") not in STATES:
             return None
         get = data.get
         return cls(
             state=data["state"],
+            job=_text(get(facts.STATE_JOB_KEY)),
             run=_count(get("run"), 10**9),
             run_dir=_text(get("run_dir")),
             log=_text(get("log")),
@@ -71,6 +83,7 @@ class JobState:
             since=_time(get("since")),
             when=_time(get("when")),
             by=_text(get("by")),
+            grace_s=_time(get("grace_s")),
         )
 
     def to_dict(self) -> dict:
@@ -102,6 +115,8 @@ def read_command(job: Job) -> str:
 # What read_script says about the file before its text: the path is a plain file, absent, or
 # something else (a directory, a socket) where no state can be written.
 FILE, ABSENT, NOT_A_FILE = "file", "absent", "not-a-file"
+# what to do about a state path that is not a regular file (a directory): the same advice everywhere
+NOT_A_FILE_FIX = "remove it: no job state can be written in its place"
 
 
 def read_script(job: Job) -> str:
@@ -125,10 +140,17 @@ def parse_read(stdout: str) -> tuple[float, str, JobState | None]:
     return seconds, kind.strip(), parse(text)
 
 
+def stopping(previous: JobState | None, when: float, grace_s: float) -> JobState:
+    """What `dflash-ops stop` records before it signals: the stop began at `when` and ends (SIGKILL)
+    `grace_s` later; the last run and log stay named for status and tail-log."""
+    base = previous or JobState(STOPPING)
+    return dataclasses.replace(base, state=STOPPING, by=STOPPED_BY, when=when, grace_s=grace_s)
+
+
 def stopped(previous: JobState | None, when: float) -> JobState:
-    """The state `dflash-ops stop` leaves: the last run and log stay named for status and tail-log."""
+    """The state `dflash-ops stop` leaves once the job ended."""
     base = previous or JobState(STOPPED)
-    return dataclasses.replace(base, state=STOPPED, by=STOPPED_BY, when=when)
+    return dataclasses.replace(base, state=STOPPED, by=STOPPED_BY, when=when, grace_s=None)
 
 
 def encode(state: JobState) -> bytes:

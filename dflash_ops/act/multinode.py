@@ -103,6 +103,7 @@ def relaunch(
     options = _Options(
         purge, deploy, resume, timeout, grace, gpu_free_timeout, allow_shared_gpus, min_free_gib
     )
+    _check_grace(job, grace)
     with running(job, "relaunch", RELAUNCH_PHASES, dry_run, on_progress, on_locked) as (run, nodes):
         _relaunch(run, job, nodes, options)
     return run.result()
@@ -148,11 +149,20 @@ def stop(
     """End the job on every node at once and record the stop on every node. A node that fails does
     not hold up the others: they are stopped, recorded and freed all the same, and the command
     fails naming the node."""
+    _check_grace(job, grace)
     with running(job, "stop", STOP_PHASES, dry_run, on_progress) as (run, nodes):
-        ended = on_nodes(run, steps.stop_session, nodes, grace_s=grace, keep_going=True)
+        ended = on_nodes(run, steps.stop_session, nodes, grace_s=grace, record_stop=True, keep_going=True)
         recorded = on_nodes(run, steps.mark_stopped, [n for n, _ in ended], keep_going=True)
         on_nodes(run, free_gpus, [n for n, _ in recorded], timeout_s=gpu_free_timeout, keep_going=True)
     return run.result()
+
+
+def _check_grace(job: MultinodeJob, grace: float) -> None:
+    """--grace against every node's trainer, before anything connects (stop_session checks it too)."""
+    from dflash_ops.act.grace import check_grace
+
+    for node in job.nodes:
+        check_grace(node.job, grace)
 
 
 # ------------------------------------------------------------------ the phases of the whole job

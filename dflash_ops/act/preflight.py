@@ -5,7 +5,7 @@ deployed, the GPU query answers, no foreign process sits on the job's GPUs, chec
 
 from __future__ import annotations
 
-from dflash_ops.act import jobpaths
+from dflash_ops.act import jobpaths, jobstate
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.inventory.model import Job
 from dflash_ops.act.context import StepContext, StepOutcome
@@ -118,7 +118,7 @@ def _check_answers(ctx: StepContext, job: Job, found: dict[str, str], min_free_g
         raise _fail(
             ctx,
             f"check 'job state': {jobpaths.state_file(job)} is not a regular file, so the launch "
-            "could not record its state; remove it" + _UNTOUCHED,
+            f"could not record its state; {jobstate.NOT_A_FILE_FIX}" + _UNTOUCHED,
         )
     free_kib = found.get("free_kib") or ""
     free_gib = int(free_kib) / 2**20 if free_kib.isdigit() else 0.0

@@ -46,7 +46,11 @@ class RunResult:
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.ok else 1
+        """0, or the failed step's error's code (2: it refused its input; 130: interrupted), else 1."""
+        bad = self.failed
+        if bad is None:
+            return 0
+        return bad.error.exit_code if isinstance(bad.error, DflashOpsError) else 1
 
     def summary(self) -> str:
         total, mode, bad = len(self.steps), " (dry run)" if self.dry_run else "", self.failed

@@ -20,7 +20,7 @@ from typing import Any
 
 from dflash_ops.act import deploy as deploy_lib
 from dflash_ops.act import cache_guard, jobpaths, jobstate, launch as launch_lib, tmux
-from dflash_ops.errors import DflashOpsError, StepFailed
+from dflash_ops.errors import DflashOpsError, InputError, Interrupted, RemoteCommandError, StepFailed
 from dflash_ops.gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
 from dflash_ops.observe.gpu_owners import ownership
 from dflash_ops.inventory.model import Job
@@ -63,10 +63,7 @@ def job_processes(
     """Run remote/jobprocs.py: the job's living processes and the foreign ones on its GPUs, ended
     when action is "kill". Under dry-run none are found."""
     args = {
-        "marker_env": jobpaths.JOB_MARKER_ENV,
-        "marker": jobpaths.marker_value(job),
-        "socket": job.tmux_socket,
-        "session": job.session,
+        **jobpaths.identity_args(job),
         "gpus": list(gpus),
         "action": action,
         "grace_s": grace_s,
@@ -153,14 +150,29 @@ def _invisible_pid(ctx: StepContext) -> str:
     return "not visible here: a host pid?" if in_container else "exited, no longer in /proc"
 
 
-def stop_session(ctx: StepContext, job: Job, grace_s: float) -> Ended:
+def stop_session(ctx: StepContext, job: Job, grace_s: float, record_stop: bool = False) -> Ended:
     """SIGTERM the session's process tree (the trainer checkpoints and exits), SIGKILL after
-    grace_s, then remove the tmux session."""
+    grace_s, then remove the tmux session. With `record_stop` (an operator's stop) the job state says
+    `stopping` before any signal, so an interrupt cannot leave the stop unrecorded."""
+    from dflash_ops.act.grace import check_grace
+
+    check_grace(job, grace_s, given_as="grace_s")  # here, so it holds for every way in
+    if record_stop:
+        try:
+            _record_stop(ctx, job, jobstate.STOPPING, grace_s)
+        except _StateUnusable:
+            pass  # health answers UNKNOWN and relaunches nothing already; mark_stopped then fails loudly
     ended = _end_job_processes(ctx, job, grace_s, include_session=True)
-    ctx.run(tmux.kill_session(job) + " || true", timeout=30)
-    still = ctx.run(tmux.has_session(job), timeout=30, check=False)
+    session = str((ended.data or {}).get("session") or job.session)  # an earlier version's job: its own
+    if (ended.data or {}).get("others_session"):
+        ended.message += (
+            f"; tmux session {session!r} (socket {job.tmux_socket}) runs another job's trainer: left alone"
+        )
+        return ended
+    ctx.run(tmux.kill_session(job, session) + " || true", timeout=30)
+    still = ctx.run(tmux.has_session(job, session), timeout=30, check=False)
     if still.ok and not ctx.dry_run:
-        raise _fail(ctx, f"session {job.session!r} is still there after kill-session")
+        raise _fail(ctx, f"session {session!r} is still there after kill-session")
     return ended
 
 
@@ -338,7 +350,7 @@ def deploy(ctx: StepContext, job: Job, keep_releases: int = deploy_lib.KEEP_RELE
     tarball = posixpath.join(jobpaths.releases_dir(job), bundle.release_id + ".tar.gz")
     ctx.run(quote_argv(["mkdir", "-p", jobpaths.releases_dir(job)]), timeout=30)
     ctx.put(bundle.data, tarball)
-    ctx.run(deploy_lib.install_script(job, bundle, tarball, keep_releases), timeout=120)
+    _refusable(ctx, deploy_lib.install_script(job, bundle, tarball, keep_releases), StepFailed)
     return StepOutcome(f"release {bundle.release_id} is current", data={"release": bundle.release_id})
 
 
@@ -381,38 +393,55 @@ def start_run(ctx: StepContext, job: Job, *, resume: bool = True, run: str | Non
 def mark_stopped(ctx: StepContext, job: Job) -> StepOutcome:
     """Record the operator's stop in the job state: health reports it as OK and never relaunches
     the job; only a relaunch clears it. A stop that cannot be recorded fails this step."""
+    return _record_stop(ctx, job, jobstate.STOPPED)
+
+
+class _StateUnusable(StepFailed):
+    """The job state path is no regular file (a directory): no state can be recorded there, and a
+    reader already takes the job as one it must not relaunch."""
+
+
+def _record_stop(ctx: StepContext, job: Job, state: str, grace_s: float = 0.0) -> StepOutcome:
+    """Record `state` (STOPPING, with the stop's grace, or STOPPED) at the target's clock, and read it
+    back: the stop counts only once the file says so. A finished run keeps its state (it was not
+    interrupted)."""
     path = jobpaths.state_file(job)
     result = ctx.run(jobstate.read_script(job), timeout=30)
     if ctx.dry_run:
-        return StepOutcome(f"would record `stopped` in {path}")
+        return StepOutcome(f"would record `{state}` in {path}")
     try:
         clock, kind, previous = jobstate.parse_read(result.stdout)
     except ValueError as exc:
         raise _fail(ctx, f"the stop could not be recorded: {exc}") from None
 
-    def unrecorded(why: str) -> StepFailed:
-        return _fail(
-            ctx,
-            f"the stop could not be recorded: {why}; until it is, health cannot tell this stop from "
-            "a crash: it answers UNKNOWN and --auto-relaunch relaunches nothing",
+    def unrecorded(why: str, error: type[StepFailed] = StepFailed) -> StepFailed:
+        return error(
+            f"[{ctx.target_name}] {ctx.step}: the stop could not be recorded: {why}; until it is, health "
+            "cannot tell this stop from a crash: it answers UNKNOWN and --auto-relaunch relaunches nothing"
         )
 
     if kind != jobstate.FILE and kind != jobstate.ABSENT:
-        raise unrecorded(f"{path} is not a regular file (remove it, or stop again once it is one)")
+        raise unrecorded(f"{path} is not a regular file ({jobstate.NOT_A_FILE_FIX})", _StateUnusable)
     if previous is not None and previous.state == jobstate.FINISHED:
         # a completed run is not an interrupted one: status and health keep reporting it as finished
         return StepOutcome("job state kept: the run had finished")
-    wanted = jobstate.encode(jobstate.stopped(previous, clock))
+    if previous is None:  # nothing recorded yet: the state names this job (never an earlier version's)
+        previous = jobstate.JobState(state, job=jobpaths.marker_value(job))
+    record = (
+        jobstate.stopping(previous, clock, grace_s)
+        if state == jobstate.STOPPING
+        else jobstate.stopped(previous, clock)
+    )
+    wanted = jobstate.encode(record)
     ctx.run(quote_argv(["mkdir", "-p", job.workdir]), timeout=30)
     try:
         ctx.put(wanted, path)
     except DflashOpsError as exc:
         raise unrecorded(f"writing {path} failed ({str(exc).splitlines()[-1].strip()})") from None
-    # read back: the stop counts only once the file says so
     written = ctx.run(jobstate.read_command(job), timeout=30, check=False)
     if written.stdout.encode() != wanted:
         raise unrecorded(f"{path} does not hold what was written")
-    return StepOutcome(f"job state: stopped by {jobstate.STOPPED_BY}")
+    return StepOutcome(f"job state: {state} by {jobstate.STOPPED_BY}")
 
 
 # ------------------------------------------------------------------ confirmation
@@ -446,7 +475,21 @@ def wait_first_step(
     ctx: StepContext, job: Job, launched: Launched, timeout_s: float, poll_s: float = 1.0
 ) -> StepOutcome:
     """Wait until the metrics file of the log the launch started shows a training step; on failure
-    print the last log lines and the failure signature."""
+    print the last log lines and the failure signature. Interrupted, it says that the job was
+    launched and trains on."""
+    try:
+        return _wait_first_step(ctx, job, launched, timeout_s, poll_s)
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"[{ctx.target_name}] {ctx.step}: interrupted while waiting for the first step; the job was "
+            f"launched (log {launched.log}) and trains on: `dflash-ops status -t {ctx.target_name}` "
+            f"shows it, `dflash-ops stop -t {ctx.target_name}` stops it"
+        ) from None
+
+
+def _wait_first_step(
+    ctx: StepContext, job: Job, launched: Launched, timeout_s: float, poll_s: float
+) -> StepOutcome:
     from trainer.metrics_format import current_run, last_of, parse_lines
 
     started = time.monotonic()
@@ -515,10 +558,23 @@ def _no_first_step(ctx: StepContext, log: str, why: str) -> StepFailed:
 
 def rollback(ctx: StepContext, job: Job, release: str | None = None) -> StepOutcome:
     """Point `current` at a kept release, or (none named) at the one deployed before it."""
-    result = ctx.run(deploy_lib.rollback_script(job, release), timeout=60)
+    # not kept, incomplete, or no earlier one: what was asked for is not there (nothing changed)
+    result = _refusable(ctx, deploy_lib.rollback_script(job, release), InputError)
     if ctx.dry_run:
         return StepOutcome(f"would switch `current` to {release or 'the previous release'}")
     return StepOutcome(result.stdout.strip())
+
+
+def _refusable(ctx: StepContext, script: str, error: type[DflashOpsError]):
+    """Run a deploy script; its refusal (deploy_lib.REFUSED, one line on stderr saying why) is
+    raised as `error` carrying that line; any other failure as the remote command's error."""
+    result = ctx.run(script, timeout=120, check=False)
+    if result.exit_code == deploy_lib.REFUSED:
+        said = (result.stderr.strip().splitlines() or ["refused"])[-1]
+        raise error(f"[{ctx.target_name}] {ctx.step}: {said}")
+    if not result.ok:
+        raise RemoteCommandError(ctx.target_name, ctx.step, result)
+    return result
 
 
 from dflash_ops.act.preflight import preflight, require_job_stopped  # noqa: E402  (they use the helpers above)

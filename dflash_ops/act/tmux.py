@@ -17,12 +17,13 @@ def tmux(job: Job, *args: str) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
-def exact(job: Job) -> str:
-    return "=" + job.session
+def exact(job: Job, session: str | None = None) -> str:
+    return "=" + (session or job.session)
 
 
-def has_session(job: Job) -> str:
-    return tmux(job, "has-session", "-t", exact(job)) + " 2>/dev/null"
+def has_session(job: Job, session: str | None = None) -> str:
+    """`session`: another name the job runs under (a job launched by an earlier version)."""
+    return tmux(job, "has-session", "-t", exact(job, session)) + " 2>/dev/null"
 
 
 def pane_pids(job: Job) -> str:
@@ -41,8 +42,8 @@ def pane_problem(answer: str) -> str | None:
     return None
 
 
-def kill_session(job: Job) -> str:
-    return tmux(job, "kill-session", "-t", exact(job)) + " 2>/dev/null"
+def kill_session(job: Job, session: str | None = None) -> str:
+    return tmux(job, "kill-session", "-t", exact(job, session)) + " 2>/dev/null"
 
 
 def attach(job: Job) -> str:

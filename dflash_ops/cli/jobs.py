@@ -182,8 +182,8 @@ def deploy(obj, target, dry_run, rollback, list_):
     if rollback is None:
         sys.exit(run_command(obj, target, commands.deploy, dry_run))
     if rollback:
-        deploy_lib.check_release_id(rollback)
-        if not dry_run:
-            for tgt in obj.targets(target):
-                ops.require_kept_release(tgt, rollback)
+        deploy_lib.check_release_id(rollback, "--rollback")
+    if not dry_run:
+        for tgt in obj.targets(target):
+            ops.require_kept_release(tgt, rollback or None)
     sys.exit(run_command(obj, target, commands.rollback, dry_run, release=rollback or None))

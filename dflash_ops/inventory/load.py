@@ -60,7 +60,6 @@ LOCAL_JOB: Fields = {
     "workdir": "~/.dflash-ops/local",
     "python": sys.executable,
     "config": "tiny-cpu",
-    "session": "dflash-local",
     "health": {
         "min_tokens_per_s": 0.0,
         "stall_seconds": 300.0,
@@ -203,6 +202,7 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
         targets[name] = _target(name, raw, line, defaults, default_lines, where, base_dir)
 
     _check_rendezvous(targets, raw_targets, top)
+    _check_identities(targets, raw_targets, top)
     groups = _groups(data, targets, top)
     multinode = multinode_inventory.parse(
         data.get(multinode_inventory.KEY), line_of(multinode_inventory.KEY), targets, groups, top.filename
@@ -275,6 +275,36 @@ def _check_rendezvous(targets: dict[str, Target], raw_targets: YamlMap, top: Whe
                 f"{job.rdzv_endpoint} but nnodes is {job.nnodes}; raise "
                 "nnodes, or give one job another endpoint",
             )
+
+
+def _machine(target: Target) -> tuple:
+    """Where a target's tmux server and processes live: this machine, or the host (and container,
+    and for ssh the user: each user has a tmux server of its own) it reaches."""
+    if target.ssh is None:
+        return ("this machine",)
+    user = target.ssh.user if target.transport == "ssh" else None
+    return (target.ssh.host, target.ssh.port, target.ctid, user)
+
+
+def _check_identities(targets: dict[str, Target], raw_targets: YamlMap, top: Where) -> None:
+    """Two jobs on one machine never share a tmux socket and session: one would stop, and report as
+    its own, the other's trainer. Two targets reaching ONE job (the same workdir) are fine."""
+    seen: dict[tuple, Target] = {}
+    for name, target in targets.items():
+        job = target.job
+        key = (_machine(target), job.tmux_socket, job.session)
+        other = seen.setdefault(key, target)
+        if other is target or other.job.workdir == job.workdir:
+            continue
+        where = Where(top.filename, f"target {name!r}")
+        raise where.error(
+            raw_targets.key_lines.get(name),
+            "job.session",
+            f"target {other.name!r} runs another job (workdir {other.job.workdir}, this one "
+            f"{job.workdir}) on the same machine with the same tmux socket {job.tmux_socket!r} and "
+            f"session {job.session!r}: each would stop the other's trainer; give one of them another "
+            "job.session, or leave job.session out (the default is derived from the workdir)",
+        )
 
 
 def _target(

@@ -6,12 +6,17 @@ The defaults written here are the only ones: the inventory passes only the field
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 from trainer.launchers import DEFAULT_LAUNCHER
 
 # A job's logs and compile cache live under its workdir unless the inventory says otherwise.
 LOG_DIR_NAME = "logs"
 CACHE_DIR_NAME = "cache"
+# The session every job of a box had before sessions were derived from the workdir (the local
+# target's was LEGACY_LOCAL_SESSION): a job those versions launched still runs under it.
+LEGACY_SESSION = "dflash"
+LEGACY_LOCAL_SESSION = "dflash-local"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +63,7 @@ class Job:
     workdir: str  # releases/, current -> release, runs/ live here
     python: str  # absolute path of the python that runs the trainer (venv's bin/python)
     config: str  # trainer config: path on the target, or a bundled name like "tiny-cpu"
-    session: str = "dflash"  # tmux session name
+    session: str = ""  # tmux session name; default derived from the workdir (one per job on a box)
     log_dir: str = ""  # numbered train-NNNN.log + .metrics.jsonl; default <workdir>/logs
     cache_dir: str = ""  # TORCHINDUCTOR_CACHE_DIR (+ triton/ under it); default <workdir>/cache
     target_gpus: tuple[int, ...] = ()
@@ -71,6 +76,9 @@ class Job:
     nproc_per_node: int = 1  # torchrun ranks on this target, one GPU each
     nnodes: int = 1  # hosts in the torchrun job (the targets of a group)
     rdzv_endpoint: str = ""  # HOST:PORT of the c10d rendezvous when nnodes > 1
+    # the session (configured, else that version's default) a job launched by an earlier version
+    # runs under: jobpaths.legacy_marker_value
+    legacy_session: str = dataclasses.field(default=LEGACY_SESSION, metadata={"derived": True})
 
     def __post_init__(self):
         # Derived defaults are filled in here, once, so every reader sees the real paths.
@@ -79,6 +87,15 @@ class Job:
             object.__setattr__(self, "log_dir", f"{workdir}/{LOG_DIR_NAME}")
         if not self.cache_dir:
             object.__setattr__(self, "cache_dir", f"{workdir}/{CACHE_DIR_NAME}")
+        if not self.session:
+            object.__setattr__(self, "session", f"dflash-{self.job_id}")
+
+    @property
+    def job_id(self) -> str:
+        """Who this job is on its box: the workdir, which holds its state, lock and runs, is the one
+        thing two jobs on a box never share; every name that must be unique (session, process
+        marker) is derived from it."""
+        return hashlib.sha256(self.workdir.rstrip("/").encode()).hexdigest()[:10]
 
     @property
     def gpus(self) -> tuple[int, ...]:

@@ -16,7 +16,16 @@ from dflash_ops.act import cache_guard
 from dflash_ops.errors import InputError
 from dflash_ops.inventory.layers import Fields, Lines, Where
 from dflash_ops.inventory.rules import REMOTE_PATH_EXAMPLES, TORCHRUN_FIELDS, with_article
-from dflash_ops.inventory.model import CACHE_DIR_NAME, LOG_DIR_NAME, Health, HostSpec, Job, Target
+from dflash_ops.inventory.model import (
+    CACHE_DIR_NAME,
+    LEGACY_LOCAL_SESSION,
+    LEGACY_SESSION,
+    LOG_DIR_NAME,
+    Health,
+    HostSpec,
+    Job,
+    Target,
+)
 
 # Fields passed on only when the file sets them, so the defaults are model.py's.
 HOST_OPTIONAL = ("port", "user", "jump", "host_key_policy", "connect_timeout_s")
@@ -170,6 +179,7 @@ class TargetBuilder:
             train_args=tuple(job.get("train_args", ())),
             env=tuple(job.get("env", {}).items()),
             health=Health(**job.get("health", {})),
+            legacy_session=job.get("session") or (LEGACY_SESSION if self.remote else LEGACY_LOCAL_SESSION),
             **{key: job[key] for key in JOB_OPTIONAL if key in job},
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from dflash_ops.gpu import IDLE_USED_MIB
-from dflash_ops.observe.text_style import BOLD, paint
+from dflash_ops.observe.text_style import BOLD, inert, paint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,4 +74,5 @@ class GpuRow:
             pids = (pids + " " if pids else "") + f"ghost({self.ghost_memory_mib}M)"
         index = paint(f"[{self.index}]", BOLD, color)
         role = self.role or "-"
-        return f"{index} {self.name:<{name_width}} | {util_text:>5} | {mem} | {role:<7} | {pids or '-'}"
+        name, pids = inert(self.name), inert(pids)  # both as the target's driver named them
+        return f"{index} {name:<{name_width}} | {util_text:>5} | {mem} | {role:<7} | {pids or '-'}"

@@ -14,6 +14,7 @@ import re
 
 from dflash_ops import gpu_faults
 from dflash_ops.observe import acceptance, logs, unattended
+from dflash_ops.observe.text_style import inert
 from dflash_ops.inventory.model import Job
 from dflash_ops.remote import facts
 
@@ -104,7 +105,10 @@ def _judged(report, job: Job, now: float) -> Verdict:
     parked = unattended.parked(report, progress)
     if parked:  # an operator's stop or a finished run: like scheduled downtime, nothing to alert on
         return Verdict("OK", (parked,), _with_tau(_perfdata(progress, age, {}, job), accept, job))
-    critical = _session_problems(report.session, finished) + _failures(report)
+    never = unattended.never_launched(report)
+    critical = (
+        [unattended.NEVER_LAUNCHED] if never else _session_problems(report.session, finished)
+    ) + _failures(report)
     if not progress.loss_is_finite:
         critical.append(f"loss is {progress.loss} at step {progress.step}")
     stall, warning = _stall(report, progress, age, job.health.stall_seconds, finished)
@@ -296,8 +300,9 @@ def perfdata_text(perfdata: dict, prefix: str = "") -> str:
 
 
 def _clean(text: str) -> str:
-    # The first "|" starts perfdata and a plugin's first line is all that counts.
-    return " ".join(text.replace("|", "/").split())
+    # The first "|" starts perfdata and a plugin's first line is all that counts; what the target
+    # sent (a path, a name) is shown inert.
+    return " ".join(inert(" ".join(text.split())).replace("|", "/").split())
 
 
 def nagios_line(target_name: str, verdict: Verdict) -> str:

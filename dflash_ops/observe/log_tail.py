@@ -12,6 +12,7 @@ from typing import Callable
 from dflash_ops.act import jobpaths, jobstate
 from dflash_ops.errors import DflashOpsError, InputError, RemoteCommandError
 from dflash_ops.inventory.model import Target
+from dflash_ops.observe.text_style import inert, inert_log_line
 from dflash_ops.remote import facts, shell_command
 from dflash_ops.transport.base import quote_argv
 from dflash_ops.transport.factory import make_transport
@@ -84,7 +85,7 @@ def job_log(transport, target: Target) -> str:
     if not transport.run(quote_argv(["test", "-e", state.log]), timeout=30, step="find the job's log").ok:
         run = f"run {state.run:04d}" if isinstance(state.run, int) else "the current run"
         raise DflashOpsError(
-            f"[{target.name}] the log of {run}, {state.log}, is missing (deleted or rotated "
+            f"[{target.name}] the log of {run}, {inert(state.log)}, is missing (deleted or rotated "
             "away?); pass --log PATH to read another file"
         )
     return state.log
@@ -124,8 +125,9 @@ def _print_last(transport, target: Target, path: str, lines: int, pattern, emit,
     if not first.ok:
         raise RemoteCommandError(target.name, "read log", first)
     size_line, _, text = first.stdout.partition("\n")
-    for line in _matching(text.splitlines(), pattern)[-lines:]:
-        emit(line)
+    # split on newlines only: a carriage return is part of its line (inert_log_line)
+    for line in _matching(text.rstrip("\n").split("\n") if text else [], pattern)[-lines:]:
+        emit(inert_log_line(line))
     return _size(target, size_line)
 
 
@@ -141,12 +143,12 @@ def _follow(transport, target, path, offset, pattern, emit, poll_s, should_stop,
         partial += chunk
         *complete, partial = partial.split("\n")
         for line in _matching(complete, pattern):
-            emit(line)
+            emit(inert_log_line(line))
         if follow_job and current and current != path and _is_file(transport, current):
             for line in _matching([partial] if partial else [], pattern):
-                emit(line)
+                emit(inert_log_line(line))
             path, offset, partial = current, 0, ""
-            emit(f"==> following {path} (a newer log) <==")
+            emit(f"==> following {inert(path)} (a newer log) <==")
     return path
 
 

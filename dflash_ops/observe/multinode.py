@@ -39,7 +39,7 @@ def _label(job: MultinodeJob, index: int) -> str:
 
 def _parked(node: NodeStatus) -> bool:
     state = (node.status.job_state or {}).get("state")
-    return node.status.session.running is False and state in (jobstate.STOPPED, jobstate.FINISHED)
+    return node.status.session.running is False and state in jobstate.NOT_TO_RESTART
 
 
 def combine(job: MultinodeJob, checked: list[ops.Checked]) -> JobChecked:

@@ -106,15 +106,12 @@ def probe_args(
     part_s: float | None = None,
 ) -> dict:
     args = {
+        **jobpaths.identity_args(job),
         "log_dir": job.log_dir,
-        "session": job.session,
-        "socket": job.tmux_socket,
         "log_lines": int(log_lines),
         "metrics_lines": int(metrics_lines),
         "gpu_source": gpu_source,
         "nvidia_smi": nvidia_smi,
-        "state_file": jobpaths.state_file(job),
-        "marker": f"{jobpaths.JOB_MARKER_ENV}={jobpaths.marker_value(job)}",
         "eval_context_steps": acceptance.ACC_WINDOW,
     }
     if part_s is not None:

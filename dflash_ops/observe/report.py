@@ -145,6 +145,10 @@ def report(target: Target, selection: str, out_path: str) -> Report:
 
     from dflash_ops.ops import connect
 
+    try:
+        report_plot.format_of(out_path)  # before anything is fetched
+    except report_plot.UnknownFormat as exc:
+        raise InputError(f"-o {exc}") from None
     with connect(target) as transport:
         runs, state = fetch(transport, target, selection)
     built = build(target.name, runs, state)

@@ -103,7 +103,7 @@ def _session(s, job) -> TmuxSession:
 def _ended(report, progress) -> bool:
     """A stopped or finished job has no time left to estimate (its last step record still carries one)."""
     state = (report.job_state or {}).get("state")
-    return state in (jobstate.STOPPED, jobstate.FINISHED) or progress.done_reason is not None
+    return state in jobstate.NOT_TO_RESTART or progress.done_reason is not None
 
 
 def _training(report, verdict: Verdict) -> Training:

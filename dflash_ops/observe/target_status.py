@@ -8,7 +8,7 @@ import dataclasses
 from dflash_ops.observe.gpu_rows import GpuRow
 from dflash_ops.observe.health import Perf, Verdict
 from dflash_ops.observe.session_status import JobProcess, TmuxSession
-from dflash_ops.observe.text_style import BOLD, LEVEL_COLORS, paint
+from dflash_ops.observe.text_style import BOLD, LEVEL_COLORS, inert, paint
 from dflash_ops.observe.training_status import EvalStatus, Training, progress_line
 
 
@@ -95,23 +95,24 @@ class TargetStatus:
         )
 
     def to_text(self, color: bool = False) -> str:
-        """Dense text for people: one line per GPU, then session, progress and the verdict."""
-        lines = [paint(self._head(), BOLD, color)]
+        """Dense text for people: one line per GPU, then session, progress and the verdict. What
+        the target sent (its hostname, names, paths, the job state) is shown inert."""
+        lines = [paint(inert(self._head()), BOLD, color)]
         if self.gpu_error:
-            lines.append(f"GPUs: {self.gpu_error}")
+            lines.append(inert(f"GPUs: {self.gpu_error}"))
         elif self.probed:
             if not self.gpus:
                 lines.append("GPUs: none")
             width = max((len(g.name) for g in self.gpus), default=0)
             lines += [g.line(width, color) for g in self.gpus]
-        lines.append(self.session.line())
+        lines.append(inert(self.session.line()))
         if self.job_state:
-            lines.append(describe_job_state(self.job_state, self.log_missing))
+            lines.append(inert(describe_job_state(self.job_state, self.log_missing)))
         if self.job_state_error:
-            lines.append(f"job state: unusable ({self.job_state_error})")
-        lines.append(progress_line(self.training, self.eval, self.data_source))
+            lines.append(inert(f"job state: unusable ({self.job_state_error})"))
+        lines.append(inert(progress_line(self.training, self.eval, self.data_source)))
         level = self.verdict.level
-        lines.append(paint(level, LEVEL_COLORS.get(level, "0"), color) + ": " + self.verdict.summary)
+        lines.append(paint(level, LEVEL_COLORS.get(level, "0"), color) + ": " + inert(self.verdict.summary))
         return "\n".join(lines) + "\n"
 
     def _head(self) -> str:

@@ -1,4 +1,5 @@
-"""The terminal colours status paints with, one per verdict level."""
+"""The terminal colours status paints with, one per verdict level, and how text from the target
+is shown: inert, whatever it holds."""
 
 from __future__ import annotations
 
@@ -8,3 +9,22 @@ BOLD = "1"
 
 def paint(text: str, code: str, color: bool) -> str:
     return f"\033[{code}m{text}\033[0m" if color else text
+
+
+def inert(text: str) -> str:
+    """Text from the target as plain characters: every control character (the ESC that starts a
+    terminal sequence, BEL, a newline that would split a one-line message …) is shown as an escape
+    like \\x1b, so nothing the target sends acts on the operator's terminal. Tabs stay."""
+    return "".join(ch if ch.isprintable() or ch == "\t" else _escaped(ch) for ch in str(text))
+
+
+def inert_log_line(line: str) -> str:
+    """A log line as a terminal would leave it (after a carriage return only what follows shows:
+    a progress bar's last state), then inert."""
+    shown = [part for part in line.split("\r") if part]
+    return inert(shown[-1] if shown else "")
+
+
+def _escaped(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"

@@ -9,6 +9,7 @@ import time
 from dflash_ops.observe import gpu_owners
 
 from dflash_ops.act import jobpaths, jobstate
+from dflash_ops.remote import facts
 
 
 def _clock(seconds: float | None) -> str:
@@ -26,14 +27,67 @@ def unusable_state(report, job) -> str | None:
     Without it an operator's stop cannot be told from a crash, so nothing may relaunch the job."""
     if report.job_state_error is None:
         return None
+    fix = (
+        jobstate.NOT_A_FILE_FIX
+        if report.job_state_error == facts.STATE_NOT_A_FILE
+        else "fix or remove it (a relaunch rewrites a damaged file)"
+    )
     return (
         f"job state {jobpaths.state_file(job)} is unusable ({report.job_state_error}): a stop cannot be "
-        "told from a crash, so nothing is relaunched; fix or remove it (a relaunch rewrites a damaged file)"
+        f"told from a crash, so nothing is relaunched; {fix}"
+    )
+
+
+# how long past its grace a stop may still be ending (its checks and the last kill)
+STOP_SLACK_S = 120.0
+
+
+def stop_underway(report) -> str | None:
+    """The reason for a job an operator is stopping (`stopping`: a decision in progress, never a
+    crash); a stop that began long ago while the trainer still runs was interrupted before it signalled."""
+    state = jobstate.JobState.from_dict(report.job_state)
+    if state is None or state.state != jobstate.STOPPING:
+        return None
+    began = f"{state.by or jobstate.STOPPED_BY} began stopping it at {_clock(state.when)}"
+    if report.session.running is False:
+        return f"stopped: {began}; the stop did not finish (`dflash-ops stop` ends any leftovers)"
+    deadline = (state.when or 0.0) + (state.grace_s or 0.0) + STOP_SLACK_S
+    if state.when is not None and report.time <= deadline:
+        return f"being stopped: {began}"
+    return None
+
+
+def interrupted_stop(report) -> str | None:
+    """The WARNING for a stop that was recorded but never ended the still-running trainer."""
+    state = jobstate.JobState.from_dict(report.job_state)
+    if state is None or state.state != jobstate.STOPPING or stop_underway(report) is not None:
+        return None
+    return (
+        f"{state.by or jobstate.STOPPED_BY} began stopping the job at {_clock(state.when)} but the trainer "
+        "still runs (the stop was interrupted?); run `dflash-ops stop` again, or `dflash-ops relaunch`"
+    )
+
+
+NEVER_LAUNCHED = "no job launched here yet (`dflash-ops relaunch` starts one)"
+
+
+def never_launched(report) -> bool:
+    """Nothing of the job was ever here: no session, no state, no log, no process. Still CRITICAL
+    (the job is not training), said as what it is rather than as a session that is gone."""
+    return (
+        report.session.exists is False
+        and report.job_state is None
+        and report.job_state_error is None
+        and report.log is None
+        and not report.processes
     )
 
 
 def parked(report, progress) -> str | None:
-    """The OK reason for a job that is deliberately not running, else None."""
+    """The OK reason for a job that is deliberately not running (or being stopped), else None."""
+    underway = stop_underway(report)
+    if underway is not None:
+        return underway
     if report.session.running is not False:
         return None
     state = jobstate.JobState.from_dict(report.job_state)
@@ -50,7 +104,8 @@ def _live_pid(report) -> int | None:
 
 
 def warnings(report, job) -> list[str]:
-    found = []
+    interrupted = interrupted_stop(report)
+    found = [interrupted] if interrupted else []
     if report.log_missing and report.session.running is not False:
         found.append(
             f"log {report.log_missing} is missing while the trainer (pid {_live_pid(report)}) is alive: "

@@ -23,6 +23,10 @@ LOG_NAME = re.compile(r"^" + re.escape(LOG_PREFIX) + r"(\d{4,})" + re.escape(LOG
 
 # The job state file (dflash_ops.act.jobstate) is a few hundred bytes: a reader takes no more than this
 STATE_MAX_BYTES = 64 * 1024
+# The state names the job it records under this key (the value of its processes' marker); a state
+# written by an earlier version names none, and its job runs under the earlier identity.
+STATE_JOB_KEY = "job"
+STATE_NOT_A_FILE = "not a regular file"  # what a reader says of a directory (or socket …) in its place
 
 
 def newest_log_name(names):

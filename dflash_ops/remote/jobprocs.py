@@ -88,14 +88,18 @@ def _comm(pid):
 
 def main():
     args = json.loads(sys.argv[1])
-    marker = ("%s=%s" % (args["marker_env"], args["marker"])).encode()
+    session, marker_entry = procs.pick_identity(args)
+    marker = marker_entry.encode()
     me = {os.getpid(), os.getppid()}
-    session_panes = panes(args["socket"], args["session"]) if args.get("include_session", True) else []
+    session_panes = panes(args["socket"], session) if args.get("include_session", True) else []
     table = {pid: fields for pid, fields in procs.process_table().items() if pid not in me}
     # a dead pane's pid is never a root: tmux has reaped it, and it may be anyone's since
     roots = procs.owned_pane_roots(session_panes, table, marker)
     job = sorted(procs.job_pids(session_panes, table, marker))
     report = {
+        "session": session,
+        # the session's name is taken by another job's live pane: never ours to kill
+        "others_session": bool(procs.others_panes(session_panes, table, marker)),
         "job": [{"pid": p, "cmd": procs.cmdline(p)} for p in job],
         "unidentified": unidentified_gpu_apps(args, job),
         "exited_panes": [{"pid": p["pid"], "status": p["status"]} for p in session_panes if p["dead"]],

@@ -54,7 +54,7 @@ def launch(args):
     """Start the session; the log's path."""
     socket, target = args["socket"], args["target"]
     if tmux(socket, ["has-session", "-t", target], stderr=subprocess.DEVNULL).returncode == 0:
-        raise LaunchError(3, "session %s is already running; stop it first" % args["session"])
+        raise LaunchError(3, session_taken(args))
     move_legacy_run(args["runs"], args["legacy_run"])
     os.makedirs(args["logs"], exist_ok=True)
     os.makedirs(args["runs"], exist_ok=True)
@@ -76,6 +76,7 @@ def launch(args):
 
     out = args["runs"] + "/" + run
     in_state = {"run": int(run), "run_dir": out, "log": args["logs"].rstrip("/") + "/" + name}
+    in_state[facts.STATE_JOB_KEY] = args["marker"]
     finished = dict({"state": "finished"}, **in_state)
     # One tmux invocation, so remain-on-exit is set before the server can reap a pane that fails at
     # once; it keeps a crashed pane (and its exit status) visible to status and health. The tmux
@@ -92,6 +93,27 @@ def launch(args):
     running = dict({"state": "running"}, **in_state, pid=pane_pid(socket, target))
     state_write.write(args["state_file"], state_write.stamped(running, "since"))
     return log
+
+
+def session_taken(args):
+    """Why the session cannot be started: it runs, this job's or (its pane carries another job's
+    marker) another job's, which stopping this job would never end."""
+    listed = tmux(
+        args["socket"],
+        procs.pane_command(args["socket"], args["session"])[3:],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        universal_newlines=True,
+    )
+    marker = ("%s=%s" % (args["marker_env"], args["marker"])).encode()
+    others = [p["pid"] for p in procs.parse_panes(listed.stdout) if procs.has_other_marker(p["pid"], marker)]
+    if others:
+        return "session %s (tmux -L %s) runs another job (pane pid %d); give this job another job.session" % (
+            args["session"],
+            args["socket"],
+            others[0],
+        )
+    return "session %s is already running; stop it first" % args["session"]
 
 
 def tmux(socket, *commands, **options):

@@ -24,9 +24,11 @@ cd "$workdir" || exit
 extra=()
 if [ "$mode" = resume ] && ls -d "$out"/checkpoints/step-* >/dev/null 2>&1; then extra=(--resume); fi
 echo "[dflash-ops] $(date -Is) launching run $run:" "$@" "${extra[*]}" >"$log"
+# what `dflash-ops attach` shows: the output goes to the log, not to this pane
+echo "[dflash-ops] run $run: the trainer writes to $log, not here; \`dflash-ops tail-log -f\` follows it"
 "$@" --metrics-file "$metrics" "${extra[@]}" >>"$log" 2>&1
 code=$?
-echo "[dflash-ops] $(date -Is) trainer exited with code $code" >>"$log"
+echo "[dflash-ops] $(date -Is) trainer exited with code $code" | tee -a "$log"
 if [ -e "$finished_marker" ]; then
   "$python" -I -c "$state_writer" "$state_file" "$finished_state" when
 fi

@@ -6,7 +6,8 @@ which defines the shared modules first) with one argument, a JSON object:
 
   {"log_dir": str, "session": str, "socket": str, "log_lines": int, "metrics_lines": int,
    "gpu_source": "auto"|"nvml"|"nvidia-smi"|"none", "nvidia_smi": str, "part_s": float,
-   "state_file": str, "marker": "DFLASH_OPS_JOB=<socket>/<session>", "eval_context_steps": int}
+   "state_file": str, "marker": "DFLASH_OPS_JOB=<socket>/<session>/<job id>", "eval_context_steps": int,
+   "legacy_session": str, "legacy_marker": str}   (the identity of a job an earlier version launched)
 
 When the metrics tail holds no `eval` record, the newest one (of the current run) is looked for
 further back, with the `eval_context_steps` step records carrying `acc` just before it (the
@@ -93,11 +94,18 @@ def finish_tmux(started, sock, session, deadline, part_s):
 # --------------------------------------------------------------------------- processes
 
 
+class OthersSession(Exception):
+    """The job's session name is held by another job's live pane."""
+
+
 def job_processes(panes, marker):
     """The job's living processes (remote/procs.py's rule: never a dead pane's reused pid), parents
     before children, and which of them carry the launcher's marker."""
     table = procs.process_table()
     wanted = marker.encode() if marker else b""
+    others = procs.others_panes(panes, table, wanted)
+    if others:  # the session's name is taken by another job (its pane carries that job's marker)
+        raise OthersSession(others)
     tree = [
         {
             "pid": pid,
@@ -221,7 +229,7 @@ def read_job_state(path):
     if not path or not os.path.lexists(path):
         return None, None
     if not os.path.isfile(path):
-        return None, "not a regular file"
+        return None, facts.STATE_NOT_A_FILE
     with open(path, "rb") as f:
         raw = f.read(facts.STATE_MAX_BYTES + 1)
     if len(raw) > facts.STATE_MAX_BYTES:
@@ -317,6 +325,7 @@ def probe(args, where, lines):
     part_s = float(args.get("part_s") or PART_S)
     deadline = time.monotonic() + part_s
     gpu_source = args.get("gpu_source", "auto")
+    where["session"], args["marker"] = procs.pick_identity(args)
     tmux_started = section(errors, "tmux", start_tmux, where["socket"], where["session"])
     # "none": the caller asks the Proxmox host instead, which sees the real pids
     gpu_started = (
@@ -357,7 +366,7 @@ def probe(args, where, lines):
     )
     finish_parts(report, errors, tmux_started, gpu_started, gpu_source, where, deadline, part_s)
     report["processes"], report["marked_pids"] = section(
-        errors, "processes", job_processes, (report["session"] or {}).pop("panes", []), args.get("marker")
+        errors, "processes", ours_only, report["session"], args.get("marker")
     ) or ([], [])
     report.update(files or {})
     report["gpu_faults"] = (
@@ -367,6 +376,18 @@ def probe(args, where, lines):
         name for name in ("gpu", "session") if (report.get(name) or {}).get("out_of_time")
     ]
     return report
+
+
+def ours_only(session, marker):
+    """job_processes of the session's panes; a session held by another job reads as no session of
+    ours (its trainer is never shown, stopped or relaunched as this job's)."""
+    panes = (session or {}).pop("panes", [])
+    try:
+        return job_processes(panes, marker)
+    except OthersSession as taken:
+        session.update(exists=False, running=False, pane_pid=None, exit_status=None)
+        session["detail"] = "the session is another job's (pane pid %s)" % taken.args[0][0]
+        return job_processes([], marker)
 
 
 def finish_parts(report, errors, tmux_started, gpu_started, gpu_source, where, deadline, part_s):

@@ -12,8 +12,14 @@ bounded. A pid is a root of the job's process tree only with proof that it is th
 Descendants of a root are the job's too.
 """
 
+import json
 import os
 import time
+
+try:  # imported from the package (tests)
+    from dflash_ops.remote import facts
+except ImportError:  # on the target: remote.bundle() defined it ahead of this module
+    import facts  # type: ignore[no-redef]
 
 # tmux's answer, one line per pane. The separator is printable: outside a UTF-8 locale (cron, a
 # bare ssh session) tmux prints a tab as "_". Split on it, not on runs of blanks, so that an empty
@@ -133,6 +139,27 @@ def has_marker(pid, marker):
     return bool(env) and bool(marker) and marker in env.split(b"\0")
 
 
+def has_other_marker(pid, marker):
+    """The process carries the marker's NAME with another VALUE: it is another job's (a session name
+    two jobs share: no start time proves it ours)."""
+    env = read("/proc/%d/environ" % pid, MAX_ENVIRON_BYTES)
+    name = marker.split(b"=", 1)[0] + b"="
+    return (
+        bool(env)
+        and bool(marker)
+        and any(entry.startswith(name) and entry != marker for entry in env.split(b"\0"))
+    )
+
+
+def others_panes(panes, table, marker):
+    """The pids of live panes that carry another job's marker (see has_other_marker)."""
+    return [
+        p["pid"]
+        for p in panes
+        if not p["dead"] and living(table, p["pid"]) and has_other_marker(p["pid"], marker)
+    ]
+
+
 def marked(table, marker):
     return sorted(pid for pid in table if living(table, pid) and has_marker(pid, marker))
 
@@ -147,6 +174,8 @@ def owned_pane_roots(panes, table, marker):
             continue
         if has_marker(pid, marker):
             roots.append(pid)
+            continue
+        if has_other_marker(pid, marker):
             continue
         start, created = started_at(table, pid, boot), pane["created"]
         if (
@@ -183,3 +212,19 @@ def job_pids(panes, table, marker):
 def cmdline(pid, limit=2000):
     raw = read("/proc/%d/cmdline" % pid, limit)
     return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip() if raw else ""
+
+
+def pick_identity(args):
+    """(session, marker) to look for: the job's own, or the earlier version's one while the job state
+    was written by an earlier version (its job, if still running, runs under that)."""
+    own = (args["session"], args.get("marker") or "")
+    legacy = (args.get("legacy_session"), args.get("legacy_marker"))
+    if not all(legacy) or not args.get("state_file"):
+        return own
+    raw = read(args["state_file"], facts.STATE_MAX_BYTES + 1) or b""
+    try:
+        state = json.loads(raw.decode("utf-8", "replace")) if len(raw) <= facts.STATE_MAX_BYTES else None
+    except (ValueError, RecursionError):
+        state = None
+    written_by_earlier = isinstance(state, dict) and "state" in state and facts.STATE_JOB_KEY not in state
+    return legacy if written_by_earlier else own

@@ -162,15 +162,22 @@ def test_bad_values_name_their_line(tmp_path, yaml_text, line, key):
     assert f"`{key}`" in str(err.value)
 
 
-def test_a_bad_override_names_no_file_line(tmp_path):
+def test_a_bad_override_names_the_flag_not_the_file(tmp_path):
     # The file's line holds a good value; the bad one came from the command line.
     path = write(tmp_path, "data: {source: synthetic}\ntrain:\n  lr: 0.1\n")
     with pytest.raises(ConfigError) as err:
         load_config(path, {"train.lr": "fast"})
-    assert str(err.value).startswith(f"{path}: `train.lr` must be a number")
+    assert str(err.value).startswith("--set train.lr: `train.lr` must be a number")
     with pytest.raises(ConfigError) as err:
         load_config(path, {"train.lr": -1.0})
-    assert str(err.value).startswith(f"{path}: `train.lr` must be positive")
+    assert str(err.value).startswith("--set train.lr: `train.lr` must be positive")
+    with pytest.raises(ConfigError) as err:  # a key the bundled config never had
+        load_config("tiny-cpu", {"run.note": "x"})
+    assert str(err.value).startswith("--set run.note: unknown key `run.note`.")
+    assert "tiny-cpu.yaml" not in str(err.value)
+    with pytest.raises(ConfigError) as err:  # a flag of its own
+        load_config("tiny-cpu", {"max_steps": 0})
+    assert str(err.value).startswith("--max-steps: `train.max_steps` must be at least 1")
 
 
 def test_line_bookkeeping_stays_out_of_the_saved_config(tmp_path):

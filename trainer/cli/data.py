@@ -206,8 +206,6 @@ def _chat_template_kwargs(text: str) -> dict:
 
 def _regenerate_devices(text: str) -> list[str]:
     """The --devices list, each a device name and, for CUDA, one that is visible."""
-    import torch
-
     devices = [d.strip() for d in text.split(",") if d.strip()]
     bad = [d for d in devices if not DEVICE_RE.match(d)]
     if not devices or bad:
@@ -215,12 +213,7 @@ def _regenerate_devices(text: str) -> list[str]:
             f"--devices {text!r}: {', '.join(bad) or 'empty'} is not a device. "
             f"Fix: e.g. cpu, cuda:0 or cuda:0,cuda:1"
         )
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    missing = [
-        d for d in devices if d.startswith("cuda") and (int(d.split(":")[1]) if ":" in d else 0) >= count
-    ]
-    if missing:
-        raise ConfigError(f"--devices names {', '.join(missing)} but {count} CUDA device(s) are visible")
+    options.check_cuda_devices("--devices", devices)
     return devices
 
 

@@ -148,12 +148,7 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
     from trainer.train.loop import param_dtype
 
     run_target = (run_config or {}).get("target") or {}
-    spec = target_spec or run_target.get("spec")
-    if not spec:
-        raise ConfigError(
-            "--target is required with an export dir (it does not name its target). "
-            "Fix: --target /path/to/hf-model (or tiny-random)."
-        )
+    spec = _spec_of(target_spec, run_config)
     same = spec == run_target.get("spec")
     seed = int(((run_config or {}).get("train") or {}).get("seed", 0))
     target = load_target(
@@ -172,6 +167,17 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
     drafter.load_state_dict(dict(weights))
     drafter.to(device=device, dtype=param_dtype(device)).eval()
     return target, drafter
+
+
+def _spec_of(target_spec: str | None, run_config: dict | None) -> str:
+    """The target to evaluate against: --target, else the one the run trained for."""
+    spec = target_spec or ((run_config or {}).get("target") or {}).get("spec")
+    if not spec:
+        raise ConfigError(
+            "--target is required with an export dir (it does not name its target). "
+            "Fix: --target /path/to/hf-model (or tiny-random)."
+        )
+    return spec
 
 
 def run_prompts(run_config: dict, target, source: str, count: int) -> list[list[int]]:
@@ -306,15 +312,18 @@ def _checked_device(args: argparse.Namespace) -> str:
     device = args.device or _default_device()
     if not DEVICE_RE.match(device):
         raise ConfigError(f"--device {device!r} is not a device. Fix: cpu, cuda or cuda:N.")
+    options.check_cuda_devices("--device", [device])
     return device
 
 
 def _prompts(args: argparse.Namespace, target, run_config: dict | None, described: str) -> list[list[int]]:
     """--prompts, else the run's own evaluation prompts (an export dir has none)."""
     if args.prompts:
+        from trainer.data.chat_tokenizer import chat_tokenizer_of
         from trainer.data.prompts import load_prompts
 
-        prompts = load_prompts(args.prompts, target.tokenizer, target.vocab_size, args.template_kwargs)
+        tokenizer = chat_tokenizer_of(target, _spec_of(args.target, run_config))
+        prompts = load_prompts(args.prompts, tokenizer, target.vocab_size, args.template_kwargs)
     elif run_config is not None:
         prompts = run_prompts(run_config, target, described, args.num_prompts)
     else:

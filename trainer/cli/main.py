@@ -227,6 +227,7 @@ def _run_train(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace) -> int:
     from trainer.train.checkpoint import load_checkpoint, resolve_export_source
 
+    options.check_out_dir(args.out)
     path = resolve_export_source(args.checkpoint)  # a step dir, or a run dir's latest: before torch loads
     from trainer.infer.export import export_checkpoint
     from trainer.infer.serve_recipe import recipe_for_checkpoint, write_recipe

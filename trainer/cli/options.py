@@ -4,6 +4,7 @@ than one command takes, declared once (stdlib only: parsing must stay fast)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from trainer.config import ConfigError
 from trainer.typed_yaml import parse_value
@@ -46,6 +47,38 @@ def add_target(p: argparse.ArgumentParser, help: str, required: bool = False) ->
 
 def add_out(p: argparse.ArgumentParser, metavar: str, help: str) -> None:
     p.add_argument("--out", required=True, metavar=metavar, help=help)
+
+
+def check_out_dir(path: str) -> None:
+    """--out DIR can be a directory: neither it nor a parent is a file (refused before any work)."""
+    probe = os.path.abspath(path)
+    while True:
+        if os.path.exists(probe) and not os.path.isdir(probe):
+            where = "is a file" if probe == os.path.abspath(path) else f"lies under the file {probe}"
+            raise ConfigError(
+                f"--out {path}: {where}, not a directory; give a directory (created if missing)"
+            )
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return
+        probe = parent
+
+
+def check_cuda_devices(flag: str, devices: list[str]) -> None:
+    """Every cuda device `flag` names exists here (a CPU build of torch has none)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [
+        d for d in devices if d.startswith("cuda") and (int(d.split(":")[1]) if ":" in d else 0) >= count
+    ]
+    if missing:
+        seen = (
+            f"{count} CUDA device(s) are visible"
+            if count
+            else "no CUDA device is visible (a CPU build of torch?)"
+        )
+        raise ConfigError(f"{flag} names {', '.join(missing)} but {seen}. Fix: name existing devices, or cpu")
 
 
 def add_dtype(p: argparse.ArgumentParser, help: str) -> None:

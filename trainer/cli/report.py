@@ -41,6 +41,10 @@ def run_report(args: argparse.Namespace) -> int:
         print(f"dflash-train report: {message}", file=sys.stderr)
         return 2
 
+    try:
+        report_plot.format_of(args.out)
+    except report_plot.UnknownFormat as exc:
+        return fail(f"-o {exc}")
     if not os.path.isfile(args.metrics):
         return fail(
             f"{args.metrics}: no such file. Fix: give the run's metrics file "

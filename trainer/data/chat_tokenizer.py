@@ -15,6 +15,17 @@ CHATML = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+def chat_tokenizer_of(target, spec: str):
+    """The tokenizer chats are rendered with for `target` (loaded from `spec`): its own, or for
+    a tiny spec, which ships none, the byte-level ChatML one. regenerate and eval both take it from
+    here, so a {"messages"} prompt means the same tokens to both."""
+    from trainer.data.target import is_tiny
+
+    if target.tokenizer is None and is_tiny(spec):
+        return byte_chat_tokenizer(target.vocab_size)
+    return target.tokenizer
+
+
 def byte_chat_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

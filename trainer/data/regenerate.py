@@ -119,22 +119,19 @@ class Generator:
     """One target copy on one device, answering batches of conversations turn by turn."""
 
     def __init__(self, spec: str, device: str, opts: RegenerateOptions):
-        from trainer.data.target import is_tiny, load_target
+        from trainer.data.chat_tokenizer import chat_tokenizer_of
+        from trainer.data.target import load_target
 
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         target = load_target(spec, device, dtype, layer_ids=[0], seed=0, tiny=opts.tiny or None)
         # the HF causal LM and its tokenizer, duck-typed (generate, generation_config, chat template)
         self.model: Any = target.model
         self.device, self.opts = device, opts
-        self.tokenizer: Any = target.tokenizer
         self.config, self.dtype_bytes = target.config, torch.finfo(dtype).bits // 8
         auto_on_gpu = opts.batch_size is None and device.startswith("cuda")
         self.free_bytes = torch.cuda.mem_get_info(torch.device(device))[0] if auto_on_gpu else None
         self.largest_batch = 0
-        if self.tokenizer is None and is_tiny(spec):
-            from trainer.data.chat_tokenizer import byte_chat_tokenizer
-
-            self.tokenizer = byte_chat_tokenizer(target.vocab_size)
+        self.tokenizer: Any = chat_tokenizer_of(target, spec)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise DataError(
                 spec,

@@ -298,7 +298,7 @@ class TorchrunWorld:
             file=sys.stderr,
             flush=True,
         )
-        if not failure.interrupted and not rank.is_lead:
+        if not failure.interrupted and not failure.bad_input and not rank.is_lead:
             print(failure.traceback_text.rstrip(), file=sys.stderr, flush=True)
         return f"rank {rank.rank}: "
 

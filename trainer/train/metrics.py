@@ -183,7 +183,8 @@ class MetricsWriter:
             self.say(f"aborted: {failure.raised}")
             self.done(last_step, "interrupted")
         else:
-            self.say(f"error{failure.where}:\n{failure.traceback_text.rstrip()}")
+            if not failure.bad_input:  # bad input: the command says it in one line (cli/errors.py)
+                self.say(f"error{failure.where}:\n{failure.traceback_text.rstrip()}")
             self.error(label + failure.summary(), error_kind(failure.original))
 
     def done(self, step: int, reason: str) -> None:

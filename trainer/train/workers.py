@@ -53,6 +53,12 @@ class Failure:
     where: str  # " in thread drafter1", or "" for the main thread
     traceback_text: str
 
+    @property
+    def bad_input(self) -> bool:
+        """The user's input was wrong (a config, data or checkpoint error, with an exit code): its one
+        line says what to fix, and a traceback would only bury it."""
+        return isinstance(getattr(self.original, "exit_code", None), int)
+
     @classmethod
     def of(cls, exc: BaseException) -> Failure:
         """Call it while handling `exc` (a main-thread traceback is read from the handler)."""

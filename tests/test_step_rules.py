@@ -1,0 +1,105 @@
+"""Rules live in the steps, so they hold for every way in (a command, a user's playbook, every node
+of a multinode job), and their messages name what the user wrote there: the grace floor, the
+rollback's release, a deploy whose upload was corrupted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dflash_ops import commands
+from dflash_ops.act import deploy as deploy_lib, jobpaths, steps
+from dflash_ops.errors import InputError
+from dflash_ops.inventory.load import load_inventory_text
+from dflash_ops.playbook.user import bind_options, load, run_playbook
+
+try:
+    from tests.test_playbook import make_ctx, pb
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from test_playbook import make_ctx, pb
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def play(tmp_path: Path, text: str, dry_run: bool = True):
+    book = load(str(pb(text, tmp_path)), [], steps.LIBRARY)
+    return run_playbook(
+        book, steps.LIBRARY, make_ctx(tmp_path, dry_run=dry_run), bind_options(book, steps.LIBRARY, {})
+    )
+
+
+def test_a_playbook_cannot_stop_with_a_grace_under_the_trainers_floor(tmp_path):
+    result = play(tmp_path, "steps:\n  - step: stop_session\n    params: {grace_s: 3}\n")
+    assert not result.ok and result.exit_code == 2
+    assert "grace_s 3 s is shorter than the trainer may need" in result.failed.message
+    assert "use grace_s 29 or more" in result.failed.message and "--grace" not in result.failed.message
+    assert play(tmp_path, "steps:\n  - step: stop_session\n    params: {grace_s: 29}\n").ok
+
+
+def test_a_two_node_stop_and_relaunch_refuse_a_grace_under_the_floor():
+    from dflash_ops.act import multinode
+
+    inventory = load_inventory_text(
+        textwrap.dedent("""\
+        defaults:
+          job: {workdir: /srv/dflash, python: /srv/venv/bin/python3, config: gpu-paper,
+                launcher: torchrun, nproc_per_node: 1, drafter_gpus: [0], target_gpus: []}
+        targets:
+          gpu-a: {transport: ssh, host: 10.0.0.7}
+          gpu-b: {transport: ssh, host: 10.0.0.8}
+        multinode:
+          pair: {nodes: [gpu-a, gpu-b], runs_dir: /r}
+        """)
+    )
+    job = inventory.multinode["pair"]
+    for command in (multinode.stop, multinode.relaunch):
+        with pytest.raises(InputError, match=r"--grace 5 s is shorter .* use --grace 29 or more"):
+            command(job, grace=5, dry_run=True)
+    assert multinode.stop(job, grace=29, dry_run=True).ok
+
+
+def test_a_playbooks_rollback_names_its_release_parameter_not_a_flag(tmp_path):
+    result = play(tmp_path, "steps:\n  - step: rollback\n    params: {release: ../etc}\n")
+    assert not result.ok and result.exit_code == 2
+    assert "release '../etc': not a release id" in result.failed.message
+    assert "--rollback" not in result.failed.message
+
+
+def test_a_rollback_step_with_no_earlier_release_says_so_without_exit_code_noise(tmp_path):
+    result = play(tmp_path, "steps:\n  - rollback\n", dry_run=False)
+    assert not result.ok and result.exit_code == 2
+    assert result.failed.message == "[box] rollback: no earlier release to roll back to (current: none)"
+
+
+def test_deploy_rollback_without_an_earlier_release_is_one_line_and_exit_2(tmp_path):
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(f"targets:\n  local:\n    job: {{workdir: {tmp_path}/w}}\n")
+    ran = subprocess.run(
+        [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "deploy", "--rollback"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert ran.returncode == 2, ran
+    assert ran.stderr.strip().splitlines() == [
+        "dflash-ops: --rollback: no earlier release to roll back to on local (kept: none); nothing was changed"
+    ]
+    assert "exit code" not in ran.stdout + ran.stderr
+
+
+def test_a_corrupted_upload_is_named_a_checksum_mismatch_and_removed(tmp_path, monkeypatch, local_target):
+    real = deploy_lib.build_bundle()
+    monkeypatch.setattr(deploy_lib, "build_bundle", lambda: deploy_lib.Bundle(real.data, "0" * 64))
+    result = commands.deploy(local_target)
+    assert not result.ok and result.exit_code == 1
+    message = result.failed.message
+    assert (
+        message.startswith("[local] deploy: checksum mismatch for ") and "the upload was corrupted" in message
+    )
+    assert "exit code 3" not in message
+    assert list(Path(jobpaths.releases_dir(local_target.job)).glob("*.tar.gz")) == []

@@ -1,0 +1,73 @@
+"""Bad input never reaches a user as a traceback: a YAML file with a control byte, `export --out`
+onto a file, `eval --device cuda` without CUDA, a data file the trainer refuses. Each is one line
+naming the file or flag and the fix, exit 2."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    from tests.trainer.test_eval_cli import run_dir  # noqa: F401 (a fixture: a real checkpoint)
+except ImportError:  # tests/trainer is not a package: pytest put it on sys.path
+    from test_eval_cli import run_dir  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(*argv: str, module: str = "trainer") -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=240)
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("byte, shown", [(b"\x00", "0x00"), (b"\x07", "0x07")])
+def test_a_yaml_file_with_a_control_byte_is_one_line_naming_the_line(tmp_path, byte, shown):
+    config = tmp_path / "my.yaml"
+    config.write_bytes(b"run:\n  max_steps: 3" + byte + b"\n")
+    line = one_line(run("--config", str(config), "--output-dir", str(tmp_path / "out")))
+    assert line == (f"dflash-train: error: {config}:2: character {shown} (a control byte) is not allowed in YAML; "
+                    "remove it (a copy from a terminal or a binary file?)")
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_bytes(b"targets:\n  local: {job: {workdir: /tmp/x" + byte + b"}}\n")
+    line = one_line(run("--inventory", str(inventory), "status", module="dflash_ops"))
+    assert line.startswith(f"dflash-ops: {inventory}:2: character {shown} (a control byte)")
+
+
+def test_export_out_onto_a_file_or_under_one_is_one_line(run_dir, tmp_path):
+    file = tmp_path / "model.safetensors"
+    file.write_text("x")
+    line = one_line(run("export", "--checkpoint", str(run_dir), "--out", str(file)))
+    assert line == f"dflash-train: error: --out {file}: is a file, not a directory; give a directory (created if missing)"
+    line = one_line(run("export", "--checkpoint", str(run_dir), "--out", str(file / "export")))
+    assert f"--out {file / 'export'}: lies under the file {file}, not a directory" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_eval_on_cuda_without_cuda_is_one_line_naming_the_flag(run_dir):
+    line = one_line(run("eval", "--checkpoint", str(run_dir), "--device", "cuda"))
+    assert line == ("dflash-train eval: error: --device names cuda but no CUDA device is visible "
+                    "(a CPU build of torch?). Fix: name existing devices, or cpu")
+
+
+def test_a_data_error_is_one_line_without_the_traceback(tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}\n')
+    proc = run("--config", "tiny-cpu", "--set", "data.source=jsonl", "--set", f"data.path={data}",
+               "--max-steps", "2", "--output-dir", str(tmp_path / "out"))
+    errors = [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "error" in line]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    assert errors == [f"dflash-train: error: {data}:1: loss_mask is missing. Fix: add a list of 0/1, one per "
+                      "input_id (1 = train on this token)."]
