@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer.data.target import load_target
-from trainer.infer.evaluate import load_prompts
+from trainer.data.prompts import load_prompts
 
 try:
     from tests.trainer.test_eval_cli import run, run_dir  # noqa: F401 (run_dir: a fixture)
