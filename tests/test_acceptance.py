@@ -24,15 +24,16 @@ def job(**health_fields):
                health=Health(stall_seconds=900, **health_fields))
 
 
-def metrics(tau=2.5, lossless=True, acc=ACC, eval_time=NOW - 90, with_eval=True) -> str:
+def metrics(tau=2.5, lossless=True, acc=ACC, eval_time=NOW - 90, with_eval=True, split=None) -> str:
     text = metrics_format.encode("start", time=NOW - 900, total_steps=1000, config={}, devices=[],
                                  compile_lock="lock", pid=1)
     for step in range(191, 201):
         text += metrics_format.encode("step", time=NOW - 300 + step, step=step, total_steps=1000, loss=2.0,
                                       acc=acc, tokens_per_s=40000.0, eta_s=600.0, lr=1e-4, grad_norm=1.0)
     if with_eval:
+        extra = {} if split is None else {"split": split}
         text += metrics_format.encode("eval", time=eval_time, step=200, tau=tau, acceptance=[0.7, 0.5, 0.3],
-                                      lossless=lossless, prompts=8, new_tokens=512, seconds=3.2)
+                                      lossless=lossless, prompts=8, new_tokens=512, seconds=3.2, **extra)
     text += metrics_format.encode("step", time=NOW - 5, step=201, total_steps=1000, loss=2.0, acc=[0.1, 0.1, 0.1],
                                   tokens_per_s=40000.0, eta_s=600.0, lr=1e-4, grad_norm=1.0)
     return text
@@ -101,6 +102,15 @@ def test_tau_far_below_what_training_accuracy_predicts_warns_naming_both_numbers
     assert "measured tau 1.30 at step 200" in reason and "0.7 x the 2.70 that training accuracy predicts" in reason
     # 0.7 x 2.696 = 1.887: just above it is fine
     assert health.evaluate(report(metrics(tau=1.9)), job()).level == "OK"
+
+
+def test_a_held_out_gap_is_not_called_a_mismatch():
+    """eval.path prompts are another distribution: a gap there may be over-fitting, not a mismatch."""
+    (held_in,) = health.evaluate(report(metrics(tau=1.3, split="held-in")), job()).reasons
+    (held_out,) = health.evaluate(report(metrics(tau=1.3, split="held-out")), job()).reasons
+    assert "mismatch:" in held_in and "held-out" not in held_in
+    assert "held-out tau 1.30" in held_out and "over-fit or a mismatch" in held_out
+    assert "mismatch:" not in held_out
 
 
 def test_a_lossless_failure_warns():

@@ -19,7 +19,8 @@ Every record has `v` (format version), `event` and `time` (unix seconds). Events
               acceptance (list[float], per block position 1..B-1: share of rounds whose draft was
               accepted up to there), lossless (bool, or null when sampling), prompts (int),
               new_tokens (int), seconds (float), overhead (float, the evaluations' share of the
-              run's wall time so far)
+              run's wall time so far), split (str: "held-in", unseen records of the training
+              distribution, or "held-out", the prompts of eval.path; trainer.tau_diagnosis)
 - error:      message (str), kind (str, e.g. "fx_tracing", "cuda_oom", "exception")
 - done:       step, reason ("max_steps" | "interrupted")
 
@@ -33,6 +34,7 @@ import json
 import time
 
 FORMAT_VERSION = 1
+EVAL_SPLITS = ("held-in", "held-out")
 EVENTS = ("start", "step", "compile", "checkpoint", "eval", "error", "done")
 RUN_FINISHED = "FINISHED"
 STEP_FIELDS = ("step", "total_steps", "loss", "tokens_per_s", "eta_s", "lr", "grad_norm")

@@ -50,6 +50,11 @@ def likely_cause(expected: float | None, held_in: float | None, held_out: float 
             "so serving computes something other than training did (chat template or thinking mode, masks, "
             "labels, features: run dflash-train gate), or the drafter memorised its training records"
         )
+    if held_in is None and expected is not None and held_out is not None and held_out < GAP_RATIO * expected:
+        causes.append(
+            f"held-out tau {held_out:.2f} is far below the {expected:.2f} that training accuracy predicts: "
+            "over-fit or a mismatch; tau on held-in records (data.eval_fraction) tells them apart"
+        )
     if held_in is not None and held_out is not None and held_out < GAP_RATIO * held_in:
         causes.append(
             f"over-fit: held-out tau {held_out:.2f} is far below held-in {held_in:.2f}: the drafter fits its "

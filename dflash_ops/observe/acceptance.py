@@ -26,6 +26,7 @@ class Acceptance:
     lossless: bool | None
     time: float | None
     expected_tau: float | None  # from training accuracy up to the eval's step
+    split: str = "held-in"  # what the prompts were (trainer.metrics_format EVAL_SPLITS)
 
 
 def latest(records: list[dict]) -> Acceptance | None:
@@ -53,6 +54,7 @@ def latest(records: list[dict]) -> Acceptance | None:
         lossless=lossless,
         time=finite(record.get("time")),
         expected_tau=expected,
+        split=record["split"] if record.get("split") in metrics_format.EVAL_SPLITS else "held-in",
     )
 
 
@@ -75,7 +77,12 @@ def problems(accept: Acceptance | None, min_tau: float) -> list[str]:
     if accept.expected_tau is not None and accept.tau < GAP_RATIO * accept.expected_tau:
         reasons.append(
             f"measured tau {accept.tau:.2f}{at} is below {GAP_RATIO:g} x the {accept.expected_tau:.2f} "
-            "that training accuracy predicts; "
-            + likely_cause(accept.expected_tau, accept.tau).removeprefix("likely cause: ")
+            "that training accuracy predicts; " + _cause(accept).removeprefix("likely cause: ")
         )
     return reasons
+
+
+def _cause(accept: Acceptance) -> str:
+    if accept.split == "held-out":
+        return likely_cause(accept.expected_tau, None, accept.tau)
+    return likely_cause(accept.expected_tau, accept.tau)

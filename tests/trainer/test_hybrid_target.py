@@ -210,6 +210,7 @@ def test_training_with_in_training_tau_then_eval_both_loops_and_export(tmp_path)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r.get("event") == "eval"]
     assert len(evals) >= 2 and all(r["lossless"] is True and r["tau"] >= 1.0 for r in evals)
+    assert {r["split"] for r in evals} == {"held-in"}  # fresh synthetic prompts: the training distribution
     for loop in ("static", "reference"):
         done = subprocess.run(
             [sys.executable, "-m", "trainer", "eval", "--checkpoint", str(run), "--num-prompts", "2",

@@ -22,6 +22,12 @@ def test_over_fit_when_held_out_is_far_below_held_in():
     assert line.startswith("likely cause: over-fit") and "mismatch" not in line
 
 
+def test_held_out_alone_below_expected_names_both_causes():
+    line = likely_cause(3.0, None, 1.5)
+    assert "held-out tau 1.50" in line and "over-fit or a mismatch" in line and "data.eval_fraction" in line
+    assert "none found" in likely_cause(3.0, None, 2.5)
+
+
 def test_both_and_neither():
     assert "mismatch" in likely_cause(4.0, 2.0, 1.0) and "over-fit" in likely_cause(4.0, 2.0, 1.0)
     assert likely_cause(4.0, 3.5, 3.4).startswith("likely cause: none found")

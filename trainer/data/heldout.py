@@ -68,6 +68,12 @@ def fresh_synthetic_prompts(
     return prompts.tolist()
 
 
+def eval_split(cfg) -> str:
+    """What eval_prompts draws from: "held-out" prompts (eval.path, another distribution) or
+    "held-in" ones (unseen records of the training distribution, or fresh synthetic prompts)."""
+    return "held-out" if cfg.eval.path else "held-in"
+
+
 def eval_prompts(cfg, target, heldout: Dataset | None, count: int) -> list[list[int]]:
     """Up to `count` evaluation prompts for a run: eval.path, else the held-out split, else (synthetic
     data) fresh random prompts. Training (tau while training) and `dflash-train eval` share this."""

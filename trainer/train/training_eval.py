@@ -17,7 +17,7 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.infer.evaluate import evaluate, make_decoder, stop_token_ids
-from trainer.data.heldout import eval_prompts
+from trainer.data.heldout import eval_prompts, eval_split
 from trainer.train.metrics import MetricsWriter
 from trainer.model import DFlashDrafter, DrafterConfig
 
@@ -28,6 +28,7 @@ class TrainingEval:
         self.max_new_tokens = cfg.eval.max_new_tokens
         self.target = target
         self.prompts = prompts[: cfg.eval.num_prompts]
+        self.split = eval_split(cfg)
         self.stop_ids = stop_token_ids(target.model, target.tokenizer)
         self.reference: dict = {}
         self.decoder = None  # built at the first evaluation, reused by the others
@@ -102,6 +103,7 @@ class TrainingEval:
             new_tokens=result.new_tokens,
             seconds=seconds,
             overhead=overhead,
+            split=self.split,
         )
         if result.lossless:
             verdict = "ok"
@@ -109,8 +111,8 @@ class TrainingEval:
             assert result.mismatch is not None
             verdict = f"FAILED at prompt {result.mismatch.prompt_index} token {result.mismatch.position}"
         metrics.say(
-            f"eval     step {step}: tau {result.tau:.3f} pooled, {result.tau_per_prompt_mean:.3f} per-prompt "
-            f"mean  acceptance "
+            f"eval     step {step}: {self.split} tau {result.tau:.3f} pooled, "
+            f"{result.tau_per_prompt_mean:.3f} per-prompt mean  acceptance "
             + " ".join(f"{a:.2f}" for a in result.acceptance)
             + f"  lossless {verdict}  {result.prompts} prompts  {seconds:.2f}s  "
             f"(evaluation {100 * overhead:.1f}% of the run's wall time so far)"
