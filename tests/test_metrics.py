@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_ops import commands, ops
+from dflash_ops.act import jobpaths
 from dflash_ops.inventory.model import Health
 from dflash_ops.observe import prometheus, textfile
 
@@ -157,7 +158,7 @@ def test_node_exporter_serves_the_metrics_of_a_live_job(
     scraped = urllib.request.urlopen(url, timeout=5).read().decode()
     found = samples(scraped)
     assert value(found, "node_textfile_scrape_error") == 0
-    job = f"{target.job.tmux_socket}/{target.job.session}"
+    job = jobpaths.marker_value(target.job)
     base = {"target": "box-1", "job": job, "node": socket.gethostname()}
     assert value(found, "dflash_up", **base) == 1
     assert value(found, "dflash_state", state="running", **base) == 1

@@ -1,6 +1,7 @@
 """The Prometheus text format (version 0.0.4) for checked targets: one family per fact, its name,
-type, unit and help text defined here once; labels `target`, `job` (the job's tmux socket/session,
-the same for two targets that reach one job) and `node` (the target's hostname).
+type, unit and help text defined here once; labels `target`, `job` (the job's identity: tmux
+socket/session/job id, the same for two targets that reach one job) and `node` (the target's
+hostname).
 
 Unknown values are left out rather than written as NaN, so an alert on a missing series (`absent`)
 and one on a value never mix up "not measured" with a number."""
