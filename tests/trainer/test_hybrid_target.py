@@ -271,3 +271,16 @@ def test_the_compiled_static_loop_decodes_the_same_tokens(target, greedy):
     for drafted in (False, True):
         batch = decoder.decode(PROMPTS, 8, speculative=drafted)
         assert [r.tokens for r in batch.results] == [g[:8] for g in greedy]
+
+
+def test_the_exported_drafters_spec_generate_is_lossless_on_a_hybrid_target(target, greedy, tmp_path):
+    """z-lab's Transformers entry point on the seeds' kind of target: its cache cannot be cropped."""
+    from transformers import AutoModel
+
+    from trainer.infer.export import export_drafter
+
+    export_drafter(drafter_for(target, 4), tmp_path, dtype=torch.float32)
+    draft = AutoModel.from_pretrained(str(tmp_path), trust_remote_code=True, dtype=torch.float32)
+    ids = torch.tensor([PROMPTS[1]])
+    out = draft.spec_generate(target=target.model, input_ids=ids, max_new_tokens=NEW, return_stats=True)
+    assert out.output_ids[0, ids.shape[1] :].tolist() == greedy[1][:NEW]

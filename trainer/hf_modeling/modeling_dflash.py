@@ -208,7 +208,7 @@ class DFlashDraftModel(PreTrainedModel):
         with them, so every token is a target sample given the right prefix.
 
         The target's cache is rolled back after each verify: a DynamicCache is cropped; a cache that
-        cannot be cropped (recurrent layers without past recording, e.g. Gated DeltaNet) is restored
+        cannot be cropped (a recurrent layer, e.g. Gated DeltaNet) is restored
         to its state before the verify and fed the accepted tokens again.
         """
         self.eval()
@@ -219,56 +219,16 @@ class DFlashDraftModel(PreTrainedModel):
                 f"spec_generate decodes one sequence: input_ids must be [1, T], got {tuple(input_ids.shape)}"
             )
         stops = {int(t) for t in (stop_token_ids or [])}
-        block = int(self.config.block_size)
-        mask_id = int(self.config.dflash_config["mask_token_id"])
-        layer_ids = list(self.config.dflash_config["target_layer_ids"])
-        embed = target.get_input_embeddings()
-        head = target.get_output_embeddings()
-        generator = None  # sampling draws from torch's global RNG, as HF generate does
-
-        def pick(logits):
-            return _pick(logits, temperature, top_p, top_k, generator)
-
-        cache = _target_cache(target)
-        rollback = _rollback_supported(cache)
-        cache_arg = _cache_argument(target)
-
-        def verify(ids, kv):
-            return target(input_ids=ids, use_cache=True, output_hidden_states=True, **{cache_arg: kv})
-
-        prompt_len = input_ids.shape[1]
-        out = verify(input_ids, cache)
-        tokens = [int(pick(out.logits[0, -1:])[0])]
-        context = _DraftContext(self)
-        context.extend(_features(out.hidden_states, layer_ids), 0)
-        start = prompt_len  # position of the last accepted token, the next block's anchor
+        # sampling draws from torch's global RNG, as HF generate does
+        run = _Speculation(self, target, lambda logits: _pick(logits, temperature, top_p, top_k, None))
+        tokens = run.prefill(input_ids)
         accepted = []
         stopped = tokens[-1] in stops
         while len(tokens) < max_new_tokens and not stopped:
-            block_ids = torch.full((1, block), mask_id, dtype=torch.long, device=device)
-            block_ids[0, 0] = tokens[-1]
-            hidden = context.draft(embed(block_ids), start)
-            drafts = head(hidden[:, 1:]).argmax(dim=-1)[0]
-            block_ids[0, 1:] = drafts
-            saved = None if rollback else copy.deepcopy(cache)
-            out = verify(block_ids, cache)
-            verified = pick(out.logits[0]).tolist()  # the target's token after each block position
-            drafted = drafts.tolist()
-            n = 0
-            while n < block - 1 and drafted[n] == verified[n]:
-                n += 1
+            n, kept = run.round(tokens[-1])
             accepted.append(n)
-            features = _features(out.hidden_states, layer_ids)[:, : n + 1]
-            if rollback:
-                _crop(cache, start + n + 1)
-            else:  # back to the state before the verify, then exactly the accepted tokens
-                cache = saved
-                again = verify(block_ids[:, : n + 1], cache)
-                features = _features(again.hidden_states, layer_ids)
-            context.extend(features, start)
-            tokens += verified[: n + 1]  # n drafts equal to the target's tokens, then its bonus token
-            stopped = bool(stops.intersection(verified[: n + 1]))
-            start += n + 1
+            tokens += kept  # n drafts equal to the target's tokens, then its bonus token
+            stopped = bool(stops.intersection(kept))
         tokens = _finish(tokens, max_new_tokens, stops)
         output_ids = torch.cat(
             [input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=device)], dim=1
@@ -277,11 +237,67 @@ class DFlashDraftModel(PreTrainedModel):
             return output_ids
         return SimpleNamespace(
             output_ids=output_ids,
-            num_input_tokens=prompt_len,
+            num_input_tokens=input_ids.shape[1],
             num_output_tokens=len(tokens),
             acceptance_lengths=[n + 1 for n in accepted],
             accepted=accepted,
         )
+
+
+class _Speculation:
+    """One sequence's speculative decoding state: the target's cache, the drafter's cached context and
+    the position of the last accepted token (the next block's anchor)."""
+
+    def __init__(self, drafter, target, pick):
+        config = drafter.config
+        self.drafter, self.target, self.pick = drafter, target, pick
+        self.block = int(config.block_size)
+        self.mask_id = int(config.dflash_config["mask_token_id"])
+        self.layer_ids = list(config.dflash_config["target_layer_ids"])
+        self.embed, self.head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.cache = _target_cache(target)
+        self.rollback = _rollback_supported(self.cache)
+        self.cache_arg = _cache_argument(target)
+        self.context = _DraftContext(drafter)
+        self.start = 0
+
+    def _verify(self, ids):
+        return self.target(
+            input_ids=ids, use_cache=True, output_hidden_states=True, **{self.cache_arg: self.cache}
+        )
+
+    def prefill(self, input_ids) -> list:
+        """The prompt through the target: its first token; the prompt's features become the context."""
+        out = self._verify(input_ids)
+        self.context.extend(_features(out.hidden_states, self.layer_ids), 0)
+        self.start = input_ids.shape[1]
+        return [int(self.pick(out.logits[0, -1:])[0])]
+
+    def round(self, anchor: int):
+        """Draft a block after `anchor`, verify it: (drafts accepted, the tokens emitted)."""
+        block_ids = torch.full(
+            (1, self.block), self.mask_id, dtype=torch.long, device=self.embed.weight.device
+        )
+        block_ids[0, 0] = anchor
+        hidden = self.context.draft(self.embed(block_ids), self.start)
+        drafts = self.head(hidden[:, 1:]).argmax(dim=-1)[0]
+        block_ids[0, 1:] = drafts
+        saved = None if self.rollback else copy.deepcopy(self.cache)
+        out = self._verify(block_ids)
+        verified = self.pick(out.logits[0]).tolist()  # the target's token after each block position
+        drafted = drafts.tolist()
+        n = 0
+        while n < self.block - 1 and drafted[n] == verified[n]:
+            n += 1
+        features = _features(out.hidden_states, self.layer_ids)[:, : n + 1]
+        if self.rollback:
+            _crop(self.cache, self.start + n + 1)
+        else:  # back to the state before the verify, then exactly the accepted tokens
+            self.cache = saved
+            features = _features(self._verify(block_ids[:, : n + 1]).hidden_states, self.layer_ids)
+        self.context.extend(features, self.start)
+        self.start += n + 1
+        return n, verified[: n + 1]
 
 
 class _DraftContext:
@@ -352,27 +368,19 @@ def _cache_argument(target):
 
 
 def _target_cache(target):
-    """A DynamicCache for the target (its hybrid layer types when it has them), recording past
-    states where the layers support it so they can be cropped."""
+    """A DynamicCache for the target (its hybrid layer types when it has them)."""
     from transformers import DynamicCache
 
     try:
-        cache = DynamicCache(config=target.config)
+        return DynamicCache(config=target.config)
     except TypeError:  # older transformers: no config argument
-        cache = DynamicCache()
-    if hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()
-    return cache
+        return DynamicCache()
 
 
 def _rollback_supported(cache):
-    """Whether every layer of the cache can be cropped back (attention layers, and recurrent ones
-    that record their past states)."""
-    for layer in getattr(cache, "layers", None) or []:
-        recurrent = hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states")
-        if recurrent and not getattr(layer, "record_past", False):
-            return False
-    return True
+    """Whether every layer of the cache can be cropped back: not when a layer keeps a recurrent state
+    (Gated DeltaNet), which mixes every token it saw (recording past conv states does not undo it)."""
+    return not any(hasattr(layer, "recurrent_states") for layer in getattr(cache, "layers", None) or [])
 
 
 def _crop(cache, length):
