@@ -169,18 +169,7 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
             "the file is empty; define 'targets:' (see the example inventory.yaml), "
             "or remove the file to use only the built-in local target",
         )
-    if not isinstance(data, dict):
-        raise top.error(
-            1,
-            None,
-            f"expected a mapping with {', '.join(TOP_LEVEL_KEYS)}, got {kind_of(data)}; "
-            "see the example inventory.yaml",
-        )
-    if not isinstance(data, YamlMap):
-        data = YamlMap.of(data)
-    for key in data:
-        if key not in TOP_LEVEL_KEYS:
-            raise top.error(data.key_lines.get(key), str(key), _unknown_top_level(key))
+    data = _top_level(data, top)
 
     def line_of(key: str) -> int:
         return data.key_lines.get(key, 1)
@@ -220,6 +209,23 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
     return Inventory(
         targets=targets, groups=groups, default_target=default_target, source=filename, multinode=multinode
     )
+
+
+def _top_level(data: object, top: Where) -> YamlMap:
+    """The file's top mapping, every key one the inventory knows."""
+    if not isinstance(data, dict):
+        raise top.error(
+            1,
+            None,
+            f"expected a mapping with {', '.join(TOP_LEVEL_KEYS)}, got {kind_of(data)}; "
+            "see the example inventory.yaml",
+        )
+    if not isinstance(data, YamlMap):
+        data = YamlMap.of(data)
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            raise top.error(data.key_lines.get(key), str(key), _unknown_top_level(key))
+    return data
 
 
 def _defaults(raw: object, line: int, top: Where) -> tuple[Fields, Lines]:

@@ -327,28 +327,7 @@ def probe(args, where, lines):
     gpu_source = args.get("gpu_source", "auto")
     where["session"], args["marker"] = procs.pick_identity(args)
     tmux_started = section(errors, "tmux", start_tmux, where["socket"], where["session"])
-    # "none": the caller asks the Proxmox host instead, which sees the real pids
-    gpu_started = (
-        None
-        if gpu_source == "none"
-        else section(
-            errors,
-            "gpu",
-            start_gpu_state,
-            gpu_source,
-            args.get("nvidia_smi") or "nvidia-smi",
-            deadline,
-            part_s,
-        )
-    )
-    # GPU faults (ECC, row remapping, Xid in the kernel log) beside the GPU query
-    faults_started = (
-        None
-        if gpu_source == "none"
-        else section(
-            errors, "gpu faults", start_faults, gpu_source, args.get("nvidia_smi") or "nvidia-smi", deadline
-        )
-    )
+    gpu_started, faults_started = start_gpu_parts(args, errors, gpu_source, deadline, part_s)
     # the files are read while those commands run
     report["job_state"], report["job_state_error"] = section(
         errors, "job state", read_job_state, args.get("state_file")
@@ -376,6 +355,18 @@ def probe(args, where, lines):
         name for name in ("gpu", "session") if (report.get(name) or {}).get("out_of_time")
     ]
     return report
+
+
+def start_gpu_parts(args, errors, gpu_source, deadline, part_s):
+    """The GPU query and the GPU faults query (ECC, row remapping, Xid in the kernel log), started
+    side by side; (None, None) for gpu_source "none": the caller asks the Proxmox host instead, which
+    sees the real pids."""
+    if gpu_source == "none":
+        return None, None
+    smi = args.get("nvidia_smi") or "nvidia-smi"
+    gpu = section(errors, "gpu", start_gpu_state, gpu_source, smi, deadline, part_s)
+    faults = section(errors, "gpu faults", start_faults, gpu_source, smi, deadline)
+    return gpu, faults
 
 
 def ours_only(session, marker):
