@@ -9,6 +9,7 @@ import os
 import time
 
 from dflash_ops import commands
+from dflash_ops.act import jobpaths
 from dflash_ops.inventory.model import Health
 
 try:
@@ -43,7 +44,7 @@ def test_the_hook_runs_once_per_change_with_what_changed(local_target, cleanup, 
         return done
 
     first = health()  # never launched: CRITICAL, and the first sight of a job that is not OK is news
-    assert first.returncode == 2 and first.stdout.startswith("DFLASH CRITICAL: local: tmux session")
+    assert first.returncode == 2 and first.stdout.startswith("DFLASH CRITICAL: local: no job launched here yet")
     assert len(calls(log)) == 1
     health()  # the same verdict again: no call
     assert len(calls(log)) == 1
@@ -66,10 +67,10 @@ def test_the_hook_runs_once_per_change_with_what_changed(local_target, cleanup, 
         ("relaunched", "stopped", "OK", "2"),
     ]
     crit, ok = calls(log)[0], calls(log)[1]
-    assert crit["DFLASH_REASON"].startswith("tmux session ") and crit["DFLASH_EXIT_CODE"] == "2"
+    assert crit["DFLASH_REASON"].startswith("no job launched here yet") and crit["DFLASH_EXIT_CODE"] == "2"
     assert (
         crit["DFLASH_TARGET"] == "local"
-        and crit["DFLASH_JOB"] == f"{target.job.tmux_socket}/{target.job.session}"
+        and crit["DFLASH_JOB"] == jobpaths.marker_value(target.job)
     )
     assert ok["DFLASH_PERFDATA"].startswith("step=") and ok["DFLASH_LEVEL"] == "OK"
     remembered = json.loads(next(state.glob("local-*.verdict.json")).read_text())

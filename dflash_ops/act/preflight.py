@@ -27,6 +27,16 @@ FIND_TORCH = (
     "import importlib.util, sys; s = importlib.util.find_spec('torch'); "
     "sys.exit('No module named torch') if s is None else print('installed')"
 )
+# The Gated DeltaNet kernel packages the job's python has, from their metadata (nothing imported).
+GDN_CHECK = (
+    "import importlib.metadata as m\n"
+    "def v(name, short):\n"
+    "    try:\n"
+    "        return short + ' ' + m.version(name)\n"
+    "    except Exception:\n"
+    "        return short + ' none' if short != 'fla' else 'none'\n"
+    "print(v('flash-linear-attention', 'fla') + ', ' + v('causal-conv1d', 'causal-conv1d'))"
+)
 
 
 def _shell_checks(job, need_release: bool, import_torch: bool) -> str:
@@ -34,7 +44,7 @@ def _shell_checks(job, need_release: bool, import_torch: bool) -> str:
     release = [jobpaths.current_release(job) + "/trainer/__init__.py"] if need_release else []
     torch_check = IMPORT_TORCH if import_torch else FIND_TORCH
     return shell_command(
-        "preflight.sh", job.workdir, job.python, torch_check, jobpaths.state_file(job), *release
+        "preflight.sh", job.workdir, job.python, torch_check, jobpaths.state_file(job), GDN_CHECK, *release
     )
 
 

@@ -6,11 +6,11 @@
 #   torch=VERSION or python_error=WHY   PYTHON running the code TORCH_CHECK
 #   state=ok|not-a-file   STATE_FILE (the job state) is absent or a plain file, or something else
 #   gdn_kernels=fla VERSION|none, causal-conv1d VERSION|none   the Gated DeltaNet kernel packages
-#                    PYTHON has (read from package metadata, nothing imported)
-# usage: preflight.sh WORKDIR PYTHON TORCH_CHECK STATE_FILE [RELEASE_FILE]
+#                    PYTHON has (GDN_CHECK reads package metadata, imports nothing)
+# usage: preflight.sh WORKDIR PYTHON TORCH_CHECK STATE_FILE GDN_CHECK [RELEASE_FILE]
 # No `set -e`: a failed check is an answer to print, not the end of the checks.
 set -u
-workdir=$1 python=$2 torch_check=$3 state_file=$4 release_file=${5:-}
+workdir=$1 python=$2 torch_check=$3 state_file=$4 gdn_check=$5 release_file=${6:-}
 
 echo reach=ok
 if [ -L "$state_file" ] || { [ -e "$state_file" ] && [ ! -f "$state_file" ]; }; then
@@ -37,13 +37,6 @@ if [ -x "$python" ]; then
 else
   echo python_error=not installed
 fi
-gdn_check='import importlib.metadata as m
-def v(name, short):
-    try:
-        return short + " " + m.version(name)
-    except Exception:
-        return short + " none" if short != "fla" else "none"
-print(v("flash-linear-attention", "fla") + ", " + v("causal-conv1d", "causal-conv1d"))'
 if [ -x "$python" ] && gdn=$(timeout 30 "$python" -c "$gdn_check" 2>/dev/null); then
   echo "gdn_kernels=$(printf "%s" "$gdn" | tail -n 1)"
 fi
