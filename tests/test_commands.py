@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from dflash_ops import commands
 
-from dflash_ops.inventory import model
+from dflash_ops.job import model
 
 from dflash_ops.act import steps
 from dflash_ops.errors import StepFailed

@@ -9,7 +9,7 @@ import os
 import time
 
 from dflash_ops import commands
-from dflash_ops.inventory.model import Health
+from dflash_ops.job.model import Health
 
 try:
     from tests.test_metrics import dflash_ops, inventory_file
