@@ -47,13 +47,13 @@ def relaunch(
     """Check first, then stop the job, free its GPUs, purge its compile cache (`purge`), deploy the
     trainer (`deploy`), launch it (resuming the newest unfinished run unless not `resume`) and wait
     `timeout` seconds at most for its first training step. `on_locked` runs once the lock is ours."""
-    from dflash_ops.act import steps as s
+    from dflash_ops.act import preflight as p, steps as s
     from dflash_ops.act.grace import check_grace
 
     job = target.job
     check_grace(job, grace)  # the step checks it too; here it is refused before anything connects
     plan = (
-        s.preflight,
+        p.preflight,
         s.stop_session,
         s.kill_gpu_processes,
         s.wait_gpu_free,
@@ -65,7 +65,7 @@ def relaunch(
     with _running(target, "relaunch", plan, dry_run, on_progress, on_locked) as run:
         # Before anything is stopped: a failed check leaves the running job untouched.
         run(
-            s.preflight,
+            p.preflight,
             job,
             deploy=deploy,
             min_free_gib=min_free_gib,
@@ -126,15 +126,15 @@ def gpu_clean(
 ) -> RunResult:
     """End every process of the job on its GPUs and wait for them to leave; refuses while the job
     runs unless `force`. Processes that are not the job's are reported, never signalled."""
-    from dflash_ops.act import steps as s
+    from dflash_ops.act import preflight as p, steps as s
 
     job = target.job
-    plan = (s.require_job_stopped, s.kill_gpu_processes, s.wait_gpu_free)
+    plan = (p.require_job_stopped, s.kill_gpu_processes, s.wait_gpu_free)
     with _running(target, "gpu-clean", plan, dry_run, on_progress) as run:
         if force:
-            run.skip(s.require_job_stopped, "--force")
+            run.skip(p.require_job_stopped, "--force")
         else:
-            run(s.require_job_stopped, job)
+            run(p.require_job_stopped, job)
         ended = run(s.kill_gpu_processes, job)
         run(s.wait_gpu_free, job, ended, timeout_s=gpu_free_timeout)
     return run.result()
