@@ -27,7 +27,7 @@ from dflash_ops.job.model import (
     Target,
 )
 
-# Fields passed on only when the file sets them, so the defaults are model.py's.
+# Fields passed on only when the file sets them, so the defaults are job/model.py's.
 HOST_OPTIONAL = ("port", "user", "jump", "host_key_policy", "connect_timeout_s")
 HOST_LOCAL_FILES = ("identity_file", "known_hosts_file")  # paths on this machine
 JOB_OPTIONAL = ("session", "tmux_socket", "launcher") + TORCHRUN_FIELDS
