@@ -18,7 +18,7 @@ Session-scoped (started once per test run, ~0.3 s):
 
 Per test (cheap; they restore the container state first):
 
-  ssh_spec / ssh_spec_b   dflash_ops.inventory.model.HostSpec for each server (strict host keys)
+  ssh_spec / ssh_spec_b   dflash_ops.job.model.HostSpec for each server (strict host keys)
   ssh_target / ssh_target_b  Target(transport="ssh") on each server
   pct_target        Target(transport="pct", ctid=200); container 200 is running
   stopped_pct_target  Target(transport="pct", ctid=201); container 201 is stopped
@@ -53,7 +53,7 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
     import sshd as sshd_helpers
 
 from dflash_ops.inventory.load import inventory_from_data
-from dflash_ops.inventory.model import HostSpec, Job, Target
+from dflash_ops.job.model import HostSpec, Job, Target
 
 SIM_DIR = sshd_helpers.SIM_DIR
 RUNNING_CT, STOPPED_CT = 200, 201

@@ -11,8 +11,8 @@ import uuid
 import pytest
 
 from dflash_ops.observe import acceptance, health, probe, status
-from dflash_ops.gpu import GpuSnapshot
-from dflash_ops.inventory.model import Health, Job
+from dflash_ops.observe.gpu import GpuSnapshot
+from dflash_ops.job.model import Health, Job
 from trainer import metrics_format
 
 NOW = 80_000.0

@@ -12,13 +12,14 @@ from click.testing import CliRunner
 
 from dflash_ops import commands
 
-from dflash_ops.inventory import model
+from dflash_ops.job import model
 
-from dflash_ops.act import steps
+from dflash_ops.act import preflight, steps
 from dflash_ops.errors import StepFailed
 from dflash_ops.act.runner import DRY_RUN, FAILED, NOT_RUN, OK, SKIPPED
 from dflash_ops.transport.local import LocalTransport
 
+PREFLIGHT_STEPS = ("preflight", "require_job_stopped")  # in act/preflight.py, the others in act/steps.py
 LIBRARY_STEPS = ("preflight", "require_job_stopped", "stop_session", "mark_stopped", "kill_gpu_processes",
                  "wait_gpu_free", "purge_cache", "deploy", "launch", "wait_first_step", "rollback")
 
@@ -51,7 +52,7 @@ def calls(monkeypatch):
         return step
 
     for name in LIBRARY_STEPS:
-        monkeypatch.setattr(steps, name, stand_in(name))
+        monkeypatch.setattr(preflight if name in PREFLIGHT_STEPS else steps, name, stand_in(name))
     return made
 
 

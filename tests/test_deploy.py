@@ -7,9 +7,10 @@ import shlex
 
 import pytest
 
-from dflash_ops.act import deploy, jobpaths
+from dflash_ops.act import deploy
+from dflash_ops.job import jobpaths
 from dflash_ops.errors import InputError, RemoteCommandError
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 from dflash_ops.transport.local import LocalTransport
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import gpu
+from dflash_ops.observe import gpu
 from dflash_ops.errors import InputError
 from dflash_ops.remote import facts, gpu_read
 
@@ -326,7 +326,7 @@ def test_nspid_from_status():
 
 
 def test_host_query_maps_pids_into_the_container_and_labels_the_rest():
-    from dflash_ops.gpu import parse_host_gpu_query
+    from dflash_ops.observe.gpu import parse_host_gpu_query
 
     out = ("0, GPU-a, NVIDIA H200, 30000, 143771, 90\n1, GPU-b, NVIDIA H200, 5000, 143771, 10\n@@\n"
            "4321, GPU-a, 20000, python3\n999, GPU-b, 5000, python3\n555, GPU-a, 100, Xorg\n777, GPU-b, 10, gone\n@@\n"
@@ -342,7 +342,7 @@ def test_host_query_maps_pids_into_the_container_and_labels_the_rest():
 
 
 def test_host_query_driver_failure_is_an_error_not_a_crash():
-    from dflash_ops.gpu import parse_host_gpu_query
+    from dflash_ops.observe.gpu import parse_host_gpu_query
 
     snap = parse_host_gpu_query("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", 200)
     assert snap.gpus == () or not snap.gpus

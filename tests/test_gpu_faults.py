@@ -9,8 +9,10 @@ import re
 import subprocess
 import time
 
-from dflash_ops import commands, gpu_faults, ops
-from dflash_ops.inventory.model import Health
+from dflash_ops import commands
+from dflash_ops.observe import check as check_lib
+from dflash_ops.observe import gpu_faults
+from dflash_ops.job.model import Health
 from dflash_ops.observe import prometheus
 
 try:
@@ -107,7 +109,7 @@ def test_health_and_metrics_name_the_faulty_gpu(ssh_target, gpu_state_path, clea
             gpu_state_path,
             {"pid": other.pid, "gpu_index": 0, "used_memory_mib": 1000, "process_name": "sleep"},
         )
-        checked = ops.check(target)
+        checked = check_lib.check(target)
         assert checked.verdict.level == "CRITICAL", checked.verdict
         reasons = checked.verdict.reasons
         assert "GPU 1: 3 uncorrected ECC error(s) since the driver loaded" in reasons
@@ -149,7 +151,7 @@ def test_health_and_metrics_name_the_faulty_gpu(ssh_target, gpu_state_path, clea
         state = json.loads(gpu_state_path.read_text())
         state.update(kernel_log_denied=True, gpus=state["gpus"][:1] + [{"index": 1, "utilization_pct": 80}])
         gpu_state_path.write_text(json.dumps(state))
-        denied = ops.check(target)
+        denied = check_lib.check(target)
         assert denied.report.gpu_faults.kernel_log_error.startswith(
             "dmesg: dmesg: read kernel buffer failed: Operation not permitted; journalctl: "
         )

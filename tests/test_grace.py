@@ -10,7 +10,7 @@ from test_cli import cli
 
 from dflash_ops.act.grace import check_grace, trainer_stop_grace
 from dflash_ops.errors import InputError
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 from trainer import stop_timing
 
 

@@ -13,8 +13,8 @@ import uuid
 import pytest
 
 from dflash_ops.observe import health, probe
-from dflash_ops.gpu import Gpu, GpuSnapshot
-from dflash_ops.inventory.model import Health, Job
+from dflash_ops.observe.gpu import Gpu, GpuSnapshot
+from dflash_ops.job.model import Health, Job
 from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from dflash_ops.act import launch, steps
 
-from dflash_ops import ops, remote
+from dflash_ops import remote
+from dflash_ops.observe.log_tail import tail_log
 from dflash_ops.act.context import StepContext
 from dflash_ops.observe import log_tail
 from dflash_ops.transport.local import LocalTransport
@@ -30,7 +31,7 @@ def test_launch_wait_and_tail_log_run_nothing_from_hostile_paths(local_target, t
         outcome = steps.wait_first_step(ctx, job, steps.Launched(log=log), timeout_s=30, poll_s=0.2)
         assert outcome.message.startswith("step "), outcome.message
         shown = []
-        ops.tail_log(target, lines=2, emit=shown.append)
+        tail_log(target, lines=2, emit=shown.append)
         assert shown
         t.run(f"tmux -L {job.tmux_socket} kill-server")
     ran = [str(p) for p in tmp_path.rglob("PWNED*")]

@@ -68,13 +68,13 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize("package", ["trainer"])
+@pytest.mark.parametrize("package", ["trainer", "dflash_ops"])
 def test_no_module_imports_itself_in_a_circle(package):
     _, edges = import_graph(package)
     assert circles(edges) == []
 
 
-@pytest.mark.parametrize("package", ["trainer"])
+@pytest.mark.parametrize("package", ["trainer", "dflash_ops"])
 def test_folders_stand_on_floors(package):
     files, edges = import_graph(package)
     room = {name: str(path.parent.relative_to(REPO)) for name, path in files.items()}

@@ -16,7 +16,7 @@ from dflash_ops.errors import InputError
 from dflash_ops.inventory.load import (
     ENV_VAR, Inventory, builtin_inventory, describe, load_inventory, load_inventory_text,
 )
-from dflash_ops.inventory.model import Health, HostSpec, Job, JumpHost, Target
+from dflash_ops.job.model import Health, HostSpec, Job, JumpHost, Target
 
 REAL_BUNDLED_CONFIG_NAMES = inventory_target.bundled_config_names
 REPO = Path(__file__).resolve().parent.parent

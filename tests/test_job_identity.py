@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import commands, ops
-from dflash_ops.act import jobpaths
+from dflash_ops import commands
+from dflash_ops.observe import check as check_lib
+from dflash_ops.job import jobpaths
 from dflash_ops.errors import InputError
 from dflash_ops.inventory.load import builtin_inventory, load_inventory_text
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 
 try:
     from tests.test_ops_e2e import STANDIN, cleanup, quick, standin  # noqa: F401 (cleanup: a fixture)
@@ -33,7 +34,7 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
 
 def trainer_pids(target) -> list[int]:
     """The living processes of the target's job, as the probe sees them."""
-    return [p.pid for p in ops.check(target).status.processes]
+    return [p.pid for p in check_lib.check(target).status.processes]
 
 
 def alive(pid: int) -> bool:
@@ -125,9 +126,9 @@ def test_stopping_a_job_whose_session_name_another_job_holds_leaves_that_job_alo
     assert "runs another job's trainer: left alone" in stopped.steps[0].message
     assert all(alive(pid) for pid in pids), "b's stop ended a's trainer"
     assert job_state(a)["state"] == "running" and job_state(b)["state"] == "stopped"
-    checked = ops.check(a)
+    checked = check_lib.check(a)
     assert checked.verdict.level == "OK", checked.verdict.reasons
-    assert ops.check(b).status.session.running is False  # a's trainer is never shown as b's
+    assert check_lib.check(b).status.session.running is False  # a's trainer is never shown as b's
     relaunched = commands.relaunch(b, **quick())
     assert not relaunched.ok and "runs another job (pane pid" in relaunched.failed.message, relaunched.summary()
     assert "give this job another job.session" in relaunched.failed.message
@@ -157,7 +158,7 @@ def test_the_builtin_local_target_under_two_homes_is_two_jobs(tmp_path, monkeypa
     assert all(alive(pid) for pid in pids), "b's relaunch ended a's trainer"
     assert set(trainer_pids(a)) == set(pids) and not set(trainer_pids(b)) & set(pids)
     assert commands.stop(b).ok
-    assert all(alive(pid) for pid in pids) and ops.check(a).verdict.level == "OK"
+    assert all(alive(pid) for pid in pids) and check_lib.check(a).verdict.level == "OK"
 
 
 # ------------------------------------------------------------------ a job launched by an earlier version
@@ -198,7 +199,7 @@ def test_a_job_an_earlier_version_launched_is_seen_and_stopped(local_target, cle
     )
     wait_for(lambda: trainer_pids(target), what="the old job's processes")
 
-    seen = ops.check(target).status
+    seen = check_lib.check(target).status
     assert seen.session.running is True and seen.session.name == "dflash-old"
     pids = trainer_pids(target)
     stopped = commands.stop(target, grace=35.0)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from dflash_ops import remote
-from dflash_ops.act import jobpaths, jobstate, launch
+from dflash_ops.job import jobpaths, jobstate
+from dflash_ops.act import launch
 from dflash_ops.remote import launch_job, runs
 from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format

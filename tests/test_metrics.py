@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dflash_ops import commands, ops
-from dflash_ops.act import jobpaths
-from dflash_ops.inventory.model import Health
+from dflash_ops import commands
+from dflash_ops.job import jobpaths
+from dflash_ops.job.model import Health
+from dflash_ops.observe import check as check_lib
 from dflash_ops.observe import prometheus, textfile
 
 try:
@@ -145,7 +146,7 @@ def test_node_exporter_serves_the_metrics_of_a_live_job(
     cleanup(target)
     assert commands.relaunch(target, **quick()).ok
     deadline = time.monotonic() + 30
-    while ops.check(target).status.eval is None:  # the stand-in evaluates every 2 steps
+    while check_lib.check(target).status.eval is None:  # the stand-in evaluates every 2 steps
         assert time.monotonic() < deadline, "no eval record"
         time.sleep(0.3)
     inventory = inventory_file(tmp_path, target)
@@ -192,13 +193,13 @@ def test_node_exporter_serves_the_metrics_of_a_live_job(
 
 
 def _checked(name, status_kwargs=None, level="OK"):
-    """An ops.Checked for a target the probe could not reach (no report): the shape metrics get."""
-    from dflash_ops.inventory.model import Job, Target
+    """An check_lib.Checked for a target the probe could not reach (no report): the shape metrics get."""
+    from dflash_ops.job.model import Job, Target
     from dflash_ops.observe import health, status as status_lib
 
     target = Target(name=name, transport="local", job=Job(workdir="/w", python="/p", config="tiny-cpu"))
     verdict = health.unknown("no answer") if level == "UNKNOWN" else health.Verdict(level, ("fine",))
-    return ops.Checked(target, verdict, status_lib.build_status(name, None, target.job, verdict))
+    return check_lib.Checked(target, verdict, status_lib.build_status(name, None, target.job, verdict))
 
 
 def test_label_values_are_escaped_and_families_grouped(tmp_path, monkeypatch):

@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import commands, ops
+from dflash_ops import commands
+from dflash_ops.transport.factory import connect
 
-from dflash_ops.act import jobpaths, multinode
+from dflash_ops.job import jobpaths
+from dflash_ops.commands import multinode
 
 from dflash_ops.observe import multinode as multinode_status
 from dflash_ops.inventory.load import load_inventory
@@ -290,12 +292,12 @@ def test_refusals_before_anything_stops(pair, hidden_runs_server, client_key, kn
     a, b = jobs["pair"].node_targets()
     # a job "running" on both nodes: a relaunch that stops it would end these sessions
     for target in (a, b):
-        with ops.connect(target) as t:
+        with connect(target) as t:
             t.check(f"tmux -L {target.job.tmux_socket} new-session -d -s {target.job.session} sleep 600", timeout=30)
 
     def untouched():
         for target in (a, b):
-            with ops.connect(target) as t:
+            with connect(target) as t:
                 assert t.run(f"tmux -L {target.job.tmux_socket} has-session -t ={target.job.session}",
                              timeout=30).ok, f"{target.name}'s session was stopped"
             assert not Path(jobpaths.state_file(target.job)).exists()

@@ -13,7 +13,8 @@ from dflash_ops.observe.target_status import TargetStatus
 
 from dflash_ops.inventory import target as inventory_target
 
-from dflash_ops import ops
+from dflash_ops import commands
+from dflash_ops.observe import check as check_lib
 from dflash_ops.errors import InputError
 from dflash_ops.inventory.load import load_inventory_text
 from dflash_ops.act.launch import trainer_argv
@@ -158,7 +159,7 @@ def _checked(target, level, reasons, running=True, state="running", run=1, proce
     verdict = health.Verdict(level, tuple(reasons))
     status = TargetStatus(target=target.name, session=TmuxSession("dflash", "dflash", running=running),
                           job_state={"state": state, "run": run}, processes=tuple(processes), verdict=verdict)
-    return ops.Checked(target, verdict, status)
+    return check_lib.Checked(target, verdict, status)
 
 
 def test_one_dead_node_makes_the_job_critical_and_names_it():
@@ -229,7 +230,7 @@ def test_a_job_written_twice_is_named():
 
 
 def test_dry_run_relaunch_and_stop_show_every_node_and_reach_nothing():
-    from dflash_ops.act import multinode
+    from dflash_ops.commands import multinode
 
     job = _job()  # 10.0.0.7/8: a connection attempt would fail the run
     events = []
@@ -285,13 +286,13 @@ def test_health_auto_relaunch_of_one_node_never_relaunches_it(tmp_path, monkeypa
     dead = health.Verdict("CRITICAL", ("tmux session 'dflash' is gone",))
 
     def check(target, **_kwargs):
-        return ops.Checked(target, dead, status_lib.build_status(target.name, None, target.job, dead))
+        return check_lib.Checked(target, dead, status_lib.build_status(target.name, None, target.job, dead))
 
     def relaunch(*_args, **_kwargs):
         raise AssertionError("auto-relaunch relaunched one node of a multinode job")
 
-    monkeypatch.setattr(ops, "check", check)
-    monkeypatch.setattr(ops, "auto_relaunch", relaunch)
+    monkeypatch.setattr(check_lib, "check", check)
+    monkeypatch.setattr(commands, "auto_relaunch", relaunch)
     result = CliRunner().invoke(cli_group, ["--inventory", str(inventory), "health", "--auto-relaunch", "--json",
                                             "-t", "gpu-a"])
     assert result.exit_code == 2, result.output

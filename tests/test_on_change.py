@@ -9,8 +9,8 @@ import os
 import time
 
 from dflash_ops import commands
-from dflash_ops.act import jobpaths
-from dflash_ops.inventory.model import Health
+from dflash_ops.job import jobpaths
+from dflash_ops.job.model import Health
 
 try:
     from tests.test_metrics import dflash_ops, inventory_file

@@ -13,10 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import commands, ops
-from dflash_ops.act import jobpaths, launch
-from dflash_ops.inventory.model import Health
-from dflash_ops.act.relaunch_guard import RelaunchGuard
+from dflash_ops import commands
+from dflash_ops.observe import check as check_lib
+from dflash_ops.transport.factory import connect
+from dflash_ops.observe.log_tail import tail_log
+from dflash_ops.job import jobpaths
+from dflash_ops.act import launch
+from dflash_ops.job.model import Health
+from dflash_ops.job.relaunch_guard import RelaunchGuard
 
 STANDIN = str(Path(__file__).parent / "sim" / "standin-trainer")
 
@@ -51,7 +55,7 @@ def cleanup():
     yield sockets.append
     for target in sockets:
         try:
-            with ops.connect(target) as t:
+            with connect(target) as t:
                 t.run(f"tmux -L {target.job.tmux_socket} kill-server", timeout=20)
         except Exception:  # noqa: BLE001 - best effort teardown
             pass
@@ -70,20 +74,20 @@ def test_relaunch_local_then_status_health_tail_stop(local_target, cleanup):
     assert log.endswith("train-0001.log")
     assert (Path(target.job.workdir) / "current" / "trainer" / "train" / "loop.py").exists()
 
-    checked = ops.check(target)
+    checked = check_lib.check(target)
     st = checked.status.to_json()
     assert st["session"]["running"] is True and st["session"]["name"] == target.job.session
     assert st["training"]["step"] >= 1 and st["training"]["tokens_per_s"] == 50000.0
     assert st["verdict"] == "OK", st["reasons"]
 
     shown = []
-    ops.tail_log(target, lines=3, grep=r"^step \d+", emit=shown.append)
+    tail_log(target, lines=3, grep=r"^step \d+", emit=shown.append)
     assert 1 <= len(shown) <= 3 and all(line.startswith("step ") for line in shown)
 
     stopped = commands.stop(target)
     assert stopped.ok, stopped.summary()
     assert "1 on SIGTERM" in stopped.steps[0].message or "SIGTERM" in stopped.steps[0].message
-    after = ops.check(target)
+    after = check_lib.check(target)
     assert after.status.session.running is not True
     assert after.verdict.level == "OK" and after.verdict.reasons[0].startswith("stopped by dflash-ops stop at ")
     metrics = Path(log[:-4] + ".metrics.jsonl").read_text().splitlines()
@@ -99,7 +103,7 @@ def test_relaunch_twice_in_a_row_is_safe_and_numbers_logs(local_target, cleanup)
     assert step(first, "launch").data["log"].endswith("train-0001.log")
     assert step(second, "launch").data["log"].endswith("train-0002.log")
     assert "ended" in step(second, "stop_session").message  # the first run's trainer was stopped
-    assert ops.check(target).status.session.running is True
+    assert check_lib.check(target).status.session.running is True
 
 
 def test_dry_run_touches_nothing(local_target, cleanup):
@@ -129,7 +133,7 @@ def test_relaunch_in_container_kills_only_the_jobs_gpu_processes(pct_target, gpu
     cleanup(target)
     # An unrelated GPU process in the same container, on a GPU that is not the job's.
     pid_file = tmp_path / "bystander.pid"
-    with ops.connect(target) as t:
+    with connect(target) as t:
         t.check(f"setsid -f bash -c 'echo $$ > {pid_file}; exec sleep 300' </dev/null >/dev/null 2>&1", timeout=20)
         for _ in range(50):
             if pid_file.exists() and pid_file.read_text().strip():
@@ -149,7 +153,7 @@ def test_relaunch_in_container_kills_only_the_jobs_gpu_processes(pct_target, gpu
             assert second.ok, second.summary()
             assert "ended" in step(second, "stop_session").message
             assert t.run(f"kill -0 {bystander}", timeout=20).ok, "an unrelated process was killed"
-            st = ops.check(target).status.to_json()
+            st = check_lib.check(target).status.to_json()
             assert st["verdict"] in ("OK", "WARNING"), st["reasons"]
             gpu3 = [g for g in st["gpus"] if g["index"] == 3][0]
             assert [p["pid"] for p in gpu3["processes"]] == [bystander]
@@ -192,10 +196,10 @@ def test_a_failing_launch_reports_the_log_and_the_signature(local_target, cleanu
     assert not result.ok and result.failed.step == "wait_first_step" if mode == "fx" else True
     # crash mode passes its first step, so the relaunch returns before the trainer dies
     deadline = time.monotonic() + 20
-    checked = ops.check(target)
+    checked = check_lib.check(target)
     while checked.verdict.level == "OK" and mode == "crash" and time.monotonic() < deadline:
         time.sleep(0.2)
-        checked = ops.check(target)
+        checked = check_lib.check(target)
     assert checked.verdict.level == "CRITICAL"
     reasons = " ".join(checked.verdict.reasons).lower()
     assert signature in reasons or ("fx" in reasons if signature == "fx" else "valueerror" in reasons)
@@ -208,19 +212,19 @@ def test_health_stalled_and_slow(local_target, cleanup):
     cleanup(stalled)
     assert commands.relaunch(stalled, **quick()).ok
     time.sleep(2.5)
-    verdict = ops.check(stalled).verdict
+    verdict = check_lib.check(stalled).verdict
     assert verdict.level == "CRITICAL" and any("no new step" in r or "stall" in r for r in verdict.reasons), verdict
 
     slow = standin(local_target, mode="slow", health=Health(min_tokens_per_s=1000, stall_seconds=60),
                    workdir=str(Path(local_target.job.workdir).with_name("work-slow")))
     cleanup(slow)
     assert commands.relaunch(slow, **quick()).ok
-    verdict = ops.check(slow).verdict
+    verdict = check_lib.check(slow).verdict
     assert verdict.level == "WARNING" and any("eager" in r for r in verdict.reasons), verdict
 
 
 def test_unreachable_target_is_unknown(stopped_pct_target):
-    checked = ops.check(stopped_pct_target)
+    checked = check_lib.check(stopped_pct_target)
     assert checked.verdict.level == "UNKNOWN"
     assert "not running" in checked.verdict.reasons[0]
 
@@ -229,7 +233,7 @@ def test_auto_relaunch_is_limited_and_never_concurrent(local_target, cleanup, tm
     monkeypatch.setenv("DFLASH_OPS_STATE_DIR", str(tmp_path / "state"))
     target = standin(local_target, health=Health(stall_seconds=30, max_relaunches_per_hour=1))
     cleanup(target)
-    crashed = ops.check(target)  # never launched: no session -> CRITICAL
+    crashed = check_lib.check(target)  # never launched: no session -> CRITICAL
     assert crashed.verdict.level == "CRITICAL"
 
     # Two overlapping health runs: one holds the lock while relaunching, the other must back off.
@@ -245,20 +249,20 @@ def test_auto_relaunch_is_limited_and_never_concurrent(local_target, cleanup, tm
     holder = threading.Thread(target=hold_lock)
     holder.start()
     entered.wait(5)
-    busy = ops.auto_relaunch(target, crashed)
+    busy = commands.auto_relaunch(target, crashed)
     release.set()
     holder.join()
     assert not busy.attempted and "another health run" in busy.message
 
-    first = ops.auto_relaunch(target, crashed)
+    first = commands.auto_relaunch(target, crashed)
     assert first.attempted and first.result.ok, first.message
-    second = ops.auto_relaunch(target, crashed)
+    second = commands.auto_relaunch(target, crashed)
     assert not second.attempted and "limit" in second.message
     assert len(RelaunchGuard(target.name, 1).recent()) == 1
 
 
 def test_fan_out_runs_each_target_and_reports_each(ssh_target, ssh_target_b, cleanup):
-    from dflash_ops.fanout import fan_out
+    from dflash_ops.transport.fanout import fan_out
 
     a, b = standin(ssh_target), standin(ssh_target_b)
     cleanup(a)
@@ -267,7 +271,7 @@ def test_fan_out_runs_each_target_and_reports_each(ssh_target, ssh_target_b, cle
     outcomes = fan_out([a, b], lambda t: commands.relaunch(t, **quick()))
     assert [o.target.name for o in outcomes] == ["box-a", "box-b"]
     assert all(o.error is None and o.value.ok for o in outcomes), [o.error or o.value.summary() for o in outcomes]
-    checked = fan_out([a, b], ops.check)
+    checked = fan_out([a, b], check_lib.check)
     assert [c.value.status.session.running for c in checked] == [True, True]
     assert time.monotonic() - started < 60
 
@@ -315,7 +319,7 @@ def test_gpus_queried_on_the_proxmox_host_map_pids_into_the_container(pct_target
                                       "process_name": "python3"} for i in (0, 1)]
                     + [{"pid": host_bystander.pid, "gpu_index": 3, "used_memory_mib": 3000, "process_name": "sleep"}])
 
-        target_status = ops.check(target).status
+        target_status = check_lib.check(target).status
         by_index = {g["index"]: g for g in target_status.to_json()["gpus"]}
         assert [(p["pid"], p["owner"]) for p in by_index[0]["processes"]] == [(inside_pid, None)]
         assert [(p["pid"], p["owner"]) for p in by_index[3]["processes"]] == [(host_bystander.pid, "host")]
@@ -341,7 +345,7 @@ def test_tail_log_follow_prints_new_lines_and_stops_cleanly(ssh_target):
     log = logs / "train-0002.log"
     log.write_text("line 1\nline 2\n")
     shown, stop = [], threading.Event()
-    follower = threading.Thread(target=ops.tail_log, kwargs=dict(
+    follower = threading.Thread(target=tail_log, kwargs=dict(
         target=ssh_target, lines=1, follow=True, grep=r"^line", emit=shown.append, poll_s=0.1,
         should_stop=stop.is_set))
     follower.start()

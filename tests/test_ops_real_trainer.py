@@ -7,8 +7,10 @@ import time
 import uuid
 from pathlib import Path
 
-from dflash_ops import commands, ops
-from dflash_ops.inventory.model import Health
+from dflash_ops import commands
+from dflash_ops.observe import check as check_lib
+from dflash_ops.transport.factory import connect
+from dflash_ops.job.model import Health
 
 
 def launch_of(result):
@@ -26,13 +28,13 @@ def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
         step = first.steps[-1].data["step"]
         assert step["step"] >= 1 and step["loss"] > 0 and step["tokens_per_s"] > 0
 
-        checked = ops.check(target)
+        checked = check_lib.check(target)
         assert checked.verdict.level == "OK", checked.verdict.reasons
         assert checked.status.training.total_steps == 400
 
         stopped = commands.stop(target, grace=60.0)
         assert stopped.ok and "0 needed SIGKILL" in stopped.steps[0].message, stopped.steps[0].message
-        assert ops.check(target).verdict.reasons[0].startswith("stopped by dflash-ops stop")
+        assert check_lib.check(target).verdict.reasons[0].startswith("stopped by dflash-ops stop")
         log = Path(launch_of(first).data["log"])
         records = [json.loads(line) for line in log.with_name(log.stem + ".metrics.jsonl").read_text().splitlines()]
         assert records[-1]["event"] == "done" and records[-1]["reason"] == "interrupted"
@@ -45,7 +47,7 @@ def test_real_tiny_trainer_relaunch_status_stop_resume(local_target):
         assert second.steps[-1].data["step"]["step"] > stopped_at, "the relaunch did not resume"
         assert "--resume" in Path(launch_of(second).data["log"]).read_text()
     finally:
-        with ops.connect(target) as t:
+        with connect(target) as t:
             t.run(f"tmux -L {job.tmux_socket} kill-server", timeout=30)
 
 
@@ -59,15 +61,15 @@ def test_the_bundled_tiny_run_finishes_healthy_with_the_tau_its_accuracy_predict
     try:
         assert commands.relaunch(target, timeout=240.0).ok
         deadline = time.monotonic() + 240
-        checked = ops.check(target)
+        checked = check_lib.check(target)
         while not checked.status.training.finished and time.monotonic() < deadline:
             time.sleep(2)
-            checked = ops.check(target)
+            checked = check_lib.check(target)
         assert checked.status.training.finished, checked.status.training
         assert checked.verdict.level == "OK", checked.verdict.reasons
         tau = checked.status.eval
         assert tau.step == checked.status.training.total_steps and tau.lossless, tau
         assert tau.tau >= 0.8 * tau.expected_tau, tau
     finally:
-        with ops.connect(target) as t:
+        with connect(target) as t:
             t.run(f"tmux -L {job.tmux_socket} kill-server", timeout=30)

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import commands, ops
+from dflash_ops import commands
+from dflash_ops.observe import check as check_lib
+from dflash_ops.transport.factory import connect
 
-from dflash_ops.act import jobpaths
-from dflash_ops.inventory.model import Health
+from dflash_ops.job import jobpaths
+from dflash_ops.job.model import Health
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -70,7 +72,7 @@ def test_torchrun_job_relaunch_status_stop_resume_and_a_dead_rank(ssh_target):
         ranks = job_processes(target.job)
         assert sorted(ranks.values()) == ["", "0", "1"], ranks  # torchrun and both ranks carry the marker
 
-        checked = ops.check(target)
+        checked = check_lib.check(target)
         assert checked.verdict.level == "OK", checked.verdict.reasons
         assert checked.status.training.total_steps == 40000  # 32 sequences / (2 ranks x 4) x 10000 epochs
         log = launch_of(first).data["log"]
@@ -96,12 +98,12 @@ def test_torchrun_job_relaunch_status_stop_resume_and_a_dead_rank(ssh_target):
         while job_processes(target.job) and time.time() < deadline:
             time.sleep(0.5)
         assert job_processes(target.job) == {}, "torchrun must end the other ranks"
-        verdict = ops.check(target).verdict
+        verdict = check_lib.check(target).verdict
         assert verdict.level == "CRITICAL"
         died = [r for r in verdict.reasons if r.startswith("rank died:")]
         assert died and f"rank 1 (local rank 1, pid {rank1}) exited with code -9 (SIGKILL)" in died[0], \
             verdict.reasons
         assert not any("ChildFailedError" in r for r in verdict.reasons), verdict.reasons
     finally:
-        with ops.connect(target) as t:
+        with connect(target) as t:
             t.run(f"tmux -L {target.job.tmux_socket} kill-server", timeout=30)

@@ -75,6 +75,6 @@ def test_the_wheel_holds_every_file_the_product_reads_at_run_time(wheel):
 def test_the_built_in_commands_are_python_and_playbooks_are_only_the_users(wheel):
     # relaunch, stop, ... are dflash_ops.commands; no YAML of theirs ships, and the checkout's
     # top-level playbooks/ holds the user's own files only
-    assert "dflash_ops/commands.py" in wheel.namelist()
+    assert "dflash_ops/commands/__init__.py" in wheel.namelist()
     assert not [name for name in wheel.namelist() if name.startswith("dflash_ops/") and name.endswith(".yaml")]
     assert not list((REPO / "playbooks").glob("*.yaml"))

@@ -18,16 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops.inventory import model
+from dflash_ops.job import model
 from dflash_ops.errors import InputError, RemoteCommandError, StepFailed
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 from dflash_ops.act.context import DryRunTransport, StepContext, StepOutcome
 from dflash_ops.act.runner import DRY_RUN, FAILED, NOT_RUN, OK, SKIPPED, RunResult
 from dflash_ops.playbook.signature import describe, inputs_of
 from dflash_ops.playbook.user import (
     bind_options, list_playbooks, load, parse_option_assignments, run_playbook, search_dirs,
 )
-from dflash_ops.progress_view import format_progress
+from dflash_ops.cli.progress_view import format_progress
 from dflash_ops.transport.base import Result, Transport
 
 HOSTILE = "a b 'single' \"double\" $(touch pwned) `touch pwned2` $HOME ; rm -rf x\nline2 ünï €"
@@ -174,11 +174,11 @@ def test_a_steps_signature_says_what_the_file_gives_it_and_what_the_run_gives_it
 
 
 def test_every_library_step_can_be_named_in_a_playbook():
-    from dflash_ops.act import steps
+    from dflash_ops.act import library, steps
 
-    assert all(name == step.__name__ for name, step in steps.LIBRARY.items())
-    givers = {inputs_of(step).gives for step in steps.LIBRARY.values()}
-    for name, step in steps.LIBRARY.items():
+    assert all(name == step.__name__ for name, step in library.LIBRARY.items())
+    givers = {inputs_of(step).gives for step in library.LIBRARY.values()}
+    for name, step in library.LIBRARY.items():
         info = inputs_of(step)
         assert info.job == "job", f"{name} takes the job"
         assert set(info.results.values()) <= givers, f"{name} takes a result no library step gives"
@@ -528,9 +528,10 @@ def test_under_dry_run_even_a_step_that_goes_past_ctx_run_reaches_nothing(tmp_pa
 ])
 def test_no_command_acts_under_dry_run(tmp_path, monkeypatch, command, options):
     """Every real step of every command, against a transport that fails if anything reaches it."""
-    from dflash_ops import commands, ops
+    from dflash_ops import commands
+    from dflash_ops.transport import factory
 
-    monkeypatch.setattr(ops, "make_transport", lambda target: Untouchable(target.name, tmp_path))
+    monkeypatch.setattr(factory, "make_transport", lambda target: Untouchable(target.name, tmp_path))
     result = getattr(commands, command)(make_target(tmp_path), dry_run=True, **options)
     assert result.ok and result.dry_run, result.summary()
     assert {s.status for s in result.steps} <= {DRY_RUN, SKIPPED}
@@ -553,14 +554,14 @@ def test_hostile_literals_are_data_not_shell(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------- finding playbooks
 
 def test_the_example_in_the_readme_is_a_valid_playbook(tmp_path):
-    from dflash_ops.act import steps
+    from dflash_ops.act import library
 
     readme = (Path(__file__).resolve().parent.parent / "playbooks" / "README.md").read_text(encoding="utf-8")
     example = pb(readme.split("```yaml\n", 1)[1].split("```", 1)[0], tmp_path, "example")
-    book = load(str(example), [], steps.LIBRARY)
+    book = load(str(example), [], library.LIBRARY)
     assert [e.step for e in book.steps] == ["stop_session", "mark_stopped", "kill_gpu_processes", "wait_gpu_free",
                                             "purge_cache"]
-    assert bind_options(book, steps.LIBRARY, {"purge": "true"}) == {"purge": True}
+    assert bind_options(book, library.LIBRARY, {"purge": "true"}) == {"purge": True}
 
 
 def test_lookup_by_name_follows_the_search_order(tmp_path):

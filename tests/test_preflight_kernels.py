@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-from dflash_ops.act import steps  # noqa: F401 - imported first: preflight and steps import each other
 from dflash_ops.act import preflight
 from dflash_ops.transport.local import LocalTransport
 

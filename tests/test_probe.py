@@ -15,7 +15,7 @@ import pytest
 
 from dflash_ops.observe import acceptance, health, probe, status
 from dflash_ops.errors import RemoteCommandError
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 from dflash_ops.transport.base import Result, Transport
 from trainer import metrics_format
 

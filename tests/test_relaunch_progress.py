@@ -9,7 +9,7 @@ import pytest
 from dflash_ops.act import steps
 from dflash_ops.act.context import StepContext
 from dflash_ops.act.runner import StepEvent
-from dflash_ops.progress_view import CLEAR_LINE, ProgressPrinter
+from dflash_ops.cli.progress_view import CLEAR_LINE, ProgressPrinter
 from dflash_ops.transport.local import LocalTransport
 
 
@@ -82,7 +82,7 @@ def test_a_trainer_already_many_records_past_its_start_is_confirmed(local_target
     import json
     import time
 
-    from dflash_ops.act import jobpaths
+    from dflash_ops.job import jobpaths
     from trainer import metrics_format
 
     job = dataclasses.replace(local_target.job, workdir=str(tmp_path / "w"), tmux_socket=f"p3-{tmp_path.name}"[:60],

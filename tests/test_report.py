@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops.act import jobpaths, jobstate
+from dflash_ops.job import jobpaths, jobstate
 
 from dflash_ops.observe import report
 from dflash_ops.errors import InputError
-from dflash_ops.inventory.model import Job, Target
+from dflash_ops.job.model import Job, Target
 from dflash_ops.remote import report_read
 from trainer import metrics_format, metrics_history, run_summary
 
@@ -176,7 +176,7 @@ def test_report_over_the_transport_draws_the_run_in_one_round_trip(
         made.append(calls)
         return transport
 
-    monkeypatch.setattr("dflash_ops.ops.make_transport", counting)
+    monkeypatch.setattr("dflash_ops.transport.factory.make_transport", counting)
     out = tmp_path / "run.png"
     built = report.report(target, report.run_selection(None, False), str(out))
     assert [len(calls) for calls in made] == [1]  # one transport, one run

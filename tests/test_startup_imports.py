@@ -35,7 +35,7 @@ def modules_after(tmp_path, *argv: str) -> set[str]:
 def test_importing_the_cli_loads_neither_ssh_nor_the_playbook_engine(tmp_path):
     loaded = modules_after(tmp_path, "--help")
     assert not loaded & (SSH_MODULES | PLAYBOOK_MODULES)
-    assert "dflash_ops.ops" not in loaded and "dflash_ops.observe.health" not in loaded
+    assert "dflash_ops.observe.check" not in loaded and "dflash_ops.observe.health" not in loaded
 
 
 @pytest.mark.parametrize("command", [["status"], ["health"], ["status", "--json"]])

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from dflash_ops.observe import health, probe, status, status_output, training_status
-from dflash_ops.gpu import Gpu, GpuProcess, GpuSnapshot
-from dflash_ops.inventory.model import Health, Job
+from dflash_ops.observe.gpu import Gpu, GpuProcess, GpuSnapshot
+from dflash_ops.job.model import Health, Job
 from dflash_ops.observe.target_status import TargetStatus
 from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format

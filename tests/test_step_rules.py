@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from dflash_ops import commands
-from dflash_ops.act import deploy as deploy_lib, jobpaths, steps
+from dflash_ops.act import deploy as deploy_lib, library
+from dflash_ops.job import jobpaths
 from dflash_ops.errors import InputError
 from dflash_ops.inventory.load import load_inventory_text
 from dflash_ops.playbook.user import bind_options, load, run_playbook
@@ -26,9 +27,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def play(tmp_path: Path, text: str, dry_run: bool = True):
-    book = load(str(pb(text, tmp_path)), [], steps.LIBRARY)
+    book = load(str(pb(text, tmp_path)), [], library.LIBRARY)
     return run_playbook(
-        book, steps.LIBRARY, make_ctx(tmp_path, dry_run=dry_run), bind_options(book, steps.LIBRARY, {})
+        book, library.LIBRARY, make_ctx(tmp_path, dry_run=dry_run), bind_options(book, library.LIBRARY, {})
     )
 
 
@@ -41,7 +42,7 @@ def test_a_playbook_cannot_stop_with_a_grace_under_the_trainers_floor(tmp_path):
 
 
 def test_a_two_node_stop_and_relaunch_refuse_a_grace_under_the_floor():
-    from dflash_ops.act import multinode
+    from dflash_ops.commands import multinode
 
     inventory = load_inventory_text(
         textwrap.dedent("""\

@@ -8,9 +8,10 @@ import json
 import time
 from pathlib import Path
 
-from dflash_ops import commands, ops
+from dflash_ops import commands
+from dflash_ops.observe import check as check_lib
 
-from dflash_ops.act import jobpaths
+from dflash_ops.job import jobpaths
 
 from dflash_ops.observe import status as status_lib
 from trainer import metrics_format
@@ -39,7 +40,7 @@ def test_stop_after_the_run_finished_keeps_it_finished_and_tau_stays_in_health(l
     assert step(stopped, "mark_stopped").message == "job state kept: the run had finished"
     assert job_state(target) == before  # not rewritten
 
-    checked = ops.check(target)
+    checked = check_lib.check(target)
     assert checked.verdict.level == "OK" and checked.verdict.reasons == ("finished at step 8",)
     assert checked.verdict.perfdata["tau"].value == 2.5
     assert checked.status.eval.tau == 2.5 and "tau 2.50" in checked.status.to_text()

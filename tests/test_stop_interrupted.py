@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import commands, ops
+from dflash_ops import commands
+from dflash_ops.observe import check as check_lib
 from dflash_ops.inventory.load import load_inventory
 from dflash_ops.observe import health
 from trainer import metrics_format
@@ -95,7 +96,7 @@ def test_sigint_anywhere_in_stop_never_leaves_a_signalled_trainer_recorded_runni
     state = job_state(target)["state"]
     if trainer_signalled(target):
         assert state in ("stopping", "stopped"), state
-        verdict = ops.check(target).verdict
+        verdict = check_lib.check(target).verdict
         assert verdict.level != "CRITICAL", verdict.reasons  # so --auto-relaunch restarts nothing
     else:
         assert state in ("running", "stopping"), state
@@ -114,7 +115,7 @@ def test_relaunch_interrupted_while_waiting_for_step_one_says_the_job_was_launch
     _, err = relaunch.communicate(timeout=60)
     assert relaunch.returncode == 130, err
     assert "the job was launched" in err and f"dflash-ops stop -t {target.name}" in err, err
-    assert ops.check(target).status.session.running is True  # it trains on
+    assert check_lib.check(target).status.session.running is True  # it trains on
 
 
 # ------------------------------------------------------------------ health of a stop in progress

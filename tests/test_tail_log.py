@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import ops
+from dflash_ops.observe.log_tail import tail_log
 from dflash_ops.errors import InputError
 
 
@@ -25,7 +25,7 @@ def test_follow_moves_to_the_new_log_after_a_relaunch(local_target):
     first = logs / "train-0001.log"
     first.write_text("run 1 line 1\n")
     shown, stop = [], threading.Event()
-    follower = threading.Thread(target=ops.tail_log, kwargs=dict(
+    follower = threading.Thread(target=tail_log, kwargs=dict(
         target=local_target, lines=5, follow=True, emit=shown.append, poll_s=0.1, should_stop=stop.is_set))
     follower.start()
     try:
@@ -46,7 +46,7 @@ def test_follow_moves_to_the_new_log_after_a_relaunch(local_target):
 def test_log_that_is_not_a_regular_file_is_refused(local_target, tmp_path, kind):
     path = {"directory": str(tmp_path), "device": "/dev/null", "missing": str(tmp_path / "nope.log")}[kind]
     with pytest.raises(InputError) as info:
-        ops.tail_log(local_target, lines=5, log=path, emit=lambda line: None)
+        tail_log(local_target, lines=5, log=path, emit=lambda line: None)
     message = str(info.value)
     assert message.startswith(f"--log {path}: ") and "\n" not in message, message
 
@@ -54,7 +54,7 @@ def test_log_that_is_not_a_regular_file_is_refused(local_target, tmp_path, kind)
 def test_follow_goes_by_the_job_state_not_the_newest_file_name(local_target):
     """The log the job state names is the job's log: a stray higher-numbered file is not followed,
     and a relaunch that names its new log in the state is."""
-    from dflash_ops.act import jobpaths, jobstate
+    from dflash_ops.job import jobpaths, jobstate
 
     logs = Path(local_target.job.log_dir)
     logs.mkdir(parents=True)
@@ -67,7 +67,7 @@ def test_follow_goes_by_the_job_state_not_the_newest_file_name(local_target):
     first.write_text("run 1 line 1\n")
     name_in_state(first, 1)
     shown, stop = [], threading.Event()
-    follower = threading.Thread(target=ops.tail_log, kwargs=dict(
+    follower = threading.Thread(target=tail_log, kwargs=dict(
         target=local_target, lines=5, follow=True, emit=shown.append, poll_s=0.1, should_stop=stop.is_set))
     follower.start()
     try:

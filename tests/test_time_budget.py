@@ -91,7 +91,7 @@ def test_a_silent_ssh_server_is_unknown_within_the_budget(silent_server, ssh_spe
 
 
 def test_a_hung_tmux_is_unknown_not_a_dead_job(local_target, tmp_path, monkeypatch):
-    from dflash_ops import ops
+    from dflash_ops.observe import check as check_lib
 
     fake = tmp_path / "bin"
     fake.mkdir()
@@ -99,7 +99,7 @@ def test_a_hung_tmux_is_unknown_not_a_dead_job(local_target, tmp_path, monkeypat
     (fake / "tmux").chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
     start = time.monotonic()
-    checked = ops.check(local_target, timeout_s=3)
+    checked = check_lib.check(local_target, timeout_s=3)
     assert time.monotonic() - start <= 3.5
     assert checked.verdict.level == "UNKNOWN", checked.verdict
     assert checked.verdict.reasons[0].startswith("tmux session UNKNOWN: tmux gave no answer within")

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from dflash_ops.act import tmux
-from dflash_ops.inventory.model import Job
+from dflash_ops.job import tmux
+from dflash_ops.job.model import Job
 from dflash_ops.remote import procs
 
 

@@ -7,12 +7,13 @@ import textwrap
 import pytest
 
 from dflash_ops.inventory import target as inventory_target
-from dflash_ops.act import launch, torchrun
+from dflash_ops.act import launch
+from dflash_ops.job import torchrun
 from dflash_ops.observe import logs
 from dflash_ops.remote import launch_job
 from dflash_ops.errors import InputError
 from dflash_ops.inventory.load import load_inventory_text
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 
 FILE = "inv.yaml"
 BASE = "transport: ssh, host: h, job: {workdir: /w, python: /w/py, config: tiny-cpu"

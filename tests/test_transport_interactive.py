@@ -20,7 +20,7 @@ from dflash_ops.transport import LocalTransport
 
 CLIENT = r"""
 import json, sys
-from dflash_ops.inventory.model import HostSpec
+from dflash_ops.job.model import HostSpec
 from dflash_ops.transport import LocalTransport, PctTransport, SshTransport
 kind, spec, ctid, script = json.loads(sys.argv[1])
 if kind == "local":

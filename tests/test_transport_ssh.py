@@ -10,7 +10,7 @@ import paramiko
 import pytest
 
 from dflash_ops.errors import AuthError, ConnectError, HostKeyError, InputError
-from dflash_ops.inventory.model import HostSpec, JumpHost
+from dflash_ops.job.model import HostSpec, JumpHost
 from dflash_ops.transport import SshTransport
 
 try:

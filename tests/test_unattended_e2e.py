@@ -18,12 +18,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash_ops import commands, ops
+from dflash_ops import commands
+from dflash_ops.observe import check as check_lib
+from dflash_ops.transport.factory import connect
+from dflash_ops.observe.log_tail import tail_log
 
-from dflash_ops.act import jobpaths
+from dflash_ops.job import jobpaths
 from dflash_ops.cli import cli
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.inventory.model import Health
+from dflash_ops.job.model import Health
 
 try:
     from tests.test_ops_e2e import _write_gpus, cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
@@ -74,7 +77,7 @@ def alive(pid: int) -> bool:
 
 
 def trainer_pid(target) -> int:
-    checked = ops.check(target)
+    checked = check_lib.check(target)
     start = next(r for r in checked.report.records if r.get("event") == "start")
     return int(start["pid"])
 
@@ -92,10 +95,10 @@ def test_case1_a_stop_is_never_undone_by_health(pct_target, cleanup, bystander, 
     assert step(stopped, "mark_stopped").message == "job state: stopped by dflash-ops stop"
     kept = checkpoints(target, 1)
 
-    checked = ops.check(target)
+    checked = check_lib.check(target)
     assert checked.verdict.level == "OK", checked.verdict
     assert checked.verdict.reasons[0].startswith("stopped by dflash-ops stop at ")
-    assert ops.auto_relaunch(target, checked) is None  # nothing to do: nobody relaunches a stop
+    assert commands.auto_relaunch(target, checked) is None  # nothing to do: nobody relaunches a stop
     assert checked.status.session.running is not True
     assert "job: stopped by dflash-ops stop, run 0001" in checked.status.to_text()
 
@@ -121,14 +124,14 @@ def test_case2_a_deleted_log_of_a_live_trainer_is_a_warning_not_a_fallback(local
     pid = trainer_pid(target)
     time.sleep(3)  # longer than stall_seconds: the run goes on, only its log is gone
 
-    checked = ops.check(target)
+    checked = check_lib.check(target)
     assert checked.verdict.level == "WARNING", checked.verdict
     assert any(f"log {log} is missing while the trainer (pid {pid}) is alive" in r for r in checked.verdict.reasons)
     assert checked.status.log_missing == log and checked.status.log is None
     assert checked.status.metrics.endswith("train-0002.metrics.jsonl")  # never train-0001's
     assert checked.status.training.last_update_age_s < 2
     with pytest.raises(DflashOpsError, match="the log of run 0001, .*train-0002.log, is missing"):
-        ops.tail_log(target, lines=3, emit=lambda _line: None)
+        tail_log(target, lines=3, emit=lambda _line: None)
     assert alive(pid) and alive(bystander.pid)
 
 
@@ -183,7 +186,7 @@ def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, clean
         assert failed.failed.step == "preflight" and "check 'GPU query'" in failed.failed.message
         assert "nothing was stopped" in failed.failed.message
         assert [s.status for s in failed.steps[1:]] == ["not-run"] * 7
-        health = ops.check(target).verdict
+        health = check_lib.check(target).verdict
         assert health.level == "WARNING" and any("GPUs 0,1 are assigned but the GPU query failed" in r
                                                  for r in health.reasons), health
         gpu_state_path.write_text(json.dumps(state))
@@ -207,7 +210,7 @@ def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, clean
         assert failed.failed.step == "preflight" and "check 'release'" in failed.failed.message
 
         assert alive_in_ct(target, pid) and trainer_pid(target) == pid, "a failed preflight stopped the job"
-        assert ops.check(target).status.session.running is True
+        assert check_lib.check(target).status.session.running is True
 
         # stop with the GPU query failing: the job's processes end, so the stop succeeds and says so
         gpu_state_path.write_text(json.dumps(dict(state, driver_error=True)))
@@ -215,14 +218,14 @@ def test_case4_relaunch_checks_before_it_stops(pct_target, gpu_state_path, clean
         assert stopped.ok, stopped.summary()
         assert step(stopped, "wait_gpu_free").message.startswith("the job's processes are gone; GPUs not checked")
         assert not alive_in_ct(target, pid)
-        assert ops.check(target).verdict.reasons[0].startswith("stopped by dflash-ops stop")
+        assert check_lib.check(target).verdict.reasons[0].startswith("stopped by dflash-ops stop")
         assert alive(bystander.pid)
     finally:
         gpu_state_path.unlink(missing_ok=True)
 
 
 def alive_in_ct(target, pid: int) -> bool:
-    with ops.connect(target) as t:
+    with connect(target) as t:
         return t.run(f"kill -0 {pid}", timeout=20).ok
 
 
@@ -236,7 +239,7 @@ def test_case5_6_runs_finish_resume_and_fresh_keep_every_checkpoint(local_target
     wait_for(lambda: job_state(target)["state"] == "finished", what="the run to finish")
     assert checkpoints(target, 1) == ["step-0000005", "step-0000010", "step-0000012"]
     assert (Path(jobpaths.runs_dir(target.job)) / "0001" / jobpaths.RUN_FINISHED).exists()
-    checked = ops.check(target)
+    checked = check_lib.check(target)
     assert checked.verdict.level == "OK" and checked.verdict.reasons == ("finished at step 12",)
 
     # the README's main command, run a second time: a new run, not a resume of the finished one
@@ -304,7 +307,7 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
     cleanup(target)
     _write_gpus(gpu_state_path)
     pid_file = tmp_path / "foreign.pid"
-    with ops.connect(target) as t:  # a foreign process in the container, on the job's GPU 1
+    with connect(target) as t:  # a foreign process in the container, on the job's GPU 1
         t.check(f"setsid -f bash -c 'echo $$ > {pid_file}; exec sleep 300' </dev/null >/dev/null 2>&1", timeout=20)
     foreign = int(wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), what="the foreign pid"))
     try:
@@ -314,7 +317,7 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
         state["compute_apps"].append({"pid": foreign, "gpu_index": 1, "used_memory_mib": 7000, "process_name": "sleep"})
         gpu_state_path.write_text(json.dumps(state))
 
-        checked = ops.check(target)
+        checked = check_lib.check(target)
         assert checked.verdict.level == "WARNING", checked.verdict
         assert any(f"pid {foreign} sleep on GPU 1 (7000 MiB" in r for r in checked.verdict.reasons)
         procs = {p.pid: p for g in checked.status.gpus for p in g.processes}
@@ -333,8 +336,8 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
         crashed = standin(pct_target, mode="crash")
         cleanup(crashed)
         commands.relaunch(crashed, **quick())
-        wait_for(lambda: ops.check(crashed).status.session.exists and
-                 not ops.check(crashed).status.session.running, what="the crash")
+        wait_for(lambda: check_lib.check(crashed).status.session.exists and
+                 not check_lib.check(crashed).status.session.running, what="the crash")
         again = commands.stop(crashed)
         message = step(again, "stop_session").message
         # tmux (3.3a, in the simulated container) now and then marks the pane dead without ever
@@ -342,7 +345,7 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
         assert again.ok and message.startswith(("the trainer had already exited (status 1)",
                                                 "the trainer had already exited (status ?)")), message
     finally:
-        with ops.connect(target) as t:
+        with connect(target) as t:
             t.run(f"kill {foreign}", timeout=20)
         gpu_state_path.unlink(missing_ok=True)
     assert alive(bystander.pid)
@@ -364,7 +367,7 @@ def test_the_single_run_dir_of_earlier_versions_becomes_run_0001_and_is_resumed(
 
 
 def test_a_host_pid_invisible_in_the_container_is_never_called_foreign():
-    from dflash_ops.act.steps import surely_foreign
+    from dflash_ops.act.processes import surely_foreign
 
     others = [{"pid": 1, "owner": "", "visible": False},  # inside LXC: maybe the job's own trainer
               {"pid": 2, "owner": "ct 201", "visible": False}, {"pid": 3, "owner": "", "visible": True},

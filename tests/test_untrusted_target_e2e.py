@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import commands, ops
+from dflash_ops import commands
+from dflash_ops.observe import check as check_lib
+from dflash_ops.transport.factory import connect
 
-from dflash_ops.act import jobpaths
+from dflash_ops.job import jobpaths
 
 try:
     from tests.test_ops_e2e import STANDIN, cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
@@ -56,7 +58,7 @@ sys.exit("pid %d stayed taken" % want)
 
 
 def in_ct(target, script: str, timeout: float = 30):
-    with ops.connect(target) as t:
+    with connect(target) as t:
         return t.run(script, timeout=timeout)
 
 
@@ -118,7 +120,7 @@ def test_a_foreign_process_on_a_dead_panes_pid_is_never_the_jobs(pct_target, cle
     foreign = foreign_on_pid(target, pane)
     kept = checkpoints(target, 1)
     try:
-        checked = ops.check(target)
+        checked = check_lib.check(target)
         assert foreign not in [p.pid for p in checked.status.processes], checked.status.processes
 
         stopped = commands.stop(target)
@@ -252,7 +254,7 @@ def test_a_check_that_raises_is_one_unknown_line_naming_the_target(pct_target, t
     def broken(*_args, **_kwargs):
         raise OverflowError("timestamp out of range for platform time_t")
 
-    monkeypatch.setattr(ops, "check", broken)
+    monkeypatch.setattr(check_lib, "check", broken)
     result = CliRunner().invoke(cli_group, ["--inventory", str(inventory), "health", "-t", target.name])
     assert result.exit_code == 3 and result.exception is None or isinstance(result.exception, SystemExit)
     assert result.output.strip() == (f"DFLASH UNKNOWN: {target.name}: the check itself failed "
@@ -431,7 +433,7 @@ def test_two_relaunches_at_once_one_says_who_runs_and_touches_nothing(pct_target
         assert f"another relaunch is running (pid {winner.pid} on " in line, line
         assert "nothing was done here" in line and "[1/" not in other.stdout  # no step ran
     assert job_state(target)["state"] == "running" and job_state(target)["run"] == 1
-    assert ops.check(target).status.session.running is True  # the winner's trainer, never stopped
+    assert check_lib.check(target).status.session.running is True  # the winner's trainer, never stopped
     assert not Path(jobpaths.lock_file(target.job)).read_text().strip()  # released when the winner ended
     assert alive(bystander.pid)
 
@@ -507,7 +509,7 @@ def test_an_unreachable_target_is_left_to_the_preflight_not_the_lock(silent_serv
 def test_the_pane_answer_reads_the_same_outside_a_utf8_locale(tmp_path, locale):
     """cron and a bare ssh session run tmux in the C locale, where it prints a tab as "_": the pane
     list must still read as the live pane it is (else health would call a running job gone)."""
-    from dflash_ops.act import tmux
+    from dflash_ops.job import tmux
     from dflash_ops.remote import procs
 
     socket = f"locale-{os.getpid()}-{len(locale)}"

@@ -1,5 +1,6 @@
-"""Acting on a job: the steps the commands run (steps.py, preflight.py), how they run (context.py:
-where a step acts and what it returns; runner.py: a plan of steps in order, halting at the first
-failure), and what they stand on: where the job's files are (jobpaths.py), its recorded state
-(jobstate.py), its lock, tmux, the launch line (launch.py, torchrun.py), releases (deploy.py), the
-cache guard, the stop grace; multinode*.py drive one job across several targets."""
+"""Acting on a job: the steps the commands run (steps.py, preflight.py, both over processes.py: the
+job's processes, the GPUs, the cache as the target sees them; library.py names those a playbook
+may use), how they run (context.py: where a step acts and what it returns; runner.py: a plan of
+steps in order, halting at the first failure), the launch (launch.py), releases (deploy.py), the
+stop grace; multinode_checks.py and multinode_phases.py are the parts of a job across several
+targets. What the job is on its target is dflash_ops.job's."""

@@ -12,7 +12,7 @@ from dflash_ops.transport.base import Result, Transport
 from dflash_ops.transport.dry_run import DryRunTransport
 
 if TYPE_CHECKING:
-    from dflash_ops.inventory.model import Target
+    from dflash_ops.job.model import Target
 
 
 @dataclasses.dataclass

@@ -19,10 +19,11 @@ import time
 
 from dflash_ops import __version__
 
-from dflash_ops.act import jobpaths
+from dflash_ops.job import jobpaths
 from dflash_ops.errors import InputError
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job, Target
 from dflash_ops.remote import shell_command
+from dflash_ops.transport.factory import connect
 
 KEEP_RELEASES = 5
 
@@ -135,3 +136,28 @@ def format_list(releases: list[Release]) -> list[str]:
         + ("  (current)" if r.current else "")
         for r in releases
     ]
+
+
+def list_releases(target: Target) -> list[Release]:
+    """The releases kept on the target, most recently deployed first."""
+    with connect(target) as transport:
+        return parse_list(transport.check(list_script(target.job), timeout=30, step="list releases").stdout)
+
+
+def require_kept_release(target: Target, release: str | None) -> None:
+    """`deploy --rollback [RELEASE]`: RELEASE (none: a release besides the current one) must be kept
+    on the target, checked before anything switches (one line, exit 2)."""
+    releases = list_releases(target)
+    kept = [r.id for r in releases]
+    if release is None:
+        if not any(not r.current for r in releases):
+            raise InputError(
+                f"--rollback: no earlier release to roll back to on {target.name} "
+                f"(kept: {', '.join(kept) or 'none'}); nothing was changed"
+            )
+        return
+    if release not in kept:
+        raise InputError(
+            f"--rollback {release}: no such release kept on {target.name} "
+            f"(kept: {', '.join(kept) or 'none'}); `dflash-ops deploy --list` shows them"
+        )

@@ -14,7 +14,7 @@ from pathlib import Path
 from trainer import stop_timing, typed_yaml
 
 from dflash_ops.errors import InputError
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 
 _SETTING = "run.stop_grace_s"
 _BUNDLED = Path(typed_yaml.__file__).resolve().parent / "configs"

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import posixpath
 
-from dflash_ops.act import jobpaths, tmux, torchrun
+from dflash_ops.job import jobpaths, tmux, torchrun
 from dflash_ops.remote import python_command, script_source, shell_code
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 
 
 # Stands for the run's directory (runs/NNNN), which only the launcher picks: it puts the run's

@@ -9,9 +9,9 @@ import json
 import secrets
 from typing import Sequence
 
-from dflash_ops.act import jobpaths
+from dflash_ops.job import jobpaths
 from dflash_ops.errors import StepFailed
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 from dflash_ops.inventory.multinode import MultinodeJob
 from dflash_ops.act.multinode_phases import JobContext, Node, each, each_outcome, one, per_node
 from dflash_ops.act.context import StepContext

@@ -11,9 +11,9 @@ import contextlib
 import dataclasses
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-from dflash_ops.act import joblock
+from dflash_ops.job import joblock
 from dflash_ops.errors import StepFailed
-from dflash_ops.inventory.model import Target
+from dflash_ops.job.model import Target
 from dflash_ops.inventory.multinode import MultinodeJob
 from dflash_ops.act.context import StepContext, StepOutcome
 from dflash_ops.transport.dry_run import DryRunTransport
@@ -179,5 +179,5 @@ def running(
         if on_locked is not None:
             on_locked()
         ctx = JobContext(nodes[0].target, nodes[0].transport, job_name=job.name, nodes=tuple(nodes))
-        with Run(command, ctx, plan, on_progress, source=f"dflash_ops.act.multinode.{command}") as run:
+        with Run(command, ctx, plan, on_progress, source=f"dflash_ops.commands.multinode.{command}") as run:
             yield run, nodes

@@ -5,12 +5,12 @@ deployed, the GPU query answers, no foreign process sits on the job's GPUs, chec
 
 from __future__ import annotations
 
-from dflash_ops.act import jobpaths, jobstate
+from dflash_ops.job import jobpaths, jobstate
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 from dflash_ops.act.context import StepContext, StepOutcome
 from dflash_ops.remote import shell_command
-from dflash_ops.act.steps import (
+from dflash_ops.act.processes import (
     _fail,
     _gpu_snapshot,
     describe_foreign,

@@ -11,7 +11,6 @@ a command sets from its options has no default here: the command's default is th
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import posixpath
 import shlex
@@ -19,94 +18,26 @@ import time
 from typing import Any
 
 from dflash_ops.act import deploy as deploy_lib
-from dflash_ops.act import cache_guard, jobpaths, jobstate, launch as launch_lib, tmux
+from dflash_ops.job import jobpaths, jobstate, tmux
+from dflash_ops.act import launch as launch_lib
 from dflash_ops.errors import DflashOpsError, InputError, Interrupted, RemoteCommandError, StepFailed
-from dflash_ops.gpu import HOST_GPU_QUERY, busy_gpus, parse_host_gpu_query, parse_nvidia_smi
-from dflash_ops.observe.gpu_owners import ownership
-from dflash_ops.inventory.model import Job
+from dflash_ops.observe.gpu import busy_gpus
+from dflash_ops.job.model import Job
 from dflash_ops.act.context import StepContext, StepOutcome
-from dflash_ops.remote import bundle, facts, python_command, shell_command
+from dflash_ops.act.processes import (
+    _fail,
+    _gpu_snapshot,
+    describe_foreign,
+    job_processes,
+    refuse_while_job_lives,
+    resolve_cache,
+    surely_foreign,
+)
+from dflash_ops.remote import bundle, facts, shell_command
 from dflash_ops.transport.base import quote_argv
-
-_JOBPROCS = "jobprocs.py"
-_JOBPROCS_LISTS = ("job", "unidentified", "exited_panes", "terminated", "killed", "survivors")
-GPU_QUERY = f"{quote_argv(facts.gpu_query_argv())} && echo @@ && {quote_argv(facts.apps_query_argv())}"
-
-
-def _fail(ctx: StepContext, why: str) -> StepFailed:
-    return StepFailed(f"[{ctx.target_name}] {ctx.step}: {why}")
-
-
-def _host_ctid(ctx: StepContext) -> int | None:
-    return ctx.target.gpu_host_ctid if ctx.target is not None else None
-
-
-def _gpu_snapshot(ctx: StepContext):
-    """The GPUs as nvidia-smi sees them: on the Proxmox host (pids mapped to this container, others
-    labelled) when the inventory says so, else where the job runs. None listed under dry-run."""
-    ctid = _host_ctid(ctx)
-    if ctid is not None:
-        result = ctx.run_on_host(HOST_GPU_QUERY, timeout=60, check=False)
-    else:
-        result = ctx.run(GPU_QUERY, timeout=60, check=False)
-    if not result.ok:
-        raise _fail(ctx, "nvidia-smi failed: " + (result.stdout + result.stderr).strip()[-500:])
-    return parse_host_gpu_query(result.stdout, ctid) if ctid is not None else parse_gpu_query(result.stdout)
 
 
 # ------------------------------------------------------------------ the job's processes
-
-
-def job_processes(
-    ctx: StepContext, job: Job, gpus: list[int], grace_s: float, include_session: bool, action: str
-) -> dict:
-    """Run remote/jobprocs.py: the job's living processes and the foreign ones on its GPUs, ended
-    when action is "kill". Under dry-run none are found."""
-    args = {
-        **jobpaths.identity_args(job),
-        "gpus": list(gpus),
-        "action": action,
-        "grace_s": grace_s,
-        "include_session": include_session,
-    }
-    if gpus and _host_ctid(ctx) is not None:
-        # Inside LXC nvidia-smi shows host pids; hand the script the host's mapped view instead.
-        args["gpu_apps"] = [
-            [p.pid, g.index, p.used_memory_mib, p.owner, p.name]
-            for g in _gpu_snapshot(ctx).gpus
-            if g.index in gpus
-            for p in g.processes
-        ]
-    result = ctx.run(
-        python_command(job.python, _JOBPROCS, args), timeout=grace_s + 60, stdin=bundle(_JOBPROCS)
-    )
-    if ctx.dry_run:
-        return {key: [] for key in _JOBPROCS_LISTS}
-    try:
-        report = json.loads(result.stdout)
-    except (ValueError, RecursionError):
-        report = None
-    if not isinstance(report, dict) or not all(isinstance(report.get(k), list) for k in _JOBPROCS_LISTS):
-        raise _fail(ctx, f"the process listing gave no readable answer: {result.stdout.strip()[:200]!r}")
-    return report
-
-
-def _name_of(process: dict) -> str:
-    name = process.get("name") or (process.get("cmd") or "").split(" ")[0]
-    return f" {name}" if name else ""
-
-
-def describe_foreign(others: list[dict], invisible: str = "not visible here") -> str:
-    """`pid 812 sleep on GPU 1 (7000 MiB, ct 201, host pid)`, for each process on the job's GPUs
-    that is not the job's; these are reported and never signalled. `invisible` says what a pid
-    without a /proc entry here means."""
-    return "; ".join(
-        f"pid {o['pid']}{_name_of(o)} on GPU {o['gpu']} "
-        f"({o.get('used_memory_mib')} MiB, "
-        + (o["owner"] + ", host pid" if o.get("owner") else "here" if o.get("visible") else invisible)
-        + ")"
-        for o in others
-    )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -185,17 +116,6 @@ def kill_gpu_processes(ctx: StepContext, job: Job, grace_s: float = 10.0) -> End
 # ------------------------------------------------------------------ GPUs
 
 
-def parse_gpu_query(stdout: str):
-    gpu_csv, _, apps_csv = stdout.partition("@@")
-    return parse_nvidia_smi(gpu_csv, apps_csv)
-
-
-def surely_foreign(others: list[dict]) -> list[dict]:
-    """Those of jobprocs' unidentified processes (none of them in the job's tree or marked) that
-    gpu_owners.ownership() calls foreign."""
-    return [o for o in others if ownership(str(o.get("owner") or ""), bool(o.get("visible")), False)]
-
-
 def _pid_owner(processes: list[dict[str, Any]]) -> set[tuple[int, str]]:
     """(pid, owner) of each process, as the GPU snapshot names them."""
     return {(int(p["pid"]), p.get("owner") or "") for p in processes}
@@ -272,39 +192,6 @@ def _check_purgeable(ctx: StepContext, job: Job, path: str) -> None:
             f"refusing to purge {path!r}: give a dedicated cache dir "
             "(absolute, at least two levels deep, not the workdir)",
         )
-
-
-def resolve_cache(ctx: StepContext, job: Job, path: str) -> tuple[str | None, str | None]:
-    """(the cache path as the target resolves it, why it may not be used as a cache or None):
-    the cache and the job's own places are resolved ON THE TARGET (realpath -m: symlinks followed,
-    missing parts allowed), then cache_guard's rule is applied to what they really are.
-    (None, None) under dry-run: nothing is known."""
-    owned = cache_guard.owned_paths(job.workdir, job.log_dir, job.python)
-    paths = [path] + [p for p, _, _ in owned]
-    result = ctx.run(quote_argv(["realpath", "-m", "-z", "--", *paths]), timeout=30)
-    if ctx.dry_run:
-        return None, None
-    parts = result.stdout.split("\0")
-    if len(parts) != len(paths) + 1 or not all(p.startswith("/") for p in parts[:-1]):
-        return None, f"realpath on the target gave no answer for {path} ({result.stdout[:100]!r})"
-    resolved = parts[0]
-    why = cache_guard.problem(
-        resolved, [(parts[i + 1], what, inside) for i, (_, what, inside) in enumerate(owned)]
-    )
-    if why is None:
-        return resolved, None
-    field = "job.cache_dir" if path == job.cache_dir else "purge_cache path"
-    shown = path if resolved == path else f"{path} (on the target: {resolved})"
-    return resolved, f"{field} {shown} {why}; give the cache a directory of its own"
-
-
-def refuse_while_job_lives(ctx: StepContext, job: Job, what: str) -> None:
-    """Fail, naming pids, while any process of the job lives: its tmux tree or anything carrying
-    the launcher's marker (an orphan of an earlier launch included)."""
-    report = job_processes(ctx, job, [], 0.0, True, "list")
-    if report["job"]:
-        pids = ", ".join(f"{p['pid']} ({p['cmd'][:40]})" for p in report["job"][:5])
-        raise _fail(ctx, f"the job is running (pids {pids}); {what}")
 
 
 def purge_cache(
@@ -575,24 +462,3 @@ def _refusable(ctx: StepContext, script: str, error: type[DflashOpsError]):
     if not result.ok:
         raise RemoteCommandError(ctx.target_name, ctx.step, result)
     return result
-
-
-from dflash_ops.act.preflight import preflight, require_job_stopped  # noqa: E402  (they use the helpers above)
-
-# The steps a playbook file may name.
-LIBRARY = {
-    step.__name__: step
-    for step in (
-        preflight,
-        require_job_stopped,
-        stop_session,
-        mark_stopped,
-        kill_gpu_processes,
-        wait_gpu_free,
-        purge_cache,
-        deploy,
-        launch,
-        wait_first_step,
-        rollback,
-    )
-}

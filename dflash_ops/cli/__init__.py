@@ -1,5 +1,6 @@
-"""dflash-ops: a thin click layer over dflash_ops.ops. Every command takes --target NAME|GROUP;
-a group fans out in parallel, one result per target, and the exit code is the worst."""
+"""dflash-ops: a thin click layer over dflash_ops.commands and dflash_ops.observe. Every command
+takes --target NAME|GROUP; a group fans out in parallel, one result per target, and the exit code
+is the worst."""
 
 from __future__ import annotations
 

@@ -33,13 +33,13 @@ def playbook_group():
 @click.pass_obj
 def playbook_list(obj):
     """Show your playbooks and the steps they may use."""
-    from dflash_ops.act import steps
+    from dflash_ops.act import library
     from dflash_ops.playbook import signature, user
 
     for name, path in user.list_playbooks(obj.search_dirs()).items():
         click.echo(f"{name:14} {path}")
     click.echo("\nsteps:")
-    for name, step in steps.LIBRARY.items():
+    for name, step in library.LIBRARY.items():
         click.echo(f"  {signature.describe(name, step)}")
 
 
@@ -52,12 +52,12 @@ def playbook_list(obj):
 def playbook_run(obj, name, target, dry_run, assignments):
     """Run the playbook NAME (a name from `playbook list`, or a path)."""
     from dflash_ops import commands
-    from dflash_ops.act import steps
+    from dflash_ops.act import library
     from dflash_ops.playbook import user
 
     obj.targets(target)  # an unknown target is refused before the file is read
-    book = user.load(name, obj.search_dirs(), steps.LIBRARY)
-    options = user.bind_options(book, steps.LIBRARY, user.parse_option_assignments(assignments))
+    book = user.load(name, obj.search_dirs(), library.LIBRARY)
+    options = user.bind_options(book, library.LIBRARY, user.parse_option_assignments(assignments))
 
     def act(tgt, show):
         return commands.run_playbook(tgt, book, options, dry_run=dry_run, on_progress=show)

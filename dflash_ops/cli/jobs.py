@@ -11,7 +11,7 @@ import click
 
 from dflash_ops import commands
 from dflash_ops.errors import InputError
-from dflash_ops.cli import multinode
+import dflash_ops.cli.multinode as multinode
 from dflash_ops.cli.group import Obj, cli, dry_run_option, grace_option, one_target, target_option
 
 
@@ -23,8 +23,8 @@ def default(command: Callable, option: str) -> str:
 def run_each(obj: Obj, target_name, name: str, source: str, act: Callable[[Any, Callable], Any]) -> int:
     """`act(target, on_progress)` on each target in parallel, with progress as it goes and one
     summary per target; the exit code is the worst."""
-    from dflash_ops.fanout import fan_out
-    from dflash_ops.progress_view import ProgressPrinter
+    from dflash_ops.transport.fanout import fan_out
+    from dflash_ops.cli.progress_view import ProgressPrinter
 
     targets = obj.targets(target_name)
     lock = threading.Lock()
@@ -171,12 +171,11 @@ def purge_cache(obj, target, dry_run):
 def deploy(obj, target, dry_run, rollback, list_):
     """Deploy the bundled trainer as a versioned release (checksum, atomic `current` switch)."""
     from dflash_ops.act import deploy as deploy_lib
-    from dflash_ops import ops
 
     if list_:
         if rollback is not None:
             raise InputError("--list and --rollback: give one of them")
-        for line in deploy_lib.format_list(ops.list_releases(one_target(obj, target))):
+        for line in deploy_lib.format_list(deploy_lib.list_releases(one_target(obj, target))):
             click.echo(line)
         return
     if rollback is None:
@@ -185,5 +184,5 @@ def deploy(obj, target, dry_run, rollback, list_):
         deploy_lib.check_release_id(rollback, "--rollback")
     if not dry_run:
         for tgt in obj.targets(target):
-            ops.require_kept_release(tgt, rollback or None)
+            deploy_lib.require_kept_release(tgt, rollback or None)
     sys.exit(run_command(obj, target, commands.rollback, dry_run, release=rollback or None))

@@ -39,15 +39,15 @@ def metrics_cmd(obj, target, textfile_dir, port, listen, timeout):
     node_exporter's textfile collector; `cron install --metrics DIR` runs it every few minutes.
     An unreachable target still writes dflash_up 0 and dflash_health_status 3.
     """
-    from dflash_ops import ops
-    from dflash_ops.fanout import fan_out
-    from dflash_ops.observe import prometheus, textfile
+    from dflash_ops.transport.fanout import fan_out
+    from dflash_ops.observe import check as check_lib, prometheus, textfile
 
     targets = obj.targets(target)
 
     def render() -> str:
         checked = [
-            ops.checked_outcome(o) for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))
+            check_lib.checked_outcome(o)
+            for o in fan_out(targets, lambda t: check_lib.check(t, timeout_s=timeout))
         ]
         return prometheus.render(checked)
 

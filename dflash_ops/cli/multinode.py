@@ -25,7 +25,7 @@ def job_named(obj: Obj, target: str | None, node: str | None = None):
 
 
 def _printer():
-    from dflash_ops.progress_view import ProgressPrinter
+    from dflash_ops.cli.progress_view import ProgressPrinter
 
     lock = threading.Lock()
     printer = ProgressPrinter(lambda text: click.echo(text, nl=False), is_tty=sys.stdout.isatty())
@@ -52,7 +52,7 @@ def _finish(command: str, job, run) -> int:
 
 def relaunch(job, options: dict, dry_run: bool) -> int:
     """commands.relaunch's options (those left None take its defaults), for every node."""
-    from dflash_ops.act import multinode
+    from dflash_ops.commands import multinode
 
     given = {k: v for k, v in options.items() if v is not None}
     click.echo(f"relaunch: multinode job {job.name} on {', '.join(n.name for n in job.nodes)}")
@@ -62,7 +62,7 @@ def relaunch(job, options: dict, dry_run: bool) -> int:
 
 
 def stop(job, grace: float | None, dry_run: bool) -> int:
-    from dflash_ops.act import multinode
+    from dflash_ops.commands import multinode
 
     given = {} if grace is None else {"grace": grace}
     click.echo(f"stop: multinode job {job.name} on {', '.join(n.name for n in job.nodes)}")
@@ -86,10 +86,11 @@ def status(job, as_json: bool, watch: float | None, timeout: float, color: bool)
 
 
 def health_check(job, as_json: bool, auto_relaunch: bool, timeout: float) -> int:
+    from dflash_ops.commands import multinode
     from dflash_ops.observe import health, multinode as multinode_status, status_output
 
     jc = multinode_status.check(job, timeout)
-    action = multinode_status.auto_relaunch(jc) if auto_relaunch else None
+    action = multinode.auto_relaunch(jc) if auto_relaunch else None
     if as_json:
         relaunched = ({job.name: action.message} if action else {}) if auto_relaunch else None
         click.echo(status_output.health_json([jc.status], relaunched))
@@ -102,6 +103,6 @@ def health_check(job, as_json: bool, auto_relaunch: bool, timeout: float) -> int
 
 def tail_log(job, node: str | None, lines: int, follow: bool, grep: str | None, log: str | None) -> None:
     from dflash_ops.observe import multinode as multinode_status
-    from dflash_ops import ops
+    from dflash_ops.observe.log_tail import tail_log
 
-    ops.tail_log(multinode_status.node_target(job, node), lines, follow, grep, log, emit=click.echo)
+    tail_log(multinode_status.node_target(job, node), lines, follow, grep, log, emit=click.echo)

@@ -10,7 +10,7 @@ import click
 
 from dflash_ops.observe import budget
 from dflash_ops.errors import DflashOpsError, InputError
-from dflash_ops.cli import multinode
+import dflash_ops.cli.multinode as multinode
 from dflash_ops.cli.group import answer_within_option, cli, one_target, target_option
 
 
@@ -41,9 +41,8 @@ def status(obj, target, as_json, watch, timeout):
       step 240/300  loss 2.9870  22.0 Ktok/s  ETA 7 s  last metrics 5 s ago  data synthetic
       OK: step 240/300, loss 2.9870, 22.0 Ktok/s, last step 5 s ago
     """
-    from dflash_ops.observe import health, status_output
-    from dflash_ops import ops
-    from dflash_ops.fanout import fan_out
+    from dflash_ops.observe import check as check_lib, health, status_output
+    from dflash_ops.transport.fanout import fan_out
 
     job = multinode.job_named(obj, target)
     if job is not None:  # every node, one verdict
@@ -51,7 +50,8 @@ def status(obj, target, as_json, watch, timeout):
     targets = obj.targets(target)
     while True:
         checked = [
-            ops.checked_outcome(o) for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))
+            check_lib.checked_outcome(o)
+            for o in fan_out(targets, lambda t: check_lib.check(t, timeout_s=timeout))
         ]
         statuses = [c.status for c in checked]
         if as_json:
@@ -103,9 +103,9 @@ def health_cmd(obj, target, as_json, auto_relaunch, on_change, timeout):
 
 
 def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int:
-    from dflash_ops.observe import health, status_output
-    from dflash_ops import ops
-    from dflash_ops.fanout import fan_out
+    from dflash_ops import commands
+    from dflash_ops.observe import check as check_lib, health, status_output
+    from dflash_ops.transport.fanout import fan_out
 
     deadline = time.monotonic() + timeout
     if on_change:  # the hook's share comes out of the budget, so health still answers within it
@@ -119,13 +119,18 @@ def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int
     except DflashOpsError as exc:  # the check itself could not run: UNKNOWN, not CRITICAL
         click.echo(health.nagios_line(target or "dflash", health.unknown(str(exc).splitlines()[0])))
         return 3
-    checked = [ops.checked_outcome(o) for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout))]
+    checked = [
+        check_lib.checked_outcome(o)
+        for o in fan_out(targets, lambda t: check_lib.check(t, timeout_s=timeout))
+    ]
     actions = {}
     if auto_relaunch:
         for c in checked:
             node = obj.inventory.node_of(c.target.name)
             action = (
-                ops.HealthAction(False, f"not relaunched: {node}") if node else ops.auto_relaunch(c.target, c)
+                commands.HealthAction(False, f"not relaunched: {node}")
+                if node
+                else commands.auto_relaunch(c.target, c)
             )
             if action is not None:
                 actions[c.target.name] = action
@@ -176,14 +181,14 @@ def tail_log(obj, target, lines, follow, grep, log, node):
       step 239/300  loss 3.6034  acc@1 0.599  acc_avg 0.533  22,080 tok/s  lr 3.37e-04  gnorm 1.169  eta 0m07s
       step 240/300  loss 2.9870  acc@1 0.651  acc_avg 0.691  20,501 tok/s  lr 3.27e-04  gnorm 0.966  eta 0m07s
     """
-    from dflash_ops import ops
+    from dflash_ops.observe.log_tail import tail_log
 
     job = multinode.job_named(obj, target, node)
     try:
         if job is not None:
             multinode.tail_log(job, node, lines, follow, grep, log)
             return
-        ops.tail_log(one_target(obj, target), lines, follow, grep, log, emit=click.echo)
+        tail_log(one_target(obj, target), lines, follow, grep, log, emit=click.echo)
     except KeyboardInterrupt:
         pass  # polling leaves nothing running on the target
 
@@ -193,8 +198,8 @@ def tail_log(obj, target, lines, follow, grep, log, node):
 @click.pass_obj
 def attach(obj, target):
     """Attach your terminal to the job's tmux session (detach with Ctrl-b d)."""
-    from dflash_ops import ops
-    from dflash_ops.act import tmux
+    from dflash_ops.job import tmux
+    from dflash_ops.transport.factory import connect
 
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise InputError(
@@ -202,5 +207,5 @@ def attach(obj, target):
             "interactive shell, or use `dflash-ops tail-log -f` to watch the job"
         )
     tgt = one_target(obj, target)
-    with ops.connect(tgt) as transport:
+    with connect(tgt) as transport:
         sys.exit(transport.interactive(tmux.attach(tgt.job)))

@@ -42,7 +42,7 @@ from dflash_ops.inventory.rules import (
     with_article,
 )
 from dflash_ops.inventory.target import TargetBuilder
-from dflash_ops.inventory.model import Target
+from dflash_ops.job.model import Target
 from dflash_ops.inventory import multinode as multinode_inventory
 from dflash_ops.inventory.multinode import MultinodeJob
 from dflash_ops.inventory.strict_yaml import YamlMap, parse_yaml, read_yaml

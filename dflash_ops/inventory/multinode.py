@@ -20,10 +20,10 @@ import dataclasses
 from trainer.launchers import TORCHRUN
 from trainer.typed_yaml import kind_of, show
 
-from dflash_ops.act import cache_guard, jobpaths
+from dflash_ops.job import cache_guard, jobpaths
 from dflash_ops.inventory.layers import Where, check_name, unknown_field
 from dflash_ops.inventory.rules import Bad, host_rule, path_rule, whole_rule
-from dflash_ops.inventory.model import Job, Target
+from dflash_ops.job.model import Job, Target
 from dflash_ops.inventory.strict_yaml import YamlMap
 
 KEY = "multinode"

@@ -15,7 +15,7 @@ from typing import Any, Callable, Union
 from trainer.launchers import LAUNCHERS
 from trainer.typed_yaml import did_you_mean, kind_of, show
 
-from dflash_ops.inventory.model import JumpHost
+from dflash_ops.job.model import JumpHost
 
 TRANSPORTS = ("local", "ssh", "pct")
 HOST_KEY_POLICIES = ("strict", "accept-new", "off")

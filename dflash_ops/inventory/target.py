@@ -12,11 +12,11 @@ from importlib.util import find_spec
 from trainer.launchers import DEFAULT_LAUNCHER, TORCHRUN
 from trainer.typed_yaml import show
 
-from dflash_ops.act import cache_guard
+from dflash_ops.job import cache_guard
 from dflash_ops.errors import InputError
 from dflash_ops.inventory.layers import Fields, Lines, Where
 from dflash_ops.inventory.rules import REMOTE_PATH_EXAMPLES, TORCHRUN_FIELDS, with_article
-from dflash_ops.inventory.model import (
+from dflash_ops.job.model import (
     CACHE_DIR_NAME,
     LEGACY_LOCAL_SESSION,
     LEGACY_SESSION,
@@ -27,7 +27,7 @@ from dflash_ops.inventory.model import (
     Target,
 )
 
-# Fields passed on only when the file sets them, so the defaults are model.py's.
+# Fields passed on only when the file sets them, so the defaults are job/model.py's.
 HOST_OPTIONAL = ("port", "user", "jump", "host_key_policy", "connect_timeout_s")
 HOST_LOCAL_FILES = ("identity_file", "known_hosts_file")  # paths on this machine
 JOB_OPTIONAL = ("session", "tmux_socket", "launcher") + TORCHRUN_FIELDS

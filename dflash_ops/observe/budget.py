@@ -13,7 +13,7 @@ import math
 import threading
 from typing import Callable, TypeVar
 
-from dflash_ops.inventory.model import Target
+from dflash_ops.job.model import Target
 
 DEFAULT_HEALTH_S = 10.0  # NRPE's default check timeout
 DEFAULT_STATUS_S = 20.0

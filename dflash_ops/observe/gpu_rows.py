@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dflash_ops.gpu import IDLE_USED_MIB
+from dflash_ops.observe.gpu import IDLE_USED_MIB
 from dflash_ops.observe.text_style import BOLD, inert, paint
 
 

@@ -12,10 +12,10 @@ import math
 import posixpath
 import re
 
-from dflash_ops import gpu_faults
+from dflash_ops.observe import gpu_faults
 from dflash_ops.observe import acceptance, logs, unattended
 from dflash_ops.observe.text_style import inert
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 from dflash_ops.remote import facts
 
 # The Nagios levels in the order of their plugin exit codes: OK exits 0, ..., UNKNOWN 3.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import posixpath
 
-from dflash_ops.act import jobstate
+from dflash_ops.job import jobstate
 from dflash_ops.remote import facts
 
 RUNNING, STOPPED, FINISHED, DOWN, UNKNOWN = "running", "stopped", "finished", "down", "unknown"

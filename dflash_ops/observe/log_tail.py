@@ -9,9 +9,9 @@ import re
 import time
 from typing import Callable
 
-from dflash_ops.act import jobpaths, jobstate
+from dflash_ops.job import jobpaths, jobstate
 from dflash_ops.errors import DflashOpsError, InputError, RemoteCommandError
-from dflash_ops.inventory.model import Target
+from dflash_ops.job.model import Target
 from dflash_ops.observe.text_style import inert, inert_log_line
 from dflash_ops.remote import facts, shell_command
 from dflash_ops.transport.base import quote_argv

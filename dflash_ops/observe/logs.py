@@ -13,7 +13,7 @@ import statistics
 
 from trainer import metrics_format
 
-from dflash_ops.act import torchrun
+from dflash_ops.job import torchrun
 
 TRACEBACK_HEADER = "Traceback (most recent call last):"
 

@@ -9,27 +9,30 @@ import dataclasses
 
 from dflash_ops.observe import health
 
-from dflash_ops.act import jobstate
+from dflash_ops.job import jobstate
 
-from dflash_ops import ops
-from dflash_ops.errors import DflashOpsError, InputError, JobBusy
-from dflash_ops.fanout import fan_out
+from dflash_ops.observe import check as check_lib
+from dflash_ops.observe.check import Checked
+from dflash_ops.errors import InputError
+from dflash_ops.transport.fanout import fan_out
 from dflash_ops.inventory.multinode import MultinodeJob
-from dflash_ops.act.relaunch_guard import RelaunchGuard
 from dflash_ops.observe.job_status import JobStatus, NodeStatus, Ranks
 
 
 @dataclasses.dataclass
 class JobChecked:
     job: MultinodeJob
-    nodes: list[ops.Checked]
+    nodes: list[Checked]
     verdict: health.Verdict
     status: JobStatus
 
 
 def check(job: MultinodeJob, timeout_s: float | None = None) -> JobChecked:
     targets = job.node_targets()
-    checked = [ops.checked_outcome(o) for o in fan_out(targets, lambda t: ops.check(t, timeout_s=timeout_s))]
+    checked = [
+        check_lib.checked_outcome(o)
+        for o in fan_out(targets, lambda t: check_lib.check(t, timeout_s=timeout_s))
+    ]
     return combine(job, checked)
 
 
@@ -42,7 +45,7 @@ def _parked(node: NodeStatus) -> bool:
     return node.status.session.running is False and state in jobstate.NOT_TO_RESTART
 
 
-def combine(job: MultinodeJob, checked: list[ops.Checked]) -> JobChecked:
+def combine(job: MultinodeJob, checked: list[Checked]) -> JobChecked:
     nodes = tuple(
         NodeStatus(i, c.status, Ranks.of(c.status.processes, job.nodes[i].job.nproc_per_node))
         for i, c in enumerate(checked)
@@ -61,7 +64,7 @@ def combine(job: MultinodeJob, checked: list[ops.Checked]) -> JobChecked:
     return JobChecked(job, checked, verdict, status)
 
 
-def _verdict(job: MultinodeJob, checked: list[ops.Checked], nodes: tuple[NodeStatus, ...]) -> health.Verdict:
+def _verdict(job: MultinodeJob, checked: list[Checked], nodes: tuple[NodeStatus, ...]) -> health.Verdict:
     """The worst node's level, CRITICAL for what only the whole job shows; perfdata is node 0's."""
     whole = _whole_job_problems(job, checked, nodes)
     level = health.worst([c.verdict.level for c in checked] + ["CRITICAL"] * bool(whole))
@@ -80,7 +83,7 @@ def _verdict(job: MultinodeJob, checked: list[ops.Checked], nodes: tuple[NodeSta
 
 
 def _whole_job_problems(
-    job: MultinodeJob, checked: list[ops.Checked], nodes: tuple[NodeStatus, ...]
+    job: MultinodeJob, checked: list[Checked], nodes: tuple[NodeStatus, ...]
 ) -> list[str]:
     """Half of it stopped, nodes in different runs, a node whose torchrun lost ranks."""
     problems = []
@@ -108,27 +111,6 @@ def _whole_job_problems(
 
 def nagios_line(jc: JobChecked) -> str:
     return health.nagios_line(jc.job.name, jc.verdict)
-
-
-def auto_relaunch(jc: JobChecked) -> ops.HealthAction | None:
-    """Relaunch the WHOLE job when it is CRITICAL, at most max_relaunches_per_hour (node 0's);
-    its checks run on every node first, so a node that cannot take part relaunches nothing."""
-    from dflash_ops.act import multinode
-
-    if jc.verdict.level != "CRITICAL":
-        return None
-    guard = RelaunchGuard(f"multinode-{jc.job.name}", jc.job.nodes[0].job.health.max_relaunches_per_hour)
-    with guard.hold() as allowed:
-        if allowed is not True:
-            return ops.HealthAction(False, f"auto-relaunch skipped: {allowed}")
-        try:
-            result = multinode.relaunch(jc.job, on_locked=guard.record)
-        except JobBusy as exc:
-            return ops.HealthAction(False, f"auto-relaunch skipped: {exc.reason}")
-        except DflashOpsError as exc:
-            return ops.HealthAction(True, f"auto-relaunch FAILED: {str(exc).splitlines()[0]}")
-    outcome = "succeeded" if result.ok else "FAILED: " + result.summary()
-    return ops.HealthAction(True, f"auto-relaunch of every node {outcome}", result)
 
 
 def node_target(job: MultinodeJob, node: str | None):

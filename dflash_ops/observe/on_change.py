@@ -19,9 +19,9 @@ import signal
 import subprocess
 import time
 
-from dflash_ops.act import jobpaths
-from dflash_ops.act.relaunch_guard import state_dir
-from dflash_ops.inventory.model import Target
+from dflash_ops.job import jobpaths
+from dflash_ops.job.relaunch_guard import state_dir
+from dflash_ops.job.model import Target
 from dflash_ops.observe import health, job_phase, verdict_memory
 
 QUIET_FIRST = ("OK", job_phase.STOPPED, job_phase.FINISHED)

@@ -16,11 +16,11 @@ from trainer import metrics_format
 
 from dflash_ops.observe import acceptance
 
-from dflash_ops.act import jobpaths, jobstate
+from dflash_ops.job import jobpaths, jobstate
 from dflash_ops.errors import DflashOpsError, RemoteCommandError
-from dflash_ops import gpu_faults
-from dflash_ops.gpu import HOST_GPU_QUERY_ARGV, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
-from dflash_ops.inventory.model import Job
+from dflash_ops.observe import gpu_faults
+from dflash_ops.observe.gpu import HOST_GPU_QUERY_ARGV, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
+from dflash_ops.job.model import Job
 from dflash_ops.remote import bundle, python_command, shell_command
 
 PROBE_SCRIPT = "probe_script.py"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dflash_ops.act import jobpaths
-from dflash_ops.act.relaunch_guard import RelaunchGuard
+from dflash_ops.job import jobpaths
+from dflash_ops.job.relaunch_guard import RelaunchGuard
 from dflash_ops.observe import health, job_phase
 
 MIB = 1024 * 1024
@@ -150,7 +150,7 @@ class Exposition:
 
 
 def render(checked) -> str:
-    """The exposition for ops.Checked results, one per target."""
+    """The exposition for observe.check.Checked results, one per target."""
     exposition = Exposition()
     for c in checked:
         add_target(exposition, c)

@@ -15,9 +15,9 @@ import re
 
 from trainer import metrics_history, run_summary
 
-from dflash_ops.act import jobpaths, jobstate
+from dflash_ops.job import jobpaths, jobstate
 from dflash_ops.errors import DflashOpsError, InputError, RemoteCommandError
-from dflash_ops.inventory.model import Target
+from dflash_ops.job.model import Target
 from dflash_ops.remote import bundle, python_command
 
 REPORT_SCRIPT = "report_read.py"
@@ -143,7 +143,7 @@ def report(target: Target, selection: str, out_path: str) -> Report:
     """Fetch, summarise and draw the selected run(s) of `target` into `out_path` (.png or .html)."""
     from trainer import report_plot
 
-    from dflash_ops.ops import connect
+    from dflash_ops.transport.factory import connect
 
     try:
         report_plot.format_of(out_path)  # before anything is fetched

@@ -7,7 +7,7 @@ from trainer.typed_yaml import finite
 
 from dflash_ops.observe import acceptance, gpu_owners, logs
 
-from dflash_ops.act import jobstate
+from dflash_ops.job import jobstate
 from dflash_ops.observe.gpu_rows import GpuProcessRow, GpuRow
 from dflash_ops.observe.health import Verdict, progress_age
 from dflash_ops.observe.session_status import JobProcess, TmuxSession

@@ -8,7 +8,7 @@ import time
 
 from dflash_ops.observe import gpu_owners
 
-from dflash_ops.act import jobpaths, jobstate
+from dflash_ops.job import jobpaths, jobstate
 from dflash_ops.remote import facts
 
 

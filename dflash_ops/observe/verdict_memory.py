@@ -13,8 +13,8 @@ import pathlib
 import re
 import tempfile
 
-from dflash_ops.act import jobpaths
-from dflash_ops.act.relaunch_guard import state_dir
+from dflash_ops.job import jobpaths
+from dflash_ops.job.relaunch_guard import state_dir
 
 MAX_BYTES = 64 * 1024
 

@@ -10,7 +10,7 @@ import types
 import typing
 from typing import Any, Callable, Mapping
 
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 from dflash_ops.act.context import StepOutcome
 
 

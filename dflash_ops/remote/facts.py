@@ -8,7 +8,7 @@ the same way.
 
 import re
 
-# nvidia-smi queries, in the order their CSV columns are parsed (dflash_ops.gpu.parse_nvidia_smi)
+# nvidia-smi queries, in the order their CSV columns are parsed (dflash_ops.observe.gpu.parse_nvidia_smi)
 GPU_FIELDS = ("index", "uuid", "name", "memory.used", "memory.total", "utilization.gpu")
 APP_FIELDS = ("pid", "gpu_uuid", "used_memory", "process_name")
 GPU_QUERY = ",".join(GPU_FIELDS)
@@ -21,7 +21,7 @@ LOG_SUFFIX = ".log"
 LOG_NAME = re.compile(r"^" + re.escape(LOG_PREFIX) + r"(\d{4,})" + re.escape(LOG_SUFFIX) + r"$")
 
 
-# The job state file (dflash_ops.act.jobstate) is a few hundred bytes: a reader takes no more than this
+# The job state file (dflash_ops.job.jobstate) is a few hundred bytes: a reader takes no more than this
 STATE_MAX_BYTES = 64 * 1024
 # The state names the job it records under this key (the value of its processes' marker); a state
 # written by an earlier version names none, and its job runs under the earlier identity.
@@ -43,7 +43,7 @@ def apps_query_argv(binary="nvidia-smi", fields=APP_FIELDS):
     return [binary, "--query-compute-apps=" + ",".join(fields), CSV_FORMAT]
 
 
-# GPU faults (dflash_ops.gpu_faults parses these): ECC and page retirement from --query-gpu, row
+# GPU faults (dflash_ops.observe.gpu_faults parses these): ECC and page retirement from --query-gpu, row
 # remapping from --query-remapped-rows (nvidia-smi --help-query-remapped-rows; Ampere and newer),
 # rows matched by PCI bus id. Unsupported fields print [N/A] and read as absent.
 FAULT_GPU_FIELDS = ("index", "pci.bus_id", "ecc.errors.uncorrected.volatile.total", "retired_pages.pending")

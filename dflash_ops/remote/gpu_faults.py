@@ -1,7 +1,7 @@
 """GPU faults as the target sees them: uncorrected ECC errors, pages pending retirement and row
 remapping (NVML when the job's python has pynvml, else nvidia-smi), and Xid events from the kernel
 log (`dmesg`, else `journalctl -k`; inside a container the kernel log is often not readable, which
-is reported, never guessed at). Raw answers only: dflash_ops.gpu_faults parses them, so there is
+is reported, never guessed at). Raw answers only: dflash_ops.observe.gpu_faults parses them, so there is
 one parser. Standard library only, Python >= 3.8: remote.bundle() sends this file's text ahead of
 each remote script."""
 

@@ -1,5 +1,5 @@
 """The GPUs and their compute processes as the target sees them: through NVML (pynvml, when the
-job's python has it) or nvidia-smi's CSV (parsed by dflash_ops.gpu, so there is one parser).
+job's python has it) or nvidia-smi's CSV (parsed by dflash_ops.observe.gpu, so there is one parser).
 Standard library only, Python >= 3.8: remote.bundle() sends this file's text ahead of each remote
 script."""
 
@@ -90,7 +90,7 @@ def start_nvidia_smi(binary):
 
 
 def finish_nvidia_smi(started, deadline, part_s):
-    """Raw CSV from nvidia-smi (parsed by dflash_ops.gpu, so there is one parser)."""
+    """Raw CSV from nvidia-smi (parsed by dflash_ops.observe.gpu, so there is one parser)."""
     rc, out, err = finish(started[0], deadline)
     rc2, apps, err2 = finish(started[1], deadline)
     if 124 in (rc, rc2):

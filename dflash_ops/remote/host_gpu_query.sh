@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run on the Proxmox host: the GPUs, "@@", the compute apps (host pids), "@@", then for each app
-# "@pid PID", its /proc/PID/cgroup and its NSpid line (dflash_ops.gpu.parse_host_gpu_query reads it).
+# "@pid PID", its /proc/PID/cgroup and its NSpid line (dflash_ops.observe.gpu.parse_host_gpu_query reads it).
 # usage: host_gpu_query.sh GPU_QUERY_ARGV... -- APPS_QUERY_ARGV...
 # exit: a failing query's own code, else 0
 # No `set -e`: an app that ends between the query and its /proc read is no failure (the parser

@@ -31,7 +31,7 @@ import socket
 import sys
 import time
 
-try:  # imported from the package (dflash_ops.gpu, tests)
+try:  # imported from the package (dflash_ops.observe.gpu, tests)
     from dflash_ops.remote import facts, procs
     from dflash_ops.remote.bounded import finish, out_of_time, start
     from dflash_ops.remote.gpu_faults import finish_faults, start_faults

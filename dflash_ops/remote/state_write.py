@@ -1,4 +1,4 @@
-"""Writes the job state file that dflash_ops.act.jobstate reads: the state encoded by json (a
+"""Writes the job state file that dflash_ops.job.jobstate reads: the state encoded by json (a
 hostile path stays data), a whole new file renamed into place so a reader never sees half a state.
 Standard library only, Python >= 3.8.
 

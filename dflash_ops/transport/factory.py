@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dflash_ops.inventory.model import Target
+import contextlib
+from typing import Iterator
+
+from dflash_ops.job.model import Target
 from dflash_ops.transport.base import Transport
 
 
@@ -23,3 +26,12 @@ def make_transport(target: Target) -> Transport:
     from dflash_ops.transport.pct import PctTransport
 
     return PctTransport(target.name, target.ssh, target.ctid)
+
+
+@contextlib.contextmanager
+def connect(target: Target) -> Iterator:
+    transport = make_transport(target)
+    try:
+        yield transport
+    finally:
+        transport.close()

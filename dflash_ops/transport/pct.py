@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from dflash_ops.errors import ContainerNotRunning, TransportError
-from dflash_ops.inventory.model import HostSpec
+from dflash_ops.job.model import HostSpec
 from dflash_ops.transport.base import Result, decode, finish, local_limit_s, quote_argv, with_remote_timeout
 from dflash_ops.transport.ssh import SshTransport
 

@@ -23,7 +23,7 @@ import fabric
 import paramiko
 
 from dflash_ops.errors import ConnectError, RemoteTimeout
-from dflash_ops.inventory.model import HostSpec
+from dflash_ops.job.model import HostSpec
 from dflash_ops.transport.base import (
     AFTER_EXIT_S,
     Result,

@@ -14,7 +14,7 @@ import fabric
 import paramiko
 
 from dflash_ops.errors import AuthError, ConnectError, HostKeyError, InputError, TransportError
-from dflash_ops.inventory.model import HostSpec
+from dflash_ops.job.model import HostSpec
 from dflash_ops.transport.known_hosts import HostKeys, read_host_keys
 
 

@@ -92,8 +92,8 @@ def test_two_gloo_ranks_follow_the_threaded_trajectory(runs, run, expected_steps
 
 @pytest.mark.slow
 def test_two_hosts_meet_at_the_rendezvous_and_each_host_logs_the_same_run(runs, tmp_path):
-    from dflash_ops.inventory.model import Job
-    from dflash_ops.act.torchrun import launcher_argv
+    from dflash_ops.job.model import Job
+    from dflash_ops.job.torchrun import launcher_argv
 
     root, _, _ = runs
     job = Job(workdir=str(tmp_path), python=sys.executable, config="tiny-cpu", launcher="torchrun",

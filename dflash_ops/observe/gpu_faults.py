@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from dflash_ops.gpu import NOT_AVAILABLE
+from dflash_ops.observe.gpu import NOT_AVAILABLE
 
 # Xids after which the GPU needs a reset or replacement (48 double-bit ECC, 63/64 page retirement
 # failed, 74 NVLink, 79 fallen off the bus, 92 high single-bit ECC rate, 94/95 contained/uncontained

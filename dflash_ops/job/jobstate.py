@@ -25,8 +25,8 @@ import json
 import math
 import shlex
 
-from dflash_ops.act import jobpaths
-from dflash_ops.inventory.model import Job
+from dflash_ops.job import jobpaths
+from dflash_ops.job.model import Job
 from dflash_ops.remote import facts
 
 RUNNING, STOPPING, STOPPED, FINISHED = "running", "stopping", "stopped", "finished"

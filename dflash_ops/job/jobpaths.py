@@ -6,7 +6,7 @@ import posixpath
 
 from trainer import metrics_format
 
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 
 # Marks every process the launcher starts (inherited by children), so leftovers of an earlier
 # launch can be told apart from anything else on the GPUs: see remote/jobprocs.py.

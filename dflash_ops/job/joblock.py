@@ -11,9 +11,9 @@ import socket
 import time
 from typing import Iterator
 
-from dflash_ops.act import jobpaths
+from dflash_ops.job import jobpaths
 from dflash_ops.errors import JobBusy, TransportError
-from dflash_ops.inventory.model import Target
+from dflash_ops.job.model import Target
 from dflash_ops.remote import shell_command
 
 # A holder whose connection hung without closing lets go after this long (a relaunch waits for

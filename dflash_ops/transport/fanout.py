@@ -6,7 +6,7 @@ import concurrent.futures
 import dataclasses
 from typing import Any, Callable
 
-from dflash_ops.inventory.model import Target
+from dflash_ops.job.model import Target
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ import re
 
 from trainer.launchers import TORCHRUN
 
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 
 RUN_MODULE = ("-m", "torch.distributed.run")  # == the `torchrun` script, from the job's own python
 _TRAINER_LINE = re.compile(r"dflash-train: rank (?P<rank>\d+) of (?P<world>\d+) failed(?P<why>.*)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import posixpath
 
-from dflash_ops.act import jobpaths
+from dflash_ops.job import jobpaths
 
 
 def owned_paths(workdir: str, log_dir: str, python: str = "") -> list[tuple[str, str, bool]]:

@@ -12,9 +12,10 @@ import inspect
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 if TYPE_CHECKING:
-    from dflash_ops.inventory.model import Target
+    from dflash_ops.job.model import Target
     from dflash_ops.act.context import StepContext
     from dflash_ops.act.runner import OnProgress, Run, RunResult
+    from dflash_ops.observe.check import Checked
     from dflash_ops.playbook.user import Playbook
 
 # Options several commands share.
@@ -46,13 +47,13 @@ def relaunch(
     """Check first, then stop the job, free its GPUs, purge its compile cache (`purge`), deploy the
     trainer (`deploy`), launch it (resuming the newest unfinished run unless not `resume`) and wait
     `timeout` seconds at most for its first training step. `on_locked` runs once the lock is ours."""
-    from dflash_ops.act import steps as s
+    from dflash_ops.act import preflight as p, steps as s
     from dflash_ops.act.grace import check_grace
 
     job = target.job
     check_grace(job, grace)  # the step checks it too; here it is refused before anything connects
     plan = (
-        s.preflight,
+        p.preflight,
         s.stop_session,
         s.kill_gpu_processes,
         s.wait_gpu_free,
@@ -64,7 +65,7 @@ def relaunch(
     with _running(target, "relaunch", plan, dry_run, on_progress, on_locked) as run:
         # Before anything is stopped: a failed check leaves the running job untouched.
         run(
-            s.preflight,
+            p.preflight,
             job,
             deploy=deploy,
             min_free_gib=min_free_gib,
@@ -125,15 +126,15 @@ def gpu_clean(
 ) -> RunResult:
     """End every process of the job on its GPUs and wait for them to leave; refuses while the job
     runs unless `force`. Processes that are not the job's are reported, never signalled."""
-    from dflash_ops.act import steps as s
+    from dflash_ops.act import preflight as p, steps as s
 
     job = target.job
-    plan = (s.require_job_stopped, s.kill_gpu_processes, s.wait_gpu_free)
+    plan = (p.require_job_stopped, s.kill_gpu_processes, s.wait_gpu_free)
     with _running(target, "gpu-clean", plan, dry_run, on_progress) as run:
         if force:
-            run.skip(s.require_job_stopped, "--force")
+            run.skip(p.require_job_stopped, "--force")
         else:
-            run(s.require_job_stopped, job)
+            run(p.require_job_stopped, job)
         ended = run(s.kill_gpu_processes, job)
         run(s.wait_gpu_free, job, ended, timeout_s=gpu_free_timeout)
     return run.result()
@@ -182,11 +183,11 @@ def run_playbook(
     on_progress: OnProgress | None = None,
 ) -> RunResult:
     """Run a user's playbook (playbook.user.load) with its bound options (bind_options)."""
-    from dflash_ops.act import steps
+    from dflash_ops.act import library
     from dflash_ops.playbook.user import run_playbook
 
     with acting_on(target, book.name, dry_run) as ctx:
-        return run_playbook(book, steps.LIBRARY, ctx, options, on_progress)
+        return run_playbook(book, library.LIBRARY, ctx, options, on_progress)
 
 
 @contextlib.contextmanager
@@ -195,8 +196,8 @@ def acting_on(
 ) -> Iterator[StepContext]:
     """Where steps act on `target`: connected, holding the job's lock (JobBusy when another
     command holds it); under dry-run through a transport that reaches nothing, without a lock."""
-    from dflash_ops.act import joblock
-    from dflash_ops.ops import connect
+    from dflash_ops.job import joblock
+    from dflash_ops.transport.factory import connect
     from dflash_ops.act.context import StepContext
     from dflash_ops.transport.dry_run import DryRunTransport
 
@@ -241,7 +242,7 @@ class NothingToDo:
 def _container_running(target: Target) -> bool:
     """Whether the pct container runs (a container that does not exist is a mistake: raised)."""
     from dflash_ops.errors import ContainerNotRunning
-    from dflash_ops.ops import connect
+    from dflash_ops.transport.factory import connect
 
     with connect(target) as transport:
         try:
@@ -251,3 +252,31 @@ def _container_running(target: Target) -> bool:
                 raise
             return False
     return True
+
+
+@dataclasses.dataclass
+class HealthAction:
+    attempted: bool
+    message: str
+    result: RunResult | None = None
+
+
+def auto_relaunch(target: Target, checked: Checked) -> HealthAction | None:
+    """Relaunch a CRITICAL target, at most max_relaunches_per_hour, never twice at once."""
+    from dflash_ops.errors import DflashOpsError, JobBusy
+    from dflash_ops.job.relaunch_guard import RelaunchGuard
+
+    if checked.verdict.level != "CRITICAL":
+        return None
+    guard = RelaunchGuard(target.name, target.job.health.max_relaunches_per_hour)
+    with guard.hold() as allowed:
+        if allowed is not True:
+            return HealthAction(False, f"auto-relaunch skipped: {allowed}")
+        try:  # an attempt counts against the hourly budget once it holds the job's lock
+            result = relaunch(target, on_locked=guard.record)
+        except JobBusy as exc:
+            return HealthAction(False, f"auto-relaunch skipped: {exc.reason}")
+        except DflashOpsError as exc:
+            return HealthAction(True, f"auto-relaunch FAILED: {str(exc).splitlines()[0]}")
+    outcome = "succeeded" if result.ok else "FAILED: " + result.summary()
+    return HealthAction(True, f"auto-relaunch {outcome}", result)

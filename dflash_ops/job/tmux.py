@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shlex
 
-from dflash_ops.inventory.model import Job
+from dflash_ops.job.model import Job
 from dflash_ops.remote import procs
 
 
