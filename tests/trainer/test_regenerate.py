@@ -254,3 +254,28 @@ def test_a_truncated_record_is_rejected_at_its_real_column():
     cut = '{"messages": [{"role": "user", "content": "hi"}'  # stops before the closing bracket
     with pytest.raises(Reject, match=rf"at column {len(cut) + 1}\)"):
         parse_record(cut + "\n")
+
+
+def test_a_stop_right_after_a_commit_reports_what_was_committed(tmp_path, monkeypatch):
+    """A signal landing between a chunk's commit and the report update must not leave the summary a chunk behind."""
+    import trainer.data.regenerate as regen
+    src = write_lines(tmp_path / "in.jsonl", [conversation(i) for i in range(4)])
+    out = tmp_path / "out.jsonl"
+    real_commit, commits = regen._commit, []
+
+    def commit_then_stop(*args, **kwargs):
+        real_commit(*args, **kwargs)
+        commits.append(1)
+        if len(commits) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(regen, "_commit", commit_then_stop)
+    report: dict = {}
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(RegenerateOptions("tiny-random", str(src), str(out), max_new_tokens=2, batch_size=1),
+                   out=io.StringIO(), tty=False, report=report)
+    committed = json.loads(Path(str(out) + ".progress.json").read_text())["stats"]
+    assert committed["seen"] == 2
+    assert (report["seen"], report["records"], report["new_tokens"]) == (
+        committed["seen"], committed["records"], committed["new_tokens"])
+    assert report["this_run"]["seen"] == 2

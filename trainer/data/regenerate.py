@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TextIO
 
@@ -371,6 +372,40 @@ def regenerate(
     )
     chunk_size = sum(g.records_per_chunk() for g in generators)
     lines = _lines(opts.input, state["next_line"])
+    try:
+        _generate_all(opts, generators, state, lines, chunk_size, report, progress, first, began)
+    except BaseException:  # a stop can land between the commit and the report: the file is the truth
+        committed = _committed_stats(opts.output)
+        if committed is not None:
+            report.update(run_summary(committed, first, time.monotonic() - began))
+        raise
+    progress.finish()
+    report.update(run_summary(stats, first, time.monotonic() - began), **_batch_report(generators))
+    return dict(report)
+
+
+def _committed_stats(output: str) -> dict | None:
+    """The stats the progress file commits; None where it cannot be read (the run's own error stands)."""
+    try:
+        with open(_progress_path(output), encoding="utf-8") as f:
+            return json.load(f)["stats"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _generate_all(
+    opts: RegenerateOptions,
+    generators: list[Generator],
+    state: dict,
+    lines: Iterator[tuple[int, str]],
+    chunk_size: int,
+    report: dict,
+    progress: ProgressLine,
+    first: dict,
+    began: float,
+) -> None:
+    """Generate, write and commit chunk after chunk until the input ends."""
+    stats = state["stats"]
     with (
         open(opts.output, "ab") as out_file,
         open(rejects_path(opts.output), "ab") as rej_file,
@@ -386,9 +421,6 @@ def regenerate(
                 f"{stats['new_tokens']} new tokens "
                 f"({report['new_tokens_per_s']:.1f}/s), {stats['rejects']} rejected",
             )
-    progress.finish()
-    report.update(run_summary(stats, first, time.monotonic() - began), **_batch_report(generators))
-    return dict(report)
 
 
 def _batch_report(generators: list[Generator]) -> dict:
