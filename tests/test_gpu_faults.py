@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import time
 
@@ -14,6 +15,7 @@ from dflash_ops.observe import check as check_lib
 from dflash_ops.observe import gpu_faults
 from dflash_ops.job.model import Health
 from dflash_ops.observe import prometheus
+from dflash_ops.remote import facts
 
 try:
     from tests.test_metrics import samples, value
@@ -163,3 +165,42 @@ def test_health_and_metrics_name_the_faulty_gpu(ssh_target, gpu_state_path, clea
         other.kill()
         other.wait()
         gpu_state_path.unlink(missing_ok=True)
+
+
+def _host_answer(*groups: list[str]) -> str:
+    """host_gpu_faults.sh run for real over stand-in commands, one argv per group."""
+    words = [word for group in groups for word in ("--", *group)][1:]
+    argv = gpu_faults.host_faults_argv()[:4] + [facts.XID_MARK, "2", *words]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+def test_the_proxmox_hosts_answer_names_each_failure_and_keeps_the_newest_xids():
+    sh = ["sh", "-c"]
+    xid = "[ {}.0] NVRM: Xid (PCI:0000:18:00): {}, pid=1, it's a \"quoted\" $(fault)"
+    log = "\n".join(["[ 1.0] Linux", xid.format(10, 13), xid.format(20, 31), xid.format(30, 79)])
+    answer = gpu_faults.parse_host_answer(_host_answer(
+        [*sh, "echo '0, 00000000:18:00.0, 4, Yes'"],
+        [*sh, "echo 'Not supported on this GPU'; exit 3"],
+        [*sh, "echo 'dmesg: read kernel buffer failed: Operation not permitted' >&2; exit 1"],
+        [*sh, f"printf '%s\\n' {shlex.quote(log)}"],
+    ))
+    assert answer.error is None and answer.source == "nvidia-smi"
+    assert [(g.index, g.ecc_uncorrected, g.retired_pages_pending, g.remapped_rows_pending) for g in answer.gpus] == [
+        (0, 4, True, None)]
+    assert answer.kernel_log_error is None and answer.kernel_log == "journalctl -k -b -o short-monotonic --no-pager -q"
+    assert [(x.code, x.gpu, x.text) for x in answer.xids] == [
+        (31, 0, 'pid=1, it\'s a "quoted" $(fault)'), (79, 0, 'pid=1, it\'s a "quoted" $(fault)')]
+    failed = gpu_faults.parse_host_answer(_host_answer(
+        [*sh, "echo 'NVIDIA-SMI has failed because it couldn'\\''t communicate with the driver'; exit 9"],
+        ["true"], [*sh, "echo denied >&2; exit 1"], ["true"]))  # the second reader answers nothing
+    assert failed.gpus == () and failed.error == (
+        "nvidia-smi fault query on the Proxmox host: NVIDIA-SMI has failed because it couldn't communicate with the driver")
+    assert failed.kernel_log is None and failed.kernel_log_error == "dmesg: denied; journalctl: no kernel messages readable"
+    assert gpu_faults.parse_host_answer("").error.startswith("nvidia-smi fault query on the Proxmox host: exit code")
+
+
+def test_a_host_fault_query_out_of_time_or_without_a_temp_file_says_so():
+    from dflash_ops.observe.probe import _host_faults
+    assert _host_faults("124 ", 2.0).error == "the fault query on the Proxmox host gave no answer within 2.0 s"
+    assert _host_faults("- -", None).error == "no temporary file on the Proxmox host for the fault query"
+    assert _host_faults("0 %%%", None).error.startswith("unreadable fault answer from the Proxmox host")

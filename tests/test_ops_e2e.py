@@ -325,6 +325,19 @@ def test_gpus_queried_on_the_proxmox_host_map_pids_into_the_container(pct_target
         assert [(p["pid"], p["owner"]) for p in by_index[3]["processes"]] == [(host_bystander.pid, "host")]
         assert f"sleep/{host_bystander.pid}(3000M)[host]" in target_status.to_text()
 
+        # the host's own nvidia-smi and kernel log answer for the GPU faults too
+        machine = json.loads(gpu_state_path.read_text())
+        machine["gpus"][1]["ecc_uncorrected"] = 2  # the others answer [N/A]
+        machine["kernel_log"] = ["[    1.000000] Linux version 6.8",
+                                 "[    2.000000] NVRM: Xid (PCI:0000:19:00): 79, pid=1, GPU has fallen off the bus."]
+        gpu_state_path.write_text(json.dumps(machine))
+        checked = check_lib.check(target)
+        faults = checked.report.gpu_faults
+        assert (faults.source, faults.kernel_log, faults.error) == ("nvidia-smi", "dmesg", None), faults
+        assert [g.ecc_uncorrected for g in faults.gpus] == [None, 2, None, None], faults
+        assert [(x.code, x.gpu) for x in faults.xids] == [(79, 1)], faults
+        assert "GPU 1: 2 uncorrected ECC error(s) since the driver loaded" in checked.verdict.reasons
+
         dry = commands.relaunch(target, **quick(), dry_run=True)
         gpu_cmds = [c for s in dry.steps if s.step == "wait_gpu_free" for c in s.commands]
         assert gpu_cmds and all("pct exec" not in c and "nvidia-smi" in c for c in gpu_cmds)

@@ -15,6 +15,8 @@ import dataclasses
 import re
 
 from dflash_ops.observe.gpu import NOT_AVAILABLE
+from dflash_ops.remote import facts, shell_argv
+from dflash_ops.remote.gpu_faults import KERNEL_LOG_COMMANDS, MAX_XID_LINES
 
 # Xids after which the GPU needs a reset or replacement (48 double-bit ECC, 63/64 page retirement
 # failed, 74 NVLink, 79 fallen off the bus, 92 high single-bit ECC rate, 94/95 contained/uncontained
@@ -118,6 +120,69 @@ def parse(section) -> FaultReport:
         kernel_log=None if log.get("error") else (str(log.get("source") or "") or None),
         kernel_log_error=None if not log.get("error") else str(log["error"])[:300],
     )
+
+
+def host_faults_argv(binary: str = "nvidia-smi") -> list[str]:
+    """The fault query run on the Proxmox host (gpu_query_on: host): the same counters and kernel log
+    readers as the target's probe, answered in remote/host_gpu_faults.sh's text."""
+    readers = [word for argv in KERNEL_LOG_COMMANDS for word in ("--", *argv)]
+    return shell_argv(
+        "host_gpu_faults.sh",
+        facts.XID_MARK,
+        str(MAX_XID_LINES),
+        *facts.fault_query_argv(binary),
+        "--",
+        *facts.remap_query_argv(binary),
+        *readers,
+    )
+
+
+def parse_host_answer(text: str) -> FaultReport:
+    """host_gpu_faults.sh's answer as a FaultReport (never raises on odd input)."""
+    parts: dict[str, list[str]] = {}
+    marks: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        word, _, value = line.partition(" ")
+        if word in ("@fault", "@remap", "@uptime", "@kernel"):
+            current = word if word != "@kernel" else f"@kernel {value}"
+            marks[current] = value.split()
+            parts[current] = []
+        elif current is not None:
+            parts[current].append(line)
+    section: dict = {"source": "nvidia-smi", "kernel_log": _host_kernel_log(parts, marks)}
+    for mark, key, error_key, label in (
+        ("@fault", "gpu_csv", "error", "nvidia-smi fault query on the Proxmox host: "),
+        ("@remap", "remap_csv", "remap_error", ""),
+    ):
+        rc = (marks.get(mark) or ["none"])[0]
+        out = "\n".join(parts.get(mark, []))
+        if rc == "0":
+            section[key] = out
+        else:
+            section[error_key] = label + _first_line(out, rc)
+    return parse(section)
+
+
+def _host_kernel_log(parts: dict[str, list[str]], marks: dict[str, list[str]]) -> dict:
+    tried = []
+    for mark, words in marks.items():
+        if not mark.startswith("@kernel") or len(words) != 2 or not words[1].isdigit():
+            continue
+        argv = KERNEL_LOG_COMMANDS[int(words[1])] if int(words[1]) < len(KERNEL_LOG_COMMANDS) else ("?",)
+        if words[0] == "0":
+            uptime = (marks.get("@uptime") or [""])[0]
+            try:
+                now: float | None = float(uptime)
+            except ValueError:
+                now = None
+            return {"source": " ".join(argv), "lines": parts[mark], "uptime_s": now}
+        tried.append(f"{argv[0]}: {_first_line(chr(10).join(parts[mark]), words[0])}")
+    return {"error": "; ".join(tried) or "the Proxmox host gave no kernel log answer"}
+
+
+def _first_line(out: str, rc: str) -> str:
+    return (out.strip().splitlines() or [f"exit code {rc}"])[0][:300]
 
 
 def _counters(section: dict) -> tuple[GpuFaults, ...]:

@@ -9,6 +9,7 @@ import base64
 import binascii
 import dataclasses
 import json
+import shlex
 from typing import Any
 from collections.abc import Sequence
 
@@ -178,16 +179,21 @@ def _run_probe_gpu_on_host(
         job, log_lines=log_lines, metrics_lines=metrics_lines, gpu_source="none", part_s=part_s
     )
     query = HOST_GPU_QUERY_ARGV if part_s is None else host_query_limited(part_s)
+    faults = (
+        gpu_faults.host_faults_argv() if part_s is None else limited(gpu_faults.host_faults_argv(), part_s)
+    )
     container = transport.in_container(inside, timeout if part_s is None else max(1.0, timeout - part_s))
-    script = shell_command("probe_on_host.sh", container, *query)
+    script = shell_command("probe_on_host.sh", container, shlex.join(faults), *query)
     # the container's run comes after the host's GPU query, inside this one's limit
     result = transport.run_on_host(
         script, timeout=timeout + 10 if part_s is None else timeout, step="probe", stdin=bundle(PROBE_SCRIPT)
     )
     first, _, rest = result.stdout.partition("\n")
+    faults_line, _, rest = rest.partition("\n")
     if not result.ok:
         raise RemoteCommandError(transport.name, "probe", dataclasses.replace(result, stdout=rest))
     report = parse_probe_output(rest, target=transport.name)
+    report = dataclasses.replace(report, gpu_faults=_host_faults(faults_line, part_s))
     rc, _, encoded = first.partition(" ")
     try:
         host_out = base64.b64decode(encoded).decode("utf-8", "replace")
@@ -218,7 +224,30 @@ def _run_probe_gpu_on_host(
 
 def host_query_limited(part_s: float) -> list[str]:
     """HOST_GPU_QUERY under coreutils `timeout` (fractions allowed), killed 1 s after TERM."""
-    return ["timeout", "-k", "1", f"{part_s:.2f}s", *HOST_GPU_QUERY_ARGV]
+    return limited(HOST_GPU_QUERY_ARGV, part_s)
+
+
+def limited(argv: Sequence[str], part_s: float) -> list[str]:
+    """argv under coreutils `timeout` (fractions allowed), killed 1 s after TERM."""
+    return ["timeout", "-k", "1", f"{part_s:.2f}s", *argv]
+
+
+def _host_faults(line: str, part_s: float | None) -> gpu_faults.FaultReport:
+    """The Proxmox host's `<exit code> <answer, base64>` line of GPU faults as a FaultReport."""
+    rc, _, encoded = line.partition(" ")
+    if rc == "-":
+        return gpu_faults.FaultReport(None, error="no temporary file on the Proxmox host for the fault query")
+    if part_s is not None and rc in ("124", "137"):
+        return gpu_faults.FaultReport(
+            None, error=f"the fault query on the Proxmox host gave no answer within {part_s:.1f} s"
+        )
+    try:
+        text = base64.b64decode(encoded, validate=True).decode("utf-8", "replace")
+    except (ValueError, binascii.Error):
+        return gpu_faults.FaultReport(
+            None, error=f"unreadable fault answer from the Proxmox host: {line[:200]!r}"
+        )
+    return gpu_faults.parse_host_answer(text)
 
 
 def _json_object(stdout: str) -> dict | None:
