@@ -34,9 +34,11 @@ from dflash_ops.inventory.load import load_inventory
 
 try:
     from tests import sshd as sshd_helpers
+    from tests.test_on_change import RECORD, calls
     from tests.test_ops_torchrun import marked_python_processes
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import sshd as sshd_helpers
+    from test_on_change import RECORD, calls
     from test_ops_torchrun import marked_python_processes
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -207,8 +209,11 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
         agent = [pid for pid, env in processes_of(target.job).items() if not env["RANK"]
                  and "torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_text()]
         assert node["ranks"] == {"torchrun_pid": min(agent), "alive": sorted(ranks_of(target.job)), "expected": 1}
-    healthy = cli(inventory, "health", "-t", "pair")
+    hook_calls = tmp_path / "hook-calls.jsonl"
+    hooked = dict(os.environ, DFLASH_OPS_STATE_DIR=str(tmp_path / "hook-state"), CALLS=str(hook_calls))
+    healthy = cli(inventory, "health", "-t", "pair", "--on-change", RECORD, env=hooked)
     assert healthy.returncode == 0 and healthy.stdout.startswith("DFLASH OK: pair: step "), healthy.stdout
+    assert calls(hook_calls) == []  # the first sight of an OK job is no news
     tail = cli(inventory, "tail-log", "-t", "pair", "--node", "box-b", "-n", "400")
     assert tail.returncode == 0 and "launching run 0001" in tail.stdout, tail.stdout[-2000:] + tail.stderr
     assert "--rdzv-id pair-0001-" in tail.stdout
@@ -248,6 +253,11 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     assert named and f"rank {env['RANK']} (local rank 0, pid {pid}) exited with code -9 (SIGKILL)" in named[0], \
         critical.verdict.reasons
     wait_for(lambda: not processes_of(a.job), 120, "node a's ranks to end (the collective lost its peer)")
+    crashed = cli(inventory, "health", "-t", "pair", "--on-change", RECORD, env=hooked)
+    assert crashed.returncode == 2, crashed.stdout + crashed.stderr
+    (call,) = calls(hook_calls)  # the whole job's verdict changed: one call, named after the job
+    assert (call["DFLASH_TARGET"], call["DFLASH_OLD_STATE"], call["DFLASH_NEW_STATE"]) == ("pair", "OK", "CRITICAL")
+    assert "box-b" in call["DFLASH_REASON"], call
 
     # health --auto-relaunch relaunches the whole job, never half
     monkeypatch.setenv("DFLASH_OPS_STATE_DIR", str(tmp_path / "state"))

@@ -85,7 +85,8 @@ def status(job, as_json: bool, watch: float | None, timeout: float, color: bool)
         time.sleep(watch)
 
 
-def health_check(job, as_json: bool, auto_relaunch: bool, timeout: float) -> int:
+def health_check(job, as_json: bool, auto_relaunch: bool, timeout: float) -> tuple[int, object]:
+    """Prints the job's one verdict; returns its exit code and the job as one checked target (for hooks)."""
     from dflash_ops.commands import multinode
     from dflash_ops.observe import health, multinode as multinode_status, status_output
 
@@ -98,7 +99,7 @@ def health_check(job, as_json: bool, auto_relaunch: bool, timeout: float) -> int
         click.echo(multinode_status.nagios_line(jc))
         if action is not None:
             click.echo(f"{job.name}: {action.message}")
-    return health.EXIT_CODES[jc.verdict.level]
+    return health.EXIT_CODES[jc.verdict.level], multinode_status.as_one_target(jc)
 
 
 def tail_log(job, node: str | None, lines: int, follow: bool, grep: str | None, log: str | None) -> None:

@@ -114,7 +114,9 @@ def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int
     try:
         job = multinode.job_named(obj, target)
         if job is not None:  # every node, one verdict; --auto-relaunch relaunches every node
-            return multinode.health_check(job, as_json, auto_relaunch, timeout)
+            code, as_one = multinode.health_check(job, as_json, auto_relaunch, timeout)
+            _run_on_change(on_change, [as_one], deadline)
+            return code
         targets = obj.targets(target)
     except DflashOpsError as exc:  # the check itself could not run: UNKNOWN, not CRITICAL
         click.echo(health.nagios_line(target or "dflash", health.unknown(str(exc).splitlines()[0])))
@@ -148,14 +150,17 @@ def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int
         click.echo(line)
         for name, action in actions.items():
             click.echo(f"{name}: {action.message}")
-    if on_change:
-        from dflash_ops.observe import on_change as hooks
-
-        sys.stdout.flush()  # the verdict is out before any hook runs
-        hooks.run_hooks(
-            on_change, checked, deadline - budget.MARGIN_S / 2, lambda text: click.echo(text, err=True)
-        )
+    _run_on_change(on_change, checked, deadline)
     return health.EXIT_CODES[health.worst(c.verdict.level for c in checked)]
+
+
+def _run_on_change(command: str | None, checked: list, deadline: float) -> None:
+    if not command:
+        return
+    from dflash_ops.observe import on_change as hooks
+
+    sys.stdout.flush()  # the verdict is out before any hook runs
+    hooks.run_hooks(command, checked, deadline - budget.MARGIN_S / 2, lambda text: click.echo(text, err=True))
 
 
 @cli.command("tail-log")

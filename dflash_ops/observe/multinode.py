@@ -125,3 +125,10 @@ def node_target(job: MultinodeJob, node: str | None):
     raise InputError(
         f"--node {node}: not a node of {job.name} (nodes: {', '.join(names)}, or 0-{len(names) - 1})"
     )
+
+
+def as_one_target(jc: JobChecked) -> Checked:
+    """The job as one checked target named after it, with its one verdict: node 0 tells the job's phase
+    and launch, as it does for status (what health's hooks and memory read)."""
+    first = jc.nodes[0]
+    return Checked(dataclasses.replace(first.target, name=jc.job.name), jc.verdict, first.status, first.report)
