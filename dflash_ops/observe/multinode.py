@@ -131,4 +131,5 @@ def as_one_target(jc: JobChecked) -> Checked:
     """The job as one checked target named after it, with its one verdict: node 0 tells the job's phase
     and launch, as it does for status (what health's hooks and memory read)."""
     first = jc.nodes[0]
-    return Checked(dataclasses.replace(first.target, name=jc.job.name), jc.verdict, first.status, first.report)
+    named = dataclasses.replace(first.target, name=jc.job.name)
+    return Checked(named, jc.verdict, first.status, first.report)
