@@ -211,6 +211,11 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
         assert node["ranks"] == {"torchrun_pid": min(agent), "alive": sorted(ranks_of(target.job)), "expected": 1}
     hook_calls = tmp_path / "hook-calls.jsonl"
     hooked = dict(os.environ, DFLASH_OPS_STATE_DIR=str(tmp_path / "hook-state"), CALLS=str(hook_calls))
+    scraped = cli(inventory, "metrics", "-t", "pair", "--textfile-dir", "-")
+    assert scraped.returncode == 0, scraped.stderr
+    up = sorted(line for line in scraped.stdout.splitlines() if line.startswith("dflash_up{"))
+    assert [('target="box-a"' in up[0]), ('target="box-b"' in up[1]), len(up)] == [True, True, 2], up
+    assert all(line.endswith(" 1") for line in up), up
     healthy = cli(inventory, "health", "-t", "pair", "--on-change", RECORD, env=hooked)
     assert healthy.returncode == 0 and healthy.stdout.startswith("DFLASH OK: pair: step "), healthy.stdout
     assert calls(hook_calls) == []  # the first sight of an OK job is no news

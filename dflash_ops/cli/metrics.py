@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+import dflash_ops.cli.multinode as multinode
 from dflash_ops.observe import budget
 from dflash_ops.cli.group import answer_within_option, cli, target_option
 from dflash_ops.observe.textfile import DEBIAN_DIR
@@ -37,12 +38,14 @@ def metrics_cmd(obj, target, textfile_dir, port, listen, timeout):
     \b
     Written atomically (a temp file renamed into place) as DIR/dflash-ops-<target>.prom, for
     node_exporter's textfile collector; `cron install --metrics DIR` runs it every few minutes.
-    An unreachable target still writes dflash_up 0 and dflash_health_status 3.
+    An unreachable target still writes dflash_up 0 and dflash_health_status 3. A multinode job
+    gives each node's series, labelled with the node's target.
     """
     from dflash_ops.transport.fanout import fan_out
     from dflash_ops.observe import check as check_lib, prometheus, textfile
 
-    targets = obj.targets(target)
+    job = multinode.job_named(obj, target)
+    targets = job.node_targets() if job is not None else obj.targets(target)  # a multinode job: its nodes
 
     def render() -> str:
         checked = [
