@@ -3,6 +3,8 @@ node's torchrun line, and how the nodes' verdicts make one (no target is reached
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import subprocess
 import textwrap
 
 import pytest
@@ -297,3 +299,32 @@ def test_health_auto_relaunch_of_one_node_never_relaunches_it(tmp_path, monkeypa
                                             "-t", "gpu-a"])
     assert result.exit_code == 2, result.output
     assert "not relaunched: gpu-a is node 0 of the multinode job 'pair'" in result.output, result.output
+
+
+@pytest.mark.skipif(shutil.which("crontab") is None, reason="cron is not installed (.ci/run installs it)")
+def test_cron_install_takes_a_multinode_job_as_one(tmp_path):
+    """health and metrics act on a multinode job as one, so cron installs their lines for it by name."""
+    from test_cli import cli
+
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /mnt/runs}\n").replace(
+        "/srv/dflash/train.yaml", "tiny-cpu"))
+    before = subprocess.run(["crontab", "-l"], capture_output=True, text=True)
+    saved = before.stdout if before.returncode == 0 else None
+    try:
+        subprocess.run(["crontab", "-r"], capture_output=True)
+        for extra in (["--auto-relaunch"], ["--metrics", str(tmp_path)]):
+            done = cli("--inventory", str(inventory), "cron", "install", "-t", "pair", "--log",
+                       str(tmp_path / "h.log"), *extra)
+            assert done.returncode == 0, done.stderr
+        table = subprocess.run(["crontab", "-l"], capture_output=True, text=True).stdout.splitlines()
+        assert [line.rsplit("# ", 1)[1] for line in table] == ["dflash-ops-health:pair", "dflash-ops-metrics:pair"]
+        assert "health --target pair --auto-relaunch" in table[0]
+        assert f"metrics --target pair --textfile-dir {tmp_path}" in table[1]
+        unknown = cli("--inventory", str(inventory), "cron", "install", "-t", "pear")
+        assert unknown.returncode == 2 and "unknown target or group 'pear'" in unknown.stderr
+    finally:
+        if saved is None:
+            subprocess.run(["crontab", "-r"], capture_output=True)
+        else:
+            subprocess.run(["crontab", "-"], input=saved, text=True)
