@@ -1,5 +1,5 @@
-"""Fixtures the export tests share: the tiny-random target and a drafter whose weights every term of
-the computation depends on (module-scoped: each test module gets its own)."""
+"""Fixtures the trainer tests share: the tiny-random target and a drafter whose weights every term of
+the computation depends on (module-scoped: each test module gets its own), and one torch thread."""
 from __future__ import annotations
 
 import pytest
@@ -28,3 +28,13 @@ def drafter(target):
             else:
                 p.mul_(4.0)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module: on a shared 2-core machine torch's default pool spins, and
+    generation runs ten times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -20,17 +20,10 @@ from trainer.data.target_head import load_target_head, weight_bytes
 from trainer.train.loop import build_dataset, drafter_config, make_loss_fn, train
 from trainer.train.workers import Replica
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
 SEQ = 32
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # a shared 2-core machine: bigger pools only spin
-    yield
-    torch.set_num_threads(before)
 
 
 def pretokenized(path: Path, count: int = 12) -> str:

@@ -18,16 +18,9 @@ from trainer.data.regenerate import Generator, RegenerateOptions
 from trainer.data.target import load_target
 from trainer.train.loop import train
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 HYBRID = "tiny-random-hybrid"
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 from trainer.cli.data import main as data_main
 from trainer.data.regenerate import Generator, RegenerateOptions, parse_record, Reject, regenerate
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -30,14 +30,6 @@ def write_lines(path: Path, lines: list) -> Path:
     path.write_text("".join((json.dumps(x) if not isinstance(x, str) else x) + "\n" for x in lines), encoding="utf-8")
     return path
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # on a shared 2-core machine torch's default intra-op pool spins: 10x slower generation
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -303,8 +303,7 @@ def _cache_config(args):
 
 
 def _load_target_and_data(cfg, say):
-    from trainer.data.target import load_target
-    from trainer.train.loop import build_dataset, param_dtype
+    from trainer.train.loop import build_dataset, configured_target
 
     device = cfg.run.target_devices[0]
     say(
@@ -315,14 +314,7 @@ def _load_target_and_data(cfg, say):
             else ""
         )
     )
-    target = load_target(
-        cfg.target.spec,
-        device,
-        param_dtype(device),
-        layer_ids=cfg.target.layer_ids,
-        seed=cfg.train.seed,
-        tiny=cfg.target.tiny or None,
-    )
+    target = configured_target(cfg, device)
     return target, build_dataset(cfg, target)
 
 

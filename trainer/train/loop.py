@@ -74,6 +74,18 @@ def param_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
+def configured_target(cfg: TrainConfig, device: str):
+    """The run's target (cfg.target) on `device`, in its frozen dtype."""
+    return load_target(
+        cfg.target.spec,
+        device,
+        param_dtype(device),
+        layer_ids=cfg.target.layer_ids,
+        seed=cfg.train.seed,
+        tiny=cfg.target.tiny or None,
+    )
+
+
 class WarmupCosine:
     """LR multiplier: linear warmup to 1, then cosine down to min_ratio at total_steps.
 
@@ -330,17 +342,7 @@ def load_source(cfg: TrainConfig) -> tuple[list, Dataset, Dataset | None]:
     if cfg.data.source == "features":
         targets, dataset = training_source(cfg, param_dtype(cfg.run.drafter_devices[0]))
         return targets, dataset, None
-    targets = [
-        load_target(
-            cfg.target.spec,
-            dev,
-            param_dtype(dev),
-            layer_ids=cfg.target.layer_ids,
-            seed=cfg.train.seed,
-            tiny=cfg.target.tiny or None,
-        )
-        for dev in cfg.run.target_devices
-    ]
+    targets = [configured_target(cfg, dev) for dev in cfg.run.target_devices]
     dataset, heldout = split_heldout(build_dataset(cfg, targets[0]), cfg.data.eval_fraction, cfg.train.seed)
     return targets, dataset, heldout
 
