@@ -161,11 +161,11 @@ def gpu_ms(run, device, iterations: int) -> float:
 def loop_ms(run, decoder, iterations: int) -> float:
     """What the decode loop pays per iteration: the call, one host sync, the flag read."""
     run()
-    decoder._sync()
+    decoder.sync()
     t0 = time.perf_counter()
     for _ in range(iterations):
         run()
-        decoder._sync()
+        decoder.sync()
         bool(decoder.host_flag[0])
     return (time.perf_counter() - t0) * 1e3 / iterations
 
@@ -202,11 +202,11 @@ def measure(model, drafter, shape: str, block: int, compile: bool, device: str, 
         dec.drafter.proposals(dec.anchor, dec.start, k)
 
     with torch.no_grad():
-        parts = {"verify": dec._runner("verify", verify), "draft": dec._runner("draft", draft)}
-        parts["step"] = dec._runner("target", dec._target_step)
-        parts["round"] = dec._runner("speculative", dec._speculative_round)
+        parts = {"verify": dec.runner("verify", verify), "draft": dec.runner("draft", draft)}
+        parts["step"] = dec.runner("target", dec.target_step)
+        parts["round"] = dec.runner("speculative", dec.speculative_round)
         setup_s = time.perf_counter() - t0
-        dec._prefill([prompt], spec["new"], True)  # positions at the end of the prompt, as in decoding
+        dec.prefill([prompt], spec["new"], True)  # positions at the end of the prompt, as in decoding
         row = {"block": block, "compile": compile, "graphs": dec.graphs, "setup_s": setup_s}
         for name, run in parts.items():
             row[f"{name}_gpu_ms"] = gpu_ms(run, device, iterations)

@@ -456,8 +456,7 @@ def child_cache(args, dims) -> dict:
         cached = open_cache(cache_dir, expected, pin_memory=args.device.startswith("cuda"))
         reader = getattr(cached.features, "__self__", None)  # the shards' reader behind the dataset
         assert isinstance(reader, CacheReader)
-        for index in range(len(reader.shards)):  # sha256 checks now, not inside the timed steps
-            reader._handle(index)
+        reader.verify_all()  # sha256 checks now, not inside the timed steps
         for shard in reader.shards:
             _drop_page_cache(os.path.join(cache_dir, shard["file"]))
         resident_features = torch.randn(

@@ -173,6 +173,9 @@ def test_a_truncated_or_corrupted_shard_is_named(made, tmp_path):
     cached.features(torch.tensor([0]))  # shard 0 is fine
     with pytest.raises(DataError, match=f"{victim.name} fails its sha256 check"):
         cached.features(torch.tensor([first]))
+    reader = fc.open_cache(str(copy), expected_for(cfg, target)).features.__self__
+    with pytest.raises(DataError, match=f"{victim.name} fails its sha256 check"):
+        reader.verify_all()  # every shard now, before any read
 
 
 def test_cache_features_resumes_after_the_last_whole_shard(made, tmp_path):

@@ -165,7 +165,7 @@ class _AcceptsOneWrongDraft(StaticDecoder):
             self._broken = True
         super()._emit(tokens, accepted)
 
-    def _speculative_round(self):
+    def speculative_round(self):
         real = self.drafter.proposals
 
         def keep(anchor, start, kernels):
@@ -174,7 +174,7 @@ class _AcceptsOneWrongDraft(StaticDecoder):
 
         self.drafter.proposals = keep
         try:
-            super()._speculative_round()
+            super().speculative_round()
         finally:
             del self.drafter.proposals
 
@@ -278,3 +278,24 @@ def test_a_stop_token_inside_the_accepted_drafts_ends_decoding_in_both_loops(tar
                 break
             at += n + 1
     assert found >= 1
+
+
+def test_the_decode_cost_benchmark_runs_small_on_the_decoders_public_parts(tmp_path):
+    """benchmarks/decode_cost.py times the decoder's parts through its public methods; at tiny size on
+    the CPU it still checks graphs against eager and speculative against target-only decoding."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "cost.json"
+    proc = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "decode_cost.py"), "--device", "cpu", "--shapes", "tiny",
+         "--blocks", "4", "--compile", "off", "--iterations", "2", "--reference-tokens", "4", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]["tiny"]["rows"]
+    assert row["speculative_equals_target_only"] is True and row["graph_tokens_equal_eager"] is True
+    assert all(row[f"{part}_loop_ms"] > 0 for part in ("verify", "draft", "step", "round")), row

@@ -537,6 +537,11 @@ class CacheReader:
         self._local = threading.local()  # safe_open handles are per thread
         self._offsets_of: dict[int, torch.Tensor] = {}
 
+    def verify_all(self) -> None:
+        """Check every shard's sha256 now rather than at its first read (before timed steps)."""
+        for index in range(len(self.shards)):
+            self._handle(index)
+
     def _handle(self, index: int):
         from safetensors import safe_open
 

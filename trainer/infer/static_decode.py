@@ -646,7 +646,8 @@ class StaticDecoder:
         self.any_active.copy_(self.active.any().view(1))
         return count
 
-    def _target_step(self) -> None:
+    def target_step(self) -> None:
+        """One target-only decode step over the device state (what decode(speculative=False) repeats)."""
         step = self.target.hidden(
             self.anchor.unsqueeze(1), self.start.unsqueeze(1), self.kernels, features=False
         )
@@ -654,7 +655,8 @@ class StaticDecoder:
         self.target.commit(step.pending, count)
         self.host_flag.copy_(self.any_active, non_blocking=True)
 
-    def _speculative_round(self) -> None:
+    def speculative_round(self) -> None:
+        """One draft-and-verify round over the device state (what decode(speculative=True) repeats)."""
         k = self.kernels
         block = self.block
         drafter = self.drafter
@@ -699,7 +701,8 @@ class StaticDecoder:
         self.host_flag.copy_(self.any_active, non_blocking=True)
 
     @torch.no_grad()
-    def _prefill(self, prompts: list[list[int]], max_new_tokens: int, speculative: bool) -> None:
+    def prefill(self, prompts: list[list[int]], max_new_tokens: int, speculative: bool) -> None:
+        """Load `prompts` and run their prefill: the state a decode's first step starts from."""
         if not 0 < len(prompts) <= self.rows:
             raise ValueError(f"{len(prompts)} prompts for a decoder of {self.rows} rows")
         longest = max(len(p) for p in prompts)
@@ -717,11 +720,13 @@ class StaticDecoder:
         self.real.copy_(torch.arange(self.rows) < len(prompts))
         self.budget.fill_(max_new_tokens)
         name = "prefill-speculative" if speculative else "prefill-target"
-        self._runner(name, lambda: self._prefill_step(speculative))()
+        self.runner(name, lambda: self._prefill_step(speculative))()
 
     # ---- the host loop ----------------------------------------------------------------------------
 
-    def _runner(self, name: str, step):
+    def runner(self, name: str, step):
+        """`step` as the loop runs it: its CUDA graph's replay (captured once per name), or `step` itself
+        where graphs are off."""
         if not self.graphs:
             return step
         graph = self._graph.get(name)
@@ -749,11 +754,11 @@ class StaticDecoder:
     def prepare(self, prompts: list[list[int]], speculative: bool = True) -> None:
         """Capture the graphs (and compile) now, so the first timed decode does not pay for it."""
         with torch.no_grad():
-            self._prefill(prompts[: self.rows], 1, False)
-            self._runner("target", self._target_step)
+            self.prefill(prompts[: self.rows], 1, False)
+            self.runner("target", self.target_step)
             if speculative and self.drafter is not None:
-                self._prefill(prompts[: self.rows], 1, True)
-                self._runner("speculative", self._speculative_round)
+                self.prefill(prompts[: self.rows], 1, True)
+                self.runner("speculative", self.speculative_round)
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], max_new_tokens: int, speculative: bool) -> Batch:
@@ -761,16 +766,16 @@ class StaticDecoder:
         if speculative and self.drafter is None:
             raise ValueError("speculative decoding needs a drafter")
         step = (
-            self._runner("speculative", self._speculative_round)
+            self.runner("speculative", self.speculative_round)
             if speculative
-            else self._runner("target", self._target_step)
+            else self.runner("target", self.target_step)
         )
-        self._sync()
+        self.sync()
         t0 = time.perf_counter()
-        self._prefill(prompts, max_new_tokens, speculative)
+        self.prefill(prompts, max_new_tokens, speculative)
         iterations = 0
         while iterations <= max_new_tokens:  # every round emits at least one token per active row
-            self._sync()
+            self.sync()
             if not bool(self.host_flag[0]):
                 break
             step()
@@ -788,6 +793,7 @@ class StaticDecoder:
         ]
         return Batch(results=results, seconds=seconds, rounds=iterations)
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
+        """Wait for the decoder's stream (the one host sync a decode iteration pays)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
