@@ -114,8 +114,8 @@ def run_trial(args) -> dict:
         # Same ONE compiled flex_attention the trainer uses, through a cheaper backend.
         from torch.nn.attention.flex_attention import flex_attention
 
-        model_module._compiled_flex = torch.compile(
-            flex_attention, backend=args.compile_backend, dynamic=False, fullgraph=True
+        model_module.use_compiled_flex_attention(
+            torch.compile(flex_attention, backend=args.compile_backend, dynamic=False, fullgraph=True)
         )
     cfg, replicas, dtype = _drafter_setup(args, torch)
     train = args.device.startswith("cuda")  # CPU: flex_attention refuses backward

@@ -209,6 +209,14 @@ def compiled_flex_attention():
     return _compiled_flex
 
 
+def use_compiled_flex_attention(compiled) -> None:
+    """Install `compiled` (flex_attention through torch.compile) as the process's one compiled
+    flex_attention, before its first use: a race harness compiles it through a cheaper backend."""
+    global _compiled_flex
+    with _compiled_flex_init:
+        _compiled_flex = compiled
+
+
 def attend(q, k, v, attn_mask, backend: str | AttentionFn) -> torch.Tensor:
     """Masked GQA attention. q [B, Hq, L, D]; k, v [B, Hkv, S, D].
 
