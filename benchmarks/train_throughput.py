@@ -953,7 +953,17 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+PARTS = ("compiled", "before", "eager", "first-step", "cache", "checkpointing", "e2e")
+CHILDREN = {
+    "peak": child_peak,
+    "train": child_train,
+    "first_step": child_first_step,
+    "cache": child_cache,
+    "e2e": child_e2e,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -968,8 +978,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--parts",
         default="compiled,eager,first-step",
-        help="comma list of compiled, before, eager, first-step, cache, checkpointing, e2e "
-        "(the matmul peak always runs)",
+        help=f"comma list of {', '.join(PARTS)} (the matmul peak always runs)",
     )
     parser.add_argument(
         "--cache-dir", help="where the cache part writes its feature cache (default: $TMPDIR)"
@@ -996,9 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
         default=30,
         help="sequences the e2e part writes with cache-features (paper dims: ~126 MB each)",
     )
-    parser.add_argument(
-        "--child", choices=("peak", "train", "first_step", "cache", "e2e"), help=argparse.SUPPRESS
-    )
+    parser.add_argument("--child", choices=tuple(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--attention", default="flex", help=argparse.SUPPRESS)
     parser.add_argument("--lock", default="lock", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", default="none", help=argparse.SUPPRESS)
@@ -1006,6 +1013,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--loss-kernel", choices=("auto", "eager", "compiled"), default="auto", help=argparse.SUPPRESS
     )
+    return parser
+
+
+def _settings(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """(args, dims, parts) with the defaults that depend on the device filled in."""
     args = parser.parse_args(argv)
     if args.small:
         args.device = "cpu"
@@ -1018,114 +1030,114 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key):
             dims[key] = getattr(args, key)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    known = {"compiled", "before", "eager", "first-step", "cache", "checkpointing", "e2e"}
-    if parts - known:
-        parser.error(f"--parts: unknown {sorted(parts - known)}; use {', '.join(sorted(known))}")
+    if parts - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; use {', '.join(sorted(PARTS))}")
+    return args, dims, parts
 
-    if args.child:
-        import torch
 
-        torch.manual_seed(0)
-        fn = {
-            "peak": child_peak,
-            "train": child_train,
-            "first_step": child_first_step,
-            "cache": child_cache,
-            "e2e": child_e2e,
-        }[args.child]
-        print(RESULT_TAG + json.dumps(fn(args, dims)), flush=True)
-        return 0
+def say(text: str) -> None:
+    print(text, flush=True)
 
-    command = shlex.join(["benchmarks/train_throughput.py", *(sys.argv[1:] if argv is None else argv)])
-    say = lambda text: print(text, flush=True)  # noqa: E731
-    say(f"throughput: dims {dims} on {args.device}, parts {sorted(parts)}")
-    peak = run_child(args, "peak", [], args.child_timeout)
-    say(f"  peak matmul: {peak}")
-    # CPU refuses flex_attention backward: the smoke run trains through the dense-mask sdpa path.
-    # name -> (attention, child options); "before": only flex_attention compiled, layers and the
-    # loss's chunks eager (the trainer's path before its layers and loss kernel were compiled)
-    before = ["--compile-layers", "off", "--loss-kernel", "eager"]
-    variants = (
-        {"sdpa": ("sdpa", [])}
-        if args.small
-        else {"compiled flex": ("flex", []), BEFORE: ("flex", before), "eager flex": (FLEX_EAGER, before)}
-    )
-    wanted = {"sdpa": "compiled", "compiled flex": "compiled", "eager flex": "eager", BEFORE: "before"}
-    runs, profiles, raw = {}, {}, {}
 
-    def measure(name: str, attention: str, anchors: int, checkpointing: str = "none", options=()) -> dict:
-        extra = [
+class Trainings:
+    """The training parts' runs, each in its own child process, with their profiles and raw results."""
+
+    # "before": only flex_attention compiled, layers and the loss's chunks eager (the trainer's path
+    # before its layers and loss kernel were compiled)
+    BEFORE_OPTIONS = ["--compile-layers", "off", "--loss-kernel", "eager"]
+    WANTED = {"sdpa": "compiled", "compiled flex": "compiled", "eager flex": "eager", BEFORE: "before"}
+
+    def __init__(self, args, dims: dict, peak: dict):
+        self.args, self.dims, self.peak = args, dims, peak
+        self.runs: dict = {}
+        self.profiles: dict = {}
+        self.raw: dict = {}
+        # CPU refuses flex_attention backward: the smoke run trains through the dense-mask sdpa path.
+        # name -> (attention, child options)
+        self.variants = (
+            {"sdpa": ("sdpa", [])}
+            if args.small
+            else {
+                "compiled flex": ("flex", []),
+                BEFORE: ("flex", self.BEFORE_OPTIONS),
+                "eager flex": (FLEX_EAGER, self.BEFORE_OPTIONS),
+            }
+        )
+
+    def measure(
+        self, name: str, attention: str, anchors: int, checkpointing: str = "none", options=()
+    ) -> dict:
+        extra = ["--attention", attention, "--anchors", str(anchors), "--ctx", str(self.dims["ctx"])]
+        extra += ["--checkpointing", checkpointing, *options] + (["--profile"] if self.args.profile else [])
+        result = run_child(self.args, "train", extra, self.args.child_timeout)
+        summary = summarise(result, dict(self.dims, anchors=anchors), self.peak.get("tflops"))
+        shown = {k: v for k, v in summary.items() if k != "flops_per_step"}
+        say(f"  {name} ({anchors} anchors): {json.dumps(shown)}")
+        if result.get("profile"):
+            self.profiles[f"{name}, {anchors} anchors"] = result["profile"]
+        self.raw[f"{name}, {anchors} anchors"] = result
+        return summary
+
+    def variants_wanted(self, parts: set) -> None:
+        for name, (attention, options) in self.variants.items():
+            if self.WANTED[name] in parts:
+                self.runs[name] = self.measure(name, attention, self.dims["anchors"], options=options)
+
+    def flex_speedup(self) -> tuple[float | None, str | None]:
+        """Eager over compiled flex_attention step time. Eager flex materialises every score: at paper
+        size it may not fit; then both are compared at the largest anchor count where eager fits."""
+        if "compiled flex" not in self.runs or "eager flex" not in self.runs:
+            return None, None
+        anchors = self.dims["anchors"]
+        compiled, eager = self.runs["compiled flex"], self.runs["eager flex"]
+        while "failed" in eager and "OutOfMemory" in eager["failed"] and anchors > 64:
+            anchors //= 2
+            eager = self.runs[f"eager flex @{anchors} anchors"] = self.measure(
+                "eager flex", FLEX_EAGER, anchors, options=self.BEFORE_OPTIONS
+            )
+            if "failed" not in eager:
+                compiled = self.runs[f"compiled flex @{anchors} anchors"] = self.measure(
+                    "compiled flex", "flex", anchors
+                )
+        if "median_step_s" not in compiled or "median_step_s" not in eager:
+            return None, None
+        note = None
+        if anchors != self.dims["anchors"]:
+            note = f"measured at {anchors} anchors: eager flex runs out of memory at {self.dims['anchors']}"
+        return eager["median_step_s"] / compiled["median_step_s"], note
+
+    def checkpointing(self) -> dict:
+        """Step time and peak memory with the drafter's layers checkpointed, against without."""
+        name, (attention, _) = next(iter(self.variants.items()))
+        runs = {
+            "none": self.runs.get(name) or self.measure(name, attention, self.dims["anchors"]),
+            "layers": self.measure(f"{name}, checkpointed layers", attention, self.dims["anchors"], "layers"),
+        }
+        result: dict = {"runs": runs}
+        off, on = runs["none"], runs["layers"]
+        if "median_step_s" in off and "median_step_s" in on:
+            result["step_time_cost_pct"] = 100 * (on["median_step_s"] / off["median_step_s"] - 1)
+            if off["peak_memory_gib"] and on["peak_memory_gib"] is not None:
+                saved = off["peak_memory_gib"] - on["peak_memory_gib"]
+                result["memory_saved_gib"] = saved
+                result["memory_saved_pct"] = 100 * saved / off["peak_memory_gib"]
+        return result
+
+    def one_setup(self) -> list[str]:
+        """The first variant's attention and the block shape, for the children that measure one setup."""
+        attention = next(iter(self.variants.values()))[0]
+        return [
             "--attention",
             attention,
             "--anchors",
-            str(anchors),
+            str(self.dims["anchors"]),
             "--ctx",
-            str(dims["ctx"]),
-            "--checkpointing",
-            checkpointing,
-            *options,
+            str(self.dims["ctx"]),
         ]
-        extra += ["--profile"] if args.profile else []
-        result = run_child(args, "train", extra, args.child_timeout)
-        run_dims = dict(dims, anchors=anchors)
-        summary = summarise(result, run_dims, peak.get("tflops"))
-        say(
-            f"  {name} ({anchors} anchors): "
-            f"{json.dumps({k: v for k, v in summary.items() if k != 'flops_per_step'})}"
-        )
-        if result.get("profile"):
-            profiles[f"{name}, {anchors} anchors"] = result["profile"]
-        raw[f"{name}, {anchors} anchors"] = result
-        return summary
 
-    for name, (attention, options) in variants.items():
-        if wanted[name] in parts:
-            runs[name] = measure(name, attention, dims["anchors"], options=options)
-    speedup = speedup_note = None
-    if "compiled flex" in runs and "eager flex" in runs:
-        anchors = dims["anchors"]
-        compiled, eager = runs["compiled flex"], runs["eager flex"]
-        # Eager flex materialises every score: at paper size it may not fit. Then compare both at
-        # the largest anchor count where eager fits, and say so.
-        while "failed" in eager and "OutOfMemory" in eager["failed"] and anchors > 64:
-            anchors //= 2
-            eager = runs[f"eager flex @{anchors} anchors"] = measure(
-                "eager flex", FLEX_EAGER, anchors, options=before
-            )
-            if "failed" not in eager:
-                compiled = runs[f"compiled flex @{anchors} anchors"] = measure(
-                    "compiled flex", "flex", anchors
-                )
-        if "median_step_s" in compiled and "median_step_s" in eager:
-            speedup = eager["median_step_s"] / compiled["median_step_s"]
-            if anchors != dims["anchors"]:
-                speedup_note = (
-                    f"measured at {anchors} anchors: eager flex runs out of memory at {dims['anchors']}"
-                )
-    checkpointing = {}
-    if "checkpointing" in parts:
-        name, (attention, _) = next(iter(variants.items()))
-        ckpt_runs = {
-            "none": runs.get(name) or measure(name, attention, dims["anchors"]),
-            "layers": measure(f"{name}, checkpointed layers", attention, dims["anchors"], "layers"),
-        }
-        checkpointing = {"runs": ckpt_runs}
-        off, on = ckpt_runs["none"], ckpt_runs["layers"]
-        if "median_step_s" in off and "median_step_s" in on:
-            checkpointing["step_time_cost_pct"] = 100 * (on["median_step_s"] / off["median_step_s"] - 1)
-            if off["peak_memory_gib"] and on["peak_memory_gib"] is not None:
-                saved = off["peak_memory_gib"] - on["peak_memory_gib"]
-                checkpointing["memory_saved_gib"] = saved
-                checkpointing["memory_saved_pct"] = 100 * saved / off["peak_memory_gib"]
-    # the first variant's attention and the block shape, for the children that measure one setup
-    one_setup = [
-        "--attention",
-        next(iter(variants.values()))[0],
-        "--anchors",
-        str(dims["anchors"]),
-        "--ctx",
-        str(dims["ctx"]),
-    ]
+
+def _other_parts(args, parts: set, one_setup: list[str]) -> tuple[dict, dict | None, dict | None]:
+    """(first step per lock, feature cache, end to end) for the parts asked for."""
     first_step = {}
     if "first-step" in parts:
         for lock in ("lock", "none"):
@@ -1133,57 +1145,72 @@ def main(argv: list[str] | None = None) -> int:
                 args, "first_step", ["--lock", lock, *one_setup], args.first_step_timeout
             )
             say(f"  first step, lock {lock}: {first_step[lock]}")
-    cache = None
-    if "cache" in parts:
-        extra = [
-            *one_setup,
-            "--shard-mb",
-            str(args.shard_mb),
-            *(["--cache-dir", args.cache_dir] if args.cache_dir else []),
-        ]
-        cache = run_child(args, "cache", extra, args.child_timeout)
-        say(f"  feature cache: {json.dumps({k: v for k, v in cache.items() if k != 'stderr_tail'})}")
-    e2e = None
-    if "e2e" in parts:
-        extra = [
-            *one_setup,
-            "--cache-sequences",
-            str(args.cache_sequences),
-            *(["--cache-dir", args.cache_dir] if args.cache_dir else []),
-        ]
-        e2e = run_child(args, "e2e", extra, args.child_timeout)
-        say(f"  e2e: {json.dumps({k: v for k, v in e2e.items() if k != 'stderr_tail'})}")
+    cache_dir = ["--cache-dir", args.cache_dir] if args.cache_dir else []
+    results: dict = {"cache": None, "e2e": None}
+    for part, extra in (
+        ("cache", ["--shard-mb", str(args.shard_mb)]),
+        ("e2e", ["--cache-sequences", str(args.cache_sequences)]),
+    ):
+        if part in parts:
+            results[part] = run_child(args, part, [*one_setup, *extra, *cache_dir], args.child_timeout)
+            shown = {k: v for k, v in results[part].items() if k != "stderr_tail"}
+            say(f"  {'feature cache' if part == 'cache' else part}: {json.dumps(shown)}")
+    return first_step, results["cache"], results["e2e"]
+
+
+def _write(report: dict, out: str | None) -> None:
+    text = render(report)
+    if report["cache"] is not None:
+        text += "\n".join(render_cache(report["cache"])) + "\n"
+    if report["e2e"] is not None:
+        text += "\n".join(render_e2e(report["e2e"])) + "\n"
+    print(text)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as fh:
+            fh.write(text)
+        with open(os.path.splitext(out)[0] + ".json", "w") as fh:
+            json.dump(report, fh, indent=1, default=str)
+        say(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, dims, parts = _settings(_parser(), argv)
+    if args.child:
+        import torch
+
+        torch.manual_seed(0)
+        print(RESULT_TAG + json.dumps(CHILDREN[args.child](args, dims)), flush=True)
+        return 0
+
+    command = shlex.join(["benchmarks/train_throughput.py", *(sys.argv[1:] if argv is None else argv)])
+    say(f"throughput: dims {dims} on {args.device}, parts {sorted(parts)}")
+    peak = run_child(args, "peak", [], args.child_timeout)
+    say(f"  peak matmul: {peak}")
+    trainings = Trainings(args, dims, peak)
+    trainings.variants_wanted(parts)
+    speedup, speedup_note = trainings.flex_speedup()
+    checkpointing = trainings.checkpointing() if "checkpointing" in parts else {}
+    first_step, cache, e2e = _other_parts(args, parts, trainings.one_setup())
     report = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command,
         "versions": versions(args.device),
         "dims": dims,
         "peak": peak,
-        "runs": runs,
+        "runs": trainings.runs,
         "speedup": speedup,
         "speedup_note": speedup_note,
         "first_step": first_step,
         "checkpointing": checkpointing,
-        "profiles": profiles,
-        "raw": raw,
+        "profiles": trainings.profiles,
+        "raw": trainings.raw,
         "cache": cache,
         "e2e": e2e,
     }
-    text = render(report)
-    if cache is not None:
-        text += "\n".join(render_cache(cache)) + "\n"
-    if e2e is not None:
-        text += "\n".join(render_e2e(e2e)) + "\n"
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            fh.write(text)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as fh:
-            json.dump(report, fh, indent=1, default=str)
-        say(f"wrote {args.out}")
+    _write(report, args.out)
     # The eager run may legitimately not fit (reported above); the compiled run and the peak must work.
-    failed = [n for n in ("compiled flex", "sdpa") if "failed" in runs.get(n, {})]
+    failed = [n for n in ("compiled flex", "sdpa") if "failed" in trainings.runs.get(n, {})]
     failed += [f"checkpointing {k}" for k, r in checkpointing.get("runs", {}).items() if "failed" in r]
     failed += [part for part, r in (("cache", cache), ("e2e", e2e)) if r is not None and "failed" in r]
     return 1 if failed or "failed" in peak else 0
