@@ -573,13 +573,8 @@ def child_e2e(args, dims) -> dict:
        the same batches (same batch size)."""
     import torch
 
-    from trainer import precision
     from trainer.compile_lock import CompileGuard
-    from trainer.config import TrainConfig
-    from trainer.data.dataset import BatchPlan, Dataset
-    from trainer.data.feature_cache import auto_batch_size, cache_header, write_cache
-    from trainer.model import DFlashDrafter, DrafterConfig
-    from trainer.train.workers import Replica
+    from trainer.data.dataset import Dataset
 
     guard = CompileGuard("lock").install()
     target = _random_target(args, torch)
@@ -598,6 +593,20 @@ def child_e2e(args, dims) -> dict:
             torch, args.device, lambda: target.features(one, attention_mask=torch.ones_like(one)), args.steps
         )
     result["target_forward_s"] = statistics.median(bare)
+    result.update(_e2e_steps(args, dims, target, dataset, one, guard, torch))
+    result["sum_s"] = result["target_forward_s"] + result["drafter_step_s"]
+    result["e2e_vs_sum"] = result["sum_s"] / result["e2e_step_s"]
+    result["cache"] = _e2e_cache(args, target, ids, loss_mask, torch)
+    return result
+
+
+def _e2e_steps(args, dims, target, dataset, one, guard, torch) -> dict:
+    """The drafter step with its features resident, then with the target computing them (end to end)."""
+    from trainer import precision
+    from trainer.config import TrainConfig
+    from trainer.data.dataset import BatchPlan, Dataset
+    from trainer.model import DFlashDrafter, DrafterConfig
+    from trainer.train.workers import Replica
 
     cfg = DrafterConfig(
         hidden_size=target.hidden_size,
@@ -630,7 +639,7 @@ def child_e2e(args, dims) -> dict:
         torch.cuda.reset_peak_memory_stats(args.device)
 
     def steps(source: Dataset, stand_in, replica: Replica) -> list[float]:
-        plan = BatchPlan(len(source), b, 1, seed=0)
+        plan = BatchPlan(len(source), dims["batch"], 1, seed=0)
         total = min(plan.total_steps(1, None), args.warmup + args.steps)
         with _one_replica(stand_in, replica, source, plan, run_cfg, guard, feature_dtype) as workers:
             workers.start(0, total)
@@ -646,21 +655,26 @@ def child_e2e(args, dims) -> dict:
     resident = copy.copy(dataset)
     resident.features = lambda idx, features=resident_features: features[: len(idx)]
     drafter = steps(resident, types.SimpleNamespace(device=args.device), replica)
-    result["drafter_step_s"] = statistics.median(drafter)
     both = steps(dataset, target, replica)
-    result["e2e_step_s"] = statistics.median(both)
-    result["e2e_step_times_s"] = [round(x, 4) for x in both]
-    result["sum_s"] = result["target_forward_s"] + result["drafter_step_s"]
-    result["e2e_vs_sum"] = result["sum_s"] / result["e2e_step_s"]
-    result["peak_memory_gib"] = (
-        torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.startswith("cuda") else None
-    )
+    peak = torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.startswith("cuda") else None
     del replica, model, optimizer, resident_features, resident
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
+    return {
+        "drafter_step_s": statistics.median(drafter),
+        "e2e_step_s": statistics.median(both),
+        "e2e_step_times_s": [round(x, 4) for x in both],
+        "peak_memory_gib": peak,
+    }
 
-    # cache-features: the writer against the bare forward of the same batches
-    count = args.cache_sequences
+
+def _e2e_cache(args, target, ids, loss_mask, torch) -> dict:
+    """cache-features: the writer against the bare forward of the same batches."""
+    from trainer.config import TrainConfig
+    from trainer.data.dataset import Dataset
+    from trainer.data.feature_cache import auto_batch_size, cache_header, write_cache
+
+    count, t = args.cache_sequences, ids.shape[1]
     cache_set = Dataset(ids[:count], loss_mask[:count], torch.ones_like(loss_mask[:count]), source="random")
     batch = auto_batch_size(t)
     with torch.no_grad():
@@ -684,7 +698,7 @@ def child_e2e(args, dims) -> dict:
         cache_s = time.perf_counter() - began
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    result["cache"] = {
+    return {
         "sequences": count,
         "batch": batch,
         "tokens": count * t,
@@ -696,7 +710,6 @@ def child_e2e(args, dims) -> dict:
         "bytes": manifest["counts"]["bytes"],
         "shards": manifest["counts"]["shards"],
     }
-    return result
 
 
 def render_e2e(result: dict) -> list[str]:
@@ -880,6 +893,25 @@ def render(report: dict) -> str:
             f"{_fmt(s['mfu'] and 100 * s['mfu'], '.1f')}% | {_fmt(s['peak_memory_gib'], '.1f')} "
             f"| {s['master_and_adam_gib']:.1f} |"
         )
+    lines += _render_notes(report) + _render_first_step(report) + _render_checkpointing(report)
+    for name, text in report.get("profiles", {}).items():
+        lines += ["", f"Profile, {name} (top kernels, 3 steps):", "", "```", text, "```"]
+    return "\n".join(lines) + "\n"
+
+
+PARTS = ("compiled", "before", "eager", "first-step", "cache", "checkpointing", "e2e")
+CHILDREN = {
+    "peak": child_peak,
+    "train": child_train,
+    "first_step": child_first_step,
+    "cache": child_cache,
+    "e2e": child_e2e,
+}
+
+
+def _render_notes(report: dict) -> list[str]:
+    """The speed-ups measured in this run, the drafter's size and its FLOPs per step."""
+    lines: list[str] = []
     after, prior = report["runs"].get("compiled flex", {}), report["runs"].get(BEFORE, {})
     if "median_step_s" in after and "median_step_s" in prior:
         lines += [
@@ -908,6 +940,12 @@ def render(report: dict) -> str:
             "Model FLOPs per step (fwd+bwd, GFLOP): "
             + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in parts.items()),
         ]
+    return lines
+
+
+def _render_first_step(report: dict) -> list[str]:
+    """First-step latency per compile lock."""
+    lines: list[str] = []
     if report.get("first_step"):
         lines += [
             "",
@@ -922,6 +960,12 @@ def render(report: dict) -> str:
                 continue
             errors = "; ".join(e["message"] for e in r["errors"]) or "none"
             lines.append(f"| {lock} | {json.dumps(r['latency_s'])} | {r['all_done_s']} | {errors} |")
+    return lines
+
+
+def _render_checkpointing(report: dict) -> list[str]:
+    """Activation checkpointing against none, same settings."""
+    lines: list[str] = []
     ckpt = report.get("checkpointing")
     if ckpt:
         lines += [
@@ -948,19 +992,7 @@ def render(report: dict) -> str:
                 f"Checkpointing costs {ckpt['step_time_cost_pct']:+.1f}% step time "
                 "(no memory figure on CPU).",
             ]
-    for name, text in report.get("profiles", {}).items():
-        lines += ["", f"Profile, {name} (top kernels, 3 steps):", "", "```", text, "```"]
-    return "\n".join(lines) + "\n"
-
-
-PARTS = ("compiled", "before", "eager", "first-step", "cache", "checkpointing", "e2e")
-CHILDREN = {
-    "peak": child_peak,
-    "train": child_train,
-    "first_step": child_first_step,
-    "cache": child_cache,
-    "e2e": child_e2e,
-}
+    return lines
 
 
 def _parser() -> argparse.ArgumentParser:
