@@ -95,9 +95,10 @@ def context_length(args, step: int, index: int) -> int:
     return args.ctx + 128 * (step + index)  # drafter i runs i lengths ahead
 
 
-def run_trial(args) -> dict:
-    import torch
-
+def _install_compile(args, torch):
+    """The compile guard of args.mode, installed before anything compiles, and the compiled
+    flex_attention through args.compile_backend; with --emulate-old-torch, torch's compile session
+    as older versions had it."""
     faulthandler.dump_traceback_later(max(5.0, args.timeout - 10), exit=False)  # stacks of a hang
     if args.emulate_old_torch and hasattr(torch.compiler, "_compile_session_context"):
         import contextlib
@@ -105,11 +106,8 @@ def run_trial(args) -> dict:
         # a deliberate patch of torch's internals: the compile session of older torch versions
         torch.compiler._compile_session_context = contextlib.nullcontext  # type: ignore[assignment]
     from trainer import model as model_module
-    from trainer.compile_lock import is_fx_tracing_error
-    from trainer.loss import block_labels
-    from trainer.masks import build_block_mask, sample_anchors
 
-    guard = compile_guard(args.mode).install()  # before anything compiles
+    guard = compile_guard(args.mode).install()
     if args.compile_backend != "inductor":
         # Same ONE compiled flex_attention the trainer uses, through a cheaper backend.
         from torch.nn.attention.flex_attention import flex_attention
@@ -117,6 +115,62 @@ def run_trial(args) -> dict:
         model_module.use_compiled_flex_attention(
             torch.compile(flex_attention, backend=args.compile_backend, dynamic=False, fullgraph=True)
         )
+    return guard
+
+
+def _drafter_step(
+    args, cfg, model, guard, name: str, step: int, index: int, gen, dtype, train: bool, torch
+) -> float:
+    """One training step of one replica as the trainer runs it; its seconds."""
+    from trainer.loss import block_labels
+    from trainer.masks import build_block_mask, sample_anchors
+
+    ctx = context_length(args, step, index)
+    input_ids = torch.randint(0, cfg.vocab_size - 1, (1, ctx), generator=gen).to(args.device)
+    loss_mask = torch.ones(1, ctx, dtype=torch.bool, device=args.device)
+    features = torch.randn(1, ctx, cfg.context_size, generator=gen).to(args.device, dtype)
+    began = time.perf_counter()
+    # The trainer builds the mask inside the guarded step (trainer.train.loop.make_loss_fn).
+    with guard.step(name, step, (ctx,)), torch.set_grad_enabled(train):
+        anchors, valid = sample_anchors(loss_mask.cpu(), args.anchors, cfg.block_size, gen)
+        anchors, valid = anchors.to(args.device), valid.to(args.device)
+        mask = build_block_mask(anchors, valid, ctx, cfg.block_size, args.device)
+        hidden = model(features, input_ids, anchors, mask, "flex")
+        labels, label_mask = block_labels(input_ids, loss_mask, anchors, valid, cfg.block_size)
+        loss, _ = model.loss(hidden, labels, label_mask, gamma=7.0)
+        if train:
+            loss.backward()
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize(args.device)
+    return round(time.perf_counter() - began, 3)
+
+
+def _failure(name: str, step: int, exc: BaseException) -> dict:
+    """A replica's failure as the trial reports it, with the race's own kinds told apart."""
+    from trainer.compile_lock import is_fx_tracing_error
+
+    text = str(exc)
+    kind = (
+        "fx_tracing"
+        if is_fx_tracing_error(exc)
+        else "key_error_custom"
+        if isinstance(exc, KeyError) and "custom" in text
+        else "other"
+    )
+    return {
+        "thread": name,
+        "step": step,
+        "kind": kind,
+        "type": type(exc).__name__,
+        "message": (text.splitlines() or [""])[0][:300],
+        "traceback": traceback.format_exc()[-2000:],
+    }
+
+
+def run_trial(args) -> dict:
+    import torch
+
+    guard = _install_compile(args, torch)
     cfg, replicas, dtype = _drafter_setup(args, torch)
     train = args.device.startswith("cuda")  # CPU: flex_attention refuses backward
     errors: list[dict] = []
@@ -133,49 +187,16 @@ def run_trial(args) -> dict:
         try:
             start.wait(timeout=args.timeout)
             for step in range(args.steps):
-                ctx = context_length(args, step, index)
-                input_ids = torch.randint(0, cfg.vocab_size - 1, (1, ctx), generator=gen).to(args.device)
-                loss_mask = torch.ones(1, ctx, dtype=torch.bool, device=args.device)
-                features = torch.randn(1, ctx, cfg.context_size, generator=gen).to(args.device, dtype)
-                began = time.perf_counter()
-                # The trainer builds the mask inside the guarded step (trainer.train.loop.make_loss_fn).
-                with guard.step(name, step, (ctx,)), torch.set_grad_enabled(train):
-                    anchors, valid = sample_anchors(loss_mask.cpu(), args.anchors, cfg.block_size, gen)
-                    anchors, valid = anchors.to(args.device), valid.to(args.device)
-                    mask = build_block_mask(anchors, valid, ctx, cfg.block_size, args.device)
-                    hidden = model(features, input_ids, anchors, mask, "flex")
-                    labels, label_mask = block_labels(input_ids, loss_mask, anchors, valid, cfg.block_size)
-                    loss, _ = model.loss(hidden, labels, label_mask, gamma=7.0)
-                    if train:
-                        loss.backward()
-                    if args.device.startswith("cuda"):
-                        torch.cuda.synchronize(args.device)
+                seconds = _drafter_step(args, cfg, model, guard, name, step, index, gen, dtype, train, torch)
                 if step == 0:
-                    first_step_s[name] = round(time.perf_counter() - began, 3)
+                    first_step_s[name] = seconds
                 grad_sync.wait(timeout=args.timeout)
                 model.zero_grad(set_to_none=True)
         except threading.BrokenBarrierError:
             return  # another thread failed first; its error is the one that counts
         except BaseException as exc:  # noqa: BLE001 - a trial reports every failure
-            text = str(exc)
-            kind = (
-                "fx_tracing"
-                if is_fx_tracing_error(exc)
-                else "key_error_custom"
-                if isinstance(exc, KeyError) and "custom" in text
-                else "other"
-            )
             with errors_lock:
-                errors.append(
-                    {
-                        "thread": name,
-                        "step": step,
-                        "kind": kind,
-                        "type": type(exc).__name__,
-                        "message": (text.splitlines() or [""])[0][:300],
-                        "traceback": traceback.format_exc()[-2000:],
-                    }
-                )
+                errors.append(_failure(name, step, exc))
             start.abort()
             grad_sync.abort()
 
