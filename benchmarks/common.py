@@ -1,9 +1,25 @@
-"""What every benchmark records next to its numbers."""
+"""What every benchmark records next to its numbers, and the fresh compile caches of its children."""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fresh_compile_env(scratch: str, **extra: str) -> dict:
+    """This process's environment with empty inductor and triton caches under `scratch` (a child that
+    compiles from nothing, as a new job does) and the repository importable first (sites already on
+    PYTHONPATH kept)."""
+    return dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"),
+        TRITON_CACHE_DIR=os.path.join(scratch, "triton"),
+        PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+        **extra,
+    )
 
 
 def versions(device: str) -> dict:

@@ -47,7 +47,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks.baselines import GUARD_MODES, compile_guard  # noqa: E402
-from benchmarks.common import versions  # noqa: E402
+from benchmarks.common import fresh_compile_env, versions  # noqa: E402
 
 OUTCOMES = ("clean", "fx_tracing", "other_error", "hang")
 RESULT_TAG = "TRIAL_RESULT "
@@ -272,13 +272,7 @@ def trial_command(args, mode: str) -> list[str]:
 def run_one(args, mode: str, index: int) -> dict:
     """A fresh process with fresh empty caches; killed (with its children) at --timeout."""
     scratch = tempfile.mkdtemp(prefix=f"race-{mode}-{index}-")
-    env = dict(
-        os.environ,
-        TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"),
-        TRITON_CACHE_DIR=os.path.join(scratch, "triton"),
-        PYTHONPATH=REPO,
-        PYTHONUNBUFFERED="1",
-    )
+    env = fresh_compile_env(scratch, PYTHONUNBUFFERED="1")
     began = time.monotonic()
     proc = subprocess.Popen(
         trial_command(args, mode),

@@ -29,7 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchmarks.common import versions  # noqa: E402
+from benchmarks.common import fresh_compile_env, versions  # noqa: E402
 
 GOAL = 0.05
 SMALL_CONFIG = "small CPU smoke (sdpa, gloo)"
@@ -113,14 +113,7 @@ def command(launcher: str, small: bool, steps: int, out_dir: str, metrics: str) 
 def run_once(launcher: str, small: bool, steps: int, warmup: int, timeout_s: int) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"trstep-{launcher}-") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))  # keeps extra sites
-        env = dict(
-            os.environ,
-            PYTHONPATH=path,
-            PYTHONUNBUFFERED="1",
-            TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
-            TRITON_CACHE_DIR=os.path.join(tmp, "triton"),
-        )
+        env = fresh_compile_env(tmp, PYTHONUNBUFFERED="1")
         cmd = ["timeout", "-k", "10", str(timeout_s)] + command(
             launcher, small, steps, os.path.join(tmp, "out"), metrics
         )

@@ -65,7 +65,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks.baselines import FLEX_EAGER, attention_backend  # noqa: E402
-from benchmarks.common import versions  # noqa: E402
+from benchmarks.common import fresh_compile_env, versions  # noqa: E402
 
 RESULT_TAG = "BENCH_RESULT "
 PURE_BF16 = "bf16-pure"  # baseline only: bf16 parameters and AdamW state, no fp32 master weights
@@ -780,12 +780,7 @@ def render_cache(result: dict) -> list[str]:
 
 def run_child(args, what: str, extra: list[str], timeout: float) -> dict:
     scratch = tempfile.mkdtemp(prefix=f"throughput-{what}-")
-    env = dict(
-        os.environ,
-        TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"),
-        TRITON_CACHE_DIR=os.path.join(scratch, "triton"),
-        PYTHONPATH=REPO,
-    )
+    env = fresh_compile_env(scratch)
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
