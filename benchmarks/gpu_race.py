@@ -220,7 +220,7 @@ def render(table: list[dict], args, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -250,21 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default="", help="a name for this table in the results")
     parser.add_argument("--out", default=None, help="append a markdown table here")
     parser.add_argument("extra", nargs="*", help="more trainer arguments (after --)")
-    args = parser.parse_args(argv)
-    if min(args.trials, args.threads, args.steps, args.parallel) < 1:
-        parser.error("--trials, --threads, --steps and --parallel must be >= 1")
+    return parser
 
-    plan = cells(args)
-    jobs = [(mode, ckpt, i) for mode, ckpt, k in plan for i in range(k)]
-    # one slot per cell in turn, so a cut by the budget leaves every cell some trials
-    jobs.sort(key=lambda job: (job[2], [c[:2] for c in plan].index(job[:2])))
+
+def _run_trials(args, plan: list, jobs: list) -> list[dict]:
+    """The trials, --parallel at a time, each one's row printed (and appended to the .trials.jsonl
+    beside --out) as it ends: a run cut short by the budget still leaves its evidence."""
     began = time.monotonic()
-    print(
-        f"race: {len(jobs)} trials {[(m, c, k) for m, c, k in plan]} on {args.device}, "
-        f"{args.parallel} at a time, "
-        f"budget {args.budget:g} s",
-        flush=True,
-    )
     rows: list[dict] = []
     lock = threading.Lock()
     if args.out:
@@ -277,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         row = trial(mode, ckpt, index, args)
         with lock:
             rows.append(row)
-            if args.out:  # every trial as it ends: a run cut short still leaves its evidence
+            if args.out:
                 with open(os.path.splitext(args.out)[0] + ".trials.jsonl", "a") as f:
                     f.write(json.dumps(row) + "\n")
             print(
@@ -289,7 +281,26 @@ def main(argv: list[str] | None = None) -> int:
 
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         list(pool.map(run, jobs))
-    table = summarise(rows, plan)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if min(args.trials, args.threads, args.steps, args.parallel) < 1:
+        parser.error("--trials, --threads, --steps and --parallel must be >= 1")
+
+    plan = cells(args)
+    jobs = [(mode, ckpt, i) for mode, ckpt, k in plan for i in range(k)]
+    # one slot per cell in turn, so a cut by the budget leaves every cell some trials
+    jobs.sort(key=lambda job: (job[2], [c[:2] for c in plan].index(job[:2])))
+    print(
+        f"race: {len(jobs)} trials {[(m, c, k) for m, c, k in plan]} on {args.device}, "
+        f"{args.parallel} at a time, "
+        f"budget {args.budget:g} s",
+        flush=True,
+    )
+    table = summarise(_run_trials(args, plan, jobs), plan)
     for t in table:
         print(
             f"{args.label} {t['mode']:5} ckpt={t['checkpointing']:6} trials={t['trials']}/{t['planned']} "
@@ -302,7 +313,6 @@ def main(argv: list[str] | None = None) -> int:
         command = "python " + shlex.join(
             ["benchmarks/gpu_race.py", *(sys.argv[1:] if argv is None else argv)]
         )
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "a") as f:
             f.write(render(table, args, command))
         print(f"wrote {args.out}")
