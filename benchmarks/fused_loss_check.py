@@ -84,40 +84,26 @@ def run_kernel(torch, kernel: str, hidden, weight, labels, label_mask, repeats: 
     return {"out": out, "median_s": statistics.median(times[2:]), "first_s": times[0], "peak_gib": peak}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--small", action="store_true", help="tiny dims on the CPU in fp32 (a smoke run)")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", help="markdown results file (a .json copy next to it)")
-    args = parser.parse_args(argv)
-    import torch
-
+def _reference(torch, hidden, weight, labels, label_mask, device: str):
+    """The fp32 reference over the same values: full logits, autograd. (loss, acc, grad of hidden)."""
     from trainer.loss import dflash_loss
 
-    if args.small:
-        args.device = "cpu"
-    dims = SMALL if args.small else PAPER
-    dtype = torch.float32 if args.small else torch.bfloat16
-    hidden, weight, labels, label_mask = make_inputs(torch, dims, args.device, dtype)
-
-    # fp32 reference over the same values: full logits, autograd
     h_ref = hidden.detach().float().requires_grad_(True)
-    ref_loss, ref_acc = dflash_loss(
-        torch.nn.functional.linear(h_ref, weight.float()), labels, label_mask, 7.0
-    )
-    ref_loss.backward()
-    ref_loss = ref_loss.detach()
-    ref_grad = h_ref.grad.detach()
+    loss, acc = dflash_loss(torch.nn.functional.linear(h_ref, weight.float()), labels, label_mask, 7.0)
+    loss.backward()
+    grad = h_ref.grad.detach()
     del h_ref
-    if args.device.startswith("cuda"):
+    if device.startswith("cuda"):
         torch.cuda.empty_cache()
+    return loss.detach(), acc, grad
 
+
+def _compare(torch, args, inputs, reference) -> tuple[dict, dict, list[str]]:
+    """(each kernel against the reference, the kernels against each other, the tolerances missed)."""
+    ref_loss, ref_acc, ref_grad = reference
     results, failures = {}, []
     for kernel in KERNELS:
-        r = run_kernel(torch, kernel, hidden, weight, labels, label_mask, args.repeats, args.device)
+        r = run_kernel(torch, kernel, *inputs, args.repeats, args.device)
         loss, acc, grad = r.pop("out")
         r.update(
             loss=float(loss),
@@ -137,9 +123,11 @@ def main(argv=None) -> int:
     failures += [
         f"compiled vs eager: {k} {between[k]:.3g} > {tol}" for k, tol in BETWEEN.items() if between[k] > tol
     ]
+    return results, between, failures
 
+
+def _markdown(args, given: str, dims: dict, dtype, ref_loss, results, between, failures) -> str:
     rows = dims["anchors"] * (dims["block"] - 1)
-    given = " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         f"# Fused lm_head + DFlash loss: exactness and speed ({args.device})",
         "",
@@ -166,7 +154,29 @@ def main(argv=None) -> int:
         f"Tolerances vs the fp32 reference {TOLERANCE}; between kernels {BETWEEN}: "
         + ("all met." if not failures else "FAILED: " + "; ".join(failures)),
     ]
-    text = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--small", action="store_true", help="tiny dims on the CPU in fp32 (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", help="markdown results file (a .json copy next to it)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if args.small:
+        args.device = "cpu"
+    dims = SMALL if args.small else PAPER
+    dtype = torch.float32 if args.small else torch.bfloat16
+    inputs = make_inputs(torch, dims, args.device, dtype)
+    reference = _reference(torch, *inputs, args.device)
+    results, between, failures = _compare(torch, args, inputs, reference)
+    given = " ".join(argv if argv is not None else sys.argv[1:])
+    text = _markdown(args, given, dims, dtype, reference[0], results, between, failures)
     print(text)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

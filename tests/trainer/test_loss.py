@@ -243,3 +243,24 @@ def test_loss_kernel_defaults_compiled_on_cuda_only():
     assert even_chunks(7680, 1766) == (1536, 5)
     assert even_chunks(24, 5) == (16, 2) and even_chunks(10, 64) == (16, 1)
     assert even_chunks(7000, 883) == (880, 8)  # no divisor without padding: the fewest chunks
+
+
+def test_the_fused_loss_benchmark_checks_both_kernels_against_fp32_small(tmp_path):
+    """benchmarks/fused_loss_check.py at tiny size on the CPU: both kernels within tolerance of the
+    fp32 reference and of each other, written as markdown and json."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "fused.md"
+    proc = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "fused_loss_check.py"), "--small", "--repeats", "3",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["failures"] == [] and set(report["results"]) == {"eager", "compiled"}
+    assert "all met." in out.read_text()
