@@ -352,6 +352,54 @@ def eval_once(run_dir: Path, work: Path, p: dict, device: str, log: Path, limit:
 # ---- report --------------------------------------------------------------------------------------
 
 
+def _evals(b: dict) -> list[dict]:
+    return [e for e in b["evals"] if e.get("exit") == 0]
+
+
+def _median(b: dict, key: str) -> float:
+    return statistics.median(e[key] for e in _evals(b))
+
+
+# (row name, its cell for one block's results) of the results table; a cell that cannot be made is "-"
+BLOCK_ROWS = (
+    ("drafter training: steps, wall s", lambda b: f"{b['train']['steps']}, {b['train']['wall_s']:.0f}"),
+    (
+        "in-training tau evaluation: total s, share of wall",
+        lambda b: f"{b['train']['eval_s']:.1f} s, {100 * b['train']['eval_overhead']:.1f} %",
+    ),
+    ("expected tau from training accuracy", lambda b: f"{b['train']['expected_tau']:.3f}"),
+    ("tau pooled over rounds (`dflash-train eval`)", lambda b: f"{_evals(b)[0]['tau']:.3f}"),
+    ("tau mean of per-prompt means", lambda b: f"{_evals(b)[0]['tau_per_prompt_mean']:.3f}"),
+    (
+        "per-prompt tau min / median / max",
+        lambda b: "{min:.2f} / {median:.2f} / {max:.2f}".format(**_evals(b)[0]["tau_per_prompt"]),
+    ),
+    ("acceptance by position", lambda b: " ".join(f"{a:.2f}" for a in _evals(b)[0]["acceptance"])),
+    (
+        "target-only tok/s (each run)",
+        lambda b: ", ".join(f"{e['target_tokens_per_s']:,.0f}" for e in _evals(b)),
+    ),
+    (
+        "speculative tok/s (each run)",
+        lambda b: ", ".join(f"{e['speculative_tokens_per_s']:,.0f}" for e in _evals(b)),
+    ),
+    (
+        "**speed-up** (median; each run)",
+        lambda b: (
+            f"**{_median(b, 'speedup'):.2f}x** (" + ", ".join(f"{e['speedup']:.2f}" for e in _evals(b)) + ")"
+        ),
+    ),
+    (
+        "runs within +-10 % of the median speed-up",
+        lambda b: str(all(abs(e["speedup"] / _median(b, "speedup") - 1) <= 0.10 for e in _evals(b))),
+    ),
+    ("lossless (ties)", lambda b: ", ".join(f"{e['lossless']} ({e['ties']})" for e in _evals(b))),
+    ("decode seconds in eval (each run)", lambda b: ", ".join(f"{e['seconds']:.1f}" for e in _evals(b))),
+    ("eval process seconds (each run)", lambda b: ", ".join(f"{e['process_s']:.0f}" for e in _evals(b))),
+    ("loop", lambda b: _evals(b)[0]["loop"]),
+)
+
+
 def markdown(args, info: dict, state: dict) -> str:
     lm, lines = state.get("lm", {}), []
     lines += [
@@ -381,7 +429,7 @@ def markdown(args, info: dict, state: dict) -> str:
             "|---|" + "---|" * len(blocks),
         ]
 
-        def row(name, fn):
+        for name, fn in BLOCK_ROWS:
             cells = []
             for b in blocks.values():
                 try:
@@ -389,54 +437,103 @@ def markdown(args, info: dict, state: dict) -> str:
                 except (KeyError, TypeError, IndexError, ValueError, statistics.StatisticsError):
                     cells.append("-")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-
-        def evals(b):
-            return [e for e in b["evals"] if e.get("exit") == 0]
-
-        def med(b, key):
-            return statistics.median(e[key] for e in evals(b))
-
-        row("drafter training: steps, wall s", lambda b: f"{b['train']['steps']}, {b['train']['wall_s']:.0f}")
-        row(
-            "in-training tau evaluation: total s, share of wall",
-            lambda b: f"{b['train']['eval_s']:.1f} s, {100 * b['train']['eval_overhead']:.1f} %",
-        )
-        row("expected tau from training accuracy", lambda b: f"{b['train']['expected_tau']:.3f}")
-        row("tau pooled over rounds (`dflash-train eval`)", lambda b: f"{evals(b)[0]['tau']:.3f}")
-        row("tau mean of per-prompt means", lambda b: f"{evals(b)[0]['tau_per_prompt_mean']:.3f}")
-        row(
-            "per-prompt tau min / median / max",
-            lambda b: "{min:.2f} / {median:.2f} / {max:.2f}".format(**evals(b)[0]["tau_per_prompt"]),
-        )
-        row("acceptance by position", lambda b: " ".join(f"{a:.2f}" for a in evals(b)[0]["acceptance"]))
-        row(
-            "target-only tok/s (each run)",
-            lambda b: ", ".join(f"{e['target_tokens_per_s']:,.0f}" for e in evals(b)),
-        )
-        row(
-            "speculative tok/s (each run)",
-            lambda b: ", ".join(f"{e['speculative_tokens_per_s']:,.0f}" for e in evals(b)),
-        )
-        row(
-            "**speed-up** (median; each run)",
-            lambda b: (
-                f"**{med(b, 'speedup'):.2f}x** (" + ", ".join(f"{e['speedup']:.2f}" for e in evals(b)) + ")"
-            ),
-        )
-        row(
-            "runs within +-10 % of the median speed-up",
-            lambda b: str(all(abs(e["speedup"] / med(b, "speedup") - 1) <= 0.10 for e in evals(b))),
-        )
-        row(
-            "lossless (ties)",
-            lambda b: ", ".join(f"{e['lossless']} ({e['ties']})" for e in evals(b)),
-        )
-        row("decode seconds in eval (each run)", lambda b: ", ".join(f"{e['seconds']:.1f}" for e in evals(b)))
-        row("eval process seconds (each run)", lambda b: ", ".join(f"{e['process_s']:.0f}" for e in evals(b)))
-        row("loop", lambda b: evals(b)[0]["loop"])
         lines.append("")
     lines.append(f"Stages: {json.dumps(state.get('stage_s', {}))} (seconds).")
     return "\n".join(lines) + "\n"
+
+
+def _text_and_tokenizer(p: dict, model_dir: Path, state: dict):
+    """(tokenizer, train chunks, held-out chunks): the packages' sources split by package, a BPE on
+    part of the training text."""
+    train, held = package_sources(int(p["corpus_mb"] * 1e6), int(p["per_package_mb"] * 1e6))
+    train_texts = [x for files in train.values() for x in files]
+    held_texts = [x for files in held.values() for x in files]
+    state.update(packages_train=len(train), packages_heldout=len(held), heldout_names=sorted(held))
+    say(
+        f"text: {len(train)} packages / {sum(map(len, train_texts)) / 1e6:.1f} MB train, "
+        f"{len(held)} packages / {sum(map(len, held_texts)) / 1e6:.1f} MB held out"
+    )
+    random.Random(0).shuffle(train_texts)
+    budget, bpe_texts = int(p["bpe_mb"] * 1e6), []
+    for text in train_texts:
+        bpe_texts.append(text)
+        budget -= len(text)
+        if budget < 0:
+            break
+    tokenizer = build_tokenizer(bpe_texts, p["vocab"], model_dir)
+    train_chunks, held_chunks = chunks(tokenizer, train_texts, p), chunks(tokenizer, held_texts, p)
+    random.Random(1).shuffle(held_chunks)
+    say(
+        f"tokenizer {len(tokenizer)} tokens; {len(train_chunks)} train chunks, "
+        f"{len(held_chunks)} held-out chunks"
+    )
+    return tokenizer, train_chunks, held_chunks
+
+
+def _regenerate(args, p: dict, work: Path, model_dir: Path, tokenizer, train_chunks, held_chunks) -> dict:
+    """Training records with the LM's own answers (`dflash-train data regenerate`), and the held-out
+    prompts the evaluations use."""
+    records = random.Random(2).sample(train_chunks, min(p["regen_records"], len(train_chunks)))
+    with (work / "regen-in.jsonl").open("w") as f:
+        for prompt, answer in records:
+            messages = [
+                {"role": "user", "content": tokenizer.decode(prompt)},
+                {"role": "assistant", "content": tokenizer.decode(answer)},
+            ]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    with (work / "prompts.jsonl").open("w") as f:
+        for prompt, _ in held_chunks[: max(p["eval_prompts"], 8)]:
+            f.write(json.dumps({"messages": [{"role": "user", "content": tokenizer.decode(prompt)}]}) + "\n")
+    t = time.perf_counter()
+    cmd = [sys.executable, "-m", "trainer", "data", "regenerate", "--target", str(model_dir), "--in"]
+    cmd += [str(work / "regen-in.jsonl"), "--out", str(work / "regen.jsonl"), "--max-new-tokens"]
+    cmd += [str(p["regen_new"]), "--batch-size", str(p["regen_batch"]), "--devices", args.device]
+    (work / "regen.jsonl").unlink(missing_ok=True)
+    code = run(cmd, 240, work / "regen.log")
+    done = sum(1 for _ in (work / "regen.jsonl").open()) if (work / "regen.jsonl").is_file() else 0
+    return {"exit": code, "records": done, "seconds": time.perf_counter() - t}
+
+
+def _train_drafters(args, p: dict, work: Path, model_dir: Path, blocks: list[int]) -> dict:
+    """One drafter per block size, trained side by side; each one's exit and training summary."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    procs = {}
+    for block in blocks:
+        run_dir = work / f"drafter-b{block}"
+        config = drafter_config(work, model_dir, block, p, args.device)
+        cmd = [sys.executable, "-m", "trainer", "--config", str(config)]
+        cmd += ["--output-dir", str(run_dir), "--max-steps", str(p["drafter_steps"])]
+        procs[block] = (
+            run(cmd, p["drafter_limit_s"], work / f"train-b{block}.log", env, wait=False),
+            run_dir,
+        )
+    trained = {}
+    for block, (proc, run_dir) in procs.items():
+        code = proc.wait()
+        tail = (work / f"train-b{block}.log").read_text(errors="replace").splitlines()[-2:]
+        say(f"  train block {block}: exit {code}: " + " | ".join(tail))
+        trained[block] = {"train_exit": code, "train": training_summary(run_dir), "evals": []}
+    return trained
+
+
+def _evaluate(args, p: dict, work: Path, blocks: list[int], state: dict, began: float, save) -> None:
+    """`dflash-train eval` of each trained drafter, --repeats rounds, within the time budget."""
+    for rep in range(p["repeats"]):
+        for block in blocks:
+            b = state["blocks"][block]
+            if not list((work / f"drafter-b{block}" / "checkpoints").glob("step-*")):
+                continue
+            if time.perf_counter() - began > args.budget_s - 25:
+                say(f"  eval block {block} run {rep}: skipped, the time budget is spent")
+                continue
+            log = work / f"eval-b{block}-{rep}.log"
+            b["evals"].append(eval_once(work / f"drafter-b{block}", work, p, args.device, log, 120))
+            e = b["evals"][-1]
+            say(
+                f"  eval block {block} run {rep}: tau {e.get('tau')} speedup {e.get('speedup')} "
+                f"target {e.get('target_tokens_per_s')} spec {e.get('speculative_tokens_per_s')}"
+            )
+            save()
 
 
 def main() -> int:
@@ -464,111 +561,30 @@ def main() -> int:
         out.write_text(markdown(args, info, state))
         out.with_suffix(".json").write_text(json.dumps({"info": info, "state": state}, indent=1, default=str))
 
-    t = began = time.perf_counter()
-    train, held = package_sources(int(p["corpus_mb"] * 1e6), int(p["per_package_mb"] * 1e6))
-    train_texts = [x for files in train.values() for x in files]
-    held_texts = [x for files in held.values() for x in files]
-    state.update(packages_train=len(train), packages_heldout=len(held), heldout_names=sorted(held))
-    say(
-        f"text: {len(train)} packages / {sum(map(len, train_texts)) / 1e6:.1f} MB train, "
-        f"{len(held)} packages / {sum(map(len, held_texts)) / 1e6:.1f} MB held out"
-    )
-    random.Random(0).shuffle(train_texts)
-    budget, bpe_texts = int(p["bpe_mb"] * 1e6), []
-    for text in train_texts:
-        bpe_texts.append(text)
-        budget -= len(text)
-        if budget < 0:
-            break
-    tokenizer = build_tokenizer(bpe_texts, p["vocab"], model_dir)
-    train_chunks, held_chunks = chunks(tokenizer, train_texts, p), chunks(tokenizer, held_texts, p)
-    random.Random(1).shuffle(held_chunks)
-    state["stage_s"]["text_and_tokenizer"] = time.perf_counter() - t
-    say(
-        f"tokenizer {len(tokenizer)} tokens; {len(train_chunks)} train chunks, "
-        f"{len(held_chunks)} held-out chunks"
-    )
+    began = time.perf_counter()
+    blocks = [int(b) for b in args.blocks.split(",")]
 
-    t = time.perf_counter()
-    state["lm"] = train_lm(tokenizer, train_chunks, held_chunks, p, args.device, model_dir)
-    state["stage_s"]["lm"] = time.perf_counter() - t
+    def stage(name: str, fn):
+        t = time.perf_counter()
+        value = fn()
+        state["stage_s"][name] = time.perf_counter() - t
+        return value
+
+    tokenizer, train_chunks, held_chunks = stage(
+        "text_and_tokenizer", lambda: _text_and_tokenizer(p, model_dir, state)
+    )
+    state["lm"] = stage(
+        "lm", lambda: train_lm(tokenizer, train_chunks, held_chunks, p, args.device, model_dir)
+    )
     say(f"lm: {state['lm']}")
     save()
-
-    records = random.Random(2).sample(train_chunks, min(p["regen_records"], len(train_chunks)))
-    with (work / "regen-in.jsonl").open("w") as f:
-        for prompt, answer in records:
-            user, assistant = tokenizer.decode(prompt), tokenizer.decode(answer)
-            f.write(
-                json.dumps(
-                    {
-                        "messages": [
-                            {"role": "user", "content": user},
-                            {"role": "assistant", "content": assistant},
-                        ]
-                    }
-                )
-                + "\n"
-            )
-    with (work / "prompts.jsonl").open("w") as f:
-        for prompt, _ in held_chunks[: max(p["eval_prompts"], 8)]:
-            f.write(json.dumps({"messages": [{"role": "user", "content": tokenizer.decode(prompt)}]}) + "\n")
-    t = time.perf_counter()
-    cmd = [sys.executable, "-m", "trainer", "data", "regenerate", "--target", str(model_dir), "--in"]
-    cmd += [str(work / "regen-in.jsonl"), "--out", str(work / "regen.jsonl"), "--max-new-tokens"]
-    cmd += [str(p["regen_new"]), "--batch-size", str(p["regen_batch"]), "--devices", args.device]
-    (work / "regen.jsonl").unlink(missing_ok=True)
-    code = run(cmd, 240, work / "regen.log")
-    done = sum(1 for _ in (work / "regen.jsonl").open()) if (work / "regen.jsonl").is_file() else 0
-    state["regen"] = {"exit": code, "records": done, "seconds": time.perf_counter() - t}
-    state["stage_s"]["regenerate"] = time.perf_counter() - t
+    state["regen"] = stage(
+        "regenerate", lambda: _regenerate(args, p, work, model_dir, tokenizer, train_chunks, held_chunks)
+    )
     save()
-
-    t = time.perf_counter()
-    blocks = [int(b) for b in args.blocks.split(",")]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    procs = {}
-    for block in blocks:
-        run_dir = work / f"drafter-b{block}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "trainer",
-            "--config",
-            str(drafter_config(work, model_dir, block, p, args.device)),
-        ]
-        cmd += ["--output-dir", str(run_dir), "--max-steps", str(p["drafter_steps"])]
-        procs[block] = (
-            run(cmd, p["drafter_limit_s"], work / f"train-b{block}.log", env, wait=False),
-            run_dir,
-        )
-    state["blocks"] = {}
-    for block, (proc, run_dir) in procs.items():
-        code = proc.wait()
-        tail = (work / f"train-b{block}.log").read_text(errors="replace").splitlines()[-2:]
-        say(f"  train block {block}: exit {code}: " + " | ".join(tail))
-        state["blocks"][block] = {"train_exit": code, "train": training_summary(run_dir), "evals": []}
-    state["stage_s"]["drafters"] = time.perf_counter() - t
+    state["blocks"] = stage("drafters", lambda: _train_drafters(args, p, work, model_dir, blocks))
     save()
-
-    t = time.perf_counter()
-    for rep in range(p["repeats"]):
-        for block in blocks:
-            b = state["blocks"][block]
-            if not list((work / f"drafter-b{block}" / "checkpoints").glob("step-*")):
-                continue
-            if time.perf_counter() - began > args.budget_s - 25:
-                say(f"  eval block {block} run {rep}: skipped, the time budget is spent")
-                continue
-            log = work / f"eval-b{block}-{rep}.log"
-            b["evals"].append(eval_once(work / f"drafter-b{block}", work, p, args.device, log, 120))
-            e = b["evals"][-1]
-            say(
-                f"  eval block {block} run {rep}: tau {e.get('tau')} speedup {e.get('speedup')} "
-                f"target {e.get('target_tokens_per_s')} spec {e.get('speculative_tokens_per_s')}"
-            )
-            save()
-    state["stage_s"]["evals"] = time.perf_counter() - t
+    stage("evals", lambda: _evaluate(args, p, work, blocks, state, began, save))
     save()
     print(out.read_text())
     return 0
