@@ -103,7 +103,8 @@ def _compare(torch, args, inputs, reference) -> tuple[dict, dict, list[str]]:
     ref_loss, ref_acc, ref_grad = reference
     results, failures = {}, []
     for kernel in KERNELS:
-        r = run_kernel(torch, kernel, *inputs, args.repeats, args.device)
+        hidden, weight, labels, label_mask = inputs
+        r = run_kernel(torch, kernel, hidden, weight, labels, label_mask, args.repeats, args.device)
         loss, acc, grad = r.pop("out")
         r.update(
             loss=float(loss),
@@ -173,7 +174,8 @@ def main(argv=None) -> int:
     dims = SMALL if args.small else PAPER
     dtype = torch.float32 if args.small else torch.bfloat16
     inputs = make_inputs(torch, dims, args.device, dtype)
-    reference = _reference(torch, *inputs, args.device)
+    hidden, weight, labels, label_mask = inputs
+    reference = _reference(torch, hidden, weight, labels, label_mask, args.device)
     results, between, failures = _compare(torch, args, inputs, reference)
     given = " ".join(argv if argv is not None else sys.argv[1:])
     text = _markdown(args, given, dims, dtype, reference[0], results, between, failures)

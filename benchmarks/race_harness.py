@@ -104,7 +104,7 @@ def _install_compile(args, torch):
         import contextlib
 
         # a deliberate patch of torch's internals: the compile session of older torch versions
-        torch.compiler._compile_session_context = contextlib.nullcontext  # type: ignore[assignment]
+        torch.compiler._compile_session_context = contextlib.nullcontext
     from trainer import model as model_module
 
     guard = compile_guard(args.mode).install()
