@@ -196,7 +196,7 @@ def test_the_proxmox_hosts_answer_names_each_failure_and_keeps_the_newest_xids()
     assert failed.gpus == () and failed.error == (
         "nvidia-smi fault query on the Proxmox host: NVIDIA-SMI has failed because it couldn't communicate with the driver")
     assert failed.kernel_log is None and failed.kernel_log_error == "dmesg: denied; journalctl: no kernel messages readable"
-    assert gpu_faults.parse_host_answer("").error.startswith("nvidia-smi fault query on the Proxmox host: exit code")
+    assert gpu_faults.parse_host_answer("").error == "nvidia-smi fault query on the Proxmox host: no answer"
 
 
 def test_a_host_fault_query_out_of_time_or_without_a_temp_file_says_so():

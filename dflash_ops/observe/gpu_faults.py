@@ -155,12 +155,12 @@ def parse_host_answer(text: str) -> FaultReport:
         ("@fault", "gpu_csv", "error", "nvidia-smi fault query on the Proxmox host: "),
         ("@remap", "remap_csv", "remap_error", ""),
     ):
-        rc = (marks.get(mark) or ["none"])[0]
+        rc = (marks.get(mark) or [""])[0]
         out = "\n".join(parts.get(mark, []))
         if rc == "0":
             section[key] = out
         else:
-            section[error_key] = label + _first_line(out, rc)
+            section[error_key] = label + (_first_line(out, rc) if rc else "no answer")
     return parse(section)
 
 
