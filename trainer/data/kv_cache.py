@@ -87,7 +87,8 @@ def keep(model, cache, ids: torch.Tensor, length: int, kept: int, saved: list[to
         rewind(cache, length + kept, None)
     elif kept < ids.shape[1]:
         rewind(cache, length, saved)
-        forward(model, ids[:, :kept], cache)
+        if kept:
+            forward(model, ids[:, :kept], cache)
 
 
 def crop(cache, length: int) -> None:
