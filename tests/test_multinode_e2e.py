@@ -219,6 +219,9 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     healthy = cli(inventory, "health", "-t", "pair", "--on-change", RECORD, env=hooked)
     assert healthy.returncode == 0 and healthy.stdout.startswith("DFLASH OK: pair: step "), healthy.stdout
     assert calls(hook_calls) == []  # the first sight of an OK job is no news
+    drawn = cli(inventory, "report", "-t", "pair", "-o", str(tmp_path / "pair.png"))
+    assert drawn.returncode == 0 and drawn.stdout.startswith("[box-a] run 0001: "), drawn.stdout + drawn.stderr
+    assert (tmp_path / "pair.png").read_bytes().startswith(b"\x89PNG")
     tail = cli(inventory, "tail-log", "-t", "pair", "--node", "box-b", "-n", "400")
     assert tail.returncode == 0 and "launching run 0001" in tail.stdout, tail.stdout[-2000:] + tail.stderr
     assert "--rdzv-id pair-0001-" in tail.stdout

@@ -19,8 +19,11 @@ from dflash_ops.cli.group import cli, one_target, target_option
     metavar="FILE",
     help="A .png, or a .html page embedding it with a summary table (best τ, steps, wall time).",
 )
+@click.option(
+    "--node", metavar="NAME|INDEX", help="Of a multinode job (-t JOB): this node's metrics (default node 0)."
+)
 @click.pass_obj
-def report(obj, target, run, all_runs, out):
+def report(obj, target, run, all_runs, out, node):
     """Draw the run's metrics: loss, τ measured and expected from accuracy, acceptance per block
     position (latest eval against earliest), tokens/s with relaunch and stop markers. One round
     trip reads the metrics, thinned on the target; works while the job runs, after a stop or when
@@ -32,9 +35,11 @@ def report(obj, target, run, all_runs, out):
       [demo] run 0002: 512/512 steps, best τ 1.579 (step 240), 0m44s, 2 launches, finished
       wrote run.html
     """
-    from dflash_ops.observe import report as report_lib
+    import dflash_ops.cli.multinode as multinode
+    from dflash_ops.observe import multinode as multinode_status, report as report_lib
 
-    tgt = one_target(obj, target)
+    job = multinode.job_named(obj, target, node)
+    tgt = multinode_status.node_target(job, node) if job is not None else one_target(obj, target)
     built = report_lib.report(tgt, report_lib.run_selection(run, all_runs), out)
     for history in built.histories:
         click.echo(f"[{tgt.name}] {history.summary_line()}")

@@ -100,8 +100,8 @@ class Inventory:
         if name in self.multinode:
             nodes = ", ".join(n.name for n in self.multinode[name].nodes)
             raise InputError(
-                f"{name!r} is a multinode job: relaunch, stop, status, health, tail-log and metrics act "
-                f"on it as one job; for this command name one of its nodes' targets ({nodes})"
+                f"{name!r} is a multinode job: relaunch, stop, status, health, tail-log, report and "
+                f"metrics act on it as one job; for this command name one of its nodes' targets ({nodes})"
             )
         known = f"known targets: {', '.join(self.targets)}"
         if self.groups:
