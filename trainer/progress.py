@@ -62,6 +62,11 @@ class ProgressLine:
             self.out.write(self.line(extra) + "\n")
             self.out.flush()
 
+    def say(self, text: str) -> None:
+        """A line of its own, now (on a TTY it takes the bar's place; the next update redraws the bar)."""
+        self.out.write(("\r\x1b[2K" if self.tty else "") + text + "\n")
+        self.out.flush()
+
     def finish(self) -> None:
         if self.tty:
             self.out.write("\n")

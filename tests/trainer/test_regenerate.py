@@ -15,6 +15,7 @@ import torch
 
 from trainer.cli.data import main as data_main
 from trainer.data.regenerate import Generator, RegenerateOptions, parse_record, Reject, regenerate
+from trainer.progress import ProgressLine
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 REPO = Path(__file__).resolve().parents[2]
@@ -179,8 +180,6 @@ def test_two_devices_write_the_same_records_in_input_order(tmp_path):
 
 
 def test_progress_is_a_bar_on_a_tty_and_a_periodic_line_elsewhere():
-    from trainer.progress import ProgressLine
-
     now = [0.0]
     plain = io.StringIO()
     line = ProgressLine("records", 100, done=20, out=plain, tty=False, every_s=30, clock=lambda: now[0])
@@ -271,3 +270,16 @@ def test_a_stop_right_after_a_commit_reports_what_was_committed(tmp_path, monkey
     assert (report["seen"], report["records"], report["new_tokens"]) == (
         committed["seen"], committed["records"], committed["new_tokens"])
     assert report["this_run"]["seen"] == 2
+
+
+def test_the_run_says_at_once_how_much_it_does_before_the_first_progress_line(tmp_path):
+    """A chunk of a big target can take minutes: the first line comes before it, not after."""
+    src = write_lines(tmp_path / "in.jsonl", [conversation(i) for i in range(3)])
+    out = io.StringIO()
+    regenerate(RegenerateOptions("tiny-random", str(src), str(tmp_path / "o.jsonl"), max_new_tokens=2, batch_size=2),
+               out=out, tty=False)
+    assert out.getvalue().splitlines()[0] == (
+        "regenerating 3 records on cpu: up to 2 a chunk (--batch-size), progress as each chunk is written")
+    bar = io.StringIO()
+    ProgressLine("records", 4, out=bar, tty=True).say("started")
+    assert bar.getvalue() == "\r\x1b[2Kstarted\n"

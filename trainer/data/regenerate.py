@@ -371,6 +371,11 @@ def regenerate(
         "records", total, done=stats["seen"], out=out, tty=tty, every_s=opts.progress_every_s
     )
     chunk_size = sum(g.records_per_chunk() for g in generators)
+    # a chunk can take minutes on a big target: say now what the first progress line waits for
+    progress.say(
+        f"regenerating {total - stats['seen']} records on {', '.join(opts.devices)}: up to {chunk_size} "
+        f"a chunk ({generators[0].batch_rule()}), progress as each chunk is written"
+    )
     lines = _lines(opts.input, state["next_line"])
     try:
         _generate_all(opts, generators, state, lines, chunk_size, report, progress, first, began)
