@@ -23,28 +23,15 @@ from dflash_ops.job.model import Job, Target
 from dflash_ops.remote import report_read
 from trainer import metrics_format, metrics_history, run_summary
 
+from tests.trainer.conftest import SHORT_TINY_RUN
+
 
 pytest.importorskip("matplotlib")
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTILE = "w $(touch PWNED) `touch PWNED2` 'q' ; $HOME"
-SHORT = [
-    "--set",
-    "data.seq_len=32",
-    "--set",
-    "data.synthetic.num_samples=64",
-    "--set",
-    "train.batch_size=2",
-    "--set",
-    "train.num_anchors=6",
-    "--set",
-    "eval.every=3",
-    "--set",
-    "eval.num_prompts=2",
-    "--set",
-    "eval.max_new_tokens=8",
-]
+SHORT = SHORT_TINY_RUN
 STEPS = 12
 
 

@@ -9,6 +9,23 @@ from trainer.model import DFlashDrafter, DrafterConfig
 from trainer.data.target import load_target
 
 EXPORT_BLOCK = 4
+# the bundled tiny run (tiny-cpu) made short: 64 records of 32 tokens, an evaluation every 3 steps
+SHORT_TINY_RUN = [
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.synthetic.num_samples=64",
+    "--set",
+    "train.batch_size=2",
+    "--set",
+    "train.num_anchors=6",
+    "--set",
+    "eval.every=3",
+    "--set",
+    "eval.num_prompts=2",
+    "--set",
+    "eval.max_new_tokens=8",
+]
 
 
 @pytest.fixture(scope="module")

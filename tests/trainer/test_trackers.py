@@ -18,30 +18,13 @@ from trainer.train import trackers
 from trainer.config import ConfigError, load_config
 from trainer.train.metrics import MetricsWriter
 
+from tests.trainer.conftest import SHORT_TINY_RUN
+
 pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
 # the bundled tiny run, shortened (6 steps, an evaluation at steps 3 and 6)
-TINY = [
-    "--config",
-    "tiny-cpu",
-    "--max-steps",
-    "6",
-    "--set",
-    "data.seq_len=32",
-    "--set",
-    "data.synthetic.num_samples=64",
-    "--set",
-    "train.batch_size=2",
-    "--set",
-    "train.num_anchors=6",
-    "--set",
-    "eval.every=3",
-    "--set",
-    "eval.num_prompts=2",
-    "--set",
-    "eval.max_new_tokens=8",
-]
+TINY = ["--config", "tiny-cpu", "--max-steps", "6", *SHORT_TINY_RUN]
 
 
 def run_tiny(tmp_path: Path, report_to: str, block_imports: tuple = ()) -> subprocess.CompletedProcess:
