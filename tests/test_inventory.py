@@ -55,7 +55,7 @@ def error_of(text: str) -> str:
         load(text)
     message = str(caught.value)
     assert "\n" not in message, "an inventory error must be one line"
-    assert message.startswith(FILE), message
+    assert message.startswith(FILE + ":"), message
     return message
 
 

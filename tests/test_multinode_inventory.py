@@ -18,12 +18,11 @@ from dflash_ops.inventory import target as inventory_target
 from dflash_ops import commands
 from dflash_ops.observe import check as check_lib
 from dflash_ops.errors import InputError
-from dflash_ops.inventory.load import load_inventory_text
+from tests.test_inventory import error_of, load
 from dflash_ops.act.launch import trainer_argv
 
 pytestmark = pytest.mark.multinode
 
-FILE = "inv.yaml"
 BASE = """\
 defaults:
   job: {workdir: /srv/dflash, python: /srv/venv/bin/python3, config: /srv/dflash/train.yaml,
@@ -40,17 +39,6 @@ def bundled(monkeypatch):
     monkeypatch.setattr(inventory_target, "bundled_config_names", lambda: ("gpu-paper", "tiny-cpu"))
 
 
-def load(text: str):
-    return load_inventory_text(textwrap.dedent(text), FILE)
-
-
-def error_of(text: str) -> str:
-    with pytest.raises(InputError) as caught:
-        load(text)
-    message = str(caught.value)
-    assert "\n" not in message, "an inventory error must be one line"
-    assert message.startswith(FILE + ":"), message
-    return message
 
 
 def with_job(extra: str, targets: str = "") -> str:
