@@ -93,41 +93,14 @@ def test_regenerate_command_with_a_hybrid_target_reports_its_batch_and_new_token
             json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]}) + "\n" for i in range(3)
         )
     )
-    assert (
-        data_main(
-            [
-                "regenerate",
-                "--target",
-                HYBRID,
-                "--in",
-                str(src),
-                "--out",
-                str(tmp_path / "o.jsonl"),
-                "--max-new-tokens",
-                "3",
-            ]
-        )
-        == 0
-    )
+    def regenerate(out: str, *flags: str) -> int:
+        return data_main(["regenerate", "--target", HYBRID, "--in", str(src), "--out", str(tmp_path / out), *flags])
+
+    assert regenerate("o.jsonl", "--max-new-tokens", "3") == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("dflash-train data: regenerated 3 records") and "new tokens/s" in line
     assert "batches up to 3 (CPU default)" in line
-    assert (
-        data_main(
-            [
-                "regenerate",
-                "--target",
-                HYBRID,
-                "--in",
-                str(src),
-                "--out",
-                str(tmp_path / "p.jsonl"),
-                "--batch-size",
-                "lots",
-            ]
-        )
-        == 2
-    )
+    assert regenerate("p.jsonl", "--batch-size", "lots") == 2
     assert "--batch-size 'lots' is not a number" in capsys.readouterr().err
 
 
