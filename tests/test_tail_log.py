@@ -2,6 +2,7 @@
 is not a regular file."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -19,16 +20,26 @@ def wait_for(predicate, seconds=5.0):
     return predicate()
 
 
+@contextlib.contextmanager
+def following(target):
+    """`tail-log -f` of `target` in a thread; yields the lines shown so far (a list that grows)."""
+    shown, stop = [], threading.Event()
+    follower = threading.Thread(target=tail_log, kwargs=dict(
+        target=target, lines=5, follow=True, emit=shown.append, poll_s=0.1, should_stop=stop.is_set))
+    follower.start()
+    try:
+        yield shown
+    finally:
+        stop.set()
+        follower.join(10)
+
+
 def test_follow_moves_to_the_new_log_after_a_relaunch(local_target):
     logs = Path(local_target.job.log_dir)
     logs.mkdir(parents=True)
     first = logs / "train-0001.log"
     first.write_text("run 1 line 1\n")
-    shown, stop = [], threading.Event()
-    follower = threading.Thread(target=tail_log, kwargs=dict(
-        target=local_target, lines=5, follow=True, emit=shown.append, poll_s=0.1, should_stop=stop.is_set))
-    follower.start()
-    try:
+    with following(local_target) as shown:
         assert wait_for(lambda: shown == ["run 1 line 1"]), shown
         with first.open("a") as f:
             f.write("run 1 last words\n")
@@ -37,9 +48,6 @@ def test_follow_moves_to_the_new_log_after_a_relaunch(local_target):
         assert wait_for(lambda: "run 2 line 2" in shown), shown
         assert shown[-3:] == [f"==> following {logs / 'train-0002.log'} (a newer log) <==", "run 2 line 1",
                               "run 2 line 2"]
-    finally:
-        stop.set()
-        follower.join(10)
 
 
 @pytest.mark.parametrize("kind", ["directory", "device", "missing"])
@@ -66,11 +74,7 @@ def test_follow_goes_by_the_job_state_not_the_newest_file_name(local_target):
     first = logs / "train-0001.log"
     first.write_text("run 1 line 1\n")
     name_in_state(first, 1)
-    shown, stop = [], threading.Event()
-    follower = threading.Thread(target=tail_log, kwargs=dict(
-        target=local_target, lines=5, follow=True, emit=shown.append, poll_s=0.1, should_stop=stop.is_set))
-    follower.start()
-    try:
+    with following(local_target) as shown:
         assert wait_for(lambda: shown == ["run 1 line 1"]), shown
         (logs / "train-0009.log").write_text("a copy someone left here\n")
         with first.open("a") as f:
@@ -83,6 +87,3 @@ def test_follow_goes_by_the_job_state_not_the_newest_file_name(local_target):
         name_in_state(relaunched, 2)
         assert wait_for(lambda: "run 2 line 1" in shown), shown
         assert shown[-2:] == [f"==> following {relaunched} (a newer log) <==", "run 2 line 1"]
-    finally:
-        stop.set()
-        follower.join(10)
