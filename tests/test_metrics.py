@@ -116,6 +116,13 @@ def inventory_file(tmp_path: Path, target) -> Path:
     return path
 
 
+def idle_local_inventory(path: Path, name: str) -> Path:
+    """An inventory at `path` of one local target `name` where no job was ever launched."""
+    job = {"workdir": str(path.parent / "w"), "python": sys.executable, "config": "tiny-cpu", "tmux_socket": "none-here"}
+    path.write_text(json.dumps({"targets": {name: {"transport": "local", "job": job}}}))
+    return path
+
+
 def dflash_ops(inventory: Path, *args: str, env=None, timeout=60) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *args],
@@ -235,24 +242,7 @@ def test_textfile_write_is_atomic_and_names_a_missing_directory(tmp_path):
 
 
 def test_serve_answers_scrapes_with_the_same_families(tmp_path):
-    inventory = tmp_path / "inv.yaml"
-    inventory.write_text(
-        json.dumps(
-            {
-                "targets": {
-                    "gone": {
-                        "transport": "local",
-                        "job": {
-                            "workdir": str(tmp_path / "w"),
-                            "python": sys.executable,
-                            "config": "tiny-cpu",
-                            "tmux_socket": "none-here",
-                        },
-                    }
-                }
-            }
-        )
-    )
+    inventory = idle_local_inventory(tmp_path / "inv.yaml", "gone")
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -299,24 +289,7 @@ def test_the_cron_metrics_line_writes_the_file_as_cron_runs_it(tmp_path):
         from tests.test_cron import REPO, as_cron_runs_it
     except ImportError:
         from test_cron import REPO, as_cron_runs_it
-    inventory = tmp_path / "inv%d.yaml"
-    inventory.write_text(
-        json.dumps(
-            {
-                "targets": {
-                    "t1": {
-                        "transport": "local",
-                        "job": {
-                            "workdir": str(tmp_path / "w"),
-                            "python": sys.executable,
-                            "config": "tiny-cpu",
-                            "tmux_socket": "none-here",
-                        },
-                    }
-                }
-            }
-        )
-    )
+    inventory = idle_local_inventory(tmp_path / "inv%d.yaml", "t1")
     directory = tmp_path / "text 50%"
     directory.mkdir()
     argv = [
