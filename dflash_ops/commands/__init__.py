@@ -263,20 +263,38 @@ class HealthAction:
 
 def auto_relaunch(target: Target, checked: Checked) -> HealthAction | None:
     """Relaunch a CRITICAL target, at most max_relaunches_per_hour, never twice at once."""
+    return relaunch_when_critical(
+        checked.verdict.level,
+        target.name,
+        target.job.health.max_relaunches_per_hour,
+        lambda on_locked: relaunch(target, on_locked=on_locked),
+    )
+
+
+def relaunch_when_critical(
+    level: str,
+    guard_name: str,
+    per_hour: int,
+    relaunch_job: Callable[[Callable[[], None]], RunResult],
+    done: str = "auto-relaunch",
+) -> HealthAction | None:
+    """The auto-relaunch rule, one for every job (a target, a multinode job): only a CRITICAL verdict,
+    at most `per_hour` attempts an hour under the guard named `guard_name`, never two at once; an
+    attempt counts once it holds the job's lock (`relaunch_job(on_locked)` calls it then)."""
     from dflash_ops.errors import DflashOpsError, JobBusy
     from dflash_ops.job.relaunch_guard import RelaunchGuard
 
-    if checked.verdict.level != "CRITICAL":
+    if level != "CRITICAL":
         return None
-    guard = RelaunchGuard(target.name, target.job.health.max_relaunches_per_hour)
+    guard = RelaunchGuard(guard_name, per_hour)
     with guard.hold() as allowed:
         if allowed is not True:
             return HealthAction(False, f"auto-relaunch skipped: {allowed}")
-        try:  # an attempt counts against the hourly budget once it holds the job's lock
-            result = relaunch(target, on_locked=guard.record)
+        try:
+            result = relaunch_job(guard.record)
         except JobBusy as exc:
             return HealthAction(False, f"auto-relaunch skipped: {exc.reason}")
         except DflashOpsError as exc:
             return HealthAction(True, f"auto-relaunch FAILED: {str(exc).splitlines()[0]}")
     outcome = "succeeded" if result.ok else "FAILED: " + result.summary()
-    return HealthAction(True, f"auto-relaunch {outcome}", result)
+    return HealthAction(True, f"{done} {outcome}", result)

@@ -32,9 +32,8 @@ from dflash_ops import commands
 from dflash_ops.act import multinode_checks as checks, steps
 from dflash_ops.job import tmux
 from dflash_ops.commands import GPU_FREE_S, GRACE_S
-from dflash_ops.errors import DflashOpsError, JobBusy, StepFailed
+from dflash_ops.errors import DflashOpsError, StepFailed
 from dflash_ops.job.model import Job
-from dflash_ops.job.relaunch_guard import RelaunchGuard
 from dflash_ops.inventory.multinode import MultinodeJob
 from dflash_ops.act.multinode_phases import (
     JobContext,
@@ -377,17 +376,10 @@ def _no_half_job(ctx: StepContext, nodes: Sequence[Node], grace_s: float) -> str
 def auto_relaunch(jc: JobChecked) -> commands.HealthAction | None:
     """Relaunch the WHOLE job when it is CRITICAL, at most max_relaunches_per_hour (node 0's);
     its checks run on every node first, so a node that cannot take part relaunches nothing."""
-    if jc.verdict.level != "CRITICAL":
-        return None
-    guard = RelaunchGuard(f"multinode-{jc.job.name}", jc.job.nodes[0].job.health.max_relaunches_per_hour)
-    with guard.hold() as allowed:
-        if allowed is not True:
-            return commands.HealthAction(False, f"auto-relaunch skipped: {allowed}")
-        try:
-            result = relaunch(jc.job, on_locked=guard.record)
-        except JobBusy as exc:
-            return commands.HealthAction(False, f"auto-relaunch skipped: {exc.reason}")
-        except DflashOpsError as exc:
-            return commands.HealthAction(True, f"auto-relaunch FAILED: {str(exc).splitlines()[0]}")
-    outcome = "succeeded" if result.ok else "FAILED: " + result.summary()
-    return commands.HealthAction(True, f"auto-relaunch of every node {outcome}", result)
+    return commands.relaunch_when_critical(
+        jc.verdict.level,
+        f"multinode-{jc.job.name}",
+        jc.job.nodes[0].job.health.max_relaunches_per_hour,
+        lambda on_locked: relaunch(jc.job, on_locked=on_locked),
+        "auto-relaunch of every node",
+    )
