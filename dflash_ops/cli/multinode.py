@@ -11,7 +11,7 @@ import time
 import click
 
 from dflash_ops.errors import DflashOpsError, InputError
-from dflash_ops.cli.group import Obj
+from dflash_ops.cli.group import Obj, one_target
 
 
 def job_named(obj: Obj, target: str | None, node: str | None = None):
@@ -102,8 +102,10 @@ def health_check(job, as_json: bool, auto_relaunch: bool, timeout: float) -> tup
     return health.EXIT_CODES[jc.verdict.level], multinode_status.as_one_target(jc)
 
 
-def tail_log(job, node: str | None, lines: int, follow: bool, grep: str | None, log: str | None) -> None:
+def node_or_target(obj: Obj, target: str | None, node: str | None):
+    """What a command that reads one machine's files acts on: a multinode job's node (`--node`, default
+    node 0) or the one target named."""
     from dflash_ops.observe import multinode as multinode_status
-    from dflash_ops.observe.log_tail import tail_log
 
-    tail_log(multinode_status.node_target(job, node), lines, follow, grep, log, emit=click.echo)
+    job = job_named(obj, target, node)
+    return multinode_status.node_target(job, node) if job is not None else one_target(obj, target)

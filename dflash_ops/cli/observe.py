@@ -188,12 +188,8 @@ def tail_log(obj, target, lines, follow, grep, log, node):
     """
     from dflash_ops.observe.log_tail import tail_log
 
-    job = multinode.job_named(obj, target, node)
     try:
-        if job is not None:
-            multinode.tail_log(job, node, lines, follow, grep, log)
-            return
-        tail_log(one_target(obj, target), lines, follow, grep, log, emit=click.echo)
+        tail_log(multinode.node_or_target(obj, target, node), lines, follow, grep, log, emit=click.echo)
     except KeyboardInterrupt:
         pass  # polling leaves nothing running on the target
 

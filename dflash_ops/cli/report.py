@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dflash_ops.cli.group import cli, one_target, target_option
+from dflash_ops.cli.group import cli, target_option
 
 
 @cli.command("report")
@@ -36,10 +36,9 @@ def report(obj, target, run, all_runs, out, node):
       wrote run.html
     """
     import dflash_ops.cli.multinode as multinode
-    from dflash_ops.observe import multinode as multinode_status, report as report_lib
+    from dflash_ops.observe import report as report_lib
 
-    job = multinode.job_named(obj, target, node)
-    tgt = multinode_status.node_target(job, node) if job is not None else one_target(obj, target)
+    tgt = multinode.node_or_target(obj, target, node)
     built = report_lib.report(tgt, report_lib.run_selection(run, all_runs), out)
     for history in built.histories:
         click.echo(f"[{tgt.name}] {history.summary_line()}")
