@@ -27,6 +27,9 @@ class GpuProcess:
     # Whose process, when the query ran on the Proxmox host: "" (this container; pid is then
     # the pid inside it), "ct 201" (another container; host pid) or "host" (host pid).
     owner: str = ""
+    # On a job GPU, as status tells it: another owner's (True), the job's (False), cannot be told
+    # (None); None too on a GPU the job does not use
+    foreign: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Gpu:
     memory_total_mib: int | None
     utilization_pct: int | None  # None when the driver reports [N/A]
     processes: tuple[GpuProcess, ...] = ()
+    role: str | None = None  # in the job, as status tells it: "target", "drafter", or None (not the job's)
 
     @property
     def ghost_memory_mib(self) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from trainer import metrics_format
 from trainer.typed_yaml import finite
 
-from dflash_ops.observe import acceptance, gpu_owners, logs
+from dflash_ops.observe import acceptance, logs
 
 from dflash_ops.job import jobstate
-from dflash_ops.observe.gpu_rows import GpuProcessRow, GpuRow
+from dflash_ops.observe import gpu_rows
 from dflash_ops.observe.health import Verdict, progress_age
 from dflash_ops.observe.session_status import JobProcess, TmuxSession
 from dflash_ops.observe.target_status import TargetStatus
@@ -29,7 +29,7 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> TargetStatu
         probe_seconds=report.seconds,
         gpu_source=report.gpu.source,
         gpu_error=report.gpu.error,
-        gpus=_gpus(report, job),
+        gpus=gpu_rows.with_roles(report, job),
         session=_session(report.session, job),
         processes=tuple(JobProcess(p.pid, p.ppid, p.name, p.cmdline) for p in report.processes),
         log=report.log.path if report.log else None,
@@ -53,39 +53,6 @@ def data_source(records) -> str | None:
         return None
     return str(data["source"]) + (
         f" {data['path']}" if data.get("path") and data["source"] != "synthetic" else ""
-    )
-
-
-def _roles(job) -> dict:
-    roles = {i: "target" for i in job.target_gpus}
-    roles.update({i: "drafter" for i in job.drafter_gpus})
-    return roles
-
-
-def _gpus(report, job) -> tuple[GpuRow, ...]:
-    roles = _roles(job)
-    return tuple(
-        GpuRow(
-            index=g.index,
-            name=g.name,
-            uuid=g.uuid,
-            memory_used_mib=g.memory_used_mib,
-            memory_total_mib=g.memory_total_mib,
-            utilization_pct=g.utilization_pct,
-            role=roles.get(g.index),
-            ghost_memory_mib=g.ghost_memory_mib,
-            processes=tuple(
-                GpuProcessRow(
-                    pid=p.pid,
-                    used_memory_mib=p.used_memory_mib,
-                    name=p.name,
-                    owner=p.owner or None,
-                    foreign=gpu_owners.is_foreign(report, p) if roles.get(g.index) else None,
-                )
-                for p in g.processes
-            ),
-        )
-        for g in report.gpu.gpus
     )
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dflash_ops.observe.gpu_rows import GpuRow
+from dflash_ops.observe import gpu_rows
+from dflash_ops.observe.gpu import Gpu
 from dflash_ops.observe.health import Perf, Verdict
 from dflash_ops.observe.session_status import JobProcess, TmuxSession
 from dflash_ops.observe.text_style import BOLD, LEVEL_COLORS, inert, paint
@@ -22,7 +23,7 @@ class TargetStatus:
     probe_seconds: float | None = None
     gpu_source: str | None = None
     gpu_error: str | None = None
-    gpus: tuple[GpuRow, ...] = ()
+    gpus: tuple[Gpu, ...] = ()  # with their roles in the job (observe.gpu_rows.with_roles)
     session: TmuxSession
     processes: tuple[JobProcess, ...] = ()
     log: str | None = None
@@ -52,7 +53,7 @@ class TargetStatus:
             "probe_seconds": self.probe_seconds,
             "gpu_source": self.gpu_source,
             "gpu_error": self.gpu_error,
-            "gpus": [g.to_json() for g in self.gpus],
+            "gpus": [gpu_rows.to_json(g) for g in self.gpus],
             "session": self.session.to_json(),
             "processes": [p.to_json() for p in self.processes],
             "log": self.log,
@@ -79,7 +80,7 @@ class TargetStatus:
             probe_seconds=data.get("probe_seconds"),
             gpu_source=data.get("gpu_source"),
             gpu_error=data.get("gpu_error"),
-            gpus=tuple(GpuRow.from_json(g) for g in data["gpus"]),
+            gpus=tuple(gpu_rows.from_json(g) for g in data["gpus"]),
             session=TmuxSession.from_json(data["session"]),
             processes=tuple(JobProcess.from_json(p) for p in data["processes"]),
             log=data.get("log"),
@@ -104,7 +105,7 @@ class TargetStatus:
             if not self.gpus:
                 lines.append("GPUs: none")
             width = max((len(g.name) for g in self.gpus), default=0)
-            lines += [g.line(width, color) for g in self.gpus]
+            lines += [gpu_rows.line(g, width, color) for g in self.gpus]
         lines.append(inert(self.session.line()))
         if self.job_state:
             lines.append(inert(describe_job_state(self.job_state, self.log_missing)))
