@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 
 import click
 
@@ -67,22 +66,6 @@ def stop(job, grace: float | None, dry_run: bool) -> int:
     given = {} if grace is None else {"grace": grace}
     click.echo(f"stop: multinode job {job.name} on {', '.join(n.name for n in job.nodes)}")
     return _finish("stop", job, lambda: multinode.stop(job, dry_run=dry_run, on_progress=_printer(), **given))
-
-
-def status(job, as_json: bool, watch: float | None, timeout: float, color: bool) -> int:
-    from dflash_ops.observe import health, multinode as multinode_status, status_output
-
-    while True:
-        jc = multinode_status.check(job, timeout)
-        if as_json:
-            click.echo(status_output.status_json([jc.status], indent=None if watch else 2))
-        else:
-            if watch and color:
-                click.clear()
-            click.echo(status_output.status_text([jc.status], color=color), nl=False)
-        if not watch:
-            return health.EXIT_CODES[jc.verdict.level]
-        time.sleep(watch)
 
 
 def health_check(job, as_json: bool, auto_relaunch: bool, timeout: float) -> tuple[int, object]:

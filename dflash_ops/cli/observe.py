@@ -41,19 +41,25 @@ def status(obj, target, as_json, watch, timeout):
       step 240/300  loss 2.9870  22.0 Ktok/s  ETA 7 s  last metrics 5 s ago  data synthetic
       OK: step 240/300, loss 2.9870, 22.0 Ktok/s, last step 5 s ago
     """
-    from dflash_ops.observe import check as check_lib, health, status_output
+    from dflash_ops.observe import check as check_lib, health, multinode as multinode_status, status_output
     from dflash_ops.transport.fanout import fan_out
 
     job = multinode.job_named(obj, target)
-    if job is not None:  # every node, one verdict
-        sys.exit(multinode.status(job, as_json, watch, timeout, color=_is_tty()))
-    targets = obj.targets(target)
-    while True:
+    targets = obj.targets(target) if job is None else []
+
+    def check_all() -> tuple[list, list[str]]:
+        """(the statuses to show, their verdicts' levels): a multinode job is one status over its nodes."""
+        if job is not None:
+            jc = multinode_status.check(job, timeout)
+            return [jc.status], [jc.verdict.level]
         checked = [
             check_lib.checked_outcome(o)
             for o in fan_out(targets, lambda t: check_lib.check(t, timeout_s=timeout))
         ]
-        statuses = [c.status for c in checked]
+        return [c.status for c in checked], [c.verdict.level for c in checked]
+
+    while True:
+        statuses, levels = check_all()
         if as_json:
             click.echo(status_output.status_json(statuses, indent=None if watch else 2))
         else:
@@ -61,7 +67,7 @@ def status(obj, target, as_json, watch, timeout):
                 click.clear()
             click.echo(status_output.status_text(statuses, color=_is_tty()), nl=False)
         if not watch:
-            sys.exit(health.EXIT_CODES[health.worst(c.verdict.level for c in checked)])
+            sys.exit(health.EXIT_CODES[health.worst(levels)])
         time.sleep(watch)
 
 
