@@ -68,23 +68,6 @@ def stop(job, grace: float | None, dry_run: bool) -> int:
     return _finish("stop", job, lambda: multinode.stop(job, dry_run=dry_run, on_progress=_printer(), **given))
 
 
-def health_check(job, as_json: bool, auto_relaunch: bool, timeout: float) -> tuple[int, object]:
-    """Prints the job's one verdict; returns its exit code and the job as one checked target (for hooks)."""
-    from dflash_ops.commands import multinode
-    from dflash_ops.observe import health, multinode as multinode_status, status_output
-
-    jc = multinode_status.check(job, timeout)
-    action = multinode.auto_relaunch(jc) if auto_relaunch else None
-    if as_json:
-        relaunched = ({job.name: action.message} if action else {}) if auto_relaunch else None
-        click.echo(status_output.health_json([jc.status], relaunched))
-    else:
-        click.echo(multinode_status.nagios_line(jc))
-        if action is not None:
-            click.echo(f"{job.name}: {action.message}")
-    return health.EXIT_CODES[jc.verdict.level], multinode_status.as_one_target(jc)
-
-
 def node_or_target(obj: Obj, target: str | None, node: str | None):
     """What a command that reads one machine's files acts on: a multinode job's node (`--node`, default
     node 0) or the one target named."""

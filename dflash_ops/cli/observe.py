@@ -109,55 +109,69 @@ def health_cmd(obj, target, as_json, auto_relaunch, on_change, timeout):
 
 
 def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int:
-    from dflash_ops import commands
-    from dflash_ops.observe import check as check_lib, health, status_output
-    from dflash_ops.transport.fanout import fan_out
+    from dflash_ops.observe import health, status_output
 
     deadline = time.monotonic() + timeout
     if on_change:  # the hook's share comes out of the budget, so health still answers within it
         timeout = max(1.0, timeout - budget.hook_share(timeout))
-
     try:
         job = multinode.job_named(obj, target)
-        if job is not None:  # every node, one verdict; --auto-relaunch relaunches every node
-            code, as_one = multinode.health_check(job, as_json, auto_relaunch, timeout)
-            _run_on_change(on_change, [as_one], deadline)
-            return code
-        targets = obj.targets(target)
+        targets = obj.targets(target) if job is None else []
     except DflashOpsError as exc:  # the check itself could not run: UNKNOWN, not CRITICAL
         click.echo(health.nagios_line(target or "dflash", health.unknown(str(exc).splitlines()[0])))
         return 3
-    checked = [
-        check_lib.checked_outcome(o)
-        for o in fan_out(targets, lambda t: check_lib.check(t, timeout_s=timeout))
-    ]
+    checked, shown, relaunches = _checked_jobs(obj, job, targets, timeout)
     actions = {}
     if auto_relaunch:
-        for c in checked:
-            node = obj.inventory.node_of(c.target.name)
-            action = (
-                commands.HealthAction(False, f"not relaunched: {node}")
-                if node
-                else commands.auto_relaunch(c.target, c)
-            )
+        for c, relaunch in zip(checked, relaunches, strict=True):
+            action = relaunch()
             if action is not None:
                 actions[c.target.name] = action
     if as_json:
         relaunched = {name: action.message for name, action in actions.items()} if auto_relaunch else None
-        click.echo(status_output.health_json([c.status for c in checked], relaunched))
+        click.echo(status_output.health_json(shown, relaunched))
     else:
         if len(checked) == 1:
-            line, code = (
-                health.nagios_line(checked[0].target.name, checked[0].verdict),
-                checked[0].verdict.exit_code,
-            )
+            line = health.nagios_line(checked[0].target.name, checked[0].verdict)
         else:
-            line, code = health.nagios_line_many((c.target.name, c.verdict) for c in checked)
+            line, _ = health.nagios_line_many((c.target.name, c.verdict) for c in checked)
         click.echo(line)
         for name, action in actions.items():
             click.echo(f"{name}: {action.message}")
     _run_on_change(on_change, checked, deadline)
     return health.EXIT_CODES[health.worst(c.verdict.level for c in checked)]
+
+
+def _checked_jobs(obj, job, targets, timeout: float) -> tuple[list, list, list]:
+    """(each job checked as one target, the statuses --json shows, each job's auto-relaunch): a
+    multinode job is one of them, its one verdict over every node, relaunched whole; a node's own
+    target is never relaunched alone."""
+    from dflash_ops import commands
+    from dflash_ops.commands import multinode as multinode_commands
+    from dflash_ops.observe import check as check_lib, multinode as multinode_status
+    from dflash_ops.transport.fanout import fan_out
+
+    if job is not None:
+        jc = multinode_status.check(job, timeout)
+        return (
+            [multinode_status.as_one_target(jc)],
+            [jc.status],
+            [lambda: multinode_commands.auto_relaunch(jc)],
+        )
+    checked = [
+        check_lib.checked_outcome(o)
+        for o in fan_out(targets, lambda t: check_lib.check(t, timeout_s=timeout))
+    ]
+
+    def relaunch(c):
+        node = obj.inventory.node_of(c.target.name)
+        return (
+            commands.HealthAction(False, f"not relaunched: {node}")
+            if node
+            else commands.auto_relaunch(c.target, c)
+        )
+
+    return checked, [c.status for c in checked], [lambda c=c: relaunch(c) for c in checked]
 
 
 def _run_on_change(command: str | None, checked: list, deadline: float) -> None:
