@@ -50,9 +50,6 @@ class Report:
     panels: dict = dataclasses.field(default_factory=dict)  # panel -> pixel box (see report_plot)
     size: tuple[int, int] = (0, 0)
 
-    def summary_rows(self) -> list[dict]:
-        return [h.summary_row() for h in self.histories]
-
 
 def run_selection(run: str | None, all_runs: bool) -> str:
     """--run NNNN / --all-runs as the script's `run` argument; a run id is digits only."""

@@ -207,10 +207,6 @@ class ShardWriter:
     def _reset(self):
         self.features, self.ids, self.masks, self.lengths, self.bytes = [], [], [], [], 0
 
-    @property
-    def next_sequence(self) -> int:
-        return self._first + len(self.lengths)
-
     def add(self, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
         self.features.append(features)
         self.ids.append(input_ids.to(torch.int32))
