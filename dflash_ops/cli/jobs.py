@@ -55,6 +55,9 @@ def run_command(obj: Obj, target_name, command: Callable, dry_run: bool, **optio
     """Run one of dflash_ops.commands on each target; options left None take its defaults."""
     given = {k: v for k, v in options.items() if v is not None}
     name = command.__name__.replace("_", "-")
+    job = multinode.job_named(obj, target_name) if command in (commands.relaunch, commands.stop) else None
+    if job is not None:  # every node of the job, as one job
+        return multinode.run_whole_job(job, name, dry_run, given)
     ends_processes = command in (commands.relaunch, commands.stop, commands.gpu_clean)
     for target in obj.targets(target_name) if ends_processes and not dry_run else ():
         node = obj.inventory.node_of(target.name)
@@ -111,9 +114,6 @@ def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus
         "grace": grace,
         "allow_shared_gpus": True if allow_shared_gpus else None,
     }
-    job = multinode.job_named(obj, target)
-    if job is not None:  # every node of the job, as one job
-        sys.exit(multinode.relaunch(job, options, dry_run))
     sys.exit(run_command(obj, target, commands.relaunch, dry_run, **options))
 
 
@@ -126,9 +126,6 @@ def stop(obj, target, dry_run, grace):
     """Stop the job: SIGTERM its processes (it checkpoints), SIGKILL after the grace period,
     remove the tmux session, record the stop (health then reports OK and never relaunches it
     until the next relaunch), end leftover GPU processes, wait for them to leave the GPUs."""
-    job = multinode.job_named(obj, target)
-    if job is not None:  # every node stops, and records the stop
-        sys.exit(multinode.stop(job, grace, dry_run))
     sys.exit(run_command(obj, target, commands.stop, dry_run, grace=grace))
 
 

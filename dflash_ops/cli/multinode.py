@@ -49,23 +49,14 @@ def _finish(command: str, job, run) -> int:
     return result.exit_code
 
 
-def relaunch(job, options: dict, dry_run: bool) -> int:
-    """commands.relaunch's options (those left None take its defaults), for every node."""
+def run_whole_job(job, name: str, dry_run: bool, given: dict) -> int:
+    """`relaunch` or `stop` (`name`) of a multinode job on every node at once, as one job; `given`
+    holds the options set (the others take the command's defaults)."""
     from dflash_ops.commands import multinode
 
-    given = {k: v for k, v in options.items() if v is not None}
-    click.echo(f"relaunch: multinode job {job.name} on {', '.join(n.name for n in job.nodes)}")
-    return _finish(
-        "relaunch", job, lambda: multinode.relaunch(job, dry_run=dry_run, on_progress=_printer(), **given)
-    )
-
-
-def stop(job, grace: float | None, dry_run: bool) -> int:
-    from dflash_ops.commands import multinode
-
-    given = {} if grace is None else {"grace": grace}
-    click.echo(f"stop: multinode job {job.name} on {', '.join(n.name for n in job.nodes)}")
-    return _finish("stop", job, lambda: multinode.stop(job, dry_run=dry_run, on_progress=_printer(), **given))
+    command = {"relaunch": multinode.relaunch, "stop": multinode.stop}[name]
+    click.echo(f"{name}: multinode job {job.name} on {', '.join(n.name for n in job.nodes)}")
+    return _finish(name, job, lambda: command(job, dry_run=dry_run, on_progress=_printer(), **given))
 
 
 def node_or_target(obj: Obj, target: str | None, node: str | None):
