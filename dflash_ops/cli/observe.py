@@ -147,11 +147,13 @@ def _checked_jobs(obj, job, targets, timeout: float) -> tuple[list, list, list]:
     multinode job is one of them, its one verdict over every node, relaunched whole; a node's own
     target is never relaunched alone."""
     from dflash_ops import commands
-    from dflash_ops.commands import multinode as multinode_commands
-    from dflash_ops.observe import check as check_lib, multinode as multinode_status
+    from dflash_ops.observe import check as check_lib
     from dflash_ops.transport.fanout import fan_out
 
-    if job is not None:
+    if job is not None:  # only then the multinode commands (and the step engine they stand on) load
+        from dflash_ops.commands import multinode as multinode_commands
+        from dflash_ops.observe import multinode as multinode_status
+
         jc = multinode_status.check(job, timeout)
         return (
             [multinode_status.as_one_target(jc)],
