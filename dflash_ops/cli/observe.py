@@ -41,25 +41,12 @@ def status(obj, target, as_json, watch, timeout):
       step 240/300  loss 2.9870  22.0 Ktok/s  ETA 7 s  last metrics 5 s ago  data synthetic
       OK: step 240/300, loss 2.9870, 22.0 Ktok/s, last step 5 s ago
     """
-    from dflash_ops.observe import check as check_lib, health, multinode as multinode_status, status_output
-    from dflash_ops.transport.fanout import fan_out
+    from dflash_ops.observe import health, status_output
 
     job = multinode.job_named(obj, target)
     targets = obj.targets(target) if job is None else []
-
-    def check_all() -> tuple[list, list[str]]:
-        """(the statuses to show, their verdicts' levels): a multinode job is one status over its nodes."""
-        if job is not None:
-            jc = multinode_status.check(job, timeout)
-            return [jc.status], [jc.verdict.level]
-        checked = [
-            check_lib.checked_outcome(o)
-            for o in fan_out(targets, lambda t: check_lib.check(t, timeout_s=timeout))
-        ]
-        return [c.status for c in checked], [c.verdict.level for c in checked]
-
     while True:
-        statuses, levels = check_all()
+        checked, statuses, _ = _checked_jobs(obj, job, targets, timeout)
         if as_json:
             click.echo(status_output.status_json(statuses, indent=None if watch else 2))
         else:
@@ -67,7 +54,7 @@ def status(obj, target, as_json, watch, timeout):
                 click.clear()
             click.echo(status_output.status_text(statuses, color=_is_tty()), nl=False)
         if not watch:
-            sys.exit(health.EXIT_CODES[health.worst(levels)])
+            sys.exit(health.EXIT_CODES[health.worst(c.verdict.level for c in checked)])
         time.sleep(watch)
 
 
@@ -143,7 +130,7 @@ def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int
 
 
 def _checked_jobs(obj, job, targets, timeout: float) -> tuple[list, list, list]:
-    """(each job checked as one target, the statuses --json shows, each job's auto-relaunch): a
+    """(each job checked as one target, the statuses to show, each job's auto-relaunch): a
     multinode job is one of them, its one verdict over every node, relaunched whole; a node's own
     target is never relaunched alone."""
     from dflash_ops import commands
