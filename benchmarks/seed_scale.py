@@ -54,6 +54,7 @@ from benchmarks.common import versions  # noqa: E402
 from benchmarks.seed_scale_report import render  # noqa: E402
 
 RESULT_TAG = "SEED_RESULT "
+STACKS_EVERY_S = 45  # a stuck part shows where it is
 QWEN36_27B = {
     "vocab_size": 248320,
     "hidden_size": 5120,
@@ -103,6 +104,7 @@ SIZES = {
         "warmup": 6,  # past the loader's queue of features computed while step 1 compiled
         "cache_sequences": 16,
         "regen_records": 256,
+        "regen_small_batch": 16,
         "regen_prompt": 256,
         "regen_new": 64,
         "decode_prompt": 512,
@@ -117,6 +119,7 @@ SIZES = {
         "warmup": 1,
         "cache_sequences": 4,
         "regen_records": 4,
+        "regen_small_batch": 2,
         "regen_prompt": 16,
         "regen_new": 8,
         "decode_prompt": 16,
@@ -125,9 +128,12 @@ SIZES = {
         "block": 8,
     },
 }
-PARTS = ("build", "cache", "decode", "regenerate", "train")
+PARTS = ("build", "cache", "decode", "regenerate", "train", "offline")
 # seconds each child may take (timeout -k): first load + compile dominate on the GPU
-TIMEOUTS = {"gpu": {"target": 330, "train": 240}, "tiny": {"target": 150, "train": 150}}
+TIMEOUTS = {
+    "gpu": {"target": 330, "train": 240, "regenerate": 180},
+    "tiny": {"target": 150, "train": 150, "regenerate": 150},
+}
 
 
 def shape_of(args) -> dict:
@@ -149,8 +155,9 @@ def emit(part: str, result: dict) -> None:
 # ---- the training config and data, shared by the train child and cache-features ----------------------
 
 
-def write_job(args, work: str) -> str:
-    """A pre-tokenized JSONL of random sequences and the training config over it; the config's path."""
+def write_job(args, work: str, features: str | None = None) -> str:
+    """A pre-tokenized JSONL of random sequences and the training config over it (or, given
+    `features`, over that feature cache: offline training); the config's path."""
     import random
 
     import yaml
@@ -173,7 +180,9 @@ def write_job(args, work: str) -> str:
     config = {
         "target": {"spec": shape["spec"], "tiny": shape["tiny"]},
         "drafter": {"num_layers": size["drafter_layers"], "block_size": size["block"]},
-        "data": {"source": "jsonl", "path": data, "seq_len": length, "eval_fraction": 0.0},
+        "data": {"source": "jsonl", "path": data, "seq_len": length, "eval_fraction": 0.0}
+        if features is None
+        else {"source": "features", "path": features, "seq_len": length, "eval_fraction": 0.0},
         "train": {
             "batch_size": 1,
             "num_anchors": size["anchors"],
@@ -191,7 +200,7 @@ def write_job(args, work: str) -> str:
         },
         "eval": {"every": 0},
     }
-    path = os.path.join(work, "seed-scale.yaml")
+    path = os.path.join(work, "seed-scale.yaml" if features is None else "seed-scale-offline.yaml")
     with open(path, "w", encoding="utf-8") as f:
         yaml.safe_dump(config, f, sort_keys=False)
     return path
@@ -296,33 +305,46 @@ def _memory_gib(device: str) -> dict | None:
 
 
 def part_cache(args, cfg, target) -> dict:
-    """cache-features over the config's data: the trainer's writer, fsynced shards, tokens/s."""
+    """cache-features over the config's data (the trainer's writer, fsynced shards) against the bare
+    feature forward of the same batches, after a warm-up forward at that batch shape. The cache is
+    kept in `cache_dir(args)` for the offline part."""
     import torch
 
-    from trainer.data.feature_cache import cache_header, write_cache
+    from trainer.data.feature_cache import auto_batch_size, cache_header, write_cache
     from trainer.train.loop import build_dataset
 
     dataset = build_dataset(cfg, target)
-    work = tempfile.mkdtemp(prefix="seed-cache-", dir=args.work)
-    try:
-        _sync(args.device)
-        began = time.perf_counter()
-        with torch.no_grad():
-            manifest = write_cache(
-                target, dataset, work, cache_header(cfg, target, "bf16", 0), say=lambda _: None
-            )
-        _sync(args.device)
-        seconds = time.perf_counter() - began
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    batch = auto_batch_size(dataset.input_ids.shape[1])
+    batches = [dataset.input_ids[i : i + batch].to(args.device) for i in range(0, len(dataset), batch)]
+    with torch.no_grad():
+        bare = _timed(
+            args.device, lambda: [target.features(x, attention_mask=torch.ones_like(x)) for x in batches], 1
+        )
+    work = cache_dir(args)
+    _sync(args.device)
+    began = time.perf_counter()
+    with torch.no_grad():
+        manifest = write_cache(
+            target, dataset, work, cache_header(cfg, target, "bf16", 0), say=lambda _: None
+        )
+    _sync(args.device)
+    seconds = time.perf_counter() - began
     tokens = int(dataset.attention_mask.sum())
     return {
         "sequences": len(dataset),
+        "batch": batch,
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
+        "bare_forward_s": bare,
+        "vs_bare_forward": seconds / bare,
         "bytes": manifest["counts"]["bytes"],
+        "dir": work,
     }
+
+
+def cache_dir(args) -> str:
+    return os.path.join(args.work, "features")
 
 
 def part_decode(args, cfg, target) -> dict:
@@ -394,7 +416,33 @@ def referee(decoder, prompt: list[int], own: list[int], drafted: list[int]) -> s
 
 
 def part_regenerate(args, cfg) -> dict:
-    """`data regenerate` (its own target copy, its batch from free memory): new tokens/s."""
+    """`data regenerate` (its own target copy): first a fixed small batch, then its batch from the free
+    memory; new tokens/s of each. Where the stacks go every STACKS_EVERY_S (env SEED_STACKS): a file."""
+    stacks = os.environ.get("SEED_STACKS")
+    with open(stacks or os.devnull, "a", encoding="utf-8") as dump:
+        if stacks:
+            import faulthandler
+
+            faulthandler.dump_traceback_later(STACKS_EVERY_S, repeat=True, file=dump)
+        try:
+            size = sizes(args)
+            small = _regenerate(
+                args, cfg, records=2 * size["regen_small_batch"], batch_size=size["regen_small_batch"]
+            )
+            say(
+                f"{args.shape}: regenerate at batch {small['batch']}: "
+                f"{small['new_tokens_per_s']:,.0f} new tokens/s"
+            )
+            return {
+                "small_batch": small,
+                **_regenerate(args, cfg, records=size["regen_records"], batch_size=None),
+            }
+        finally:
+            if stacks:
+                faulthandler.cancel_dump_traceback_later()
+
+
+def _regenerate(args, cfg, records: int, batch_size: int | None) -> dict:
     from trainer.data.regenerate import RegenerateOptions, regenerate
 
     size = sizes(args)
@@ -402,7 +450,7 @@ def part_regenerate(args, cfg) -> dict:
     src = os.path.join(work, "chats.jsonl")
     words = " ".join(["word"] * (size["regen_prompt"] // 5))  # the byte tokenizer: ~1 token per byte
     with open(src, "w", encoding="utf-8") as f:
-        for i in range(size["regen_records"]):
+        for i in range(records):
             f.write(json.dumps({"messages": [{"role": "user", "content": f"{i} {words}"}]}) + "\n")
     opts = RegenerateOptions(
         target=cfg.target.spec,
@@ -411,6 +459,7 @@ def part_regenerate(args, cfg) -> dict:
         max_new_tokens=size["regen_new"],
         devices=[args.device],
         tiny=dict(cfg.target.tiny or {}),
+        batch_size=batch_size,
         progress_every_s=15.0,
     )
     try:
@@ -432,19 +481,20 @@ def child_target(args) -> None:
 
     cfg = load_config(write_job(args, args.work))
     wanted = set(args.parts.split(","))
-    say(f"{args.shape}: building the target on {args.device}")
-    built, target = part_build(args, cfg)
-    emit("build", built)
-    say(f"{args.shape}: built in {built['load_s']:.1f} s, non-finite layers {built['nonfinite_layers']}")
-    emit("peak", child_peak(args, {}))
-    for name, part in (("cache", part_cache), ("decode", part_decode)):
-        if name in wanted:
-            say(f"{args.shape}: {name}")
-            emit(name, _guarded(lambda part=part, target=target: part(args, cfg, target)))
-    del target
-    gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    if "build" in wanted:
+        say(f"{args.shape}: building the target on {args.device}")
+        built, target = part_build(args, cfg)
+        emit("build", built)
+        say(f"{args.shape}: built in {built['load_s']:.1f} s, non-finite layers {built['nonfinite_layers']}")
+        emit("peak", child_peak(args, {}))
+        for name, part in (("cache", part_cache), ("decode", part_decode)):
+            if name in wanted:
+                say(f"{args.shape}: {name}")
+                emit(name, _guarded(lambda part=part, target=target: part(args, cfg, target)))
+        del target
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     if "regenerate" in wanted:
         say(f"{args.shape}: regenerate")
         emit("regenerate", _guarded(lambda: part_regenerate(args, cfg)))
@@ -461,10 +511,11 @@ def _guarded(fn) -> dict:
 # ---- the train child: the real trainer ---------------------------------------------------------------
 
 
-def run_train(args, work: str) -> dict:
-    """`python -m trainer` on the shape's config under timeout -k; step times from its metrics file."""
-    config = write_job(args, work)
-    run_dir = os.path.join(work, "run")
+def run_train(args, work: str, features: str | None = None) -> dict:
+    """`python -m trainer` on the shape's config under timeout -k; step times from its metrics file.
+    Given `features` (a feature cache dir), the drafter trains from it alone (offline)."""
+    config = write_job(args, work, features)
+    run_dir = os.path.join(work, "run" if features is None else "run-offline")
     cmd = [sys.executable, "-m", "trainer", "--config", config, "--output-dir", run_dir]
     launched = time.time()
     code, tail, _ = _run_under_timeout(cmd, TIMEOUTS["tiny" if args.tiny else "gpu"]["train"], "train")
@@ -541,8 +592,8 @@ def _run_under_timeout(cmd: list[str], seconds: int, label: str) -> tuple[int, s
 # ---- the parent: one shape after another, the report rewritten after each ---------------------------
 
 
-def run_target(args, work: str) -> dict:
-    """The target child under timeout -k: {part: result}; a part it did not reach says why."""
+def run_target(args, work: str, parts: list[str], seconds: int) -> dict:
+    """The target child for `parts` under timeout -k: {part: result}; a part it did not reach says why."""
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -555,18 +606,16 @@ def run_target(args, work: str) -> dict:
         "--work",
         work,
         "--parts",
-        args.parts,
+        ",".join(parts),
         "--checkpointing",
         args.checkpointing,
         *(["--tiny"] if args.tiny else []),
     ]
-    code, tail, results = _run_under_timeout(
-        cmd, TIMEOUTS["tiny" if args.tiny else "gpu"]["target"], "target"
-    )
+    code, tail, results = _run_under_timeout(cmd, seconds, "target")
     found = {r.pop("part"): r for r in results}
     last_line = tail.strip().splitlines()[-1][:300] if tail.strip() else f"rc {code}"
-    for part in ("build", "cache", "decode", "regenerate"):
-        if part in args.parts.split(",") + ["build"] and part not in found:
+    for part in parts:
+        if part not in found:
             found[part] = {"failed": f"not reached (rc {code}): {last_line}"}
     return found
 
@@ -610,12 +659,24 @@ def step_flops(build: dict, train: dict, size: dict) -> dict:
 def measure_shape(args, report: dict) -> None:
     """Both children of one shape; the shape's results go into `report`."""
     work = tempfile.mkdtemp(prefix=f"seed-scale-{args.shape}-", dir=args.work)
+    wanted, limits = args.parts.split(","), TIMEOUTS["tiny" if args.tiny else "gpu"]
+    shape = report["shapes"][args.shape] = {}  # the report is rewritten after each child
     try:
         say(f"{args.shape}: target child ({args.parts})")
-        shape = run_target(args, work)
-        if "train" in args.parts.split(","):
+        parts = ["build"] + [p for p in ("cache", "decode") if p in wanted]
+        shape.update(run_target(args, work, parts, limits["target"]))
+        write_report(args, report)
+        if "train" in wanted:
             say(f"{args.shape}: train child (python -m trainer)")
             shape["train"] = run_train(args, work)
+        if "offline" in args.parts.split(","):
+            say(f"{args.shape}: offline train child (python -m trainer, data.source features)")
+            cache = shape.get("cache", {}).get("dir")
+            shape["offline"] = run_train(args, work, cache) if cache else {"failed": "no feature cache"}
+            write_report(args, report)
+        if "regenerate" in wanted:  # last: it loads its own target copy and may take longest
+            say(f"{args.shape}: regenerate child")
+            shape.update(run_target(args, work, ["regenerate"], limits["regenerate"]))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     build, train, peak = shape.get("build", {}), shape.get("train", {}), shape.get("peak", {})
@@ -625,7 +686,6 @@ def measure_shape(args, report: dict) -> None:
         train["tflops"] = flops["total"] / train["steady_step_s"] / 1e12
         if peak.get("tflops"):
             train["mfu"] = train["tflops"] / peak["tflops"]
-    report["shapes"][args.shape] = shape
 
 
 def _vocab_hidden(args) -> dict:

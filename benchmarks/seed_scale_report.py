@@ -57,7 +57,9 @@ def data_rows(name: str, shape: dict) -> list[str]:
         f"| {name} | cache-features | "
         + (
             _failed(c)
-            or f"{c['tokens_per_s']:,.0f} tokens/s ({c['sequences']} seq, {c['bytes'] / 2**30:.2f} GiB)"
+            or f"{c['tokens_per_s']:,.0f} tokens/s ({c['sequences']} seq, {c['bytes'] / 2**30:.2f} GiB); "
+            f"{c['seconds']:.2f} s = {c['vs_bare_forward']:.2f}x the bare feature forward of the same "
+            f"batches ({c['bare_forward_s']:.2f} s, batch {c['batch']})"
         )
         + " |"
     )
@@ -65,8 +67,12 @@ def data_rows(name: str, shape: dict) -> list[str]:
         f"| {name} | data regenerate | "
         + (
             _failed(r)
-            or f"{r['new_tokens_per_s']:,.0f} new tokens/s, batches up to {r['batch']} ({r['batch_rule']}), "
-            f"{r['records']} records, {r['new_tokens']} new tokens in {r['seconds']:.1f} s"
+            or "; ".join(
+                f"{x['new_tokens_per_s']:,.0f} new tokens/s, batches up to {x['batch']} ({x['batch_rule']}), "
+                f"{x['records']} records, {x['new_tokens']} new tokens in {x['seconds']:.1f} s"
+                for x in (r.get("small_batch"), r)
+                if x and "failed" not in x
+            )
         )
         + " |"
     )
@@ -107,6 +113,11 @@ def render(report: dict) -> str:
         "| peak GiB | TFLOP/step target + drafter | TFLOP/s | MFU |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *[train_row(n, s.get("train", {}), s.get("peak", {})) for n, s in shapes.items() if "train" in s],
+        *[
+            train_row(f"{n}, offline (drafter from the feature cache)", s["offline"], {})
+            for n, s in shapes.items()
+            if "offline" in s
+        ],
         "",
         "| target | part | result |",
         "|---|---|---|",

@@ -596,7 +596,11 @@ def child_e2e(args, dims) -> dict:
     result.update(_e2e_steps(args, dims, target, dataset, one, guard, torch))
     result["sum_s"] = result["target_forward_s"] + result["drafter_step_s"]
     result["e2e_vs_sum"] = result["sum_s"] / result["e2e_step_s"]
-    result["cache"] = _e2e_cache(args, target, ids, loss_mask, torch)
+    roots = (args.cache_dir or "").split(",")  # several: the writer on each filesystem, e.g. tmpfs and disk
+    result["cache"], *others = [
+        _e2e_cache(args, target, ids, loss_mask, torch, root or None) for root in roots
+    ]
+    result["cache_on"] = dict(zip(roots[1:], others, strict=True))
     return result
 
 
@@ -668,7 +672,7 @@ def _e2e_steps(args, dims, target, dataset, one, guard, torch) -> dict:
     }
 
 
-def _e2e_cache(args, target, ids, loss_mask, torch) -> dict:
+def _e2e_cache(args, target, ids, loss_mask, torch, root: str | None) -> dict:
     """cache-features: the writer against the bare forward of the same batches."""
     from trainer.config import TrainConfig
     from trainer.data.dataset import Dataset
@@ -689,7 +693,7 @@ def _e2e_cache(args, target, ids, loss_mask, torch) -> dict:
     header_cfg.target.spec, header_cfg.data.seq_len = "random-qwen3-8b-shape", t
     header_cfg.data.source = "synthetic"  # the provenance fields of random data
     header = cache_header(header_cfg, target, "bf16", 0)
-    cache_dir = tempfile.mkdtemp(prefix="feature-cache-e2e-", dir=args.cache_dir)
+    cache_dir = tempfile.mkdtemp(prefix="feature-cache-e2e-", dir=root)
     try:
         began = time.perf_counter()
         with torch.no_grad():
@@ -709,6 +713,7 @@ def _e2e_cache(args, target, ids, loss_mask, torch) -> dict:
         "ratio": cache_s / fwd[0],
         "bytes": manifest["counts"]["bytes"],
         "shards": manifest["counts"]["shards"],
+        "dir_root": os.path.dirname(cache_dir),
     }
 
 
@@ -737,7 +742,12 @@ def render_e2e(result: dict) -> list[str]:
         f"{c['bare_forward_s']:.2f} s ({c['bare_tokens_per_s']:.0f} tokens/s) for the bare forward of the "
         "same "
         f"batches: {c['ratio']:.3f}x the bare forward time ({c['bytes'] / 2**30:.2f} GiB in {c['shards']} "
-        f"shard(s), fsynced).",
+        f"shard(s), fsynced) in {c['dir_root']}.",
+        *[
+            f"The same on {root}: {o['write_cache_s']:.2f} s = {o['tokens_per_s']:.0f} tokens/s, "
+            f"{o['ratio']:.3f}x the bare forward."
+            for root, o in result.get("cache_on", {}).items()
+        ],
     ]
 
 
@@ -1008,7 +1018,8 @@ def _parser() -> argparse.ArgumentParser:
         help=f"comma list of {', '.join(PARTS)} (the matmul peak always runs)",
     )
     parser.add_argument(
-        "--cache-dir", help="where the cache part writes its feature cache (default: $TMPDIR)"
+        "--cache-dir",
+        help="where the cache part writes its feature cache (default: $TMPDIR); e2e takes a comma list",
     )
     parser.add_argument("--shard-mb", type=int, default=1024, help="feature cache shard size cap, MiB")
     parser.add_argument("--anchors", type=int, help="override the anchors per sequence (paper: 512)")
