@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError
+from trainer.fused_projections import fuse_projections
 from trainer.target_family import check_supported, text_config
 
 # The tiny-random target: small enough for CPU tests and the tiny run, same architecture as Qwen3.
@@ -258,6 +259,7 @@ def load_target(
         model, tokenizer = tiny_target(device, dtype, seed, tiny, spec), None
     else:
         model, tokenizer = _hf_target(spec, device, dtype)
+    fuse_projections(model)  # here, before any thread reads the weights (see its docstring)
     num_layers = len(_decoder_of(model).layers)
     ids = list(layer_ids) if layer_ids is not None else default_layer_ids(num_layers)
     vocab_size = model.get_input_embeddings().weight.shape[0]

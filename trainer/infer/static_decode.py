@@ -27,6 +27,7 @@ speculative decoding run on the same StaticTarget, so their tokens/s ratio is fa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import NamedTuple
 
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.infer import gated_deltanet
+from trainer.fused_projections import GATE_UP, QKV, fused_rows
 from trainer.model import DFlashDrafter, rope_cos_sin
 from trainer.target_family import HYBRID_TYPES, is_hybrid
 
@@ -85,20 +87,27 @@ def pre_attention(
     head_dim: int,
     centered: bool = False,
     gated: bool = False,
+    project=F.linear,
 ):
     """Input norm, q/k/v projections, per-head norms and RoPE of one layer. x [B, T, H];
+    wk None: wq/bq are q, k and v fused (trainer.fused_projections), split here;
     cos/sin [B, T, D or Qwen3.5's rotary part]. Returns q grouped by kv head [B, Hkv, G*T, D] (see
     grouped_attention), k, v [B, T, Hkv, D] (the cache's write layout) and the output gate
     [B, T, heads*D] of a gated attention (Qwen3.5: q_proj gives each head's query and gate), else None."""
     batch, length, _ = x.shape
     h = rms_norm(x, ln, eps, centered)
-    q = F.linear(h, wq, bq).view(batch, length, heads, -1)
+    if wk is None:
+        width = kv_heads * head_dim
+        q, k, v = project(h, wq, bq).split([wq.shape[0] - 2 * width, width, width], dim=-1)
+    else:
+        q, k, v = project(h, wq, bq), project(h, wk, bk), project(h, wv, bv)
+    q = q.reshape(batch, length, heads, -1)
     gate = None
     if gated:
         q, gate = q.chunk(2, dim=-1)
         gate = gate.reshape(batch, length, heads * head_dim)
-    k = F.linear(h, wk, bk).view(batch, length, kv_heads, head_dim)
-    v = F.linear(h, wv, bv).view(batch, length, kv_heads, head_dim)
+    k = k.reshape(batch, length, kv_heads, head_dim)
+    v = v.reshape(batch, length, kv_heads, head_dim)
     if q_norm is not None:
         q = rms_norm(q, q_norm, eps, centered)
         k = rms_norm(k, k_norm, eps, centered)
@@ -109,14 +118,27 @@ def pre_attention(
     return grouped.reshape(batch, kv_heads, group * length, head_dim), k, v, gate
 
 
-def residual_mlp(x, branch, ln, gate, up, down, eps: float, centered: bool = False):
-    """x + branch, then the post-mixing norm, the SiLU MLP and its residual (every layer kind ends so)."""
+def residual_mlp(x, branch, ln, gate, up, down, eps: float, centered: bool = False, project=F.linear):
+    """x + branch, then the post-mixing norm, the SiLU MLP and its residual (every layer kind ends so).
+    up None: gate is gate and up fused."""
     x = x + branch
     h = rms_norm(x, ln, eps, centered)
-    return x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+    g, u = project(h, gate).chunk(2, dim=-1) if up is None else (project(h, gate), project(h, up))
+    return x + project(F.silu(g) * u, down)
 
 
-def post_attention(x, attn, out_gate, wo, bo, ln, gate, up, down, eps: float, centered: bool = False):
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, written for one row (a decode step) as a product and a sum in fp32 that torch.compile
+    turns into one reduction kernel reading the weight once; more rows take the matmul."""
+    if x.numel() != x.shape[-1]:
+        return F.linear(x, weight, bias)
+    out = (x.float().unsqueeze(-2) * weight.float()).sum(-1)
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def post_attention(
+    x, attn, out_gate, wo, bo, ln, gate, up, down, eps: float, centered: bool = False, project=F.linear
+):
     """Output gate (when gated), output projection, then residual_mlp. attn: the grouped attention
     output [B, Hkv, G*T, D]."""
     batch, length, _ = x.shape
@@ -125,7 +147,7 @@ def post_attention(x, attn, out_gate, wo, bo, ln, gate, up, down, eps: float, ce
     attn = attn.reshape(batch, length, -1)
     if out_gate is not None:
         attn = attn * torch.sigmoid(out_gate)
-    return residual_mlp(x, F.linear(attn, wo, bo), ln, gate, up, down, eps, centered)
+    return residual_mlp(x, project(attn, wo, bo), ln, gate, up, down, eps, centered, project)
 
 
 def context_kv(ctx, wk, bk, wv, bv, k_norm, cos, sin, eps: float, kv_heads: int, head_dim: int):
@@ -155,14 +177,15 @@ def grouped_attention(q, keys, values, mask):
 
 @dataclasses.dataclass
 class _Layer:
-    """One decoder layer's weights (the model's own tensors, not copies)."""
+    """One decoder layer's weights (the model's own tensors, not copies). wk/wv None: wq is q, k and v
+    fused; up None: gate is gate and up fused (trainer.fused_projections)."""
 
     ln: torch.Tensor
     wq: torch.Tensor
     bq: torch.Tensor | None
-    wk: torch.Tensor
+    wk: torch.Tensor | None
     bk: torch.Tensor | None
-    wv: torch.Tensor
+    wv: torch.Tensor | None
     bv: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
@@ -170,7 +193,7 @@ class _Layer:
     bo: torch.Tensor | None
     ln2: torch.Tensor
     gate: torch.Tensor
-    up: torch.Tensor
+    up: torch.Tensor | None
     down: torch.Tensor
     centered: bool = False  # Qwen3.5 norms (1 + weight)
     gated: bool = False  # Qwen3.5 gated attention
@@ -184,7 +207,7 @@ class DeltaLayer:
     mixer: gated_deltanet.DeltaNetWeights
     ln2: torch.Tensor
     gate: torch.Tensor
-    up: torch.Tensor
+    up: torch.Tensor | None
     down: torch.Tensor
     eps: float
 
@@ -194,7 +217,7 @@ class DeltaLayer:
             self.mixer.upcast(),
             self.ln2.float(),
             self.gate.float(),
-            self.up.float(),
+            None if self.up is None else self.up.float(),
             self.down.float(),
             self.eps,
         )
@@ -209,35 +232,52 @@ def _layer_of(layer, centered: bool = False) -> _Layer:
     q_norm = getattr(attn, "q_norm", None)
     k_norm = getattr(attn, "k_norm", None)
     heads_width = attn.o_proj.weight.shape[1]
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+    qkv = fused_rows(attn, QKV, projections)
+    if qkv is None:
+        separate = [(p.weight, _bias(p)) for p in projections]
+    else:
+        biases = [_bias(p) for p in projections]
+        bias = None if any(b is None for b in biases) else torch.cat(biases)
+        separate = [(qkv, bias), (None, None), (None, None)]
+    (wq, bq), (wk, bk), (wv, bv) = separate
+    gate, up = _gate_up(mlp)
     return _Layer(
         layer.input_layernorm.weight,
-        attn.q_proj.weight,
-        _bias(attn.q_proj),
-        attn.k_proj.weight,
-        _bias(attn.k_proj),
-        attn.v_proj.weight,
-        _bias(attn.v_proj),
+        wq,
+        bq,
+        wk,
+        bk,
+        wv,
+        bv,
         None if q_norm is None else q_norm.weight,
         None if k_norm is None else k_norm.weight,
         attn.o_proj.weight,
         _bias(attn.o_proj),
         layer.post_attention_layernorm.weight,
-        mlp.gate_proj.weight,
-        mlp.up_proj.weight,
+        gate,
+        up,
         mlp.down_proj.weight,
         centered,
         gated=attn.q_proj.weight.shape[0] == 2 * heads_width,
     )
 
 
+def _gate_up(mlp) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(gate and up fused, None) when fuse_projections fused them, else (gate, up)."""
+    both = fused_rows(mlp, GATE_UP, [mlp.gate_proj, mlp.up_proj])
+    return (both, None) if both is not None else (mlp.gate_proj.weight, mlp.up_proj.weight)
+
+
 def _delta_layer_of(layer) -> DeltaLayer:
     mlp = layer.mlp
+    gate, up = _gate_up(mlp)
     return DeltaLayer(
         layer.input_layernorm.weight,
         gated_deltanet.DeltaNetWeights.of(layer.linear_attn),
         layer.post_attention_layernorm.weight,
-        mlp.gate_proj.weight,
-        mlp.up_proj.weight,
+        gate,
+        up,
         mlp.down_proj.weight,
         _eps_of(layer.input_layernorm),
     )
@@ -251,15 +291,24 @@ class Kernels:
     """pre_attention / post_attention / context_kv, eager or compiled once per shape and shared by
     every layer (weights are arguments, so the layers of a model are one compiled graph)."""
 
-    def __init__(self, compile: bool):
-        self.compiled = compile
+    def __init__(self, compile: bool, rowwise: bool = False):
+        """`rowwise` (with compile): one-row products as reduction kernels (rowwise_linear), tuned
+        by inductor's coordinate descent, instead of the matmul library's."""
+        self.compiled, self.rowwise = compile, compile and rowwise
         if compile:  # one compiled graph per distinct shape (target step, verify, draft; several models)
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, max(getattr(config, name), 64))
-        wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
-        self.pre = wrap(pre_attention)
-        self.post = wrap(post_attention)
+        options = {"coordinate_descent_tuning": True} if self.rowwise else None
+        project = rowwise_linear if self.rowwise else F.linear
+        wrap = (
+            (lambda f: torch.compile(f, dynamic=False, fullgraph=True, options=options))
+            if compile
+            else (lambda f: f)
+        )
+        self.pre = wrap(functools.partial(pre_attention, project=project))
+        self.post = wrap(functools.partial(post_attention, project=project))
+        self.mlp = wrap(functools.partial(residual_mlp, project=project))
         self.context = wrap(context_kv)
         self.delta = wrap(gated_deltanet.mix_tensors)
 
@@ -426,7 +475,7 @@ class StaticTarget:
             mixed, pending = gated_deltanet.mix(h, w.mixer, conv, state, kernels.delta)
         else:
             mixed, pending = gated_deltanet.run(h, w.mixer, conv, state, lengths), None
-        return residual_mlp(x, mixed, w.ln2, w.gate, w.up, w.down, w.eps, centered=True), pending
+        return kernels.mlp(x, mixed, w.ln2, w.gate, w.up, w.down, w.eps, True), pending
 
     def hidden(
         self,
@@ -581,6 +630,7 @@ class StaticDecoder:
         stop_ids=(),
         graphs: bool | None = None,
         compile: bool = False,
+        rowwise: bool = False,
     ):
         block = drafter.cfg.block_size if drafter is not None else 1
         self.rows, self.max_prompt, self.max_new_tokens, self.block = rows, max_prompt, max_new_tokens, block
@@ -591,7 +641,7 @@ class StaticDecoder:
         self.device = device
         on_cuda = device.type == "cuda"
         self.graphs = on_cuda if graphs is None else (graphs and on_cuda)
-        self.kernels = Kernels(compile) if compile else EAGER
+        self.kernels = Kernels(compile, rowwise) if compile else EAGER
         stops = sorted({int(s) for s in stop_ids}) or [-1]
         self.stop_ids = torch.tensor(stops, device=device)
         long = {"device": device, "dtype": torch.long}
