@@ -293,7 +293,7 @@ def test_the_decode_cost_benchmark_runs_small_on_the_decoders_public_parts(tmp_p
     out = tmp_path / "cost.json"
     proc = subprocess.run(
         [sys.executable, str(repo / "benchmarks" / "decode_cost.py"), "--device", "cpu", "--shapes", "tiny",
-         "--blocks", "4", "--compile", "off", "--iterations", "2", "--reference-tokens", "4", "--out", str(out)],
+         "--blocks", "4", "--kernels", "eager", "--iterations", "2", "--reference-tokens", "4", "--out", str(out)],
         capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["results"]["tiny"]["rows"]
