@@ -69,6 +69,7 @@ def test_the_grace_floor_holds_in_the_step_on_every_node_without_the_commands_ow
     for command in (commands.stop, commands.relaunch):
         result = command(job, grace=5, dry_run=True)
         assert not result.ok and result.failed.step == "stop_session", result.summary()
+        assert result.exit_code == 2  # a refusal, as on one node
         lines = result.failed.message.splitlines()
         for i, name in enumerate(("gpu-a", "gpu-b")):
             assert lines[i].startswith(f"node {i} {name}: FAILED: grace_s 5 s is shorter"), lines

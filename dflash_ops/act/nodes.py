@@ -151,8 +151,10 @@ def on_nodes(
                 lines.append(f"{node.label}: {_said(value)}")
             else:
                 lines.append(f"{node.label}: FAILED: {first_lines(error)}")
-        if len(done) < len(nodes):
-            return StepOutcome.failed("\n".join(lines) + note)
+        if len(done) < len(nodes):  # failed as the one node's step would: a refusal exits 2
+            failed = StepFailed("\n".join(lines) + note)
+            failed.exit_code = max(getattr(e, "exit_code", 1) for _, e in outcomes if e is not None)
+            raise failed
         return StepOutcome("\n".join(lines))
 
     phase.__name__ = step.__name__
