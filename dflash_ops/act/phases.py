@@ -41,6 +41,7 @@ def checks_plan(nodes: int) -> tuple[str, ...]:
 
 
 def free_gpus_plan(nodes: int) -> tuple[str, ...]:
+    """The phases that free the job's GPUs (`free_job_gpus`)."""
     return ("kill_gpu_processes", "wait_gpu_free") if nodes == 1 else ("free_gpus",)
 
 
@@ -49,32 +50,29 @@ def check_before_stop(
 ) -> None:
     """Every check, on every node, before anything stops anywhere (a failure halts the run)."""
     on_nodes(run, p.preflight, nodes, deploy=deploy, **preflight_options, note=f"\n{UNTOUCHED}")
-    if len(nodes) > 1:
+    if not one_node(run):
         several = cast(MultinodeJob, job)
         found = run(same_job, several, deploy=deploy)
         run(shared_runs_dir, several)
         run(rendezvous, several, found)
 
 
-def free_gpus(run: Run, nodes: list[Node], *, timeout_s: float, keep_going: bool = False) -> None:
+def free_job_gpus(run: Run, nodes: list[Node], *, timeout_s: float, keep_going: bool = False) -> None:
     """End the job's leftover processes and wait for its GPUs, on every node."""
     if one_node(run):
         for node in nodes:
             ended = run(steps.kill_gpu_processes, node.target.job)
             run(steps.wait_gpu_free, node.target.job, ended, timeout_s=timeout_s)
     else:
-        on_nodes(run, _free_gpus, nodes, timeout_s=timeout_s, keep_going=keep_going)
+        on_nodes(run, free_gpus, nodes, timeout_s=timeout_s, keep_going=keep_going)
 
 
-def _free_gpus(ctx: StepContext, job: Job, *, timeout_s: float) -> StepOutcome:
+def free_gpus(ctx: StepContext, job: Job, *, timeout_s: float) -> StepOutcome:
     """On one node: end leftover job processes, then wait for its GPUs (the processes that are
     not the job's are left alone, and not waited for)."""
     ended = steps.kill_gpu_processes(ctx, job)
     waited = steps.wait_gpu_free(ctx, job, ended, timeout_s=timeout_s)
     return StepOutcome(f"{ended.message}; {waited.message}")
-
-
-_free_gpus.__name__ = "free_gpus"
 
 
 def _before_any_stop(phase: F) -> F:

@@ -83,7 +83,7 @@ def relaunch(
             import_torch=import_torch,
         )
         on_nodes(run, s.stop_session, nodes, grace_s=grace)
-        ph.free_gpus(run, nodes, timeout_s=gpu_free_timeout)
+        ph.free_job_gpus(run, nodes, timeout_s=gpu_free_timeout)
         if purge:  # a cache dir without the launcher's marker is left alone, never deleted
             on_nodes(run, s.purge_cache, nodes, if_unmarked="skip")
         else:
@@ -121,7 +121,7 @@ def stop(
     with _running(job, "stop", stop_plan(len(targets)), dry_run, on_progress) as (run, nodes):
         ended = on_nodes(run, s.stop_session, nodes, grace_s=grace, record_stop=True, keep_going=True)
         recorded = on_nodes(run, s.mark_stopped, [n for n, _ in ended], keep_going=True)
-        ph.free_gpus(run, [n for n, _ in recorded], timeout_s=gpu_free_timeout, keep_going=True)
+        ph.free_job_gpus(run, [n for n, _ in recorded], timeout_s=gpu_free_timeout, keep_going=True)
     return run.result()
 
 
@@ -153,7 +153,7 @@ def gpu_clean(
             run.skip(p.require_job_stopped, "--force")
         else:
             on_nodes(run, p.require_job_stopped, nodes)
-        ph.free_gpus(run, nodes, timeout_s=gpu_free_timeout)
+        ph.free_job_gpus(run, nodes, timeout_s=gpu_free_timeout)
     return run.result()
 
 
