@@ -247,6 +247,23 @@ def test_dry_run_relaunch_and_stop_show_every_node_and_reach_nothing():
     assert "node 1 gpu-b: would record `stopped` in /srv/dflash/job-state.json" in stopped.steps[1].message
 
 
+@pytest.mark.parametrize("command, phases", [
+    ("gpu-clean", ["require_job_stopped", "free_gpus"]), ("purge-cache", ["purge_cache"]), ("deploy", ["deploy"])])
+def test_the_other_commands_act_on_the_whole_job_too(tmp_path, command, phases):
+    """One engine: every command that acts on a job takes a multinode job's name, every node at once."""
+    from test_cli import cli
+
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /mnt/runs}\n").replace(
+        "/srv/dflash/train.yaml", "tiny-cpu"))
+    result = cli("--inventory", str(inventory), command, "-t", "pair", "--dry-run")
+    assert result.returncode == 0, result
+    steps = [line.split(" ... ")[0] for line in result.stdout.splitlines() if line.startswith("[") and " ... " in line]
+    assert steps == [f"[{i}/{len(phases)}] {phase}" for i, phase in enumerate(phases, 1)], result.stdout
+    assert "      node 1 gpu-b: " in result.stdout or "on every node" in result.stdout, result.stdout
+    assert result.stdout.splitlines()[-1].startswith(f"[pair] {command} (dry run): ok"), result.stdout
+
+
 @pytest.mark.parametrize("command", [["relaunch"], ["stop"], ["gpu-clean"]])
 def test_acting_on_one_node_alone_is_refused_before_anything_is_reached(tmp_path, command):
     """A relaunch, stop or GPU clean of one node would kill that node's ranks and strand the job on

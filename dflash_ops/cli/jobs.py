@@ -51,11 +51,11 @@ def run_each(jobs: list, name: str, source: str, act: Callable[[Any, Callable], 
 
 
 def run_command(obj: Obj, target_name, command: Callable, dry_run: bool, **options) -> int:
-    """Run one of dflash_ops.commands on each target, or on a multinode job (relaunch, stop) as
-    one job over its nodes; options left None take its defaults."""
+    """Run one of dflash_ops.commands on each target, or on a multinode job as one job over its
+    nodes (a rollback names a release of one target); options left None take its defaults."""
     given = {k: v for k, v in options.items() if v is not None}
     name = command.__name__.replace("_", "-")
-    whole = multinode.job_named(obj, target_name) if command in (commands.relaunch, commands.stop) else None
+    whole = multinode.job_named(obj, target_name) if command is not commands.rollback else None
     jobs = [whole] if whole is not None else obj.targets(target_name)
     ends_processes = command in (commands.relaunch, commands.stop, commands.gpu_clean)
     for target in jobs if ends_processes and whole is None and not dry_run else ():
