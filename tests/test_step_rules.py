@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,18 @@ def test_the_grace_floor_holds_in_the_step_on_every_node_without_the_commands_ow
         for i, name in enumerate(("gpu-a", "gpu-b")):
             assert lines[i].startswith(f"node {i} {name}: FAILED: grace_s 5 s is shorter"), lines
         assert {s.status for s in result.steps[result.failed.number :]} == {"not-run"}
+
+
+def test_auto_relaunch_of_a_two_node_job_keeps_the_grace_floor_and_touches_nothing(tmp_path, monkeypatch):
+    """The third way in: health --auto-relaunch relaunches with relaunch's default grace, which a
+    trainer with a longer stop grace refuses on every node before anything connects."""
+    monkeypatch.setenv("DFLASH_OPS_STATE_DIR", str(tmp_path))
+    slow = TWO_NODES.replace("config: gpu-paper,", "config: gpu-paper, train_args: [--set, run.stop_grace_s=45],")
+    job = load_inventory_text(slow).multinode["pair"]
+    critical = types.SimpleNamespace(verdict=types.SimpleNamespace(level="CRITICAL"))
+    action = commands.auto_relaunch(job, critical)
+    assert action is not None and action.attempted and action.result is None
+    assert action.message.startswith("auto-relaunch FAILED: --grace 30 s is shorter"), action.message
 
 
 def test_a_playbooks_rollback_names_its_release_parameter_not_a_flag(tmp_path):
