@@ -41,6 +41,7 @@ def relaunch_plan(nodes: int) -> list[str]:
 
 
 def stop_plan(nodes: int) -> list[str]:
+    """The steps of a stop of a job of `nodes` nodes, in order."""
     from dflash_ops.act import phases as ph
 
     return ["stop_session", "mark_stopped", *ph.free_gpus_plan(nodes)]
