@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import secrets
-import shlex
 import time
 from typing import Any, Callable, Sequence, TypeVar, cast
 
@@ -216,8 +215,10 @@ def _wait_first_step(ctx: JobContext, launched: JobLaunched, timeout_s: float) -
             for node in others:
                 why = _pane_problem(node)
                 if why is not None:
-                    tail = _log_tail(node, logs[node.index].log)
-                    raise StepFailed(f"[{node.name}] wait_first_step: {node.label}: {why}{tail}")
+                    raise one(ctx, node, functools.partial(gone, why=why))
+
+    def gone(node: Node, c: StepContext, why: str) -> StepFailed:
+        return steps.no_first_step(c, logs[node.index].log, f"{node.label}: {why}")
 
     def wait(node: Node, c: StepContext, seconds: float) -> StepOutcome:
         return steps.wait_first_step(c, node.target.job, logs[node.index], timeout_s=seconds)
@@ -235,16 +236,6 @@ def _pane_problem(node: Node) -> str | None:
         tmux.pane_pids(node.target.job) + "; true", timeout=30, step="wait_first_step"
     )
     return tmux.pane_problem(result.stdout)
-
-
-def _log_tail(node: Node, log: str, lines: int = 20) -> str:
-    if not log:
-        return ""
-    read = node.transport.run(
-        f"tail -n {int(lines)} {shlex.quote(log)} | tail -c 20000", timeout=30, step="wait_first_step"
-    )
-    text = "\n    ".join(read.stdout.rstrip().splitlines())
-    return f"\n  last lines of {log}:\n    {text}" if text else ""
 
 
 def _all_or_none(ctx: JobContext, error: DflashOpsError, grace_s: float) -> StepFailed:
