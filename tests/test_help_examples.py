@@ -11,7 +11,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from dflash_ops.observe import health
-from dflash_ops.observe.target_status import TargetStatus
+from dflash_ops.observe.status import TargetStatus
 from dflash_ops.cli import cli
 from trainer.train.metrics import step_line
 

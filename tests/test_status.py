@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops.observe import health, probe, status, status_output, training_status
+from dflash_ops.observe import health, probe, status, status_output
 from dflash_ops.observe.gpu import Gpu, GpuProcess, GpuSnapshot
 from dflash_ops.job.model import Health, Job
-from dflash_ops.observe.target_status import TargetStatus
+from dflash_ops.observe.status import TargetStatus
 from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format
 
@@ -149,12 +149,12 @@ def test_health_json_is_the_status_json_with_what_auto_relaunch_did():
 @pytest.mark.parametrize("seconds, text", [(0, "0 s"), (22.4, "22 s"), (90, "1m30s"), (3599, "59m59s"), (4980, "1:23"),
                                            (90000, "25:00"), (None, "-")])
 def test_format_eta(seconds, text):
-    assert training_status.format_eta(seconds) == text
+    assert status.format_eta(seconds) == text
 
 
 @pytest.mark.parametrize("seconds, text", [(12.4, "12 s"), (600, "10 min"), (9000, "2.5 h"), (None, "-")])
 def test_format_age(seconds, text):
-    assert training_status.format_age(seconds) == text
+    assert status.format_age(seconds) == text
 
 
 # --------------------------------------------------------------------------- from a real probe

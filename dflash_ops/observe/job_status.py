@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from dflash_ops.observe.health import Verdict
-from dflash_ops.observe.session_status import JobProcess
-from dflash_ops.observe.target_status import TargetStatus, verdict_json
+from dflash_ops.observe.status import JobProcess, TargetStatus, verdict_json
 from dflash_ops.observe.text_style import LEVEL_COLORS, paint
 
 TORCHRUN_MODULE = "torch.distributed.run"

@@ -1,18 +1,236 @@
-"""One target's TargetStatus from its probe report, the job and the verdict."""
+"""One target's status: the object `status` prints as a table for people and as JSON for scripts,
+and that `health --json` prints too; its parts (tmux session, job processes, training, the latest
+evaluation) and how it is built from the probe report, the job and the verdict."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from trainer import metrics_format
 from trainer.typed_yaml import finite
 
-from dflash_ops.observe import acceptance, logs
-
 from dflash_ops.job import jobstate
-from dflash_ops.observe import gpu_rows
-from dflash_ops.observe.health import Verdict, progress_age
-from dflash_ops.observe.session_status import JobProcess, TmuxSession
-from dflash_ops.observe.target_status import TargetStatus
-from dflash_ops.observe.training_status import EvalStatus, Training
+from dflash_ops.observe import acceptance, gpu_rows, logs
+from dflash_ops.observe.gpu import Gpu
+from dflash_ops.observe.health import Perf, Verdict, progress_age
+from dflash_ops.observe.text_style import BOLD, LEVEL_COLORS, inert, paint
+
+
+class _FieldsAsJson:
+    """A dataclass whose JSON object is its fields, in their order."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls, data: dict):
+        return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True)
+class TmuxSession(_FieldsAsJson):
+    """The session and its pane; None where tmux gave no answer."""
+
+    name: str
+    socket: str
+    running: bool | None = None
+    exists: bool | None = None
+    pane_pid: int | None = None
+    exit_status: int | None = None
+
+    def state(self) -> str:
+        """`running, pane pid 4100`, `exited with status 1`, `not running` or `unknown`."""
+        if self.running is None:
+            return "unknown"
+        if self.running:
+            return "running" + (f", pane pid {self.pane_pid}" if self.pane_pid else "")
+        if self.exists:
+            return "exited" + (f" with status {self.exit_status}" if self.exit_status is not None else "")
+        return "not running"
+
+    def line(self) -> str:
+        return f"session {self.name} (tmux -L {self.socket}): {self.state()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobProcess(_FieldsAsJson):
+    """One process of the session's process tree."""
+
+    pid: int
+    ppid: int | None
+    name: str | None
+    cmdline: str | None
+
+    def runs_module(self, module: str) -> bool:
+        """`python -m MODULE ...` (not the pane's shell, whose arguments carry the same words)."""
+        words = (self.cmdline or "").split()
+        if "-m" not in words[1:3]:
+            return False
+        at = words.index("-m", 1)
+        return words[at + 1 : at + 2] == [module]
+
+
+@dataclasses.dataclass(frozen=True)
+class Training(_FieldsAsJson):
+    """The run's progress; a number JSON cannot hold (NaN) is None."""
+
+    step: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
+    last_update_age_s: float | None = None
+    finished: bool = False
+
+    def step_text(self) -> str:
+        if self.step is None:
+            return "-"
+        return str(self.step) + (f"/{self.total_steps}" if self.total_steps else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalStatus:
+    """The latest speculative-decoding evaluation (tau) and how old it is."""
+
+    step: int | None
+    tau: float | None
+    acceptance: tuple[float, ...]
+    lossless: bool | None
+    expected_tau: float | None
+    age_s: float | None
+
+    def to_json(self) -> dict:
+        return dict(dataclasses.asdict(self), acceptance=list(self.acceptance))
+
+    @classmethod
+    def from_json(cls, data: dict) -> EvalStatus:
+        return cls(**{**data, "acceptance": tuple(data["acceptance"])})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TargetStatus:
+    """`time` is None when the probe could not run: the job's identity and the verdict remain."""
+
+    target: str
+    hostname: str | None = None
+    time: float | None = None  # the target's clock at probe time
+    probe_seconds: float | None = None
+    gpu_source: str | None = None
+    gpu_error: str | None = None
+    gpus: tuple[Gpu, ...] = ()  # with their roles in the job (observe.gpu_rows.with_roles)
+    session: TmuxSession
+    processes: tuple[JobProcess, ...] = ()
+    log: str | None = None
+    metrics: str | None = None
+    data_source: str | None = None
+    job_state: dict | None = None  # what dflash-ops recorded on the target
+    job_state_error: str | None = None
+    log_missing: str | None = None
+    training: Training = Training()
+    eval: EvalStatus | None = None
+    verdict: Verdict
+    eval_search: dict | None = None  # how far the probe looked back for `eval`
+
+    @property
+    def name(self) -> str:
+        return self.target
+
+    @property
+    def probed(self) -> bool:
+        return self.time is not None
+
+    def to_json(self) -> dict:
+        data = {
+            "target": self.target,
+            "hostname": self.hostname,
+            "time": self.time,
+            "probe_seconds": self.probe_seconds,
+            "gpu_source": self.gpu_source,
+            "gpu_error": self.gpu_error,
+            "gpus": [gpu_rows.to_json(g) for g in self.gpus],
+            "session": self.session.to_json(),
+            "processes": [p.to_json() for p in self.processes],
+            "log": self.log,
+            "metrics": self.metrics,
+            "data_source": self.data_source,
+            "job_state": self.job_state,
+            "job_state_error": self.job_state_error,
+            "log_missing": self.log_missing,
+            "training": self.training.to_json(),
+            "eval": None if self.eval is None else self.eval.to_json(),
+            **verdict_json(self.verdict),
+        }
+        if self.probed:
+            data["eval_search"] = self.eval_search
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> TargetStatus:
+        """The status `to_json` gave (a recorded `status --json`, say; keys it lacks are None)."""
+        return cls(
+            target=data["target"],
+            hostname=data.get("hostname"),
+            time=data.get("time"),
+            probe_seconds=data.get("probe_seconds"),
+            gpu_source=data.get("gpu_source"),
+            gpu_error=data.get("gpu_error"),
+            gpus=tuple(gpu_rows.from_json(g) for g in data["gpus"]),
+            session=TmuxSession.from_json(data["session"]),
+            processes=tuple(JobProcess.from_json(p) for p in data["processes"]),
+            log=data.get("log"),
+            metrics=data.get("metrics"),
+            data_source=data.get("data_source"),
+            job_state=data.get("job_state"),
+            job_state_error=data.get("job_state_error"),
+            log_missing=data.get("log_missing"),
+            training=Training.from_json(data["training"]),
+            eval=None if data.get("eval") is None else EvalStatus.from_json(data["eval"]),
+            verdict=verdict_from_json(data),
+            eval_search=data.get("eval_search"),
+        )
+
+    def to_text(self, color: bool = False) -> str:
+        """Dense text for people: one line per GPU, then session, progress and the verdict. What
+        the target sent (its hostname, names, paths, the job state) is shown inert."""
+        lines = [paint(inert(self._head()), BOLD, color)]
+        if self.gpu_error:
+            lines.append(inert(f"GPUs: {self.gpu_error}"))
+        elif self.probed:
+            if not self.gpus:
+                lines.append("GPUs: none")
+            width = max((len(g.name) for g in self.gpus), default=0)
+            lines += [gpu_rows.line(g, width, color) for g in self.gpus]
+        lines.append(inert(self.session.line()))
+        if self.job_state:
+            lines.append(inert(describe_job_state(self.job_state, self.log_missing)))
+        if self.job_state_error:
+            lines.append(inert(f"job state: unusable ({self.job_state_error})"))
+        lines.append(inert(progress_line(self.training, self.eval, self.data_source)))
+        level = self.verdict.level
+        lines.append(paint(level, LEVEL_COLORS.get(level, "0"), color) + ": " + inert(self.verdict.summary))
+        return "\n".join(lines) + "\n"
+
+    def _head(self) -> str:
+        head = self.target
+        if self.hostname:
+            head += f" ({self.hostname})"
+        if self.probe_seconds is not None:
+            head += f"  probe {self.probe_seconds:.2f} s"
+        return head
+
+
+def verdict_json(verdict: Verdict) -> dict:
+    """The verdict as status --json shows it: its level, reasons and perfdata."""
+    return {
+        "verdict": verdict.level,
+        "reasons": list(verdict.reasons),
+        "perfdata": verdict.to_dict()["perfdata"],
+    }
+
+
+def verdict_from_json(data: dict) -> Verdict:
+    perfdata = {label: Perf(**perf) for label, perf in data["perfdata"].items()}
+    return Verdict(data["verdict"], tuple(data["reasons"]), perfdata)
 
 
 def build_status(target_name: str, report, job, verdict: Verdict) -> TargetStatus:
@@ -91,7 +309,6 @@ def _training(report, verdict: Verdict) -> Training:
 
 
 def _eval_status(accept, now: float) -> EvalStatus | None:
-    """The latest speculative-decoding evaluation (tau) and how old it is."""
     if accept is None:
         return None
     return EvalStatus(
@@ -102,3 +319,51 @@ def _eval_status(accept, now: float) -> EvalStatus | None:
         expected_tau=finite(accept.expected_tau),
         age_s=None if accept.time is None else max(0.0, round(now - accept.time, 1)),
     )
+
+
+def describe_job_state(state: dict, log_missing: str | None = None) -> str:
+    """`job: stopped by dflash-ops stop, run 0003, log …/train-0007.log` (what dflash-ops recorded)."""
+    parts = [f"job: {state.get('state')}" + (f" by {state['by']}" if state.get("by") else "")]
+    if isinstance(state.get("run"), int):
+        parts.append(f"run {state['run']:04d}")
+    if state.get("log"):
+        parts.append(f"log {state['log']}" + (" (MISSING)" if log_missing else ""))
+    return ", ".join(parts)
+
+
+def progress_line(training: Training, evaluated: EvalStatus | None, data_source: str | None) -> str:
+    """`step 120/1000  loss 2.3141  45.2 Ktok/s  tau 2.50 (90 s ago)  ETA 1:23  last metrics 12 s ago`"""
+    t = training
+    loss = "-" if t.loss is None else f"{t.loss:.4f}"
+    speed = "-" if t.tokens_per_s is None else f"{t.tokens_per_s / 1000:.1f}"
+    age = t.last_update_age_s
+    freshness = "no metrics yet" if age is None else f"last metrics {format_age(age)} ago"
+    source = f"  data {data_source}" if data_source else ""
+    tau = ""
+    if evaluated is not None and evaluated.tau is not None:
+        tau = f"  tau {evaluated.tau:.2f} ({format_age(evaluated.age_s)} ago)"
+    eta = format_eta(t.eta_s)
+    return f"step {t.step_text()}  loss {loss}  {speed} Ktok/s{tau}  ETA {eta}  {freshness}{source}"
+
+
+def format_eta(seconds) -> str:
+    """`22 s`, `12m05s` under an hour (where h:mm would show 0:00), else h:mm (hours may exceed 24)."""
+    if seconds is None:
+        return "-"
+    if seconds < 59.5:
+        return f"{max(0, round(seconds))} s"
+    if seconds < 3599.5:
+        whole = int(round(seconds))
+        return f"{whole // 60}m{whole % 60:02d}s"
+    minutes = int(round(seconds / 60))
+    return f"{minutes // 60}:{minutes % 60:02d}"
+
+
+def format_age(seconds) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
