@@ -22,6 +22,11 @@ from dflash_ops.act import launch
 from dflash_ops.job.model import Health
 from dflash_ops.job.relaunch_guard import RelaunchGuard
 
+try:
+    from tests.helpers import wait_for
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from helpers import wait_for
+
 STANDIN = str(Path(__file__).parent / "sim" / "standin-trainer")
 
 
@@ -363,23 +368,14 @@ def test_tail_log_follow_prints_new_lines_and_stops_cleanly(ssh_target):
         should_stop=stop.is_set))
     follower.start()
     try:
-        for _ in range(50):
-            if shown:
-                break
-            time.sleep(0.05)
+        wait_for(lambda: shown, 2.5, "the last line", every=0.05)
         assert shown == ["line 2"]  # -n 1 of the newest log, not train-0001.log
         with log.open("a") as f:
             f.write("noise\nline 3\nline 4 without its newline yet")
-        for _ in range(100):
-            if "line 3" in shown:
-                break
-            time.sleep(0.05)
+        wait_for(lambda: "line 3" in shown, 5, "line 3", every=0.05)
         with log.open("a") as f:
             f.write("\n")
-        for _ in range(100):
-            if "line 4 without its newline yet" in shown:
-                break
-            time.sleep(0.05)
+        wait_for(lambda: "line 4 without its newline yet" in shown, 5, "line 4 once whole", every=0.05)
         assert shown == ["line 2", "line 3", "line 4 without its newline yet"]  # whole lines, grep applied
     finally:
         stop.set()

@@ -29,8 +29,10 @@ from dflash_ops.errors import DflashOpsError
 from dflash_ops.job.model import Health
 
 try:
+    from tests.helpers import wait_for
     from tests.test_ops_e2e import _write_gpus, cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from helpers import wait_for
     from test_ops_e2e import _write_gpus, cleanup, quick, standin, step  # noqa: F401
 
 
@@ -47,16 +49,6 @@ def finite(target, steps: int):
     """The stand-in trainer with a run of `steps` steps (a checkpoint every 5)."""
     return dataclasses.replace(target, job=dataclasses.replace(
         target.job, env=target.job.env + (("STANDIN_STEPS", str(steps)),)))
-
-
-def wait_for(predicate, seconds: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
