@@ -19,9 +19,9 @@ from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format
 
 try:
-    from tests.helpers import wait_for
+    from tests.ops_helpers import wait_for
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from helpers import wait_for
+    from ops_helpers import wait_for
 
 STANDIN = str(Path(__file__).parent / "sim" / "standin-trainer")
 HOSTILE = "w ö'q\" $(touch PWNED) `touch PWNED2` ; x;"

@@ -27,10 +27,10 @@ from dflash_ops.observe import check as check_lib
 from dflash_ops.observe import prometheus, textfile
 
 try:
-    from tests.helpers import ops_argv
+    from tests.ops_helpers import ops_argv
     from tests.test_ops_e2e import STANDIN, cleanup, quick, standin  # noqa: F401 (cleanup: a fixture)
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from helpers import ops_argv
+    from ops_helpers import ops_argv
     from test_ops_e2e import STANDIN, cleanup, quick, standin  # noqa: F401
 
 NODE_EXPORTERS = ("prometheus-node-exporter", "node_exporter")

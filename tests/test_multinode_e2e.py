@@ -34,12 +34,12 @@ from dflash_ops.inventory.load import load_inventory
 
 try:
     from tests import sshd as sshd_helpers
-    from tests.helpers import ops_argv, wait_for
+    from tests.ops_helpers import ops_argv, wait_for
     from tests.test_on_change import RECORD, calls
     from tests.test_ops_torchrun import marked_python_processes
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import sshd as sshd_helpers
-    from helpers import ops_argv, wait_for
+    from ops_helpers import ops_argv, wait_for
     from test_on_change import RECORD, calls
     from test_ops_torchrun import marked_python_processes
 

@@ -23,9 +23,9 @@ from dflash_ops.job.model import Health
 from dflash_ops.job.relaunch_guard import RelaunchGuard
 
 try:
-    from tests.helpers import wait_for
+    from tests.ops_helpers import wait_for
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from helpers import wait_for
+    from ops_helpers import wait_for
 
 STANDIN = str(Path(__file__).parent / "sim" / "standin-trainer")
 

@@ -23,7 +23,7 @@ from dflash_ops.job.model import Job, Target
 from dflash_ops.remote import report_read
 from trainer import metrics_format, metrics_history, run_summary
 
-from tests.helpers import ops_argv
+from tests.ops_helpers import ops_argv
 from tests.trainer.conftest import SHORT_TINY_RUN
 
 

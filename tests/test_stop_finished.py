@@ -17,10 +17,12 @@ from dflash_ops.observe import status as status_lib
 from trainer import metrics_format
 
 try:
-    from tests.test_unattended_e2e import finite, job_state, wait_for
+    from tests.ops_helpers import wait_for
+    from tests.test_unattended_e2e import finite, job_state
     from tests.test_ops_e2e import cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from test_unattended_e2e import finite, job_state, wait_for
+    from ops_helpers import wait_for
+    from test_unattended_e2e import finite, job_state
     from test_ops_e2e import cleanup, quick, standin, step  # noqa: F401
 
 

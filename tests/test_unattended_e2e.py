@@ -29,10 +29,10 @@ from dflash_ops.errors import DflashOpsError
 from dflash_ops.job.model import Health
 
 try:
-    from tests.helpers import wait_for
+    from tests.ops_helpers import wait_for
     from tests.test_ops_e2e import _write_gpus, cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from helpers import wait_for
+    from ops_helpers import wait_for
     from test_ops_e2e import _write_gpus, cleanup, quick, standin, step  # noqa: F401
 
 

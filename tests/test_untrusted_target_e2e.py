@@ -26,11 +26,11 @@ from dflash_ops.job import jobpaths
 
 try:
     from tests.test_ops_e2e import STANDIN, cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
-    from tests.helpers import ops_argv, wait_for
+    from tests.ops_helpers import ops_argv, wait_for
     from tests.test_unattended_e2e import alive, bystander, checkpoints, finite, job_state  # noqa: F401
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     from test_ops_e2e import STANDIN, cleanup, quick, standin, step  # noqa: F401
-    from helpers import ops_argv, wait_for
+    from ops_helpers import ops_argv, wait_for
     from test_unattended_e2e import alive, bystander, checkpoints, finite, job_state  # noqa: F401
 
 # Run in the container: fork until a child gets pid WANT (ns_last_pid says which pid comes next in
