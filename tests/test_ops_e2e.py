@@ -17,6 +17,7 @@ from dflash_ops import commands
 from dflash_ops.observe import check as check_lib
 from dflash_ops.transport.factory import connect
 from dflash_ops.observe.log_tail import tail_log
+from dflash_ops.observe.status_output import target_text
 from dflash_ops.job import jobpaths
 from dflash_ops.act import launch
 from dflash_ops.job.model import Health
@@ -328,7 +329,7 @@ def test_gpus_queried_on_the_proxmox_host_map_pids_into_the_container(pct_target
         by_index = {g["index"]: g for g in target_status.to_json()["gpus"]}
         assert [(p["pid"], p["owner"]) for p in by_index[0]["processes"]] == [(inside_pid, None)]
         assert [(p["pid"], p["owner"]) for p in by_index[3]["processes"]] == [(host_bystander.pid, "host")]
-        assert f"sleep/{host_bystander.pid}(3000M)[host]" in target_status.to_text()
+        assert f"sleep/{host_bystander.pid}(3000M)[host]" in target_text(target_status)
 
         # the host's own nvidia-smi and kernel log answer for the GPU faults too
         machine = json.loads(gpu_state_path.read_text())

@@ -1,6 +1,7 @@
-"""One target's status: the object `status` prints as a table for people and as JSON for scripts,
-and that `health --json` prints too; its parts (tmux session, job processes, training, the latest
-evaluation) and how it is built from the probe report, the job and the verdict."""
+"""One target's status as status reads it: the object `status` and `health --json` print (through
+status_output), with its parts (GPUs with their roles in the job, tmux session, job processes,
+training, the latest evaluation), its JSON and back, and how it is built from the probe report, the
+job and the verdict."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ from trainer import metrics_format
 from trainer.typed_yaml import finite
 
 from dflash_ops.job import jobstate
-from dflash_ops.observe import acceptance, gpu_rows, logs
-from dflash_ops.observe.gpu import Gpu
+from dflash_ops.observe import acceptance, gpu_owners, logs
+from dflash_ops.observe.gpu import Gpu, GpuProcess
 from dflash_ops.observe.health import Perf, Verdict, progress_age
-from dflash_ops.observe.text_style import BOLD, LEVEL_COLORS, inert, paint
 
 
 class _FieldsAsJson:
@@ -37,19 +37,6 @@ class TmuxSession(_FieldsAsJson):
     exists: bool | None = None
     pane_pid: int | None = None
     exit_status: int | None = None
-
-    def state(self) -> str:
-        """`running, pane pid 4100`, `exited with status 1`, `not running` or `unknown`."""
-        if self.running is None:
-            return "unknown"
-        if self.running:
-            return "running" + (f", pane pid {self.pane_pid}" if self.pane_pid else "")
-        if self.exists:
-            return "exited" + (f" with status {self.exit_status}" if self.exit_status is not None else "")
-        return "not running"
-
-    def line(self) -> str:
-        return f"session {self.name} (tmux -L {self.socket}): {self.state()}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +69,6 @@ class Training(_FieldsAsJson):
     last_update_age_s: float | None = None
     finished: bool = False
 
-    def step_text(self) -> str:
-        if self.step is None:
-            return "-"
-        return str(self.step) + (f"/{self.total_steps}" if self.total_steps else "")
-
 
 @dataclasses.dataclass(frozen=True)
 class EvalStatus:
@@ -117,7 +99,7 @@ class TargetStatus:
     probe_seconds: float | None = None
     gpu_source: str | None = None
     gpu_error: str | None = None
-    gpus: tuple[Gpu, ...] = ()  # with their roles in the job (observe.gpu_rows.with_roles)
+    gpus: tuple[Gpu, ...] = ()  # with their roles in the job (_with_roles)
     session: TmuxSession
     processes: tuple[JobProcess, ...] = ()
     log: str | None = None
@@ -147,7 +129,7 @@ class TargetStatus:
             "probe_seconds": self.probe_seconds,
             "gpu_source": self.gpu_source,
             "gpu_error": self.gpu_error,
-            "gpus": [gpu_rows.to_json(g) for g in self.gpus],
+            "gpus": [_gpu_json(g) for g in self.gpus],
             "session": self.session.to_json(),
             "processes": [p.to_json() for p in self.processes],
             "log": self.log,
@@ -174,7 +156,7 @@ class TargetStatus:
             probe_seconds=data.get("probe_seconds"),
             gpu_source=data.get("gpu_source"),
             gpu_error=data.get("gpu_error"),
-            gpus=tuple(gpu_rows.from_json(g) for g in data["gpus"]),
+            gpus=tuple(_gpu_from_json(g) for g in data["gpus"]),
             session=TmuxSession.from_json(data["session"]),
             processes=tuple(JobProcess.from_json(p) for p in data["processes"]),
             log=data.get("log"),
@@ -188,35 +170,6 @@ class TargetStatus:
             verdict=verdict_from_json(data),
             eval_search=data.get("eval_search"),
         )
-
-    def to_text(self, color: bool = False) -> str:
-        """Dense text for people: one line per GPU, then session, progress and the verdict. What
-        the target sent (its hostname, names, paths, the job state) is shown inert."""
-        lines = [paint(inert(self._head()), BOLD, color)]
-        if self.gpu_error:
-            lines.append(inert(f"GPUs: {self.gpu_error}"))
-        elif self.probed:
-            if not self.gpus:
-                lines.append("GPUs: none")
-            width = max((len(g.name) for g in self.gpus), default=0)
-            lines += [gpu_rows.line(g, width, color) for g in self.gpus]
-        lines.append(inert(self.session.line()))
-        if self.job_state:
-            lines.append(inert(describe_job_state(self.job_state, self.log_missing)))
-        if self.job_state_error:
-            lines.append(inert(f"job state: unusable ({self.job_state_error})"))
-        lines.append(inert(progress_line(self.training, self.eval, self.data_source)))
-        level = self.verdict.level
-        lines.append(paint(level, LEVEL_COLORS.get(level, "0"), color) + ": " + inert(self.verdict.summary))
-        return "\n".join(lines) + "\n"
-
-    def _head(self) -> str:
-        head = self.target
-        if self.hostname:
-            head += f" ({self.hostname})"
-        if self.probe_seconds is not None:
-            head += f"  probe {self.probe_seconds:.2f} s"
-        return head
 
 
 def verdict_json(verdict: Verdict) -> dict:
@@ -247,7 +200,7 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> TargetStatu
         probe_seconds=report.seconds,
         gpu_source=report.gpu.source,
         gpu_error=report.gpu.error,
-        gpus=gpu_rows.with_roles(report, job),
+        gpus=_with_roles(report, job),
         session=_session(report.session, job),
         processes=tuple(JobProcess(p.pid, p.ppid, p.name, p.cmdline) for p in report.processes),
         log=report.log.path if report.log else None,
@@ -321,49 +274,51 @@ def _eval_status(accept, now: float) -> EvalStatus | None:
     )
 
 
-def describe_job_state(state: dict, log_missing: str | None = None) -> str:
-    """`job: stopped by dflash-ops stop, run 0003, log …/train-0007.log` (what dflash-ops recorded)."""
-    parts = [f"job: {state.get('state')}" + (f" by {state['by']}" if state.get("by") else "")]
-    if isinstance(state.get("run"), int):
-        parts.append(f"run {state['run']:04d}")
-    if state.get("log"):
-        parts.append(f"log {state['log']}" + (" (MISSING)" if log_missing else ""))
-    return ", ".join(parts)
+def _with_roles(report, job) -> tuple[Gpu, ...]:
+    """The probe's GPUs, each with its role in `job` and its processes told foreign or not."""
+    roles = {i: "target" for i in job.target_gpus}
+    roles.update({i: "drafter" for i in job.drafter_gpus})
+    return tuple(
+        dataclasses.replace(
+            g,
+            role=roles.get(g.index),
+            processes=tuple(
+                dataclasses.replace(p, foreign=gpu_owners.is_foreign(report, p) if g.index in roles else None)
+                for p in g.processes
+            ),
+        )
+        for g in report.gpu.gpus
+    )
 
 
-def progress_line(training: Training, evaluated: EvalStatus | None, data_source: str | None) -> str:
-    """`step 120/1000  loss 2.3141  45.2 Ktok/s  tau 2.50 (90 s ago)  ETA 1:23  last metrics 12 s ago`"""
-    t = training
-    loss = "-" if t.loss is None else f"{t.loss:.4f}"
-    speed = "-" if t.tokens_per_s is None else f"{t.tokens_per_s / 1000:.1f}"
-    age = t.last_update_age_s
-    freshness = "no metrics yet" if age is None else f"last metrics {format_age(age)} ago"
-    source = f"  data {data_source}" if data_source else ""
-    tau = ""
-    if evaluated is not None and evaluated.tau is not None:
-        tau = f"  tau {evaluated.tau:.2f} ({format_age(evaluated.age_s)} ago)"
-    eta = format_eta(t.eta_s)
-    return f"step {t.step_text()}  loss {loss}  {speed} Ktok/s{tau}  ETA {eta}  {freshness}{source}"
+def _gpu_json(g: Gpu) -> dict:
+    return {
+        "index": g.index,
+        "name": g.name,
+        "uuid": g.uuid,
+        "memory_used_mib": g.memory_used_mib,
+        "memory_total_mib": g.memory_total_mib,
+        "utilization_pct": g.utilization_pct,
+        "role": g.role,
+        "ghost_memory_mib": g.ghost_memory_mib,
+        "processes": [
+            {
+                "pid": p.pid,
+                "used_memory_mib": p.used_memory_mib,
+                "name": p.name,
+                "owner": p.owner or None,
+                "foreign": p.foreign,
+            }
+            for p in g.processes
+        ],
+    }
 
 
-def format_eta(seconds) -> str:
-    """`22 s`, `12m05s` under an hour (where h:mm would show 0:00), else h:mm (hours may exceed 24)."""
-    if seconds is None:
-        return "-"
-    if seconds < 59.5:
-        return f"{max(0, round(seconds))} s"
-    if seconds < 3599.5:
-        whole = int(round(seconds))
-        return f"{whole // 60}m{whole % 60:02d}s"
-    minutes = int(round(seconds / 60))
-    return f"{minutes // 60}:{minutes % 60:02d}"
-
-
-def format_age(seconds) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
+def _gpu_from_json(data: dict) -> Gpu:
+    """_gpu_json's object as the Gpu it was made from (the ghost memory follows from the rest)."""
+    processes = tuple(
+        GpuProcess(p["pid"], data["index"], p["used_memory_mib"], p["name"], p["owner"] or "", p["foreign"])
+        for p in data["processes"]
+    )
+    fields = ("index", "uuid", "name", "memory_used_mib", "memory_total_mib", "utilization_pct", "role")
+    return Gpu(**{k: data[k] for k in fields}, processes=processes)
