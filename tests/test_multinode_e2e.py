@@ -33,10 +33,12 @@ from dflash_ops.inventory.load import load_inventory
 
 try:
     from tests import sshd as sshd_helpers
+    from tests.ops_helpers import ops_argv, wait_for
     from tests.test_on_change import RECORD, calls
     from tests.test_ops_torchrun import marked_python_processes
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import sshd as sshd_helpers
+    from ops_helpers import ops_argv, wait_for
     from test_on_change import RECORD, calls
     from test_ops_torchrun import marked_python_processes
 
@@ -110,19 +112,8 @@ def metrics_of(job) -> Path:
     return log.with_name(log.stem + ".metrics.jsonl")
 
 
-def wait_for(predicate, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {seconds:g}s waiting for {what}")
-
-
 def cli(inventory: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *args],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    return subprocess.run(ops_argv(inventory, *args), capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
 
 
 def threaded_reference(out: Path, steps: int) -> list[dict]:

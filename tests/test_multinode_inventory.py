@@ -10,8 +10,7 @@ import textwrap
 import pytest
 
 from dflash_ops.observe import health, multinode as multinode_status, status as status_lib
-from dflash_ops.observe.session_status import JobProcess, TmuxSession
-from dflash_ops.observe.target_status import TargetStatus
+from dflash_ops.observe.status import JobProcess, TargetStatus, TmuxSession
 
 from dflash_ops.inventory import target as inventory_target
 

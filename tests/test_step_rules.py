@@ -5,7 +5,6 @@ rollback's release, a deploy whose upload was corrupted."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
 import types
 from pathlib import Path
@@ -20,8 +19,10 @@ from dflash_ops.inventory.load import load_inventory_text
 from dflash_ops.playbook.user import bind_options, load, run_playbook
 
 try:
+    from tests.ops_helpers import ops_argv
     from tests.test_playbook import make_ctx, pb
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from ops_helpers import ops_argv
     from test_playbook import make_ctx, pb
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,7 +107,7 @@ def test_deploy_rollback_without_an_earlier_release_is_one_line_and_exit_2(tmp_p
     inventory = tmp_path / "inv.yaml"
     inventory.write_text(f"targets:\n  local:\n    job: {{workdir: {tmp_path}/w}}\n")
     ran = subprocess.run(
-        [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "deploy", "--rollback"],
+        ops_argv(inventory, "deploy", "--rollback"),
         capture_output=True,
         text=True,
         cwd=REPO,
