@@ -38,23 +38,14 @@ def test_the_bar_fills_monotonically_to_its_width(total):
     assert progress_bar(0, 0, width=5) == "[.....]", "no total: an empty bar, no division by zero"
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
-
-
-def test_no_work_done_yet_has_no_eta():
-    clock = Clock()
+def test_no_work_done_yet_has_no_eta(clock):
     line = ProgressLine("shards", 10, done=4, out=io.StringIO(), tty=False, clock=clock)
     clock.now += 50
     assert line.rate() == 0 and line.line() == "shards 4/10  0.00/s  ETA ?"
 
 
-def test_off_a_tty_a_line_waits_for_its_interval_except_the_last():
-    clock, out = Clock(), io.StringIO()
+def test_off_a_tty_a_line_waits_for_its_interval_except_the_last(clock):
+    out = io.StringIO()
     line = ProgressLine("rows", 6, out=out, tty=False, every_s=10, clock=clock)
     for done in range(1, 7):
         clock.now += 3

@@ -16,16 +16,7 @@ from trainer.train.workers import Failure, WorkerFailure
 STEP = dict(loss=2.5, acc=[0.5, 0.25], tokens_per_s=1234.5, eta_s=65.0, lr=3e-4, grad_norm=0.75, epoch=0.5)
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
-def test_throughput_is_per_interval_and_the_eta_uses_the_mean_step_since_the_start():
-    clock = Clock()
+def test_throughput_is_per_interval_and_the_eta_uses_the_mean_step_since_the_start(clock):
     meter = Throughput(start_step=10, total_steps=20, clock=clock)  # a run resumed at step 10
     clock.now += 4
     assert meter.update(11, tokens=800) == (200.0, 4.0 * 9)
