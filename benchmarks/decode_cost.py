@@ -170,8 +170,23 @@ def loop_ms(run, decoder, iterations: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / iterations
 
 
-def measure(model, drafter, shape: str, block: int, compile: bool, device: str, iterations: int) -> dict:
+# How the static loop's layers run: (compiled, q/k/v and gate/up fused, one-row reduction kernels).
+# A fused variant fuses the model's weights for good (views), so unfused variants must come first.
+KERNELS = {
+    "eager": (False, False, False),
+    "compiled": (True, False, False),
+    "fused": (True, True, False),
+    "fused-rowwise": (True, True, True),
+}
+
+
+def measure(model, drafter, shape: str, block: int, kernels: str, device: str, iterations: int) -> dict:
+    from trainer.fused_projections import fuse_projections
     from trainer.infer.static_decode import StaticDecoder
+
+    compile, fused, rowwise = KERNELS[kernels]
+    if fused:
+        fuse_projections(model)
 
     spec = SHAPES[shape]
     gen = torch.Generator().manual_seed(block)
@@ -187,6 +202,7 @@ def measure(model, drafter, shape: str, block: int, compile: bool, device: str, 
         max_prompt=spec["prompt"],
         max_new_tokens=spec["new"],
         compile=compile,
+        rowwise=rowwise,
     )
     dec.prepare([prompt])
     k = dec.kernels
@@ -207,7 +223,7 @@ def measure(model, drafter, shape: str, block: int, compile: bool, device: str, 
         parts["round"] = dec.runner("speculative", dec.speculative_round)
         setup_s = time.perf_counter() - t0
         dec.prefill([prompt], spec["new"], True)  # positions at the end of the prompt, as in decoding
-        row = {"block": block, "compile": compile, "graphs": dec.graphs, "setup_s": setup_s}
+        row = {"block": block, "kernels": kernels, "graphs": dec.graphs, "setup_s": setup_s}
         for name, run in parts.items():
             row[f"{name}_gpu_ms"] = gpu_ms(run, device, iterations)
             row[f"{name}_loop_ms"] = loop_ms(run, dec, iterations)
@@ -274,14 +290,14 @@ def markdown(args, info, results) -> str:
                 "",
             ]
         lines += [
-            "| B | compile | step gpu / loop | verify gpu / loop | draft gpu / loop | round gpu / loop | "
+            "| B | kernels | step gpu / loop | verify gpu / loop | draft gpu / loop | round gpu / loop | "
             "(draft+verify)/step | target-only tok/s (3 runs) | setup s |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in part["rows"]:
             speeds = ", ".join(f"{v:,.0f}" for v in r["target_only_tok_s_runs"])
             lines.append(
-                f"| {r['block']} | {r['compile']} | {r['step_gpu_ms']:.3f} / {r['step_loop_ms']:.3f} | "
+                f"| {r['block']} | {r['kernels']} | {r['step_gpu_ms']:.3f} / {r['step_loop_ms']:.3f} | "
                 f"{r['verify_gpu_ms']:.3f} / {r['verify_loop_ms']:.3f} | "
                 f"{r['draft_gpu_ms']:.3f} / {r['draft_loop_ms']:.3f} | "
                 f"{r['round_gpu_ms']:.3f} / {r['round_loop_ms']:.3f} | "
@@ -293,12 +309,12 @@ def markdown(args, info, results) -> str:
             "",
             "Speed-up each tau would give (tau x T_step / T_round, loop times):",
             "",
-            "| B | compile | " + " | ".join(f"tau {t}" for t in TAUS) + " |",
+            "| B | kernels | " + " | ".join(f"tau {t}" for t in TAUS) + " |",
             "|---|---|" + "---|" * len(TAUS),
         ]
         for r in part["rows"]:
             lines.append(
-                f"| {r['block']} | {r['compile']} | "
+                f"| {r['block']} | {r['kernels']} | "
                 + " | ".join(f"{r['speedup'][str(t)]:.2f}x" for t in TAUS)
                 + " |"
             )
@@ -311,7 +327,11 @@ def main() -> int:
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--shapes", default="small,8b")
     p.add_argument("--blocks", default="8,16")
-    p.add_argument("--compile", default="off,on", help="off, on or off,on")
+    p.add_argument(
+        "--kernels",
+        default="eager,compiled,fused",
+        help=f"comma list of {', '.join(KERNELS)} (in this order: fusing is for good)",
+    )
     p.add_argument("--iterations", type=int, default=50)
     p.add_argument("--reference-tokens", type=int, default=16)
     p.add_argument("--out", required=True)
@@ -329,9 +349,9 @@ def main() -> int:
         rows: list[dict] = []
         part = {"rows": rows, "reference": reference_loop(model, shape, args.reference_tokens)}
         print(f"  reference {part['reference']}", flush=True)
-        for compile in [c == "on" for c in args.compile.split(",")]:
+        for kernels in sorted(args.kernels.split(","), key=list(KERNELS).index):
             for block in [int(b) for b in args.blocks.split(",")]:
-                row = measure(model, drafter, shape, block, compile, device, args.iterations)
+                row = measure(model, drafter, shape, block, kernels, device, args.iterations)
                 print("  " + json.dumps(row), flush=True)
                 rows.append(row)
                 results[shape] = part

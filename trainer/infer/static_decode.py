@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -299,7 +299,7 @@ class Kernels:
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, max(getattr(config, name), 64))
-        options = {"coordinate_descent_tuning": True} if self.rowwise else None
+        options: dict[str, Any] | None = {"coordinate_descent_tuning": True} if self.rowwise else None
         project = rowwise_linear if self.rowwise else F.linear
         wrap = (
             (lambda f: torch.compile(f, dynamic=False, fullgraph=True, options=options))
