@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -223,7 +223,7 @@ def measure(model, drafter, shape: str, block: int, kernels: str, device: str, i
         parts["round"] = dec.runner("speculative", dec.speculative_round)
         setup_s = time.perf_counter() - t0
         dec.prefill([prompt], spec["new"], True)  # positions at the end of the prompt, as in decoding
-        row = {"block": block, "kernels": kernels, "graphs": dec.graphs, "setup_s": setup_s}
+        row: dict[str, Any] = {"block": block, "kernels": kernels, "graphs": dec.graphs, "setup_s": setup_s}
         for name, run in parts.items():
             row[f"{name}_gpu_ms"] = gpu_ms(run, device, iterations)
             row[f"{name}_loop_ms"] = loop_ms(run, dec, iterations)
