@@ -160,20 +160,20 @@ def _session_env(pct_root: Path, gpu_state: Path) -> dict:
             "TMUX_TMPDIR": str(TMUX_DIR)}
 
 
-@pytest.fixture(scope="session")
-def sshd_server(_ssh_base, client_key, pct_sim_root, gpu_state_path):
-    server = sshd_helpers.start_sshd(_ssh_base / "sshd-a", [Path(f"{client_key}.pub")],
-                                     _session_env(pct_sim_root, gpu_state_path))
+def _serving_sshd(folder: Path, client_key: Path, pct_root: Path, gpu_state: Path):
+    server = sshd_helpers.start_sshd(folder, [Path(f"{client_key}.pub")], _session_env(pct_root, gpu_state))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def sshd_server(_ssh_base, client_key, pct_sim_root, gpu_state_path):
+    yield from _serving_sshd(_ssh_base / "sshd-a", client_key, pct_sim_root, gpu_state_path)
 
 
 @pytest.fixture(scope="session")
 def sshd_server_b(_ssh_base, client_key, pct_sim_root, gpu_state_path):
-    server = sshd_helpers.start_sshd(_ssh_base / "sshd-b", [Path(f"{client_key}.pub")],
-                                     _session_env(pct_sim_root, gpu_state_path))
-    yield server
-    server.stop()
+    yield from _serving_sshd(_ssh_base / "sshd-b", client_key, pct_sim_root, gpu_state_path)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from dflash_ops.observe import acceptance, health, probe, status
+from dflash_ops.observe import acceptance, health, probe, status, status_output
 from dflash_ops.observe.gpu import GpuSnapshot
 from dflash_ops.job.model import Health, Job
 from trainer import metrics_format
@@ -71,7 +71,7 @@ def test_status_json_and_table_show_tau_and_its_age():
     json.dumps(st, allow_nan=False)
     assert st["eval"] == {"step": 200, "tau": 2.5, "acceptance": [0.7, 0.5, 0.3], "lossless": True,
                           "expected_tau": pytest.approx(2.696), "age_s": 90.0}
-    assert "40.0 Ktok/s  tau 2.50 (90 s ago)" in target_status.to_text()
+    assert "40.0 Ktok/s  tau 2.50 (90 s ago)" in status_output.target_text(target_status)
     assert st["verdict"] == "OK", st["reasons"]
     assert st["perfdata"]["tau"]["value"] == 2.5
 
@@ -80,7 +80,7 @@ def test_no_eval_yet_keeps_status_and_the_nagios_line_as_they_were():
     r = report(metrics(with_eval=False))
     verdict = health.evaluate(r, job())
     st = status.build_status("box", r, job(), verdict)
-    assert st.eval is None and "tau" not in st.to_text()
+    assert st.eval is None and "tau" not in status_output.target_text(st)
     assert "tau" not in health.nagios_line("box", verdict)
 
 

@@ -8,10 +8,12 @@ from dflash_ops import commands
 
 try:
     from tests.test_ops_e2e import cleanup, quick, standin  # noqa: F401 (cleanup: a fixture)
-    from tests.test_unattended_e2e import job_state, wait_for
+    from tests.ops_helpers import wait_for
+    from tests.test_unattended_e2e import job_state
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     from test_ops_e2e import cleanup, quick, standin  # noqa: F401
-    from test_unattended_e2e import job_state, wait_for
+    from ops_helpers import wait_for
+    from test_unattended_e2e import job_state
 
 
 def pane_text(job) -> str:

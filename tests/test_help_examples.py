@@ -11,7 +11,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from dflash_ops.observe import health
-from dflash_ops.observe.target_status import TargetStatus
+from dflash_ops.observe.status import TargetStatus
+from dflash_ops.observe.status_output import target_text
 from dflash_ops.cli import cli
 from trainer.train.metrics import step_line
 
@@ -40,7 +41,7 @@ def recorded_status() -> dict:
 def test_the_status_example_is_what_status_prints_for_the_recorded_state():
     line, lines = help_example("status")
     assert line == "dflash-ops status"
-    assert lines == TargetStatus.from_json(recorded_status()).to_text(color=False).splitlines()
+    assert lines == target_text(TargetStatus.from_json(recorded_status()), color=False).splitlines()
 
 
 def test_the_health_example_is_what_health_prints_for_the_recorded_state():

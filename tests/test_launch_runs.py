@@ -18,6 +18,11 @@ from dflash_ops.remote import launch_job, runs
 from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format
 
+try:
+    from tests.ops_helpers import wait_for
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from ops_helpers import wait_for
+
 STANDIN = str(Path(__file__).parent / "sim" / "standin-trainer")
 HOSTILE = "w ö'q\" $(touch PWNED) `touch PWNED2` ; x;"
 
@@ -99,17 +104,6 @@ def state(job) -> dict:
     return json.loads(Path(jobpaths.state_file(job)).read_text())
 
 
-def wait_for(predicate, seconds=30.0):
-    import time
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError("timed out")
-
-
 def test_the_launcher_starts_the_run_and_records_running_then_the_pane_finished(job, tmp_path):
     launched = run_launcher(job)
     log = f"{job.log_dir}/train-0001.log"
@@ -124,7 +118,7 @@ def test_the_launcher_starts_the_run_and_records_running_then_the_pane_finished(
     assert (Path(job.cache_dir) / jobpaths.CACHE_MARKER).read_text() == jobpaths.marker_value(job) + "\n"
     assert Path(jobpaths.inductor_cache(job)).is_dir() and Path(jobpaths.triton_cache(job)).is_dir()
 
-    wait_for(lambda: state(job)["state"] == "finished")
+    wait_for(lambda: state(job)["state"] == "finished", 30, "the run to finish")
     finished = state(job)
     assert finished == {"state": "finished", "run": 1, "run_dir": run_dir, "log": log, "job": running["job"],
                         "when": finished["when"]}
@@ -172,4 +166,4 @@ def test_the_launcher_and_the_run_choice_run_where_only_the_standard_library_is(
     launched = isolated(launch.LAUNCHER, launch.launch_args(job, run="0001"))
     assert launched.returncode == 0 and launched.stdout.decode() == f"{job.log_dir}/train-0001.log\n", launched
     assert state(job)["run"] == 1 and state(job)["state"] == "running"
-    wait_for(lambda: state(job)["state"] == "finished")
+    wait_for(lambda: state(job)["state"] == "finished", 30, "the run to finish")

@@ -27,8 +27,10 @@ from dflash_ops.observe import check as check_lib
 from dflash_ops.observe import prometheus, textfile
 
 try:
+    from tests.ops_helpers import ops_argv
     from tests.test_ops_e2e import STANDIN, cleanup, quick, standin  # noqa: F401 (cleanup: a fixture)
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from ops_helpers import ops_argv
     from test_ops_e2e import STANDIN, cleanup, quick, standin  # noqa: F401
 
 NODE_EXPORTERS = ("prometheus-node-exporter", "node_exporter")
@@ -125,7 +127,7 @@ def idle_local_inventory(path: Path, name: str) -> Path:
 
 def dflash_ops(inventory: Path, *args: str, env=None, timeout=60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *args],
+        ops_argv(inventory, *args),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -245,20 +247,7 @@ def test_serve_answers_scrapes_with_the_same_families(tmp_path):
     inventory = idle_local_inventory(tmp_path / "inv.yaml", "gone")
     port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dflash_ops",
-            "--inventory",
-            str(inventory),
-            "metrics",
-            "-t",
-            "gone",
-            "--serve",
-            str(port),
-            "--timeout",
-            "5",
-        ],
+        ops_argv(inventory, "metrics", "-t", "gone", "--serve", str(port), "--timeout", "5"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, "DFLASH_OPS_STATE_DIR": str(tmp_path / "state")},
@@ -292,18 +281,7 @@ def test_the_cron_metrics_line_writes_the_file_as_cron_runs_it(tmp_path):
     inventory = idle_local_inventory(tmp_path / "inv%d.yaml", "t1")
     directory = tmp_path / "text 50%"
     directory.mkdir()
-    argv = [
-        sys.executable,
-        "-m",
-        "dflash_ops",
-        "--inventory",
-        str(inventory),
-        "metrics",
-        "--target",
-        "t1",
-        "--textfile-dir",
-        str(directory),
-    ]
+    argv = ops_argv(inventory, "metrics", "--target", "t1", "--textfile-dir", str(directory))
     line = cron.health_line("* * * * *", argv, str(tmp_path / "m.log"), "t1", cron.METRICS_TAG)
     assert line.endswith("# dflash-ops-metrics:t1") and cron.ours([line, "0 3 * * * true"], "t1") == [line]
     command, stdin = as_cron_runs_it(line)

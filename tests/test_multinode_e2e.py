@@ -27,17 +27,18 @@ from dflash_ops import commands
 from dflash_ops.transport.factory import connect
 
 from dflash_ops.job import jobpaths
-from dflash_ops.commands import multinode
 
 from dflash_ops.observe import multinode as multinode_status
 from dflash_ops.inventory.load import load_inventory
 
 try:
     from tests import sshd as sshd_helpers
+    from tests.ops_helpers import ops_argv, wait_for
     from tests.test_on_change import RECORD, calls
     from tests.test_ops_torchrun import marked_python_processes
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import sshd as sshd_helpers
+    from ops_helpers import ops_argv, wait_for
     from test_on_change import RECORD, calls
     from test_ops_torchrun import marked_python_processes
 
@@ -111,19 +112,8 @@ def metrics_of(job) -> Path:
     return log.with_name(log.stem + ".metrics.jsonl")
 
 
-def wait_for(predicate, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {seconds:g}s waiting for {what}")
-
-
 def cli(inventory: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *args],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    return subprocess.run(ops_argv(inventory, *args), capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
 
 
 def threaded_reference(out: Path, steps: int) -> list[dict]:
@@ -173,7 +163,7 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     print("\n$ dflash-ops relaunch -t pair\n" + first.stdout + first.stderr)  # the README's example output
     assert first.returncode == 0, first.stdout + first.stderr
     assert [line.split(" ... ")[0] for line in first.stdout.splitlines() if line.startswith("[")][:-1] == [
-        f"[{i}/10] {name}" for i, name in enumerate(multinode.RELAUNCH_PHASES, 1)]
+        f"[{i}/10] {name}" for i, name in enumerate(commands.relaunch_plan(2), 1)]
     assert f"run 0001 on 2 nodes, rendezvous 127.0.0.1:{job.rdzv_port} id pair-0001-" in first.stdout
     assert first.stdout.splitlines()[-1].startswith("[pair] relaunch: ok, 10 of 10 steps run")
     # one rank per node, world size 2, ranks 0 and 1 between them; one run on both nodes
@@ -240,7 +230,7 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     assert checkpoints, "rank 0 checkpoints into the shared runs dir on a stop"
     stopped_at = steps_in(metrics_of(a.job))[-1]["step"]
 
-    second = multinode.relaunch(job, deploy=False, timeout=300.0, grace=60.0)
+    second = commands.relaunch(job, deploy=False, timeout=300.0, grace=60.0)
     assert second.ok, second.summary() + "\n" + "\n".join(s.message for s in second.steps)
     assert [state_of(t.job)["run"] for t in (a, b)] == [1, 1], "the resume picks the same run on every node"
     resumed = steps_in(metrics_of(a.job))
@@ -340,7 +330,7 @@ def test_refusals_before_anything_stops(pair, hidden_runs_server, client_key, kn
     untouched()
 
     # a runs dir that node c sees as another (empty) filesystem
-    refused = multinode.relaunch(jobs["unshared"])
+    refused = commands.relaunch(jobs["unshared"])
     assert not refused.ok and refused.failed.step == "shared_runs_dir", refused.summary()
     assert f"node 1 box-c does not see the file node 0 box-a wrote in {job.runs_dir}" in refused.failed.message
     assert "is not one shared filesystem: mount the same shared storage" in refused.failed.message
@@ -348,7 +338,7 @@ def test_refusals_before_anything_stops(pair, hidden_runs_server, client_key, kn
     untouched()
 
     # a rendezvous host that does not resolve
-    refused = multinode.relaunch(jobs["lost"])
+    refused = commands.relaunch(jobs["lost"])
     assert not refused.ok and refused.failed.step == "rendezvous", refused.summary()
     assert (f"node 0 box-a cannot reach the rendezvous endpoint no-such-host.invalid:{job.rdzv_port}: dns"
             in refused.failed.message), refused.failed.message
@@ -364,7 +354,7 @@ def test_refusals_before_anything_stops(pair, hidden_runs_server, client_key, kn
     lines = status.stdout.splitlines()
     assert any(line.startswith("session ") and "running" in line for line in lines), status.stdout
     assert lines[-1].startswith("UNKNOWN: ") and "node 1 box-silent: [box-silent] probe: " in lines[-1], lines[-1]
-    refused = multinode.relaunch(jobs["half"])
+    refused = commands.relaunch(jobs["half"])
     assert not refused.ok and refused.failed.step == "preflight", refused.summary()
     assert "node 0 box-a: torch " in refused.failed.message and "node 1 box-silent: FAILED: " in refused.failed.message
     untouched()

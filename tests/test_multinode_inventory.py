@@ -10,8 +10,7 @@ import textwrap
 import pytest
 
 from dflash_ops.observe import health, multinode as multinode_status, status as status_lib
-from dflash_ops.observe.session_status import JobProcess, TmuxSession
-from dflash_ops.observe.target_status import TargetStatus
+from dflash_ops.observe.status import JobProcess, TargetStatus, TmuxSession
 
 from dflash_ops.inventory import target as inventory_target
 
@@ -220,33 +219,48 @@ def test_a_job_written_twice_is_named():
 
 
 def test_dry_run_relaunch_and_stop_show_every_node_and_reach_nothing():
-    from dflash_ops.commands import multinode
-
     job = _job()  # 10.0.0.7/8: a connection attempt would fail the run
     events = []
-    relaunched = multinode.relaunch(job, dry_run=True, resume=False, on_progress=events.append)
+    relaunched = commands.relaunch(job, dry_run=True, resume=False, on_progress=events.append)
     assert relaunched.ok and relaunched.dry_run and relaunched.target == "pair", relaunched.summary()
-    assert [s.step for s in relaunched.steps] == multinode.RELAUNCH_PHASES
+    assert [s.step for s in relaunched.steps] == commands.relaunch_plan(2)
     assert {s.status for s in relaunched.steps} == {"dry-run"}
     by_step = {s.step: s for s in relaunched.steps}
     assert by_step["preflight"].message.splitlines()[1].startswith("node 1 gpu-b: would check python+torch")
     for step in ("preflight", "same_job", "shared_runs_dir", "rendezvous", "launch"):
-        commands = by_step[step].commands
-        assert commands[0] == "# node 0 gpu-a" and "# node 1 gpu-b" in commands, (step, commands[:1])
-        assert any("root@10.0.0.8" in c for c in commands), step
+        ran = by_step[step].commands
+        assert ran[0] == "# node 0 gpu-a" and "# node 1 gpu-b" in ran, (step, ran[:1])
+        assert any("root@10.0.0.8" in c for c in ran), step
     launch = by_step["launch"].message
     assert launch.startswith("the run chosen in /r (fresh) on 2 nodes, rendezvous 10.0.0.7:29400 id pair-NNNN-")
     assert "--rdzv-id pair-NNNN-" in launch and "--output-dir /r/NNNN" in launch
     assert relaunched.summary().startswith("[pair] relaunch (dry run): ok, 10 of 10 steps run")
-    assert [e.step for e in events if e.event == "end"] == multinode.RELAUNCH_PHASES
+    assert [e.step for e in events if e.event == "end"] == commands.relaunch_plan(2)
 
-    skipped = multinode.relaunch(job, dry_run=True, purge=False, deploy=False)
+    skipped = commands.relaunch(job, dry_run=True, purge=False, deploy=False)
     assert [(s.step, s.status) for s in skipped.steps if s.status != "dry-run"] == [
         ("purge_cache", "skipped"), ("deploy", "skipped")]
 
-    stopped = multinode.stop(job, dry_run=True)
-    assert stopped.ok and [s.step for s in stopped.steps] == multinode.STOP_PHASES
+    stopped = commands.stop(job, dry_run=True)
+    assert stopped.ok and [s.step for s in stopped.steps] == commands.stop_plan(2)
     assert "node 1 gpu-b: would record `stopped` in /srv/dflash/job-state.json" in stopped.steps[1].message
+
+
+@pytest.mark.parametrize("command, phases", [
+    ("gpu-clean", ["require_job_stopped", "free_gpus"]), ("purge-cache", ["purge_cache"]), ("deploy", ["deploy"])])
+def test_the_other_commands_act_on_the_whole_job_too(tmp_path, command, phases):
+    """One engine: every command that acts on a job takes a multinode job's name, every node at once."""
+    from test_cli import cli
+
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /mnt/runs}\n").replace(
+        "/srv/dflash/train.yaml", "tiny-cpu"))
+    result = cli("--inventory", str(inventory), command, "-t", "pair", "--dry-run")
+    assert result.returncode == 0, result
+    steps = [line.split(" ... ")[0] for line in result.stdout.splitlines() if line.startswith("[") and " ... " in line]
+    assert steps == [f"[{i}/{len(phases)}] {phase}" for i, phase in enumerate(phases, 1)], result.stdout
+    assert "      node 1 gpu-b: " in result.stdout or "on every node" in result.stdout, result.stdout
+    assert result.stdout.splitlines()[-1].startswith(f"[pair] {command} (dry run): ok"), result.stdout
 
 
 @pytest.mark.parametrize("command", [["relaunch"], ["stop"], ["gpu-clean"]])

@@ -17,10 +17,16 @@ from dflash_ops import commands
 from dflash_ops.observe import check as check_lib
 from dflash_ops.transport.factory import connect
 from dflash_ops.observe.log_tail import tail_log
+from dflash_ops.observe.status_output import target_text
 from dflash_ops.job import jobpaths
 from dflash_ops.act import launch
 from dflash_ops.job.model import Health
 from dflash_ops.job.relaunch_guard import RelaunchGuard
+
+try:
+    from tests.ops_helpers import wait_for
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from ops_helpers import wait_for
 
 STANDIN = str(Path(__file__).parent / "sim" / "standin-trainer")
 
@@ -323,7 +329,7 @@ def test_gpus_queried_on_the_proxmox_host_map_pids_into_the_container(pct_target
         by_index = {g["index"]: g for g in target_status.to_json()["gpus"]}
         assert [(p["pid"], p["owner"]) for p in by_index[0]["processes"]] == [(inside_pid, None)]
         assert [(p["pid"], p["owner"]) for p in by_index[3]["processes"]] == [(host_bystander.pid, "host")]
-        assert f"sleep/{host_bystander.pid}(3000M)[host]" in target_status.to_text()
+        assert f"sleep/{host_bystander.pid}(3000M)[host]" in target_text(target_status)
 
         # the host's own nvidia-smi and kernel log answer for the GPU faults too
         machine = json.loads(gpu_state_path.read_text())
@@ -363,23 +369,14 @@ def test_tail_log_follow_prints_new_lines_and_stops_cleanly(ssh_target):
         should_stop=stop.is_set))
     follower.start()
     try:
-        for _ in range(50):
-            if shown:
-                break
-            time.sleep(0.05)
+        wait_for(lambda: shown, 2.5, "the last line", every=0.05)
         assert shown == ["line 2"]  # -n 1 of the newest log, not train-0001.log
         with log.open("a") as f:
             f.write("noise\nline 3\nline 4 without its newline yet")
-        for _ in range(100):
-            if "line 3" in shown:
-                break
-            time.sleep(0.05)
+        wait_for(lambda: "line 3" in shown, 5, "line 3", every=0.05)
         with log.open("a") as f:
             f.write("\n")
-        for _ in range(100):
-            if "line 4 without its newline yet" in shown:
-                break
-            time.sleep(0.05)
+        wait_for(lambda: "line 4 without its newline yet" in shown, 5, "line 4 once whole", every=0.05)
         assert shown == ["line 2", "line 3", "line 4 without its newline yet"]  # whole lines, grep applied
     finally:
         stop.set()

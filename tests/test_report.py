@@ -23,6 +23,7 @@ from dflash_ops.job.model import Job, Target
 from dflash_ops.remote import report_read
 from trainer import metrics_format, metrics_history, run_summary
 
+from tests.ops_helpers import ops_argv
 from tests.trainer.conftest import SHORT_TINY_RUN
 
 
@@ -197,14 +198,16 @@ def test_all_runs_overlays_every_run(workdir, local_target, tmp_path):
         (logs / "train-0003.metrics.jsonl").unlink(missing_ok=True)
 
 
-def cli(*args, cwd):
+def report_cli(tmp_path: Path, workdir: Path, *argv: str) -> subprocess.CompletedProcess:
+    """`dflash-ops report -t here ARGV` in tmp_path, `here` being a local target on `workdir`."""
     env = {k: v for k, v in os.environ.items() if k != "DFLASH_OPS_INVENTORY"}
+    inventory = local_inventory(tmp_path, workdir)
     return subprocess.run(
-        [sys.executable, "-m", "dflash_ops", *args],
+        ops_argv(inventory, "report", "-t", "here", *argv),
         capture_output=True,
         text=True,
         env=env,
-        cwd=cwd,
+        cwd=tmp_path,
         timeout=120,
     )
 
@@ -227,16 +230,7 @@ def local_inventory(tmp_path: Path, workdir: Path) -> Path:
 
 
 def test_cli_report_writes_the_png_and_says_what_it_drew(workdir, tmp_path):
-    done = cli(
-        "--inventory",
-        str(local_inventory(tmp_path, workdir)),
-        "report",
-        "-t",
-        "here",
-        "-o",
-        "r.png",
-        cwd=tmp_path,
-    )
+    done = report_cli(tmp_path, workdir, "-o", "r.png")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0].startswith(f"[here] run 0001: {STEPS}/{STEPS} steps, best τ ")
     assert done.stdout.splitlines()[-1] == "wrote r.png" and (tmp_path / "r.png").stat().st_size > 20_000
@@ -257,9 +251,7 @@ def test_no_metrics_yet_is_one_line_exit_2(tmp_path):
     )
     (logs / "train-0001.metrics.jsonl").write_text(start)
     for argv in ([], ["--run", "0001"], ["--all-runs"], ["--run", "7"]):
-        done = cli(
-            "--inventory", str(local_inventory(tmp_path, empty)), "report", "-t", "here", *argv, cwd=tmp_path
-        )
+        done = report_cli(tmp_path, empty, *argv)
         assert done.returncode == 2, (argv, done.stdout, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1 and "no metrics yet" in done.stderr, done.stderr
         assert not (tmp_path / "report.png").exists()
@@ -267,16 +259,7 @@ def test_no_metrics_yet_is_one_line_exit_2(tmp_path):
 
 @pytest.mark.parametrize("run", ["0001; touch PWNED", "../0001", "$(touch PWNED)", "1e3", "-1", " 1"])
 def test_hostile_run_ids_are_refused_before_anything_runs(run, workdir, tmp_path):
-    done = cli(
-        "--inventory",
-        str(local_inventory(tmp_path, workdir)),
-        "report",
-        "-t",
-        "here",
-        "--run",
-        run,
-        cwd=tmp_path,
-    )
+    done = report_cli(tmp_path, workdir, "--run", run)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         f"dflash-ops: --run {run!r}: a run number is digits only, e.g. --run 0003 (see runs/ in the workdir)"
     ]

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops.observe import health, probe, status, status_output, training_status
+from dflash_ops.observe import health, probe, status, status_output
 from dflash_ops.observe.gpu import Gpu, GpuProcess, GpuSnapshot
 from dflash_ops.job.model import Health, Job
-from dflash_ops.observe.target_status import TargetStatus
+from dflash_ops.observe.status import TargetStatus
 from dflash_ops.transport.local import LocalTransport
 from trainer import metrics_format
 
@@ -85,7 +85,7 @@ def test_status_json_has_no_nan():
 
 def test_table_lines():
     report = make_report()
-    table = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB)).to_text()
+    table = status_output.target_text(status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB)))
     lines = table.splitlines()
     assert lines[0] == "gpu-box (ct200)  probe 0.21 s"
     assert lines[1] == "[0] NVIDIA H200 |  97 % |  70000 / 143771 MiB | target  | python3/4123(69000M)"
@@ -100,7 +100,7 @@ def test_table_lines():
 def test_table_colour_only_when_asked():
     report = make_report(running=False)
     st = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB))
-    plain, coloured = st.to_text(), st.to_text(color=True)
+    plain, coloured = status_output.target_text(st), status_output.target_text(st, color=True)
     assert "\033" not in plain
     assert "\033[31mCRITICAL\033[0m: tmux session 'dflash' is gone" in coloured
     assert "session dflash (tmux -L dflash): not running" in plain
@@ -112,7 +112,7 @@ def test_no_driver_is_one_line_and_the_job_is_still_reported():
     report = make_report(snapshot=snapshot)
     st = status.build_status("gpu-box", report, Job(workdir="/w", python="/p", config="c"), health.evaluate(report, JOB))
     assert st.to_json()["gpus"] == [] and st.gpu_error.startswith("no NVIDIA driver")
-    lines = st.to_text().splitlines()
+    lines = status_output.target_text(st).splitlines()
     assert [line for line in lines if "GPU" in line or line.startswith("[")] == [
         f"GPUs: {snapshot.error}", f"WARNING: GPUs 0,1 are assigned but the GPU query failed: {snapshot.error}"]
     assert lines[2].startswith("session dflash") and lines[3].startswith("step 120/1000")
@@ -123,7 +123,7 @@ def test_unreachable_target_still_has_a_row():
     st = status.build_status("gpu-box", None, JOB, verdict)
     assert st.verdict.level == "UNKNOWN" and st.gpus == () and st.session.running is None
     assert st.training.step is None
-    assert st.to_text() == ("gpu-box\n"
+    assert status_output.target_text(st) == ("gpu-box\n"
                                        "session dflash (tmux -L dflash): unknown\n"
                                        "step -  loss -  - Ktok/s  ETA -  no metrics yet\n"
                                        "UNKNOWN: [gpu-box] ssh: connection refused\n")
@@ -149,12 +149,12 @@ def test_health_json_is_the_status_json_with_what_auto_relaunch_did():
 @pytest.mark.parametrize("seconds, text", [(0, "0 s"), (22.4, "22 s"), (90, "1m30s"), (3599, "59m59s"), (4980, "1:23"),
                                            (90000, "25:00"), (None, "-")])
 def test_format_eta(seconds, text):
-    assert training_status.format_eta(seconds) == text
+    assert status_output.format_eta(seconds) == text
 
 
 @pytest.mark.parametrize("seconds, text", [(12.4, "12 s"), (600, "10 min"), (9000, "2.5 h"), (None, "-")])
 def test_format_age(seconds, text):
-    assert training_status.format_age(seconds) == text
+    assert status_output.format_age(seconds) == text
 
 
 # --------------------------------------------------------------------------- from a real probe
@@ -187,7 +187,7 @@ def test_status_of_a_live_session_from_a_real_probe(tmp_path, monkeypatch):
     assert st.training.step == 5 and st.training.eta_s == 90.0
     assert 0 <= st.training.last_update_age_s < 30
     assert st.verdict.level == "OK"
-    table = st.to_text()
+    table = status_output.target_text(st)
     assert "[0] NVIDIA H200 |  64 % |  50000 / 143771 MiB | drafter | python3/912345(50000M)" in table
     assert "step 5/50  loss 4.0000  0.8 Ktok/s  ETA 1m30s" in table
 
@@ -198,7 +198,7 @@ def test_status_shows_the_runs_data_source_from_its_start_record():
     report = make_report(tuple(metrics_format.parse_lines(start)) + records()[1:])
     st = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB))
     assert st.to_json()["data_source"] == "features /data/feat cache"
-    assert st.to_text().splitlines()[4].endswith("last metrics 12 s ago  data features /data/feat cache")
+    assert status_output.target_text(st).splitlines()[4].endswith("last metrics 12 s ago  data features /data/feat cache")
     synthetic = metrics_format.encode("start", time=NOW, total_steps=1, devices=[], compile_lock="lock", pid=1,
                                       config={"data": {"source": "synthetic", "path": None}})
     assert status.data_source(metrics_format.parse_lines(synthetic)) == "synthetic"
@@ -212,7 +212,7 @@ def test_no_eta_for_a_stopped_or_finished_job(state):
     report = dataclasses.replace(report, job_state={"state": state, "run": 3, "log": report.log.path})
     st = status.build_status("gpu-box", report, JOB, health.evaluate(report, JOB))
     assert st.training.step == 120 and st.training.eta_s is None
-    assert "ETA -" in st.to_text()
+    assert "ETA -" in status_output.target_text(st)
 
 
 def test_no_eta_once_the_trainer_said_done():

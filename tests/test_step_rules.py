@@ -5,8 +5,8 @@ rollback's release, a deploy whose upload was corrupted."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -19,8 +19,10 @@ from dflash_ops.inventory.load import load_inventory_text
 from dflash_ops.playbook.user import bind_options, load, run_playbook
 
 try:
+    from tests.ops_helpers import ops_argv
     from tests.test_playbook import make_ctx, pb
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from ops_helpers import ops_argv
     from test_playbook import make_ctx, pb
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,26 +43,51 @@ def test_a_playbook_cannot_stop_with_a_grace_under_the_trainers_floor(tmp_path):
     assert play(tmp_path, "steps:\n  - step: stop_session\n    params: {grace_s: 29}\n").ok
 
 
-def test_a_two_node_stop_and_relaunch_refuse_a_grace_under_the_floor():
-    from dflash_ops.commands import multinode
+TWO_NODES = textwrap.dedent("""\
+    defaults:
+      job: {workdir: /srv/dflash, python: /srv/venv/bin/python3, config: gpu-paper,
+            launcher: torchrun, nproc_per_node: 1, drafter_gpus: [0], target_gpus: []}
+    targets:
+      gpu-a: {transport: ssh, host: 10.0.0.7}
+      gpu-b: {transport: ssh, host: 10.0.0.8}
+    multinode:
+      pair: {nodes: [gpu-a, gpu-b], runs_dir: /r}
+    """)
 
-    inventory = load_inventory_text(
-        textwrap.dedent("""\
-        defaults:
-          job: {workdir: /srv/dflash, python: /srv/venv/bin/python3, config: gpu-paper,
-                launcher: torchrun, nproc_per_node: 1, drafter_gpus: [0], target_gpus: []}
-        targets:
-          gpu-a: {transport: ssh, host: 10.0.0.7}
-          gpu-b: {transport: ssh, host: 10.0.0.8}
-        multinode:
-          pair: {nodes: [gpu-a, gpu-b], runs_dir: /r}
-        """)
-    )
-    job = inventory.multinode["pair"]
-    for command in (multinode.stop, multinode.relaunch):
+
+def test_a_two_node_stop_and_relaunch_refuse_a_grace_under_the_floor():
+    job = load_inventory_text(TWO_NODES).multinode["pair"]
+    for command in (commands.stop, commands.relaunch):
         with pytest.raises(InputError, match=r"--grace 5 s is shorter .* use --grace 29 or more"):
             command(job, grace=5, dry_run=True)
-    assert multinode.stop(job, grace=29, dry_run=True).ok
+    assert commands.stop(job, grace=29, dry_run=True).ok
+
+
+def test_the_grace_floor_holds_in_the_step_on_every_node_without_the_commands_own_check(monkeypatch):
+    """The command refuses first only to refuse before it connects: the step that signals holds the
+    floor itself, on each node of a two-node job, and nothing after it runs."""
+    job = load_inventory_text(TWO_NODES).multinode["pair"]
+    monkeypatch.setattr(commands, "_check_grace", lambda *_: None)
+    for command in (commands.stop, commands.relaunch):
+        result = command(job, grace=5, dry_run=True)
+        assert not result.ok and result.failed.step == "stop_session", result.summary()
+        assert result.exit_code == 2  # a refusal, as on one node
+        lines = result.failed.message.splitlines()
+        for i, name in enumerate(("gpu-a", "gpu-b")):
+            assert lines[i].startswith(f"node {i} {name}: FAILED: grace_s 5 s is shorter"), lines
+        assert {s.status for s in result.steps[result.failed.number :]} == {"not-run"}
+
+
+def test_auto_relaunch_of_a_two_node_job_keeps_the_grace_floor_and_touches_nothing(tmp_path, monkeypatch):
+    """The third way in: health --auto-relaunch relaunches with relaunch's default grace, which a
+    trainer with a longer stop grace refuses on every node before anything connects."""
+    monkeypatch.setenv("DFLASH_OPS_STATE_DIR", str(tmp_path))
+    slow = TWO_NODES.replace("config: gpu-paper,", "config: gpu-paper, train_args: [--set, run.stop_grace_s=45],")
+    job = load_inventory_text(slow).multinode["pair"]
+    critical = types.SimpleNamespace(verdict=types.SimpleNamespace(level="CRITICAL"))
+    action = commands.auto_relaunch(job, critical)
+    assert action is not None and action.attempted and action.result is None
+    assert action.message.startswith("auto-relaunch FAILED: --grace 30 s is shorter"), action.message
 
 
 def test_a_playbooks_rollback_names_its_release_parameter_not_a_flag(tmp_path):
@@ -80,7 +107,7 @@ def test_deploy_rollback_without_an_earlier_release_is_one_line_and_exit_2(tmp_p
     inventory = tmp_path / "inv.yaml"
     inventory.write_text(f"targets:\n  local:\n    job: {{workdir: {tmp_path}/w}}\n")
     ran = subprocess.run(
-        [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "deploy", "--rollback"],
+        ops_argv(inventory, "deploy", "--rollback"),
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -13,14 +13,16 @@ from dflash_ops.observe import check as check_lib
 
 from dflash_ops.job import jobpaths
 
-from dflash_ops.observe import status as status_lib
+from dflash_ops.observe import status as status_lib, status_output
 from trainer import metrics_format
 
 try:
-    from tests.test_unattended_e2e import finite, job_state, wait_for
+    from tests.ops_helpers import wait_for
+    from tests.test_unattended_e2e import finite, job_state
     from tests.test_ops_e2e import cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from test_unattended_e2e import finite, job_state, wait_for
+    from ops_helpers import wait_for
+    from test_unattended_e2e import finite, job_state
     from test_ops_e2e import cleanup, quick, standin, step  # noqa: F401
 
 
@@ -43,7 +45,7 @@ def test_stop_after_the_run_finished_keeps_it_finished_and_tau_stays_in_health(l
     checked = check_lib.check(target)
     assert checked.verdict.level == "OK" and checked.verdict.reasons == ("finished at step 8",)
     assert checked.verdict.perfdata["tau"].value == 2.5
-    assert checked.status.eval.tau == 2.5 and "tau 2.50" in checked.status.to_text()
+    assert checked.status.eval.tau == 2.5 and "tau 2.50" in status_output.target_text(checked.status)
     # one value for the age of the last step: the same number in the training block and in perfdata
     st = checked.status.to_json()
     assert st["training"]["last_update_age_s"] == st["perfdata"]["age_s"]["value"]

@@ -11,7 +11,6 @@ import dataclasses
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -27,11 +26,13 @@ from trainer import metrics_format
 try:
     from tests.test_health import JOB, NOW, make_report, steps
     from tests.test_ops_e2e import STANDIN, quick
-    from tests.test_unattended_e2e import job_state, wait_for
+    from tests.ops_helpers import ops_argv, wait_for
+    from tests.test_unattended_e2e import job_state
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     from test_health import JOB, NOW, make_report, steps
     from test_ops_e2e import STANDIN, quick
-    from test_unattended_e2e import job_state, wait_for
+    from ops_helpers import ops_argv, wait_for
+    from test_unattended_e2e import job_state
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,7 +54,7 @@ def default_sigint():
 
 def start_cli(path: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "dflash_ops", "--inventory", str(path), *args],
+        ops_argv(path, *args),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

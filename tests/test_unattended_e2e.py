@@ -22,6 +22,7 @@ from dflash_ops import commands
 from dflash_ops.observe import check as check_lib
 from dflash_ops.transport.factory import connect
 from dflash_ops.observe.log_tail import tail_log
+from dflash_ops.observe.status_output import target_text
 
 from dflash_ops.job import jobpaths
 from dflash_ops.cli import cli
@@ -29,8 +30,10 @@ from dflash_ops.errors import DflashOpsError
 from dflash_ops.job.model import Health
 
 try:
+    from tests.ops_helpers import wait_for
     from tests.test_ops_e2e import _write_gpus, cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from ops_helpers import wait_for
     from test_ops_e2e import _write_gpus, cleanup, quick, standin, step  # noqa: F401
 
 
@@ -47,16 +50,6 @@ def finite(target, steps: int):
     """The stand-in trainer with a run of `steps` steps (a checkpoint every 5)."""
     return dataclasses.replace(target, job=dataclasses.replace(
         target.job, env=target.job.env + (("STANDIN_STEPS", str(steps)),)))
-
-
-def wait_for(predicate, seconds: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -100,7 +93,7 @@ def test_case1_a_stop_is_never_undone_by_health(pct_target, cleanup, bystander, 
     assert checked.verdict.reasons[0].startswith("stopped by dflash-ops stop at ")
     assert commands.auto_relaunch(target, checked) is None  # nothing to do: nobody relaunches a stop
     assert checked.status.session.running is not True
-    assert "job: stopped by dflash-ops stop, run 0001" in checked.status.to_text()
+    assert "job: stopped by dflash-ops stop, run 0001" in target_text(checked.status)
 
     again = commands.relaunch(target, **quick())  # only a relaunch clears the stop
     assert again.ok, again.summary()
@@ -323,7 +316,7 @@ def test_case8_foreign_gpu_processes_are_reported_and_do_not_block_stop(pct_targ
         procs = {p.pid: p for g in checked.status.gpus for p in g.processes}
         assert procs[foreign].foreign is True
         assert [p.foreign for pid, p in procs.items() if pid != foreign] == [False]  # the trainer, on GPUs 0 and 1
-        assert "[foreign]" in checked.status.to_text()
+        assert "[foreign]" in target_text(checked.status)
 
         began = time.monotonic()
         stopped = commands.stop(target, gpu_free_timeout=30.0)

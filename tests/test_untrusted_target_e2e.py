@@ -26,10 +26,12 @@ from dflash_ops.job import jobpaths
 
 try:
     from tests.test_ops_e2e import STANDIN, cleanup, quick, standin, step  # noqa: F401 (cleanup: a fixture)
-    from tests.test_unattended_e2e import alive, bystander, checkpoints, finite, job_state, wait_for  # noqa: F401
+    from tests.ops_helpers import ops_argv, wait_for
+    from tests.test_unattended_e2e import alive, bystander, checkpoints, finite, job_state  # noqa: F401
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     from test_ops_e2e import STANDIN, cleanup, quick, standin, step  # noqa: F401
-    from test_unattended_e2e import alive, bystander, checkpoints, finite, job_state, wait_for  # noqa: F401
+    from ops_helpers import ops_argv, wait_for
+    from test_unattended_e2e import alive, bystander, checkpoints, finite, job_state  # noqa: F401
 
 # Run in the container: fork until a child gets pid WANT (ns_last_pid says which pid comes next in
 # this pid namespace); that child leaves the session and becomes `sleep 300`, a process that has
@@ -96,7 +98,7 @@ def cli(*argv: str, inventory: Path) -> tuple[int, str, str]:
     would show on stderr."""
     (name,) = json.loads(inventory.read_text())["targets"]
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), *argv, "-t", name],
+        ops_argv(inventory, *argv, "-t", name),
         capture_output=True,
         text=True,
         timeout=300,
@@ -411,8 +413,7 @@ def test_two_relaunches_at_once_one_says_who_runs_and_touches_nothing(pct_target
     target = dataclasses.replace(target, job=dataclasses.replace(target.job, python=str(slow)))
     cleanup(target)
     inventory = inventory_of(target, tmp_path / "inv.json")
-    argv = [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "relaunch", "-t", target.name,
-            "--timeout", "60", "--grace", "30"]
+    argv = ops_argv(inventory, "relaunch", "-t", target.name, "--timeout", "60", "--grace", "30")
     winner = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -443,8 +444,7 @@ def test_the_lock_goes_with_a_command_that_dies(pct_target, cleanup, tmp_path):
     cleanup(target)
     inventory = inventory_of(target, tmp_path / "inv.json")
     lock = Path(jobpaths.lock_file(target.job))
-    argv = [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory), "relaunch", "-t", target.name,
-            "--timeout", "60", "--grace", "30"]
+    argv = ops_argv(inventory, "relaunch", "-t", target.name, "--timeout", "60", "--grace", "30")
     doomed = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(lambda: lock.exists() and lock.read_text().strip(), what="the relaunch to hold the lock")
     doomed.kill()  # SIGKILL: no cleanup of ours runs; the connection closes with the process

@@ -239,6 +239,8 @@ def _set_dotted(raw: dict, dotted: str, value, flag: str) -> None:
         child = node.get(part)
         if child is None:
             child = node[part] = typed_yaml.YamlMap()
+            if isinstance(node, typed_yaml.YamlMap):  # made by the flag: a message about it names the flag
+                node.key_lines[part] = flag
         if not isinstance(child, dict):
             raise ConfigError(f"{flag}: `{part}` is not a section")
         node = child
@@ -266,10 +268,11 @@ def _validate_shape(cfg: TrainConfig) -> None:
     d, t, data, r = cfg.drafter, cfg.train, cfg.data, cfg.run
     for key, value in [
         ("drafter.num_layers", d.num_layers),
-        ("drafter.num_heads", d.num_heads or 1),
-        ("drafter.num_kv_heads", d.num_kv_heads or 1),
-        ("drafter.head_dim", d.head_dim or 1),
-        ("drafter.intermediate_size", d.intermediate_size or 1),
+        # null copies the target's value; 0 is a value, and a bad one
+        ("drafter.num_heads", 1 if d.num_heads is None else d.num_heads),
+        ("drafter.num_kv_heads", 1 if d.num_kv_heads is None else d.num_kv_heads),
+        ("drafter.head_dim", 1 if d.head_dim is None else d.head_dim),
+        ("drafter.intermediate_size", 1 if d.intermediate_size is None else d.intermediate_size),
         ("drafter.block_size", d.block_size),
         ("data.seq_len", data.seq_len),
         ("train.batch_size", t.batch_size),

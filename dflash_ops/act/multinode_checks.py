@@ -13,7 +13,7 @@ from dflash_ops.job import jobpaths
 from dflash_ops.errors import StepFailed
 from dflash_ops.job.model import Job
 from dflash_ops.inventory.multinode import MultinodeJob
-from dflash_ops.act.multinode_phases import JobContext, Node, each, each_outcome, one, per_node
+from dflash_ops.act.nodes import JobContext, Node, each, each_outcome, one, per_node
 from dflash_ops.act.context import StepContext
 from dflash_ops.remote import bundle, python_command, shell_command
 

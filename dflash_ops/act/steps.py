@@ -403,7 +403,7 @@ def _wait_first_step(
         if why is None and time.monotonic() > started + timeout_s:
             why = f"no training step after {timeout_s:g}s"
         if why is not None:
-            raise _no_first_step(ctx, launched.log, why)
+            raise no_first_step(ctx, launched.log, why)
         # each new last line of the log once, as a line that stays; the elapsed time as the status
         line = " ".join(last_line.split())[:160]
         if line and line != shown_line:
@@ -430,7 +430,7 @@ def _why_no_step(records: list, panes: str) -> str | None:
     return tmux.pane_problem(panes)
 
 
-def _no_first_step(ctx: StepContext, log: str, why: str) -> StepFailed:
+def no_first_step(ctx: StepContext, log: str, why: str) -> StepFailed:
     """The failure, with the last lines of the log and the failure signature found in them."""
     from dflash_ops.observe.logs import find_failures
 

@@ -55,14 +55,14 @@ def playbook_run(obj, name, target, dry_run, assignments):
     from dflash_ops.act import library
     from dflash_ops.playbook import user
 
-    obj.targets(target)  # an unknown target is refused before the file is read
+    targets = obj.targets(target)  # an unknown target is refused before the file is read
     book = user.load(name, obj.search_dirs(), library.LIBRARY)
     options = user.bind_options(book, library.LIBRARY, user.parse_option_assignments(assignments))
 
     def act(tgt, show):
         return commands.run_playbook(tgt, book, options, dry_run=dry_run, on_progress=show)
 
-    sys.exit(run_each(obj, target, book.name, book.source, act))
+    sys.exit(run_each(targets, book.name, book.source, act))
 
 
 @cli.group("cron")

@@ -20,16 +20,15 @@ def default(command: Callable, option: str) -> str:
     return f"(default {commands.default_of(command, option):g})"
 
 
-def run_each(obj: Obj, target_name, name: str, source: str, act: Callable[[Any, Callable], Any]) -> int:
-    """`act(target, on_progress)` on each target in parallel, with progress as it goes and one
-    summary per target; the exit code is the worst."""
+def run_each(jobs: list, name: str, source: str, act: Callable[[Any, Callable], Any]) -> int:
+    """`act(job, on_progress)` on each job (a target, or a multinode job as one) in parallel, with
+    progress as it goes and one summary per job; the exit code is the worst."""
     from dflash_ops.transport.fanout import fan_out
     from dflash_ops.cli.progress_view import ProgressPrinter
 
-    targets = obj.targets(target_name)
     lock = threading.Lock()
     printer = ProgressPrinter(
-        lambda text: click.echo(text, nl=False), is_tty=sys.stdout.isatty(), with_target=len(targets) > 1
+        lambda text: click.echo(text, nl=False), is_tty=sys.stdout.isatty(), with_target=len(jobs) > 1
     )
 
     def show(progress):
@@ -41,7 +40,7 @@ def run_each(obj: Obj, target_name, name: str, source: str, act: Callable[[Any, 
 
     click.echo(f"{name}: ran {source}")
     code = 0
-    for outcome in fan_out(targets, lambda t: act(t, show)):
+    for outcome in fan_out(jobs, lambda t: act(t, show)):
         if outcome.error is not None:
             click.echo(f"[{outcome.target.name}] {name}: {outcome.error}", err=True)
             code = max(code, getattr(outcome.error, "exit_code", 1))
@@ -52,22 +51,22 @@ def run_each(obj: Obj, target_name, name: str, source: str, act: Callable[[Any, 
 
 
 def run_command(obj: Obj, target_name, command: Callable, dry_run: bool, **options) -> int:
-    """Run one of dflash_ops.commands on each target; options left None take its defaults."""
+    """Run one of dflash_ops.commands on each target, or on a multinode job as one job over its
+    nodes (a rollback names a release of one target); options left None take its defaults."""
     given = {k: v for k, v in options.items() if v is not None}
     name = command.__name__.replace("_", "-")
-    job = multinode.job_named(obj, target_name) if command in (commands.relaunch, commands.stop) else None
-    if job is not None:  # every node of the job, as one job
-        return multinode.run_whole_job(job, name, dry_run, given)
+    whole = multinode.job_named(obj, target_name) if command is not commands.rollback else None
+    jobs = [whole] if whole is not None else obj.targets(target_name)
     ends_processes = command in (commands.relaunch, commands.stop, commands.gpu_clean)
-    for target in obj.targets(target_name) if ends_processes and not dry_run else ():
+    for target in jobs if ends_processes and whole is None and not dry_run else ():
         node = obj.inventory.node_of(target.name)
         if node is not None:
             raise InputError(f"{name}: {node}")
 
-    def act(target, show):
-        return command(target, dry_run=dry_run, on_progress=show, **given)
+    def act(job, show):
+        return command(job, dry_run=dry_run, on_progress=show, **given)
 
-    return run_each(obj, target_name, name, f"{command.__module__}.{command.__name__}", act)
+    return run_each(jobs, name, f"{command.__module__}.{command.__name__}", act)
 
 
 @cli.command()

@@ -137,16 +137,11 @@ def _checked_jobs(obj, job, targets, timeout: float) -> tuple[list, list, list]:
     from dflash_ops.observe import check as check_lib
     from dflash_ops.transport.fanout import fan_out
 
-    if job is not None:  # only then the multinode commands (and the step engine they stand on) load
-        from dflash_ops.commands import multinode as multinode_commands
+    if job is not None:
         from dflash_ops.observe import multinode as multinode_status
 
         jc = multinode_status.check(job, timeout)
-        return (
-            [multinode_status.as_one_target(jc)],
-            [jc.status],
-            [lambda: multinode_commands.auto_relaunch(jc)],
-        )
+        return [multinode_status.as_one_target(jc)], [jc.status], [lambda: commands.auto_relaunch(job, jc)]
     checked = [
         check_lib.checked_outcome(o)
         for o in fan_out(targets, lambda t: check_lib.check(t, timeout_s=timeout))

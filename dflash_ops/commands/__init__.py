@@ -1,6 +1,9 @@
 """The commands that act on a job: each is the steps it runs, in order, as plain Python, with its
 options as keyword arguments whose defaults are stated here once (the CLI's --help reads them
-with `default_of`). Each holds the job's lock on the target while it runs; a dry run takes none.
+with `default_of`). A job is N nodes: a target is the one-node job, a multinode job
+(inventory/multinode.py) is several, and each command is written once over the job's nodes
+(act/nodes.py runs a step on every node; act/phases.py holds the phases of a whole job). Each
+holds the job's lock on every node while it runs; a dry run takes none.
 
 This module imports its steps when a command runs, so `dflash-ops --help` stays light."""
 
@@ -9,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from dflash_ops.job.model import Target
-    from dflash_ops.act.context import StepContext
+    from dflash_ops.act.nodes import Node, Nodes
     from dflash_ops.act.runner import OnProgress, Run, RunResult
     from dflash_ops.observe.check import Checked
+    from dflash_ops.observe.multinode import JobChecked
     from dflash_ops.playbook.user import Playbook
 
 # Options several commands share.
@@ -28,8 +32,23 @@ def default_of(command: Callable[..., Any], option: str) -> Any:
     return inspect.signature(command).parameters[option].default
 
 
+def relaunch_plan(nodes: int) -> list[str]:
+    """The steps of a relaunch of a job of `nodes` nodes, in order."""
+    from dflash_ops.act import phases as ph
+
+    free, checks = ph.free_gpus_plan(nodes), ph.checks_plan(nodes)
+    return [*checks, "stop_session", *free, "purge_cache", "deploy", "launch", "wait_first_step"]
+
+
+def stop_plan(nodes: int) -> list[str]:
+    """The steps of a stop of a job of `nodes` nodes, in order."""
+    from dflash_ops.act import phases as ph
+
+    return ["stop_session", "mark_stopped", *ph.free_gpus_plan(nodes)]
+
+
 def relaunch(
-    target: Target,
+    job: Nodes,
     *,
     purge: bool = True,
     deploy: bool = True,
@@ -44,52 +63,43 @@ def relaunch(
     on_progress: OnProgress | None = None,
     on_locked: Callable[[], None] | None = None,
 ) -> RunResult:
-    """Check first, then stop the job, free its GPUs, purge its compile cache (`purge`), deploy the
-    trainer (`deploy`), launch it (resuming the newest unfinished run unless not `resume`) and wait
-    `timeout` seconds at most for its first training step. `on_locked` runs once the lock is ours."""
-    from dflash_ops.act import preflight as p, steps as s
-    from dflash_ops.act.grace import check_grace
+    """Check every node first, then stop the job, free its GPUs, purge its compile cache (`purge`),
+    deploy the trainer (`deploy`), launch it (resuming the newest unfinished run unless not
+    `resume`) and wait `timeout` seconds at most for its first training step. `on_locked` runs once
+    every node's lock is ours."""
+    from dflash_ops.act import phases as ph, steps as s
+    from dflash_ops.act.nodes import on_nodes
 
-    job = target.job
-    check_grace(job, grace)  # the step checks it too; here it is refused before anything connects
-    plan = (
-        p.preflight,
-        s.stop_session,
-        s.kill_gpu_processes,
-        s.wait_gpu_free,
-        s.purge_cache,
-        s.deploy,
-        s.launch,
-        s.wait_first_step,
-    )
-    with _running(target, "relaunch", plan, dry_run, on_progress, on_locked) as run:
+    _check_grace(job, grace)
+    plan = relaunch_plan(len(job.node_targets()))
+    with _running(job, "relaunch", plan, dry_run, on_progress, on_locked) as (run, nodes):
         # Before anything is stopped: a failed check leaves the running job untouched.
-        run(
-            p.preflight,
+        ph.check_before_stop(
+            run,
             job,
+            nodes,
             deploy=deploy,
             min_free_gib=min_free_gib,
             allow_shared_gpus=allow_shared_gpus,
             import_torch=import_torch,
         )
-        run(s.stop_session, job, grace_s=grace)
-        ended = run(s.kill_gpu_processes, job)
-        run(s.wait_gpu_free, job, ended, timeout_s=gpu_free_timeout)
+        on_nodes(run, s.stop_session, nodes, grace_s=grace)
+        ph.free_job_gpus(run, nodes, timeout_s=gpu_free_timeout)
         if purge:  # a cache dir without the launcher's marker is left alone, never deleted
-            run(s.purge_cache, job, if_unmarked="skip")
+            on_nodes(run, s.purge_cache, nodes, if_unmarked="skip")
         else:
             run.skip(s.purge_cache, "--no-purge")
         if deploy:
-            run(s.deploy, job)
+            run(ph.deploy)
         else:
-            run.skip(s.deploy, "--no-deploy")
-        launched = run(s.launch, job, resume=resume)
-        run(s.wait_first_step, job, launched, timeout_s=timeout)
+            run.skip(ph.deploy, "--no-deploy")
+        launched = run(ph.launch, job, resume=resume, grace_s=grace)
+        run(ph.wait_first_step, launched, timeout_s=timeout, grace_s=grace)
     return run.result()
 
 
 def stop(
-    target: Target,
+    job: Nodes,
     *,
     grace: float = GRACE_S,
     gpu_free_timeout: float = GPU_FREE_S,
@@ -98,26 +108,35 @@ def stop(
 ) -> RunResult | NothingToDo:
     """Record the operator's stop (`stopping`, before any signal), stop the job's tmux session,
     record it `stopped` (health then reports the job as OK and never relaunches it; only a relaunch
-    clears it), end its leftover GPU processes and wait for them to leave its GPUs."""
-    from dflash_ops.act import steps as s
-    from dflash_ops.act.grace import check_grace
+    clears it), end its leftover GPU processes and wait for them to leave its GPUs. On several
+    nodes, a node that fails does not hold up the others: they are stopped, recorded and freed all
+    the same, and the command fails naming the node."""
+    from dflash_ops.act import phases as ph, steps as s
+    from dflash_ops.act.nodes import on_nodes
 
-    check_grace(target.job, grace)  # the step checks it too; here it is refused before anything connects
-    if target.transport == "pct" and not dry_run and not _container_running(target):
-        why = f"stop: container {target.ctid} is not running, so neither is the job; nothing to stop"
-        return NothingToDo(target.name, why)
-    job = target.job
-    plan = (s.stop_session, s.mark_stopped, s.kill_gpu_processes, s.wait_gpu_free)
-    with _running(target, "stop", plan, dry_run, on_progress) as run:
-        run(s.stop_session, job, grace_s=grace, record_stop=True)
-        run(s.mark_stopped, job)
-        ended = run(s.kill_gpu_processes, job)
-        run(s.wait_gpu_free, job, ended, timeout_s=gpu_free_timeout)
+    _check_grace(job, grace)
+    targets = job.node_targets()
+    if not dry_run and all(t.transport == "pct" and not _container_running(t) for t in targets):
+        why = f"stop: container {targets[0].ctid} is not running, so neither is the job; nothing to stop"
+        return NothingToDo(job.name, why)
+    with _running(job, "stop", stop_plan(len(targets)), dry_run, on_progress) as (run, nodes):
+        ended = on_nodes(run, s.stop_session, nodes, grace_s=grace, record_stop=True, keep_going=True)
+        recorded = on_nodes(run, s.mark_stopped, [n for n, _ in ended], keep_going=True)
+        ph.free_job_gpus(run, [n for n, _ in recorded], timeout_s=gpu_free_timeout, keep_going=True)
     return run.result()
 
 
+def _check_grace(job: Nodes, grace: float) -> None:
+    """--grace against every node's trainer, refused before anything connects (stop_session, the
+    step that signals, checks it too: for every way in)."""
+    from dflash_ops.act.grace import check_grace
+
+    for target in job.node_targets():
+        check_grace(target.job, grace)
+
+
 def gpu_clean(
-    target: Target,
+    job: Nodes,
     *,
     force: bool = False,
     gpu_free_timeout: float = GPU_FREE_S,
@@ -126,41 +145,41 @@ def gpu_clean(
 ) -> RunResult:
     """End every process of the job on its GPUs and wait for them to leave; refuses while the job
     runs unless `force`. Processes that are not the job's are reported, never signalled."""
-    from dflash_ops.act import preflight as p, steps as s
+    from dflash_ops.act import phases as ph, preflight as p
+    from dflash_ops.act.nodes import on_nodes
 
-    job = target.job
-    plan = (p.require_job_stopped, s.kill_gpu_processes, s.wait_gpu_free)
-    with _running(target, "gpu-clean", plan, dry_run, on_progress) as run:
+    plan = ["require_job_stopped", *ph.free_gpus_plan(len(job.node_targets()))]
+    with _running(job, "gpu-clean", plan, dry_run, on_progress) as (run, nodes):
         if force:
             run.skip(p.require_job_stopped, "--force")
         else:
-            run(p.require_job_stopped, job)
-        ended = run(s.kill_gpu_processes, job)
-        run(s.wait_gpu_free, job, ended, timeout_s=gpu_free_timeout)
+            on_nodes(run, p.require_job_stopped, nodes)
+        ph.free_job_gpus(run, nodes, timeout_s=gpu_free_timeout)
     return run.result()
 
 
-def purge_cache(target: Target, *, dry_run: bool = False, on_progress: OnProgress | None = None) -> RunResult:
+def purge_cache(job: Nodes, *, dry_run: bool = False, on_progress: OnProgress | None = None) -> RunResult:
     """Remove the job's compile cache (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR under it): only a
     dir holding the launcher's marker, and never while the job runs."""
     from dflash_ops.act import steps as s
+    from dflash_ops.act.nodes import on_nodes
 
-    with _running(target, "purge-cache", (s.purge_cache,), dry_run, on_progress) as run:
-        run(s.purge_cache, target.job)
+    with _running(job, "purge-cache", ["purge_cache"], dry_run, on_progress) as (run, nodes):
+        on_nodes(run, s.purge_cache, nodes)
     return run.result()
 
 
-def deploy(target: Target, *, dry_run: bool = False, on_progress: OnProgress | None = None) -> RunResult:
+def deploy(job: Nodes, *, dry_run: bool = False, on_progress: OnProgress | None = None) -> RunResult:
     """Deploy the trainer as a versioned release and switch `current` to it atomically."""
-    from dflash_ops.act import steps as s
+    from dflash_ops.act import phases as ph
 
-    with _running(target, "deploy", (s.deploy,), dry_run, on_progress) as run:
-        run(s.deploy, target.job)
+    with _running(job, "deploy", ["deploy"], dry_run, on_progress) as (run, _):
+        run(ph.deploy)
     return run.result()
 
 
 def rollback(
-    target: Target,
+    job: Nodes,
     *,
     release: str | None = None,
     dry_run: bool = False,
@@ -168,9 +187,10 @@ def rollback(
 ) -> RunResult:
     """Point `current` at a kept release, by default the one deployed before the current one."""
     from dflash_ops.act import steps as s
+    from dflash_ops.act.nodes import on_nodes
 
-    with _running(target, "rollback", (s.rollback,), dry_run, on_progress) as run:
-        run(s.rollback, target.job, release=release)
+    with _running(job, "rollback", ["rollback"], dry_run, on_progress) as (run, nodes):
+        on_nodes(run, s.rollback, nodes, release=release)
     return run.result()
 
 
@@ -184,46 +204,25 @@ def run_playbook(
 ) -> RunResult:
     """Run a user's playbook (playbook.user.load) with its bound options (bind_options)."""
     from dflash_ops.act import library
+    from dflash_ops.act.nodes import acting_on
     from dflash_ops.playbook.user import run_playbook
 
     with acting_on(target, book.name, dry_run) as ctx:
         return run_playbook(book, library.LIBRARY, ctx, options, on_progress)
 
 
-@contextlib.contextmanager
-def acting_on(
-    target: Target, command: str, dry_run: bool, on_locked: Callable[[], None] | None = None
-) -> Iterator[StepContext]:
-    """Where steps act on `target`: connected, holding the job's lock (JobBusy when another
-    command holds it); under dry-run through a transport that reaches nothing, without a lock."""
-    from dflash_ops.job import joblock
-    from dflash_ops.transport.factory import connect
-    from dflash_ops.act.context import StepContext
-    from dflash_ops.transport.dry_run import DryRunTransport
-
-    with connect(target) as transport:
-        with contextlib.nullcontext() if dry_run else joblock.held(transport, target, command):
-            if on_locked is not None:
-                on_locked()
-            yield StepContext(target, DryRunTransport(transport) if dry_run else transport)
-
-
-@contextlib.contextmanager
 def _running(
-    target: Target,
+    job: Nodes,
     command: str,
-    plan: Sequence[Callable[..., Any]],
+    plan: Sequence[str],
     dry_run: bool,
     on_progress: OnProgress | None,
     on_locked: Callable[[], None] | None = None,
-) -> Iterator[Run]:
-    """A Run of `plan` (the steps `command` calls, in order) on `target`."""
-    from dflash_ops.act.runner import Run
+) -> contextlib.AbstractContextManager[tuple[Run, list[Node]]]:
+    """A Run of `plan` (the steps `command` calls, in order) on every node of `job`, each locked."""
+    from dflash_ops.act.nodes import running
 
-    with acting_on(target, command, dry_run, on_locked) as ctx:
-        source = f"{__name__}.{command.replace('-', '_')}"
-        with Run(command, ctx, [step.__name__ for step in plan], on_progress, source) as run:
-            yield run
+    return running(job, command, plan, dry_run, on_progress, on_locked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,40 +260,27 @@ class HealthAction:
     result: RunResult | None = None
 
 
-def auto_relaunch(target: Target, checked: Checked) -> HealthAction | None:
-    """Relaunch a CRITICAL target, at most max_relaunches_per_hour, never twice at once."""
-    return relaunch_when_critical(
-        checked.verdict.level,
-        target.name,
-        target.job.health.max_relaunches_per_hour,
-        lambda on_locked: relaunch(target, on_locked=on_locked),
-    )
-
-
-def relaunch_when_critical(
-    level: str,
-    guard_name: str,
-    per_hour: int,
-    relaunch_job: Callable[[Callable[[], None]], RunResult],
-    done: str = "auto-relaunch",
-) -> HealthAction | None:
-    """The auto-relaunch rule, one for every job (a target, a multinode job): only a CRITICAL verdict,
-    at most `per_hour` attempts an hour under the guard named `guard_name`, never two at once; an
-    attempt counts once it holds the job's lock (`relaunch_job(on_locked)` calls it then)."""
+def auto_relaunch(job: Nodes, checked: Checked | JobChecked) -> HealthAction | None:
+    """The auto-relaunch rule, one for every job: relaunch (every node of) a CRITICAL job, at most
+    max_relaunches_per_hour (node 0's) under a guard named after the job, never two at once; an
+    attempt counts once it holds the job's locks. Its checks run on every node first, so a node that
+    cannot take part relaunches nothing."""
     from dflash_ops.errors import DflashOpsError, JobBusy
     from dflash_ops.job.relaunch_guard import RelaunchGuard
 
-    if level != "CRITICAL":
+    if checked.verdict.level != "CRITICAL":
         return None
-    guard = RelaunchGuard(guard_name, per_hour)
+    targets = job.node_targets()
+    guard = RelaunchGuard(job.name, targets[0].job.health.max_relaunches_per_hour)
     with guard.hold() as allowed:
         if allowed is not True:
             return HealthAction(False, f"auto-relaunch skipped: {allowed}")
         try:
-            result = relaunch_job(guard.record)
+            result = relaunch(job, on_locked=guard.record)
         except JobBusy as exc:
             return HealthAction(False, f"auto-relaunch skipped: {exc.reason}")
         except DflashOpsError as exc:
             return HealthAction(True, f"auto-relaunch FAILED: {str(exc).splitlines()[0]}")
+    done = "auto-relaunch" if len(targets) == 1 else "auto-relaunch of every node"
     outcome = "succeeded" if result.ok else "FAILED: " + result.summary()
     return HealthAction(True, f"{done} {outcome}", result)

@@ -75,8 +75,8 @@ class Inventory:
     groups: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     default_target: str = LOCAL  # a target or group name
     source: str | None = None  # the file it was read from; None for the built-in inventory
-    # one torchrun job across several targets (multinode_inventory): relaunch, stop, status,
-    # health and tail-log take its name; the other commands act on one node's target
+    # one torchrun job across several targets (multinode_inventory): the commands that act on a
+    # job take its name; the others act on one node's target
     multinode: dict[str, MultinodeJob] = dataclasses.field(default_factory=dict)
 
     def node_of(self, target: str) -> str | None:
@@ -100,8 +100,9 @@ class Inventory:
         if name in self.multinode:
             nodes = ", ".join(n.name for n in self.multinode[name].nodes)
             raise InputError(
-                f"{name!r} is a multinode job: relaunch, stop, status, health, tail-log, report and "
-                f"metrics act on it as one job; for this command name one of its nodes' targets ({nodes})"
+                f"{name!r} is a multinode job: relaunch, stop, gpu-clean, purge-cache, deploy (not its "
+                f"--list or --rollback), status, health, tail-log, report and metrics act on it as one "
+                f"job; for this command name one of its nodes' targets ({nodes})"
             )
         known = f"known targets: {', '.join(self.targets)}"
         if self.groups:

@@ -113,6 +113,10 @@ class Target:
     # (pids mapped to containers through /proc/PID/cgroup).
     gpu_query_on: str = "container"
 
+    def node_targets(self) -> list[Target]:
+        """The targets the job runs on: this one (a multinode job's are several)."""
+        return [self]
+
     @property
     def gpu_host_ctid(self) -> int | None:
         """The container id when GPUs are queried on the Proxmox host (real pids), else None."""

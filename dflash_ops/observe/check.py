@@ -9,7 +9,7 @@ from dflash_ops.observe import budget, health, status as status_lib
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.job.model import Target
 from dflash_ops.observe.probe import run_probe
-from dflash_ops.observe.target_status import TargetStatus
+from dflash_ops.observe.status import TargetStatus
 from dflash_ops.transport.factory import connect
 
 

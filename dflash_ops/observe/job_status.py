@@ -1,14 +1,12 @@
 """A multinode job's status: every node's TargetStatus with the torchrun ranks it runs, and the
-job's one verdict; printed as text and as JSON like a single target's."""
+job's one verdict; its JSON here, its text in status_output, like a single target's."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from dflash_ops.observe.health import Verdict
-from dflash_ops.observe.session_status import JobProcess
-from dflash_ops.observe.target_status import TargetStatus, verdict_json
-from dflash_ops.observe.text_style import LEVEL_COLORS, paint
+from dflash_ops.observe.status import JobProcess, TargetStatus, verdict_json
 
 TORCHRUN_MODULE = "torch.distributed.run"
 TRAINER_MODULE = "trainer"
@@ -42,13 +40,6 @@ class Ranks:
     def to_json(self) -> dict:
         return {"torchrun_pid": self.torchrun_pid, "alive": list(self.alive), "expected": self.expected}
 
-    def line(self) -> str:
-        if self.torchrun_pid is None:
-            return "ranks: torchrun not running"
-        pids = ", ".join(map(str, self.alive)) or "none"
-        alive = f"{len(self.alive)} of {self.expected}"
-        return f"ranks: torchrun pid {self.torchrun_pid}, local ranks alive {alive} ({pids})"
-
 
 @dataclasses.dataclass(frozen=True)
 class NodeStatus:
@@ -58,13 +49,6 @@ class NodeStatus:
 
     def to_json(self) -> dict:
         return dict(self.status.to_json(), node=self.index, ranks=self.ranks.to_json())
-
-    def text_lines(self, color: bool) -> list[str]:
-        """The node's table, headed with its index, its ranks above its verdict."""
-        lines = self.status.to_text(color).rstrip("\n").split("\n")
-        lines[0] = f"node {self.index}: {lines[0]}"
-        lines.insert(len(lines) - 1, self.ranks.line())
-        return lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,16 +78,3 @@ class JobStatus:
             "nodes": [n.to_json() for n in self.nodes],
             **verdict_json(self.verdict),
         }
-
-    def to_text(self, color: bool = False) -> str:
-        """The job's head line, each node's table (with its torchrun ranks), then the one verdict."""
-        nproc = self.nproc_per_node
-        out = [
-            f"{self.job}: multinode job, {len(self.node_names)} nodes x {nproc} rank{'s' * (nproc != 1)} "
-            f"(world size {self.world_size}), rendezvous {self.rdzv_endpoint}, runs {self.runs_dir}"
-        ]
-        for node in self.nodes:
-            out += node.text_lines(color)
-        level = self.verdict.level
-        out.append(paint(f"{level}: {self.verdict.summary}", LEVEL_COLORS[level], color))
-        return "\n".join(out) + "\n"

@@ -1,18 +1,189 @@
-"""One target's TargetStatus from its probe report, the job and the verdict."""
+"""One target's status as status reads it: the object `status` and `health --json` print (through
+status_output), with its parts (GPUs with their roles in the job, tmux session, job processes,
+training, the latest evaluation), its JSON and back, and how it is built from the probe report, the
+job and the verdict."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from trainer import metrics_format
 from trainer.typed_yaml import finite
 
-from dflash_ops.observe import acceptance, logs
-
 from dflash_ops.job import jobstate
-from dflash_ops.observe import gpu_rows
-from dflash_ops.observe.health import Verdict, progress_age
-from dflash_ops.observe.session_status import JobProcess, TmuxSession
-from dflash_ops.observe.target_status import TargetStatus
-from dflash_ops.observe.training_status import EvalStatus, Training
+from dflash_ops.observe import acceptance, gpu_owners, logs
+from dflash_ops.observe.gpu import Gpu, GpuProcess
+from dflash_ops.observe.health import Perf, Verdict, progress_age
+
+
+class _FieldsAsJson:
+    """A dataclass whose JSON object is its fields, in their order."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls, data: dict):
+        return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True)
+class TmuxSession(_FieldsAsJson):
+    """The session and its pane; None where tmux gave no answer."""
+
+    name: str
+    socket: str
+    running: bool | None = None
+    exists: bool | None = None
+    pane_pid: int | None = None
+    exit_status: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JobProcess(_FieldsAsJson):
+    """One process of the session's process tree."""
+
+    pid: int
+    ppid: int | None
+    name: str | None
+    cmdline: str | None
+
+    def runs_module(self, module: str) -> bool:
+        """`python -m MODULE ...` (not the pane's shell, whose arguments carry the same words)."""
+        words = (self.cmdline or "").split()
+        if "-m" not in words[1:3]:
+            return False
+        at = words.index("-m", 1)
+        return words[at + 1 : at + 2] == [module]
+
+
+@dataclasses.dataclass(frozen=True)
+class Training(_FieldsAsJson):
+    """The run's progress; a number JSON cannot hold (NaN) is None."""
+
+    step: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
+    last_update_age_s: float | None = None
+    finished: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalStatus:
+    """The latest speculative-decoding evaluation (tau) and how old it is."""
+
+    step: int | None
+    tau: float | None
+    acceptance: tuple[float, ...]
+    lossless: bool | None
+    expected_tau: float | None
+    age_s: float | None
+
+    def to_json(self) -> dict:
+        return dict(dataclasses.asdict(self), acceptance=list(self.acceptance))
+
+    @classmethod
+    def from_json(cls, data: dict) -> EvalStatus:
+        return cls(**{**data, "acceptance": tuple(data["acceptance"])})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TargetStatus:
+    """`time` is None when the probe could not run: the job's identity and the verdict remain."""
+
+    target: str
+    hostname: str | None = None
+    time: float | None = None  # the target's clock at probe time
+    probe_seconds: float | None = None
+    gpu_source: str | None = None
+    gpu_error: str | None = None
+    gpus: tuple[Gpu, ...] = ()  # with their roles in the job (_with_roles)
+    session: TmuxSession
+    processes: tuple[JobProcess, ...] = ()
+    log: str | None = None
+    metrics: str | None = None
+    data_source: str | None = None
+    job_state: dict | None = None  # what dflash-ops recorded on the target
+    job_state_error: str | None = None
+    log_missing: str | None = None
+    training: Training = Training()
+    eval: EvalStatus | None = None
+    verdict: Verdict
+    eval_search: dict | None = None  # how far the probe looked back for `eval`
+
+    @property
+    def name(self) -> str:
+        return self.target
+
+    @property
+    def probed(self) -> bool:
+        return self.time is not None
+
+    def to_json(self) -> dict:
+        data = {
+            "target": self.target,
+            "hostname": self.hostname,
+            "time": self.time,
+            "probe_seconds": self.probe_seconds,
+            "gpu_source": self.gpu_source,
+            "gpu_error": self.gpu_error,
+            "gpus": [_gpu_json(g) for g in self.gpus],
+            "session": self.session.to_json(),
+            "processes": [p.to_json() for p in self.processes],
+            "log": self.log,
+            "metrics": self.metrics,
+            "data_source": self.data_source,
+            "job_state": self.job_state,
+            "job_state_error": self.job_state_error,
+            "log_missing": self.log_missing,
+            "training": self.training.to_json(),
+            "eval": None if self.eval is None else self.eval.to_json(),
+            **verdict_json(self.verdict),
+        }
+        if self.probed:
+            data["eval_search"] = self.eval_search
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> TargetStatus:
+        """The status `to_json` gave (a recorded `status --json`, say; keys it lacks are None)."""
+        return cls(
+            target=data["target"],
+            hostname=data.get("hostname"),
+            time=data.get("time"),
+            probe_seconds=data.get("probe_seconds"),
+            gpu_source=data.get("gpu_source"),
+            gpu_error=data.get("gpu_error"),
+            gpus=tuple(_gpu_from_json(g) for g in data["gpus"]),
+            session=TmuxSession.from_json(data["session"]),
+            processes=tuple(JobProcess.from_json(p) for p in data["processes"]),
+            log=data.get("log"),
+            metrics=data.get("metrics"),
+            data_source=data.get("data_source"),
+            job_state=data.get("job_state"),
+            job_state_error=data.get("job_state_error"),
+            log_missing=data.get("log_missing"),
+            training=Training.from_json(data["training"]),
+            eval=None if data.get("eval") is None else EvalStatus.from_json(data["eval"]),
+            verdict=verdict_from_json(data),
+            eval_search=data.get("eval_search"),
+        )
+
+
+def verdict_json(verdict: Verdict) -> dict:
+    """The verdict as status --json shows it: its level, reasons and perfdata."""
+    return {
+        "verdict": verdict.level,
+        "reasons": list(verdict.reasons),
+        "perfdata": verdict.to_dict()["perfdata"],
+    }
+
+
+def verdict_from_json(data: dict) -> Verdict:
+    perfdata = {label: Perf(**perf) for label, perf in data["perfdata"].items()}
+    return Verdict(data["verdict"], tuple(data["reasons"]), perfdata)
 
 
 def build_status(target_name: str, report, job, verdict: Verdict) -> TargetStatus:
@@ -29,7 +200,7 @@ def build_status(target_name: str, report, job, verdict: Verdict) -> TargetStatu
         probe_seconds=report.seconds,
         gpu_source=report.gpu.source,
         gpu_error=report.gpu.error,
-        gpus=gpu_rows.with_roles(report, job),
+        gpus=_with_roles(report, job),
         session=_session(report.session, job),
         processes=tuple(JobProcess(p.pid, p.ppid, p.name, p.cmdline) for p in report.processes),
         log=report.log.path if report.log else None,
@@ -91,7 +262,6 @@ def _training(report, verdict: Verdict) -> Training:
 
 
 def _eval_status(accept, now: float) -> EvalStatus | None:
-    """The latest speculative-decoding evaluation (tau) and how old it is."""
     if accept is None:
         return None
     return EvalStatus(
@@ -102,3 +272,53 @@ def _eval_status(accept, now: float) -> EvalStatus | None:
         expected_tau=finite(accept.expected_tau),
         age_s=None if accept.time is None else max(0.0, round(now - accept.time, 1)),
     )
+
+
+def _with_roles(report, job) -> tuple[Gpu, ...]:
+    """The probe's GPUs, each with its role in `job` and its processes told foreign or not."""
+    roles = {i: "target" for i in job.target_gpus}
+    roles.update({i: "drafter" for i in job.drafter_gpus})
+    return tuple(
+        dataclasses.replace(
+            g,
+            role=roles.get(g.index),
+            processes=tuple(
+                dataclasses.replace(p, foreign=gpu_owners.is_foreign(report, p) if g.index in roles else None)
+                for p in g.processes
+            ),
+        )
+        for g in report.gpu.gpus
+    )
+
+
+def _gpu_json(g: Gpu) -> dict:
+    return {
+        "index": g.index,
+        "name": g.name,
+        "uuid": g.uuid,
+        "memory_used_mib": g.memory_used_mib,
+        "memory_total_mib": g.memory_total_mib,
+        "utilization_pct": g.utilization_pct,
+        "role": g.role,
+        "ghost_memory_mib": g.ghost_memory_mib,
+        "processes": [
+            {
+                "pid": p.pid,
+                "used_memory_mib": p.used_memory_mib,
+                "name": p.name,
+                "owner": p.owner or None,
+                "foreign": p.foreign,
+            }
+            for p in g.processes
+        ],
+    }
+
+
+def _gpu_from_json(data: dict) -> Gpu:
+    """_gpu_json's object as the Gpu it was made from (the ghost memory follows from the rest)."""
+    processes = tuple(
+        GpuProcess(p["pid"], data["index"], p["used_memory_mib"], p["name"], p["owner"] or "", p["foreign"])
+        for p in data["processes"]
+    )
+    fields = ("index", "uuid", "name", "memory_used_mib", "memory_total_mib", "utilization_pct", "role")
+    return Gpu(**{k: data[k] for k in fields}, processes=processes)

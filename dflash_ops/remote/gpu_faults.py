@@ -12,9 +12,11 @@ import time
 try:  # imported from the package (probe_script in tests)
     from dflash_ops.remote import facts
     from dflash_ops.remote.bounded import finish, in_thread, start
+    from dflash_ops.remote.gpu_read import nvml_answer
 except ImportError:  # on the target: remote.bundle() defined both ahead of this script
     import facts  # type: ignore[no-redef]
     from bounded import finish, in_thread, start  # type: ignore[no-redef]
+    from gpu_read import nvml_answer  # type: ignore[no-redef]
 
 MAX_XID_LINES = 200  # the newest ones; a flapping GPU can log thousands
 KERNEL_LOG_COMMANDS = (("dmesg",), ("journalctl", "-k", "-b", "-o", "short-monotonic", "--no-pager", "-q"))
@@ -31,16 +33,11 @@ def nvml_faults():
         pynvml.nvmlInit()
     except Exception:
         return None
-    try:
-        gpus = [_nvml_gpu(pynvml, index) for index in range(pynvml.nvmlDeviceGetCount())]
-        return {"source": "nvml", "gpus": gpus}
-    except Exception as e:
-        return {"source": "nvml", "error": "NVML fault query failed: %s: %s" % (type(e).__name__, e)}
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+    return nvml_answer(pynvml, _nvml_gpus, "NVML fault query")
+
+
+def _nvml_gpus(pynvml):
+    return {"source": "nvml", "gpus": [_nvml_gpu(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount())]}
 
 
 def _nvml_gpu(pynvml, index):

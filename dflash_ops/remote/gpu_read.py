@@ -32,48 +32,58 @@ def nvml_query():
         if name in ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded"):
             return {"source": "nvml", "error": "no NVIDIA driver (%s: %s)" % (name, e)}
         return {"source": "nvml", "error": "NVML failed: %s: %s" % (name, e)}
+    return nvml_answer(pynvml, _nvml_read, "NVML query")
+
+
+def nvml_answer(pynvml, read, what):
+    """read(pynvml)'s answer, or `WHAT failed: …` when it raised; NVML (initialised by the caller)
+    is shut down after, whatever happened."""
     try:
-        gpus, processes = [], []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            try:
-                utilization = int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-            except pynvml.NVMLError:  # not supported (MIG, some vGPUs)
-                utilization = None
-            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
-            gpus.append(
-                {
-                    "index": index,
-                    "uuid": uuid,
-                    "name": _text(pynvml.nvmlDeviceGetName(handle)),
-                    "memory_used_mib": int(memory.used // MIB),
-                    "memory_total_mib": int(memory.total // MIB),
-                    "utilization_pct": utilization,
-                }
-            )
-            try:
-                running = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            except pynvml.NVMLError:
-                running = []
-            for proc in running:
-                used = getattr(proc, "usedGpuMemory", None)
-                processes.append(
-                    {
-                        "pid": int(proc.pid),
-                        "gpu_index": index,
-                        "used_memory_mib": None if used is None else int(used // MIB),
-                        "name": _process_name(int(proc.pid)),
-                    }
-                )
-        return {"source": "nvml", "error": None, "gpus": gpus, "processes": processes}
+        return read(pynvml)
     except Exception as e:
-        return {"source": "nvml", "error": "NVML query failed: %s: %s" % (type(e).__name__, e)}
+        return {"source": "nvml", "error": "%s failed: %s: %s" % (what, type(e).__name__, e)}
     finally:
         try:
             pynvml.nvmlShutdown()
         except Exception:
             pass
+
+
+def _nvml_read(pynvml):
+    gpus, processes = [], []
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        try:
+            utilization = int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except pynvml.NVMLError:  # not supported (MIG, some vGPUs)
+            utilization = None
+        uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+        gpus.append(
+            {
+                "index": index,
+                "uuid": uuid,
+                "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                "memory_used_mib": int(memory.used // MIB),
+                "memory_total_mib": int(memory.total // MIB),
+                "utilization_pct": utilization,
+            }
+        )
+        try:
+            running = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except pynvml.NVMLError:
+            running = []
+        for proc in running:
+            used = getattr(proc, "usedGpuMemory", None)
+            processes.append(
+                {
+                    "pid": int(proc.pid),
+                    "gpu_index": index,
+                    "used_memory_mib": None if used is None else int(used // MIB),
+                    "name": _process_name(int(proc.pid)),
+                }
+            )
+    return {"source": "nvml", "error": None, "gpus": gpus, "processes": processes}
 
 
 def _process_name(pid):

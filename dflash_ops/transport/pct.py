@@ -14,13 +14,18 @@ from dflash_ops.job.model import HostSpec
 from dflash_ops.transport.base import Result, decode, finish, local_limit_s, quote_argv, with_remote_timeout
 from dflash_ops.transport.ssh import SshTransport
 
-# How Proxmox refuses an exec into a container that is stopped or missing (first stderr line).
-_NOT_RUNNING = (
-    re.compile(r"container '(?P<ctid>\d+)' not running!"),  # pct exec, PVE 7+
-    re.compile(r"CT (?P<ctid>\d+) not running"),  # API-side checks
-    re.compile(r"lxc-attach: (?P<ctid>\d+): .*Failed to get init pid"),  # older pct: lxc-attach's own
+# How Proxmox refuses an exec into a container that is stopped or missing (first stderr line), and
+# what the operator can do about it.
+_STOPPED = "is not running; start it on the host with `pct start {ctid}`"
+_REFUSALS = (
+    (re.compile(r"container '(?P<ctid>\d+)' not running!"), _STOPPED),  # pct exec, PVE 7+
+    (re.compile(r"CT (?P<ctid>\d+) not running"), _STOPPED),  # API-side checks
+    (re.compile(r"lxc-attach: (?P<ctid>\d+): .*Failed to get init pid"), _STOPPED),  # older pct
+    (
+        re.compile(r"Configuration file 'nodes/[^/']+/lxc/(?P<ctid>\d+)\.conf' does not exist"),
+        "does not exist; check the target's ctid against `pct list` on the host",
+    ),
 )
-_MISSING = re.compile(r"Configuration file 'nodes/[^/']+/lxc/(?P<ctid>\d+)\.conf' does not exist")
 
 
 class PctTransport(SshTransport):
@@ -60,23 +65,10 @@ class PctTransport(SshTransport):
         err = decode(stderr)
         first = err.lstrip().split("\n", 1)[0]
         where = f"container {self.ctid} on {self.spec.host}"
-        for pattern in _NOT_RUNNING:
+        for pattern, problem in _REFUSALS:
             m = pattern.match(first)
             if m and m.group("ctid") == str(self.ctid):
-                raise ContainerNotRunning(
-                    self.name,
-                    step,
-                    f"{where} is not running; start it on the host with `pct start {self.ctid}`",
-                    err,
-                )
-        m = _MISSING.match(first)
-        if m and m.group("ctid") == str(self.ctid):
-            raise ContainerNotRunning(
-                self.name,
-                step,
-                f"{where} does not exist; check the target's ctid against `pct list` on the host",
-                err,
-            )
+                raise ContainerNotRunning(self.name, step, f"{where} {problem.format(ctid=self.ctid)}", err)
         if code == 127 and "pct: command not found" in err:
             raise TransportError(
                 self.name,

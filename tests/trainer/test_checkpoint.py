@@ -178,3 +178,51 @@ def test_kill_9_at_a_random_moment_leaves_a_loadable_checkpoint(tmp_path, trial)
         if proc.poll() is None:
             proc.kill()
     assert assert_consistent_latest(tmp_path / "run") >= 1
+
+
+# --------------------------------------------------------------------------- export sources and bad files
+
+
+def test_export_takes_a_step_directory_or_a_runs_newest_and_refuses_the_rest(tmp_path):
+    with pytest.raises(ck.CheckpointError, match=r"--checkpoint \S+absent: no such file or directory\. Fix: pass"):
+        ck.resolve_export_source(str(tmp_path / "absent"))
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ck.CheckpointError, match=r"no complete checkpoint in \S+checkpoints yet\. Fix:"):
+        ck.resolve_export_source(str(tmp_path / "run"))
+    with pytest.raises(ck.CheckpointError, match=r"not a checkpoint \(missing drafter.safetensors, "):
+        ck.resolve_export_source(str(tmp_path))
+    save_step(tmp_path / "run", 3)
+    newest = save_step(tmp_path / "run", 7)
+    assert ck.resolve_export_source(str(tmp_path / "run")) == newest
+    older = str(tmp_path / "run" / "checkpoints" / "step-0000003")
+    assert ck.resolve_export_source(older) == older
+
+
+@pytest.mark.parametrize("damage", ["truncate weights", "garbage state", "bad json", "remove config"])
+def test_a_damaged_checkpoint_is_named_in_one_error(tmp_path, damage):
+    path = Path(save_step(tmp_path, 4))
+    file = {"truncate weights": ck.WEIGHTS, "garbage state": ck.STATE, "bad json": ck.CONFIG}.get(damage, ck.CONFIG)
+    if damage == "truncate weights":
+        (path / file).write_bytes((path / file).read_bytes()[:40])
+    elif damage == "remove config":
+        (path / file).unlink()
+    else:
+        (path / file).write_bytes(b"\x00not what it should be{")
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.load_checkpoint(str(path))
+    assert str(path) in str(err.value) and "\n" not in str(err.value).strip()
+    if damage == "remove config":
+        assert f"missing {ck.CONFIG}" in str(err.value) and "--resume latest" in str(err.value)
+
+
+def test_the_python_rng_state_survives_a_trip_through_lists():
+    """A reload may hand the Python RNG state back as lists (JSON-like); it still restores the stream."""
+    random.seed(11)
+    state = ck.rng_state(["cpu", "cpu"])
+    expected = [random.random() for _ in range(3)]
+    version, internal, gauss = state["python"]
+    listed = dict(state, python=[version, list(internal), gauss])
+    random.seed(12)
+    ck.set_rng_state(listed)
+    assert [random.random() for _ in range(3)] == expected
+    assert state["cuda"] == {} or torch.cuda.is_available()

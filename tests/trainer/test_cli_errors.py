@@ -1,6 +1,7 @@
 """dflash-train input errors: one line naming the flag or path and the fix, exit 2, before torch loads."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -94,3 +95,44 @@ def test_a_mistyped_subcommand_is_named_with_the_closest_one():
     assert "unknown command 'expor' (did you mean 'export'?)" in err and "--config" not in err.split(";")[0]
     rc, _, err = cli("frobnicate")
     assert rc == 2 and "unknown command 'frobnicate'; commands: export, data, eval" in err
+
+
+# --------------------------------------------------------------------------- run_command, in process
+
+
+class BadInput(Exception):
+    exit_code = 3
+
+
+class Wrapped(Exception):
+    """What a worker thread's failure looks like: the exception it carries as `original`."""
+
+    def __init__(self, original):
+        super().__init__("a worker failed")
+        self.original = original
+
+
+def test_bad_input_is_one_line_with_its_exit_code_and_a_wrapped_one_counts_too():
+    from trainer.cli.errors import run_command
+
+    for raised in (BadInput("data.path: no such file"), Wrapped(BadInput("data.path: no such file"))):
+        err = io.StringIO()
+
+        def command(raised=raised):
+            raise raised
+
+        assert run_command("dflash-train data", command, err=err) == 3
+        assert err.getvalue() == "dflash-train data: error: data.path: no such file\n"
+
+
+def test_anything_else_propagates_and_a_command_that_returns_gives_its_status():
+    from trainer.cli.errors import input_error, run_command
+
+    def broken():
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        run_command("dflash-train", broken, err=io.StringIO())
+    assert run_command("dflash-train", lambda: 0) == 0 and run_command("dflash-train", lambda: 5) == 5
+    not_int = type("NotInt", (Exception,), {"exit_code": "2"})
+    assert input_error(not_int()) is None and input_error(Wrapped(ValueError())) is None

@@ -72,6 +72,12 @@ def test_metrics_file_defaults_into_output_dir(tmp_path):
     ("data: {source: synthetic, seq_len: 0}", "data.seq_len", "at least 1"),
     ("train: {betas: 0.9}", "train.betas", "list"),
     ("wat: 1", "wat", "target, drafter, data, train, run"),
+    ("data: {source: parquet}", "data.source", "synthetic, jsonl, features"),
+    ("data: {source: features}", "data.path", "cache-features"),
+    ("data: {source: jsonl, path: d.jsonl, seq_len: 1}", "data.seq_len", "at least 2"),
+    ("data: {source: synthetic, seq_len: 8, synthetic: {prompt_len: 8}}", "data.synthetic.prompt_len", "shorter"),
+    ("data: {source: synthetic, eval_fraction: 1.0}", "data.eval_fraction", "0.05"),
+    ("data: {source: synthetic, eval_fraction: -0.1}", "data.eval_fraction", "[0, 1)"),
 ])
 def test_bad_values_name_the_key_and_the_fix(tmp_path, yaml_text, key, fix):
     if not yaml_text.startswith("data:"):  # everything else needs valid data to get that far
@@ -186,3 +192,106 @@ def test_line_bookkeeping_stays_out_of_the_saved_config(tmp_path):
     saved = cfg.to_dict()
     assert "key_lines" not in saved and "source" not in saved
     assert type(saved["target"]["tiny"]) is dict and saved["target"]["tiny"] == {"hidden_size": 8}
+
+
+# --------------------------------------------------------------------------- every rule, at its line
+
+# (section, key: bad value, the words of its fix); the file sets only that key, on line 2 or 3
+RULES = [
+    ("train", "lr: 0", "train.lr", "6e-4"),
+    ("train", "lr: -0.1", "train.lr", "positive"),
+    ("train", "min_lr_ratio: 1.5", "train.min_lr_ratio", "[0, 1]"),
+    ("train", "gamma: 0", "train.gamma", "7"),
+    ("train", "grad_clip: 0", "train.grad_clip", "1.0"),
+    ("train", "betas: [0.9]", "train.betas", "[0.9, 0.95]"),
+    ("train", "betas: [0.9, 1.0]", "train.betas", "[0.9, 0.95]"),
+    ("train", "precision: fp16", "train.precision", "fp32, bf16-mixed"),
+    ("train", "activation_checkpointing: all", "train.activation_checkpointing", "none, layers"),
+    ("train", "max_steps: 0", "train.max_steps", "at least 1 or null"),
+    ("train", "epochs: 0", "train.epochs", "at least 1"),
+    ("train", "num_anchors: 0", "train.num_anchors", "at least 1"),
+    ("train", "batch_size: -2", "train.batch_size", "at least 1"),
+    ("drafter", "num_layers: 0", "drafter.num_layers", "at least 1"),
+    ("drafter", "block_size: 1", "drafter.block_size", "16"),
+    ("drafter", "num_heads: 0", "drafter.num_heads", "at least 1"),  # 0 is not null (the target's)
+    ("drafter", "num_kv_heads: 0", "drafter.num_kv_heads", "at least 1"),
+    ("drafter", "head_dim: 0", "drafter.head_dim", "at least 1"),
+    ("drafter", "intermediate_size: 0", "drafter.intermediate_size", "at least 1"),
+    ("run", "launcher: slurm", "run.launcher", "torchrun"),
+    ("run", "compile_mode: fast", "run.compile_mode", "default"),
+    ("run", "stop_grace_s: 0", "run.stop_grace_s", "below ops' --grace"),
+    ("run", "keep_last: 0", "run.keep_last", "at least 1"),
+    ("run", "checkpoint_every: 0", "run.checkpoint_every", "at least 1"),
+    ("run", "target_devices: [tpu]", "run.target_devices", "cuda:N"),
+    ("run", "report_to: [tensorbord]", "run.report_to", "Did you mean 'tensorboard'?"),
+    ("run", "report_to: [comet]", "run.report_to", "tensorboard, wandb, mlflow"),
+    ("eval", "every: -1", "eval.every", "0 (off)"),
+    ("eval", "num_prompts: 0", "eval.num_prompts", "at least 1"),
+    ("eval", "max_new_tokens: 0", "eval.max_new_tokens", "at least 1"),
+]
+
+
+@pytest.mark.parametrize("section, setting, key, fix", RULES)
+def test_every_rule_is_one_line_at_the_keys_line_naming_key_and_fix(tmp_path, section, setting, key, fix):
+    path = write(tmp_path, f"data: {{source: synthetic}}\n{section}:\n  {setting}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {})
+    message = str(err.value)
+    assert message.startswith(f"{path}:3: `{key}` "), message
+    assert fix in message and "\n" not in message
+    assert err.value.exit_code == 2
+
+
+def test_a_refused_compile_mode_says_why_it_is_not_offered(tmp_path):
+    from trainer.compile_modes import REFUSED_COMPILE_MODES
+
+    for mode, why in REFUSED_COMPILE_MODES.items():
+        path = write(tmp_path, f"data: {{source: synthetic}}\nrun: {{compile_mode: {mode}}}\n")
+        with pytest.raises(ConfigError) as err:
+            load_config(path, {})
+        assert f"'{mode}' is not offered: {why}" in str(err.value)
+
+
+@pytest.mark.parametrize("setting", [
+    "train: {warmup_frac: 0, min_lr_ratio: 1, betas: [0, 0.999], max_steps: null}",
+    "data: {source: synthetic, seq_len: 9, synthetic: {prompt_len: 8}, eval_fraction: 0.0}",
+    "drafter: {block_size: 2, num_heads: 8, num_kv_heads: 8}",
+    "eval: {every: 0, num_prompts: 1, max_new_tokens: 1}",
+    "run: {stop_grace_s: 0.5, target_devices: [cuda], drafter_devices: ['cuda:12', cpu]}",
+])
+def test_the_edges_of_each_range_are_accepted(tmp_path, setting):
+    text = setting if setting.startswith("data:") else "data: {source: synthetic}\n" + setting
+    load_config(write(tmp_path, text + "\n"), {})
+
+
+def test_report_to_keeps_each_tracker_once_in_order(tmp_path):
+    path = write(tmp_path, "data: {source: synthetic}\nrun: {report_to: [wandb, tensorboard, wandb]}\n")
+    assert load_config(path, {}).run.report_to == ["wandb", "tensorboard"]
+
+
+def test_precision_defaults_to_bf16_mixed_on_cuda_drafters_and_fp32_on_cpu(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    assert load_config(path, {}).train.precision == "fp32"
+    assert load_config(path, {"drafter_devices": "cpu,cuda:1"}).train.precision == "bf16-mixed"
+    assert load_config(path, {"drafter_devices": "cuda", "train.precision": "fp32"}).train.precision == "fp32"
+
+
+def test_a_saved_config_reads_back_as_the_same_config(tmp_path):
+    from trainer.config import config_from_dict
+
+    cfg = load_config("tiny-cpu", {"train.lr": 1e-3, "run.report_to": ["tensorboard"], "eval.every": 4})
+    again = config_from_dict(cfg.to_dict(), "run/config.json")
+    assert again.to_dict() == cfg.to_dict() and again.source == "run/config.json"
+    bad = cfg.to_dict()
+    bad["train"]["lr"] = 0
+    with pytest.raises(ConfigError, match=r"^run/config.json: `train.lr` must be positive"):
+        config_from_dict(bad, "run/config.json")
+
+
+def test_an_override_under_a_value_names_the_flag_whether_or_not_the_file_has_the_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--set train.lr.x: `lr` is not a section"):
+        load_config(write(tmp_path, MINIMAL + "    train: {lr: 0.1}\n"), {"train.lr.x": 1})
+    path = write(tmp_path, MINIMAL)  # no train section: the flag makes it, and the message names the flag
+    with pytest.raises(ConfigError, match=r"^--set train.lr.x: `train.lr` must be a number"):
+        load_config(path, {"train.lr.x": 1})
+    assert load_config(path, {"eval.every": 2}).eval.every == 2

@@ -230,3 +230,91 @@ def test_one_cuda_rank_trains_with_compiled_flex_over_nccl(tmp_path):
     records = metrics_format.parse_lines((tmp_path / "out" / "metrics.jsonl").read_text())
     assert [r["step"] for r in records if r["event"] == "step"] == [1, 2, 3, 4, 5]
     assert any(r["event"] == "compile" for r in records), "flex_attention was not compiled"
+
+
+# --------------------------------------------------------------------------- the exchanges, in process
+
+
+def ranks_exchange(monkeypatch, vectors_of_other_ranks):
+    """all_gather as if the other ranks had sent these vectors (this rank is rank 0)."""
+    from trainer.train import distributed
+
+    def gather(vector, world_size):
+        assert world_size == 1 + len(vectors_of_other_ranks)
+        return [vector.cpu()] + [torch.tensor(v, dtype=vector.dtype) for v in vectors_of_other_ranks]
+
+    monkeypatch.setattr(distributed, "_gather", gather)
+
+
+def test_the_job_summary_combines_the_ranks_as_the_threaded_mode_combines_its_replicas(monkeypatch):
+    from trainer.train.distributed import Rank, global_summary
+    from trainer.train.workers import StepSummary
+
+    # rank 0's own step, then ranks 1 and 2: (loss, tokens, stop requested, acc...)
+    ranks_exchange(monkeypatch, [[3.0, 50.0, 0.0, 0.5, 0.25], [2.0, 70.0, 1.0, 0.25, 0.0]])
+    local = StepSummary(step=5, loss=1.0, acc=[0.75, 0.5], tokens=60, grad_norm=0.3, lr=1e-4)
+    summary, stop = global_summary(local, False, Rank(0, 3, 0), "cpu")
+    assert summary == StepSummary(step=5, loss=2.0, acc=[0.5, 0.25], tokens=180, grad_norm=0.3, lr=1e-4)
+    assert stop, "one rank asked to stop: every rank stops after this step"
+    ranks_exchange(monkeypatch, [[3.0, 50.0, 0.0, 0.5, 0.25]])
+    assert global_summary(local, False, Rank(0, 2, 0), "cpu")[1] is False
+
+
+def test_ranks_that_differ_are_named(monkeypatch):
+    from trainer.data.dataset import Dataset
+    from trainer.train.distributed import Rank, check_same_data, check_same_start, dataset_digest
+
+    ranks_exchange(monkeypatch, [[31], [0]])
+    with pytest.raises(ckpt.CheckpointError, match=r"\(rank 0: step 31, rank 1: step 31, rank 2: fresh start\)"):
+        check_same_start(31, Rank(0, 3, 0), "cpu")
+    ids = torch.arange(12).view(3, 4)
+    data = Dataset(ids, ids > 2, ids >= 0, "probe")
+    ranks_exchange(monkeypatch, [[dataset_digest(data)], [dataset_digest(data) ^ 1]])
+    with pytest.raises(RuntimeError, match=r"^ranks \[2\] built different training data than rank 0"):
+        check_same_data(data, Rank(0, 3, 0), "cpu")
+    ranks_exchange(monkeypatch, [[dataset_digest(data)]])
+    check_same_data(data, Rank(0, 2, 0), "cpu")
+
+
+def test_the_data_digest_sees_every_tensor_of_the_dataset():
+    from trainer.data.dataset import Dataset
+    from trainer.train.distributed import dataset_digest
+
+    ids = torch.arange(24).view(4, 6)
+
+    def digest(input_ids=ids, loss_mask=ids > 3, attention_mask=ids >= 0):
+        return dataset_digest(Dataset(input_ids, loss_mask, attention_mask, "d"))
+
+    same = digest()
+    assert digest(ids.clone()) == same and 0 <= same < 2**56, "an int64 all ranks can exchange"
+    assert digest(ids.flip(0)) != same
+    assert digest(loss_mask=ids > 4) != same and digest(attention_mask=ids >= 1) != same
+    assert digest(input_ids=ids.t().contiguous().t()) == same, "the values, not the memory layout"
+
+
+def test_who_speaks_and_reports_and_how_a_rank_is_read_from_torchrun():
+    from trainer.train.distributed import Rank, rank_from_env
+
+    assert rank_from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == Rank(3, 4, 1)
+    assert rank_from_env({"RANK": "2", "WORLD_SIZE": "4"}) == Rank(2, 4, 2)
+    assert rank_from_env({"RANK": "0"}) is None and rank_from_env({}) is None
+    own_file = load_config("tiny-cpu", {"run.metrics_file": "host2.jsonl", "run.report_to": ["mlflow"]})
+    shared = load_config("tiny-cpu", {"run.report_to": ["mlflow"]})
+    assert Rank(0, 4, 0).speaks(shared) and Rank(0, 4, 0).trackers(shared) == ["mlflow"]
+    assert not Rank(2, 4, 0).speaks(shared), "another host's lead writes only into a file of its own"
+    assert Rank(2, 4, 0).speaks(own_file) and not Rank(3, 4, 1).speaks(own_file)
+
+
+def test_a_rank_says_its_failure_in_one_line_naming_itself(monkeypatch, capsys):
+    from trainer.train.distributed import Rank, TorchrunWorld
+    from trainer.train.workers import Failure, WorkerFailure
+
+    world = TorchrunWorld(load_config("tiny-cpu", {"launcher": "torchrun"}), Rank(1, 2, 1))
+    assert world.device == "cpu" and world.cfg.run.drafter_devices == ["cpu"] and world.thread("d") == "rank1/d"
+    failure = Failure.of(WorkerFailure("drafter0", ValueError("bad shard"), "Traceback ...\n  here\n"))
+    assert world.failed(failure) == "rank 1: "
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["dflash-train: rank 1 of 2 failed in thread drafter0: ValueError: bad shard", "Traceback ...", "  here"]
+    lead = TorchrunWorld(load_config("tiny-cpu", {"launcher": "torchrun"}), Rank(0, 2, 0))
+    assert lead.failed(failure) == "rank 0: "
+    assert capsys.readouterr().err.splitlines() == ["dflash-train: rank 0 of 2 failed in thread drafter0: ValueError: bad shard"]

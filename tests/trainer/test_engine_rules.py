@@ -177,3 +177,39 @@ def test_export_refuses_a_checkpoint_with_a_mask_hidden_weight(tmp_path, capsys)
         code == 2 and len(err) == 1 and "mask_hidden" in err[0] and err[0].startswith("dflash-train: error:")
     )
     assert not (tmp_path / "draft").exists()
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda c, s: c.pop("block_size"), "block_size is missing"),
+        (lambda c, s: c.update(block_size=1), "block_size must be >= 2"),
+        (lambda c, s: c["dflash_config"].update(target_layer_ids=[1, True, 3]), "must be whole numbers"),
+        (lambda c, s: c["dflash_config"].update(target_layer_ids=[1, 2.0, 3]), "must be whole numbers"),
+        (lambda c, s: c.pop("num_target_layers"), "num_target_layers is missing"),
+        (lambda c, s: c.update(num_target_layers=0), "num_target_layers is missing"),
+        (lambda c, s: s.pop("fc.weight"), "the weights have no 2-d fc.weight"),
+        (lambda c, s: s.update({"fc.weight": (64 * 3,)}), "the weights have no 2-d fc.weight"),
+        (lambda c, s: c["dflash_config"].update(mask_token_id=True), "mask_token_id is missing"),
+        (lambda c, s: c.update(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+        (lambda c, s: c.update(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
+    ],
+)
+def test_each_remaining_rule_names_what_breaks_it(change, words):
+    config, shapes = clean()
+    change(config, shapes)
+    message = refused(config, shapes)
+    assert (
+        words in message and message.startswith("cannot export: ") and "Fix: export the checkpoint" in message
+    )
+
+
+def test_the_first_broken_rule_is_the_one_reported():
+    config, shapes = clean()
+    config["dflash_config"]["mask_token_id"] = None
+    shapes["mask_hidden"] = (64,)
+    assert "mask_token_id" in engine_rule_problem(config, shapes, CFG.rope_theta), (
+        "the config before the weights"
+    )
+    config["dflash_config"]["target_layer_ids"] = []
+    assert "target_layer_ids" in engine_rule_problem(config, shapes, CFG.rope_theta)

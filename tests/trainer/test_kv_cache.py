@@ -54,3 +54,46 @@ def test_a_recurrent_state_is_not_rolled_back_by_cropping_alone(model):
     fresh = kv_cache.new_cache(model)
     kv_cache.forward(model, torch.tensor([PROMPT + DRAFT[:1]]), fresh)
     assert not torch.allclose(_next_logits(model, cache, 11), _next_logits(model, fresh, 11), atol=1e-5)
+
+
+@torch.no_grad()
+def test_keep_feeds_again_only_what_a_recurrent_cache_must_relearn(model, monkeypatch):
+    fed = []
+    real = kv_cache.forward
+
+    def counted(m, ids, cache, hidden=False):
+        fed.append(ids.tolist())
+        return real(m, ids, cache, hidden)
+
+    monkeypatch.setattr(kv_cache, "forward", counted)
+    for kept in (len(DRAFT), 2, 0):
+        cache = kv_cache.new_cache(model)
+        real(model, torch.tensor([PROMPT]), cache)
+        saved = kv_cache.checkpoint(cache)
+        real(model, torch.tensor([DRAFT]), cache)
+        fed.clear()
+        kv_cache.keep(model, cache, torch.tensor([DRAFT]), len(PROMPT), kept, saved)
+        again = [[DRAFT[:kept]]] if saved is not None and 0 < kept < len(DRAFT) else []
+        assert fed == again, f"kept {kept}: a dense cache only crops; all kept needs nothing"
+        assert cache.get_seq_length() == len(PROMPT) + kept
+
+
+@torch.no_grad()
+def test_a_dense_cache_has_no_recurrent_state_to_save_and_crop_cuts_it(model):
+    cache = kv_cache.new_cache(model)
+    kv_cache.forward(model, torch.tensor([PROMPT]), cache)
+    saved = kv_cache.checkpoint(cache)
+    if saved is not None:
+        live = [states[i] for layer in cache.layers if hasattr(layer, "recurrent_states")
+                for states, i in kv_cache._states(layer)]  # fmt: skip
+        assert len(live) == len(saved) and all(torch.equal(a, b) for a, b in zip(live, saved))
+        live[0].add_(1.0)
+        assert not torch.equal(live[0], saved[0]), "checkpoint copies the states, it does not alias them"
+        pytest.skip("crop is for dense caches")
+    kv_cache.crop(cache, 3)
+    assert cache.get_seq_length() == 3
+    kv_cache.rewind(cache, 10, None)  # longer than what it holds: nothing to cut
+    assert cache.get_seq_length() == 3
+    fresh = kv_cache.new_cache(model)
+    kv_cache.forward(model, torch.tensor([PROMPT[:3]]), fresh)
+    assert torch.allclose(_next_logits(model, cache, 11), _next_logits(model, fresh, 11), atol=1e-5, rtol=1e-5)

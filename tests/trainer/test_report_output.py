@@ -61,3 +61,38 @@ def test_overlaid_runs_keep_their_legends_off_the_data():
             assert not covered, f"the {name} legend covers {sorted(set(covered))}"
     finally:
         plt.close(fig)
+
+
+@pytest.mark.parametrize("name, kind", [("r.png", "png"), ("R.PNG", "png"), ("a/b.html", "html"),
+                                        ("page.HTM", "html"), ("dir.png/report", None), (".png.txt", None)])
+def test_the_format_is_the_names_suffix_whatever_its_case(name, kind):
+    if kind is None:
+        with pytest.raises(report_plot.UnknownFormat, match="name the file report.png or report.html"):
+            report_plot.format_of(name)
+    else:
+        assert report_plot.format_of(name) == kind
+
+
+def test_the_html_page_escapes_what_it_did_not_write_and_embeds_the_very_png():
+    import base64
+    import dataclasses
+    import re
+
+    hostile = dataclasses.replace(run_history("<script>x</script>", 0.0), evals=(), finished=False)
+    picture = report_plot.Picture(b"\x89PNG fake", 640, 480, {})
+    page = report_plot.html_page([run_history("0001", 0.0), hostile], picture, 'runs & "more" <b>')
+    assert "<script>" not in page and "&lt;script&gt;x&lt;/script&gt;" in page
+    assert "<title>runs &amp; &quot;more&quot; &lt;b&gt;</title>" in page
+    (embedded,) = re.findall(r"src='data:image/png;base64,([^']+)'", page)
+    assert base64.b64decode(embedded) == picture.png and "width='640'" in page
+    rows = re.findall(r"<tr><td>(.*?)</td></tr>", page)
+    assert len(rows) == 2
+    assert rows[0].split("</td><td>")[1:] == ["2.400 (step 360)", "396/400", "1m00s", "1", "finished"]
+    assert rows[1].split("</td><td>")[1:] == ["—", "396/400", "1m00s", "1", "not finished"]
+
+
+def test_smoothing_is_a_trailing_mean_that_skips_gaps():
+    nan = float("nan")
+    smoothed = report_plot._smooth([1.0, 3.0, nan, 5.0, 7.0], window=2)
+    assert smoothed == [1.0, 2.0, 3.0, 5.0, 6.0]
+    assert all(v != v for v in report_plot._smooth([nan, nan], window=3)), "no number yet: a gap"

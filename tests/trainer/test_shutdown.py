@@ -121,3 +121,71 @@ def test_sigterm_ends_the_trainer_although_its_python_handler_never_runs(tmp_pat
     out, err, took = finish(proc, timeout=60)
     assert_ended_by_the_watchdog(proc, out, err, took, grace)
     assert "SIGTERM" not in out  # the trainer itself never said anything after the signal
+
+
+# --------------------------------------------------------------------------- the request itself, in process
+
+
+def test_a_stop_is_overdue_only_once_its_grace_has_passed(monkeypatch):
+    from trainer.train import shutdown
+
+    now = [50.0]
+    monkeypatch.setattr(shutdown.time, "monotonic", lambda: now[0])
+    stop = shutdown.StopRequest(grace_s=2.5)
+    assert stop.overdue() is None, "nothing requested: never overdue"
+    stop._handle(signal.SIGTERM, None)
+    assert stop.requested and stop.signal_name == "SIGTERM" and stop.requested_at == 50.0
+    now[0] = 52.4
+    assert stop.overdue() is None
+    now[0] = 52.5
+    assert stop.overdue() == "SIGTERM 2.5 s ago (run.stop_grace_s)"
+    with pytest.raises(KeyboardInterrupt, match="second SIGINT: stopping without a checkpoint"):
+        stop._handle(signal.SIGINT, None)
+
+
+def test_install_takes_the_signals_and_uninstall_gives_them_back():
+    import threading
+
+    from trainer.train.shutdown import StopRequest
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stop = StopRequest().install()
+    try:
+        assert all(signal.getsignal(sig) == stop._handle for sig in before)
+    finally:
+        stop.uninstall()
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    elsewhere = []  # signals only reach the main thread: another thread installs nothing
+    thread = threading.Thread(target=lambda: elsewhere.append(StopRequest().install()._previous))
+    thread.start()
+    thread.join()
+    assert elsewhere == [{}]
+
+
+def test_only_worker_threads_still_running_hold_up_an_abort(monkeypatch, capsys):
+    import threading
+
+    from trainer.train import shutdown
+
+    release = threading.Event()
+
+    class Worker(threading.Thread):
+        dflash_worker = True
+
+    stuck = Worker(target=release.wait, name="drafter1")
+    plain = threading.Thread(target=release.wait, name="not-a-worker")
+    exits = []
+    monkeypatch.setattr(shutdown.os, "_exit", exits.append)
+    shutdown.exit_if_threads_stuck(130)
+    assert exits == [] and shutdown.worker_threads_alive() == []
+    stuck.start()
+    plain.start()
+    try:
+        assert shutdown.worker_threads_alive() == ["drafter1"]
+        shutdown.exit_if_threads_stuck(130)
+    finally:
+        release.set()
+        stuck.join()
+        plain.join()
+    assert exits == [130]
+    assert capsys.readouterr().err == "dflash-train: exiting with threads still running: drafter1\n"

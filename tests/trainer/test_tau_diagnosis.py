@@ -81,3 +81,19 @@ def test_eval_why_needs_a_run(run, tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--why needs the run" in err[0]
+
+
+def test_expected_tau_uses_the_last_window_the_narrowest_record_and_no_non_numbers():
+    old = [{"acc": [0.0, 0.0]}] * 5
+    recent = [{"acc": [1.0, 0.5]}, {"acc": [0.5, 0.5, 0.9]}]
+    assert expected_tau_of(old + recent, window=2) == pytest.approx(expected_tau([0.75, 0.5]))
+    assert expected_tau_of(old + recent, window=3) == pytest.approx(expected_tau([0.5, 1 / 3]))
+    for bad in (float("nan"), True, "0.5", None):
+        assert expected_tau_of([{"acc": [0.5, bad]}]) is None
+    assert expected_tau_of([{"acc": []}, {"loss": 1.0}]) is None
+
+
+def test_with_no_tau_measured_the_cause_is_unknown():
+    assert likely_cause(3.0, None, None) == "likely cause: unknown (no tau measured)"
+    assert likely_cause(None, None, None) == "likely cause: unknown (no tau measured)"
+    assert likely_cause(None, 2.0, 1.9).startswith("likely cause: none found")

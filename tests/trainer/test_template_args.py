@@ -8,6 +8,8 @@ import io
 import json
 import types
 
+import pytest
+
 from trainer.cli.data import main as data_main
 from trainer.cli.eval import _template_kwargs
 from trainer.infer.serve_recipe import recipe_for_checkpoint
@@ -108,3 +110,33 @@ def test_export_and_eval_of_an_export_carry_them(tmp_path):
     (tmp_path / "serve.json").write_text(json.dumps(recipe.to_dict()))
     assert _template_kwargs(_eval_args(tmp_path), None, io.StringIO()) == NO_THINKING
     assert side_file("x.jsonl") == "x.jsonl.chat-template.json"
+
+
+@pytest.mark.parametrize(
+    "text", ["{not json", "[1, 2]", '{"chat_template_kwargs": ["enable_thinking"]}', "{}"]
+)
+def test_a_side_file_that_is_not_a_record_of_arguments_counts_as_none(tmp_path, text):
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    (tmp_path / ("d.jsonl" + ".chat-template.json")).write_text(text)
+    assert read_for_data(str(data)) is None
+    assert read_for_data(None) is None and read_for_data(str(tmp_path / "absent.jsonl")) is None
+
+
+def test_a_checkpoints_config_says_its_arguments_only_as_a_mapping():
+    from trainer.template_args import run_chat_template_kwargs
+
+    assert run_chat_template_kwargs({"data": {"chat_template_kwargs": NO_THINKING}}) == NO_THINKING
+    for config in (None, {}, {"data": None}, {"data": {"chat_template_kwargs": "off"}}):
+        assert run_chat_template_kwargs(config) is None
+
+
+def test_the_warning_is_given_only_when_the_arguments_differ():
+    from trainer.template_args import differs_warning
+
+    assert differs_warning(None, {}) is None and differs_warning(NO_THINKING, dict(NO_THINKING)) is None
+    warning = differs_warning(NO_THINKING, None)
+    assert warning.startswith(
+        'warning: the drafter\'s training data was rendered with chat_template_kwargs {"enable_thinking": false}, these prompts with {}'
+    )
+    assert "\n" not in warning

@@ -205,3 +205,24 @@ def test_values_are_described_in_words():
     assert typed_yaml.kind_of(None) == "nothing" and typed_yaml.kind_of([1]) == "a list"
     assert typed_yaml.show("x" * 100).endswith("...") and len(typed_yaml.show("x" * 100)) == 60
     assert typed_yaml.located("f.yaml", 3) == "f.yaml:3" and typed_yaml.located("f.yaml", None) == "f.yaml"
+
+
+@pytest.mark.parametrize("text, line, byte", [
+    ("a: 1\nb: x\x07y\n", 2, 0x07),  # a bell copied from a terminal
+    ("a: 1\nb: 2\nc: \x00\n", 3, 0x00),
+    ("\x1b[31ma: 1\n", 1, 0x1b),
+])
+def test_a_control_byte_is_named_with_its_line(text, line, byte):
+    with pytest.raises(YamlInputError) as err:
+        parse_yaml(text, "c.yaml")
+    assert str(err.value) == (
+        f"c.yaml:{line}: character {byte:#04x} (a control byte) is not allowed in YAML; "
+        "remove it (a copy from a terminal or a binary file?)"
+    )
+
+
+def test_a_second_document_is_refused_at_the_line_that_starts_it():
+    with pytest.raises(YamlInputError) as err:
+        parse_yaml("a: 1\n---\nb: 2\n", "two.yaml")
+    assert str(err.value).startswith("two.yaml:2: not valid YAML: expected a single document")
+    assert str(err.value).endswith("(column 1); fix the syntax there")

@@ -231,8 +231,9 @@ def load_checkpoint(path: str) -> Checkpoint:
         state = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True)
         config = json.loads(Path(path, CONFIG).read_text(encoding="utf-8"))
         drafter_config = json.loads(Path(path, DRAFTER_CONFIG).read_text(encoding="utf-8"))
-    except Exception as exc:  # corrupt or foreign files: say which checkpoint
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # corrupt or foreign files: say which checkpoint, in one line
+        detail = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {detail}") from exc
     return Checkpoint(
         path=path,
         step=int(state["step"]),

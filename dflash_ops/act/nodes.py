@@ -1,20 +1,20 @@
-"""How a multinode job's commands run: on its nodes (a Node: a target running its part of the job,
-with its transport), as ONE Run (act/runner.py) whose target is the job and whose steps are
-phases. A phase is a single-target step run on every node at once, one line per node
-(`on_nodes`), or a step of the whole job that acts on the nodes itself (through `each`). The Run
-numbers and prints the phases like any command's steps and halts at the first that fails."""
+"""How a command runs on a job: a job is N nodes (a Node: a target running its part of the job, with
+its transport), a single target is the one-node job. A command is ONE Run (act/runner.py) whose
+target is the job and whose steps are phases: a single-target step run on every node at once, one
+line per node (`on_nodes`; on one node it is just that step, its own line), or a step of the whole
+job that acts on the nodes itself (through `each` and `one`). Every node is connected and locked
+before the first phase (`running`), so the lock and every rule in the steps hold for every N."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 from dflash_ops.job import joblock
 from dflash_ops.errors import StepFailed
 from dflash_ops.job.model import Target
-from dflash_ops.inventory.multinode import MultinodeJob
 from dflash_ops.act.context import StepContext, StepOutcome
 from dflash_ops.transport.dry_run import DryRunTransport
 from dflash_ops.act.runner import Halted, OnProgress, Run
@@ -22,6 +22,15 @@ from dflash_ops.transport.base import Transport
 from dflash_ops.transport.factory import make_transport
 
 T = TypeVar("T")
+
+
+class Nodes(Protocol):
+    """A job as the commands take it: a target (one node) or a multinode job (several)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def node_targets(self) -> list[Target]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +58,8 @@ class Node:
 @dataclasses.dataclass
 class JobContext(StepContext):
     """A phase's context: the whole job, whose name is the run's target. `target` and `transport`
-    are node 0's (so dry_run is the nodes'); a phase acts on a node through `each` or `one`, with
-    that node's own context."""
+    are node 0's (so dry_run is the nodes', and a one-node job's steps act right here); a phase acts
+    on a node through `each` or `one`, with that node's own context."""
 
     job_name: str = ""
     nodes: tuple[Node, ...] = ()
@@ -110,6 +119,11 @@ def _said(value: object) -> str:
     return value.message if isinstance(value, StepOutcome) else str(value or "")
 
 
+def one_node(run: Run) -> bool:
+    """Whether `run` acts on a one-node job (a target): its phases are then the steps themselves."""
+    return isinstance(run.ctx, JobContext) and len(run.ctx.nodes) == 1
+
+
 def on_nodes(
     run: Run,
     step: Callable[..., T],
@@ -120,9 +134,12 @@ def on_nodes(
     **kwargs: Any,
 ) -> list[tuple[Node, T]]:
     """The phase named after `step` (a single-target step, `step(ctx, job, *args, **kwargs)`) run
-    on every node at once, one line per node. Returns (node, what the step gave) for the nodes it
-    succeeded on; a failure on any node fails the phase, with `note` added, and ends the command
-    (Halted) unless `keep_going`: then the next phases go on with the nodes it succeeded on."""
+    on every node at once. Returns (node, what the step gave) for the nodes it succeeded on. A
+    failure on any node fails the phase, with `note` added, and ends the command (Halted) unless
+    `keep_going` and some node is left: then the next phases go on with the nodes it succeeded on.
+    On a one-node job the phase is the step itself, with its own line."""
+    if one_node(run):
+        return [(node, run(step, node.target.job, *args, **kwargs)) for node in nodes]
     done: list[tuple[Node, T]] = []
 
     def phase(ctx: StepContext) -> StepOutcome:
@@ -134,21 +151,23 @@ def on_nodes(
                 lines.append(f"{node.label}: {_said(value)}")
             else:
                 lines.append(f"{node.label}: FAILED: {first_lines(error)}")
-        if len(done) < len(nodes):
-            return StepOutcome.failed("\n".join(lines) + note)
+        if len(done) < len(nodes):  # failed as the one node's step would: a refusal exits 2
+            failed = StepFailed("\n".join(lines) + note)
+            failed.exit_code = max(getattr(e, "exit_code", 1) for _, e in outcomes if e is not None)
+            raise failed
         return StepOutcome("\n".join(lines))
 
     phase.__name__ = step.__name__
     try:
         run(phase)
     except Halted:
-        if not keep_going:
+        if not (keep_going and done):
             raise
     return done
 
 
 @contextlib.contextmanager
-def connected(job: MultinodeJob, command: str, dry_run: bool = False) -> Iterator[list[Node]]:
+def connected(job: Nodes, command: str, dry_run: bool = False) -> Iterator[list[Node]]:
     """Every node connected and its job lock held (taken in node order, so two commands on one job
     never wait on each other's halves; JobBusy when one is held). Under dry-run every transport
     reaches nothing (DryRunTransport: none connects) and no lock is taken."""
@@ -165,19 +184,29 @@ def connected(job: MultinodeJob, command: str, dry_run: bool = False) -> Iterato
 
 
 @contextlib.contextmanager
+def acting_on(
+    job: Nodes, command: str, dry_run: bool, on_locked: Callable[[], None] | None = None
+) -> Iterator[JobContext]:
+    """Where `command` acts on `job`: its nodes connected and locked (see `connected`); `on_locked`
+    runs once every lock is ours."""
+    with connected(job, command, dry_run) as nodes:
+        if on_locked is not None:
+            on_locked()
+        first = nodes[0]
+        yield JobContext(first.target, first.transport, job_name=job.name, nodes=tuple(nodes))
+
+
+@contextlib.contextmanager
 def running(
-    job: MultinodeJob,
+    job: Nodes,
     command: str,
     plan: Sequence[str],
     dry_run: bool,
     on_progress: OnProgress | None,
     on_locked: Callable[[], None] | None = None,
 ) -> Iterator[tuple[Run, list[Node]]]:
-    """A Run of `plan` (the phase names, in order) on the whole job, and its nodes: connected and
-    locked (see `connected`); `on_locked` runs once every lock is ours."""
-    with connected(job, command, dry_run) as nodes:
-        if on_locked is not None:
-            on_locked()
-        ctx = JobContext(nodes[0].target, nodes[0].transport, job_name=job.name, nodes=tuple(nodes))
-        with Run(command, ctx, plan, on_progress, source=f"dflash_ops.commands.multinode.{command}") as run:
-            yield run, nodes
+    """A Run of `plan` (the phase names, in order) on the whole job, and its nodes."""
+    with acting_on(job, command, dry_run, on_locked) as ctx:
+        source = f"dflash_ops.commands.{command.replace('-', '_')}"
+        with Run(command, ctx, plan, on_progress, source) as run:
+            yield run, list(ctx.nodes)
