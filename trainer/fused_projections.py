@@ -1,5 +1,6 @@
-"""One weight matrix for q/k/v and one for the MLP's gate/up of every target layer, so a decode step
-reads a layer's weights in three matrix-vector products (qkv, o, gate_up, down: four) instead of six.
+"""One weight matrix for q/k/v (a Gated DeltaNet layer: its four input projections) and one for the
+MLP's gate/up of every target layer, so a decode step reads a layer's weights in four matrix-vector
+products (qkv, o, gate_up, down) instead of six, a Gated DeltaNet layer's in four instead of seven.
 
 The model's own parameters become row-slices (views) of the fused matrices: no second copy of the
 weights, and the HF forward reads the same values as before. Fuse once, where the model will stay,
@@ -13,6 +14,8 @@ import torch
 
 QKV = "fused_qkv_weight"
 GATE_UP = "fused_gate_up_weight"
+INPUTS = "fused_inputs_weight"  # Gated DeltaNet: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+DELTA_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
 def fuse_projections(model) -> int:
@@ -20,8 +23,11 @@ def fuse_projections(model) -> int:
     fused = 0
     for layer in model.get_decoder().layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        mixer = getattr(layer, "linear_attn", None)
         if attn is not None and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")):
             fused += _fuse(attn, QKV, [attn.q_proj, attn.k_proj, attn.v_proj])
+        if mixer is not None and all(hasattr(mixer, n) for n in DELTA_INPUTS):
+            fused += _fuse(mixer, INPUTS, [getattr(mixer, n) for n in DELTA_INPUTS])
         if mlp is not None and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj")):
             fused += _fuse(mlp, GATE_UP, [mlp.gate_proj, mlp.up_proj])
     return fused

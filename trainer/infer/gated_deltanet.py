@@ -26,6 +26,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from trainer.fused_projections import DELTA_INPUTS, INPUTS, fused_rows
+
 CHUNK = 64
 
 
@@ -33,10 +35,10 @@ CHUNK = 64
 class DeltaNetWeights:
     """One Gated DeltaNet layer's tensors (the model's own, not copies) and its shape."""
 
-    in_qkv: torch.Tensor
-    in_z: torch.Tensor
-    in_b: torch.Tensor
-    in_a: torch.Tensor
+    in_qkv: torch.Tensor  # with in_z/in_b/in_a None: all four fused (trainer.fused_projections)
+    in_z: torch.Tensor | None
+    in_b: torch.Tensor | None
+    in_a: torch.Tensor | None
     conv: torch.Tensor  # [conv channels, K]
     conv_bias: torch.Tensor | None
     a_log: torch.Tensor
@@ -51,11 +53,15 @@ class DeltaNetWeights:
 
     @classmethod
     def of(cls, module) -> "DeltaNetWeights":
+        inputs = [getattr(module, name) for name in DELTA_INPUTS]
+        whole = fused_rows(module, INPUTS, inputs)
+        separate: list[torch.Tensor | None] = [p.weight for p in inputs]
+        _, in_z, in_b, in_a = separate if whole is None else [whole, None, None, None]
         return cls(
-            module.in_proj_qkv.weight,
-            module.in_proj_z.weight,
-            module.in_proj_b.weight,
-            module.in_proj_a.weight,
+            whole if whole is not None else inputs[0].weight,
+            in_z,
+            in_b,
+            in_a,
             module.conv1d.weight.squeeze(1),
             module.conv1d.bias,
             module.A_log,
@@ -121,7 +127,12 @@ def _inputs(x: torch.Tensor, w: DeltaNetWeights, conv_state: torch.Tensor):
     """Projections and the causal conv of a pass: (q, k, v [B, H, T, d] fp32, beta, g [B, Hv, T] fp32,
     z [B, T, Hv, dv], the conv window)."""
     batch, length, _ = x.shape
-    mixed = F.linear(x, w.in_qkv).transpose(1, 2)  # [B, channels, T]
+    if w.in_z is None or w.in_b is None or w.in_a is None:
+        widths = [w.channels, w.value_heads * w.value_dim, w.value_heads, w.value_heads]
+        mixed, z, b, a = F.linear(x, w.in_qkv).split(widths, dim=-1)
+    else:
+        mixed, z, b, a = (F.linear(x, m) for m in (w.in_qkv, w.in_z, w.in_b, w.in_a))
+    mixed = mixed.transpose(1, 2)  # [B, channels, T]
     window = torch.cat([conv_state, mixed], dim=-1)
     conv = F.silu(F.conv1d(window, w.conv.unsqueeze(1), w.conv_bias, groups=w.channels)).transpose(1, 2)
     key_width = w.key_heads * w.key_dim
@@ -135,9 +146,9 @@ def _inputs(x: torch.Tensor, w: DeltaNetWeights, conv_state: torch.Tensor):
     q = _l2norm(heads(q, w.key_heads, w.key_dim)) * w.key_dim**-0.5
     k = _l2norm(heads(k, w.key_heads, w.key_dim))
     v = heads(v, w.value_heads, w.value_dim)
-    beta = torch.sigmoid(F.linear(x, w.in_b).float()).transpose(1, 2)
-    g = (-w.a_log.float().exp() * F.softplus(F.linear(x, w.in_a).float() + w.dt_bias)).transpose(1, 2)
-    z = F.linear(x, w.in_z).view(batch, length, w.value_heads, w.value_dim)
+    beta = torch.sigmoid(b.float()).transpose(1, 2)
+    g = (-w.a_log.float().exp() * F.softplus(a.float() + w.dt_bias)).transpose(1, 2)
+    z = z.reshape(batch, length, w.value_heads, w.value_dim)
     return q, k, v, beta, g, z, window
 
 

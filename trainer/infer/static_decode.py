@@ -243,24 +243,16 @@ def _layer_of(layer, centered: bool = False) -> _Layer:
     (wq, bq), (wk, bk), (wv, bv) = separate
     gate, up = _gate_up(mlp)
     return _Layer(
-        layer.input_layernorm.weight,
-        wq,
-        bq,
-        wk,
-        bk,
-        wv,
-        bv,
-        None if q_norm is None else q_norm.weight,
-        None if k_norm is None else k_norm.weight,
-        attn.o_proj.weight,
-        _bias(attn.o_proj),
-        layer.post_attention_layernorm.weight,
-        gate,
-        up,
-        mlp.down_proj.weight,
-        centered,
+        ln=layer.input_layernorm.weight,
+        wq=wq, bq=bq, wk=wk, bk=bk, wv=wv, bv=bv,
+        q_norm=None if q_norm is None else q_norm.weight,
+        k_norm=None if k_norm is None else k_norm.weight,
+        wo=attn.o_proj.weight, bo=_bias(attn.o_proj),
+        ln2=layer.post_attention_layernorm.weight,
+        gate=gate, up=up, down=mlp.down_proj.weight,
+        centered=centered,
         gated=attn.q_proj.weight.shape[0] == 2 * heads_width,
-    )
+    )  # fmt: skip
 
 
 def _gate_up(mlp) -> tuple[torch.Tensor, torch.Tensor | None]:
