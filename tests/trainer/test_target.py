@@ -211,3 +211,15 @@ def test_drafter_config_for_target(tiny):
     assert cfg.mask_token_id == 511 and cfg.rope_theta == tiny.config.rope_parameters["rope_theta"]
     drafter = DFlashDrafter(cfg, tiny.embed_tokens, tiny.lm_head)
     assert drafter.fc.weight.shape == (64, 3 * 64)
+
+
+def test_a_model_directory_without_tokenizer_files_has_no_tokenizer(tiny, tmp_path):
+    """Transformers builds an empty tokenizer (pad id 0) for such a directory; its pad id must not
+    become the mask token: the last embedding row stays the mask, as for a tiny target."""
+    from trainer.data.target_head import load_target_head
+
+    tiny.model.save_pretrained(tmp_path)
+    local = load_target(str(tmp_path), "cpu", torch.float32, layer_ids=[0, 2])
+    head = load_target_head(str(tmp_path), torch.float32, layer_ids=[0, 2])
+    assert local.tokenizer is None and local.mask_token_id == 511
+    assert head.mask_token_id == 511

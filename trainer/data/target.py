@@ -216,7 +216,7 @@ def _default_dtype(dtype):
 
 
 def _hf_target(path: str, device: str, dtype) -> tuple[HFModel, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from transformers import AutoConfig
 
@@ -239,11 +239,24 @@ def _hf_target(path: str, device: str, dtype) -> tuple[HFModel, Any]:
             f"target.spec: cannot load a causal LM from {path!r}: {exc}. "
             f"Fix: check that the directory holds config.json and weights"
         ) from exc
+    return model.to(device), tokenizer_of(path)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def tokenizer_of(path: str) -> Any:
+    """The model directory's tokenizer, or None (pre-tokenized JSONL data still works without one).
+    Without tokenizer files transformers builds an empty tokenizer whose pad id 0 would become the
+    mask token: such a directory has none."""
+    if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError):
-        tokenizer = None  # pre-tokenized JSONL data still works without one
-    return model.to(device), tokenizer
+        return None
 
 
 def load_target(

@@ -19,6 +19,7 @@ from trainer.data.target import (
     check_layer_ids,
     default_layer_ids,
     default_mask_token_id,
+    tokenizer_of,
     is_tiny,
     tiny_target,
 )
@@ -89,7 +90,7 @@ def _read_tensor(files: dict[str, str], suffix: str):
 
 
 def _hf_head(path: str, dtype):
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     if not os.path.isdir(path):
         raise ConfigError(
@@ -111,11 +112,7 @@ def _hf_head(path: str, dtype):
     else:
         head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False).requires_grad_(False)
         head.weight.data = head_w.to(dtype)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError):
-        tokenizer = None
-    return config, embed, head, tokenizer
+    return config, embed, head, tokenizer_of(path)
 
 
 def load_target_head(
