@@ -37,12 +37,11 @@ def byte_chat_tokenizer(vocab_size: int):
     core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
+    # added to the core, not through the wrapper's additional_special_tokens: that path checks each
+    # token against a list of the others, minutes for a real vocabulary (248,320 ids)
+    core.add_special_tokens(SPECIALS + reserved)
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIALS[1:2] + reserved,
+        tokenizer_object=core, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
     tok.chat_template = CHATML
     return tok

@@ -653,6 +653,13 @@ def open_cache(cache_dir: str, expected: dict, pin_memory: bool = False) -> Data
     )
 
 
+def _building_device(cfg) -> str:
+    """Where a tiny target is built for its head: the first target device when CUDA is here."""
+    devices = list(cfg.run.target_devices or []) + list(cfg.run.drafter_devices or [])
+    on_cuda = [d for d in devices if str(d).startswith("cuda")]
+    return on_cuda[0] if on_cuda and torch.cuda.is_available() else "cpu"
+
+
 def training_source(cfg, dtype) -> tuple[list, Dataset]:
     """For `data.source: features`: one embedding+lm_head stand-in for the target per drafter replica
     (each is that replica's background loader thread) and the cache as a Dataset."""
@@ -664,6 +671,7 @@ def training_source(cfg, dtype) -> tuple[list, Dataset]:
         layer_ids=cfg.target.layer_ids,
         seed=cfg.train.seed,
         tiny=cfg.target.tiny or None,
+        device=_building_device(cfg),
     )
     expected = {
         "target": target_identity(head),

@@ -116,12 +116,21 @@ def _hf_head(path: str, dtype):
 
 
 def load_target_head(
-    spec: str, dtype, layer_ids: list[int] | None = None, seed: int = 0, tiny: dict | None = None
+    spec: str,
+    dtype,
+    layer_ids: list[int] | None = None,
+    seed: int = 0,
+    tiny: dict | None = None,
+    device: str = "cpu",
 ) -> TargetHead:
+    """A tiny spec is built whole on `device` (where `cache-features` built it, so the same seeded
+    weights; a real-size tiny spec initialises in seconds on a GPU, in minutes on a CPU) and only
+    its embedding and lm_head are kept, on the CPU."""
     if is_tiny(spec):
-        model = tiny_target("cpu", dtype, seed, tiny, spec)
+        model = tiny_target(device, dtype, seed, tiny, spec)
         config, tokenizer = model.config, None
-        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        embed, head = model.get_input_embeddings().cpu(), model.get_output_embeddings().cpu()
+        del model
     else:
         config, embed, head, tokenizer = _hf_head(spec, dtype)
     embed.requires_grad_(False)
