@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import versions  # noqa: E402
+from benchmarks.common import built_on, versions  # noqa: E402
 
 
 class Shape(TypedDict):
@@ -100,8 +100,6 @@ def build(shape: str, device: str, dtype):
     cfg = Qwen3Config(**dims, max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
     t = spec["target"]
     dcfg = DrafterConfig(
         hidden_size=t["hidden_size"],
@@ -115,12 +113,9 @@ def build(shape: str, device: str, dtype):
         num_layers=spec["drafter_layers"],
         block_size=16,
     )
-    try:
-        with torch.device(device):  # initialised where they live: no host copy of 8B parameters
-            model = Qwen3ForCausalLM(cfg).eval().requires_grad_(False)
-            drafter = DFlashDrafter(dcfg, model.get_input_embeddings(), model.get_output_embeddings())
-    finally:
-        torch.set_default_dtype(previous)
+    with built_on(device, dtype):
+        model = Qwen3ForCausalLM(cfg).eval().requires_grad_(False)
+        drafter = DFlashDrafter(dcfg, model.get_input_embeddings(), model.get_output_embeddings())
     drafter.eval().requires_grad_(False)
     return model, drafter
 

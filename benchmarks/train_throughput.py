@@ -65,7 +65,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks.baselines import FLEX_EAGER, attention_backend  # noqa: E402
-from benchmarks.common import fresh_compile_env, versions  # noqa: E402
+from benchmarks.common import built_on, fresh_compile_env, popen_text, versions  # noqa: E402
 
 RESULT_TAG = "BENCH_RESULT "
 PURE_BF16 = "bf16-pure"  # baseline only: bf16 parameters and AdamW state, no fp32 master weights
@@ -535,13 +535,8 @@ def _random_target(args, torch):
     config = Qwen3Config(**(SMALL_TARGET if args.small else QWEN3_8B))
     config._attn_implementation = "sdpa"
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in bf16 directly: no fp32 copy of 8B parameters
-    try:
-        with torch.device(args.device):
-            model = Qwen3ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(before)
+    with built_on(args.device, dtype):
+        model = Qwen3ForCausalLM(config)
     layer_ids = default_layer_ids(config.num_hidden_layers)
     return TargetModel(
         model=model,
@@ -812,15 +807,7 @@ def run_child(args, what: str, extra: list[str], timeout: float) -> dict:
         *extra,
     ]
     began = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=REPO,
-        start_new_session=True,
-    )
+    proc = popen_text(cmd, env, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
