@@ -750,15 +750,12 @@ def render_cache(result: dict) -> list[str]:
     if "failed" in result:
         return ["", f"Feature cache: failed: {result['failed']}"]
     runs = result["runs"]
-    lines = [
-        "",
+    lines = _table_head(
         "Training steps through the trainer's pipeline (loader thread, queue depth 2, pinned memory). "
         "`disk`: the shards' page cache dropped (posix_fadvise) before the pass, so every batch is read from "
         "the disk; `page cache`: a second pass over the same shards:",
-        "",
-        "| features | median step s | first step s | steps s |",
-        "|---|---|---|---|",
-    ]
+        ["features", "median step s", "first step s", "steps s"],
+    )
     for name, r in runs.items():
         lines.append(f"| {name} | {r['median_step_s']:.4f} | {r['first_step_s']:.2f} | {r['step_times_s']} |")
     base = runs["drafter-only (features resident on the device)"]["median_step_s"]
@@ -853,6 +850,11 @@ def summarise(run: dict, dims: dict, peak_tflops: float | None) -> dict:
     }
 
 
+def _table_head(caption: str, columns: list[str]) -> list[str]:
+    """A blank line, `caption`, and the header and rule of a markdown table of `columns`."""
+    return ["", caption, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def _fmt(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -939,13 +941,10 @@ def _render_first_step(report: dict) -> list[str]:
     """First-step latency per compile lock."""
     lines: list[str] = []
     if report.get("first_step"):
-        lines += [
-            "",
+        lines += _table_head(
             "First-step latency per thread (from a common start; includes waiting for the lock):",
-            "",
-            "| compile lock | per thread s | all done s | errors |",
-            "|---|---|---|---|",
-        ]
+            ["compile lock", "per thread s", "all done s", "errors"],
+        )
         for lock, r in report["first_step"].items():
             if "failed" in r:
                 lines.append(f"| {lock} | failed: {r['failed']} | | |")
@@ -960,13 +959,10 @@ def _render_checkpointing(report: dict) -> list[str]:
     lines: list[str] = []
     ckpt = report.get("checkpointing")
     if ckpt:
-        lines += [
-            "",
+        lines += _table_head(
             "Activation checkpointing (every drafter layer recomputed in backward), same run settings:",
-            "",
-            "| train.activation_checkpointing | median step s | peak mem GiB |",
-            "|---|---|---|",
-        ]
+            ["train.activation_checkpointing", "median step s", "peak mem GiB"],
+        )
         for name, s in ckpt["runs"].items():
             if "failed" in s:
                 lines.append(f"| {name} | failed: {s['failed']} | |")
