@@ -188,17 +188,16 @@ def measure(model, drafter, shape: str, block: int, kernels: str, device: str, i
     vocab = spec["target"]["vocab_size"]
     prompt = torch.randint(0, vocab - 1, (spec["prompt"],), generator=gen).tolist()
     d = with_block(drafter, block)
+
+    def decoder(**how) -> StaticDecoder:
+        """One row of this shape's prompt and budget, decoded `how` (compiled, rowwise, graphs)."""
+        layers = d.cfg.target_layer_ids
+        return StaticDecoder(
+            model, layers, d, rows=1, max_prompt=spec["prompt"], max_new_tokens=spec["new"], **how
+        )
+
     t0 = time.perf_counter()
-    dec = StaticDecoder(
-        model,
-        d.cfg.target_layer_ids,
-        d,
-        rows=1,
-        max_prompt=spec["prompt"],
-        max_new_tokens=spec["new"],
-        compile=compile,
-        rowwise=rowwise,
-    )
+    dec = decoder(compile=compile, rowwise=rowwise)
     dec.prepare([prompt])
     k = dec.kernels
     offsets = dec.offsets
@@ -231,15 +230,7 @@ def measure(model, drafter, shape: str, block: int, kernels: str, device: str, i
         row["target_only_tok_s_runs"] = speeds
         # the graph loop against the same static code run eagerly, and speculative against target-only
         spec_out = dec.decode([prompt], spec["new"], speculative=True).results[0].tokens
-        eager = StaticDecoder(
-            model,
-            d.cfg.target_layer_ids,
-            d,
-            rows=1,
-            max_prompt=spec["prompt"],
-            max_new_tokens=spec["new"],
-            graphs=False,
-        )
+        eager = decoder(graphs=False)
         eager_out = eager.decode([prompt], spec["new"], speculative=False).results[0].tokens
         row["graph_tokens_equal_eager"] = out.results[0].tokens == eager_out
         row["speculative_equals_target_only"] = spec_out == out.results[0].tokens
