@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import subprocess
+import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,3 +50,33 @@ def versions(device: str) -> dict:
     except (OSError, IndexError, subprocess.SubprocessError):
         info["driver"] = "n/a (no nvidia-smi)"
     return info
+
+
+def popen_text(cmd: list[str], env: dict, stderr=subprocess.PIPE, **more) -> subprocess.Popen:
+    """`cmd` started in the repository, its output read as text (stderr apart unless told)."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO, **more)
+
+
+def under_timeout(cmd: list[str], seconds: int) -> list[str]:
+    """`cmd` killed by `timeout` after `seconds`, hard 10 s later."""
+    return ["timeout", "-k", "10", str(seconds), *cmd]
+
+
+@contextlib.contextmanager
+def built_on(device: str, dtype):
+    """Modules made inside are initialised on `device` in `dtype` directly: no host or fp32 copy of
+    8B parameters."""
+    import torch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def tiny_train_argv(output_dir, *more: str) -> list[str]:
+    """This interpreter training the `tiny-cpu` config into `output_dir` (a child's command line)."""
+    return [sys.executable, "-m", "trainer", "--config", "tiny-cpu", "--output-dir", str(output_dir), *more]

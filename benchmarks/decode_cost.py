@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import versions  # noqa: E402
+from benchmarks.common import built_on, versions  # noqa: E402
 
 
 class Shape(TypedDict):
@@ -100,8 +100,6 @@ def build(shape: str, device: str, dtype):
     cfg = Qwen3Config(**dims, max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
     t = spec["target"]
     dcfg = DrafterConfig(
         hidden_size=t["hidden_size"],
@@ -115,12 +113,9 @@ def build(shape: str, device: str, dtype):
         num_layers=spec["drafter_layers"],
         block_size=16,
     )
-    try:
-        with torch.device(device):  # initialised where they live: no host copy of 8B parameters
-            model = Qwen3ForCausalLM(cfg).eval().requires_grad_(False)
-            drafter = DFlashDrafter(dcfg, model.get_input_embeddings(), model.get_output_embeddings())
-    finally:
-        torch.set_default_dtype(previous)
+    with built_on(device, dtype):
+        model = Qwen3ForCausalLM(cfg).eval().requires_grad_(False)
+        drafter = DFlashDrafter(dcfg, model.get_input_embeddings(), model.get_output_embeddings())
     drafter.eval().requires_grad_(False)
     return model, drafter
 
@@ -193,17 +188,16 @@ def measure(model, drafter, shape: str, block: int, kernels: str, device: str, i
     vocab = spec["target"]["vocab_size"]
     prompt = torch.randint(0, vocab - 1, (spec["prompt"],), generator=gen).tolist()
     d = with_block(drafter, block)
+
+    def decoder(**how) -> StaticDecoder:
+        """One row of this shape's prompt and budget, decoded `how` (compiled, rowwise, graphs)."""
+        layers = d.cfg.target_layer_ids
+        return StaticDecoder(
+            model, layers, d, rows=1, max_prompt=spec["prompt"], max_new_tokens=spec["new"], **how
+        )
+
     t0 = time.perf_counter()
-    dec = StaticDecoder(
-        model,
-        d.cfg.target_layer_ids,
-        d,
-        rows=1,
-        max_prompt=spec["prompt"],
-        max_new_tokens=spec["new"],
-        compile=compile,
-        rowwise=rowwise,
-    )
+    dec = decoder(compile=compile, rowwise=rowwise)
     dec.prepare([prompt])
     k = dec.kernels
     offsets = dec.offsets
@@ -236,15 +230,7 @@ def measure(model, drafter, shape: str, block: int, kernels: str, device: str, i
         row["target_only_tok_s_runs"] = speeds
         # the graph loop against the same static code run eagerly, and speculative against target-only
         spec_out = dec.decode([prompt], spec["new"], speculative=True).results[0].tokens
-        eager = StaticDecoder(
-            model,
-            d.cfg.target_layer_ids,
-            d,
-            rows=1,
-            max_prompt=spec["prompt"],
-            max_new_tokens=spec["new"],
-            graphs=False,
-        )
+        eager = decoder(graphs=False)
         eager_out = eager.decode([prompt], spec["new"], speculative=False).results[0].tokens
         row["graph_tokens_equal_eager"] = out.results[0].tokens == eager_out
         row["speculative_equals_target_only"] = spec_out == out.results[0].tokens

@@ -47,7 +47,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks.baselines import GUARD_MODES, compile_guard  # noqa: E402
-from benchmarks.common import fresh_compile_env, versions  # noqa: E402
+from benchmarks.common import fresh_compile_env, popen_text, versions  # noqa: E402
 
 OUTCOMES = ("clean", "fx_tracing", "other_error", "hang")
 RESULT_TAG = "TRIAL_RESULT "
@@ -274,15 +274,7 @@ def run_one(args, mode: str, index: int) -> dict:
     scratch = tempfile.mkdtemp(prefix=f"race-{mode}-{index}-")
     env = fresh_compile_env(scratch, PYTHONUNBUFFERED="1")
     began = time.monotonic()
-    proc = subprocess.Popen(
-        trial_command(args, mode),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=REPO,
-        start_new_session=True,
-    )
+    proc = popen_text(trial_command(args, mode), env, start_new_session=True)
     hung = False
     try:
         out, err = proc.communicate(timeout=args.timeout)

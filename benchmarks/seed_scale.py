@@ -50,7 +50,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchmarks.common import versions  # noqa: E402
+from benchmarks.common import popen_text, under_timeout, versions  # noqa: E402
 from benchmarks.seed_scale_report import render  # noqa: E402
 
 RESULT_TAG = "SEED_RESULT "
@@ -565,14 +565,7 @@ def _run_under_timeout(cmd: list[str], seconds: int, label: str) -> tuple[int, s
         PYTHONUNBUFFERED="1",
         PYTHONPATH=os.pathsep.join([p for p in [os.environ.get("PYTHONPATH"), REPO] if p]),
     )
-    proc = subprocess.Popen(
-        ["timeout", "-k", "10", str(seconds), *cmd],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=REPO,
-    )
+    proc = popen_text(under_timeout(cmd, seconds), env, stderr=subprocess.STDOUT)
     tail: list[str] = []
     results = []
     assert proc.stdout is not None

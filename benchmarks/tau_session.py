@@ -23,21 +23,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import versions  # noqa: E402
+from benchmarks.common import popen_text, tiny_train_argv, under_timeout, versions  # noqa: E402
 from trainer import metrics_format  # noqa: E402
 
 
 def stream(cmd: list[str], limit_s: int, env: dict) -> tuple[int, str]:
     """Run `cmd` under `timeout -k 10 limit_s`, echoing its output; (exit code, output)."""
     print("$ " + " ".join(cmd), flush=True)
-    proc = subprocess.Popen(
-        ["timeout", "-k", "10", str(limit_s), *cmd],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
+    proc = popen_text(under_timeout(cmd, limit_s), env, stderr=subprocess.STDOUT)
     lines = []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -48,19 +41,7 @@ def stream(cmd: list[str], limit_s: int, env: dict) -> tuple[int, str]:
 
 
 def train(args, out_dir: Path, eval_every: int, env: dict) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer",
-        "--config",
-        "tiny-cpu",
-        "--output-dir",
-        str(out_dir),
-        "--set",
-        f"eval.every={eval_every}",
-        "--set",
-        "run.log_every=1000",
-    ]
+    cmd = tiny_train_argv(out_dir, "--set", f"eval.every={eval_every}", "--set", "run.log_every=1000")
     if args.max_steps:
         cmd += ["--max-steps", str(args.max_steps)]
     if args.device.startswith("cuda"):

@@ -65,7 +65,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks.baselines import FLEX_EAGER, attention_backend  # noqa: E402
-from benchmarks.common import fresh_compile_env, versions  # noqa: E402
+from benchmarks.common import built_on, fresh_compile_env, popen_text, versions  # noqa: E402
 
 RESULT_TAG = "BENCH_RESULT "
 PURE_BF16 = "bf16-pure"  # baseline only: bf16 parameters and AdamW state, no fp32 master weights
@@ -535,13 +535,8 @@ def _random_target(args, torch):
     config = Qwen3Config(**(SMALL_TARGET if args.small else QWEN3_8B))
     config._attn_implementation = "sdpa"
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in bf16 directly: no fp32 copy of 8B parameters
-    try:
-        with torch.device(args.device):
-            model = Qwen3ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(before)
+    with built_on(args.device, dtype):
+        model = Qwen3ForCausalLM(config)
     layer_ids = default_layer_ids(config.num_hidden_layers)
     return TargetModel(
         model=model,
@@ -755,15 +750,12 @@ def render_cache(result: dict) -> list[str]:
     if "failed" in result:
         return ["", f"Feature cache: failed: {result['failed']}"]
     runs = result["runs"]
-    lines = [
-        "",
+    lines = _table_head(
         "Training steps through the trainer's pipeline (loader thread, queue depth 2, pinned memory). "
         "`disk`: the shards' page cache dropped (posix_fadvise) before the pass, so every batch is read from "
         "the disk; `page cache`: a second pass over the same shards:",
-        "",
-        "| features | median step s | first step s | steps s |",
-        "|---|---|---|---|",
-    ]
+        ["features", "median step s", "first step s", "steps s"],
+    )
     for name, r in runs.items():
         lines.append(f"| {name} | {r['median_step_s']:.4f} | {r['first_step_s']:.2f} | {r['step_times_s']} |")
     base = runs["drafter-only (features resident on the device)"]["median_step_s"]
@@ -812,15 +804,7 @@ def run_child(args, what: str, extra: list[str], timeout: float) -> dict:
         *extra,
     ]
     began = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=REPO,
-        start_new_session=True,
-    )
+    proc = popen_text(cmd, env, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -864,6 +848,11 @@ def summarise(run: dict, dims: dict, peak_tflops: float | None) -> dict:
         "master_and_adam_gib": (run["param_bytes"] + run["optimizer_state_bytes"]) / 2**30,
         "param_bytes": run["param_bytes"],
     }
+
+
+def _table_head(caption: str, columns: list[str]) -> list[str]:
+    """A blank line, `caption`, and the header and rule of a markdown table of `columns`."""
+    return ["", caption, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 
 
 def _fmt(value, spec: str) -> str:
@@ -952,13 +941,10 @@ def _render_first_step(report: dict) -> list[str]:
     """First-step latency per compile lock."""
     lines: list[str] = []
     if report.get("first_step"):
-        lines += [
-            "",
+        lines += _table_head(
             "First-step latency per thread (from a common start; includes waiting for the lock):",
-            "",
-            "| compile lock | per thread s | all done s | errors |",
-            "|---|---|---|---|",
-        ]
+            ["compile lock", "per thread s", "all done s", "errors"],
+        )
         for lock, r in report["first_step"].items():
             if "failed" in r:
                 lines.append(f"| {lock} | failed: {r['failed']} | | |")
@@ -973,13 +959,10 @@ def _render_checkpointing(report: dict) -> list[str]:
     lines: list[str] = []
     ckpt = report.get("checkpointing")
     if ckpt:
-        lines += [
-            "",
+        lines += _table_head(
             "Activation checkpointing (every drafter layer recomputed in backward), same run settings:",
-            "",
-            "| train.activation_checkpointing | median step s | peak mem GiB |",
-            "|---|---|---|",
-        ]
+            ["train.activation_checkpointing", "median step s", "peak mem GiB"],
+        )
         for name, s in ckpt["runs"].items():
             if "failed" in s:
                 lines.append(f"| {name} | failed: {s['failed']} | |")

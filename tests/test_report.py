@@ -23,6 +23,7 @@ from dflash_ops.job.model import Job, Target
 from dflash_ops.remote import report_read
 from trainer import metrics_format, metrics_history, run_summary
 
+from benchmarks.common import tiny_train_argv
 from tests.ops_helpers import ops_argv
 from tests.trainer.conftest import SHORT_TINY_RUN
 
@@ -41,19 +42,7 @@ def make_job(workdir: Path) -> Job:
 
 
 def trainer_argv(output_dir: Path, metrics: Path, *more: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "trainer",
-        "--config",
-        "tiny-cpu",
-        "--output-dir",
-        str(output_dir),
-        "--metrics-file",
-        str(metrics),
-        *SHORT,
-        *more,
-    ]
+    return tiny_train_argv(output_dir, "--metrics-file", str(metrics), *SHORT, *more)
 
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}

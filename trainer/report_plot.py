@@ -157,16 +157,13 @@ def _tau(ax, run: RunHistory, colour, overlay: bool, window: int) -> None:
         )
     per_prompt = [(e.step, e.tau_per_prompt_mean) for e in run.evals if e.tau_per_prompt_mean is not None]
     if per_prompt:
-        ax.plot(
-            [step for step, _ in per_prompt],
-            [tau for _, tau in per_prompt],
-            color=colour,
-            lw=1.0,
-            ls=":",
-            marker="s",
-            ms=4,
-            label=f"{prefix}measured (mean of per-prompt)",
-        )
+        steps, taus = [step for step, _ in per_prompt], [tau for _, tau in per_prompt]
+        _thin_line(ax, steps, taus, colour, ":s", 4, f"{prefix}measured (mean of per-prompt)")
+
+
+def _thin_line(ax, xs, ys, colour, style: str, ms: int, label: str) -> None:
+    """A secondary series: a thin line, `style` its line and marker in matplotlib's format ("--x")."""
+    ax.plot(xs, ys, style, color=colour, lw=1.0, ms=ms, label=label)
 
 
 def _picture(fig, panel) -> Picture:
@@ -204,15 +201,9 @@ def _acceptance(ax, run: RunHistory, colour, overlay: bool) -> None:
     )
     earliest = with_acceptance[0]
     if earliest is not latest:
-        ax.plot(
-            range(1, len(earliest.acceptance) + 1),
-            earliest.acceptance,
-            color=colour,
-            lw=1.0,
-            ls="--",
-            marker="x",
-            ms=5,
-            label=f"{prefix}earliest (step {earliest.step})",
+        positions = range(1, len(earliest.acceptance) + 1)
+        _thin_line(
+            ax, positions, earliest.acceptance, colour, "--x", 5, f"{prefix}earliest (step {earliest.step})"
         )
 
 

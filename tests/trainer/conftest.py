@@ -2,9 +2,12 @@
 the computation depends on (module-scoped: each test module gets its own), and one torch thread."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from trainer.compile_lock import CompileGuard
 from trainer.model import DFlashDrafter, DrafterConfig
 from trainer.data.target import load_target
 
@@ -70,3 +73,57 @@ class FakeClock:
 @pytest.fixture
 def clock():
     return FakeClock()
+
+
+@pytest.fixture
+def installed_guard():
+    """A compile guard in "lock" mode, installed for one test; (the guard, the events it logged)."""
+    events = []
+    guard = CompileGuard("lock", on_event=events.append).install()
+    yield guard, events
+    guard.uninstall()
+
+
+def run_in_threads(n: int, work) -> list[Exception]:
+    """`work(i)` for i < n, each in its own thread, all at once; the exceptions they raised."""
+    errors: list[Exception] = []
+
+    def guarded(i):
+        try:
+            work(i)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def loss_fn_failing(real, replica: int, step: int, message: str):
+    """A stand-in for `make_loss_fn` (`real`) whose loss raises `message` on drafter `replica` at
+    `step`: a drafter thread falling over mid-run."""
+
+    def make(cfg):
+        compute = real(cfg)
+
+        def run(r, batch):
+            if r.index == replica and batch.step == step:
+                raise RuntimeError(message)
+            return compute(r, batch)
+
+        return run
+
+    return make
+
+
+def assert_same_replica(a, b, moment: str = "exp_avg_sq") -> None:
+    """Two replicas hold equal weights, optimizer `moment`s and learning rate (a resume was exact)."""
+    for name, tensor in a.model.state_dict().items():
+        assert torch.equal(tensor, b.model.state_dict()[name]), name
+    state_a, state_b = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    for index in state_a:
+        assert torch.equal(state_a[index][moment], state_b[index][moment])
+    assert a.scheduler.get_last_lr() == b.scheduler.get_last_lr()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.trainer.test_model import BLOCK, make_batch, make_drafter, run_sdpa
-from trainer.compile_lock import CompileGuard, carry_step
+from trainer.compile_lock import carry_step
 from trainer.config import ConfigError, load_config
 from trainer.loss import block_labels
 
@@ -121,14 +121,6 @@ def test_unknown_checkpointing_names_the_key_and_choices():
 
 
 # ---- the compile lock and the recompute, in process ---------------------------------------------
-
-@pytest.fixture
-def installed_guard():
-    events = []
-    guard = CompileGuard("lock", on_event=events.append).install()
-    yield guard, events
-    guard.uninstall()
-
 
 def _recompute_elsewhere(guard, events, devices: tuple[str, str], new_length: int):
     """Step a (shared, on devices[0]) has a checkpointed function whose recompute runs in another

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from trainer import metrics_format
 from trainer.train.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.cli.main import main
+from tests.trainer.conftest import loss_fn_failing
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -166,18 +167,7 @@ def test_bad_data_exits_2_naming_file_and_line(tmp_path, capsys):
 def test_a_drafter_thread_exception_exits_1_with_an_error_record(tmp_path, capsys, monkeypatch):
     import trainer.train.loop as train_module
 
-    real = train_module.make_loss_fn
-
-    def broken(cfg):
-        compute = real(cfg)
-
-        def run(replica, batch):
-            if replica.index == 1 and batch.step == 2:
-                raise RuntimeError("replica one fell over")
-            return compute(replica, batch)
-
-        return run
-
+    broken = loss_fn_failing(train_module.make_loss_fn, replica=1, step=2, message="replica one fell over")
     monkeypatch.setattr(train_module, "make_loss_fn", broken)
     started = time.monotonic()
     code = main(["--config", "tiny-cpu", "--output-dir", str(tmp_path), "--max-steps", "50", *SMALL])

@@ -379,14 +379,6 @@ def test_mask_lock_is_one_process_wide_reentrant_lock():
 
 # ---- compile detection, in process (backend "eager": dynamo only, ~1 s) -------------------------
 
-@pytest.fixture
-def installed_guard():
-    events = []
-    guard = CompileGuard("lock", on_event=events.append).install()
-    yield guard, events
-    guard.uninstall()
-
-
 def test_every_compile_is_logged_with_thread_step_reason_and_duration(installed_guard):
     guard, events = installed_guard
     compiled = torch.compile(lambda x: torch.sin(x) * 3, backend="eager", dynamic=False)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 from trainer.loss import block_labels, dflash_loss
 from trainer.masks import build_block_mask, dense_mask
 from trainer.model import DFlashDrafter, DrafterConfig
+from tests.trainer.conftest import run_in_threads
 
 VOCAB, HIDDEN, BLOCK, CTX = 64, 32, 4, 24
 
@@ -231,22 +231,14 @@ def test_drafter_threads_on_one_device_agree_with_a_single_thread():
     with torch.no_grad():
         expected = [run_sdpa(drafter, *b) for b in batches]
     replicas = [copy.deepcopy(drafter) for _ in batches]
-    results, errors = [None] * 3, []
+    results = [None] * 3
 
     def work(i):
-        try:
-            with torch.no_grad():
-                for _ in range(3):
-                    results[i] = run_sdpa(replicas[i], *batches[i])
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
+        with torch.no_grad():
+            for _ in range(3):
+                results[i] = run_sdpa(replicas[i], *batches[i])
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert not run_in_threads(3, work)
     for got, want in zip(results, expected):
         assert torch.equal(got, want)
 

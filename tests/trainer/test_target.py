@@ -9,6 +9,7 @@ import torch
 from trainer.config import ConfigError
 from trainer.model import DFlashDrafter, DrafterConfig
 from trainer.data.target import default_layer_ids, load_target
+from tests.trainer.conftest import run_in_threads
 
 
 @pytest.fixture(scope="module")
@@ -84,20 +85,12 @@ def test_features_feed_autograd_and_carry_no_grad(tiny):
 def test_features_from_several_threads(tiny):
     ids = [torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(s)) for s in range(4)]
     want = [tiny.features(i) for i in ids]
-    got, errors = [None] * 4, []
+    got = [None] * 4
 
     def work(k):
-        try:
-            got[k] = tiny.features(ids[k])
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
+        got[k] = tiny.features(ids[k])
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert not run_in_threads(4, work)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 

@@ -15,6 +15,7 @@ from trainer.config import load_config
 from trainer.train.metrics import error_kind
 from trainer.train.loop import WarmupCosine, make_loss_fn, train
 from trainer.train.workers import WorkerFailure
+from tests.trainer.conftest import assert_same_replica, loss_fn_failing
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -60,13 +61,7 @@ def test_resume_gives_exactly_the_uninterrupted_result(tmp_path):
     resumed_cfg = tiny_cfg(tmp_path / "b", max_steps=6, resume=str(mid))
     resumed = train(resumed_cfg, out=io.StringIO())
     assert resumed.steps_done == 6
-    a, b = whole.replicas[0], resumed.replicas[0]
-    for name, tensor in a.model.state_dict().items():
-        assert torch.equal(tensor, b.model.state_dict()[name]), name
-    state_a, state_b = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
-    for index in state_a:
-        assert torch.equal(state_a[index]["exp_avg_sq"], state_b[index]["exp_avg_sq"])
-    assert a.scheduler.get_last_lr() == b.scheduler.get_last_lr()
+    assert_same_replica(whole.replicas[0], resumed.replicas[0])
     # the resumed run logged steps 4..6 with the same losses as the straight run
     loss_a = {r["step"]: r["loss"] for r in records(straight) if r["event"] == "step"}
     loss_b = {r["step"]: r["loss"] for r in records(resumed_cfg) if r["event"] == "step"}
@@ -140,18 +135,7 @@ def test_progress_bar_only_on_a_tty(tmp_path):
 def test_an_exception_in_a_drafter_thread_ends_the_run_with_an_error_record(tmp_path, monkeypatch):
     import trainer.train.loop as train_module
 
-    real = make_loss_fn
-
-    def flaky(cfg):
-        compute = real(cfg)
-
-        def run(replica, batch):
-            if replica.index == 0 and batch.step == 1:
-                raise RuntimeError("drafter zero broke")
-            return compute(replica, batch)
-
-        return run
-
+    flaky = loss_fn_failing(make_loss_fn, replica=0, step=1, message="drafter zero broke")
     monkeypatch.setattr(train_module, "make_loss_fn", flaky)
     cfg = tiny_cfg(tmp_path, max_steps=5)
     out = io.StringIO()

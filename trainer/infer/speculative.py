@@ -57,9 +57,11 @@ def _finish(tokens: list[int], max_new_tokens: int, stop_ids) -> list[int]:
     return tokens
 
 
-def _sync(device) -> None:
+def _clock(device) -> float:
+    """Now, once `device` has finished its queued work (so a decode's time is its own)."""
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @torch.no_grad()
@@ -74,8 +76,7 @@ def target_generate(
     """The target alone, one token per forward with its KV cache (the baseline and the reference)."""
     device = model.get_input_embeddings().weight.device
     stop_ids = set(stop_ids)
-    _sync(device)
-    t0 = time.perf_counter()
+    t0 = _clock(device)
     cache = kv_cache.new_cache(model)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     tokens: list[int] = []
@@ -86,8 +87,7 @@ def target_generate(
         if token in stop_ids:
             break
         ids = torch.tensor([[token]], dtype=torch.long, device=device)
-    _sync(device)
-    return Decoded(tokens=tokens, seconds=time.perf_counter() - t0)
+    return Decoded(tokens=tokens, seconds=_clock(device) - t0)
 
 
 @torch.no_grad()
@@ -106,8 +106,7 @@ def speculative_generate(
     device = model.get_input_embeddings().weight.device
     block = drafter.cfg.block_size
     stop_ids = set(stop_ids)
-    _sync(device)
-    t0 = time.perf_counter()
+    t0 = _clock(device)
     cache = kv_cache.new_cache(model)
     context = DrafterContext(drafter)
     out = kv_cache.forward(model, torch.tensor([prompt], dtype=torch.long, device=device), cache, hidden=True)
@@ -133,7 +132,5 @@ def speculative_generate(
         kv_cache.keep(model, cache, verify, start, n + 1, saved)
         context.extend(features_of(out.hidden_states, layer_ids)[: n + 1])
         start += n + 1
-    _sync(device)
-    return Decoded(
-        tokens=_finish(tokens, max_new_tokens, stop_ids), seconds=time.perf_counter() - t0, accepted=accepted
-    )
+    seconds = _clock(device) - t0
+    return Decoded(tokens=_finish(tokens, max_new_tokens, stop_ids), seconds=seconds, accepted=accepted)

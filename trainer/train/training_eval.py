@@ -21,6 +21,9 @@ from trainer.data.heldout import eval_prompts, eval_split
 from trainer.train.metrics import MetricsWriter
 from trainer.model import DFlashDrafter, DrafterConfig
 
+# what an evaluation during training records of its EvalResult, in this order
+RECORDED = ("tau", "tau_per_prompt_mean", "tau_per_prompt", "acceptance", "lossless", "prompts", "new_tokens")
+
 
 class TrainingEval:
     def __init__(self, cfg: TrainConfig, target, dcfg: DrafterConfig, prompts: list[list[int]], dtype):
@@ -91,20 +94,8 @@ class TrainingEval:
         seconds = time.monotonic() - t0
         self.eval_seconds += seconds
         overhead = self.eval_seconds / max(time.monotonic() - self.started, 1e-9)
-        metrics.record(
-            "eval",
-            step=step,
-            tau=result.tau,
-            tau_per_prompt_mean=result.tau_per_prompt_mean,
-            tau_per_prompt=result.tau_per_prompt,
-            acceptance=result.acceptance,
-            lossless=result.lossless,
-            prompts=result.prompts,
-            new_tokens=result.new_tokens,
-            seconds=seconds,
-            overhead=overhead,
-            split=self.split,
-        )
+        recorded = {name: getattr(result, name) for name in RECORDED}
+        metrics.record("eval", step=step, **recorded, seconds=seconds, overhead=overhead, split=self.split)
         if result.lossless:
             verdict = "ok"
         else:  # at temperature 0 (the default here), not lossless means a mismatch was found
