@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from dflash_ops.job.model import Target
@@ -211,18 +211,12 @@ def run_playbook(
         return run_playbook(book, library.LIBRARY, ctx, options, on_progress)
 
 
-def _running(
-    job: Nodes,
-    command: str,
-    plan: Sequence[str],
-    dry_run: bool,
-    on_progress: OnProgress | None,
-    on_locked: Callable[[], None] | None = None,
-) -> contextlib.AbstractContextManager[tuple[Run, list[Node]]]:
-    """A Run of `plan` (the steps `command` calls, in order) on every node of `job`, each locked."""
+def _running(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[tuple[Run, list[Node]]]:
+    """dflash_ops.act.nodes.running (a Run of the steps a command calls on every node of a job, each
+    locked), imported when a command runs."""
     from dflash_ops.act.nodes import running
 
-    return running(job, command, plan, dry_run, on_progress, on_locked)
+    return running(*args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
