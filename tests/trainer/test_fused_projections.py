@@ -68,3 +68,18 @@ def test_rowwise_linear_is_linear_for_one_row_and_several():
         x = torch.randn(1, rows, 16, generator=gen)
         torch.testing.assert_close(rowwise_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(rowwise_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("drop_v_bias", [False, True])
+def test_fused_qkv_keeps_biases_and_a_mix_of_biased_and_unbiased_stays_apart(drop_v_bias):
+    model = tiny_target("cpu", torch.float32, 0, {"initializer_range": 0.05, "attention_bias": True})
+    for layer in model.get_decoder().layers:
+        torch.nn.init.normal_(layer.self_attn.q_proj.bias, std=0.5)
+        torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=0.5)
+        if drop_v_bias:
+            layer.self_attn.v_proj.bias = None
+    assert fuse_projections(model) > 0
+    ids = torch.randint(0, 500, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hf = model(ids, output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(_static_hidden(model, ids), hf, rtol=1e-5, atol=1e-5)

@@ -232,15 +232,7 @@ def _layer_of(layer, centered: bool = False) -> _Layer:
     q_norm = getattr(attn, "q_norm", None)
     k_norm = getattr(attn, "k_norm", None)
     heads_width = attn.o_proj.weight.shape[1]
-    projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-    qkv = fused_rows(attn, QKV, projections)
-    if qkv is None:
-        separate = [(p.weight, _bias(p)) for p in projections]
-    else:
-        biases = [_bias(p) for p in projections]
-        bias = None if any(b is None for b in biases) else torch.cat(biases)
-        separate = [(qkv, bias), (None, None), (None, None)]
-    (wq, bq), (wk, bk), (wv, bv) = separate
+    wq, (bq, wk, bk, wv, bv) = _qkv(attn)
     gate, up = _gate_up(mlp)
     return _Layer(
         ln=layer.input_layernorm.weight,
@@ -253,6 +245,21 @@ def _layer_of(layer, centered: bool = False) -> _Layer:
         centered=centered,
         gated=attn.q_proj.weight.shape[0] == 2 * heads_width,
     )  # fmt: skip
+
+
+Tensors = tuple[torch.Tensor | None, ...]
+
+
+def _qkv(attn) -> tuple[torch.Tensor, Tensors]:
+    """(wq, (bq, wk, bk, wv, bv)); when fuse_projections fused them, q/k/v as wq with their biases
+    concatenated as bq and None for the rest (a mix of biased and unbiased stays apart)."""
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+    biases = [_bias(p) for p in projections]
+    whole = fused_rows(attn, QKV, projections)
+    if whole is None or len({bias is None for bias in biases}) > 1:
+        q, k, v = (p.weight for p in projections)
+        return q, (biases[0], k, biases[1], v, biases[2])
+    return whole, (None if biases[0] is None else torch.cat(biases), None, None, None, None)
 
 
 def _gate_up(mlp) -> tuple[torch.Tensor, torch.Tensor | None]:
