@@ -654,7 +654,8 @@ def open_cache(cache_dir: str, expected: dict, pin_memory: bool = False) -> Data
 
 
 def _building_device(cfg) -> str:
-    """Where a tiny target is built for its head: the first target device when CUDA is here."""
+    """Where a tiny target is built for its head: the run's first CUDA device when CUDA is here (where
+    cache-features built it), else the CPU."""
     devices = list(cfg.run.target_devices or []) + list(cfg.run.drafter_devices or [])
     on_cuda = [d for d in devices if str(d).startswith("cuda")]
     return on_cuda[0] if on_cuda and torch.cuda.is_available() else "cpu"

@@ -55,10 +55,11 @@ class DeltaNetWeights:
     def of(cls, module) -> "DeltaNetWeights":
         inputs = [getattr(module, name) for name in DELTA_INPUTS]
         whole = fused_rows(module, INPUTS, inputs)
-        separate: list[torch.Tensor | None] = [p.weight for p in inputs]
-        _, in_z, in_b, in_a = separate if whole is None else [whole, None, None, None]
+        in_qkv, in_z, in_b, in_a = (
+            (whole, None, None, None) if whole is not None else (p.weight for p in inputs)
+        )
         return cls(
-            whole if whole is not None else inputs[0].weight,
+            in_qkv,
             in_z,
             in_b,
             in_a,
