@@ -672,9 +672,20 @@ def measure_shape(args, report: dict) -> None:
             shape.update(run_target(args, work, ["regenerate"], limits["regenerate"]))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    build, train, peak = shape.get("build", {}), shape.get("train", {}), shape.get("peak", {})
-    if "params_run" in build and "steady_step_s" in train:
+    add_flops(args, shape)
+
+
+def add_flops(args, shape: dict) -> None:
+    """Model FLOPs, TFLOP/s and MFU of each training run of `shape`; offline runs count only the drafter
+    (the target's forward was paid once, by cache-features)."""
+    build, peak = shape.get("build", {}), shape.get("peak", {})
+    for name in ("train", "offline"):
+        train = shape.get(name, {})
+        if "params_run" not in build or "steady_step_s" not in train:
+            continue
         flops = step_flops(dict(build, **_vocab_hidden(args)), train, sizes(args))
+        if name == "offline":
+            flops = dict(flops, target=0, total=flops["drafter"])
         train["flops"] = flops
         train["tflops"] = flops["total"] / train["steady_step_s"] / 1e12
         if peak.get("tflops"):

@@ -114,7 +114,7 @@ def render(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
         *[train_row(n, s.get("train", {}), s.get("peak", {})) for n, s in shapes.items() if "train" in s],
         *[
-            train_row(f"{n}, offline (drafter from the feature cache)", s["offline"], {})
+            train_row(f"{n}, offline (drafter from the feature cache)", s["offline"], s.get("peak", {}))
             for n, s in shapes.items()
             if "offline" in s
         ],
