@@ -16,7 +16,7 @@ conv kernel 4; intermediate 17408; vocab 248320, untied lm_head. Qwen3-32B: hidd
 Per shape, two child processes, each under `timeout -k` (results kept part by part):
 1. `target` (one process, the target loaded once): build (load time, parameters, memory, a forward
    checked for NaN/inf at every layer, the Gated DeltaNet path, the feature forward time), the bf16
-   matmul peak (MFU denominator), cache-features (trainer.data.feature_cache.write_cache), decode
+   matmul peak (MFU denominator), cache-features (trainer.data.cache_writer.write_cache), decode
    (trainer.infer.static_decode.StaticDecoder: target-only ms/token, speculative round time; when it
    raises Unsupported, trainer.infer.speculative's reference loop, marked), then `data regenerate`
    (trainer.data.regenerate.regenerate, its batch sized from the free memory; it loads its own copy).
@@ -310,7 +310,8 @@ def part_cache(args, cfg, target) -> dict:
     kept in `cache_dir(args)` for the offline part."""
     import torch
 
-    from trainer.data.feature_cache import auto_batch_size, cache_header, write_cache
+    from trainer.data.cache_writer import auto_batch_size, write_cache
+    from trainer.data.feature_cache import cache_header
     from trainer.train.loop import build_dataset
 
     dataset = build_dataset(cfg, target)

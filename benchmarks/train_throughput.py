@@ -366,8 +366,10 @@ def child_first_step(args, dims) -> dict:
 
 
 def _write_synthetic_cache(args, dims, cfg, torch, cache_dir: str, sequences: int) -> dict:
-    """A feature cache at these dims through the trainer's own writer (random target features)."""
-    from trainer.data.feature_cache import FORMAT, ShardWriter, complete_manifest
+    """A feature cache at these dims through the trainer's own shard stream (random target features)."""
+    from trainer.data.cache_writer import ShardStream
+    from trainer.data.dataset import Dataset
+    from trainer.data.feature_cache import FORMAT, complete_manifest
 
     manifest = {
         "format": FORMAT,
@@ -381,16 +383,19 @@ def _write_synthetic_cache(args, dims, cfg, torch, cache_dir: str, sequences: in
         "complete": False,
         "shards": [],
     }
-    writer = ShardWriter(cache_dir, manifest, args.shard_mb << 20)
-    gen = torch.Generator().manual_seed(2)
     t = dims["ctx"]
-    loss_mask = torch.zeros(t, dtype=torch.bool)
-    loss_mask[t // 4 :] = True
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, cfg.vocab_size - 1, (sequences, t), generator=gen)
+    loss_mask = torch.zeros(sequences, t, dtype=torch.bool)
+    loss_mask[:, t // 4 :] = True
+    tokens = Dataset(ids, loss_mask, torch.ones_like(loss_mask), "random")
+    stream = ShardStream(cache_dir, manifest, tokens, 0, args.shard_mb << 20)
     began = time.perf_counter()
-    for _ in range(sequences):
-        feats = torch.randn(t, cfg.context_size, device=args.device, dtype=torch.bfloat16).cpu()
-        writer.add(feats, torch.randint(0, cfg.vocab_size - 1, (t,), generator=gen), loss_mask)
-    writer.flush()
+    try:
+        for _ in range(sequences):
+            stream.add(torch.randn(1, t, cfg.context_size, device=args.device, dtype=torch.bfloat16).cpu(), 1)
+    finally:
+        stream.close()
     complete_manifest(cache_dir, manifest)
     return {"write_s": round(time.perf_counter() - began, 2), **manifest["counts"]}
 
@@ -564,7 +569,7 @@ def child_e2e(args, dims) -> dict:
     1. the target's bare feature forward (3072 tokens; layers up to the last feature layer);
     2. the drafter step alone (features resident), through the trainer's TrainingWorkers;
     3. end to end: the target worker computes each batch's features, the drafter trains on them;
-    4. cache-features at these dims: trainer.data.feature_cache.write_cache against the bare forward of
+    4. cache-features at these dims: trainer.data.cache_writer.write_cache against the bare forward of
        the same batches (same batch size)."""
     import torch
 
@@ -671,7 +676,8 @@ def _e2e_cache(args, target, ids, loss_mask, torch, root: str | None) -> dict:
     """cache-features: the writer against the bare forward of the same batches."""
     from trainer.config import TrainConfig
     from trainer.data.dataset import Dataset
-    from trainer.data.feature_cache import auto_batch_size, cache_header, write_cache
+    from trainer.data.cache_writer import auto_batch_size, write_cache
+    from trainer.data.feature_cache import cache_header
 
     count, t = args.cache_sequences, ids.shape[1]
     cache_set = Dataset(ids[:count], loss_mask[:count], torch.ones_like(loss_mask[:count]), source="random")

@@ -1,6 +1,7 @@
 """The offline feature cache: manifest, resume per shard, refusals, corruption, and online == cached training."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.data import cache_writer as cw
 from trainer.data import feature_cache as fc
 from trainer.cli.main import main as cli_main
 from trainer.config import load_config
@@ -54,7 +56,7 @@ def made(tmp_path_factory):
                          tiny=cfg.target.tiny)
     dataset = build_dataset(cfg, target)
     header = fc.cache_header(cfg, target, "fp32", 0)
-    manifest = fc.write_cache(target, dataset, str(root / "fp32"), header, batch_size=3, shard_bytes=60_000,
+    manifest = cw.write_cache(target, dataset, str(root / "fp32"), header, batch_size=3, shard_bytes=60_000,
                               say=lambda _: None)
     return cfg, target, dataset, header, manifest, root
 
@@ -108,7 +110,7 @@ def test_same_batch_online_and_from_the_cache_gives_the_same_loss_and_gradients(
     cache_dir = root / "fp32"
     if dtype == "bf16":
         cache_dir = tmp_path / "bf16"
-        fc.write_cache(target, dataset, str(cache_dir), dict(header, dtype="bf16"), say=lambda _: None)
+        cw.write_cache(target, dataset, str(cache_dir), dict(header, dtype="bf16"), say=lambda _: None)
     cached = fc.open_cache(str(cache_dir), expected_for(cfg, target))
     online_loss, online_grads = _loss_and_grads(cfg, target, dataset)
     cached_loss, cached_grads = _loss_and_grads(cfg, target, cached)
@@ -198,7 +200,7 @@ def test_cache_features_resumes_after_the_last_whole_shard(made, tmp_path):
 
     target.features = counting
     try:
-        again = fc.write_cache(target, dataset, str(copy), header, batch_size=3, shard_bytes=60_000, say=lambda _: None)
+        again = cw.write_cache(target, dataset, str(copy), header, batch_size=3, shard_bytes=60_000, say=lambda _: None)
     finally:
         del target.features
     done_before = sum(s["count"] for s in manifest["shards"][:2])
@@ -210,15 +212,15 @@ def test_cache_features_resumes_after_the_last_whole_shard(made, tmp_path):
 def test_another_setup_in_the_out_dir_and_too_little_space_are_refused(made, tmp_path, monkeypatch):
     cfg, target, dataset, header, manifest, root = made
     with pytest.raises(DataError, match="seq_len: cache 32, config 48"):
-        fc.write_cache(target, dataset, str(root / "fp32"), dict(header, seq_len=48), say=lambda _: None)
+        cw.write_cache(target, dataset, str(root / "fp32"), dict(header, seq_len=48), say=lambda _: None)
     lines = []
 
     class Tiny:
         free = 1000
 
-    monkeypatch.setattr(fc.shutil, "disk_usage", lambda path: Tiny)
+    monkeypatch.setattr(cw.shutil, "disk_usage", lambda path: Tiny)
     with pytest.raises(DataError, match="needs .* but the filesystem has 1000 B free"):
-        fc.write_cache(target, dataset, str(tmp_path / "new"), header, say=lines.append)
+        cw.write_cache(target, dataset, str(tmp_path / "new"), header, say=lines.append)
     assert "per 1k tokens" in lines[0]  # the estimate comes first
     assert not [n for n in os.listdir(tmp_path / "new") if n.startswith("shard-")]
 
@@ -292,7 +294,7 @@ def test_rerunning_cache_features_rewrites_a_bad_shard_and_everything_after_it(m
     assert start == manifest["shards"][1]["first"] and not found["complete"]  # a kill now leaves it incomplete
     with pytest.raises(DataError, match="incomplete"):
         fc.open_cache(str(copy), expected_for(cfg, target))
-    again = fc.write_cache(target, dataset, str(copy), header, batch_size=3, shard_bytes=60_000, say=lambda _: None)
+    again = cw.write_cache(target, dataset, str(copy), header, batch_size=3, shard_bytes=60_000, say=lambda _: None)
     assert again["complete"] and [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]
 
 
@@ -401,20 +403,29 @@ def test_two_torchrun_ranks_from_the_cache_follow_the_threaded_run(made, tmp_pat
 
 # ---- batched target forwards + the writer thread ---------------------------------------------------
 
-def _cache_the_old_way(target, dataset, cache_dir, header, shard_bytes):
-    """The writer loop before batching by tokens and the writer thread: 4 sequences per forward,
-    each sequence added to the shard writer in the loop (the reference for byte identity)."""
-    manifest, _ = fc.prepare(cache_dir, header)
-    writer = fc.ShardWriter(cache_dir, manifest, shard_bytes)
+def _shards_by_save_file(target, dataset, out: Path, shard_bytes: int) -> list[str]:
+    """The reference for byte identity: features 4 sequences per forward, shards cut after the
+    sequence that takes them to shard_bytes, each written whole by safetensors' save_file."""
+    from safetensors.torch import save_file
+
+    pieces, names, size = [], [], 0
+    out.mkdir()
     for begin in range(0, len(dataset), 4):
         attn = dataset.attention_mask[begin:begin + 4]
         feats = target.features(dataset.input_ids[begin:begin + 4], attention_mask=attn).to("cpu", torch.bfloat16)
         for row in range(attn.shape[0]):
-            length = int(attn[row].sum())
-            writer.add(feats[row, :length].clone(), dataset.input_ids[begin + row, :length],
-                       dataset.loss_mask[begin + row, :length])
-    writer.flush()
-    return manifest
+            n = int(attn[row].sum())
+            pieces.append((feats[row, :n], dataset.input_ids[begin + row, :n].to(torch.int32),
+                           dataset.loss_mask[begin + row, :n]))
+            size += n * (feats.shape[-1] * 2 + 5)
+            if size >= shard_bytes or begin + row == len(dataset) - 1:
+                lengths = [p[0].shape[0] for p in pieces]
+                names.append(f"shard-{len(names):05d}.safetensors")
+                save_file({"features": torch.cat([p[0] for p in pieces]), "input_ids": torch.cat([p[1] for p in pieces]),
+                           "loss_mask": torch.cat([p[2] for p in pieces]),
+                           "offsets": torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)}, str(out / names[-1]))
+                pieces, size = [], 0
+    return names
 
 
 @pytest.fixture(scope="module")
@@ -428,22 +439,24 @@ def tiny_cpu(tmp_path_factory):
     return cfg, target, dataset, fc.cache_header(cfg, target, "bf16", 0)
 
 
-def test_batched_cache_is_byte_identical_to_the_old_writer(tiny_cpu, tmp_path):
+def test_the_streamed_cache_is_byte_identical_to_save_file_of_each_shard(tiny_cpu, tmp_path):
     cfg, target, dataset, header = tiny_cpu
-    assert fc.auto_batch_size(cfg.data.seq_len) == 256  # 300 sequences: a full and a partial batch
+    assert cw.auto_batch_size(cfg.data.seq_len) == 256  # 300 sequences: a full and a partial batch
     shard_bytes = 2_000_000  # several shards
     with torch.no_grad():
-        old = _cache_the_old_way(target, dataset, str(tmp_path / "old"), header, shard_bytes)
-    new = fc.write_cache(target, dataset, str(tmp_path / "new"), header, shard_bytes=shard_bytes,
+        names = _shards_by_save_file(target, dataset, tmp_path / "whole", shard_bytes)
+    new = cw.write_cache(target, dataset, str(tmp_path / "new"), header, shard_bytes=shard_bytes,
                          say=lambda _: None)
-    assert len(new["shards"]) >= 3 and [s["sha256"] for s in new["shards"]] == [s["sha256"] for s in old["shards"]]
+    assert len(new["shards"]) >= 3 and [s["file"] for s in new["shards"]] == names
     for shard in new["shards"]:
-        assert (tmp_path / "new" / shard["file"]).read_bytes() == (tmp_path / "old" / shard["file"]).read_bytes()
+        data = (tmp_path / "new" / shard["file"]).read_bytes()
+        assert data == (tmp_path / "whole" / shard["file"]).read_bytes()
+        assert shard["sha256"] == hashlib.sha256(data).hexdigest() and shard["bytes"] == len(data)
 
 
 def test_an_interrupted_cache_keeps_its_whole_shards_and_resumes_identically(tiny_cpu, tmp_path, monkeypatch):
     cfg, target, dataset, header = tiny_cpu
-    fresh = fc.write_cache(target, dataset, str(tmp_path / "fresh"), header, batch_size=32, shard_bytes=500_000,
+    fresh = cw.write_cache(target, dataset, str(tmp_path / "fresh"), header, batch_size=32, shard_bytes=500_000,
                            say=lambda _: None)
     real_features, calls = target.features, []
 
@@ -455,12 +468,12 @@ def test_an_interrupted_cache_keeps_its_whole_shards_and_resumes_identically(tin
 
     monkeypatch.setattr(target, "features", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        fc.write_cache(target, dataset, str(tmp_path / "cut"), header, batch_size=32, shard_bytes=500_000,
+        cw.write_cache(target, dataset, str(tmp_path / "cut"), header, batch_size=32, shard_bytes=500_000,
                        say=lambda _: None)
     cut = fc.read_manifest(str(tmp_path / "cut"))
     assert not cut["complete"] and 1 <= len(cut["shards"]) < len(fresh["shards"])
     monkeypatch.setattr(target, "features", real_features)
-    again = fc.write_cache(target, dataset, str(tmp_path / "cut"), header, batch_size=32, shard_bytes=500_000,
+    again = cw.write_cache(target, dataset, str(tmp_path / "cut"), header, batch_size=32, shard_bytes=500_000,
                            say=lambda _: None)
     assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in fresh["shards"]]
 
@@ -468,11 +481,10 @@ def test_an_interrupted_cache_keeps_its_whole_shards_and_resumes_identically(tin
 def test_a_writer_thread_failure_reaches_the_caller(tiny_cpu, tmp_path, monkeypatch):
     cfg, target, dataset, header = tiny_cpu
 
-    def full_disk(self):
-        if self.lengths:
-            raise OSError(28, "No space left on device")
+    def full_disk(self, file, shard):
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fc.ShardWriter, "flush", full_disk)
+    monkeypatch.setattr(cw.ShardStream, "_finish", full_disk)
     with pytest.raises(OSError, match="No space left"):
-        fc.write_cache(target, dataset, str(tmp_path / "full"), header, batch_size=16, shard_bytes=100_000,
+        cw.write_cache(target, dataset, str(tmp_path / "full"), header, batch_size=16, shard_bytes=100_000,
                        say=lambda _: None)

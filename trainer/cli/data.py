@@ -322,7 +322,8 @@ def _write_features(cfg, target, dataset, args, say):
     """(manifest, progress, seconds spent writing) of the cache written under args.out."""
     import torch
 
-    from trainer.data.feature_cache import cache_header, write_cache
+    from trainer.data.cache_writer import write_cache
+    from trainer.data.feature_cache import cache_header
     from trainer.progress import ProgressLine
 
     tokenizer = target.tokenizer

@@ -1,9 +1,11 @@
 """Write a safetensors file from tensors given in pieces, hashing the bytes as they are written.
 
-A feature-cache shard is ~2 GiB assembled from thousands of per-sequence pieces. `save_file` needs
-each tensor whole (a `torch.cat` copy), and the shard's sha256 then means reading the file back.
-Here each piece goes to the file once, through sha256 on its way: no concatenated copy, no re-read.
-The bytes are exactly what `safetensors.torch.save_file` writes for the concatenated tensors.
+A feature-cache shard is ~2 GiB assembled from thousands of per-sequence pieces that arrive one
+target batch at a time. `save_file` needs each tensor whole (a `torch.cat` copy), and the shard's
+sha256 then means reading the file back. Here the header is written from the tensors' shapes alone,
+each piece goes to the file once, through sha256 on its way, as soon as it is given: no
+concatenated copy, no re-read. The bytes are exactly what `safetensors.torch.save_file` writes for
+the concatenated tensors.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -24,49 +27,114 @@ _DTYPES = {
     torch.int64: "I64",
 }
 _ORDER = {name: rank for rank, name in enumerate(_DTYPES.values())}
+CHUNK = 1 << 24
+# Threads writing a piece's chunks at once (pwrite at their offsets): one thread copying into the
+# page cache moves less than the target produces at paper dims; the sha256 runs beside them.
+WRITERS = 4
 
 
-def _shape(pieces: list[torch.Tensor]) -> list[int]:
+def _shape(name: str, pieces: list[torch.Tensor]) -> tuple[torch.dtype, list[int]]:
+    if not pieces or pieces[0].dtype not in _DTYPES:
+        raise ValueError(f"{name}: give at least one piece of a dtype in {sorted(_DTYPES.values())}")
     first = pieces[0]
     if any(p.dtype != first.dtype or p.shape[1:] != first.shape[1:] for p in pieces):
         raise ValueError("pieces of one tensor must share dtype and trailing shape")
-    return [sum(int(p.shape[0]) for p in pieces), *first.shape[1:]]
+    return first.dtype, [sum(int(p.shape[0]) for p in pieces), *first.shape[1:]]
 
 
-def _header(tensors: dict[str, list[torch.Tensor]]) -> tuple[bytes, list[str]]:
-    names = sorted(tensors, key=lambda n: (-_ORDER[_DTYPES[tensors[n][0].dtype]], n))
-    entries, offset = {}, 0
-    for name in names:
-        pieces = tensors[name]
-        size = sum(p.numel() * p.element_size() for p in pieces)
-        entries[name] = {
-            "dtype": _DTYPES[pieces[0].dtype],
-            "shape": _shape(pieces),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    return len(text).to_bytes(8, "little") + text, names
+def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count * dtype.itemsize
 
 
-def write_pieces(path: str, tensors: dict[str, list[torch.Tensor]], chunk: int = 1 << 24) -> tuple[int, str]:
+class StreamedFile:
+    """One safetensors file whose tensors are `layout` {name: (dtype, shape)}: the header is written
+    at once, then `write` takes the tensors' pieces in file order (`order`), each piece hashed and
+    written as given. `finish` checks every byte came, fsyncs: (bytes, sha256)."""
+
+    def __init__(self, path: str, layout: dict[str, tuple[torch.dtype, list[int]]], chunk: int = CHUNK):
+        self.order = sorted(layout, key=lambda n: (-_ORDER[_DTYPES[layout[n][0]]], n))
+        entries, offset, self._sizes = {}, 0, []
+        for name in self.order:
+            dtype, shape = layout[name]
+            size = _nbytes(dtype, shape)
+            entries[name] = {"dtype": _DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+            self._sizes.append(size)
+            offset += size
+        text = json.dumps(entries, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        head = len(text).to_bytes(8, "little") + text
+        self.path, self._chunk, self._layout = path, chunk, layout
+        self._at, self._left = 0, self._sizes[0] if self._sizes else 0
+        self._digest, self.size = hashlib.sha256(head), len(head)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._io = ThreadPoolExecutor(WRITERS, thread_name_prefix="safetensors-write")
+        self._write_at(head, 0)
+        self._skip_empty()
+
+    def _write_at(self, data, offset: int) -> None:
+        while data:  # pwrite may write less than asked
+            done = os.pwrite(self._fd, data, offset)
+            data, offset = data[done:], offset + done
+
+    @property
+    def current(self) -> str | None:
+        """The tensor whose pieces `write` takes next (None when all are written)."""
+        return self.order[self._at] if self._at < len(self.order) else None
+
+    def write(self, name: str, piece: torch.Tensor) -> None:
+        if piece.numel() == 0 and name in self._layout:
+            return  # an empty sequence: nothing to write, wherever the file stands
+        if name != self.current or piece.dtype != self._layout[name][0]:
+            raise ValueError(f"{self.path}: got a {piece.dtype} piece of {name}, expected {self.current}")
+        raw = piece.detach().contiguous().view(-1).view(torch.uint8).numpy()
+        if len(raw) > self._left:
+            raise ValueError(f"{self.path}: {name} is longer than its shape says")
+        chunks = [raw[at : at + self._chunk].data for at in range(0, len(raw), self._chunk)]  # views, no copy
+        written = [
+            self._io.submit(self._write_at, c, self.size + i * self._chunk) for i, c in enumerate(chunks)
+        ]
+        for chunk in chunks:
+            self._digest.update(chunk)
+        for future in written:
+            future.result()
+        self.size += len(raw)
+        self._left -= len(raw)
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        while self._left == 0 and self._at < len(self.order):
+            self._at += 1
+            self._left = self._sizes[self._at] if self._at < len(self.order) else 0
+
+    def finish(self) -> tuple[int, str]:
+        if self.current is not None:
+            raise ValueError(f"{self.path}: {self.current} is short of {self._left} bytes")
+        self.close()
+        return self.size, self._digest.hexdigest()
+
+    def close(self) -> None:
+        """Close the file (fsynced when complete); idempotent."""
+        if self._fd < 0:
+            return
+        self._io.shutdown(wait=True)
+        try:
+            if self.current is None:
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def write_pieces(path: str, tensors: dict[str, list[torch.Tensor]], chunk: int = CHUNK) -> tuple[int, str]:
     """Write `path` (fsynced) holding each name's pieces concatenated on dim 0: (bytes, sha256)."""
-    for name, pieces in tensors.items():
-        if not pieces or pieces[0].dtype not in _DTYPES:
-            raise ValueError(f"{name}: give at least one piece of a dtype in {sorted(_DTYPES.values())}")
-    head, names = _header(tensors)
-    digest, written = hashlib.sha256(head), len(head)
-    with open(path, "wb") as f:
-        f.write(head)
-        for name in names:
+    out = StreamedFile(path, {name: _shape(name, pieces) for name, pieces in tensors.items()}, chunk)
+    try:
+        for name in out.order:
             for piece in tensors[name]:
-                raw = piece.detach().contiguous().view(-1).view(torch.uint8).numpy()
-                for at in range(0, len(raw), chunk):
-                    view = raw[at : at + chunk].data  # a memoryview of the slice, no copy
-                    digest.update(view)
-                    f.write(view)
-                written += len(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    return written, digest.hexdigest()
+                out.write(name, piece)
+        return out.finish()
+    finally:
+        out.close()
