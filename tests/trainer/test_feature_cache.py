@@ -22,6 +22,12 @@ from trainer.data.target_head import load_target_head, weight_bytes
 from trainer.train.loop import build_dataset, drafter_config, make_loss_fn, train
 from trainer.train.workers import Replica
 
+
+def chunk_sha(data: bytes, chunk: int = 16 << 20) -> str:
+    """The manifest's shard checksum, from its definition: sha256 over the 16 MiB pieces' sha256."""
+    pieces = [data[at:at + chunk] for at in range(0, max(len(data), 1), chunk)]
+    return hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
+
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
 SEQ = 32
@@ -75,7 +81,7 @@ def test_manifest_describes_the_cache(made):
     assert len(manifest["shards"]) >= 3  # the size cap split it
     for shard in manifest["shards"]:
         path = root / "fp32" / shard["file"]
-        assert shard["bytes"] == path.stat().st_size and shard["sha256"] == fc.file_sha256(str(path))
+        assert shard["bytes"] == path.stat().st_size and shard["sha256_chunks"] == chunk_sha(path.read_bytes())
     assert json.loads((root / "fp32" / "manifest.json").read_text()) == manifest
 
 
@@ -180,6 +186,26 @@ def test_a_truncated_or_corrupted_shard_is_named(made, tmp_path):
         reader.verify_all()  # every shard now, before any read
 
 
+def test_a_cache_with_whole_file_sha256_still_opens_and_catches_corruption(made, tmp_path):
+    """Caches written before chunk digests name each shard's whole-file sha256."""
+    cfg, target, dataset, header, manifest, root = made
+    import shutil
+
+    copy = tmp_path / "cache"
+    shutil.copytree(root / "fp32", copy)
+    old = dict(manifest, shards=[])
+    for shard in manifest["shards"]:
+        entry = {k: v for k, v in shard.items() if k != "sha256_chunks"}
+        old["shards"].append(dict(entry, sha256=hashlib.sha256((copy / shard["file"]).read_bytes()).hexdigest()))
+    fc.write_manifest(str(copy), old)
+    fc.open_cache(str(copy), expected_for(cfg, target)).features.__self__.verify_all()
+    victim = copy / old["shards"][0]["file"]
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-8] + bytes(8))
+    with pytest.raises(DataError, match=f"{victim.name} fails its sha256 check"):
+        fc.open_cache(str(copy), expected_for(cfg, target)).features.__self__.verify_all()
+
+
 def test_cache_features_resumes_after_the_last_whole_shard(made, tmp_path):
     cfg, target, dataset, header, manifest, root = made
     import shutil
@@ -205,7 +231,7 @@ def test_cache_features_resumes_after_the_last_whole_shard(made, tmp_path):
         del target.features
     done_before = sum(s["count"] for s in manifest["shards"][:2])
     assert sum(computed) == len(dataset) - done_before  # only the rest was computed
-    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]
+    assert [s["sha256_chunks"] for s in again["shards"]] == [s["sha256_chunks"] for s in manifest["shards"]]
     assert sorted(os.listdir(copy)) == sorted(["manifest.json"] + [s["file"] for s in manifest["shards"]])
 
 
@@ -295,7 +321,7 @@ def test_rerunning_cache_features_rewrites_a_bad_shard_and_everything_after_it(m
     with pytest.raises(DataError, match="incomplete"):
         fc.open_cache(str(copy), expected_for(cfg, target))
     again = cw.write_cache(target, dataset, str(copy), header, batch_size=3, shard_bytes=60_000, say=lambda _: None)
-    assert again["complete"] and [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]
+    assert again["complete"] and [s["sha256_chunks"] for s in again["shards"]] == [s["sha256_chunks"] for s in manifest["shards"]]
 
 
 def test_features_source_needs_a_path():
@@ -451,7 +477,7 @@ def test_the_streamed_cache_is_byte_identical_to_save_file_of_each_shard(tiny_cp
     for shard in new["shards"]:
         data = (tmp_path / "new" / shard["file"]).read_bytes()
         assert data == (tmp_path / "whole" / shard["file"]).read_bytes()
-        assert shard["sha256"] == hashlib.sha256(data).hexdigest() and shard["bytes"] == len(data)
+        assert shard["sha256_chunks"] == chunk_sha(data) and shard["bytes"] == len(data)
 
 
 def test_an_interrupted_cache_keeps_its_whole_shards_and_resumes_identically(tiny_cpu, tmp_path, monkeypatch):
@@ -475,7 +501,7 @@ def test_an_interrupted_cache_keeps_its_whole_shards_and_resumes_identically(tin
     monkeypatch.setattr(target, "features", real_features)
     again = cw.write_cache(target, dataset, str(tmp_path / "cut"), header, batch_size=32, shard_bytes=500_000,
                            say=lambda _: None)
-    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in fresh["shards"]]
+    assert [s["sha256_chunks"] for s in again["shards"]] == [s["sha256_chunks"] for s in fresh["shards"]]
 
 
 def test_a_writer_thread_failure_reaches_the_caller(tiny_cpu, tmp_path, monkeypatch):

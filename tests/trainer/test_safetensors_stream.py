@@ -1,11 +1,10 @@
-"""The streamed shard writer gives save_file's exact bytes for the concatenated tensors, and their sha256."""
-import hashlib
-
+"""The streamed shard writer gives save_file's exact bytes for the concatenated tensors, and their checksum."""
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from trainer.data.chunk_digest import file_digest
 from trainer.data.safetensors_stream import write_pieces
 
 
@@ -22,10 +21,10 @@ def test_pieces_are_written_as_save_file_writes_them_whole(tmp_path, features_dt
     save_file(whole, str(tmp_path / "whole.safetensors"))
 
     parts = {"features": features, "input_ids": ids, "loss_mask": masks, "offsets": [offsets]}
-    size, sha256 = write_pieces(str(tmp_path / "pieces.safetensors"), parts, chunk=16)
+    size, digest = write_pieces(str(tmp_path / "pieces.safetensors"), parts, chunk=16)
     data = (tmp_path / "pieces.safetensors").read_bytes()
     assert data == (tmp_path / "whole.safetensors").read_bytes()
-    assert (size, sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    assert (size, digest) == (len(data), file_digest(str(tmp_path / "whole.safetensors")))
     with safe_open(str(tmp_path / "pieces.safetensors"), "pt") as f:
         assert torch.equal(f.get_tensor("features"), whole["features"])
 

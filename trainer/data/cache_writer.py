@@ -4,7 +4,7 @@ the target computes the next batch.
 The shards' boundaries follow from the sequences' lengths alone (a shard closes after the sequence
 that takes it to `shard_bytes`), so each shard file is opened with its header, offsets, token ids
 and loss mask before its first features exist, and each sequence's features go from the batch's
-(pinned) host buffer to the file once, through sha256, with no copy in between. A finished shard
+(pinned) host buffer to the file once, through its checksum, with no copy in between. A finished shard
 is fsynced, renamed and named in the manifest by a thread of its own, strictly in order, while the
 next shard fills: a kill leaves only whole, named shards (`prepare` removes the rest), and a resumed
 cache is byte-identical to a fresh one.
@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from trainer.data import chunk_digest
 from trainer.data.dataset import DataError, Dataset
 from trainer.data.feature_cache import (
     DTYPES,
@@ -121,9 +122,9 @@ class ShardStream:
         self._finishing.append(self._finisher.submit(self._finish, file, shard))
 
     def _finish(self, file: StreamedFile, shard: dict) -> None:
-        size, sha256 = file.finish()
+        size, digest = file.finish()
         os.replace(file.path, os.path.join(self.cache_dir, shard["file"]))
-        self.manifest["shards"].append(dict(shard, bytes=size, sha256=sha256))
+        self.manifest["shards"].append(dict(shard, bytes=size, **{chunk_digest.FIELD: digest}))
         write_manifest(self.cache_dir, self.manifest)  # the shard exists before the manifest names it
 
     def close(self) -> None:
@@ -174,7 +175,7 @@ class _HostBuffers:
 
 
 class _WriterThread:
-    """ShardStream.add on a thread of its own: the writes and their sha256 run while the target
+    """ShardStream.add on a thread of its own: the writes and their checksum run while the target
     computes the next batch. An error in the thread is raised in the caller at its next put() or
     at close()."""
 

@@ -2,7 +2,8 @@
 
 Layout of a cache directory:
     manifest.json            what it was made from (target, layer ids, seq_len, data, tokenizer),
-                             counts, and per shard: file, first sequence, count, bytes, sha256
+                             counts, and per shard: file, first sequence, count, bytes,
+                             sha256_chunks (trainer.data.chunk_digest)
     shard-00000.safetensors  flat tensors for consecutive sequences (only real tokens, no padding):
                              features [tokens, K*H] (bf16 by default), input_ids [tokens] int32,
                              loss_mask [tokens] bool, offsets [count+1] int64
@@ -25,6 +26,7 @@ import threading
 import torch
 
 from trainer.atomic import write_atomic
+from trainer.data import chunk_digest
 from trainer.data.dataset import DataError, Dataset
 
 MANIFEST = "manifest.json"
@@ -170,9 +172,15 @@ def shard_problem(cache_dir: str, shard: dict, check_sha: bool) -> str | None:
     size = os.path.getsize(path)
     if size != shard["bytes"]:
         return f"{path} is {size} bytes, the manifest says {shard['bytes']} (truncated or rewritten)"
-    if check_sha and file_sha256(path) != shard["sha256"]:
+    if check_sha and _checksum_differs(path, shard):
         return f"{path} fails its sha256 check (corrupted)"
     return None
+
+
+def _checksum_differs(path: str, shard: dict) -> bool:
+    if chunk_digest.FIELD in shard:
+        return chunk_digest.file_digest(path) != shard[chunk_digest.FIELD]
+    return file_sha256(path) != shard["sha256"]  # a cache written before chunk digests
 
 
 # ---- writing ------------------------------------------------------------------------------------

@@ -2,20 +2,21 @@
 
 A feature-cache shard is ~2 GiB assembled from thousands of per-sequence pieces that arrive one
 target batch at a time. `save_file` needs each tensor whole (a `torch.cat` copy), and the shard's
-sha256 then means reading the file back. Here the header is written from the tensors' shapes alone,
-each piece goes to the file once, through sha256 on its way, as soon as it is given: no
-concatenated copy, no re-read. The bytes are exactly what `safetensors.torch.save_file` writes for
-the concatenated tensors.
+checksum then means reading the file back. Here the header is written from the tensors' shapes
+alone, each piece goes to the file once, through the checksum (trainer.data.chunk_digest) on its
+way, as soon as it is given: no concatenated copy, no re-read. The bytes are exactly what
+`safetensors.torch.save_file` writes for the concatenated tensors.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from trainer.data.chunk_digest import THREADS, ChunkHasher
 
 # safetensors' dtype names, in the order of its Dtype enum (it stores tensors highest first, then
 # by name); only the dtypes the feature cache writes.
@@ -52,7 +53,7 @@ def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
 class StreamedFile:
     """One safetensors file whose tensors are `layout` {name: (dtype, shape)}: the header is written
     at once, then `write` takes the tensors' pieces in file order (`order`), each piece hashed and
-    written as given. `finish` checks every byte came, fsyncs: (bytes, sha256)."""
+    written as given. `finish` checks every byte came, fsyncs: (bytes, chunk digest)."""
 
     def __init__(self, path: str, layout: dict[str, tuple[torch.dtype, list[int]]], chunk: int = CHUNK):
         self.order = sorted(layout, key=lambda n: (-_ORDER[_DTYPES[layout[n][0]]], n))
@@ -68,9 +69,11 @@ class StreamedFile:
         head = len(text).to_bytes(8, "little") + text
         self.path, self._chunk, self._layout = path, chunk, layout
         self._at, self._left = 0, self._sizes[0] if self._sizes else 0
-        self._digest, self.size = hashlib.sha256(head), len(head)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._io = ThreadPoolExecutor(WRITERS, thread_name_prefix="safetensors-write")
+        self._hashing = ThreadPoolExecutor(THREADS, thread_name_prefix="safetensors-hash")
+        self._digest, self.size = ChunkHasher(self._hashing), len(head)
+        self._digest.update(head)
         self._write_at(head, 0)
         self._skip_empty()
 
@@ -100,6 +103,7 @@ class StreamedFile:
             self._digest.update(chunk)
         for future in written:
             future.result()
+        self._digest.settle()  # the piece's buffer is the caller's again
         self.size += len(raw)
         self._left -= len(raw)
         self._skip_empty()
@@ -120,6 +124,7 @@ class StreamedFile:
         if self._fd < 0:
             return
         self._io.shutdown(wait=True)
+        self._hashing.shutdown(wait=True)
         try:
             if self.current is None:
                 os.fsync(self._fd)
@@ -129,7 +134,7 @@ class StreamedFile:
 
 
 def write_pieces(path: str, tensors: dict[str, list[torch.Tensor]], chunk: int = CHUNK) -> tuple[int, str]:
-    """Write `path` (fsynced) holding each name's pieces concatenated on dim 0: (bytes, sha256)."""
+    """Write `path` (fsynced) holding each name's pieces concatenated on dim 0: (bytes, chunk digest)."""
     out = StreamedFile(path, {name: _shape(name, pieces) for name, pieces in tensors.items()}, chunk)
     try:
         for name in out.order:
