@@ -77,6 +77,47 @@ def built_on(device: str, dtype):
         torch.set_default_dtype(before)
 
 
+def sync(device: str) -> None:
+    """Wait for `device`'s queued work, so a wall-clock reading is its own."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def time_cache_write(target, dataset, cache_dir: str, header: dict, device: str) -> dict:
+    """The feature-cache writer over `dataset` against the bare feature forward of the same
+    auto-sized batches, timed after one warm-up forward at that batch shape: {batch, bare_forward_s,
+    write_cache_s, manifest}."""
+    import time
+
+    import torch
+
+    from trainer.data.cache_writer import auto_batch_size, write_cache
+
+    ids = dataset.input_ids
+    batch = auto_batch_size(ids.shape[1])
+    batches = [ids[i : i + batch].to(device) for i in range(0, len(dataset), batch)]
+
+    def seconds_of(work) -> tuple[float, object]:
+        sync(device)
+        began = time.perf_counter()
+        result = work()
+        sync(device)
+        return time.perf_counter() - began, result
+
+    def bare_forward():
+        return [target.features(x, attention_mask=torch.ones_like(x)) for x in batches]
+
+    with torch.no_grad():
+        seconds_of(bare_forward)  # warm-up at the batch shape
+        bare_s, _ = seconds_of(bare_forward)
+        write_s, manifest = seconds_of(
+            lambda: write_cache(target, dataset, cache_dir, header, say=lambda _: None)
+        )
+    return {"batch": batch, "bare_forward_s": bare_s, "write_cache_s": write_s, "manifest": manifest}
+
+
 def tiny_train_argv(output_dir, *more: str) -> list[str]:
     """This interpreter training the `tiny-cpu` config into `output_dir` (a child's command line)."""
     return [sys.executable, "-m", "trainer", "--config", "tiny-cpu", "--output-dir", str(output_dir), *more]

@@ -50,7 +50,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchmarks.common import popen_text, under_timeout, versions  # noqa: E402
+from benchmarks.common import popen_text, sync, time_cache_write, under_timeout, versions  # noqa: E402
 from benchmarks.seed_scale_report import render  # noqa: E402
 
 RESULT_TAG = "SEED_RESULT "
@@ -209,13 +209,6 @@ def write_job(args, work: str, features: str | None = None) -> str:
 # ---- the target child: build, peak, cache-features, decode, regenerate ----------------------------
 
 
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
 def part_build(args, cfg) -> tuple[dict, object]:
     """Load the target as the trainer does; its size, memory, NaN/inf check and feature forward time."""
     import torch
@@ -226,7 +219,7 @@ def part_build(args, cfg) -> tuple[dict, object]:
 
     began = time.perf_counter()
     target = load_target(cfg.target.spec, args.device, param_dtype(args.device), tiny=cfg.target.tiny or None)
-    _sync(args.device)
+    sync(args.device)
     load_s = time.perf_counter() - began
     model: Any = target.model  # the HF causal LM (its accessors are not in nn.Module's type)
     length = sizes(args)["seq_len"]
@@ -281,10 +274,10 @@ def _timed(device: str, fn, repeats: int) -> float:
     times = []
     with torch.no_grad():
         for i in range(repeats + 1):
-            _sync(device)
+            sync(device)
             began = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             if i:
                 times.append(time.perf_counter() - began)
     return statistics.median(times)
@@ -308,38 +301,23 @@ def part_cache(args, cfg, target) -> dict:
     """cache-features over the config's data (the trainer's writer, fsynced shards) against the bare
     feature forward of the same batches, after a warm-up forward at that batch shape. The cache is
     kept in `cache_dir(args)` for the offline part."""
-    import torch
-
-    from trainer.data.cache_writer import auto_batch_size, write_cache
     from trainer.data.feature_cache import cache_header
     from trainer.train.loop import build_dataset
 
     dataset = build_dataset(cfg, target)
-    batch = auto_batch_size(dataset.input_ids.shape[1])
-    batches = [dataset.input_ids[i : i + batch].to(args.device) for i in range(0, len(dataset), batch)]
-    with torch.no_grad():
-        bare = _timed(
-            args.device, lambda: [target.features(x, attention_mask=torch.ones_like(x)) for x in batches], 1
-        )
     work = cache_dir(args)
-    _sync(args.device)
-    began = time.perf_counter()
-    with torch.no_grad():
-        manifest = write_cache(
-            target, dataset, work, cache_header(cfg, target, "bf16", 0), say=lambda _: None
-        )
-    _sync(args.device)
-    seconds = time.perf_counter() - began
+    timed = time_cache_write(target, dataset, work, cache_header(cfg, target, "bf16", 0), args.device)
+    seconds, bare = timed["write_cache_s"], timed["bare_forward_s"]
     tokens = int(dataset.attention_mask.sum())
     return {
         "sequences": len(dataset),
-        "batch": batch,
+        "batch": timed["batch"],
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
         "bare_forward_s": bare,
         "vs_bare_forward": seconds / bare,
-        "bytes": manifest["counts"]["bytes"],
+        "bytes": timed["manifest"]["counts"]["bytes"],
         "dir": work,
     }
 

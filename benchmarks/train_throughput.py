@@ -65,7 +65,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks.baselines import FLEX_EAGER, attention_backend  # noqa: E402
-from benchmarks.common import built_on, fresh_compile_env, popen_text, versions  # noqa: E402
+from benchmarks.common import built_on, fresh_compile_env, popen_text, time_cache_write, versions  # noqa: E402
 
 RESULT_TAG = "BENCH_RESULT "
 PURE_BF16 = "bf16-pure"  # baseline only: bf16 parameters and AdamW state, no fp32 master weights
@@ -676,44 +676,31 @@ def _e2e_cache(args, target, ids, loss_mask, torch, root: str | None) -> dict:
     """cache-features: the writer against the bare forward of the same batches."""
     from trainer.config import TrainConfig
     from trainer.data.dataset import Dataset
-    from trainer.data.cache_writer import auto_batch_size, write_cache
     from trainer.data.feature_cache import cache_header
 
     count, t = args.cache_sequences, ids.shape[1]
     cache_set = Dataset(ids[:count], loss_mask[:count], torch.ones_like(loss_mask[:count]), source="random")
-    batch = auto_batch_size(t)
-    with torch.no_grad():
-        batches = [ids[i : i + batch].to(args.device) for i in range(0, count, batch)]
-        fwd = _timed(
-            torch,
-            args.device,
-            lambda: [target.features(x, attention_mask=torch.ones_like(x)) for x in batches],
-            1,
-        )
     header_cfg = TrainConfig()
     header_cfg.target.spec, header_cfg.data.seq_len = "random-qwen3-8b-shape", t
     header_cfg.data.source = "synthetic"  # the provenance fields of random data
     header = cache_header(header_cfg, target, "bf16", 0)
     cache_dir = tempfile.mkdtemp(prefix="feature-cache-e2e-", dir=root)
     try:
-        began = time.perf_counter()
-        with torch.no_grad():
-            manifest = write_cache(target, cache_set, cache_dir, header, say=lambda _: None)
-        _sync(torch, args.device)
-        cache_s = time.perf_counter() - began
+        timed = time_cache_write(target, cache_set, cache_dir, header, args.device)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
+    bare_s, cache_s, counts = timed["bare_forward_s"], timed["write_cache_s"], timed["manifest"]["counts"]
     return {
         "sequences": count,
-        "batch": batch,
+        "batch": timed["batch"],
         "tokens": count * t,
-        "bare_forward_s": fwd[0],
+        "bare_forward_s": bare_s,
         "write_cache_s": cache_s,
         "tokens_per_s": count * t / cache_s,
-        "bare_tokens_per_s": count * t / fwd[0],
-        "ratio": cache_s / fwd[0],
-        "bytes": manifest["counts"]["bytes"],
-        "shards": manifest["counts"]["shards"],
+        "bare_tokens_per_s": count * t / bare_s,
+        "ratio": cache_s / bare_s,
+        "bytes": counts["bytes"],
+        "shards": counts["shards"],
         "dir_root": os.path.dirname(cache_dir),
     }
 
