@@ -93,6 +93,7 @@ TAUS = (2.0, 2.8, 3.5, 4.0, 5.0, 6.5)
 def build(shape: str, device: str, dtype):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from trainer.infer.export import qwen3_dims
     from trainer.model import DFlashDrafter, DrafterConfig
 
     spec = SHAPES[shape]
@@ -100,15 +101,9 @@ def build(shape: str, device: str, dtype):
     cfg = Qwen3Config(**dims, max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    t = spec["target"]
     dcfg = DrafterConfig(
-        hidden_size=t["hidden_size"],
-        intermediate_size=t["intermediate_size"],
-        num_heads=t["num_attention_heads"],
-        num_kv_heads=t["num_key_value_heads"],
-        head_dim=t["head_dim"],
-        vocab_size=t["vocab_size"],
-        mask_token_id=t["vocab_size"] - 1,
+        **qwen3_dims(dims),
+        mask_token_id=dims["vocab_size"] - 1,
         target_layer_ids=spec["layer_ids"],
         num_layers=spec["drafter_layers"],
         block_size=16,

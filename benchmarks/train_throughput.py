@@ -165,25 +165,36 @@ def child_peak(args, dims) -> dict:
     return {"n": n, "dtype": str(dtype).replace("torch.", ""), "tflops": 2 * n**3 / best / 1e12}
 
 
-def _build(args, dims, torch, seed: int = 0):
-    from trainer import precision
-    from trainer.model import DFlashDrafter, DrafterConfig
+def drafter_config(dims, **of_target):
+    """The drafter of the benchmark's `dims`; `of_target` sets what a real target fixes instead
+    (its hidden size, vocabulary, mask token and feature layers)."""
+    from trainer.model import DrafterConfig
 
-    cuda = args.device.startswith("cuda")
-    pure = args.precision == PURE_BF16
-    dtype = torch.bfloat16 if pure else precision.compute_dtype(args.precision)  # frozen target, features
-    cfg = DrafterConfig(
-        hidden_size=dims["hidden"],
+    own = {
+        "hidden_size": dims["hidden"],
+        "vocab_size": dims["vocab"],
+        "mask_token_id": dims["vocab"] - 1,
+        "target_layer_ids": list(range(1, dims["target_layers"] + 1)),
+    }
+    return DrafterConfig(
+        **{**own, **of_target},
         intermediate_size=dims["intermediate"],
         num_heads=dims["heads"],
         num_kv_heads=dims["kv_heads"],
         head_dim=dims["head_dim"],
-        vocab_size=dims["vocab"],
-        mask_token_id=dims["vocab"] - 1,
-        target_layer_ids=list(range(1, dims["target_layers"] + 1)),
         num_layers=dims["layers"],
         block_size=dims["block"],
     )
+
+
+def _build(args, dims, torch, seed: int = 0):
+    from trainer import precision
+    from trainer.model import DFlashDrafter
+
+    cuda = args.device.startswith("cuda")
+    pure = args.precision == PURE_BF16
+    dtype = torch.bfloat16 if pure else precision.compute_dtype(args.precision)  # frozen target, features
+    cfg = drafter_config(dims)
     torch.manual_seed(seed)
     with torch.device(args.device):  # initialise on the device: 1B parameters on a CPU is slow
         embed = torch.nn.Embedding(dims["vocab"], dims["hidden"]).to(dtype).requires_grad_(False)
@@ -609,20 +620,15 @@ def _e2e_steps(args, dims, target, dataset, one, guard, torch) -> dict:
     from trainer import precision
     from trainer.config import TrainConfig
     from trainer.data.dataset import BatchPlan, Dataset
-    from trainer.model import DFlashDrafter, DrafterConfig
+    from trainer.model import DFlashDrafter
     from trainer.train.workers import Replica
 
-    cfg = DrafterConfig(
+    cfg = drafter_config(
+        dims,
         hidden_size=target.hidden_size,
-        intermediate_size=dims["intermediate"],
-        num_heads=dims["heads"],
-        num_kv_heads=dims["kv_heads"],
-        head_dim=dims["head_dim"],
         vocab_size=target.vocab_size,
         mask_token_id=target.mask_token_id,
         target_layer_ids=target.layer_ids,
-        num_layers=dims["layers"],
-        block_size=dims["block"],
     )
     torch.manual_seed(0)
     model = precision.place(

@@ -147,17 +147,24 @@ def export_weights(weights: dict, cfg: DrafterConfig, out_dir, dtype: torch.dtyp
     return out
 
 
+def qwen3_dims(config: dict) -> dict:
+    """The drafter's layer dims from a Qwen3 config's keys (a target's, or an export's)."""
+    return {
+        "hidden_size": config["hidden_size"],
+        "intermediate_size": config["intermediate_size"],
+        "num_heads": config["num_attention_heads"],
+        "num_kv_heads": config["num_key_value_heads"],
+        "head_dim": config["head_dim"],
+        "vocab_size": config["vocab_size"],
+    }
+
+
 def drafter_config_from_export(export_dir) -> DrafterConfig:
     config = json.loads((Path(export_dir) / CONFIG_FILE).read_text())
     dflash = config["dflash_config"]
     return DrafterConfig(
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
+        **qwen3_dims(config),
         num_layers=config["num_hidden_layers"],
-        num_heads=config["num_attention_heads"],
-        num_kv_heads=config["num_key_value_heads"],
-        head_dim=config["head_dim"],
-        vocab_size=config["vocab_size"],
         rms_norm_eps=config["rms_norm_eps"],
         rope_theta=config.get("rope_parameters", {}).get("rope_theta", config.get("rope_theta")),
         block_size=config["block_size"],
