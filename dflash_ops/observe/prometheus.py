@@ -21,88 +21,70 @@ MIB = 1024 * 1024
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
-    type: str  # gauge | counter
     help: str
+    type: str = "gauge"  # or "counter"
 
 
 FAMILIES = {
     f.name: f
     for f in (
-        Family("dflash_up", "gauge", "1 when the target answered the probe, 0 when it could not be checked."),
-        Family("dflash_state", "gauge", "1 for the job's state (running, stopped, finished, down, unknown)."),
+        Family("dflash_up", "1 when the target answered the probe, 0 when it could not be checked."),
+        Family("dflash_state", "1 for the job's state (running, stopped, finished, down, unknown)."),
         Family(
             "dflash_health_status",
-            "gauge",
             "The health verdict as its Nagios exit code: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.",
         ),
-        Family("dflash_step", "gauge", "The last training step the metrics file recorded."),
-        Family("dflash_total_steps", "gauge", "The run's planned number of steps."),
-        Family("dflash_loss", "gauge", "Training loss at the last step."),
-        Family(
-            "dflash_tokens_per_second", "gauge", "Training throughput at the last step, tokens per second."
-        ),
-        Family("dflash_eta_seconds", "gauge", "Estimated seconds until the run's last step."),
+        Family("dflash_step", "The last training step the metrics file recorded."),
+        Family("dflash_total_steps", "The run's planned number of steps."),
+        Family("dflash_loss", "Training loss at the last step."),
+        Family("dflash_tokens_per_second", "Training throughput at the last step, tokens per second."),
+        Family("dflash_eta_seconds", "Estimated seconds until the run's last step."),
         Family(
             "dflash_last_step_age_seconds",
-            "gauge",
             "Seconds since the last step when the file was written (before the first step: since start).",
         ),
         Family(
             "dflash_last_step_timestamp_seconds",
-            "gauge",
             "Unix time of the last step (target clock); time() minus this is the age at query time.",
         ),
-        Family("dflash_tau", "gauge", "Acceptance length tau of the latest evaluation, pooled over rounds."),
+        Family("dflash_tau", "Acceptance length tau of the latest evaluation, pooled over rounds."),
         Family(
             "dflash_tau_expected",
-            "gauge",
             "Acceptance length tau that training accuracy predicts, 1 + sum_k prod_{j<=k} acc_j.",
         ),
         Family(
             "dflash_relaunches_total",
-            "counter",
             "Launches of the job: the number of its current train-NNNN.log (each relaunch writes the next).",
+            "counter",
         ),
         Family(
             "dflash_auto_relaunches_last_hour",
-            "gauge",
             "Relaunches by health --auto-relaunch in the last hour (its budget: max_relaunches_per_hour).",
         ),
-        Family("dflash_probe_duration_seconds", "gauge", "Seconds the probe's round trip took."),
-        Family("dflash_gpu_info", "gauge", "1 per GPU, with its name, uuid and role in the job."),
-        Family("dflash_gpu_utilization_ratio", "gauge", "GPU utilization, 0 to 1."),
-        Family("dflash_gpu_memory_total_bytes", "gauge", "GPU memory, total."),
+        Family("dflash_probe_duration_seconds", "Seconds the probe's round trip took."),
+        Family("dflash_gpu_info", "1 per GPU, with its name, uuid and role in the job."),
+        Family("dflash_gpu_utilization_ratio", "GPU utilization, 0 to 1."),
+        Family("dflash_gpu_memory_total_bytes", "GPU memory, total."),
         Family(
             "dflash_gpu_memory_used_bytes",
-            "gauge",
             "GPU memory in use by owner: job, foreign (another owner on a job GPU), unknown (cannot be "
             "told, e.g. a host pid inside LXC), other (on a GPU the job does not use), unattributed "
             "(no process accounts for it).",
         ),
         Family(
             "dflash_gpu_ecc_uncorrected_errors",
-            "gauge",
             "Uncorrected ECC errors since the driver loaded (volatile count).",
         ),
-        Family(
-            "dflash_gpu_retired_pages_pending", "gauge", "1 when pages wait to be retired at the next reset."
-        ),
-        Family("dflash_gpu_remapped_rows_uncorrectable", "gauge", "Rows remapped for uncorrectable errors."),
-        Family(
-            "dflash_gpu_remapped_rows_pending", "gauge", "1 when a row remap waits for the next GPU reset."
-        ),
-        Family("dflash_gpu_remap_failure", "gauge", "1 when a row remapping has failed on this GPU."),
+        Family("dflash_gpu_retired_pages_pending", "1 when pages wait to be retired at the next reset."),
+        Family("dflash_gpu_remapped_rows_uncorrectable", "Rows remapped for uncorrectable errors."),
+        Family("dflash_gpu_remapped_rows_pending", "1 when a row remap waits for the next GPU reset."),
+        Family("dflash_gpu_remap_failure", "1 when a row remapping has failed on this GPU."),
         Family(
             "dflash_gpu_xid_events",
-            "gauge",
             "Xid events per GPU and code in the readable kernel log (since boot, as far as it reaches).",
         ),
-        Family(
-            "dflash_gpu_xid_last_age_seconds",
-            "gauge",
-            "Seconds since the newest Xid event of this GPU and code.",
-        ),
-        Family("dflash_kernel_log_readable", "gauge", "1 when the kernel log (Xid events) could be read."),
+        Family("dflash_gpu_xid_last_age_seconds", "Seconds since the newest Xid event of this GPU and code."),
+        Family("dflash_kernel_log_readable", "1 when the kernel log (Xid events) could be read."),
     )
 }
 
