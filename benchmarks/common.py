@@ -11,6 +11,18 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Qwen3-8B's shape (random weights: a cost question needs no trained target)
+QWEN3_8B_SHAPE = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
+
+
 def fresh_compile_env(scratch: str, **extra: str) -> dict:
     """This process's environment with empty inductor and triton caches under `scratch` (a child that
     compiles from nothing, as a new job does) and the repository importable first (sites already on

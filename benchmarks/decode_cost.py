@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import built_on, versions  # noqa: E402
+from benchmarks.common import QWEN3_8B_SHAPE, built_on, versions  # noqa: E402
 
 
 class Shape(TypedDict):
@@ -72,15 +72,7 @@ SHAPES: dict[str, Shape] = {
         "new": 128,
     },
     "8b": {
-        "target": {
-            "vocab_size": 151936,
-            "hidden_size": 4096,
-            "intermediate_size": 12288,
-            "num_hidden_layers": 36,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-        },
+        "target": QWEN3_8B_SHAPE,
         "drafter_layers": 5,
         "layer_ids": [1, 9, 17, 25, 33],
         "prompt": 512,

@@ -65,7 +65,14 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks.baselines import FLEX_EAGER, attention_backend  # noqa: E402
-from benchmarks.common import built_on, fresh_compile_env, popen_text, time_cache_write, versions  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    QWEN3_8B_SHAPE,
+    built_on,
+    fresh_compile_env,
+    popen_text,
+    time_cache_write,
+    versions,
+)
 
 RESULT_TAG = "BENCH_RESULT "
 PURE_BF16 = "bf16-pure"  # baseline only: bf16 parameters and AdamW state, no fp32 master weights
@@ -516,20 +523,13 @@ def child_cache(args, dims) -> dict:
         shutil.rmtree(cache_dir, ignore_errors=True)
 
 
-# Qwen3-8B's shape (random weights: a step-time question needs no trained target)
-QWEN3_8B = {
-    "vocab_size": 151936,
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "max_position_embeddings": 40960,
-    "rope_theta": 1e6,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
+QWEN3_8B = dict(
+    QWEN3_8B_SHAPE,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 SMALL_TARGET = dict(
     QWEN3_8B,
     vocab_size=512,
