@@ -186,106 +186,84 @@ class SshConnecting:
                 f"banner within {self.spec.connect_timeout_s:g} s (is it an SSH "
                 "server? is sshd wedged?)",
             )
-        return (
-            self._host_key_error(exc, step, port, host, what, entry)
-            or self._auth_error(exc, step, where, user)
-            or self._reach_error(exc, step, host, port, what, where, field)
-        )
+        host_key = self._host_key_problem(exc, port, host, what, entry)
+        if host_key:
+            return HostKeyError(self.name, step, host_key)
+        auth = self._auth_problem(exc, where, user)
+        if auth:
+            return AuthError(self.name, step, auth)
+        return ConnectError(self.name, step, self._reach_problem(exc, host, port, what, where, field))
 
-    def _host_key_error(
-        self, exc: BaseException, step: str, port: int, host: str, what: str, entry: str
-    ) -> TransportError | None:
+    def _host_key_problem(
+        self, exc: BaseException, port: int, host: str, what: str, entry: str
+    ) -> str | None:
         if isinstance(exc, paramiko.BadHostKeyException) and self._is_revoked(exc.key, entry):
             exc = _RevokedHostKey(entry, exc.key)  # revoked outranks "changed", as for ssh
         if isinstance(exc, _RevokedHostKey):
-            return HostKeyError(
-                self.name,
-                step,
+            return (
                 f"{what}host key of {entry} ({fingerprint(exc.key)}) is marked @revoked in "
                 f"{self.known_hosts}; "
                 "refusing to connect (a revoked key may be in the wrong hands). Give the host a new key, or "
-                "remove the @revoked line only if this key is trusted again",
+                "remove the @revoked line only if this key is trusted again"
             )
         if isinstance(exc, _UnknownHostKey):
-            return HostKeyError(
-                self.name,
-                step,
+            return (
                 f"{what}host key of {entry} ({fingerprint(exc.key)}) is not in {self.known_hosts} and "
                 f"ssh.host_key_policy is strict. Check the fingerprint on the host (ssh-keygen -lf "
                 f"/etc/ssh/ssh_host_*_key.pub), then add it: "
                 f"ssh-keyscan -p {port} {host} >> {self.known_hosts} "
-                "(or set ssh.host_key_policy: accept-new to record it on first connect)",
+                "(or set ssh.host_key_policy: accept-new to record it on first connect)"
             )
         if isinstance(exc, paramiko.BadHostKeyException):
-            return HostKeyError(
-                self.name,
-                step,
+            return (
                 f"{what}host key of {entry} has CHANGED: the server offers {fingerprint(exc.key)}, "
                 f"{self.known_hosts} has {fingerprint(exc.expected_key)}. This may be an attack; if the host "
-                f"was reinstalled, remove the old key with: ssh-keygen -f {self.known_hosts} -R '{entry}'",
+                f"was reinstalled, remove the old key with: ssh-keygen -f {self.known_hosts} -R '{entry}'"
             )
         if (
             isinstance(exc, OSError)
             and exc.filename
             and os.path.abspath(exc.filename) == os.path.abspath(self.known_hosts)
         ):
-            return HostKeyError(
-                self.name, step, f"cannot read {self.known_hosts} ({exc}); check ssh.known_hosts_file"
-            )
+            return f"cannot read {self.known_hosts} ({exc}); check ssh.known_hosts_file"
         return None
 
-    def _auth_error(self, exc: BaseException, step: str, where: str, user: str) -> TransportError | None:
+    def _auth_problem(self, exc: BaseException, where: str, user: str) -> str | None:
         if isinstance(exc, OSError) and exc.filename:
-            return AuthError(
-                self.name, step, f"cannot read {exc.filename} ({exc.strerror}); check ssh.identity_file"
-            )
+            return f"cannot read {exc.filename} ({exc.strerror}); check ssh.identity_file"
         if isinstance(exc, paramiko.PasswordRequiredException):
-            return AuthError(
-                self.name,
-                step,
+            return (
                 f"{where}: the key {self.spec.identity_file} is passphrase-protected; "
-                "load it into ssh-agent and drop ssh.identity_file, or use a key without one",
+                "load it into ssh-agent and drop ssh.identity_file, or use a key without one"
             )
         if isinstance(exc, paramiko.AuthenticationException):
             key = (
                 f"key {self.spec.identity_file}" if self.spec.identity_file else "the agent's and ~/.ssh keys"
             )
-            return AuthError(
-                self.name,
-                step,
+            return (
                 f"{where} refused {key} for user {user!r} ({exc}); check ssh.user, "
-                "ssh.identity_file and the host's authorized_keys",
+                "ssh.identity_file and the host's authorized_keys"
             )
         return None
 
-    def _reach_error(
-        self, exc: BaseException, step: str, host: str, port: int, what: str, where: str, field: str
-    ) -> TransportError:
+    def _reach_problem(
+        self, exc: BaseException, host: str, port: int, what: str, where: str, field: str
+    ) -> str:
         if isinstance(exc, socket.gaierror):
-            return ConnectError(
-                self.name, step, f"cannot resolve {what or 'host '}{host!r} ({exc.strerror}); check {field}"
-            )
+            return f"cannot resolve {what or 'host '}{host!r} ({exc.strerror}); check {field}"
         if isinstance(exc, paramiko.ChannelException):
-            return ConnectError(
-                self.name,
-                step,
+            return (
                 f"the jump host could not open a connection to {host}:{port} "
-                f"({exc.text}); check ssh.host/ssh.port and that forwarding is allowed",
+                f"({exc.text}); check ssh.host/ssh.port and that forwarding is allowed"
             )
         if isinstance(exc, (socket.timeout, TimeoutError)):
-            return ConnectError(
-                self.name,
-                step,
+            return (
                 f"{where}: no answer within {self.spec.connect_timeout_s:g}s "
-                f"(host down or port filtered? check {field})",
+                f"(host down or port filtered? check {field})"
             )
         if isinstance(exc, (paramiko.ssh_exception.NoValidConnectionsError, ConnectionRefusedError)):
-            return ConnectError(
-                self.name,
-                step,
-                f"{where}: connection refused (is sshd running on port {port}? check {field})",
-            )
-        return ConnectError(self.name, step, f"{where}: {type(exc).__name__}: {exc}")
+            return f"{where}: connection refused (is sshd running on port {port}? check {field})"
+        return f"{where}: {type(exc).__name__}: {exc}"
 
     def _is_revoked(self, key: paramiko.PKey, entry: str) -> bool:
         try:
