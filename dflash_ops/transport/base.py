@@ -79,6 +79,17 @@ def finish(
     return Result(exit_code, decode(stdout), err, seconds)
 
 
+def outlived(target: str, step: str, limit_s: float, stderr: bytes, then: str) -> RemoteTimeout:
+    """The local watchdog's error: the command outlived `limit_s`, although its remote `timeout`
+    (and the KILL after it) should have ended it first."""
+    return RemoteTimeout(
+        target,
+        step,
+        f"no answer within {limit_s:g}s although the remote `timeout` should have ended the command; {then}",
+        decode(stderr),
+    )
+
+
 class Transport(abc.ABC):
     """Run bash scripts on a target and put files there.
 
@@ -89,9 +100,19 @@ class Transport(abc.ABC):
     def __init__(self, name: str):
         self.name = name
 
-    @abc.abstractmethod
     def run(self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None) -> Result:
         """Run `script` with bash on the target (non-login shell: absolute paths, explicit env)."""
+        code, out, err, seconds = self._execute(
+            with_remote_timeout(script, timeout), stdin, local_limit_s(timeout), step
+        )
+        return finish(self.name, step, timeout, code, out, err, seconds)
+
+    def _execute(
+        self, argv: list[str], stdin: bytes | None, limit_s: float, step: str
+    ) -> tuple[int, bytes, bytes, float]:
+        """Run `argv` on the target, given up after `limit_s` (see outlived); (exit code, stdout,
+        stderr, seconds)."""
+        raise NotImplementedError
 
     def check(
         self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None

@@ -11,16 +11,13 @@ import tempfile
 import threading
 import time
 
-from dflash_ops.errors import RemoteTimeout, TransportError
+from dflash_ops.errors import TransportError
 from dflash_ops.transport.base import (
     AFTER_EXIT_S,
-    Result,
     Transport,
     decode,
-    finish,
-    local_limit_s,
+    outlived,
     quote_argv,
-    remote_limit_s,
     with_remote_timeout,
 )
 
@@ -33,8 +30,9 @@ def exit_code_of(returncode: int) -> int:
 class LocalTransport(Transport):
     """Runs scripts with `bash -c` on this machine (no shell string building on our side)."""
 
-    def run(self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None) -> Result:
-        argv = with_remote_timeout(script, timeout)
+    def _execute(
+        self, argv: list[str], stdin: bytes | None, limit_s: float, step: str
+    ) -> tuple[int, bytes, bytes, float]:
         start = time.monotonic()
         try:
             # Own session: `timeout` then signals only the script's process group, never us.
@@ -58,30 +56,16 @@ class LocalTransport(Transport):
         for t in threads:
             t.start()
         try:
-            proc.wait(timeout=local_limit_s(timeout))
+            proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             proc.wait()
             _join(threads, AFTER_EXIT_S)
-            raise RemoteTimeout(
-                self.name,
-                step,
-                f"time limit of {remote_limit_s(timeout)}s reached and "
-                "`timeout` did not end the command; killed its process group",
-                decode(b"".join(err)),
-            ) from None
+            raise outlived(self.name, step, limit_s, b"".join(err), "killed its process group") from None
         # A background child that inherited stdout (`cmd &`) may keep the pipe open for as long as
         # it lives: take what arrived shortly after the exit, as the ssh transport does.
         _join(threads, AFTER_EXIT_S)
-        return finish(
-            self.name,
-            step,
-            timeout,
-            exit_code_of(proc.returncode),
-            b"".join(out),
-            b"".join(err),
-            time.monotonic() - start,
-        )
+        return exit_code_of(proc.returncode), b"".join(out), b"".join(err), time.monotonic() - start
 
     def put(self, data: bytes, remote_path: str, mode: int = 0o644, step: str = "put") -> None:
         directory = os.path.dirname(os.path.abspath(remote_path))

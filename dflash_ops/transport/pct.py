@@ -53,10 +53,10 @@ class PctTransport(SshTransport):
     ) -> Result:
         """Run `script` on the Proxmox host itself, over the same connection. The host sees what
         the container cannot: real pids of GPU processes and the cgroup (container) of each."""
+        # _exec classifies the answer: a `pct exec` inside the script fails the same way
         code, out, err, seconds = self._exec(
             self._host_line(script, timeout), stdin, local_limit_s(timeout), step
         )
-        self._classify(code, err, step)  # a `pct exec` inside the script fails the same way
         return finish(self.name, step, timeout, code, out, err, seconds)
 
     def _classify(self, code: int, stderr: bytes, step: str) -> None:

@@ -22,15 +22,13 @@ import time
 import fabric
 import paramiko
 
-from dflash_ops.errors import ConnectError, RemoteTimeout
+from dflash_ops.errors import ConnectError
 from dflash_ops.job.model import HostSpec
 from dflash_ops.transport.base import (
     AFTER_EXIT_S,
-    Result,
     Transport,
     decode,
-    finish,
-    local_limit_s,
+    outlived,
     quote_argv,
     with_remote_timeout,
 )
@@ -131,13 +129,7 @@ class SshTransport(SshConnecting, Transport):
                 raise socket.timeout()
             code = chan.recv_exit_status()
         except socket.timeout:
-            raise RemoteTimeout(
-                self.name,
-                step,
-                f"no answer within {limit_s:g}s although the remote `timeout` "
-                "should have ended the command; gave up waiting",
-                decode(b"".join(err)),
-            ) from None
+            raise outlived(self.name, step, limit_s, b"".join(err), "gave up waiting") from None
         except (paramiko.SSHException, EOFError, OSError) as exc:
             with self._lock:
                 self._close_quietly()
@@ -154,16 +146,16 @@ class SshTransport(SshConnecting, Transport):
                 "(connection lost or the remote shell was killed)",
                 decode(b"".join(err)),
             )
+        self._classify(code, b"".join(err), step)
         return code, b"".join(out), b"".join(err), time.monotonic() - start
 
     def _classify(self, code: int, stderr: bytes, step: str) -> None:
         """Hook for errors recognised from the remote side (pct)."""
 
-    def run(self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None) -> Result:
-        line = self._remote_line(with_remote_timeout(script, timeout))
-        code, out, err, seconds = self._exec(line, stdin, local_limit_s(timeout), step)
-        self._classify(code, err, step)
-        return finish(self.name, step, timeout, code, out, err, seconds)
+    def _execute(
+        self, argv: list[str], stdin: bytes | None, limit_s: float, step: str
+    ) -> tuple[int, bytes, bytes, float]:
+        return self._exec(self._remote_line(argv), stdin, limit_s, step)
 
     def put(self, data: bytes, remote_path: str, mode: int = 0o644, step: str = "put") -> None:
         self.check(
