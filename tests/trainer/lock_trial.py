@@ -103,6 +103,14 @@ def recompute_tagged(fn, tag: int):
     return run
 
 
+def run_together(threads: list[threading.Thread]) -> None:
+    """Start every thread, then wait for all of them."""
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def run_race(args) -> dict:
     if args.emulate_old_torch:
         emulate_old_torch()
@@ -182,10 +190,7 @@ def run_race(args) -> dict:
 
     began = time.perf_counter()
     threads = [threading.Thread(target=drafter, args=(i,), name=f"drafter{i}") for i in range(args.threads)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(threads)
     return {
         "mode": args.mode,
         "emulate_old_torch": args.emulate_old_torch,
@@ -268,10 +273,7 @@ def run_masks(args) -> dict:
     threads = [threading.Thread(target=builder, args=(i,)) for i in range(args.threads)]
     if args.compiles:
         threads.append(threading.Thread(target=compiler))
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(threads)
     return {
         "guard": args.guard,
         "mask_lock": not args.no_lock,

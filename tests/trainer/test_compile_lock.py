@@ -7,6 +7,7 @@ fail at all. The full lock must come out clean in every trial.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -191,6 +192,27 @@ def _run_in_thread(fn):
     return thread
 
 
+@contextlib.contextmanager
+def _a_inside_a_step(guard: CompileGuard):
+    """Thread "a" inside an ordinary step for as long as the block runs; yields the list that gets
+    the time it leaves (appended as the last thing inside the step)."""
+    inside, release, left = threading.Event(), threading.Event(), []
+
+    def step_a():
+        with guard.step("a", 1, (1,)):
+            inside.set()
+            release.wait(10)
+            left.append(time.time())
+
+    thread = _run_in_thread(step_a)
+    assert inside.wait(5)
+    try:
+        yield left
+    finally:
+        release.set()
+        thread.join(10)
+
+
 def _warm(guard: CompileGuard, *threads: str, shape=(1,)) -> None:
     for name in threads:
         with guard.step(name, 0, shape):
@@ -215,28 +237,18 @@ def test_ordinary_steps_run_side_by_side():
 def test_a_step_with_a_new_shape_waits_for_the_others():
     guard = CompileGuard("lock")
     _warm(guard, "a", "b")
-    a_inside, release_a = threading.Event(), threading.Event()
-    order = []
-
-    def step_a():
-        with guard.step("a", 1, (1,)):
-            a_inside.set()
-            release_a.wait(5)
-            order.append("a leaves")
+    b_entered = []
 
     def step_b():
         with guard.step("b", 1, (2,)):  # new shape: may compile
-            order.append("b enters")
+            b_entered.append(time.time())
 
-    thread_a = _run_in_thread(step_a)
-    assert a_inside.wait(5)
-    thread_b = _run_in_thread(step_b)
-    time.sleep(0.3)
-    assert order == [], "the new-shape step entered while another step was running"
-    release_a.set()
-    thread_a.join(5)
+    with _a_inside_a_step(guard) as a_left:
+        thread_b = _run_in_thread(step_b)
+        time.sleep(0.3)
+        assert b_entered == [], "the new-shape step entered while another step was running"
     thread_b.join(5)
-    assert order == ["a leaves", "b enters"]
+    assert a_left[0] <= b_entered[0]
 
 
 def test_first_step_of_each_thread_is_exclusive_then_shared():
@@ -395,26 +407,15 @@ def test_an_unannounced_compile_waits_for_the_other_steps(installed_guard):
     guard, events = installed_guard
     compiled = torch.compile(lambda x: torch.cos(x) + 1, backend="eager", dynamic=False)
     _warm(guard, "a", "b")
-    a_inside, release_a = threading.Event(), threading.Event()
-    a_left = []
-
-    def step_a():
-        with guard.step("a", 1, (1,)):
-            a_inside.set()
-            release_a.wait(10)
-        a_left.append(time.time())
 
     def step_b():
         with guard.step("b", 1, (1,)):  # same shape_key, yet it compiles
             compiled(torch.randn(7))
 
-    thread_a = _run_in_thread(step_a)
-    assert a_inside.wait(5)
-    thread_b = _run_in_thread(step_b)
-    time.sleep(0.5)
-    assert not events, "b compiled while a was inside its step"
-    release_a.set()
-    thread_a.join(10)
+    with _a_inside_a_step(guard) as a_left:
+        thread_b = _run_in_thread(step_b)
+        time.sleep(0.5)
+        assert not events, "b compiled while a was inside its step"
     thread_b.join(20)
     assert [(e["thread"], e["reason"]) for e in events] == [("b", "unpredicted")]
     compile_started = events[0]["time"] - events[0]["duration_s"]
