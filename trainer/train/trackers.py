@@ -20,10 +20,11 @@ Where each writes (all under the run's --output-dir unless its own settings say 
 from __future__ import annotations
 
 import collections
+import importlib
 import math
 import os
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from trainer import metrics_format
 from trainer.config import TRACKERS
@@ -124,10 +125,13 @@ class Tracker:
     """One tracker library. open() receives the run's start record; the rest its later records."""
 
     name = ""
+    library = ""  # the module it drives, imported on construction: ImportError when not installed
 
     def __init__(self, output_dir: str):
         self.output_dir = output_dir
         self.opened = False
+        self.lib: Any = importlib.import_module(self.library) if self.library else None
+        self.run: Any = None  # what open() starts: the library's run (tensorboard: its event writer)
 
     def open(self, config: dict, run_name: str) -> None:
         pass
@@ -144,50 +148,40 @@ class Tracker:
 
 class TensorBoard(Tracker):
     name = "tensorboard"
-
-    def __init__(self, output_dir: str):
-        super().__init__(output_dir)
-        from torch.utils.tensorboard import SummaryWriter  # ImportError without the tensorboard package
-
-        self._writer_class = SummaryWriter
-        self.writer = None
+    library = "torch.utils.tensorboard"  # needs the tensorboard package
 
     def open(self, config, run_name):
-        if self.writer is None:
-            self.writer = self._writer_class(
+        if self.run is None:
+            self.run = self.lib.SummaryWriter(
                 log_dir=os.path.join(self.output_dir, "tensorboard"), flush_secs=10
             )
-            self.writer.add_text(
+            self.run.add_text(
                 "config", "```\n" + "\n".join(f"{k}: {v}" for k, v in flat_config(config).items()) + "\n```"
             )
 
     def scalars(self, step, values):
         for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
+            self.run.add_scalar(tag, value, step)
 
     def event(self, step, kind, text):
-        self.writer.add_text("events", text, step)
+        self.run.add_text("events", text, step)
 
     def close(self):
-        if self.writer is not None:
-            self.writer.close()
+        if self.run is not None:
+            self.run.close()
 
 
 class Wandb(Tracker):
-    name = "wandb"
+    name = library = "wandb"
 
     def __init__(self, output_dir: str):
         super().__init__(output_dir)
-        import wandb
-
-        self.wandb = wandb
-        self.run = None
         self.last_step = 0
 
     def open(self, config, run_name):
         if self.run is None:
-            settings = self.wandb.Settings(console="off", silent=True)  # the trainer's log stays its own
-            self.run = self.wandb.init(
+            settings = self.lib.Settings(console="off", silent=True)  # the trainer's log stays its own
+            self.run = self.lib.init(
                 project=os.environ.get("WANDB_PROJECT", "dflash"),
                 name=run_name,
                 dir=self.output_dir,
@@ -208,14 +202,7 @@ class Wandb(Tracker):
 
 
 class Mlflow(Tracker):
-    name = "mlflow"
-
-    def __init__(self, output_dir: str):
-        super().__init__(output_dir)
-        import mlflow
-
-        self.mlflow = mlflow
-        self.run = None
+    name = library = "mlflow"
 
     def open(self, config, run_name):
         if self.run is not None:
@@ -223,25 +210,25 @@ class Mlflow(Tracker):
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             # a local store needing no database package (mlflow-skinny has none)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            self.mlflow.set_tracking_uri("file:" + os.path.abspath(os.path.join(self.output_dir, "mlruns")))
-        self.mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "dflash"))
-        self.run = self.mlflow.start_run(run_name=run_name)
+            self.lib.set_tracking_uri("file:" + os.path.abspath(os.path.join(self.output_dir, "mlruns")))
+        self.lib.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "dflash"))
+        self.run = self.lib.start_run(run_name=run_name)
         params = flat_config(config)
         keys = list(params)
         for first in range(0, len(keys), 100):  # mlflow takes at most 100 params a call
-            self.mlflow.log_params({k: params[k] for k in keys[first : first + 100]})
+            self.lib.log_params({k: params[k] for k in keys[first : first + 100]})
 
     def scalars(self, step, values):
         finite = {k: v for k, v in values.items() if math.isfinite(v)}  # mlflow refuses NaN/inf
         if finite:
-            self.mlflow.log_metrics(finite, step=step)
+            self.lib.log_metrics(finite, step=step)
 
     def event(self, step, kind, text):
-        self.mlflow.set_tag(f"last_{kind}", text[:5000])
+        self.lib.set_tag(f"last_{kind}", text[:5000])
 
     def close(self):
         if self.run is not None:
-            self.mlflow.end_run()
+            self.lib.end_run()
 
 
 KINDS: dict[str, type[Tracker]] = {"tensorboard": TensorBoard, "wandb": Wandb, "mlflow": Mlflow}
