@@ -58,6 +58,11 @@ class Throughput:
         return tokens / interval, mean_step * max(self.total_steps - step, 0)
 
 
+def _known(**fields) -> dict:
+    """The optional fields that have a value: a record leaves out what was not measured."""
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 class MetricsWriter:
     """Writes metrics records to `path` and readable lines to `out`. Safe to call from any thread.
 
@@ -111,7 +116,6 @@ class MetricsWriter:
         summary_lines: Sequence[str] = (),
         gated_deltanet: dict | None = None,
     ) -> None:
-        more = {} if gated_deltanet is None else {"gated_deltanet": gated_deltanet}
         self.record(
             "start",
             config=config,
@@ -119,7 +123,7 @@ class MetricsWriter:
             compile_lock=compile_lock,
             total_steps=total_steps,
             pid=os.getpid(),
-            **more,
+            **_known(gated_deltanet=gated_deltanet),
         )
         for line in summary_lines:
             self.say(line)
@@ -138,7 +142,6 @@ class MetricsWriter:
         epoch: float,
         gpu_memory_gib: float | None = None,
     ) -> None:
-        more = {} if gpu_memory_gib is None else {"gpu_memory_gib": gpu_memory_gib}
         self.record(
             "step",
             step=step,
@@ -150,7 +153,7 @@ class MetricsWriter:
             lr=lr,
             grad_norm=grad_norm,
             epoch=epoch,
-            **more,
+            **_known(gpu_memory_gib=gpu_memory_gib),
         )
         line = step_line(step, total_steps, loss, acc, tokens_per_s, eta_s, lr, grad_norm)
         permanent = step % self.log_every == 0 or step == total_steps
