@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
@@ -21,6 +22,11 @@ QWEN3_8B_SHAPE = {
     "num_key_value_heads": 8,
     "head_dim": 128,
 }
+
+
+def doc_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's argument parser: its module docstring, laid out as written, is the --help text."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def fresh_compile_env(scratch: str, **extra: str) -> dict:

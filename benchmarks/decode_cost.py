@@ -16,7 +16,6 @@ tokens on average; target-only emits one per T_step). The HF-eager reference loo
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import QWEN3_8B_SHAPE, built_on, versions  # noqa: E402
+from benchmarks.common import QWEN3_8B_SHAPE, built_on, doc_parser, versions  # noqa: E402
 
 
 class Shape(TypedDict):
@@ -296,7 +295,7 @@ def markdown(args, info, results) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = doc_parser(__doc__)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--shapes", default="small,8b")
     p.add_argument("--blocks", default="8,16")

@@ -18,7 +18,6 @@ kernel: loss within 1e-4 relative, accuracy equal, gradient within 1e-2. Exit 1 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -28,6 +27,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from benchmarks.common import doc_parser  # noqa: E402
 
 PAPER = {"anchors": 512, "block": 16, "hidden": 4096, "vocab": 151936}
 SMALL = {"anchors": 8, "block": 4, "hidden": 16, "vocab": 96}
@@ -159,9 +160,7 @@ def _markdown(args, given: str, dims: dict, dtype, ref_loss, results, between, f
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = doc_parser(__doc__)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--small", action="store_true", help="tiny dims on the CPU in fp32 (a smoke run)")
     parser.add_argument("--repeats", type=int, default=10)

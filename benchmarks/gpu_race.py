@@ -43,7 +43,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import versions  # noqa: E402
+from benchmarks.common import doc_parser, versions  # noqa: E402
 from trainer.metrics_format import FX_TRACING_ERROR  # noqa: E402
 
 OUTCOMES = ("fx", "mask", "other", "hang", "clean")
@@ -221,9 +221,7 @@ def render(table: list[dict], args, command: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = doc_parser(__doc__)
     parser.add_argument("--modes", default="none,lock")
     parser.add_argument(
         "--checkpointing", default="none,layers", help="train.activation_checkpointing values"

@@ -11,13 +11,14 @@ any run still has an element at exactly 1.0.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from benchmarks.common import doc_parser  # noqa: E402
 
 
 def norm_stats(checkpoint: str) -> dict:
@@ -93,9 +94,7 @@ def render(rows: list[dict], label: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = doc_parser(__doc__)
     parser.add_argument(
         "--run",
         action="append",

@@ -47,7 +47,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks.baselines import GUARD_MODES, compile_guard  # noqa: E402
-from benchmarks.common import fresh_compile_env, popen_text, versions  # noqa: E402
+from benchmarks.common import doc_parser, fresh_compile_env, popen_text, versions  # noqa: E402
 
 OUTCOMES = ("clean", "fx_tracing", "other_error", "hang")
 RESULT_TAG = "TRIAL_RESULT "
@@ -396,9 +396,7 @@ def verdict(table: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = doc_parser(__doc__)
     parser.add_argument(
         "--mode",
         default="all",

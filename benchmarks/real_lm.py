@@ -21,7 +21,6 @@ Every stage runs under `timeout -k`; the markdown (+ .json) goes to --out, writt
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -537,7 +536,9 @@ def _evaluate(args, p: dict, work: Path, blocks: list[int], state: dict, began: 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from benchmarks.common import doc_parser, versions
+
+    ap = doc_parser(__doc__)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--work", required=True, help="scratch directory (created)")
     ap.add_argument("--out", required=True)
@@ -549,8 +550,6 @@ def main() -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "lm"
-    from benchmarks.common import versions
-
     import transformers
 
     info = dict(versions(args.device), transformers=transformers.__version__)

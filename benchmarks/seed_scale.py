@@ -50,7 +50,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchmarks.common import popen_text, sync, time_cache_write, under_timeout, versions  # noqa: E402
+from benchmarks.common import doc_parser, popen_text, sync, time_cache_write, under_timeout, versions  # noqa: E402
 from benchmarks.seed_scale_report import render  # noqa: E402
 
 RESULT_TAG = "SEED_RESULT "
@@ -690,7 +690,7 @@ def write_report(args, report: dict) -> None:
 
 
 def parse_args(argv: list[str] | None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = doc_parser(__doc__)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (the whole script, ~1 min)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")

@@ -11,7 +11,6 @@ Both write the same bytes (checked). The two alternate, `--repeats` times each.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import doc_parser  # noqa: E402
 from trainer.data.feature_cache import file_sha256  # noqa: E402
 from trainer.data.safetensors_stream import write_pieces  # noqa: E402
 
@@ -52,7 +52,7 @@ def after(path: str, parts: dict[str, list[torch.Tensor]]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = doc_parser(__doc__)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--sequences", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=3072)

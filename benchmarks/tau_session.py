@@ -12,7 +12,6 @@ Every child runs under `timeout -k`; its output streams to stdout. Markdown (+ .
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -23,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import popen_text, tiny_train_argv, under_timeout, versions  # noqa: E402
+from benchmarks.common import doc_parser, popen_text, tiny_train_argv, under_timeout, versions  # noqa: E402
 from trainer import metrics_format  # noqa: E402
 
 
@@ -155,7 +154,7 @@ def markdown(args, info, with_eval, without, ev) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = doc_parser(__doc__)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--out", required=True)
     p.add_argument("--max-steps", type=int, default=None, help="shorten the tiny run (smoke tests)")

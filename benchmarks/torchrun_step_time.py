@@ -16,7 +16,6 @@ first --warmup steps (which hold the compiles). Runs alternate threads, torchrun
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -29,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchmarks.common import fresh_compile_env, versions  # noqa: E402
+from benchmarks.common import doc_parser, fresh_compile_env, versions  # noqa: E402
 
 GOAL = 0.05
 SMALL_CONFIG = "small CPU smoke (sdpa, gloo)"
@@ -195,7 +194,7 @@ def report(results: list[dict], args, info: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = doc_parser(__doc__)
     p.add_argument("--out", required=True, help="markdown file to write (a .json copy goes next to it)")
     p.add_argument("--small", action="store_true", help="CPU smoke: tiny dims, sdpa, gloo")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 80 GPU, 30 small)")

@@ -66,6 +66,7 @@ if REPO not in sys.path:
 
 from benchmarks.baselines import FLEX_EAGER, attention_backend  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    doc_parser,
     QWEN3_8B_SHAPE,
     built_on,
     fresh_compile_env,
@@ -983,9 +984,7 @@ def _render_checkpointing(report: dict) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = doc_parser(__doc__)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--out", help="markdown results file (a .json copy is written next to it)")
     parser.add_argument("--small", action="store_true", help="tiny dims on CPU with sdpa (a smoke run)")
