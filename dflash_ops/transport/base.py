@@ -140,9 +140,13 @@ class Transport(abc.ABC):
     def interactive(self, script: str) -> int:
         """Run `script` with the user's terminal attached (for `attach`); returns the exit code."""
 
-    @abc.abstractmethod
     def command_line(self, script: str, timeout: float = 60) -> str:
         """The exact command line `run` would execute here, for --dry-run output."""
+        return self._command_line_of(with_remote_timeout(script, timeout))
+
+    def _command_line_of(self, argv: list[str]) -> str:
+        """`argv` as the command line `_execute` runs it with."""
+        raise NotImplementedError
 
     # What a Proxmox (pct) target adds: commands on the host of its container. Other transports
     # have no such host; the inventory lets only pct targets query GPUs there (gpu_host_ctid).

@@ -18,7 +18,6 @@ from dflash_ops.transport.base import (
     decode,
     outlived,
     quote_argv,
-    with_remote_timeout,
 )
 
 
@@ -116,8 +115,8 @@ class LocalTransport(Transport):
     def interactive(self, script: str) -> int:
         return exit_code_of(subprocess.call(["bash", "-c", script]))
 
-    def command_line(self, script: str, timeout: float = 60) -> str:
-        return quote_argv(with_remote_timeout(script, timeout))
+    def _command_line_of(self, argv: list[str]) -> str:
+        return quote_argv(argv)
 
 
 def _first_line(fd: int, deadline: float, most: int = 4096) -> str:

@@ -30,7 +30,6 @@ from dflash_ops.transport.base import (
     decode,
     outlived,
     quote_argv,
-    with_remote_timeout,
 )
 from dflash_ops.transport.ssh_channel import drain, feed, first_line, passthrough, read_until_exit
 from dflash_ops.transport.ssh_connect import SshConnecting
@@ -66,8 +65,8 @@ class SshTransport(SshConnecting, Transport):
         # for which paramiko has no exit code.
         return quote_argv(self._wrap(argv)) + "; exit $?"
 
-    def command_line(self, script: str, timeout: float = 60) -> str:
-        return self._ssh_command(self._remote_line(with_remote_timeout(script, timeout)))
+    def _command_line_of(self, argv: list[str]) -> str:
+        return self._ssh_command(self._remote_line(argv))
 
     def _ssh_command(self, remote_line: str) -> str:
         """An equivalent OpenSSH command line, for --dry-run output and copy-paste."""
