@@ -20,7 +20,5 @@ def job_named(obj: Obj, target: str | None, node: str | None = None):
 def node_or_target(obj: Obj, target: str | None, node: str | None):
     """What a command that reads one machine's files acts on: a multinode job's node (`--node`, default
     node 0) or the one target named."""
-    from dflash_ops.observe import multinode as multinode_status
-
     job = job_named(obj, target, node)
-    return multinode_status.node_target(job, node) if job is not None else one_target(obj, target)
+    return job.node_named(node) if job is not None else one_target(obj, target)
