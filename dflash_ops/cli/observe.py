@@ -10,8 +10,7 @@ import click
 
 from dflash_ops.observe import budget
 from dflash_ops.errors import DflashOpsError, InputError
-import dflash_ops.cli.multinode as multinode
-from dflash_ops.cli.group import answer_within_option, cli, one_target, target_option
+from dflash_ops.cli.group import answer_within_option, cli, node_or_target, one_target, target_option
 
 
 def _is_tty() -> bool:
@@ -175,7 +174,7 @@ def tail_log(obj, target, lines, follow, grep, log, node):
     from dflash_ops.observe.log_tail import tail_log
 
     try:
-        tail_log(multinode.node_or_target(obj, target, node), lines, follow, grep, log, emit=click.echo)
+        tail_log(node_or_target(obj, target, node), lines, follow, grep, log, emit=click.echo)
     except KeyboardInterrupt:
         pass  # polling leaves nothing running on the target
 
