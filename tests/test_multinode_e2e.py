@@ -28,7 +28,7 @@ from dflash_ops.transport.factory import connect
 
 from dflash_ops.job import jobpaths
 
-from dflash_ops.observe import multinode as multinode_status
+from dflash_ops.observe import job_check
 from dflash_ops.inventory.load import load_inventory
 
 try:
@@ -222,7 +222,7 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     assert stopped.stdout.count("0 needed SIGKILL") == 2, stopped.stdout  # both nodes' ranks stopped on SIGTERM
     assert processes_of(a.job) == {} and processes_of(b.job) == {}
     assert [state_of(t.job)["state"] for t in (a, b)] == ["stopped", "stopped"]
-    after_stop = multinode_status.check(job, timeout_s=20)
+    after_stop = job_check.check(job, timeout_s=20)
     assert after_stop.verdict.level == "OK", after_stop.verdict.reasons
     assert after_stop.verdict.reasons[0].startswith("stopped by dflash-ops stop at")
     assert after_stop.verdict.reasons[0].endswith("on every node)")
@@ -245,7 +245,7 @@ def test_two_nodes_train_as_one_job(pair, tmp_path, monkeypatch):
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not ranks_of(b.job), 60, "node b's torchrun to end")
     time.sleep(3)  # torchrun writes its failure summary as it exits
-    critical = multinode_status.check(job, timeout_s=20)
+    critical = job_check.check(job, timeout_s=20)
     assert critical.verdict.level == "CRITICAL", critical.verdict.reasons
     named = [r for r in critical.verdict.reasons if r.startswith("node 1 box-b: rank died:")]
     assert named and f"rank {env['RANK']} (local rank 0, pid {pid}) exited with code -9 (SIGKILL)" in named[0], \

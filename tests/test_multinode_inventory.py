@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from dflash_ops.observe import health, multinode as multinode_status, status as status_lib
+from dflash_ops.observe import health, job_check, status as status_lib
 from dflash_ops.observe.status import JobProcess, TargetStatus, TmuxSession
 
 from dflash_ops.inventory import target as inventory_target
@@ -155,17 +155,17 @@ def test_one_dead_node_makes_the_job_critical_and_names_it():
     job = _job()
     a, b = job.node_targets()
     died = "rank died: rank 3 (local rank 1, pid 4242) exited with code -9 (SIGKILL), the first failure torchrun saw"
-    jc = multinode_status.combine(job, [_checked(a, "OK", ["step 40/100, loss 2.0"]),
+    jc = job_check.combine(job, [_checked(a, "OK", ["step 40/100, loss 2.0"]),
                                         _checked(b, "CRITICAL", [died], running=False)])
     assert jc.verdict.level == "CRITICAL"
     assert f"node 1 gpu-b: {died}" in jc.verdict.reasons
-    assert multinode_status.nagios_line(jc).startswith("DFLASH CRITICAL: pair: node 1 gpu-b: rank died: rank 3")
+    assert health.nagios_line(jc.job.name, jc.verdict).startswith("DFLASH CRITICAL: pair: node 1 gpu-b: rank died: rank 3")
 
 
 def test_an_unreachable_node_is_unknown_while_the_others_are_still_shown():
     job = _job()
     a, b = job.node_targets()
-    jc = multinode_status.combine(job, [_checked(a, "OK", ["step 40/100"]),
+    jc = job_check.combine(job, [_checked(a, "OK", ["step 40/100"]),
                                         _checked(b, "UNKNOWN", ["no answer within the 10 s budget"], running=None)])
     assert jc.verdict.level == "UNKNOWN"
     assert jc.verdict.reasons == ("node 1 gpu-b: no answer within the 10 s budget",)
@@ -176,10 +176,10 @@ def test_all_nodes_stopped_is_ok_but_half_stopped_is_critical():
     job = _job()
     a, b = job.node_targets()
     stopped = "stopped by dflash-ops stop at 2026-12-01 10:00:00 UTC"
-    jc = multinode_status.combine(job, [_checked(a, "OK", [stopped], running=False, state="stopped"),
+    jc = job_check.combine(job, [_checked(a, "OK", [stopped], running=False, state="stopped"),
                                         _checked(b, "OK", [stopped], running=False, state="stopped")])
     assert jc.verdict.level == "OK" and jc.verdict.reasons == (f"{stopped} (2 nodes, world size 4, on every node)",)
-    jc = multinode_status.combine(job, [_checked(a, "OK", ["step 40/100"]),
+    jc = job_check.combine(job, [_checked(a, "OK", ["step 40/100"]),
                                         _checked(b, "OK", [stopped], running=False, state="stopped")])
     assert jc.verdict.level == "CRITICAL"
     assert jc.verdict.reasons[0].startswith("half the job: node 1 gpu-b stopped or finished while node 0 gpu-a did not")
@@ -188,13 +188,13 @@ def test_all_nodes_stopped_is_ok_but_half_stopped_is_critical():
 def test_nodes_in_different_runs_and_lost_ranks_are_critical():
     job = _job()
     a, b = job.node_targets()
-    jc = multinode_status.combine(job, [_checked(a, "OK", ["step 4"], run=2), _checked(b, "OK", ["step 4"], run=1)])
+    jc = job_check.combine(job, [_checked(a, "OK", ["step 4"], run=2), _checked(b, "OK", ["step 4"], run=1)])
     assert jc.verdict.level == "CRITICAL" and "the nodes train different runs" in jc.verdict.reasons[0]
     tree = [JobProcess(9, 1, "bash", "bash -c ... pane.sh LOG python -m torch.distributed.run -m trainer"),
             JobProcess(10, 9, "python", "/v/bin/python -m torch.distributed.run --nnodes 2 -m trainer"),
             JobProcess(11, 10, "python", "/v/bin/python -u -m trainer --config tiny-cpu"),
             JobProcess(12, 10, "python", "/v/bin/python -c from multiprocessing... (not a rank)")]
-    jc = multinode_status.combine(job, [_checked(a, "OK", ["step 4"], processes=tree), _checked(b, "OK", ["step 4"])])
+    jc = job_check.combine(job, [_checked(a, "OK", ["step 4"], processes=tree), _checked(b, "OK", ["step 4"])])
     assert jc.verdict.level == "CRITICAL"
     assert jc.verdict.reasons[0] == "node 0 gpu-a: 1 of 2 local ranks alive (torchrun pid 10): a rank died"
     assert jc.status.to_json()["nodes"][0]["ranks"] == {"torchrun_pid": 10, "alive": [11], "expected": 2}
@@ -202,11 +202,11 @@ def test_nodes_in_different_runs_and_lost_ranks_are_critical():
 
 def test_tail_log_node_choice():
     job = _job()
-    assert multinode_status.node_target(job, None).name == "gpu-a"
-    assert multinode_status.node_target(job, "gpu-b").name == "gpu-b"
-    assert multinode_status.node_target(job, "1").job.nnodes == 2
+    assert job.node_named(None).name == "gpu-a"
+    assert job.node_named("gpu-b").name == "gpu-b"
+    assert job.node_named("1").job.nnodes == 2
     with pytest.raises(InputError, match=r"--node gpu-z: not a node of pair \(nodes: gpu-a, gpu-b, or 0-1\)"):
-        multinode_status.node_target(job, "gpu-z")
+        job.node_named("gpu-z")
     assert dataclasses.replace(job, rdzv_host="::1").endpoint == "[::1]:29400"
 
 
@@ -301,6 +301,28 @@ def test_health_auto_relaunch_of_one_node_never_relaunches_it(tmp_path, monkeypa
                                             "-t", "gpu-a"])
     assert result.exit_code == 2, result.output
     assert "not relaunched: gpu-a is node 0 of the multinode job 'pair'" in result.output, result.output
+
+
+@pytest.mark.parametrize("command", [["status", "--json"], ["health"], ["metrics", "--textfile-dir", "-"]])
+@pytest.mark.parametrize("name", ["gpu-a", "pair"])
+def test_a_target_and_a_multinode_job_are_checked_by_one_function(tmp_path, monkeypatch, command, name):
+    """A target is the one-node job: status, health and metrics check it through the same job check
+    as a multinode job (a second path for one target would bypass job_check.check)."""
+    from click.testing import CliRunner
+
+    from dflash_ops.cli import cli as cli_group
+
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(with_job("pair: {nodes: [gpu-a, gpu-b], runs_dir: /mnt/runs}\n").replace(
+        "/srv/dflash/train.yaml", "tiny-cpu"))
+    dead = health.Verdict("CRITICAL", ("tmux session 'dflash' is gone",))
+    monkeypatch.setattr(check_lib, "check", lambda target, **_kwargs: check_lib.Checked(
+        target, dead, status_lib.build_status(target.name, None, target.job, dead)))
+    seen, job_check_itself = [], job_check.check
+    monkeypatch.setattr(job_check, "check", lambda job, *args: seen.append(job.name) or job_check_itself(job, *args))
+    result = CliRunner().invoke(cli_group, ["--inventory", str(inventory), *command, "-t", name])
+    assert result.exit_code == (0 if command[0] == "metrics" else 2), result.output
+    assert seen == [name], result.output
 
 
 @pytest.mark.skipif(shutil.which("crontab") is None, reason="cron is not installed (.ci/run installs it)")

@@ -94,8 +94,7 @@ def cron_install(obj, target, schedule, auto_relaunch, log_path, metrics_dir):
     from dflash_ops import cron
 
     name = target or obj.inventory.default_target
-    if name not in obj.inventory.multinode:  # a multinode job's health and metrics cover all its nodes
-        obj.targets(name)  # refuse unknown names before writing anything
+    obj.inventory.jobs(name)  # refuse unknown names before writing anything
     exe = os.path.abspath(sys.argv[0]) if os.path.basename(sys.argv[0]) == "dflash-ops" else None
     argv = [exe] if exe else [sys.executable, "-m", "dflash_ops"]
     if obj.inventory.source:

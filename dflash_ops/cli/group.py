@@ -120,3 +120,16 @@ def one_target(obj: Obj, target):
     if len(targets) != 1:
         raise InputError(f"--target {target}: this command needs one target, not a group of {len(targets)}")
     return targets[0]
+
+
+def node_or_target(obj: Obj, target, node: str | None):
+    """What a command that reads one machine's files acts on: a multinode job's node (`--node`,
+    default node 0) or the one target named."""
+    job = obj.inventory.multinode.get(target) if target is not None else None
+    if job is not None:
+        return job.node_named(node)
+    if node is not None:
+        raise InputError(
+            f"--node {node}: applies to a multinode job (-t JOB); {target or 'the default target'} is not one"
+        )
+    return one_target(obj, target)

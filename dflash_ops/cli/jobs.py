@@ -11,7 +11,6 @@ import click
 
 from dflash_ops import commands
 from dflash_ops.errors import InputError
-import dflash_ops.cli.multinode as multinode
 from dflash_ops.cli.group import Obj, cli, dry_run_option, grace_option, one_target, target_option
 
 
@@ -51,15 +50,15 @@ def run_each(jobs: list, name: str, source: str, act: Callable[[Any, Callable], 
 
 
 def run_command(obj: Obj, target_name, command: Callable, dry_run: bool, **options) -> int:
-    """Run one of dflash_ops.commands on each target, or on a multinode job as one job over its
-    nodes (a rollback names a release of one target); options left None take its defaults."""
+    """Run one of dflash_ops.commands on each job -t names: a target (the one-node job) or a
+    multinode job over its nodes (a rollback names a release of one target, so it takes targets);
+    options left None take its defaults."""
     given = {k: v for k, v in options.items() if v is not None}
     name = command.__name__.replace("_", "-")
-    whole = multinode.job_named(obj, target_name) if command is not commands.rollback else None
-    jobs = [whole] if whole is not None else obj.targets(target_name)
+    jobs = obj.targets(target_name) if command is commands.rollback else obj.inventory.jobs(target_name)
     ends_processes = command in (commands.relaunch, commands.stop, commands.gpu_clean)
-    for target in jobs if ends_processes and whole is None and not dry_run else ():
-        node = obj.inventory.node_of(target.name)
+    for job in jobs if ends_processes and not dry_run else ():
+        node = obj.inventory.node_of(job.name)
         if node is not None:
             raise InputError(f"{name}: {node}")
 

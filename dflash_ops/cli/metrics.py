@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import click
 
-import dflash_ops.cli.multinode as multinode
 from dflash_ops.observe import budget
 from dflash_ops.cli.group import answer_within_option, cli, target_option
 from dflash_ops.observe.textfile import DEBIAN_DIR
@@ -41,18 +40,12 @@ def metrics_cmd(obj, target, textfile_dir, port, listen, timeout):
     An unreachable target still writes dflash_up 0 and dflash_health_status 3. A multinode job
     gives each node's series, labelled with the node's target.
     """
-    from dflash_ops.transport.fanout import fan_out
-    from dflash_ops.observe import check as check_lib, prometheus, textfile
+    from dflash_ops.observe import job_check, prometheus, textfile
 
-    job = multinode.job_named(obj, target)
-    targets = job.node_targets() if job is not None else obj.targets(target)  # a multinode job: its nodes
+    jobs = obj.inventory.jobs(target)
 
-    def render() -> str:
-        checked = [
-            check_lib.checked_outcome(o)
-            for o in fan_out(targets, lambda t: check_lib.check(t, timeout_s=timeout))
-        ]
-        return prometheus.render(checked)
+    def render() -> str:  # a multinode job: each node's series
+        return prometheus.render([node for jc in job_check.check_all(jobs, timeout) for node in jc.nodes])
 
     if port is not None:
         from dflash_ops.observe import prometheus_serve

@@ -10,8 +10,7 @@ import click
 
 from dflash_ops.observe import budget
 from dflash_ops.errors import DflashOpsError, InputError
-import dflash_ops.cli.multinode as multinode
-from dflash_ops.cli.group import answer_within_option, cli, one_target, target_option
+from dflash_ops.cli.group import answer_within_option, cli, node_or_target, one_target, target_option
 
 
 def _is_tty() -> bool:
@@ -41,12 +40,12 @@ def status(obj, target, as_json, watch, timeout):
       step 240/300  loss 2.9870  22.0 Ktok/s  ETA 7 s  last metrics 5 s ago  data synthetic
       OK: step 240/300, loss 2.9870, 22.0 Ktok/s, last step 5 s ago
     """
-    from dflash_ops.observe import health, status_output
+    from dflash_ops.observe import health, job_check, status_output
 
-    job = multinode.job_named(obj, target)
-    targets = obj.targets(target) if job is None else []
+    jobs = obj.inventory.jobs(target)
     while True:
-        checked, statuses, _ = _checked_jobs(obj, job, targets, timeout)
+        checked = job_check.check_all(jobs, timeout)
+        statuses = [c.status for c in checked]
         if as_json:
             click.echo(status_output.status_json(statuses, indent=None if watch else 2))
         else:
@@ -96,66 +95,48 @@ def health_cmd(obj, target, as_json, auto_relaunch, on_change, timeout):
 
 
 def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int:
-    from dflash_ops.observe import health, status_output
+    from dflash_ops.observe import health, job_check, status_output
 
     deadline = time.monotonic() + timeout
     if on_change:  # the hook's share comes out of the budget, so health still answers within it
         timeout = max(1.0, timeout - budget.hook_share(timeout))
     try:
-        job = multinode.job_named(obj, target)
-        targets = obj.targets(target) if job is None else []
+        jobs = obj.inventory.jobs(target)
     except DflashOpsError as exc:  # the check itself could not run: UNKNOWN, not CRITICAL
         click.echo(health.nagios_line(target or "dflash", health.unknown(str(exc).splitlines()[0])))
         return 3
-    checked, shown, relaunches = _checked_jobs(obj, job, targets, timeout)
+    checked = job_check.check_all(jobs, timeout)
     actions = {}
     if auto_relaunch:
-        for c, relaunch in zip(checked, relaunches, strict=True):
-            action = relaunch()
+        for jc in checked:
+            action = _auto_relaunch(obj, jc)
             if action is not None:
-                actions[c.target.name] = action
+                actions[jc.job.name] = action
     if as_json:
         relaunched = {name: action.message for name, action in actions.items()} if auto_relaunch else None
-        click.echo(status_output.health_json(shown, relaunched))
+        click.echo(status_output.health_json([jc.status for jc in checked], relaunched))
     else:
         if len(checked) == 1:
-            line = health.nagios_line(checked[0].target.name, checked[0].verdict)
+            line = health.nagios_line(checked[0].job.name, checked[0].verdict)
         else:
-            line, _ = health.nagios_line_many((c.target.name, c.verdict) for c in checked)
+            line, _ = health.nagios_line_many((c.job.name, c.verdict) for c in checked)
         click.echo(line)
         for name, action in actions.items():
             click.echo(f"{name}: {action.message}")
-    _run_on_change(on_change, checked, deadline)
+    _run_on_change(on_change, [c.as_one_target() for c in checked], deadline)
     return health.EXIT_CODES[health.worst(c.verdict.level for c in checked)]
 
 
-def _checked_jobs(obj, job, targets, timeout: float) -> tuple[list, list, list]:
-    """(each job checked as one target, the statuses to show, each job's auto-relaunch): a
-    multinode job is one of them, its one verdict over every node, relaunched whole; a node's own
-    target is never relaunched alone."""
+def _auto_relaunch(obj, jc):
+    """A CRITICAL job is relaunched whole (every node of it); a node's own target never alone."""
     from dflash_ops import commands
-    from dflash_ops.observe import check as check_lib
-    from dflash_ops.transport.fanout import fan_out
 
-    if job is not None:
-        from dflash_ops.observe import multinode as multinode_status
-
-        jc = multinode_status.check(job, timeout)
-        return [multinode_status.as_one_target(jc)], [jc.status], [lambda: commands.auto_relaunch(job, jc)]
-    checked = [
-        check_lib.checked_outcome(o)
-        for o in fan_out(targets, lambda t: check_lib.check(t, timeout_s=timeout))
-    ]
-
-    def relaunch(c):
-        node = obj.inventory.node_of(c.target.name)
-        return (
-            commands.HealthAction(False, f"not relaunched: {node}")
-            if node
-            else commands.auto_relaunch(c.target, c)
-        )
-
-    return checked, [c.status for c in checked], [lambda c=c: relaunch(c) for c in checked]
+    node = obj.inventory.node_of(jc.job.name)
+    return (
+        commands.HealthAction(False, f"not relaunched: {node}")
+        if node
+        else commands.auto_relaunch(jc.job, jc)
+    )
 
 
 def _run_on_change(command: str | None, checked: list, deadline: float) -> None:
@@ -193,7 +174,7 @@ def tail_log(obj, target, lines, follow, grep, log, node):
     from dflash_ops.observe.log_tail import tail_log
 
     try:
-        tail_log(multinode.node_or_target(obj, target, node), lines, follow, grep, log, emit=click.echo)
+        tail_log(node_or_target(obj, target, node), lines, follow, grep, log, emit=click.echo)
     except KeyboardInterrupt:
         pass  # polling leaves nothing running on the target
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dflash_ops.cli.group import cli, target_option
+from dflash_ops.cli.group import cli, node_or_target, target_option
 
 
 @cli.command("report")
@@ -35,10 +35,9 @@ def report(obj, target, run, all_runs, out, node):
       [demo] run 0002: 512/512 steps, best τ 1.579 (step 240), 0m44s, 2 launches, finished
       wrote run.html
     """
-    import dflash_ops.cli.multinode as multinode
     from dflash_ops.observe import report as report_lib
 
-    tgt = multinode.node_or_target(obj, target, node)
+    tgt = node_or_target(obj, target, node)
     built = report_lib.report(tgt, report_lib.run_selection(run, all_runs), out)
     for history in built.histories:
         click.echo(f"[{tgt.name}] {history.summary_line()}")

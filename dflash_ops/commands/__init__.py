@@ -18,8 +18,7 @@ if TYPE_CHECKING:
     from dflash_ops.job.model import Target
     from dflash_ops.act.nodes import Node, Nodes
     from dflash_ops.act.runner import OnProgress, Run, RunResult
-    from dflash_ops.observe.check import Checked
-    from dflash_ops.observe.multinode import JobChecked
+    from dflash_ops.observe.job_check import JobChecked
     from dflash_ops.playbook.user import Playbook
 
 # Options several commands share.
@@ -254,7 +253,7 @@ class HealthAction:
     result: RunResult | None = None
 
 
-def auto_relaunch(job: Nodes, checked: Checked | JobChecked) -> HealthAction | None:
+def auto_relaunch(job: Nodes, checked: JobChecked) -> HealthAction | None:
     """The auto-relaunch rule, one for every job: relaunch (every node of) a CRITICAL job, at most
     max_relaunches_per_hour (node 0's) under a guard named after the job, never two at once; an
     attempt counts once it holds the job's locks. Its checks run on every node first, so a node that

@@ -90,6 +90,13 @@ class Inventory:
                 )
         return None
 
+    def jobs(self, name: str | None = None) -> list[Target | MultinodeJob]:
+        """The jobs a --target value names: a multinode job, else each target `resolve` gives (the
+        one-node job)."""
+        if name is not None and name in self.multinode:
+            return [self.multinode[name]]
+        return list(self.resolve(name))
+
     def resolve(self, name: str | None = None) -> list[Target]:
         """Targets for a --target value: a target, or a group's targets in order; None = default."""
         name = self.default_target if name is None else name

@@ -21,6 +21,7 @@ from trainer.launchers import TORCHRUN
 from trainer.typed_yaml import kind_of, show
 
 from dflash_ops.job import cache_guard, jobpaths
+from dflash_ops.errors import InputError
 from dflash_ops.inventory.layers import Where, check_name, unknown_field
 from dflash_ops.inventory.rules import Bad, host_rule, path_rule, whole_rule
 from dflash_ops.job.model import Job, Target
@@ -78,8 +79,18 @@ class MultinodeJob:
     def node_targets(self, rdzv_id: str = "") -> list[Target]:
         return [self.node_target(i, rdzv_id) for i in range(len(self.nodes))]
 
-    def index_of(self, node_name: str) -> int:
-        return [n.name for n in self.nodes].index(node_name)
+    def node_named(self, node: str | None) -> Target:
+        """The node `--node NAME|INDEX` names (default node 0) as a target running its part of the job."""
+        names = [n.name for n in self.nodes]
+        if node is None:
+            return self.node_target(0)
+        if node in names:
+            return self.node_target(names.index(node))
+        if node.isdigit() and int(node) < len(names):
+            return self.node_target(int(node))
+        raise InputError(
+            f"--node {node}: not a node of {self.name} (nodes: {', '.join(names)}, or 0-{len(names) - 1})"
+        )
 
 
 def parse(

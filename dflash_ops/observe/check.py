@@ -1,4 +1,5 @@
-"""One target's check: a probe round trip, then the verdict and the status (unreachable: UNKNOWN)."""
+"""One node's check (a target's): a probe round trip, then the verdict and the status (unreachable:
+UNKNOWN). job_check.py checks a job's nodes with it."""
 
 from __future__ import annotations
 

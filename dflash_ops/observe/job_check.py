@@ -1,7 +1,8 @@
-"""status and health of a multinode job: every node probed at once (each within the time budget),
-then ONE verdict, the worst of the nodes plus what only the whole job shows: half of it stopped,
-nodes in different runs, a node whose torchrun lost ranks. Every node is shown; a node that does
-not answer is UNKNOWN by itself while the others are still reported."""
+"""A job's check, written once over its nodes (a job is N nodes; a single target is the one-node
+job): every node checked at once (each within the time budget), then ONE verdict. One node's
+verdict and status are the job's. Several nodes give the worst of them plus what only the whole
+job shows (half of it stopped, nodes in different runs, a node whose torchrun lost ranks) and
+every node's status; a node that does not answer is UNKNOWN by itself, the others still shown."""
 
 from __future__ import annotations
 
@@ -13,39 +14,50 @@ from dflash_ops.job import jobstate
 
 from dflash_ops.observe import check as check_lib
 from dflash_ops.observe.check import Checked
-from dflash_ops.errors import InputError
+from dflash_ops.job.model import Target
 from dflash_ops.transport.fanout import fan_out
 from dflash_ops.inventory.multinode import MultinodeJob
 from dflash_ops.observe.job_status import JobStatus, NodeStatus, Ranks
+from dflash_ops.observe.status import TargetStatus
+
+Job = Target | MultinodeJob  # a target is the one-node job
 
 
 @dataclasses.dataclass
 class JobChecked:
-    job: MultinodeJob
+    job: Job
     nodes: list[Checked]
     verdict: health.Verdict
-    status: JobStatus
+    status: TargetStatus | JobStatus
+
+    def as_one_target(self) -> Checked:
+        """The job as one checked target named after it, with its one verdict: node 0 tells the
+        job's phase and launch, as it does for status (what health's hooks and memory read)."""
+        first = self.nodes[0]
+        named = dataclasses.replace(first.target, name=self.job.name)
+        return Checked(named, self.verdict, first.status, first.report)
 
 
-def check(job: MultinodeJob, timeout_s: float | None = None) -> JobChecked:
-    targets = job.node_targets()
+def check_all(jobs: list[Job], timeout_s: float | None = None) -> list[JobChecked]:
+    """Every job checked at once, in the order given."""
+    outcomes = fan_out(jobs, lambda job: check(job, timeout_s))  # type: ignore[arg-type]  # any named
+    for outcome in outcomes:
+        if outcome.error is not None:  # a node's failed check is its UNKNOWN already: this is a bug
+            raise outcome.error
+    return [outcome.value for outcome in outcomes]
+
+
+def check(job: Job, timeout_s: float | None = None) -> JobChecked:
     checked = [
         check_lib.checked_outcome(o)
-        for o in fan_out(targets, lambda t: check_lib.check(t, timeout_s=timeout_s))
+        for o in fan_out(job.node_targets(), lambda t: check_lib.check(t, timeout_s=timeout_s))
     ]
     return combine(job, checked)
 
 
-def _label(job: MultinodeJob, index: int) -> str:
-    return f"node {index} {job.nodes[index].name}"
-
-
-def _parked(node: NodeStatus) -> bool:
-    state = (node.status.job_state or {}).get("state")
-    return node.status.session.running is False and state in jobstate.NOT_TO_RESTART
-
-
-def combine(job: MultinodeJob, checked: list[Checked]) -> JobChecked:
+def combine(job: Job, checked: list[Checked]) -> JobChecked:
+    if isinstance(job, Target):  # one node: its verdict and status are the job's
+        return JobChecked(job, checked, checked[0].verdict, checked[0].status)
     nodes = tuple(
         NodeStatus(i, c.status, Ranks.of(c.status.processes, job.nodes[i].job.nproc_per_node))
         for i, c in enumerate(checked)
@@ -62,6 +74,15 @@ def combine(job: MultinodeJob, checked: list[Checked]) -> JobChecked:
         verdict=verdict,
     )
     return JobChecked(job, checked, verdict, status)
+
+
+def _label(job: MultinodeJob, index: int) -> str:
+    return f"node {index} {job.nodes[index].name}"
+
+
+def _parked(node: NodeStatus) -> bool:
+    state = (node.status.job_state or {}).get("state")
+    return node.status.session.running is False and state in jobstate.NOT_TO_RESTART
 
 
 def _verdict(job: MultinodeJob, checked: list[Checked], nodes: tuple[NodeStatus, ...]) -> health.Verdict:
@@ -107,29 +128,3 @@ def _whole_job_problems(
                 f"(torchrun pid {n.ranks.torchrun_pid}): a rank died"
             )
     return problems
-
-
-def nagios_line(jc: JobChecked) -> str:
-    return health.nagios_line(jc.job.name, jc.verdict)
-
-
-def node_target(job: MultinodeJob, node: str | None):
-    """The node `--node NAME|INDEX` names (default node 0) as a target running its part of the job."""
-    names = [n.name for n in job.nodes]
-    if node is None:
-        return job.node_target(0)
-    if node in names:
-        return job.node_target(names.index(node))
-    if node.isdigit() and int(node) < len(names):
-        return job.node_target(int(node))
-    raise InputError(
-        f"--node {node}: not a node of {job.name} (nodes: {', '.join(names)}, or 0-{len(names) - 1})"
-    )
-
-
-def as_one_target(jc: JobChecked) -> Checked:
-    """The job as one checked target named after it, with its one verdict: node 0 tells the job's phase
-    and launch, as it does for status (what health's hooks and memory read)."""
-    first = jc.nodes[0]
-    named = dataclasses.replace(first.target, name=jc.job.name)
-    return Checked(named, jc.verdict, first.status, first.report)
