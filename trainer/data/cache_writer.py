@@ -150,23 +150,31 @@ def _write_known(file: StreamedFile, known: dict[str, list[torch.Tensor]]) -> No
 
 
 class _HostBuffers:
-    """Reusable pinned host buffers for device->host copies of feature batches (pinning is slow;
-    pinned memory lets the copy run while the next batch's forward is queued)."""
+    """Reusable pinned host buffers for device->host copies of feature batches (pinned memory lets
+    the copy run while the next batch's forward is queued). Pinning is slow (about a second for
+    the 2.5 GB paper dims need), so a buffer is made only when none is free, up to `count`."""
 
     def __init__(self, count: int, numel: int, dtype: torch.dtype):
         self.free: queue.Queue = queue.Queue()
-        for _ in range(count):
-            self.free.put(torch.empty(numel, dtype=dtype, pin_memory=True))
+        self.left, self.numel, self.dtype = count, numel, dtype
 
-    def copy_of(self, features: torch.Tensor, writer: _WriterThread):
-        """(host tensor, its ready event, release) for an on-device tensor; the copy is asynchronous."""
+    def _take(self, writer: _WriterThread) -> torch.Tensor:
         while True:  # buffers come back as the writer is done with them
             writer.check()
             try:
-                flat = self.free.get(timeout=0.1)
-                break
+                return self.free.get_nowait()
+            except queue.Empty:
+                if self.left > 0:
+                    self.left -= 1
+                    return torch.empty(self.numel, dtype=self.dtype, pin_memory=True)
+            try:
+                return self.free.get(timeout=0.1)
             except queue.Empty:
                 continue
+
+    def copy_of(self, features: torch.Tensor, writer: _WriterThread):
+        """(host tensor, its ready event, release) for an on-device tensor; the copy is asynchronous."""
+        flat = self._take(writer)
         host = flat[: features.numel()].view(features.shape)
         host.copy_(features, non_blocking=True)
         ready = torch.cuda.Event()
