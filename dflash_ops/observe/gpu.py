@@ -16,6 +16,8 @@ from dflash_ops.transport.base import quote_argv
 NOT_AVAILABLE = ("[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]", "")
 # What counts as "free" by default: an idle H200 shows a few MiB; a CUDA context is ~500 MiB.
 IDLE_USED_MIB = 1024
+# what a GPU is, as nvidia-smi and NVML describe it (its processes and role come from elsewhere)
+GPU_FIELDS = ("index", "uuid", "name", "memory_used_mib", "memory_total_mib", "utilization_pct")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,20 +150,13 @@ def parse_nvidia_smi(gpu_csv: str, apps_csv: str = "", source: str = "nvidia-smi
 
 
 def _snapshot(gpus: list[dict], processes: list[GpuProcess], source: str | None) -> GpuSnapshot:
-    built = []
-    for g in gpus:
-        mine = tuple(p for p in processes if p.gpu_index == g["index"])
-        built.append(
-            Gpu(
-                g["index"],
-                g["uuid"],
-                g["name"],
-                g["memory_used_mib"],
-                g["memory_total_mib"],
-                g["utilization_pct"],
-                mine,
-            )
+    built = (
+        Gpu(
+            **{k: g[k] for k in GPU_FIELDS},
+            processes=tuple(p for p in processes if p.gpu_index == g["index"]),
         )
+        for g in gpus
+    )
     return GpuSnapshot(tuple(built), source, None)
 
 
