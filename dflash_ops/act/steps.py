@@ -288,7 +288,7 @@ class _StateUnusable(StepFailed):
     reader already takes the job as one it must not relaunch."""
 
 
-def _record_stop(ctx: StepContext, job: Job, state: str, grace_s: float = 0.0) -> StepOutcome:
+def _record_stop(ctx: StepContext, job: Job, state: str, grace_s: float | None = None) -> StepOutcome:
     """Record `state` (STOPPING, with the stop's grace, or STOPPED) at the target's clock, and read it
     back: the stop counts only once the file says so. A finished run keeps its state (it was not
     interrupted)."""
@@ -314,12 +314,7 @@ def _record_stop(ctx: StepContext, job: Job, state: str, grace_s: float = 0.0) -
         return StepOutcome("job state kept: the run had finished")
     if previous is None:  # nothing recorded yet: the state names this job (never an earlier version's)
         previous = jobstate.JobState(state, job=jobpaths.marker_value(job))
-    record = (
-        jobstate.stopping(previous, clock, grace_s)
-        if state == jobstate.STOPPING
-        else jobstate.stopped(previous, clock)
-    )
-    wanted = jobstate.encode(record)
+    wanted = jobstate.encode(jobstate.stop_record(previous, state, clock, grace_s))
     ctx.run(quote_argv(["mkdir", "-p", job.workdir]), timeout=30)
     try:
         ctx.put(wanted, path)

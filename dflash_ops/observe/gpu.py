@@ -64,18 +64,11 @@ class GpuSnapshot:
     def ok(self) -> bool:
         return self.error is None
 
-    @property
-    def no_driver(self) -> bool:
-        return self.error is not None and self.error.startswith("no NVIDIA driver")
-
     def by_index(self, index: int) -> Gpu | None:
         for gpu in self.gpus:
             if gpu.index == index:
                 return gpu
         return None
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class GpuUnavailable(DflashOpsError):

@@ -49,14 +49,6 @@ class Verdict:
     def summary(self) -> str:
         return "; ".join(self.reasons)
 
-    def to_dict(self) -> dict:
-        return {
-            "level": self.level,
-            "exit_code": self.exit_code,
-            "reasons": list(self.reasons),
-            "perfdata": {k: dataclasses.asdict(v) for k, v in self.perfdata.items()},
-        }
-
 
 def unknown(reason: str) -> Verdict:
     """The verdict for a check that could not run (unreachable host, bad inventory, bad probe)."""

@@ -159,7 +159,7 @@ def verdict_json(verdict: Verdict) -> dict:
     return {
         "verdict": verdict.level,
         "reasons": list(verdict.reasons),
-        "perfdata": verdict.to_dict()["perfdata"],
+        "perfdata": {label: dataclasses.asdict(perf) for label, perf in verdict.perfdata.items()},
     }
 
 
