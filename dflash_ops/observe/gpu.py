@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 
 from dflash_ops.errors import DflashOpsError, InputError
 from dflash_ops.remote import facts, shell_argv
-from dflash_ops.transport.base import quote_argv
 
 NOT_AVAILABLE = ("[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]", "")
 # What counts as "free" by default: an idle H200 shows a few MiB; a CUDA context is ~500 MiB.
@@ -262,7 +262,7 @@ def container_of_pid(cgroup_text: str) -> str | None:
 
 # Run on the Proxmox host: GPUs, compute apps (host pids), then each app's cgroup and NSpid.
 HOST_GPU_QUERY_ARGV = shell_argv("host_gpu_query.sh", *facts.gpu_query_argv(), "--", *facts.apps_query_argv())
-HOST_GPU_QUERY = quote_argv(HOST_GPU_QUERY_ARGV)
+HOST_GPU_QUERY = shlex.join(HOST_GPU_QUERY_ARGV)
 
 
 def parse_host_gpu_query(stdout: str, ctid) -> GpuSnapshot:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import shutil
 import socket
 import threading
@@ -29,7 +30,6 @@ from dflash_ops.transport.base import (
     Transport,
     decode,
     outlived,
-    quote_argv,
 )
 from dflash_ops.transport.ssh_channel import drain, feed, first_line, passthrough, read_until_exit
 from dflash_ops.transport.ssh_connect import SshConnecting
@@ -63,7 +63,7 @@ class SshTransport(SshConnecting, Transport):
         # `; exit $?` stops the login shell from exec'ing the last command: a command killed by
         # a signal then ends the session with exit status 128+N instead of an ssh "exit-signal",
         # for which paramiko has no exit code.
-        return quote_argv(self._wrap(argv)) + "; exit $?"
+        return shlex.join(self._wrap(argv)) + "; exit $?"
 
     def _command_line_of(self, argv: list[str]) -> str:
         return self._ssh_command(self._remote_line(argv))
@@ -87,7 +87,7 @@ class SshTransport(SshConnecting, Transport):
             f"{s.user}@{s.host}",
             remote_line,
         ]
-        return quote_argv(argv)
+        return shlex.join(argv)
 
     # ---- running ---------------------------------------------------------------------------
 
