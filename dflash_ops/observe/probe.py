@@ -227,8 +227,9 @@ def _host_faults(line: str, part_s: float | None) -> gpu_faults.FaultReport:
     return gpu_faults.parse_host_answer(text)
 
 
-def _json_object(stdout: str) -> dict | None:
-    # Login scripts on some hosts print banners; the probe's answer is its last line.
+def json_answer(stdout: str) -> dict | None:
+    """A remote script's JSON object: its whole output, or (login scripts on some hosts print
+    banners) its last line that starts one; None when there is none."""
     candidates = [stdout] + [line for line in reversed(stdout.splitlines()) if line.startswith("{")][:1]
     for text in candidates:
         try:
@@ -241,7 +242,7 @@ def _json_object(stdout: str) -> dict | None:
 
 
 def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
-    data = _json_object(stdout)
+    data = json_answer(stdout)
     if data is None or "probe_version" not in data or "time" not in data:
         shown = stdout.strip()[:300] or "(no output)"
         raise ProbeError(f"[{target}] probe: the answer is not the probe's JSON: {shown}")
