@@ -52,7 +52,7 @@ def health_line(schedule: str, argv: list[str], log: str, target: str, tag: str 
         raise InputError(f"--schedule {schedule!r}: a cron schedule has 5 fields, e.g. '*/5 * * * *'")
     if "\n" in target or "#" in target:
         raise InputError(f"target name {target!r} cannot go in a crontab line")
-    cmd = f"{' '.join(shlex.quote(a) for a in argv)} >> {shlex.quote(log)} 2>&1"
+    cmd = f"{shlex.join(argv)} >> {shlex.quote(log)} 2>&1"
     # cron runs with a minimal PATH and no terminal: absolute paths, output appended to a log.
     # cron ends the command at an unescaped `%` (the rest becomes stdin): `\%` is its plain `%`.
     return f"{schedule} {cmd.replace('%', CRON_PERCENT)} {tag}{target}"

@@ -90,7 +90,7 @@ def test_parse_apps_without_process_name():
 
 def test_parse_driver_failure_text_becomes_no_driver_error():
     snap = gpu.parse_nvidia_smi(DRIVER_FAILURE + "\n\n", "")
-    assert not snap.ok and snap.no_driver and snap.gpus == ()
+    assert not snap.ok and snap.error.startswith("no NVIDIA driver") and snap.gpus == ()
     assert "couldn't communicate" in snap.error
 
 
@@ -173,8 +173,7 @@ def test_sim_frees_memory_when_the_watched_pid_dies_and_keeps_ghost_memory(state
             "compute_apps": [{"pid": 4000001, "watch_pid": worker.pid, "gpu_index": 0,
                               "used_memory_mib": 50000, "process_name": "python3"}],
         })
-        query = ("--query-gpu=" + facts.GPU_QUERY, "--format=csv,noheader,nounits")
-        apps = ("--query-compute-apps=" + facts.APPS_QUERY, "--format=csv,noheader,nounits")
+        query, apps = facts.gpu_query_argv()[1:], facts.apps_query_argv()[1:]
         before = gpu.parse_nvidia_smi(smi(state_file.path, *query).stdout, smi(state_file.path, *apps).stdout)
         assert before.gpus[0].memory_used_mib == 52048
         assert [p.pid for p in before.gpus[0].processes] == [4000001]  # the host pid, as LXC shows it
@@ -196,9 +195,8 @@ def test_sim_without_free_flag_keeps_dead_pids(state_file):
 
 def test_sim_output_parses_back_to_the_state(state_file):
     state_file(TWO_GPUS)
-    fmt = "--format=csv,noheader,nounits"
-    snap = gpu.parse_nvidia_smi(smi(state_file.path, "--query-gpu=" + facts.GPU_QUERY, fmt).stdout,
-                                smi(state_file.path, "--query-compute-apps=" + facts.APPS_QUERY, fmt).stdout)
+    snap = gpu.parse_nvidia_smi(smi(state_file.path, *facts.gpu_query_argv()[1:]).stdout,
+                                smi(state_file.path, *facts.apps_query_argv()[1:]).stdout)
     assert [(g.index, g.uuid, g.memory_used_mib, g.utilization_pct) for g in snap.gpus] == [
         (0, UUID0, 70004, 97), (1, UUID1, 0, None)]
     assert snap.gpus[0].processes == (gpu.GpuProcess(912345, 0, 70000, "python3"),)
@@ -217,7 +215,7 @@ def test_nvml_snapshot_without_driver_says_so_and_does_not_raise():
     snap = nvml_snapshot()
     if snap.ok:  # pragma: no cover - a machine with a real driver
         pytest.skip("this machine has an NVIDIA driver")
-    assert snap.no_driver and snap.gpus == ()
+    assert snap.error.startswith("no NVIDIA driver") and snap.gpus == ()
 
 
 def fake_pynvml(monkeypatch):

@@ -234,7 +234,7 @@ def test_probe_without_driver_still_reports_the_job(tmp_path, tmux_socket, sim_g
     sim_gpus.write_text(json.dumps({"driver_error": True}))
     start_trainer_like_session(tmux_socket, "dflash", "m", tmp_path)
     report = probe.run_probe(BashRunner(), job_in(tmp_path, tmux_socket, "dflash"))
-    assert report.gpu.no_driver and report.gpu.gpus == ()
+    assert report.gpu.error.startswith("no NVIDIA driver") and report.gpu.gpus == ()
     assert "couldn't communicate with the NVIDIA driver" in report.gpu.error
     assert report.session.running
 
@@ -355,7 +355,7 @@ def test_parse_probe_output_skips_a_login_banner():
               "session": {"name": "dflash", "socket": "dflash", "exists": False, "running": False},
               "processes": [], "log_dir": "/w/logs", "log": None, "metrics": None}
     report = probe.parse_probe_output("Welcome to ct200!\n" + json.dumps(answer) + "\n", target="ct200")
-    assert report.hostname == "ct200" and report.gpu.no_driver and not report.session.running
+    assert report.hostname == "ct200" and report.gpu.error.startswith("no NVIDIA driver") and not report.session.running
 
 
 # --------------------------------------------------------------------------- real transports

@@ -94,7 +94,7 @@ def workdir(tmp_path_factory) -> Path:
     with (logs / "train-0002.metrics.jsonl").open("a") as f:
         f.write('{"v":1,"event":"step","step":13,"lo')
     state = jobstate.JobState(jobstate.RUNNING, run=1, run_dir=str(run_dir), log=str(logs / "train-0002.log"))
-    Path(jobpaths.state_file(job)).write_bytes(jobstate.encode(jobstate.stopped(state, 1.0)))
+    Path(jobpaths.state_file(job)).write_bytes(jobstate.encode(jobstate.stop_record(state, jobstate.STOPPED, 1.0)))
     return root
 
 

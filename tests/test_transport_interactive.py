@@ -16,12 +16,14 @@ import time
 import pytest
 
 from dflash_ops.errors import TransportError
-from dflash_ops.transport import LocalTransport
+from dflash_ops.transport.local import LocalTransport
 
 CLIENT = r"""
 import json, sys
 from dflash_ops.job.model import HostSpec
-from dflash_ops.transport import LocalTransport, PctTransport, SshTransport
+from dflash_ops.transport.local import LocalTransport
+from dflash_ops.transport.pct import PctTransport
+from dflash_ops.transport.ssh import SshTransport
 kind, spec, ctid, script = json.loads(sys.argv[1])
 if kind == "local":
     t = LocalTransport("local")
@@ -94,7 +96,7 @@ def test_terminal_passes_both_ways_and_the_exit_code_returns(client_argv):
 
 def test_attach_to_a_tmux_session_in_the_container(pct_target):
     # What `dflash-ops attach` does: tmux attach inside the container, detach with C-b d.
-    from dflash_ops.transport import make_transport
+    from dflash_ops.transport.factory import make_transport
     with make_transport(pct_target) as t:
         t.check("tmux -L att new-session -d -s job 'echo TRAINING-OUTPUT; sleep 600'")
     try:
@@ -110,7 +112,7 @@ def test_attach_to_a_tmux_session_in_the_container(pct_target):
 
 
 def test_interactive_errors_are_transport_errors(ssh_spec):
-    from dflash_ops.transport import SshTransport
+    from dflash_ops.transport.ssh import SshTransport
     closed = dataclasses.replace(ssh_spec, port=1)
     with pytest.raises(TransportError) as info:
         SshTransport("box", closed).interactive("true")

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from dflash_ops.errors import TransportError
-from dflash_ops.transport import LocalTransport
+from dflash_ops.transport.local import LocalTransport
 
 
 def test_put_mode_ignores_the_umask(tmp_path):

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from dflash_ops.errors import ContainerNotRunning, InputError, RemoteTimeout
-from dflash_ops.transport import PctTransport, make_transport
+from dflash_ops.transport.factory import make_transport
+from dflash_ops.transport.pct import PctTransport
 
 
 def _host_processes_with(marker: str) -> list[str]:

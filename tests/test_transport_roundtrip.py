@@ -13,7 +13,7 @@ import time
 import pytest
 
 from dflash_ops.errors import RemoteCommandError, RemoteTimeout
-from dflash_ops.transport import make_transport
+from dflash_ops.transport.factory import make_transport
 from dflash_ops.transport.ssh import put_script
 
 HOSTILE = [

@@ -11,7 +11,7 @@ import pytest
 
 from dflash_ops.errors import AuthError, ConnectError, HostKeyError, InputError
 from dflash_ops.job.model import HostSpec, JumpHost
-from dflash_ops.transport import SshTransport
+from dflash_ops.transport.ssh import SshTransport
 
 try:
     from tests import sshd as sshd_helpers

@@ -46,16 +46,6 @@ def trainer_env(job: Job) -> dict[str, str]:
 LAUNCHER = "launch_job.py"
 
 
-def pane_args(job: Job) -> dict:
-    """What the pane runs: the trainer's workdir, environment and argv (its run dir as RUN_DIR)."""
-    return {
-        "workdir": job.workdir,
-        "env": trainer_env(job),
-        "argv": trainer_argv(job),
-        "run_dir_word": RUN_DIR,
-    }
-
-
 def launch_args(job: Job, resume: bool = True, run: str | None = None) -> dict:
     """remote/launch_job.py's one JSON argument. It picks the run (the newest unfinished one to
     resume, else a new one; `run` NNNN when the caller chose it, as a multinode job does once for
@@ -87,7 +77,11 @@ def launch_args(job: Job, resume: bool = True, run: str | None = None) -> dict:
         "pane_script": shell_code("pane.sh"),
         # the program the pane's python runs to write the finished state
         "state_writer": script_source("state_write.py"),
-        **pane_args(job),
+        # what the pane runs: the trainer's workdir, environment and argv (its run dir as RUN_DIR)
+        "workdir": job.workdir,
+        "env": trainer_env(job),
+        "argv": trainer_argv(job),
+        "run_dir_word": RUN_DIR,
     }
 
 

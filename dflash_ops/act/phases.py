@@ -148,10 +148,7 @@ def launch(ctx: JobContext, job: Nodes, *, resume: bool, grace_s: float) -> Step
     some nodes only stops it there again."""
     if len(ctx.nodes) == 1:
         return steps.launch(ctx, ctx.target.job, resume=resume)
-    try:
-        return _launch(ctx, cast(MultinodeJob, job), resume)
-    except DflashOpsError as exc:
-        raise _all_or_none(ctx, exc, grace_s) from None
+    return _all_or_none(ctx, grace_s, lambda: _launch(ctx, cast(MultinodeJob, job), resume))
 
 
 def _launch(ctx: JobContext, job: MultinodeJob, resume: bool) -> JobLaunched:
@@ -197,10 +194,7 @@ def wait_first_step(
     is stopped there again."""
     if len(ctx.nodes) == 1:
         return steps.wait_first_step(ctx, ctx.target.job, cast(steps.Launched, launched), timeout_s=timeout_s)
-    try:
-        return _wait_first_step(ctx, cast(JobLaunched, launched), timeout_s)
-    except DflashOpsError as exc:
-        raise _all_or_none(ctx, exc, grace_s) from None
+    return _all_or_none(ctx, grace_s, lambda: _wait_first_step(ctx, cast(JobLaunched, launched), timeout_s))
 
 
 def _wait_first_step(ctx: JobContext, launched: JobLaunched, timeout_s: float) -> StepOutcome:
@@ -238,11 +232,14 @@ def _pane_problem(node: Node) -> str | None:
     return tmux.pane_problem(result.stdout)
 
 
-def _all_or_none(ctx: JobContext, error: DflashOpsError, grace_s: float) -> StepFailed:
-    """The failure of a launch or of its first step, after the job was stopped again on the nodes
-    where it runs when it does not run on all: a partial job only waits at the rendezvous."""
-    note = _no_half_job(ctx, ctx.nodes, grace_s)
-    return StepFailed(f"{error}\n{note}" if note else str(error))
+def _all_or_none(ctx: JobContext, grace_s: float, phase: Callable[[], StepOutcome]) -> StepOutcome:
+    """`phase` (a launch or its first step); when it fails, the job is stopped again on the nodes
+    where it runs when it does not run on all (a partial job only waits at the rendezvous)."""
+    try:
+        return phase()
+    except DflashOpsError as error:
+        note = _no_half_job(ctx, ctx.nodes, grace_s)
+        raise StepFailed(f"{error}\n{note}" if note else str(error)) from None
 
 
 def _no_half_job(ctx: StepContext, nodes: Sequence[Node], grace_s: float) -> str:

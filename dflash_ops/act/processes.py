@@ -4,21 +4,21 @@ GPUs as nvidia-smi sees them, the cache as the target resolves it, and how a ste
 from __future__ import annotations
 
 import json
+import shlex
 
+from dflash_ops.act.context import StepContext
 from dflash_ops.errors import StepFailed
 from dflash_ops.job import cache_guard, jobpaths
 from dflash_ops.job.model import Job
-from dflash_ops.act.context import StepContext
 from dflash_ops.observe.gpu import HOST_GPU_QUERY, parse_host_gpu_query, parse_nvidia_smi
 from dflash_ops.observe.gpu_owners import ownership
 from dflash_ops.remote import bundle, facts, python_command
-from dflash_ops.transport.base import quote_argv
 
 _JOBPROCS = "jobprocs.py"
 
 _JOBPROCS_LISTS = ("job", "unidentified", "exited_panes", "terminated", "killed", "survivors")
 
-GPU_QUERY = f"{quote_argv(facts.gpu_query_argv())} && echo @@ && {quote_argv(facts.apps_query_argv())}"
+GPU_QUERY = f"{shlex.join(facts.gpu_query_argv())} && echo @@ && {shlex.join(facts.apps_query_argv())}"
 
 
 def _fail(ctx: StepContext, why: str) -> StepFailed:
@@ -112,7 +112,7 @@ def resolve_cache(ctx: StepContext, job: Job, path: str) -> tuple[str | None, st
     (None, None) under dry-run: nothing is known."""
     owned = cache_guard.owned_paths(job.workdir, job.log_dir, job.python)
     paths = [path] + [p for p, _, _ in owned]
-    result = ctx.run(quote_argv(["realpath", "-m", "-z", "--", *paths]), timeout=30)
+    result = ctx.run(shlex.join(["realpath", "-m", "-z", "--", *paths]), timeout=30)
     if ctx.dry_run:
         return None, None
     parts = result.stdout.split("\0")

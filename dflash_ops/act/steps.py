@@ -34,7 +34,6 @@ from dflash_ops.act.processes import (
     surely_foreign,
 )
 from dflash_ops.remote import bundle, facts, shell_command
-from dflash_ops.transport.base import quote_argv
 
 
 # ------------------------------------------------------------------ the job's processes
@@ -235,7 +234,7 @@ def deploy(ctx: StepContext, job: Job, keep_releases: int = deploy_lib.KEEP_RELE
     """Upload the bundled trainer as a versioned release and switch `current` to it."""
     bundle = deploy_lib.build_bundle()
     tarball = posixpath.join(jobpaths.releases_dir(job), bundle.release_id + ".tar.gz")
-    ctx.run(quote_argv(["mkdir", "-p", jobpaths.releases_dir(job)]), timeout=30)
+    ctx.run(shlex.join(["mkdir", "-p", jobpaths.releases_dir(job)]), timeout=30)
     ctx.put(bundle.data, tarball)
     _refusable(ctx, deploy_lib.install_script(job, bundle, tarball, keep_releases), StepFailed)
     return StepOutcome(f"release {bundle.release_id} is current", data={"release": bundle.release_id})
@@ -288,7 +287,7 @@ class _StateUnusable(StepFailed):
     reader already takes the job as one it must not relaunch."""
 
 
-def _record_stop(ctx: StepContext, job: Job, state: str, grace_s: float = 0.0) -> StepOutcome:
+def _record_stop(ctx: StepContext, job: Job, state: str, grace_s: float | None = None) -> StepOutcome:
     """Record `state` (STOPPING, with the stop's grace, or STOPPED) at the target's clock, and read it
     back: the stop counts only once the file says so. A finished run keeps its state (it was not
     interrupted)."""
@@ -314,13 +313,8 @@ def _record_stop(ctx: StepContext, job: Job, state: str, grace_s: float = 0.0) -
         return StepOutcome("job state kept: the run had finished")
     if previous is None:  # nothing recorded yet: the state names this job (never an earlier version's)
         previous = jobstate.JobState(state, job=jobpaths.marker_value(job))
-    record = (
-        jobstate.stopping(previous, clock, grace_s)
-        if state == jobstate.STOPPING
-        else jobstate.stopped(previous, clock)
-    )
-    wanted = jobstate.encode(record)
-    ctx.run(quote_argv(["mkdir", "-p", job.workdir]), timeout=30)
+    wanted = jobstate.encode(jobstate.stop_record(previous, state, clock, grace_s))
+    ctx.run(shlex.join(["mkdir", "-p", job.workdir]), timeout=30)
     try:
         ctx.put(wanted, path)
     except DflashOpsError as exc:
@@ -435,7 +429,7 @@ def no_first_step(ctx: StepContext, log: str, why: str) -> StepFailed:
     from dflash_ops.observe.logs import find_failures
 
     read = ctx.run(
-        f"{quote_argv(['tail', '-n', '400', log])} | tail -c {_WATCH_BYTES}", timeout=30, check=False
+        f"{shlex.join(['tail', '-n', '400', log])} | tail -c {_WATCH_BYTES}", timeout=30, check=False
     )
     failures = find_failures(read.stdout)
     signature = f" (signature: {failures[0].name})" if failures else ""

@@ -3,6 +3,9 @@ module shares."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import click
 
 from dflash_ops.inventory import load as inventory_lib
@@ -13,25 +16,16 @@ TARGET_ENV_VAR = "DFLASH_OPS_TARGET"
 TARGET_HELP = "Target or group from the inventory (default: the inventory's default_target, else `local`)."
 
 
+@dataclasses.dataclass
 class Obj:
-    def __init__(
-        self,
-        inventory_path: str | None,
-        playbook_dir: str | None,
-        target: str | None = None,
-        target_from_env: bool = False,
-    ):
-        self.inventory_path = inventory_path
-        self.playbook_dir = playbook_dir
-        self.target = target  # -t before the subcommand, or $DFLASH_OPS_TARGET
-        self.target_from_env = target_from_env
-        self._inventory = None
+    inventory_path: str | None
+    playbook_dir: str | None
+    target: str | None = None  # -t before the subcommand, or $DFLASH_OPS_TARGET
+    target_from_env: bool = False
 
-    @property
+    @functools.cached_property
     def inventory(self):
-        if self._inventory is None:
-            self._inventory = inventory_lib.load_inventory(self.inventory_path)
-        return self._inventory
+        return inventory_lib.load_inventory(self.inventory_path)
 
     def targets(self, name):
         return self.inventory.resolve(name)

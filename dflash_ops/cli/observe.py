@@ -114,7 +114,7 @@ def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int
                 actions[jc.job.name] = action
     if as_json:
         relaunched = {name: action.message for name, action in actions.items()} if auto_relaunch else None
-        click.echo(status_output.health_json([jc.status for jc in checked], relaunched))
+        click.echo(status_output.status_json([jc.status for jc in checked], relaunched=relaunched))
     else:
         if len(checked) == 1:
             line = health.nagios_line(checked[0].job.name, checked[0].verdict)

@@ -140,17 +140,11 @@ def parse_read(stdout: str) -> tuple[float, str, JobState | None]:
     return seconds, kind.strip(), parse(text)
 
 
-def stopping(previous: JobState | None, when: float, grace_s: float) -> JobState:
-    """What `dflash-ops stop` records before it signals: the stop began at `when` and ends (SIGKILL)
-    `grace_s` later; the last run and log stay named for status and tail-log."""
-    base = previous or JobState(STOPPING)
-    return dataclasses.replace(base, state=STOPPING, by=STOPPED_BY, when=when, grace_s=grace_s)
-
-
-def stopped(previous: JobState | None, when: float) -> JobState:
-    """The state `dflash-ops stop` leaves once the job ended."""
-    base = previous or JobState(STOPPED)
-    return dataclasses.replace(base, state=STOPPED, by=STOPPED_BY, when=when, grace_s=None)
+def stop_record(previous: JobState, state: str, when: float, grace_s: float | None = None) -> JobState:
+    """What `dflash-ops stop` records: STOPPING before it signals (the stop began at `when` and ends,
+    SIGKILL, `grace_s` later), STOPPED once the job ended; the last run and log stay named for
+    status and tail-log."""
+    return dataclasses.replace(previous, state=state, by=STOPPED_BY, when=when, grace_s=grace_s)
 
 
 def encode(state: JobState) -> bytes:

@@ -25,7 +25,8 @@ def state_dir() -> pathlib.Path:
     return pathlib.Path(base)
 
 
-def _safe(name: str) -> str:
+def safe_name(name: str) -> str:
+    """`name` as part of a file name: anything but letters, digits, `_.-` becomes `_`."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
@@ -33,8 +34,8 @@ class RelaunchGuard:
     def __init__(self, target: str, max_per_hour: int, directory: pathlib.Path | None = None):
         self.directory = directory or state_dir()
         self.max_per_hour = max_per_hour
-        self.state_path = self.directory / f"{_safe(target)}.relaunches.json"
-        self.lock_path = self.directory / f"{_safe(target)}.lock"
+        self.state_path = self.directory / f"{safe_name(target)}.relaunches.json"
+        self.lock_path = self.directory / f"{safe_name(target)}.lock"
 
     def recent(self, now: float | None = None) -> list[float]:
         now = time.time() if now is None else now

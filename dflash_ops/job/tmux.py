@@ -13,8 +13,7 @@ from dflash_ops.remote import procs
 
 
 def tmux(job: Job, *args: str) -> str:
-    words = ["tmux", "-L", job.tmux_socket, *(procs.tmux_word(a) for a in args)]
-    return " ".join(shlex.quote(w) for w in words)
+    return shlex.join(["tmux", "-L", job.tmux_socket, *(procs.tmux_word(a) for a in args)])
 
 
 def exact(job: Job, session: str | None = None) -> str:

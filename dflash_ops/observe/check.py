@@ -9,7 +9,7 @@ from dflash_ops.observe import budget, health, status as status_lib
 
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.job.model import Target
-from dflash_ops.observe.probe import run_probe
+from dflash_ops.observe.probe import DEFAULT_TIMEOUT_S, run_probe
 from dflash_ops.observe.status import TargetStatus
 from dflash_ops.transport.factory import connect
 
@@ -54,18 +54,12 @@ def _unknown(target: Target, reason: str) -> Checked:
 
 
 def _check(target: Target, now: float | None, shares: budget.Shares | None = None) -> Checked:
+    timeout, part_s = (DEFAULT_TIMEOUT_S, None) if shares is None else (shares.run_s, shares.part_s)
     try:
         with connect(target) as transport:
-            if shares is None:
-                report = run_probe(transport, target.job, gpu_on_host=target.gpu_host_ctid)
-            else:
-                report = run_probe(
-                    transport,
-                    target.job,
-                    gpu_on_host=target.gpu_host_ctid,
-                    timeout=shares.run_s,
-                    part_s=shares.part_s,
-                )
+            report = run_probe(
+                transport, target.job, timeout, gpu_on_host=target.gpu_host_ctid, part_s=part_s
+            )
     except DflashOpsError as exc:
         return _unknown(target, str(exc).splitlines()[0])
     verdict = health.evaluate(report, target.job, now)

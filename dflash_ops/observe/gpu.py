@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 
 from dflash_ops.errors import DflashOpsError, InputError
 from dflash_ops.remote import facts, shell_argv
-from dflash_ops.transport.base import quote_argv
 
 NOT_AVAILABLE = ("[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]", "")
 # What counts as "free" by default: an idle H200 shows a few MiB; a CUDA context is ~500 MiB.
 IDLE_USED_MIB = 1024
+# what a GPU is, as nvidia-smi and NVML describe it (its processes and role come from elsewhere)
+GPU_FIELDS = ("index", "uuid", "name", "memory_used_mib", "memory_total_mib", "utilization_pct")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,18 +64,11 @@ class GpuSnapshot:
     def ok(self) -> bool:
         return self.error is None
 
-    @property
-    def no_driver(self) -> bool:
-        return self.error is not None and self.error.startswith("no NVIDIA driver")
-
     def by_index(self, index: int) -> Gpu | None:
         for gpu in self.gpus:
             if gpu.index == index:
                 return gpu
         return None
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class GpuUnavailable(DflashOpsError):
@@ -148,20 +143,13 @@ def parse_nvidia_smi(gpu_csv: str, apps_csv: str = "", source: str = "nvidia-smi
 
 
 def _snapshot(gpus: list[dict], processes: list[GpuProcess], source: str | None) -> GpuSnapshot:
-    built = []
-    for g in gpus:
-        mine = tuple(p for p in processes if p.gpu_index == g["index"])
-        built.append(
-            Gpu(
-                g["index"],
-                g["uuid"],
-                g["name"],
-                g["memory_used_mib"],
-                g["memory_total_mib"],
-                g["utilization_pct"],
-                mine,
-            )
+    built = (
+        Gpu(
+            **{k: g[k] for k in GPU_FIELDS},
+            processes=tuple(p for p in processes if p.gpu_index == g["index"]),
         )
+        for g in gpus
+    )
     return GpuSnapshot(tuple(built), source, None)
 
 
@@ -274,7 +262,7 @@ def container_of_pid(cgroup_text: str) -> str | None:
 
 # Run on the Proxmox host: GPUs, compute apps (host pids), then each app's cgroup and NSpid.
 HOST_GPU_QUERY_ARGV = shell_argv("host_gpu_query.sh", *facts.gpu_query_argv(), "--", *facts.apps_query_argv())
-HOST_GPU_QUERY = quote_argv(HOST_GPU_QUERY_ARGV)
+HOST_GPU_QUERY = shlex.join(HOST_GPU_QUERY_ARGV)
 
 
 def parse_host_gpu_query(stdout: str, ctid) -> GpuSnapshot:

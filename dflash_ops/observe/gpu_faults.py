@@ -65,9 +65,6 @@ class FaultReport:
     kernel_log: str | None = None  # what was read: "dmesg", "journalctl -k …"
     kernel_log_error: str | None = None  # why no kernel log could be read
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 NOT_QUERIED = FaultReport(None, error="not queried")
 

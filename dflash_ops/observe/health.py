@@ -49,14 +49,6 @@ class Verdict:
     def summary(self) -> str:
         return "; ".join(self.reasons)
 
-    def to_dict(self) -> dict:
-        return {
-            "level": self.level,
-            "exit_code": self.exit_code,
-            "reasons": list(self.reasons),
-            "perfdata": {k: dataclasses.asdict(v) for k, v in self.perfdata.items()},
-        }
-
 
 def unknown(reason: str) -> Verdict:
     """The verdict for a check that could not run (unreachable host, bad inventory, bad probe)."""
@@ -136,10 +128,7 @@ def _judged(report, job: Job, now: float) -> Verdict:
 def _with_tau(perfdata: dict, accept, job: Job) -> dict:
     """perfdata plus `tau` when the run evaluates it, whatever the job's state (status shows it too)."""
     if accept is not None or job.health.min_tau > 0:  # runs without tau evaluation keep their line
-        perfdata["tau"] = Perf(
-            accept.tau if accept else None,
-            warn=f"{_perfdata_number(job.health.min_tau)}:" if job.health.min_tau > 0 else "",
-        )
+        perfdata["tau"] = Perf(accept.tau if accept else None, warn=_below(job.health.min_tau))
     return perfdata
 
 
@@ -233,22 +222,23 @@ def _idle_drafters(snapshot, job: Job, drafter_util: dict) -> list[str]:
 
 def _perfdata(progress: logs.TrainingProgress, age: float | None, drafter_util: dict, job: Job) -> dict:
     thresholds = job.health
-    min_tps = thresholds.min_tokens_per_s
     perfdata = {
         "step": Perf(progress.step),
         "loss": Perf(progress.loss if progress.loss_is_finite else None),
-        "tokens_per_s": Perf(
-            progress.tokens_per_s, warn=f"{_perfdata_number(min_tps)}:" if min_tps > 0 else ""
-        ),
+        "tokens_per_s": Perf(progress.tokens_per_s, warn=_below(thresholds.min_tokens_per_s)),
         "age_s": Perf(age, crit=_perfdata_number(thresholds.stall_seconds)),
     }
     if job.drafter_gpus:
         known = [u for u in drafter_util.values() if u is not None]
-        floor = thresholds.min_drafter_util_pct
         perfdata["drafter_util_pct"] = Perf(
-            min(known) if known else None, warn=f"{_perfdata_number(floor)}:" if floor > 0 else "", uom="%"
+            min(known) if known else None, warn=_below(thresholds.min_drafter_util_pct), uom="%"
         )
     return perfdata
+
+
+def _below(floor: float) -> str:
+    """The Nagios range that alerts below `floor` ("5000:"); none for a floor of 0 (check off)."""
+    return f"{_perfdata_number(floor)}:" if floor > 0 else ""
 
 
 def _drafter_utilization(snapshot, job: Job) -> dict:

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 from typing import Callable
 
-from dflash_ops.job import jobpaths, jobstate
 from dflash_ops.errors import DflashOpsError, InputError, RemoteCommandError
+from dflash_ops.job import jobpaths, jobstate
 from dflash_ops.job.model import Target
 from dflash_ops.observe.text_style import inert, inert_log_line
 from dflash_ops.remote import facts, shell_command
-from dflash_ops.transport.base import quote_argv
 from dflash_ops.transport.factory import make_transport
 
 # --grep filters here (Python regex), over at most this many of the newest lines, so a log of a
@@ -82,7 +82,7 @@ def job_log(transport, target: Target) -> str:
         )
     if state is None or not state.log:
         return newest_log(transport, target)
-    if not transport.run(quote_argv(["test", "-e", state.log]), timeout=30, step="find the job's log").ok:
+    if not transport.run(shlex.join(["test", "-e", state.log]), timeout=30, step="find the job's log").ok:
         run = f"run {state.run:04d}" if isinstance(state.run, int) else "the current run"
         raise DflashOpsError(
             f"[{target.name}] the log of {run}, {inert(state.log)}, is missing (deleted or rotated "
@@ -172,7 +172,7 @@ def _poll(transport, target: Target, path: str, offset: int) -> tuple[str | None
 
 
 def _is_file(transport, path: str) -> bool:
-    return transport.run(quote_argv(["test", "-f", path]), timeout=30, step="follow log").ok
+    return transport.run(shlex.join(["test", "-f", path]), timeout=30, step="follow log").ok
 
 
 def _matching(lines: list[str], pattern: re.Pattern | None) -> list[str]:

@@ -207,9 +207,7 @@ class TrainingProgress:
     tokens_per_s: float | None = None  # median of recent step records (one slow interval is noise)
     eta_s: float | None = None
     last_step_time: float | None = None
-    last_record_time: float | None = None
     start_time: float | None = None
-    steps_per_s: float | None = None
     done_reason: str | None = None
 
     @property
@@ -228,18 +226,6 @@ def recent_tokens_per_s(records: list[dict], window: int = 5) -> float | None:
         if isinstance(r.get("tokens_per_s"), (int, float)) and math.isfinite(r["tokens_per_s"])
     ]
     return statistics.median(values) if values else None
-
-
-def step_rate(records: list[dict], window: int = 10) -> float | None:
-    """Optimizer steps per second between the oldest and newest of the recent step records."""
-    steps = step_records(records)[-window:]
-    if len(steps) < 2:
-        return None
-    first, last = steps[0], steps[-1]
-    began, ended = _record_number(first.get("time")), _record_number(last.get("time"))
-    if began is None or ended is None or not ended > began:
-        return None
-    return (float(last["step"]) - float(first["step"])) / (ended - began)  # step_records: numbers
 
 
 def _record_number(value) -> float | None:
@@ -271,9 +257,7 @@ def progress(records: list[dict]) -> TrainingProgress:
         tokens_per_s=recent_tokens_per_s(records),
         eta_s=_record_number(last.get("eta_s")) if last else None,
         last_step_time=_record_number(last.get("time")) if last else None,
-        last_record_time=_record_number(records[-1].get("time")) if records else None,
         start_time=_record_number(start.get("time")) if start else None,
-        steps_per_s=step_rate(records),
         done_reason=str(done.get("reason"))
         if done
         and (

@@ -10,7 +10,6 @@ import binascii
 import dataclasses
 import json
 import shlex
-from typing import Any
 from collections.abc import Sequence
 
 from trainer import metrics_format
@@ -98,33 +97,28 @@ class ProbeReport:
         return scan if isinstance(scan, dict) else None
 
 
-def probe_args(
+def probe_script_for(
     job: Job,
     log_lines: int = DEFAULT_LOG_LINES,
     metrics_lines: int = DEFAULT_METRICS_LINES,
     gpu_source: str = "auto",
-    nvidia_smi: str = "nvidia-smi",
     part_s: float | None = None,
-) -> dict:
+) -> str:
+    """The bash script for `transport.run`: the job's python (python3 when that is not installed
+    yet, e.g. before the first deploy) runs the probe, whose text (remote.bundle) the caller passes
+    as stdin; every word is quoted."""
     args = {
         **jobpaths.identity_args(job),
         "log_dir": job.log_dir,
         "log_lines": int(log_lines),
         "metrics_lines": int(metrics_lines),
         "gpu_source": gpu_source,
-        "nvidia_smi": nvidia_smi,
+        "nvidia_smi": "nvidia-smi",
         "eval_context_steps": acceptance.ACC_WINDOW,
     }
     if part_s is not None:
         args["part_s"] = round(float(part_s), 2)
-    return args
-
-
-def probe_script_for(job: Job, **options: Any) -> str:
-    """The bash script for `transport.run`: the job's python (python3 when that is not installed
-    yet, e.g. before the first deploy) runs the probe, whose text (remote.bundle) the caller passes
-    as stdin; every word is quoted. `options` are probe_args' own."""
-    return python_command(job.python, PROBE_SCRIPT, probe_args(job, **options), who="dflash probe")
+    return python_command(job.python, PROBE_SCRIPT, args, who="dflash probe")
 
 
 def run_probe(
@@ -133,8 +127,6 @@ def run_probe(
     timeout: float = DEFAULT_TIMEOUT_S,
     log_lines: int = DEFAULT_LOG_LINES,
     metrics_lines: int = DEFAULT_METRICS_LINES,
-    gpu_source: str = "auto",
-    nvidia_smi: str = "nvidia-smi",
     gpu_on_host: int | None = None,
     part_s: float | None = None,
 ) -> ProbeReport:
@@ -149,14 +141,7 @@ def run_probe(
     """
     if gpu_on_host is not None:
         return _run_probe_gpu_on_host(transport, job, timeout, log_lines, metrics_lines, gpu_on_host, part_s)
-    script = probe_script_for(
-        job,
-        log_lines=log_lines,
-        metrics_lines=metrics_lines,
-        gpu_source=gpu_source,
-        nvidia_smi=nvidia_smi,
-        part_s=part_s,
-    )
+    script = probe_script_for(job, log_lines, metrics_lines, part_s=part_s)
     result = transport.run(script, timeout=timeout, step="probe", stdin=bundle(PROBE_SCRIPT))
     if not result.ok:
         raise RemoteCommandError(transport.name, "probe", result)
@@ -175,13 +160,9 @@ def _run_probe_gpu_on_host(
 ) -> ProbeReport:
     """Still one ssh session and one `pct exec`: the Proxmox host answers for the GPUs (real pids,
     mapped to containers), then the probe runs in the container without its GPU section."""
-    inside = probe_script_for(
-        job, log_lines=log_lines, metrics_lines=metrics_lines, gpu_source="none", part_s=part_s
-    )
-    query = HOST_GPU_QUERY_ARGV if part_s is None else host_query_limited(part_s)
-    faults = (
-        gpu_faults.host_faults_argv() if part_s is None else limited(gpu_faults.host_faults_argv(), part_s)
-    )
+    inside = probe_script_for(job, log_lines, metrics_lines, gpu_source="none", part_s=part_s)
+    query = limited(HOST_GPU_QUERY_ARGV, part_s)
+    faults = limited(gpu_faults.host_faults_argv(), part_s)
     container = transport.in_container(inside, timeout if part_s is None else max(1.0, timeout - part_s))
     script = shell_command("probe_on_host.sh", container, shlex.join(faults), *query)
     # the container's run comes after the host's GPU query, inside this one's limit
@@ -222,14 +203,10 @@ def _run_probe_gpu_on_host(
     return dataclasses.replace(report, gpu=gpu, seconds=result.seconds)
 
 
-def host_query_limited(part_s: float) -> list[str]:
-    """HOST_GPU_QUERY under coreutils `timeout` (fractions allowed), killed 1 s after TERM."""
-    return limited(HOST_GPU_QUERY_ARGV, part_s)
-
-
-def limited(argv: Sequence[str], part_s: float) -> list[str]:
-    """argv under coreutils `timeout` (fractions allowed), killed 1 s after TERM."""
-    return ["timeout", "-k", "1", f"{part_s:.2f}s", *argv]
+def limited(argv: Sequence[str], part_s: float | None) -> list[str]:
+    """argv under coreutils `timeout` (fractions allowed), killed 1 s after TERM; as it is without
+    a limit."""
+    return list(argv) if part_s is None else ["timeout", "-k", "1", f"{part_s:.2f}s", *argv]
 
 
 def _host_faults(line: str, part_s: float | None) -> gpu_faults.FaultReport:
@@ -250,8 +227,9 @@ def _host_faults(line: str, part_s: float | None) -> gpu_faults.FaultReport:
     return gpu_faults.parse_host_answer(text)
 
 
-def _json_object(stdout: str) -> dict | None:
-    # Login scripts on some hosts print banners; the probe's answer is its last line.
+def json_answer(stdout: str) -> dict | None:
+    """A remote script's JSON object: its whole output, or (login scripts on some hosts print
+    banners) its last line that starts one; None when there is none."""
     candidates = [stdout] + [line for line in reversed(stdout.splitlines()) if line.startswith("{")][:1]
     for text in candidates:
         try:
@@ -264,7 +242,7 @@ def _json_object(stdout: str) -> dict | None:
 
 
 def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
-    data = _json_object(stdout)
+    data = json_answer(stdout)
     if data is None or "probe_version" not in data or "time" not in data:
         shown = stdout.strip()[:300] or "(no output)"
         raise ProbeError(f"[{target}] probe: the answer is not the probe's JSON: {shown}")

@@ -10,7 +10,6 @@ answer is untrusted data: every field is type-checked and each line parsed as a 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 
 from trainer import metrics_history, run_summary
@@ -18,6 +17,7 @@ from trainer import metrics_history, run_summary
 from dflash_ops.job import jobpaths, jobstate
 from dflash_ops.errors import DflashOpsError, InputError, RemoteCommandError
 from dflash_ops.job.model import Target
+from dflash_ops.observe.probe import json_answer
 from dflash_ops.remote import bundle, python_command
 
 REPORT_SCRIPT = "report_read.py"
@@ -92,16 +92,9 @@ def fetch(
 
 
 def parse_answer(stdout: str, target: str) -> tuple[list[FetchedRun], dict | None]:
-    """The script's JSON (its last line: login banners may precede it), checked field by field."""
-    data = None
-    for line in reversed(stdout.splitlines()):
-        if line.startswith("{"):
-            try:
-                data = json.loads(line)
-            except ValueError:
-                data = None
-            break
-    if not isinstance(data, dict) or "report_version" not in data or not isinstance(data.get("runs"), list):
+    """The script's JSON (probe.json_answer), checked field by field."""
+    data = json_answer(stdout)
+    if data is None or "report_version" not in data or not isinstance(data.get("runs"), list):
         shown = stdout.strip()[:300] or "(no output)"
         raise ReportError(f"[{target}] read metrics: the answer is not the report script's JSON: {shown}")
     runs = []

@@ -12,7 +12,7 @@ from trainer.typed_yaml import finite
 
 from dflash_ops.job import jobstate
 from dflash_ops.observe import acceptance, gpu_owners, logs
-from dflash_ops.observe.gpu import Gpu, GpuProcess
+from dflash_ops.observe.gpu import GPU_FIELDS, Gpu, GpuProcess
 from dflash_ops.observe.health import Perf, Verdict, progress_age
 
 
@@ -122,26 +122,16 @@ class TargetStatus:
         return self.time is not None
 
     def to_json(self) -> dict:
-        data = {
-            "target": self.target,
-            "hostname": self.hostname,
-            "time": self.time,
-            "probe_seconds": self.probe_seconds,
-            "gpu_source": self.gpu_source,
-            "gpu_error": self.gpu_error,
-            "gpus": [_gpu_json(g) for g in self.gpus],
-            "session": self.session.to_json(),
-            "processes": [p.to_json() for p in self.processes],
-            "log": self.log,
-            "metrics": self.metrics,
-            "data_source": self.data_source,
-            "job_state": self.job_state,
-            "job_state_error": self.job_state_error,
-            "log_missing": self.log_missing,
-            "training": self.training.to_json(),
-            "eval": None if self.eval is None else self.eval.to_json(),
-            **verdict_json(self.verdict),
-        }
+        """Its fields in their order, the verdict as verdict_json's keys; eval_search once probed."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "eval_search"}
+        data.update(
+            gpus=[_gpu_json(g) for g in self.gpus],
+            session=self.session.to_json(),
+            processes=[p.to_json() for p in self.processes],
+            training=self.training.to_json(),
+            eval=None if self.eval is None else self.eval.to_json(),
+            **verdict_json(data.pop("verdict")),
+        )
         if self.probed:
             data["eval_search"] = self.eval_search
         return data
@@ -149,26 +139,18 @@ class TargetStatus:
     @classmethod
     def from_json(cls, data: dict) -> TargetStatus:
         """The status `to_json` gave (a recorded `status --json`, say; keys it lacks are None)."""
+        plain = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
         return cls(
-            target=data["target"],
-            hostname=data.get("hostname"),
-            time=data.get("time"),
-            probe_seconds=data.get("probe_seconds"),
-            gpu_source=data.get("gpu_source"),
-            gpu_error=data.get("gpu_error"),
-            gpus=tuple(_gpu_from_json(g) for g in data["gpus"]),
-            session=TmuxSession.from_json(data["session"]),
-            processes=tuple(JobProcess.from_json(p) for p in data["processes"]),
-            log=data.get("log"),
-            metrics=data.get("metrics"),
-            data_source=data.get("data_source"),
-            job_state=data.get("job_state"),
-            job_state_error=data.get("job_state_error"),
-            log_missing=data.get("log_missing"),
-            training=Training.from_json(data["training"]),
-            eval=None if data.get("eval") is None else EvalStatus.from_json(data["eval"]),
-            verdict=verdict_from_json(data),
-            eval_search=data.get("eval_search"),
+            **{
+                **plain,
+                "target": data["target"],
+                "gpus": tuple(_gpu_from_json(g) for g in data["gpus"]),
+                "session": TmuxSession.from_json(data["session"]),
+                "processes": tuple(JobProcess.from_json(p) for p in data["processes"]),
+                "training": Training.from_json(data["training"]),
+                "eval": None if data.get("eval") is None else EvalStatus.from_json(data["eval"]),
+                "verdict": verdict_from_json(data),
+            }
         )
 
 
@@ -177,7 +159,7 @@ def verdict_json(verdict: Verdict) -> dict:
     return {
         "verdict": verdict.level,
         "reasons": list(verdict.reasons),
-        "perfdata": verdict.to_dict()["perfdata"],
+        "perfdata": {label: dataclasses.asdict(perf) for label, perf in verdict.perfdata.items()},
     }
 
 
@@ -320,5 +302,4 @@ def _gpu_from_json(data: dict) -> Gpu:
         GpuProcess(p["pid"], data["index"], p["used_memory_mib"], p["name"], p["owner"] or "", p["foreign"])
         for p in data["processes"]
     )
-    fields = ("index", "uuid", "name", "memory_used_mib", "memory_total_mib", "utilization_pct", "role")
-    return Gpu(**{k: data[k] for k in fields}, processes=processes)
+    return Gpu(**{k: data[k] for k in GPU_FIELDS}, role=data["role"], processes=processes)

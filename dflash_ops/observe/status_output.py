@@ -20,22 +20,19 @@ def status_text(statuses: Sequence[TargetStatus | JobStatus], color: bool = Fals
     )
 
 
-def status_json(statuses: Sequence[TargetStatus | JobStatus], indent: int | None = 2) -> str:
-    """One object for one status, a list for several."""
-    return _document([s.to_json() for s in statuses], indent)
-
-
-def health_json(
-    statuses: Sequence[TargetStatus | JobStatus], relaunched: Mapping[str, str] | None = None
+def status_json(
+    statuses: Sequence[TargetStatus | JobStatus],
+    indent: int | None = 2,
+    relaunched: Mapping[str, str] | None = None,
 ) -> str:
-    """`status --json`'s document; with --auto-relaunch (`relaunched` given, by name: what the
-    relaunch did) each object adds `auto_relaunch`, null where none was tried."""
-    if relaunched is None:
-        return _document([s.to_json() for s in statuses], indent=2)
-    return _document([dict(s.to_json(), auto_relaunch=relaunched.get(s.name)) for s in statuses], indent=2)
-
-
-def _document(objects: list[dict], indent: int | None) -> str:
+    """One object for one status, a list for several. health --json with --auto-relaunch
+    (`relaunched` given, by name: what the relaunch did) adds `auto_relaunch` to each object, null
+    where none was tried."""
+    objects = [s.to_json() for s in statuses]
+    if relaunched is not None:
+        objects = [
+            dict(o, auto_relaunch=relaunched.get(s.name)) for o, s in zip(objects, statuses, strict=True)
+        ]
     return json.dumps(objects[0] if len(objects) == 1 else objects, indent=indent)
 
 

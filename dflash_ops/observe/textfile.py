@@ -5,10 +5,10 @@ the collector ignores, flushed, then renamed into place (atomic within one files
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 
 from dflash_ops.errors import DflashOpsError, InputError
+from dflash_ops.job.relaunch_guard import safe_name
 
 SUFFIX = ".prom"
 DEBIAN_DIR = "/var/lib/prometheus/node-exporter"  # prometheus-node-exporter's default directory
@@ -17,7 +17,7 @@ DEBIAN_DIR = "/var/lib/prometheus/node-exporter"  # prometheus-node-exporter's d
 def file_name(selection: str) -> str:
     """`dflash-ops-<target or group>.prom`, one file per selection, so the cron lines of several
     targets never overwrite each other's."""
-    return f"dflash-ops-{re.sub(r'[^A-Za-z0-9_.-]', '_', selection)}{SUFFIX}"
+    return f"dflash-ops-{safe_name(selection)}{SUFFIX}"
 
 
 def write(directory: str, name: str, text: str) -> str:

@@ -10,11 +10,10 @@ import hashlib
 import json
 import os
 import pathlib
-import re
 import tempfile
 
 from dflash_ops.job import jobpaths
-from dflash_ops.job.relaunch_guard import state_dir
+from dflash_ops.job.relaunch_guard import safe_name, state_dir
 
 MAX_BYTES = 64 * 1024
 
@@ -32,8 +31,7 @@ def path_for(target) -> pathlib.Path:
     socket and session), so two jobs never share a memory."""
     job = target.job
     digest = hashlib.sha256(f"{job.workdir}\0{jobpaths.marker_value(job)}".encode()).hexdigest()[:12]
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", target.name)[:64]
-    return state_dir() / f"{safe}-{digest}.verdict.json"
+    return state_dir() / f"{safe_name(target.name)[:64]}-{digest}.verdict.json"
 
 
 def recall(target) -> Remembered | None:

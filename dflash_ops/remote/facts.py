@@ -11,8 +11,6 @@ import re
 # nvidia-smi queries, in the order their CSV columns are parsed (dflash_ops.observe.gpu.parse_nvidia_smi)
 GPU_FIELDS = ("index", "uuid", "name", "memory.used", "memory.total", "utilization.gpu")
 APP_FIELDS = ("pid", "gpu_uuid", "used_memory", "process_name")
-GPU_QUERY = ",".join(GPU_FIELDS)
-APPS_QUERY = ",".join(APP_FIELDS)
 CSV_FORMAT = "--format=csv,noheader,nounits"
 
 # The launcher numbers each run's log: <log_dir>/train-NNNN.log (at least four digits)

@@ -6,10 +6,11 @@ script."""
 from __future__ import annotations
 
 try:  # imported from the package (probe_script in tests)
-    from dflash_ops.remote import facts
+    from dflash_ops.remote import facts, procs
     from dflash_ops.remote.bounded import finish, in_thread, out_of_time, start
-except ImportError:  # on the target: remote.bundle() defined both ahead of this script
+except ImportError:  # on the target: remote.bundle() defined them ahead of this script
     import facts  # type: ignore[no-redef]
+    import procs  # type: ignore[no-redef]
     from bounded import finish, in_thread, out_of_time, start  # type: ignore[no-redef]
 
 MIB = 1024 * 1024
@@ -80,19 +81,10 @@ def _nvml_read(pynvml):
                     "pid": int(proc.pid),
                     "gpu_index": index,
                     "used_memory_mib": None if used is None else int(used // MIB),
-                    "name": _process_name(int(proc.pid)),
+                    "name": procs.comm(int(proc.pid)),
                 }
             )
     return {"source": "nvml", "error": None, "gpus": gpus, "processes": processes}
-
-
-def _process_name(pid):
-    """Name of a pid as seen here; empty when it is not visible (a host pid inside LXC)."""
-    try:
-        with open("/proc/%d/comm" % pid, encoding="utf-8", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def start_nvidia_smi(binary):

@@ -82,10 +82,6 @@ def same_process(table, pid):
     return now is not None and now[0] not in ("Z", "X") and now[2] == table[pid][2]
 
 
-def _comm(pid):
-    return (procs.read("/proc/%d/comm" % pid, 256) or b"").decode("utf-8", "replace").strip()
-
-
 def main():
     args = json.loads(sys.argv[1])
     session, marker_entry = procs.pick_identity(args)
@@ -133,7 +129,7 @@ def unidentified_gpu_apps(args, job):
                     "owner": owner,
                     "visible": visible,
                     "cmd": "" if owner else procs.cmdline(pid),
-                    "name": (name[0] if name else "") or (_comm(pid) if visible else ""),
+                    "name": (name[0] if name else "") or (procs.comm(pid) if visible else ""),
                 }
             )
     return unidentified

@@ -209,6 +209,11 @@ def job_pids(panes, table, marker):
     return descendants(roots, table)
 
 
+def comm(pid):
+    """Name of a pid as seen here; empty when it is not visible (a host pid inside LXC)."""
+    return (read("/proc/%d/comm" % pid, 256) or b"").decode("utf-8", "replace").strip()
+
+
 def cmdline(pid, limit=2000):
     raw = read("/proc/%d/cmdline" % pid, limit)
     return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip() if raw else ""

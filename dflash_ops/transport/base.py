@@ -7,7 +7,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import shlex
 
 from dflash_ops.errors import RemoteCommandError, RemoteTimeout, TransportError
 
@@ -173,7 +172,3 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc):
         self.close()
-
-
-def quote_argv(argv: list[str]) -> str:
-    return " ".join(shlex.quote(a) for a in argv)

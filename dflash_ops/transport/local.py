@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shlex
 import signal
 import subprocess
 import tempfile
@@ -17,7 +18,6 @@ from dflash_ops.transport.base import (
     Transport,
     decode,
     outlived,
-    quote_argv,
 )
 
 
@@ -116,7 +116,7 @@ class LocalTransport(Transport):
         return exit_code_of(subprocess.call(["bash", "-c", script]))
 
     def _command_line_of(self, argv: list[str]) -> str:
-        return quote_argv(argv)
+        return shlex.join(argv)
 
 
 def _first_line(fd: int, deadline: float, most: int = 4096) -> str:

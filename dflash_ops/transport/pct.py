@@ -8,10 +8,11 @@ SCRIPT` as argv, unchanged. stdin passes through `pct exec`, which is how `put` 
 from __future__ import annotations
 
 import re
+import shlex
 
 from dflash_ops.errors import ContainerNotRunning, TransportError
 from dflash_ops.job.model import HostSpec
-from dflash_ops.transport.base import Result, decode, finish, local_limit_s, quote_argv, with_remote_timeout
+from dflash_ops.transport.base import Result, decode, finish, local_limit_s, with_remote_timeout
 from dflash_ops.transport.ssh import SshTransport
 
 # How Proxmox refuses an exec into a container that is stopped or missing (first stderr line), and
@@ -40,10 +41,10 @@ class PctTransport(SshTransport):
 
     def in_container(self, script: str, timeout: float = 60) -> str:
         """A host shell command running `script` in the container (to compose with host work)."""
-        return quote_argv(self._wrap(with_remote_timeout(script, timeout)))
+        return shlex.join(self._wrap(with_remote_timeout(script, timeout)))
 
     def _host_line(self, script: str, timeout: float) -> str:
-        return quote_argv(with_remote_timeout(script, timeout)) + "; exit $?"
+        return shlex.join(with_remote_timeout(script, timeout)) + "; exit $?"
 
     def host_command_line(self, script: str, timeout: float = 60) -> str:
         return self._ssh_command(self._host_line(script, timeout))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import shutil
 import socket
 import threading
@@ -24,22 +25,27 @@ import paramiko
 
 from dflash_ops.errors import ConnectError
 from dflash_ops.job.model import HostSpec
+from dflash_ops.remote import shell_command
 from dflash_ops.transport.base import (
     AFTER_EXIT_S,
     Transport,
     decode,
     outlived,
-    quote_argv,
 )
 from dflash_ops.transport.ssh_channel import drain, feed, first_line, passthrough, read_until_exit
 from dflash_ops.transport.ssh_connect import SshConnecting
-from dflash_ops.transport.ssh_put import put_script, put_timeout_s
 
 # paramiko's reader thread logs failures (with tracebacks) that we report as one clear error
 # ourselves; without a handler Python's last-resort handler would print them on stderr.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+
+
+def put_script(remote_path: str, mode: int, size: int) -> str:
+    """bash that stores stdin at remote_path atomically (remote/put_file.sh: temp file in the same
+    dir, size check, rename)."""
+    return shell_command("put_file.sh", remote_path, f"{mode:o}", str(size))
 
 
 class SshTransport(SshConnecting, Transport):
@@ -63,7 +69,7 @@ class SshTransport(SshConnecting, Transport):
         # `; exit $?` stops the login shell from exec'ing the last command: a command killed by
         # a signal then ends the session with exit status 128+N instead of an ssh "exit-signal",
         # for which paramiko has no exit code.
-        return quote_argv(self._wrap(argv)) + "; exit $?"
+        return shlex.join(self._wrap(argv)) + "; exit $?"
 
     def _command_line_of(self, argv: list[str]) -> str:
         return self._ssh_command(self._remote_line(argv))
@@ -87,7 +93,7 @@ class SshTransport(SshConnecting, Transport):
             f"{s.user}@{s.host}",
             remote_line,
         ]
-        return quote_argv(argv)
+        return shlex.join(argv)
 
     # ---- running ---------------------------------------------------------------------------
 
@@ -157,8 +163,9 @@ class SshTransport(SshConnecting, Transport):
         return self._exec(self._remote_line(argv), stdin, limit_s, step)
 
     def put(self, data: bytes, remote_path: str, mode: int = 0o644, step: str = "put") -> None:
+        # the bytes go on the command's stdin, at least 1 MB/s
         self.check(
-            put_script(remote_path, mode, len(data)), timeout=put_timeout_s(len(data)), step=step, stdin=data
+            put_script(remote_path, mode, len(data)), timeout=60 + len(data) / 1e6, step=step, stdin=data
         )
 
     @contextlib.contextmanager

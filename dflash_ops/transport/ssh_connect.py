@@ -38,31 +38,23 @@ class _RevokedHostKey(_UnknownHostKey):
     pass
 
 
-class _RejectUnknown(paramiko.MissingHostKeyPolicy):
-    """strict: an unknown host is refused (a changed key is refused by paramiko itself)."""
-
-    def __init__(self, known: HostKeys):
-        self.known = known
-
-    def missing_host_key(self, client, hostname, key):
-        if self.known.is_revoked(key):
-            raise _RevokedHostKey(hostname, key)
-        raise _UnknownHostKey(hostname, key)
-
-
-class _RecordNew(paramiko.MissingHostKeyPolicy):
-    """accept-new: trust an unknown host on first sight and append it to known_hosts.
+class _UnknownHostPolicy(paramiko.MissingHostKeyPolicy):
+    """An unknown host (a CHANGED key never reaches a policy: paramiko refuses it itself). strict
+    (`record` None) refuses it; accept-new trusts it on first sight and appends it to `record`, the
+    known_hosts file. A revoked key is refused either way.
 
     Appending one line (as OpenSSH does) keeps the user's comments and hashed entries; paramiko's
-    own save would rewrite the whole file. A CHANGED key never reaches this policy.
+    own save would rewrite the whole file.
     """
 
-    def __init__(self, known_hosts: str, known: HostKeys):
-        self.known_hosts, self.known = known_hosts, known
+    def __init__(self, known: HostKeys, record: str | None = None):
+        self.known, self.known_hosts = known, record
 
     def missing_host_key(self, client, hostname, key):
         if self.known.is_revoked(key):
             raise _RevokedHostKey(hostname, key)
+        if self.known_hosts is None:
+            raise _UnknownHostKey(hostname, key)
         directory = os.path.dirname(self.known_hosts)
         if directory:
             os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -118,11 +110,8 @@ class SshConnecting:
             )
             for key in known.keys:  # what paramiko compares the server's key with
                 client.get_host_keys().add(entry, key.get_name(), key)
-            client.set_missing_host_key_policy(
-                _RejectUnknown(known)
-                if s.host_key_policy == "strict"
-                else _RecordNew(self.known_hosts, known)
-            )
+            record = None if s.host_key_policy == "strict" else self.known_hosts
+            client.set_missing_host_key_policy(_UnknownHostPolicy(known, record))
         return conn
 
     def _connection(self, step: str) -> fabric.Connection:
