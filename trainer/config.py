@@ -403,23 +403,25 @@ def _validate_eval(cfg: TrainConfig) -> None:
             _fail(cfg, key, f"must be at least 1, got {value}.")
 
 
-def check_devices(cfg: TrainConfig) -> None:
-    """Devices named in the config must exist on this machine (needs torch, so it runs at startup)."""
+def missing_cuda_devices(devices: list[str]) -> tuple[list[str], int]:
+    """(the cuda devices of `devices` this machine lacks, how many it has); needs torch."""
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [d for d in devices if d.startswith("cuda") and int(d.partition(":")[2] or 0) >= count], count
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    """Devices named in the config must exist on this machine (needs torch, so it runs at startup)."""
     for key, devices in (
         ("run.target_devices", cfg.run.target_devices),
         ("run.drafter_devices", cfg.run.drafter_devices),
     ):
-        for dev in devices:
-            if dev == "cpu":
-                continue
-            index = int(dev.split(":")[1]) if ":" in dev else 0
-            if index >= count:
-                seen = f"{count} CUDA device(s) visible" if count else "no CUDA device visible"
-                _fail(
-                    cfg,
-                    key,
-                    f"names {dev!r} but this machine has {seen}. Fix: pick existing devices, or cpu.",
-                )
+        missing, count = missing_cuda_devices(devices)
+        if missing:
+            seen = f"{count} CUDA device(s) visible" if count else "no CUDA device visible"
+            _fail(
+                cfg,
+                key,
+                f"names {missing[0]!r} but this machine has {seen}. Fix: pick existing devices, or cpu.",
+            )
