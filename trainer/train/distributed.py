@@ -135,6 +135,12 @@ def _gather(vector: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     return [p.cpu() for p in parts]
 
 
+def _gather_int(value: int, rank: Rank, device: str) -> list[int]:
+    """Every rank's `value`, in rank order."""
+    parts = _gather(torch.tensor([value], dtype=torch.int64, device=device), rank.world_size)
+    return [int(p.item()) for p in parts]
+
+
 def dataset_digest(dataset: Dataset) -> int:
     h = hashlib.sha256()
     for t in (dataset.input_ids, dataset.loss_mask, dataset.attention_mask):
@@ -144,10 +150,7 @@ def dataset_digest(dataset: Dataset) -> int:
 
 def check_same_data(dataset: Dataset, rank: Rank, device: str) -> None:
     """Every rank built the data itself (a file, or seeded generation): they must agree exactly."""
-    digests = _gather(
-        torch.tensor([dataset_digest(dataset)], dtype=torch.int64, device=device), rank.world_size
-    )
-    values = [int(d.item()) for d in digests]
+    values = _gather_int(dataset_digest(dataset), rank, device)
     if len(set(values)) != 1:
         differ = [r for r, v in enumerate(values) if v != values[0]]
         raise RuntimeError(
@@ -179,10 +182,7 @@ def global_summary(local: StepSummary, stop: bool, rank: Rank, device: str) -> t
 
 def check_same_start(start: int, rank: Rank, device: str) -> None:
     """Ranks that resume from different steps would wait on each other forever: refuse instead."""
-    starts = [
-        int(s.item())
-        for s in _gather(torch.tensor([start], dtype=torch.int64, device=device), rank.world_size)
-    ]
+    starts = _gather_int(start, rank, device)
     if len(set(starts)) != 1:
         where = ", ".join(
             f"rank {r}: {'step ' + str(s) if s else 'fresh start'}" for r, s in enumerate(starts)
