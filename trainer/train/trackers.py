@@ -100,11 +100,8 @@ def event_of(record: dict) -> tuple[int, str, str] | None:
 
 
 def _number(value) -> float | None:
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
+    """A number (a boolean counts: True is 1.0) as float, else None."""
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
