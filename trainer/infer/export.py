@@ -180,11 +180,6 @@ def drafter_config_from_export(export_dir) -> DrafterConfig:
 
 def export_checkpoint(state, out_dir: str, dtype: str = "bf16"):
     """Rebuild the drafter from a checkpoint alone (no target needed) and export it in `dtype`."""
-    import torch
-
-    from trainer.infer.engine_rules import check_engine_rules
-    from trainer.model import DFlashDrafter, DrafterConfig
-
     dcfg = DrafterConfig.from_dict(state.drafter_config)
     # The engine rules first: weights the drafter cannot load (a mask_hidden) are refused in one line.
     shapes = {name: tuple(t.shape) for name, t in state.weights.items()}
