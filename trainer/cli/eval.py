@@ -334,11 +334,12 @@ def _prompts(args: argparse.Namespace, target, run_config: dict | None, describe
 def _template_kwargs(args: argparse.Namespace, run_config: dict | None, err) -> dict | None:
     """--chat-template-kwargs, else what the training data was rendered with (the run's config, or an
     export's serve.json); a warning when the two differ."""
-    from trainer.template_args import differs_warning, run_chat_template_kwargs
+    from trainer.infer.serve_recipe import SERVE_JSON
+    from trainer.template_args import differs_warning, recorded_in, run_chat_template_kwargs
 
     trained = run_chat_template_kwargs(run_config)
     if run_config is None:
-        trained = _export_template_kwargs(args.checkpoint)
+        trained = recorded_in(str(Path(args.checkpoint) / SERVE_JSON))
     if args.chat_template_kwargs is None:
         return trained
     try:
@@ -353,18 +354,6 @@ def _template_kwargs(args: argparse.Namespace, run_config: dict | None, err) -> 
     if warning:
         print(f"dflash-train eval: {warning}", file=err)
     return asked
-
-
-def _export_template_kwargs(export_dir: str) -> dict | None:
-    from trainer.infer.serve_recipe import SERVE_JSON
-
-    try:
-        kwargs = json.loads((Path(export_dir) / SERVE_JSON).read_text(encoding="utf-8")).get(
-            "chat_template_kwargs"
-        )
-    except (OSError, ValueError, AttributeError):
-        return None
-    return kwargs if isinstance(kwargs, dict) else None
 
 
 def _run_why(args, target, drafter, run_config, described: str, device: str, out, err) -> int:
