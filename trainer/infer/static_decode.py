@@ -198,6 +198,19 @@ class _Layer:
     centered: bool = False  # Qwen3.5 norms (1 + weight)
     gated: bool = False  # Qwen3.5 gated attention
 
+    def pre_weights(self) -> tuple:
+        """The weights pre_attention takes, in its order."""
+        return self.ln, self.wq, self.bq, self.wk, self.bk, self.wv, self.bv, self.q_norm, self.k_norm
+
+    def post_weights(self) -> tuple:
+        """The weights post_attention takes, in its order."""
+        return self.wo, self.bo, self.ln2, self.gate, self.up, self.down
+
+    def upcast(self) -> "_Layer":
+        """The same layer with fp32 copies of its tensors (the lossless referee's)."""
+        tensors: dict[str, Any] = {k: v.float() for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return dataclasses.replace(self, **tensors)
+
 
 @dataclasses.dataclass
 class DeltaLayer:
@@ -313,29 +326,12 @@ class Kernels:
         """One decoder layer over a static cache: its K/V written at `where` of `rows`, then
         attention over everything the mask lets each query see."""
         q, k, v, out_gate = self.pre(
-            x,
-            w.ln,
-            w.wq,
-            w.bq,
-            w.wk,
-            w.bk,
-            w.wv,
-            w.bv,
-            w.q_norm,
-            w.k_norm,
-            cos,
-            sin,
-            eps,
-            heads,
-            kv_heads,
-            head_dim,
-            w.centered,
-            w.gated,
+            x, *w.pre_weights(), cos, sin, eps, heads, kv_heads, head_dim, w.centered, w.gated
         )
         keys[rows, :, where] = k
         values[rows, :, where] = v
         out = grouped_attention(q, keys, values, mask)
-        return self.post(x, out, out_gate, w.wo, w.bo, w.ln2, w.gate, w.up, w.down, eps, w.centered)
+        return self.post(x, out, out_gate, *w.post_weights(), eps, w.centered)
 
 
 EAGER = Kernels(compile=False)
