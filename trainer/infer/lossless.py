@@ -75,7 +75,7 @@ def tie_bound(
 
 
 def _fp32_attention(target: StaticTarget, w, x, cos, sin, mask):
-    f = w.upcast()
+    f = gated_deltanet.fp32_copy(w)
     dims = (target.eps, target.heads, target.kv_heads, target.head_dim)
     q, k, v, gate = EAGER.pre(x, *f.pre_weights(), cos, sin, *dims, w.centered, w.gated)
     out = grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask)
@@ -83,7 +83,7 @@ def _fp32_attention(target: StaticTarget, w, x, cos, sin, mask):
 
 
 def _fp32_delta(w, x):
-    f = w.upcast()
+    f = gated_deltanet.fp32_copy(w, mixer=gated_deltanet.fp32_copy(w.mixer))
     conv, state = gated_deltanet.new_state(f.mixer, 1, x.device, torch.float32)
     h = rms_norm(x, f.ln, f.eps, centered=True)
     mixed = gated_deltanet.run(h, f.mixer, conv, state, torch.tensor([x.shape[1]], device=x.device))

@@ -206,11 +206,6 @@ class _Layer:
         """The weights post_attention takes, in its order."""
         return self.wo, self.bo, self.ln2, self.gate, self.up, self.down
 
-    def upcast(self) -> "_Layer":
-        """The same layer with fp32 copies of its tensors (the lossless referee's)."""
-        tensors: dict[str, Any] = {k: v.float() for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
-        return dataclasses.replace(self, **tensors)
-
 
 @dataclasses.dataclass
 class DeltaLayer:
@@ -223,17 +218,6 @@ class DeltaLayer:
     up: torch.Tensor | None
     down: torch.Tensor
     eps: float
-
-    def upcast(self) -> "DeltaLayer":
-        return DeltaLayer(
-            self.ln.float(),
-            self.mixer.upcast(),
-            self.ln2.float(),
-            self.gate.float(),
-            None if self.up is None else self.up.float(),
-            self.down.float(),
-            self.eps,
-        )
 
 
 def _layer_of(layer, centered: bool = False) -> _Layer:
