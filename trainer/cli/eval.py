@@ -295,10 +295,7 @@ def _run_eval(args: argparse.Namespace, out, err) -> int:
     else:
         out.write(f"dflash-train eval: {described} on {device}\n")
         out.write("".join(line + "\n" for line in report_lines(result, dcfg.block_size)))
-    if result.mismatch is not None:
-        print(_mismatch_line(result.mismatch), file=err)
-        return 1
-    return 0
+    return _exit_code(result.mismatch, err)
 
 
 def _checked_device(args: argparse.Namespace) -> str:
@@ -394,11 +391,7 @@ def _run_why(args, target, drafter, run_config, described: str, device: str, out
         shown = f"{expected:.3f}" if expected is not None else "unknown (no step records in " + metrics + ")"
         out.write(f"tau expected {shown}  (from training accuracy, last steps of {metrics})\n")
         out.write(numbers["likely_cause"] + "\n")
-    bug = held_in.mismatch or (held_out.mismatch if held_out else None)
-    if bug is not None:
-        print(_mismatch_line(bug), file=err)
-        return 1
-    return 0
+    return _exit_code(held_in.mismatch or (held_out.mismatch if held_out else None), err)
 
 
 def _evaluate(args: argparse.Namespace, target, drafter, prompts, device: str, err):
@@ -420,6 +413,14 @@ def _evaluate(args: argparse.Namespace, target, drafter, prompts, device: str, e
         loop=args.loop,
         compile=device.startswith("cuda") if args.compile is None else args.compile,
     )
+
+
+def _exit_code(mismatch, err) -> int:
+    """1 (the lossless check failed, said on `err`) for a mismatch, else 0."""
+    if mismatch is None:
+        return 0
+    print(_mismatch_line(mismatch), file=err)
+    return 1
 
 
 def _mismatch_line(m) -> str:
