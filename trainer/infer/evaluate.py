@@ -119,6 +119,15 @@ class _Decodings:
     spec_tokens: int = 0
     spec_seconds: float = 0.0
 
+    def add(self, own: list[list[int]], spec: list, seconds: float) -> None:
+        """Prompts decoded both ways: the target's own tokens, and the speculative results (each with
+        tokens and accepted) that took `seconds`."""
+        self.own += own
+        self.spec += [r.tokens for r in spec]
+        self.accepted += [r.accepted for r in spec]
+        self.spec_tokens += sum(len(r.tokens) for r in spec)
+        self.spec_seconds += seconds
+
 
 def make_decoder(
     model,
@@ -191,11 +200,7 @@ def _decode_static(decoder, job: _Job) -> _Decodings:
         else:
             own_tokens = cast("list[list[int]]", cached)  # no None in it: all came from the reference
         spec = decoder.decode(chunk, max_new_tokens, speculative=True)
-        found.own += own_tokens
-        found.spec += [r.tokens for r in spec.results]
-        found.accepted += [r.accepted for r in spec.results]
-        found.spec_tokens += sum(len(r.tokens) for r in spec.results)
-        found.spec_seconds += spec.seconds
+        found.add(own_tokens, spec.results, spec.seconds)
         if job.progress is not None:
             job.progress(lo + len(chunk), len(prompts))
     return found
@@ -221,11 +226,7 @@ def _decode_reference(model, layer_ids, drafter, job: _Job) -> _Decodings:
         spec = speculative_generate(
             model, layer_ids, drafter, prompt, max_new_tokens, job.stops, temperature, generator
         )
-        found.own.append(own)
-        found.spec.append(spec.tokens)
-        found.accepted.append(spec.accepted)
-        found.spec_tokens += len(spec.tokens)
-        found.spec_seconds += spec.seconds
+        found.add([own], [spec], spec.seconds)
         if job.progress is not None:
             job.progress(index + 1, len(prompts))
     return found
