@@ -395,7 +395,8 @@ def make_workers(parts: LoopParts) -> TrainingWorkers:
         compute_loss=make_loss_fn(cfg),
         guard=parts.guard,
         grad_clip=cfg.train.grad_clip,
-        feature_dtype=lambda _dev: precision.feature_dtype(precision.resolve(cfg)),
+        # target features reach the drafter devices in the compute dtype
+        feature_dtype=precision.compute_dtype(precision.resolve(cfg)),
     )
 
 

@@ -164,7 +164,7 @@ class TrainingWorkers:
         compute_loss: Callable[[Replica, Batch], LossOutput],
         guard,
         grad_clip: float,
-        feature_dtype: Callable[[str], torch.dtype],
+        feature_dtype: torch.dtype,
         queue_depth: int = 2,
     ):
         self.targets = targets
@@ -291,7 +291,7 @@ class TrainingWorkers:
                     features = target.features(batch.input_ids.to(target.device), attention_mask=mask)
                 dev = replica.device
                 # a cache batch sits in pinned memory: its copy overlaps the drafter's work
-                batch.features = features.to(dev, self.feature_dtype(dev), non_blocking=features.is_pinned())
+                batch.features = features.to(dev, self.feature_dtype, non_blocking=features.is_pinned())
                 batch.input_ids = batch.input_ids.to(dev)
                 batch.loss_mask = batch.loss_mask.to(dev)
                 batch.attention_mask = batch.attention_mask.to(dev)
