@@ -98,10 +98,6 @@ def stop_token_ids(model, tokenizer=None) -> set[int]:
     return found
 
 
-def max_positions(model) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
-
-
 def fits(prompt: list[int], max_new_tokens: int, block_size: int, limit: int | None) -> bool:
     """A block may reach block_size positions past the last token."""
     return limit is None or len(prompt) + max_new_tokens + block_size <= limit
@@ -282,7 +278,7 @@ def evaluate(
         raise ValueError(f"loop {loop!r}: use one of {', '.join(LOOPS)}")
     t0 = time.perf_counter()
     block = drafter.cfg.block_size
-    limit = max_positions(model)
+    limit = getattr(model.config, "max_position_embeddings", None)
     usable = [p for p in prompts if fits(p, max_new_tokens, block, limit)]
     stops = tuple(sorted({int(s) for s in stop_ids}))
     job = _Job(usable, max_new_tokens, stops, temperature, seed, reference, progress, warmup)

@@ -44,10 +44,6 @@ AUTO_MAP = {
 }
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     if cfg.num_target_layers is None:
         raise ValueError(
@@ -78,7 +74,7 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "layer_types": ["full_attention"] * cfg.num_layers,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
-        "torch_dtype": _dtype_name(dtype),
+        "torch_dtype": str(dtype).replace("torch.", ""),
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
         "dflash_config": {
