@@ -94,10 +94,6 @@ def check_launcher(cfg: TrainConfig, env=os.environ) -> None:
         )
 
 
-def rank_device(cfg: TrainConfig, rank: Rank) -> str:
-    return f"cuda:{rank.local_rank}" if cfg.run.drafter_devices[0].startswith("cuda") else "cpu"
-
-
 class RankStopRequest:
     """Like train.StopRequest, but signals within SAME_REQUEST_S of the first are one request."""
 
@@ -222,7 +218,7 @@ class TorchrunWorld:
 
     def __init__(self, cfg: TrainConfig, rank: Rank):
         self.rank = rank
-        self.device = rank_device(cfg, rank)
+        self.device = f"cuda:{rank.local_rank}" if cfg.run.drafter_devices[0].startswith("cuda") else "cpu"
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
         devices = dataclasses.replace(cfg.run, target_devices=[self.device], drafter_devices=[self.device])
