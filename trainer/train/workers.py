@@ -361,23 +361,19 @@ class TrainingWorkers:
 
     # ---- blocking with an eye on the stop event ----------------------------------------
     def _get(self, q: queue.Queue):
-        while True:
-            if self._stop.is_set():
-                raise _Stopped()
-            try:
-                return q.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
+        return self._until_stopped(lambda: q.get(timeout=POLL_S))
 
     def _put(self, q: queue.Queue, item) -> None:
-        while True:
-            if self._stop.is_set():
-                raise _Stopped()
+        self._until_stopped(lambda: q.put(item, timeout=POLL_S))
+
+    def _until_stopped(self, attempt: Callable):
+        """attempt() again every POLL_S until it goes through; _Stopped once the stop event is set."""
+        while not self._stop.is_set():
             try:
-                q.put(item, timeout=POLL_S)
-                return
-            except queue.Full:
+                return attempt()
+            except (queue.Empty, queue.Full):
                 continue
+        raise _Stopped()
 
 
 def _use_device(device: str) -> None:
