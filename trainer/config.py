@@ -274,10 +274,10 @@ def _validate_shape(cfg: TrainConfig) -> None:
     for key, value in [
         ("drafter.num_layers", d.num_layers),
         # null copies the target's value; 0 is a value, and a bad one
-        ("drafter.num_heads", 1 if d.num_heads is None else d.num_heads),
-        ("drafter.num_kv_heads", 1 if d.num_kv_heads is None else d.num_kv_heads),
-        ("drafter.head_dim", 1 if d.head_dim is None else d.head_dim),
-        ("drafter.intermediate_size", 1 if d.intermediate_size is None else d.intermediate_size),
+        ("drafter.num_heads", d.num_heads),
+        ("drafter.num_kv_heads", d.num_kv_heads),
+        ("drafter.head_dim", d.head_dim),
+        ("drafter.intermediate_size", d.intermediate_size),
         ("drafter.block_size", d.block_size),
         ("data.seq_len", data.seq_len),
         ("train.batch_size", t.batch_size),
@@ -289,7 +289,7 @@ def _validate_shape(cfg: TrainConfig) -> None:
         ("data.synthetic.num_samples", data.synthetic.num_samples),
         ("data.synthetic.prompt_len", data.synthetic.prompt_len),
     ]:
-        if value < 1:
+        if value is not None and value < 1:
             _fail(cfg, key, f"must be at least 1, got {value}. Fix: set a positive value.")
     block_problem = block_size_problem(d.block_size)
     if block_problem:
