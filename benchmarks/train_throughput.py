@@ -438,7 +438,7 @@ def _one_replica(stand_in, replica, dataset, plan, run_cfg, guard, feature_dtype
         compute_loss=make_loss_fn(run_cfg),
         guard=guard,
         grad_clip=1.0,
-        feature_dtype=lambda dev: feature_dtype,
+        feature_dtype=feature_dtype,
     )
 
 
@@ -466,7 +466,7 @@ def child_cache(args, dims) -> dict:
     run_cfg.drafter.block_size, run_cfg.train.num_anchors = dims["block"], dims["anchors"]
     run_cfg.train.gamma, run_cfg.run.attention = 7.0, args.attention
     run_cfg.train.precision, run_cfg.run.drafter_devices = args.precision, [args.device]
-    feature_dtype = precision.feature_dtype(args.precision)
+    feature_dtype = precision.compute_dtype(args.precision)
     guard = CompileGuard("lock").install()
     total = args.warmup + args.steps
     cache_dir = tempfile.mkdtemp(prefix="feature-cache-", dir=args.cache_dir)
@@ -643,7 +643,7 @@ def _e2e_steps(args, dims, target, dataset, one, guard, torch) -> dict:
     run_cfg.drafter.block_size, run_cfg.train.num_anchors = dims["block"], dims["anchors"]
     run_cfg.train.gamma, run_cfg.run.attention = 7.0, args.attention
     run_cfg.train.precision, run_cfg.run.drafter_devices = args.precision, [args.device]
-    feature_dtype = precision.feature_dtype(args.precision)
+    feature_dtype = precision.compute_dtype(args.precision)
     with torch.no_grad():
         resident_features = target.features(one, attention_mask=torch.ones_like(one)).to(feature_dtype)
     if args.device.startswith("cuda"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 
-def fsync_dir(path: str) -> None:
+def fsync_dir(path: str | os.PathLike) -> None:
     fd = os.open(path or ".", os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -135,19 +135,11 @@ class SharedExclusiveLock:
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._readers = 0
-        self._writer: int | None = None
+        self.readers = 0  # steps holding it shared (read anywhere, changed under _cond only)
+        self.writer: int | None = None  # the thread holding it exclusively
         self._writers_waiting = 0
         self._releases = 0  # progress counter for the timeouts
         self.writer_context: _StepContext | None = None
-
-    @property
-    def readers(self) -> int:
-        return self._readers
-
-    @property
-    def writer(self) -> int | None:
-        return self._writer
 
     def _wait_until(self, ready: Callable[[], bool], timeout: float) -> bool:
         """Condition wait (lock held) whose deadline restarts whenever someone releases."""
@@ -165,40 +157,40 @@ class SharedExclusiveLock:
 
     def acquire_shared(self, timeout: float) -> None:
         with self._cond:
-            if not self._wait_until(lambda: self._writer is None and self._writers_waiting == 0, timeout):
+            if not self._wait_until(lambda: self.writer is None and self._writers_waiting == 0, timeout):
                 raise CompileLockTimeout(
                     f"no step finished for {timeout:.0f} s while waiting for a compiling step; is a "
                     "thread stuck inside guard.step()?"
                 )
-            self._readers += 1
+            self.readers += 1
 
     def release_shared(self) -> None:
         with self._cond:
-            self._readers -= 1
+            self.readers -= 1
             self._releases += 1
-            if self._readers == 0:
+            if self.readers == 0:
                 self._cond.notify_all()
 
     def acquire_exclusive(self, timeout: float, context: _StepContext | None = None) -> None:
         with self._cond:
             self._writers_waiting += 1
             try:
-                free = self._wait_until(lambda: self._writer is None and self._readers == 0, timeout)
+                free = self._wait_until(lambda: self.writer is None and self.readers == 0, timeout)
             finally:
                 self._writers_waiting -= 1
             if not free:
                 self._cond.notify_all()  # readers held back by our wait may go on
                 raise CompileLockTimeout(
-                    f"no step finished for {timeout:.0f} s while waiting for {self._readers} other "
+                    f"no step finished for {timeout:.0f} s while waiting for {self.readers} other "
                     "step(s) before compiling; is a thread blocked inside guard.step() (a barrier or "
                     "queue belongs AFTER the guarded forward+backward)?"
                 )
-            self._writer = threading.get_ident()
+            self.writer = threading.get_ident()
             self.writer_context = context
 
     def release_exclusive(self) -> None:
         with self._cond:
-            self._writer = None
+            self.writer = None
             self.writer_context = None
             self._releases += 1
             self._cond.notify_all()

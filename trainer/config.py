@@ -255,6 +255,11 @@ def _fail(cfg: TrainConfig, key: str, message: str) -> typing.NoReturn:
     raise ConfigError(f"{where}: `{key}` {message}")
 
 
+def _one_of(cfg: TrainConfig, key: str, value: str, choices: typing.Iterable[str], fix: str = "") -> None:
+    if value not in choices:
+        _fail(cfg, key, f"must be one of {', '.join(choices)}, got {value!r}.{fix}")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that need no torch. Raises ConfigError naming the key and the fix."""
     _validate_shape(cfg)
@@ -269,10 +274,10 @@ def _validate_shape(cfg: TrainConfig) -> None:
     for key, value in [
         ("drafter.num_layers", d.num_layers),
         # null copies the target's value; 0 is a value, and a bad one
-        ("drafter.num_heads", 1 if d.num_heads is None else d.num_heads),
-        ("drafter.num_kv_heads", 1 if d.num_kv_heads is None else d.num_kv_heads),
-        ("drafter.head_dim", 1 if d.head_dim is None else d.head_dim),
-        ("drafter.intermediate_size", 1 if d.intermediate_size is None else d.intermediate_size),
+        ("drafter.num_heads", d.num_heads),
+        ("drafter.num_kv_heads", d.num_kv_heads),
+        ("drafter.head_dim", d.head_dim),
+        ("drafter.intermediate_size", d.intermediate_size),
         ("drafter.block_size", d.block_size),
         ("data.seq_len", data.seq_len),
         ("train.batch_size", t.batch_size),
@@ -284,7 +289,7 @@ def _validate_shape(cfg: TrainConfig) -> None:
         ("data.synthetic.num_samples", data.synthetic.num_samples),
         ("data.synthetic.prompt_len", data.synthetic.prompt_len),
     ]:
-        if value < 1:
+        if value is not None and value < 1:
             _fail(cfg, key, f"must be at least 1, got {value}. Fix: set a positive value.")
     block_problem = block_size_problem(d.block_size)
     if block_problem:
@@ -311,25 +316,15 @@ def _validate_train(cfg: TrainConfig) -> None:
         _fail(cfg, "train.grad_clip", f"must be positive, got {t.grad_clip}. Fix: the paper uses 1.0.")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         _fail(cfg, "train.betas", f"must be two numbers in [0, 1), got {t.betas}. Fix: [0.9, 0.95].")
-    if t.precision is not None and t.precision not in PRECISIONS:
-        _fail(
-            cfg,
-            "train.precision",
-            f"must be one of {', '.join(PRECISIONS)}, got {t.precision!r}. "
-            "Fix: bf16-mixed on GPUs, fp32 for exact CPU runs.",
-        )
-    if t.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-        _fail(
-            cfg,
-            "train.activation_checkpointing",
-            f"must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got {t.activation_checkpointing!r}.",
-        )
+    if t.precision is not None:
+        fix = " Fix: bf16-mixed on GPUs, fp32 for exact CPU runs."
+        _one_of(cfg, "train.precision", t.precision, PRECISIONS, fix)
+    _one_of(cfg, "train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
 
 
 def _validate_data(cfg: TrainConfig) -> None:
     data = cfg.data
-    if data.source not in DATA_SOURCES:
-        _fail(cfg, "data.source", f"must be one of {', '.join(DATA_SOURCES)}, got {data.source!r}.")
+    _one_of(cfg, "data.source", data.source, DATA_SOURCES)
     if data.source == "jsonl" and not data.path:
         _fail(cfg, "data.path", "is required when data.source is jsonl. Fix: set it to your .jsonl file.")
     if data.source == "features" and not data.path:
@@ -351,16 +346,9 @@ def _validate_data(cfg: TrainConfig) -> None:
 
 def _validate_run(cfg: TrainConfig) -> None:
     r = cfg.run
-    if r.attention not in ATTENTION_BACKENDS:
-        _fail(cfg, "run.attention", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {r.attention!r}.")
-    if r.compile_lock not in COMPILE_LOCK_MODES:
-        _fail(
-            cfg,
-            "run.compile_lock",
-            f"must be one of {', '.join(COMPILE_LOCK_MODES)}, got {r.compile_lock!r}.",
-        )
-    if r.launcher not in LAUNCHERS:
-        _fail(cfg, "run.launcher", f"must be one of {', '.join(LAUNCHERS)}, got {r.launcher!r}.")
+    _one_of(cfg, "run.attention", r.attention, ATTENTION_BACKENDS)
+    _one_of(cfg, "run.compile_lock", r.compile_lock, COMPILE_LOCK_MODES)
+    _one_of(cfg, "run.launcher", r.launcher, LAUNCHERS)
     for name in r.report_to:
         if name not in TRACKERS:
             close = typed_yaml.closest_match(name, TRACKERS)
@@ -379,8 +367,7 @@ def _validate_run(cfg: TrainConfig) -> None:
             f"{r.compile_mode!r} is not offered: {REFUSED_COMPILE_MODES[r.compile_mode]}. "
             f"Fix: use one of {', '.join(COMPILE_MODES)}.",
         )
-    if r.compile_mode not in COMPILE_MODES:
-        _fail(cfg, "run.compile_mode", f"must be one of {', '.join(COMPILE_MODES)}, got {r.compile_mode!r}.")
+    _one_of(cfg, "run.compile_mode", r.compile_mode, COMPILE_MODES)
     if r.stop_grace_s <= 0:
         _fail(
             cfg,
@@ -416,23 +403,25 @@ def _validate_eval(cfg: TrainConfig) -> None:
             _fail(cfg, key, f"must be at least 1, got {value}.")
 
 
-def check_devices(cfg: TrainConfig) -> None:
-    """Devices named in the config must exist on this machine (needs torch, so it runs at startup)."""
+def missing_cuda_devices(devices: list[str]) -> tuple[list[str], int]:
+    """(the cuda devices of `devices` this machine lacks, how many it has); needs torch."""
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [d for d in devices if d.startswith("cuda") and int(d.partition(":")[2] or 0) >= count], count
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    """Devices named in the config must exist on this machine (needs torch, so it runs at startup)."""
     for key, devices in (
         ("run.target_devices", cfg.run.target_devices),
         ("run.drafter_devices", cfg.run.drafter_devices),
     ):
-        for dev in devices:
-            if dev == "cpu":
-                continue
-            index = int(dev.split(":")[1]) if ":" in dev else 0
-            if index >= count:
-                seen = f"{count} CUDA device(s) visible" if count else "no CUDA device visible"
-                _fail(
-                    cfg,
-                    key,
-                    f"names {dev!r} but this machine has {seen}. Fix: pick existing devices, or cpu.",
-                )
+        missing, count = missing_cuda_devices(devices)
+        if missing:
+            seen = f"{count} CUDA device(s) visible" if count else "no CUDA device visible"
+            _fail(
+                cfg,
+                key,
+                f"names {missing[0]!r} but this machine has {seen}. Fix: pick existing devices, or cpu.",
+            )

@@ -289,16 +289,12 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear):
         super().__init__()
         self.cfg = cfg
-        if embed_tokens.weight.shape != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(
-                f"target embedding is {tuple(embed_tokens.weight.shape)}, drafter config wants "
-                f"({cfg.vocab_size}, {cfg.hidden_size}): build the config from the same target"
-            )
-        if lm_head.weight.shape != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(
-                f"target lm_head is {tuple(lm_head.weight.shape)}, drafter config wants "
-                f"({cfg.vocab_size}, {cfg.hidden_size}): build the config from the same target"
-            )
+        for name, frozen in (("embedding", embed_tokens), ("lm_head", lm_head)):
+            if frozen.weight.shape != (cfg.vocab_size, cfg.hidden_size):
+                raise ValueError(
+                    f"target {name} is {tuple(frozen.weight.shape)}, drafter config wants "
+                    f"({cfg.vocab_size}, {cfg.hidden_size}): build the config from the same target"
+                )
         self.fc = nn.Linear(cfg.context_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))

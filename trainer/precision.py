@@ -50,11 +50,6 @@ def autocast(device: str, precision: str):
     return torch.autocast(device_type=torch.device(device).type, dtype=compute_dtype(precision))
 
 
-def feature_dtype(precision: str) -> torch.dtype:
-    """Target features are shipped to the drafter devices in the compute dtype."""
-    return compute_dtype(precision)
-
-
 def loss_input(hidden: torch.Tensor, precision: str) -> torch.Tensor:
     """The drafter's hidden states as the fused loss should see them: in the compute dtype, so the
     frozen lm_head matmul runs in bf16 without an fp32 copy of the lm_head."""

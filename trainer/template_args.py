@@ -12,7 +12,6 @@ to use others.
 from __future__ import annotations
 
 import json
-import os
 
 from trainer.atomic import write_atomic
 
@@ -31,10 +30,13 @@ def write_for_data(data_path: str, kwargs: dict) -> None:
 
 def read_for_data(data_path: str | None) -> dict | None:
     """The arguments recorded beside `data_path`, or None (no record, or not readable as one)."""
-    if not data_path or not os.path.isfile(side_file(data_path)):
-        return None
+    return recorded_in(side_file(data_path)) if data_path else None
+
+
+def recorded_in(path: str) -> dict | None:
+    """The arguments a JSON file records under KEY (a data side file, an export's serve.json), or None."""
     try:
-        with open(side_file(data_path), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             kwargs = json.load(f).get(KEY)
     except (OSError, ValueError, AttributeError):
         return None

@@ -186,10 +186,10 @@ def test_gated_rms_norm_is_rms_norm_over_the_head_dim_times_silu_of_the_gate():
     assert torch.allclose(half.double(), expected, atol=0.05, rtol=0.05)
 
 
-def test_upcast_copies_every_tensor_to_fp32_and_keeps_the_shape_numbers():
+def test_fp32_copy_copies_every_tensor_to_fp32_and_keeps_the_shape_numbers():
     w = random_weights()
     half = cast(w, torch.bfloat16)
-    up = half.upcast()
+    up = gdn.fp32_copy(half)
     tensors = [f.name for f in dataclasses.fields(up) if isinstance(getattr(up, f.name), torch.Tensor)]
     assert "conv_bias" in tensors and len(tensors) == 10
     assert all(getattr(up, name).dtype == torch.float32 for name in tensors)

@@ -90,7 +90,7 @@ def test_a_dense_cache_has_no_recurrent_state_to_save_and_crop_cuts_it(model):
         live[0].add_(1.0)
         assert not torch.equal(live[0], saved[0]), "checkpoint copies the states, it does not alias them"
         pytest.skip("crop is for dense caches")
-    kv_cache.crop(cache, 3)
+    kv_cache.rewind(cache, 3, None)  # a dense cache crops
     assert cache.get_seq_length() == 3
     kv_cache.rewind(cache, 10, None)  # longer than what it holds: nothing to cut
     assert cache.get_seq_length() == 3

@@ -152,7 +152,7 @@ def test_flex_attention_gets_bf16_inputs_under_autocast_and_agrees_with_sdpa():
     drafter = precision.place(DFlashDrafter(DrafterConfig.for_target(target, num_layers=1, block_size=4),
                                             target.embed_tokens, target.lm_head), "cpu", "bf16-mixed")
     ids = torch.randint(0, 511, (1, 32), generator=torch.Generator().manual_seed(1))
-    features = target.features(ids).to(precision.feature_dtype("bf16-mixed"))
+    features = target.features(ids).to(precision.compute_dtype("bf16-mixed"))
     anchors, valid = sample_anchors(torch.ones(1, 32, dtype=torch.bool), 4, 4, torch.Generator().manual_seed(0))
     # eager flex_attention, forward only: CPU has no flex backward (compiled flex runs on the GPU)
     with torch.no_grad(), precision.autocast("cpu", "bf16-mixed"):

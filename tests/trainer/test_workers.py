@@ -10,7 +10,7 @@ import torch
 from trainer.compile_lock import CompileGuard
 from trainer.config import load_config
 from trainer.data.dataset import BatchPlan
-from trainer.train.loop import build_dataset, build_replicas, drafter_config, make_loss_fn, param_dtype, train
+from trainer.train.loop import build_dataset, build_replicas, drafter_config, make_loss_fn, train
 from trainer.data.target import load_target
 from trainer.train.workers import TrainingWorkers, WorkerFailure
 
@@ -48,7 +48,7 @@ def make_workers(parts, compute_loss=None, target=None, replicas=2):
     guard = CompileGuard("lock")
     workers = TrainingWorkers(targets=[target], replicas=reps, dataset=dataset, plan=plan,
                               compute_loss=compute_loss or make_loss_fn(cfg), guard=guard,
-                              grad_clip=cfg.train.grad_clip, feature_dtype=param_dtype)
+                              grad_clip=cfg.train.grad_clip, feature_dtype=torch.float32)
     return workers, reps
 
 

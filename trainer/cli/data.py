@@ -111,23 +111,16 @@ def main(argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    again = "rerun the same command to continue" + (" with --resume" if args.command == "regenerate" else "")
     try:
         if args.command == "regenerate":
             return _regenerate(args)
         return _cache_features(args)
     except KeyboardInterrupt as exc:
-        print(
-            "dflash-train data: interrupted; rerun the same command to continue"
-            + (" with --resume" if args.command == "regenerate" else ""),
-            file=sys.stderr,
-        )
+        print(f"dflash-train data: interrupted; {again}", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
     except OSError as exc:  # disk full, unwritable output: what was committed stays valid
-        print(
-            f"dflash-train data: failed: {exc}; rerun the same command to continue"
-            + (" with --resume" if args.command == "regenerate" else ""),
-            file=sys.stderr,
-        )
+        print(f"dflash-train data: failed: {exc}; {again}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - one line, no traceback
         if input_error(exc) is not None:
@@ -283,12 +276,11 @@ def _cache_config(args):
     """The training config the cache is made from, its target device checked."""
     import torch
 
-    from trainer.cli.options import overrides_from_args
     from trainer.config import check_devices, load_config
 
     if args.shard_size_mb < 1 or (args.batch_size is not None and args.batch_size < 1):
         raise ConfigError("--shard-size-mb and --batch-size must be at least 1")
-    cfg = load_config(args.config, overrides_from_args(argparse.Namespace(set=args.set)))
+    cfg = load_config(args.config, options.overrides_from_args(args))
     if cfg.data.source == "features":
         raise ConfigError(
             f"{cfg.source}: data.source is features; cache-features needs the text data "

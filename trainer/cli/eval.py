@@ -295,10 +295,7 @@ def _run_eval(args: argparse.Namespace, out, err) -> int:
     else:
         out.write(f"dflash-train eval: {described} on {device}\n")
         out.write("".join(line + "\n" for line in report_lines(result, dcfg.block_size)))
-    if result.mismatch is not None:
-        print(_mismatch_line(result.mismatch), file=err)
-        return 1
-    return 0
+    return _exit_code(result.mismatch, err)
 
 
 def _checked_device(args: argparse.Namespace) -> str:
@@ -334,11 +331,12 @@ def _prompts(args: argparse.Namespace, target, run_config: dict | None, describe
 def _template_kwargs(args: argparse.Namespace, run_config: dict | None, err) -> dict | None:
     """--chat-template-kwargs, else what the training data was rendered with (the run's config, or an
     export's serve.json); a warning when the two differ."""
-    from trainer.template_args import differs_warning, run_chat_template_kwargs
+    from trainer.infer.serve_recipe import SERVE_JSON
+    from trainer.template_args import differs_warning, recorded_in, run_chat_template_kwargs
 
     trained = run_chat_template_kwargs(run_config)
     if run_config is None:
-        trained = _export_template_kwargs(args.checkpoint)
+        trained = recorded_in(str(Path(args.checkpoint) / SERVE_JSON))
     if args.chat_template_kwargs is None:
         return trained
     try:
@@ -353,18 +351,6 @@ def _template_kwargs(args: argparse.Namespace, run_config: dict | None, err) -> 
     if warning:
         print(f"dflash-train eval: {warning}", file=err)
     return asked
-
-
-def _export_template_kwargs(export_dir: str) -> dict | None:
-    from trainer.infer.serve_recipe import SERVE_JSON
-
-    try:
-        kwargs = json.loads((Path(export_dir) / SERVE_JSON).read_text(encoding="utf-8")).get(
-            "chat_template_kwargs"
-        )
-    except (OSError, ValueError, AttributeError):
-        return None
-    return kwargs if isinstance(kwargs, dict) else None
 
 
 def _run_why(args, target, drafter, run_config, described: str, device: str, out, err) -> int:
@@ -405,11 +391,7 @@ def _run_why(args, target, drafter, run_config, described: str, device: str, out
         shown = f"{expected:.3f}" if expected is not None else "unknown (no step records in " + metrics + ")"
         out.write(f"tau expected {shown}  (from training accuracy, last steps of {metrics})\n")
         out.write(numbers["likely_cause"] + "\n")
-    bug = held_in.mismatch or (held_out.mismatch if held_out else None)
-    if bug is not None:
-        print(_mismatch_line(bug), file=err)
-        return 1
-    return 0
+    return _exit_code(held_in.mismatch or (held_out.mismatch if held_out else None), err)
 
 
 def _evaluate(args: argparse.Namespace, target, drafter, prompts, device: str, err):
@@ -431,6 +413,14 @@ def _evaluate(args: argparse.Namespace, target, drafter, prompts, device: str, e
         loop=args.loop,
         compile=device.startswith("cuda") if args.compile is None else args.compile,
     )
+
+
+def _exit_code(mismatch, err) -> int:
+    """1 (the lossless check failed, said on `err`) for a mismatch, else 0."""
+    if mismatch is None:
+        return 0
+    print(_mismatch_line(mismatch), file=err)
+    return 1
 
 
 def _mismatch_line(m) -> str:

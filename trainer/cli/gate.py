@@ -46,12 +46,11 @@ def run_gate_command(args: argparse.Namespace, out=None, err=None) -> int:
 
 
 def _run(args: argparse.Namespace, out) -> int:
-    from trainer.cli.options import overrides_from_args
     from trainer.cli.serving_gate import GATE_STEPS, run_gate
 
     steps = GATE_STEPS if args.steps is None else args.steps
     options.check_at_least_one(("--steps", steps))
-    overrides = overrides_from_args(args)
+    overrides = options.overrides_from_args(args)
     if args.work_dir:
         result = run_gate(args.work_dir, args.config, overrides, steps)
     else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from trainer.config import ConfigError
+from trainer.config import OVERRIDE_ALIASES, ConfigError, missing_cuda_devices
 from trainer.typed_yaml import parse_value
 
 DTYPE_CHOICES = ("bf16", "fp32")
@@ -66,12 +66,7 @@ def check_out_dir(path: str) -> None:
 
 def check_cuda_devices(flag: str, devices: list[str]) -> None:
     """Every cuda device `flag` names exists here (a CPU build of torch has none)."""
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    missing = [
-        d for d in devices if d.startswith("cuda") and (int(d.split(":")[1]) if ":" in d else 0) >= count
-    ]
+    missing, count = missing_cuda_devices(devices)
     if missing:
         seen = (
             f"{count} CUDA device(s) are visible"
@@ -120,18 +115,7 @@ def check_temperature(temperature: float) -> None:
 def overrides_from_args(args: argparse.Namespace) -> dict:
     """CLI flags -> the override dict load_config takes (short names or dotted keys)."""
     overrides = {}
-    for name in (
-        "output_dir",
-        "max_steps",
-        "resume",
-        "compile_lock",
-        "attention",
-        "target_devices",
-        "drafter_devices",
-        "metrics_file",
-        "seed",
-        "launcher",
-    ):
+    for name in OVERRIDE_ALIASES:  # the training flags are the short names
         value = getattr(args, name, None)  # other commands (dflash-train data) have --set only
         if value is not None:
             overrides[name] = value

@@ -137,9 +137,10 @@ def run_gate(
     """Train, export, reload through Transformers and decode (see the module docstring)."""
     import io
 
-    from trainer.cli.eval import load_drafter_source, load_models
+    from trainer.cli.eval import load_models
     from trainer.infer.export import export_checkpoint
     from trainer.data.heldout import prompts_of
+    from trainer.model import DrafterConfig
     from trainer.train.checkpoint import load_checkpoint
     from trainer.train.loop import build_dataset, train
 
@@ -147,11 +148,10 @@ def run_gate(
     cfg = gate_config(config, dict(overrides or {}), work_dir, steps)
     result = train(cfg, out=out if out is not None else io.StringIO(), tty=False)
     step, train_acc = _first_perfect_step(cfg.metrics_path)
-    checkpoint = _checkpoint_at(result.checkpoint, step)
-    state = load_checkpoint(checkpoint)
+    state = load_checkpoint(_checkpoint_at(result.checkpoint, step))
     export_dir = export_checkpoint(state, os.path.join(work_dir, "export"), "fp32")
-    dcfg, weights, run_config, _ = load_drafter_source(checkpoint)
-    target, drafter = load_models(dcfg, weights, run_config, None, cfg.run.target_devices[0])
+    dcfg = DrafterConfig.from_dict(state.drafter_config)
+    target, drafter = load_models(dcfg, state.weights, state.config, None, cfg.run.target_devices[0])
     row = build_dataset(cfg, target)
     prompt = prompts_of(row)[0]
     sequence = row.input_ids[0][row.attention_mask[0]].tolist()

@@ -188,14 +188,19 @@ def load_jsonl(
     return dataset
 
 
-def _check_pretokenized(record: dict, where: str) -> tuple[list[int], list[int]]:
-    ids, mask = record.get("input_ids"), record.get("loss_mask")
+def check_input_ids(ids, where: str) -> list[int]:
+    """`ids` when it is a non-empty list of integers, else DataError."""
     if (
         not isinstance(ids, list)
         or not ids
         or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
     ):
         raise DataError(where, "input_ids must be a non-empty list of integers.")
+    return ids
+
+
+def _check_pretokenized(record: dict, where: str) -> tuple[list[int], list[int]]:
+    ids, mask = check_input_ids(record.get("input_ids"), where), record.get("loss_mask")
     if mask is None:
         raise DataError(
             where, "loss_mask is missing. Fix: add a list of 0/1, one per input_id (1 = train on this token)."

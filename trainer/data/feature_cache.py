@@ -177,6 +177,17 @@ def shard_problem(cache_dir: str, shard: dict, check_sha: bool) -> str | None:
     return None
 
 
+def _refuse_bad_shard(cache_dir: str, shard: dict, check_sha: bool) -> None:
+    """DataError naming shard_problem and the fix, when there is one."""
+    problem = shard_problem(cache_dir, shard, check_sha)
+    if problem:
+        raise DataError(
+            cache_dir,
+            problem + ". Fix: rerun `dflash-train data cache-features` with the "
+            "same --config and --out (it rewrites bad shards).",
+        )
+
+
 def _checksum_differs(path: str, shard: dict) -> bool:
     if chunk_digest.FIELD in shard:
         return chunk_digest.file_digest(path) != shard[chunk_digest.FIELD]
@@ -287,13 +298,7 @@ class CacheReader:
                 handles.popitem(last=False)
             with self._verify_lock:
                 if index not in self._verified:
-                    problem = shard_problem(self.cache_dir, self.shards[index], check_sha=True)
-                    if problem:
-                        raise DataError(
-                            self.cache_dir,
-                            problem + ". Fix: rerun `dflash-train data cache-features` "
-                            "with the same --config and --out (it rewrites bad shards).",
-                        )
+                    _refuse_bad_shard(self.cache_dir, self.shards[index], check_sha=True)
                     self._verified.add(index)
             handles[index] = safe_open(
                 os.path.join(self.cache_dir, self.shards[index]["file"]), framework="pt"
@@ -368,13 +373,7 @@ def open_cache(cache_dir: str, expected: dict, pin_memory: bool = False) -> Data
             + ". Fix: point data.path at a cache made with this config, or make one.",
         )
     for shard in manifest["shards"]:
-        problem = shard_problem(cache_dir, shard, check_sha=False)  # sizes now; sha256 on first read
-        if problem:
-            raise DataError(
-                cache_dir,
-                problem + ". Fix: rerun `dflash-train data cache-features` with the "
-                "same --config and --out (it rewrites bad shards).",
-            )
+        _refuse_bad_shard(cache_dir, shard, check_sha=False)  # sizes now; sha256 on first read
     reader = CacheReader(cache_dir, manifest, pin_memory=pin_memory)
     ids, mask, attn = reader.token_arrays(manifest["pad_id"])
     counts = manifest["counts"]

@@ -89,8 +89,3 @@ def keep(model, cache, ids: torch.Tensor, length: int, kept: int, saved: list[to
         rewind(cache, length, saved)
         if kept:
             forward(model, ids[:, :kept], cache)
-
-
-def crop(cache, length: int) -> None:
-    """Keep the first `length` positions of a dense cache."""
-    rewind(cache, length, None)

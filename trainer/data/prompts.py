@@ -3,7 +3,7 @@ target's chat template and a generation prompt."""
 
 from __future__ import annotations
 
-from trainer.data.dataset import ROLES, DataError, jsonl_records
+from trainer.data.dataset import ROLES, DataError, check_input_ids, jsonl_records
 
 
 def load_prompts(
@@ -15,13 +15,7 @@ def load_prompts(
     prompts = []
     for where, record in jsonl_records(path, "prompts", "pass an existing .jsonl file to --prompts."):
         if isinstance(record, dict) and "input_ids" in record:
-            ids = record["input_ids"]
-            if (
-                not isinstance(ids, list)
-                or not ids
-                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-            ):
-                raise DataError(where, "input_ids must be a non-empty list of integers.")
+            ids = check_input_ids(record["input_ids"], where)
         elif isinstance(record, dict) and "messages" in record:
             ids = _render_messages(record["messages"], tokenizer, where, chat_template_kwargs)
         else:

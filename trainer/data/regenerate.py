@@ -31,6 +31,8 @@ from trainer.progress import ProgressLine
 
 KEPT_ROLES = ("system", "user")
 PROMPT_GUESS = 1024  # prompt tokens assumed when sizing how many records a chunk reads
+# the committed counters (the progress file's "stats"); "seen" counts records and rejects alike
+STATS = ("records", "turns", "new_tokens", "prompt_tokens", "rejects", "truncated", "seen")
 
 
 @dataclasses.dataclass
@@ -273,15 +275,7 @@ def _start_state(opts: RegenerateOptions) -> dict:
         "next_line": 0,
         "out_bytes": 0,
         "rejects_bytes": 0,
-        "stats": {
-            "records": 0,
-            "turns": 0,
-            "new_tokens": 0,
-            "prompt_tokens": 0,
-            "rejects": 0,
-            "truncated": 0,
-            "seen": 0,
-        },
+        "stats": dict.fromkeys(STATS, 0),
     }
     exists = [p for p in (opts.output, rejects_path(opts.output), progress_file) if os.path.exists(p)]
     if not opts.resume:

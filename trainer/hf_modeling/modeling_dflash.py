@@ -75,7 +75,7 @@ class DFlashAttention(nn.Module):
         self.k_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
 
     def context_kv(self, ctx, cos, sin):
-        """Keys (k_norm, RoPE) and values [B, Hkv, T, D] of context positions, for a cache."""
+        """Keys (k_norm, RoPE) and values [B, Hkv, T, D] of the positions in ctx [B, T, H]."""
         batch, ctx_len, _ = ctx.shape
         k = self.k_norm(self.k_proj(ctx).view(batch, ctx_len, self.num_kv_heads, self.head_dim)).transpose(
             1, 2
@@ -97,15 +97,9 @@ class DFlashAttention(nn.Module):
 
     def forward(self, x, ctx, cos, sin, attention_mask):
         batch, q_len, _ = x.shape
-        kv_in = torch.cat([ctx, x], dim=1)
-        kv_len = kv_in.shape[1]
         q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_in).view(batch, kv_len, self.num_kv_heads, self.head_dim)).transpose(
-            1, 2
-        )
-        v = self.v_proj(kv_in).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k, v = self.context_kv(torch.cat([ctx, x], dim=1), cos, sin)  # keys over [ctx ; block]
         q = q * cos[:, :, -q_len:] + _rotate_half(q) * sin[:, :, -q_len:]  # queries: the block positions
-        k = k * cos + _rotate_half(k) * sin
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)

@@ -98,10 +98,6 @@ def stop_token_ids(model, tokenizer=None) -> set[int]:
     return found
 
 
-def max_positions(model) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
-
-
 def fits(prompt: list[int], max_new_tokens: int, block_size: int, limit: int | None) -> bool:
     """A block may reach block_size positions past the last token."""
     return limit is None or len(prompt) + max_new_tokens + block_size <= limit
@@ -118,6 +114,15 @@ class _Decodings:
     target_seconds: float = 0.0
     spec_tokens: int = 0
     spec_seconds: float = 0.0
+
+    def add(self, own: list[list[int]], spec: list, seconds: float) -> None:
+        """Prompts decoded both ways: the target's own tokens, and the speculative results (each with
+        tokens and accepted) that took `seconds`."""
+        self.own += own
+        self.spec += [r.tokens for r in spec]
+        self.accepted += [r.accepted for r in spec]
+        self.spec_tokens += sum(len(r.tokens) for r in spec)
+        self.spec_seconds += seconds
 
 
 def make_decoder(
@@ -191,11 +196,7 @@ def _decode_static(decoder, job: _Job) -> _Decodings:
         else:
             own_tokens = cast("list[list[int]]", cached)  # no None in it: all came from the reference
         spec = decoder.decode(chunk, max_new_tokens, speculative=True)
-        found.own += own_tokens
-        found.spec += [r.tokens for r in spec.results]
-        found.accepted += [r.accepted for r in spec.results]
-        found.spec_tokens += sum(len(r.tokens) for r in spec.results)
-        found.spec_seconds += spec.seconds
+        found.add(own_tokens, spec.results, spec.seconds)
         if job.progress is not None:
             job.progress(lo + len(chunk), len(prompts))
     return found
@@ -221,11 +222,7 @@ def _decode_reference(model, layer_ids, drafter, job: _Job) -> _Decodings:
         spec = speculative_generate(
             model, layer_ids, drafter, prompt, max_new_tokens, job.stops, temperature, generator
         )
-        found.own.append(own)
-        found.spec.append(spec.tokens)
-        found.accepted.append(spec.accepted)
-        found.spec_tokens += len(spec.tokens)
-        found.spec_seconds += spec.seconds
+        found.add([own], [spec], spec.seconds)
         if job.progress is not None:
             job.progress(index + 1, len(prompts))
     return found
@@ -281,7 +278,7 @@ def evaluate(
         raise ValueError(f"loop {loop!r}: use one of {', '.join(LOOPS)}")
     t0 = time.perf_counter()
     block = drafter.cfg.block_size
-    limit = max_positions(model)
+    limit = getattr(model.config, "max_position_embeddings", None)
     usable = [p for p in prompts if fits(p, max_new_tokens, block, limit)]
     stops = tuple(sorted({int(s) for s in stop_ids}))
     job = _Job(usable, max_new_tokens, stops, temperature, seed, reference, progress, warmup)

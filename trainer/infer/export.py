@@ -44,10 +44,6 @@ AUTO_MAP = {
 }
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     if cfg.num_target_layers is None:
         raise ValueError(
@@ -78,7 +74,7 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "layer_types": ["full_attention"] * cfg.num_layers,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
-        "torch_dtype": _dtype_name(dtype),
+        "torch_dtype": str(dtype).replace("torch.", ""),
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
         "dflash_config": {
@@ -180,11 +176,6 @@ def drafter_config_from_export(export_dir) -> DrafterConfig:
 
 def export_checkpoint(state, out_dir: str, dtype: str = "bf16"):
     """Rebuild the drafter from a checkpoint alone (no target needed) and export it in `dtype`."""
-    import torch
-
-    from trainer.infer.engine_rules import check_engine_rules
-    from trainer.model import DFlashDrafter, DrafterConfig
-
     dcfg = DrafterConfig.from_dict(state.drafter_config)
     # The engine rules first: weights the drafter cannot load (a mask_hidden) are refused in one line.
     shapes = {name: tuple(t.shape) for name, t in state.weights.items()}

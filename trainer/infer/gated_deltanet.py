@@ -76,17 +76,6 @@ class DeltaNetWeights:
             float(module.norm.variance_epsilon),
         )
 
-    def upcast(self) -> "DeltaNetWeights":
-        """A float32 copy (the lossless referee's recomputation)."""
-        return dataclasses.replace(
-            self,
-            **{
-                f.name: getattr(self, f.name).float()
-                for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)
-            },
-        )
-
     @property
     def kernel(self) -> int:
         return self.conv.shape[-1]
@@ -94,6 +83,13 @@ class DeltaNetWeights:
     @property
     def channels(self) -> int:
         return self.conv.shape[0]
+
+
+def fp32_copy(weights, **changes):
+    """A copy of `weights` (a dataclass of a layer's tensors) with every tensor in float32, other fields
+    as they are unless `changes` sets them (the lossless referee's recomputation)."""
+    tensors = {k: v.float() for k, v in vars(weights).items() if isinstance(v, torch.Tensor)}
+    return dataclasses.replace(weights, **{**tensors, **changes})
 
 
 @dataclasses.dataclass

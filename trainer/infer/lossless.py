@@ -75,19 +75,15 @@ def tie_bound(
 
 
 def _fp32_attention(target: StaticTarget, w, x, cos, sin, mask):
-    f = {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in dataclasses.asdict(w).items()}
-    q, k, v, gate = EAGER.pre(
-        x, f["ln"], f["wq"], f["bq"], f["wk"], f["bk"], f["wv"], f["bv"], f["q_norm"], f["k_norm"], cos, sin,
-        target.eps, target.heads, target.kv_heads, target.head_dim, w.centered, w.gated,
-    )  # fmt: skip
+    f = gated_deltanet.fp32_copy(w)
+    dims = (target.eps, target.heads, target.kv_heads, target.head_dim)
+    q, k, v, gate = EAGER.pre(x, *f.pre_weights(), cos, sin, *dims, w.centered, w.gated)
     out = grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask)
-    return EAGER.post(
-        x, out, gate, f["wo"], f["bo"], f["ln2"], f["gate"], f["up"], f["down"], target.eps, w.centered
-    )
+    return EAGER.post(x, out, gate, *f.post_weights(), target.eps, w.centered)
 
 
 def _fp32_delta(w, x):
-    f = w.upcast()
+    f = gated_deltanet.fp32_copy(w, mixer=gated_deltanet.fp32_copy(w.mixer))
     conv, state = gated_deltanet.new_state(f.mixer, 1, x.device, torch.float32)
     h = rms_norm(x, f.ln, f.eps, centered=True)
     mixed = gated_deltanet.run(h, f.mixer, conv, state, torch.tensor([x.shape[1]], device=x.device))

@@ -119,8 +119,6 @@ def write_recipe(recipe: ServeRecipe, out_dir) -> None:
 
 def recipe_for_checkpoint(state, out_dir, target: str | None = None):
     """How to serve the export of checkpoint `state` in `out_dir` (trainer.infer.serve_recipe)."""
-    import os
-
     from trainer.template_args import run_chat_template_kwargs
 
     spec = target or ((state.config or {}).get("target") or {}).get("spec") or "TARGET"

@@ -198,6 +198,14 @@ class _Layer:
     centered: bool = False  # Qwen3.5 norms (1 + weight)
     gated: bool = False  # Qwen3.5 gated attention
 
+    def pre_weights(self) -> tuple:
+        """The weights pre_attention takes, in its order."""
+        return self.ln, self.wq, self.bq, self.wk, self.bk, self.wv, self.bv, self.q_norm, self.k_norm
+
+    def post_weights(self) -> tuple:
+        """The weights post_attention takes, in its order."""
+        return self.wo, self.bo, self.ln2, self.gate, self.up, self.down
+
 
 @dataclasses.dataclass
 class DeltaLayer:
@@ -210,21 +218,6 @@ class DeltaLayer:
     up: torch.Tensor | None
     down: torch.Tensor
     eps: float
-
-    def upcast(self) -> "DeltaLayer":
-        return DeltaLayer(
-            self.ln.float(),
-            self.mixer.upcast(),
-            self.ln2.float(),
-            self.gate.float(),
-            None if self.up is None else self.up.float(),
-            self.down.float(),
-            self.eps,
-        )
-
-
-def _bias(linear):
-    return None if linear.bias is None else linear.bias
 
 
 def _layer_of(layer, centered: bool = False) -> _Layer:
@@ -239,7 +232,7 @@ def _layer_of(layer, centered: bool = False) -> _Layer:
         wq=wq, bq=bq, wk=wk, bk=bk, wv=wv, bv=bv,
         q_norm=None if q_norm is None else q_norm.weight,
         k_norm=None if k_norm is None else k_norm.weight,
-        wo=attn.o_proj.weight, bo=_bias(attn.o_proj),
+        wo=attn.o_proj.weight, bo=attn.o_proj.bias,
         ln2=layer.post_attention_layernorm.weight,
         gate=gate, up=up, down=mlp.down_proj.weight,
         centered=centered,
@@ -254,7 +247,7 @@ def _qkv(attn) -> tuple[torch.Tensor, Tensors]:
     """(wq, (bq, wk, bk, wv, bv)); when fuse_projections fused them, q/k/v as wq with their biases
     concatenated as bq and None for the rest (a mix of biased and unbiased stays apart)."""
     projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-    biases = [_bias(p) for p in projections]
+    biases = [p.bias for p in projections]
     whole = fused_rows(attn, QKV, projections)
     if whole is None or len({bias is None for bias in biases}) > 1:
         q, k, v = (p.weight for p in projections)
@@ -317,78 +310,15 @@ class Kernels:
         """One decoder layer over a static cache: its K/V written at `where` of `rows`, then
         attention over everything the mask lets each query see."""
         q, k, v, out_gate = self.pre(
-            x,
-            w.ln,
-            w.wq,
-            w.bq,
-            w.wk,
-            w.bk,
-            w.wv,
-            w.bv,
-            w.q_norm,
-            w.k_norm,
-            cos,
-            sin,
-            eps,
-            heads,
-            kv_heads,
-            head_dim,
-            w.centered,
-            w.gated,
+            x, *w.pre_weights(), cos, sin, eps, heads, kv_heads, head_dim, w.centered, w.gated
         )
         keys[rows, :, where] = k
         values[rows, :, where] = v
         out = grouped_attention(q, keys, values, mask)
-        return self.post(x, out, out_gate, w.wo, w.bo, w.ln2, w.gate, w.up, w.down, eps, w.centered)
+        return self.post(x, out, out_gate, *w.post_weights(), eps, w.centered)
 
 
 EAGER = Kernels(compile=False)
-
-
-class _LayerStack:
-    """Decoder layers over a pre-allocated K/V cache per layer, `rows` sequences at once."""
-
-    layers: list[_Layer]
-    keys: torch.Tensor  # [layers, rows, kv_heads, positions, head_dim]
-    values: torch.Tensor
-    row_index: torch.Tensor  # [rows, 1]
-
-    def run_layers(
-        self,
-        kernels: Kernels,
-        x,
-        cos,
-        sin,
-        where,
-        mask,
-        eps: float,
-        heads,
-        kv_heads,
-        head_dim,
-        keep=frozenset(),
-    ):
-        """(the last layer's output, {i: layer i's output for i in keep}); every layer writes its
-        K/V at `where`."""
-        kept = {}
-        for i, w in enumerate(self.layers):
-            x = kernels.layer(
-                x,
-                w,
-                cos,
-                sin,
-                self.keys[i],
-                self.values[i],
-                self.row_index,
-                where,
-                mask,
-                eps,
-                heads,
-                kv_heads,
-                head_dim,
-            )
-            if i in keep:
-                kept[i] = x
-        return x, kept
 
 
 class Pass(NamedTuple):
@@ -441,7 +371,7 @@ class StaticTarget:
         self.norm_eps = _eps_of(decoder.norm)
         self.embed = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
-        self.head_weight, self.head_bias = head.weight, _bias(head)
+        self.head_weight, self.head_bias = head.weight, head.bias
         self.layer_ids = list(layer_ids)
         self.head_dim = decoder.layers[attention[0]].self_attn.head_dim if attention else 1
         self.heads = cfg.num_attention_heads
@@ -528,7 +458,7 @@ class StaticTarget:
         return F.linear(hidden, self.head_weight, self.head_bias)
 
 
-class StaticDrafter(_LayerStack):
+class StaticDrafter:
     """The drafter's context K/V per layer in a pre-allocated cache; one block forward per call."""
 
     def __init__(self, drafter: DFlashDrafter, rows: int, positions: int):
@@ -585,9 +515,11 @@ class StaticDrafter(_LayerStack):
         # [B, 1, S]: the same for each query
         visible = self.key_positions < (start + self.block).view(-1, 1, 1)
         mask = grouped_mask(visible.expand(-1, self.block, -1), cfg.num_heads // cfg.num_kv_heads, x.dtype)
-        x, _ = self.run_layers(
-            kernels, x, cos, sin, where, mask, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        )
+        for i, w in enumerate(self.layers):
+            x = kernels.layer(
+                x, w, cos, sin, self.keys[i], self.values[i], self.row_index, where, mask,
+                cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            )  # fmt: skip
         hidden = rms_norm(x[:, 1:], d.norm.weight, d.norm.eps)
         return F.linear(hidden, d.lm_head_weight.to(hidden.dtype), d.lm_head_bias).argmax(-1)
 

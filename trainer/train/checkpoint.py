@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from trainer.atomic import fsync_dir
 from trainer.files import follow_umask
 
 # torch and safetensors are imported where tensors are read or written: argument and path errors
@@ -69,7 +70,7 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, Path]]:
     found = []
     for entry in root.iterdir():
         m = _STEP_DIR.match(entry.name)
-        if m and entry.is_dir() and all((entry / name).is_file() for name in REQUIRED):
+        if m and entry.is_dir() and not _missing(entry):
             found.append((int(m.group(1)), entry))
     return sorted(found)
 
@@ -110,14 +111,19 @@ def resolve_export_source(path: str) -> str:
                 f"--checkpoint {path}: no complete checkpoint in {checkpoints_root(path)} yet. {fix}."
             )
         return latest
-    missing = [name for name in REQUIRED if not (Path(path) / name).is_file()]
+    missing = _missing(path)
     if missing:
         raise CheckpointError(f"--checkpoint {path}: not a checkpoint (missing {', '.join(missing)}). {fix}.")
     return path
 
 
+def _missing(path) -> list[str]:
+    """The REQUIRED files that `path` lacks (none: a complete checkpoint)."""
+    return [name for name in REQUIRED if not (Path(path) / name).is_file()]
+
+
 def _require_complete(path: str) -> None:
-    missing = [name for name in REQUIRED if not (Path(path) / name).is_file()]
+    missing = _missing(path)
     if missing:
         raise CheckpointError(
             f"{path}: not a complete checkpoint (missing {', '.join(missing)}). "
@@ -199,7 +205,7 @@ def save_checkpoint(
     for name, payload in ((CONFIG, config), (DRAFTER_CONFIG, drafter_config)):
         (tmp / name).write_text(json.dumps(payload, indent=2, sort_keys=True), encoding="utf-8")
         _fsync_file(tmp / name)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
         old = root / f".old-{final.name}-{os.getpid()}"
         os.rename(final, old)
@@ -207,7 +213,7 @@ def save_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     for _, stale in list_checkpoints(output_dir)[:-keep_last]:
         shutil.rmtree(stale, ignore_errors=True)
     return os.path.abspath(final)
@@ -257,11 +263,3 @@ def _sweep_leftovers(root: Path) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

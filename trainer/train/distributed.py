@@ -94,10 +94,6 @@ def check_launcher(cfg: TrainConfig, env=os.environ) -> None:
         )
 
 
-def rank_device(cfg: TrainConfig, rank: Rank) -> str:
-    return f"cuda:{rank.local_rank}" if cfg.run.drafter_devices[0].startswith("cuda") else "cpu"
-
-
 class RankStopRequest:
     """Like train.StopRequest, but signals within SAME_REQUEST_S of the first are one request."""
 
@@ -135,6 +131,12 @@ def _gather(vector: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     return [p.cpu() for p in parts]
 
 
+def _gather_int(value: int, rank: Rank, device: str) -> list[int]:
+    """Every rank's `value`, in rank order."""
+    parts = _gather(torch.tensor([value], dtype=torch.int64, device=device), rank.world_size)
+    return [int(p.item()) for p in parts]
+
+
 def dataset_digest(dataset: Dataset) -> int:
     h = hashlib.sha256()
     for t in (dataset.input_ids, dataset.loss_mask, dataset.attention_mask):
@@ -144,10 +146,7 @@ def dataset_digest(dataset: Dataset) -> int:
 
 def check_same_data(dataset: Dataset, rank: Rank, device: str) -> None:
     """Every rank built the data itself (a file, or seeded generation): they must agree exactly."""
-    digests = _gather(
-        torch.tensor([dataset_digest(dataset)], dtype=torch.int64, device=device), rank.world_size
-    )
-    values = [int(d.item()) for d in digests]
+    values = _gather_int(dataset_digest(dataset), rank, device)
     if len(set(values)) != 1:
         differ = [r for r, v in enumerate(values) if v != values[0]]
         raise RuntimeError(
@@ -179,10 +178,7 @@ def global_summary(local: StepSummary, stop: bool, rank: Rank, device: str) -> t
 
 def check_same_start(start: int, rank: Rank, device: str) -> None:
     """Ranks that resume from different steps would wait on each other forever: refuse instead."""
-    starts = [
-        int(s.item())
-        for s in _gather(torch.tensor([start], dtype=torch.int64, device=device), rank.world_size)
-    ]
+    starts = _gather_int(start, rank, device)
     if len(set(starts)) != 1:
         where = ", ".join(
             f"rank {r}: {'step ' + str(s) if s else 'fresh start'}" for r, s in enumerate(starts)
@@ -222,7 +218,7 @@ class TorchrunWorld:
 
     def __init__(self, cfg: TrainConfig, rank: Rank):
         self.rank = rank
-        self.device = rank_device(cfg, rank)
+        self.device = f"cuda:{rank.local_rank}" if cfg.run.drafter_devices[0].startswith("cuda") else "cpu"
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
         devices = dataclasses.replace(cfg.run, target_devices=[self.device], drafter_devices=[self.device])

@@ -395,19 +395,13 @@ def make_workers(parts: LoopParts) -> TrainingWorkers:
         compute_loss=make_loss_fn(cfg),
         guard=parts.guard,
         grad_clip=cfg.train.grad_clip,
-        feature_dtype=lambda _dev: precision.feature_dtype(precision.resolve(cfg)),
+        # target features reach the drafter devices in the compute dtype
+        feature_dtype=precision.compute_dtype(precision.resolve(cfg)),
     )
 
 
 def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequest) -> RunResult:
-    cfg, replicas, plan, start, total, evaluator = (
-        parts.cfg,
-        parts.replicas,
-        parts.plan,
-        parts.start,
-        parts.total,
-        parts.evaluator,
-    )
+    cfg, replicas, start, total = parts.cfg, parts.replicas, parts.start, parts.total
     last, path, step = None, None, start
     throughput = Throughput(start, total)
     devices = cfg.run.target_devices + cfg.run.drafter_devices
@@ -426,11 +420,11 @@ def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequ
                 tokens_per_s=tokens_per_s,
                 eta_s=eta_s,
                 grad_norm=last.grad_norm,
-                epoch=step / plan.steps_per_epoch,
+                epoch=step / parts.plan.steps_per_epoch,
                 gpu_memory_gib=peak_gpu_memory_gib(devices),
             )
-            if evaluator is not None and evaluator.due(step, total):
-                evaluator.run(world.model(replicas), step, metrics)
+            if parts.evaluator is not None and parts.evaluator.due(step, total):
+                parts.evaluator.run(world.model(replicas), step, metrics)
                 throughput.last = throughput.clock()  # the next step's tok/s counts training only
             stopping = world.stopping(stop)
             if world.is_lead and (step % cfg.run.checkpoint_every == 0 or step == total or stopping):

@@ -176,9 +176,6 @@ class MetricsWriter:
         self.record("checkpoint", step=step, path=path)
         self.say(f"checkpoint step {step}: {path}")
 
-    def error(self, message: str, kind: str) -> None:
-        self.record("error", message=message, kind=kind)
-
     def failed(self, failure: Failure, last_step: int, label: str = "") -> None:
         """The run's last words: `done` (interrupted) after a stop, else the traceback and an `error`
         record whose message starts with `label` (e.g. "rank 1: ")."""
@@ -188,7 +185,7 @@ class MetricsWriter:
         else:
             if not failure.bad_input:  # bad input: the command says it in one line (cli/errors.py)
                 self.say(f"error{failure.where}:\n{failure.traceback_text.rstrip()}")
-            self.error(label + failure.summary(), error_kind(failure.original))
+            self.record("error", message=label + failure.summary(), kind=error_kind(failure.original))
 
     def done(self, step: int, reason: str) -> None:
         self.record("done", step=step, reason=reason)

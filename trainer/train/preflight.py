@@ -18,14 +18,12 @@ def check_output_paths(cfg: TrainConfig) -> None:
     for what, flag, directory in places:
         try:
             os.makedirs(directory, exist_ok=True)
+            problem = None if os.access(directory, os.W_OK | os.X_OK) else "not writable by this user"
         except OSError as exc:
+            problem = f"cannot create it ({exc.strerror})"
+        if problem:
             raise ConfigError(
-                f"{what} {directory!r} ({flag}): cannot create it ({exc.strerror}). "
-                f"Fix: pass a directory you can write to, e.g. runs/my-run"
-            ) from None
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise ConfigError(
-                f"{what} {directory!r} ({flag}): not writable by this user. "
+                f"{what} {directory!r} ({flag}): {problem}. "
                 f"Fix: pass a directory you can write to, e.g. runs/my-run"
             )
 

@@ -74,9 +74,6 @@ class StopRequest:
 
     def step_finished(self) -> None:
         """The step that was running at the signal is done: the main thread is in control again."""
-        self._disarm()
-
-    def _disarm(self) -> None:
         if self._process_watchdog is not None:
             self._process_watchdog.disarm()
         if self._watchdog:

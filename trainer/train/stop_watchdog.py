@@ -142,21 +142,19 @@ def watch(trainer_pid: int, read_fd: int, after_s: float) -> None:
 
 
 def end_trainer(trainer_pid: int, armed_by: str, waited_s: float) -> None:
-    for sig in (STACKS_SIGNAL, signal.SIGKILL):
-        if os.getppid() != trainer_pid:
-            return  # it exited meanwhile: that pid may now be another process's
-        if sig == signal.SIGKILL:
-            os.write(
-                2,
-                (
-                    f"dflash-train watchdog: pid {trainer_pid} still running {waited_s:.0f} s after "
-                    f"{armed_by}: the interpreter did not get control back (a thread stuck in C code, "
-                    f"stacks above); ending it with SIGKILL\n"
-                ).encode(),
-            )
-        os.kill(trainer_pid, sig)
-        if sig == STACKS_SIGNAL:
-            time.sleep(STACKS_WAIT_S)
+    if os.getppid() != trainer_pid:
+        return  # it exited meanwhile: that pid may now be another process's
+    os.kill(trainer_pid, STACKS_SIGNAL)
+    time.sleep(STACKS_WAIT_S)
+    if os.getppid() != trainer_pid:
+        return
+    line = (
+        f"dflash-train watchdog: pid {trainer_pid} still running {waited_s:.0f} s after "
+        f"{armed_by}: the interpreter did not get control back (a thread stuck in C code, "
+        f"stacks above); ending it with SIGKILL\n"
+    )
+    os.write(2, line.encode())
+    os.kill(trainer_pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":

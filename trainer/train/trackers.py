@@ -57,21 +57,17 @@ def scalars_of(record: dict) -> tuple[int, dict[str, float]] | None:
         if name in _NOT_SCALARS:
             continue
         if isinstance(value, list):
-            first = 1 if name in _PER_POSITION else 0
-            for index, item in enumerate(value):
-                number = _number(item)
-                if number is not None:
-                    label = f"pos{index + first}" if name in _PER_POSITION else str(index + first)
-                    values[f"{prefix}/{name}/{label}"] = number
+            items: dict[str | None, Any] = {
+                (f"pos{i + 1}" if name in _PER_POSITION else str(i)): v for i, v in enumerate(value)
+            }
         elif isinstance(value, dict):  # e.g. a {min, median, max} summary
-            for key, item in value.items():
-                number = _number(item)
-                if number is not None:
-                    values[f"{prefix}/{name}/{key}"] = number
+            items = {str(key): item for key, item in value.items()}
         else:
-            number = _number(value)
+            items = {None: value}
+        for key, item in items.items():
+            number = _number(item)
             if number is not None:
-                values[f"{prefix}/{name}"] = number
+                values[f"{prefix}/{name}" if key is None else f"{prefix}/{name}/{key}"] = number
     acc = record.get("acc")
     if event == "step" and isinstance(acc, list) and all(_number(a) is not None for a in acc):
         values["train/tau_expected"] = metrics_format.expected_tau(acc)
@@ -100,11 +96,8 @@ def event_of(record: dict) -> tuple[int, str, str] | None:
 
 
 def _number(value) -> float | None:
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
+    """A number (a boolean counts: True is 1.0) as float, else None."""
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def flat_config(config: dict, prefix: str = "") -> dict[str, str]:

@@ -164,7 +164,7 @@ class TrainingWorkers:
         compute_loss: Callable[[Replica, Batch], LossOutput],
         guard,
         grad_clip: float,
-        feature_dtype: Callable[[str], torch.dtype],
+        feature_dtype: torch.dtype,
         queue_depth: int = 2,
     ):
         self.targets = targets
@@ -291,7 +291,7 @@ class TrainingWorkers:
                     features = target.features(batch.input_ids.to(target.device), attention_mask=mask)
                 dev = replica.device
                 # a cache batch sits in pinned memory: its copy overlaps the drafter's work
-                batch.features = features.to(dev, self.feature_dtype(dev), non_blocking=features.is_pinned())
+                batch.features = features.to(dev, self.feature_dtype, non_blocking=features.is_pinned())
                 batch.input_ids = batch.input_ids.to(dev)
                 batch.loss_mask = batch.loss_mask.to(dev)
                 batch.attention_mask = batch.attention_mask.to(dev)
@@ -361,23 +361,19 @@ class TrainingWorkers:
 
     # ---- blocking with an eye on the stop event ----------------------------------------
     def _get(self, q: queue.Queue):
-        while True:
-            if self._stop.is_set():
-                raise _Stopped()
-            try:
-                return q.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
+        return self._until_stopped(lambda: q.get(timeout=POLL_S))
 
     def _put(self, q: queue.Queue, item) -> None:
-        while True:
-            if self._stop.is_set():
-                raise _Stopped()
+        self._until_stopped(lambda: q.put(item, timeout=POLL_S))
+
+    def _until_stopped(self, attempt: Callable):
+        """attempt() again every POLL_S until it goes through; _Stopped once the stop event is set."""
+        while not self._stop.is_set():
             try:
-                q.put(item, timeout=POLL_S)
-                return
-            except queue.Full:
+                return attempt()
+            except (queue.Empty, queue.Full):
                 continue
+        raise _Stopped()
 
 
 def _use_device(device: str) -> None:
