@@ -514,3 +514,32 @@ def test_a_writer_thread_failure_reaches_the_caller(tiny_cpu, tmp_path, monkeypa
     with pytest.raises(OSError, match="No space left"):
         cw.write_cache(target, dataset, str(tmp_path / "full"), header, batch_size=16, shard_bytes=100_000,
                        say=lambda _: None)
+
+
+def test_a_shard_that_fails_to_finish_is_the_last_the_manifest_could_name(tiny_cpu, tmp_path, monkeypatch):
+    """Shards are finished in order on their own thread: once one fails, none after it is named
+    (a gap would make a resume skip its sequences)."""
+    from trainer.data.safetensors_stream import StreamedFile
+
+    cfg, target, dataset, header = tiny_cpu
+    real_finish, calls = StreamedFile.finish, []
+
+    def second_fails(self):
+        calls.append(self.path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_finish(self)
+
+    monkeypatch.setattr(StreamedFile, "finish", second_fails)
+    with pytest.raises(OSError, match="No space left"):
+        cw.write_cache(target, dataset, str(tmp_path / "c"), header, batch_size=64, shard_bytes=200_000,
+                       say=lambda _: None)
+    named = fc.read_manifest(str(tmp_path / "c"))["shards"]
+    assert len(calls) >= 2 and [s["file"] for s in named] == ["shard-00000.safetensors"]
+    monkeypatch.setattr(StreamedFile, "finish", real_finish)
+    fresh = cw.write_cache(target, dataset, str(tmp_path / "fresh"), header, batch_size=64, shard_bytes=200_000,
+                           say=lambda _: None)
+    again = cw.write_cache(target, dataset, str(tmp_path / "c"), header, batch_size=64, shard_bytes=200_000,
+                           say=lambda _: None)
+    assert [s["sha256_chunks"] for s in again["shards"]] == [s["sha256_chunks"] for s in fresh["shards"]]
+

@@ -72,6 +72,7 @@ class ShardStream:
         self._row = 0  # sequences written into the open shard
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="shard-finisher")
         self._finishing: list[Future] = []
+        self._failed = False
 
     def add(self, features: torch.Tensor, count: int) -> None:
         """The next `count` sequences' features: rows of `features` [rows, seq_len, width]."""
@@ -122,8 +123,15 @@ class ShardStream:
         self._finishing.append(self._finisher.submit(self._finish, file, shard))
 
     def _finish(self, file: StreamedFile, shard: dict) -> None:
-        size, digest = file.finish()
-        os.replace(file.path, os.path.join(self.cache_dir, shard["file"]))
+        if self._failed:  # an earlier shard is not committed: naming this one would leave a gap
+            file.close()
+            return
+        try:
+            size, digest = file.finish()
+            os.replace(file.path, os.path.join(self.cache_dir, shard["file"]))
+        except BaseException:
+            self._failed = True
+            raise
         self.manifest["shards"].append(dict(shard, bytes=size, **{chunk_digest.FIELD: digest}))
         write_manifest(self.cache_dir, self.manifest)  # the shard exists before the manifest names it
 
@@ -151,8 +159,8 @@ def _write_known(file: StreamedFile, known: dict[str, list[torch.Tensor]]) -> No
 
 class _HostBuffers:
     """Reusable pinned host buffers for device->host copies of feature batches (pinned memory lets
-    the copy run while the next batch's forward is queued). Pinning is slow (about a second for
-    the 2.5 GB paper dims need), so a buffer is made only when none is free, up to `count`."""
+    the copy run while the next batch's forward is queued). Pinning is slow, so a buffer is made
+    only when none is free, up to `count`."""
 
     def __init__(self, count: int, numel: int, dtype: torch.dtype):
         self.free: queue.Queue = queue.Queue()
