@@ -28,6 +28,7 @@ from trainer.data.feature_cache import (
     DTYPES,
     complete_manifest,
     disk_estimate,
+    feature_width,
     human_bytes,
     prepare,
     write_manifest,
@@ -63,10 +64,11 @@ class ShardStream:
 
     def __init__(self, cache_dir: str, manifest: dict, tokens: Dataset, start: int, shard_bytes: int):
         self.cache_dir, self.manifest, self.tokens = cache_dir, manifest, tokens
-        self.dtype = DTYPES[manifest["dtype"]]
+        self.dtype, self.width = DTYPES[manifest["dtype"]], feature_width(manifest)
         self.lengths = [int(n) for n in tokens.attention_mask.sum(dim=1).tolist()]
-        self.start, self.shard_bytes = start, shard_bytes
-        self.plan: list[tuple[int, int]] | None = None  # known once the first features give the width
+        token_bytes = self.width * self.dtype.itemsize + TOKEN_BYTES
+        relative = shard_plan(self.lengths[start:], token_bytes, shard_bytes)
+        self.plan = [(start + first, count) for first, count in relative]
         self._files, self._started = len(manifest["shards"]), 0  # shards kept from before; started now
         self._open: tuple[StreamedFile, dict, dict] | None = None  # file, manifest entry, known tensors
         self._row = 0  # sequences written into the open shard
@@ -80,18 +82,14 @@ class ShardStream:
             done.result()  # a finisher's error surfaces here
         for row in range(count):
             if self._open is None:
-                self._open = self._start_shard(int(features.shape[-1]))
+                self._open = self._start_shard()
             file, shard, _ = self._open
             file.write("features", features[row, : self.lengths[shard["first"] + self._row]])
             self._row += 1
             if self._row == shard["count"]:
                 self._end_shard()
 
-    def _start_shard(self, width: int) -> tuple[StreamedFile, dict, dict]:
-        if self.plan is None:
-            token_bytes = width * self.dtype.itemsize + TOKEN_BYTES
-            relative = shard_plan(self.lengths[self.start :], token_bytes, self.shard_bytes)
-            self.plan = [(self.start + first, count) for first, count in relative]
+    def _start_shard(self) -> tuple[StreamedFile, dict, dict]:
         first, count = self.plan[self._started]
         lengths = self.lengths[first : first + count]
         pieces = list(zip(range(first, first + count), lengths, strict=True))
@@ -102,7 +100,7 @@ class ShardStream:
         }
         tokens = sum(lengths)
         layout = {
-            "features": (self.dtype, [tokens, width]),
+            "features": (self.dtype, [tokens, self.width]),
             "input_ids": (torch.int32, [tokens]),
             "loss_mask": (torch.bool, [tokens]),
             "offsets": (torch.int64, [count + 1]),
@@ -283,8 +281,8 @@ def write_cache(
     seq_len = dataset.input_ids.shape[1]
     batch_size = batch_size or auto_batch_size(seq_len)
     on_cuda = str(target.device).startswith("cuda")
-    width = len(target.layer_ids) * target.hidden_size
-    buffers = _HostBuffers(WRITE_QUEUE_DEPTH + 2, batch_size * seq_len * width, dtype) if on_cuda else None
+    numel = batch_size * seq_len * feature_width(manifest)
+    buffers = _HostBuffers(WRITE_QUEUE_DEPTH + 2, numel, dtype) if on_cuda else None
     if progress is not None:  # its rate counts this run's sequences only
         progress.first = progress.done = start
     writer = _WriterThread(ShardStream(cache_dir, manifest, dataset, start, shard_bytes), progress)

@@ -53,7 +53,7 @@ class ChunkHasher:
         caller may reuse its buffers."""
         for chunk in self._chunks:
             chunk.result()
-        if self._parts and not (len(self._parts) == 1 and isinstance(self._parts[0], bytearray)):
+        if self._parts:
             owned = self._parts[0] if isinstance(self._parts[0], bytearray) else bytearray(self._parts[0])
             for part in self._parts[1:]:
                 owned += part

@@ -116,6 +116,11 @@ def cache_header(cfg, target, dtype_name: str, pad_id: int) -> dict:
     }
 
 
+def feature_width(manifest: dict) -> int:
+    """Features per token: the fused hidden states of every cached layer."""
+    return len(manifest["layer_ids"]) * manifest["target"]["hidden_size"]
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
@@ -272,7 +277,7 @@ class CacheReader:
         self.shards = manifest["shards"]
         self.firsts = [s["first"] for s in self.shards]
         self.seq_len = manifest["seq_len"]
-        self.width = len(manifest["layer_ids"]) * manifest["target"]["hidden_size"]
+        self.width = feature_width(manifest)
         self.dtype = DTYPES[manifest["dtype"]]
         self._verified: set[int] = set()
         self._verify_lock = threading.Lock()

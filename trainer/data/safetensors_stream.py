@@ -11,6 +11,7 @@ way, as soon as it is given: no concatenated copy, no re-read. The bytes are exa
 from __future__ import annotations
 
 import json
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,13 +44,6 @@ def _shape(name: str, pieces: list[torch.Tensor]) -> tuple[torch.dtype, list[int
     return first.dtype, [sum(int(p.shape[0]) for p in pieces), *first.shape[1:]]
 
 
-def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count * dtype.itemsize
-
-
 class StreamedFile:
     """One safetensors file whose tensors are `layout` {name: (dtype, shape)}: the header is written
     at once, then `write` takes the tensors' pieces in file order (`order`), each piece hashed and
@@ -60,7 +54,7 @@ class StreamedFile:
         entries, offset, self._sizes = {}, 0, []
         for name in self.order:
             dtype, shape = layout[name]
-            size = _nbytes(dtype, shape)
+            size = math.prod(shape) * dtype.itemsize
             entries[name] = {"dtype": _DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
             self._sizes.append(size)
             offset += size
