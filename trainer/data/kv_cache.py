@@ -73,6 +73,10 @@ def rewind(cache, length: int, saved: list[torch.Tensor] | None) -> None:
     for layer in recurrent:
         for states, i in _states(layer):
             states[i].copy_(next(copies))
+        # newer transformers count a recurrent layer's tokens on the layer, and positions follow it
+        counter = getattr(layer, "cumulative_length_linear", None)
+        if counter is not None:
+            counter.fill_(length)
     if extra > 0:
         for layer in cache.layers:
             if not any(layer is r for r in recurrent):
