@@ -1,5 +1,4 @@
-"""Manage the crontab lines that run `dflash-ops health` (one per target, tagged so we only ever
-touch our own lines)."""
+"""The crontab lines that run `dflash-ops health`, tagged so only our own lines are ever touched."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The error types every layer raises; the CLI maps them to one message and an exit code.
-
-Nagios-style exit codes are chosen by the caller (health); these carry what failed, where and why.
-"""
+"""The error types every layer raises; the CLI maps each to one message and an exit code."""
 
 from __future__ import annotations
 
@@ -19,10 +16,7 @@ class InputError(DflashOpsError):
 
 
 class TransportError(DflashOpsError):
-    """Reaching the target failed (connection, auth, host key, stopped container, time limit).
-
-    Always names the target and the step, and carries the remote stderr when there is one.
-    """
+    """Reaching the target failed; names the target and the step, with the remote stderr when there is one."""
 
     def __init__(self, target: str, step: str, reason: str, stderr: str = ""):
         self.target, self.step, self.reason, self.stderr = target, step, reason, stderr
@@ -75,8 +69,7 @@ class RemoteCommandError(DflashOpsError):
 
 
 class JobBusy(DflashOpsError):
-    """Another dflash-ops command holds the job's lock on the target (or no lock could be taken);
-    nothing was done. Exit code 75 (EX_TEMPFAIL): try again later."""
+    """Another command holds the job's lock; nothing was done. Exit 75 (EX_TEMPFAIL): try again later."""
 
     exit_code = 75
 

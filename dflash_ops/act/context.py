@@ -1,6 +1,4 @@
-"""Where a step acts (the target and the transport to it, recording every command line) and what
-it returns. Under --dry-run the transport is a DryRunTransport (transport/dry_run.py): the same
-commands are recorded, none reaches the target."""
+"""Where a step acts and what it returns; under --dry-run the same commands are recorded, none runs."""
 
 from __future__ import annotations
 
@@ -17,9 +15,7 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class StepOutcome:
-    """What a step returns: a one-line message, data for the report, and ok=False to fail without
-    raising. A step whose result a later step takes returns a subclass with typed fields
-    (steps.Launched: the log the launch started)."""
+    """What a step returns; a later step takes a subclass with typed fields (steps.Launched)."""
 
     message: str = ""
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -44,8 +40,7 @@ def _ignore(_message: str) -> None:
 
 @dataclasses.dataclass
 class StepContext:
-    """Where a step acts. The runner hands each step its own copy: its name and number, a fresh
-    record of commands, and where its progress lines go."""
+    """Where a step acts; each step gets its own copy (its name, number and record of commands)."""
 
     target: Target
     transport: Transport

@@ -76,8 +76,7 @@ def install_script(job: Job, bundle: Bundle, tarball: str, keep: int = KEEP_RELE
 
 
 def switch_script(job: Job, release_id: str, keep: int = KEEP_RELEASES) -> str:
-    """Make `release_id` ("" for the one deployed before the current one) current, then prune
-    releases beyond the newest `keep` in history (0: prune nothing)."""
+    """Make `release_id` ("" for the previous one) current, then keep only the newest `keep` (0: all)."""
     releases, current = jobpaths.releases_dir(job), jobpaths.current_release(job)
     # `current` links relative to its own directory, so the workdir can move
     link_dir = posixpath.relpath(releases, posixpath.dirname(current))
@@ -88,8 +87,7 @@ _RELEASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}\Z")
 
 
 def check_release_id(release: str, given_as: str = "release") -> str:
-    """A release id as `deploy --list` shows it (never a path: it names a directory in releases/);
-    `given_as` names where the user wrote it (`--rollback`, or a playbook step's `release`)."""
+    """A release id as `deploy --list` shows it, never a path; `given_as` names where the user wrote it."""
     if not _RELEASE_ID.match(release) or ".." in release:
         raise InputError(
             f"{given_as} {release!r}: not a release id; `dflash-ops deploy --list` shows the kept ones"
@@ -98,8 +96,7 @@ def check_release_id(release: str, given_as: str = "release") -> str:
 
 
 def rollback_script(job: Job, release: str | None = None) -> str:
-    """Switch `current` to `release`, or by default to the release deployed before the current one;
-    never to a release whose deploy did not complete."""
+    """Switch `current` to `release` (default: the previous one), never to an incomplete deploy."""
     return switch_script(job, check_release_id(release) if release else "", keep=0)
 
 
@@ -145,8 +142,7 @@ def list_releases(target: Target) -> list[Release]:
 
 
 def require_kept_release(target: Target, release: str | None) -> None:
-    """`deploy --rollback [RELEASE]`: RELEASE (none: a release besides the current one) must be kept
-    on the target, checked before anything switches (one line, exit 2)."""
+    """Refuse (exit 2) before anything switches when the release to roll back to is not kept."""
     releases = list_releases(target)
     kept = [r.id for r in releases]
     if release is None:

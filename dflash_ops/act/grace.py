@@ -57,10 +57,8 @@ def trainer_stop_grace(job: Job) -> float | None:
 
 
 def check_grace(job: Job, grace_s: float, given_as: str = "--grace") -> None:
-    """Refuse (exit 2, before anything acts) a grace that would SIGKILL the trainer while it may
-    still be stopping by itself. The step that signals checks it (every way in: commands, playbooks,
-    every node of a job); a command checks it first too, to refuse before it connects. `given_as`
-    names where the user wrote it: the option, or a playbook step's parameter."""
+    """Refuse (exit 2) a grace that would SIGKILL a trainer still stopping by itself.
+    The step that signals checks it, so it holds for every way in; `given_as` names where it was written."""
     stop_grace = trainer_stop_grace(job)
     if stop_grace is None:
         return

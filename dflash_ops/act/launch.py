@@ -1,9 +1,5 @@
-"""The launch: a numbered log, the trainer in a detached tmux session, environment set explicitly
-(remote/launch_job.py and remote/pane.sh).
-
-`bash -c` under pct exec is a non-login shell (no profile, no venv activation), so every path is
-absolute and every variable the trainer needs is passed here.
-"""
+"""The launch: a numbered log and the trainer in a detached tmux session, every path absolute and
+every variable passed, because `bash -c` under pct exec is a non-login shell."""
 
 from __future__ import annotations
 
@@ -47,12 +43,7 @@ LAUNCHER = "launch_job.py"
 
 
 def launch_args(job: Job, resume: bool = True, run: str | None = None) -> dict:
-    """remote/launch_job.py's one JSON argument. It picks the run (the newest unfinished one to
-    resume, else a new one; `run` NNNN when the caller chose it, as a multinode job does once for
-    all its nodes), the next train-NNNN.log, creates the cache dir with its marker (an existing dir
-    only when it holds nothing but what the launcher puts there, so purge-cache never deletes
-    anything else), starts the session running remote/pane.sh, records the job state `running`;
-    prints the log path."""
+    """remote/launch_job.py's one JSON argument (`run`: the run a multinode job chose for all its nodes)."""
     return {
         "socket": job.tmux_socket,
         "session": job.session,

@@ -1,6 +1,5 @@
-"""The cross-node checks a multinode relaunch runs before anything stops anywhere: every node runs
-the same software and config, the runs dir is one shared filesystem, and every node reaches the
-rendezvous (and the other nodes' addresses). Each failure names the node, the check and the fix."""
+"""Cross-node checks a multinode relaunch runs before anything stops: same software and config, one
+shared runs dir, every address reachable. Each failure names the node, the check and the fix."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ LISTENING = " (something listens there now: this job's torchrun, which the stop 
 
 
 def facts(ctx: StepContext, job: Job, connect: Sequence[tuple[str, int]] = ()) -> dict:
-    """What the node would run (remote/multinode_facts.py), and its TCP connects to `connect`
-    (under dry-run: none, and nothing is known)."""
+    """What the node would run, and its TCP connects to `connect` (dry-run: nothing is known)."""
     args: dict[str, object] = {
         "current": jobpaths.current_release(job),
         "config": job.config if job.config.startswith("/") else "",
@@ -52,8 +50,7 @@ def facts(ctx: StepContext, job: Job, connect: Sequence[tuple[str, int]] = ()) -
 
 
 def same_job(job: MultinodeJob, nodes: Sequence[Node], found: list[dict], deploy: bool) -> str:
-    """Every node must run the same python, torch and config, and (without a deploy, which puts the
-    same release everywhere) the same trainer release."""
+    """Every node runs the same python, torch, config and (without a deploy) trainer release."""
     first = found[0]
     checks = [
         ("python", "python", "install the same python on every node"),
@@ -97,9 +94,7 @@ def _short(value) -> str:
 
 
 def prove_shared(ctx: JobContext, job: MultinodeJob) -> str:
-    """Node 0 writes a random token into the runs dir and every other node must read it back; each
-    other node writes one that node 0 must read (so every node can write there too). The files go
-    again whatever happens."""
+    """Tokens written on one node and read on the others prove the runs dir shared and writable everywhere."""
     nodes = ctx.nodes
     token = secrets.token_hex(16)
     names = {node.index: f"{SHARED_PREFIX}{token}-{node.index}" for node in nodes}
@@ -144,9 +139,7 @@ def prove_shared(ctx: JobContext, job: MultinodeJob) -> str:
 
 
 def rendezvous(ctx: JobContext, job: MultinodeJob, found: list[dict]) -> str:
-    """From every node: the rendezvous endpoint, and each other node's own address (c10d gives
-    group rank 0 to one node at the rendezvous, and the ranks meet at that node's address, its
-    fully qualified name), each reached or refused, never timed out or unresolved."""
+    """Every node reaches the rendezvous and each other node's own address (the ranks meet at the latter)."""
     nodes = ctx.nodes
 
     def check(node: Node, node_ctx: StepContext) -> str:

@@ -1,9 +1,5 @@
-"""How a command runs on a job: a job is N nodes (a Node: a target running its part of the job, with
-its transport), a single target is the one-node job. A command is ONE Run (act/runner.py) whose
-target is the job and whose steps are phases: a single-target step run on every node at once, one
-line per node (`on_nodes`; on one node it is just that step, its own line), or a step of the whole
-job that acts on the nodes itself (through `each` and `one`). Every node is connected and locked
-before the first phase (`running`), so the lock and every rule in the steps hold for every N."""
+"""How a command runs on a job of N nodes (a target is the one-node job): one Run whose steps are
+phases, every node connected and locked first, so every rule in the steps holds for every N."""
 
 from __future__ import annotations
 
@@ -50,16 +46,13 @@ class Node:
         return f"node {self.index} {self.name}"
 
     def ctx(self, phase: StepContext) -> StepContext:
-        """The node's context in `phase`: the phase's name, number and progress lines, and a record
-        of the commands of its own (`each` adds it to the phase's, under the node's label)."""
+        """The node's context in `phase`, with its own record of commands."""
         return StepContext(self.target, self.transport, phase.log, phase.status, phase.step, phase.number)
 
 
 @dataclasses.dataclass
 class JobContext(StepContext):
-    """A phase's context: the whole job, whose name is the run's target. `target` and `transport`
-    are node 0's (so dry_run is the nodes', and a one-node job's steps act right here); a phase acts
-    on a node through `each` or `one`, with that node's own context."""
+    """A phase's context for the whole job; it acts on a node through `each` or `one`."""
 
     job_name: str = ""
     nodes: tuple[Node, ...] = ()
@@ -86,8 +79,7 @@ def one(phase: StepContext, node: Node, fn: Callable[[Node, StepContext], T]) ->
 def each_outcome(
     phase: StepContext, nodes: Sequence[Node], fn: Callable[[Node, StepContext], T]
 ) -> list[tuple[T | None, BaseException | None]]:
-    """fn on every node at once, each in its own context: (value, None) or (None, the error) per
-    node, in node order."""
+    """fn on every node at once: (value, None) or (None, the error) per node, in node order."""
     contexts = [node.ctx(phase) for node in nodes]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
         futures = [pool.submit(fn, node, ctx) for node, ctx in zip(nodes, contexts, strict=True)]
@@ -133,11 +125,8 @@ def on_nodes(
     note: str = "",
     **kwargs: Any,
 ) -> list[tuple[Node, T]]:
-    """The phase named after `step` (a single-target step, `step(ctx, job, *args, **kwargs)`) run
-    on every node at once. Returns (node, what the step gave) for the nodes it succeeded on. A
-    failure on any node fails the phase, with `note` added, and ends the command (Halted) unless
-    `keep_going` and some node is left: then the next phases go on with the nodes it succeeded on.
-    On a one-node job the phase is the step itself, with its own line."""
+    """`step` on every node at once; (node, result) where it succeeded. A failure ends the command
+    (Halted) unless `keep_going` leaves the next phases the nodes it succeeded on."""
     if one_node(run):
         return [(node, run(step, node.target.job, *args, **kwargs)) for node in nodes]
     done: list[tuple[Node, T]] = []
@@ -168,9 +157,7 @@ def on_nodes(
 
 @contextlib.contextmanager
 def connected(job: Nodes, command: str, dry_run: bool = False) -> Iterator[list[Node]]:
-    """Every node connected and its job lock held (taken in node order, so two commands on one job
-    never wait on each other's halves; JobBusy when one is held). Under dry-run every transport
-    reaches nothing (DryRunTransport: none connects) and no lock is taken."""
+    """Every node connected and locked in node order, so two commands never wait on each other's halves."""
     with contextlib.ExitStack() as stack:
         nodes = []
         for i, target in enumerate(job.node_targets()):
@@ -187,8 +174,7 @@ def connected(job: Nodes, command: str, dry_run: bool = False) -> Iterator[list[
 def acting_on(
     job: Nodes, command: str, dry_run: bool, on_locked: Callable[[], None] | None = None
 ) -> Iterator[JobContext]:
-    """Where `command` acts on `job`: its nodes connected and locked (see `connected`); `on_locked`
-    runs once every lock is ours."""
+    """Where `command` acts on `job`, nodes connected and locked; `on_locked` runs once all are ours."""
     with connected(job, command, dry_run) as nodes:
         if on_locked is not None:
             on_locked()

@@ -1,13 +1,4 @@
-"""The phases of a job that are more than one step on every node (act/nodes.py). On a one-node job
-each is that node's own step (its line as the step says it); on several nodes:
-
-- before anything stops: preflight on every node, then the same python/torch/release/config on
-  every node, the runs dir proven shared, the rendezvous (and each node's address) reached from
-  every node (multinode_checks.py); a failure says that nothing was stopped on any node;
-- free_gpus: each node ends its leftover job processes and waits for its GPUs;
-- deploy: the same release deployed to every node;
-- launch: the run chosen once in the shared runs dir, every node started under one rendezvous id;
-- wait_first_step: node 0's first step while the other nodes are watched, then every node's.
+"""The phases of a job that are more than one step on every node; on one node each is that node's step.
 A launch or first step that fails leaves the job on all its nodes or none (`_all_or_none`)."""
 
 from __future__ import annotations
@@ -67,8 +58,7 @@ def free_job_gpus(run: Run, nodes: list[Node], *, timeout_s: float, keep_going: 
 
 
 def free_gpus(ctx: StepContext, job: Job, *, timeout_s: float) -> StepOutcome:
-    """On one node: end leftover job processes, then wait for its GPUs (the processes that are
-    not the job's are left alone, and not waited for)."""
+    """End leftover job processes, then wait for the GPUs; foreign processes are left alone."""
     ended = steps.kill_gpu_processes(ctx, job)
     waited = steps.wait_gpu_free(ctx, job, ended, timeout_s=timeout_s)
     return StepOutcome(f"{ended.message}; {waited.message}")
@@ -134,8 +124,7 @@ def deploy(ctx: JobContext) -> StepOutcome:
 
 @dataclasses.dataclass(kw_only=True)
 class JobLaunched(StepOutcome):
-    """What launch gives on several nodes: the run every node launched, its rendezvous id, and each
-    node's launch (the log it started), in node order."""
+    """What launch gives on several nodes: the run, its rendezvous id and each node's launch."""
 
     run: str
     rdzv_id: str
@@ -143,9 +132,7 @@ class JobLaunched(StepOutcome):
 
 
 def launch(ctx: JobContext, job: Nodes, *, resume: bool, grace_s: float) -> StepOutcome:
-    """Start the trainer (steps.launch). On several nodes: choose the run once (node 0, in the
-    shared runs dir), then start every node under one rendezvous id; a launch that leaves the job on
-    some nodes only stops it there again."""
+    """Start the trainer; on several nodes the run is chosen once and a partial launch is stopped again."""
     if len(ctx.nodes) == 1:
         return steps.launch(ctx, ctx.target.job, resume=resume)
     return _all_or_none(ctx, grace_s, lambda: _launch(ctx, cast(MultinodeJob, job), resume))
@@ -188,10 +175,7 @@ def _start(ctx: StepContext, job: MultinodeJob, node: Node, run: str, rdzv_id: s
 def wait_first_step(
     ctx: JobContext, launched: StepOutcome, *, timeout_s: float, grace_s: float
 ) -> StepOutcome:
-    """The first training step (steps.wait_first_step). On several nodes: node 0's metrics show it
-    (rank 0's, or node 0's local rank 0: the same records) while a node whose trainer exits ends
-    the wait at once; then every other node's. A job that runs on some nodes only after a failure
-    is stopped there again."""
+    """The first training step: node 0's (a node whose trainer exits ends the wait), then the others'."""
     if len(ctx.nodes) == 1:
         return steps.wait_first_step(ctx, ctx.target.job, cast(steps.Launched, launched), timeout_s=timeout_s)
     return _all_or_none(ctx, grace_s, lambda: _wait_first_step(ctx, cast(JobLaunched, launched), timeout_s))
@@ -233,8 +217,7 @@ def _pane_problem(node: Node) -> str | None:
 
 
 def _all_or_none(ctx: JobContext, grace_s: float, phase: Callable[[], StepOutcome]) -> StepOutcome:
-    """`phase` (a launch or its first step); when it fails, the job is stopped again on the nodes
-    where it runs when it does not run on all (a partial job only waits at the rendezvous)."""
+    """`phase`; failing on some nodes only, the job is stopped there (it would wait at the rendezvous)."""
     try:
         return phase()
     except DflashOpsError as error:

@@ -1,7 +1,4 @@
-"""Checks that run before anything is stopped, so a relaunch that cannot succeed leaves the running
-job alone: the target answers, the job's python imports torch, a release is present or can be
-deployed, the GPU query answers, no foreign process sits on the job's GPUs, checkpoints have disk.
-"""
+"""Checks run before anything is stopped, so a relaunch that cannot succeed leaves the running job alone."""
 
 from __future__ import annotations
 
@@ -69,9 +66,7 @@ def preflight(
     allow_shared_gpus: bool,
     import_torch: bool,
 ) -> StepOutcome:
-    """Check, before anything is stopped, that the launch can work (`deploy`: a release will be
-    deployed, so none needs to be there yet); a failed check names itself and leaves the running
-    job untouched."""
+    """Check that the launch can work before anything is stopped (`deploy`: no release needed yet)."""
     try:
         result = ctx.run(
             _shell_checks(job, need_release=not deploy, import_torch=import_torch), timeout=150, check=False

@@ -1,5 +1,4 @@
-"""What steps and preflight both read on the target: the job's processes (remote/jobprocs.py), the
-GPUs as nvidia-smi sees them, the cache as the target resolves it, and how a step fails."""
+"""What steps and preflight both read on the target: job processes, GPUs, the cache; how a step fails."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ def _host_ctid(ctx: StepContext) -> int | None:
 
 
 def _gpu_snapshot(ctx: StepContext):
-    """The GPUs as nvidia-smi sees them: on the Proxmox host (pids mapped to this container, others
-    labelled) when the inventory says so, else where the job runs. None listed under dry-run."""
+    """The GPUs as nvidia-smi sees them, on the Proxmox host when the inventory says so; none in dry-run."""
     ctid = _host_ctid(ctx)
     if ctid is not None:
         result = ctx.run_on_host(HOST_GPU_QUERY, timeout=60, check=False)
@@ -45,8 +43,7 @@ def _gpu_snapshot(ctx: StepContext):
 def job_processes(
     ctx: StepContext, job: Job, gpus: list[int], grace_s: float, include_session: bool, action: str
 ) -> dict:
-    """Run remote/jobprocs.py: the job's living processes and the foreign ones on its GPUs, ended
-    when action is "kill". Under dry-run none are found."""
+    """Run remote/jobprocs.py: the job's processes and foreign ones on its GPUs, ended for "kill"."""
     args = {
         **jobpaths.identity_args(job),
         "gpus": list(gpus),
@@ -82,9 +79,7 @@ def _name_of(process: dict) -> str:
 
 
 def describe_foreign(others: list[dict], invisible: str = "not visible here") -> str:
-    """`pid 812 sleep on GPU 1 (7000 MiB, ct 201, host pid)`, for each process on the job's GPUs
-    that is not the job's; these are reported and never signalled. `invisible` says what a pid
-    without a /proc entry here means."""
+    """`pid 812 sleep on GPU 1 (7000 MiB, ct 201, host pid)` per foreign process, never signalled."""
     return "; ".join(
         f"pid {o['pid']}{_name_of(o)} on GPU {o['gpu']} "
         f"({o.get('used_memory_mib')} MiB, "
@@ -100,16 +95,12 @@ def parse_gpu_query(stdout: str):
 
 
 def surely_foreign(others: list[dict]) -> list[dict]:
-    """Those of jobprocs' unidentified processes (none of them in the job's tree or marked) that
-    gpu_owners.ownership() calls foreign."""
+    """The unidentified processes that gpu_owners.ownership() calls foreign."""
     return [o for o in others if ownership(str(o.get("owner") or ""), bool(o.get("visible")), False)]
 
 
 def resolve_cache(ctx: StepContext, job: Job, path: str) -> tuple[str | None, str | None]:
-    """(the cache path as the target resolves it, why it may not be used as a cache or None):
-    the cache and the job's own places are resolved ON THE TARGET (realpath -m: symlinks followed,
-    missing parts allowed), then cache_guard's rule is applied to what they really are.
-    (None, None) under dry-run: nothing is known."""
+    """(the cache path resolved ON THE TARGET, why it may not be a cache or None); symlinks there count."""
     owned = cache_guard.owned_paths(job.workdir, job.log_dir, job.python)
     paths = [path] + [p for p, _, _ in owned]
     result = ctx.run(shlex.join(["realpath", "-m", "-z", "--", *paths]), timeout=30)
@@ -130,8 +121,7 @@ def resolve_cache(ctx: StepContext, job: Job, path: str) -> tuple[str | None, st
 
 
 def refuse_while_job_lives(ctx: StepContext, job: Job, what: str) -> None:
-    """Fail, naming pids, while any process of the job lives: its tmux tree or anything carrying
-    the launcher's marker (an orphan of an earlier launch included)."""
+    """Fail, naming pids, while any process of the job lives (its tree or the launcher's marker)."""
     report = job_processes(ctx, job, [], 0.0, True, "list")
     if report["job"]:
         pids = ", ".join(f"{p['pid']} ({p['cmd'][:40]})" for p in report["job"][:5])

@@ -1,5 +1,4 @@
-"""Running planned steps in order on one target, recording each. The first failure halts the run;
-the planned steps after it are reported not-run, so a result always lists the whole plan."""
+"""Planned steps run in order on one target; the first failure halts, the rest are reported not-run."""
 
 from __future__ import annotations
 
@@ -87,9 +86,7 @@ class Halted(Exception):
 
 
 class Run:
-    """One run of a plan (step names, in order) on one target. Call each step through it:
-    `ended = run(steps.kill_gpu_processes, job)` runs and records it and returns what the step
-    returned; a failed step raises Halted, which the `with` block ends on."""
+    """One run of a plan on one target: `run(step, job)` records a step; a failure raises Halted."""
 
     def __init__(
         self,

@@ -1,12 +1,5 @@
-"""The step library behind the commands and playbooks: stop, clean GPUs, wait, purge, deploy,
-launch, confirm.
-
-A step is `fn(ctx, job, ...)`: the StepContext it acts through, the job, what an earlier step gave
-(a parameter typed as its result, e.g. `launched: Launched`) and its own parameters. Every remote
-command goes through `ctx.run`, which records its exact command line; under --dry-run nothing
-reaches the target, so a step says what it would do instead of reading an answer. A parameter that
-a command sets from its options has no default here: the command's default is the one.
-"""
+"""The step library: `fn(ctx, job, ...)`, every remote command through `ctx.run`; under --dry-run a
+step says what it would do. A parameter a command sets has no default here: the command's is the one."""
 
 from __future__ import annotations
 
@@ -41,8 +34,7 @@ from dflash_ops.remote import bundle, facts, shell_command
 
 @dataclasses.dataclass(kw_only=True)
 class Ended(StepOutcome):
-    """What stop_session and kill_gpu_processes give: they saw the job's processes end. `foreign`
-    are the processes on its GPUs known not to be the job's (see surely_foreign), left alone."""
+    """What the stop steps give: `foreign` are the processes on its GPUs surely not the job's, left alone."""
 
     foreign: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
@@ -74,15 +66,13 @@ def _end_job_processes(ctx: StepContext, job: Job, grace_s: float, include_sessi
 
 
 def _invisible_pid(ctx: StepContext) -> str:
-    """What a GPU pid without a /proc entry means: inside LXC the driver reports HOST pids; on a
-    plain host the process has exited since nvidia-smi listed it."""
+    """Inside LXC the driver reports HOST pids; on a plain host the process has exited since."""
     in_container = getattr(ctx.target, "transport", None) == "pct"
     return "not visible here: a host pid?" if in_container else "exited, no longer in /proc"
 
 
 def stop_session(ctx: StepContext, job: Job, grace_s: float, record_stop: bool = False) -> Ended:
-    """SIGTERM the session's process tree (the trainer checkpoints and exits), SIGKILL after
-    grace_s, then remove the tmux session. With `record_stop` (an operator's stop) the job state says
+    """SIGTERM the session's tree, SIGKILL after grace_s, remove the session; `record_stop` records
     `stopping` before any signal, so an interrupt cannot leave the stop unrecorded."""
     from dflash_ops.act.grace import check_grace
 
@@ -107,8 +97,7 @@ def stop_session(ctx: StepContext, job: Job, grace_s: float, record_stop: bool =
 
 
 def kill_gpu_processes(ctx: StepContext, job: Job, grace_s: float = 10.0) -> Ended:
-    """End leftovers of earlier launches (they carry the launcher's marker). GPU processes that are
-    not this job's are reported, never signalled."""
+    """End leftovers of earlier launches (marked); foreign GPU processes are reported, never signalled."""
     return _end_job_processes(ctx, job, grace_s, include_session=False)
 
 
@@ -129,9 +118,8 @@ def wait_gpu_free(
     max_used_mib: int = 1024,
     poll_s: float = 2.0,
 ) -> StepOutcome:
-    """Wait until the job's processes have left its GPUs (at most max_used_mib besides what others'
-    processes hold); name what still holds them. After a step that `ended` the job's processes,
-    the foreign ones it saw are not waited for, and a failing GPU query cannot undo that they ended."""
+    """Wait until the job's processes have left its GPUs; after `ended`, foreign processes are not waited
+    for and a failing GPU query cannot undo that the job's ended."""
     gpus = list(job.gpus)
     if not gpus:
         return StepOutcome("no GPUs assigned to this job")
@@ -163,8 +151,7 @@ def wait_gpu_free(
 
 
 def without(snapshot, foreign: set[tuple[int, str]]):
-    """The snapshot with the foreign processes and their memory taken out (they are not ours to
-    wait for); a foreign process of unknown size makes its GPU count by its process list only."""
+    """The snapshot without the foreign processes and their memory (not ours to wait for)."""
     if not foreign:
         return snapshot
     gpus = []
@@ -196,9 +183,7 @@ def _check_purgeable(ctx: StepContext, job: Job, path: str) -> None:
 def purge_cache(
     ctx: StepContext, job: Job, paths: list[str] | None = None, if_unmarked: str = "fail"
 ) -> StepOutcome:
-    """Remove these compile-cache dirs (default the job's cache_dir), each only if it holds the
-    marker the launcher puts there (if_unmarked: "fail" or "skip" a dir without it); refuses while
-    any job process lives."""
+    """Remove compile-cache dirs only if they hold the launcher's marker, never while the job lives."""
     if if_unmarked not in ("fail", "skip"):
         raise _fail(ctx, f"if_unmarked must be fail or skip, not {if_unmarked!r}")
     paths = [job.cache_dir] if paths is None else paths
@@ -248,14 +233,12 @@ class Launched(StepOutcome):
 
 
 def launch(ctx: StepContext, job: Job, resume: bool) -> Launched:
-    """Start the trainer in a detached tmux session writing the next numbered log; the run is the
-    newest unfinished one (resume) or a new one (after a finished run, or resume false: --fresh)."""
+    """Start the trainer in a detached tmux session: the newest unfinished run (resume) or a new one."""
     return start_run(ctx, job, resume=resume)
 
 
 def start_run(ctx: StepContext, job: Job, *, resume: bool = True, run: str | None = None) -> Launched:
-    """launch, or with `run` (NNNN) that run whatever `resume` says: a multinode job chooses its
-    run once for all its nodes."""
+    """launch, or with `run` (NNNN) that run: a multinode job chooses it once for all its nodes."""
     _, why = resolve_cache(ctx, job, job.cache_dir)
     if why is not None:
         raise _fail(ctx, f"refusing to launch: {why}")
@@ -277,20 +260,16 @@ def start_run(ctx: StepContext, job: Job, *, resume: bool = True, run: str | Non
 
 
 def mark_stopped(ctx: StepContext, job: Job) -> StepOutcome:
-    """Record the operator's stop in the job state: health reports it as OK and never relaunches
-    the job; only a relaunch clears it. A stop that cannot be recorded fails this step."""
+    """Record the operator's stop, so health never relaunches the job; unrecorded, this step fails."""
     return _record_stop(ctx, job, jobstate.STOPPED)
 
 
 class _StateUnusable(StepFailed):
-    """The job state path is no regular file (a directory): no state can be recorded there, and a
-    reader already takes the job as one it must not relaunch."""
+    """The state path is no regular file: nothing can be recorded, and readers already won't relaunch."""
 
 
 def _record_stop(ctx: StepContext, job: Job, state: str, grace_s: float | None = None) -> StepOutcome:
-    """Record `state` (STOPPING, with the stop's grace, or STOPPED) at the target's clock, and read it
-    back: the stop counts only once the file says so. A finished run keeps its state (it was not
-    interrupted)."""
+    """Record `state` and read it back: the stop counts only once the file says so; a finished run stays."""
     path = jobpaths.state_file(job)
     result = ctx.run(jobstate.read_script(job), timeout=30)
     if ctx.dry_run:
@@ -355,9 +334,7 @@ def _watch_script(job: Job, log: str) -> str:
 def wait_first_step(
     ctx: StepContext, job: Job, launched: Launched, timeout_s: float, poll_s: float = 1.0
 ) -> StepOutcome:
-    """Wait until the metrics file of the log the launch started shows a training step; on failure
-    print the last log lines and the failure signature. Interrupted, it says that the job was
-    launched and trains on."""
+    """Wait for the first training step; on failure show the log's end, interrupted say the job trains on."""
     try:
         return _wait_first_step(ctx, job, launched, timeout_s, poll_s)
     except KeyboardInterrupt:
@@ -409,8 +386,7 @@ def _wait_first_step(
 
 
 def _why_no_step(records: list, panes: str) -> str | None:
-    """Why no step will come (the trainer reported an error, had nothing left to train, or is
-    gone), or None while one may still come. `panes`: tmux.pane_pids' answer."""
+    """Why no step will come (error, nothing to train, trainer gone), or None while one may."""
     from trainer.metrics_format import last_of
 
     error, done = last_of(records, "error"), last_of(records, "done")
@@ -447,8 +423,7 @@ def rollback(ctx: StepContext, job: Job, release: str | None = None) -> StepOutc
 
 
 def _refusable(ctx: StepContext, script: str, error: type[DflashOpsError]):
-    """Run a deploy script; its refusal (deploy_lib.REFUSED, one line on stderr saying why) is
-    raised as `error` carrying that line; any other failure as the remote command's error."""
+    """Run a deploy script; its refusal (deploy_lib.REFUSED) is raised as `error` with its stderr line."""
     result = ctx.run(script, timeout=120, check=False)
     if result.exit_code == deploy_lib.REFUSED:
         said = (result.stderr.strip().splitlines() or ["refused"])[-1]

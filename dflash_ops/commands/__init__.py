@@ -1,11 +1,5 @@
-"""The commands that act on a job: each is the steps it runs, in order, as plain Python, with its
-options as keyword arguments whose defaults are stated here once (the CLI's --help reads them
-with `default_of`). A job is N nodes: a target is the one-node job, a multinode job
-(inventory/multinode.py) is several, and each command is written once over the job's nodes
-(act/nodes.py runs a step on every node; act/phases.py holds the phases of a whole job). Each
-holds the job's lock on every node while it runs; a dry run takes none.
-
-This module imports its steps when a command runs, so `dflash-ops --help` stays light."""
+"""The commands that act on a job, as plain Python over its nodes; their keyword defaults are the
+CLI's. Steps are imported when a command runs, so `dflash-ops --help` stays light."""
 
 from __future__ import annotations
 
@@ -62,10 +56,8 @@ def relaunch(
     on_progress: OnProgress | None = None,
     on_locked: Callable[[], None] | None = None,
 ) -> RunResult:
-    """Check every node first, then stop the job, free its GPUs, purge its compile cache (`purge`),
-    deploy the trainer (`deploy`), launch it (resuming the newest unfinished run unless not
-    `resume`) and wait `timeout` seconds at most for its first training step. `on_locked` runs once
-    every node's lock is ours."""
+    """Check every node, stop, free GPUs, purge (`purge`), deploy (`deploy`), launch and wait `timeout`
+    for the first step; `on_locked` runs once every lock is ours."""
     from dflash_ops.act import phases as ph, steps as s
     from dflash_ops.act.nodes import on_nodes
 
@@ -105,11 +97,8 @@ def stop(
     dry_run: bool = False,
     on_progress: OnProgress | None = None,
 ) -> RunResult | NothingToDo:
-    """Record the operator's stop (`stopping`, before any signal), stop the job's tmux session,
-    record it `stopped` (health then reports the job as OK and never relaunches it; only a relaunch
-    clears it), end its leftover GPU processes and wait for them to leave its GPUs. On several
-    nodes, a node that fails does not hold up the others: they are stopped, recorded and freed all
-    the same, and the command fails naming the node."""
+    """Record `stopping`, stop the session, record `stopped` (health never relaunches it), free its GPUs;
+    a failing node does not hold up the others."""
     from dflash_ops.act import phases as ph, steps as s
     from dflash_ops.act.nodes import on_nodes
 
@@ -126,8 +115,7 @@ def stop(
 
 
 def _check_grace(job: Nodes, grace: float) -> None:
-    """--grace against every node's trainer, refused before anything connects (stop_session, the
-    step that signals, checks it too: for every way in)."""
+    """--grace checked against every node's trainer before anything connects."""
     from dflash_ops.act.grace import check_grace
 
     for target in job.node_targets():
@@ -142,8 +130,7 @@ def gpu_clean(
     dry_run: bool = False,
     on_progress: OnProgress | None = None,
 ) -> RunResult:
-    """End every process of the job on its GPUs and wait for them to leave; refuses while the job
-    runs unless `force`. Processes that are not the job's are reported, never signalled."""
+    """End the job's processes on its GPUs (refused while it runs unless `force`); never foreign ones."""
     from dflash_ops.act import phases as ph, preflight as p
     from dflash_ops.act.nodes import on_nodes
 
@@ -158,8 +145,7 @@ def gpu_clean(
 
 
 def purge_cache(job: Nodes, *, dry_run: bool = False, on_progress: OnProgress | None = None) -> RunResult:
-    """Remove the job's compile cache (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR under it): only a
-    dir holding the launcher's marker, and never while the job runs."""
+    """Remove the job's compile cache: only a dir with the launcher's marker, never while the job runs."""
     from dflash_ops.act import steps as s
     from dflash_ops.act.nodes import on_nodes
 
@@ -211,8 +197,7 @@ def run_playbook(
 
 
 def _running(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[tuple[Run, list[Node]]]:
-    """dflash_ops.act.nodes.running (a Run of the steps a command calls on every node of a job, each
-    locked), imported when a command runs."""
+    """dflash_ops.act.nodes.running, imported when a command runs."""
     from dflash_ops.act.nodes import running
 
     return running(*args, **kwargs)
@@ -254,10 +239,8 @@ class HealthAction:
 
 
 def auto_relaunch(job: Nodes, checked: JobChecked) -> HealthAction | None:
-    """The auto-relaunch rule, one for every job: relaunch (every node of) a CRITICAL job, at most
-    max_relaunches_per_hour (node 0's) under a guard named after the job, never two at once; an
-    attempt counts once it holds the job's locks. Its checks run on every node first, so a node that
-    cannot take part relaunches nothing."""
+    """The auto-relaunch rule: relaunch a CRITICAL job within its hourly budget, never two at once;
+    checks run on every node first, so a node that cannot take part relaunches nothing."""
     from dflash_ops.errors import DflashOpsError, JobBusy
     from dflash_ops.job.relaunch_guard import RelaunchGuard
 

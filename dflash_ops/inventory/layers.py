@@ -1,9 +1,5 @@
-"""Checking one layer of the inventory (`defaults:`, a target, a group list) against the field
-schema, merging layers, and naming the place in the file where a mistake is.
-
-Every mapping checked here comes from parse_yaml, or from `YamlMap.of` for plain dicts: a
-`YamlMap` that knows the line of each key.
-"""
+"""Checking one inventory layer (`defaults:`, a target) against the schema, merging layers, and naming
+the FILE:LINE of a mistake (every mapping is a YamlMap that knows its keys' lines)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""The inventory: which targets exist, how to reach them, and the job each one runs.
-
-`load_inventory()` finds and reads the inventory file (its format is documented at the top of the
-example `inventory.yaml` in the repository root), validates it and returns an `Inventory` of
-`model.Target` objects. Every mistake in the file is reported as ONE `InputError` line:
-`FILE:LINE: target 'NAME': field 'job.FIELD': what is wrong; how to fix it`.
-
-Validation happens in two passes: each layer (`defaults:`, each target) is checked on its own, so
-a bad value is reported where it is written; then each target is merged with what it inherits and
-checked as a whole (required fields, transport-specific rules, GPU roles, path safety).
-The field rules live in inventory_rules, the layer checks in inventory_layers and the whole-target
-checks in inventory_target; this module reads the file and ties the targets and groups together.
-"""
+"""Reads and validates the inventory file into an `Inventory`; every mistake is ONE InputError line,
+`FILE:LINE: target 'NAME': field 'job.FIELD': what is wrong; how to fix it`. Each layer is checked
+where it is written (layers.py), then each merged target as a whole (target.py)."""
 
 from __future__ import annotations
 
@@ -91,8 +81,7 @@ class Inventory:
         return None
 
     def jobs(self, name: str | None = None) -> list[Target | MultinodeJob]:
-        """The jobs a --target value names: a multinode job, else each target `resolve` gives (the
-        one-node job)."""
+        """The jobs a --target value names: a multinode job, else each target `resolve` gives."""
         if name is not None and name in self.multinode:
             return [self.multinode[name]]
         return list(self.resolve(name))
@@ -123,12 +112,8 @@ class Inventory:
 
 
 def find_inventory_file(path: str | None = None) -> str | None:
-    """The inventory file to read, or None for the built-in inventory.
-
-    Order: `path` (--inventory), $DFLASH_OPS_INVENTORY, ./inventory.yaml,
-    $XDG_CONFIG_HOME/dflash-ops/inventory.yaml (XDG_CONFIG_HOME defaults to ~/.config).
-    A file named explicitly (argument or variable) must exist.
-    """
+    """The inventory file, or None for the built-in one: `path`, $DFLASH_OPS_INVENTORY, ./inventory.yaml,
+    $XDG_CONFIG_HOME/dflash-ops/inventory.yaml; a file named explicitly must exist."""
     if path:
         path = os.path.expanduser(path)
         if not os.path.isfile(path):
@@ -237,8 +222,7 @@ def _top_level(data: object, top: Where) -> YamlMap:
 
 
 def _defaults(raw: object, line: int, top: Where) -> tuple[Fields, Lines]:
-    """The `defaults:` layer. They apply to ssh and pct targets only, so they must already be valid
-    remote values."""
+    """The `defaults:` layer: it applies to ssh and pct targets only, so its values must be remote ones."""
     defaults_where = Where(top.filename, "defaults")
     raw_defaults = mapping_or_empty(raw, "defaults", line, top, "{user: root, job: {workdir: /root/dflash}}")
     defaults, default_lines = check_layer(raw_defaults, TARGET_FIELDS, defaults_where)
@@ -292,8 +276,7 @@ def _check_rendezvous(targets: dict[str, Target], raw_targets: YamlMap, top: Whe
 
 
 def _machine(target: Target) -> tuple:
-    """Where a target's tmux server and processes live: this machine, or the host (and container,
-    and for ssh the user: each user has a tmux server of its own) it reaches."""
+    """Where a target's tmux server lives: this machine, or the host, container and (ssh) user it reaches."""
     if target.ssh is None:
         return ("this machine",)
     user = target.ssh.user if target.transport == "ssh" else None
@@ -301,8 +284,7 @@ def _machine(target: Target) -> tuple:
 
 
 def _check_identities(targets: dict[str, Target], raw_targets: YamlMap, top: Where) -> None:
-    """Two jobs on one machine never share a tmux socket and session: one would stop, and report as
-    its own, the other's trainer. Two targets reaching ONE job (the same workdir) are fine."""
+    """Two jobs on one machine never share a tmux socket and session (each would stop the other's trainer)."""
     seen: dict[tuple, Target] = {}
     for name, target in targets.items():
         job = target.job

@@ -42,8 +42,7 @@ SAME = (
 
 @dataclasses.dataclass(frozen=True)
 class NodeJob(Job):
-    """A node's part of a multinode job: its target's job with nnodes and the rendezvous endpoint
-    set, plus what only a multinode job has (read by jobpaths.runs_dir and torchrun.launcher_argv)."""
+    """A node's part of a multinode job: its target's job plus nnodes, rendezvous and the shared runs dir."""
 
     rdzv_id: str = ""  # torchrun --rdzv-id: one per launch of the job, the same on every node
     runs_dir: str = ""  # the runs dir every node shares

@@ -1,9 +1,5 @@
-"""The inventory's field rules: what each field of a target, its job and its health thresholds
-accepts, and the schema tables that name them.
-
-Each rule takes the YAML value and returns the clean value, or raises `Bad` with "what is wrong;
-how to fix it" (the caller adds file, line, target and field).
-"""
+"""The inventory's field rules and the schema tables that name them; a rule returns the clean value or
+raises `Bad` with "what is wrong; how to fix it" (the caller says where)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""dflash-ops reads the YAML users write (inventory, playbooks) with the trainer's shared loader,
-trainer.typed_yaml (a key written twice is refused, only true/false are booleans, FILE:LINE in
-every message); here its errors become InputError, the bad-input error every command reports."""
+"""The YAML users write, read with the trainer's strict loader; its errors become InputError."""
 
 from __future__ import annotations
 

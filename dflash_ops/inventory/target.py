@@ -1,6 +1,4 @@
-"""Building one `model.Target` from its merged fields, checking the rules that span fields:
-required fields, paths on this machine or the target, the job's GPU roles, the torchrun launcher
-and a cache directory that is safe to purge."""
+"""Building one `model.Target` from its merged fields, checking the rules that span fields."""
 
 from __future__ import annotations
 

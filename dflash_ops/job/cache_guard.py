@@ -1,7 +1,5 @@
-"""What the compile-cache dir may never hold or sit inside: the job's workdir, runs, releases,
-logs and python. purge-cache and every relaunch delete it, so the rule is checked on the paths as
-the inventory writes them, and again on the target after resolving symlinks there (a cache_dir of
-`<workdir>/scratch/0001` with `scratch -> runs` is a run's checkpoints)."""
+"""What the compile-cache dir may never hold or sit inside (purge deletes it): checked as written in the
+inventory, and again after resolving symlinks on the target."""
 
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ def owned_paths(workdir: str, log_dir: str, python: str = "") -> list[tuple[str,
 
 
 def problem(cache: str, owned: list[tuple[str, str, bool]]) -> str | None:
-    """Why `cache` (absolute) may not be purged, e.g. `lies inside the runs (checkpoints) (/w/runs)`;
-    None when it may. Paths are compared after normalising `..`."""
+    """Why `cache` may not be purged (e.g. `lies inside the runs (checkpoints) (/w/runs)`), or None."""
     cache = posixpath.normpath(cache)
     if cache.count("/") < 2:
         return "is too close to '/' to be purged safely"

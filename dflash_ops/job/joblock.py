@@ -1,7 +1,5 @@
-"""One dflash-ops command at a time acts on a job: an flock on `<workdir>/.dflash-ops.lock` held on
-the target for the whole command (remote/job_lock.sh, kept running through Transport.hold), so the
-losing one of two concurrent relaunches (or a stop meeting a relaunch) says who holds it and
-touches nothing. The lock goes when the command ends, or dies: its connection closes with it."""
+"""One command at a time acts on a job: an flock on the target held for the whole command, released when
+the command ends or dies (its connection closes with it)."""
 
 from __future__ import annotations
 
@@ -42,9 +40,7 @@ def describe_holder(line: str) -> str:
 
 @contextlib.contextmanager
 def held(transport, target: Target, command: str) -> Iterator[None]:
-    """Hold the job's lock while the block runs; JobBusy when another command holds it. A target
-    that cannot be reached at all is left to the command's own steps, which say so in their
-    words (preflight: "check 'reachable' … nothing was stopped") and can do nothing there either."""
+    """Hold the job's lock while the block runs (JobBusy when taken); unreachable: left to the steps."""
     script = shell_command(
         "job_lock.sh", jobpaths.lock_file(target.job), holder_line(command), str(MAX_HOLD_S)
     )

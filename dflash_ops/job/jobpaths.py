@@ -30,9 +30,7 @@ def current_release(job: Job) -> str:
 
 
 def runs_dir(job: Job) -> str:
-    """One directory per run (`runs/NNNN/`, the trainer's --output-dir): a run's checkpoints stay
-    in it across relaunches, and a new run never touches another run's files. The nodes of a
-    multinode job share one, on a shared filesystem (multinode_inventory.NodeJob.runs_dir)."""
+    """One directory per run (`runs/NNNN/`): its checkpoints survive relaunches, no other run touches them."""
     return getattr(job, "runs_dir", "") or posixpath.join(job.workdir, "runs")
 
 
@@ -73,20 +71,17 @@ def cache_marker(job: Job) -> str:
 
 
 def marker_value(job: Job) -> str:
-    """Identifies this job's processes: unique per box by construction, since it holds the job id
-    (derived from the workdir), whatever socket and session the job is given."""
+    """Identifies this job's processes: unique per box, since it holds the job id derived from the workdir."""
     return f"{job.tmux_socket}/{job.session}/{job.job_id}"
 
 
 def legacy_marker_value(job: Job) -> str:
-    """The marker an earlier version put on this job's processes (socket and session only): a job it
-    launched is still seen, stopped and relaunched (remote/procs.py: pick_identity)."""
+    """The marker an earlier version put on the job's processes, so a job it launched is still seen."""
     return f"{job.tmux_socket}/{job.legacy_session}"
 
 
 def identity_args(job: Job) -> dict:
-    """The job's identity as the remote scripts take it: its own, and the one a job launched by an
-    earlier version runs under (used only while the job state was written by such a version)."""
+    """The job's identity for the remote scripts: its own, and an earlier version's."""
     return {
         "socket": job.tmux_socket,
         "session": job.session,

@@ -68,8 +68,7 @@ class JobState:
 
     @classmethod
     def from_dict(cls, data) -> "JobState | None":
-        """None for anything that is not a state record (absent, foreign or damaged file); a field
-        of the wrong type or out of range is left out."""
+        """None for anything that is no state record; a field of the wrong type or range is left out."""
         if not isinstance(data, dict) or data.get("state") not in STATES:
             return None
         get = data.get
@@ -91,8 +90,7 @@ class JobState:
 
 
 def load(text: str):
-    """The JSON value of a state file's text, or None when it is not JSON (cut short, nested past
-    Python's recursion limit, larger than MAX_BYTES)."""
+    """The JSON value of a state file's text, or None when it is not JSON."""
     if not isinstance(text, str) or len(text) > MAX_BYTES:
         return None
     try:
@@ -106,8 +104,7 @@ def parse(text: str) -> JobState | None:
 
 
 def read_command(job: Job) -> str:
-    """Prints at most MAX_BYTES (+1, to see a larger file) of the state file; nothing when there
-    is none or it is not a regular file."""
+    """Prints at most MAX_BYTES (+1, to see a larger file) of a regular state file."""
     path = shlex.quote(jobpaths.state_file(job))
     return f"if [ -f {path} ]; then head -c {MAX_BYTES + 1} -- {path}; fi 2>/dev/null"
 
@@ -120,8 +117,7 @@ NOT_A_FILE_FIX = "remove it: no job state can be written in its place"
 
 
 def read_script(job: Job) -> str:
-    """Prints the target's clock (unix seconds), what the state path is (FILE, ABSENT,
-    NOT_A_FILE), then the state file's text (bounded)."""
+    """Prints the target's clock, the kind of the state path (FILE, ABSENT, NOT_A_FILE), then its text."""
     path = shlex.quote(jobpaths.state_file(job))
     kind = (
         f"if [ -f {path} ]; then echo {FILE}; elif [ -e {path} ] || [ -L {path} ]; "
@@ -141,9 +137,7 @@ def parse_read(stdout: str) -> tuple[float, str, JobState | None]:
 
 
 def stop_record(previous: JobState, state: str, when: float, grace_s: float | None = None) -> JobState:
-    """What `dflash-ops stop` records: STOPPING before it signals (the stop began at `when` and ends,
-    SIGKILL, `grace_s` later), STOPPED once the job ended; the last run and log stay named for
-    status and tail-log."""
+    """What `stop` records: STOPPING (with `grace_s`) before it signals, STOPPED once the job ended."""
     return dataclasses.replace(previous, state=state, by=STOPPED_BY, when=when, grace_s=grace_s)
 
 

@@ -1,7 +1,4 @@
-"""Plain data describing targets and jobs, as loaded from inventory.yaml (see inventory.py).
-
-The defaults written here are the only ones: the inventory passes only the fields a file sets.
-"""
+"""Plain data describing targets and jobs; the defaults here are the only ones."""
 
 from __future__ import annotations
 
@@ -92,9 +89,7 @@ class Job:
 
     @property
     def job_id(self) -> str:
-        """Who this job is on its box: the workdir, which holds its state, lock and runs, is the one
-        thing two jobs on a box never share; every name that must be unique (session, process
-        marker) is derived from it."""
+        """Who this job is on its box: the workdir, never shared; unique names derive from it."""
         return hashlib.sha256(self.workdir.rstrip("/").encode()).hexdigest()[:10]
 
     @property

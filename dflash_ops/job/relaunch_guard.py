@@ -1,9 +1,5 @@
-"""Guard for `health --auto-relaunch`: at most N relaunches per hour, never two at once.
-
-State lives on the machine that runs cron (one JSON file and one lock file per target), because
-that is where overlapping cron runs meet. The lock is an flock held for the whole relaunch, so a
-second health run that finds it taken reports that and does nothing.
-"""
+"""Guard for `health --auto-relaunch`: at most N relaunches per hour, never two at once; state lives
+where cron runs, because that is where overlapping runs meet."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""tmux commands for the job's session, as shell snippets sent through a transport.
-
-The job always runs on its own tmux socket (`tmux -L <socket>`), so nothing we do touches the
-user's own tmux sessions; targets use `=NAME` because plain names prefix-match.
-"""
+"""tmux commands for the job's session: its own socket keeps the user's sessions untouched, and
+`=NAME` because plain names prefix-match."""
 
 from __future__ import annotations
 

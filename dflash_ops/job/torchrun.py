@@ -55,11 +55,7 @@ def launcher_argv(job: Job) -> list[str]:
 
 
 def launch_line(job: Job, trainer: list[str]) -> list[str]:
-    """The threaded launch line `python -m trainer ...` as one rank's line under torchrun.
-
-    The job's GPU lists become CUDA_VISIBLE_DEVICES (see env); every rank then picks
-    cuda:LOCAL_RANK itself, so the trainer only needs to know its devices are CUDA.
-    """
+    """One rank's launch line under torchrun; each rank picks cuda:LOCAL_RANK of CUDA_VISIBLE_DEVICES."""
     module, rest = trainer[1:3], trainer[3:]  # [python] [-m trainer] [its arguments... train_args]
     kept = rest[: len(rest) - len(job.train_args)]
     for flag in ("--target-devices", "--drafter-devices"):
@@ -75,11 +71,7 @@ def env(job: Job) -> dict[str, str]:
 
 
 def rank_failure(lines: list[str]) -> tuple[str | None, list[int]]:
-    """(which rank died and how, or None; the 0-based line numbers that this explains).
-
-    The explained lines include torchrun's own tracebacks: ChildFailedError (the rank is the news,
-    not torchrun's wrapper) and SignalException (torchrun passing on an operator's stop).
-    """
+    """(which rank died and how, or None; the 0-based line numbers this explains, tracebacks included)."""
     own = {}
     used = []
     for i, line in enumerate(lines):

@@ -59,8 +59,7 @@ def latest(records: list[dict]) -> Acceptance | None:
 
 
 def problems(accept: Acceptance | None, min_tau: float) -> list[str]:
-    """WARNING reasons: tau under the inventory's floor, far under what accuracy predicts, or a
-    speculative output that differed from the target's own (a decoding bug)."""
+    """WARNING reasons: tau under its floor, far under what accuracy predicts, or a speculative mismatch."""
     if accept is None:
         return []
     reasons = []

@@ -44,9 +44,7 @@ class Shares:
 
 
 def split(total_s: float, gpu_on_host: bool = False) -> Shares:
-    """Shares of `total_s`. With the GPU query on the Proxmox host it runs before the container's
-    probe rather than beside it, so each gets a smaller share. Connecting usually takes a fraction
-    of its share, so the run may use what it leaves; the watchdog (`within`) holds the total."""
+    """Shares of `total_s`; a GPU query on the Proxmox host runs before the probe, so each gets less."""
     # the remote `timeout` counts whole seconds: round down, so it never outlasts the budget
     run_s = max(1.0, math.floor(total_s - MARGIN_S))
     # the parts end a second before the run's limit: python starts, the answer is written
@@ -63,8 +61,7 @@ def limit_connect(target: Target, connect_s: float) -> Target:
 
 
 def within(seconds: float, work: Callable[[], T], on_timeout: Callable[[], T]) -> T:
-    """work() if it returns within `seconds`, else on_timeout(). The abandoned work runs on in a
-    daemon thread, which never holds up the exit; its remote side ends under its own `timeout`."""
+    """work() if it returns within `seconds`, else on_timeout(); the abandoned work is a daemon thread."""
     box: dict = {}
 
     def run():

@@ -1,5 +1,4 @@
-"""One node's check (a target's): a probe round trip, then the verdict and the status (unreachable:
-UNKNOWN). job_check.py checks a job's nodes with it."""
+"""One node's check: a probe round trip, then the verdict and the status (unreachable: UNKNOWN)."""
 
 from __future__ import annotations
 
@@ -25,9 +24,7 @@ class Checked:
 
 
 def check(target: Target, now: float | None = None, timeout_s: float | None = None) -> Checked:
-    """One probe round trip, then the verdict; unreachable targets give UNKNOWN, never raise.
-    With `timeout_s` the whole check ends within it (see budget.py): parts that run out of
-    their share are UNKNOWN, the others are still reported."""
+    """One probe round trip, then the verdict, never raising; `timeout_s` bounds the whole check."""
     if timeout_s is None:
         return _check(target, now)
     shares = budget.split(timeout_s, gpu_on_host=target.gpu_host_ctid is not None)
@@ -39,8 +36,7 @@ def check(target: Target, now: float | None = None, timeout_s: float | None = No
 
 
 def checked_outcome(outcome) -> Checked:
-    """A fan-out's Checked for one target; a check that raised reads as UNKNOWN with its error
-    (one line), never as a missing answer."""
+    """A fan-out's Checked for one target; a check that raised reads as UNKNOWN with its error."""
     if outcome.error is None:
         return outcome.value
     error = outcome.error

@@ -1,8 +1,5 @@
-"""GPU snapshots (from nvidia-smi CSV or NVML) and the questions relaunch asks of them.
-
-Inside an LXC container the driver reports HOST pids: a snapshot may show memory in use with no
-visible process. The pid helpers here map host pids to containers on the Proxmox host.
-"""
+"""GPU snapshots and the questions relaunch asks of them; inside LXC the driver reports HOST pids,
+which the helpers here map to containers on the Proxmox host."""
 
 from __future__ import annotations
 
@@ -103,9 +100,7 @@ def _split(line: str, left: int, right: int) -> list[str]:
 
 
 def parse_nvidia_smi(gpu_csv: str, apps_csv: str = "", source: str = "nvidia-smi") -> GpuSnapshot:
-    """Snapshot from the CSV output of the nvidia-smi queries in remote/facts.py
-    (GPU_FIELDS; APP_FIELDS, or its first three). Output that is not such CSV (an error
-    message) becomes `error`."""
+    """Snapshot from the CSV of remote/facts.py's queries; anything else (an error message) is `error`."""
     gpus: list[dict] = []
     try:
         for line in gpu_csv.splitlines():
@@ -199,12 +194,8 @@ class BusyGpu:
 def busy_gpus(
     snapshot: GpuSnapshot, indices, min_free_mib: int | None = None, max_used_mib: int = IDLE_USED_MIB
 ) -> list[BusyGpu]:
-    """GPUs among `indices` that are not free yet.
-
-    Free means at least `min_free_mib` unused; by default (None) it means no compute process and
-    at most `max_used_mib` used, i.e. nothing but the driver's own reservation. Raises GpuUnavailable
-    when the snapshot has no GPU data and InputError when an index does not exist on the machine.
-    """
+    """GPUs among `indices` not free yet: free is `min_free_mib` unused, or by default no compute process
+    and at most `max_used_mib` used. GpuUnavailable without GPU data; InputError for an unknown index."""
     indices = sorted({int(i) for i in indices})
     if not indices:
         return []
@@ -242,12 +233,8 @@ def _list(indices) -> str:
 
 
 def container_of_pid(cgroup_text: str) -> str | None:
-    """Container id (Proxmox CTID) a process belongs to, from the text of /proc/PID/cgroup.
-
-    Handles cgroup v2 (`0::/lxc/200/ns/...`), v1 (`4:memory:/lxc/200`) and upstream LXC's
-    `lxc.payload.200` naming. The LXC monitor (`/lxc.monitor/200`) is NOT in the container.
-    Returns a string: compare with str(target.ctid).
-    """
+    """Container id (as text) a process belongs to, from /proc/PID/cgroup: cgroup v2, v1 and
+    `lxc.payload.N`; the LXC monitor (`/lxc.monitor/N`) is NOT in the container."""
     for line in cgroup_text.splitlines():
         path = line.split(":", 2)[-1]
         for part_index, part in enumerate(path.split("/")):
@@ -266,8 +253,7 @@ HOST_GPU_QUERY = shlex.join(HOST_GPU_QUERY_ARGV)
 
 
 def parse_host_gpu_query(stdout: str, ctid) -> GpuSnapshot:
-    """HOST_GPU_QUERY's output as a snapshot seen from container `ctid`: its processes carry their
-    in-container pids; other containers' and the host's processes keep host pids and say whose."""
+    """HOST_GPU_QUERY's output as container `ctid` sees it: its processes with their in-container pids."""
     gpu_csv, _, rest = stdout.partition("@@")
     apps_csv, _, procs = rest.partition("@@")
     snapshot = parse_nvidia_smi(gpu_csv, apps_csv, "nvidia-smi on the Proxmox host")

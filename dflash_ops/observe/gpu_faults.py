@@ -120,8 +120,7 @@ def parse(section) -> FaultReport:
 
 
 def host_faults_argv(binary: str = "nvidia-smi") -> list[str]:
-    """The fault query run on the Proxmox host (gpu_query_on: host): the same counters and kernel log
-    readers as the target's probe, answered in remote/host_gpu_faults.sh's text."""
+    """The fault query on the Proxmox host, answered in remote/host_gpu_faults.sh's text."""
     readers = [word for argv in KERNEL_LOG_COMMANDS for word in ("--", *argv)]
     return shell_argv(
         "host_gpu_faults.sh",

@@ -26,10 +26,8 @@ def job_pids(report) -> set[int]:
 
 
 def ownership(owner: str, visible: bool, is_job: bool) -> bool | None:
-    """The one rule for a process on the job's GPUs: foreign (True) when another container or the
-    host owns it, or when it is visible where the job runs and not the job's; the job's (False);
-    None when it cannot be told (a host pid not visible from inside LXC may be the job's trainer;
-    "gone": it ended while it was looked at)."""
+    """The one rule: foreign (True) when another owner or visible and not the job's; the job's (False);
+    None when it cannot be told (an invisible host pid may be the job's trainer)."""
     if owner == "gone":
         return None
     if owner:

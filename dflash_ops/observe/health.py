@@ -68,12 +68,8 @@ PART_NAMES = {"gpu": "GPUs", "session": "tmux session"}
 
 
 def evaluate(report, job: Job, now: float | None = None) -> Verdict:
-    """Verdict for a ProbeReport. `now` defaults to the target's clock at probe time (report.time),
-    which is the clock the log mtimes and metrics times were written with.
-
-    A probe part that ran out of its time is UNKNOWN by itself: its reason leads, and the level is
-    UNKNOWN unless what was seen is worse (a dead job stays CRITICAL). A tmux that did not answer is
-    no dead job: the session counts as possibly running, so progress is still judged."""
+    """Verdict for a ProbeReport at the target's clock; a part that ran out of time is UNKNOWN unless what
+    was seen is worse, and a silent tmux counts as possibly running."""
     verdict = _judged(report, job, report.time if now is None else now)
     unknown = [
         f"{PART_NAMES.get(part, part)} UNKNOWN: "
@@ -133,9 +129,7 @@ def _with_tau(perfdata: dict, accept, job: Job) -> dict:
 
 
 def progress_age(report, progress: logs.TrainingProgress, now: float) -> float | None:
-    """Seconds since the last sign of training progress, to 0.01 s: the one age health judges and
-    status shows (never negative: the probe reads its clock a moment before it reads the files, so
-    a line written in between looks a little "future")."""
+    """Seconds since the last sign of progress, never negative (the clock is read before the files)."""
     if progress.last_step_time is not None:
         since = progress.last_step_time
     elif progress.start_time is not None:
@@ -303,8 +297,7 @@ def nagios_line(target_name: str, verdict: Verdict) -> str:
 
 
 def nagios_line_many(results) -> tuple[str, int]:
-    """One line for several (target_name, Verdict) pairs: the worst level, each target's summary,
-    perfdata labels prefixed with the target. Returns (line, exit code)."""
+    """(one line for several (target, Verdict) pairs at the worst level, its exit code)."""
     results = list(results)
     level = worst(v.level for _, v in results)
     text = "; ".join(f"{_clean(name)} {v.level}: {_clean(v.summary)}" for name, v in results)

@@ -1,8 +1,5 @@
-"""A job's check, written once over its nodes (a job is N nodes; a single target is the one-node
-job): every node checked at once (each within the time budget), then ONE verdict. One node's
-verdict and status are the job's. Several nodes give the worst of them plus what only the whole
-job shows (half of it stopped, nodes in different runs, a node whose torchrun lost ranks) and
-every node's status; a node that does not answer is UNKNOWN by itself, the others still shown."""
+"""A job's check over its nodes, then ONE verdict: the worst node's plus what only the whole job
+shows; a node that does not answer is UNKNOWN by itself."""
 
 from __future__ import annotations
 
@@ -31,8 +28,7 @@ class JobChecked:
     status: TargetStatus | JobStatus
 
     def as_one_target(self) -> Checked:
-        """The job as one checked target named after it, with its one verdict: node 0 tells the
-        job's phase and launch, as it does for status (what health's hooks and memory read)."""
+        """The job as one checked target with its one verdict; node 0 tells its phase and launch."""
         first = self.nodes[0]
         named = dataclasses.replace(first.target, name=self.job.name)
         return Checked(named, self.verdict, first.status, first.report)

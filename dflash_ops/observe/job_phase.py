@@ -1,5 +1,4 @@
-"""What the job is doing, in one word, from a TargetStatus: the `state` label of `dflash_state` and
-the state an `health --on-change` hook is told about."""
+"""What the job is doing, in one word, for `dflash_state` and `health --on-change`."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ PHASES = (RUNNING, STOPPED, FINISHED, DOWN, UNKNOWN)
 
 
 def phase(status) -> str:
-    """running (its trainer lives), stopped (by an operator), finished (the run is complete), down
-    (neither: crashed, gone, never launched) or unknown (the probe or tmux gave no answer)."""
+    """running, stopped (by an operator), finished, down (crashed, gone, never launched) or unknown."""
     if not status.probed or status.session.running is None:
         return UNKNOWN
     if status.session.running:
@@ -26,8 +24,7 @@ def phase(status) -> str:
 
 
 def launch_number(status) -> int | None:
-    """The number of the job's current launch: each relaunch writes the next train-NNNN.log, and a
-    number is never reused while its log or metrics file exists."""
+    """The job's current launch number: each relaunch writes the next train-NNNN.log."""
     log = status.log or (status.job_state or {}).get("log")
     match = facts.LOG_NAME.match(posixpath.basename(log)) if isinstance(log, str) else None
     return int(match.group(1)) if match else None

@@ -1,5 +1,4 @@
-"""A multinode job's status: every node's TargetStatus with the torchrun ranks it runs, and the
-job's one verdict; its JSON here, its text in status_output, like a single target's."""
+"""A multinode job's status: every node's TargetStatus with its ranks, and the job's one verdict."""
 
 from __future__ import annotations
 

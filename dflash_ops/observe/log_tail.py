@@ -1,6 +1,4 @@
-"""`tail-log`: the job's log (the one its state names), its last lines, and with --follow the lines
-added since, by polling byte offsets (nothing keeps running on the target when we stop). The reads
-on the target are remote/log_read.sh, log_list.sh and log_follow.sh."""
+"""`tail-log`: the log the job state names; --follow polls byte offsets, so nothing stays running there."""
 
 from __future__ import annotations
 
@@ -36,9 +34,8 @@ def tail_log(
     poll_s: float = 1.0,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> str:
-    """Print the last `lines` lines (matching `grep`) of the job's log, or of `log`; with follow,
-    keep printing new lines. Following the job's log (no `log` given) moves on to the log the job
-    state names when a relaunch starts one, as tail -F does. Returns the path read last."""
+    """Print the last `lines` lines (matching `grep`) of the job's log or `log`; follow moves on to the
+    log a relaunch starts, as tail -F does. Returns the path read last."""
     pattern = compile_grep(grep)
     transport = make_transport(target)
     try:
@@ -61,9 +58,7 @@ def compile_grep(grep: str | None) -> re.Pattern | None:
 
 
 def job_log(transport, target: Target) -> str:
-    """The log of the run the job state names (never merely the newest file); the newest
-    train-NNNN.log only for a job launched before there was a job state. A state file that cannot
-    be read as one is refused (one line), never guessed past."""
+    """The log the job state names (the newest only without a state); an unreadable state is refused."""
     path = jobpaths.state_file(target.job)
     out = transport.check(jobstate.read_script(target.job), timeout=30, step="find the job's log").stdout
     _, kind, text = (out.split("\n", 2) + ["", ""])[:3]
@@ -110,8 +105,7 @@ def _newest_path(target: Target, listing: str) -> str | None:
 
 
 def _print_last(transport, target: Target, path: str, lines: int, pattern, emit, given: bool) -> int:
-    """Emit the last `lines` lines of `path`; returns its size as read, so a follower continues
-    exactly where this read ended."""
+    """Emit the last `lines` lines of `path`; returns the size read, where a follower continues."""
     first = transport.run(
         shell_command("log_read.sh", path, str(GREP_WINDOW_LINES if pattern else int(lines))),
         timeout=60,
@@ -153,8 +147,7 @@ def _follow(transport, target, path, offset, pattern, emit, poll_s, should_stop,
 
 
 def _poll(transport, target: Target, path: str, offset: int) -> tuple[str | None, int, str]:
-    """(the job's current log, the size of `path`, its bytes after `offset`) in one round trip. The
-    current log is the one the job state names; the newest train-NNNN.log only without a state."""
+    """(the job's current log, the size of `path`, its bytes after `offset`) in one round trip."""
     job = target.job
     out = transport.check(
         shell_command(

@@ -1,8 +1,5 @@
-"""Read a training run's output: known failure signatures in the human log, progress in the metrics.
-
-Signatures are ordered most specific first; each log line is claimed by the first one it matches,
-so an OOM is reported as an OOM and not also as a generic CUDA error.
-"""
+"""Known failure signatures in the human log and progress in the metrics; each log line is claimed by
+the first (most specific) signature, so an OOM is not also a generic CUDA error."""
 
 from __future__ import annotations
 
@@ -128,11 +125,7 @@ def _exception_line(lines: list[str], header_at: int) -> tuple[int, str]:
 
 
 def find_failures(text: str) -> list[Failure]:
-    """Known failures in `text`, one per signature (its latest occurrence), most specific first.
-
-    A traceback is reported as a generic exception only when its exception line is not already a
-    known signature; a KeyboardInterrupt is an operator's stop, not a failure.
-    """
+    """Known failures in `text`, the latest of each; a KeyboardInterrupt is an operator's stop."""
     # tqdm-style progress rewrites a line with \r: only the last state is what a person sees.
     lines = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
     found: dict[str, Failure] = {}
@@ -229,8 +222,7 @@ def recent_tokens_per_s(records: list[dict], window: int = 5) -> float | None:
 
 
 def _record_number(value) -> float | None:
-    """A metrics record's number as float; NaN and inf are kept (a NaN loss is news, see
-    loss_is_finite), anything else (text, a boolean, missing) is None."""
+    """A metrics number as float, NaN and inf kept (a NaN loss is news); anything else is None."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 

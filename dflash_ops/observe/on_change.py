@@ -94,8 +94,7 @@ def change_of(checked, old: verdict_memory.Remembered | None) -> Change | None:
 
 
 def run_hooks(command: str, checked_list, deadline: float, say) -> None:
-    """Run `command` for each job whose verdict changed, all at once, until `deadline` (monotonic);
-    remember each job's verdict. `say(line)` reports a hook that failed or ran out of time."""
+    """Run `command` for each job whose verdict changed, until `deadline`; remember each verdict."""
     started = []
     for checked in checked_list:
         old = verdict_memory.recall(checked.target)

@@ -91,8 +91,7 @@ class ProbeReport:
 
     @property
     def eval_scan(self) -> dict | None:
-        """How far back the probe looked for the newest eval record and whether its cap or time
-        ran out first; None when the metrics tail held it (or the whole file)."""
+        """How far back the probe looked for the newest eval; None when the tail held it."""
         scan = (self.raw.get("metrics") or {}).get("eval_scan")
         return scan if isinstance(scan, dict) else None
 
@@ -104,9 +103,7 @@ def probe_script_for(
     gpu_source: str = "auto",
     part_s: float | None = None,
 ) -> str:
-    """The bash script for `transport.run`: the job's python (python3 when that is not installed
-    yet, e.g. before the first deploy) runs the probe, whose text (remote.bundle) the caller passes
-    as stdin; every word is quoted."""
+    """The bash script running the probe with the job's python (python3 before the first deploy)."""
     args = {
         **jobpaths.identity_args(job),
         "log_dir": job.log_dir,
@@ -130,15 +127,8 @@ def run_probe(
     gpu_on_host: int | None = None,
     part_s: float | None = None,
 ) -> ProbeReport:
-    """Everything status/health need, in exactly ONE transport.run call.
-
-    `gpu_on_host=CTID` (pct targets with gpu_query_on: host) asks the Proxmox host for the GPUs in
-    the same round trip, so processes show their in-container pids and foreign ones their owner.
-    `part_s` bounds each slow part (GPU query, tmux): one that runs out is listed in `out_of_time`.
-
-    Raises the transport's TransportError when the target cannot be reached, RemoteCommandError
-    when the probe could not start, ProbeError when its output is unreadable.
-    """
+    """Everything status/health need, in ONE transport.run; `gpu_on_host=CTID` asks the Proxmox host for
+    the GPUs in the same round trip. Raises TransportError, RemoteCommandError or ProbeError."""
     if gpu_on_host is not None:
         return _run_probe_gpu_on_host(transport, job, timeout, log_lines, metrics_lines, gpu_on_host, part_s)
     script = probe_script_for(job, log_lines, metrics_lines, part_s=part_s)
@@ -158,8 +148,7 @@ def _run_probe_gpu_on_host(
     ctid: int,
     part_s: float | None = None,
 ) -> ProbeReport:
-    """Still one ssh session and one `pct exec`: the Proxmox host answers for the GPUs (real pids,
-    mapped to containers), then the probe runs in the container without its GPU section."""
+    """The Proxmox host answers for the GPUs (real pids), then the probe runs in the container."""
     inside = probe_script_for(job, log_lines, metrics_lines, gpu_source="none", part_s=part_s)
     query = limited(HOST_GPU_QUERY_ARGV, part_s)
     faults = limited(gpu_faults.host_faults_argv(), part_s)
@@ -204,8 +193,7 @@ def _run_probe_gpu_on_host(
 
 
 def limited(argv: Sequence[str], part_s: float | None) -> list[str]:
-    """argv under coreutils `timeout` (fractions allowed), killed 1 s after TERM; as it is without
-    a limit."""
+    """argv under coreutils `timeout`, killed 1 s after TERM; as it is without a limit."""
     return list(argv) if part_s is None else ["timeout", "-k", "1", f"{part_s:.2f}s", *argv]
 
 
@@ -228,8 +216,7 @@ def _host_faults(line: str, part_s: float | None) -> gpu_faults.FaultReport:
 
 
 def json_answer(stdout: str) -> dict | None:
-    """A remote script's JSON object: its whole output, or (login scripts on some hosts print
-    banners) its last line that starts one; None when there is none."""
+    """A remote script's JSON object: its output, or its last line starting one (hosts print banners)."""
     candidates = [stdout] + [line for line in reversed(stdout.splitlines()) if line.startswith("{")][:1]
     for text in candidates:
         try:
@@ -306,14 +293,12 @@ def _whole(value, signed: bool = False) -> int | None:
 
 
 def _launched_at(record) -> float | None:
-    """When the launch that wrote the job state began (target clock); its metrics file is read
-    from the start record of a trainer no older than that."""
+    """When the launch that wrote the job state began: metrics before it are an older trainer's."""
     return record.since if record is not None else None
 
 
 def _state_error(data: dict, record) -> str | None:
-    """What is wrong with the job state file: the probe's word for it, or (JSON that is no state
-    record) ours; None when it is absent or fine."""
+    """What is wrong with the job state file, or None when it is absent or fine."""
     error = data.get("job_state_error")
     if error:
         return str(error)[:200]

@@ -107,8 +107,7 @@ def _number(value: float) -> str:
 
 
 class Exposition:
-    """Samples gathered per family, written family by family (the format wants each family's
-    samples together, whichever target they come from)."""
+    """Samples per family, written family by family, as the format wants."""
 
     def __init__(self) -> None:
         self.samples: dict[str, list[tuple[dict, float]]] = {name: [] for name in FAMILIES}

@@ -1,7 +1,4 @@
-"""One target's status as status reads it: the object `status` and `health --json` print (through
-status_output), with its parts (GPUs with their roles in the job, tmux session, job processes,
-training, the latest evaluation), its JSON and back, and how it is built from the probe report, the
-job and the verdict."""
+"""One target's status (what `status` and `health --json` print), its JSON, and how it is built."""
 
 from __future__ import annotations
 
@@ -169,8 +166,7 @@ def verdict_from_json(data: dict) -> Verdict:
 
 
 def build_status(target_name: str, report, job, verdict: Verdict) -> TargetStatus:
-    """The status of one target. `report` may be None when the probe could not run; the job's
-    identity and the (UNKNOWN) verdict are still reported."""
+    """The status of one target; without a report the job's identity and UNKNOWN are still reported."""
     if report is None:
         return TargetStatus(
             target=target_name, session=TmuxSession(job.session, job.tmux_socket), verdict=verdict

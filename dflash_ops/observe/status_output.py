@@ -1,6 +1,4 @@
-"""What `status` and `health` print from status objects (a target's TargetStatus, a multinode job's
-JobStatus): dense text for people, where whatever the target sent is shown inert, and one JSON
-document for scripts."""
+"""What `status` and `health` print: dense text with what the target sent shown inert, or JSON."""
 
 from __future__ import annotations
 
@@ -25,9 +23,7 @@ def status_json(
     indent: int | None = 2,
     relaunched: Mapping[str, str] | None = None,
 ) -> str:
-    """One object for one status, a list for several. health --json with --auto-relaunch
-    (`relaunched` given, by name: what the relaunch did) adds `auto_relaunch` to each object, null
-    where none was tried."""
+    """One object per status (a list for several); `relaunched` adds `auto_relaunch` to each."""
     objects = [s.to_json() for s in statuses]
     if relaunched is not None:
         objects = [
@@ -37,8 +33,7 @@ def status_json(
 
 
 def target_text(st: TargetStatus, color: bool = False) -> str:
-    """One line per GPU, then session, progress and the verdict. What the target sent (its
-    hostname, names, paths, the job state) is shown inert."""
+    """One line per GPU, then session, progress and the verdict; the target's text is shown inert."""
     lines = [paint(inert(_head(st)), BOLD, color)]
     if st.gpu_error:
         lines.append(inert(f"GPUs: {st.gpu_error}"))
@@ -98,8 +93,7 @@ def ranks_line(ranks: Ranks) -> str:
 
 
 def session_line(session: TmuxSession) -> str:
-    """`session dflash (tmux -L dflash): running, pane pid 4100`, `exited with status 1`,
-    `not running` or `unknown`."""
+    """`session dflash (tmux -L dflash): running, pane pid 4100`, exited, not running or unknown."""
     if session.running is None:
         state = "unknown"
     elif session.running:

@@ -1,5 +1,4 @@
-"""The terminal colours status paints with, one per verdict level, and how text from the target
-is shown: inert, whatever it holds."""
+"""The terminal colours per verdict level, and text from the target shown inert."""
 
 from __future__ import annotations
 
@@ -12,15 +11,12 @@ def paint(text: str, code: str, color: bool) -> str:
 
 
 def inert(text: str) -> str:
-    """Text from the target as plain characters: every control character (the ESC that starts a
-    terminal sequence, BEL, a newline that would split a one-line message …) is shown as an escape
-    like \\x1b, so nothing the target sends acts on the operator's terminal. Tabs stay."""
+    """Control characters shown as escapes like \\x1b (tabs stay): the target cannot drive the terminal."""
     return "".join(ch if ch.isprintable() or ch == "\t" else _escaped(ch) for ch in str(text))
 
 
 def inert_log_line(line: str) -> str:
-    """A log line as a terminal would leave it (after a carriage return only what follows shows:
-    a progress bar's last state), then inert."""
+    """A log line as a terminal would leave it (only what follows a carriage return), then inert."""
     shown = [part for part in line.split("\r") if part]
     return inert(shown[-1] if shown else "")
 

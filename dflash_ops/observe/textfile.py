@@ -1,6 +1,4 @@
-"""Writing a file for node_exporter's textfile collector: it reads `*.prom` files from its
-`--collector.textfile.directory` at each scrape, so a file must appear whole: written under a name
-the collector ignores, flushed, then renamed into place (atomic within one filesystem)."""
+"""A file for node_exporter's textfile collector, renamed into place so it appears whole."""
 
 from __future__ import annotations
 
@@ -15,8 +13,7 @@ DEBIAN_DIR = "/var/lib/prometheus/node-exporter"  # prometheus-node-exporter's d
 
 
 def file_name(selection: str) -> str:
-    """`dflash-ops-<target or group>.prom`, one file per selection, so the cron lines of several
-    targets never overwrite each other's."""
+    """One file per target or group, so several cron lines never overwrite each other's."""
     return f"dflash-ops-{safe_name(selection)}{SUFFIX}"
 
 

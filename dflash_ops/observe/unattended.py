@@ -1,6 +1,4 @@
-"""Verdict rules for a job nobody watches: an operator's stop and a finished run are OK (nothing to
-restart), and the blind spots that must not pass for a dead job (a deleted log under a live
-trainer, foreign processes on the job's GPUs, a GPU query that fails) are WARNINGs."""
+"""Verdict rules for a job nobody watches: a stop or a finished run is OK; blind spots are WARNINGs."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ def _clock(seconds: float | None) -> str:
 
 
 def unusable_state(report, job) -> str | None:
-    """Why the job state file holds no usable state, as a reason; None when it is absent or fine.
-    Without it an operator's stop cannot be told from a crash, so nothing may relaunch the job."""
+    """Why the state file holds no usable state; without one a stop looks like a crash, so no relaunch."""
     if report.job_state_error is None:
         return None
     fix = (
@@ -43,8 +40,7 @@ STOP_SLACK_S = 120.0
 
 
 def stop_underway(report) -> str | None:
-    """The reason for a job an operator is stopping (`stopping`: a decision in progress, never a
-    crash); a stop that began long ago while the trainer still runs was interrupted before it signalled."""
+    """The reason for a job being stopped (never a crash); an old stop with a live trainer was interrupted."""
     state = jobstate.JobState.from_dict(report.job_state)
     if state is None or state.state != jobstate.STOPPING:
         return None
@@ -72,8 +68,7 @@ NEVER_LAUNCHED = "no job launched here yet (`dflash-ops relaunch` starts one)"
 
 
 def never_launched(report) -> bool:
-    """Nothing of the job was ever here: no session, no state, no log, no process. Still CRITICAL
-    (the job is not training), said as what it is rather than as a session that is gone."""
+    """Nothing of the job was ever here: still CRITICAL, said as what it is."""
     return (
         report.session.exists is False
         and report.job_state is None

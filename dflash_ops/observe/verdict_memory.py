@@ -1,7 +1,5 @@
-"""The last verdict `health` saw for each job, kept on the machine that runs health (beside the
-auto-relaunch guard's state, ~/.local/state/dflash-ops or $XDG_STATE_HOME), so the next run can
-tell a change from a repeat. One small JSON file per job, each write a whole new file renamed into
-place; a damaged file reads as no memory."""
+"""The last verdict `health` saw per job, kept where health runs, to tell a change from a repeat;
+each write renamed into place, a damaged file reads as no memory."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ class Remembered:
 
 
 def path_for(target) -> pathlib.Path:
-    """One file per job: the target's name plus a digest of what makes the job (its workdir, tmux
-    socket and session), so two jobs never share a memory."""
+    """One file per job, named by target and a digest of its workdir, socket and session."""
     job = target.job
     digest = hashlib.sha256(f"{job.workdir}\0{jobpaths.marker_value(job)}".encode()).hexdigest()[:12]
     return state_dir() / f"{safe_name(target.name)[:64]}-{digest}.verdict.json"
