@@ -1,5 +1,4 @@
-"""What a step function takes, read from its signature: literal parameters (from a playbook
-file), the Job, and results of earlier steps (a parameter typed as a StepOutcome subclass)."""
+"""What a step takes, from its signature: literal parameters, the Job, and earlier steps' results."""
 
 from __future__ import annotations
 

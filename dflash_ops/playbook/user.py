@@ -1,7 +1,5 @@
-"""Your own playbooks: steps of the step library with literal parameters, run in order on one
-target. A step gets the job, and what earlier steps gave, from the run by the type of its
-parameter (wait_first_step's `launched: Launched` is what the latest launch gave); `when:` runs a
-step only while an option is true (`options.NAME`) or false (`not options.NAME`)."""
+"""Your own playbooks: library steps with literal parameters, run in order on one target. A step gets
+earlier results by its parameter's type; `when:` tests `options.NAME` or `not options.NAME`."""
 
 from __future__ import annotations
 
@@ -49,8 +47,7 @@ class Playbook:
 
 
 def load(name_or_path: str, dirs: Sequence[Path], library: Library) -> Playbook:
-    """A playbook by name (the first of `dirs` that has NAME.yaml) or path, its steps checked
-    against `library`; a problem is one InputError naming FILE:LINE and the fix."""
+    """A playbook by name (first of `dirs` with NAME.yaml) or path, checked against `library`."""
     path = find(name_or_path, dirs)
     source = str(path)
     try:
@@ -106,8 +103,7 @@ def _entry(source: str, number: int, line: int, item: Any, library: Library, opt
 
 
 def bind_options(book: Playbook, library: Library, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The options: the playbook's defaults, overridden by `given` (None: not given; text from
-    --set reads as in YAML), after checking that each step gets the earlier results it needs."""
+    """The playbook's option defaults overridden by `given`, once each step gets the results it needs."""
     values = dict(book.options)
     for name, value in ((k, v) for k, v in given.items() if v is not None):
         if name not in book.options:

@@ -1,13 +1,6 @@
-"""Scripts that run ON the target, kept as files of this package so linters see them.
-
-Python scripts (*.py) are standalone (standard library only, Python >= 3.8) because the target may
-have nothing but a system python3. dflash-ops sends a script's text on python's stdin, preceded by
-the shared modules it imports (bundle()), so nothing needs installing there and the command line
-(what --dry-run prints, what `ps` shows) stays short.
-
-Bash scripts (*.sh) take every value as a positional argument ("$1"...), so no value is ever
-spliced into their text; shell_argv() (or shell_command(), the same as one command line) is the
-one way they travel."""
+"""Scripts that run ON the target, kept as files so linters see them. Python ones are stdlib-only and
+travel on stdin after the modules they share (bundle()); bash ones take every value as "$1"...,
+so no value is ever spliced into their text."""
 
 from __future__ import annotations
 
@@ -43,16 +36,13 @@ def script_source(filename: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def shell_code(filename: str) -> str:
-    """Bash script `filename` as it travels: without its whole-line comments, which are for readers
-    of the file. Its code holds no single quote, so a quoted command line (what --dry-run prints)
-    shows the code as it is."""
+    """Bash script `filename` without whole-line comments; no single quote in it, so it quotes cleanly."""
     lines = script_source(filename).splitlines()
     return "\n".join(line for line in lines if not line.lstrip().startswith("#")) + "\n"
 
 
 def shell_argv(filename: str, *args: str) -> list[str]:
-    """argv running bash script `filename` with `args` as its "$1"...; $0 names the file, so bash's
-    own errors say which script they come from."""
+    """argv running bash script `filename` with `args` as "$1"...; $0 names the file for bash's errors."""
     # The text travels as `bash -c`'s argument rather than on stdin: stdin is taken where the
     # script receives data (put's bytes) or shares a command with a remote Python script.
     return ["bash", "-c", shell_code(filename), filename, *args]
@@ -65,9 +55,7 @@ def shell_command(filename: str, *args: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def bundle(filename: str) -> bytes:
-    """Script `filename` as one self-contained program: the shared modules are defined first
-    (registered under their plain names, which the script imports when not run from this package),
-    then the script runs as __main__ (its own text compiled whole, `from __future__` included)."""
+    """Script `filename` as one program: the shared modules defined first, then the script as __main__."""
     prelude = ["import sys as _sys, types as _types"]
     for name, path in SHARED_MODULES:
         prelude.append(
@@ -81,7 +69,5 @@ def bundle(filename: str) -> bytes:
 
 
 def python_command(python: str, filename: str, args: dict, who: str | None = None) -> str:
-    """The command running script `filename` with the job's python (python3 before the first
-    deploy; remote/run_python.sh); the caller passes bundle(filename) as stdin. Its arguments are
-    one JSON word."""
+    """The command running `filename` with the job's python (python3 before deploy); args: one JSON word."""
     return shell_command("run_python.sh", python, filename, who or filename, json.dumps(args))

@@ -1,6 +1,4 @@
-"""Commands and in-process calls bounded by a deadline, for the remote scripts: a wedged driver can
-hang nvidia-smi or NVML, and the script must still answer. Standard library only, Python >= 3.8:
-remote.bundle() sends this file's text ahead of each remote script."""
+"""Commands and calls bounded by a deadline, because a wedged driver can hang nvidia-smi or NVML."""
 
 from __future__ import annotations
 
@@ -11,8 +9,7 @@ import time
 
 
 def start(argv):
-    """Start argv now and collect it later with `finish`: the probe's few commands run side by
-    side (one nvidia-smi call alone can take a tenth of a second)."""
+    """Start argv now and collect it with `finish`, so the probe's commands run side by side."""
     try:
         return subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
@@ -22,8 +19,7 @@ def start(argv):
 
 
 def finish(started, deadline):
-    """(exit code, stdout, stderr) of a started command, waited for until `deadline` (monotonic);
-    127 when the program does not exist, 124 when it ran out of time (and was killed)."""
+    """(exit code, stdout, stderr) by `deadline`; 127: no such program, 124: out of time (killed)."""
     if isinstance(started, tuple):
         return started
     try:
@@ -43,8 +39,7 @@ def out_of_time(what, part_s):
 
 
 def in_thread(fn, deadline, *args):
-    """fn(*args), or None when it is still running at `deadline` (an in-process call that hangs,
-    such as NVML on a wedged driver, cannot be killed: it is left in a daemon thread)."""
+    """fn(*args), or None at `deadline` (a hung in-process call cannot be killed: left in a daemon thread)."""
     box = []
     thread = threading.Thread(target=lambda: box.append(fn(*args)), daemon=True)
     thread.start()

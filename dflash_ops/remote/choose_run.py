@@ -1,8 +1,5 @@
-"""Stdlib-only script run ON THE TARGET: the run a multinode job launches on every node, chosen once
-in the shared runs dir by the rule a single target's launch follows (runs.choose); its directory is
-created.
-Usage: python3 - '{"runs": DIR, "resume": BOOL}' < (remote.bundle('choose_run.py')); prints NNNN.
-"""
+"""Run ON THE TARGET: the run a multinode job launches, chosen once in the shared runs dir (runs.choose).
+Usage: python3 - '{"runs": DIR, "resume": BOOL}' < (remote.bundle('choose_run.py')); prints NNNN."""
 
 import json
 import sys

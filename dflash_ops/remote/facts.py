@@ -1,10 +1,4 @@
-"""Facts the local side and the scripts run on the target share (standard library only, Python >= 3.8).
-
-remote.bundle() sends this file's text ahead of each remote script, so a fact here is defined once
-for both sides. The metrics file's name rule and the FX-tracing race's error live in
-trainer/metrics_format.py (shared with the trainer, which imports nothing from dflash_ops) and travel
-the same way.
-"""
+"""Facts the local side and the remote scripts share, defined once (stdlib only; bundle() sends it)."""
 
 import re
 

@@ -1,9 +1,5 @@
-"""GPU faults as the target sees them: uncorrected ECC errors, pages pending retirement and row
-remapping (NVML when the job's python has pynvml, else nvidia-smi), and Xid events from the kernel
-log (`dmesg`, else `journalctl -k`; inside a container the kernel log is often not readable, which
-is reported, never guessed at). Raw answers only: dflash_ops.observe.gpu_faults parses them, so there is
-one parser. Standard library only, Python >= 3.8: remote.bundle() sends this file's text ahead of
-each remote script."""
+"""GPU faults as the target sees them (ECC, page retirement, row remapping, kernel-log Xids), as raw
+answers: dflash_ops.observe.gpu_faults is the one parser. An unreadable kernel log is reported."""
 
 from __future__ import annotations
 
@@ -23,8 +19,7 @@ KERNEL_LOG_COMMANDS = (("dmesg",), ("journalctl", "-k", "-b", "-o", "short-monot
 
 
 def nvml_faults():
-    """Per GPU: uncorrected volatile ECC errors, retired pages pending, remapped rows (uncorrectable,
-    pending, failure); a field the GPU does not support is None. Never raises."""
+    """Per GPU: uncorrected ECC, pending retirements, remapped rows (None: unsupported); never raises."""
     try:
         import pynvml
     except ImportError:
@@ -74,8 +69,7 @@ def _text(value):
 
 
 def start_faults(source, binary, deadline):
-    """NVML answers in-process; otherwise both nvidia-smi queries start now. The kernel log's
-    first reader starts either way."""
+    """NVML answers in-process, else both nvidia-smi queries start now; the kernel log reader starts too."""
     nvml = in_thread(nvml_faults, deadline) if source in ("auto", "nvml") else None
     smi = (
         None
@@ -110,10 +104,8 @@ def _first(out, err, rc):
 
 
 def _xid_lines(started, deadline):
-    """The newest Xid lines of the kernel log with the clock their `[seconds]` stamps count on (the
-    kernel's printk clock runs with CLOCK_MONOTONIC, which containers share with the host, unlike
-    the /proc/uptime lxcfs shows them), or why the kernel log could not be read (each reader tried
-    in turn)."""
+    """The newest Xid lines with their printk clock (CLOCK_MONOTONIC, shared with the host, unlike lxcfs
+    uptime), or why no reader could read the kernel log."""
     tried = []
     for position, argv in enumerate(KERNEL_LOG_COMMANDS):
         rc, out, err = finish(started if position == 0 else start(list(argv)), deadline)

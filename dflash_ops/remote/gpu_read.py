@@ -1,7 +1,4 @@
-"""The GPUs and their compute processes as the target sees them: through NVML (pynvml, when the
-job's python has it) or nvidia-smi's CSV (parsed by dflash_ops.observe.gpu, so there is one parser).
-Standard library only, Python >= 3.8: remote.bundle() sends this file's text ahead of each remote
-script."""
+"""The GPUs and their compute processes via NVML or nvidia-smi's CSV (parsed by dflash_ops.observe.gpu)."""
 
 from __future__ import annotations
 
@@ -37,8 +34,7 @@ def nvml_query():
 
 
 def nvml_answer(pynvml, read, what):
-    """read(pynvml)'s answer, or `WHAT failed: …` when it raised; NVML (initialised by the caller)
-    is shut down after, whatever happened."""
+    """read(pynvml), or `WHAT failed: …`; NVML is shut down after, whatever happened."""
     try:
         return read(pynvml)
     except Exception as e:

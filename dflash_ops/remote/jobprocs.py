@@ -1,11 +1,5 @@
-"""Stdlib-only script run ON THE TARGET: find the job's processes and, if asked, end them.
-
-The job's processes are the ones remote/procs.py proves to be the job's (the trees under its live
-tmux panes, and any process carrying the launcher's marker). GPU compute processes
-on the job's GPUs that are neither are reported as unidentified and never signalled.
-With "action": "kill" it ends them (SIGTERM, SIGKILL after grace_s); any other action only lists.
-Usage: python3 - '<json args>' < (remote.bundle('jobprocs.py')); prints one JSON object.
-"""
+"""Run ON THE TARGET: the job's processes (remote/procs.py's rule), ended with "action": "kill";
+other GPU processes are reported as unidentified, never signalled. Prints one JSON object."""
 
 import json
 import os
@@ -22,10 +16,7 @@ except ImportError:  # on the target: remote.bundle() defined them ahead of this
 
 
 def panes(socket, session):
-    """The session's panes (procs.parse_panes); [] when there is no session.
-
-    tmux marks a pane dead when its pty closes and learns the exit status only when it reaps the
-    child a moment later: a dead pane without a status is asked again, for up to a second."""
+    """The session's panes; a dead pane without a status yet is asked again for up to a second."""
     found = []
     for _ in range(10):
         try:
@@ -109,11 +100,8 @@ def main():
 
 
 def unidentified_gpu_apps(args, job):
-    """GPU processes that are not the job's, as [{pid, gpu, used_memory_mib, owner, visible, cmd, name}].
-
-    The apps come as [pid, gpu, MiB, owner, name] from the Proxmox host (pids already mapped into
-    this container; owner names another container or the host, whose pids mean nothing here), else
-    they are asked here."""
+    """GPU processes not the job's, as [{pid, gpu, used_memory_mib, owner, visible, cmd, name}];
+    `apps` come from the Proxmox host when given (owners other than us), else are asked here."""
     apps = args.get("gpu_apps")
     if apps is None:
         apps = [(pid, gpu, used, "", "") for pid, gpu, used in gpu_apps(set(args.get("gpus", [])))]
@@ -136,8 +124,7 @@ def unidentified_gpu_apps(args, job):
 
 
 def end_job(report, table, job, roots, grace_s):
-    """SIGTERM, up to `grace_s` for the job to leave, then SIGKILL for what is left; each signal only
-    to a process that is still the one listed in `table`."""
+    """SIGTERM, up to `grace_s`, then SIGKILL; only to a process still the one listed in `table`."""
     # Signal the pane's shell last: when it dies tmux closes the pty and the trainer gets
     # SIGHUP, which would cut its graceful shutdown (final checkpoint) short.
     first = [p for p in job if p not in roots] or job

@@ -1,12 +1,5 @@
-"""Stdlib-only script run ON THE TARGET: start the job's trainer in a detached tmux session.
-
-It picks the run (runs.choose, or the run the caller names), the next train-NNNN.log, creates the
-cache dir with its marker, starts the session running pane.sh, records the job state `running`
-and prints the log's path. Every value comes in the one JSON argument (dflash_ops.act.launch) and
-stays data: paths reach the filesystem and argv as they are, the state is encoded by json.
-Usage: python3 - '<json args>' < (remote.bundle('launch_job.py'))
-Exit 3: the session is already running; 2: `run` is not a run number (NNNN).
-"""
+"""Run ON THE TARGET: start the trainer in a detached tmux session, record `running`, print the log's
+path. Every value stays data (one JSON argument). Exit 3: already running; 2: `run` is no NNNN."""
 
 import json
 import os
@@ -96,8 +89,7 @@ def launch(args):
 
 
 def session_taken(args):
-    """Why the session cannot be started: it runs, this job's or (its pane carries another job's
-    marker) another job's, which stopping this job would never end."""
+    """Why the session cannot start: it runs, this job's or another job's (stopping us would never end it)."""
     listed = tmux(
         args["socket"],
         procs.pane_command(args["socket"], args["session"])[3:],
@@ -139,8 +131,7 @@ def pane_pid(socket, target):
 
 
 def pane_command(args, log, run, resume, out, finished):
-    """argv of the pane: pane.sh under the job's marker (proof that the pane's pid is the job's),
-    with the trainer's environment and argv, its run dir in place of the caller's stand-in."""
+    """argv of the pane: pane.sh under the job's marker, with the trainer's environment and argv."""
     argv = [word.replace(args["run_dir_word"], out) for word in args["argv"]]
     env = ["%s=%s" % item for item in args["env"].items()]
     return [
@@ -177,9 +168,8 @@ def move_legacy_run(runs_dir, legacy):
 
 
 def prepare_cache(cache, marker, marker_value, entries):
-    """The cache dir with its marker, created when absent; an existing dir is adopted only when it
-    holds nothing but `entries` (what the launcher puts there), so purge-cache, which deletes only
-    marked dirs, never deletes anything else."""
+    """The cache dir with its marker; an existing dir is adopted only when it holds nothing but `entries`,
+    so purge-cache never deletes anything else."""
     if os.path.exists(cache) and not holds_only(cache, entries):
         return
     os.makedirs(cache, exist_ok=True)

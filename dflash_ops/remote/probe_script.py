@@ -1,27 +1,8 @@
 """Gather, in one process on the target, everything `status` and `health` need; print ONE JSON object.
 
-Standalone on purpose: standard library only, Python >= 3.8, because it runs in the container with
-whatever python is there. dflash_ops sends this file's text on python's stdin (remote.bundle(),
-which defines the shared modules first) with one argument, a JSON object:
-
-  {"log_dir": str, "session": str, "socket": str, "log_lines": int, "metrics_lines": int,
-   "gpu_source": "auto"|"nvml"|"nvidia-smi"|"none", "nvidia_smi": str, "part_s": float,
-   "state_file": str, "marker": "DFLASH_OPS_JOB=<socket>/<session>/<job id>", "eval_context_steps": int,
-   "legacy_session": str, "legacy_marker": str}   (the identity of a job an earlier version launched)
-
-When the metrics tail holds no `eval` record, the newest one (of the current run) is looked for
-further back, with the `eval_context_steps` step records carrying `acc` just before it (the
-expected tau needs them): "metrics" gains "eval_lines" and "eval_scan" (bytes read, the cap, and
-whether the cap or the time ran out first).
-
-`part_s` bounds each slow part (GPU query, tmux): a part that runs out of time reports an error
-for itself, is listed in "out_of_time", and the other parts are still reported.
-The log read is the one the job state names (`state_file`), never merely the newest file; only
-without a job state (a job launched before there was one) the newest train-NNNN.log is read.
-
-Every section catches its own failures into the output, so one broken part (no driver, no tmux,
-no log yet) never hides the others; the script itself exits 0 unless its argument is unusable.
-"""
+Stdlib only, Python >= 3.8 (whatever python the container has); its argument is built by
+observe.probe.probe_script_for. Each section catches its own failures and each slow part is bounded
+by `part_s`, so one broken or hung part never hides the others."""
 
 from __future__ import annotations
 
@@ -99,8 +80,7 @@ class OthersSession(Exception):
 
 
 def job_processes(panes, marker):
-    """The job's living processes (remote/procs.py's rule: never a dead pane's reused pid), parents
-    before children, and which of them carry the launcher's marker."""
+    """The job's living processes, parents first, and which carry the launcher's marker."""
     table = procs.process_table()
     wanted = marker.encode() if marker else b""
     others = procs.others_panes(panes, table, wanted)
@@ -156,9 +136,8 @@ def file_tail(path, lines):
 
 
 def newest_eval(path, size, context_steps, cap_bytes, deadline):
-    """The newest `eval` line of the current run (none once a `start` record is passed) and up to
-    `context_steps` step records with `acc` before it, oldest first; the file's first `size` bytes
-    (what the tail saw) are read backwards in chunks, at most `cap_bytes`, and not past `deadline`."""
+    """The current run's newest `eval` line and up to `context_steps` step records with `acc` before it,
+    read backwards from `size`, at most `cap_bytes` and not past `deadline`."""
     scan = {"found": False, "bytes_read": 0, "cap_bytes": cap_bytes, "cap_hit": False, "out_of_time": False}
     found, steps = [], []
     with open(path, "rb") as f:
@@ -224,8 +203,7 @@ def with_newest_eval(tail, context_steps, cap_bytes, deadline):
 
 
 def read_job_state(path):
-    """(the job state dict dflash-ops wrote or None, what is wrong with the file or None): an
-    absent file is no state; one that cannot be read as a state is reported, never guessed at."""
+    """(the job state or None, what is wrong with the file or None); a bad one is reported, never guessed."""
     if not path or not os.path.lexists(path):
         return None, None
     if not os.path.isfile(path):
@@ -358,9 +336,7 @@ def probe(args, where, lines):
 
 
 def start_gpu_parts(args, errors, gpu_source, deadline, part_s):
-    """The GPU query and the GPU faults query (ECC, row remapping, Xid in the kernel log), started
-    side by side; (None, None) for gpu_source "none": the caller asks the Proxmox host instead, which
-    sees the real pids."""
+    """The GPU and GPU faults queries, side by side; none for "none" (the Proxmox host is asked instead)."""
     if gpu_source == "none":
         return None, None
     smi = args.get("nvidia_smi") or "nvidia-smi"
@@ -370,8 +346,7 @@ def start_gpu_parts(args, errors, gpu_source, deadline, part_s):
 
 
 def ours_only(session, marker):
-    """job_processes of the session's panes; a session held by another job reads as no session of
-    ours (its trainer is never shown, stopped or relaunched as this job's)."""
+    """job_processes of the panes; a session another job holds reads as no session of ours."""
     panes = (session or {}).pop("panes", [])
     try:
         return job_processes(panes, marker)

@@ -47,20 +47,17 @@ def read(path, limit=65536):
 
 
 def tmux_word(word):
-    """`word` as one tmux argument: tmux ends a command at any word ending in ";", and reads a
-    final "\\;" as the ";" itself."""
+    """`word` as one tmux argument: tmux ends a command at a word ending in ";"."""
     return word[:-1] + "\\;" if word.endswith(";") else word
 
 
 def pane_command(sock, session):
-    """argv listing the session's panes; "=NAME:" because tmux 3.3 resolves `-t =NAME` of
-    list-panes -s by prefix (=job finds jobber)."""
+    """argv listing the session's panes; "=NAME:" because tmux 3.3 prefix-matches `-t =NAME` here."""
     return ["tmux", "-L", sock, "list-panes", "-s", "-t", "=" + session + ":", "-F", PANE_FORMAT]
 
 
 def parse_panes(out):
-    """[{"pid", "dead", "status", "created"}] from tmux's answer; lines that do not read as one
-    are skipped (status None when tmux has not reported it yet, created None when unknown)."""
+    """[{"pid", "dead", "status", "created"}] from tmux's answer; unreadable lines are skipped."""
     found = []
     for line in (out or "").splitlines()[:MAX_PANES]:
         parts = line.split(PANE_SEPARATOR)
@@ -89,8 +86,7 @@ def _signed_digits(text):
 
 
 def stat_fields(pid):
-    """(state, ppid, start ticks, name) from /proc/PID/stat, or None; the name may hold spaces and
-    parentheses, so the fields are split after the LAST ')'."""
+    """(state, ppid, start ticks, name) from /proc/PID/stat, split after the LAST ')' (names hold spaces)."""
     raw = read("/proc/%d/stat" % pid, 4096)
     if not raw:
         return None
@@ -140,8 +136,7 @@ def has_marker(pid, marker):
 
 
 def has_other_marker(pid, marker):
-    """The process carries the marker's NAME with another VALUE: it is another job's (a session name
-    two jobs share: no start time proves it ours)."""
+    """The process carries the marker's NAME with another VALUE: it is another job's."""
     env = read("/proc/%d/environ" % pid, MAX_ENVIRON_BYTES)
     name = marker.split(b"=", 1)[0] + b"="
     return (
@@ -220,8 +215,7 @@ def cmdline(pid, limit=2000):
 
 
 def pick_identity(args):
-    """(session, marker) to look for: the job's own, or the earlier version's one while the job state
-    was written by an earlier version (its job, if still running, runs under that)."""
+    """(session, marker) to look for: the job's own, or an earlier version's when it wrote the state."""
     own = (args["session"], args.get("marker") or "")
     legacy = (args.get("legacy_session"), args.get("legacy_marker"))
     if not all(legacy) or not args.get("state_file"):

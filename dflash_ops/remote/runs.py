@@ -1,7 +1,4 @@
-"""A job's runs: one directory per run in its runs dir, named by its number (NNNN, at least four
-digits), and the rule for which run a launch continues. Standard library only, Python >= 3.8:
-remote.bundle() sends this file's text ahead of each remote script (the launcher, and the run a
-multinode job chooses once for all its nodes)."""
+"""A job's runs (runs/NNNN) and the rule for which run a launch continues (stdlib only)."""
 
 import os
 import re
@@ -29,8 +26,7 @@ def newest(runs):
 
 
 def choose(runs, resume):
-    """The run a launch uses, its directory created: with `resume` the newest run unless the trainer
-    left it finished (metrics_format.RUN_FINISHED), else a new one numbered after the newest."""
+    """The run a launch uses, created: with `resume` the newest unless finished, else a new one."""
     os.makedirs(runs, exist_ok=True)
     last = newest(runs)
     if (

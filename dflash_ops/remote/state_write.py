@@ -1,11 +1,5 @@
-"""Writes the job state file that dflash_ops.job.jobstate reads: the state encoded by json (a
-hostile path stays data), a whole new file renamed into place so a reader never sees half a state.
-Standard library only, Python >= 3.8.
-
-The launcher imports it (remote.bundle() sends it ahead of each remote script); the tmux pane runs
-its text when the trainer has completed the run:
-    PYTHON -I -c SOURCE STATE_FILE STATE_JSON TIME_FIELD
-which writes the object STATE_JSON with TIME_FIELD set to the time now (unix seconds)."""
+"""Writes the job state file (json-encoded, renamed into place so no reader sees half of it); stdlib only.
+The pane runs it when the run completes: PYTHON -I -c SOURCE STATE_FILE STATE_JSON TIME_FIELD."""
 
 import json
 import os

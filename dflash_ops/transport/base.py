@@ -1,6 +1,4 @@
-"""One interface for every way of reaching a job: local subprocess, ssh, ssh + pct exec; and the
-small rules every transport shares for turning a finished bash run into a Result (exit codes,
-time limits, decoding), so local, ssh and pct runs behave the same."""
+"""One interface for every way of reaching a job, and the rules turning a bash run into a Result."""
 
 from __future__ import annotations
 
@@ -33,11 +31,7 @@ def remote_limit_s(timeout: float) -> int:
 
 
 def with_remote_timeout(script: str, timeout: float) -> list[str]:
-    """argv that runs `script` in bash under coreutils `timeout` ON THE REMOTE SIDE.
-
-    A local time limit alone leaves the remote command running (fabric does not stop it).
-    Exit code 124 means the limit was hit; 137 means it had to be killed.
-    """
+    """argv running `script` under coreutils `timeout` ON THE REMOTE SIDE (fabric won't stop it)."""
     return ["timeout", "-k", str(KILL_AFTER_S), f"{remote_limit_s(timeout)}s", "bash", "-c", script]
 
 
@@ -60,11 +54,7 @@ def decode(data: bytes) -> str:
 def finish(
     target: str, step: str, timeout: float, exit_code: int, stdout: bytes, stderr: bytes, seconds: float
 ) -> Result:
-    """The Result of a run, or RemoteTimeout when the remote `timeout` ended it.
-
-    124 (TERM) and 137 (KILL after KILL_AFTER_S) mean "time limit" only if the run actually
-    lasted that long: a script that exits 124 by itself after a second is not a timeout.
-    """
+    """The Result, or RemoteTimeout when 124/137 came after the limit really elapsed."""
     err = decode(stderr)
     if exit_code in (124, 137) and seconds >= remote_limit_s(timeout):
         how = (
@@ -79,8 +69,7 @@ def finish(
 
 
 def outlived(target: str, step: str, limit_s: float, stderr: bytes, then: str) -> RemoteTimeout:
-    """The local watchdog's error: the command outlived `limit_s`, although its remote `timeout`
-    (and the KILL after it) should have ended it first."""
+    """The local watchdog's error: the command outlived `limit_s` despite its remote `timeout`."""
     return RemoteTimeout(
         target,
         step,
@@ -90,11 +79,7 @@ def outlived(target: str, step: str, limit_s: float, stderr: bytes, then: str) -
 
 
 class Transport(abc.ABC):
-    """Run bash scripts on a target and put files there.
-
-    `run` never raises for a non-zero exit code (see `check`); it raises TransportError subclasses
-    when the target cannot be reached or the time limit is hit.
-    """
+    """Run bash scripts on a target and put files there; `run` raises only when unreachable or out of time."""
 
     def __init__(self, name: str):
         self.name = name
@@ -109,8 +94,7 @@ class Transport(abc.ABC):
     def _execute(
         self, argv: list[str], stdin: bytes | None, limit_s: float, step: str
     ) -> tuple[int, bytes, bytes, float]:
-        """Run `argv` on the target, given up after `limit_s` (see outlived); (exit code, stdout,
-        stderr, seconds)."""
+        """Run `argv`, given up after `limit_s`; (exit code, stdout, stderr, seconds)."""
         raise NotImplementedError
 
     def check(
@@ -129,10 +113,7 @@ class Transport(abc.ABC):
     def hold(
         self, script: str, step: str = "hold", answer_s: float = 30
     ) -> contextlib.AbstractContextManager[str]:
-        """Start `script` on the target with its stdin left open, and yield the first line it
-        prints (within answer_s); leaving the block closes its stdin (EOF) and lets it end. If this
-        process dies, the connection and so the stdin close too: what the script holds (a lock) is
-        released either way."""
+        """Start `script`, yield its first line; leaving (or dying) closes its stdin, releasing its hold."""
         raise TransportError(self.name, step, "this transport cannot keep a command running")
 
     @abc.abstractmethod

@@ -1,5 +1,4 @@
-"""--dry-run as a transport: commands are described as the real transport would run them, and
-none runs."""
+"""--dry-run as a transport: commands described as the real transport would run them; none runs."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ _EMPTY = Result(0, "", "", 0.0)
 
 
 class DryRunTransport(Transport):
-    """Describes commands as the real transport would run them and runs none: every run answers
-    as an empty success (as invoke's dry=True does), every put writes nothing."""
+    """Runs nothing: every run is an empty success, every put writes nothing."""
 
     def __init__(self, real: Transport):
         super().__init__(real.name)

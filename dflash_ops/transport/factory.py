@@ -10,9 +10,7 @@ from dflash_ops.transport.base import Transport
 
 
 def make_transport(target: Target) -> Transport:
-    """A ready (not yet connected) transport for `target`; connections open on first use. The
-    inventory has checked the target (transport kind, ssh section, ctid). fabric and paramiko are
-    imported only for a target that uses ssh."""
+    """A transport for `target`, connecting on first use; fabric is imported only for ssh targets."""
     if target.transport == "local":
         from dflash_ops.transport.local import LocalTransport
 

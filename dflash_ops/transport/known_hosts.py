@@ -53,8 +53,7 @@ def _wildcard(pattern: str) -> re.Pattern:
 
 
 def names_match(field: str, entry: str) -> bool:
-    """OpenSSH host patterns: comma-separated, `*` and `?` wildcards, `!` negates (a negated match
-    rules the line out), or one hashed name."""
+    """OpenSSH host patterns: comma-separated, `*`/`?`, `!` rules the line out, or one hashed name."""
     if field.startswith("|"):
         return _hashed_name_matches(field, entry)
     entry = entry.lower()

@@ -52,8 +52,7 @@ class PctTransport(SshTransport):
     def run_on_host(
         self, script: str, timeout: float = 60, step: str = "run", stdin: bytes | None = None
     ) -> Result:
-        """Run `script` on the Proxmox host itself, over the same connection. The host sees what
-        the container cannot: real pids of GPU processes and the cgroup (container) of each."""
+        """Run `script` on the Proxmox host, which sees real GPU pids and each process's container."""
         # _exec classifies the answer: a `pct exec` inside the script fails the same way
         code, out, err, seconds = self._exec(
             self._host_line(script, timeout), stdin, local_limit_s(timeout), step

@@ -43,8 +43,7 @@ DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 
 
 def put_script(remote_path: str, mode: int, size: int) -> str:
-    """bash that stores stdin at remote_path atomically (remote/put_file.sh: temp file in the same
-    dir, size check, rename)."""
+    """bash storing stdin at remote_path atomically (remote/put_file.sh)."""
     return shell_command("put_file.sh", remote_path, f"{mode:o}", str(size))
 
 

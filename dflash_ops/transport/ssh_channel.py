@@ -1,5 +1,4 @@
-"""Bytes on one paramiko channel: stdout until the command exits, stdin then EOF, stderr drained
-alongside, and a user's terminal passed through to a pty."""
+"""Bytes on one paramiko channel: stdout until exit, stdin then EOF, stderr drained, a pty passed through."""
 
 from __future__ import annotations
 
@@ -20,12 +19,7 @@ POLL_S = 0.5  # how often a waiting read looks at the exit status
 
 
 def read_until_exit(chan: paramiko.Channel, sink: list[bytes], deadline: float) -> None:
-    """Collect stdout until EOF, or until AFTER_EXIT_S after the exit status arrived.
-
-    A background process that kept the command's stdout open (`cmd &` without redirection)
-    would otherwise hold the channel open for as long as it lives, as with plain ssh.
-    Raises socket.timeout at the deadline.
-    """
+    """Stdout until EOF or AFTER_EXIT_S after the exit status (a background child may hold it open)."""
     grace_end = None
     while True:
         now = time.monotonic()

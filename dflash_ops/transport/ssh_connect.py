@@ -1,6 +1,4 @@
-"""Opening an ssh target's connection (fabric/paramiko): the jump host, the identity file, host
-keys checked against known_hosts by the target's policy, and one clear error for each way it fails.
-SshTransport holds the state; this half opens, reuses and closes its connection."""
+"""Opening an ssh target's connection: jump host, identity, host keys by policy, one clear error each."""
 
 from __future__ import annotations
 
@@ -39,13 +37,7 @@ class _RevokedHostKey(_UnknownHostKey):
 
 
 class _UnknownHostPolicy(paramiko.MissingHostKeyPolicy):
-    """An unknown host (a CHANGED key never reaches a policy: paramiko refuses it itself). strict
-    (`record` None) refuses it; accept-new trusts it on first sight and appends it to `record`, the
-    known_hosts file. A revoked key is refused either way.
-
-    Appending one line (as OpenSSH does) keeps the user's comments and hashed entries; paramiko's
-    own save would rewrite the whole file.
-    """
+    """An unknown host: strict refuses, accept-new appends it to `record` (one line keeps the user's file)."""
 
     def __init__(self, known: HostKeys, record: str | None = None):
         self.known, self.known_hosts = known, record
