@@ -1,9 +1,5 @@
-"""Deploy the bundled trainer: versioned release directory, checksum, atomic `current` switch.
-
-Layout on the target: <workdir>/releases/<id>/trainer/…, <workdir>/releases/history (one id per
-deploy, newest last) and <workdir>/current -> releases/<id>. Same bundle twice = same id, so a
-repeated deploy only re-points `current`.
-"""
+"""Deploy the bundled trainer: <workdir>/releases/<id>/, its history, and an atomic `current` switch.
+The same bundle gives the same id, so a repeated deploy only re-points `current`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Is `--grace` long enough for the job's trainer to stop by itself?
-
-`stop` and `relaunch` SIGKILL whatever is left `--grace` seconds after their SIGTERM; a trainer
-needs run.stop_grace_s plus its watchdog's margin to end by itself with its log lines
-(trainer.stop_timing). The trainer's stop grace is known here when the job sets it with
-`--set run.stop_grace_s=...` in train_args, or runs a config bundled with the trainer; a config
-file that lives only on the target is not read, and its grace is not checked.
-"""
+"""Is `--grace` long enough for the trainer to stop by itself (run.stop_grace_s plus its watchdog's
+margin)? Known from `--set run.stop_grace_s=` or a bundled config; a target-only config is not read."""
 
 from __future__ import annotations
 

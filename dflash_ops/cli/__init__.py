@@ -1,6 +1,4 @@
-"""dflash-ops: a thin click layer over dflash_ops.commands and dflash_ops.observe. Every command
-takes --target NAME|GROUP; a group fans out in parallel, one result per target, and the exit code
-is the worst."""
+"""dflash-ops: a thin click layer over dflash_ops.commands and dflash_ops.observe."""
 
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ def main(argv=None):
 
 
 def _quiet_if_reader_left():
-    """Output piped into a reader that stopped (`| head -2`): no complaint at exit about what could
-    not be written, as other command-line tools behave."""
+    """Output piped into a reader that stopped (`| head -2`): no complaint at exit, as other tools behave."""
     try:
         sys.stdout.flush()
     except BrokenPipeError:

@@ -1,5 +1,4 @@
-"""The root `dflash-ops` group, its context object and the options and helpers every command
-module shares."""
+"""The root `dflash-ops` group, its context object, and what every command module shares."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class Obj:
 
 
 def _merge_target(ctx, param, value):
-    """One rule for -t/--target: before or after the subcommand, the same; given in both places it
-    must name the same target; either one beats $DFLASH_OPS_TARGET."""
+    """-t/--target before or after the subcommand is one option (both: the same name); beats the env var."""
     obj = ctx.find_object(Obj)
     root = None if obj is None else obj.target
     if value is None:
@@ -117,8 +115,7 @@ def one_target(obj: Obj, target):
 
 
 def node_or_target(obj: Obj, target, node: str | None):
-    """What a command that reads one machine's files acts on: a multinode job's node (`--node`,
-    default node 0) or the one target named."""
+    """A multinode job's node (`--node`, default 0) or the one target, for commands reading one machine."""
     job = obj.inventory.multinode.get(target) if target is not None else None
     if job is not None:
         return job.node_named(node)

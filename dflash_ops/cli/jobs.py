@@ -1,5 +1,4 @@
-"""Commands that act on the job: relaunch, stop, gpu-clean, purge-cache, deploy (each one is a
-function of dflash_ops.commands; its defaults are read from there)."""
+"""Commands that act on the job; each is a function of dflash_ops.commands, whose defaults are read."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ def default(command: Callable, option: str) -> str:
 
 
 def run_each(jobs: list, name: str, source: str, act: Callable[[Any, Callable], Any]) -> int:
-    """`act(job, on_progress)` on each job (a target, or a multinode job as one) in parallel, with
-    progress as it goes and one summary per job; the exit code is the worst."""
+    """`act(job, on_progress)` on each job in parallel, one summary each; the exit code is the worst."""
     from dflash_ops.transport.fanout import fan_out
     from dflash_ops.cli.progress_view import ProgressPrinter
 
@@ -50,9 +48,8 @@ def run_each(jobs: list, name: str, source: str, act: Callable[[Any, Callable], 
 
 
 def run_command(obj: Obj, target_name, command: Callable, dry_run: bool, **options) -> int:
-    """Run one of dflash_ops.commands on each job -t names: a target (the one-node job) or a
-    multinode job over its nodes (a rollback names a release of one target, so it takes targets);
-    options left None take its defaults."""
+    """Run a dflash_ops.commands function on each job -t names (a rollback takes targets: a release is one
+    target's); options left None take its defaults."""
     given = {k: v for k, v in options.items() if v is not None}
     name = command.__name__.replace("_", "-")
     jobs = obj.targets(target_name) if command is commands.rollback else obj.inventory.jobs(target_name)

@@ -1,6 +1,5 @@
-"""How a run's progress reaches a person: one line per finished step, and a step's transient
-status ("waiting for the first step: 42 s …") rewritten in place on a terminal, or printed at most
-once every `every_s` seconds where output goes to a file (cron, CI) and cannot be rewritten."""
+"""A run's progress for a person: one line per step; a step's status rewritten in place on a terminal,
+or printed at most every `every_s` seconds to a file (cron, CI), which cannot be rewritten."""
 
 from __future__ import annotations
 

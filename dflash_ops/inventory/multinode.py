@@ -7,11 +7,7 @@
         rdzv_port: 29400               # default 29400
         rdzv_host: 10.0.0.7            # default: the first node's ssh host
 
-Every node runs the same job: the same python, config, train_args and ranks per node; the
-section refuses anything else in one line (FILE:LINE: multinode 'pair': field ...: fix). What a
-node runs is its own target's job plus nnodes, the rendezvous endpoint and the shared runs dir
-(`MultinodeJob.node_target`).
-"""
+Every node runs the same job; anything else is refused in one FILE:LINE line."""
 
 from __future__ import annotations
 

@@ -1,22 +1,9 @@
-"""The job state dflash-ops keeps on the target, next to the job (`<workdir>/job-state.json`).
+"""The job state dflash-ops keeps on the target (`<workdir>/job-state.json`): running (the launch),
+finished (the pane, on max_steps), stopping (`stop`, BEFORE it signals, so no interrupt leaves a
+stopped trainer `running`, which health would relaunch) and stopped (only a relaunch clears it).
 
-    running   {"state", "job", "run", "run_dir", "log", "pid", "since"}   written by the launch
-    finished  the same, "when"       written by the pane when the trainer's `done` says max_steps
-    stopping  the same, "by", "when", "grace_s"  written by `dflash-ops stop` BEFORE it signals
-    stopped   the same, "by", "when"  written by `dflash-ops stop` once the job ended; only a
-              relaunch clears it
-
-"job" names the job the state records (remote/procs.py: pick_identity); a state written by an
-earlier version has none. A stop is recorded before anything is signalled, so no interrupt can leave
-a stopped trainer recorded as `running` (which health would call a crash and relaunch).
-
-Every write is a whole new file renamed into place, so a reader never sees half a state. status,
-health and tail-log follow the run and log named here, never "the newest file"; an operator's stop
-is a decision that health reports as OK and never undoes.
-
-What is read back is data from the target: a reader takes at most MAX_BYTES, and a field of the
-wrong type or out of range reads as absent (a `when` of "$(…)" or 1e308 is an unknown time).
-"""
+Every write is renamed into place, so no reader sees half a state. What is read back is data from
+the target: at most MAX_BYTES, and a field of the wrong type or range reads as absent."""
 
 from __future__ import annotations
 

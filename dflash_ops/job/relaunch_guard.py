@@ -1,5 +1,5 @@
-"""Guard for `health --auto-relaunch`: at most N relaunches per hour, never two at once; state lives
-where cron runs, because that is where overlapping runs meet."""
+"""Guard for `health --auto-relaunch`: at most N relaunches per hour, never two at once (an flock held
+for the whole relaunch), kept where cron runs, because that is where overlapping runs meet."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
-"""How dflash-ops speaks torchrun: the launch line of a `launcher: torchrun` job, and which rank died.
+"""How dflash-ops speaks torchrun: a `launcher: torchrun` job's launch line, and which rank died.
 
-One host (nnodes 1): `--standalone`, a private rendezvous on a free local port, so two jobs never
-collide. Several hosts (each target of a group runs the same job): a c10d rendezvous at
-`rdzv_endpoint`; torchrun assigns node ranks as the hosts arrive.
-
-Each rank holds one GPU: the job's `drafter_gpus` become CUDA_VISIBLE_DEVICES (local rank i uses
-the i-th), and each rank's target model lives on its own GPU.
-
-When a rank exits with an error, torchrun ends the others and prints a summary whose "Root Cause"
-block names the first rank that failed; while it is still shutting down it has already logged
-"failed (exitcode: X) local_rank: L (pid: P)". The trainer itself prints
-"dflash-train: rank R of W failed: <exception>" before it exits. `rank_failure` reads all three.
-"""
+One host: `--standalone` (a private rendezvous, so two jobs never collide); several: c10d at
+`rdzv_endpoint`. `rank_failure` reads torchrun's "Root Cause" summary, its "failed (exitcode: X)
+local_rank: L" line while it shuts down, and the trainer's "dflash-train: rank R of W failed"."""
 
 from __future__ import annotations
 

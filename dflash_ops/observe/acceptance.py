@@ -1,12 +1,5 @@
-"""Drafter quality from the metrics: the latest measured acceptance length tau, and what training
-accuracy predicts it should be.
-
-The trainer writes an `eval` record (real speculative decoding on held-out prompts) every
-`eval.every` steps and per-position accuracy `acc` in each `step` record. Expected tau from that
-accuracy is 1 + sum_k prod_{j<=k} acc_j (trainer.metrics_format.expected_tau). A measured tau far
-below it is the signature of a train/inference mismatch (chat template, mask, labels) or of a
-drafter that memorised its training data.
-"""
+"""Drafter quality: the latest measured acceptance length tau, and what training accuracy predicts
+(1 + sum_k prod_{j<=k} acc_j). Far below it means a train/inference mismatch or memorisation."""
 
 from __future__ import annotations
 

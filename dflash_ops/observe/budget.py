@@ -1,10 +1,5 @@
-"""One time budget for a `status`/`health` check, split across its parts.
-
-A monitor gives a check a fixed time (NRPE: 10 s). The budget is shared out so that a part that
-hangs (a wedged driver's nvidia-smi, a silent ssh server) runs out of ITS share and reports
-UNKNOWN for itself while the other parts are still reported; a watchdog around the whole check
-ends it at the budget whatever happens underneath.
-"""
+"""One time budget for a `status`/`health` check (NRPE: 10 s), shared out so a hung part reports
+UNKNOWN for itself while the others are still reported; a watchdog holds the total."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""GPU faults from the probe's `gpu_faults` section: per GPU, uncorrected ECC errors since the
-driver loaded, pages pending retirement, row remapping pending or failed (NVML or nvidia-smi, the
-raw answers of remote/gpu_faults.py parsed here, once), and the Xid events of the kernel log.
-
-What each means for a job (NVIDIA's dynamic page retirement and Xid documents): an uncorrected ECC
-error, a failed row remap or a fatal Xid (the GPU fell off the bus, an uncontained ECC error, a
-double-bit error) is CRITICAL: the GPU's results or the GPU itself cannot be trusted until it is
-reset or replaced. A pending page retirement or row remap (needs a GPU reset to take effect) and
-any other recent Xid are WARNINGs. Only the job's GPUs count for its verdict; metrics show all.
-"""
+"""GPU faults from the probe's `gpu_faults` section, parsed here once: uncorrected ECC errors, a failed
+row remap or a fatal Xid are CRITICAL (the GPU cannot be trusted until reset or replaced); pending
+retirements or remaps and other recent Xids are WARNINGs. Only the job's GPUs count for its verdict."""
 
 from __future__ import annotations
 

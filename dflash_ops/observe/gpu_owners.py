@@ -1,6 +1,4 @@
-"""Whose is each process on the job's GPUs: the job's own (its tmux tree or the launcher's marker),
-foreign (anything else we can see, another container's or the host's), or unknown (a host pid
-inside LXC that the container cannot see). Foreign processes are reported, never signalled."""
+"""Whose is each process on the job's GPUs: the job's, foreign (reported, never signalled), or unknown."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Health verdicts for one probe report, and the Nagios line cron and monitoring read.
-
-CRITICAL means the job is not training (gone, crashed, stalled, NaN); WARNING means it trains
-badly (eager-fallback speed, idle drafter GPUs); UNKNOWN only when the check itself could not run,
-which the caller decides (see `unknown`).
-"""
+"""Health verdicts and the Nagios line: CRITICAL means not training, WARNING training badly, UNKNOWN
+only when the check itself could not run (the caller decides)."""
 
 from __future__ import annotations
 

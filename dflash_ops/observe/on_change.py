@@ -1,15 +1,10 @@
-"""`health --on-change CMD`: run CMD when a job's verdict changes (OK/WARNING/CRITICAL/UNKNOWN,
-stopped, finished) or the job was relaunched since the last health run, never on a repeat.
+"""`health --on-change CMD`: run CMD (`/bin/sh -c`, own process group) when a job's verdict changes or
+it was relaunched, never on a repeat; on a job's first check only for a state not OK/stopped/finished.
 
-CMD runs with `/bin/sh -c`, in its own process group, with what changed in its environment:
-DFLASH_TARGET, DFLASH_JOB, DFLASH_EVENT (`changed` or `relaunched`), DFLASH_OLD_STATE,
-DFLASH_NEW_STATE, DFLASH_LEVEL, DFLASH_EXIT_CODE, DFLASH_REASON, DFLASH_PERFDATA,
-DFLASH_OLD_LAUNCH, DFLASH_NEW_LAUNCH. Its output is appended to `on-change.log` in the state
-directory (a pipe would hold a monitor's read open after health exits). It gets only what is left
-of health's time budget: a hook still running then is killed with its process group, and the
-verdict health already printed stays as it is. With no memory of a job yet (its first check), the
-hook runs only for a state that is not OK, stopped or finished.
-"""
+Its environment: DFLASH_TARGET, DFLASH_JOB, DFLASH_EVENT (`changed` or `relaunched`), DFLASH_OLD_STATE,
+DFLASH_NEW_STATE, DFLASH_LEVEL, DFLASH_EXIT_CODE, DFLASH_REASON, DFLASH_PERFDATA, DFLASH_OLD_LAUNCH,
+DFLASH_NEW_LAUNCH. Output goes to `on-change.log` (a pipe would hold a monitor's read open); it gets
+what is left of health's budget, then is killed with its group."""
 
 from __future__ import annotations
 

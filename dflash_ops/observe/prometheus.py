@@ -1,10 +1,5 @@
-"""The Prometheus text format (version 0.0.4) for checked targets: one family per fact, its name,
-type, unit and help text defined here once; labels `target`, `job` (the job's identity: tmux
-socket/session/job id, the same for two targets that reach one job) and `node` (the target's
-hostname).
-
-Unknown values are left out rather than written as NaN, so an alert on a missing series (`absent`)
-and one on a value never mix up "not measured" with a number."""
+"""The Prometheus text format (0.0.4) for checked targets: each family defined here once, labelled
+`target`, `job` and `node`. Unknown values are left out, never NaN, so `absent` alerts stay true."""
 
 from __future__ import annotations
 

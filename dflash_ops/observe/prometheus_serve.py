@@ -1,6 +1,5 @@
-"""`metrics --serve PORT`: the same exposition over HTTP with prometheus-client, every scrape a new
-check of the targets (within the check's time budget). The text is rendered by prometheus.py and
-read back with prometheus-client's own parser, so both outputs have one shape."""
+"""`metrics --serve PORT`: every scrape a new check; prometheus.py's text read back by
+prometheus-client's parser, so both outputs have one shape."""
 
 from __future__ import annotations
 

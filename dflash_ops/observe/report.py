@@ -1,11 +1,5 @@
-"""`dflash-ops report`: a picture of a job's run(s), from their metrics files on the target.
-
-One round trip: remote/report_read.py finds the run's metrics files (one per launch) and thins
-them there (trainer/metrics_history.py), so the answer stays bounded however long the run. The
-answer is untrusted data: every field is type-checked and each line parsed as a metrics record
-(trainer/run_summary.py), and the picture is drawn by the one drawing code the trainer's own
-`dflash-train report` uses (trainer/report_plot.py; matplotlib only when drawing).
-"""
+"""`dflash-ops report`: a picture of a job's run(s), in one round trip; remote/report_read.py thins
+the metrics there so the answer stays bounded. The answer is untrusted: every field is checked."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""Stdlib-only script run ON EACH NODE of a multinode job before anything stops: what the node
-would run (python, torch, the trainer release, the config) and whether it reaches the addresses
-the job needs (the rendezvous endpoint, the other nodes).
-
-Usage: python3 - '<json args>' < (remote.bundle('multinode_facts.py')); prints one JSON object.
-  args: {"current": CURRENT_LINK, "config": CONFIG_FILE or "", "connect": [[HOST, PORT], ...],
-         "timeout_s": S}
-  answer: {"python", "torch", "release", "config_sha256", "fqdn", "hostname",
-           "connect": [{"host", "port", "result", "detail"}, ...]}
-A connect result is "open" (something listens) or "refused" (the host answered that nothing
-listens): both prove the host reachable; "timeout", "unreachable", "dns" and "error" do not.
-"""
+"""Run ON EACH NODE of a multinode job before anything stops: what the node would run and whether it
+reaches the rendezvous and the other nodes. Prints one JSON object.
+A connect result "open" or "refused" proves the host reachable; "timeout", "unreachable", "dns" and
+"error" do not."""
 
 import errno
 import hashlib

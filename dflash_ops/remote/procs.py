@@ -1,16 +1,6 @@
-"""Which processes on the target are the job's: the one owner of that rule, for the probe (status,
-health) and for the actions that signal (remote/jobprocs.py). Standard library only, Python >= 3.8:
-remote.bundle() sends this file's text ahead of each remote script.
-
-Everything read here is untrusted: /proc entries come and go, tmux answers are parsed strictly and
-bounded. A pid is a root of the job's process tree only with proof that it is the job's:
-
-- a pane's pid, while tmux says the pane is ALIVE (a dead pane's pid has been reaped and may
-  belong to anyone since), and the process there carries the launcher's marker in its environment
-  or started when the session was created (a process that took a freed pid started later);
-- any process carrying the launcher's marker (leftovers of a launch that escaped the tree).
-Descendants of a root are the job's too.
-"""
+"""Which processes on the target are the job's: the one owner of that rule (stdlib only). A root of
+the job's tree needs proof: a LIVE pane's pid (a dead pane's pid may be anyone's since) whose process
+carries the marker or started with the session, or any process carrying the marker."""
 
 import json
 import os

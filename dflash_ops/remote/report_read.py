@@ -1,20 +1,8 @@
 """Read a job's run metrics for `dflash-ops report`, thinned on the target; print ONE JSON object.
 
-Standalone (standard library only, Python >= 3.8), sent on python's stdin after the shared modules
-(remote.bundle). Its one argument is a JSON object:
-
-  {"log_dir": str, "runs_dir": str, "legacy_run_dir": str, "state_file": str,
-   "run": "current" | "all" | "NNNN", "max_step_points": int}
-
-Each launch of the job writes <log_dir>/train-NNNN.metrics.jsonl; the run it belongs to is the
---output-dir (<runs_dir>/NNNN) its first record, `start`, names. A launch whose trainer has not
-written `start` yet belongs to the run the job state names when the state names its log.
-"current" is the run the job state names, else the newest run found.
-
-Answer: {"report_version", "time", "job_state", "runs": [{"run": "NNNN", "files": [{"path", "size",
-"mtime", "lines", "scanned_from"}]}], "errors": [str]}, files in launch order, at most
-MAX_OUTPUT_BYTES of lines in all.
-"""
+A launch's metrics file belongs to the run its `start` record names, or (no `start` yet) to the run
+the job state names with its log. "current" is the state's run, else the newest; the answer holds
+at most MAX_OUTPUT_BYTES of lines."""
 
 from __future__ import annotations
 

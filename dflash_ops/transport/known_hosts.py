@@ -1,11 +1,5 @@
-"""Read an OpenSSH known_hosts file the way `ssh` does, for one host.
-
-paramiko's own loader stops at the first line it cannot decode, so an `@cert-authority` line, a
-`@revoked` line or one corrupt entry for any other host broke every connection. Here each line is
-judged on its own: comments, blank lines, other hosts' lines, certificate authorities (host
-certificates are not used) and lines that cannot be read are skipped; `@revoked` keys are
-collected so a server offering one is refused whatever else the file says.
-"""
+"""Read an OpenSSH known_hosts file the way `ssh` does, for one host: each line judged on its own
+(paramiko's loader stops at the first it cannot read); `@revoked` keys refuse the server."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The `pct` target: one ssh session to the Proxmox host running `pct exec CTID -- ...`.
-
-`pct exec` hands its arguments to `lxc-attach` without a shell, so the only re-parse is the
-host's login shell, exactly as for plain ssh: the container side gets `timeout ... bash -c
-SCRIPT` as argv, unchanged. stdin passes through `pct exec`, which is how `put` sends files.
-"""
+"""The `pct` target: one ssh session to the Proxmox host running `pct exec CTID -- ...`; pct exec
+passes argv without a shell, so quoting is exactly as for ssh, and stdin passes through."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The `ssh` target: bash on a host reached with fabric/paramiko, one connection per transport.
-
-The remote login shell parses our command line exactly once, so every argument is
-`shlex.quote`d and nothing else is added but `; exit $?` (see `_remote_line`).
-
-Commands run on a raw paramiko channel of the fabric Connection rather than through
-`Connection.run`: invoke decodes stdin and stdout chunk by chunk ("replace" errors), which
-corrupts binary uploads and multi-byte characters split across reads, and leaves remote stdin
-open. Here stdin is sent as bytes and closed (EOF), and output is decoded once at the end.
-"""
+"""The `ssh` target: bash over a raw paramiko channel of a fabric Connection, every argument quoted.
+Not `Connection.run`: invoke decodes chunk by chunk (corrupting binary uploads and split characters)
+and leaves stdin open; here stdin is bytes then EOF, and output is decoded once."""
 
 from __future__ import annotations
 
