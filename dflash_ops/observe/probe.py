@@ -1,7 +1,4 @@
-"""One round trip: run remote/probe_script.py on the target and read its JSON into a ProbeReport.
-
-`status` and `health` cost exactly one `transport.run` (one ssh session, one `pct exec`).
-"""
+"""One round trip (one ssh session, one `pct exec`): run remote/probe_script.py, read its JSON."""
 
 from __future__ import annotations
 
@@ -164,13 +161,11 @@ def _run_probe_gpu_on_host(
         raise RemoteCommandError(transport.name, "probe", dataclasses.replace(result, stdout=rest))
     report = parse_probe_output(rest, target=transport.name)
     report = dataclasses.replace(report, gpu_faults=_host_faults(faults_line, part_s))
-    rc, _, encoded = first.partition(" ")
-    try:
-        host_out = base64.b64decode(encoded).decode("utf-8", "replace")
-    except (ValueError, binascii.Error):
+    rc, host_out = _host_answer(first, validate=False)
+    if host_out is None:
         raise ProbeError(
             f"[{transport.name}] probe: unreadable GPU answer from the Proxmox host: {first[:200]!r}"
-        ) from None
+        )
     if part_s is not None and rc.strip() in ("124", "137"):
         gpu = GpuSnapshot(
             gpus=(),
@@ -197,18 +192,25 @@ def limited(argv: Sequence[str], part_s: float | None) -> list[str]:
     return list(argv) if part_s is None else ["timeout", "-k", "1", f"{part_s:.2f}s", *argv]
 
 
-def _host_faults(line: str, part_s: float | None) -> gpu_faults.FaultReport:
-    """The Proxmox host's `<exit code> <answer, base64>` line of GPU faults as a FaultReport."""
+def _host_answer(line: str, validate: bool = True) -> tuple[str, str | None]:
+    """A probe_on_host.sh line `<exit code> <answer, base64>`: (the code, the answer or None)."""
     rc, _, encoded = line.partition(" ")
+    try:
+        return rc, base64.b64decode(encoded, validate=validate).decode("utf-8", "replace")
+    except (ValueError, binascii.Error):
+        return rc, None
+
+
+def _host_faults(line: str, part_s: float | None) -> gpu_faults.FaultReport:
+    """The Proxmox host's line of GPU faults as a FaultReport."""
+    rc, text = _host_answer(line)
     if rc == "-":
         return gpu_faults.FaultReport(None, error="no temporary file on the Proxmox host for the fault query")
     if part_s is not None and rc in ("124", "137"):
         return gpu_faults.FaultReport(
             None, error=f"the fault query on the Proxmox host gave no answer within {part_s:.1f} s"
         )
-    try:
-        text = base64.b64decode(encoded, validate=True).decode("utf-8", "replace")
-    except (ValueError, binascii.Error):
+    if text is None:
         return gpu_faults.FaultReport(
             None, error=f"unreadable fault answer from the Proxmox host: {line[:200]!r}"
         )
