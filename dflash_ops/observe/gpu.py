@@ -107,16 +107,8 @@ def parse_nvidia_smi(gpu_csv: str, apps_csv: str = "", source: str = "nvidia-smi
             if not line.strip():
                 continue
             index, uuid, name, used, total, util = _split(line, 2, 3)
-            gpus.append(
-                {
-                    "index": int(index),
-                    "uuid": uuid,
-                    "name": name,
-                    "memory_used_mib": _smi_int(used),
-                    "memory_total_mib": _smi_int(total),
-                    "utilization_pct": _smi_int(util),
-                }
-            )
+            values = (int(index), uuid, name, _smi_int(used), _smi_int(total), _smi_int(util))
+            gpus.append(dict(zip(GPU_FIELDS, values, strict=True)))
     except ValueError:
         text = gpu_csv.strip().splitlines()[0] if gpu_csv.strip() else "unreadable output"
         if "couldn't communicate with the NVIDIA driver" in text:
