@@ -41,17 +41,12 @@ def start_tmux(sock, session):
     return start(procs.pane_command(sock, session))
 
 
+# what the answer says of a session that is not ours to show: none, not running
+NO_SESSION = {"exists": False, "running": False, "pane_pid": None, "exit_status": None}
+
+
 def finish_tmux(started, sock, session, deadline, part_s):
-    state = {
-        "name": session,
-        "socket": sock,
-        "exists": False,
-        "running": False,
-        "pane_pid": None,
-        "exit_status": None,
-        "error": None,
-        "panes": [],
-    }
+    state = {"name": session, "socket": sock, **NO_SESSION, "error": None, "panes": []}
     rc, out, err = finish(started, deadline)
     if rc == 124:
         state.update(out_of_time("tmux", part_s))
@@ -195,10 +190,8 @@ def with_newest_eval(tail, context_steps, cap_bytes, deadline):
             tail["path"], tail["size"], context_steps, cap_bytes, deadline
         )
     except OSError as e:  # rotated away meanwhile, say: the tail is still worth reporting
-        tail["eval_lines"], tail["eval_scan"] = (
-            [],
-            {"found": False, "error": "%s: %s" % (type(e).__name__, e)},
-        )
+        tail["eval_lines"] = []
+        tail["eval_scan"] = {"found": False, "error": "%s: %s" % (type(e).__name__, e)}
     return tail
 
 
@@ -351,7 +344,7 @@ def ours_only(session, marker):
     try:
         return job_processes(panes, marker)
     except OthersSession as taken:
-        session.update(exists=False, running=False, pane_pid=None, exit_status=None)
+        session.update(NO_SESSION)
         session["detail"] = "the session is another job's (pane pid %s)" % taken.args[0][0]
         return job_processes([], marker)
 
