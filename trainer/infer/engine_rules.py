@@ -121,17 +121,15 @@ def engine_rule_problem(
     block_problem = "is missing" if not isinstance(block, int) else block_size_problem(block)
     if block_problem:
         return f"block_size {block_problem}"
-    for problem in (
+    problems = (
         _layer_ids_problem(config),
         _mask_token_problem(config),
         _fc_problem(config, shapes),
         _mask_hidden_problem(shapes),
         _causal_problem(config),
         _rope_problem(config, trained_rope_theta),
-    ):
-        if problem:
-            return problem
-    return None
+    )
+    return next((problem for problem in problems if problem), None)
 
 
 def check_engine_rules(config: dict, shapes: dict[str, tuple[int, ...]], trained_rope_theta: float) -> None:

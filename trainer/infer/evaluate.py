@@ -104,8 +104,7 @@ class _Decodings:
     spec_seconds: float = 0.0
 
     def add(self, own: list[list[int]], spec: list, seconds: float) -> None:
-        """Prompts decoded both ways: the target's own tokens, and the speculative results (each with
-        tokens and accepted) that took `seconds`."""
+        """Prompts decoded both ways: the target's own tokens and the speculative results (of `seconds`)."""
         self.own += own
         self.spec += [r.tokens for r in spec]
         self.accepted += [r.accepted for r in spec]
@@ -247,11 +246,9 @@ def evaluate(
     decoder=None,
     compile: bool = False,
 ) -> EvalResult:
-    """Decode every prompt both ways (see the module docstring). `reference` caches the target's
-    own greedy outputs by prompt across calls (the target is frozen, so they never change).
-    `batch`: prompts decoded together by the static loop. `decoder`: a StaticDecoder to reuse
-    (make_decoder), else one is built for these prompts. `warmup`: capture the graphs (and
-    compile) before timing. `compile`: torch.compile the per-layer math of a new decoder."""
+    """Decode every prompt both ways. `reference` caches the target's own greedy outputs across calls
+    (the target is frozen); `decoder`: a StaticDecoder to reuse (make_decoder); `warmup`: capture the
+    graphs (and compile) before timing."""
     if loop not in LOOPS:
         raise ValueError(f"loop {loop!r}: use one of {', '.join(LOOPS)}")
     t0 = time.perf_counter()
@@ -263,10 +260,8 @@ def evaluate(
     job = _Job(usable, max_new_tokens, stops, temperature, seed, reference, progress, warmup)
     was_training = drafter.training
     drafter.eval()
-    if loop == "static" and temperature <= 0 and usable:
-        decoder = _static_decoder(decoder, model, layer_ids, drafter, job, batch, compile)
-    else:
-        decoder = None
+    static = loop == "static" and temperature <= 0 and bool(usable)
+    decoder = _static_decoder(decoder, model, layer_ids, drafter, job, batch, compile) if static else None
     try:
         if decoder is not None:
             found = _decode_static(decoder, job)
@@ -308,8 +303,7 @@ def _loop_name(decoder) -> str:
 
 
 def _judge(model, layer_ids, decoder, job: _Job, found: _Decodings) -> tuple[int, Mismatch | None]:
-    """check_lossless, refereed by the static loop's target (a new one after the reference loop);
-    sampled outputs are not compared."""
+    """check_lossless refereed by the static loop's target (a new one after the reference loop)."""
     from trainer.infer.static_decode import StaticTarget, Unsupported
 
     if job.temperature > 0:

@@ -1,11 +1,9 @@
 """The lossless check's referee: is a differing token a floating-point tie of the target, or a bug?
 
-At temperature 0 speculative decoding must emit the target's own greedy tokens. Target-only and
-speculative decoding compute the target's logits at a position with different kernels (a 1-token
-step vs a block verify), so in a low-precision working dtype their argmax may differ where the
-target itself cannot decide. `judge` recomputes that position's logits in fp32, for the same
-prefix, and calls it a tie only when the two tokens are the fp32 top-2 within `tie_bound`;
-anything else is a bug.
+Target-only and speculative decoding compute a position's logits with different kernels, so in a
+low-precision dtype their argmax may differ where the target itself cannot decide. `judge`
+recomputes that position in fp32 and calls it a tie only when the two tokens are the fp32 top-2
+within `tie_bound`.
 """
 
 from __future__ import annotations
@@ -83,9 +81,8 @@ def _fp32_delta(w, x):
 
 @torch.no_grad()
 def fp32_last_hidden(target: StaticTarget, prefix: list[int]) -> torch.Tensor:
-    """The target's final normed hidden state [H] at the last position of `prefix`, computed in fp32
-    (weights upcast one layer at a time, no cache: causal attention over the whole prefix, a hybrid
-    target's recurrent layers from an empty state)."""
+    """The target's final normed hidden state [H] at the end of `prefix`, in fp32 and without a cache
+    (weights upcast one layer at a time)."""
     device = target.device
     ids = torch.tensor([prefix], device=device)
     length = len(prefix)

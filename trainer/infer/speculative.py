@@ -92,8 +92,7 @@ def speculative_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> Decoded:
-    """DFlash block speculative decoding (see the module docstring). `model` is the HF target,
-    `layer_ids` the drafter's target layers, `drafter` a trainer.model.DFlashDrafter."""
+    """DFlash block speculative decoding of `prompt` on the HF target `model` (see the module docstring)."""
     device = model.get_input_embeddings().weight.device
     block = drafter.cfg.block_size
     stop_ids = set(stop_ids)

@@ -60,11 +60,9 @@ def pre_attention(
     x, weights, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int,
     centered: bool = False, gated: bool = False, project=F.linear,
 ):  # fmt: skip
-    """Input norm, q/k/v projections, per-head norms and RoPE of one layer. x [B, T, H]; weights:
-    _Layer.pre; cos/sin [B, T, D or Qwen3.5's rotary part]. Returns q grouped by kv head
-    [B, Hkv, G*T, D] (see grouped_attention), k, v [B, T, Hkv, D] (the cache's write layout) and the
-    output gate [B, T, heads*D] of a gated attention (Qwen3.5: q_proj gives each head's query and
-    gate), else None."""
+    """Input norm, q/k/v projections, per-head norms and RoPE of one layer: q grouped by kv head
+    [B, Hkv, G*T, D] (grouped_attention), k, v [B, T, Hkv, D] (the cache's write layout) and, for a
+    gated attention (Qwen3.5: q_proj gives each head's query and gate), the output gate, else None."""
     ln, wq, bq, wk, bk, wv, bv, q_norm, k_norm = weights
     batch, length, _ = x.shape
     h = rms_norm(x, ln, eps, centered)
@@ -270,8 +268,7 @@ def _check_static(model) -> None:
 
 class StaticTarget:
     """The HF target's forward over pre-allocated state, batched by rows, taking the drafter's features
-    (HF `hidden_states[l + 1]`) on the way. Recurrent layers advance by `commit` once the caller knows
-    how many tokens stay."""
+    (HF `hidden_states[l + 1]`) on the way; recurrent layers advance only on `commit`."""
 
     def __init__(self, model, layer_ids, rows: int, positions: int):
         _check_static(model)
@@ -334,9 +331,8 @@ class StaticTarget:
         features: bool = True,
         lengths: torch.Tensor | None = None,
     ) -> Pass:
-        """The target over tokens ids [B, T] at positions where [B, T] (B == rows): attention layers
-        write their K/V; recurrent layers leave Pending for `commit`, or, given `lengths` [B] (a
-        prompt, right-padded), take the first lengths tokens of each row into their state at once."""
+        """The target over ids [rows, T] at positions where: recurrent layers leave Pending for `commit`,
+        or, given `lengths` (a right-padded prompt), take each row's first lengths tokens at once."""
         x = F.embedding(ids, self.embed)
         cos, sin = self.cos[where], self.sin[where]
         visible = self.key_positions <= where.unsqueeze(-1)
@@ -436,9 +432,8 @@ class Batch:
 
 
 class StaticDecoder:
-    """Greedy decoding of up to `rows` prompts at once on static caches sized for `max_prompt` and
-    `max_new_tokens`. Build once, decode many times: caches and captured graphs are reused (spare rows
-    copy the first prompt, inactive), and drafter weights may change in place between calls."""
+    """Greedy decoding of up to `rows` prompts at once. Build once, decode many times: caches and graphs
+    are reused (spare rows stay inactive), and drafter weights may change in place between calls."""
 
     def __init__(
         self,
@@ -492,9 +487,8 @@ class StaticDecoder:
     # ---- one step / round: tensor ops on the state only ------------------------------------------
 
     def _emit(self, tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-        """Append tokens[:, :accepted+1] per active row (cut at a stop token and at the budget), log
-        the round, advance the anchor. Returns how many tokens each row emitted: the tokens of the
-        pass the target keeps (the anchor and the accepted drafts before them)."""
+        """Append tokens[:, :accepted+1] per active row (cut at a stop token and at the budget), log the
+        round, advance the anchor; returns each row's count, which is also what the target keeps."""
         width = tokens.shape[1]
         offsets = self.offsets[:width]
         within = offsets <= accepted.unsqueeze(1)
@@ -593,8 +587,7 @@ class StaticDecoder:
     # ---- the host loop ----------------------------------------------------------------------------
 
     def runner(self, name: str, step):
-        """`step` as the loop runs it: its CUDA graph's replay (captured once per name), or `step` itself
-        where graphs are off."""
+        """`step` as the loop runs it: its CUDA graph's replay (captured once per name), or itself."""
         if not self.graphs:
             return step
         graph = self._graph.get(name)
