@@ -1,13 +1,9 @@
 """The drafter at inference: the projected context's keys/values cached once, one block per call.
 
-Training (trainer.model.DFlashDrafter.forward) projects the whole context and masks each block to
-the positions strictly before its anchor. Decoding grows the context a few positions per round,
-so re-projecting it every round would cost O(length) per round. `DrafterContext` instead keeps,
-per drafter layer, the context keys (k_proj, k_norm, RoPE at their true positions) and values;
-`draft` runs the block [anchor, MASK...] at positions length..length+B-1 against them, with no
-mask (the block sees the whole cached context and itself, which is what the training mask
-reproduces). It reuses the drafter's own submodules, so it holds no weights of its own; a test
-checks it against the training forward.
+Re-projecting the growing context every round would cost O(length) per round, so `DrafterContext`
+keeps each layer's context keys (RoPE at their true positions) and values, and `draft` runs the
+block [anchor, MASK...] after them unmasked (what the training mask reproduces). It reuses the
+drafter's own submodules; a test checks it against the training forward.
 """
 
 from __future__ import annotations

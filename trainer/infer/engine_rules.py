@@ -1,21 +1,11 @@
 """The rules an inference engine applies when it loads a DFlash export, checked before anything is written.
 
-Each rule below is one that vLLM's DFlash drafter (vllm/model_executor/models/qwen3_dflash.py, read
-2026) enforces or silently acts on; breaking one gives an engine error at load time or, worse, a
-drafter that serves with tau near 1 while training looked fine:
-
-- fc input: vLLM sizes `fc` as target hidden size x the number of target layers it taps
-  (dflash_config.target_layer_ids) and raises when the features it gets have another width;
-- mask_hidden: its weight loader asserts that no weight is called `mask_hidden` (masked block slots
-  are embedded through mask_token_id);
-- causal layers: a layer listed as `sliding_attention` in layer_types (or a config `is_causal: true`,
-  or `dflash_config.causal: true`) runs causally there, while the drafter was trained with its block
-  attending both ways;
-- RoPE: the draft config's own rope_parameters (and `is_neox_style`, default true) rotate the draft's
-  q/k; its source says a mismatch "collapses acceptance" with no error. The trainer's drafter rotates
-  the whole head_dim, neox style (rotate_half), unscaled, with its rope_theta (trainer.model.rope_cos_sin);
-- mask_token_id and target_layer_ids: both engines read them from dflash_config; a missing or
-  out-of-range value reads the wrong embedding row or taps layers the target does not have.
+Each rule is one that vLLM's DFlash drafter (vllm/model_executor/models/qwen3_dflash.py) enforces or
+silently acts on: breaking it gives a load error or, worse, a drafter that serves with tau near 1.
+vLLM sizes `fc` as hidden size x tapped layers; refuses a `mask_hidden` weight; runs a
+`sliding_attention` or `causal` layer causally (the drafter's block attends both ways); rotates
+the draft's q/k by its config's RoPE (a mismatch "collapses acceptance" silently); and reads
+mask_token_id and target_layer_ids from dflash_config.
 """
 
 from __future__ import annotations
@@ -131,17 +121,15 @@ def engine_rule_problem(
     block_problem = "is missing" if not isinstance(block, int) else block_size_problem(block)
     if block_problem:
         return f"block_size {block_problem}"
-    for problem in (
+    problems = (
         _layer_ids_problem(config),
         _mask_token_problem(config),
         _fc_problem(config, shapes),
         _mask_hidden_problem(shapes),
         _causal_problem(config),
         _rope_problem(config, trained_rope_theta),
-    ):
-        if problem:
-            return problem
-    return None
+    )
+    return next((problem for problem in problems if problem), None)
 
 
 def check_engine_rules(config: dict, shapes: dict[str, tuple[int, ...]], trained_rope_theta: float) -> None:

@@ -1,18 +1,11 @@
 """Acceptance length tau: decode prompts speculatively and with the target alone, and compare.
 
-For each prompt the target alone decodes (the reference output and the baseline speed), then
-DFlash speculative decoding decodes the same prompt. At temperature 0 both run on the static,
-graph-captured loop (trainer.infer.static_decode; the HF-eager trainer.infer.speculative is its tested
-reference, and `loop="reference"` selects it); sampling (temperature > 0) runs the reference.
-Reported:
-- tau two ways: pooled over all rounds (mean of accepted drafts + 1 over every round of every
-  prompt; `tau`) and the mean of per-prompt means (`tau_per_prompt_mean`, the public reference
-  benchmark's convention), with the per-prompt distribution (min / median / max);
-- acceptance[k-1]: share of rounds whose drafts were accepted at least up to block position k;
-- tokens/s of both and the speedup (same loop, same device, same prompts, `batch` rows at once);
-- lossless: at temperature 0 the two outputs must be equal token for token. A difference counts
-  as a tie only when the target's own fp32 logits at that position (trainer.infer.lossless) put the two
-  tokens within the working dtype's rounding of each other; else it is a bug (`mismatch`).
+Greedy decoding runs on the static loop (trainer.infer.static_decode), sampling (or
+`loop="reference"`) on the HF-eager reference (trainer.infer.speculative). Reported: tau pooled over
+all rounds and as the mean of per-prompt means (the public benchmark's convention); acceptance[k-1],
+the share of rounds that accepted at least k drafts; tokens/s of both (same loop, device, prompts);
+and losslessness: at temperature 0 a differing token is a bug unless the target's fp32 logits call
+it a rounding tie (trainer.infer.lossless).
 """
 
 from __future__ import annotations
@@ -98,11 +91,6 @@ def stop_token_ids(model, tokenizer=None) -> set[int]:
     return found
 
 
-def fits(prompt: list[int], max_new_tokens: int, block_size: int, limit: int | None) -> bool:
-    """A block may reach block_size positions past the last token."""
-    return limit is None or len(prompt) + max_new_tokens + block_size <= limit
-
-
 @dataclasses.dataclass
 class _Decodings:
     """Per prompt: the target's own tokens, the speculative tokens and accepted drafts; and timings."""
@@ -116,8 +104,7 @@ class _Decodings:
     spec_seconds: float = 0.0
 
     def add(self, own: list[list[int]], spec: list, seconds: float) -> None:
-        """Prompts decoded both ways: the target's own tokens, and the speculative results (each with
-        tokens and accepted) that took `seconds`."""
+        """Prompts decoded both ways: the target's own tokens and the speculative results (of `seconds`)."""
         self.own += own
         self.spec += [r.tokens for r in spec]
         self.accepted += [r.accepted for r in spec]
@@ -147,16 +134,6 @@ def make_decoder(
         max_new_tokens=max_new_tokens,
         stop_ids=stop_ids,
         compile=compile,
-    )
-
-
-def _fits_decoder(decoder, drafter, prompts, max_new_tokens, stop_ids) -> bool:
-    return (
-        decoder.drafter is not None
-        and decoder.drafter.drafter is drafter
-        and decoder.max_prompt >= max(len(p) for p in prompts)
-        and decoder.max_new_tokens >= max_new_tokens
-        and set(decoder.stop_ids.tolist()) - {-1} == {int(s) for s in stop_ids}
     )
 
 
@@ -269,25 +246,22 @@ def evaluate(
     decoder=None,
     compile: bool = False,
 ) -> EvalResult:
-    """Decode every prompt both ways (see the module docstring). `reference` caches the target's
-    own greedy outputs by prompt across calls (the target is frozen, so they never change).
-    `batch`: prompts decoded together by the static loop. `decoder`: a StaticDecoder to reuse
-    (make_decoder), else one is built for these prompts. `warmup`: capture the graphs (and
-    compile) before timing. `compile`: torch.compile the per-layer math of a new decoder."""
+    """Decode every prompt both ways. `reference` caches the target's own greedy outputs across calls
+    (the target is frozen); `decoder`: a StaticDecoder to reuse (make_decoder); `warmup`: capture the
+    graphs (and compile) before timing."""
     if loop not in LOOPS:
         raise ValueError(f"loop {loop!r}: use one of {', '.join(LOOPS)}")
     t0 = time.perf_counter()
     block = drafter.cfg.block_size
     limit = getattr(model.config, "max_position_embeddings", None)
-    usable = [p for p in prompts if fits(p, max_new_tokens, block, limit)]
+    # a block may reach block_size positions past the last token
+    usable = [p for p in prompts if limit is None or len(p) + max_new_tokens + block <= limit]
     stops = tuple(sorted({int(s) for s in stop_ids}))
     job = _Job(usable, max_new_tokens, stops, temperature, seed, reference, progress, warmup)
     was_training = drafter.training
     drafter.eval()
-    if loop == "static" and temperature <= 0 and usable:
-        decoder = _static_decoder(decoder, model, layer_ids, drafter, job, batch, compile)
-    else:
-        decoder = None
+    static = loop == "static" and temperature <= 0 and bool(usable)
+    decoder = _static_decoder(decoder, model, layer_ids, drafter, job, batch, compile) if static else None
     try:
         if decoder is not None:
             found = _decode_static(decoder, job)
@@ -296,18 +270,7 @@ def evaluate(
         ties, mismatch = _judge(model, layer_ids, decoder, job, found)
     finally:
         drafter.train(was_training)
-    return _result(
-        found,
-        block,
-        prompts=len(prompts),
-        usable=len(usable),
-        sampled=temperature > 0,
-        ties=ties,
-        mismatch=mismatch,
-        seconds=time.perf_counter() - t0,
-        batch=decoder.rows if decoder is not None else 1,
-        loop=_loop_name(decoder),
-    )
+    return _result(found, job, block, len(prompts), ties, mismatch, time.perf_counter() - t0, decoder)
 
 
 def _static_decoder(decoder, model, layer_ids, drafter, job: _Job, batch: int, compile: bool):
@@ -315,7 +278,14 @@ def _static_decoder(decoder, model, layer_ids, drafter, job: _Job, batch: int, c
     not implement (the reference loop decodes then)."""
     from trainer.infer.static_decode import Unsupported
 
-    if decoder is not None and _fits_decoder(decoder, drafter, job.prompts, job.max_new_tokens, job.stops):
+    if (
+        decoder is not None
+        and decoder.drafter is not None
+        and decoder.drafter.drafter is drafter
+        and decoder.max_prompt >= max(len(p) for p in job.prompts)
+        and decoder.max_new_tokens >= job.max_new_tokens
+        and set(decoder.stop_ids.tolist()) - {-1} == set(job.stops)
+    ):
         return decoder
     try:
         return make_decoder(
@@ -333,8 +303,7 @@ def _loop_name(decoder) -> str:
 
 
 def _judge(model, layer_ids, decoder, job: _Job, found: _Decodings) -> tuple[int, Mismatch | None]:
-    """check_lossless, refereed by the static loop's target (a new one after the reference loop);
-    sampled outputs are not compared."""
+    """check_lossless refereed by the static loop's target (a new one after the reference loop)."""
     from trainer.infer.static_decode import StaticTarget, Unsupported
 
     if job.temperature > 0:
@@ -347,19 +316,9 @@ def _judge(model, layer_ids, decoder, job: _Job, found: _Decodings) -> tuple[int
 
 
 def _result(
-    found,
-    block: int,
-    *,
-    prompts: int,
-    usable: int,
-    sampled: bool,
-    ties: int,
-    mismatch,
-    seconds: float,
-    batch: int,
-    loop: str,
+    found: _Decodings, job: _Job, block: int, prompts: int, ties: int, mismatch, seconds: float, decoder
 ) -> EvalResult:
-    """The evaluation's numbers from what both decodings found."""
+    """The evaluation's numbers from what both decodings of `prompts` (job.prompts fit) found."""
     rounds = [n for row in found.accepted for n in row]
     target_tps = found.target_tokens / found.target_seconds if found.target_seconds > 0 else None
     spec_tps = found.spec_tokens / found.spec_seconds if found.spec_seconds > 0 else 0.0
@@ -369,16 +328,16 @@ def _result(
             sum(n >= k for n in rounds) / len(rounds) if rounds else math.nan for k in range(1, block)
         ],
         rounds=len(rounds),
-        prompts=usable,
-        skipped_too_long=prompts - usable,
+        prompts=len(job.prompts),
+        skipped_too_long=prompts - len(job.prompts),
         new_tokens=int(found.spec_tokens),
         target_tokens_per_s=target_tps,
         speculative_tokens_per_s=spec_tps,
         speedup=spec_tps / target_tps if target_tps else None,
-        lossless=None if sampled else mismatch is None,
+        lossless=None if job.temperature > 0 else mismatch is None,
         ties=ties,
         mismatch=mismatch,
         seconds=seconds,
-        batch=batch,
-        loop=loop,
+        batch=decoder.rows if decoder is not None else 1,
+        loop=_loop_name(decoder),
     )

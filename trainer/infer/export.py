@@ -1,34 +1,24 @@
-"""Export the drafter in the format inference engines load.
+"""Export the drafter in the format inference engines load, checked first against their rules
+(trainer.infer.engine_rules); `dflash-train export` also writes how to serve it (trainer.infer.serve_recipe).
 
-An export directory holds:
-- config.json: a Qwen3 config (dims, eps, vocab, the target's max_position_embeddings, layer_types,
-  and the RoPE the drafter was trained with: plain, its rope_theta, whatever scaling the target has,
-  since engines rotate the draft's own q/k by the draft config) with
-  `architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers`,
-  `dflash_config: {mask_token_id, target_layer_ids}` and an `auto_map`;
-- model.safetensors: the drafter weights only (fc, hidden_norm, norm, layers.*), no embedding and
-  no lm_head: engines use the target's;
-- modeling_dflash.py + configuration_dflash.py (from trainer/hf_modeling): the architecture as
-  Transformers code, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` builds it.
-
-Before anything is written the export is checked against the rules inference engines apply
-(trainer.infer.engine_rules); `dflash-train export` also writes how to serve it
-(trainer.infer.serve_recipe).
-
-tests/trainer/reference_drafter.py reads an export the way an inference engine does and checks
-the trainer's logits against it.
+An export directory holds config.json (a Qwen3 config with `architectures: ["DFlashDraftModel"]`,
+`block_size`, `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}`, an `auto_map`
+and the drafter's own plain RoPE, since engines rotate the draft's q/k by the draft config),
+model.safetensors (the drafter weights only: engines use the target's embedding and lm_head) and
+the architecture as Transformers code (trainer/hf_modeling) for `trust_remote_code`.
+tests/trainer/reference_drafter.py reads an export the way an engine does.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from trainer.atomic import write_atomic
 from trainer.files import follow_umask
 from trainer.infer.engine_rules import check_engine_rules
 from trainer.model import DFlashDrafter, DrafterConfig
@@ -89,25 +79,10 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
 
 def weight_names(cfg: DrafterConfig) -> set[str]:
     """The safetensors names of an exported drafter."""
-    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
-    for i in range(cfg.num_layers):
-        names |= {
-            f"layers.{i}.{part}.weight"
-            for part in (
-                "input_layernorm",
-                "post_attention_layernorm",
-                "self_attn.q_proj",
-                "self_attn.k_proj",
-                "self_attn.v_proj",
-                "self_attn.o_proj",
-                "self_attn.q_norm",
-                "self_attn.k_norm",
-                "mlp.gate_proj",
-                "mlp.up_proj",
-                "mlp.down_proj",
-            )
-        }
-    return names
+    parts = ["input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"]
+    parts += [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+    layers = {f"layers.{i}.{part}.weight" for i in range(cfg.num_layers) for part in parts}
+    return {"fc.weight", "hidden_norm.weight", "norm.weight"} | layers
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir, dtype: torch.dtype | None = None) -> Path:
@@ -135,24 +110,16 @@ def export_weights(weights: dict, cfg: DrafterConfig, out_dir, dtype: torch.dtyp
     follow_umask(weights_tmp)
     os.replace(weights_tmp, out / WEIGHTS_FILE)
     for name in MODELING_FILES:
-        shutil.copyfile(MODELING_DIR / name, out / (name + ".tmp"))
-        os.replace(out / (name + ".tmp"), out / name)
-    config_tmp = out / (CONFIG_FILE + ".tmp")
-    config_tmp.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(config_tmp, out / CONFIG_FILE)
+        write_atomic(str(out / name), (MODELING_DIR / name).read_text(encoding="utf-8"))
+    write_atomic(str(out / CONFIG_FILE), json.dumps(config, indent=2) + "\n")
     return out
 
 
 def qwen3_dims(config: dict) -> dict:
     """The drafter's layer dims from a Qwen3 config's keys (a target's, or an export's)."""
-    return {
-        "hidden_size": config["hidden_size"],
-        "intermediate_size": config["intermediate_size"],
-        "num_heads": config["num_attention_heads"],
-        "num_kv_heads": config["num_key_value_heads"],
-        "head_dim": config["head_dim"],
-        "vocab_size": config["vocab_size"],
-    }
+    renamed = {"num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
+    same = ("hidden_size", "intermediate_size", "head_dim", "vocab_size")
+    return {key: config[key] for key in same} | {ours: config[theirs] for ours, theirs in renamed.items()}
 
 
 def drafter_config_from_export(export_dir) -> DrafterConfig:

@@ -1,22 +1,17 @@
 """A Gated DeltaNet layer (Qwen3.5/3.6 linear attention) over a static state, with deferred commit.
 
-Per layer and row the state is a causal-conv window (the last K-1 inputs of the depthwise conv) and
-a recurrent matrix S [value heads, key dim, value dim] (fp32). One token t updates it as
+Per row the state is a causal-conv window (the last K-1 inputs) and S [value heads, key dim, value
+dim] (fp32). One token (q, k l2-normalised, q scaled by 1/sqrt(key dim)) updates it as
 
     S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
 
-(q, k l2-normalised, q scaled by 1/sqrt(key dim): the target's own `use_qk_l2norm_in_kernel`).
-
-A pass over T tokens solves the chunk in closed form (the WY form the target's own chunked kernel
-uses): with gc the cumulative sum of g, the "new values" U solve a unit lower-triangular system,
-outputs read S0 and U, and the state after the first n tokens is
+A pass over T tokens solves the chunk in closed form (WY form: the new values U solve a unit
+lower-triangular system); with gc the cumulative sum of g, the state after the first n tokens is
 
     S_n = exp(gc_{n-1}) S0 + sum_{j<n} exp(gc_{n-1} - gc_j) k_j u_j^T .
 
-u_j depends only on tokens <= j, so ONE pass over a verify block gives the outputs at every
-position AND, once the target has decided how many tokens it accepts, the exact state after that
-many (`commit`): a rejected draft never touches the state, with static shapes and per-row n.
-Long inputs (a prompt) run in chunks of CHUNK tokens, each committed in full before the next.
+u_j depends only on tokens <= j, so ONE pass over a verify block gives every output AND, once the
+target knows how many tokens it keeps, the exact state after that many (`commit`), with static shapes.
 """
 
 from __future__ import annotations
@@ -58,23 +53,11 @@ class DeltaNetWeights:
         in_qkv, in_z, in_b, in_a = (
             (whole, None, None, None) if whole is not None else (p.weight for p in inputs)
         )
-        return cls(
-            in_qkv,
-            in_z,
-            in_b,
-            in_a,
-            module.conv1d.weight.squeeze(1),
-            module.conv1d.bias,
-            module.A_log,
-            module.dt_bias,
-            module.norm.weight,
-            module.out_proj.weight,
-            module.num_k_heads,
-            module.num_v_heads,
-            module.head_k_dim,
-            module.head_v_dim,
-            float(module.norm.variance_epsilon),
-        )
+        conv, norm = module.conv1d, module.norm
+        tensors = (conv.weight.squeeze(1), conv.bias, module.A_log, module.dt_bias, norm.weight)
+        shape = (module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim)
+        eps = float(norm.variance_epsilon)
+        return cls(in_qkv, in_z, in_b, in_a, *tensors, module.out_proj.weight, *shape, eps)
 
     @property
     def kernel(self) -> int:
@@ -85,11 +68,10 @@ class DeltaNetWeights:
         return self.conv.shape[0]
 
 
-def fp32_copy(weights, **changes):
-    """A copy of `weights` (a dataclass of a layer's tensors) with every tensor in float32, other fields
-    as they are unless `changes` sets them (the lossless referee's recomputation)."""
+def fp32_copy(weights):
+    """`weights` with every tensor in float32 (the lossless referee's recomputation)."""
     tensors = {k: v.float() for k, v in vars(weights).items() if isinstance(v, torch.Tensor)}
-    return dataclasses.replace(weights, **{**tensors, **changes})
+    return dataclasses.replace(weights, **tensors)
 
 
 @dataclasses.dataclass
@@ -177,9 +159,8 @@ def mix_tensors(x: torch.Tensor, w: DeltaNetWeights, conv_state: torch.Tensor, s
 def mix(
     x: torch.Tensor, w: DeltaNetWeights, conv_state: torch.Tensor, state: torch.Tensor, kernel=mix_tensors
 ):
-    """The layer's token mixing over x [B, T, H] (already input-normed) from the given state, which
-    is NOT changed: (output [B, T, H], Pending for commit). T <= CHUNK. `kernel`: mix_tensors or a
-    compiled copy of it."""
+    """The token mixing of x [B, T <= CHUNK, H] (input-normed) from the state, which is NOT changed:
+    (output [B, T, H], Pending for commit). `kernel`: mix_tensors or a compiled copy of it."""
     out, window, keys, values, decay = kernel(x, w, conv_state, state)
     return out, Pending(window, keys, values, decay)
 

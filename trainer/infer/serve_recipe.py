@@ -1,11 +1,9 @@
-"""How to serve an export: the vLLM and SGLang command lines, written beside the weights.
+"""How to serve an export: the vLLM and SGLang command lines, written beside the weights (SERVE.md for
+people, serve.json for tools) and printed at the end of `dflash-train export`.
 
-The two engines count the drafted tokens differently (DESIGN.md, "Serving"): vLLM takes
-`num_speculative_tokens` = block_size - 1 and does not read block_size, and it picks its DFlash
-drafter for `"method": "dflash"`; SGLang takes `--speculative-num-draft-tokens` = block_size. vLLM's
-`attention_backend` key in the speculative config sets the draft's attention backend, which must
-support non-causal attention (vllm/config/speculative.py). The recipe is written as SERVE.md (for
-people) and serve.json (for tools), and printed at the end of `dflash-train export`.
+vLLM takes `num_speculative_tokens` = block_size - 1 (DESIGN.md, "Serving") and its draft attention
+backend must support non-causal attention (vllm/config/speculative.py); SGLang takes
+`--speculative-num-draft-tokens` = block_size.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Block speculative decoding with a DFlash drafter, and the target-only decoding it must equal.
 
-One sequence at a time (batch 1). State: the target's KV cache, the drafter's cached context
-(trainer.infer.drafter_cache), the output so far. After a prefill over the prompt (the first new token
-is the target's own), each round:
-
-    block  = [last accepted token, MASK x (B-1)] at positions start..start+B-1
-    drafter: ONE forward over the block against its cached context -> B-1 greedy proposals
-    target:  ONE forward over [last token, proposals] with its KV cache -> its token at each position
-    accept the longest prefix where proposal k equals the target's token at k-1, plus the
-    target's next token (the bonus); crop the target cache to the accepted length (a hybrid
-    target's recurrent layers take back their states from before the pass and see the accepted
-    tokens again: a recurrent state cannot be cropped); the accepted positions' target features
-    extend the drafter's context.
-
-Nothing before `start` is recomputed. At temperature 0 the output is exactly the target's greedy
-output; at temperature > 0 the target's tokens are sampled and the proposals compared with them,
-so every emitted token is a target sample given the correct prefix.
+One sequence at a time. After a prefill (the first new token is the target's own), each round: the
+drafter runs ONE forward over [last token, MASK x (B-1)] against its cached context and proposes
+B-1 tokens; the target runs ONE forward over [last token, proposals]; the longest prefix where the
+proposals equal the target's tokens is accepted, plus the target's next token. The target cache keeps
+the accepted length (a recurrent state cannot be cropped: it is restored and advanced again), and the
+accepted positions' features extend the drafter's context. At temperature 0 the output is exactly
+the target's greedy output; above it, every emitted token is a target sample given the right prefix.
 """
 
 from __future__ import annotations
@@ -101,8 +92,7 @@ def speculative_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> Decoded:
-    """DFlash block speculative decoding (see the module docstring). `model` is the HF target,
-    `layer_ids` the drafter's target layers, `drafter` a trainer.model.DFlashDrafter."""
+    """DFlash block speculative decoding of `prompt` on the HF target `model` (see the module docstring)."""
     device = model.get_input_embeddings().weight.device
     block = drafter.cfg.block_size
     stop_ids = set(stop_ids)

@@ -1,27 +1,14 @@
-"""Batched greedy decoding over pre-allocated caches: target-only and DFlash speculative, one machinery.
+"""Batched greedy decoding over pre-allocated caches, target-only and DFlash speculative (the fast path;
+trainer.infer.speculative is its reference).
 
-The HF-eager path (trainer.infer.speculative) is the reference; this is the fast path. Both decode the
-same way (see trainer.infer.speculative's docstring); what differs is where the time goes:
-
-- Static caches. The target's KV cache [layers, rows, kv heads, positions, head dim] and the
-  drafter's context K/V are allocated once. A forward WRITES its K/V at its positions and attends
-  to keys at positions <= its own (drafter: context keys before the block, plus the block), so a
-  rejected draft needs no crop: its stale entries lie past every later query's horizon and are
-  overwritten by the next block before anyone can see them.
-- A whole round is tensor ops on state buffers: drafter context extension, block draft, verify,
-  acceptance (longest matching prefix, per row), stop tokens, max_new_tokens, output and
-  per-round acceptance log, all on the device, with no host value in between. On CUDA the round
-  (and the target-only step) is captured once as a CUDA graph and replayed; the host reads one
-  flag per round ("any row still active", copied to pinned memory inside the graph). Nothing is
-  allocated per round. On the CPU the same functions run eagerly.
-- Rows are prompts. Each row keeps its own position, output length and acceptance log; a row
-  that hit a stop token or its budget stops advancing while the others go on (ragged acceptance).
-- `compile=True` wraps the per-layer math (norms, projections, RoPE, MLP) in torch.compile
-  (shared by all layers of the same shape) before capture, so elementwise chains fuse.
-
-The target is an HF Qwen3-family causal LM (Qwen3 / Llama layout: q/k/v/o, per-head q/k RMSNorm
-when present, SiLU MLP, full attention); its weights are used in place. Target-only decoding and
-speculative decoding run on the same StaticTarget, so their tokens/s ratio is fair.
+- A forward WRITES its K/V at its positions and attends only to keys at positions <= its own, so a
+  rejected draft needs no crop: its stale entries are overwritten before any query can see them.
+- A whole round (extend, draft, verify, accept, stop, log) is tensor ops on state buffers with no host
+  value in between, so on CUDA it is captured once as a graph and replayed; the host reads one flag
+  per round. On the CPU the same functions run eagerly.
+- Rows are prompts, each with its own position and output (ragged acceptance).
+- The target is an HF Qwen3-family causal LM, its weights used in place; target-only and speculative
+  decoding run on the same StaticTarget, so their tokens/s ratio is fair.
 """
 
 from __future__ import annotations
@@ -35,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.infer import gated_deltanet
+from trainer.infer.speculative import Decoded
 from trainer.fused_projections import GATE_UP, QKV, fused_rows
 from trainer.model import DFlashDrafter, rope_cos_sin
 from trainer.target_family import HYBRID_TYPES, is_hybrid
@@ -69,31 +57,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def pre_attention(
-    x,
-    ln,
-    wq,
-    bq,
-    wk,
-    bk,
-    wv,
-    bv,
-    q_norm,
-    k_norm,
-    cos,
-    sin,
-    eps: float,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    centered: bool = False,
-    gated: bool = False,
-    project=F.linear,
-):
-    """Input norm, q/k/v projections, per-head norms and RoPE of one layer. x [B, T, H];
-    wk None: wq/bq are q, k and v fused (trainer.fused_projections), split here;
-    cos/sin [B, T, D or Qwen3.5's rotary part]. Returns q grouped by kv head [B, Hkv, G*T, D] (see
-    grouped_attention), k, v [B, T, Hkv, D] (the cache's write layout) and the output gate
-    [B, T, heads*D] of a gated attention (Qwen3.5: q_proj gives each head's query and gate), else None."""
+    x, weights, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int,
+    centered: bool = False, gated: bool = False, project=F.linear,
+):  # fmt: skip
+    """Input norm, q/k/v projections, per-head norms and RoPE of one layer: q grouped by kv head
+    [B, Hkv, G*T, D] (grouped_attention), k, v [B, T, Hkv, D] (the cache's write layout) and, for a
+    gated attention (Qwen3.5: q_proj gives each head's query and gate), the output gate, else None."""
+    ln, wq, bq, wk, bk, wv, bv, q_norm, k_norm = weights
     batch, length, _ = x.shape
     h = rms_norm(x, ln, eps, centered)
     if wk is None:
@@ -136,11 +106,10 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
-def post_attention(
-    x, attn, out_gate, wo, bo, ln, gate, up, down, eps: float, centered: bool = False, project=F.linear
-):
+def post_attention(x, attn, out_gate, weights, eps: float, centered: bool = False, project=F.linear):
     """Output gate (when gated), output projection, then residual_mlp. attn: the grouped attention
-    output [B, Hkv, G*T, D]."""
+    output [B, Hkv, G*T, D]; weights: _Layer.post."""
+    wo, bo, ln, gate, up, down = weights
     batch, length, _ = x.shape
     kv_heads, rows, dim = attn.shape[1:]
     attn = attn.view(batch, kv_heads, rows // length, length, dim).permute(0, 3, 1, 2, 4)
@@ -155,9 +124,7 @@ def context_kv(ctx, wk, bk, wv, bv, k_norm, cos, sin, eps: float, kv_heads: int,
     batch, length, _ = ctx.shape
     k = F.linear(ctx, wk, bk).view(batch, length, kv_heads, head_dim)
     v = F.linear(ctx, wv, bv).view(batch, length, kv_heads, head_dim)
-    k = rms_norm(k, k_norm, eps)
-    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
-    return k * c + _rotate_half(k) * s, v
+    return rotate(rms_norm(k, k_norm, eps), cos.unsqueeze(2), sin.unsqueeze(2)), v
 
 
 def grouped_mask(visible: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -177,34 +144,12 @@ def grouped_attention(q, keys, values, mask):
 
 @dataclasses.dataclass
 class _Layer:
-    """One decoder layer's weights (the model's own tensors, not copies). wk/wv None: wq is q, k and v
-    fused; up None: gate is gate and up fused (trainer.fused_projections)."""
+    """One decoder layer's weights (the model's own tensors, not copies), as its kernels take them."""
 
-    ln: torch.Tensor
-    wq: torch.Tensor
-    bq: torch.Tensor | None
-    wk: torch.Tensor | None
-    bk: torch.Tensor | None
-    wv: torch.Tensor | None
-    bv: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    wo: torch.Tensor
-    bo: torch.Tensor | None
-    ln2: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor | None
-    down: torch.Tensor
+    pre: tuple  # pre_attention's: ln, wq, bq, wk, bk, wv, bv, q_norm, k_norm (wk None: wq is q, k, v fused)
+    post: tuple  # post_attention's: wo, bo, then _mlp_weights
     centered: bool = False  # Qwen3.5 norms (1 + weight)
     gated: bool = False  # Qwen3.5 gated attention
-
-    def pre_weights(self) -> tuple:
-        """The weights pre_attention takes, in its order."""
-        return self.ln, self.wq, self.bq, self.wk, self.bk, self.wv, self.bv, self.q_norm, self.k_norm
-
-    def post_weights(self) -> tuple:
-        """The weights post_attention takes, in its order."""
-        return self.wo, self.bo, self.ln2, self.gate, self.up, self.down
 
 
 @dataclasses.dataclass
@@ -213,65 +158,44 @@ class DeltaLayer:
 
     ln: torch.Tensor
     mixer: gated_deltanet.DeltaNetWeights
-    ln2: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor | None
-    down: torch.Tensor
+    mlp: tuple  # _mlp_weights
     eps: float
 
 
+def _mlp_weights(layer) -> tuple:
+    """What follows the token mixer, as residual_mlp takes it: ln2, gate, up, down (up None: gate is
+    gate and up fused by fuse_projections)."""
+    mlp = layer.mlp
+    both = fused_rows(mlp, GATE_UP, [mlp.gate_proj, mlp.up_proj])
+    gate_up = (both, None) if both is not None else (mlp.gate_proj.weight, mlp.up_proj.weight)
+    return layer.post_attention_layernorm.weight, *gate_up, mlp.down_proj.weight
+
+
 def _layer_of(layer, centered: bool = False) -> _Layer:
-    attn, mlp = layer.self_attn, layer.mlp
-    q_norm = getattr(attn, "q_norm", None)
-    k_norm = getattr(attn, "k_norm", None)
-    heads_width = attn.o_proj.weight.shape[1]
-    wq, (bq, wk, bk, wv, bv) = _qkv(attn)
-    gate, up = _gate_up(mlp)
-    return _Layer(
-        ln=layer.input_layernorm.weight,
-        wq=wq, bq=bq, wk=wk, bk=bk, wv=wv, bv=bv,
-        q_norm=None if q_norm is None else q_norm.weight,
-        k_norm=None if k_norm is None else k_norm.weight,
-        wo=attn.o_proj.weight, bo=attn.o_proj.bias,
-        ln2=layer.post_attention_layernorm.weight,
-        gate=gate, up=up, down=mlp.down_proj.weight,
-        centered=centered,
-        gated=attn.q_proj.weight.shape[0] == 2 * heads_width,
-    )  # fmt: skip
+    attn = layer.self_attn
+    norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+    pre = (layer.input_layernorm.weight, *_qkv(attn), *(None if n is None else n.weight for n in norms))
+    post = (attn.o_proj.weight, attn.o_proj.bias, *_mlp_weights(layer))
+    gated = attn.q_proj.weight.shape[0] == 2 * attn.o_proj.weight.shape[1]
+    return _Layer(pre, post, centered, gated)
 
 
-Tensors = tuple[torch.Tensor | None, ...]
-
-
-def _qkv(attn) -> tuple[torch.Tensor, Tensors]:
-    """(wq, (bq, wk, bk, wv, bv)); when fuse_projections fused them, q/k/v as wq with their biases
+def _qkv(attn) -> tuple[torch.Tensor | None, ...]:
+    """wq, bq, wk, bk, wv, bv; when fuse_projections fused them, q/k/v as wq with their biases
     concatenated as bq and None for the rest (a mix of biased and unbiased stays apart)."""
     projections = [attn.q_proj, attn.k_proj, attn.v_proj]
     biases = [p.bias for p in projections]
     whole = fused_rows(attn, QKV, projections)
     if whole is None or len({bias is None for bias in biases}) > 1:
         q, k, v = (p.weight for p in projections)
-        return q, (biases[0], k, biases[1], v, biases[2])
-    return whole, (None if biases[0] is None else torch.cat(biases), None, None, None, None)
-
-
-def _gate_up(mlp) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(gate and up fused, None) when fuse_projections fused them, else (gate, up)."""
-    both = fused_rows(mlp, GATE_UP, [mlp.gate_proj, mlp.up_proj])
-    return (both, None) if both is not None else (mlp.gate_proj.weight, mlp.up_proj.weight)
+        return q, biases[0], k, biases[1], v, biases[2]
+    return whole, None if biases[0] is None else torch.cat(biases), None, None, None, None
 
 
 def _delta_layer_of(layer) -> DeltaLayer:
-    mlp = layer.mlp
-    gate, up = _gate_up(mlp)
+    mixer = gated_deltanet.DeltaNetWeights.of(layer.linear_attn)
     return DeltaLayer(
-        layer.input_layernorm.weight,
-        gated_deltanet.DeltaNetWeights.of(layer.linear_attn),
-        layer.post_attention_layernorm.weight,
-        gate,
-        up,
-        mlp.down_proj.weight,
-        _eps_of(layer.input_layernorm),
+        layer.input_layernorm.weight, mixer, _mlp_weights(layer), _eps_of(layer.input_layernorm)
     )
 
 
@@ -284,8 +208,7 @@ class Kernels:
     every layer (weights are arguments, so the layers of a model are one compiled graph)."""
 
     def __init__(self, compile: bool, rowwise: bool = False):
-        """`rowwise` (with compile): one-row products as reduction kernels (rowwise_linear), tuned
-        by inductor's coordinate descent, instead of the matmul library's."""
+        """`rowwise` (with compile): one-row products as reduction kernels (rowwise_linear)."""
         self.compiled, self.rowwise = compile, compile and rowwise
         if compile:  # one compiled graph per distinct shape (target step, verify, draft; several models)
             config = torch._dynamo.config
@@ -293,29 +216,24 @@ class Kernels:
             setattr(config, name, max(getattr(config, name), 64))
         options: dict[str, Any] | None = {"coordinate_descent_tuning": True} if self.rowwise else None
         project = rowwise_linear if self.rowwise else F.linear
-        wrap = (
-            (lambda f: torch.compile(f, dynamic=False, fullgraph=True, options=options))
-            if compile
-            else (lambda f: f)
-        )
+
+        def wrap(f):
+            return torch.compile(f, dynamic=False, fullgraph=True, options=options) if compile else f
+
         self.pre = wrap(functools.partial(pre_attention, project=project))
         self.post = wrap(functools.partial(post_attention, project=project))
         self.mlp = wrap(functools.partial(residual_mlp, project=project))
         self.context = wrap(context_kv)
         self.delta = wrap(gated_deltanet.mix_tensors)
 
-    def layer(
-        self, x, w: _Layer, cos, sin, keys, values, rows, where, mask, eps: float, heads, kv_heads, head_dim
-    ):
-        """One decoder layer over a static cache: its K/V written at `where` of `rows`, then
-        attention over everything the mask lets each query see."""
-        q, k, v, out_gate = self.pre(
-            x, *w.pre_weights(), cos, sin, eps, heads, kv_heads, head_dim, w.centered, w.gated
-        )
+    def layer(self, x, w: _Layer, cos, sin, keys, values, rows, where, mask, dims: tuple):
+        """One decoder layer over a static cache: its K/V written at `where` of `rows`, then attention
+        over everything the mask lets each query see. dims: (eps, heads, kv heads, head dim)."""
+        q, k, v, out_gate = self.pre(x, w.pre, cos, sin, *dims, w.centered, w.gated)
         keys[rows, :, where] = k
         values[rows, :, where] = v
         out = grouped_attention(q, keys, values, mask)
-        return self.post(x, out, out_gate, *w.post_weights(), eps, w.centered)
+        return self.post(x, out, out_gate, w.post, dims[0], w.centered)
 
 
 EAGER = Kernels(compile=False)
@@ -349,10 +267,8 @@ def _check_static(model) -> None:
 
 
 class StaticTarget:
-    """The HF target's forward over pre-allocated state, batched by rows, with the drafter's
-    features (HF `hidden_states[l + 1]` of each layer id) taken on the way. Attention layers keep a
-    static KV cache; a hybrid target's Gated DeltaNet layers keep a conv window and a recurrent state
-    (trainer.cli.serving_gated_deltanet), advanced by `commit` once the caller knows how many tokens stay."""
+    """The HF target's forward over pre-allocated state, batched by rows, taking the drafter's features
+    (HF `hidden_states[l + 1]`) on the way; recurrent layers advance only on `commit`."""
 
     def __init__(self, model, layer_ids, rows: int, positions: int):
         _check_static(model)
@@ -376,6 +292,7 @@ class StaticTarget:
         self.head_dim = decoder.layers[attention[0]].self_attn.head_dim if attention else 1
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.dims = (self.eps, self.heads, self.kv_heads, self.head_dim)
         self.rows, self.positions = rows, positions
         self.device, self.dtype = self.embed.device, self.embed.dtype
         shape = (len(attention), rows, self.kv_heads, positions, self.head_dim)
@@ -404,7 +321,7 @@ class StaticTarget:
             mixed, pending = gated_deltanet.mix(h, w.mixer, conv, state, kernels.delta)
         else:
             mixed, pending = gated_deltanet.run(h, w.mixer, conv, state, lengths), None
-        return kernels.mlp(x, mixed, w.ln2, w.gate, w.up, w.down, w.eps, True), pending
+        return kernels.mlp(x, mixed, *w.mlp, w.eps, True), pending
 
     def hidden(
         self,
@@ -414,14 +331,12 @@ class StaticTarget:
         features: bool = True,
         lengths: torch.Tensor | None = None,
     ) -> Pass:
-        """The target over tokens ids [B, T] at positions where [B, T] (B == rows): attention layers
-        write their K/V; recurrent layers leave Pending for `commit`, or, given `lengths` [B] (a
-        prompt, right-padded), take the first lengths tokens of each row into their state at once."""
+        """The target over ids [rows, T] at positions where: recurrent layers leave Pending for `commit`,
+        or, given `lengths` (a right-padded prompt), take each row's first lengths tokens at once."""
         x = F.embedding(ids, self.embed)
         cos, sin = self.cos[where], self.sin[where]
-        mask = grouped_mask(
-            self.key_positions <= where.unsqueeze(-1), self.heads // self.kv_heads, self.dtype
-        )
+        visible = self.key_positions <= where.unsqueeze(-1)
+        mask = grouped_mask(visible, self.heads // self.kv_heads, self.dtype)
         wanted = set(self.layer_ids) if features else set()
         last = len(self.layers) - 1
         taken, pending = {}, {}
@@ -431,11 +346,8 @@ class StaticTarget:
                 if left is not None:
                     pending[i] = left
             else:
-                slot = self.kv_slot[i]
-                x = kernels.layer(
-                    x, w, cos, sin, self.keys[slot], self.values[slot], self.row_index, where, mask,
-                    self.eps, self.heads, self.kv_heads, self.head_dim,
-                )  # fmt: skip
+                keys, values = self.keys[self.kv_slot[i]], self.values[self.kv_slot[i]]
+                x = kernels.layer(x, w, cos, sin, keys, values, self.row_index, where, mask, self.dims)
             if i in wanted and i != last:
                 taken[i] = x
         normed = rms_norm(x, self.norm_weight, self.norm_eps, self.centered)
@@ -466,6 +378,7 @@ class StaticDrafter:
         self.drafter, self.cfg = drafter, cfg
         self.layers = [_layer_of(layer) for layer in drafter.layers]
         self.block = cfg.block_size
+        self.dims = (cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
         shape = (len(self.layers), rows, cfg.num_kv_heads, positions, cfg.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
@@ -482,24 +395,13 @@ class StaticDrafter:
     def extend(self, features: torch.Tensor, where: torch.Tensor, kernels: Kernels = EAGER) -> None:
         """Write the context K/V of target features [B, T, K*H] at positions where [B, T]."""
         d = self.drafter
-        ctx = rms_norm(
-            F.linear(features.to(d.fc.weight.dtype), d.fc.weight), d.hidden_norm.weight, d.hidden_norm.eps
-        )
+        ctx = F.linear(features.to(d.fc.weight.dtype), d.fc.weight)
+        ctx = rms_norm(ctx, d.hidden_norm.weight, d.hidden_norm.eps)
         cos, sin = self.cos[where], self.sin[where]
+        dims = self.cfg.rms_norm_eps, self.cfg.num_kv_heads, self.cfg.head_dim
         for i, w in enumerate(self.layers):
-            k, v = kernels.context(
-                ctx,
-                w.wk,
-                w.bk,
-                w.wv,
-                w.bv,
-                w.k_norm,
-                cos,
-                sin,
-                self.cfg.rms_norm_eps,
-                self.cfg.num_kv_heads,
-                self.cfg.head_dim,
-            )
+            _, _, _, wk, bk, wv, bv, _, k_norm = w.pre
+            k, v = kernels.context(ctx, wk, bk, wv, bv, k_norm, cos, sin, *dims)
             self.keys[i][self.row_index, :, where] = k
             self.values[i][self.row_index, :, where] = v
 
@@ -508,46 +410,30 @@ class StaticDrafter:
         at start..start+block-1 (it sees the cached context before start and the whole block)."""
         d, cfg = self.drafter, self.cfg
         where = start.unsqueeze(1) + self.offsets
-        x = F.embedding(torch.cat([anchor.unsqueeze(1), self.mask_ids], dim=1), d.embed_weight).to(
-            d.fc.weight.dtype
-        )
+        ids = torch.cat([anchor.unsqueeze(1), self.mask_ids], dim=1)
+        x = F.embedding(ids, d.embed_weight).to(d.fc.weight.dtype)
         cos, sin = self.cos[where], self.sin[where]
         # [B, 1, S]: the same for each query
         visible = self.key_positions < (start + self.block).view(-1, 1, 1)
         mask = grouped_mask(visible.expand(-1, self.block, -1), cfg.num_heads // cfg.num_kv_heads, x.dtype)
         for i, w in enumerate(self.layers):
             x = kernels.layer(
-                x, w, cos, sin, self.keys[i], self.values[i], self.row_index, where, mask,
-                cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            )  # fmt: skip
+                x, w, cos, sin, self.keys[i], self.values[i], self.row_index, where, mask, self.dims
+            )
         hidden = rms_norm(x[:, 1:], d.norm.weight, d.norm.eps)
         return F.linear(hidden, d.lm_head_weight.to(hidden.dtype), d.lm_head_bias).argmax(-1)
 
 
 @dataclasses.dataclass
-class Decoded:
-    """One prompt's result (the same fields as trainer.infer.speculative.Decoded, for evaluation)."""
-
-    tokens: list[int]
-    seconds: float  # the whole batch's decode time (rows decode together)
-    accepted: list[int] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
 class Batch:
-    results: list[Decoded]
+    results: list[Decoded]  # each with the whole batch's seconds (rows decode together)
     seconds: float
     rounds: int  # host iterations (graph replays)
 
 
 class StaticDecoder:
-    """Greedy decoding of up to `rows` prompts at once, target-only or speculative, on static
-    caches sized for prompts up to `max_prompt` tokens and `max_new_tokens` new tokens.
-
-    Build once, decode many times: the caches and (on CUDA) the captured graphs are reused by every
-    call; a call with fewer prompts fills the spare rows with a copy of its first prompt and
-    leaves them inactive. Drafter weights may change between calls (copied in place, e.g.
-    load_state_dict), the captured graphs read the same tensors."""
+    """Greedy decoding of up to `rows` prompts at once. Build once, decode many times: caches and graphs
+    are reused (spare rows stay inactive), and drafter weights may change in place between calls."""
 
     def __init__(
         self,
@@ -568,8 +454,7 @@ class StaticDecoder:
         positions = max_prompt + max_new_tokens + block
         self.target = StaticTarget(model, layer_ids, rows, positions)
         self.drafter = StaticDrafter(drafter, rows, positions) if drafter is not None else None
-        device = self.target.device
-        self.device = device
+        self.device = device = self.target.device
         on_cuda = device.type == "cuda"
         self.graphs = on_cuda if graphs is None else (graphs and on_cuda)
         self.kernels = Kernels(compile, rowwise) if compile else EAGER
@@ -602,9 +487,8 @@ class StaticDecoder:
     # ---- one step / round: tensor ops on the state only ------------------------------------------
 
     def _emit(self, tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-        """Append tokens[:, :accepted+1] per active row (cut at a stop token and at the budget), log
-        the round, advance the anchor. Returns how many tokens each row emitted: the tokens of the
-        pass the target keeps (the anchor and the accepted drafts before them)."""
+        """Append tokens[:, :accepted+1] per active row (cut at a stop token and at the budget), log the
+        round, advance the anchor; returns each row's count, which is also what the target keeps."""
         width = tokens.shape[1]
         offsets = self.offsets[:width]
         within = offsets <= accepted.unsqueeze(1)
@@ -657,18 +541,15 @@ class StaticDecoder:
     # ---- prefill (eager, once per call) -----------------------------------------------------------
 
     def _prefill_step(self, speculative: bool) -> None:
-        """The prompts (static buffers, right-padded to max_prompt) through the target: its first
-        token, the drafter's context when speculative, and a fresh state. Eager kernels: one shape,
-        run once per decode (as a graph on CUDA)."""
+        """The prompts (right-padded to max_prompt) through the target: its first token, the drafter's
+        context when speculative, and a fresh state (eager kernels: one shape, run once per decode)."""
         where = self.prompt_positions
         self.target.reset()
         prefill = self.target.hidden(self.prompt_ids, where, features=speculative, lengths=self.prompt_len)
         last = prefill.hidden[self.row_index[:, 0], self.prompt_len - 1]
         first = self.target.logits(last).argmax(-1)
         if speculative:
-            assert (
-                self.drafter is not None and prefill.features is not None
-            )  # prefilled speculatively only with one
+            assert self.drafter is not None and prefill.features is not None  # decode() checked
             self.drafter.extend(prefill.features, where)
         self.start.copy_(self.prompt_len)
         self.anchor.copy_(first)
@@ -706,8 +587,7 @@ class StaticDecoder:
     # ---- the host loop ----------------------------------------------------------------------------
 
     def runner(self, name: str, step):
-        """`step` as the loop runs it: its CUDA graph's replay (captured once per name), or `step` itself
-        where graphs are off."""
+        """`step` as the loop runs it: its CUDA graph's replay (captured once per name), or itself."""
         if not self.graphs:
             return step
         graph = self._graph.get(name)
