@@ -1,15 +1,8 @@
 """The DFlash drafter: a few Qwen3-style decoder layers conditioned on target hidden states.
 
-Data flow of one forward:
-  context [B, T, K*H]  --fc--> hidden_norm --> ctx [B, T, H]     (target features, projected once)
-  block tokens [anchor, MASK x (block-1)] per anchor --target embedding--> x [B, N*block, H]
-  each layer: queries from x only; keys/values from [ctx ; x]; RoPE over TRUE positions
-              (context p at p, block token k of anchor a at a+k); mask from trainer.masks
-  final norm --> hidden [B, N*block, H]; logits = the target's frozen lm_head(hidden)
-
-The target's embedding and lm_head are frozen and NOT part of this module's parameters or
-state_dict: `state_dict()` holds exactly the drafter weights under the names inference engines
-load (see trainer.infer.export).
+Queries come from the blocks [anchor, MASK x (block-1)], keys/values from [target features ; blocks],
+RoPE over true positions. The target's frozen embedding and lm_head stay out of state_dict, so it
+holds exactly the weights inference engines load (trainer.infer.export).
 """
 
 from __future__ import annotations
@@ -31,8 +24,7 @@ from trainer.target_family import is_hybrid
 
 # An attention the trainer does not offer, (q, k, v, attn_mask) -> out, as `attend` calls it (benchmarks)
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
-# DrafterConfig fields that only travel to the export: a checkpoint written before they existed
-# still resumes (trainer.train.loop.restore does not compare them when the checkpoint lacks them).
+# export-only DrafterConfig fields: restore does not compare them when a checkpoint lacks them
 EXPORT_METADATA = ("max_position_embeddings", "rope_scaling")
 
 
@@ -50,9 +42,8 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     block_size: int = DEFAULT_BLOCK_SIZE
-    # The target's layer count; written to the export (inference engines read it).
-    num_target_layers: int | None = None
-    # The target's context length and RoPE scaling, copied into the export (see EXPORT_METADATA).
+    num_target_layers: int | None = None  # written to the export: inference engines read it
+    # the target's context length and RoPE scaling, copied into the export (EXPORT_METADATA)
     max_position_embeddings: int | None = None
     rope_scaling: dict | None = None
 
@@ -100,11 +91,7 @@ class DrafterConfig:
 
     @classmethod
     def for_target(cls, target, **overrides) -> "DrafterConfig":
-        """Drafter dims copied from a trainer.data.target.TargetModel (the paper's choice).
-
-        hidden_size and vocab_size must match the target (its embedding and lm_head are reused);
-        the others may be overridden (e.g. num_layers=1 for a quick run).
-        """
+        """Drafter dims copied from a TargetModel (the paper's choice); hidden/vocab size must match it."""
         hf = target.config
         values = {
             "hidden_size": target.hidden_size,
@@ -124,10 +111,8 @@ class DrafterConfig:
 
 
 def _attention_dims(hf_config, hidden_size: int) -> dict:
-    """The drafter's attention shape: the target's own for a dense target. A hybrid target's gated
-    attention (head_dim 256, few heads) is not what its published drafters use: they are plain Qwen3
-    layers with head_dim 128, 32 heads and 8 KV heads at 27B (z-lab's Qwen3.6-27B drafter), which
-    this rule gives and scales down for smaller targets."""
+    """The target's attention shape; for a hybrid target, that of its published drafters (plain Qwen3
+    layers: head_dim 128, 32 heads, 8 KV heads at 27B), scaled down for smaller targets."""
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden_size // heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -191,13 +176,7 @@ _compiled_flex_init = threading.Lock()
 
 
 def compiled_flex_attention():
-    """The ONE compiled flex_attention of the process, created on first use.
-
-    Created lazily so that a compile-lock patch installed at startup is in place before
-    torch.compile wraps anything. dynamic=False: training shapes are static, and automatic
-    dynamic shapes would trigger a second compile mid-run (reopening the FX-tracing race window).
-    fullgraph=True: a graph break would silently run flex eagerly, which poisons compiled calls.
-    """
+    """The ONE compiled flex_attention of the process, made lazily: after the startup compile-lock patch."""
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
@@ -210,18 +189,14 @@ def compiled_flex_attention():
 
 
 def use_compiled_flex_attention(compiled) -> None:
-    """Install `compiled` (flex_attention through torch.compile) as the process's one compiled
-    flex_attention, before its first use: a race harness compiles it through a cheaper backend."""
+    """Install `compiled` as the process's flex_attention before first use (a race harness's cheaper one)."""
     global _compiled_flex
     with _compiled_flex_init:
         _compiled_flex = compiled
 
 
 def attend(q, k, v, attn_mask, backend: str | AttentionFn) -> torch.Tensor:
-    """Masked GQA attention. q [B, Hq, L, D]; k, v [B, Hkv, S, D].
-
-    `backend`: one of ATTENTION_BACKENDS, or an AttentionFn (a baseline a benchmark measures).
-    """
+    """Masked GQA attention. q [B, Hq, L, D]; k, v [B, Hkv, S, D]; backend: a name or an AttentionFn."""
     q, k, v = attention_inputs(q, k, v)
     if backend == "flex":
         if torch.compiler.is_compiling():  # inside a compiled layer: inductor compiles flex with it
@@ -303,10 +278,8 @@ class DFlashDrafter(nn.Module):
         self.embed_weight = embed_tokens.weight.detach()
         self.lm_head_weight = lm_head.weight.detach()
         self.lm_head_bias = None if lm_head.bias is None else lm_head.bias.detach()
-        # Recompute each layer in backward instead of storing its activations (trainer.activation_checkpoint).
-        self.checkpoint_layers = False
-        # Each decoder layer as one compiled graph ("auto": when training with flex on CUDA), and the
-        # fused loss's chunk kernel (trainer.loss.LOSS_KERNELS; "auto": compiled on CUDA).
+        self.checkpoint_layers = False  # trainer.activation_checkpoint
+        # "auto": layers compiled for flex on CUDA; loss kernel from trainer.loss.LOSS_KERNELS
         self.compile_layers: bool | str = "auto"
         self.loss_kernel = "auto"
         self._layers_compiled = False
@@ -320,8 +293,7 @@ class DFlashDrafter(nn.Module):
                 nn.init.ones_(module.weight)
 
     def _apply(self, fn, recurse=True):
-        # .to(device/dtype), .float(), .cuda() ... also move the frozen target weights. fn returns
-        # a new tensor when anything changes, so the target's own modules are never touched.
+        # .to()/.cuda() move the frozen target weights too; fn returns new tensors, the target's stay
         super()._apply(fn, recurse)
         tied = self.lm_head_weight is self.embed_weight
         self.embed_weight = fn(self.embed_weight)
@@ -368,12 +340,9 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def _compile_layers_if_wanted(self, backend, device: torch.device) -> None:
-        """Compile every decoder layer in place (nn.Module.compile: names and state_dict unchanged).
+        """Compile each layer in place (state_dict unchanged) at the first forward, after the compile-lock
+        patch; all layers share one graph, so it costs one layer's compile."""
 
-        All layers share one compiled graph (same code, same shapes; parameters are graph inputs),
-        so the compile costs one layer's. Lazily, at the first forward: a compile-lock patch
-        installed at startup must be in place before torch.compile wraps anything.
-        """
         want = self.compile_layers
         if want == "auto":
             want = backend == "flex" and device.type == "cuda"

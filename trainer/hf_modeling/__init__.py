@@ -1,5 +1,3 @@
-"""Files copied verbatim into every export: the drafter's Transformers modeling code (no training code).
+"""The drafter's Transformers code, copied into every export; it imports nothing from `trainer`, as
+an export directory loads on its own (`AutoModel.from_pretrained(dir, trust_remote_code=True)`)."""
 
-They must import nothing from `trainer`: an export directory is loaded on its own with
-`AutoModel.from_pretrained(export_dir, trust_remote_code=True)`.
-"""
