@@ -1,15 +1,8 @@
 """Training data: fixed-length token sequences with a loss mask, in a resumable deterministic order.
 
-Sources:
-- JSONL, one record per line: `{"input_ids": [...], "loss_mask": [...]}` (pre-tokenized), or
-  `{"messages": [{"role": ..., "content": ...}, ...]}` (tokenized with the target's chat template;
-  loss on the assistant turns).
-- `synthetic`: random prompts continued greedily by the target itself. The drafter's job is to
-  predict the target, so the target's own continuations are learnable by construction.
-
-Every sequence is padded/truncated to `seq_len` so shapes never change (a new shape means a
-recompile). The batch for (step, replica) is a pure function of (seed, epoch, position): resuming
-at step s replays exactly what an uninterrupted run would have seen, whatever the thread timing.
+Sources: JSONL records of `input_ids`+`loss_mask` or chat `messages` (loss on assistant turns), or
+`synthetic` greedy target continuations. Sequences are padded to `seq_len` (a new shape recompiles);
+a (step, replica)'s batch is a pure function of (seed, epoch, position), so a resume replays exactly.
 """
 
 from __future__ import annotations
@@ -127,9 +120,7 @@ def jsonl_records(path: str, what: str, missing_fix: str):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
-            try:
-                # without its line end: the error's column is then the real one (a truncated line
-                # ends where it ends, not at column 1 of a line that is not there)
+            try:  # without its line end, the error's column is the real one
                 yield where, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 raise DataError(
@@ -145,8 +136,7 @@ def load_jsonl(
     pad_id: int = 0,
     chat_template_kwargs: dict | None = None,
 ) -> Dataset:
-    """Read and check every record; raises DataError at the first bad one (file:line).
-    `chat_template_kwargs` go to apply_chat_template for `messages` records."""
+    """Read and check every record; raises DataError at the first bad one (file:line)."""
     rows_ids, rows_mask, rows_attn = [], [], []
     for where, record in jsonl_records(path, "data", "set data.path to an existing .jsonl file."):
         if not isinstance(record, dict):
@@ -219,11 +209,8 @@ def _check_pretokenized(record: dict, where: str) -> tuple[list[int], list[int]]
 def _tokenize_messages(
     messages, tokenizer, where: str, chat_template_kwargs: dict | None = None
 ) -> tuple[list[int], list[int]]:
-    """Token ids of the whole conversation; loss_mask 1 on each assistant turn's tokens.
-
-    An assistant turn's tokens are those the template adds between "everything before it plus the
-    generation prompt" and "everything up to and including it".
-    """
+    """Token ids of the conversation; loss_mask 1 on the tokens each assistant turn adds to the prompt
+    before it (with the generation prompt)."""
     if tokenizer is None:
         raise DataError(
             where,
@@ -284,10 +271,7 @@ def _fit(ids: list[int], mask: list[int], seq_len: int, pad_id: int):
 def synthetic_dataset(
     target, num_samples: int, prompt_len: int, seq_len: int, seed: int, chunk: int = 256
 ) -> Dataset:
-    """Random prompts (seeded) continued greedily by the target; loss on the continuation.
-
-    The continuation is exactly what the target would say, so a drafter can learn it.
-    """
+    """Random prompts (seeded) continued greedily by the target, so the continuation is learnable."""
     vocab = target.vocab_size
     gen = torch.Generator().manual_seed(derive_seed(seed, 0x5E1F))
     prompts = torch.randint(0, vocab, (num_samples, prompt_len), generator=gen)
@@ -307,8 +291,7 @@ def synthetic_dataset(
 
 
 def greedy_continue(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """prompts [B, P] -> [B, P + new_tokens] by argmax decoding, one token per forward with the
-    target's KV cache (the same decoding as speculative.target_generate, batched)."""
+    """prompts [B, P] -> [B, P + new_tokens] by argmax decoding with the target's KV cache."""
     cache = kv_cache.new_cache(model)
     columns = [prompts]
     logits = kv_cache.forward(model, prompts, cache).logits[:, -1]

@@ -1,17 +1,9 @@
 """An offline cache of target features: run the target once, train many epochs from disk.
 
-Layout of a cache directory:
-    manifest.json            what it was made from (target, layer ids, seq_len, data, tokenizer),
-                             counts, and per shard: file, first sequence, count, bytes,
-                             sha256_chunks (trainer.data.chunk_digest)
-    shard-00000.safetensors  flat tensors for consecutive sequences (only real tokens, no padding):
-                             features [tokens, K*H] (bf16 by default), input_ids [tokens] int32,
-                             loss_mask [tokens] bool, offsets [count+1] int64
-
-Written shard by shard (file fsynced, then the manifest replaced atomically), so a killed run
-resumes after the last whole shard. A training run refuses a cache made for another target,
-other layer ids or another seq_len (exit 2, naming each difference), detects a truncated shard
-from its size at startup and a corrupted one from its sha256 on first read.
+A directory of manifest.json (what it was made from, counts, per-shard sizes and digests) and
+shard-NNNNN.safetensors (unpadded features, input_ids, loss_mask and offsets of consecutive
+sequences). Training refuses a cache of another target, layer ids or seq_len, a truncated shard at
+startup and a corrupted one at its first read.
 """
 
 from __future__ import annotations
@@ -35,6 +27,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Keys a training run must agree on; the rest of the manifest is provenance.
 COMPATIBLE_KEYS = ("target", "layer_ids", "seq_len")
 OPEN_SHARDS_PER_THREAD = 64
+TOKEN_BYTES = 5  # an int32 id and a bool mask per token, beside its features
 
 
 def _sha256_bytes(data: bytes) -> str:
@@ -50,11 +43,8 @@ def file_sha256(path: str, chunk: int = 1 << 24) -> str:
 
 
 def target_identity(target) -> dict:
-    """Who made the features: config hash + a fingerprint of the embedding and lm_head weights.
-
-    The fingerprint uses bf16-rounded rows, so the same weights loaded in fp32 or bf16 match; it
-    cannot see a change confined to the decoder layers (the config hash and spec still can).
-    """
+    """Who made the features: config hash + a fingerprint of the embedding and lm_head weights
+    (bf16-rounded, so fp32 and bf16 loads match)."""
     # keys that name how the config was stored, not what the model computes (save_pretrained sets some)
     config = {
         k: v
@@ -131,7 +121,7 @@ def human_bytes(n: float) -> str:
 
 def bytes_per_token(num_layers: int, hidden: int, dtype_name: str) -> int:
     """Disk bytes per cached token: features + int32 id + bool mask."""
-    return num_layers * hidden * DTYPES[dtype_name].itemsize + 4 + 1
+    return num_layers * hidden * DTYPES[dtype_name].itemsize + TOKEN_BYTES
 
 
 def read_manifest(cache_dir: str) -> dict | None:
@@ -285,7 +275,7 @@ class CacheReader:
         self._offsets_of: dict[int, torch.Tensor] = {}
 
     def verify_all(self) -> None:
-        """Check every shard's sha256 now rather than at its first read (before timed steps)."""
+        """Check every shard's sha256 now rather than at its first read."""
         for index in range(len(self.shards)):
             self._handle(index)
 
@@ -354,8 +344,7 @@ class CacheReader:
 
 
 def open_cache(cache_dir: str, expected: dict, pin_memory: bool = False) -> Dataset:
-    """The cache as a Dataset whose batches carry their features. Raises DataError (exit 2) when it
-    is incomplete, made for another target/layer ids/seq_len, or a shard is missing or truncated."""
+    """The cache as a Dataset whose batches carry their features; DataError when it is unusable."""
     manifest = read_manifest(cache_dir)
     if manifest is None:
         raise DataError(
@@ -393,16 +382,14 @@ def open_cache(cache_dir: str, expected: dict, pin_memory: bool = False) -> Data
 
 
 def _building_device(cfg) -> str:
-    """Where a tiny target is built for its head: the run's first CUDA device when CUDA is here (where
-    cache-features built it), else the CPU."""
+    """Where a tiny target is built for its head: where cache-features built it."""
     devices = list(cfg.run.target_devices or []) + list(cfg.run.drafter_devices or [])
     on_cuda = [d for d in devices if str(d).startswith("cuda")]
     return on_cuda[0] if on_cuda and torch.cuda.is_available() else "cpu"
 
 
 def training_source(cfg, dtype) -> tuple[list, Dataset]:
-    """For `data.source: features`: one embedding+lm_head stand-in for the target per drafter replica
-    (each is that replica's background loader thread) and the cache as a Dataset."""
+    """For `data.source: features`: an embedding+lm_head stand-in per drafter replica, and the cache."""
     from trainer.data.target_head import load_target_head, weight_bytes
 
     head = load_target_head(

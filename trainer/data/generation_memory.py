@@ -1,14 +1,5 @@
-"""How many conversations `data regenerate` generates at once: as many as the device's free memory
-holds, from what one sequence costs the target (its config), instead of a fixed count.
-
-One sequence of `positions` tokens (prompt + new tokens) whose prompt has `prompt` tokens costs:
-- cache: K and V of every full-attention layer at every position (kv heads x head_dim each);
-- recurrent state (hybrid targets): per linear-attention (Gated DeltaNet) layer its conv state
-  (conv channels x kernel) and its delta-rule state (value heads x key dim x value dim, fp32);
-- prefill working memory: per prompt position the widest per-layer intermediates (the MLP's
-  gate/up/act rows and a few hidden-size rows), held for one layer at a time;
-- logits: generation keeps only the last position's, a few fp32 copies of one vocab row.
-"""
+"""How many conversations `data regenerate` generates at once: as many as free memory holds, from
+one sequence's cost: attention K/V, recurrent states (hybrids), prefill intermediates and logits."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Prompts to decode from a JSONL file: token ids as given, or chat messages rendered with the
-target's chat template and a generation prompt."""
+"""Prompts to decode from a JSONL file."""
 
 from __future__ import annotations
 
@@ -9,9 +8,8 @@ from trainer.data.dataset import ROLES, DataError, check_input_ids, jsonl_record
 def load_prompts(
     path: str, tokenizer=None, vocab_size: int | None = None, chat_template_kwargs: dict | None = None
 ) -> list[list[int]]:
-    """Prompts from JSONL: `{"input_ids": [...]}` (used as is) or `{"messages": [...]}` rendered with
-    the target's chat template and a generation prompt (a final assistant turn, the reference
-    answer, is left out). Raises DataError naming file:line."""
+    """`{"input_ids": [...]}` as is, or `{"messages": [...]}` rendered with a generation prompt (a final
+    assistant turn, the reference answer, left out); DataError names file:line."""
     prompts = []
     for where, record in jsonl_records(path, "prompts", "pass an existing .jsonl file to --prompts."):
         if isinstance(record, dict) and "input_ids" in record:

@@ -1,15 +1,8 @@
 """Regenerate the assistant turns of a chat dataset with the target itself.
 
-The drafter learns to predict the TARGET: answers written by another model teach it the wrong
-distribution. Each record keeps its system/user turns; every assistant turn is replaced by what the
-target says given the conversation before it (earlier turns already regenerated), and a trailing
-user turn gets an answer. Generation is batched (left padding, HF generate with its KV cache) and
-spread over devices, one model copy per device.
-
-Exactly-once output: records are committed in input order, a chunk at a time: the output and
-rejects files are appended and fsynced, then `<out>.progress.json` (next input line and both file
-sizes) is replaced atomically. A killed run resumes (`--resume`) by truncating both files to the
-recorded sizes and continuing at the recorded line, so nothing is duplicated or lost.
+The drafter learns to predict the TARGET, so answers by another model teach it the wrong
+distribution. Output is exactly-once: each chunk is fsynced, then `<out>.progress.json` records the
+next line and file sizes atomically; `--resume` truncates to them and continues.
 """
 
 from __future__ import annotations
@@ -340,11 +333,8 @@ def run_summary(committed: dict, first: dict, seconds: float) -> dict:
 def regenerate(
     opts: RegenerateOptions, out: TextIO | None = None, tty: bool | None = None, report: dict | None = None
 ) -> dict:
-    """Regenerate opts.input into opts.output; returns the summary (run_summary's keys).
-
-    `report`, when given, holds the summary of what is committed so far at every moment, so a
-    caller can report a run that ends by an exception (Ctrl-C, SIGTERM, a full disk) too.
-    """
+    """Regenerate opts.input into opts.output; returns the summary. `report` holds what is committed
+    at every moment, for a caller reporting a run that ends by an exception."""
     report = report if report is not None else {}
     if not os.path.isfile(opts.input):
         raise DataError(opts.input, 'input file not found. Fix: pass a JSONL of {"messages": [...]} records.')
