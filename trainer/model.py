@@ -342,7 +342,6 @@ class DFlashDrafter(nn.Module):
     def _compile_layers_if_wanted(self, backend, device: torch.device) -> None:
         """Compile each layer in place (state_dict unchanged) at the first forward, after the compile-lock
         patch; all layers share one graph, so it costs one layer's compile."""
-
         want = self.compile_layers
         if want == "auto":
             want = backend == "flex" and device.type == "cuda"

@@ -85,9 +85,6 @@ def _add_loop_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-# ---- loading ---------------------------------------------------------------------------------
-
-
 def _is_export(path: Path) -> bool:
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -191,9 +188,6 @@ def run_prompts(run_config: dict, target, source: str, count: int) -> list[list[
     if not cfg.eval.path and cfg.data.eval_fraction > 0:
         _, heldout = split_heldout(build_dataset(cfg, target), cfg.data.eval_fraction, cfg.train.seed)
     return eval_prompts(cfg, target, heldout, count)
-
-
-# ---- running ---------------------------------------------------------------------------------
 
 
 def _default_device() -> str:

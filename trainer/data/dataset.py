@@ -108,9 +108,6 @@ def make_batch(dataset: Dataset, plan: BatchPlan, step: int, replica: int) -> Ba
     )
 
 
-# ---- JSONL ----------------------------------------------------------------------------------
-
-
 def jsonl_records(path: str, what: str, missing_fix: str):
     """(file:line, parsed record) for each non-blank line; DataError names the file or the line."""
     if not os.path.isfile(path):
@@ -262,9 +259,6 @@ def _fit(ids: list[int], mask: list[int], seq_len: int, pad_id: int):
     ids, mask = ids[:seq_len], mask[:seq_len]
     pad = seq_len - len(ids)
     return ids + [pad_id] * pad, mask + [0] * pad, [1] * len(ids) + [0] * pad
-
-
-# ---- synthetic ------------------------------------------------------------------------------
 
 
 @torch.no_grad()

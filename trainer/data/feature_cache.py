@@ -189,9 +189,6 @@ def _checksum_differs(path: str, shard: dict) -> bool:
     return file_sha256(path) != shard["sha256"]  # a cache written before chunk digests
 
 
-# ---- writing ------------------------------------------------------------------------------------
-
-
 def disk_estimate(dataset: Dataset, start: int, num_layers: int, hidden: int, dtype_name: str) -> dict:
     tokens = int(dataset.attention_mask[start:].sum())
     per_token = bytes_per_token(num_layers, hidden, dtype_name)
@@ -254,9 +251,6 @@ def complete_manifest(cache_dir: str, manifest: dict) -> None:
     }
     manifest["complete"] = True
     write_manifest(cache_dir, manifest)
-
-
-# ---- reading ------------------------------------------------------------------------------------
 
 
 class CacheReader:

@@ -249,9 +249,6 @@ class Generator:
         return results
 
 
-# ---- the exactly-once driver --------------------------------------------------------------------
-
-
 def _progress_path(output: str) -> str:
     return output + ".progress.json"
 

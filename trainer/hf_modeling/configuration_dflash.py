@@ -1,7 +1,6 @@
 """A DFlash drafter's config: Qwen3's plus block_size, num_target_layers and dflash_config
 ({"mask_token_id", "target_layer_ids": layers whose HF hidden_states[id + 1] form the context})."""
 
-
 from transformers import Qwen3Config
 
 
