@@ -1,5 +1,4 @@
-"""`dflash-train report METRICS.jsonl [-o report.png|report.html]`: the picture of a run from its
-metrics file on disk (trainer.report_plot draws it, as for `dflash-ops report`).
+"""`dflash-train report METRICS.jsonl [-o report.png|report.html]`: the picture of a run on disk.
 
 Exit codes: 0 written; 2 no such file, no step record in it yet, or matplotlib missing.
 """
