@@ -19,6 +19,10 @@ from torch import nn
 from trainer import compile_modes
 from trainer.block_size import DEFAULT_BLOCK_SIZE, block_size_problem
 from trainer.config import ATTENTION_BACKENDS
+
+# training runs the export's own norm and MLP code, so the served drafter computes what was trained
+from trainer.hf_modeling.modeling_dflash import DFlashMLP as DrafterMLP
+from trainer.hf_modeling.modeling_dflash import DFlashRMSNorm as RMSNorm
 from trainer.precision import attention_inputs
 from trainer.target_family import is_hybrid
 
@@ -138,20 +142,6 @@ def _rope_scaling_of(hf_config) -> dict | None:
     return {k: v for k, v in params.items() if k != "rope_theta"}
 
 
-class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalise in fp32, scale in the input dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin [B, 1, L, head_dim] for integer positions [B, L] (HF Qwen3 layout)."""
     inv_freq = 1.0 / (
@@ -234,17 +224,6 @@ class DrafterAttention(nn.Module):
         k = apply_rope(k.transpose(1, 2), *rope_k)
         out = attend(q, k, v.transpose(1, 2), attn_mask, backend)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
-
-
-class DrafterMLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DrafterLayer(nn.Module):

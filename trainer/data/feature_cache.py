@@ -324,9 +324,7 @@ class CacheReader:
         for shard in self.shards:
             with safe_open(os.path.join(self.cache_dir, shard["file"]), framework="pt") as f:
                 offsets, flat_ids, flat_mask = (
-                    f.get_tensor("offsets"),
-                    f.get_tensor("input_ids"),
-                    f.get_tensor("loss_mask"),
+                    f.get_tensor(n) for n in ("offsets", "input_ids", "loss_mask")
                 )
             for local in range(shard["count"]):
                 a, b = int(offsets[local]), int(offsets[local + 1])
