@@ -167,10 +167,8 @@ class _HostBuffers:
                 if self.left > 0:
                     self.left -= 1
                     return torch.empty(self.numel, dtype=self.dtype, pin_memory=True)
-            try:
+            with contextlib.suppress(queue.Empty):
                 return self.free.get(timeout=0.1)
-            except queue.Empty:
-                continue
 
     def copy_of(self, features: torch.Tensor, writer: _WriterThread):
         """(host tensor, its ready event, release) for an on-device tensor; the copy is asynchronous."""
@@ -200,11 +198,9 @@ class _WriterThread:
     def put(self, item) -> None:
         while True:
             self.check()
-            try:
+            with contextlib.suppress(queue.Full):
                 self.queue.put(item, timeout=0.1)
                 return
-            except queue.Full:
-                continue
 
     def _run(self) -> None:
         try:
@@ -237,11 +233,9 @@ class _WriterThread:
     def abort(self, timeout_s: float = 60.0) -> None:
         """Stop after the item in hand; what is queued stays out of the cache (the next run recomputes it)."""
         self.stop.set()
-        try:
+        with contextlib.suppress(queue.Empty):
             while True:
                 self.queue.get_nowait()
-        except queue.Empty:
-            pass
         with contextlib.suppress(queue.Full):
             self.queue.put_nowait(None)  # wake the thread if it waits
         self.thread.join(timeout_s)

@@ -266,11 +266,7 @@ def synthetic_dataset(
     target, num_samples: int, prompt_len: int, seq_len: int, seed: int, chunk: int = 256
 ) -> Dataset:
     """Random prompts (seeded) continued greedily by the target, so the continuation is learnable."""
-    vocab = target.vocab_size
-    gen = torch.Generator().manual_seed(derive_seed(seed, 0x5E1F))
-    prompts = torch.randint(0, vocab, (num_samples, prompt_len), generator=gen)
-    # keep the mask token out of the inputs: at inference it only ever fills draft slots
-    prompts[prompts == target.mask_token_id] = (target.mask_token_id + 1) % vocab
+    prompts = random_prompts(target.vocab_size, target.mask_token_id, num_samples, prompt_len, (seed, 0x5E1F))
     rows = [
         greedy_continue(target.model, prompts[i : i + chunk].to(target.device), seq_len - prompt_len).cpu()
         for i in range(0, num_samples, chunk)
@@ -282,6 +278,16 @@ def synthetic_dataset(
     return Dataset(
         input_ids, loss_mask, attention_mask, source=f"synthetic({num_samples} greedy continuations)"
     )
+
+
+def random_prompts(
+    vocab_size: int, mask_token_id: int, count: int, length: int, seed_parts: tuple
+) -> torch.Tensor:
+    """Seeded random prompts without the mask token: at inference it only ever fills draft slots."""
+    gen = torch.Generator().manual_seed(derive_seed(*seed_parts))
+    prompts = torch.randint(0, vocab_size, (count, length), generator=gen)
+    prompts[prompts == mask_token_id] = (mask_token_id + 1) % vocab_size
+    return prompts
 
 
 def greedy_continue(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.data.dataset import DataError, Dataset, derive_seed
+from trainer.data.dataset import DataError, Dataset, derive_seed, random_prompts
 
 _SPLIT_SALT = 0xE7A1
 _FRESH_PROMPTS_SALT = 0xE7A2
@@ -60,10 +60,7 @@ def fresh_synthetic_prompts(
     vocab_size: int, mask_token_id: int, count: int, prompt_len: int, seed: int
 ) -> list[list[int]]:
     """Random prompts like the synthetic data's, from a seed stream the training data never uses."""
-    gen = torch.Generator().manual_seed(derive_seed(seed, _FRESH_PROMPTS_SALT))
-    prompts = torch.randint(0, vocab_size, (count, prompt_len), generator=gen)
-    prompts[prompts == mask_token_id] = (mask_token_id + 1) % vocab_size
-    return prompts.tolist()
+    return random_prompts(vocab_size, mask_token_id, count, prompt_len, (seed, _FRESH_PROMPTS_SALT)).tolist()
 
 
 def eval_split(cfg) -> str:
