@@ -229,12 +229,7 @@ def _tokenize_messages(
         raise DataError(where, "conversation has no assistant turn, so nothing to learn. Fix: drop it.")
 
     def encode(msgs, generation_prompt=False) -> list[int]:
-        if not msgs:
-            return []
-        text = tokenizer.apply_chat_template(
-            msgs, tokenize=False, add_generation_prompt=generation_prompt, **(chat_template_kwargs or {})
-        )
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return render_chat(tokenizer, msgs, generation_prompt, chat_template_kwargs) if msgs else []
 
     ids = encode(messages)
     mask = [0] * len(ids)
@@ -253,6 +248,16 @@ def _tokenize_messages(
         for pos in range(start, len(upto)):
             mask[pos] = 1
     return ids, mask
+
+
+def render_chat(
+    tokenizer, messages: list, generation_prompt: bool, template_kwargs: dict | None
+) -> list[int]:
+    """Token ids of `messages` through the chat template, which adds the special tokens itself."""
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt, **(template_kwargs or {})
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _fit(ids: list[int], mask: list[int], seq_len: int, pad_id: int):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.data.dataset import ROLES, DataError, check_input_ids, jsonl_records
+from trainer.data.dataset import ROLES, DataError, check_input_ids, jsonl_records, render_chat
 
 
 def load_prompts(
@@ -54,7 +54,4 @@ def _render_messages(messages, tokenizer, where: str, chat_template_kwargs: dict
         messages = messages[:-1]
     if not messages:
         raise DataError(where, "only an assistant turn: nothing to prompt with.")
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
-    )
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return render_chat(tokenizer, messages, True, chat_template_kwargs)

@@ -19,7 +19,7 @@ import torch
 
 from trainer.atomic import write_atomic
 from trainer.data import generation_memory
-from trainer.data.dataset import DataError, derive_seed
+from trainer.data.dataset import DataError, derive_seed, render_chat
 from trainer.progress import ProgressLine
 
 KEPT_ROLES = ("system", "user")
@@ -151,10 +151,7 @@ class Generator:
             )
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **self.opts.chat_template_kwargs
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return render_chat(self.tokenizer, messages, True, self.opts.chat_template_kwargs)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
@@ -454,7 +451,7 @@ def _write_results(
             stats["rejects"] += 1
             rej_file.write(_jsonl({"line": index + 1, "reason": str(result), "record": text.strip()}))
             continue
-        record = dict(result.record) if isinstance(result.record, dict) else {}
+        record = dict(result.record)  # parse_record took only JSON objects
         record["messages"] = result.messages
         out_file.write(_jsonl(record))
         stats["records"] += 1
