@@ -285,12 +285,7 @@ class DFlashDrafter(nn.Module):
         """[B, N, block]: the anchor token followed by block-1 mask tokens."""
         batch, num_blocks = anchors.shape
         anchor_tokens = input_ids.gather(1, anchors).unsqueeze(-1)
-        masks = torch.full(
-            (batch, num_blocks, self.cfg.block_size - 1),
-            self.cfg.mask_token_id,
-            dtype=input_ids.dtype,
-            device=input_ids.device,
-        )
+        masks = input_ids.new_full((batch, num_blocks, self.cfg.block_size - 1), self.cfg.mask_token_id)
         return torch.cat([anchor_tokens, masks], dim=-1)
 
     def forward(self, context, input_ids, anchors, attn_mask, backend: str | AttentionFn = "flex"):

@@ -298,14 +298,10 @@ def _load_target_and_data(cfg, say):
     from trainer.train.loop import build_dataset, configured_target
 
     device = cfg.run.target_devices[0]
-    say(
-        f"loading the target ({cfg.target.spec}) on {device} and the {cfg.data.source} data"
-        + (
-            " (the target's greedy continuations: this takes a while)"
-            if cfg.data.source == "synthetic"
-            else ""
-        )
+    slow = (
+        " (the target's greedy continuations: this takes a while)" if cfg.data.source == "synthetic" else ""
     )
+    say(f"loading the target ({cfg.target.spec}) on {device} and the {cfg.data.source} data{slow}")
     target = configured_target(cfg, device)
     return target, build_dataset(cfg, target)
 
@@ -318,8 +314,7 @@ def _write_features(cfg, target, dataset, args, say):
     from trainer.data.feature_cache import cache_header
     from trainer.progress import ProgressLine
 
-    tokenizer = target.tokenizer
-    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    pad = getattr(target.tokenizer, "pad_token_id", None)  # None without a tokenizer too
     header = cache_header(cfg, target, args.dtype, pad if pad is not None else 0)
     progress = ProgressLine("sequences", len(dataset))
     writing = time.monotonic()

@@ -220,11 +220,9 @@ def report_lines(result, block_size: int) -> list[str]:
         f"{result.new_tokens} new tokens (block {block_size})",
         f"tau {result.tau_per_prompt_mean:.3f} as the mean of per-prompt means; per prompt min "
         f"{spread['min']:.3f} median {spread['median']:.3f} max {spread['max']:.3f}",
-    ]
-    lines.append(
         "acceptance by block position: "
-        + " ".join(f"{k}:{a:.2f}" for k, a in enumerate(result.acceptance, 1))
-    )
+        + " ".join(f"{k}:{a:.2f}" for k, a in enumerate(result.acceptance, 1)),
+    ]
     if result.target_tokens_per_s:
         lines.append(
             f"tokens/s: target-only {result.target_tokens_per_s:,.1f}, speculative "
@@ -413,14 +411,12 @@ def _exit_code(mismatch, err) -> int:
     """1 (the lossless check failed, said on `err`) for a mismatch, else 0."""
     if mismatch is None:
         return 0
-    print(_mismatch_line(mismatch), file=err)
-    return 1
-
-
-def _mismatch_line(m) -> str:
-    return (
+    m = mismatch
+    print(
         f"dflash-train eval: LOSSLESS CHECK FAILED: prompt {m.prompt_index} (first tokens "
         f"{m.prompt[:12]}), new token {m.position}: target {m.expected}, speculative {m.got}; "
         f"the target's fp32 logits there {m.expected_logit:.4f} vs {m.got_logit:.4f}, a gap beyond "
-        f"the {m.tie_bound:.2e} a rounding tie allows"
+        f"the {m.tie_bound:.2e} a rounding tie allows",
+        file=err,
     )
+    return 1

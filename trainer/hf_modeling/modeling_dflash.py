@@ -68,11 +68,9 @@ class DFlashAttention(nn.Module):
 
     def context_kv(self, ctx, cos, sin):
         """Keys (k_norm, RoPE) and values [B, Hkv, T, D] of the positions in ctx [B, T, H]."""
-        batch, ctx_len, _ = ctx.shape
-        k = self.k_norm(self.k_proj(ctx).view(batch, ctx_len, self.num_kv_heads, self.head_dim)).transpose(
-            1, 2
-        )
-        v = self.v_proj(ctx).view(batch, ctx_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        shape = (*ctx.shape[:2], self.num_kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(ctx).view(shape)).transpose(1, 2)
+        v = self.v_proj(ctx).view(shape).transpose(1, 2)
         return k * cos + _rotate_half(k) * sin, v
 
     def forward_cached(self, x, keys, values, cos, sin):
