@@ -147,10 +147,8 @@ class TrainConfig:
         return self.run.metrics_file or os.path.join(self.run.output_dir, "metrics.jsonl")
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        for internal in ("source", "key_lines"):
-            d.pop(internal)
-        return d
+        internal = {f.name for f in dataclasses.fields(self) if f.metadata.get("internal")}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in internal}
 
 
 OVERRIDE_ALIASES = {

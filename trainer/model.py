@@ -20,8 +20,8 @@ from trainer import compile_modes
 from trainer.block_size import DEFAULT_BLOCK_SIZE, block_size_problem
 from trainer.config import ATTENTION_BACKENDS
 
-# training runs the export's own norm and MLP code, so the served drafter computes what was trained
-from trainer.hf_modeling.modeling_dflash import DFlashMLP as DrafterMLP
+# training builds its layers from the export's own classes, so the served drafter computes what was trained
+from trainer.hf_modeling.modeling_dflash import DFlashAttention, DFlashDecoderLayer
 from trainer.hf_modeling.modeling_dflash import DFlashRMSNorm as RMSNorm
 from trainer.precision import attention_inputs
 from trainer.target_family import is_hybrid
@@ -79,6 +79,14 @@ class DrafterConfig:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if problems:
             raise ValueError("bad drafter config: " + "; ".join(problems))
+
+    @property
+    def num_attention_heads(self) -> int:  # the export's (Qwen3) name, as its layer classes read it
+        return self.num_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.num_kv_heads
 
     @property
     def context_size(self) -> int:
@@ -201,16 +209,8 @@ def attend(q, k, v, attn_mask, backend: str | AttentionFn) -> torch.Tensor:
     raise ValueError(f"attention backend {backend!r} is unknown; use one of {', '.join(ATTENTION_BACKENDS)}")
 
 
-class DrafterAttention(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+class DrafterAttention(DFlashAttention):
+    """The export's attention weights, with the training forward (many blocks, a mask, a backend)."""
 
     def forward(self, x, ctx, rope_q, rope_k, attn_mask, backend):
         batch, q_len, _ = x.shape
@@ -226,13 +226,8 @@ class DrafterAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
 
 
-class DrafterLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DrafterAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DrafterMLP(cfg)
+class DrafterLayer(DFlashDecoderLayer):
+    attention_class = DrafterAttention
 
     def forward(self, x, ctx, rope_q, rope_k, attn_mask, backend):
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, attn_mask, backend)

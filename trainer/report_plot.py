@@ -207,15 +207,9 @@ def _titles(panel, runs: list[RunHistory], plt) -> None:
     if "gpu_memory" in panel:
         panel["gpu_memory"].set(title="GPU memory (peak per step)", xlabel="step", ylabel="GiB")
     if not any(r.evals for r in runs):
-        panel["acceptance"].text(
-            0.5,
-            0.5,
-            "no eval record yet (eval.every)",
-            ha="center",
-            va="center",
-            transform=panel["acceptance"].transAxes,
-            color="gray",
-        )
+        ax = panel["acceptance"]
+        centred = {"ha": "center", "va": "center", "transform": ax.transAxes}
+        ax.text(0.5, 0.5, "no eval record yet (eval.every)", color="gray", **centred)
     overlay = len(runs) > 1
     for ax in panel.values():
         handles, _ = ax.get_legend_handles_labels()

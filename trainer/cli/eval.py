@@ -146,16 +146,9 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
 
     run_target = (run_config or {}).get("target") or {}
     spec = _spec_of(target_spec, run_config)
-    same = spec == run_target.get("spec")
+    tiny = (run_target.get("tiny") or None) if spec == run_target.get("spec") else None
     seed = int(((run_config or {}).get("train") or {}).get("seed", 0))
-    target = load_target(
-        spec,
-        device,
-        param_dtype(device),
-        layer_ids=[0],
-        seed=seed,
-        tiny=(run_target.get("tiny") or None) if same else None,
-    )
+    target = load_target(spec, device, param_dtype(device), layer_ids=[0], seed=seed, tiny=tiny)
     problem = target_mismatch(dcfg, target, run_config)
     if problem:
         raise ConfigError(f"{spec}: {problem}. Fix: pass the --target the drafter was trained for.")

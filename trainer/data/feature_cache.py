@@ -363,14 +363,8 @@ def open_cache(cache_dir: str, expected: dict, pin_memory: bool = False) -> Data
     reader = CacheReader(cache_dir, manifest, pin_memory=pin_memory)
     ids, mask, attn = reader.token_arrays(manifest["pad_id"])
     counts = manifest["counts"]
-    return Dataset(
-        ids,
-        mask,
-        attn,
-        source=f"feature cache {cache_dir} ({counts['tokens']} tokens, "
-        f"{human_bytes(counts['bytes'])}, {manifest['dtype']})",
-        features=reader.features,
-    )
+    size = f"{counts['tokens']} tokens, {human_bytes(counts['bytes'])}, {manifest['dtype']}"
+    return Dataset(ids, mask, attn, source=f"feature cache {cache_dir} ({size})", features=reader.features)
 
 
 def _building_device(cfg) -> str:

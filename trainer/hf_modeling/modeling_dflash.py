@@ -107,10 +107,12 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
+    attention_class = DFlashAttention  # a subclass may bring another forward over the same weights
+
     def __init__(self, config):
         super().__init__()
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DFlashAttention(config)
+        self.self_attn = self.attention_class(config)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
