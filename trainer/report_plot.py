@@ -132,14 +132,8 @@ def _plot_run(panel, run: RunHistory, colour, overlay: bool) -> None:
 def _tau(ax, run: RunHistory, colour, overlay: bool, window: int) -> None:
     """tau expected from accuracy, and measured: pooled and as the mean of per-prompt means."""
     prefix = run.name + ": " if overlay else ""
-    ax.plot(
-        run.steps,
-        _smooth(run.tau_expected, window),
-        color=colour,
-        lw=1.0,
-        ls="--",
-        label=f"{prefix}expected from accuracy",
-    )
+    expected = _smooth(run.tau_expected, window)
+    ax.plot(run.steps, expected, color=colour, lw=1.0, ls="--", label=f"{prefix}expected from accuracy")
     if run.evals:
         _main_line(
             ax, [e.step for e in run.evals], [e.tau for e in run.evals], colour, f"{prefix}measured (pooled)"

@@ -265,9 +265,8 @@ def _cache_features(args) -> int:
     say(
         f"feature cache complete: {counts['sequences']} sequences, {counts['tokens']} tokens, "
         f"{counts['shards']} shard(s), {human_bytes(counts['bytes'])}, {time.monotonic() - began:.1f} s "
-        f"-> {args.out}; this run computed {computed} sequences at "
-        f"{computed / max(seconds, 1e-9):.1f} sequences/s, "
-        f"{tokens / max(seconds, 1e-9):.0f} tokens/s"
+        f"-> {args.out}; this run computed {computed} sequences at {computed / max(seconds, 1e-9):.1f} "
+        f"sequences/s, {tokens / max(seconds, 1e-9):.0f} tokens/s"
     )
     return 0
 

@@ -30,10 +30,6 @@ OPEN_SHARDS_PER_THREAD = 64
 TOKEN_BYTES = 5  # an int32 id and a bool mask per token, beside its features
 
 
-def _sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def file_sha256(path: str, chunk: int = 1 << 24) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -56,7 +52,7 @@ def target_identity(target) -> dict:
     for weight in (target.embed_tokens.weight, target.lm_head.weight):
         digest.update(weight[:256].detach().to("cpu", torch.bfloat16).float().numpy().tobytes())
     return {
-        "config_sha256": _sha256_bytes(json.dumps(config, sort_keys=True, default=str).encode()),
+        "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
         "weights_fingerprint": digest.hexdigest(),
         "num_layers": int(target.config.num_hidden_layers),
         "hidden_size": int(target.hidden_size),
@@ -71,7 +67,7 @@ def tokenizer_identity(tokenizer) -> dict | None:
     return {
         "name_or_path": str(getattr(tokenizer, "name_or_path", "")),
         "vocab_size": len(tokenizer),
-        "chat_template_sha256": _sha256_bytes(str(template).encode()),
+        "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest(),
     }
 
 

@@ -138,9 +138,8 @@ class Generator:
         configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         eos.update(configured if isinstance(configured, list) else [configured])
         self.eos_ids = sorted(e for e in eos if e is not None)
-        self.pad_id = (
-            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
-        )
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
         context = getattr(self.model.config, "max_position_embeddings", None)
         self.max_prompt = opts.max_prompt_tokens or (context - opts.max_new_tokens if context else None)
         if self.max_prompt is not None and self.max_prompt < 1:
