@@ -30,6 +30,7 @@ from trainer.target_family import is_hybrid
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 # export-only DrafterConfig fields: restore does not compare them when a checkpoint lacks them
 EXPORT_METADATA = ("max_position_embeddings", "rope_scaling")
+POSITIVE_DIMS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "num_layers")
 
 
 @dataclass(kw_only=True)
@@ -67,14 +68,7 @@ class DrafterConfig:
             problems.append(
                 f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
             )
-        for name in (
-            "hidden_size",
-            "intermediate_size",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "num_layers",
-        ):
+        for name in POSITIVE_DIMS:
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if problems:
