@@ -177,11 +177,8 @@ def load_jsonl(
 
 def check_input_ids(ids, where: str) -> list[int]:
     """`ids` when it is a non-empty list of integers, else DataError."""
-    if (
-        not isinstance(ids, list)
-        or not ids
-        or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-    ):
+    integers = isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+    if not ids or not integers:
         raise DataError(where, "input_ids must be a non-empty list of integers.")
     return ids
 

@@ -38,14 +38,10 @@ def _render_messages(messages, tokenizer, where: str, chat_template_kwargs: dict
             "record has messages, but the target has no tokenizer with a chat template. "
             'Fix: give prompts as {"input_ids": [...]}.',
         )
-    if (
-        not isinstance(messages, list)
-        or not messages
-        or not all(
-            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-            for m in messages
-        )
-    ):
+    well_formed = isinstance(messages, list) and all(
+        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages
+    )
+    if not messages or not well_formed:
         raise DataError(
             where,
             f'messages must be a non-empty list of {{"role": one of {"/".join(ROLES)}, "content": string}}.',

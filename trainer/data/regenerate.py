@@ -161,12 +161,9 @@ class Generator:
         for row, prompt in enumerate(prompts):  # left padding: every prompt ends where generation starts
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attn[row, width - len(prompt) :] = 1
-        sampling = self.opts.temperature > 0
-        extra = (
-            {"do_sample": True, "temperature": self.opts.temperature, "top_p": self.opts.top_p}
-            if sampling
-            else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-        )
+        sampled = {"do_sample": True, "temperature": self.opts.temperature, "top_p": self.opts.top_p}
+        greedy = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        extra = sampled if self.opts.temperature > 0 else greedy
         out = self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=attn.to(self.device),
