@@ -55,11 +55,9 @@ def run_report(args: argparse.Namespace) -> int:
         return fail(f"cannot read {args.metrics}: {exc.strerror}")
     path = os.path.abspath(args.metrics)
     # <output-dir>/metrics.jsonl is named by its run dir; any other file by its own name
-    name = (
-        os.path.basename(os.path.dirname(path))
-        if os.path.basename(path) == "metrics.jsonl"
-        else os.path.basename(path).removesuffix(".jsonl").removesuffix(".metrics")
-    )
+    name = os.path.basename(path).removesuffix(".jsonl").removesuffix(".metrics")
+    if os.path.basename(path) == "metrics.jsonl":
+        name = os.path.basename(os.path.dirname(path))
     history = run_summary.history_from_lines(name, [read["lines"]])
     try:
         report_plot.write([history], args.out, title=f"DFlash run {name}")

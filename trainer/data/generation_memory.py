@@ -48,12 +48,8 @@ def sequence_bytes(config, positions: int, prompt: int, dtype_bytes: int) -> int
     config = text_config(config)
     working = (3 * config.intermediate_size + 4 * config.hidden_size) * dtype_bytes
     logits = 3 * config.vocab_size * FP32
-    return (
-        positions * kv_bytes_per_position(config, dtype_bytes)
-        + state_bytes(config, dtype_bytes)
-        + prompt * working
-        + logits
-    )
+    cache = positions * kv_bytes_per_position(config, dtype_bytes) + state_bytes(config, dtype_bytes)
+    return cache + prompt * working + logits
 
 
 def batch_that_fits(config, positions: int, prompt: int, free_bytes: int, dtype_bytes: int) -> int:
