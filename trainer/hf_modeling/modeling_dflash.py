@@ -200,9 +200,8 @@ class DFlashDraftModel(PreTrainedModel):
             tokens += kept  # n drafts equal to the target's tokens, then its bonus token
             stopped = bool(stops.intersection(kept))
         tokens = _finish(tokens, max_new_tokens, stops)
-        output_ids = torch.cat(
-            [input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=device)], dim=1
-        )
+        new_ids = torch.tensor([tokens], dtype=input_ids.dtype, device=device)
+        output_ids = torch.cat([input_ids, new_ids], dim=1)
         if not return_stats:
             return output_ids
         return SimpleNamespace(
@@ -244,9 +243,7 @@ class _Speculation:
 
     def round(self, anchor: int):
         """Draft a block after `anchor`, verify it: (drafts accepted, the tokens emitted)."""
-        block_ids = torch.full(
-            (1, self.block), self.mask_id, dtype=torch.long, device=self.embed.weight.device
-        )
+        block_ids = torch.full((1, self.block), self.mask_id, device=self.embed.weight.device)  # int64
         block_ids[0, 0] = anchor
         hidden = self.context.draft(self.embed(block_ids), self.start)
         drafts = self.head(hidden[:, 1:]).argmax(dim=-1)[0]
