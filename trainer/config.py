@@ -1,14 +1,12 @@
 """The trainer's configuration: plain dataclasses loaded from YAML, validated with one clear message.
 
-A config file has five sections (`target`, `drafter`, `data`, `train`, `run`); every key has a
-default, so a file only states what differs. `load_config("tiny-cpu", {})` finds the bundled file
-`trainer/configs/tiny-cpu.yaml`. Overrides (from the CLI) use dotted keys (`train.lr`) or the
-short names in OVERRIDE_ALIASES (`max_steps`, `output_dir`, ...).
+Every key has a default, so a file only states what differs; a bare name finds a bundled config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import typing
@@ -109,14 +107,12 @@ class RunConfig:
     attention: str = "sdpa"
     compile_lock: str = "lock"
     compile_mode: str = "default"  # torch.compile mode of flex_attention (trainer.compile_modes)
-    # After SIGTERM/SIGINT: seconds the running step may take before the trainer exits without a
-    # checkpoint (a thread stuck in a compile must not keep the process alive). Below ops' --grace.
+    # after SIGTERM/SIGINT, seconds the step may take before exiting uncheckpointed (a stuck compile)
     stop_grace_s: float = DEFAULT_STOP_GRACE_S  # see trainer.stop_timing
     checkpoint_every: int = 100
     keep_last: int = 3
     log_every: int = 1
-    # torch intra-op threads; null = torch's default. On a shared CPU, 1 per process is much faster:
-    # the drafter threads already keep the cores busy, and oversubscribed OpenMP pools spin.
+    # torch intra-op threads; null = torch's default (on a shared CPU 1 is faster: OpenMP pools spin)
     torch_threads: typing.Optional[int] = None
     resume: typing.Optional[str] = None  # None: fresh run; "latest"; or a checkpoint directory
     launcher: str = DEFAULT_LAUNCHER  # "torchrun": this process is one rank (trainer/distributed.py)
@@ -151,10 +147,8 @@ class TrainConfig:
         return self.run.metrics_file or os.path.join(self.run.output_dir, "metrics.jsonl")
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        for internal in ("source", "key_lines"):
-            d.pop(internal)
-        return d
+        internal = {f.name for f in dataclasses.fields(self) if f.metadata.get("internal")}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in internal}
 
 
 OVERRIDE_ALIASES = {
@@ -216,8 +210,7 @@ def default_precision(drafter_devices: list[str]) -> str:
 
 
 def config_from_dict(raw: dict, source: str) -> TrainConfig:
-    """A validated TrainConfig from a config mapping: a parsed file (its lines go into the
-    messages) or a resolved one, e.g. a checkpoint's config.json."""
+    """A validated TrainConfig from a parsed file or a resolved mapping (a checkpoint's config.json)."""
     try:
         cfg = typed_yaml.build(TrainConfig, raw, source)
     except typed_yaml.YamlInputError as exc:
@@ -245,7 +238,6 @@ def _set_dotted(raw: dict, dotted: str, value, flag: str) -> None:
             raise ConfigError(f"{flag}: `{part}` is not a section")
         node = child
     node[parts[-1]] = value
-    # The value comes from the flag, not the file: a message about it names the flag (located).
     if isinstance(node, typed_yaml.YamlMap):
         node.key_lines[parts[-1]] = flag
 
@@ -269,26 +261,29 @@ def validate(cfg: TrainConfig) -> None:
     _validate_eval(cfg)
 
 
+# counts that must be at least 1; a null drafter dimension copies the target's (0 is a bad value)
+POSITIVE_COUNTS = (
+    "drafter.num_layers drafter.num_heads drafter.num_kv_heads drafter.head_dim drafter.intermediate_size "
+    "drafter.block_size data.seq_len train.batch_size train.num_anchors train.epochs run.checkpoint_every "
+    "run.keep_last run.log_every data.synthetic.num_samples data.synthetic.prompt_len"
+).split()
+DEVICE_KEYS = ("run.target_devices", "run.drafter_devices")
+# the data sources that read data.path, and what to set it to
+PATH_FIXES = {
+    "jsonl": "set it to your .jsonl file.",
+    "features": "set it to the directory `dflash-train data cache-features` wrote.",
+}
+
+
+def _value(cfg: TrainConfig, key: str) -> typing.Any:
+    """The value at a dotted key, e.g. `train.lr`."""
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
 def _validate_shape(cfg: TrainConfig) -> None:
-    d, t, data, r = cfg.drafter, cfg.train, cfg.data, cfg.run
-    for key, value in [
-        ("drafter.num_layers", d.num_layers),
-        # null copies the target's value; 0 is a value, and a bad one
-        ("drafter.num_heads", d.num_heads),
-        ("drafter.num_kv_heads", d.num_kv_heads),
-        ("drafter.head_dim", d.head_dim),
-        ("drafter.intermediate_size", d.intermediate_size),
-        ("drafter.block_size", d.block_size),
-        ("data.seq_len", data.seq_len),
-        ("train.batch_size", t.batch_size),
-        ("train.num_anchors", t.num_anchors),
-        ("train.epochs", t.epochs),
-        ("run.checkpoint_every", r.checkpoint_every),
-        ("run.keep_last", r.keep_last),
-        ("run.log_every", r.log_every),
-        ("data.synthetic.num_samples", data.synthetic.num_samples),
-        ("data.synthetic.prompt_len", data.synthetic.prompt_len),
-    ]:
+    d = cfg.drafter
+    for key in POSITIVE_COUNTS:
+        value = _value(cfg, key)
         if value is not None and value < 1:
             _fail(cfg, key, f"must be at least 1, got {value}. Fix: set a positive value.")
     block_problem = block_size_problem(d.block_size)
@@ -325,15 +320,9 @@ def _validate_train(cfg: TrainConfig) -> None:
 def _validate_data(cfg: TrainConfig) -> None:
     data = cfg.data
     _one_of(cfg, "data.source", data.source, DATA_SOURCES)
-    if data.source == "jsonl" and not data.path:
-        _fail(cfg, "data.path", "is required when data.source is jsonl. Fix: set it to your .jsonl file.")
-    if data.source == "features" and not data.path:
-        _fail(
-            cfg,
-            "data.path",
-            "is required when data.source is features. Fix: set it to the directory "
-            "`dflash-train data cache-features` wrote.",
-        )
+    fix = PATH_FIXES.get(data.source)
+    if fix and not data.path:
+        _fail(cfg, "data.path", f"is required when data.source is {data.source}. Fix: {fix}")
     if data.source == "synthetic" and data.synthetic.prompt_len >= data.seq_len:
         _fail(
             cfg,
@@ -374,10 +363,8 @@ def _validate_run(cfg: TrainConfig) -> None:
             "run.stop_grace_s",
             f"must be positive, got {r.stop_grace_s}. Fix: e.g. 20 (below ops' --grace).",
         )
-    for key, devices in (
-        ("run.target_devices", r.target_devices),
-        ("run.drafter_devices", r.drafter_devices),
-    ):
+    for key in DEVICE_KEYS:
+        devices = _value(cfg, key)
         if not devices:
             _fail(cfg, key, "must name at least one device. Fix: e.g. [cpu] or [cuda:0].")
         for dev in devices:
@@ -413,11 +400,8 @@ def missing_cuda_devices(devices: list[str]) -> tuple[list[str], int]:
 
 def check_devices(cfg: TrainConfig) -> None:
     """Devices named in the config must exist on this machine (needs torch, so it runs at startup)."""
-    for key, devices in (
-        ("run.target_devices", cfg.run.target_devices),
-        ("run.drafter_devices", cfg.run.drafter_devices),
-    ):
-        missing, count = missing_cuda_devices(devices)
+    for key in DEVICE_KEYS:
+        missing, count = missing_cuda_devices(_value(cfg, key))
         if missing:
             seen = f"{count} CUDA device(s) visible" if count else "no CUDA device visible"
             _fail(

@@ -1,15 +1,8 @@
 """The DFlash drafter: a few Qwen3-style decoder layers conditioned on target hidden states.
 
-Data flow of one forward:
-  context [B, T, K*H]  --fc--> hidden_norm --> ctx [B, T, H]     (target features, projected once)
-  block tokens [anchor, MASK x (block-1)] per anchor --target embedding--> x [B, N*block, H]
-  each layer: queries from x only; keys/values from [ctx ; x]; RoPE over TRUE positions
-              (context p at p, block token k of anchor a at a+k); mask from trainer.masks
-  final norm --> hidden [B, N*block, H]; logits = the target's frozen lm_head(hidden)
-
-The target's embedding and lm_head are frozen and NOT part of this module's parameters or
-state_dict: `state_dict()` holds exactly the drafter weights under the names inference engines
-load (see trainer.infer.export).
+Queries come from the blocks [anchor, MASK x (block-1)], keys/values from [target features ; blocks],
+RoPE over true positions. The target's frozen embedding and lm_head stay out of state_dict, so it
+holds exactly the weights inference engines load (trainer.infer.export).
 """
 
 from __future__ import annotations
@@ -26,14 +19,18 @@ from torch import nn
 from trainer import compile_modes
 from trainer.block_size import DEFAULT_BLOCK_SIZE, block_size_problem
 from trainer.config import ATTENTION_BACKENDS
+
+# training builds its layers from the export's own classes, so the served drafter computes what was trained
+from trainer.hf_modeling.modeling_dflash import DFlashAttention, DFlashDecoderLayer
+from trainer.hf_modeling.modeling_dflash import DFlashRMSNorm as RMSNorm
 from trainer.precision import attention_inputs
 from trainer.target_family import is_hybrid
 
 # An attention the trainer does not offer, (q, k, v, attn_mask) -> out, as `attend` calls it (benchmarks)
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
-# DrafterConfig fields that only travel to the export: a checkpoint written before they existed
-# still resumes (trainer.train.loop.restore does not compare them when the checkpoint lacks them).
+# export-only DrafterConfig fields: restore does not compare them when a checkpoint lacks them
 EXPORT_METADATA = ("max_position_embeddings", "rope_scaling")
+POSITIVE_DIMS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "num_layers")
 
 
 @dataclass(kw_only=True)
@@ -50,9 +47,8 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     block_size: int = DEFAULT_BLOCK_SIZE
-    # The target's layer count; written to the export (inference engines read it).
-    num_target_layers: int | None = None
-    # The target's context length and RoPE scaling, copied into the export (see EXPORT_METADATA).
+    num_target_layers: int | None = None  # written to the export: inference engines read it
+    # the target's context length and RoPE scaling, copied into the export (EXPORT_METADATA)
     max_position_embeddings: int | None = None
     rope_scaling: dict | None = None
 
@@ -72,18 +68,19 @@ class DrafterConfig:
             problems.append(
                 f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
             )
-        for name in (
-            "hidden_size",
-            "intermediate_size",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "num_layers",
-        ):
+        for name in POSITIVE_DIMS:
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if problems:
             raise ValueError("bad drafter config: " + "; ".join(problems))
+
+    @property
+    def num_attention_heads(self) -> int:  # the export's (Qwen3) name, as its layer classes read it
+        return self.num_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.num_kv_heads
 
     @property
     def context_size(self) -> int:
@@ -100,11 +97,7 @@ class DrafterConfig:
 
     @classmethod
     def for_target(cls, target, **overrides) -> "DrafterConfig":
-        """Drafter dims copied from a trainer.data.target.TargetModel (the paper's choice).
-
-        hidden_size and vocab_size must match the target (its embedding and lm_head are reused);
-        the others may be overridden (e.g. num_layers=1 for a quick run).
-        """
+        """Drafter dims copied from a TargetModel (the paper's choice); hidden/vocab size must match it."""
         hf = target.config
         values = {
             "hidden_size": target.hidden_size,
@@ -124,10 +117,8 @@ class DrafterConfig:
 
 
 def _attention_dims(hf_config, hidden_size: int) -> dict:
-    """The drafter's attention shape: the target's own for a dense target. A hybrid target's gated
-    attention (head_dim 256, few heads) is not what its published drafters use: they are plain Qwen3
-    layers with head_dim 128, 32 heads and 8 KV heads at 27B (z-lab's Qwen3.6-27B drafter), which
-    this rule gives and scales down for smaller targets."""
+    """The target's attention shape; for a hybrid target, that of its published drafters (plain Qwen3
+    layers: head_dim 128, 32 heads, 8 KV heads at 27B), scaled down for smaller targets."""
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden_size // heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -151,20 +142,6 @@ def _rope_scaling_of(hf_config) -> dict | None:
     if not isinstance(params, dict) or params.get("rope_type", params.get("type", "default")) == "default":
         return None
     return {k: v for k, v in params.items() if k != "rope_theta"}
-
-
-class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalise in fp32, scale in the input dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -191,13 +168,7 @@ _compiled_flex_init = threading.Lock()
 
 
 def compiled_flex_attention():
-    """The ONE compiled flex_attention of the process, created on first use.
-
-    Created lazily so that a compile-lock patch installed at startup is in place before
-    torch.compile wraps anything. dynamic=False: training shapes are static, and automatic
-    dynamic shapes would trigger a second compile mid-run (reopening the FX-tracing race window).
-    fullgraph=True: a graph break would silently run flex eagerly, which poisons compiled calls.
-    """
+    """The ONE compiled flex_attention of the process, made lazily: after the startup compile-lock patch."""
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
@@ -210,18 +181,14 @@ def compiled_flex_attention():
 
 
 def use_compiled_flex_attention(compiled) -> None:
-    """Install `compiled` (flex_attention through torch.compile) as the process's one compiled
-    flex_attention, before its first use: a race harness compiles it through a cheaper backend."""
+    """Install `compiled` as the process's flex_attention before first use (a race harness's cheaper one)."""
     global _compiled_flex
     with _compiled_flex_init:
         _compiled_flex = compiled
 
 
 def attend(q, k, v, attn_mask, backend: str | AttentionFn) -> torch.Tensor:
-    """Masked GQA attention. q [B, Hq, L, D]; k, v [B, Hkv, S, D].
-
-    `backend`: one of ATTENTION_BACKENDS, or an AttentionFn (a baseline a benchmark measures).
-    """
+    """Masked GQA attention. q [B, Hq, L, D]; k, v [B, Hkv, S, D]; backend: a name or an AttentionFn."""
     q, k, v = attention_inputs(q, k, v)
     if backend == "flex":
         if torch.compiler.is_compiling():  # inside a compiled layer: inductor compiles flex with it
@@ -236,16 +203,8 @@ def attend(q, k, v, attn_mask, backend: str | AttentionFn) -> torch.Tensor:
     raise ValueError(f"attention backend {backend!r} is unknown; use one of {', '.join(ATTENTION_BACKENDS)}")
 
 
-class DrafterAttention(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+class DrafterAttention(DFlashAttention):
+    """The export's attention weights, with the training forward (many blocks, a mask, a backend)."""
 
     def forward(self, x, ctx, rope_q, rope_k, attn_mask, backend):
         batch, q_len, _ = x.shape
@@ -261,24 +220,8 @@ class DrafterAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
 
 
-class DrafterMLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DrafterLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DrafterAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DrafterMLP(cfg)
+class DrafterLayer(DFlashDecoderLayer):
+    attention_class = DrafterAttention
 
     def forward(self, x, ctx, rope_q, rope_k, attn_mask, backend):
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, attn_mask, backend)
@@ -303,10 +246,8 @@ class DFlashDrafter(nn.Module):
         self.embed_weight = embed_tokens.weight.detach()
         self.lm_head_weight = lm_head.weight.detach()
         self.lm_head_bias = None if lm_head.bias is None else lm_head.bias.detach()
-        # Recompute each layer in backward instead of storing its activations (trainer.activation_checkpoint).
-        self.checkpoint_layers = False
-        # Each decoder layer as one compiled graph ("auto": when training with flex on CUDA), and the
-        # fused loss's chunk kernel (trainer.loss.LOSS_KERNELS; "auto": compiled on CUDA).
+        self.checkpoint_layers = False  # trainer.activation_checkpoint
+        # "auto": layers compiled for flex on CUDA; loss kernel from trainer.loss.LOSS_KERNELS
         self.compile_layers: bool | str = "auto"
         self.loss_kernel = "auto"
         self._layers_compiled = False
@@ -320,8 +261,7 @@ class DFlashDrafter(nn.Module):
                 nn.init.ones_(module.weight)
 
     def _apply(self, fn, recurse=True):
-        # .to(device/dtype), .float(), .cuda() ... also move the frozen target weights. fn returns
-        # a new tensor when anything changes, so the target's own modules are never touched.
+        # .to()/.cuda() move the frozen target weights too; fn returns new tensors, the target's stay
         super()._apply(fn, recurse)
         tied = self.lm_head_weight is self.embed_weight
         self.embed_weight = fn(self.embed_weight)
@@ -334,12 +274,7 @@ class DFlashDrafter(nn.Module):
         """[B, N, block]: the anchor token followed by block-1 mask tokens."""
         batch, num_blocks = anchors.shape
         anchor_tokens = input_ids.gather(1, anchors).unsqueeze(-1)
-        masks = torch.full(
-            (batch, num_blocks, self.cfg.block_size - 1),
-            self.cfg.mask_token_id,
-            dtype=input_ids.dtype,
-            device=input_ids.device,
-        )
+        masks = input_ids.new_full((batch, num_blocks, self.cfg.block_size - 1), self.cfg.mask_token_id)
         return torch.cat([anchor_tokens, masks], dim=-1)
 
     def forward(self, context, input_ids, anchors, attn_mask, backend: str | AttentionFn = "flex"):
@@ -368,12 +303,8 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def _compile_layers_if_wanted(self, backend, device: torch.device) -> None:
-        """Compile every decoder layer in place (nn.Module.compile: names and state_dict unchanged).
-
-        All layers share one compiled graph (same code, same shapes; parameters are graph inputs),
-        so the compile costs one layer's. Lazily, at the first forward: a compile-lock patch
-        installed at startup must be in place before torch.compile wraps anything.
-        """
+        """Compile each layer in place (state_dict unchanged) at the first forward, after the compile-lock
+        patch; all layers share one graph, so it costs one layer's compile."""
         want = self.compile_layers
         if want == "auto":
             want = backend == "flex" and device.type == "cuda"

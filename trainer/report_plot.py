@@ -1,11 +1,7 @@
 """The picture of one or more runs (trainer.run_summary histories): a PNG, or HTML embedding it.
 
-The one drawing code `dflash-train report` and `dflash-ops report` share. matplotlib (Agg, no
-display) is imported only when a picture is drawn: the trainer itself never needs it.
-
-Panels: loss; tau measured (eval records) and expected from accuracy (1 + sum_k prod_{j<=k} acc_j);
-acceptance per block position, latest eval against earliest; tokens/s with relaunch and stop
-markers; GPU memory when the step records carry it.
+Shared by `dflash-train report` and `dflash-ops report`; matplotlib is imported only when a picture
+is drawn, as the trainer itself never needs it.
 """
 
 from __future__ import annotations
@@ -37,8 +33,7 @@ FORMATS = {".png": "png", ".html": "html", ".htm": "html"}
 
 
 class UnknownFormat(ValueError):
-    """The output name is neither a .png nor a .html file (a report is never written under the
-    wrong name)."""
+    """The output name is neither .png nor .html: a report is never written under the wrong name."""
 
 
 def format_of(path: str) -> str:
@@ -137,28 +132,21 @@ def _plot_run(panel, run: RunHistory, colour, overlay: bool) -> None:
 def _tau(ax, run: RunHistory, colour, overlay: bool, window: int) -> None:
     """tau expected from accuracy, and measured: pooled and as the mean of per-prompt means."""
     prefix = run.name + ": " if overlay else ""
-    ax.plot(
-        run.steps,
-        _smooth(run.tau_expected, window),
-        color=colour,
-        lw=1.0,
-        ls="--",
-        label=f"{prefix}expected from accuracy",
-    )
+    expected = _smooth(run.tau_expected, window)
+    ax.plot(run.steps, expected, color=colour, lw=1.0, ls="--", label=f"{prefix}expected from accuracy")
     if run.evals:
-        ax.plot(
-            [e.step for e in run.evals],
-            [e.tau for e in run.evals],
-            color=colour,
-            lw=1.8,
-            marker="o",
-            ms=5,
-            label=f"{prefix}measured (pooled)",
+        _main_line(
+            ax, [e.step for e in run.evals], [e.tau for e in run.evals], colour, f"{prefix}measured (pooled)"
         )
     per_prompt = [(e.step, e.tau_per_prompt_mean) for e in run.evals if e.tau_per_prompt_mean is not None]
     if per_prompt:
         steps, taus = [step for step, _ in per_prompt], [tau for _, tau in per_prompt]
         _thin_line(ax, steps, taus, colour, ":s", 4, f"{prefix}measured (mean of per-prompt)")
+
+
+def _main_line(ax, xs, ys, colour, label: str) -> None:
+    """A measured series: a thick line with round markers."""
+    ax.plot(xs, ys, color=colour, lw=1.8, marker="o", ms=5, label=label)
 
 
 def _thin_line(ax, xs, ys, colour, style: str, ms: int, label: str) -> None:
@@ -190,15 +178,7 @@ def _acceptance(ax, run: RunHistory, colour, overlay: bool) -> None:
     prefix = run.name + ": " if overlay else ""
     latest = with_acceptance[-1]
     positions = range(1, len(latest.acceptance) + 1)
-    ax.plot(
-        positions,
-        latest.acceptance,
-        color=colour,
-        lw=1.8,
-        marker="o",
-        ms=5,
-        label=f"{prefix}latest (step {latest.step})",
-    )
+    _main_line(ax, positions, latest.acceptance, colour, f"{prefix}latest (step {latest.step})")
     earliest = with_acceptance[0]
     if earliest is not latest:
         positions = range(1, len(earliest.acceptance) + 1)
@@ -221,20 +201,14 @@ def _titles(panel, runs: list[RunHistory], plt) -> None:
     if "gpu_memory" in panel:
         panel["gpu_memory"].set(title="GPU memory (peak per step)", xlabel="step", ylabel="GiB")
     if not any(r.evals for r in runs):
-        panel["acceptance"].text(
-            0.5,
-            0.5,
-            "no eval record yet (eval.every)",
-            ha="center",
-            va="center",
-            transform=panel["acceptance"].transAxes,
-            color="gray",
-        )
+        ax = panel["acceptance"]
+        centred = {"ha": "center", "va": "center", "transform": ax.transAxes}
+        ax.text(0.5, 0.5, "no eval record yet (eval.every)", color="gray", **centred)
     overlay = len(runs) > 1
     for ax in panel.values():
         handles, _ = ax.get_legend_handles_labels()
         if handles:
-            ax.legend(**_legend_place(overlay), fontsize=7, handlelength=1.5, framealpha=0.6)
+            ax.legend(**_legend_style(overlay))
     from matplotlib.lines import Line2D
 
     kinds = sorted({m.kind for r in runs for m in r.markers})
@@ -245,15 +219,13 @@ def _titles(panel, runs: list[RunHistory], plt) -> None:
             if k in MARKER_STYLE
         ]
         existing, _ = panel["tokens_per_s"].get_legend_handles_labels()
-        panel["tokens_per_s"].legend(
-            handles=existing + handles, **_legend_place(overlay), fontsize=7, handlelength=1.5, framealpha=0.6
-        )
+        panel["tokens_per_s"].legend(handles=existing + handles, **_legend_style(overlay))
 
 
-def _legend_place(overlay: bool) -> dict:
-    """Inside the panel for one run; beside it for several, whose legends (a few lines per run)
-    would cover their own data."""
-    return {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0} if overlay else {}
+def _legend_style(overlay: bool) -> dict:
+    """Small; inside the panel for one run, beside it for several (their legends would cover the data)."""
+    place = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0} if overlay else {}
+    return {**place, "fontsize": 7, "handlelength": 1.5, "framealpha": 0.6}
 
 
 def html_page(histories: list[RunHistory], picture: Picture, title: str) -> str:

@@ -1,15 +1,7 @@
 """YAML that users write, read strictly and turned into typed dataclasses, with one-line errors.
 
-Shared by the trainer (its config files) and dflash-ops (its inventory), so both read YAML the
-same way. Standard library and PyYAML only: the trainer imports nothing from dflash_ops, and
-dflash_ops may import this module.
-
-- `parse_yaml` / `read_yaml`: a key written twice in one mapping is refused (PyYAML would keep the
-  last one silently), only true/false are booleans (YAML 1.2: `off`, `no`, `on` stay text), and
-  every mapping is a `YamlMap` that remembers the line of each key.
-- `build`: a (nested) dataclass from such a mapping, each value checked against the field's type.
-- Every problem is one `YamlInputError` line: `FILE:LINE: `field.path` problem; fix`.
-- `did_you_mean`, `closest_match`, `show`, `kind_of`, `finite`: the small helpers behind such lines.
+Shared by the trainer and dflash-ops (stdlib and PyYAML only), so both read YAML the same way:
+duplicate keys refused, only true/false booleans (YAML 1.2), every problem one `FILE:LINE` line.
 """
 
 from __future__ import annotations
@@ -35,14 +27,10 @@ class YamlInputError(ValueError):
 
 
 def located(filename: str, line: int | str | None) -> str:
-    """`FILE:LINE`, or just `FILE` when the line is unknown (a value from code); a text in place of
-    the line is the command-line flag that set the value, which is where the user wrote it."""
+    """`FILE:LINE`, `FILE` when the line is unknown, or the command-line flag that set the value."""
     if isinstance(line, str):
         return line
     return f"{filename}:{line}" if line else filename
-
-
-# --------------------------------------------------------------------------- describing values
 
 
 def show(value: Any) -> str:
@@ -81,14 +69,10 @@ def did_you_mean(word: str, choices: Iterable[str], quote=repr) -> str:
 
 
 def finite(value: Any) -> float | None:
-    """A real, finite number as float; anything else (NaN, inf, text, a boolean, None) is None.
-    JSON has no NaN, and a boolean is not a measurement."""
+    """A real, finite number as float, else None (JSON has no NaN; a boolean is no measurement)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return None
-
-
-# --------------------------------------------------------------------------- strict loading
 
 
 class YamlMap(dict):
@@ -116,8 +100,7 @@ class _DuplicateKey(Exception):
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that reads only true/false as booleans, as YAML 1.2 does: `host_key_policy: off`
-    must stay the text 'off', and `no`/`on` never turn into booleans."""
+    """SafeLoader with only true/false as booleans (YAML 1.2): `host_key_policy: off` stays text."""
 
 
 _BOOL_TAG = "tag:yaml.org,2002:bool"
@@ -151,8 +134,7 @@ _StrictLoader.add_constructor("tag:yaml.org,2002:map", _construct_map)
 
 
 def _refuse_duplicate_keys(node, path: tuple, seen_nodes: set, named_items: Mapping[str, str]) -> None:
-    """PyYAML silently keeps the last of two equal keys; we refuse them. Only keys written in the
-    same mapping count: keys pulled in by a `<<: *anchor` merge may be overridden."""
+    """Refuse two equal keys written in one mapping (PyYAML keeps the last); merged keys may be overridden."""
     if id(node) in seen_nodes:  # an alias of a node already checked
         return
     seen_nodes.add(id(node))
@@ -179,9 +161,7 @@ def _describe_key(path: tuple, key: str, named_items: Mapping[str, str]) -> str:
 
 def parse_yaml(text: str, filename: str, named_items: Mapping[str, str] | None = None) -> Any:
     """Parse YAML text strictly; any problem is one YamlInputError naming `filename` and the line.
-
-    `named_items` names the things that top-level sections hold, for messages about a key written
-    twice: {"targets": "target"} says "target 'box' is defined twice" instead of "key 'box' ..."."""
+    `named_items` ({"targets": "target"}) names what sections hold, for duplicate-key messages."""
     try:
         loader = _StrictLoader(text)  # its reader refuses control bytes (NUL, BEL …) right here
     except yaml.reader.ReaderError as e:
@@ -244,8 +224,7 @@ def read_yaml(path: str, named_items: Mapping[str, str] | None = None) -> Any:
 
 
 def parse_value(text: str) -> Any:
-    """One value given on a command line (`--set KEY=VALUE`), read by the same rules as the files
-    (`off` stays text); text that is not valid YAML is taken as written."""
+    """A `--set KEY=VALUE` value, read by the files' rules; text that is not valid YAML stays as written."""
     try:
         return parse_yaml(text, "the command line")
     except YamlInputError:
@@ -262,9 +241,6 @@ def dotted_lines(data: Any, prefix: str = "") -> dict[str, int]:
                 lines[name] = data.key_lines[key]
             lines.update(dotted_lines(value, name + "."))
     return lines
-
-
-# --------------------------------------------------------------------------- building dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,9 +260,8 @@ class _Place:
 
 
 def build(cls: type[T], data: Any, filename: str) -> T:
-    """Dataclass `cls` from a parsed mapping: every key must be a field (a near miss is named),
-    and every value must fit the field's type; nested dataclasses are built the same way. Fields
-    with metadata {"internal": True} are not read from the mapping."""
+    """Dataclass `cls` from a parsed mapping, every key a field and every value of its type; fields
+    with metadata {"internal": True} are not read."""
     if not isinstance(data, dict):
         raise YamlInputError(f"{filename}: expected a mapping of keys, got {kind_of(data)}")
     return _build(cls, data, _Place(filename, getattr(data, "line", 0), ""))
@@ -320,10 +295,8 @@ def _coerce(hint: Any, value: Any, place: _Place) -> Any:
             return None
         return _coerce(next(a for a in args if a is not type(None)), value, place)
     if dataclasses.is_dataclass(hint):
-        # a hint is a class, never a dataclass instance
-        return _build(
-            typing.cast("type[DataclassInstance]", hint), {} if value is None else value, place
-        )  # `section:` alone: defaults
+        # a hint is a class, never an instance; `section:` alone gives the defaults
+        return _build(typing.cast("type[DataclassInstance]", hint), {} if value is None else value, place)
     if origin is list:
         if isinstance(value, str):  # "cuda:1,cuda:2", as given on a command line
             value = [item.strip() for item in value.split(",") if item.strip()]

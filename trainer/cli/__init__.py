@@ -1,2 +1,1 @@
-"""`dflash-train` and its subcommands (main.py: train and export; data.py, eval.py, report.py),
-with one mapping of input errors to exit codes (errors.py)."""
+"""`dflash-train` and its subcommands; input errors map to exit codes in one place (errors.py)."""

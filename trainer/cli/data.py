@@ -265,9 +265,8 @@ def _cache_features(args) -> int:
     say(
         f"feature cache complete: {counts['sequences']} sequences, {counts['tokens']} tokens, "
         f"{counts['shards']} shard(s), {human_bytes(counts['bytes'])}, {time.monotonic() - began:.1f} s "
-        f"-> {args.out}; this run computed {computed} sequences at "
-        f"{computed / max(seconds, 1e-9):.1f} sequences/s, "
-        f"{tokens / max(seconds, 1e-9):.0f} tokens/s"
+        f"-> {args.out}; this run computed {computed} sequences at {computed / max(seconds, 1e-9):.1f} "
+        f"sequences/s, {tokens / max(seconds, 1e-9):.0f} tokens/s"
     )
     return 0
 
@@ -298,14 +297,10 @@ def _load_target_and_data(cfg, say):
     from trainer.train.loop import build_dataset, configured_target
 
     device = cfg.run.target_devices[0]
-    say(
-        f"loading the target ({cfg.target.spec}) on {device} and the {cfg.data.source} data"
-        + (
-            " (the target's greedy continuations: this takes a while)"
-            if cfg.data.source == "synthetic"
-            else ""
-        )
+    slow = (
+        " (the target's greedy continuations: this takes a while)" if cfg.data.source == "synthetic" else ""
     )
+    say(f"loading the target ({cfg.target.spec}) on {device} and the {cfg.data.source} data{slow}")
     target = configured_target(cfg, device)
     return target, build_dataset(cfg, target)
 
@@ -318,8 +313,7 @@ def _write_features(cfg, target, dataset, args, say):
     from trainer.data.feature_cache import cache_header
     from trainer.progress import ProgressLine
 
-    tokenizer = target.tokenizer
-    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    pad = getattr(target.tokenizer, "pad_token_id", None)  # None without a tokenizer too
     header = cache_header(cfg, target, args.dtype, pad if pad is not None else 0)
     progress = ProgressLine("sequences", len(dataset))
     writing = time.monotonic()

@@ -1,10 +1,7 @@
 """How every dflash-train command reports bad input: one line on stderr, no traceback, exit 2.
 
-The trainer's input errors (config.ConfigError, data.DataError, checkpoint.CheckpointError: a bad
-config, data file, checkpoint or argument) carry `exit_code = 2` and a message that names the key
-or file:line and the fix. A command run through `run_command` lets them propagate to here, once,
-instead of catching them where they arise. An error raised in a worker thread arrives wrapped
-(trainer.train.workers.WorkerFailure); its `original` counts. No torch here: input errors come before it.
+Input errors carry `exit_code = 2` and propagate to `run_command`, caught once here rather than
+where they arise. No torch here: input errors come before it.
 """
 
 from __future__ import annotations

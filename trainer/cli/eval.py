@@ -85,9 +85,6 @@ def _add_loop_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-# ---- loading ---------------------------------------------------------------------------------
-
-
 def _is_export(path: Path) -> bool:
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -149,16 +146,9 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
 
     run_target = (run_config or {}).get("target") or {}
     spec = _spec_of(target_spec, run_config)
-    same = spec == run_target.get("spec")
+    tiny = (run_target.get("tiny") or None) if spec == run_target.get("spec") else None
     seed = int(((run_config or {}).get("train") or {}).get("seed", 0))
-    target = load_target(
-        spec,
-        device,
-        param_dtype(device),
-        layer_ids=[0],
-        seed=seed,
-        tiny=(run_target.get("tiny") or None) if same else None,
-    )
+    target = load_target(spec, device, param_dtype(device), layer_ids=[0], seed=seed, tiny=tiny)
     problem = target_mismatch(dcfg, target, run_config)
     if problem:
         raise ConfigError(f"{spec}: {problem}. Fix: pass the --target the drafter was trained for.")
@@ -193,9 +183,6 @@ def run_prompts(run_config: dict, target, source: str, count: int) -> list[list[
     return eval_prompts(cfg, target, heldout, count)
 
 
-# ---- running ---------------------------------------------------------------------------------
-
-
 def _default_device() -> str:
     import torch
 
@@ -226,11 +213,9 @@ def report_lines(result, block_size: int) -> list[str]:
         f"{result.new_tokens} new tokens (block {block_size})",
         f"tau {result.tau_per_prompt_mean:.3f} as the mean of per-prompt means; per prompt min "
         f"{spread['min']:.3f} median {spread['median']:.3f} max {spread['max']:.3f}",
-    ]
-    lines.append(
         "acceptance by block position: "
-        + " ".join(f"{k}:{a:.2f}" for k, a in enumerate(result.acceptance, 1))
-    )
+        + " ".join(f"{k}:{a:.2f}" for k, a in enumerate(result.acceptance, 1)),
+    ]
     if result.target_tokens_per_s:
         lines.append(
             f"tokens/s: target-only {result.target_tokens_per_s:,.1f}, speculative "
@@ -419,14 +404,12 @@ def _exit_code(mismatch, err) -> int:
     """1 (the lossless check failed, said on `err`) for a mismatch, else 0."""
     if mismatch is None:
         return 0
-    print(_mismatch_line(mismatch), file=err)
-    return 1
-
-
-def _mismatch_line(m) -> str:
-    return (
+    m = mismatch
+    print(
         f"dflash-train eval: LOSSLESS CHECK FAILED: prompt {m.prompt_index} (first tokens "
         f"{m.prompt[:12]}), new token {m.position}: target {m.expected}, speculative {m.got}; "
         f"the target's fp32 logits there {m.expected_logit:.4f} vs {m.got_logit:.4f}, a gap beyond "
-        f"the {m.tie_bound:.2e} a rounding tie allows"
+        f"the {m.tie_bound:.2e} a rounding tie allows",
+        file=err,
     )
+    return 1

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-
 from trainer.config import COMPILE_LOCK_MODES, ATTENTION_BACKENDS, LAUNCHERS
 from trainer.typed_yaml import closest_match
 from trainer.cli.errors import input_error, run_command
@@ -200,9 +199,7 @@ def _run_train(args: argparse.Namespace) -> int:
     check_resume(cfg)  # before anything is created
     check_output_paths(cfg)
     try:
-        from trainer.train.loop import (
-            train,
-        )  # torch and transformers load only after the config is known good
+        from trainer.train.loop import train  # torch and transformers load once the config is good
 
         result = train(cfg)
     except KeyboardInterrupt:

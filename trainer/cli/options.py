@@ -1,5 +1,4 @@
-"""The argparse pieces the `dflash-train` commands share: the parser class and each option that more
-than one command takes, declared once (stdlib only: parsing must stay fast)."""
+"""The argparse pieces the `dflash-train` commands share, declared once (stdlib only: parsing stays fast)."""
 
 from __future__ import annotations
 

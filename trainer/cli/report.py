@@ -1,5 +1,4 @@
-"""`dflash-train report METRICS.jsonl [-o report.png|report.html]`: the picture of a run from its
-metrics file on disk (trainer.report_plot draws it, as for `dflash-ops report`).
+"""`dflash-train report METRICS.jsonl [-o report.png|report.html]`: the picture of a run on disk.
 
 Exit codes: 0 written; 2 no such file, no step record in it yet, or matplotlib missing.
 """
@@ -56,11 +55,9 @@ def run_report(args: argparse.Namespace) -> int:
         return fail(f"cannot read {args.metrics}: {exc.strerror}")
     path = os.path.abspath(args.metrics)
     # <output-dir>/metrics.jsonl is named by its run dir; any other file by its own name
-    name = (
-        os.path.basename(os.path.dirname(path))
-        if os.path.basename(path) == "metrics.jsonl"
-        else os.path.basename(path).removesuffix(".jsonl").removesuffix(".metrics")
-    )
+    name = os.path.basename(path).removesuffix(".jsonl").removesuffix(".metrics")
+    if os.path.basename(path) == "metrics.jsonl":
+        name = os.path.basename(os.path.dirname(path))
     history = run_summary.history_from_lines(name, [read["lines"]])
     try:
         report_plot.write([history], args.out, title=f"DFlash run {name}")

@@ -1,26 +1,11 @@
 """The serving gate: over-fit one sequence, export, serve it through Transformers, demand full blocks.
 
-The field's most reported DFlash failure is a drafter that trains to high accuracy and accepts
-nothing once served (SpecForge #455: labels shifted by one, a padding shift in the feature path,
-blocks seeing later context). Each such bug is a disagreement between what training computes and
-what serving computes, and an over-fit shows it at once: a fresh drafter trained a few hundred
-steps on ONE sequence (the target's own greedy continuation of a random prompt) must, when its
-export is loaded the way users load it (`AutoModel.from_pretrained(dir, trust_remote_code=True)`)
-and decodes that prompt with `spec_generate`, accept every drafted token of every block. Anything
-less means training and serving disagree, whatever the training accuracy says.
-
-The sequence is prompt + 1 + rounds x block_size tokens: the first new token comes from the
-prefill, then each of `rounds` blocks must be accepted whole (tau = block_size). The drafter served
-is the one of the first checkpoint where training is perfect on the sequence (every block position
-right): a bug that lets training see what serving does not (later context) reaches perfect training
-accuracy early through that leak, long before a drafter could memorise the sequence without it, so
-serving that checkpoint shows the leak; a clean drafter serves exactly what it trained to.
-
-An over-fit drafter may also memorise the sequence without leaning on a leak, so the gate checks a
-second thing on the same blocks: the logits the training computation gives (its feature path, its
-context mask) must equal those of the export run the way engines run it (the target's HF hidden
-states, the context strictly before each anchor), to float tolerance. A leak or a misaligned feature
-changes the training side only.
+A drafter that trains well but accepts nothing once served (SpecForge #455: shifted labels or
+features, blocks seeing later context) means training and serving disagree. A drafter over-fit on
+ONE target continuation must accept every block whole when its export decodes the prompt with
+`spec_generate`. The first checkpoint with perfect training accuracy is served, since a leak reaches
+it early; and the training logits must equal the served export's on the same blocks, since a
+drafter may memorise the sequence despite a leak.
 """
 
 from __future__ import annotations
@@ -71,10 +56,9 @@ class GateResult:
         acc = " ".join(f"{a:.2f}" for a in self.train_acc)
         if self.passed:
             return (
-                f"serving gate: ok: training learned one sequence at step {self.step} (accuracy by "
-                f"position {acc}), served "
-                f"through the export it accepted every block whole: tau {self.tau:.2f} = block "
-                f"{self.block_size} over {len(self.accepted)} rounds ({self.seconds:.0f}s)"
+                f"serving gate: ok: training learned one sequence at step {self.step} (accuracy by position "
+                f"{acc}), served through the export it accepted every block whole: tau {self.tau:.2f} = "
+                f"block {self.block_size} over {len(self.accepted)} rounds ({self.seconds:.0f}s)"
             )
         if not self.learned:
             return (
@@ -91,10 +75,9 @@ class GateResult:
         what = "" if self.same_tokens else "; the served output is not the target's own continuation"
         return (
             f"serving gate FAILED: training learned one sequence at step {self.step} (accuracy by position "
-            f"{acc}), but served "
-            f"through the export it accepted {self.accepted} drafts per round (tau {self.tau:.2f}; a full "
-            f"block is {self.block_size}){what}: training and serving disagree (labels, feature alignment, "
-            f"context mask or export)"
+            f"{acc}), but served through the export it accepted {self.accepted} drafts per round (tau "
+            f"{self.tau:.2f}; a full block is {self.block_size}){what}: training and serving disagree "
+            f"(labels, feature alignment, context mask or export)"
         )
 
 
@@ -134,7 +117,7 @@ def gate_config(config: str, overrides: dict, work_dir: str, steps: int):
 def run_gate(
     work_dir: str, config: str = "tiny-cpu", overrides: dict | None = None, steps: int = GATE_STEPS, out=None
 ) -> GateResult:
-    """Train, export, reload through Transformers and decode (see the module docstring)."""
+    """Train, export, reload through Transformers and decode."""
     import io
 
     from trainer.cli.eval import load_models
@@ -174,13 +157,8 @@ def run_gate(
 
 
 def logits_gap(export_dir, target, drafter, sequence: list[int], anchors: list[int]) -> float:
-    """max |training logits - served logits| / std(training logits) over the blocks at `anchors`.
-
-    Training side: the trainer's drafter on TargetModel.features with the training context mask
-    (trainer.masks.dense_mask), as a training step computes it. Serving side: the export loaded by
-    Transformers, fed the target's own hidden states of the positions before each anchor."""
-    from transformers import AutoModel
-
+    """max |training - served logits| / std(training logits) over the blocks at `anchors`: the trainer's
+    features and mask against the export fed the target's hidden states before each anchor."""
     from trainer.masks import dense_mask
 
     device = target.device
@@ -192,8 +170,7 @@ def logits_gap(export_dir, target, drafter, sequence: list[int], anchors: list[i
         features = target.features(ids, attention_mask=torch.ones_like(ids, dtype=torch.bool))
         mask = dense_mask(starts, valid, ids.shape[1], block, device)
         trained = drafter.logits(drafter(features, ids, starts, mask, "sdpa")).view(len(anchors), block, -1)
-        draft = AutoModel.from_pretrained(str(Path(export_dir).resolve()), trust_remote_code=True)
-        draft.to(device=device, dtype=drafter.fc.weight.dtype).eval()
+        draft = _load_export(export_dir).to(device=device, dtype=drafter.fc.weight.dtype).eval()
         hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states
         served_features = torch.cat([hidden[layer + 1] for layer in target.layer_ids], dim=-1)
         gaps = []
@@ -212,16 +189,19 @@ def logits_gap(export_dir, target, drafter, sequence: list[int], anchors: list[i
 
 def served_decode(export_dir, target_model, prompt: list[int], max_new_tokens: int):
     """Decode `prompt` the way a user of the export does: AutoModel + spec_generate, greedy."""
-    from transformers import AutoModel
-
-    device = target_model.get_input_embeddings().weight.device
-    dtype = target_model.get_input_embeddings().weight.dtype
-    draft = AutoModel.from_pretrained(str(Path(export_dir).resolve()), trust_remote_code=True, dtype=dtype)
-    draft.to(device).eval()
+    weight = target_model.get_input_embeddings().weight
+    device = weight.device
+    draft = _load_export(export_dir, dtype=weight.dtype).to(device).eval()
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     return draft.spec_generate(
         target=target_model, input_ids=ids, max_new_tokens=max_new_tokens, temperature=0.0, return_stats=True
     )
+
+
+def _load_export(export_dir, **kwargs):
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(str(Path(export_dir).resolve()), trust_remote_code=True, **kwargs)
 
 
 def _step_accuracy(metrics_path: str) -> dict[int, list[float]]:

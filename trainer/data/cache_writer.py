@@ -1,12 +1,8 @@
-"""Writing a feature cache: the target's features of every sequence, streamed into shards while
-the target computes the next batch.
+"""Writing a feature cache: features streamed into shards while the target computes the next batch.
 
-The shards' boundaries follow from the sequences' lengths alone (a shard closes after the sequence
-that takes it to `shard_bytes`), so each shard file is opened with its header, offsets, token ids
-and loss mask before its first features exist, and each sequence's features go from the batch's
-(pinned) host buffer to the file once, through its checksum, with no copy in between. A finished shard
-is fsynced, renamed and named in the manifest by a thread of its own, strictly in order, while the
-next shard fills: a kill leaves only whole, named shards (`prepare` removes the rest), and a resumed
+Shard boundaries follow from sequence lengths alone, so a shard's header and token arrays are written
+before its features, which go from the host buffer to the file once, through the checksum. Shards are
+committed in order by a thread of their own: a kill leaves only whole, named shards, and a resumed
 cache is byte-identical to a fresh one.
 """
 
@@ -26,6 +22,7 @@ from trainer.data import chunk_digest
 from trainer.data.dataset import DataError, Dataset
 from trainer.data.feature_cache import (
     DTYPES,
+    TOKEN_BYTES,
     complete_manifest,
     disk_estimate,
     feature_width,
@@ -38,7 +35,6 @@ from trainer.data.safetensors_stream import StreamedFile
 # Sequences per target forward when no batch size is given: about this many tokens.
 BATCH_TOKENS = 16384
 WRITE_QUEUE_DEPTH = 2  # batches computed ahead of the writer thread
-TOKEN_BYTES = 5  # an int32 id and a bool mask per token, beside its features
 
 
 def auto_batch_size(seq_len: int, tokens: int = BATCH_TOKENS) -> int:
@@ -156,9 +152,7 @@ def _write_known(file: StreamedFile, known: dict[str, list[torch.Tensor]]) -> No
 
 
 class _HostBuffers:
-    """Reusable pinned host buffers for device->host copies of feature batches (pinned memory lets
-    the copy run while the next batch's forward is queued). Pinning is slow, so a buffer is made
-    only when none is free, up to `count`."""
+    """Up to `count` reusable pinned buffers (an async copy overlaps the next forward; pinning is slow)."""
 
     def __init__(self, count: int, numel: int, dtype: torch.dtype):
         self.free: queue.Queue = queue.Queue()
@@ -173,10 +167,8 @@ class _HostBuffers:
                 if self.left > 0:
                     self.left -= 1
                     return torch.empty(self.numel, dtype=self.dtype, pin_memory=True)
-            try:
+            with contextlib.suppress(queue.Empty):
                 return self.free.get(timeout=0.1)
-            except queue.Empty:
-                continue
 
     def copy_of(self, features: torch.Tensor, writer: _WriterThread):
         """(host tensor, its ready event, release) for an on-device tensor; the copy is asynchronous."""
@@ -189,9 +181,7 @@ class _HostBuffers:
 
 
 class _WriterThread:
-    """ShardStream.add on a thread of its own: the writes and their checksum run while the target
-    computes the next batch. An error in the thread is raised in the caller at its next put() or
-    at close()."""
+    """ShardStream.add on a thread of its own; its error is raised at the caller's next put() or close()."""
 
     def __init__(self, writer: ShardStream, progress=None, depth: int = WRITE_QUEUE_DEPTH):
         self.writer, self.progress = writer, progress
@@ -208,19 +198,15 @@ class _WriterThread:
     def put(self, item) -> None:
         while True:
             self.check()
-            try:
+            with contextlib.suppress(queue.Full):
                 self.queue.put(item, timeout=0.1)
                 return
-            except queue.Full:
-                continue
 
     def _run(self) -> None:
         try:
             while True:
                 item = self.queue.get()
-                if self.stop.is_set():
-                    return
-                if item is None:
+                if item is None or self.stop.is_set():
                     return
                 features, ready, count, done, release = item
                 if ready is not None:
@@ -245,14 +231,11 @@ class _WriterThread:
             raise self.error
 
     def abort(self, timeout_s: float = 60.0) -> None:
-        """Stop after the item in hand (a shard being written is finished), keeping what is queued
-        out of the cache: the next run recomputes it."""
+        """Stop after the item in hand; what is queued stays out of the cache (the next run recomputes it)."""
         self.stop.set()
-        try:
+        with contextlib.suppress(queue.Empty):
             while True:
                 self.queue.get_nowait()
-        except queue.Empty:
-            pass
         with contextlib.suppress(queue.Full):
             self.queue.put_nowait(None)  # wake the thread if it waits
         self.thread.join(timeout_s)
@@ -270,11 +253,7 @@ def write_cache(
     say: Callable[[str], None] = print,
     progress=None,
 ) -> dict:
-    """Compute and write features for every sequence of `dataset` (resuming after whole shards).
-
-    Batches of `batch_size` sequences (default: about BATCH_TOKENS tokens) go through the target;
-    a writer thread streams them into shards while the next batch runs.
-    """
+    """Compute and write features for every sequence of `dataset`, resuming after whole shards."""
     manifest, start = prepare(cache_dir, header)
     _check_space(target, dataset, cache_dir, header["dtype"], start, say)
     dtype = DTYPES[header["dtype"]]
@@ -321,8 +300,7 @@ def _features_of(target, dataset: Dataset, begin: int, end: int, dtype, buffers,
     """The writer's item for sequences begin..end: their features on the host (or on their way)."""
     attn = dataset.attention_mask[begin:end]
     ids = dataset.input_ids[begin:end]
-    # Always the full seq_len: a sequence's features then do not depend on its batch (a resumed
-    # cache is byte-identical to a fresh one); a batch cut to its longest sequence would not be.
+    # the full seq_len, not the batch's longest: features independent of the batch keep resumes identical
     feats = target.features(ids.to(target.device), attention_mask=attn.to(target.device))
     if buffers is not None:
         host, ready, release = buffers.copy_of(feats.to(dtype), writer)

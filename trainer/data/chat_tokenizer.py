@@ -1,10 +1,5 @@
-"""A real byte-level tokenizer with a ChatML template for the tiny-random target (which ships none).
-
-Any text encodes (one token per UTF-8 byte) and every id of the model decodes: ids past the bytes
-and the ChatML specials are reserved special tokens, dropped by decode(skip_special_tokens=True).
-It exists so `dflash-train data regenerate --target tiny-random` runs the same code path as a real
-chat model on a CPU; it is not a language tokenizer worth training on.
-"""
+"""A byte-level ChatML tokenizer for the tiny-random target (which ships none), so chat commands run
+the real code path on a CPU; ids past the bytes and specials are reserved special tokens."""
 
 from __future__ import annotations
 
@@ -16,9 +11,8 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def chat_tokenizer_of(target, spec: str):
-    """The tokenizer chats are rendered with for `target` (loaded from `spec`): its own, or for
-    a tiny spec, which ships none, the byte-level ChatML one. regenerate and eval both take it from
-    here, so a {"messages"} prompt means the same tokens to both."""
+    """The tokenizer chats are rendered with (a tiny spec's: the byte-level ChatML one); regenerate and
+    eval both take it from here, so a {"messages"} prompt means the same tokens to both."""
     from trainer.data.target import is_tiny
 
     if target.tokenizer is None and is_tiny(spec):

@@ -1,10 +1,5 @@
-"""A shard's checksum that several cores compute at once: the sha256 of the concatenated sha256
-digests of the file's consecutive CHUNK-byte pieces (the last one shorter).
-
-One sha256 over a whole shard runs on one core at about 1 GB/s, less than a target writes features
-at paper dims; the pieces' digests are independent, so writing and verifying both spread them over
-a thread pool (hashlib releases the GIL while it hashes).
-"""
+"""A shard's checksum several cores compute at once: the sha256 of the sha256 digests of its
+CHUNK-byte pieces (one sha256 on one core, ~1 GB/s, is slower than a target writes features)."""
 
 from __future__ import annotations
 
@@ -29,8 +24,7 @@ def _combined(digests: list[bytes]) -> str:
 
 
 class ChunkHasher:
-    """Takes a file's bytes in order, split anyhow, and hashes each whole chunk on `pool`.
-    Until `settle` returns, the hasher may still read the buffers it was given."""
+    """Hashes each whole chunk of a file's bytes on `pool`; it may read the buffers until `settle`."""
 
     def __init__(self, pool: ThreadPoolExecutor):
         self._pool = pool
@@ -49,8 +43,7 @@ class ChunkHasher:
                 self._parts, self._filled = [], 0
 
     def settle(self) -> None:
-        """Wait for the chunks handed to the pool and copy the partial chunk's bytes, so the
-        caller may reuse its buffers."""
+        """Wait for the pool and copy the partial chunk, so the caller may reuse its buffers."""
         for chunk in self._chunks:
             chunk.result()
         if self._parts:

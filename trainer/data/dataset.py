@@ -1,15 +1,8 @@
 """Training data: fixed-length token sequences with a loss mask, in a resumable deterministic order.
 
-Sources:
-- JSONL, one record per line: `{"input_ids": [...], "loss_mask": [...]}` (pre-tokenized), or
-  `{"messages": [{"role": ..., "content": ...}, ...]}` (tokenized with the target's chat template;
-  loss on the assistant turns).
-- `synthetic`: random prompts continued greedily by the target itself. The drafter's job is to
-  predict the target, so the target's own continuations are learnable by construction.
-
-Every sequence is padded/truncated to `seq_len` so shapes never change (a new shape means a
-recompile). The batch for (step, replica) is a pure function of (seed, epoch, position): resuming
-at step s replays exactly what an uninterrupted run would have seen, whatever the thread timing.
+Sources: JSONL records of `input_ids`+`loss_mask` or chat `messages` (loss on assistant turns), or
+`synthetic` greedy target continuations. Sequences are padded to `seq_len` (a new shape recompiles);
+a (step, replica)'s batch is a pure function of (seed, epoch, position), so a resume replays exactly.
 """
 
 from __future__ import annotations
@@ -115,9 +108,6 @@ def make_batch(dataset: Dataset, plan: BatchPlan, step: int, replica: int) -> Ba
     )
 
 
-# ---- JSONL ----------------------------------------------------------------------------------
-
-
 def jsonl_records(path: str, what: str, missing_fix: str):
     """(file:line, parsed record) for each non-blank line; DataError names the file or the line."""
     if not os.path.isfile(path):
@@ -127,9 +117,7 @@ def jsonl_records(path: str, what: str, missing_fix: str):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
-            try:
-                # without its line end: the error's column is then the real one (a truncated line
-                # ends where it ends, not at column 1 of a line that is not there)
+            try:  # without its line end, the error's column is the real one
                 yield where, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 raise DataError(
@@ -145,8 +133,7 @@ def load_jsonl(
     pad_id: int = 0,
     chat_template_kwargs: dict | None = None,
 ) -> Dataset:
-    """Read and check every record; raises DataError at the first bad one (file:line).
-    `chat_template_kwargs` go to apply_chat_template for `messages` records."""
+    """Read and check every record; raises DataError at the first bad one (file:line)."""
     rows_ids, rows_mask, rows_attn = [], [], []
     for where, record in jsonl_records(path, "data", "set data.path to an existing .jsonl file."):
         if not isinstance(record, dict):
@@ -190,11 +177,8 @@ def load_jsonl(
 
 def check_input_ids(ids, where: str) -> list[int]:
     """`ids` when it is a non-empty list of integers, else DataError."""
-    if (
-        not isinstance(ids, list)
-        or not ids
-        or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-    ):
+    integers = isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+    if not ids or not integers:
         raise DataError(where, "input_ids must be a non-empty list of integers.")
     return ids
 
@@ -219,11 +203,8 @@ def _check_pretokenized(record: dict, where: str) -> tuple[list[int], list[int]]
 def _tokenize_messages(
     messages, tokenizer, where: str, chat_template_kwargs: dict | None = None
 ) -> tuple[list[int], list[int]]:
-    """Token ids of the whole conversation; loss_mask 1 on each assistant turn's tokens.
-
-    An assistant turn's tokens are those the template adds between "everything before it plus the
-    generation prompt" and "everything up to and including it".
-    """
+    """Token ids of the conversation; loss_mask 1 on the tokens each assistant turn adds to the prompt
+    before it (with the generation prompt)."""
     if tokenizer is None:
         raise DataError(
             where,
@@ -245,12 +226,7 @@ def _tokenize_messages(
         raise DataError(where, "conversation has no assistant turn, so nothing to learn. Fix: drop it.")
 
     def encode(msgs, generation_prompt=False) -> list[int]:
-        if not msgs:
-            return []
-        text = tokenizer.apply_chat_template(
-            msgs, tokenize=False, add_generation_prompt=generation_prompt, **(chat_template_kwargs or {})
-        )
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return render_chat(tokenizer, msgs, generation_prompt, chat_template_kwargs) if msgs else []
 
     ids = encode(messages)
     mask = [0] * len(ids)
@@ -271,28 +247,28 @@ def _tokenize_messages(
     return ids, mask
 
 
+def render_chat(
+    tokenizer, messages: list, generation_prompt: bool, template_kwargs: dict | None
+) -> list[int]:
+    """Token ids of `messages` through the chat template, which adds the special tokens itself."""
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt, **(template_kwargs or {})
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def _fit(ids: list[int], mask: list[int], seq_len: int, pad_id: int):
     ids, mask = ids[:seq_len], mask[:seq_len]
     pad = seq_len - len(ids)
     return ids + [pad_id] * pad, mask + [0] * pad, [1] * len(ids) + [0] * pad
 
 
-# ---- synthetic ------------------------------------------------------------------------------
-
-
 @torch.no_grad()
 def synthetic_dataset(
     target, num_samples: int, prompt_len: int, seq_len: int, seed: int, chunk: int = 256
 ) -> Dataset:
-    """Random prompts (seeded) continued greedily by the target; loss on the continuation.
-
-    The continuation is exactly what the target would say, so a drafter can learn it.
-    """
-    vocab = target.vocab_size
-    gen = torch.Generator().manual_seed(derive_seed(seed, 0x5E1F))
-    prompts = torch.randint(0, vocab, (num_samples, prompt_len), generator=gen)
-    # keep the mask token out of the inputs: at inference it only ever fills draft slots
-    prompts[prompts == target.mask_token_id] = (target.mask_token_id + 1) % vocab
+    """Random prompts (seeded) continued greedily by the target, so the continuation is learnable."""
+    prompts = random_prompts(target.vocab_size, target.mask_token_id, num_samples, prompt_len, (seed, 0x5E1F))
     rows = [
         greedy_continue(target.model, prompts[i : i + chunk].to(target.device), seq_len - prompt_len).cpu()
         for i in range(0, num_samples, chunk)
@@ -306,9 +282,18 @@ def synthetic_dataset(
     )
 
 
+def random_prompts(
+    vocab_size: int, mask_token_id: int, count: int, length: int, seed_parts: tuple
+) -> torch.Tensor:
+    """Seeded random prompts without the mask token: at inference it only ever fills draft slots."""
+    gen = torch.Generator().manual_seed(derive_seed(*seed_parts))
+    prompts = torch.randint(0, vocab_size, (count, length), generator=gen)
+    prompts[prompts == mask_token_id] = (mask_token_id + 1) % vocab_size
+    return prompts
+
+
 def greedy_continue(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """prompts [B, P] -> [B, P + new_tokens] by argmax decoding, one token per forward with the
-    target's KV cache (the same decoding as speculative.target_generate, batched)."""
+    """prompts [B, P] -> [B, P + new_tokens] by argmax decoding with the target's KV cache."""
     cache = kv_cache.new_cache(model)
     columns = [prompts]
     logits = kv_cache.forward(model, prompts, cache).logits[:, -1]

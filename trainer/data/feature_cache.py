@@ -1,17 +1,9 @@
 """An offline cache of target features: run the target once, train many epochs from disk.
 
-Layout of a cache directory:
-    manifest.json            what it was made from (target, layer ids, seq_len, data, tokenizer),
-                             counts, and per shard: file, first sequence, count, bytes,
-                             sha256_chunks (trainer.data.chunk_digest)
-    shard-00000.safetensors  flat tensors for consecutive sequences (only real tokens, no padding):
-                             features [tokens, K*H] (bf16 by default), input_ids [tokens] int32,
-                             loss_mask [tokens] bool, offsets [count+1] int64
-
-Written shard by shard (file fsynced, then the manifest replaced atomically), so a killed run
-resumes after the last whole shard. A training run refuses a cache made for another target,
-other layer ids or another seq_len (exit 2, naming each difference), detects a truncated shard
-from its size at startup and a corrupted one from its sha256 on first read.
+A directory of manifest.json (what it was made from, counts, per-shard sizes and digests) and
+shard-NNNNN.safetensors (unpadded features, input_ids, loss_mask and offsets of consecutive
+sequences). Training refuses a cache of another target, layer ids or seq_len, a truncated shard at
+startup and a corrupted one at its first read.
 """
 
 from __future__ import annotations
@@ -35,10 +27,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Keys a training run must agree on; the rest of the manifest is provenance.
 COMPATIBLE_KEYS = ("target", "layer_ids", "seq_len")
 OPEN_SHARDS_PER_THREAD = 64
-
-
-def _sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+TOKEN_BYTES = 5  # an int32 id and a bool mask per token, beside its features
 
 
 def file_sha256(path: str, chunk: int = 1 << 24) -> str:
@@ -50,11 +39,8 @@ def file_sha256(path: str, chunk: int = 1 << 24) -> str:
 
 
 def target_identity(target) -> dict:
-    """Who made the features: config hash + a fingerprint of the embedding and lm_head weights.
-
-    The fingerprint uses bf16-rounded rows, so the same weights loaded in fp32 or bf16 match; it
-    cannot see a change confined to the decoder layers (the config hash and spec still can).
-    """
+    """Who made the features: config hash + a fingerprint of the embedding and lm_head weights
+    (bf16-rounded, so fp32 and bf16 loads match)."""
     # keys that name how the config was stored, not what the model computes (save_pretrained sets some)
     config = {
         k: v
@@ -66,7 +52,7 @@ def target_identity(target) -> dict:
     for weight in (target.embed_tokens.weight, target.lm_head.weight):
         digest.update(weight[:256].detach().to("cpu", torch.bfloat16).float().numpy().tobytes())
     return {
-        "config_sha256": _sha256_bytes(json.dumps(config, sort_keys=True, default=str).encode()),
+        "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
         "weights_fingerprint": digest.hexdigest(),
         "num_layers": int(target.config.num_hidden_layers),
         "hidden_size": int(target.hidden_size),
@@ -81,7 +67,7 @@ def tokenizer_identity(tokenizer) -> dict | None:
     return {
         "name_or_path": str(getattr(tokenizer, "name_or_path", "")),
         "vocab_size": len(tokenizer),
-        "chat_template_sha256": _sha256_bytes(str(template).encode()),
+        "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest(),
     }
 
 
@@ -131,7 +117,7 @@ def human_bytes(n: float) -> str:
 
 def bytes_per_token(num_layers: int, hidden: int, dtype_name: str) -> int:
     """Disk bytes per cached token: features + int32 id + bool mask."""
-    return num_layers * hidden * DTYPES[dtype_name].itemsize + 4 + 1
+    return num_layers * hidden * DTYPES[dtype_name].itemsize + TOKEN_BYTES
 
 
 def read_manifest(cache_dir: str) -> dict | None:
@@ -199,9 +185,6 @@ def _checksum_differs(path: str, shard: dict) -> bool:
     return file_sha256(path) != shard["sha256"]  # a cache written before chunk digests
 
 
-# ---- writing ------------------------------------------------------------------------------------
-
-
 def disk_estimate(dataset: Dataset, start: int, num_layers: int, hidden: int, dtype_name: str) -> dict:
     tokens = int(dataset.attention_mask[start:].sum())
     per_token = bytes_per_token(num_layers, hidden, dtype_name)
@@ -266,9 +249,6 @@ def complete_manifest(cache_dir: str, manifest: dict) -> None:
     write_manifest(cache_dir, manifest)
 
 
-# ---- reading ------------------------------------------------------------------------------------
-
-
 class CacheReader:
     """Random access to cached features; each shard's sha256 is checked on its first read."""
 
@@ -285,7 +265,7 @@ class CacheReader:
         self._offsets_of: dict[int, torch.Tensor] = {}
 
     def verify_all(self) -> None:
-        """Check every shard's sha256 now rather than at its first read (before timed steps)."""
+        """Check every shard's sha256 now rather than at its first read."""
         for index in range(len(self.shards)):
             self._handle(index)
 
@@ -340,9 +320,7 @@ class CacheReader:
         for shard in self.shards:
             with safe_open(os.path.join(self.cache_dir, shard["file"]), framework="pt") as f:
                 offsets, flat_ids, flat_mask = (
-                    f.get_tensor("offsets"),
-                    f.get_tensor("input_ids"),
-                    f.get_tensor("loss_mask"),
+                    f.get_tensor(n) for n in ("offsets", "input_ids", "loss_mask")
                 )
             for local in range(shard["count"]):
                 a, b = int(offsets[local]), int(offsets[local + 1])
@@ -354,8 +332,7 @@ class CacheReader:
 
 
 def open_cache(cache_dir: str, expected: dict, pin_memory: bool = False) -> Dataset:
-    """The cache as a Dataset whose batches carry their features. Raises DataError (exit 2) when it
-    is incomplete, made for another target/layer ids/seq_len, or a shard is missing or truncated."""
+    """The cache as a Dataset whose batches carry their features; DataError when it is unusable."""
     manifest = read_manifest(cache_dir)
     if manifest is None:
         raise DataError(
@@ -382,27 +359,19 @@ def open_cache(cache_dir: str, expected: dict, pin_memory: bool = False) -> Data
     reader = CacheReader(cache_dir, manifest, pin_memory=pin_memory)
     ids, mask, attn = reader.token_arrays(manifest["pad_id"])
     counts = manifest["counts"]
-    return Dataset(
-        ids,
-        mask,
-        attn,
-        source=f"feature cache {cache_dir} ({counts['tokens']} tokens, "
-        f"{human_bytes(counts['bytes'])}, {manifest['dtype']})",
-        features=reader.features,
-    )
+    size = f"{counts['tokens']} tokens, {human_bytes(counts['bytes'])}, {manifest['dtype']}"
+    return Dataset(ids, mask, attn, source=f"feature cache {cache_dir} ({size})", features=reader.features)
 
 
 def _building_device(cfg) -> str:
-    """Where a tiny target is built for its head: the run's first CUDA device when CUDA is here (where
-    cache-features built it), else the CPU."""
+    """Where a tiny target is built for its head: where cache-features built it."""
     devices = list(cfg.run.target_devices or []) + list(cfg.run.drafter_devices or [])
     on_cuda = [d for d in devices if str(d).startswith("cuda")]
     return on_cuda[0] if on_cuda and torch.cuda.is_available() else "cpu"
 
 
 def training_source(cfg, dtype) -> tuple[list, Dataset]:
-    """For `data.source: features`: one embedding+lm_head stand-in for the target per drafter replica
-    (each is that replica's background loader thread) and the cache as a Dataset."""
+    """For `data.source: features`: an embedding+lm_head stand-in per drafter replica, and the cache."""
     from trainer.data.target_head import load_target_head, weight_bytes
 
     head = load_target_head(

@@ -1,14 +1,5 @@
-"""How many conversations `data regenerate` generates at once: as many as the device's free memory
-holds, from what one sequence costs the target (its config), instead of a fixed count.
-
-One sequence of `positions` tokens (prompt + new tokens) whose prompt has `prompt` tokens costs:
-- cache: K and V of every full-attention layer at every position (kv heads x head_dim each);
-- recurrent state (hybrid targets): per linear-attention (Gated DeltaNet) layer its conv state
-  (conv channels x kernel) and its delta-rule state (value heads x key dim x value dim, fp32);
-- prefill working memory: per prompt position the widest per-layer intermediates (the MLP's
-  gate/up/act rows and a few hidden-size rows), held for one layer at a time;
-- logits: generation keeps only the last position's, a few fp32 copies of one vocab row.
-"""
+"""How many conversations `data regenerate` generates at once: as many as free memory holds, from
+one sequence's cost: attention K/V, recurrent states (hybrids), prefill intermediates and logits."""
 
 from __future__ import annotations
 
@@ -57,12 +48,8 @@ def sequence_bytes(config, positions: int, prompt: int, dtype_bytes: int) -> int
     config = text_config(config)
     working = (3 * config.intermediate_size + 4 * config.hidden_size) * dtype_bytes
     logits = 3 * config.vocab_size * FP32
-    return (
-        positions * kv_bytes_per_position(config, dtype_bytes)
-        + state_bytes(config, dtype_bytes)
-        + prompt * working
-        + logits
-    )
+    cache = positions * kv_bytes_per_position(config, dtype_bytes) + state_bytes(config, dtype_bytes)
+    return cache + prompt * working + logits
 
 
 def batch_that_fits(config, positions: int, prompt: int, free_bytes: int, dtype_bytes: int) -> int:

@@ -1,16 +1,14 @@
 """Evaluation prompts training never sees: a held-out split, a prompts file, or fresh synthetic prompts.
 
-Which rows are held out depends only on (seed, number of rows, fraction), so `dflash-train eval`
-on a finished run finds the very rows the run held out. A prompt is what comes before the first
-trained position of a row: the part the target answers, not the answer itself. Synthetic data
-needs no split: random prompts drawn from another seed stream are unseen by construction.
+The split depends only on (seed, rows, fraction), so `dflash-train eval` finds the rows a run held
+out. A prompt is a row's part before its first trained position.
 """
 
 from __future__ import annotations
 
 import torch
 
-from trainer.data.dataset import DataError, Dataset, derive_seed
+from trainer.data.dataset import DataError, Dataset, derive_seed, random_prompts
 
 _SPLIT_SALT = 0xE7A1
 _FRESH_PROMPTS_SALT = 0xE7A2
@@ -62,21 +60,17 @@ def fresh_synthetic_prompts(
     vocab_size: int, mask_token_id: int, count: int, prompt_len: int, seed: int
 ) -> list[list[int]]:
     """Random prompts like the synthetic data's, from a seed stream the training data never uses."""
-    gen = torch.Generator().manual_seed(derive_seed(seed, _FRESH_PROMPTS_SALT))
-    prompts = torch.randint(0, vocab_size, (count, prompt_len), generator=gen)
-    prompts[prompts == mask_token_id] = (mask_token_id + 1) % vocab_size
-    return prompts.tolist()
+    return random_prompts(vocab_size, mask_token_id, count, prompt_len, (seed, _FRESH_PROMPTS_SALT)).tolist()
 
 
 def eval_split(cfg) -> str:
-    """What eval_prompts draws from: "held-out" prompts (eval.path, another distribution) or
-    "held-in" ones (unseen records of the training distribution, or fresh synthetic prompts)."""
+    """ "held-out" (eval.path: another distribution) or "held-in" (unseen rows of the training one)."""
     return "held-out" if cfg.eval.path else "held-in"
 
 
 def eval_prompts(cfg, target, heldout: Dataset | None, count: int) -> list[list[int]]:
-    """Up to `count` evaluation prompts for a run: eval.path, else the held-out split, else (synthetic
-    data) fresh random prompts. Training (tau while training) and `dflash-train eval` share this."""
+    """Up to `count` evaluation prompts: eval.path, the held-out split, or fresh synthetic prompts;
+    training and `dflash-train eval` share this."""
     from trainer.config import ConfigError
 
     if cfg.eval.path:

@@ -1,12 +1,7 @@
-"""The target's forward with an HF cache, for dense and hybrid targets alike.
+"""The target's forward with an HF cache built from its config, for dense and hybrid targets alike.
 
-The cache argument's name changed across transformers versions (`past_key_values` -> `cache`); the
-cache is built from the model's config, so a hybrid Qwen3.5 target gets its conv and recurrent
-states beside the attention layers' K/V.
-
-Rolling back a verify pass: attention layers crop their K/V. A recurrent layer cannot be cropped
-(its state mixes every token it saw), so `checkpoint` copies the recurrent layers' states before the
-pass and `rewind` puts them back; the caller then feeds the tokens it keeps again.
+A recurrent layer cannot be cropped (its state mixes every token), so rolling back a verify pass
+restores its `checkpoint`ed states and feeds the kept tokens again; attention layers just crop.
 """
 
 from __future__ import annotations
@@ -61,8 +56,7 @@ def checkpoint(cache) -> list[torch.Tensor] | None:
 
 
 def rewind(cache, length: int, saved: list[torch.Tensor] | None) -> None:
-    """Back to `length` positions: attention layers crop, recurrent layers take back their states
-    from `checkpoint` (taken when the cache held `length` positions)."""
+    """Back to `length` positions: attention layers crop, recurrent layers restore `checkpoint`."""
     extra = cache.get_seq_length() - length
     if saved is None:
         if extra > 0:
@@ -84,9 +78,7 @@ def rewind(cache, length: int, saved: list[torch.Tensor] | None) -> None:
 
 
 def keep(model, cache, ids: torch.Tensor, length: int, kept: int, saved: list[torch.Tensor] | None) -> None:
-    """After a pass over `ids` [1, T] from `length` positions, keep its first `kept` tokens: a crop
-    for a dense cache; for a recurrent one, a rewind and a pass over the kept tokens again (unless
-    all were kept)."""
+    """After a pass over `ids` [1, T] from `length` positions, keep its first `kept` tokens."""
     if saved is None:
         rewind(cache, length + kept, None)
     elif kept < ids.shape[1]:

@@ -1,17 +1,15 @@
-"""Prompts to decode from a JSONL file: token ids as given, or chat messages rendered with the
-target's chat template and a generation prompt."""
+"""Prompts to decode from a JSONL file."""
 
 from __future__ import annotations
 
-from trainer.data.dataset import ROLES, DataError, check_input_ids, jsonl_records
+from trainer.data.dataset import ROLES, DataError, check_input_ids, jsonl_records, render_chat
 
 
 def load_prompts(
     path: str, tokenizer=None, vocab_size: int | None = None, chat_template_kwargs: dict | None = None
 ) -> list[list[int]]:
-    """Prompts from JSONL: `{"input_ids": [...]}` (used as is) or `{"messages": [...]}` rendered with
-    the target's chat template and a generation prompt (a final assistant turn, the reference
-    answer, is left out). Raises DataError naming file:line."""
+    """`{"input_ids": [...]}` as is, or `{"messages": [...]}` rendered with a generation prompt (a final
+    assistant turn, the reference answer, left out); DataError names file:line."""
     prompts = []
     for where, record in jsonl_records(path, "prompts", "pass an existing .jsonl file to --prompts."):
         if isinstance(record, dict) and "input_ids" in record:
@@ -40,14 +38,10 @@ def _render_messages(messages, tokenizer, where: str, chat_template_kwargs: dict
             "record has messages, but the target has no tokenizer with a chat template. "
             'Fix: give prompts as {"input_ids": [...]}.',
         )
-    if (
-        not isinstance(messages, list)
-        or not messages
-        or not all(
-            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-            for m in messages
-        )
-    ):
+    well_formed = isinstance(messages, list) and all(
+        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages
+    )
+    if not messages or not well_formed:
         raise DataError(
             where,
             f'messages must be a non-empty list of {{"role": one of {"/".join(ROLES)}, "content": string}}.',
@@ -56,7 +50,4 @@ def _render_messages(messages, tokenizer, where: str, chat_template_kwargs: dict
         messages = messages[:-1]
     if not messages:
         raise DataError(where, "only an assistant turn: nothing to prompt with.")
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
-    )
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return render_chat(tokenizer, messages, True, chat_template_kwargs)

@@ -1,15 +1,8 @@
 """Regenerate the assistant turns of a chat dataset with the target itself.
 
-The drafter learns to predict the TARGET: answers written by another model teach it the wrong
-distribution. Each record keeps its system/user turns; every assistant turn is replaced by what the
-target says given the conversation before it (earlier turns already regenerated), and a trailing
-user turn gets an answer. Generation is batched (left padding, HF generate with its KV cache) and
-spread over devices, one model copy per device.
-
-Exactly-once output: records are committed in input order, a chunk at a time: the output and
-rejects files are appended and fsynced, then `<out>.progress.json` (next input line and both file
-sizes) is replaced atomically. A killed run resumes (`--resume`) by truncating both files to the
-recorded sizes and continuing at the recorded line, so nothing is duplicated or lost.
+The drafter learns to predict the TARGET, so answers by another model teach it the wrong
+distribution. Output is exactly-once: each chunk is fsynced, then `<out>.progress.json` records the
+next line and file sizes atomically; `--resume` truncates to them and continues.
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ import torch
 
 from trainer.atomic import write_atomic
 from trainer.data import generation_memory
-from trainer.data.dataset import DataError, derive_seed
+from trainer.data.dataset import DataError, derive_seed, render_chat
 from trainer.progress import ProgressLine
 
 KEPT_ROLES = ("system", "user")
@@ -145,9 +138,8 @@ class Generator:
         configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         eos.update(configured if isinstance(configured, list) else [configured])
         self.eos_ids = sorted(e for e in eos if e is not None)
-        self.pad_id = (
-            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
-        )
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
         context = getattr(self.model.config, "max_position_embeddings", None)
         self.max_prompt = opts.max_prompt_tokens or (context - opts.max_new_tokens if context else None)
         if self.max_prompt is not None and self.max_prompt < 1:
@@ -158,10 +150,7 @@ class Generator:
             )
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **self.opts.chat_template_kwargs
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return render_chat(self.tokenizer, messages, True, self.opts.chat_template_kwargs)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
@@ -172,12 +161,9 @@ class Generator:
         for row, prompt in enumerate(prompts):  # left padding: every prompt ends where generation starts
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attn[row, width - len(prompt) :] = 1
-        sampling = self.opts.temperature > 0
-        extra = (
-            {"do_sample": True, "temperature": self.opts.temperature, "top_p": self.opts.top_p}
-            if sampling
-            else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-        )
+        sampled = {"do_sample": True, "temperature": self.opts.temperature, "top_p": self.opts.top_p}
+        greedy = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        extra = sampled if self.opts.temperature > 0 else greedy
         out = self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=attn.to(self.device),
@@ -254,9 +240,6 @@ class Generator:
                     conv.prompt_tokens += len(prompt)
                     conv.truncated += int(cut)
         return results
-
-
-# ---- the exactly-once driver --------------------------------------------------------------------
 
 
 def _progress_path(output: str) -> str:
@@ -340,11 +323,8 @@ def run_summary(committed: dict, first: dict, seconds: float) -> dict:
 def regenerate(
     opts: RegenerateOptions, out: TextIO | None = None, tty: bool | None = None, report: dict | None = None
 ) -> dict:
-    """Regenerate opts.input into opts.output; returns the summary (run_summary's keys).
-
-    `report`, when given, holds the summary of what is committed so far at every moment, so a
-    caller can report a run that ends by an exception (Ctrl-C, SIGTERM, a full disk) too.
-    """
+    """Regenerate opts.input into opts.output; returns the summary. `report` holds what is committed
+    at every moment, for a caller reporting a run that ends by an exception."""
     report = report if report is not None else {}
     if not os.path.isfile(opts.input):
         raise DataError(opts.input, 'input file not found. Fix: pass a JSONL of {"messages": [...]} records.')
@@ -467,7 +447,7 @@ def _write_results(
             stats["rejects"] += 1
             rej_file.write(_jsonl({"line": index + 1, "reason": str(result), "record": text.strip()}))
             continue
-        record = dict(result.record) if isinstance(result.record, dict) else {}
+        record = dict(result.record)  # parse_record took only JSON objects
         record["messages"] = result.messages
         out_file.write(_jsonl(record))
         stats["records"] += 1

@@ -1,11 +1,7 @@
 """Write a safetensors file from tensors given in pieces, hashing the bytes as they are written.
 
-A feature-cache shard is ~2 GiB assembled from thousands of per-sequence pieces that arrive one
-target batch at a time. `save_file` needs each tensor whole (a `torch.cat` copy), and the shard's
-checksum then means reading the file back. Here the header is written from the tensors' shapes
-alone, each piece goes to the file once, through the checksum (trainer.data.chunk_digest) on its
-way, as soon as it is given: no concatenated copy, no re-read. The bytes are exactly what
-`safetensors.torch.save_file` writes for the concatenated tensors.
+A ~2 GiB shard arrives in thousands of pieces; `save_file` would need a concatenated copy and a
+re-read for the checksum. The bytes are exactly what `save_file` writes for the whole tensors.
 """
 
 from __future__ import annotations
@@ -45,9 +41,8 @@ def _shape(name: str, pieces: list[torch.Tensor]) -> tuple[torch.dtype, list[int
 
 
 class StreamedFile:
-    """One safetensors file whose tensors are `layout` {name: (dtype, shape)}: the header is written
-    at once, then `write` takes the tensors' pieces in file order (`order`), each piece hashed and
-    written as given. `finish` checks every byte came, fsyncs: (bytes, chunk digest)."""
+    """A safetensors file of `layout` {name: (dtype, shape)}: `write` takes pieces in file order,
+    `finish` checks every byte came and fsyncs: (bytes, chunk digest)."""
 
     def __init__(self, path: str, layout: dict[str, tuple[torch.dtype, list[int]]], chunk: int = CHUNK):
         self.order = sorted(layout, key=lambda n: (-_ORDER[_DTYPES[layout[n][0]]], n))

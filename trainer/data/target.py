@@ -138,14 +138,10 @@ class TargetModel:
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        """[B, T, K*H] hidden states of `layer_ids` (no grad; the target's dtype and device).
-
-        no_grad rather than inference_mode: these tensors feed the drafter's autograd graph.
-        """
+        """[B, T, K*H] hidden states of `layer_ids`; no_grad, not inference_mode: they feed autograd."""
         wanted = sorted(set(self.layer_ids))
         last = wanted[-1]
         captured: dict[int, torch.Tensor] = {}
-
         caller = threading.get_ident()
 
         def make_hook(layer_id: int):
@@ -167,8 +163,7 @@ class TargetModel:
             finally:
                 for handle in handles:
                     handle.remove()
-        if last == self.num_layers - 1:
-            # HF reports the final layer's hidden state after the final norm.
+        if last == self.num_layers - 1:  # HF reports the final layer's hidden state after the final norm
             captured[last] = self._decoder.norm(captured[last])
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
 
@@ -196,8 +191,7 @@ def tiny_target(device: str, dtype, seed: int, tiny: dict | None, spec: str = "t
     values.update(tiny or {})
     config = config_class(**values)
     config._attn_implementation = "sdpa"
-    # Built where it runs, in its dtype: a target of real size (benchmarks/seed_scale.py) never has
-    # an fp32 copy on the host. Seeded without disturbing the caller's RNG streams.
+    # built where it runs, in its dtype (no fp32 host copy at real size), seeded apart from the caller's RNG
     rng_devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices), torch.device(device), _default_dtype(dtype):
         torch.manual_seed(seed)
@@ -216,9 +210,7 @@ def _default_dtype(dtype):
 
 
 def _hf_target(path: str, device: str, dtype) -> tuple[HFModel, Any]:
-    from transformers import AutoModelForCausalLM
-
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if not os.path.isdir(path):
         raise ConfigError(
@@ -246,9 +238,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 
 
 def tokenizer_of(path: str) -> Any:
-    """The model directory's tokenizer, or None (pre-tokenized JSONL data still works without one).
-    Without tokenizer files transformers builds an empty tokenizer whose pad id 0 would become the
-    mask token: such a directory has none."""
+    """The model directory's tokenizer, or None; without tokenizer files transformers would build an
+    empty one whose pad id 0 became the mask token."""
     if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer

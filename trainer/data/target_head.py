@@ -1,9 +1,5 @@
-"""The target's embedding and lm_head alone: all a drafter needs when the features come from a cache.
-
-For a local Hugging Face directory only the two tensors are read from the safetensors files (the
-decoder layers are never loaded); tiny-random is built whole on the CPU (it is generated, not
-loaded) and only its embedding and lm_head are kept.
-"""
+"""The target's embedding and lm_head alone: all a drafter needs when the features come from a cache
+(a model directory's decoder layers are never loaded)."""
 
 from __future__ import annotations
 
@@ -123,9 +119,8 @@ def load_target_head(
     tiny: dict | None = None,
     device: str = "cpu",
 ) -> TargetHead:
-    """A tiny spec is built whole on `device` (where `cache-features` built it, so the same seeded
-    weights; a real-size tiny spec initialises in seconds on a GPU, in minutes on a CPU) and only
-    its embedding and lm_head are kept, on the CPU."""
+    """A tiny spec built whole on `device` (where `cache-features` built it: the same seeded weights);
+    only its embedding and lm_head are kept, on the CPU."""
     if is_tiny(spec):
         model = tiny_target(device, dtype, seed, tiny, spec)
         config, tokenizer = model.config, None

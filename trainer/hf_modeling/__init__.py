@@ -1,5 +1,2 @@
-"""Files copied verbatim into every export: the drafter's Transformers modeling code (no training code).
-
-They must import nothing from `trainer`: an export directory is loaded on its own with
-`AutoModel.from_pretrained(export_dir, trust_remote_code=True)`.
-"""
+"""The drafter's Transformers code, copied into every export; it imports nothing from `trainer`, as
+an export directory loads on its own (`AutoModel.from_pretrained(dir, trust_remote_code=True)`)."""

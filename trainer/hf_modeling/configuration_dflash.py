@@ -1,11 +1,5 @@
-"""Configuration of a DFlash drafter: a Qwen3 config plus the DFlash fields.
-
-Extra fields (beyond Qwen3's):
-- block_size: tokens per drafted block ([anchor, MASK x (block_size - 1)]);
-- num_target_layers: the target model's layer count;
-- dflash_config: {"mask_token_id": id of the MASK token, "target_layer_ids": target layers whose
-  hidden states (HF hidden_states[layer_id + 1]) are concatenated into the drafter's context}.
-"""
+"""A DFlash drafter's config: Qwen3's plus block_size, num_target_layers and dflash_config
+({"mask_token_id", "target_layer_ids": layers whose HF hidden_states[id + 1] form the context})."""
 
 from transformers import Qwen3Config
 

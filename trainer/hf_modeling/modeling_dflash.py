@@ -1,16 +1,8 @@
 """DFlash drafter for Transformers: a few Qwen3-style layers conditioned on target hidden states.
 
-    target_hidden [B, T, K*H] --fc--> hidden_norm --> ctx [B, T, H]  (the target's features)
-    noise_embedding [B, L, H]: the target's embedding of the block [anchor, MASK x (L-1)]
-    each layer: queries from the block only; keys/values from [ctx ; block], k_norm on both;
-                RoPE over true positions (context first, then the block)
-    final norm --> hidden [B, L, H]; logits = the target's lm_head(hidden)
-
-No embedding and no lm_head: the target's are used. At inference the block sees the whole
-context and the whole block (attention_mask None); a mask may be given for other uses.
-
-`spec_generate(target=..., input_ids=..., max_new_tokens=..., stop_token_ids=[...], temperature=0.0)`
-decodes with a Transformers target the way z-lab's published drafters do (see its docstring).
+Queries come from the block [anchor, MASK x (L-1)], keys/values from [target features ; block]; the
+target's embedding and lm_head are used, so the drafter has neither. `spec_generate` decodes with a
+Transformers target the way z-lab's published drafters do.
 """
 
 import copy
@@ -76,16 +68,13 @@ class DFlashAttention(nn.Module):
 
     def context_kv(self, ctx, cos, sin):
         """Keys (k_norm, RoPE) and values [B, Hkv, T, D] of the positions in ctx [B, T, H]."""
-        batch, ctx_len, _ = ctx.shape
-        k = self.k_norm(self.k_proj(ctx).view(batch, ctx_len, self.num_kv_heads, self.head_dim)).transpose(
-            1, 2
-        )
-        v = self.v_proj(ctx).view(batch, ctx_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        shape = (*ctx.shape[:2], self.num_kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(ctx).view(shape)).transpose(1, 2)
+        v = self.v_proj(ctx).view(shape).transpose(1, 2)
         return k * cos + _rotate_half(k) * sin, v
 
     def forward_cached(self, x, keys, values, cos, sin):
-        """The block x [B, L, H] at the positions of cos/sin, against cached context keys/values;
-        the block sees the whole context and itself (no mask)."""
+        """The block x [B, L, H] against cached context keys/values, unmasked."""
         batch, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         k_block, v_block = self.context_kv(x, cos, sin)
@@ -118,10 +107,12 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
+    attention_class = DFlashAttention  # a subclass may bring another forward over the same weights
+
     def __init__(self, config):
         super().__init__()
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DFlashAttention(config)
+        self.self_attn = self.attention_class(config)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
@@ -149,13 +140,8 @@ class DFlashDraftModel(PreTrainedModel):
         self.post_init()
 
     def forward(self, target_hidden, noise_embedding, position_ids=None, attention_mask=None, **kwargs):
-        """Hidden states [B, L, H] of the block (apply the target's lm_head for logits).
-
-        target_hidden: [B, T, K*H] target features of the context positions;
-        noise_embedding: [B, L, H] target embedding of [anchor, MASK x (L-1)];
-        position_ids: [B, T+L] positions of the context, then of the block (default 0..T+L-1);
-        attention_mask: None (the block sees everything) or [B, 1, L, T+L], bool or additive.
-        """
+        """Hidden states [B, L, H] of the block from target_hidden [B, T, K*H] and noise_embedding
+        [B, L, H]; position_ids [B, T+L] default 0..T+L-1; attention_mask None sees everything."""
         dtype = self.fc.weight.dtype
         ctx = self.hidden_norm(self.fc(target_hidden.to(dtype)))
         x = noise_embedding.to(dtype)
@@ -188,22 +174,12 @@ class DFlashDraftModel(PreTrainedModel):
         top_k=0,
         return_stats=False,
     ):
-        """Speculative decoding of `input_ids` [1, T] with `target` (a Transformers causal LM), as
-        z-lab's published DFlash drafters do it; returns output_ids [1, T + new] (prompt included,
-        ending at the first stop token or after max_new_tokens), or with return_stats=True a namespace
-        with output_ids, acceptance_lengths (tokens emitted per round: accepted drafts + the target's
-        bonus token) and accepted (drafts accepted per round).
+        """Speculative decoding of `input_ids` [1, T] with a Transformers causal LM: output_ids [1, T + new],
+        or with return_stats a namespace adding acceptance_lengths and accepted per round.
 
-        Each round drafts the block [last token, MASK x (B-1)] in ONE drafter forward against the
-        cached context (the target features of every accepted position), verifies it in ONE target
-        forward, and keeps the longest prefix of drafts equal to the target's own tokens plus the
-        target's next token. temperature 0: the output is the target's greedy output; temperature > 0:
-        the target's tokens are sampled (temperature, top_p, top_k) and the greedy drafts compared
-        with them, so every token is a target sample given the right prefix.
-
-        The target's cache is rolled back after each verify: a DynamicCache is cropped; a cache that
-        cannot be cropped (a recurrent layer, e.g. Gated DeltaNet) is restored
-        to its state before the verify and fed the accepted tokens again.
+        Each round drafts one block in one drafter forward, verifies it in one target forward and keeps
+        the drafts equal to the target's own (sampled when temperature > 0) tokens plus its next one, so
+        every token is the target's.
         """
         self.eval()
         device = target.get_input_embeddings().weight.device
@@ -224,9 +200,8 @@ class DFlashDraftModel(PreTrainedModel):
             tokens += kept  # n drafts equal to the target's tokens, then its bonus token
             stopped = bool(stops.intersection(kept))
         tokens = _finish(tokens, max_new_tokens, stops)
-        output_ids = torch.cat(
-            [input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=device)], dim=1
-        )
+        new_ids = torch.tensor([tokens], dtype=input_ids.dtype, device=device)
+        output_ids = torch.cat([input_ids, new_ids], dim=1)
         if not return_stats:
             return output_ids
         return SimpleNamespace(
@@ -239,8 +214,7 @@ class DFlashDraftModel(PreTrainedModel):
 
 
 class _Speculation:
-    """One sequence's speculative decoding state: the target's cache, the drafter's cached context and
-    the position of the last accepted token (the next block's anchor)."""
+    """One sequence's target cache, drafter context and next anchor position."""
 
     def __init__(self, drafter, target, pick):
         config = drafter.config
@@ -269,9 +243,7 @@ class _Speculation:
 
     def round(self, anchor: int):
         """Draft a block after `anchor`, verify it: (drafts accepted, the tokens emitted)."""
-        block_ids = torch.full(
-            (1, self.block), self.mask_id, dtype=torch.long, device=self.embed.weight.device
-        )
+        block_ids = torch.full((1, self.block), self.mask_id, device=self.embed.weight.device)  # int64
         block_ids[0, 0] = anchor
         hidden = self.context.draft(self.embed(block_ids), self.start)
         drafts = self.head(hidden[:, 1:]).argmax(dim=-1)[0]
@@ -305,12 +277,8 @@ class _DraftContext:
     def extend(self, features, first_position):
         """Append target features [1, T, K*H] of positions first_position.. to the cache."""
         m = self.model
-        dtype = m.fc.weight.dtype
-        ctx = m.hidden_norm(m.fc(features.to(dtype)))
-        positions = torch.arange(first_position, first_position + ctx.shape[1], device=ctx.device).unsqueeze(
-            0
-        )
-        cos, sin = m.rope(positions)
+        ctx = m.hidden_norm(m.fc(features.to(m.fc.weight.dtype)))
+        cos, sin = _rope_from(m, first_position, ctx)
         for i, layer in enumerate(m.layers):
             k, v = layer.self_attn.context_kv(ctx, cos, sin)
             self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], dim=2)
@@ -320,11 +288,15 @@ class _DraftContext:
         """Final hidden states [1, B, H] of the block whose anchor sits at `anchor_position`."""
         m = self.model
         x = block_embedding.to(m.fc.weight.dtype)
-        positions = torch.arange(anchor_position, anchor_position + x.shape[1], device=x.device).unsqueeze(0)
-        cos, sin = m.rope(positions)
+        cos, sin = _rope_from(m, anchor_position, x)
         for i, layer in enumerate(m.layers):
             x = layer.forward_cached(x, self.keys[i], self.values[i], cos, sin)
         return m.norm(x)
+
+
+def _rope_from(model, first_position, x):
+    """cos, sin for the positions of x [1, N, H], the first at first_position."""
+    return model.rope(torch.arange(first_position, first_position + x.shape[1], device=x.device)[None])
 
 
 def _features(hidden_states, layer_ids):
@@ -372,8 +344,7 @@ def _target_cache(target):
 
 
 def _rollback_supported(cache):
-    """Whether every layer of the cache can be cropped back: not when a layer keeps a recurrent state
-    (Gated DeltaNet), which mixes every token it saw (recording past conv states does not undo it)."""
+    """Whether the cache can be cropped back: not with a recurrent layer (Gated DeltaNet)."""
     return not any(hasattr(layer, "recurrent_states") for layer in getattr(cache, "layers", None) or [])
 
 
