@@ -1,12 +1,8 @@
 """Checkpoints: `<output_dir>/checkpoints/step-NNNNNNN/`, written whole or not at all.
 
-A checkpoint is built in a `.tmp-*` sibling directory, every file fsynced, then renamed into place
-in one `os.rename`: a kill -9 at any moment leaves either the new checkpoint or none of it, and the
-previous one untouched. Only `step-*` directories count as checkpoints; leftovers are swept later.
-
-Contents: `drafter.safetensors` (drafter weights, export names), `trainer_state.pt` (optimizer,
-scheduler, data position, RNG states), `config.json` (the resolved run config) and
-`drafter_config.json` (what `export` needs to rebuild the drafter without the target).
+Built in a `.tmp-*` sibling, every file fsynced, then renamed into place: a kill -9 at any moment
+leaves the new checkpoint or none of it. Only `step-*` directories count; leftovers are swept.
+Files: REQUIRED (weights, optimizer/scheduler/data position/RNG, run config, drafter config).
 """
 
 from __future__ import annotations

@@ -4,9 +4,7 @@
     for each step: every replica trains one batch, gradients averaged  (trainer.train.workers; DDP)
                    log a metrics record, checkpoint every N steps or when asked to stop
 
-One setup and one loop for both launchers; what differs lives in the world (trainer.train.world):
-ThreadsWorld (one process, a drafter thread per device) or TorchrunWorld (trainer.train.distributed:
-this process is one rank, rank 0 writes, the ranks agree on every step's summary and on stopping).
+Both launchers share it; what differs lives in the world (trainer.train.world).
 """
 
 from __future__ import annotations
@@ -87,10 +85,8 @@ def configured_target(cfg: TrainConfig, device: str):
 
 
 class WarmupCosine:
-    """LR multiplier: linear warmup to 1, then cosine down to min_ratio at total_steps.
-
-    A class (not a lambda) so LambdaLR's state_dict carries its numbers into checkpoints.
-    """
+    """LR multiplier: linear warmup to 1, then cosine down to min_ratio at total_steps (a class, not
+    a lambda, so LambdaLR's state_dict carries its numbers into checkpoints)."""
 
     def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float):
         self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, total_steps, min_ratio
@@ -101,9 +97,6 @@ class WarmupCosine:
         progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
         progress = min(progress, 1.0)
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-# ---- building blocks -------------------------------------------------------------------------
 
 
 def build_dataset(cfg: TrainConfig, target) -> Dataset:
@@ -178,21 +171,16 @@ def restore(replicas: list[Replica], state: ckpt.Checkpoint, dcfg: DrafterConfig
 
 
 def resumed_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, steps_done: int):
-    """`scheduler`'s schedule standing after `steps_done` steps, its optimizer's LR set to match.
-
-    The schedule's shape comes from THIS run's config (same config: same numbers, an exact
-    continuation; a longer --max-steps stretches the cosine instead of training at its floor).
-    The base LRs are the optimizer's saved `initial_lr`. LambdaLR steps once as it is built, so
-    built at steps_done - 1 it stands at steps_done.
-    """
+    """`scheduler`'s schedule (THIS run's config: a longer --max-steps stretches the cosine) standing
+    after `steps_done` steps; LambdaLR steps once as it is built, hence steps_done - 1."""
     return torch.optim.lr_scheduler.LambdaLR(
         scheduler.optimizer, scheduler.lr_lambdas, last_epoch=steps_done - 1
     )
 
 
 def peak_gpu_memory_gib(devices: list[str]) -> float | None:
-    """The most memory allocated on any of these CUDA devices since the last call (GiB), then the
-    peaks start again; None without CUDA devices. Reads allocator counters: no device sync."""
+    """Peak GiB allocated on any of these CUDA devices since the last call (None: no CUDA); reads
+    allocator counters, so no device sync."""
     cuda = sorted({dev for dev in devices if dev.startswith("cuda")})
     if not cuda:
         return None
@@ -203,8 +191,7 @@ def peak_gpu_memory_gib(devices: list[str]) -> float | None:
 
 
 class _LossModel(Protocol):
-    """A replica's model as the loss uses it: a DFlashDrafter, or the DrafterDDP around one (its
-    loss() passes through)."""
+    """A DFlashDrafter, or the DrafterDDP around one (its loss() passes through)."""
 
     def __call__(self, *args: Any) -> torch.Tensor: ...
 
@@ -281,12 +268,8 @@ def startup_summary(
     return lines
 
 
-# ---- the run ---------------------------------------------------------------------------------
-
-
 def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) -> RunResult:
-    """Run (or resume) training as configured: the whole job in threads, or this process's rank
-    of a torchrun job. Raises on failure after writing an `error` record."""
+    """Run (or resume) training as configured; raises on failure after writing an `error` record."""
     check_launcher(cfg)
     world: World = TorchrunWorld.from_env(cfg) if cfg.run.launcher == TORCHRUN else ThreadsWorld(cfg)
     cfg = world.cfg
@@ -321,8 +304,7 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
 
 
 def open_metrics(world: World, out: TextIO | None, tty: bool | None) -> MetricsWriter:
-    """The metrics file and readable lines; a process that does not speak (a torchrun rank) writes
-    them to /dev/null and says only why it fails."""
+    """The metrics file and readable lines (/dev/null for a torchrun rank that does not speak)."""
     cfg = world.cfg
     if not world.speaks:
         sys.stdout = out = open(os.devnull, "w")
@@ -337,8 +319,7 @@ def open_metrics(world: World, out: TextIO | None, tty: bool | None) -> MetricsW
 
 
 def load_source(cfg: TrainConfig) -> tuple[list, Dataset, Dataset | None]:
-    """(targets, training data, held-out data): one target per target device, or from a feature
-    cache one embedding+lm_head stand-in per drafter device (no target forward)."""
+    """(targets, training data, held-out data); a feature cache gives embedding+lm_head stand-ins."""
     if cfg.data.source == "features":
         targets, dataset = training_source(cfg, param_dtype(cfg.run.drafter_devices[0]))
         return targets, dataset, None

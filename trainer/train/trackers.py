@@ -1,20 +1,13 @@
 """Experiment trackers (`run.report_to`): tensorboard, wandb, mlflow, fed the metrics records.
 
-The metrics file is the one source of truth: MetricsWriter hands every record it writes (the very
-JSON line, read back) to `Trackers.feed`, and `scalars_of` maps a record to tracker values. Nothing
-else reports to a tracker.
+MetricsWriter hands every record it writes (the JSON line, read back) to `Trackers.feed`; the
+metrics file stays the one source of truth. A tracker that is not installed, cannot start or
+raises is named in ONE line and dropped; training goes on. Records from other threads wait in a
+queue for the writer's thread, so tracker libraries are called from one thread.
 
-Every tracker is optional: one that is not installed, cannot start (no network, a bad key) or
-raises mid-run is named in ONE readable line and dropped; training goes on. Records written by
-other threads (a drafter thread's compile event) wait in a queue and reach the trackers from the
-thread that made the writer (the main thread), so tracker libraries are called from one thread.
-
-Where each writes (all under the run's --output-dir unless its own settings say otherwise):
-  tensorboard  <output_dir>/tensorboard/ (event files)
-  wandb        <output_dir>/wandb/ (WANDB_MODE=offline: an offline-run-* dir, no network);
-               project $WANDB_PROJECT or "dflash"
-  mlflow       $MLFLOW_TRACKING_URI, else a file store <output_dir>/mlruns; experiment
-               $MLFLOW_EXPERIMENT_NAME or "dflash"
+Where each writes (under --output-dir unless its own settings say otherwise): tensorboard in
+tensorboard/; wandb in wandb/ (project $WANDB_PROJECT or "dflash"; WANDB_MODE=offline: no network);
+mlflow at $MLFLOW_TRACKING_URI, else a file store mlruns/ (experiment $MLFLOW_EXPERIMENT_NAME or "dflash").
 """
 
 from __future__ import annotations
@@ -39,10 +32,8 @@ _PER_POSITION = {"acc", "acceptance"}
 def scalars_of(record: dict) -> tuple[int, dict[str, float]] | None:
     """(step, {tag: value}) of a step, eval or compile record; None for the others.
 
-    Step records give train/<field> (acc as train/acc/pos1.., plus train/tau_expected, the
-    acceptance length the accuracies predict); eval records eval/<field> (acceptance as
-    eval/acceptance/pos1.., a mapping of numbers as eval/<field>/<key>); compile records
-    compile/duration_s. Fields added to the contract later are reported under their own names.
+    train/<field> (acc as train/acc/pos1.., plus train/tau_expected), eval/<field> (lists by
+    position, mappings by key), compile/duration_s; fields added later report under their own names.
     """
     event = record.get("event")
     step = record.get("step")
@@ -109,9 +100,6 @@ def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
         else:
             flat[f"{prefix}{key}"] = str(value)[:500]
     return flat
-
-
-# ---- the trackers -----------------------------------------------------------------------------
 
 
 class Tracker:
