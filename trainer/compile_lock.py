@@ -47,8 +47,8 @@ COMPILE_LOCK_MODES = {
     "patch": "is_fx_symbolic_tracing patched to False (experiment)",
 }
 
-# Process-wide: serialises create_block_mask, and (mode "lock") keeps it apart from compiles.
-# Re-entrant so a compile started by the thread that holds it does not deadlock on itself.
+# Serialises create_block_mask, and (mode "lock") keeps it apart from compiles; re-entrant for a
+# compile started by the thread that holds it.
 MASK_LOCK = threading.RLock()
 
 DEFAULT_WAIT_TIMEOUT_S = 900.0
@@ -62,26 +62,25 @@ class CompileLockTimeout(CompileLockError):
     """Waited too long for other threads to leave their steps (a step is blocked on something)."""
 
 
-def is_fx_tracing_error(exc: BaseException | None) -> bool:
-    """True for the FX-tracing race's error, however torch wrapped it."""
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc`, then what it was raised from or while handling, each once (torch wraps errors)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if FX_TRACING_ERROR in str(exc):
-            return True
+        yield exc
         exc = exc.__cause__ or exc.__context__
-    return False
 
 
-def fx_tracing_flag() -> bool:
-    import torch.fx._symbolic_trace as symbolic_trace
-
-    return bool(symbolic_trace._is_fx_tracing_flag)
+def is_fx_tracing_error(exc: BaseException | None) -> bool:
+    """True for the FX-tracing race's error, however torch wrapped it."""
+    return any(FX_TRACING_ERROR in str(link) for link in exception_chain(exc))
 
 
 def assert_fx_flag_clear() -> None:
     """Raise if the FX-tracing flag is set while no compile runs (call it between steps)."""
-    if fx_tracing_flag():
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    if symbolic_trace._is_fx_tracing_flag:
         raise CompileLockError(
             "torch.fx._symbolic_trace._is_fx_tracing_flag is stuck True outside any compile: every "
             "compiled call will now fail. Usual cause: an eager (uncompiled) flex_attention call "
@@ -230,7 +229,9 @@ class CompileGuard:
 
         assert_nested_fx_error_enabled()
         if self.mode == "patch":
-            if _compiled_graph_count() > 0:
+            from torch._dynamo.utils import counters
+
+            if counters["stats"]["unique_graphs"] > 0:
                 raise CompileLockError(
                     "compile_lock 'patch' installed after torch.compile already ran: the wrapper "
                     "captured the unpatched is_fx_symbolic_tracing. Install the guard first."
@@ -386,13 +387,11 @@ class CompileGuard:
                 and getattr(_tls, "adopted", False)
                 and self._others_share_device(context)
             ):
-                # A recompute in the autograd thread of a GPU that other running steps also use:
-                # their backward waits on this thread, so we cannot wait for them (see top).
+                # A recompute beside other steps on its GPU: their backward waits on this thread.
                 self._escalate()
                 return context, "recompute_beside_same_device_steps", False
             if self.mode == "lock" and context.hold == "shared":
-                # Nobody predicted this compile: give up our shared hold and wait until every
-                # other step is done (they finish without us: barriers sit outside the guard).
+                # Unpredicted: trade the shared hold for exclusive (barriers sit outside the guard).
                 self._lock.release_shared()
                 context.hold = None
                 with _dynamo_compile_lock_released():
@@ -400,8 +399,7 @@ class CompileGuard:
                 context.hold, context.reason = "exclusive", "unpredicted"
                 self._escalate()
             return context, context.reason, False
-        # No step in this thread. On CUDA the lazy backward compile runs in autograd's device
-        # thread: if some step holds the lock exclusively, that compile is this step's.
+        # No step here: a lazy backward compile in autograd's device thread is the exclusive step's.
         writer = self._lock.writer_context
         if self._lock.writer is not None and writer is not None:
             return writer, writer.reason, False
@@ -411,8 +409,7 @@ class CompileGuard:
             with _dynamo_compile_lock_released():
                 self._lock.acquire_exclusive(self.wait_timeout_s, None)
             return None, "outside_step", True
-        # Shared steps are running and this thread may be serving their backward: waiting here
-        # could deadlock, so log it loudly and make every thread's next step exclusive.
+        # This thread may serve running shared steps' backward: waiting could deadlock, so escalate.
         self._escalate()
         return None, "unguarded_during_shared_steps", False
 
@@ -505,12 +502,6 @@ def carry_step(fn: Callable) -> Callable:
 
 def _never_fx_tracing() -> bool:
     return False
-
-
-def _compiled_graph_count() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 def _install_compile_hook() -> None:

@@ -140,21 +140,13 @@ def rng_state(devices: list[str]) -> dict:
 def set_rng_state(state: dict) -> None:
     import torch
 
-    random.setstate(_as_python_rng(state["python"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))  # exactly a tuple: a reload may give lists
     torch.set_rng_state(state["torch"])
     for dev, cuda_state in state.get("cuda", {}).items():
-        if (
-            torch.cuda.is_available()
-            and torch.device(dev).index is not None
-            and torch.device(dev).index < torch.cuda.device_count()
-        ):
+        index = torch.device(dev).index
+        if torch.cuda.is_available() and index is not None and index < torch.cuda.device_count():
             torch.cuda.set_rng_state(cuda_state, torch.device(dev))
-
-
-def _as_python_rng(state):
-    # random.setstate wants (int, tuple, gauss) exactly; a reload may hand back lists.
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
 
 
 def save_checkpoint(

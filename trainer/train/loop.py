@@ -15,7 +15,7 @@ import math
 import os
 import random
 import sys
-from typing import Any, Protocol, TextIO, cast
+from typing import TextIO, cast
 
 import torch
 import yaml
@@ -190,16 +190,6 @@ def peak_gpu_memory_gib(devices: list[str]) -> float | None:
     return peak / 2**30
 
 
-class _LossModel(Protocol):
-    """A DFlashDrafter, or the DrafterDDP around one (its loss() passes through)."""
-
-    def __call__(self, *args: Any) -> torch.Tensor: ...
-
-    def loss(
-        self, hidden: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, gamma: float
-    ) -> Any: ...
-
-
 def make_loss_fn(cfg: TrainConfig):
     """The DFlash objective for one replica and one batch (runs inside the compile guard)."""
     block, num_anchors, gamma = cfg.drafter.block_size, cfg.train.num_anchors, cfg.train.gamma
@@ -213,7 +203,7 @@ def make_loss_fn(cfg: TrainConfig):
         ctx_len = batch.input_ids.shape[1]
         build = build_block_mask if backend == "flex" else dense_mask
         mask = build(anchors, valid, ctx_len, block, replica.device)
-        model = cast(_LossModel, replica.model)
+        model = cast(DFlashDrafter, replica.model)  # or the DrafterDDP around one: loss() passes through
         with precision.autocast(replica.device, mode):  # thread-local: entered in the drafter thread
             hidden = model(batch.features, batch.input_ids, anchors, mask, backend)
             labels, label_mask = block_labels(batch.input_ids, batch.loss_mask, anchors, valid, block)

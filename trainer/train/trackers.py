@@ -65,25 +65,27 @@ def scalars_of(record: dict) -> tuple[int, dict[str, float]] | None:
     return step, values
 
 
+# the records worth a line in a tracker's event log (the relaunch and stop history), as that line
+_EVENT_LINES = {
+    "compile": "compile {thread} step {step}: {duration_s} s ({reason})",
+    "checkpoint": "checkpoint step {step}: {path}",
+    "error": "error ({kind}): {message}",
+    "done": "done step {step} ({reason})",
+}
+
+
+class _Fields(dict):
+    def __missing__(self, key):
+        return None  # a field the record lacks reads None, as record.get would
+
+
 def event_of(record: dict) -> tuple[int, str, str] | None:
-    """(step, kind, text) of a record worth a line in a tracker's event log (compile, checkpoint,
-    error, done: the relaunch and stop history), else None."""
+    """(step, kind, text) of a record worth a line in a tracker's event log, else None."""
     event = record.get("event")
+    if event not in _EVENT_LINES:
+        return None
     step = record["step"] if isinstance(record.get("step"), int) else 0
-    if event == "compile":
-        return (
-            step,
-            "compile",
-            f"compile {record.get('thread')} step {step}: "
-            f"{record.get('duration_s')} s ({record.get('reason')})",
-        )
-    if event == "checkpoint":
-        return step, "checkpoint", f"checkpoint step {step}: {record.get('path')}"
-    if event == "error":
-        return step, "error", f"error ({record.get('kind')}): {record.get('message')}"
-    if event == "done":
-        return step, "done", f"done step {step} ({record.get('reason')})"
-    return None
+    return step, event, _EVENT_LINES[event].format_map(_Fields(record, step=step))
 
 
 def _number(value) -> float | None:
