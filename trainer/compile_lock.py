@@ -220,7 +220,6 @@ class CompileGuard:
         self._escalated: set[str] = set()  # threads whose next step must be exclusive
         self._compiles_running = 0
         self._active: dict[int, _StepContext] = {}  # steps inside the guard, by id
-        self.installed = False
 
     def install(self) -> CompileGuard:
         """Activate the guard for this process. Call once, before anything is compiled."""
@@ -239,7 +238,6 @@ class CompileGuard:
             torch.fx._symbolic_trace.is_fx_symbolic_tracing = _never_fx_tracing
         _install_compile_hook()
         _active_guard = self
-        self.installed = True
         return self
 
     @property
@@ -436,7 +434,6 @@ class CompileGuard:
         global _active_guard
         if _active_guard is self:
             _active_guard = None
-        self.installed = False
 
 
 @contextlib.contextmanager

@@ -230,29 +230,22 @@ def save(parts: LoopParts, model: torch.nn.Module, step: int) -> str:
     )
 
 
-def startup_summary(
-    cfg: TrainConfig,
-    guard: CompileGuard,
-    dataset: Dataset,
-    plan: BatchPlan,
-    total_steps: int,
-    start_step: int,
-    replicas: list[Replica],
-) -> list[str]:
+def startup_summary(parts: LoopParts) -> list[str]:
+    cfg, replicas, dataset, plan = parts.cfg, parts.replicas, parts.dataset, parts.plan
     params = sum(p.numel() for p in replicas[0].trainable())
     lines = ["dflash-train: resolved config (" + cfg.source + "):"]
     lines += ["  " + line for line in yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()]
     lines += [
         f"devices: target {', '.join(cfg.run.target_devices)} "
         f"| drafters {', '.join(cfg.run.drafter_devices)} ({len(replicas)} replica thread(s))",
-        guard.describe(),
+        parts.guard.describe(),
         f"attention: {cfg.run.attention} (compile mode {cfg.run.compile_mode}) "
         f"| precision {precision.resolve(cfg)} "
         f"| activation checkpointing: {cfg.train.activation_checkpointing} "
         f"| torch {torch.__version__} | drafter params {params:,}",
         f"data: {len(dataset)} sequences x {cfg.data.seq_len} tokens from {dataset.source}; "
-        f"{plan.steps_per_epoch} steps/epoch; {total_steps} steps total"
-        + (f"; resuming after step {start_step}" if start_step else ""),
+        f"{plan.steps_per_epoch} steps/epoch; {parts.total} steps total"
+        + (f"; resuming after step {parts.start}" if parts.start else ""),
         f"metrics: {cfg.metrics_path} | checkpoints: {ckpt.checkpoints_root(cfg.run.output_dir)}",
     ]
     return lines
@@ -346,13 +339,14 @@ def prepare(world: World, guard: CompileGuard, metrics: MetricsWriter) -> LoopPa
         restore(replicas, state, dcfg)
         start, upcast = state.step, precision.upcast_note(state.weights, state.path)
     world.ready(replicas, start)
+    parts = LoopParts(cfg, targets, replicas, dataset, plan, dcfg, guard, start, total, evaluator)
     kernels = gdn_kernels.gated_deltanet_path(targets[0].model) if hasattr(targets[0], "model") else None
-    summary = startup_summary(cfg, guard, dataset, plan, total, start, replicas) + world.describe()
+    summary = startup_summary(parts) + world.describe()
     summary += [line for line in [gdn_kernels.describe(kernels)] if line]
     metrics.start(cfg.to_dict(), world.devices, cfg.run.compile_lock, total, summary, gated_deltanet=kernels)
     if upcast:
         metrics.say(upcast)
-    return LoopParts(cfg, targets, replicas, dataset, plan, dcfg, guard, start, total, evaluator)
+    return parts
 
 
 def make_workers(parts: LoopParts) -> TrainingWorkers:

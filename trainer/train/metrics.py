@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence, TextIO
 
 from trainer import metrics_format
 from trainer.compile_lock import exception_chain
-from trainer.progress import format_duration, progress_bar
+from trainer.progress import bar_line, format_duration
 from trainer.train.trackers import Trackers
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ class MetricsWriter:
         permanent = step % self.log_every == 0 or step == total_steps
         if self.tty:
             with self._lock:
-                self.out.write("\r\x1b[2K" + progress_bar(step, total_steps) + " " + line)
+                self.out.write(bar_line(step, total_steps, line))
                 self._bar_open = True
                 if permanent:
                     self.out.write("\n")
