@@ -325,13 +325,8 @@ class CompileGuard:
     @contextlib.contextmanager
     def _compile_scope(self, trigger: str, compile_id: str) -> Iterator[None]:
         """Runs in the compiling thread around each dynamo/AOT compile, BEFORE any tracing."""
-        depth = getattr(_tls, "compile_depth", 0)
-        if depth:  # nested compile inside one we already hold and log
-            _tls.compile_depth = depth + 1
-            try:
-                yield
-            finally:
-                _tls.compile_depth = depth
+        if getattr(_tls, "compiling", False):  # nested in a compile this thread already holds and logs
+            yield
             return
         context = getattr(_tls, "context", None)
         owner, reason, took_exclusive = self._claim_for_compile(context)
@@ -347,7 +342,7 @@ class CompileGuard:
                     f"waited {self.wait_timeout_s:.0f} s for MASK_LOCK before compiling; is "
                     "create_block_mask compiling (_compile=True) while holding it?"
                 )
-        _tls.compile_depth = 1
+        _tls.compiling = True
         with self._state_lock:
             self._compiles_running += 1
         started = time.perf_counter()
@@ -357,7 +352,7 @@ class CompileGuard:
             duration = time.perf_counter() - started
             with self._state_lock:
                 self._compiles_running -= 1
-            _tls.compile_depth = 0
+            _tls.compiling = False
             if holds_mask_lock:
                 MASK_LOCK.release()
             if took_exclusive:

@@ -66,21 +66,13 @@ class TrainingEval:
     def run(self, model: torch.nn.Module, step: int, metrics: MetricsWriter):
         t0 = time.monotonic()
         self.drafter.load_state_dict(model.state_dict())
+        decoding = (self.target.model, self.target.layer_ids, self.drafter, self.prompts)
         if self.decoder is None and self.prompts:
             self.decoder = make_decoder(
-                self.target.model,
-                self.target.layer_ids,
-                self.drafter,
-                self.prompts,
-                self.max_new_tokens,
-                self.stop_ids,
-                batch=len(self.prompts),
+                *decoding, self.max_new_tokens, self.stop_ids, batch=len(self.prompts)
             )
         result = evaluate(
-            self.target.model,
-            self.target.layer_ids,
-            self.drafter,
-            self.prompts,
+            *decoding,
             max_new_tokens=self.max_new_tokens,
             stop_ids=self.stop_ids,
             reference=self.reference,
