@@ -178,7 +178,6 @@ def save_checkpoint(
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
     save_file(tensors, str(tmp / WEIGHTS), metadata={"step": str(step)})
     follow_umask(tmp / WEIGHTS)
-    _fsync_file(tmp / WEIGHTS)
     torch.save(
         {
             "step": step,
@@ -189,9 +188,9 @@ def save_checkpoint(
         },
         tmp / STATE,
     )
-    _fsync_file(tmp / STATE)
     for name, payload in ((CONFIG, config), (DRAFTER_CONFIG, drafter_config)):
         (tmp / name).write_text(json.dumps(payload, indent=2, sort_keys=True), encoding="utf-8")
+    for name in REQUIRED:
         _fsync_file(tmp / name)
     fsync_dir(tmp)
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
