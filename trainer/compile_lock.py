@@ -1,52 +1,33 @@
 """The compile lock: keeps drafter threads from tripping over each other's torch.compile.
 
-Why this exists (the FX-tracing race): `torch.fx._symbolic_trace._is_fx_tracing_flag` is ONE
-process-global flag, set while any thread runs FX tracing (AOTAutograd's make_fx inside a compile).
-The torch.compile wrapper refuses to run while that flag is set, so a thread that merely CALLS a
-compiled function while another thread compiles raises metrics_format.FX_TRACING_ERROR (or
-hangs). The compiling thread is harmless; the threads calling compiled code next to it are the victims.
+The race: `torch.fx._symbolic_trace._is_fx_tracing_flag` is ONE process-global flag, set while any
+thread FX-traces inside a compile. The torch.compile wrapper refuses to run while it is set, so a
+thread that merely CALLS compiled code next to a compiling thread raises
+metrics_format.FX_TRACING_ERROR (or hangs).
 
-The fix is a reader/writer lock around each drafter thread's whole forward+backward:
-- an ordinary step (nothing new to compile) holds the lock SHARED: drafters still run in parallel;
-- a step that may compile holds it EXCLUSIVE: no other thread is inside a step while it traces.
-  A step may compile when it is the thread's first, when its shape_key is new for the thread, or
-  right after a compile that nobody predicted (then every thread's next step is exclusive too).
-- every compile is also caught as it starts (we wrap dynamo's compile-callback scope, which both the
-  forward compile and the lazy backward compile enter): a compile inside a shared step upgrades that
-  step to exclusive before any tracing begins, and every compile is logged with thread, step, reason
-  and duration. Nothing relies on hoping that shapes stay static.
-- activation checkpointing re-runs each layer's forward inside backward. `carry_step(fn)` wraps the
-  checkpointed function so that its recompute belongs to the step that ran its forward: on CPU it
-  runs in the drafter thread anyway; on CUDA it runs in the GPU's autograd worker thread, which then
-  adopts the step's context. A compile during a recompute is handled (and logged, phase
-  "recompute") like any other compile of that step: exclusive steps already are; a shared step is
-  upgraded to exclusive. One case cannot wait: when another step on the SAME GPU is inside the
-  guard, its backward is queued on this very autograd thread, so waiting for it would wait for
-  ourselves. That compile is logged as not exclusive and every thread's next step is exclusive.
-  (A recompute runs the same code under the same guards as its forward, so it normally finds the
-  forward's compiled graphs and compiles nothing.)
+The fix: a reader/writer lock around each drafter thread's forward+backward, and nothing else (a
+gradient barrier inside it would deadlock against a thread waiting for the exclusive lock).
+- A step that may compile holds it EXCLUSIVE: the thread's first step, a new shape_key for the
+  thread, or any step after a compile nobody predicted. Other steps hold it SHARED (in parallel).
+- Every compile is caught as it starts (we wrap dynamo's compile-callback scope, which the forward
+  and the lazy backward compile both enter): inside a shared step it upgrades the step to
+  exclusive before tracing begins, and it is logged with thread, step, reason and duration.
+- `carry_step(fn)`: an activation-checkpoint recompute belongs to the step that ran its forward
+  (on CUDA it runs in the GPU's autograd thread, which adopts that step). A recompute that
+  compiles beside another step on the SAME GPU cannot wait: that step's backward is queued on
+  this very thread. It is logged as not exclusive and every thread's next step is exclusive.
 
-The guard wraps ONLY forward+backward. Drafters meet at a gradient-averaging barrier after backward;
-a barrier inside a guarded step would deadlock against a thread waiting for the exclusive lock.
+`MASK_LOCK`: create_block_mask adds and deletes a key in a module-global dict that another
+create_block_mask, or a compile, also changes (`KeyError: 'custom'`). masks.build_block_mask holds
+it, and in mode "lock" every compile does too. Build masks with `_compile=False`: a compile under
+MASK_LOCK would wait for steps that wait for MASK_LOCK.
+`assert_fx_flag_clear()`: an EAGER flex_attention call can restore a stale True into the flag,
+poisoning every later compiled call; never mix it into a compiled run.
+`error_on_nested_fx_trace=False` is no fix (compiled code silently runs eager): refused.
 
-Also here:
-- `MASK_LOCK`: `create_block_mask` adds and deletes a key in a module-global dict
-  (`torch.fx.traceback.annotate` -> `current_meta["custom"]`) and raises `KeyError: 'custom'` when
-  another thread touches that dict in between: another create_block_mask, OR a compile, which
-  swaps the whole dict while tracing. masks.build_block_mask holds MASK_LOCK, and in "lock" mode
-  every compile holds it too (measured: without that, masks built outside the guarded step still
-  failed next to compiles). Build masks with `_compile=False` (the default): a compile started
-  while holding MASK_LOCK would have to wait for other steps that may be waiting for MASK_LOCK.
-- `assert_fx_flag_clear()`: an EAGER flex_attention call saves and restores the global FX flag around
-  its own internal compile; interleaved with a compile in another thread it can restore a stale
-  True and poison every later compiled call. Never mix eager flex_attention into a compiled run.
-- `error_on_nested_fx_trace=False` is not a fix: the compiled function silently runs eager. We never
-  set it and refuse to run when someone else has.
-
-Modes (COMPILE_LOCK_MODES): "lock" (default, the full fix); "none" (unprotected, for the race
-harness); "patch" (`is_fx_symbolic_tracing` monkeypatched to False, for experiments; must be
-installed before torch.compile wraps anything, because the wrapper captures that function when it
-is created). A benchmark measures other policies by overriding `CompileGuard.exclusive_reason`.
+Modes (COMPILE_LOCK_MODES): "lock" (the fix), "none" (the race harness), "patch"
+(`is_fx_symbolic_tracing` patched to False before torch.compile wraps anything; experiments).
+A benchmark measures other policies by overriding `CompileGuard.exclusive_reason`.
 """
 
 from __future__ import annotations
@@ -66,8 +47,8 @@ COMPILE_LOCK_MODES = {
     "patch": "is_fx_symbolic_tracing patched to False (experiment)",
 }
 
-# Process-wide: serialises create_block_mask, and (mode "lock") keeps it apart from compiles.
-# Re-entrant so a compile started by the thread that holds it does not deadlock on itself.
+# Serialises create_block_mask, and (mode "lock") keeps it apart from compiles; re-entrant for a
+# compile started by the thread that holds it.
 MASK_LOCK = threading.RLock()
 
 DEFAULT_WAIT_TIMEOUT_S = 900.0
@@ -81,30 +62,25 @@ class CompileLockTimeout(CompileLockError):
     """Waited too long for other threads to leave their steps (a step is blocked on something)."""
 
 
-def is_fx_tracing_error(exc: BaseException | None) -> bool:
-    """True for the FX-tracing race's error, however torch wrapped it."""
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc`, then what it was raised from or while handling, each once (torch wraps errors)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if FX_TRACING_ERROR in str(exc):
-            return True
+        yield exc
         exc = exc.__cause__ or exc.__context__
-    return False
 
 
-def fx_tracing_flag() -> bool:
-    import torch.fx._symbolic_trace as symbolic_trace
-
-    return bool(symbolic_trace._is_fx_tracing_flag)
+def is_fx_tracing_error(exc: BaseException | None) -> bool:
+    """True for the FX-tracing race's error, however torch wrapped it."""
+    return any(FX_TRACING_ERROR in str(link) for link in exception_chain(exc))
 
 
 def assert_fx_flag_clear() -> None:
-    """Raise if the global FX-tracing flag is set while no compile is running.
+    """Raise if the FX-tracing flag is set while no compile runs (call it between steps)."""
+    import torch.fx._symbolic_trace as symbolic_trace
 
-    Call it between steps (e.g. after warmup). A stuck flag makes every later compiled call fail
-    or silently run eager; the usual cause is an eager flex_attention call in a compiled run.
-    """
-    if fx_tracing_flag():
+    if symbolic_trace._is_fx_tracing_flag:
         raise CompileLockError(
             "torch.fx._symbolic_trace._is_fx_tracing_flag is stuck True outside any compile: every "
             "compiled call will now fail. Usual cause: an eager (uncompiled) flex_attention call "
@@ -128,9 +104,8 @@ def assert_nested_fx_error_enabled() -> None:
 class SharedExclusiveLock:
     """Reader/writer lock; waiting writers block new readers so a compile is never starved.
 
-    A wait times out only after `timeout` seconds WITHOUT PROGRESS (no release by anyone): eight
-    drafters queueing behind each other's first compile may wait much longer in total, and that is
-    fine; one holder that never lets go is not.
+    A wait times out only after `timeout` seconds without any release: drafters queueing behind
+    each other's first compiles may wait far longer in total; one holder that never lets go may not.
     """
 
     def __init__(self) -> None:
@@ -213,15 +188,11 @@ _hook_kind: str | None = None  # "scope" (wrapped install_callbacks) | "callback
 
 
 class CompileGuard:
-    """Process-wide guard for compiled drafter steps.
+    """Process-wide guard for compiled drafter steps: install() before anything is compiled, then
+    `with guard.step(...)` around each forward+backward (barrier and optimizer after the block).
 
-    >>> guard = CompileGuard("lock", on_event=print)
-    >>> guard.install()                                   # before anything is compiled
-    >>> with guard.step("drafter0", step, shape_key=(B, T, N)):
-    ...     loss = model(...); loss.backward()            # barrier / optimizer AFTER the block
-
-    A subclass may offer other modes (`modes`, mode name -> summary line) and decide which steps
-    run alone (`exclusive_reason`); its modes get none of "lock"'s other protections.
+    A subclass may offer other `modes` and decide which steps run alone (`exclusive_reason`); its
+    modes get none of "lock"'s other protections.
     """
 
     modes: dict[str, str] = COMPILE_LOCK_MODES
@@ -249,9 +220,7 @@ class CompileGuard:
         self._escalated: set[str] = set()  # threads whose next step must be exclusive
         self._compiles_running = 0
         self._active: dict[int, _StepContext] = {}  # steps inside the guard, by id
-        self.installed = False
 
-    # ---- setup -------------------------------------------------------------------------
     def install(self) -> CompileGuard:
         """Activate the guard for this process. Call once, before anything is compiled."""
         global _active_guard
@@ -259,7 +228,9 @@ class CompileGuard:
 
         assert_nested_fx_error_enabled()
         if self.mode == "patch":
-            if _compiled_graph_count() > 0:
+            from torch._dynamo.utils import counters
+
+            if counters["stats"]["unique_graphs"] > 0:
                 raise CompileLockError(
                     "compile_lock 'patch' installed after torch.compile already ran: the wrapper "
                     "captured the unpatched is_fx_symbolic_tracing. Install the guard first."
@@ -267,7 +238,6 @@ class CompileGuard:
             torch.fx._symbolic_trace.is_fx_symbolic_tracing = _never_fx_tracing
         _install_compile_hook()
         _active_guard = self
-        self.installed = True
         return self
 
     @property
@@ -279,16 +249,12 @@ class CompileGuard:
         what = self.modes[self.mode]
         return f"compile lock: {self.mode} ({what}; compile detection: {_hook_kind or 'off'})"
 
-    # ---- the step ----------------------------------------------------------------------
     @contextlib.contextmanager
     def step(
         self, thread_name: str, step: int, shape_key: tuple, device: str | None = None
     ) -> Iterator[None]:
         """Hold around one thread's whole forward+backward (nothing that waits on other threads).
-
-        `device`: where this step's tensors live; a checkpoint recompute in a GPU's autograd thread
-        can wait for other steps only when none of them is on the same GPU.
-        """
+        `device` (None: unknown) tells a checkpoint recompute which other steps share its GPU."""
         if getattr(_tls, "context", None) is not None:
             raise CompileLockError(
                 f"guard.step() entered twice in thread {thread_name!r}; wrap one forward+backward"
@@ -314,8 +280,7 @@ class CompileGuard:
             return thread_name in self._threads_seen
 
     def exclusive_reason(self, context: _StepContext) -> str | None:
-        """Why this step must run with no other step inside the guard, or None (mode "lock" then
-        runs it shared; the other modes leave it unguarded)."""
+        """Why this step must run alone, or None: shared in mode "lock", unguarded otherwise."""
         if self.mode != "lock":
             return None
         with self._state_lock:
@@ -357,17 +322,11 @@ class CompileGuard:
                 if context.reason != "ordinary_step":
                     self._escalated.discard(context.thread)
 
-    # ---- compile detection -------------------------------------------------------------
     @contextlib.contextmanager
     def _compile_scope(self, trigger: str, compile_id: str) -> Iterator[None]:
         """Runs in the compiling thread around each dynamo/AOT compile, BEFORE any tracing."""
-        depth = getattr(_tls, "compile_depth", 0)
-        if depth:  # nested compile inside one we already hold and log
-            _tls.compile_depth = depth + 1
-            try:
-                yield
-            finally:
-                _tls.compile_depth = depth
+        if getattr(_tls, "compiling", False):  # nested in a compile this thread already holds and logs
+            yield
             return
         context = getattr(_tls, "context", None)
         owner, reason, took_exclusive = self._claim_for_compile(context)
@@ -383,7 +342,7 @@ class CompileGuard:
                     f"waited {self.wait_timeout_s:.0f} s for MASK_LOCK before compiling; is "
                     "create_block_mask compiling (_compile=True) while holding it?"
                 )
-        _tls.compile_depth = 1
+        _tls.compiling = True
         with self._state_lock:
             self._compiles_running += 1
         started = time.perf_counter()
@@ -393,33 +352,27 @@ class CompileGuard:
             duration = time.perf_counter() - started
             with self._state_lock:
                 self._compiles_running -= 1
-            _tls.compile_depth = 0
+            _tls.compiling = False
             if holds_mask_lock:
                 MASK_LOCK.release()
             if took_exclusive:
                 self._lock.release_exclusive()
             self._record(
-                {
-                    "event": "compile",
-                    "thread": owner.thread if owner else threading.current_thread().name,
-                    "step": owner.step if owner else -1,
-                    "duration_s": round(duration, 4),
-                    "reason": reason,
-                    "exclusive": exclusive,
-                    "shape_key": list(owner.shape_key) if owner else None,
-                    "trigger": trigger,
-                    "compile_id": compile_id,
-                    "phase": getattr(_tls, "phase", None) or "step",
-                    "os_thread": threading.current_thread().name,
-                    "time": time.time(),
-                }
+                _compile_event(
+                    owner,
+                    duration_s=round(duration, 4),
+                    reason=reason,
+                    exclusive=exclusive,
+                    shape_key=list(owner.shape_key) if owner else None,
+                    trigger=trigger,
+                    compile_id=compile_id,
+                    phase=getattr(_tls, "phase", None) or "step",
+                )
             )
 
     def _claim_for_compile(self, context: _StepContext | None) -> tuple[_StepContext | None, str, bool]:
         """Make sure nobody else is inside a step while this thread compiles (mode lock).
-
-        Returns (the step this compile belongs to, reason, whether we took the lock here).
-        """
+        Returns (the step this compile belongs to, reason, whether we took the lock here)."""
         if context is not None:
             if (
                 self.mode == "lock"
@@ -427,13 +380,11 @@ class CompileGuard:
                 and getattr(_tls, "adopted", False)
                 and self._others_share_device(context)
             ):
-                # A recompute in the autograd thread of a GPU that other running steps also use:
-                # their backward waits on this thread, so we cannot wait for them (see top).
+                # A recompute beside other steps on its GPU: their backward waits on this thread.
                 self._escalate()
                 return context, "recompute_beside_same_device_steps", False
             if self.mode == "lock" and context.hold == "shared":
-                # Nobody predicted this compile: give up our shared hold and wait until every
-                # other step is done (they finish without us: barriers sit outside the guard).
+                # Unpredicted: trade the shared hold for exclusive (barriers sit outside the guard).
                 self._lock.release_shared()
                 context.hold = None
                 with _dynamo_compile_lock_released():
@@ -441,8 +392,7 @@ class CompileGuard:
                 context.hold, context.reason = "exclusive", "unpredicted"
                 self._escalate()
             return context, context.reason, False
-        # No step in this thread. On CUDA the lazy backward compile runs in autograd's device
-        # thread: if some step holds the lock exclusively, that compile is this step's.
+        # No step here: a lazy backward compile in autograd's device thread is the exclusive step's.
         writer = self._lock.writer_context
         if self._lock.writer is not None and writer is not None:
             return writer, writer.reason, False
@@ -452,8 +402,7 @@ class CompileGuard:
             with _dynamo_compile_lock_released():
                 self._lock.acquire_exclusive(self.wait_timeout_s, None)
             return None, "outside_step", True
-        # Shared steps are running and this thread may be serving their backward: waiting here
-        # could deadlock, so log it loudly and make every thread's next step exclusive.
+        # This thread may serve running shared steps' backward: waiting could deadlock, so escalate.
         self._escalate()
         return None, "unguarded_during_shared_steps", False
 
@@ -480,18 +429,12 @@ class CompileGuard:
         global _active_guard
         if _active_guard is self:
             _active_guard = None
-        self.installed = False
 
 
 @contextlib.contextmanager
 def _dynamo_compile_lock_released() -> Iterator[None]:
-    """Let go of dynamo's process-wide compile lock while waiting for the other steps.
-
-    Dynamo holds its own re-entrant `compile_lock` around every frame compile, and our compile
-    scope runs inside it. A compile waiting for other steps to finish while holding it would
-    deadlock as soon as one of those steps needs to compile too (measured: every checkpoint
-    recompute that compiled in a shared step hung). Released here and taken back before tracing.
-    """
+    """Let go of dynamo's re-entrant compile_lock (held around our compile scope) while waiting for
+    the other steps: one of them may need to compile too (measured: recomputes hung without this)."""
     lock = None
     try:
         from torch._dynamo import convert_frame
@@ -523,10 +466,8 @@ def compile_reason(event: dict) -> str:
 def carry_step(fn: Callable) -> Callable:
     """Wrap a function for torch.utils.checkpoint: its recompute runs as part of the current step.
 
-    Call it inside guard.step() (or anywhere: without a step it only marks the phase). The first
-    call is the forward; later calls are recomputes in backward, which may run in another thread
-    (a GPU's autograd worker): there the step's context is adopted for the call, so compile
-    detection attributes a compile to this step and applies the lock's rules to it.
+    The first call is the forward; later calls are backward's recomputes, perhaps in a GPU's
+    autograd thread, which adopts the step's context so a compile there follows the step's rules.
     """
     context = getattr(_tls, "context", None)
     calls = 0
@@ -555,19 +496,11 @@ def _never_fx_tracing() -> bool:
     return False
 
 
-def _compiled_graph_count() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
 def _install_compile_hook() -> None:
     """Route every dynamo / lazy-backward compile through the active guard (once per process).
 
-    We wrap `callback_handler.install_callbacks` (the scope both compiles enter) rather than
-    registering start/end callbacks: those callbacks run under the handler's internal lock and fire
-    only for the first of overlapping compiles, so blocking in them could deadlock and they cannot
-    attribute concurrent compiles to threads. Older torch without that scope: callbacks, log only.
+    We wrap the scope both compiles enter: start/end callbacks run under the handler's lock and fire
+    only for the first of overlapping compiles (no blocking, no attribution): only a fallback, log only.
     """
     global _hook_kind
     with _hook_lock:
@@ -620,15 +553,23 @@ def _callback_ended(args) -> None:
         return
     context = getattr(_tls, "context", None)
     guard._record(
-        {
-            "event": "compile",
-            "thread": context.thread if context else threading.current_thread().name,
-            "step": context.step if context else -1,
-            "duration_s": round(time.perf_counter() - started, 4) if started else None,
-            "reason": context.reason if context else "outside_step",
-            "trigger": getattr(getattr(args, "callback_trigger", None), "name", ""),
-            "compile_id": str(getattr(args, "compile_id", "")),
-            "os_thread": threading.current_thread().name,
-            "time": time.time(),
-        }
+        _compile_event(
+            context,
+            duration_s=round(time.perf_counter() - started, 4) if started else None,
+            reason=context.reason if context else "outside_step",
+            trigger=getattr(getattr(args, "callback_trigger", None), "name", ""),
+            compile_id=str(getattr(args, "compile_id", "")),
+        )
     )
+
+
+def _compile_event(owner: _StepContext | None, **fields) -> dict:
+    """The log event of one compile, attributed to `owner`'s step (None: outside any step)."""
+    return {
+        "event": "compile",
+        "thread": owner.thread if owner else threading.current_thread().name,
+        "step": owner.step if owner else -1,
+        **fields,
+        "os_thread": threading.current_thread().name,
+        "time": time.time(),
+    }

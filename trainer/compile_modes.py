@@ -1,22 +1,11 @@
-"""Which torch.compile modes the trainer offers for its compiled flex_attention, and why not the others.
+"""The torch.compile modes the trainer offers for its compiled regions, and why not the others.
 
-The drafter threads share one process: every replica runs the ONE compiled flex_attention from its
-own Python thread, and the backward of every replica on a GPU runs in that GPU's single autograd
-worker thread. A mode must work under exactly that.
-
-Offered:
-- default: inductor kernels, no CUDA graphs.
-- max-autotune-no-cudagraphs: inductor also benchmarks kernel configs while compiling (longer
-  compiles, each still exclusive under the compile lock); no CUDA graphs.
-
-Refused (both turn on `triton.cudagraphs`, i.e. CUDA graph trees):
-- reduce-overhead, max-autotune: a CUDA graph tree manager keeps its state in thread-local storage
-  and records into a private memory pool. On torch <= 2.11 (the GPU boxes' version) tree state is
-  not set up for Python-created threads and asserts there (pytorch issue #123177, fixed only by
-  pytorch PR #184357, mid-2026), and the backward graphs of every drafter on one GPU replay from the
-  one shared autograd thread into that pool (#113809). The trainer's torch floor is 2.5, so these
-  modes cannot be offered. (Activation checkpointing would also re-run each recorded forward graph
-  inside the backward, against CUDA graph trees' one-run-at-a-time rule for a pool; not measured.)
+Every drafter thread runs the ONE compiled flex_attention, and every replica's backward on a GPU
+runs in that GPU's one autograd thread; a mode must work under exactly that. Offered: default and
+max-autotune-no-cudagraphs (longer compiles, each still exclusive under the compile lock).
+Refused: reduce-overhead and max-autotune record CUDA graph trees, whose thread-local state asserts
+in Python-created threads on torch <= 2.11 (pytorch #123177) and whose one memory pool every
+drafter's backward would replay into from the shared autograd thread (#113809).
 """
 
 from __future__ import annotations
@@ -44,8 +33,7 @@ _used = False  # something was compiled with _mode
 
 
 def set_compile_mode(mode: str) -> None:
-    """torch.compile mode of the process's compiled regions (flex_attention, layers, loss chunk);
-    before their first use."""
+    """torch.compile mode of the process's compiled regions; set before their first use."""
     global _mode
     torch_compile_kwargs(mode)  # refuses unknown modes
     with _lock:
@@ -58,12 +46,9 @@ def set_compile_mode(mode: str) -> None:
 
 
 def compile_options() -> dict:
-    """torch.compile keywords of every compiled region of the trainer.
-
-    dynamic=False: training shapes are static, and automatic dynamic shapes would trigger a second
-    compile mid-run (reopening the FX-tracing race window). fullgraph=True: a graph break would
-    silently run flex eagerly, which poisons compiled calls.
-    """
+    """torch.compile keywords of every compiled region. dynamic=False: automatic dynamic shapes
+    would recompile mid-run (the FX-tracing race again); fullgraph=True: a graph break would run
+    flex eagerly, which poisons compiled calls."""
     global _used
     with _lock:
         _used = True

@@ -20,6 +20,14 @@ def progress_bar(step: int, total: int, width: int = 24) -> str:
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
+CLEAR_LINE = "\r\x1b[2K"  # back to the line's start and erase it: a TTY bar redraws in place
+
+
+def bar_line(step: int, total: int, text: str) -> str:
+    """The bar with `text` after it, drawn over the current line."""
+    return CLEAR_LINE + progress_bar(step, total) + " " + text
+
+
 class ProgressLine:
     """`update(done)` as work completes; `finish()` ends the bar line. Rate and ETA count only
     this process's work (a resumed run starts at `done` without crediting it as speed)."""
@@ -55,7 +63,7 @@ class ProgressLine:
         self.done = done
         now = self.clock()
         if self.tty:
-            self.out.write("\r\x1b[2K" + progress_bar(done, self.total) + " " + self.line(extra))
+            self.out.write(bar_line(done, self.total, self.line(extra)))
             self.out.flush()
         elif now - self.last_line >= self.every_s or done == self.total:
             self.last_line = now
@@ -64,7 +72,7 @@ class ProgressLine:
 
     def say(self, text: str) -> None:
         """A line of its own, now (on a TTY it takes the bar's place; the next update redraws the bar)."""
-        self.out.write(("\r\x1b[2K" if self.tty else "") + text + "\n")
+        self.out.write((CLEAR_LINE if self.tty else "") + text + "\n")
         self.out.flush()
 
     def finish(self) -> None:

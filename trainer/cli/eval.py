@@ -193,12 +193,10 @@ def _progress(stream):
     start = time.monotonic()
 
     def show(done: int, total: int):
-        from trainer.progress import format_duration, progress_bar
+        from trainer.progress import bar_line, format_duration
 
         eta = (time.monotonic() - start) / done * (total - done)
-        stream.write(
-            f"\r\x1b[2K{progress_bar(done, total)} {done}/{total} prompts  eta {format_duration(eta)}"
-        )
+        stream.write(bar_line(done, total, f"{done}/{total} prompts  eta {format_duration(eta)}"))
         if done == total:
             stream.write("\n")
         stream.flush()

@@ -1,12 +1,8 @@
 """Checkpoints: `<output_dir>/checkpoints/step-NNNNNNN/`, written whole or not at all.
 
-A checkpoint is built in a `.tmp-*` sibling directory, every file fsynced, then renamed into place
-in one `os.rename`: a kill -9 at any moment leaves either the new checkpoint or none of it, and the
-previous one untouched. Only `step-*` directories count as checkpoints; leftovers are swept later.
-
-Contents: `drafter.safetensors` (drafter weights, export names), `trainer_state.pt` (optimizer,
-scheduler, data position, RNG states), `config.json` (the resolved run config) and
-`drafter_config.json` (what `export` needs to rebuild the drafter without the target).
+Built in a `.tmp-*` sibling, every file fsynced, then renamed into place: a kill -9 at any moment
+leaves the new checkpoint or none of it. Only `step-*` directories count; leftovers are swept.
+Files: REQUIRED (weights, optimizer/scheduler/data position/RNG, run config, drafter config).
 """
 
 from __future__ import annotations
@@ -144,21 +140,13 @@ def rng_state(devices: list[str]) -> dict:
 def set_rng_state(state: dict) -> None:
     import torch
 
-    random.setstate(_as_python_rng(state["python"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))  # exactly a tuple: a reload may give lists
     torch.set_rng_state(state["torch"])
     for dev, cuda_state in state.get("cuda", {}).items():
-        if (
-            torch.cuda.is_available()
-            and torch.device(dev).index is not None
-            and torch.device(dev).index < torch.cuda.device_count()
-        ):
+        index = torch.device(dev).index
+        if torch.cuda.is_available() and index is not None and index < torch.cuda.device_count():
             torch.cuda.set_rng_state(cuda_state, torch.device(dev))
-
-
-def _as_python_rng(state):
-    # random.setstate wants (int, tuple, gauss) exactly; a reload may hand back lists.
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
 
 
 def save_checkpoint(
@@ -190,7 +178,6 @@ def save_checkpoint(
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
     save_file(tensors, str(tmp / WEIGHTS), metadata={"step": str(step)})
     follow_umask(tmp / WEIGHTS)
-    _fsync_file(tmp / WEIGHTS)
     torch.save(
         {
             "step": step,
@@ -201,9 +188,9 @@ def save_checkpoint(
         },
         tmp / STATE,
     )
-    _fsync_file(tmp / STATE)
     for name, payload in ((CONFIG, config), (DRAFTER_CONFIG, drafter_config)):
         (tmp / name).write_text(json.dumps(payload, indent=2, sort_keys=True), encoding="utf-8")
+    for name in REQUIRED:
         _fsync_file(tmp / name)
     fsync_dir(tmp)
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first

@@ -1,28 +1,15 @@
-"""The torchrun launcher: this process is one rank; it holds one drafter replica and its own target.
+"""The torchrun launcher: this process is one rank, holding one drafter replica and its own target.
 
     torchrun --nproc-per-node N [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT] \\
         -m trainer --config ... --launcher torchrun
 
-trainer.train.loop's one setup and loop run here too, over TorchrunWorld (trainer.train.world says what a
-world answers). Each rank runs the same per-replica step as the threaded mode (trainer.train.workers: a
-target worker thread feeding one drafter thread under the compile guard), with the drafter wrapped
-in DistributedDataParallel (NCCL on CUDA, gloo on CPU) so backward all-reduces the gradients.
-
-Equivalence with the threaded mode: rank r is replica r. The batch plan is built for WORLD_SIZE
-replicas, so rank r reads exactly the sequences and anchors replica r reads in a threaded run with
-WORLD_SIZE drafter devices. DDP divides each gradient by the world size and sums; for two ranks
-a/2 + b/2 equals the threaded mode's (a + b)/2 exactly in binary floating point. Clipping and
-AdamW then run on identical gradients in every rank, so replicas stay identical without any
-weight broadcast after the start.
-
-Only rank 0 writes checkpoints. Rank 0 writes the metrics file and readable lines; so does local
-rank 0 of every other host when given its own --metrics-file (what dflash-ops does), so status
-and health work on each host of a multi-host job. Every step the ranks exchange one small vector
-(loss, tokens, accuracy, "stop requested"): every rank knows the summary the threaded mode logs,
-and all ranks agree on stopping after the same step.
-
-Devices: a rank uses `cuda:LOCAL_RANK` for its target and drafter when the configured drafter
-devices are CUDA, else the CPU (set CUDA_VISIBLE_DEVICES to choose the GPUs).
+Rank r is replica r of the threaded mode: the batch plan is built for WORLD_SIZE replicas, and the
+drafter is wrapped in DDP, whose mean of two ranks' gradients equals the threaded mode's exactly,
+so replicas stay identical without weight broadcasts. Every step the ranks exchange one small
+vector (loss, tokens, accuracy, "stop requested"): all log the same summary and stop after the same
+step. Rank 0 checkpoints; it writes metrics, and so does each other host's local rank 0 when given
+its own --metrics-file, for that host's status. A rank uses cuda:LOCAL_RANK when the configured
+drafter devices are CUDA, else the CPU.
 """
 
 from __future__ import annotations
@@ -61,13 +48,12 @@ class Rank:
         return self.rank == 0
 
     def trackers(self, cfg: TrainConfig) -> list[str]:
-        """The experiment trackers this rank reports to: rank 0's only, so a run is one tracker run
-        (the other hosts' metrics files are for their own status)."""
+        """Rank 0's trackers only: a run is one tracker run."""
         return list(cfg.run.report_to) if self.is_lead else []
 
     def speaks(self, cfg: TrainConfig) -> bool:
-        """Writes metrics and readable lines: rank 0; on other hosts their local rank 0 too, when
-        given its own --metrics-file (dflash-ops does), so each host's status sees the run."""
+        """Writes metrics and readable lines: rank 0, and another host's local rank 0 given its own
+        --metrics-file (dflash-ops does), so each host's status sees the run."""
         return self.is_lead or (self.local_rank == 0 and cfg.run.metrics_file is not None)
 
 
@@ -122,9 +108,6 @@ class DrafterDDP(DistributedDataParallel):
         return self.module.loss(*args, **kwargs)
 
 
-# ---- exchanges between ranks -----------------------------------------------------------------
-
-
 def _gather(vector: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     parts = [torch.empty_like(vector) for _ in range(world_size)]
     dist.all_gather(parts, vector)
@@ -173,9 +156,6 @@ def global_summary(local: StepSummary, stop: bool, rank: Rank, device: str) -> t
     return summary, any(bool(p[2]) for p in parts)
 
 
-# ---- resume ----------------------------------------------------------------------------------
-
-
 def check_same_start(start: int, rank: Rank, device: str) -> None:
     """Ranks that resume from different steps would wait on each other forever: refuse instead."""
     starts = _gather_int(start, rank, device)
@@ -197,9 +177,7 @@ def saved_replicas(state: ckpt.Checkpoint) -> int:
 
 
 def check_world_size(state: ckpt.Checkpoint, world_size: int) -> None:
-    """The optimizer state is replicated under DDP and would load on any world size, but the global
-    batch (world size x train.batch_size) fixes the data order and the schedule's length: step s
-    of another world size reads other data. So a resume keeps the world size."""
+    """A resume keeps the world size: the global batch fixes the data order and the schedule."""
     saved = saved_replicas(state)
     if saved != world_size:
         raise ckpt.CheckpointError(
@@ -208,9 +186,6 @@ def check_world_size(state: ckpt.Checkpoint, world_size: int) -> None:
             f"Fix: relaunch with {saved} ranks in total (--nproc-per-node x --nnodes), "
             f"or start a new --output-dir."
         )
-
-
-# ---- the world --------------------------------------------------------------------------------
 
 
 class TorchrunWorld:

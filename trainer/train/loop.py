@@ -4,9 +4,7 @@
     for each step: every replica trains one batch, gradients averaged  (trainer.train.workers; DDP)
                    log a metrics record, checkpoint every N steps or when asked to stop
 
-One setup and one loop for both launchers; what differs lives in the world (trainer.train.world):
-ThreadsWorld (one process, a drafter thread per device) or TorchrunWorld (trainer.train.distributed:
-this process is one rank, rank 0 writes, the ranks agree on every step's summary and on stopping).
+Both launchers share it; what differs lives in the world (trainer.train.world).
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import math
 import os
 import random
 import sys
-from typing import Any, Protocol, TextIO, cast
+from typing import TextIO, cast
 
 import torch
 import yaml
@@ -87,10 +85,8 @@ def configured_target(cfg: TrainConfig, device: str):
 
 
 class WarmupCosine:
-    """LR multiplier: linear warmup to 1, then cosine down to min_ratio at total_steps.
-
-    A class (not a lambda) so LambdaLR's state_dict carries its numbers into checkpoints.
-    """
+    """LR multiplier: linear warmup to 1, then cosine down to min_ratio at total_steps (a class, not
+    a lambda, so LambdaLR's state_dict carries its numbers into checkpoints)."""
 
     def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float):
         self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, total_steps, min_ratio
@@ -101,9 +97,6 @@ class WarmupCosine:
         progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
         progress = min(progress, 1.0)
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-# ---- building blocks -------------------------------------------------------------------------
 
 
 def build_dataset(cfg: TrainConfig, target) -> Dataset:
@@ -178,21 +171,16 @@ def restore(replicas: list[Replica], state: ckpt.Checkpoint, dcfg: DrafterConfig
 
 
 def resumed_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, steps_done: int):
-    """`scheduler`'s schedule standing after `steps_done` steps, its optimizer's LR set to match.
-
-    The schedule's shape comes from THIS run's config (same config: same numbers, an exact
-    continuation; a longer --max-steps stretches the cosine instead of training at its floor).
-    The base LRs are the optimizer's saved `initial_lr`. LambdaLR steps once as it is built, so
-    built at steps_done - 1 it stands at steps_done.
-    """
+    """`scheduler`'s schedule (THIS run's config: a longer --max-steps stretches the cosine) standing
+    after `steps_done` steps; LambdaLR steps once as it is built, hence steps_done - 1."""
     return torch.optim.lr_scheduler.LambdaLR(
         scheduler.optimizer, scheduler.lr_lambdas, last_epoch=steps_done - 1
     )
 
 
 def peak_gpu_memory_gib(devices: list[str]) -> float | None:
-    """The most memory allocated on any of these CUDA devices since the last call (GiB), then the
-    peaks start again; None without CUDA devices. Reads allocator counters: no device sync."""
+    """Peak GiB allocated on any of these CUDA devices since the last call (None: no CUDA); reads
+    allocator counters, so no device sync."""
     cuda = sorted({dev for dev in devices if dev.startswith("cuda")})
     if not cuda:
         return None
@@ -200,17 +188,6 @@ def peak_gpu_memory_gib(devices: list[str]) -> float | None:
     for dev in cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     return peak / 2**30
-
-
-class _LossModel(Protocol):
-    """A replica's model as the loss uses it: a DFlashDrafter, or the DrafterDDP around one (its
-    loss() passes through)."""
-
-    def __call__(self, *args: Any) -> torch.Tensor: ...
-
-    def loss(
-        self, hidden: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, gamma: float
-    ) -> Any: ...
 
 
 def make_loss_fn(cfg: TrainConfig):
@@ -226,7 +203,7 @@ def make_loss_fn(cfg: TrainConfig):
         ctx_len = batch.input_ids.shape[1]
         build = build_block_mask if backend == "flex" else dense_mask
         mask = build(anchors, valid, ctx_len, block, replica.device)
-        model = cast(_LossModel, replica.model)
+        model = cast(DFlashDrafter, replica.model)  # or the DrafterDDP around one: loss() passes through
         with precision.autocast(replica.device, mode):  # thread-local: entered in the drafter thread
             hidden = model(batch.features, batch.input_ids, anchors, mask, backend)
             labels, label_mask = block_labels(batch.input_ids, batch.loss_mask, anchors, valid, block)
@@ -253,40 +230,29 @@ def save(parts: LoopParts, model: torch.nn.Module, step: int) -> str:
     )
 
 
-def startup_summary(
-    cfg: TrainConfig,
-    guard: CompileGuard,
-    dataset: Dataset,
-    plan: BatchPlan,
-    total_steps: int,
-    start_step: int,
-    replicas: list[Replica],
-) -> list[str]:
+def startup_summary(parts: LoopParts) -> list[str]:
+    cfg, replicas, dataset, plan = parts.cfg, parts.replicas, parts.dataset, parts.plan
     params = sum(p.numel() for p in replicas[0].trainable())
     lines = ["dflash-train: resolved config (" + cfg.source + "):"]
     lines += ["  " + line for line in yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()]
     lines += [
         f"devices: target {', '.join(cfg.run.target_devices)} "
         f"| drafters {', '.join(cfg.run.drafter_devices)} ({len(replicas)} replica thread(s))",
-        guard.describe(),
+        parts.guard.describe(),
         f"attention: {cfg.run.attention} (compile mode {cfg.run.compile_mode}) "
         f"| precision {precision.resolve(cfg)} "
         f"| activation checkpointing: {cfg.train.activation_checkpointing} "
         f"| torch {torch.__version__} | drafter params {params:,}",
         f"data: {len(dataset)} sequences x {cfg.data.seq_len} tokens from {dataset.source}; "
-        f"{plan.steps_per_epoch} steps/epoch; {total_steps} steps total"
-        + (f"; resuming after step {start_step}" if start_step else ""),
+        f"{plan.steps_per_epoch} steps/epoch; {parts.total} steps total"
+        + (f"; resuming after step {parts.start}" if parts.start else ""),
         f"metrics: {cfg.metrics_path} | checkpoints: {ckpt.checkpoints_root(cfg.run.output_dir)}",
     ]
     return lines
 
 
-# ---- the run ---------------------------------------------------------------------------------
-
-
 def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) -> RunResult:
-    """Run (or resume) training as configured: the whole job in threads, or this process's rank
-    of a torchrun job. Raises on failure after writing an `error` record."""
+    """Run (or resume) training as configured; raises on failure after writing an `error` record."""
     check_launcher(cfg)
     world: World = TorchrunWorld.from_env(cfg) if cfg.run.launcher == TORCHRUN else ThreadsWorld(cfg)
     cfg = world.cfg
@@ -321,8 +287,7 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
 
 
 def open_metrics(world: World, out: TextIO | None, tty: bool | None) -> MetricsWriter:
-    """The metrics file and readable lines; a process that does not speak (a torchrun rank) writes
-    them to /dev/null and says only why it fails."""
+    """The metrics file and readable lines (/dev/null for a torchrun rank that does not speak)."""
     cfg = world.cfg
     if not world.speaks:
         sys.stdout = out = open(os.devnull, "w")
@@ -337,8 +302,7 @@ def open_metrics(world: World, out: TextIO | None, tty: bool | None) -> MetricsW
 
 
 def load_source(cfg: TrainConfig) -> tuple[list, Dataset, Dataset | None]:
-    """(targets, training data, held-out data): one target per target device, or from a feature
-    cache one embedding+lm_head stand-in per drafter device (no target forward)."""
+    """(targets, training data, held-out data); a feature cache gives embedding+lm_head stand-ins."""
     if cfg.data.source == "features":
         targets, dataset = training_source(cfg, param_dtype(cfg.run.drafter_devices[0]))
         return targets, dataset, None
@@ -375,13 +339,14 @@ def prepare(world: World, guard: CompileGuard, metrics: MetricsWriter) -> LoopPa
         restore(replicas, state, dcfg)
         start, upcast = state.step, precision.upcast_note(state.weights, state.path)
     world.ready(replicas, start)
+    parts = LoopParts(cfg, targets, replicas, dataset, plan, dcfg, guard, start, total, evaluator)
     kernels = gdn_kernels.gated_deltanet_path(targets[0].model) if hasattr(targets[0], "model") else None
-    summary = startup_summary(cfg, guard, dataset, plan, total, start, replicas) + world.describe()
+    summary = startup_summary(parts) + world.describe()
     summary += [line for line in [gdn_kernels.describe(kernels)] if line]
     metrics.start(cfg.to_dict(), world.devices, cfg.run.compile_lock, total, summary, gated_deltanet=kernels)
     if upcast:
         metrics.say(upcast)
-    return LoopParts(cfg, targets, replicas, dataset, plan, dcfg, guard, start, total, evaluator)
+    return parts
 
 
 def make_workers(parts: LoopParts) -> TrainingWorkers:

@@ -14,7 +14,8 @@ import time
 from typing import TYPE_CHECKING, Sequence, TextIO
 
 from trainer import metrics_format
-from trainer.progress import format_duration, progress_bar
+from trainer.compile_lock import exception_chain
+from trainer.progress import bar_line, format_duration
 from trainer.train.trackers import Trackers
 
 if TYPE_CHECKING:
@@ -26,17 +27,14 @@ def error_kind(exc: BaseException | None) -> str:
 
     block_mask is the create_block_mask race (KeyError: 'custom', see compile_lock.MASK_LOCK).
     """
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        text = f"{type(exc).__name__}: {exc}"
+    for link in exception_chain(exc):
+        text = f"{type(link).__name__}: {link}"
         if metrics_format.FX_TRACING_ERROR in text:
             return "fx_tracing"
-        if "OutOfMemoryError" in type(exc).__name__ or "CUDA out of memory" in text:
+        if "OutOfMemoryError" in type(link).__name__ or "CUDA out of memory" in text:
             return "cuda_oom"
-        if isinstance(exc, KeyError) and exc.args == ("custom",):
+        if isinstance(link, KeyError) and link.args == ("custom",):
             return "block_mask"
-        exc = exc.__cause__ or exc.__context__
     return "exception"
 
 
@@ -159,7 +157,7 @@ class MetricsWriter:
         permanent = step % self.log_every == 0 or step == total_steps
         if self.tty:
             with self._lock:
-                self.out.write("\r\x1b[2K" + progress_bar(step, total_steps) + " " + line)
+                self.out.write(bar_line(step, total_steps, line))
                 self._bar_open = True
                 if permanent:
                     self.out.write("\n")

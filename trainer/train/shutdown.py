@@ -1,22 +1,15 @@
 """Stopping on SIGTERM/SIGINT, also when a worker thread is stuck (e.g. in a compile that hangs).
 
 - First signal: finish the running step, write a checkpoint, exit 0.
-- That step does not finish within `run.stop_grace_s`: the main thread gives up on it, logs which
-  threads are still busy, writes the `done` record (interrupted) and exits with status 130 and
-  no new checkpoint (the last periodic one stays). A stuck thread cannot be joined, and it may
-  keep the interpreter's exit handlers waiting, so the exit is immediate (os._exit).
-- Second signal: abort at once, the same way.
-- Backstop (`watchdog=True`, the threaded trainer): a watchdog process (trainer.train.stop_watchdog)
-  sees the signal even when the Python handler never gets to run (a thread holding the GIL in C
-  code): if the trainer is still alive WATCHDOG_MARGIN_S after the grace period, it has every
-  thread's stack printed, logs one line and SIGKILLs the trainer. Without that process (it could
-  not start) the handler arms faulthandler's timer instead (stacks, exit status 1). The caller
-  must call step_finished() when the running step is done: that disarms both before the
-  checkpoint is written.
+- The step not done within `run.stop_grace_s`, or a second signal: log the busy threads, write the
+  `done` record (interrupted), exit 130 at once (os._exit: a stuck thread cannot be joined and may
+  hold up the exit handlers) without a new checkpoint.
+- Backstop (`watchdog=True`, the threaded trainer): trainer.train.stop_watchdog sees the signal even
+  when the Python handler never runs (a thread holding the GIL in C), and WATCHDOG_MARGIN_S after
+  the grace period has the stacks printed and SIGKILLs the trainer; without it, faulthandler's timer
+  does (exit 1). step_finished() disarms both before the checkpoint is written.
 
-`dflash-ops stop|relaunch --grace S` (default 30) sends ONE SIGTERM to the job's processes and
-SIGKILLs whatever is left after S seconds; trainer.stop_timing says how much S must leave, so that
-a stuck trainer is ended by itself or its watchdog, with their log lines, before that SIGKILL.
+trainer.stop_timing says how much of `dflash-ops stop --grace S` this leaves before its SIGKILL.
 """
 
 from __future__ import annotations

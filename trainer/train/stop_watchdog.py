@@ -1,19 +1,11 @@
 """A watchdog process that ends the trainer when a stop signal cannot reach its Python code.
 
-A Python signal handler runs only when the main thread gets to execute bytecode. A thread that
-holds the GIL inside a C call (or a main thread blocked in C) keeps it from ever running, so the
-trainer ignores SIGTERM for good. The C-level part of the handler still runs at once: it writes
-the signal's number to the wakeup fd (signal.set_wakeup_fd). That fd is a pipe to this small
-child process (stdlib only, no GIL of the trainer's), which therefore sees every SIGTERM/SIGINT
-the trainer gets, however it was sent (ops `stop`, `timeout`, Ctrl-C, kill PID).
-
-- A stop signal arms it; the trainer writes DISARM once its main thread finished the running step
-  (from then on it checkpoints and exits by itself).
-- Still armed `after_s` seconds later: it makes the trainer print every thread's stack
-  (faulthandler on SIGUSR2), writes one line to the trainer's stderr and SIGKILLs the trainer.
-- It ignores SIGTERM/SIGINT/SIGHUP itself (it gets the job's signals too) and exits as soon as
-  the trainer exits (end of file on the pipe, or its parent changed). It never signals anything
-  but its parent.
+A Python signal handler runs only when the main thread executes bytecode, which a thread holding
+the GIL in C can prevent forever. The C part of the handler still writes the signal's number to the
+wakeup fd (signal.set_wakeup_fd): a pipe to this stdlib-only child, which so sees every SIGTERM/SIGINT.
+A stop signal arms it; the trainer writes DISARM once the running step is done. Still armed `after_s`
+later, it has the trainer print every thread's stack (SIGUSR2), writes one line to its stderr and
+SIGKILLs it. It ignores the job's signals itself, exits with the trainer, and signals only its parent.
 
 Run as `python -I -S stop_watchdog.py TRAINER_PID READ_FD AFTER_S` (StopWatchdog.start does).
 """

@@ -1,20 +1,13 @@
 """Experiment trackers (`run.report_to`): tensorboard, wandb, mlflow, fed the metrics records.
 
-The metrics file is the one source of truth: MetricsWriter hands every record it writes (the very
-JSON line, read back) to `Trackers.feed`, and `scalars_of` maps a record to tracker values. Nothing
-else reports to a tracker.
+MetricsWriter hands every record it writes (the JSON line, read back) to `Trackers.feed`; the
+metrics file stays the one source of truth. A tracker that is not installed, cannot start or
+raises is named in ONE line and dropped; training goes on. Records from other threads wait in a
+queue for the writer's thread, so tracker libraries are called from one thread.
 
-Every tracker is optional: one that is not installed, cannot start (no network, a bad key) or
-raises mid-run is named in ONE readable line and dropped; training goes on. Records written by
-other threads (a drafter thread's compile event) wait in a queue and reach the trackers from the
-thread that made the writer (the main thread), so tracker libraries are called from one thread.
-
-Where each writes (all under the run's --output-dir unless its own settings say otherwise):
-  tensorboard  <output_dir>/tensorboard/ (event files)
-  wandb        <output_dir>/wandb/ (WANDB_MODE=offline: an offline-run-* dir, no network);
-               project $WANDB_PROJECT or "dflash"
-  mlflow       $MLFLOW_TRACKING_URI, else a file store <output_dir>/mlruns; experiment
-               $MLFLOW_EXPERIMENT_NAME or "dflash"
+Where each writes (under --output-dir unless its own settings say otherwise): tensorboard in
+tensorboard/; wandb in wandb/ (project $WANDB_PROJECT or "dflash"; WANDB_MODE=offline: no network);
+mlflow at $MLFLOW_TRACKING_URI, else a file store mlruns/ (experiment $MLFLOW_EXPERIMENT_NAME or "dflash").
 """
 
 from __future__ import annotations
@@ -39,10 +32,8 @@ _PER_POSITION = {"acc", "acceptance"}
 def scalars_of(record: dict) -> tuple[int, dict[str, float]] | None:
     """(step, {tag: value}) of a step, eval or compile record; None for the others.
 
-    Step records give train/<field> (acc as train/acc/pos1.., plus train/tau_expected, the
-    acceptance length the accuracies predict); eval records eval/<field> (acceptance as
-    eval/acceptance/pos1.., a mapping of numbers as eval/<field>/<key>); compile records
-    compile/duration_s. Fields added to the contract later are reported under their own names.
+    train/<field> (acc as train/acc/pos1.., plus train/tau_expected), eval/<field> (lists by
+    position, mappings by key), compile/duration_s; fields added later report under their own names.
     """
     event = record.get("event")
     step = record.get("step")
@@ -74,25 +65,27 @@ def scalars_of(record: dict) -> tuple[int, dict[str, float]] | None:
     return step, values
 
 
+# the records worth a line in a tracker's event log (the relaunch and stop history), as that line
+_EVENT_LINES = {
+    "compile": "compile {thread} step {step}: {duration_s} s ({reason})",
+    "checkpoint": "checkpoint step {step}: {path}",
+    "error": "error ({kind}): {message}",
+    "done": "done step {step} ({reason})",
+}
+
+
+class _Fields(dict):
+    def __missing__(self, key):
+        return None  # a field the record lacks reads None, as record.get would
+
+
 def event_of(record: dict) -> tuple[int, str, str] | None:
-    """(step, kind, text) of a record worth a line in a tracker's event log (compile, checkpoint,
-    error, done: the relaunch and stop history), else None."""
+    """(step, kind, text) of a record worth a line in a tracker's event log, else None."""
     event = record.get("event")
+    if event not in _EVENT_LINES:
+        return None
     step = record["step"] if isinstance(record.get("step"), int) else 0
-    if event == "compile":
-        return (
-            step,
-            "compile",
-            f"compile {record.get('thread')} step {step}: "
-            f"{record.get('duration_s')} s ({record.get('reason')})",
-        )
-    if event == "checkpoint":
-        return step, "checkpoint", f"checkpoint step {step}: {record.get('path')}"
-    if event == "error":
-        return step, "error", f"error ({record.get('kind')}): {record.get('message')}"
-    if event == "done":
-        return step, "done", f"done step {step} ({record.get('reason')})"
-    return None
+    return step, event, _EVENT_LINES[event].format_map(_Fields(record, step=step))
 
 
 def _number(value) -> float | None:
@@ -109,9 +102,6 @@ def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
         else:
             flat[f"{prefix}{key}"] = str(value)[:500]
     return flat
-
-
-# ---- the trackers -----------------------------------------------------------------------------
 
 
 class Tracker:

@@ -1,12 +1,8 @@
 """Tau while training: every `eval.every` steps, decode the evaluation prompts speculatively.
 
-Runs in the main thread between steps, when every drafter thread is idle. The replicas hold
-identical weights, so one replica's weights are copied (in place) into an evaluation drafter that
-lives on the target's device, next to the target it decodes with. All prompts decode together as
-one batch on the static loop (trainer.infer.static_decode), whose caches and CUDA graphs are built at
-the first evaluation and reused by every later one. The target's own greedy outputs are computed
-once and reused: the target is frozen. Writes one `eval` metrics record per evaluation, with the
-evaluations' share of the run's wall time so far.
+Runs in the main thread between steps, with the lead replica's weights copied into an evaluation
+drafter on the target's device. The prompts decode as one batch on the static loop, whose caches
+and CUDA graphs are built once; the frozen target's greedy outputs are computed once too.
 """
 
 from __future__ import annotations
@@ -70,21 +66,13 @@ class TrainingEval:
     def run(self, model: torch.nn.Module, step: int, metrics: MetricsWriter):
         t0 = time.monotonic()
         self.drafter.load_state_dict(model.state_dict())
+        decoding = (self.target.model, self.target.layer_ids, self.drafter, self.prompts)
         if self.decoder is None and self.prompts:
             self.decoder = make_decoder(
-                self.target.model,
-                self.target.layer_ids,
-                self.drafter,
-                self.prompts,
-                self.max_new_tokens,
-                self.stop_ids,
-                batch=len(self.prompts),
+                *decoding, self.max_new_tokens, self.stop_ids, batch=len(self.prompts)
             )
         result = evaluate(
-            self.target.model,
-            self.target.layer_ids,
-            self.drafter,
-            self.prompts,
+            *decoding,
             max_new_tokens=self.max_new_tokens,
             stop_ids=self.stop_ids,
             reference=self.reference,

@@ -7,13 +7,10 @@
                                                    barrier: grads averaged over replicas, clipped
                                                    optimizer.step(); scheduler.step(); report
 
-Replicas start identical and receive identical averaged gradients, so they stay identical without
-torch.distributed (all threads share one process). The main thread drives one step at a time, so
-between steps every drafter thread is idle: that is when the loop logs and checkpoints.
-
-Any exception in any thread stops everything: the stop event is set, the barrier aborted, queues
-drained, and the first real error (not a consequence such as BrokenBarrierError) is re-raised in
-the main thread as WorkerFailure, carrying the worker's traceback.
+Replicas start identical and get identical averaged gradients, so they stay identical. Between
+the main thread's steps every drafter thread is idle: the loop logs and checkpoints then. Any
+exception in any thread stops them all; the first real error (not a consequence such as
+BrokenBarrierError) reaches the main thread as WorkerFailure, with the worker's traceback.
 """
 
 from __future__ import annotations
@@ -55,8 +52,7 @@ class Failure:
 
     @property
     def bad_input(self) -> bool:
-        """The user's input was wrong (a config, data or checkpoint error, with an exit code): its one
-        line says what to fix, and a traceback would only bury it."""
+        """A config, data or checkpoint error (it has an exit code): its one line beats a traceback."""
         return isinstance(getattr(self.original, "exit_code", None), int)
 
     @classmethod
@@ -188,7 +184,6 @@ class TrainingWorkers:
         self._threads: list[threading.Thread] = []
         self._doing: dict[str, str] = {}  # drafter -> what it is doing, for a stop that times out
 
-    # ---- main thread side ---------------------------------------------------------------
     def start(self, first_step: int, total_steps: int) -> None:
         """`first_step` is 0-based (the number of steps already done)."""
         for t, target in enumerate(self.targets):
@@ -199,10 +194,8 @@ class TrainingWorkers:
             self._spawn(replica.name, self._drafter_loop, replica)
 
     def run_step(self, step: int, give_up: Callable[[], str | None] | None = None) -> StepSummary:
-        """Every replica trains on its batch for step `step` (0-based); returns when all are done.
-
-        `give_up()` is polled while waiting; a reason from it raises StepAbandoned.
-        """
+        """Every replica trains its batch of step `step` (0-based); a reason from the polled
+        `give_up()` raises StepAbandoned."""
         for commands in self._commands.values():
             commands.put(step)
         reports: list[_Report] = []
@@ -235,11 +228,8 @@ class TrainingWorkers:
         )
 
     def close(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
-        """Stop all threads: no thread is left blocked on a queue or the barrier.
-
-        Waits at most `join_timeout_s` in all: a thread stuck in a kernel or a compile never ends
-        (daemon threads; trainer.train.shutdown decides how the process then exits).
-        """
+        """Stop all threads, none left blocked on a queue or the barrier; joins for at most
+        `join_timeout_s` in all (a thread stuck in a kernel never ends: trainer.train.shutdown)."""
         self._stop.set()
         self._barrier.abort()
         queues: list[queue.Queue] = [*self._batches.values(), *self._commands.values()]
@@ -262,7 +252,6 @@ class TrainingWorkers:
         aborted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
         self.close(ABORT_JOIN_TIMEOUT_S if aborted else JOIN_TIMEOUT_S)
 
-    # ---- worker threads ----------------------------------------------------------------
     def _spawn(self, name: str, fn, *args) -> None:
         def run():
             try:
@@ -359,7 +348,6 @@ class TrainingWorkers:
                     p.grad = avg.to(p.device, p.dtype, copy=True)
         self._grad_norm = float(norm)
 
-    # ---- blocking with an eye on the stop event ----------------------------------------
     def _get(self, q: queue.Queue):
         return self._until_stopped(lambda: q.get(timeout=POLL_S))
 

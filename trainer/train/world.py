@@ -1,12 +1,6 @@
-"""Who trains: the one loop of trainer.train.loop runs over a world, and the world says how it is spread.
-
-    ThreadsWorld   (here) one process: a drafter thread per drafter device, gradients averaged in
-                   the process (trainer.train.workers); this process writes everything.
-    TorchrunWorld  (trainer.train.distributed) this process is one rank of a torchrun job: one drafter
-                   thread, its model wrapped in DDP; rank 0 writes the checkpoints; every step the
-                   ranks exchange their summaries and agree on stopping.
-
-What train() and its loop ask of a world (World below); ThreadsWorld answers trivially.
+"""Who trains: the one loop of trainer.train.loop runs over a World, which says how it is spread:
+ThreadsWorld (here: one process, a drafter thread per device) or TorchrunWorld
+(trainer.train.distributed: this process is one rank of a torchrun job).
 """
 
 from __future__ import annotations
@@ -21,6 +15,8 @@ from trainer.train.workers import Failure, Replica, StepSummary, TrainingWorkers
 
 
 class World(typing.Protocol):
+    """What train() and its loop ask of a world; the defaults are one process's answers."""
+
     cfg: TrainConfig  # the config as this process trains it (a rank: its own device only)
     size: int  # replicas in the whole job: the batch plan is built for that many
     is_lead: bool  # evaluates and writes checkpoints
@@ -30,21 +26,27 @@ class World(typing.Protocol):
 
     def thread(self, name: str) -> str:
         """A worker thread's name in compile events."""
+        return name
 
     def join(self) -> None:
         """Meet the other processes (before the run's try block: nothing is built yet)."""
+        return None
 
     def agree_data(self, dataset) -> None:
         """Refuse when the processes built different training data."""
+        return None
 
     def agree_resume(self, state) -> None:
         """Refuse a checkpoint that this world cannot continue (before it is restored)."""
+        return None
 
     def ready(self, replicas: list[Replica], start: int) -> None:
         """Last step before training: agree on the start step, wrap the replicas as needed."""
+        return None
 
     def describe(self) -> list[str]:
         """Lines for the startup summary."""
+        return []
 
     def stop_request(self) -> StopRequest:
         """The stop request train() installs with listen()."""
@@ -66,9 +68,10 @@ class World(typing.Protocol):
 
     def close(self) -> None:
         """Leave the other processes (in train()'s finally)."""
+        return None
 
 
-class ThreadsWorld:
+class ThreadsWorld(World):
     """One process, a drafter thread per drafter device (trainer.train.workers averages the gradients)."""
 
     is_lead = speaks = True
@@ -78,24 +81,6 @@ class ThreadsWorld:
         self.size = len(cfg.run.drafter_devices)
         self.devices = cfg.run.target_devices + cfg.run.drafter_devices
         self.trackers = list(cfg.run.report_to)
-
-    def thread(self, name: str) -> str:
-        return name
-
-    def join(self) -> None:
-        pass
-
-    def agree_data(self, dataset) -> None:
-        pass
-
-    def agree_resume(self, state) -> None:
-        pass
-
-    def ready(self, replicas: list[Replica], start: int) -> None:
-        pass
-
-    def describe(self) -> list[str]:
-        return []
 
     def stop_request(self) -> StopRequest:
         return StopRequest(self.cfg.run.stop_grace_s, watchdog=True)
@@ -117,6 +102,3 @@ class ThreadsWorld:
 
     def failed(self, failure: Failure) -> str | None:
         return ""
-
-    def close(self) -> None:
-        pass
