@@ -195,31 +195,6 @@ def with_newest_eval(tail, context_steps, cap_bytes, deadline):
     return tail
 
 
-def read_job_state(path):
-    """(the job state or None, what is wrong with the file or None); a bad one is reported, never guessed."""
-    if not path or not os.path.lexists(path):
-        return None, None
-    if not os.path.isfile(path):
-        return None, facts.STATE_NOT_A_FILE
-    with open(path, "rb") as f:
-        raw = f.read(facts.STATE_MAX_BYTES + 1)
-    if len(raw) > facts.STATE_MAX_BYTES:
-        return None, "larger than %d bytes" % facts.STATE_MAX_BYTES
-    try:
-        data = json.loads(raw.decode("utf-8", "replace") or "null")
-    except (ValueError, RecursionError) as e:
-        return None, "not JSON (%s)" % type(e).__name__
-    if not isinstance(data, dict):
-        return None, "not a JSON object"
-    if data.get("log") is not None and not usable_path(data["log"]):
-        return data, "field log is not a path: %s" % json.dumps(data["log"])[:80]
-    return data, None
-
-
-def usable_path(value):
-    return isinstance(value, str) and 0 < len(value) <= 4096 and "\0" not in value
-
-
 def files_state(log_dir, log_lines, metrics_lines, job_state=None, eval_search=None):
     """`eval_search`: (context steps, cap bytes, deadline) for with_newest_eval, or None."""
     state = {
@@ -230,7 +205,7 @@ def files_state(log_dir, log_lines, metrics_lines, job_state=None, eval_search=N
         "log_missing": None,
     }
     log_path = (job_state or {}).get("log")
-    if log_path is not None and not usable_path(log_path):
+    if log_path is not None and not procs.usable_path(log_path):
         return state  # the state names something that is no path: never another run's log instead
     if not log_path:
         if not state["log_dir_exists"]:
@@ -301,7 +276,7 @@ def probe(args, where, lines):
     gpu_started, faults_started = start_gpu_parts(args, errors, gpu_source, deadline, part_s)
     # the files are read while those commands run
     report["job_state"], report["job_state_error"] = section(
-        errors, "job state", read_job_state, args.get("state_file")
+        errors, "job state", procs.read_job_state, args.get("state_file")
     ) or (None, "unreadable")
     eval_search = (int(args.get("eval_context_steps", 0)), MAX_EVAL_SCAN_BYTES, deadline)
     files = section(
