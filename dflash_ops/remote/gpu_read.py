@@ -13,7 +13,7 @@ except ImportError:  # on the target: remote.bundle() defined them ahead of this
 MIB = 1024 * 1024
 
 
-def _text(value):
+def nvml_text(value):
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
@@ -55,12 +55,12 @@ def _nvml_read(pynvml):
             utilization = int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
         except pynvml.NVMLError:  # not supported (MIG, some vGPUs)
             utilization = None
-        uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+        uuid = nvml_text(pynvml.nvmlDeviceGetUUID(handle))
         gpus.append(
             {
                 "index": index,
                 "uuid": uuid,
-                "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                "name": nvml_text(pynvml.nvmlDeviceGetName(handle)),
                 "memory_used_mib": int(memory.used // MIB),
                 "memory_total_mib": int(memory.total // MIB),
                 "utilization_pct": utilization,

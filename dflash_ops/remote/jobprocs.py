@@ -37,17 +37,12 @@ def gpu_apps(gpus):
     if not gpus:
         return []
     try:
-        idx = subprocess.run(
-            facts.gpu_query_argv(fields=facts.GPU_FIELDS[:2]),  # index, uuid
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-        apps = subprocess.run(
-            facts.apps_query_argv(fields=facts.APP_FIELDS[:3]),  # pid, gpu_uuid, used_memory
-            capture_output=True,
-            text=True,
-            timeout=20,
+        idx, apps = (
+            subprocess.run(argv, capture_output=True, text=True, timeout=20)
+            for argv in (
+                facts.gpu_query_argv(fields=facts.GPU_FIELDS[:2]),  # index, uuid
+                facts.apps_query_argv(fields=facts.APP_FIELDS[:3]),  # pid, gpu_uuid, used_memory
+            )
         )
     except (OSError, subprocess.TimeoutExpired):
         return []

@@ -119,21 +119,21 @@ def started_at(table, pid, boot):
     return boot + table[pid][2] / float(os.sysconf("SC_CLK_TCK"))
 
 
+def _environ(pid):
+    """The process's environment entries (b"NAME=VALUE"); none when it cannot be read."""
+    env = read("/proc/%d/environ" % pid, MAX_ENVIRON_BYTES)
+    return env.split(b"\0") if env else []
+
+
 def has_marker(pid, marker):
     """`marker` (b"NAME=VALUE") is one of the process's environment entries."""
-    env = read("/proc/%d/environ" % pid, MAX_ENVIRON_BYTES)
-    return bool(env) and bool(marker) and marker in env.split(b"\0")
+    return bool(marker) and marker in _environ(pid)
 
 
 def has_other_marker(pid, marker):
     """The process carries the marker's NAME with another VALUE: it is another job's."""
-    env = read("/proc/%d/environ" % pid, MAX_ENVIRON_BYTES)
     name = marker.split(b"=", 1)[0] + b"="
-    return (
-        bool(env)
-        and bool(marker)
-        and any(entry.startswith(name) and entry != marker for entry in env.split(b"\0"))
-    )
+    return bool(marker) and any(entry.startswith(name) and entry != marker for entry in _environ(pid))
 
 
 def others_panes(panes, table, marker):
