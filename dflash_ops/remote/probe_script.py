@@ -195,8 +195,8 @@ def with_newest_eval(tail, context_steps, cap_bytes, deadline):
     return tail
 
 
-def files_state(log_dir, log_lines, metrics_lines, job_state=None, eval_search=None):
-    """`eval_search`: (context steps, cap bytes, deadline) for with_newest_eval, or None."""
+def files_state(log_dir, lines, job_state=None, eval_search=None):
+    """`lines`: log_lines and metrics_lines; `eval_search`: (context steps, cap bytes, deadline) or None."""
     state = {
         "log_dir": log_dir,
         "log_dir_exists": os.path.isdir(log_dir),
@@ -214,12 +214,12 @@ def files_state(log_dir, log_lines, metrics_lines, job_state=None, eval_search=N
     if log_path is None:
         return state
     if os.path.exists(log_path):
-        state["log"] = file_tail(log_path, log_lines)
+        state["log"] = file_tail(log_path, lines["log_lines"])
     else:
         state["log_missing"] = log_path  # deleted or rotated away under a live trainer, say
     metrics = metrics_format.metrics_path_for_log(log_path)
     if os.path.exists(metrics):
-        state["metrics"] = file_tail(metrics, metrics_lines)
+        state["metrics"] = file_tail(metrics, lines["metrics_lines"])
         if eval_search is not None:
             state["metrics"] = with_newest_eval(state["metrics"], *eval_search)
     return state
@@ -279,16 +279,7 @@ def probe(args, where, lines):
         errors, "job state", procs.read_job_state, args.get("state_file")
     ) or (None, "unreadable")
     eval_search = (int(args.get("eval_context_steps", 0)), MAX_EVAL_SCAN_BYTES, deadline)
-    files = section(
-        errors,
-        "files",
-        files_state,
-        where["log_dir"],
-        lines["log_lines"],
-        lines["metrics_lines"],
-        report["job_state"],
-        eval_search,
-    )
+    files = section(errors, "files", files_state, where["log_dir"], lines, report["job_state"], eval_search)
     finish_parts(report, errors, tmux_started, gpu_started, gpu_source, where, deadline, part_s)
     report["processes"], report["marked_pids"] = section(
         errors, "processes", ours_only, report["session"], args.get("marker")
