@@ -3,6 +3,7 @@ step says what it would do. A parameter a command sets has no default here: the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import posixpath
@@ -78,10 +79,9 @@ def stop_session(ctx: StepContext, job: Job, grace_s: float, record_stop: bool =
 
     check_grace(job, grace_s, given_as="grace_s")  # here, so it holds for every way in
     if record_stop:
-        try:
+        # health answers UNKNOWN and relaunches nothing already; mark_stopped then fails loudly
+        with contextlib.suppress(_StateUnusable):
             _record_stop(ctx, job, jobstate.STOPPING, grace_s)
-        except _StateUnusable:
-            pass  # health answers UNKNOWN and relaunches nothing already; mark_stopped then fails loudly
     ended = _end_job_processes(ctx, job, grace_s, include_session=True)
     session = str((ended.data or {}).get("session") or job.session)  # an earlier version's job: its own
     if (ended.data or {}).get("others_session"):

@@ -8,6 +8,7 @@ what is left of health's budget, then is killed with its group."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -135,11 +136,7 @@ def _start(command: str, change: Change) -> subprocess.Popen:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=1)
-    except subprocess.TimeoutExpired:
-        pass

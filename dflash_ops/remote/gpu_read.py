@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 try:  # imported from the package (probe_script in tests)
     from dflash_ops.remote import facts, procs
     from dflash_ops.remote.bounded import finish, in_thread, out_of_time, start
@@ -40,10 +42,8 @@ def nvml_answer(pynvml, read, what):
     except Exception as e:
         return {"source": "nvml", "error": "%s failed: %s: %s" % (what, type(e).__name__, e)}
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def _nvml_read(pynvml):

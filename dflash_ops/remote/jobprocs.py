@@ -1,6 +1,7 @@
 """Run ON THE TARGET: the job's processes (remote/procs.py's rule), ended with "action": "kill";
 other GPU processes are reported as unidentified, never signalled. Prints one JSON object."""
 
+import contextlib
 import json
 import os
 import signal
@@ -126,21 +127,17 @@ def end_job(report, table, job, roots, grace_s):
     for pid in first:
         if not same_process(table, pid):
             continue
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
     deadline = time.time() + grace_s
     while time.time() < deadline and any(same_process(table, p) for p in job):
         time.sleep(0.2)
     report["terminated"] = [p for p in job if not same_process(table, p)]
     for pid in job:
         if same_process(table, pid):
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
                 report["killed"].append(pid)
-            except OSError:
-                pass
     time.sleep(0.3)
     report["survivors"] = [p for p in job if same_process(table, p)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import base64
 import hashlib
 import os
@@ -251,10 +252,9 @@ class SshConnecting:
     def _close_quietly(self, opening: fabric.Connection | None = None) -> None:
         for conn in (opening, self._conn, self._gateway):
             if conn is not None:
-                try:
+                # noqa: BLE001 - closing a broken connection may fail; nothing to do
+                with contextlib.suppress(Exception):
                     conn.close()
-                except Exception:  # noqa: BLE001 - closing a broken connection may fail; nothing to do
-                    pass
         self._conn = self._gateway = None
 
 
