@@ -161,30 +161,29 @@ def _run_probe_gpu_on_host(
         raise RemoteCommandError(transport.name, "probe", dataclasses.replace(result, stdout=rest))
     report = parse_probe_output(rest, target=transport.name)
     report = dataclasses.replace(report, gpu_faults=_host_faults(faults_line, part_s))
-    rc, host_out = _host_answer(first, validate=False)
+    gpu, late = _host_gpu(first, ctid, part_s, transport.name)
+    if late:
+        report = dataclasses.replace(report, out_of_time=tuple(sorted(set(report.out_of_time) | {"gpu"})))
+    return dataclasses.replace(report, gpu=gpu, seconds=result.seconds)
+
+
+def _host_gpu(line: str, ctid: int, part_s: float | None, target: str) -> tuple[GpuSnapshot, bool]:
+    """The Proxmox host's line of its GPU query as container `ctid` sees the GPUs; whether it ran late."""
+    rc, host_out = _host_answer(line, validate=False)
     if host_out is None:
-        raise ProbeError(
-            f"[{transport.name}] probe: unreadable GPU answer from the Proxmox host: {first[:200]!r}"
-        )
+        raise ProbeError(f"[{target}] probe: unreadable GPU answer from the Proxmox host: {line[:200]!r}")
     if part_s is not None and rc.strip() in ("124", "137"):
-        gpu = GpuSnapshot(
-            gpus=(),
-            source="nvidia-smi",
-            error=f"nvidia-smi on the Proxmox host gave no answer within "
-            f"{part_s:.1f} s (a wedged driver or a hung command)",
+        error = (
+            f"nvidia-smi on the Proxmox host gave no answer within {part_s:.1f} s "
+            "(a wedged driver or a hung command)"
         )
-        return dataclasses.replace(
-            report,
-            gpu=gpu,
-            seconds=result.seconds,
-            out_of_time=tuple(sorted(set(report.out_of_time) | {"gpu"})),
-        )
+        return GpuSnapshot(gpus=(), source="nvidia-smi", error=error), True
     gpu = parse_host_gpu_query(host_out, ctid)
     if rc.strip() != "0" and gpu.error is None:
         gpu = dataclasses.replace(
             gpu, error=f"nvidia-smi on the Proxmox host failed ({rc}): {host_out.strip()[-300:]}"
         )
-    return dataclasses.replace(report, gpu=gpu, seconds=result.seconds)
+    return gpu, False
 
 
 def limited(argv: Sequence[str], part_s: float | None) -> list[str]:
