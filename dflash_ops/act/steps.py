@@ -104,11 +104,6 @@ def kill_gpu_processes(ctx: StepContext, job: Job, grace_s: float = 10.0) -> End
 # ------------------------------------------------------------------ GPUs
 
 
-def _pid_owner(processes: list[dict[str, Any]]) -> set[tuple[int, str]]:
-    """(pid, owner) of each process, as the GPU snapshot names them."""
-    return {(int(p["pid"]), p.get("owner") or "") for p in processes}
-
-
 def wait_gpu_free(
     ctx: StepContext,
     job: Job,
@@ -123,7 +118,8 @@ def wait_gpu_free(
     gpus = list(job.gpus)
     if not gpus:
         return StepOutcome("no GPUs assigned to this job")
-    foreign = _pid_owner(ended.foreign if ended is not None else [])
+    # (pid, owner) of each foreign process, as the GPU snapshot names them
+    foreign = {(int(p["pid"]), p.get("owner") or "") for p in (ended.foreign if ended is not None else [])}
     deadline = time.monotonic() + timeout_s
     while True:
         try:

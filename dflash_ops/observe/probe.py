@@ -272,7 +272,10 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
         log=log,
         metrics=metrics,
         records=tuple(
-            metrics_format.current_run(list(_records(metrics, eval_lines)), _launched_at(state_record))
+            # metrics from before the launch that wrote the job state are an older trainer's
+            metrics_format.current_run(
+                list(_records(metrics, eval_lines)), state_record.since if state_record is not None else None
+            )
         ),
         errors=tuple(str(e) for e in data.get("errors") or []),
         out_of_time=tuple(str(p) for p in data.get("out_of_time") or []),
@@ -291,11 +294,6 @@ def _whole(value, signed: bool = False) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         return None
     return value if signed or value >= 0 else None
-
-
-def _launched_at(record) -> float | None:
-    """When the launch that wrote the job state began: metrics before it are an older trainer's."""
-    return record.since if record is not None else None
 
 
 def _state_error(data: dict, record) -> str | None:

@@ -83,10 +83,6 @@ def _nvml_read(pynvml):
     return {"source": "nvml", "error": None, "gpus": gpus, "processes": processes}
 
 
-def start_nvidia_smi(binary):
-    return start(facts.gpu_query_argv(binary)), start(facts.apps_query_argv(binary))
-
-
 def finish_nvidia_smi(started, deadline, part_s):
     """Raw CSV from nvidia-smi (parsed by dflash_ops.observe.gpu, so there is one parser)."""
     rc, out, err = finish(started[0], deadline)
@@ -111,7 +107,7 @@ def start_gpu_state(source, binary, deadline, part_s):
         nvml = in_thread(nvml_query, deadline) or dict(out_of_time("NVML", part_s), source="nvml")
     if source == "nvml" or (nvml is not None and (not nvml.get("error") or nvml.get("out_of_time"))):
         return nvml, None
-    return nvml, start_nvidia_smi(binary)
+    return nvml, (start(facts.gpu_query_argv(binary)), start(facts.apps_query_argv(binary)))
 
 
 def finish_gpu_state(started, deadline, part_s):

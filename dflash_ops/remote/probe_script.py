@@ -36,11 +36,6 @@ PART_S = 15.0  # default per-part limit: a wedged driver can hang nvidia-smi; th
 # --------------------------------------------------------------------------- tmux session
 
 
-def start_tmux(sock, session):
-    """One tmux call: listing the session's panes tells whether it exists and whether it lives."""
-    return start(procs.pane_command(sock, session))
-
-
 # what the answer says of a session that is not ours to show: none, not running
 NO_SESSION = {"exists": False, "running": False, "pane_pid": None, "exit_status": None}
 
@@ -272,7 +267,8 @@ def probe(args, where, lines):
     deadline = time.monotonic() + part_s
     gpu_source = args.get("gpu_source", "auto")
     where["session"], args["marker"] = procs.pick_identity(args)
-    tmux_started = section(errors, "tmux", start_tmux, where["socket"], where["session"])
+    # one tmux call: listing the session's panes tells whether it exists and whether it lives
+    tmux_started = section(errors, "tmux", start, procs.pane_command(where["socket"], where["session"]))
     gpu_started, faults_started = start_gpu_parts(args, errors, gpu_source, deadline, part_s)
     # the files are read while those commands run
     report["job_state"], report["job_state_error"] = section(
