@@ -49,11 +49,8 @@ def gpu_apps(gpus):
         return []
     if idx.returncode or apps.returncode:
         return []
-    index_of = {}
-    for line in idx.stdout.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0].isdigit():
-            index_of[parts[1]] = int(parts[0])
+    rows = ([p.strip() for p in line.split(",")] for line in idx.stdout.splitlines())
+    index_of = {row[1]: int(row[0]) for row in rows if len(row) == 2 and row[0].isdigit()}
     found = []
     for line in apps.stdout.splitlines():
         parts = [p.strip() for p in line.split(",")]

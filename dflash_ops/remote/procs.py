@@ -90,13 +90,8 @@ def stat_fields(pid):
 
 def process_table():
     """pid -> (state, ppid, start ticks, name) of every process visible here."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = stat_fields(int(entry))
-            if fields is not None:
-                table[int(entry)] = fields
-    return table
+    found = {int(entry): stat_fields(int(entry)) for entry in os.listdir("/proc") if entry.isdigit()}
+    return {pid: fields for pid, fields in found.items() if fields is not None}
 
 
 def living(table, pid):
