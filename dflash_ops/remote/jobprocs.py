@@ -49,15 +49,14 @@ def gpu_apps(gpus):
         return []
     if idx.returncode or apps.returncode:
         return []
-    rows = ([p.strip() for p in line.split(",")] for line in idx.stdout.splitlines())
-    index_of = {row[1]: int(row[0]) for row in rows if len(row) == 2 and row[0].isdigit()}
-    found = []
-    for line in apps.stdout.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3 and parts[0].isdigit() and index_of.get(parts[1]) in gpus:
-            used = int(parts[2]) if parts[2].isdigit() else None
-            found.append((int(parts[0]), index_of[parts[1]], used))
-    return found
+    gpu_rows = ([p.strip() for p in line.split(",")] for line in idx.stdout.splitlines())
+    index_of = {row[1]: int(row[0]) for row in gpu_rows if len(row) == 2 and row[0].isdigit()}
+    app_rows = ([p.strip() for p in line.split(",")] for line in apps.stdout.splitlines())
+    return [
+        (int(parts[0]), index_of[parts[1]], int(parts[2]) if parts[2].isdigit() else None)
+        for parts in app_rows
+        if len(parts) == 3 and parts[0].isdigit() and index_of.get(parts[1]) in gpus
+    ]
 
 
 def same_process(table, pid):
