@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def with_remote_stderr(message: str, stderr: str) -> str:
+    """`message`, then what the remote side said on stderr, indented under it, when it said anything."""
+    return message + ("\n  remote stderr: " + stderr.replace("\n", "\n  ") if stderr else "")
+
+
 class DflashOpsError(Exception):
     """Base class: a failure we can explain in one message."""
 
@@ -20,10 +25,7 @@ class TransportError(DflashOpsError):
 
     def __init__(self, target: str, step: str, reason: str, stderr: str = ""):
         self.target, self.step, self.reason, self.stderr = target, step, reason, stderr
-        msg = f"[{target}] {step}: {reason}"
-        if stderr.strip():
-            msg += "\n  remote stderr: " + stderr.strip().replace("\n", "\n  ")
-        super().__init__(msg)
+        super().__init__(with_remote_stderr(f"[{target}] {step}: {reason}", stderr.strip()))
 
 
 class ConnectError(TransportError):
@@ -61,11 +63,8 @@ class RemoteCommandError(DflashOpsError):
 
     def __init__(self, target: str, step: str, result):
         self.target, self.step, self.result = target, step, result
-        msg = f"[{target}] {step}: exit code {result.exit_code}"
         tail = (result.stderr.strip() or result.stdout.strip())[-2000:]
-        if tail:
-            msg += "\n  remote stderr: " + tail.replace("\n", "\n  ")
-        super().__init__(msg)
+        super().__init__(with_remote_stderr(f"[{target}] {step}: exit code {result.exit_code}", tail))
 
 
 class JobBusy(DflashOpsError):

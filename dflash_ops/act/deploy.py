@@ -113,12 +113,12 @@ class Release:
 
 
 def parse_list(stdout: str) -> list[Release]:
-    releases = []
-    for line in stdout.splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[1].isdigit() and len(parts[1]) <= 11:  # unix seconds
-            releases.append(Release(parts[0], float(parts[1]), parts[2] == "1"))
-    return releases
+    rows = (line.split() for line in stdout.splitlines())
+    return [
+        Release(parts[0], float(parts[1]), parts[2] == "1")
+        for parts in rows
+        if len(parts) == 3 and parts[1].isdigit() and len(parts[1]) <= 11  # unix seconds
+    ]
 
 
 def format_list(releases: list[Release]) -> list[str]:

@@ -236,12 +236,12 @@ def _no_half_job(ctx: StepContext, nodes: Sequence[Node], grace_s: float) -> str
             continue
     if not alive or len(alive) == len(nodes):
         return ""
+    where = ", ".join(n.label for n in alive)
     try:
         each(ctx, alive, lambda node, c: steps.stop_session(c, node.target.job, grace_s=grace_s))
     except DflashOpsError as exc:
-        where = ", ".join(n.label for n in alive)
         return f"the job still runs on {where}; stopping it failed: {first_lines(exc)}"
     return (
-        f"stopped the job again on {', '.join(n.label for n in alive)}: a job runs on all its nodes or none "
+        f"stopped the job again on {where}: a job runs on all its nodes or none "
         "(`dflash-ops status` shows each node)"
     )

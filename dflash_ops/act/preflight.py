@@ -46,12 +46,8 @@ def _shell_checks(job, need_release: bool, import_torch: bool) -> str:
 
 
 def _answers(stdout: str) -> dict[str, str]:
-    out = {}
-    for line in stdout.splitlines():
-        key, sep, value = line.partition("=")
-        if sep and key.isidentifier():
-            out[key] = value.strip()
-    return out
+    pairs = (line.partition("=") for line in stdout.splitlines())
+    return {key: value.strip() for key, sep, value in pairs if sep and key.isidentifier()}
 
 
 _UNTOUCHED = "; nothing was stopped"

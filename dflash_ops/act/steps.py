@@ -3,6 +3,7 @@ step says what it would do. A parameter a command sets has no default here: the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import posixpath
@@ -78,10 +79,9 @@ def stop_session(ctx: StepContext, job: Job, grace_s: float, record_stop: bool =
 
     check_grace(job, grace_s, given_as="grace_s")  # here, so it holds for every way in
     if record_stop:
-        try:
+        # health answers UNKNOWN and relaunches nothing already; mark_stopped then fails loudly
+        with contextlib.suppress(_StateUnusable):
             _record_stop(ctx, job, jobstate.STOPPING, grace_s)
-        except _StateUnusable:
-            pass  # health answers UNKNOWN and relaunches nothing already; mark_stopped then fails loudly
     ended = _end_job_processes(ctx, job, grace_s, include_session=True)
     session = str((ended.data or {}).get("session") or job.session)  # an earlier version's job: its own
     if (ended.data or {}).get("others_session"):
@@ -104,11 +104,6 @@ def kill_gpu_processes(ctx: StepContext, job: Job, grace_s: float = 10.0) -> End
 # ------------------------------------------------------------------ GPUs
 
 
-def _pid_owner(processes: list[dict[str, Any]]) -> set[tuple[int, str]]:
-    """(pid, owner) of each process, as the GPU snapshot names them."""
-    return {(int(p["pid"]), p.get("owner") or "") for p in processes}
-
-
 def wait_gpu_free(
     ctx: StepContext,
     job: Job,
@@ -123,7 +118,8 @@ def wait_gpu_free(
     gpus = list(job.gpus)
     if not gpus:
         return StepOutcome("no GPUs assigned to this job")
-    foreign = _pid_owner(ended.foreign if ended is not None else [])
+    # (pid, owner) of each foreign process, as the GPU snapshot names them
+    foreign = {(int(p["pid"]), p.get("owner") or "") for p in (ended.foreign if ended is not None else [])}
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from typing import Any, Callable
@@ -30,10 +31,9 @@ def run_each(jobs: list, name: str, source: str, act: Callable[[Any, Callable], 
 
     def show(progress):
         with lock:
-            try:
+            # the reader left (`| head`): the command still runs to its end, silently
+            with contextlib.suppress(BrokenPipeError):
                 printer(progress)
-            except BrokenPipeError:
-                pass  # the reader left (`| head`): the command still runs to its end, silently
 
     click.echo(f"{name}: ran {source}")
     code = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -173,10 +174,9 @@ def tail_log(obj, target, lines, follow, grep, log, node):
     """
     from dflash_ops.observe.log_tail import tail_log
 
-    try:
+    # polling leaves nothing running on the target
+    with contextlib.suppress(KeyboardInterrupt):
         tail_log(node_or_target(obj, target, node), lines, follow, grep, log, emit=click.echo)
-    except KeyboardInterrupt:
-        pass  # polling leaves nothing running on the target
 
 
 @cli.command()

@@ -5,6 +5,7 @@ where it is written (layers.py), then each merged target as a whole (target.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -366,27 +367,19 @@ def _groups(data: YamlMap, targets: dict[str, Target], top: Where) -> dict[str, 
     for name, members in raw.items():
         line = raw.key_lines.get(name, raw.line)
         check_name(name, "group", top, line)
-        where = Where(top.filename, f"group {name!r}")
+        bad = functools.partial(Where(top.filename, f"group {name!r}").error, line, None)
         if name in targets:
-            raise where.error(line, None, f"{name!r} is also a target name; rename the group or the target")
+            raise bad(f"{name!r} is also a target name; rename the group or the target")
         example = f"{name}: [{', '.join(list(targets)[1:3]) or 'gpu-box'}]"
         if not isinstance(members, list) or not members:
-            raise where.error(
-                line,
-                None,
-                f"expected a non-empty list of target names like {example}, got {kind_of(members)}",
-            )
+            raise bad(f"expected a non-empty list of target names like {example}, got {kind_of(members)}")
         for member in members:
             if member in raw and member not in targets:
-                raise where.error(
-                    line, None, f"lists group {member!r}; a group lists targets only: write its targets here"
-                )
+                raise bad(f"lists group {member!r}; a group lists targets only: write its targets here")
             if not isinstance(member, str) or member not in targets:
-                raise where.error(
-                    line, None, f"names unknown target {show(member)}; known targets: {', '.join(targets)}"
-                )
+                raise bad(f"names unknown target {show(member)}; known targets: {', '.join(targets)}")
             if members.count(member) > 1:
-                raise where.error(line, None, f"lists target {member!r} twice; list each target once")
+                raise bad(f"lists target {member!r} twice; list each target once")
         groups[name] = tuple(members)
     return groups
 

@@ -157,33 +157,28 @@ def _job(name: str, spec: object, line: int, targets: dict[str, Target], where: 
 
 
 def _nodes(value: object, line: int, targets: dict[str, Target], where: Where) -> tuple[Target, ...]:
+    def bad(problem: str) -> InputError:
+        return where.error(line, "nodes", problem)
+
     if not isinstance(value, list) or len(value) < 2:
         got = f"{len(value)} node" if isinstance(value, list) else kind_of(value)
-        raise where.error(
-            line, "nodes", f"expected a list of at least two target names like [gpu-a, gpu-b], got {got}"
-        )
+        raise bad(f"expected a list of at least two target names like [gpu-a, gpu-b], got {got}")
     nodes: list[Target] = []
     for name in value:
         if not isinstance(name, str) or name not in targets:
-            raise where.error(
-                line, "nodes", f"names unknown target {show(name)}; known targets: {', '.join(targets)}"
-            )
+            raise bad(f"names unknown target {show(name)}; known targets: {', '.join(targets)}")
         if value.count(name) > 1:
-            raise where.error(line, "nodes", f"lists target {name!r} twice; a target is one node")
+            raise bad(f"lists target {name!r} twice; a target is one node")
         nodes.append(targets[name])
     for node in nodes:
         job = node.job
         if job.launcher != TORCHRUN:
-            raise where.error(
-                line,
-                "nodes",
+            raise bad(
                 f"target {node.name!r} runs launcher {job.launcher}; every node must be a torchrun "
                 "target: give it job: {launcher: torchrun, nproc_per_node: N}",
             )
         if job.nnodes != 1 or job.rdzv_endpoint:
-            raise where.error(
-                line,
-                "nodes",
+            raise bad(
                 f"target {node.name!r} sets job.nnodes/rdzv_endpoint itself; this section sets them "
                 "for all its nodes: remove them from the target",
             )
@@ -192,9 +187,7 @@ def _nodes(value: object, line: int, targets: dict[str, Target], where: Where) -
         for field, what in SAME:
             mine, theirs = getattr(node.job, field), getattr(first.job, field)
             if mine != theirs:
-                raise where.error(
-                    line,
-                    "nodes",
+                raise bad(
                     f"target {node.name!r} has job.{field} {_shown(mine)} but the first node "
                     f"{first.name!r} has {_shown(theirs)}; every node runs the same job: give every "
                     f"node the same {what}",
@@ -204,9 +197,7 @@ def _nodes(value: object, line: int, targets: dict[str, Target], where: Where) -
             if _same_machine(node, other) and jobpaths.marker_value(node.job) == jobpaths.marker_value(
                 other.job
             ):
-                raise where.error(
-                    line,
-                    "nodes",
+                raise bad(
                     f"targets {other.name!r} and {node.name!r} are the same machine with the same tmux "
                     f"socket and session ({jobpaths.marker_value(node.job)}), so they would end each "
                     "other's processes; give one of them another job.tmux_socket or job.session",

@@ -249,11 +249,8 @@ def parse_host_gpu_query(stdout: str, ctid) -> GpuSnapshot:
     gpu_csv, _, rest = stdout.partition("@@")
     apps_csv, _, procs = rest.partition("@@")
     snapshot = parse_nvidia_smi(gpu_csv, apps_csv, "nvidia-smi on the Proxmox host")
-    about = {}
-    for chunk in procs.split("@pid ")[1:]:
-        head, _, text = chunk.partition("\n")
-        if head.strip().isdigit():
-            about[int(head)] = text
+    chunks = (chunk.partition("\n") for chunk in procs.split("@pid ")[1:])
+    about = {int(head): text for head, _, text in chunks if head.strip().isdigit()}
     return dataclasses.replace(
         snapshot,
         gpus=tuple(

@@ -85,10 +85,10 @@ def _judged(report, job: Job, now: float) -> Verdict:
     accept = acceptance.latest(list(report.records))
     unusable = unattended.unusable_state(report, job)
     if unusable and report.session.running is False:  # maybe an operator's stop: never CRITICAL
-        return Verdict("UNKNOWN", (unusable,), _with_tau(_perfdata(progress, age, {}, job), accept, job))
+        return Verdict("UNKNOWN", (unusable,), _perfdata(progress, age, {}, job, accept))
     parked = unattended.parked(report, progress)
     if parked:  # an operator's stop or a finished run: like scheduled downtime, nothing to alert on
-        return Verdict("OK", (parked,), _with_tau(_perfdata(progress, age, {}, job), accept, job))
+        return Verdict("OK", (parked,), _perfdata(progress, age, {}, job, accept))
     never = unattended.never_launched(report)
     critical = (
         [unattended.NEVER_LAUNCHED] if never else _session_problems(report.session, finished)
@@ -114,14 +114,7 @@ def _judged(report, job: Job, now: float) -> Verdict:
     warning += [unusable] if unusable else []
     level = "CRITICAL" if critical else "WARNING" if warning else "OK"
     reasons = critical + warning or [_ok_summary(progress, age, finished)]
-    return Verdict(level, tuple(reasons), _with_tau(_perfdata(progress, age, drafter_util, job), accept, job))
-
-
-def _with_tau(perfdata: dict, accept, job: Job) -> dict:
-    """perfdata plus `tau` when the run evaluates it, whatever the job's state (status shows it too)."""
-    if accept is not None or job.health.min_tau > 0:  # runs without tau evaluation keep their line
-        perfdata["tau"] = Perf(accept.tau if accept else None, warn=_below(job.health.min_tau))
-    return perfdata
+    return Verdict(level, tuple(reasons), _perfdata(progress, age, drafter_util, job, accept))
 
 
 def progress_age(report, progress: logs.TrainingProgress, now: float) -> float | None:
@@ -210,7 +203,10 @@ def _idle_drafters(snapshot, job: Job, drafter_util: dict) -> list[str]:
     return reasons
 
 
-def _perfdata(progress: logs.TrainingProgress, age: float | None, drafter_util: dict, job: Job) -> dict:
+def _perfdata(
+    progress: logs.TrainingProgress, age: float | None, drafter_util: dict, job: Job, accept
+) -> dict:
+    """The Nagios perfdata, `tau` when the run evaluates it whatever the job's state (status shows it too)."""
     thresholds = job.health
     perfdata = {
         "step": Perf(progress.step),
@@ -223,6 +219,8 @@ def _perfdata(progress: logs.TrainingProgress, age: float | None, drafter_util: 
         perfdata["drafter_util_pct"] = Perf(
             min(known) if known else None, warn=_below(thresholds.min_drafter_util_pct), uom="%"
         )
+    if accept is not None or thresholds.min_tau > 0:  # runs without tau evaluation keep their line
+        perfdata["tau"] = Perf(accept.tau if accept else None, warn=_below(thresholds.min_tau))
     return perfdata
 
 

@@ -120,8 +120,7 @@ def _print_last(transport, target: Target, path: str, lines: int, pattern, emit,
         raise RemoteCommandError(target.name, "read log", first)
     size_line, _, text = first.stdout.partition("\n")
     # split on newlines only: a carriage return is part of its line (inert_log_line)
-    for line in _matching(text.rstrip("\n").split("\n") if text else [], pattern)[-lines:]:
-        emit(inert_log_line(line))
+    _emit(text.rstrip("\n").split("\n") if text else [], pattern, emit, -lines)
     return _size(target, size_line)
 
 
@@ -136,11 +135,9 @@ def _follow(transport, target, path, offset, pattern, emit, poll_s, should_stop,
         offset = size
         partial += chunk
         *complete, partial = partial.split("\n")
-        for line in _matching(complete, pattern):
-            emit(inert_log_line(line))
+        _emit(complete, pattern, emit)
         if follow_job and current and current != path and _is_file(transport, current):
-            for line in _matching([partial] if partial else [], pattern):
-                emit(inert_log_line(line))
+            _emit([partial] if partial else [], pattern, emit)
             path, offset, partial = current, 0, ""
             emit(f"==> following {inert(path)} (a newer log) <==")
     return path
@@ -168,8 +165,10 @@ def _is_file(transport, path: str) -> bool:
     return transport.run(shlex.join(["test", "-f", path]), timeout=30, step="follow log").ok
 
 
-def _matching(lines: list[str], pattern: re.Pattern | None) -> list[str]:
-    return [line for line in lines if pattern is None or pattern.search(line)]
+def _emit(lines: list[str], pattern: re.Pattern | None, emit: Callable[[str], None], start: int = 0) -> None:
+    """Emit, shown inert, the lines matching `pattern`, from the `start`th of them on."""
+    for line in [line for line in lines if pattern is None or pattern.search(line)][start:]:
+        emit(inert_log_line(line))
 
 
 def _size(target: Target, line: str) -> int:

@@ -22,6 +22,9 @@ class Signature:
     pattern: re.Pattern
     explanation: str  # what it means and what to do
 
+    def failure(self, line: str, line_no: int) -> Failure:
+        return Failure(self.name, self.title, self.explanation, line, line_no)
+
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
@@ -133,7 +136,7 @@ def find_failures(text: str) -> list[Failure]:
     for i, line in enumerate(lines):
         for sig in SIGNATURES:
             if sig.pattern.search(line):
-                found[sig.name] = Failure(sig.name, sig.title, sig.explanation, line, i + 1)
+                found[sig.name] = sig.failure(line, i + 1)
                 claimed.add(i)
                 break
     rank_died, explained = torchrun.rank_failure(lines)
@@ -144,21 +147,10 @@ def find_failures(text: str) -> list[Failure]:
             at, exception = _exception_line(lines, i)
             if at in claimed or exception.startswith("KeyboardInterrupt"):
                 continue
-            latest_traceback = Failure(
-                TRACEBACK.name, TRACEBACK.title, TRACEBACK.explanation, exception, at + 1
-            )
+            latest_traceback = TRACEBACK.failure(exception, at + 1)
     ordered = [found[sig.name] for sig in SIGNATURES if sig.name in found]
     if rank_died is not None:
-        ordered.insert(
-            0,
-            Failure(
-                RANK_DIED.name,
-                RANK_DIED.title,
-                RANK_DIED.explanation,
-                rank_died,
-                max(explained, default=0) + 1,
-            ),
-        )
+        ordered.insert(0, RANK_DIED.failure(rank_died, max(explained, default=0) + 1))
     if latest_traceback is not None:
         ordered.append(latest_traceback)
     return ordered
@@ -183,7 +175,7 @@ def failures_from_records(records: list[dict]) -> list[Failure]:
         kind = str(record.get("kind", "exception"))
         sig = by_name.get(_KIND_TO_SIGNATURE.get(kind, ""), TRACEBACK)
         message = str(record.get("message", kind))
-        found[sig.name] = Failure(sig.name, sig.title, sig.explanation, message, 0)
+        found[sig.name] = sig.failure(message, 0)
     return list(found.values())
 
 

@@ -8,6 +8,7 @@ what is left of health's budget, then is killed with its group."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -75,17 +76,12 @@ def change_of(checked, old: verdict_memory.Remembered | None) -> Change | None:
     if new.launch is None and old is not None:  # not readable now (UNKNOWN): keep what was known
         new = dataclasses.replace(new, launch=old.launch)
     if old is None:
-        return (
-            None
-            if new.state in QUIET_FIRST
-            else Change(checked.target, "changed", None, new, checked.verdict)
-        )
-    relaunched = new.launch is not None and old.launch is not None and new.launch > old.launch
-    if relaunched:
-        return Change(checked.target, "relaunched", old, new, checked.verdict)
-    if new.state != old.state:
-        return Change(checked.target, "changed", old, new, checked.verdict)
-    return None
+        event = None if new.state in QUIET_FIRST else "changed"
+    elif new.launch is not None and old.launch is not None and new.launch > old.launch:
+        event = "relaunched"
+    else:
+        event = "changed" if new.state != old.state else None
+    return None if event is None else Change(checked.target, event, old, new, checked.verdict)
 
 
 def run_hooks(command: str, checked_list, deadline: float, say) -> None:
@@ -135,11 +131,7 @@ def _start(command: str, change: Change) -> subprocess.Popen:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=1)
-    except subprocess.TimeoutExpired:
-        pass

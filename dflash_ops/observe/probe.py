@@ -161,30 +161,29 @@ def _run_probe_gpu_on_host(
         raise RemoteCommandError(transport.name, "probe", dataclasses.replace(result, stdout=rest))
     report = parse_probe_output(rest, target=transport.name)
     report = dataclasses.replace(report, gpu_faults=_host_faults(faults_line, part_s))
-    rc, host_out = _host_answer(first, validate=False)
+    gpu, late = _host_gpu(first, ctid, part_s, transport.name)
+    if late:
+        report = dataclasses.replace(report, out_of_time=tuple(sorted(set(report.out_of_time) | {"gpu"})))
+    return dataclasses.replace(report, gpu=gpu, seconds=result.seconds)
+
+
+def _host_gpu(line: str, ctid: int, part_s: float | None, target: str) -> tuple[GpuSnapshot, bool]:
+    """The Proxmox host's line of its GPU query as container `ctid` sees the GPUs; whether it ran late."""
+    rc, host_out = _host_answer(line, validate=False)
     if host_out is None:
-        raise ProbeError(
-            f"[{transport.name}] probe: unreadable GPU answer from the Proxmox host: {first[:200]!r}"
-        )
+        raise ProbeError(f"[{target}] probe: unreadable GPU answer from the Proxmox host: {line[:200]!r}")
     if part_s is not None and rc.strip() in ("124", "137"):
-        gpu = GpuSnapshot(
-            gpus=(),
-            source="nvidia-smi",
-            error=f"nvidia-smi on the Proxmox host gave no answer within "
-            f"{part_s:.1f} s (a wedged driver or a hung command)",
+        error = (
+            f"nvidia-smi on the Proxmox host gave no answer within {part_s:.1f} s "
+            "(a wedged driver or a hung command)"
         )
-        return dataclasses.replace(
-            report,
-            gpu=gpu,
-            seconds=result.seconds,
-            out_of_time=tuple(sorted(set(report.out_of_time) | {"gpu"})),
-        )
+        return GpuSnapshot(gpus=(), source="nvidia-smi", error=error), True
     gpu = parse_host_gpu_query(host_out, ctid)
     if rc.strip() != "0" and gpu.error is None:
         gpu = dataclasses.replace(
             gpu, error=f"nvidia-smi on the Proxmox host failed ({rc}): {host_out.strip()[-300:]}"
         )
-    return dataclasses.replace(report, gpu=gpu, seconds=result.seconds)
+    return gpu, False
 
 
 def limited(argv: Sequence[str], part_s: float | None) -> list[str]:
@@ -273,7 +272,10 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
         log=log,
         metrics=metrics,
         records=tuple(
-            metrics_format.current_run(list(_records(metrics, eval_lines)), _launched_at(state_record))
+            # metrics from before the launch that wrote the job state are an older trainer's
+            metrics_format.current_run(
+                list(_records(metrics, eval_lines)), state_record.since if state_record is not None else None
+            )
         ),
         errors=tuple(str(e) for e in data.get("errors") or []),
         out_of_time=tuple(str(p) for p in data.get("out_of_time") or []),
@@ -292,11 +294,6 @@ def _whole(value, signed: bool = False) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         return None
     return value if signed or value >= 0 else None
-
-
-def _launched_at(record) -> float | None:
-    """When the launch that wrote the job state began: metrics before it are an older trainer's."""
-    return record.since if record is not None else None
 
 
 def _state_error(data: dict, record) -> str | None:

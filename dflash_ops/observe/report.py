@@ -100,13 +100,9 @@ def parse_answer(stdout: str, target: str) -> tuple[list[FetchedRun], dict | Non
         ):
             continue
         files = entry["files"] if isinstance(entry.get("files"), list) else []
-        launches: list[tuple[str, ...]] = []
-        thinned = False
-        for f in files:
-            if isinstance(f, dict) and isinstance(f.get("lines"), list):
-                launches.append(tuple(line for line in f["lines"] if isinstance(line, str)))
-                thinned = thinned or bool(f.get("thinned"))
-        runs.append(FetchedRun(entry["run"], tuple(launches), thinned))
+        kept = [f for f in files if isinstance(f, dict) and isinstance(f.get("lines"), list)]
+        launches = tuple(tuple(line for line in f["lines"] if isinstance(line, str)) for f in kept)
+        runs.append(FetchedRun(entry["run"], launches, any(bool(f.get("thinned")) for f in kept)))
     state = data.get("job_state") if isinstance(data.get("job_state"), dict) else None
     return runs, state
 

@@ -206,14 +206,8 @@ def data_source(records) -> str | None:
 
 
 def _session(s, job) -> TmuxSession:
-    return TmuxSession(
-        name=s.name or job.session,
-        socket=s.socket or job.tmux_socket,
-        running=s.running,
-        exists=s.exists,
-        pane_pid=s.pane_pid,
-        exit_status=s.exit_status,
-    )
+    as_probed = {key: getattr(s, key) for key in ("running", "exists", "pane_pid", "exit_status")}
+    return TmuxSession(name=s.name or job.session, socket=s.socket or job.tmux_socket, **as_probed)
 
 
 def _ended(report, progress) -> bool:

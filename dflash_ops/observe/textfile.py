@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -37,10 +38,8 @@ def write(directory: str, name: str, text: str) -> str:
         os.chmod(tmp, 0o644)  # node_exporter runs as its own user
         os.replace(tmp, path)
     except BaseException as exc:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         if isinstance(exc, OSError):
             raise DflashOpsError(f"cannot write {path}: {exc.strerror or exc}") from None
         raise

@@ -8,11 +8,11 @@ import time
 try:  # imported from the package (probe_script in tests)
     from dflash_ops.remote import facts
     from dflash_ops.remote.bounded import finish, in_thread, start
-    from dflash_ops.remote.gpu_read import nvml_answer
+    from dflash_ops.remote.gpu_read import nvml_answer, nvml_text
 except ImportError:  # on the target: remote.bundle() defined both ahead of this script
     import facts  # type: ignore[no-redef]
     from bounded import finish, in_thread, start  # type: ignore[no-redef]
-    from gpu_read import nvml_answer  # type: ignore[no-redef]
+    from gpu_read import nvml_answer, nvml_text  # type: ignore[no-redef]
 
 MAX_XID_LINES = 200  # the newest ones; a flapping GPU can log thousands
 KERNEL_LOG_COMMANDS = (("dmesg",), ("journalctl", "-k", "-b", "-o", "short-monotonic", "--no-pager", "-q"))
@@ -48,7 +48,7 @@ def _nvml_gpu(pynvml, index):
     pending = _call(pynvml.nvmlDeviceGetRetiredPagesPendingStatus, handle)
     return {
         "index": index,
-        "pci_bus_id": None if pci is None else _text(pci.busId),
+        "pci_bus_id": None if pci is None else nvml_text(pci.busId),
         "ecc_uncorrected": None if ecc is None else int(ecc),
         "retired_pending": None if pending is None else int(pending),
         "remap_uncorrectable": None if remapped is None else int(remapped[1]),
@@ -62,10 +62,6 @@ def _call(fn, *args):
         return fn(*args)
     except Exception:  # NVMLError_NotSupported and friends: the GPU cannot say
         return None
-
-
-def _text(value):
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def start_faults(source, binary, deadline):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 try:  # imported from the package (probe_script in tests)
     from dflash_ops.remote import facts, procs
     from dflash_ops.remote.bounded import finish, in_thread, out_of_time, start
@@ -13,7 +15,7 @@ except ImportError:  # on the target: remote.bundle() defined them ahead of this
 MIB = 1024 * 1024
 
 
-def _text(value):
+def nvml_text(value):
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
@@ -40,10 +42,8 @@ def nvml_answer(pynvml, read, what):
     except Exception as e:
         return {"source": "nvml", "error": "%s failed: %s: %s" % (what, type(e).__name__, e)}
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def _nvml_read(pynvml):
@@ -55,12 +55,12 @@ def _nvml_read(pynvml):
             utilization = int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
         except pynvml.NVMLError:  # not supported (MIG, some vGPUs)
             utilization = None
-        uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+        uuid = nvml_text(pynvml.nvmlDeviceGetUUID(handle))
         gpus.append(
             {
                 "index": index,
                 "uuid": uuid,
-                "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                "name": nvml_text(pynvml.nvmlDeviceGetName(handle)),
                 "memory_used_mib": int(memory.used // MIB),
                 "memory_total_mib": int(memory.total // MIB),
                 "utilization_pct": utilization,
@@ -81,10 +81,6 @@ def _nvml_read(pynvml):
                 }
             )
     return {"source": "nvml", "error": None, "gpus": gpus, "processes": processes}
-
-
-def start_nvidia_smi(binary):
-    return start(facts.gpu_query_argv(binary)), start(facts.apps_query_argv(binary))
 
 
 def finish_nvidia_smi(started, deadline, part_s):
@@ -111,7 +107,7 @@ def start_gpu_state(source, binary, deadline, part_s):
         nvml = in_thread(nvml_query, deadline) or dict(out_of_time("NVML", part_s), source="nvml")
     if source == "nvml" or (nvml is not None and (not nvml.get("error") or nvml.get("out_of_time"))):
         return nvml, None
-    return nvml, start_nvidia_smi(binary)
+    return nvml, (start(facts.gpu_query_argv(binary)), start(facts.apps_query_argv(binary)))
 
 
 def finish_gpu_state(started, deadline, part_s):

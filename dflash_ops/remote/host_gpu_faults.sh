@@ -25,17 +25,13 @@ group() {
   return 0
 }
 
-group "$@"
-shift "$rest"
-out=$("${words[@]}" 2>&1 </dev/null)
-echo "@fault $?"
-printf "%s\n" "$out"
-
-group "$@"
-shift "$rest"
-out=$("${words[@]}" 2>&1 </dev/null)
-echo "@remap $?"
-printf "%s\n" "$out"
+for query in fault remap; do
+  group "$@"
+  shift "$rest"
+  out=$("${words[@]}" 2>&1 </dev/null)
+  echo "@$query $?"
+  printf "%s\n" "$out"
+done
 
 echo "@uptime $(cut -d" " -f1 /proc/uptime 2>/dev/null)"
 index=0

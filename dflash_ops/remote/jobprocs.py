@@ -1,6 +1,7 @@
 """Run ON THE TARGET: the job's processes (remote/procs.py's rule), ended with "action": "kill";
 other GPU processes are reported as unidentified, never signalled. Prints one JSON object."""
 
+import contextlib
 import json
 import os
 import signal
@@ -37,34 +38,25 @@ def gpu_apps(gpus):
     if not gpus:
         return []
     try:
-        idx = subprocess.run(
-            facts.gpu_query_argv(fields=facts.GPU_FIELDS[:2]),  # index, uuid
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-        apps = subprocess.run(
-            facts.apps_query_argv(fields=facts.APP_FIELDS[:3]),  # pid, gpu_uuid, used_memory
-            capture_output=True,
-            text=True,
-            timeout=20,
+        idx, apps = (
+            subprocess.run(argv, capture_output=True, text=True, timeout=20)
+            for argv in (
+                facts.gpu_query_argv(fields=facts.GPU_FIELDS[:2]),  # index, uuid
+                facts.apps_query_argv(fields=facts.APP_FIELDS[:3]),  # pid, gpu_uuid, used_memory
+            )
         )
     except (OSError, subprocess.TimeoutExpired):
         return []
     if idx.returncode or apps.returncode:
         return []
-    index_of = {}
-    for line in idx.stdout.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0].isdigit():
-            index_of[parts[1]] = int(parts[0])
-    found = []
-    for line in apps.stdout.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3 and parts[0].isdigit() and index_of.get(parts[1]) in gpus:
-            used = int(parts[2]) if parts[2].isdigit() else None
-            found.append((int(parts[0]), index_of[parts[1]], used))
-    return found
+    gpu_rows = ([p.strip() for p in line.split(",")] for line in idx.stdout.splitlines())
+    index_of = {row[1]: int(row[0]) for row in gpu_rows if len(row) == 2 and row[0].isdigit()}
+    app_rows = ([p.strip() for p in line.split(",")] for line in apps.stdout.splitlines())
+    return [
+        (int(parts[0]), index_of[parts[1]], int(parts[2]) if parts[2].isdigit() else None)
+        for parts in app_rows
+        if len(parts) == 3 and parts[0].isdigit() and index_of.get(parts[1]) in gpus
+    ]
 
 
 def same_process(table, pid):
@@ -131,21 +123,17 @@ def end_job(report, table, job, roots, grace_s):
     for pid in first:
         if not same_process(table, pid):
             continue
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
     deadline = time.time() + grace_s
     while time.time() < deadline and any(same_process(table, p) for p in job):
         time.sleep(0.2)
     report["terminated"] = [p for p in job if not same_process(table, p)]
     for pid in job:
         if same_process(table, pid):
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
                 report["killed"].append(pid)
-            except OSError:
-                pass
     time.sleep(0.3)
     report["survivors"] = [p for p in job if same_process(table, p)]
 

@@ -90,15 +90,9 @@ def launch(args):
 
 def session_taken(args):
     """Why the session cannot start: it runs, this job's or another job's (stopping us would never end it)."""
-    listed = tmux(
-        args["socket"],
-        procs.pane_command(args["socket"], args["session"])[3:],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        universal_newlines=True,
-    )
+    listed = tmux_answer(args["socket"], procs.pane_command(args["socket"], args["session"])[3:])
     marker = ("%s=%s" % (args["marker_env"], args["marker"])).encode()
-    others = [p["pid"] for p in procs.parse_panes(listed.stdout) if procs.has_other_marker(p["pid"], marker)]
+    others = [p["pid"] for p in procs.parse_panes(listed) if procs.has_other_marker(p["pid"], marker)]
     if others:
         return "session %s (tmux -L %s) runs another job (pane pid %d); give this job another job.session" % (
             args["session"],
@@ -117,16 +111,16 @@ def tmux(socket, *commands, **options):
     return subprocess.run(["tmux", "-L", socket] + words, stdin=subprocess.DEVNULL, **options)
 
 
+def tmux_answer(socket, command):
+    """What one tmux command prints (its complaints are dropped)."""
+    listed = tmux(socket, command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, universal_newlines=True)
+    return listed.stdout
+
+
 def pane_pid(socket, target):
     """The session's pane pid, 0 when tmux names none."""
-    listed = tmux(
-        socket,
-        ["list-panes", "-s", "-t", target + ":", "-F", "#{pane_pid}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        universal_newlines=True,
-    )
-    first = (listed.stdout.splitlines() or [""])[0].strip()
+    listed = tmux_answer(socket, ["list-panes", "-s", "-t", target + ":", "-F", "#{pane_pid}"])
+    first = (listed.splitlines() or [""])[0].strip()
     return int(first) if first.isdigit() and first.isascii() else 0
 
 

@@ -36,11 +36,6 @@ PART_S = 15.0  # default per-part limit: a wedged driver can hang nvidia-smi; th
 # --------------------------------------------------------------------------- tmux session
 
 
-def start_tmux(sock, session):
-    """One tmux call: listing the session's panes tells whether it exists and whether it lives."""
-    return start(procs.pane_command(sock, session))
-
-
 # what the answer says of a session that is not ours to show: none, not running
 NO_SESSION = {"exists": False, "running": False, "pane_pid": None, "exit_status": None}
 
@@ -195,33 +190,8 @@ def with_newest_eval(tail, context_steps, cap_bytes, deadline):
     return tail
 
 
-def read_job_state(path):
-    """(the job state or None, what is wrong with the file or None); a bad one is reported, never guessed."""
-    if not path or not os.path.lexists(path):
-        return None, None
-    if not os.path.isfile(path):
-        return None, facts.STATE_NOT_A_FILE
-    with open(path, "rb") as f:
-        raw = f.read(facts.STATE_MAX_BYTES + 1)
-    if len(raw) > facts.STATE_MAX_BYTES:
-        return None, "larger than %d bytes" % facts.STATE_MAX_BYTES
-    try:
-        data = json.loads(raw.decode("utf-8", "replace") or "null")
-    except (ValueError, RecursionError) as e:
-        return None, "not JSON (%s)" % type(e).__name__
-    if not isinstance(data, dict):
-        return None, "not a JSON object"
-    if data.get("log") is not None and not usable_path(data["log"]):
-        return data, "field log is not a path: %s" % json.dumps(data["log"])[:80]
-    return data, None
-
-
-def usable_path(value):
-    return isinstance(value, str) and 0 < len(value) <= 4096 and "\0" not in value
-
-
-def files_state(log_dir, log_lines, metrics_lines, job_state=None, eval_search=None):
-    """`eval_search`: (context steps, cap bytes, deadline) for with_newest_eval, or None."""
+def files_state(log_dir, lines, job_state=None, eval_search=None):
+    """`lines`: log_lines and metrics_lines; `eval_search`: (context steps, cap bytes, deadline) or None."""
     state = {
         "log_dir": log_dir,
         "log_dir_exists": os.path.isdir(log_dir),
@@ -230,7 +200,7 @@ def files_state(log_dir, log_lines, metrics_lines, job_state=None, eval_search=N
         "log_missing": None,
     }
     log_path = (job_state or {}).get("log")
-    if log_path is not None and not usable_path(log_path):
+    if log_path is not None and not procs.usable_path(log_path):
         return state  # the state names something that is no path: never another run's log instead
     if not log_path:
         if not state["log_dir_exists"]:
@@ -239,12 +209,12 @@ def files_state(log_dir, log_lines, metrics_lines, job_state=None, eval_search=N
     if log_path is None:
         return state
     if os.path.exists(log_path):
-        state["log"] = file_tail(log_path, log_lines)
+        state["log"] = file_tail(log_path, lines["log_lines"])
     else:
         state["log_missing"] = log_path  # deleted or rotated away under a live trainer, say
     metrics = metrics_format.metrics_path_for_log(log_path)
     if os.path.exists(metrics):
-        state["metrics"] = file_tail(metrics, metrics_lines)
+        state["metrics"] = file_tail(metrics, lines["metrics_lines"])
         if eval_search is not None:
             state["metrics"] = with_newest_eval(state["metrics"], *eval_search)
     return state
@@ -297,23 +267,15 @@ def probe(args, where, lines):
     deadline = time.monotonic() + part_s
     gpu_source = args.get("gpu_source", "auto")
     where["session"], args["marker"] = procs.pick_identity(args)
-    tmux_started = section(errors, "tmux", start_tmux, where["socket"], where["session"])
+    # one tmux call: listing the session's panes tells whether it exists and whether it lives
+    tmux_started = section(errors, "tmux", start, procs.pane_command(where["socket"], where["session"]))
     gpu_started, faults_started = start_gpu_parts(args, errors, gpu_source, deadline, part_s)
     # the files are read while those commands run
     report["job_state"], report["job_state_error"] = section(
-        errors, "job state", read_job_state, args.get("state_file")
+        errors, "job state", procs.read_job_state, args.get("state_file")
     ) or (None, "unreadable")
     eval_search = (int(args.get("eval_context_steps", 0)), MAX_EVAL_SCAN_BYTES, deadline)
-    files = section(
-        errors,
-        "files",
-        files_state,
-        where["log_dir"],
-        lines["log_lines"],
-        lines["metrics_lines"],
-        report["job_state"],
-        eval_search,
-    )
+    files = section(errors, "files", files_state, where["log_dir"], lines, report["job_state"], eval_search)
     finish_parts(report, errors, tmux_started, gpu_started, gpu_source, where, deadline, part_s)
     report["processes"], report["marked_pids"] = section(
         errors, "processes", ours_only, report["session"], args.get("marker")

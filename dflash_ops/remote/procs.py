@@ -90,13 +90,8 @@ def stat_fields(pid):
 
 def process_table():
     """pid -> (state, ppid, start ticks, name) of every process visible here."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = stat_fields(int(entry))
-            if fields is not None:
-                table[int(entry)] = fields
-    return table
+    found = {int(entry): stat_fields(int(entry)) for entry in os.listdir("/proc") if entry.isdigit()}
+    return {pid: fields for pid, fields in found.items() if fields is not None}
 
 
 def living(table, pid):
@@ -119,21 +114,21 @@ def started_at(table, pid, boot):
     return boot + table[pid][2] / float(os.sysconf("SC_CLK_TCK"))
 
 
+def _environ(pid):
+    """The process's environment entries (b"NAME=VALUE"); none when it cannot be read."""
+    env = read("/proc/%d/environ" % pid, MAX_ENVIRON_BYTES)
+    return env.split(b"\0") if env else []
+
+
 def has_marker(pid, marker):
     """`marker` (b"NAME=VALUE") is one of the process's environment entries."""
-    env = read("/proc/%d/environ" % pid, MAX_ENVIRON_BYTES)
-    return bool(env) and bool(marker) and marker in env.split(b"\0")
+    return bool(marker) and marker in _environ(pid)
 
 
 def has_other_marker(pid, marker):
     """The process carries the marker's NAME with another VALUE: it is another job's."""
-    env = read("/proc/%d/environ" % pid, MAX_ENVIRON_BYTES)
     name = marker.split(b"=", 1)[0] + b"="
-    return (
-        bool(env)
-        and bool(marker)
-        and any(entry.startswith(name) and entry != marker for entry in env.split(b"\0"))
-    )
+    return bool(marker) and any(entry.startswith(name) and entry != marker for entry in _environ(pid))
 
 
 def others_panes(panes, table, marker):
@@ -204,16 +199,45 @@ def cmdline(pid, limit=2000):
     return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip() if raw else ""
 
 
+def read_job_state(path):
+    """(the job state or None, what is wrong with the file or None); a bad one is reported, never guessed."""
+    if not path or not os.path.lexists(path):
+        return None, None
+    if not os.path.isfile(path):
+        return None, facts.STATE_NOT_A_FILE
+    with open(path, "rb") as f:
+        raw = f.read(facts.STATE_MAX_BYTES + 1)
+    if len(raw) > facts.STATE_MAX_BYTES:
+        return None, "larger than %d bytes" % facts.STATE_MAX_BYTES
+    try:
+        data = json.loads(raw.decode("utf-8", "replace") or "null")
+    except (ValueError, RecursionError) as e:
+        return None, "not JSON (%s)" % type(e).__name__
+    if not isinstance(data, dict):
+        return None, "not a JSON object"
+    if data.get("log") is not None and not usable_path(data["log"]):
+        return data, "field log is not a path: %s" % json.dumps(data["log"])[:80]
+    return data, None
+
+
+def usable_path(value):
+    return isinstance(value, str) and 0 < len(value) <= 4096 and "\0" not in value
+
+
+def job_state_or_none(path):
+    """The job state's data, or None where there is none to read."""
+    try:
+        return read_job_state(path)[0]
+    except OSError:
+        return None
+
+
 def pick_identity(args):
     """(session, marker) to look for: the job's own, or an earlier version's when it wrote the state."""
     own = (args["session"], args.get("marker") or "")
     legacy = (args.get("legacy_session"), args.get("legacy_marker"))
     if not all(legacy) or not args.get("state_file"):
         return own
-    raw = read(args["state_file"], facts.STATE_MAX_BYTES + 1) or b""
-    try:
-        state = json.loads(raw.decode("utf-8", "replace")) if len(raw) <= facts.STATE_MAX_BYTES else None
-    except (ValueError, RecursionError):
-        state = None
+    state = job_state_or_none(args["state_file"])
     written_by_earlier = isinstance(state, dict) and "state" in state and facts.STATE_JOB_KEY not in state
     return legacy if written_by_earlier else own

@@ -13,12 +13,13 @@ import sys
 import time
 
 try:  # imported from the package (tests)
-    from dflash_ops.remote import facts
+    from dflash_ops.remote import facts, procs
     from trainer import metrics_format, metrics_history
 except ImportError:  # on the target: remote.bundle() defined these ahead of this script
     import facts  # type: ignore[no-redef]
     import metrics_format  # type: ignore[no-redef]
     import metrics_history  # type: ignore[no-redef]
+    import procs  # type: ignore[no-redef]
 
 REPORT_VERSION = 1
 MAX_FILES = 256  # the newest launches, when a job has had more
@@ -26,15 +27,6 @@ MAX_OUTPUT_BYTES = 8 * 1024 * 1024
 METRICS_SUFFIX = metrics_format.metrics_path_for_log(facts.LOG_SUFFIX)
 METRICS_NAME = re.compile(r"^" + re.escape(facts.LOG_PREFIX) + r"(\d{4,})" + re.escape(METRICS_SUFFIX) + r"$")
 RUN_NUMBER = re.compile(r"^\d{1,9}$")
-
-
-def read_job_state(path):
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            data = json.loads(f.read(65536) or "null")
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def run_of(path, runs_dir, legacy_run_dir):
@@ -125,7 +117,7 @@ def main(argv):
         sys.stderr.write("dflash report: needs one JSON argument with log_dir, runs_dir, run (%s)\n" % e)
         return 2
     errors = []
-    state = read_job_state(str(args.get("state_file") or ""))
+    state = procs.job_state_or_none(str(args.get("state_file") or ""))
     found = launches(log_dir, runs_dir, str(args.get("legacy_run_dir") or ""), state, errors)
     runs = []
     names = selected(found, wanted, state)

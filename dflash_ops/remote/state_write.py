@@ -1,6 +1,7 @@
 """Writes the job state file (json-encoded, renamed into place so no reader sees half of it); stdlib only.
 The pane runs it when the run completes: PYTHON -I -c SOURCE STATE_FILE STATE_JSON TIME_FIELD."""
 
+import contextlib
 import json
 import os
 import sys
@@ -14,10 +15,8 @@ def write(path, state):
             f.write(json.dumps(state, separators=(",", ":")) + "\n")
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 

@@ -83,10 +83,8 @@ class LocalTransport(Transport):
             raise TransportError(self.name, step, f"cannot write {remote_path}: {exc}") from None
         finally:
             if tmp is not None:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
-                except OSError:
-                    pass
 
     @contextlib.contextmanager
     def hold(self, script: str, step: str = "hold", answer_s: float = 30):
@@ -143,11 +141,10 @@ def _pump(stream, sink: list[bytes]) -> None:
 
 
 def feed(stream, data: bytes) -> None:
-    try:
+    # the script ended without reading all of it; its exit code tells the story
+    with contextlib.suppress(BrokenPipeError, OSError):
         with stream:
             stream.write(data)
-    except (BrokenPipeError, OSError):
-        pass  # the script ended without reading all of it; its exit code tells the story
 
 
 def _join(threads: list[threading.Thread], within_s: float) -> None:

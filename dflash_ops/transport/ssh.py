@@ -75,17 +75,13 @@ class SshTransport(SshConnecting, Transport):
         if s.jump:
             argv += ["-J", s.jump.destination()]
         checking = {"strict": "yes", "accept-new": "accept-new", "off": "no"}[s.host_key_policy]
-        argv += [
-            "-o",
+        options = (
             f"StrictHostKeyChecking={checking}",
-            "-o",
             f"UserKnownHostsFile={self.known_hosts if s.host_key_policy != 'off' else '/dev/null'}",
-            "-o",
             f"ConnectTimeout={int(s.connect_timeout_s)}",
-            f"{s.user}@{s.host}",
-            remote_line,
-        ]
-        return shlex.join(argv)
+        )
+        argv += [word for option in options for word in ("-o", option)]
+        return shlex.join([*argv, f"{s.user}@{s.host}", remote_line])
 
     # ---- running ---------------------------------------------------------------------------
 

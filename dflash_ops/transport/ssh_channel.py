@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -62,12 +63,11 @@ def first_line(chan: paramiko.Channel, deadline: float, most: int = 4096) -> str
 
 def feed(chan: paramiko.Channel, data: bytes | None) -> None:
     """Send stdin, then EOF (so a remote `cat` ends; cron has no stdin to offer anyway)."""
-    try:
+    # the command ended without reading all of it; its exit code tells the story
+    with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
         if data:
             chan.sendall(data)
         chan.shutdown_write()
-    except (OSError, EOFError, paramiko.SSHException):
-        pass  # the command ended without reading all of it; its exit code tells the story
 
 
 def drain(recv, sink: list[bytes]) -> None:

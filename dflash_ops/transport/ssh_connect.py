@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import base64
 import hashlib
 import os
@@ -113,38 +114,34 @@ class SshConnecting:
             self._close_quietly()
             s = self.spec
             key = os.path.expanduser(s.identity_file) if s.identity_file else None
-            if key and os.path.isdir(key):
-                raise InputError(
-                    f"target {self.name!r}: ssh.identity_file {s.identity_file!r} is a directory; "
-                    "name the private key file in it (e.g. id_ed25519)"
-                )
             if key and not os.path.isfile(key):
-                raise InputError(
-                    f"target {self.name!r}: ssh.identity_file {s.identity_file!r} does not exist; "
-                    "fix the path in the inventory"
+                problem = (
+                    "is a directory; name the private key file in it (e.g. id_ed25519)"
+                    if os.path.isdir(key)
+                    else "does not exist; fix the path in the inventory"
                 )
+                raise InputError(f"target {self.name!r}: ssh.identity_file {s.identity_file!r} {problem}")
             gateway = None
             if s.jump:
-                jump, juser = s.jump, s.jump.user or s.user
-                try:
-                    gateway = self._gateway = self._new_connection(jump.host, jump.port, juser)
-                    gateway.open()
-                except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
-                    error = self._connect_error(
-                        exc, step, jump.host, jump.port, juser, "jump host ", self._gateway
-                    )
-                    self._close_quietly()
-                    raise error from None
-            try:
-                conn = self._conn = self._new_connection(s.host, s.port, s.user, gateway)
-                conn.open()
-            except Exception as exc:  # noqa: BLE001
-                error = self._connect_error(exc, step, s.host, s.port, s.user, "", self._conn)
-                self._close_quietly()
-                raise error from None
+                jump = s.jump
+                gateway = self._gateway = self._open(
+                    step, jump.host, jump.port, jump.user or s.user, "jump host "
+                )
+            conn = self._conn = self._open(step, s.host, s.port, s.user, "", gateway)
             conn.transport.set_keepalive(30)  # long `status --watch` sessions through NAT
-            self._conn = conn
             return conn
+
+    def _open(self, step: str, host: str, port: int, user: str, what: str, gateway=None) -> fabric.Connection:
+        """An open connection; any failure closes every connection and is raised as one clear error."""
+        conn = None
+        try:
+            conn = self._new_connection(host, port, user, gateway)
+            conn.open()
+        except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
+            error = self._connect_error(exc, step, host, port, user, what, conn)
+            self._close_quietly(conn)
+            raise error from None
+        return conn
 
     def _connect_error(
         self,
@@ -252,13 +249,12 @@ class SshConnecting:
         except OSError:
             return False
 
-    def _close_quietly(self) -> None:
-        for conn in (self._conn, self._gateway):
+    def _close_quietly(self, opening: fabric.Connection | None = None) -> None:
+        for conn in (opening, self._conn, self._gateway):
             if conn is not None:
-                try:
+                # noqa: BLE001 - closing a broken connection may fail; nothing to do
+                with contextlib.suppress(Exception):
                     conn.close()
-                except Exception:  # noqa: BLE001 - closing a broken connection may fail; nothing to do
-                    pass
         self._conn = self._gateway = None
 
 
