@@ -374,16 +374,11 @@ class CompileGuard:
         """Make sure nobody else is inside a step while this thread compiles (mode lock).
         Returns (the step this compile belongs to, reason, whether we took the lock here)."""
         if context is not None:
-            if (
-                self.mode == "lock"
-                and context.hold == "shared"
-                and getattr(_tls, "adopted", False)
-                and self._others_share_device(context)
-            ):
-                # A recompute beside other steps on its GPU: their backward waits on this thread.
-                self._escalate()
-                return context, "recompute_beside_same_device_steps", False
             if self.mode == "lock" and context.hold == "shared":
+                if getattr(_tls, "adopted", False) and self._others_share_device(context):
+                    # A recompute beside other steps on its GPU: their backward waits on this thread.
+                    self._escalate()
+                    return context, "recompute_beside_same_device_steps", False
                 # Unpredicted: trade the shared hold for exclusive (barriers sit outside the guard).
                 self._lock.release_shared()
                 context.hold = None

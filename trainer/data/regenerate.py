@@ -253,31 +253,8 @@ def rejects_path(output: str) -> str:
 def _start_state(opts: RegenerateOptions) -> dict:
     """The committed state to continue from; prepares (or truncates) the output files."""
     progress_file, settings = _progress_path(opts.output), opts.settings()
-    fresh: dict[str, Any] = {
-        "settings": settings,
-        "next_line": 0,
-        "out_bytes": 0,
-        "rejects_bytes": 0,
-        "stats": dict.fromkeys(STATS, 0),
-    }
     exists = [p for p in (opts.output, rejects_path(opts.output), progress_file) if os.path.exists(p)]
-    if not opts.resume:
-        if exists:
-            raise DataError(
-                opts.output,
-                f"already exists ({', '.join(exists)}). Fix: add --resume to continue "
-                f"that run, or remove the files to start over.",
-            )
-        state = fresh
-    elif not os.path.exists(progress_file):
-        if exists:
-            raise DataError(
-                opts.output,
-                f"exists but has no {os.path.basename(progress_file)}, so where it "
-                f"stopped is unknown. Fix: remove it to start over.",
-            )
-        state = fresh
-    else:
+    if opts.resume and os.path.exists(progress_file):
         with open(progress_file, encoding="utf-8") as f:
             state = json.load(f)
         differ = sorted(
@@ -290,6 +267,26 @@ def _start_state(opts: RegenerateOptions) -> dict:
                 + "; ".join(f"{k}: was {state['settings'].get(k)!r}, now {settings.get(k)!r}" for k in differ)
                 + ". Fix: rerun with the original settings, or start a new --out.",
             )
+    elif exists and opts.resume:
+        raise DataError(
+            opts.output,
+            f"exists but has no {os.path.basename(progress_file)}, so where it "
+            f"stopped is unknown. Fix: remove it to start over.",
+        )
+    elif exists:
+        raise DataError(
+            opts.output,
+            f"already exists ({', '.join(exists)}). Fix: add --resume to continue "
+            f"that run, or remove the files to start over.",
+        )
+    else:
+        state = {
+            "settings": settings,
+            "next_line": 0,
+            "out_bytes": 0,
+            "rejects_bytes": 0,
+            "stats": dict.fromkeys(STATS, 0),
+        }
     for path, size in (
         (opts.output, state["out_bytes"]),
         (rejects_path(opts.output), state["rejects_bytes"]),

@@ -207,8 +207,9 @@ def _decode_reference(model, layer_ids, drafter, job: _Job) -> _Decodings:
 
 def check_lossless(target, prompts, own, spec) -> tuple[int, Mismatch | None]:
     """(ties, the first bug) over all prompts: each difference is judged in fp32 (trainer.infer.lossless)."""
-    from trainer.infer.lossless import judge
+    from trainer.infer.lossless import Verdict, judge
 
+    no_referee = Verdict(False, math.nan, math.nan, 0.0)  # without the fp32 target every difference is a bug
     ties, bug = 0, None
     for index, (prompt, a, b) in enumerate(zip(prompts, own, spec, strict=True)):
         if a == b:
@@ -216,10 +217,8 @@ def check_lossless(target, prompts, own, spec) -> tuple[int, Mismatch | None]:
         at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         expected = a[at] if at < len(a) else -1
         got = b[at] if at < len(b) else -1
-        verdict = judge(target, prompt + a[:at], expected, got) if target is not None else None
-        if verdict is None:
-            bug = bug or Mismatch(index, at, expected, got, prompt, math.nan, math.nan, 0.0)
-        elif verdict.tie:
+        verdict = judge(target, prompt + a[:at], expected, got) if target is not None else no_referee
+        if verdict.tie:
             ties += 1
         elif bug is None:
             bug = Mismatch(
