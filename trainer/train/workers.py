@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -147,39 +147,30 @@ class _Failures:
             return self.items[0] if self.items else None
 
 
+@dataclasses.dataclass(kw_only=True, eq=False)
 class TrainingWorkers:
     """Start with `start(first_step, total_steps)`, then `run_step(step)` per step; `close()` always."""
 
-    def __init__(
-        self,
-        *,
-        targets: list,
-        replicas: list[Replica],
-        dataset: Dataset,
-        plan: BatchPlan,
-        compute_loss: Callable[[Replica, Batch], LossOutput],
-        guard,
-        grad_clip: float,
-        feature_dtype: torch.dtype,
-        queue_depth: int = 2,
-    ):
-        self.targets = targets
-        self.replicas = replicas
-        self.dataset = dataset
-        self.plan = plan
-        self.compute_loss = compute_loss
-        self.guard = guard
-        self.grad_clip = grad_clip
-        self.feature_dtype = feature_dtype
+    targets: list
+    replicas: list[Replica]
+    dataset: Dataset
+    plan: BatchPlan
+    compute_loss: Callable[[Replica, Batch], LossOutput]
+    guard: Any
+    grad_clip: float
+    feature_dtype: torch.dtype
+    queue_depth: int = 2
+
+    def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._failures = _Failures()
         # keyed by replica index: under torchrun a process holds one replica whose index is its rank
-        self._commands: dict[int, queue.Queue[int]] = {r.index: queue.Queue() for r in replicas}
+        self._commands: dict[int, queue.Queue[int]] = {r.index: queue.Queue() for r in self.replicas}
         self._batches: dict[int, queue.Queue[Batch]] = {
-            r.index: queue.Queue(maxsize=queue_depth) for r in replicas
+            r.index: queue.Queue(maxsize=self.queue_depth) for r in self.replicas
         }
         self._reports: queue.Queue = queue.Queue()
-        self._barrier = threading.Barrier(len(replicas), action=self._average_gradients)
+        self._barrier = threading.Barrier(len(self.replicas), action=self._average_gradients)
         self._grad_norm = float("nan")
         self._threads: list[threading.Thread] = []
         self._doing: dict[str, str] = {}  # drafter -> what it is doing, for a stop that times out
