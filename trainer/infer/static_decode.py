@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from trainer.infer import gated_deltanet
 from trainer.infer.speculative import Decoded
 from trainer.fused_projections import GATE_UP, QKV, fused_rows
-from trainer.model import DFlashDrafter, rope_cos_sin
+from trainer.model import DFlashDrafter, apply_rope, rope_cos_sin
 from trainer.target_family import HYBRID_TYPES, is_hybrid
 
 
@@ -42,18 +42,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, centered: bool =
     return weight * x32.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on the first cos.shape[-1] dims of each head (all of them, or Qwen3.5's partial rotary)."""
     turned = cos.shape[-1]
     if turned == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return apply_rope(x, cos, sin)
     head, rest = x[..., :turned], x[..., turned:]
-    return torch.cat([head * cos + _rotate_half(head) * sin, rest], dim=-1)
+    return torch.cat([apply_rope(head, cos, sin), rest], dim=-1)
 
 
 def pre_attention(
