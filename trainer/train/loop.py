@@ -103,14 +103,13 @@ def build_dataset(cfg: TrainConfig, target) -> Dataset:
     if cfg.data.source == "synthetic":
         syn = cfg.data.synthetic
         return synthetic_dataset(target, syn.num_samples, syn.prompt_len, cfg.data.seq_len, cfg.train.seed)
-    tokenizer = target.tokenizer
-    pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    pad_id = getattr(target.tokenizer, "pad_token_id", None)  # None without a tokenizer too
     assert cfg.data.path is not None  # validate(): a jsonl source names its path
     return load_jsonl(
         cfg.data.path,
         cfg.data.seq_len,
         target.vocab_size,
-        tokenizer,
+        target.tokenizer,
         pad_id if pad_id is not None else 0,
         cfg.data.chat_template_kwargs,
     )
