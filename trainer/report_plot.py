@@ -7,6 +7,7 @@ is drawn, as the trainer itself never needs it.
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import html
 import io
@@ -70,11 +71,9 @@ def _matplotlib():
 
 def _smooth(values, window):
     """A trailing mean over `window` points (NaNs skipped): per-step accuracy is noisy."""
-    out, run = [], []
+    out, run = [], collections.deque(maxlen=window)
     for value in values:
         run.append(value)
-        if len(run) > window:
-            run.pop(0)
         finite = [v for v in run if math.isfinite(v)]
         out.append(sum(finite) / len(finite) if finite else float("nan"))
     return out
@@ -256,10 +255,7 @@ def write(histories: list[RunHistory], path: str, title: str) -> Picture:
     """Draw `histories` into `path`: HTML for a .html/.htm name, PNG for a .png one."""
     kind = format_of(path)
     picture = draw(histories, title)
-    if kind == "html":
-        data = html_page(histories, picture, title).encode()
-    else:
-        data = picture.png
+    data = html_page(histories, picture, title).encode() if kind == "html" else picture.png
     with open(path, "wb") as f:
         f.write(data)
     return picture
