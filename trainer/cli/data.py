@@ -307,8 +307,6 @@ def _load_target_and_data(cfg, say):
 
 def _write_features(cfg, target, dataset, args, say):
     """(manifest, progress, seconds spent writing) of the cache written under args.out."""
-    import torch
-
     from trainer.data.cache_writer import write_cache
     from trainer.data.feature_cache import cache_header
     from trainer.progress import ProgressLine
@@ -317,16 +315,15 @@ def _write_features(cfg, target, dataset, args, say):
     header = cache_header(cfg, target, args.dtype, pad if pad is not None else 0)
     progress = ProgressLine("sequences", len(dataset))
     writing = time.monotonic()
-    with torch.no_grad():
-        manifest = write_cache(
-            target,
-            dataset,
-            args.out,
-            header,
-            batch_size=args.batch_size,
-            shard_bytes=args.shard_size_mb << 20,
-            say=say,
-            progress=progress,
-        )
+    manifest = write_cache(  # no_grad: write_cache is decorated with it
+        target,
+        dataset,
+        args.out,
+        header,
+        batch_size=args.batch_size,
+        shard_bytes=args.shard_size_mb << 20,
+        say=say,
+        progress=progress,
+    )
     progress.finish()
     return manifest, progress, time.monotonic() - writing

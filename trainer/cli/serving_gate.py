@@ -208,8 +208,7 @@ def _step_accuracy(metrics_path: str) -> dict[int, list[float]]:
     """Per-position training accuracy of each step (one sequence, every position: exact)."""
     from trainer import metrics_format
 
-    with open(metrics_path, encoding="utf-8") as f:
-        records = metrics_format.parse_lines(f.read())
+    records = metrics_format.parse_lines(Path(metrics_path).read_text(encoding="utf-8"))
     return {
         r["step"]: [float(a) for a in r["acc"]] for r in records if r.get("event") == "step" and r.get("acc")
     }
@@ -218,11 +217,9 @@ def _step_accuracy(metrics_path: str) -> dict[int, list[float]]:
 def _first_perfect_step(metrics_path: str) -> tuple[int, list[float]]:
     """The first checkpointed step whose training accuracy is perfect, else the last step."""
     by_step = _step_accuracy(metrics_path)
-    for step in sorted(by_step):
-        if step % CHECK_EVERY == 0 and all(a == 1.0 for a in by_step[step]):
-            return step, by_step[step]
-    last = max(by_step)
-    return last, by_step[last]
+    perfect = (s for s in sorted(by_step) if s % CHECK_EVERY == 0 and all(a == 1.0 for a in by_step[s]))
+    step = next(perfect, max(by_step))
+    return step, by_step[step]
 
 
 def _checkpoint_at(last_checkpoint, step: int) -> str:

@@ -227,8 +227,7 @@ class _WriterThread:
         """Write what is left and wait for the thread; raises its error."""
         self.put(None)
         self.thread.join()
-        if self.error is not None:
-            raise self.error
+        self.check()
 
     def abort(self, timeout_s: float = 60.0) -> None:
         """Stop after the item in hand; what is queued stays out of the cache (the next run recomputes it)."""

@@ -134,7 +134,7 @@ def load_jsonl(
     chat_template_kwargs: dict | None = None,
 ) -> Dataset:
     """Read and check every record; raises DataError at the first bad one (file:line)."""
-    rows_ids, rows_mask, rows_attn = [], [], []
+    rows = []  # (input_ids, loss_mask, attention_mask) of each record, padded to seq_len
     for where, record in jsonl_records(path, "data", "set data.path to an existing .jsonl file."):
         if not isinstance(record, dict):
             raise DataError(where, "expected a JSON object with input_ids+loss_mask or messages.")
@@ -154,12 +154,10 @@ def load_jsonl(
                     f"input_ids[{i}] = {tok} is outside the target's vocabulary "
                     f"(0..{vocab_size - 1}). Fix: tokenize with the target's tokenizer.",
                 )
-        ids, mask, attn = _fit(ids, mask, seq_len, pad_id)
-        rows_ids.append(ids)
-        rows_mask.append(mask)
-        rows_attn.append(attn)
-    if not rows_ids:
+        rows.append(_fit(ids, mask, seq_len, pad_id))
+    if not rows:
         raise DataError(path, "no records. Fix: one JSON object per line.")
+    rows_ids, rows_mask, rows_attn = zip(*rows, strict=True)
     dataset = Dataset(
         torch.tensor(rows_ids, dtype=torch.long),
         torch.tensor(rows_mask, dtype=torch.bool),

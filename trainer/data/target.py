@@ -157,9 +157,8 @@ class TargetModel:
         with self._lock:
             handles = [self._decoder.layers[i].register_forward_hook(make_hook(i)) for i in wanted]
             try:
-                self._decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            except _EnoughLayers:
-                pass
+                with contextlib.suppress(_EnoughLayers):
+                    self._decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             finally:
                 for handle in handles:
                     handle.remove()
@@ -181,15 +180,13 @@ def _tiny_classes(spec: str):
 def tiny_target(device: str, dtype, seed: int, tiny: dict | None, spec: str = "tiny-random") -> HFModel:
     """A seeded random target: Qwen3 (`tiny-random`) or a Qwen3.5 hybrid (`tiny-random-hybrid`)."""
     config_class, model_class, defaults = _tiny_classes(spec)
-    values = dict(defaults)
     unknown = set(tiny or {}) - set(config_class().to_dict())
     if unknown:
         raise ConfigError(
             f"target.tiny: unknown {config_class.__name__} key(s) {sorted(unknown)}. "
             f"Fix: use {config_class.__name__} fields such as {', '.join(sorted(defaults))}"
         )
-    values.update(tiny or {})
-    config = config_class(**values)
+    config = config_class(**{**defaults, **(tiny or {})})
     config._attn_implementation = "sdpa"
     # built where it runs, in its dtype (no fp32 host copy at real size), seeded apart from the caller's RNG
     rng_devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
