@@ -138,20 +138,13 @@ def _regenerate(args) -> int:
     )
     options.check_temperature(args.temperature)
     template_kwargs = _chat_template_kwargs(args.chat_template_kwargs)
-    devices = _regenerate_devices(args.devices)
+    flags_as_given = "target input max_new_tokens max_prompt_tokens temperature top_p seed resume".split()
     job = RegenerateOptions(
-        target=args.target,
-        input=args.input,
         output=args.out,
-        max_new_tokens=args.max_new_tokens,
-        max_prompt_tokens=args.max_prompt_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
         batch_size=batch_size,
-        devices=devices,
+        devices=_regenerate_devices(args.devices),
         chat_template_kwargs=template_kwargs,
-        seed=args.seed,
-        resume=args.resume,
+        **{name: getattr(args, name) for name in flags_as_given},  # each flag's dest is the field's name
     )
     report: dict = {}
     from trainer.template_args import write_for_data

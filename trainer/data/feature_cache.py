@@ -238,13 +238,9 @@ def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
 def complete_manifest(cache_dir: str, manifest: dict) -> None:
     """Total the shards into the manifest and mark the cache complete."""
     shards = manifest["shards"]
-    manifest["counts"] = {
-        "sequences": sum(s["count"] for s in shards),
-        "tokens": sum(s["tokens"] for s in shards),
-        "loss_tokens": sum(s["loss_tokens"] for s in shards),
-        "bytes": sum(s["bytes"] for s in shards),
-        "shards": len(shards),
-    }
+    shard_key_of = {"sequences": "count", "tokens": "tokens", "loss_tokens": "loss_tokens", "bytes": "bytes"}
+    manifest["counts"] = {total: sum(s[key] for s in shards) for total, key in shard_key_of.items()}
+    manifest["counts"]["shards"] = len(shards)
     manifest["complete"] = True
     write_manifest(cache_dir, manifest)
 
