@@ -156,10 +156,7 @@ class TensorBoard(Tracker):
 
 class Wandb(Tracker):
     name = library = "wandb"
-
-    def __init__(self, output_dir: str):
-        super().__init__(output_dir)
-        self.last_step = 0
+    last_step = 0  # the highest step logged so far (scalars sets it per instance)
 
     def open(self, config, run_name):
         if self.run is None:
