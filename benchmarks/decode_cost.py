@@ -151,13 +151,15 @@ def loop_ms(run, decoder, iterations: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / iterations
 
 
-# How the static loop's layers run: (compiled, q/k/v and gate/up fused, one-row reduction kernels).
-# A fused variant fuses the model's weights for good (views), so unfused variants must come first.
+# How the static loop's layers run: (compiled, q/k/v and gate/up fused, one-row reduction kernels,
+# decode_kernels' Triton products). A fused variant fuses the model's weights for good (views), so
+# unfused variants must come first.
 KERNELS = {
-    "eager": (False, False, False),
-    "compiled": (True, False, False),
-    "fused": (True, True, False),
-    "fused-rowwise": (True, True, True),
+    "eager": (False, False, False, False),
+    "compiled": (True, False, False, False),
+    "fused": (True, True, False, False),
+    "fused-rowwise": (True, True, True, False),
+    "triton": (True, True, False, True),
 }
 
 
@@ -165,7 +167,7 @@ def measure(model, drafter, shape: str, block: int, kernels: str, device: str, i
     from trainer.fused_projections import fuse_projections
     from trainer.infer.static_decode import StaticDecoder
 
-    compile, fused, rowwise = KERNELS[kernels]
+    compile, fused, rowwise, triton = KERNELS[kernels]
     if fused:
         fuse_projections(model)
 
@@ -183,7 +185,7 @@ def measure(model, drafter, shape: str, block: int, kernels: str, device: str, i
         )
 
     t0 = time.perf_counter()
-    dec = decoder(compile=compile, rowwise=rowwise)
+    dec = decoder(compile=compile, rowwise=rowwise, triton=triton)
     dec.prepare([prompt])
     k = dec.kernels
     offsets = dec.offsets
@@ -191,7 +193,7 @@ def measure(model, drafter, shape: str, block: int, kernels: str, device: str, i
     def verify():
         where = dec.start.unsqueeze(1) + offsets
         ids = torch.cat([dec.anchor.unsqueeze(1), dec.anchor.unsqueeze(1).expand(-1, block - 1)], 1)
-        dec.target.logits(dec.target.hidden(ids, where, k).hidden).argmax(-1)
+        dec.target.logits(dec.target.hidden(ids, where, k).hidden, k).argmax(-1)
 
     def draft():
         dec.drafter.extend(dec.pending, dec.pending_start.unsqueeze(1) + offsets, k)
@@ -216,7 +218,7 @@ def measure(model, drafter, shape: str, block: int, kernels: str, device: str, i
         row["target_only_tok_s_runs"] = speeds
         # the graph loop against the same static code run eagerly, and speculative against target-only
         spec_out = dec.decode([prompt], spec["new"], speculative=True).results[0].tokens
-        eager = decoder(graphs=False)
+        eager = decoder(graphs=False, triton=False)
         eager_out = eager.decode([prompt], spec["new"], speculative=False).results[0].tokens
         row["graph_tokens_equal_eager"] = out.results[0].tokens == eager_out
         row["speculative_equals_target_only"] = spec_out == out.results[0].tokens

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from trainer.infer import gated_deltanet
+from trainer.infer import decode_kernels, gated_deltanet
 from trainer.infer.static_decode import (
     EAGER,
     DeltaLayer,
@@ -89,8 +89,8 @@ def fp32_last_hidden(target: StaticTarget, prefix: list[int]) -> torch.Tensor:
     where = torch.arange(length, device=device).unsqueeze(0)
     x = torch.nn.functional.embedding(ids, target.embed.float())
     cos, sin = target.model.get_decoder().rotary_emb(x, where)  # fp32, like x
-    visible = torch.ones(length, length, dtype=torch.bool, device=device).tril().unsqueeze(0)
-    mask = grouped_mask(visible, target.heads // target.kv_heads, torch.float32)
+    visible = decode_kernels.grouped_visibility(where, length, target.heads // target.kv_heads)
+    mask = grouped_mask(visible, torch.float32)
     for w in target.layers:
         x = _fp32_delta(w, x) if isinstance(w, DeltaLayer) else _fp32_attention(target, w, x, cos, sin, mask)
     return rms_norm(x[0, -1], target.norm_weight.float(), target.norm_eps, target.centered)

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from trainer.infer import gated_deltanet
+from trainer.infer import decode_kernels, gated_deltanet
 from trainer.infer.speculative import Decoded
 from trainer.fused_projections import GATE_UP, QKV, fused_rows
 from trainer.model import DFlashDrafter, apply_rope, rope_cos_sin
@@ -83,13 +83,21 @@ def pre_attention(
     return grouped.reshape(batch, kv_heads, group * length, head_dim), k, v, gate
 
 
+def gated_up(x, branch, ln, gate, up, eps: float, centered: bool = False, project=F.linear):
+    """The first half of residual_mlp: x + branch (branch None: x) and the SiLU-gated up projection of
+    its norm, for a down projection that adds the residual itself."""
+    if branch is not None:
+        x = x + branch
+    h = rms_norm(x, ln, eps, centered)
+    g, u = project(h, gate).chunk(2, dim=-1) if up is None else (project(h, gate), project(h, up))
+    return x, F.silu(g) * u
+
+
 def residual_mlp(x, branch, ln, gate, up, down, eps: float, centered: bool = False, project=F.linear):
     """x + branch, then the post-mixing norm, the SiLU MLP and its residual (every layer kind ends so).
     up None: gate is gate and up fused."""
-    x = x + branch
-    h = rms_norm(x, ln, eps, centered)
-    g, u = project(h, gate).chunk(2, dim=-1) if up is None else (project(h, gate), project(h, up))
-    return x + project(F.silu(g) * u, down)
+    x, act = gated_up(x, branch, ln, gate, up, eps, centered, project)
+    return x + project(act, down)
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,17 +109,19 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
-def post_attention(x, attn, out_gate, weights, eps: float, centered: bool = False, project=F.linear):
-    """Output gate (when gated), output projection, then residual_mlp. attn: the grouped attention
-    output [B, Hkv, G*T, D]; weights: _Layer.post."""
-    wo, bo, ln, gate, up, down = weights
-    batch, length, _ = x.shape
-    kv_heads, rows, dim = attn.shape[1:]
+def merge_heads(attn, out_gate, length: int):
+    """The grouped attention output [B, Hkv, G*T, D] as [B, T, H*D], times the output gate when gated."""
+    batch, kv_heads, rows, dim = attn.shape
     attn = attn.view(batch, kv_heads, rows // length, length, dim).permute(0, 3, 1, 2, 4)
     attn = attn.reshape(batch, length, -1)
-    if out_gate is not None:
-        attn = attn * torch.sigmoid(out_gate)
-    return residual_mlp(x, project(attn, wo, bo), ln, gate, up, down, eps, centered, project)
+    return attn if out_gate is None else attn * torch.sigmoid(out_gate)
+
+
+def post_attention(x, attn, out_gate, weights, eps: float, centered: bool = False, project=F.linear):
+    """merge_heads, the output projection, then residual_mlp. weights: _Layer.post."""
+    wo, bo, ln, gate, up, down = weights
+    merged = merge_heads(attn, out_gate, x.shape[1])
+    return residual_mlp(x, project(merged, wo, bo), ln, gate, up, down, eps, centered, project)
 
 
 def context_kv(ctx, wk, bk, wv, bv, k_norm, cos, sin, eps: float, kv_heads: int, head_dim: int):
@@ -122,13 +132,11 @@ def context_kv(ctx, wk, bk, wv, bv, k_norm, cos, sin, eps: float, kv_heads: int,
     return rotate(rms_norm(k, k_norm, eps), cos.unsqueeze(2), sin.unsqueeze(2)), v
 
 
-def grouped_mask(visible: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive attention mask [B, 1, G*T, S] of grouped queries, from visible [B, T, S] (built
-    once per forward, shared by every layer)."""
-    batch, length, keys = visible.shape
+def grouped_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask of decode_kernels.grouped_visibility's answer (built once per
+    forward, shared by every layer)."""
     zero = torch.zeros((), dtype=dtype, device=visible.device)
-    mask = torch.where(visible, zero, torch.finfo(dtype).min)
-    return mask.unsqueeze(1).unsqueeze(1).expand(batch, 1, group, length, keys).reshape(batch, 1, -1, keys)
+    return torch.where(visible, zero, torch.finfo(dtype).min)
 
 
 def grouped_attention(q, keys, values, mask):
@@ -199,12 +207,13 @@ def _eps_of(norm) -> float:
 
 
 class Kernels:
-    """pre_attention / post_attention / context_kv, eager or compiled once per shape and shared by
-    every layer (weights are arguments, so the layers of a model are one compiled graph)."""
+    """How a layer's math runs: eager or compiled once per shape and shared by every layer (weights are
+    arguments, so the layers of a model are one compiled graph); with `triton`, attention and the
+    products followed by a residual run as decode_kernels."""
 
-    def __init__(self, compile: bool, rowwise: bool = False):
+    def __init__(self, compile: bool, rowwise: bool = False, triton: bool = False):
         """`rowwise` (with compile): one-row products as reduction kernels (rowwise_linear)."""
-        self.compiled, self.rowwise = compile, compile and rowwise
+        self.compiled, self.rowwise, self.triton = compile, compile and rowwise, triton
         if compile:  # one compiled graph per distinct shape (target step, verify, draft; several models)
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
@@ -217,18 +226,41 @@ class Kernels:
 
         self.pre = wrap(functools.partial(pre_attention, project=project))
         self.post = wrap(functools.partial(post_attention, project=project))
-        self.mlp = wrap(functools.partial(residual_mlp, project=project))
+        self.residual_mlp = wrap(functools.partial(residual_mlp, project=project))
         self.context = wrap(context_kv)
         self.delta = wrap(gated_deltanet.mix_tensors)
+        self.merge = wrap(merge_heads)
+        self.gated_up = wrap(functools.partial(gated_up, project=project))
 
-    def layer(self, x, w: _Layer, cos, sin, keys, values, rows, where, mask, dims: tuple):
+    def visibility(self, horizon: torch.Tensor, positions: torch.Tensor, group: int, dtype: torch.dtype):
+        """What attention takes to know that query (b, t) sees the keys at positions <= horizon [B, T]:
+        the horizon itself (decode_kernels) or the additive mask."""
+        if self.triton:
+            return horizon
+        return grouped_mask(decode_kernels.grouped_visibility(horizon, len(positions), group), dtype)
+
+    def mlp(self, x, branch, weights: tuple, eps: float, centered: bool = False):
+        """residual_mlp (branch None: x alone) with _mlp_weights."""
+        ln, gate, up, down = weights
+        if not self.triton:
+            return self.residual_mlp(x, branch, ln, gate, up, down, eps, centered)
+        x, act = self.gated_up(x, branch, ln, gate, up, eps, centered)
+        return decode_kernels.linear(act, down, residual=x)
+
+    def layer(self, x, w: _Layer, cos, sin, keys, values, rows, where, seen, dims: tuple):
         """One decoder layer over a static cache: its K/V written at `where` of `rows`, then attention
-        over everything the mask lets each query see. dims: (eps, heads, kv heads, head dim)."""
+        over the keys `seen` (visibility's answer) lets each query see. dims: (eps, heads, kv heads,
+        head dim)."""
         q, k, v, out_gate = self.pre(x, w.pre, cos, sin, *dims, w.centered, w.gated)
         keys[rows, :, where] = k
         values[rows, :, where] = v
-        out = grouped_attention(q, keys, values, mask)
-        return self.post(x, out, out_gate, w.post, dims[0], w.centered)
+        if not self.triton:
+            out = grouped_attention(q, keys, values, seen)
+            return self.post(x, out, out_gate, w.post, dims[0], w.centered)
+        out = decode_kernels.attention(q, keys, values, seen)
+        wo, bo, *mlp = w.post
+        x = decode_kernels.linear(self.merge(out, out_gate, x.shape[1]), wo, bo, residual=x)
+        return self.mlp(x, None, tuple(mlp), dims[0], w.centered)
 
 
 EAGER = Kernels(compile=False)
@@ -316,7 +348,7 @@ class StaticTarget:
             mixed, pending = gated_deltanet.mix(h, w.mixer, conv, state, kernels.delta)
         else:
             mixed, pending = gated_deltanet.run(h, w.mixer, conv, state, lengths), None
-        return kernels.mlp(x, mixed, *w.mlp, w.eps, True), pending
+        return kernels.mlp(x, mixed, w.mlp, w.eps, True), pending
 
     def hidden(
         self,
@@ -330,8 +362,7 @@ class StaticTarget:
         or, given `lengths` (a right-padded prompt), take each row's first lengths tokens at once."""
         x = F.embedding(ids, self.embed)
         cos, sin = self.cos[where], self.sin[where]
-        visible = self.key_positions <= where.unsqueeze(-1)
-        mask = grouped_mask(visible, self.heads // self.kv_heads, self.dtype)
+        seen = kernels.visibility(where, self.key_positions, self.heads // self.kv_heads, self.dtype)
         wanted = set(self.layer_ids) if features else set()
         last = len(self.layers) - 1
         taken, pending = {}, {}
@@ -342,7 +373,7 @@ class StaticTarget:
                     pending[i] = left
             else:
                 keys, values = self.keys[self.kv_slot[i]], self.values[self.kv_slot[i]]
-                x = kernels.layer(x, w, cos, sin, keys, values, self.row_index, where, mask, self.dims)
+                x = kernels.layer(x, w, cos, sin, keys, values, self.row_index, where, seen, self.dims)
             if i in wanted and i != last:
                 taken[i] = x
         normed = rms_norm(x, self.norm_weight, self.norm_eps, self.centered)
@@ -361,7 +392,9 @@ class StaticTarget:
         for state in (*self.conv_state.values(), *self.recurrent_state.values()):
             state.zero_()
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
+        if kernels.triton:
+            return decode_kernels.linear(hidden, self.head_weight, self.head_bias)
         return F.linear(hidden, self.head_weight, self.head_bias)
 
 
@@ -408,12 +441,11 @@ class StaticDrafter:
         ids = torch.cat([anchor.unsqueeze(1), self.mask_ids], dim=1)
         x = F.embedding(ids, d.embed_weight).to(d.fc.weight.dtype)
         cos, sin = self.cos[where], self.sin[where]
-        # [B, 1, S]: the same for each query
-        visible = self.key_positions < (start + self.block).view(-1, 1, 1)
-        mask = grouped_mask(visible.expand(-1, self.block, -1), cfg.num_heads // cfg.num_kv_heads, x.dtype)
+        horizon = (start + self.block - 1).unsqueeze(1).expand(-1, self.block)  # the whole block, every query
+        seen = kernels.visibility(horizon, self.key_positions, cfg.num_heads // cfg.num_kv_heads, x.dtype)
         for i, w in enumerate(self.layers):
             x = kernels.layer(
-                x, w, cos, sin, self.keys[i], self.values[i], self.row_index, where, mask, self.dims
+                x, w, cos, sin, self.keys[i], self.values[i], self.row_index, where, seen, self.dims
             )
         hidden = rms_norm(x[:, 1:], d.norm.weight, d.norm.eps)
         return F.linear(hidden, d.lm_head_weight.to(hidden.dtype), d.lm_head_bias).argmax(-1)
@@ -443,6 +475,7 @@ class StaticDecoder:
         graphs: bool | None = None,
         compile: bool = False,
         rowwise: bool = False,
+        triton: bool | None = None,
     ):
         block = drafter.cfg.block_size if drafter is not None else 1
         self.rows, self.max_prompt, self.max_new_tokens, self.block = rows, max_prompt, max_new_tokens, block
@@ -452,7 +485,9 @@ class StaticDecoder:
         self.device = device = self.target.device
         on_cuda = device.type == "cuda"
         self.graphs = on_cuda if graphs is None else (graphs and on_cuda)
-        self.kernels = Kernels(compile, rowwise) if compile else EAGER
+        if triton is None:  # decode_kernels' products where they run: compiled decoding on CUDA
+            triton = compile and on_cuda and decode_kernels.triton is not None
+        self.kernels = Kernels(compile, rowwise, triton) if compile or triton else EAGER
         stops = sorted({int(s) for s in stop_ids}) or [-1]
         self.stop_ids = torch.tensor(stops, device=device)
         long = {"device": device, "dtype": torch.long}
@@ -511,7 +546,8 @@ class StaticDecoder:
         step = self.target.hidden(
             self.anchor.unsqueeze(1), self.start.unsqueeze(1), self.kernels, features=False
         )
-        count = self._emit(self.target.logits(step.hidden).argmax(-1), torch.zeros_like(self.start))
+        logits = self.target.logits(step.hidden, self.kernels)
+        count = self._emit(logits.argmax(-1), torch.zeros_like(self.start))
         self.target.commit(step.pending, count)
         self.host_flag.copy_(self.any_active, non_blocking=True)
 
@@ -525,7 +561,7 @@ class StaticDecoder:
         proposals = drafter.proposals(self.anchor, self.start, k)
         where = self.start.unsqueeze(1) + self.offsets
         verify = self.target.hidden(torch.cat([self.anchor.unsqueeze(1), proposals], 1), where, k)
-        targets = self.target.logits(verify.hidden).argmax(-1)  # the target's token for start+1..start+B
+        targets = self.target.logits(verify.hidden, k).argmax(-1)  # the target's token for start+1..start+B
         accepted = (proposals == targets[:, : block - 1]).long().cumprod(1).sum(1)
         assert verify.features is not None  # asked for (features=True)
         self.pending.copy_(verify.features)

@@ -1,0 +1,111 @@
+"""decode_kernels' Triton products against their PyTorch reference, and the static loop decoding through
+them. Triton's interpreter (TRITON_INTERPRET=1, read when a kernel is defined) runs the kernels on the
+CPU, so each check runs in a fresh interpreter process; on the H200 they run compiled."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.timeout(600)
+
+
+def interpret(code: str) -> str:
+    """Run `code` under Triton's interpreter; its stdout."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=500
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_the_kernels_match_their_references_at_any_row_count_and_horizon():
+    out = interpret("""
+        import torch
+        from trainer.infer import decode_kernels as dk
+
+        g = torch.Generator().manual_seed(0)
+        def rand(*shape, dtype):
+            return torch.randn(*shape, generator=g).to(dtype)
+
+        def close(got, want, tol, what):
+            assert got.shape == want.shape, (what, got.shape, want.shape)
+            err = (got.float() - want.float()).abs().max().item()
+            assert err <= tol * (1 + want.float().abs().max().item()), (what, err)
+
+        for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
+            for rows in (1, 5, 16):
+                k, n = 160, 72  # neither a multiple of the tiles
+                x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype) / 8
+                for fused in ({}, {"bias": rand(n, dtype=dtype)}, {"residual": rand(rows, n, dtype=dtype)}):
+                    close(dk.linear(x, w, **fused), dk.reference_linear(x, w, **fused), tol, (rows, list(fused)))
+            # 2 batch rows, 2 kv heads of 3 query heads, T query positions, 150 cached keys (3 splits);
+            # ragged horizons: a row whose horizon ends inside the first split, one that sees them all
+            for length, horizon in ((1, [[40], [149]]), (4, [[60, 61, 62, 63], [100, 100, 100, 100]])):
+                q = rand(2, 2, 3 * length, 32, dtype=dtype)
+                keys, values = rand(2, 2, 150, 32, dtype=dtype), rand(2, 2, 150, 32, dtype=dtype)
+                horizon = torch.tensor(horizon)
+                got = dk.attention(q, keys, values, horizon)
+                close(got, dk.reference_attention(q, keys, values, horizon), tol, ("attention", length))
+        # past MAX_ROWS the reference runs (the same function answers)
+        x = torch.randn(dk.MAX_ROWS + 1, 32)
+        assert torch.equal(dk.linear(x, torch.eye(32)), x)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_a_wrong_kernel_would_be_caught():
+    """The comparisons above can fail: a residual dropped, or a key past the horizon seen, is a large error."""
+    out = interpret("""
+        import torch
+        from trainer.infer import decode_kernels as dk
+
+        x, w, res = torch.randn(3, 64), torch.randn(48, 64) / 8, torch.randn(3, 48)
+        dropped = (dk.linear(x, w, residual=res) - dk.reference_linear(x, w)).abs().max().item()
+        q, keys, values = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 80, 16), torch.randn(1, 1, 80, 16)
+        got = dk.attention(q, keys, values, torch.tensor([[30]]))
+        further = (got - dk.reference_attention(q, keys, values, torch.tensor([[79]]))).abs().max().item()
+        print(dropped > 0.5, further > 0.05)
+    """)
+    assert out.strip() == "True True"
+
+
+@pytest.mark.parametrize("spec", ["tiny-random", "tiny-random-hybrid"])
+def test_the_static_loop_through_the_triton_products_decodes_the_reference_tokens(spec):
+    """Target-only and speculative decoding through decode_kernels (attention and Gated DeltaNet layers,
+    the drafter's block, the head) give the HF reference loop's tokens."""
+    out = interpret(f"""
+        import torch
+        from trainer.data.target import load_target
+        from trainer.fused_projections import fuse_projections
+        from trainer.infer.speculative import target_generate
+        from trainer.infer.static_decode import StaticDecoder
+        from trainer.model import DFlashDrafter, DrafterConfig
+
+        torch.set_num_threads(1)
+        target = load_target({spec!r}, "cpu", torch.float32, layer_ids=[1, 2, 3], seed=0,
+                             tiny={{"initializer_range": 0.05}})
+        fuse_projections(target.model)
+        torch.manual_seed(0)
+        dcfg = DrafterConfig.for_target(target, num_layers=2, block_size=4)
+        drafter = DFlashDrafter(dcfg, target.embed_tokens, target.lm_head).eval()
+        prompts = [[5, 9, 31, 7, 2, 11], [3, 8, 1]]
+        decoder = StaticDecoder(target.model, target.layer_ids, drafter, rows=2, max_prompt=6,
+                                max_new_tokens=10, triton=True)
+        assert decoder.kernels.triton
+        own = decoder.decode(prompts, 10, speculative=False).results
+        spec = decoder.decode(prompts, 10, speculative=True).results
+        for i, p in enumerate(prompts):
+            ref = target_generate(target.model, p, 10).tokens
+            assert own[i].tokens == ref, (i, own[i].tokens, ref)
+            assert spec[i].tokens == ref, (i, spec[i].tokens, ref)
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
