@@ -111,10 +111,10 @@ def measure_attention(shape: dict, positions: int, length: int, device: str) -> 
     q = torch.randn(1, kv, group * length, dim, device=device, dtype=dtype)
     keys = [torch.randn(1, kv, positions, dim, device=device, dtype=dtype) for _ in range(COPIES)]
     values = [torch.randn(1, kv, positions, dim, device=device, dtype=dtype) for _ in range(COPIES)]
-    horizon = torch.arange(length, device=device).unsqueeze(0) + positions // 2
-    mask = grouped_mask(decode_kernels.grouped_visibility(horizon, positions, group), dtype)
-    got = decode_kernels.attention(q, keys[0], values[0], horizon).float()
-    want = grouped_attention(q, keys[0], values[0], mask).float()
+    where = torch.arange(length, device=device).unsqueeze(0) + positions // 2
+    new_k, new_v = (torch.randn(1, length, kv, dim, device=device, dtype=dtype) for _ in range(2))
+    got = decode_kernels.attention(q, keys[0], values[0], where, new_k, new_v, where).float()
+    want = decode_kernels.reference_attention(q, keys[0], values[0], where, new_k, new_v, where).float()
     row = {
         "attention": True,
         "positions": positions,
@@ -122,10 +122,21 @@ def measure_attention(shape: dict, positions: int, length: int, device: str) -> 
         "max_abs_error": (got - want).abs().max().item(),
     }
     if device.startswith("cuda"):
+        mask = grouped_mask(decode_kernels.grouped_visibility(where, positions, group), dtype)
+        rows = torch.zeros(1, 1, dtype=torch.long, device=device)
+
+        def sdpa(k, v):  # what the compiled loop ran: the cache writes, then SDPA with the mask
+            k[rows, :, where], v[rows, :, where] = new_k, new_v
+            return grouped_attention(q, k, v, mask)
+
         pairs = list(zip(keys, values, strict=True))
-        row["sdpa_us"] = timed([lambda k=k, v=v: grouped_attention(q, k, v, mask) for k, v in pairs], device)
+        row["sdpa_us"] = timed([lambda k=k, v=v: sdpa(k, v) for k, v in pairs], device)
         row["kernel_us"] = timed(
-            [lambda k=k, v=v: decode_kernels.attention(q, k, v, horizon) for k, v in pairs], device
+            [
+                lambda k=k, v=v: decode_kernels.attention(q, k, v, where, new_k, new_v, where)
+                for k, v in pairs
+            ],
+            device,
         )
     return row
 

@@ -45,14 +45,18 @@ def test_the_kernels_match_their_references_at_any_row_count_and_horizon():
                 x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype) / 8
                 for fused in ({}, {"bias": rand(n, dtype=dtype)}, {"residual": rand(rows, n, dtype=dtype)}):
                     close(dk.linear(x, w, **fused), dk.reference_linear(x, w, **fused), tol, (rows, list(fused)))
-            # 2 batch rows, 2 kv heads of 3 query heads, T query positions, 150 cached keys (3 splits);
+            # 2 batch rows, 2 kv heads of 3 query heads, T new positions, 150 cached keys (3 splits);
             # ragged horizons: a row whose horizon ends inside the first split, one that sees them all
-            for length, horizon in ((1, [[40], [149]]), (4, [[60, 61, 62, 63], [100, 100, 100, 100]])):
+            for length, first, horizon in ((1, [40, 149], [[40], [149]]), (4, [60, 97], [[63] * 4, [100] * 4])):
+                where = torch.tensor(first).unsqueeze(1) + torch.arange(length)
                 q = rand(2, 2, 3 * length, 32, dtype=dtype)
-                keys, values = rand(2, 2, 150, 32, dtype=dtype), rand(2, 2, 150, 32, dtype=dtype)
-                horizon = torch.tensor(horizon)
-                got = dk.attention(q, keys, values, horizon)
-                close(got, dk.reference_attention(q, keys, values, horizon), tol, ("attention", length))
+                new = [rand(2, length, 2, 32, dtype=dtype) for _ in range(2)]
+                cache = [rand(2, 2, 150, 32, dtype=dtype) for _ in range(2)]
+                mine = [c.clone() for c in cache]
+                got = dk.attention(q, *mine, torch.tensor(horizon), *new, where)
+                want = dk.reference_attention(q, *cache, torch.tensor(horizon), *new, where)
+                close(got, want, tol, ("attention", length))
+                assert all(torch.equal(a, b) for a, b in zip(mine, cache)), "the new keys written where they go"
         # past MAX_ROWS the reference runs (the same function answers)
         x = torch.randn(dk.MAX_ROWS + 1, 32)
         assert torch.equal(dk.linear(x, torch.eye(32)), x)
@@ -70,8 +74,10 @@ def test_a_wrong_kernel_would_be_caught():
         x, w, res = torch.randn(3, 64), torch.randn(48, 64) / 8, torch.randn(3, 48)
         dropped = (dk.linear(x, w, residual=res) - dk.reference_linear(x, w)).abs().max().item()
         q, keys, values = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 80, 16), torch.randn(1, 1, 80, 16)
-        got = dk.attention(q, keys, values, torch.tensor([[30]]))
-        further = (got - dk.reference_attention(q, keys, values, torch.tensor([[79]]))).abs().max().item()
+        new, where = (torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)), torch.tensor([[30]])
+        got = dk.attention(q, keys, values, where, *new, where)
+        seen_more = dk.reference_attention(q, keys, values, torch.tensor([[79]]), *new, where)
+        further = (got - seen_more).abs().max().item()
         print(dropped > 0.5, further > 0.05)
     """)
     assert out.strip() == "True True"

@@ -70,36 +70,39 @@ def grouped_visibility(horizon: torch.Tensor, keys: int, group: int) -> torch.Te
     return visible.unsqueeze(1).expand(batch, group, length, keys).reshape(batch, 1, group * length, keys)
 
 
-def reference_attention(q, keys, values, horizon):
-    """q [B, Hkv, G*T, D] (the G query heads of a kv head, each over T positions) against keys/values
-    [B, Hkv, S, D], each query seeing what grouped_visibility says."""
+def reference_attention(q, keys, values, horizon, new_keys, new_values, where):
+    """Write new_keys/new_values [B, T, Hkv, D] at positions where [B, T] of keys/values [B, Hkv, S, D],
+    then attend: q [B, Hkv, G*T, D] (the G query heads of a kv head, each over T positions) against
+    the cache, each query seeing what grouped_visibility says."""
+    rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1)
+    keys[rows, :, where] = new_keys
+    values[rows, :, where] = new_values
     visible = grouped_visibility(horizon, keys.shape[2], q.shape[2] // horizon.shape[1])
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
 
 
-def attention(q, keys, values, horizon):
-    """`reference_attention`, split over KEYS_PER_SPLIT key positions per program, then combined."""
+def attention(q, keys, values, horizon, new_keys, new_values, where):
+    """`reference_attention` where each row's T positions are consecutive: split over KEYS_PER_SPLIT key
+    positions per program (each writing the new keys of its own run), then combined."""
     dim = q.shape[-1]
     if not available(q) or q.shape[2] > MAX_ROWS or dim & (dim - 1):
-        return reference_attention(q, keys, values, horizon)
-    batch, kv_heads, rows, dim = q.shape
+        return reference_attention(q, keys, values, horizon, new_keys, new_values, where)
+    batch, kv_heads, rows, _ = q.shape
     splits = triton.cdiv(keys.shape[2], KEYS_PER_SPLIT)
     partial = torch.empty(batch * kv_heads, splits, rows, dim, device=q.device, dtype=torch.float32)
     peak = torch.empty(batch * kv_heads, splits, rows, device=q.device, dtype=torch.float32)
     total = torch.empty_like(peak)
-    block_rows = max(16, triton.next_power_of_2(rows))
     _attention_split[(batch * kv_heads, splits)](
-        q, keys, values, horizon, partial, peak, total,
+        q, keys, values, horizon, new_keys, new_values, where, partial, peak, total,
         kv_heads, rows, horizon.shape[1], keys.shape[2], 1.0 / math.sqrt(dim),
-        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), horizon.stride(0),
-        BLOCK_R=block_rows, BLOCK_S=KEYS_PER_SPLIT, D=dim,
+        *q.stride()[:3], *keys.stride()[:3], *values.stride()[:3], horizon.stride(0),
+        *new_keys.stride()[:3], *new_values.stride()[:3], where.stride(0),
+        BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_S=KEYS_PER_SPLIT, D=dim,
     )  # fmt: skip
     out = torch.empty_like(q)
-    _attention_combine[(batch * kv_heads,)](
-        partial, peak, total, out, kv_heads, rows, splits,
-        out.stride(0), out.stride(1), out.stride(2), BLOCK_R=block_rows, D=dim,
-    )  # fmt: skip
+    _attention_combine[(batch * kv_heads, rows)](
+        partial, peak, total, out, kv_heads, rows, splits, *out.stride()[:3], D=dim
+    )
     return out
 
 
@@ -134,13 +137,15 @@ if triton is not None:
 
     @triton.jit
     def _attention_split(
-        q_ptr, k_ptr, v_ptr, horizon_ptr, partial_ptr, peak_ptr, total_ptr,
+        q_ptr, k_ptr, v_ptr, horizon_ptr, new_k_ptr, new_v_ptr, where_ptr, partial_ptr, peak_ptr, total_ptr,
         HKV, R, T, S, scale, stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks,
-        stride_vb, stride_vh, stride_vs, stride_hb,
+        stride_vb, stride_vh, stride_vs, stride_hb, stride_nkb, stride_nkt, stride_nkh,
+        stride_nvb, stride_nvt, stride_nvh, stride_wb,
         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
     ):  # fmt: skip
         """One (row of the batch, kv head) against one run of BLOCK_S keys: the unnormalised output,
-        the running max and the sum of exponentials of each query row."""
+        the running max and the sum of exponentials of each query row. The run's new keys come from
+        new_k/new_v (and are written to the cache here, which no other program reads them from)."""
         bh, split = tl.program_id(0), tl.program_id(1)
         b, h = bh // HKV, bh % HKV
         rows, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
@@ -149,7 +154,7 @@ if triton is not None:
         keys_at = split * BLOCK_S + tl.arange(0, BLOCK_S)
         slot = bh * tl.num_programs(1) + split
         out_rows = partial_ptr + (slot * R + rows[:, None]) * D + dims[None, :]
-        if split * BLOCK_S > tl.max(horizon, axis=0):  # no row sees these keys yet
+        if split * BLOCK_S > tl.max(horizon, axis=0):  # no row sees these keys yet (nor are new ones here)
             tl.store(peak_ptr + slot * R + rows, tl.full([BLOCK_R], float("-inf"), tl.float32), mask=row_ok)
             tl.store(total_ptr + slot * R + rows, tl.zeros([BLOCK_R], tl.float32), mask=row_ok)
             tl.store(out_rows, tl.zeros([BLOCK_R, D], tl.float32), mask=row_ok[:, None])
@@ -157,8 +162,16 @@ if triton is not None:
             q_at = q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qr + dims[None, :]
             q = tl.load(q_at, mask=row_ok[:, None], other=0.0)
             key_ok = keys_at < S
+            step = keys_at - tl.load(where_ptr + b * stride_wb)  # which new token a position holds
+            new = key_ok & (step >= 0) & (step < T)
+            cached = key_ok & ~new
             k_at = k_ptr + b * stride_kb + h * stride_kh + keys_at[:, None] * stride_ks + dims[None, :]
-            k = tl.load(k_at, mask=key_ok[:, None], other=0.0)
+            new_k_at = (
+                new_k_ptr + b * stride_nkb + step[:, None] * stride_nkt + h * stride_nkh + dims[None, :]
+            )
+            new_k = tl.load(new_k_at, mask=new[:, None], other=0.0)
+            tl.store(k_at, new_k, mask=new[:, None])
+            k = tl.where(new[:, None], new_k, tl.load(k_at, mask=cached[:, None], other=0.0))
             scores = tl.dot(q, tl.trans(k)) * scale
             visible = (keys_at[None, :] <= horizon[:, None]) & key_ok[None, :]
             scores = tl.where(visible, scores, float("-inf"))
@@ -166,7 +179,12 @@ if triton is not None:
             safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
             weights = tl.exp(scores - safe_peak[:, None])
             v_at = v_ptr + b * stride_vb + h * stride_vh + keys_at[:, None] * stride_vs + dims[None, :]
-            v = tl.load(v_at, mask=key_ok[:, None], other=0.0)
+            new_v_at = (
+                new_v_ptr + b * stride_nvb + step[:, None] * stride_nvt + h * stride_nvh + dims[None, :]
+            )
+            new_v = tl.load(new_v_at, mask=new[:, None], other=0.0)
+            tl.store(v_at, new_v, mask=new[:, None])
+            v = tl.where(new[:, None], new_v, tl.load(v_at, mask=cached[:, None], other=0.0))
             acc = tl.dot(weights.to(v.dtype), v)
             tl.store(peak_ptr + slot * R + rows, peak, mask=row_ok)
             tl.store(total_ptr + slot * R + rows, tl.sum(weights, axis=1), mask=row_ok)
@@ -175,27 +193,25 @@ if triton is not None:
     @triton.jit
     def _attention_combine(
         partial_ptr, peak_ptr, total_ptr, out_ptr, HKV, R, SPLITS, stride_ob, stride_oh, stride_or,
-        BLOCK_R: tl.constexpr, D: tl.constexpr,
+        D: tl.constexpr,
     ):  # fmt: skip
-        """The splits of one (row of the batch, kv head) rescaled to their common max and summed."""
-        bh = tl.program_id(0)
-        rows, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
-        row_ok = rows < R
-        peak = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        """One query row of one (row of the batch, kv head): its splits rescaled to their common max
+        and summed."""
+        bh, row = tl.program_id(0), tl.program_id(1)
+        dims = tl.arange(0, D)
+        slots = bh * SPLITS * R + row  # + split * R
+        peak = tl.full([1], float("-inf"), tl.float32)
+        total = tl.zeros([1], tl.float32)
+        acc = tl.zeros([D], tl.float32)
         for split in range(0, SPLITS):
-            slot = bh * SPLITS + split
-            part_peak = tl.load(peak_ptr + slot * R + rows, mask=row_ok, other=float("-inf"))
+            at = slots + split * R
+            part_peak = tl.load(peak_ptr + at + tl.zeros([1], tl.int32))
             new_peak = tl.maximum(peak, part_peak)
             safe = tl.where(new_peak == float("-inf"), 0.0, new_peak)
             old_scale, part_scale = tl.exp(peak - safe), tl.exp(part_peak - safe)
-            part = tl.load(partial_ptr + (slot * R + rows[:, None]) * D + dims[None, :], mask=row_ok[:, None])
-            total = (
-                total * old_scale + tl.load(total_ptr + slot * R + rows, mask=row_ok, other=0.0) * part_scale
-            )
-            acc = acc * old_scale[:, None] + part * part_scale[:, None]
+            total = total * old_scale + tl.load(total_ptr + at + tl.zeros([1], tl.int32)) * part_scale
+            acc = acc * old_scale + tl.load(partial_ptr + at * D + dims) * part_scale
             peak = new_peak
         b, h = bh // HKV, bh % HKV
-        out_at = out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_or + dims[None, :]
-        tl.store(out_at, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        out_at = out_ptr + b * stride_ob + h * stride_oh + row * stride_or + dims
+        tl.store(out_at, (acc / total).to(out_ptr.dtype.element_ty))

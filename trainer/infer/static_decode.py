@@ -248,16 +248,17 @@ class Kernels:
         return decode_kernels.linear(act, down, residual=x)
 
     def layer(self, x, w: _Layer, cos, sin, keys, values, rows, where, seen, dims: tuple):
-        """One decoder layer over a static cache: its K/V written at `where` of `rows`, then attention
+        """One decoder layer over a static cache: its K/V written at `where` of `rows` (consecutive
+        positions per row), then attention
         over the keys `seen` (visibility's answer) lets each query see. dims: (eps, heads, kv heads,
         head dim)."""
         q, k, v, out_gate = self.pre(x, w.pre, cos, sin, *dims, w.centered, w.gated)
-        keys[rows, :, where] = k
-        values[rows, :, where] = v
         if not self.triton:
+            keys[rows, :, where] = k
+            values[rows, :, where] = v
             out = grouped_attention(q, keys, values, seen)
             return self.post(x, out, out_gate, w.post, dims[0], w.centered)
-        out = decode_kernels.attention(q, keys, values, seen)
+        out = decode_kernels.attention(q, keys, values, seen, k, v, where)
         wo, bo, *mlp = w.post
         x = decode_kernels.linear(self.merge(out, out_gate, x.shape[1]), wo, bo, residual=x)
         return self.mlp(x, None, tuple(mlp), dims[0], w.centered)
