@@ -239,6 +239,10 @@ class Kernels:
             return horizon
         return grouped_mask(decode_kernels.grouped_visibility(horizon, len(positions), group), dtype)
 
+    def head(self, x, weight, bias=None):
+        """An LM head's logits (decode_kernels' product reads the vocabulary's rows faster than cuBLAS)."""
+        return decode_kernels.linear(x, weight, bias) if self.triton else F.linear(x, weight, bias)
+
     def mlp(self, x, branch, weights: tuple, eps: float, centered: bool = False):
         """residual_mlp (branch None: x alone) with _mlp_weights."""
         ln, gate, up, down = weights
@@ -394,9 +398,7 @@ class StaticTarget:
             state.zero_()
 
     def logits(self, hidden: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
-        if kernels.triton:
-            return decode_kernels.linear(hidden, self.head_weight, self.head_bias)
-        return F.linear(hidden, self.head_weight, self.head_bias)
+        return kernels.head(hidden, self.head_weight, self.head_bias)
 
 
 class StaticDrafter:
@@ -449,7 +451,7 @@ class StaticDrafter:
                 x, w, cos, sin, self.keys[i], self.values[i], self.row_index, where, seen, self.dims
             )
         hidden = rms_norm(x[:, 1:], d.norm.weight, d.norm.eps)
-        return F.linear(hidden, d.lm_head_weight.to(hidden.dtype), d.lm_head_bias).argmax(-1)
+        return kernels.head(hidden, d.lm_head_weight.to(hidden.dtype), d.lm_head_bias).argmax(-1)
 
 
 @dataclasses.dataclass
