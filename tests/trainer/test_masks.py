@@ -210,3 +210,31 @@ def test_bad_anchor_arguments_are_refused():
         sample_anchors(torch.ones(1, 8, dtype=torch.bool), 4, 1, g)
     with pytest.raises(ValueError, match="num_anchors"):
         sample_anchors(torch.ones(1, 8, dtype=torch.bool), 0, 4, g)
+
+
+@pytest.mark.parametrize("ctx_len, num_blocks, block_size", [(300, 20, 16), (256, 32, 8), (384, 64, 16), (40, 6, 4)])
+def test_the_block_masks_tiles_are_create_block_masks(ctx_len, num_blocks, block_size):
+    """The tiles built from the visible intervals are the ones create_block_mask finds by evaluating
+    mask_mod everywhere: the same partial tiles and the same full ones (a tile marked full that is not
+    would let the kernel skip the mask there)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    anchors, valid = random_anchor_batch(11, 2, num_blocks, ctx_len, pad_blocks=3)
+    q_len = num_blocks * block_size
+    ours = build_block_mask(anchors, valid, ctx_len, block_size, "cpu")
+    mod = make_mask_mod(anchors, valid, ctx_len, block_size)
+    theirs = create_block_mask(mod, 2, None, q_len, ctx_len + q_len, device="cpu")
+    assert ours.shape == theirs.shape
+    for mask in (ours, theirs):
+        assert mask.full_kv_num_blocks is not None
+
+    def tiles(counts, indices):
+        listed = torch.zeros(*indices.shape[:-1], indices.shape[-1] + 1, dtype=torch.bool)
+        keep = torch.arange(indices.shape[-1]) < counts.unsqueeze(-1)
+        listed.scatter_(-1, torch.where(keep, indices.long(), indices.shape[-1]), True)
+        return listed[..., :-1]
+    assert torch.equal(tiles(ours.kv_num_blocks, ours.kv_indices), tiles(theirs.kv_num_blocks, theirs.kv_indices))
+    assert torch.equal(tiles(ours.full_kv_num_blocks, ours.full_kv_indices),
+                       tiles(theirs.full_kv_num_blocks, theirs.full_kv_indices))
+    if ctx_len == 384:  # a shape with whole tiles: some of them full
+        assert ours.full_kv_num_blocks.sum() > 0
