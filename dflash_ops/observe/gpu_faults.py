@@ -112,16 +112,16 @@ def parse(section) -> FaultReport:
     )
 
 
-def host_faults_argv(binary: str = "nvidia-smi") -> list[str]:
+def host_faults_argv() -> list[str]:
     """The fault query on the Proxmox host, answered in remote/host_gpu_faults.sh's text."""
     readers = [word for argv in KERNEL_LOG_COMMANDS for word in ("--", *argv)]
     return shell_argv(
         "host_gpu_faults.sh",
         facts.XID_MARK,
         str(MAX_XID_LINES),
-        *facts.fault_query_argv(binary),
+        *facts.fault_query_argv(),
         "--",
-        *facts.remap_query_argv(binary),
+        *facts.remap_query_argv(),
         *readers,
     )
 

@@ -107,7 +107,6 @@ def probe_script_for(
         "log_lines": int(log_lines),
         "metrics_lines": int(metrics_lines),
         "gpu_source": gpu_source,
-        "nvidia_smi": "nvidia-smi",
         "eval_context_steps": acceptance.ACC_WINDOW,
     }
     if part_s is not None:

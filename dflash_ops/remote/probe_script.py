@@ -294,9 +294,8 @@ def start_gpu_parts(args, errors, gpu_source, deadline, part_s):
     """The GPU and GPU faults queries, side by side; none for "none" (the Proxmox host is asked instead)."""
     if gpu_source == "none":
         return None, None
-    smi = args.get("nvidia_smi") or "nvidia-smi"
-    gpu = section(errors, "gpu", start_gpu_state, gpu_source, smi, deadline, part_s)
-    faults = section(errors, "gpu faults", start_faults, gpu_source, smi, deadline)
+    gpu = section(errors, "gpu", start_gpu_state, gpu_source, deadline, part_s)
+    faults = section(errors, "gpu faults", start_faults, gpu_source, deadline)
     return gpu, faults
 
 
