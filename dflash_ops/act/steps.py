@@ -60,16 +60,11 @@ def _end_job_processes(ctx: StepContext, job: Job, grace_s: float, include_sessi
     else:
         message = "no job processes running"
     if report["unidentified"]:
-        message += "; left alone (not this job's): " + describe_foreign(
-            report["unidentified"], _invisible_pid(ctx)
-        )
+        # inside LXC the driver reports HOST pids; on a plain host the process has exited since
+        in_container = getattr(ctx.target, "transport", None) == "pct"
+        invisible = "not visible here: a host pid?" if in_container else "exited, no longer in /proc"
+        message += "; left alone (not this job's): " + describe_foreign(report["unidentified"], invisible)
     return Ended(message=message, data=report, foreign=surely_foreign(report["unidentified"]))
-
-
-def _invisible_pid(ctx: StepContext) -> str:
-    """Inside LXC the driver reports HOST pids; on a plain host the process has exited since."""
-    in_container = getattr(ctx.target, "transport", None) == "pct"
-    return "not visible here: a host pid?" if in_container else "exited, no longer in /proc"
 
 
 def stop_session(ctx: StepContext, job: Job, grace_s: float, record_stop: bool = False) -> Ended:

@@ -194,9 +194,8 @@ def _nodes(value: object, line: int, targets: dict[str, Target], where: Where) -
                 )
     for i, node in enumerate(nodes):
         for other in nodes[:i]:
-            if _same_machine(node, other) and jobpaths.marker_value(node.job) == jobpaths.marker_value(
-                other.job
-            ):
+            same_job = jobpaths.marker_value(node.job) == jobpaths.marker_value(other.job)
+            if _machine(node) == _machine(other) and same_job:
                 raise bad(
                     f"targets {other.name!r} and {node.name!r} are the same machine with the same tmux "
                     f"socket and session ({jobpaths.marker_value(node.job)}), so they would end each "
@@ -209,10 +208,8 @@ def _shown(value) -> str:
     return show(list(value)) if isinstance(value, tuple) else show(value)
 
 
-def _same_machine(a: Target, b: Target) -> bool:
-    if a.ssh is None or b.ssh is None:
-        return a.ssh is None and b.ssh is None
-    return (a.ssh.host, a.ssh.port, a.ctid) == (b.ssh.host, b.ssh.port, b.ctid)
+def _machine(target: Target) -> tuple | None:
+    return None if target.ssh is None else (target.ssh.host, target.ssh.port, target.ctid)
 
 
 def _check_runs_dir(runs_dir: str, nodes: tuple[Target, ...], line: int, where: Where) -> None:

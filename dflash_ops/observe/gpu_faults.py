@@ -45,7 +45,10 @@ class XidEvent:
 
     def describe(self) -> str:
         where = f"GPU {self.gpu}" if self.gpu is not None else f"PCI {self.pci}"
-        ago = "" if self.age_s is None else f" ({_ago(self.age_s)})"
+        if self.age_s is None:
+            ago = ""
+        else:
+            ago = f" ({self.age_s / 60:.0f} min ago)" if self.age_s >= 120 else f" ({self.age_s:.0f} s ago)"
         return f"Xid {self.code} on {where}{ago}" + (f": {self.text}" if self.text else "")
 
 
@@ -60,10 +63,6 @@ class FaultReport:
 
 
 NOT_QUERIED = FaultReport(None, error="not queried")
-
-
-def _ago(seconds: float) -> str:
-    return f"{seconds / 60:.0f} min ago" if seconds >= 120 else f"{seconds:.0f} s ago"
 
 
 def _int(text: str) -> int | None:

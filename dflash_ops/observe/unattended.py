@@ -93,17 +93,14 @@ def parked(report, progress) -> str | None:
     return None
 
 
-def _live_pid(report) -> int | None:
-    start = next((r for r in report.records if r.get("event") == "start"), None)
-    return (start or {}).get("pid") or report.session.pane_pid
-
-
 def warnings(report, job) -> list[str]:
     interrupted = interrupted_stop(report)
     found = [interrupted] if interrupted else []
     if report.log_missing and report.session.running is not False:
+        start = next((r for r in report.records if r.get("event") == "start"), None)
+        pid = (start or {}).get("pid") or report.session.pane_pid
         found.append(
-            f"log {report.log_missing} is missing while the trainer (pid {_live_pid(report)}) is alive: "
+            f"log {report.log_missing} is missing while the trainer (pid {pid}) is alive: "
             "deleted or rotated away? progress is read from its metrics file"
         )
     if job.gpus and not report.gpu.ok:

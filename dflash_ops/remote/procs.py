@@ -60,7 +60,7 @@ def parse_panes(out):
             {
                 "pid": int(parts[0]),
                 "dead": dead,
-                "status": int(status) if dead and _signed_digits(status) else None,
+                "status": int(status) if dead and _digits(status.removeprefix("-"), 6) else None,
                 "created": int(created) if _digits(created) else None,
             }
         )
@@ -69,10 +69,6 @@ def parse_panes(out):
 
 def _digits(text, most=12):
     return isinstance(text, str) and 0 < len(text) <= most and text.isdigit()
-
-
-def _signed_digits(text):
-    return _digits(text[1:] if text.startswith("-") else text, 6)
 
 
 def stat_fields(pid):
