@@ -103,7 +103,10 @@ def _judged(report, job: Job, now: float) -> Verdict:
     training = (
         report.session.running is not False and progress.step is not None and not stall and not finished
     )
-    drafter_util = _drafter_utilization(report.gpu, job)
+    drafter_util: dict = {}
+    if report.gpu.ok:
+        gpus = [report.gpu.by_index(i) for i in job.drafter_gpus]
+        drafter_util = {g.index: g.utilization_pct for g in gpus if g is not None}
     if training:
         warning += _slowness(progress, job.health.min_tokens_per_s)
         warning += _idle_drafters(report.gpu, job, drafter_util)
@@ -227,14 +230,6 @@ def _perfdata(
 def _below(floor: float) -> str:
     """The Nagios range that alerts below `floor` ("5000:"); none for a floor of 0 (check off)."""
     return f"{_perfdata_number(floor)}:" if floor > 0 else ""
-
-
-def _drafter_utilization(snapshot, job: Job) -> dict:
-    if not snapshot.ok:
-        return {}
-    return {
-        i: snapshot.by_index(i).utilization_pct for i in job.drafter_gpus if snapshot.by_index(i) is not None
-    }
 
 
 def _ok_summary(progress: logs.TrainingProgress, age: float | None, finished: bool) -> str:
