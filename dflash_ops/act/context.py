@@ -62,7 +62,6 @@ class StepContext:
     def run(
         self, script: str, *, timeout: float = 60.0, check: bool = True, stdin: bytes | None = None
     ) -> Result:
-        """Run `script` on the target and record its exact command line."""
         self.commands.append(self.transport.command_line(script, timeout))
         runner = self.transport.check if check else self.transport.run
         return runner(script, timeout=timeout, step=self.step or "run", stdin=stdin)
@@ -76,6 +75,5 @@ class StepContext:
         return result
 
     def put(self, data: bytes, remote_path: str, mode: int = 0o644) -> None:
-        """Write `data` to `remote_path` on the target (atomically), recording it."""
         self.commands.append(f"# put {len(data)} bytes -> {remote_path} (mode {mode:04o})")
         self.transport.put(data, remote_path, mode=mode, step=self.step or "put")

@@ -26,12 +26,10 @@ CROSS_NODE_CHECKS = ("same_job", "shared_runs_dir", "rendezvous")
 
 
 def checks_plan(nodes: int) -> tuple[str, ...]:
-    """The phases that check the job before anything stops."""
     return ("preflight", *(CROSS_NODE_CHECKS if nodes > 1 else ()))
 
 
 def free_gpus_plan(nodes: int) -> tuple[str, ...]:
-    """The phases that free the job's GPUs (`free_job_gpus`)."""
     return ("kill_gpu_processes", "wait_gpu_free") if nodes == 1 else ("free_gpus",)
 
 
@@ -96,13 +94,11 @@ def same_job(ctx: JobContext, job: MultinodeJob, *, deploy: bool) -> Found:
 
 @_before_any_stop
 def shared_runs_dir(ctx: JobContext, job: MultinodeJob) -> StepOutcome:
-    """The runs dir is one filesystem on every node (multinode_checks.prove_shared)."""
     return StepOutcome(checks.prove_shared(ctx, job))
 
 
 @_before_any_stop
 def rendezvous(ctx: JobContext, job: MultinodeJob, found: Found) -> StepOutcome:
-    """Every node reaches the rendezvous and the other nodes (multinode_checks.rendezvous)."""
     return StepOutcome(checks.rendezvous(ctx, job, found.facts))
 
 
@@ -167,7 +163,6 @@ def _launch(ctx: JobContext, job: MultinodeJob, resume: bool) -> JobLaunched:
 
 
 def _start(ctx: StepContext, job: MultinodeJob, node: Node, run: str, rdzv_id: str) -> steps.Launched:
-    """Start run `run` on `node` under the rendezvous id."""
     node_target = job.node_target(node.index, rdzv_id)
     return steps.start_run(dataclasses.replace(ctx, target=node_target), node_target.job, run=run)
 

@@ -139,7 +139,6 @@ class Run:
         return returned  # type: ignore[return-value]  # what the step returned, checked above
 
     def skip(self, step: Callable[..., Any] | str, why: str) -> None:
-        """Record a planned step as skipped, saying why (`--no-purge`)."""
         name = step if isinstance(step, str) else step.__name__
         self._end(StepReport(self._next(name), name, SKIPPED, message=why))
 

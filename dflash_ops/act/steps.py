@@ -218,8 +218,6 @@ def deploy(ctx: StepContext, job: Job, keep_releases: int = deploy_lib.KEEP_RELE
 
 @dataclasses.dataclass(kw_only=True)
 class Launched(StepOutcome):
-    """What launch gives: the log the new trainer writes."""
-
     log: str
 
 

@@ -26,7 +26,6 @@ def default_of(command: Callable[..., Any], option: str) -> Any:
 
 
 def relaunch_plan(nodes: int) -> list[str]:
-    """The steps of a relaunch of a job of `nodes` nodes, in order."""
     from dflash_ops.act import phases as ph
 
     free, checks = ph.free_gpus_plan(nodes), ph.checks_plan(nodes)
@@ -34,7 +33,6 @@ def relaunch_plan(nodes: int) -> list[str]:
 
 
 def stop_plan(nodes: int) -> list[str]:
-    """The steps of a stop of a job of `nodes` nodes, in order."""
     from dflash_ops.act import phases as ph
 
     return ["stop_session", "mark_stopped", *ph.free_gpus_plan(nodes)]

@@ -49,7 +49,6 @@ def split(total_s: float, gpu_on_host: bool = False) -> Shares:
 
 
 def limit_connect(target: Target, connect_s: float) -> Target:
-    """The target with its ssh connect timeout capped at `connect_s`."""
     if target.ssh is None or target.ssh.connect_timeout_s <= connect_s:
         return target
     return dataclasses.replace(target, ssh=dataclasses.replace(target.ssh, connect_timeout_s=connect_s))

@@ -228,7 +228,6 @@ def _perfdata(
 
 
 def _below(floor: float) -> str:
-    """The Nagios range that alerts below `floor` ("5000:"); none for a floor of 0 (check off)."""
     return f"{_perfdata_number(floor)}:" if floor > 0 else ""
 
 

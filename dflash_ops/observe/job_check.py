@@ -35,7 +35,6 @@ class JobChecked:
 
 
 def check_all(jobs: list[Job], timeout_s: float | None = None) -> list[JobChecked]:
-    """Every job checked at once, in the order given."""
     outcomes = fan_out(jobs, lambda job: check(job, timeout_s))  # type: ignore[arg-type]  # any named
     for outcome in outcomes:
         if outcome.error is not None:  # a node's failed check is its UNKNOWN already: this is a bug

@@ -200,7 +200,6 @@ def _host_answer(line: str, validate: bool = True) -> tuple[str, str | None]:
 
 
 def _host_faults(line: str, part_s: float | None) -> gpu_faults.FaultReport:
-    """The Proxmox host's line of GPU faults as a FaultReport."""
     rc, text = _host_answer(line)
     if rc == "-":
         return gpu_faults.FaultReport(None, error="no temporary file on the Proxmox host for the fault query")

@@ -126,7 +126,6 @@ class Exposition:
 
 
 def render(checked) -> str:
-    """The exposition for observe.check.Checked results, one per target."""
     exposition = Exposition()
     for c in checked:
         add_target(exposition, c)

@@ -22,7 +22,6 @@ STATE_NOT_A_FILE = "not a regular file"  # what a reader says of a directory (or
 
 
 def newest_log_name(names):
-    """The highest-numbered train-NNNN.log among file names, or None."""
     numbered = [(int(m.group(1)), name) for name in names for m in [LOG_NAME.match(name)] if m]
     return max(numbered)[1] if numbered else None
 

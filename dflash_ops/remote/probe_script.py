@@ -93,7 +93,6 @@ def job_processes(panes, marker):
 
 
 def newest_log(log_dir):
-    """Path of the highest-numbered train-NNNN.log, or None."""
     name = facts.newest_log_name(os.listdir(log_dir))
     return None if name is None else os.path.join(log_dir, name)
 

@@ -28,7 +28,6 @@ MAX_ENVIRON_BYTES = 1 << 20
 
 
 def read(path, limit=65536):
-    """Up to `limit` bytes of a file, or None (gone, unreadable)."""
     try:
         with open(path, "rb") as f:
             return f.read(limit)
@@ -104,20 +103,17 @@ def boot_time():
 
 
 def started_at(table, pid, boot):
-    """Unix time the process started, or None."""
     if boot is None or pid not in table:
         return None
     return boot + table[pid][2] / float(os.sysconf("SC_CLK_TCK"))
 
 
 def _environ(pid):
-    """The process's environment entries (b"NAME=VALUE"); none when it cannot be read."""
     env = read("/proc/%d/environ" % pid, MAX_ENVIRON_BYTES)
     return env.split(b"\0") if env else []
 
 
 def has_marker(pid, marker):
-    """`marker` (b"NAME=VALUE") is one of the process's environment entries."""
     return bool(marker) and marker in _environ(pid)
 
 
