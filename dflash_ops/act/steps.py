@@ -30,9 +30,6 @@ from dflash_ops.act.processes import (
 from dflash_ops.remote import bundle, facts, shell_command
 
 
-# ------------------------------------------------------------------ the job's processes
-
-
 @dataclasses.dataclass(kw_only=True)
 class Ended(StepOutcome):
     """What the stop steps give: `foreign` are the processes on its GPUs surely not the job's, left alone."""
@@ -96,9 +93,6 @@ def kill_gpu_processes(ctx: StepContext, job: Job, grace_s: float = 10.0) -> End
     return _end_job_processes(ctx, job, grace_s, include_session=False)
 
 
-# ------------------------------------------------------------------ GPUs
-
-
 def wait_gpu_free(
     ctx: StepContext,
     job: Job,
@@ -155,9 +149,6 @@ def without(snapshot, foreign: set[tuple[int, str]]):
             used = None if None in sizes else max(0, used - sum(sizes))
         gpus.append(dataclasses.replace(gpu, processes=ours, memory_used_mib=used))
     return dataclasses.replace(snapshot, gpus=tuple(gpus))
-
-
-# ------------------------------------------------------------------ cache, deploy, launch
 
 
 def _check_purgeable(ctx: StepContext, job: Job, path: str) -> None:
@@ -291,9 +282,6 @@ def _record_stop(ctx: StepContext, job: Job, state: str, grace_s: float | None =
     if written.stdout.encode() != wanted:
         raise unrecorded(f"{path} does not hold what was written")
     return StepOutcome(f"job state: {state} by {jobstate.STOPPED_BY}")
-
-
-# ------------------------------------------------------------------ confirmation
 
 
 def _number(value) -> float:

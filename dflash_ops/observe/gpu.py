@@ -72,9 +72,6 @@ class GpuUnavailable(DflashOpsError):
     """The GPU state could not be read (no driver, nvidia-smi failed)."""
 
 
-# --------------------------------------------------------------------------- parsing
-
-
 def _smi_int(text: str) -> int | None:
     """'1234' or '1234 MiB' or '45 %' -> int; '[N/A]' and friends -> None."""
     text = text.strip()
@@ -156,9 +153,6 @@ def snapshot_from_probe(gpu: dict | None) -> GpuSnapshot:
     return _snapshot(gpu.get("gpus", []), processes, source)
 
 
-# --------------------------------------------------------------------------- "is it really free?"
-
-
 @dataclasses.dataclass(frozen=True)
 class BusyGpu:
     """A GPU that still holds memory, and who holds it."""
@@ -219,9 +213,6 @@ def busy_gpus(
 
 def _list(indices) -> str:
     return ",".join(str(i) for i in indices)
-
-
-# --------------------------------------------------------------------------- host pid -> container
 
 
 def container_of_pid(cgroup_text: str) -> str | None:

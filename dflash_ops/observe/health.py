@@ -246,9 +246,6 @@ def _ok_summary(progress: logs.TrainingProgress, age: float | None, finished: bo
     return ", ".join(parts)
 
 
-# --------------------------------------------------------------------------- Nagios output
-
-
 def _perfdata_number(value: float) -> str:
     """Plain decimal (perfdata allows no exponent), at most 4 decimals."""
     if isinstance(value, int) or float(value).is_integer():

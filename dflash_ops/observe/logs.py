@@ -179,9 +179,6 @@ def failures_from_records(records: list[dict]) -> list[Failure]:
     return list(found.values())
 
 
-# --------------------------------------------------------------------------- metrics
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainingProgress:
     """Where training stands, from the tail of the metrics file."""

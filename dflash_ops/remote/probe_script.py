@@ -33,9 +33,6 @@ SCAN_CHUNK = 1024 * 1024
 PART_S = 15.0  # default per-part limit: a wedged driver can hang nvidia-smi; the probe must still answer
 
 
-# --------------------------------------------------------------------------- tmux session
-
-
 # what the answer says of a session that is not ours to show: none, not running
 NO_SESSION = {"exists": False, "running": False, "pane_pid": None, "exit_status": None}
 
@@ -62,9 +59,6 @@ def finish_tmux(started, sock, session, deadline, part_s):
     return state
 
 
-# --------------------------------------------------------------------------- processes
-
-
 class OthersSession(Exception):
     """The job's session name is held by another job's live pane."""
 
@@ -87,9 +81,6 @@ def job_processes(panes, marker):
         for pid in procs.job_pids(panes, table, wanted)
     ]
     return tree, procs.marked(table, wanted)
-
-
-# --------------------------------------------------------------------------- log and metrics files
 
 
 def newest_log(log_dir):
@@ -224,9 +215,6 @@ def visible_gpu_pids(gpu):
     pids = [p.get("pid") for p in gpu.get("processes") or []]
     pids += [line.split(",")[0].strip() for line in (gpu.get("apps_csv") or "").splitlines()]
     return sorted({int(p) for p in pids if str(p).isdigit() and os.path.exists("/proc/%s" % p)})
-
-
-# --------------------------------------------------------------------------- main
 
 
 def section(errors, name, fn, *args):

@@ -51,8 +51,6 @@ class SshTransport(SshConnecting, Transport):
         self._gateway: fabric.Connection | None = None
         self._lock = threading.Lock()
 
-    # ---- the command line ------------------------------------------------------------------
-
     def _wrap(self, argv: list[str]) -> list[str]:
         """argv as run on the ssh host (PctTransport puts `pct exec CTID --` in front)."""
         return argv
@@ -82,8 +80,6 @@ class SshTransport(SshConnecting, Transport):
         )
         argv += [word for option in options for word in ("-o", option)]
         return shlex.join([*argv, f"{s.user}@{s.host}", remote_line])
-
-    # ---- running ---------------------------------------------------------------------------
 
     def _open_channel(self, step: str) -> paramiko.Channel:
         for attempt in (1, 2):

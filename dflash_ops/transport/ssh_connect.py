@@ -66,8 +66,6 @@ class SshConnecting:
     _gateway: fabric.Connection | None
     _lock: threading.Lock
 
-    # ---- connecting ------------------------------------------------------------------------
-
     def _new_connection(self, host: str, port: int, user: str, gateway=None) -> fabric.Connection:
         s = self.spec
         kwargs: dict[str, object] = {
