@@ -3,11 +3,12 @@ A launch or first step that fails leaves the job on all its nodes or none (`_all
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import secrets
 import time
-from typing import Any, Callable, Sequence, TypeVar, cast
+from typing import Any, Callable, TypeVar, cast
 
 from dflash_ops.act import multinode_checks as checks, preflight as p, steps
 from dflash_ops.act.context import StepContext, StepOutcome
@@ -216,27 +217,21 @@ def _all_or_none(ctx: JobContext, grace_s: float, phase: Callable[[], StepOutcom
     try:
         return phase()
     except DflashOpsError as error:
-        note = _no_half_job(ctx, ctx.nodes, grace_s)
-        raise StepFailed(f"{error}\n{note}" if note else str(error)) from None
-
-
-def _no_half_job(ctx: StepContext, nodes: Sequence[Node], grace_s: float) -> str:
-    """When the job runs on some nodes but not all, stop it on those; what was done."""
-    alive = []
-    for node in nodes:
+        alive = []
+        for node in ctx.nodes:
+            with contextlib.suppress(DflashOpsError):
+                if _pane_problem(node) is None:
+                    alive.append(node)
+        if not alive or len(alive) == len(ctx.nodes):
+            raise StepFailed(str(error)) from None
+        where = ", ".join(n.label for n in alive)
         try:
-            if _pane_problem(node) is None:
-                alive.append(node)
-        except DflashOpsError:
-            continue
-    if not alive or len(alive) == len(nodes):
-        return ""
-    where = ", ".join(n.label for n in alive)
-    try:
-        each(ctx, alive, lambda node, c: steps.stop_session(c, node.target.job, grace_s=grace_s))
-    except DflashOpsError as exc:
-        return f"the job still runs on {where}; stopping it failed: {first_lines(exc)}"
-    return (
-        f"stopped the job again on {where}: a job runs on all its nodes or none "
-        "(`dflash-ops status` shows each node)"
-    )
+            each(ctx, alive, lambda node, c: steps.stop_session(c, node.target.job, grace_s=grace_s))
+        except DflashOpsError as exc:
+            note = f"the job still runs on {where}; stopping it failed: {first_lines(exc)}"
+        else:
+            note = (
+                f"stopped the job again on {where}: a job runs on all its nodes or none "
+                "(`dflash-ops status` shows each node)"
+            )
+        raise StepFailed(f"{error}\n{note}") from None

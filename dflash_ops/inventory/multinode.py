@@ -152,7 +152,16 @@ def _job(name: str, spec: object, line: int, targets: dict[str, Target], where: 
             f"is required: the first node {nodes[0].name!r} is {kind} target, so its address as the "
             "other nodes reach it is not known; give it, e.g. rdzv_host: 10.0.0.7",
         )
-    _check_runs_dir(runs_dir, nodes, lines["runs_dir"], where)
+    # the shared runs dir holds every run's checkpoints: no node's purged cache may touch it
+    for node in nodes:
+        why = cache_guard.problem(node.job.cache_dir, [(runs_dir, "shared runs_dir", True)])
+        if why is not None:
+            raise where.error(
+                lines["runs_dir"],
+                "runs_dir",
+                f"target {node.name!r}'s cache_dir {node.job.cache_dir} {why} and is purged on relaunch; "
+                "give the runs and the cache directories of their own",
+            )
     return MultinodeJob(name=name, nodes=nodes, runs_dir=runs_dir, rdzv_host=host, rdzv_port=port)
 
 
@@ -210,16 +219,3 @@ def _shown(value) -> str:
 
 def _machine(target: Target) -> tuple | None:
     return None if target.ssh is None else (target.ssh.host, target.ssh.port, target.ctid)
-
-
-def _check_runs_dir(runs_dir: str, nodes: tuple[Target, ...], line: int, where: Where) -> None:
-    """The shared runs dir holds every run's checkpoints: no node's purged cache may touch it."""
-    for node in nodes:
-        why = cache_guard.problem(node.job.cache_dir, [(runs_dir, "shared runs_dir", True)])
-        if why is not None:
-            raise where.error(
-                line,
-                "runs_dir",
-                f"target {node.name!r}'s cache_dir {node.job.cache_dir} {why} and is purged on relaunch; "
-                "give the runs and the cache directories of their own",
-            )
