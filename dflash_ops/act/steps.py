@@ -285,7 +285,6 @@ def _record_stop(ctx: StepContext, job: Job, state: str, grace_s: float | None =
 
 
 def _number(value) -> float:
-    """A metrics value as a float (nan when it is none: the record comes from the target)."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
 
 
@@ -344,8 +343,7 @@ def _wait_first_step(
             loss, rate = _number(step.get("loss")), _number(step.get("tokens_per_s"))
             ktok = 0.0 if math.isnan(rate) else rate / 1000
             return StepOutcome(
-                f"step {step.get('step')}: loss {loss:.4f}, {ktok:.1f} Ktok/s",
-                data={"step": step},
+                f"step {step.get('step')}: loss {loss:.4f}, {ktok:.1f} Ktok/s", data={"step": step}
             )
         why = _why_no_step(records, panes)
         if why is None and time.monotonic() > started + timeout_s:

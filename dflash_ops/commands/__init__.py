@@ -162,11 +162,7 @@ def deploy(job: Nodes, *, dry_run: bool = False, on_progress: OnProgress | None 
 
 
 def rollback(
-    job: Nodes,
-    *,
-    release: str | None = None,
-    dry_run: bool = False,
-    on_progress: OnProgress | None = None,
+    job: Nodes, *, release: str | None = None, dry_run: bool = False, on_progress: OnProgress | None = None
 ) -> RunResult:
     """Point `current` at a kept release, by default the one deployed before the current one."""
     from dflash_ops.act import steps as s
@@ -195,7 +191,6 @@ def run_playbook(
 
 
 def _running(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[tuple[Run, list[Node]]]:
-    """dflash_ops.act.nodes.running, imported when a command runs."""
     from dflash_ops.act.nodes import running
 
     return running(*args, **kwargs)

@@ -126,10 +126,8 @@ def find_inventory_file(path: str | None = None) -> str | None:
             raise InputError(f"{ENV_VAR}={from_env}: file not found; fix or unset the variable")
         return from_env
     config_home = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    for candidate in ("inventory.yaml", os.path.join(config_home, "dflash-ops", "inventory.yaml")):
-        if os.path.isfile(candidate):
-            return candidate
-    return None
+    candidates = ("inventory.yaml", os.path.join(config_home, "dflash-ops", "inventory.yaml"))
+    return next((candidate for candidate in candidates if os.path.isfile(candidate)), None)
 
 
 def load_inventory(path: str | None = None) -> Inventory:
@@ -206,7 +204,6 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
 
 
 def _top_level(data: object, top: Where) -> YamlMap:
-    """The file's top mapping, every key one the inventory knows."""
     if not isinstance(data, dict):
         raise top.error(
             1,
@@ -307,7 +304,6 @@ def _check_identities(targets: dict[str, Target], raw_targets: YamlMap, top: Whe
 def _target(
     name: str, raw: object, line: int, defaults: Fields, default_lines: Lines, where: Where, base_dir: str
 ) -> Target:
-    """Check one target's own fields, merge what it inherits, and build it."""
     if raw is None and name == LOCAL:  # `local:` alone: keep the built-in local job
         raw = YamlMap(line)
     if raw is None or not isinstance(raw, YamlMap):

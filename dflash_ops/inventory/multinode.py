@@ -184,12 +184,12 @@ def _nodes(value: object, line: int, targets: dict[str, Target], where: Where) -
         if job.launcher != TORCHRUN:
             raise bad(
                 f"target {node.name!r} runs launcher {job.launcher}; every node must be a torchrun "
-                "target: give it job: {launcher: torchrun, nproc_per_node: N}",
+                "target: give it job: {launcher: torchrun, nproc_per_node: N}"
             )
         if job.nnodes != 1 or job.rdzv_endpoint:
             raise bad(
                 f"target {node.name!r} sets job.nnodes/rdzv_endpoint itself; this section sets them "
-                "for all its nodes: remove them from the target",
+                "for all its nodes: remove them from the target"
             )
     first = nodes[0]
     for node in nodes[1:]:
@@ -199,7 +199,7 @@ def _nodes(value: object, line: int, targets: dict[str, Target], where: Where) -
                 raise bad(
                     f"target {node.name!r} has job.{field} {_shown(mine)} but the first node "
                     f"{first.name!r} has {_shown(theirs)}; every node runs the same job: give every "
-                    f"node the same {what}",
+                    f"node the same {what}"
                 )
     for i, node in enumerate(nodes):
         for other in nodes[:i]:
@@ -208,7 +208,7 @@ def _nodes(value: object, line: int, targets: dict[str, Target], where: Where) -
                 raise bad(
                     f"targets {other.name!r} and {node.name!r} are the same machine with the same tmux "
                     f"socket and session ({jobpaths.marker_value(node.job)}), so they would end each "
-                    "other's processes; give one of them another job.tmux_socket or job.session",
+                    "other's processes; give one of them another job.tmux_socket or job.session"
                 )
     return tuple(nodes)
 

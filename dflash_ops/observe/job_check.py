@@ -101,7 +101,6 @@ def _verdict(job: MultinodeJob, checked: list[Checked], nodes: tuple[NodeStatus,
 def _whole_job_problems(
     job: MultinodeJob, checked: list[Checked], nodes: tuple[NodeStatus, ...]
 ) -> list[str]:
-    """Half of it stopped, nodes in different runs, a node whose torchrun lost ranks."""
     problems = []
     parked = [n.index for n in nodes if _parked(n)]
     answered = [i for i, c in enumerate(checked) if c.verdict.level != "UNKNOWN"]

@@ -99,7 +99,6 @@ def newest_log(transport, target: Target) -> str:
 
 
 def _newest_path(target: Target, listing: str) -> str | None:
-    """The newest train-NNNN.log of a log_list.sh line, as a path."""
     name = facts.newest_log_name(listing.strip().split("/"))
     return f"{target.job.log_dir.rstrip('/')}/{name}" if name else None
 
@@ -166,13 +165,11 @@ def _is_file(transport, path: str) -> bool:
 
 
 def _emit(lines: list[str], pattern: re.Pattern | None, emit: Callable[[str], None], start: int = 0) -> None:
-    """Emit, shown inert, the lines matching `pattern`, from the `start`th of them on."""
     for line in [line for line in lines if pattern is None or pattern.search(line)][start:]:
         emit(inert_log_line(line))
 
 
 def _size(target: Target, line: str) -> int:
-    """A file size the log scripts printed; anything else is a failure in one line."""
     if not line.strip().isdigit():
         raise DflashOpsError(f"[{target.name}] read log: expected the log's size, got {line.strip()[:80]!r}")
     return int(line)

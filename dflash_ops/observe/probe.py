@@ -291,7 +291,6 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
 
 
 def _whole(value, signed: bool = False) -> int | None:
-    """An integer from the answer (a pid, an exit status), or None for anything else."""
     if isinstance(value, bool) or not isinstance(value, int):
         return None
     return value if signed or value >= 0 else None

@@ -244,7 +244,6 @@ def _eval_status(accept, now: float) -> EvalStatus | None:
 
 
 def _with_roles(report, job) -> tuple[Gpu, ...]:
-    """The probe's GPUs, each with its role in `job` and its processes told foreign or not."""
     roles = {i: "target" for i in job.target_gpus}
     roles.update({i: "drafter" for i in job.drafter_gpus})
     return tuple(

@@ -19,12 +19,7 @@ import paramiko
 from dflash_ops.errors import ConnectError
 from dflash_ops.job.model import HostSpec
 from dflash_ops.remote import shell_command
-from dflash_ops.transport.base import (
-    AFTER_EXIT_S,
-    Transport,
-    decode,
-    outlived,
-)
+from dflash_ops.transport.base import AFTER_EXIT_S, Transport, decode, outlived
 from dflash_ops.transport.ssh_channel import drain, feed, first_line, passthrough, read_until_exit
 from dflash_ops.transport.ssh_connect import SshConnecting
 
@@ -100,7 +95,6 @@ class SshTransport(SshConnecting, Transport):
     def _exec(
         self, line: str, stdin: bytes | None, limit_s: float, step: str
     ) -> tuple[int, bytes, bytes, float]:
-        """Run one command line on a fresh channel; (exit code, stdout, stderr, seconds)."""
         start = time.monotonic()
         deadline = start + limit_s
         chan = self._open_channel(step)
