@@ -26,7 +26,6 @@ class StepOutcome:
         return cls(message, ok=False, **kwargs)
 
     def report_data(self) -> dict[str, Any]:
-        """`data` and a subclass's typed fields, as the report shows them."""
         typed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _BASE}
         return {**self.data, **typed}
 

@@ -46,7 +46,6 @@ class Node:
         return f"node {self.index} {self.name}"
 
     def ctx(self, phase: StepContext) -> StepContext:
-        """The node's context in `phase`, with its own record of commands."""
         return StepContext(self.target, self.transport, phase.log, phase.status, phase.step, phase.number)
 
 

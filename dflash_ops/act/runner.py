@@ -143,7 +143,6 @@ class Run:
         self._end(StepReport(self._next(name), name, SKIPPED, message=why))
 
     def result(self) -> RunResult:
-        """The run's result; planned steps after a failure are reported not-run."""
         for name in self.plan[len(self.reports) :]:
             self._end(StepReport(len(self.reports) + 1, name, NOT_RUN))
         seconds = time.monotonic() - self.started

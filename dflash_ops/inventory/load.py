@@ -147,12 +147,10 @@ def load_inventory_text(
 
 
 def builtin_inventory() -> Inventory:
-    """The inventory used when there is no file: only the embedded `local` target."""
     return inventory_from_data(YamlMap(), None, os.getcwd())
 
 
 def inventory_from_data(data: object, filename: str | None, base_dir: str) -> Inventory:
-    """Validate parsed YAML (as read by parse_yaml) and build the Inventory."""
     top = Where(filename or "built-in inventory")
     if data is None:
         raise top.error(

@@ -68,7 +68,6 @@ class MultinodeJob:
         return NodeJob(**fields, rdzv_id=rdzv_id, runs_dir=self.runs_dir)
 
     def node_target(self, index: int, rdzv_id: str = "") -> Target:
-        """Node `index` as a target whose job is its part of this job."""
         return dataclasses.replace(self.nodes[index], job=self.node_job(index, rdzv_id))
 
     def node_targets(self, rdzv_id: str = "") -> list[Target]:

@@ -26,7 +26,6 @@ T = TypeVar("T")
 
 
 def hook_share(total_s: float) -> float:
-    """Seconds of `total_s` kept for an on-change hook, after the check."""
     return min(HOOK_MAX_S, total_s * HOOK_SHARE)
 
 

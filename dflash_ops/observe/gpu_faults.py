@@ -126,7 +126,6 @@ def host_faults_argv() -> list[str]:
 
 
 def parse_host_answer(text: str) -> FaultReport:
-    """host_gpu_faults.sh's answer as a FaultReport (never raises on odd input)."""
     parts: dict[str, list[str]] = {}
     marks: dict[str, list[str]] = {}
     current = None

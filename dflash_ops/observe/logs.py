@@ -181,8 +181,6 @@ def failures_from_records(records: list[dict]) -> list[Failure]:
 
 @dataclasses.dataclass(frozen=True)
 class TrainingProgress:
-    """Where training stands, from the tail of the metrics file."""
-
     step: int | None = None
     total_steps: int | None = None
     loss: float | None = None

@@ -102,8 +102,6 @@ def _number(value: float) -> str:
 
 
 class Exposition:
-    """Samples per family, written family by family, as the format wants."""
-
     def __init__(self) -> None:
         self.samples: dict[str, list[tuple[dict, float]]] = {name: [] for name in FAMILIES}
 

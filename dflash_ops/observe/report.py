@@ -86,7 +86,6 @@ def fetch(
 
 
 def parse_answer(stdout: str, target: str) -> tuple[list[FetchedRun], dict | None]:
-    """The script's JSON (probe.json_answer), checked field by field."""
     data = json_answer(stdout)
     if data is None or "report_version" not in data or not isinstance(data.get("runs"), list):
         shown = stdout.strip()[:300] or "(no output)"

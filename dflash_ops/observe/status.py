@@ -26,11 +26,9 @@ class _FieldsAsJson:
 
 @dataclasses.dataclass(frozen=True)
 class TmuxSession(_FieldsAsJson):
-    """The session and its pane; None where tmux gave no answer."""
-
     name: str
     socket: str
-    running: bool | None = None
+    running: bool | None = None  # None where tmux gave no answer
     exists: bool | None = None
     pane_pid: int | None = None
     exit_status: int | None = None
@@ -38,8 +36,6 @@ class TmuxSession(_FieldsAsJson):
 
 @dataclasses.dataclass(frozen=True)
 class JobProcess(_FieldsAsJson):
-    """One process of the session's process tree."""
-
     pid: int
     ppid: int | None
     name: str | None
@@ -55,9 +51,7 @@ class JobProcess(_FieldsAsJson):
 
 
 @dataclasses.dataclass(frozen=True)
-class Training(_FieldsAsJson):
-    """The run's progress; a number JSON cannot hold (NaN) is None."""
-
+class Training(_FieldsAsJson):  # a number JSON cannot hold (NaN) is None
     step: int | None = None
     total_steps: int | None = None
     loss: float | None = None
@@ -69,8 +63,6 @@ class Training(_FieldsAsJson):
 
 @dataclasses.dataclass(frozen=True)
 class EvalStatus:
-    """The latest speculative-decoding evaluation (tau) and how old it is."""
-
     step: int | None
     tau: float | None
     acceptance: tuple[float, ...]

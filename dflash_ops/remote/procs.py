@@ -160,7 +160,6 @@ def owned_pane_roots(panes, table, marker):
 
 
 def descendants(roots, table):
-    """The roots and all their living descendants, parents before children."""
     children = {}
     for pid in sorted(table):
         children.setdefault(table[pid][1], []).append(pid)
@@ -182,7 +181,6 @@ def job_pids(panes, table, marker):
 
 
 def comm(pid):
-    """Name of a pid as seen here; empty when it is not visible (a host pid inside LXC)."""
     return (read("/proc/%d/comm" % pid, 256) or b"").decode("utf-8", "replace").strip()
 
 

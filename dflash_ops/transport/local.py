@@ -22,8 +22,6 @@ def exit_code_of(returncode: int) -> int:
 
 
 class LocalTransport(Transport):
-    """Runs scripts with `bash -c` on this machine (no shell string building on our side)."""
-
     def _execute(
         self, argv: list[str], stdin: bytes | None, limit_s: float, step: str
     ) -> tuple[int, bytes, bytes, float]:

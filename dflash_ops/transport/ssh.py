@@ -36,8 +36,6 @@ def put_script(remote_path: str, mode: int, size: int) -> str:
 
 
 class SshTransport(SshConnecting, Transport):
-    """Bash on an ssh host. One fabric Connection, opened on first use and reused by every run."""
-
     def __init__(self, name: str, spec: HostSpec):
         super().__init__(name)
         self.spec = spec
@@ -47,7 +45,6 @@ class SshTransport(SshConnecting, Transport):
         self._lock = threading.Lock()
 
     def _wrap(self, argv: list[str]) -> list[str]:
-        """argv as run on the ssh host (PctTransport puts `pct exec CTID --` in front)."""
         return argv
 
     def _remote_line(self, argv: list[str]) -> str:
