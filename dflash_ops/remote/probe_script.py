@@ -256,7 +256,10 @@ def probe(args, where, lines):
     where["session"], args["marker"] = procs.pick_identity(args)
     # one tmux call: listing the session's panes tells whether it exists and whether it lives
     tmux_started = section(errors, "tmux", start, procs.pane_command(where["socket"], where["session"]))
-    gpu_started, faults_started = start_gpu_parts(args, errors, gpu_source, deadline, part_s)
+    gpu_started = faults_started = None
+    if gpu_source != "none":  # "none": the Proxmox host is asked for the GPUs instead
+        gpu_started = section(errors, "gpu", start_gpu_state, gpu_source, deadline, part_s)
+        faults_started = section(errors, "gpu faults", start_faults, gpu_source, deadline)
     # the files are read while those commands run
     report["job_state"], report["job_state_error"] = section(
         errors, "job state", procs.read_job_state, args.get("state_file")
@@ -275,15 +278,6 @@ def probe(args, where, lines):
         name for name in ("gpu", "session") if (report.get(name) or {}).get("out_of_time")
     ]
     return report
-
-
-def start_gpu_parts(args, errors, gpu_source, deadline, part_s):
-    """The GPU and GPU faults queries, side by side; none for "none" (the Proxmox host is asked instead)."""
-    if gpu_source == "none":
-        return None, None
-    gpu = section(errors, "gpu", start_gpu_state, gpu_source, deadline, part_s)
-    faults = section(errors, "gpu faults", start_faults, gpu_source, deadline)
-    return gpu, faults
 
 
 def ours_only(session, marker):
