@@ -100,7 +100,7 @@ def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int
 
     deadline = time.monotonic() + timeout
     if on_change:  # the hook's share comes out of the budget, so health still answers within it
-        timeout = max(1.0, timeout - budget.hook_share(timeout))
+        timeout = max(1.0, timeout - min(budget.HOOK_MAX_S, timeout * budget.HOOK_SHARE))
     try:
         jobs = obj.inventory.jobs(target)
     except DflashOpsError as exc:  # the check itself could not run: UNKNOWN, not CRITICAL

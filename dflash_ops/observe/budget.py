@@ -25,10 +25,6 @@ HOOK_MAX_S = 3.0
 T = TypeVar("T")
 
 
-def hook_share(total_s: float) -> float:
-    return min(HOOK_MAX_S, total_s * HOOK_SHARE)
-
-
 @dataclasses.dataclass(frozen=True)
 class Shares:
     total_s: float

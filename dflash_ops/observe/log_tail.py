@@ -36,7 +36,10 @@ def tail_log(
 ) -> str:
     """Print the last `lines` lines (matching `grep`) of the job's log or `log`; follow moves on to the
     log a relaunch starts, as tail -F does. Returns the path read last."""
-    pattern = compile_grep(grep)
+    try:
+        pattern = None if grep is None else re.compile(grep)
+    except re.error as exc:
+        raise InputError(f"--grep {grep!r}: not a valid regular expression ({exc})") from None
     transport = make_transport(target)
     try:
         path = log or job_log(transport, target)
@@ -46,15 +49,6 @@ def tail_log(
         return path
     finally:
         transport.close()
-
-
-def compile_grep(grep: str | None) -> re.Pattern | None:
-    if grep is None:
-        return None
-    try:
-        return re.compile(grep)
-    except re.error as exc:
-        raise InputError(f"--grep {grep!r}: not a valid regular expression ({exc})") from None
 
 
 def job_log(transport, target: Target) -> str:
