@@ -108,7 +108,12 @@ def _judged(report, job: Job, now: float) -> Verdict:
         gpus = [report.gpu.by_index(i) for i in job.drafter_gpus]
         drafter_util = {g.index: g.utilization_pct for g in gpus if g is not None}
     if training:
-        warning += _slowness(progress, job.health.min_tokens_per_s)
+        speed, floor = progress.tokens_per_s, job.health.min_tokens_per_s
+        if floor > 0 and speed is not None and speed < floor:
+            warning.append(
+                f"{speed:.0f} tokens/s is below the {floor:.0f} minimum: "
+                "the eager-fallback signature (compiled attention not in use)"
+            )
         warning += _idle_drafters(report.gpu, job, drafter_util)
     warning += acceptance.problems(accept, job.health.min_tau)
     # a part of the probe that failed (an unreadable log, say) leaves a blind spot: say so
@@ -178,15 +183,6 @@ def _stall(
         else f"no first step {_seconds(age)} after start"
     )
     return [f"{what}; stall threshold {_seconds(stall_seconds)}"], []
-
-
-def _slowness(progress: logs.TrainingProgress, min_tokens_per_s: float) -> list[str]:
-    if min_tokens_per_s <= 0 or progress.tokens_per_s is None or progress.tokens_per_s >= min_tokens_per_s:
-        return []
-    return [
-        f"{progress.tokens_per_s:.0f} tokens/s is below the {min_tokens_per_s:.0f} minimum: "
-        "the eager-fallback signature (compiled attention not in use)"
-    ]
 
 
 def _idle_drafters(snapshot, job: Job, drafter_util: dict) -> list[str]:
