@@ -274,7 +274,7 @@ def test_probe_script_passes_hostile_strings_unchanged(tmp_path):
     assert flag == "-"
     assert json.loads(args) == {"log_dir": HOSTILE + "/logs", "session": "a'b $(c)", "socket": 's"q`d`',
                                 "log_lines": 7, "metrics_lines": probe.DEFAULT_METRICS_LINES,
-                                "gpu_source": "auto", "nvidia_smi": "nvidia-smi",
+                                "gpu_source": "auto",
                                 "state_file": HOSTILE + "/job-state.json", "marker": f"DFLASH_OPS_JOB=s\"q`d`/a'b $(c)/{job.job_id}",
                                 "legacy_session": "o'ld $(e)", "legacy_marker": "DFLASH_OPS_JOB=s\"q`d`/o'ld $(e)",
                                 "eval_context_steps": acceptance.ACC_WINDOW}

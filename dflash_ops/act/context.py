@@ -26,7 +26,6 @@ class StepOutcome:
         return cls(message, ok=False, **kwargs)
 
     def report_data(self) -> dict[str, Any]:
-        """`data` and a subclass's typed fields, as the report shows them."""
         typed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _BASE}
         return {**self.data, **typed}
 
@@ -62,7 +61,6 @@ class StepContext:
     def run(
         self, script: str, *, timeout: float = 60.0, check: bool = True, stdin: bytes | None = None
     ) -> Result:
-        """Run `script` on the target and record its exact command line."""
         self.commands.append(self.transport.command_line(script, timeout))
         runner = self.transport.check if check else self.transport.run
         return runner(script, timeout=timeout, step=self.step or "run", stdin=stdin)
@@ -76,6 +74,5 @@ class StepContext:
         return result
 
     def put(self, data: bytes, remote_path: str, mode: int = 0o644) -> None:
-        """Write `data` to `remote_path` on the target (atomically), recording it."""
         self.commands.append(f"# put {len(data)} bytes -> {remote_path} (mode {mode:04o})")
         self.transport.put(data, remote_path, mode=mode, step=self.step or "put")

@@ -132,7 +132,6 @@ def format_list(releases: list[Release]) -> list[str]:
 
 
 def list_releases(target: Target) -> list[Release]:
-    """The releases kept on the target, most recently deployed first."""
     with connect(target) as transport:
         return parse_list(transport.check(list_script(target.job), timeout=30, step="list releases").stdout)
 

@@ -22,7 +22,7 @@ def trainer_argv(job: Job, output_dir: str = RUN_DIR) -> list[str]:
     if job.drafter_gpus:
         argv += ["--drafter-devices", ",".join(f"cuda:{i}" for i in job.drafter_gpus)]
     argv += list(job.train_args)
-    return torchrun.launch_line(job, argv) if torchrun.uses_torchrun(job) else argv
+    return torchrun.launch_line(job, argv) if job.launcher == torchrun.TORCHRUN else argv
 
 
 def trainer_env(job: Job) -> dict[str, str]:

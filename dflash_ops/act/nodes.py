@@ -46,7 +46,6 @@ class Node:
         return f"node {self.index} {self.name}"
 
     def ctx(self, phase: StepContext) -> StepContext:
-        """The node's context in `phase`, with its own record of commands."""
         return StepContext(self.target, self.transport, phase.log, phase.status, phase.step, phase.number)
 
 
@@ -107,10 +106,6 @@ def per_node(nodes: Sequence[Node], messages: Sequence[str]) -> str:
     return "\n".join(f"{node.label}: {message}" for node, message in zip(nodes, messages, strict=True))
 
 
-def _said(value: object) -> str:
-    return value.message if isinstance(value, StepOutcome) else str(value or "")
-
-
 def one_node(run: Run) -> bool:
     """Whether `run` acts on a one-node job (a target): its phases are then the steps themselves."""
     return isinstance(run.ctx, JobContext) and len(run.ctx.nodes) == 1
@@ -137,7 +132,8 @@ def on_nodes(
         for node, (value, error) in zip(nodes, outcomes, strict=True):
             if error is None:
                 done.append((node, value))  # type: ignore[arg-type]  # no error: the step's value
-                lines.append(f"{node.label}: {_said(value)}")
+                said = value.message if isinstance(value, StepOutcome) else str(value or "")
+                lines.append(f"{node.label}: {said}")
             else:
                 lines.append(f"{node.label}: FAILED: {first_lines(error)}")
         if len(done) < len(nodes):  # failed as the one node's step would: a refusal exits 2

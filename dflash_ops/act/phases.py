@@ -3,11 +3,12 @@ A launch or first step that fails leaves the job on all its nodes or none (`_all
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import secrets
 import time
-from typing import Any, Callable, Sequence, TypeVar, cast
+from typing import Any, Callable, TypeVar, cast
 
 from dflash_ops.act import multinode_checks as checks, preflight as p, steps
 from dflash_ops.act.context import StepContext, StepOutcome
@@ -26,12 +27,10 @@ CROSS_NODE_CHECKS = ("same_job", "shared_runs_dir", "rendezvous")
 
 
 def checks_plan(nodes: int) -> tuple[str, ...]:
-    """The phases that check the job before anything stops."""
     return ("preflight", *(CROSS_NODE_CHECKS if nodes > 1 else ()))
 
 
 def free_gpus_plan(nodes: int) -> tuple[str, ...]:
-    """The phases that free the job's GPUs (`free_job_gpus`)."""
     return ("kill_gpu_processes", "wait_gpu_free") if nodes == 1 else ("free_gpus",)
 
 
@@ -96,13 +95,11 @@ def same_job(ctx: JobContext, job: MultinodeJob, *, deploy: bool) -> Found:
 
 @_before_any_stop
 def shared_runs_dir(ctx: JobContext, job: MultinodeJob) -> StepOutcome:
-    """The runs dir is one filesystem on every node (multinode_checks.prove_shared)."""
     return StepOutcome(checks.prove_shared(ctx, job))
 
 
 @_before_any_stop
 def rendezvous(ctx: JobContext, job: MultinodeJob, found: Found) -> StepOutcome:
-    """Every node reaches the rendezvous and the other nodes (multinode_checks.rendezvous)."""
     return StepOutcome(checks.rendezvous(ctx, job, found.facts))
 
 
@@ -167,7 +164,6 @@ def _launch(ctx: JobContext, job: MultinodeJob, resume: bool) -> JobLaunched:
 
 
 def _start(ctx: StepContext, job: MultinodeJob, node: Node, run: str, rdzv_id: str) -> steps.Launched:
-    """Start run `run` on `node` under the rendezvous id."""
     node_target = job.node_target(node.index, rdzv_id)
     return steps.start_run(dataclasses.replace(ctx, target=node_target), node_target.job, run=run)
 
@@ -221,27 +217,21 @@ def _all_or_none(ctx: JobContext, grace_s: float, phase: Callable[[], StepOutcom
     try:
         return phase()
     except DflashOpsError as error:
-        note = _no_half_job(ctx, ctx.nodes, grace_s)
-        raise StepFailed(f"{error}\n{note}" if note else str(error)) from None
-
-
-def _no_half_job(ctx: StepContext, nodes: Sequence[Node], grace_s: float) -> str:
-    """When the job runs on some nodes but not all, stop it on those; what was done."""
-    alive = []
-    for node in nodes:
+        alive = []
+        for node in ctx.nodes:
+            with contextlib.suppress(DflashOpsError):
+                if _pane_problem(node) is None:
+                    alive.append(node)
+        if not alive or len(alive) == len(ctx.nodes):
+            raise StepFailed(str(error)) from None
+        where = ", ".join(n.label for n in alive)
         try:
-            if _pane_problem(node) is None:
-                alive.append(node)
-        except DflashOpsError:
-            continue
-    if not alive or len(alive) == len(nodes):
-        return ""
-    where = ", ".join(n.label for n in alive)
-    try:
-        each(ctx, alive, lambda node, c: steps.stop_session(c, node.target.job, grace_s=grace_s))
-    except DflashOpsError as exc:
-        return f"the job still runs on {where}; stopping it failed: {first_lines(exc)}"
-    return (
-        f"stopped the job again on {where}: a job runs on all its nodes or none "
-        "(`dflash-ops status` shows each node)"
-    )
+            each(ctx, alive, lambda node, c: steps.stop_session(c, node.target.job, grace_s=grace_s))
+        except DflashOpsError as exc:
+            note = f"the job still runs on {where}; stopping it failed: {first_lines(exc)}"
+        else:
+            note = (
+                f"stopped the job again on {where}: a job runs on all its nodes or none "
+                "(`dflash-ops status` shows each node)"
+            )
+        raise StepFailed(f"{error}\n{note}") from None

@@ -37,7 +37,10 @@ def _gpu_snapshot(ctx: StepContext):
         result = ctx.run(GPU_QUERY, timeout=60, check=False)
     if not result.ok:
         raise _fail(ctx, "nvidia-smi failed: " + (result.stdout + result.stderr).strip()[-500:])
-    return parse_host_gpu_query(result.stdout, ctid) if ctid is not None else parse_gpu_query(result.stdout)
+    if ctid is not None:
+        return parse_host_gpu_query(result.stdout, ctid)
+    gpu_csv, _, apps_csv = result.stdout.partition("@@")
+    return parse_nvidia_smi(gpu_csv, apps_csv)
 
 
 def job_processes(
@@ -73,25 +76,16 @@ def job_processes(
     return report
 
 
-def _name_of(process: dict) -> str:
-    name = process.get("name") or (process.get("cmd") or "").split(" ")[0]
-    return f" {name}" if name else ""
-
-
 def describe_foreign(others: list[dict], invisible: str = "not visible here") -> str:
     """`pid 812 sleep on GPU 1 (7000 MiB, ct 201, host pid)` per foreign process, never signalled."""
+    names = [o.get("name") or (o.get("cmd") or "").split(" ")[0] for o in others]
     return "; ".join(
-        f"pid {o['pid']}{_name_of(o)} on GPU {o['gpu']} "
+        f"pid {o['pid']}{' ' + name if name else ''} on GPU {o['gpu']} "
         f"({o.get('used_memory_mib')} MiB, "
         + (o["owner"] + ", host pid" if o.get("owner") else "here" if o.get("visible") else invisible)
         + ")"
-        for o in others
+        for o, name in zip(others, names, strict=True)
     )
-
-
-def parse_gpu_query(stdout: str):
-    gpu_csv, _, apps_csv = stdout.partition("@@")
-    return parse_nvidia_smi(gpu_csv, apps_csv)
 
 
 def surely_foreign(others: list[dict]) -> list[dict]:

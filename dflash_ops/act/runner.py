@@ -139,12 +139,10 @@ class Run:
         return returned  # type: ignore[return-value]  # what the step returned, checked above
 
     def skip(self, step: Callable[..., Any] | str, why: str) -> None:
-        """Record a planned step as skipped, saying why (`--no-purge`)."""
         name = step if isinstance(step, str) else step.__name__
         self._end(StepReport(self._next(name), name, SKIPPED, message=why))
 
     def result(self) -> RunResult:
-        """The run's result; planned steps after a failure are reported not-run."""
         for name in self.plan[len(self.reports) :]:
             self._end(StepReport(len(self.reports) + 1, name, NOT_RUN))
         seconds = time.monotonic() - self.started

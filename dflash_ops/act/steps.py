@@ -30,9 +30,6 @@ from dflash_ops.act.processes import (
 from dflash_ops.remote import bundle, facts, shell_command
 
 
-# ------------------------------------------------------------------ the job's processes
-
-
 @dataclasses.dataclass(kw_only=True)
 class Ended(StepOutcome):
     """What the stop steps give: `foreign` are the processes on its GPUs surely not the job's, left alone."""
@@ -60,16 +57,11 @@ def _end_job_processes(ctx: StepContext, job: Job, grace_s: float, include_sessi
     else:
         message = "no job processes running"
     if report["unidentified"]:
-        message += "; left alone (not this job's): " + describe_foreign(
-            report["unidentified"], _invisible_pid(ctx)
-        )
+        # inside LXC the driver reports HOST pids; on a plain host the process has exited since
+        in_container = getattr(ctx.target, "transport", None) == "pct"
+        invisible = "not visible here: a host pid?" if in_container else "exited, no longer in /proc"
+        message += "; left alone (not this job's): " + describe_foreign(report["unidentified"], invisible)
     return Ended(message=message, data=report, foreign=surely_foreign(report["unidentified"]))
-
-
-def _invisible_pid(ctx: StepContext) -> str:
-    """Inside LXC the driver reports HOST pids; on a plain host the process has exited since."""
-    in_container = getattr(ctx.target, "transport", None) == "pct"
-    return "not visible here: a host pid?" if in_container else "exited, no longer in /proc"
 
 
 def stop_session(ctx: StepContext, job: Job, grace_s: float, record_stop: bool = False) -> Ended:
@@ -99,9 +91,6 @@ def stop_session(ctx: StepContext, job: Job, grace_s: float, record_stop: bool =
 def kill_gpu_processes(ctx: StepContext, job: Job, grace_s: float = 10.0) -> Ended:
     """End leftovers of earlier launches (marked); foreign GPU processes are reported, never signalled."""
     return _end_job_processes(ctx, job, grace_s, include_session=False)
-
-
-# ------------------------------------------------------------------ GPUs
 
 
 def wait_gpu_free(
@@ -162,9 +151,6 @@ def without(snapshot, foreign: set[tuple[int, str]]):
     return dataclasses.replace(snapshot, gpus=tuple(gpus))
 
 
-# ------------------------------------------------------------------ cache, deploy, launch
-
-
 def _check_purgeable(ctx: StepContext, job: Job, path: str) -> None:
     norm = posixpath.normpath(path)
     protected = {posixpath.normpath(p) for p in (job.workdir, "/root", "/home", "/tmp", "/var", "/usr")}
@@ -223,8 +209,6 @@ def deploy(ctx: StepContext, job: Job, keep_releases: int = deploy_lib.KEEP_RELE
 
 @dataclasses.dataclass(kw_only=True)
 class Launched(StepOutcome):
-    """What launch gives: the log the new trainer writes."""
-
     log: str
 
 
@@ -300,11 +284,7 @@ def _record_stop(ctx: StepContext, job: Job, state: str, grace_s: float | None =
     return StepOutcome(f"job state: {state} by {jobstate.STOPPED_BY}")
 
 
-# ------------------------------------------------------------------ confirmation
-
-
 def _number(value) -> float:
-    """A metrics value as a float (nan when it is none: the record comes from the target)."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
 
 
@@ -363,8 +343,7 @@ def _wait_first_step(
             loss, rate = _number(step.get("loss")), _number(step.get("tokens_per_s"))
             ktok = 0.0 if math.isnan(rate) else rate / 1000
             return StepOutcome(
-                f"step {step.get('step')}: loss {loss:.4f}, {ktok:.1f} Ktok/s",
-                data={"step": step},
+                f"step {step.get('step')}: loss {loss:.4f}, {ktok:.1f} Ktok/s", data={"step": step}
             )
         why = _why_no_step(records, panes)
         if why is None and time.monotonic() > started + timeout_s:

@@ -100,7 +100,7 @@ def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int
 
     deadline = time.monotonic() + timeout
     if on_change:  # the hook's share comes out of the budget, so health still answers within it
-        timeout = max(1.0, timeout - budget.hook_share(timeout))
+        timeout = max(1.0, timeout - min(budget.HOOK_MAX_S, timeout * budget.HOOK_SHARE))
     try:
         jobs = obj.inventory.jobs(target)
     except DflashOpsError as exc:  # the check itself could not run: UNKNOWN, not CRITICAL
@@ -109,8 +109,16 @@ def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int
     checked = job_check.check_all(jobs, timeout)
     actions = {}
     if auto_relaunch:
+        from dflash_ops import commands
+
         for jc in checked:
-            action = _auto_relaunch(obj, jc)
+            # a CRITICAL job is relaunched whole (every node of it); a node's own target never alone
+            node = obj.inventory.node_of(jc.job.name)
+            action = (
+                commands.auto_relaunch(jc.job, jc)
+                if not node
+                else commands.HealthAction(False, f"not relaunched: {node}")
+            )
             if action is not None:
                 actions[jc.job.name] = action
     if as_json:
@@ -124,29 +132,17 @@ def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int
         click.echo(line)
         for name, action in actions.items():
             click.echo(f"{name}: {action.message}")
-    _run_on_change(on_change, [c.as_one_target() for c in checked], deadline)
+    if on_change:
+        from dflash_ops.observe import on_change as hooks
+
+        sys.stdout.flush()  # the verdict is out before any hook runs
+        hooks.run_hooks(
+            on_change,
+            [c.as_one_target() for c in checked],
+            deadline - budget.MARGIN_S / 2,
+            lambda text: click.echo(text, err=True),
+        )
     return health.EXIT_CODES[health.worst(c.verdict.level for c in checked)]
-
-
-def _auto_relaunch(obj, jc):
-    """A CRITICAL job is relaunched whole (every node of it); a node's own target never alone."""
-    from dflash_ops import commands
-
-    node = obj.inventory.node_of(jc.job.name)
-    return (
-        commands.HealthAction(False, f"not relaunched: {node}")
-        if node
-        else commands.auto_relaunch(jc.job, jc)
-    )
-
-
-def _run_on_change(command: str | None, checked: list, deadline: float) -> None:
-    if not command:
-        return
-    from dflash_ops.observe import on_change as hooks
-
-    sys.stdout.flush()  # the verdict is out before any hook runs
-    hooks.run_hooks(command, checked, deadline - budget.MARGIN_S / 2, lambda text: click.echo(text, err=True))
 
 
 @cli.command("tail-log")

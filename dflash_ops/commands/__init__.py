@@ -26,7 +26,6 @@ def default_of(command: Callable[..., Any], option: str) -> Any:
 
 
 def relaunch_plan(nodes: int) -> list[str]:
-    """The steps of a relaunch of a job of `nodes` nodes, in order."""
     from dflash_ops.act import phases as ph
 
     free, checks = ph.free_gpus_plan(nodes), ph.checks_plan(nodes)
@@ -34,7 +33,6 @@ def relaunch_plan(nodes: int) -> list[str]:
 
 
 def stop_plan(nodes: int) -> list[str]:
-    """The steps of a stop of a job of `nodes` nodes, in order."""
     from dflash_ops.act import phases as ph
 
     return ["stop_session", "mark_stopped", *ph.free_gpus_plan(nodes)]
@@ -164,11 +162,7 @@ def deploy(job: Nodes, *, dry_run: bool = False, on_progress: OnProgress | None 
 
 
 def rollback(
-    job: Nodes,
-    *,
-    release: str | None = None,
-    dry_run: bool = False,
-    on_progress: OnProgress | None = None,
+    job: Nodes, *, release: str | None = None, dry_run: bool = False, on_progress: OnProgress | None = None
 ) -> RunResult:
     """Point `current` at a kept release, by default the one deployed before the current one."""
     from dflash_ops.act import steps as s
@@ -197,7 +191,6 @@ def run_playbook(
 
 
 def _running(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[tuple[Run, list[Node]]]:
-    """dflash_ops.act.nodes.running, imported when a command runs."""
     from dflash_ops.act.nodes import running
 
     return running(*args, **kwargs)

@@ -126,10 +126,8 @@ def find_inventory_file(path: str | None = None) -> str | None:
             raise InputError(f"{ENV_VAR}={from_env}: file not found; fix or unset the variable")
         return from_env
     config_home = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    for candidate in ("inventory.yaml", os.path.join(config_home, "dflash-ops", "inventory.yaml")):
-        if os.path.isfile(candidate):
-            return candidate
-    return None
+    candidates = ("inventory.yaml", os.path.join(config_home, "dflash-ops", "inventory.yaml"))
+    return next((candidate for candidate in candidates if os.path.isfile(candidate)), None)
 
 
 def load_inventory(path: str | None = None) -> Inventory:
@@ -149,12 +147,10 @@ def load_inventory_text(
 
 
 def builtin_inventory() -> Inventory:
-    """The inventory used when there is no file: only the embedded `local` target."""
     return inventory_from_data(YamlMap(), None, os.getcwd())
 
 
 def inventory_from_data(data: object, filename: str | None, base_dir: str) -> Inventory:
-    """Validate parsed YAML (as read by parse_yaml) and build the Inventory."""
     top = Where(filename or "built-in inventory")
     if data is None:
         raise top.error(
@@ -206,7 +202,6 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
 
 
 def _top_level(data: object, top: Where) -> YamlMap:
-    """The file's top mapping, every key one the inventory knows."""
     if not isinstance(data, dict):
         raise top.error(
             1,
@@ -217,8 +212,13 @@ def _top_level(data: object, top: Where) -> YamlMap:
     if not isinstance(data, YamlMap):
         data = YamlMap.of(data)
     for key in data:
-        if key not in TOP_LEVEL_KEYS:
-            raise top.error(data.key_lines.get(key), str(key), _unknown_top_level(key))
+        if key in TOP_LEVEL_KEYS:
+            continue
+        why = unknown_field(key, dict.fromkeys(TOP_LEVEL_KEYS), "top.")
+        if key in TARGET_FIELDS or key in JOB_FIELDS:
+            where = "'defaults:'" if key in TARGET_FIELDS else "'defaults: job:'"
+            why = f"unknown top-level key; {key!r} belongs under {where} (or under a target)"
+        raise top.error(data.key_lines.get(key), str(key), why)
     return data
 
 
@@ -276,20 +276,15 @@ def _check_rendezvous(targets: dict[str, Target], raw_targets: YamlMap, top: Whe
             )
 
 
-def _machine(target: Target) -> tuple:
-    """Where a target's tmux server lives: this machine, or the host, container and (ssh) user it reaches."""
-    if target.ssh is None:
-        return ("this machine",)
-    user = target.ssh.user if target.transport == "ssh" else None
-    return (target.ssh.host, target.ssh.port, target.ctid, user)
-
-
 def _check_identities(targets: dict[str, Target], raw_targets: YamlMap, top: Where) -> None:
     """Two jobs on one machine never share a tmux socket and session (each would stop the other's trainer)."""
     seen: dict[tuple, Target] = {}
     for name, target in targets.items():
         job = target.job
-        key = (_machine(target), job.tmux_socket, job.session)
+        # where its tmux server lives: this machine, or the host, container and (ssh) user it reaches
+        machine = None if target.ssh is None else (target.ssh.host, target.ssh.port, target.ctid)
+        user = target.ssh.user if target.ssh is not None and target.transport == "ssh" else None
+        key = (machine, user, job.tmux_socket, job.session)
         other = seen.setdefault(key, target)
         if other is target or other.job.workdir == job.workdir:
             continue
@@ -307,7 +302,6 @@ def _check_identities(targets: dict[str, Target], raw_targets: YamlMap, top: Whe
 def _target(
     name: str, raw: object, line: int, defaults: Fields, default_lines: Lines, where: Where, base_dir: str
 ) -> Target:
-    """Check one target's own fields, merge what it inherits, and build it."""
     if raw is None and name == LOCAL:  # `local:` alone: keep the built-in local job
         raw = YamlMap(line)
     if raw is None or not isinstance(raw, YamlMap):
@@ -410,10 +404,3 @@ def describe(inventory: Inventory) -> list[str]:
         rows.append((f"{mark} {target.name}", target.transport, where, gpus))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     return [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  {d}" for a, b, c, d in rows]
-
-
-def _unknown_top_level(key) -> str:
-    if key in TARGET_FIELDS or key in JOB_FIELDS:
-        where = "'defaults:'" if key in TARGET_FIELDS else "'defaults: job:'"
-        return f"unknown top-level key; {key!r} belongs under {where} (or under a target)"
-    return unknown_field(key, dict.fromkeys(TOP_LEVEL_KEYS), "top.")

@@ -68,7 +68,6 @@ class MultinodeJob:
         return NodeJob(**fields, rdzv_id=rdzv_id, runs_dir=self.runs_dir)
 
     def node_target(self, index: int, rdzv_id: str = "") -> Target:
-        """Node `index` as a target whose job is its part of this job."""
         return dataclasses.replace(self.nodes[index], job=self.node_job(index, rdzv_id))
 
     def node_targets(self, rdzv_id: str = "") -> list[Target]:
@@ -152,7 +151,16 @@ def _job(name: str, spec: object, line: int, targets: dict[str, Target], where: 
             f"is required: the first node {nodes[0].name!r} is {kind} target, so its address as the "
             "other nodes reach it is not known; give it, e.g. rdzv_host: 10.0.0.7",
         )
-    _check_runs_dir(runs_dir, nodes, lines["runs_dir"], where)
+    # the shared runs dir holds every run's checkpoints: no node's purged cache may touch it
+    for node in nodes:
+        why = cache_guard.problem(node.job.cache_dir, [(runs_dir, "shared runs_dir", True)])
+        if why is not None:
+            raise where.error(
+                lines["runs_dir"],
+                "runs_dir",
+                f"target {node.name!r}'s cache_dir {node.job.cache_dir} {why} and is purged on relaunch; "
+                "give the runs and the cache directories of their own",
+            )
     return MultinodeJob(name=name, nodes=nodes, runs_dir=runs_dir, rdzv_host=host, rdzv_port=port)
 
 
@@ -175,12 +183,12 @@ def _nodes(value: object, line: int, targets: dict[str, Target], where: Where) -
         if job.launcher != TORCHRUN:
             raise bad(
                 f"target {node.name!r} runs launcher {job.launcher}; every node must be a torchrun "
-                "target: give it job: {launcher: torchrun, nproc_per_node: N}",
+                "target: give it job: {launcher: torchrun, nproc_per_node: N}"
             )
         if job.nnodes != 1 or job.rdzv_endpoint:
             raise bad(
                 f"target {node.name!r} sets job.nnodes/rdzv_endpoint itself; this section sets them "
-                "for all its nodes: remove them from the target",
+                "for all its nodes: remove them from the target"
             )
     first = nodes[0]
     for node in nodes[1:]:
@@ -190,17 +198,16 @@ def _nodes(value: object, line: int, targets: dict[str, Target], where: Where) -
                 raise bad(
                     f"target {node.name!r} has job.{field} {_shown(mine)} but the first node "
                     f"{first.name!r} has {_shown(theirs)}; every node runs the same job: give every "
-                    f"node the same {what}",
+                    f"node the same {what}"
                 )
     for i, node in enumerate(nodes):
         for other in nodes[:i]:
-            if _same_machine(node, other) and jobpaths.marker_value(node.job) == jobpaths.marker_value(
-                other.job
-            ):
+            same_job = jobpaths.marker_value(node.job) == jobpaths.marker_value(other.job)
+            if _machine(node) == _machine(other) and same_job:
                 raise bad(
                     f"targets {other.name!r} and {node.name!r} are the same machine with the same tmux "
                     f"socket and session ({jobpaths.marker_value(node.job)}), so they would end each "
-                    "other's processes; give one of them another job.tmux_socket or job.session",
+                    "other's processes; give one of them another job.tmux_socket or job.session"
                 )
     return tuple(nodes)
 
@@ -209,20 +216,5 @@ def _shown(value) -> str:
     return show(list(value)) if isinstance(value, tuple) else show(value)
 
 
-def _same_machine(a: Target, b: Target) -> bool:
-    if a.ssh is None or b.ssh is None:
-        return a.ssh is None and b.ssh is None
-    return (a.ssh.host, a.ssh.port, a.ctid) == (b.ssh.host, b.ssh.port, b.ctid)
-
-
-def _check_runs_dir(runs_dir: str, nodes: tuple[Target, ...], line: int, where: Where) -> None:
-    """The shared runs dir holds every run's checkpoints: no node's purged cache may touch it."""
-    for node in nodes:
-        why = cache_guard.problem(node.job.cache_dir, [(runs_dir, "shared runs_dir", True)])
-        if why is not None:
-            raise where.error(
-                line,
-                "runs_dir",
-                f"target {node.name!r}'s cache_dir {node.job.cache_dir} {why} and is purged on relaunch; "
-                "give the runs and the cache directories of their own",
-            )
+def _machine(target: Target) -> tuple | None:
+    return None if target.ssh is None else (target.ssh.host, target.ssh.port, target.ctid)

@@ -13,7 +13,6 @@ __all__ = ["YamlMap", "parse_yaml", "read_yaml"]
 
 
 def parse_yaml(text: str, filename: str, named_items: Mapping[str, str] | None = None) -> Any:
-    """typed_yaml.parse_yaml, raising InputError."""
     try:
         return typed_yaml.parse_yaml(text, filename, named_items)
     except typed_yaml.YamlInputError as e:
@@ -21,7 +20,6 @@ def parse_yaml(text: str, filename: str, named_items: Mapping[str, str] | None =
 
 
 def read_yaml(path: str, named_items: Mapping[str, str] | None = None) -> Any:
-    """typed_yaml.read_yaml, raising InputError."""
     try:
         return typed_yaml.read_yaml(path, named_items)
     except typed_yaml.YamlInputError as e:

@@ -47,10 +47,6 @@ def bundled_config_names() -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def _is_config_name(config: str) -> bool:
-    return "/" not in config and not config.endswith((".yaml", ".yml")) and not config.startswith("~")
-
-
 class TargetBuilder:
     """Turns one target's merged fields into a model.Target, checking the whole-target rules."""
 
@@ -123,7 +119,7 @@ class TargetBuilder:
         return found
 
     def job_config(self, config: str) -> str:
-        if _is_config_name(config):
+        if "/" not in config and not config.endswith((".yaml", ".yml")) and not config.startswith("~"):
             bundled = bundled_config_names()
             if bundled and config not in bundled:
                 raise self.fail(

@@ -20,52 +20,39 @@ MAX_HOLD_S = 6 * 3600
 _MAX_HOLDER_TEXT = 200
 
 
-def holder_line(command: str) -> str:
-    """What the lock file says while this process holds it: the command, then who and since when."""
-    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    return f"{command}\tpid {os.getpid()} on {socket.gethostname()}, since {since}"
-
-
 def _printable(text: str) -> str:
     """Text from the target as shown: bounded, control characters (tabs aside) as `?`."""
     return "".join(ch if ch.isprintable() or ch == "\t" else "?" for ch in text[:_MAX_HOLDER_TEXT])
 
 
-def describe_holder(line: str) -> str:
-    """`another relaunch is running (pid 812 on laptop, since …)` from the lock file's line."""
-    command, _, who = _printable(line).partition("\t")
-    command = command.strip() if command.strip().replace("-", "").isalnum() else "dflash-ops command"
-    return f"another {command} is running ({who.strip() or 'pid unknown'})"
-
-
 @contextlib.contextmanager
 def held(transport, target: Target, command: str) -> Iterator[None]:
     """Hold the job's lock while the block runs (JobBusy when taken); unreachable: left to the steps."""
-    script = shell_command(
-        "job_lock.sh", jobpaths.lock_file(target.job), holder_line(command), str(MAX_HOLD_S)
-    )
+    # what the lock file says while this process holds it: the command, then who and since when
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    holder = f"{command}\tpid {os.getpid()} on {socket.gethostname()}, since {since}"
+    script = shell_command("job_lock.sh", jobpaths.lock_file(target.job), holder, str(MAX_HOLD_S))
     with contextlib.ExitStack() as stack:
         try:
             answer = stack.enter_context(transport.hold(script, step="lock"))
         except TransportError:
             answer = ""
         word, _, rest = answer.partition(" ")
-        if word == "busy":
+        if word == "busy":  # rest: the holder's line, `relaunch\tpid 812 on laptop, since …`
+            other, _, who = _printable(rest).partition("\t")
+            other = other.strip() if other.strip().replace("-", "").isalnum() else "dflash-ops command"
             raise JobBusy(
                 target.name,
-                f"{describe_holder(rest)}; it holds {jobpaths.lock_file(target.job)}: "
-                "nothing was done here, try again when it has finished",
+                f"another {other} is running ({who.strip() or 'pid unknown'}); it holds "
+                f"{jobpaths.lock_file(target.job)}: nothing was done here, try again when it has finished",
             )
         if word == "error":
             raise JobBusy(target.name, f"cannot take the job's lock: {_printable(rest)}")
-        if word != "locked" and _reachable(transport):
-            raise JobBusy(target.name, "cannot take the job's lock: the lock script gave no answer")
+        if word != "locked":
+            try:
+                transport.run("true", timeout=30, step="lock")
+            except TransportError:  # unreachable: left to the steps
+                pass
+            else:
+                raise JobBusy(target.name, "cannot take the job's lock: the lock script gave no answer")
         yield
-
-
-def _reachable(transport) -> bool:
-    try:
-        transport.run("true", timeout=30, step="lock")
-    except TransportError:
-        return False
-    return True

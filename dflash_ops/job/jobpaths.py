@@ -81,7 +81,6 @@ def legacy_marker_value(job: Job) -> str:
 
 
 def identity_args(job: Job) -> dict:
-    """The job's identity for the remote scripts: its own, and an earlier version's."""
     return {
         "socket": job.tmux_socket,
         "session": job.session,

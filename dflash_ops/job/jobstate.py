@@ -77,7 +77,6 @@ class JobState:
 
 
 def load(text: str):
-    """The JSON value of a state file's text, or None when it is not JSON."""
     if not isinstance(text, str) or len(text) > MAX_BYTES:
         return None
     try:

@@ -109,7 +109,6 @@ class Target:
     gpu_query_on: str = "container"
 
     def node_targets(self) -> list[Target]:
-        """The targets the job runs on: this one (a multinode job's are several)."""
         return [self]
 
     @property

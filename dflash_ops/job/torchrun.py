@@ -28,10 +28,6 @@ _TORCHRUN_OWN_ERRORS = (
 )
 
 
-def uses_torchrun(job: Job) -> bool:
-    return job.launcher == TORCHRUN
-
-
 def launcher_argv(job: Job) -> list[str]:
     """`python -m torch.distributed.run ...` up to (not including) `-m trainer`."""
     argv = [job.python, *RUN_MODULE]

@@ -67,14 +67,12 @@ def problems(accept: Acceptance | None, min_tau: float) -> list[str]:
     if min_tau > 0 and accept.tau < min_tau:
         reasons.append(f"measured tau {accept.tau:.2f}{at} is below the {min_tau:g} minimum (health.min_tau)")
     if accept.expected_tau is not None and accept.tau < GAP_RATIO * accept.expected_tau:
+        if accept.split == "held-out":
+            cause = likely_cause(accept.expected_tau, None, accept.tau)
+        else:
+            cause = likely_cause(accept.expected_tau, accept.tau)
         reasons.append(
             f"measured tau {accept.tau:.2f}{at} is below {GAP_RATIO:g} x the {accept.expected_tau:.2f} "
-            "that training accuracy predicts; " + _cause(accept).removeprefix("likely cause: ")
+            "that training accuracy predicts; " + cause.removeprefix("likely cause: ")
         )
     return reasons
-
-
-def _cause(accept: Acceptance) -> str:
-    if accept.split == "held-out":
-        return likely_cause(accept.expected_tau, None, accept.tau)
-    return likely_cause(accept.expected_tau, accept.tau)

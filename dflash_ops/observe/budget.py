@@ -25,11 +25,6 @@ HOOK_MAX_S = 3.0
 T = TypeVar("T")
 
 
-def hook_share(total_s: float) -> float:
-    """Seconds of `total_s` kept for an on-change hook, after the check."""
-    return min(HOOK_MAX_S, total_s * HOOK_SHARE)
-
-
 @dataclasses.dataclass(frozen=True)
 class Shares:
     total_s: float
@@ -49,7 +44,6 @@ def split(total_s: float, gpu_on_host: bool = False) -> Shares:
 
 
 def limit_connect(target: Target, connect_s: float) -> Target:
-    """The target with its ssh connect timeout capped at `connect_s`."""
     if target.ssh is None or target.ssh.connect_timeout_s <= connect_s:
         return target
     return dataclasses.replace(target, ssh=dataclasses.replace(target.ssh, connect_timeout_s=connect_s))

@@ -36,7 +36,6 @@ def check(target: Target, now: float | None = None, timeout_s: float | None = No
 
 
 def checked_outcome(outcome) -> Checked:
-    """A fan-out's Checked for one target; a check that raised reads as UNKNOWN with its error."""
     if outcome.error is None:
         return outcome.value
     error = outcome.error

@@ -62,17 +62,11 @@ class GpuSnapshot:
         return self.error is None
 
     def by_index(self, index: int) -> Gpu | None:
-        for gpu in self.gpus:
-            if gpu.index == index:
-                return gpu
-        return None
+        return next((gpu for gpu in self.gpus if gpu.index == index), None)
 
 
 class GpuUnavailable(DflashOpsError):
     """The GPU state could not be read (no driver, nvidia-smi failed)."""
-
-
-# --------------------------------------------------------------------------- parsing
 
 
 def _smi_int(text: str) -> int | None:
@@ -87,16 +81,11 @@ def _smi_int(text: str) -> int | None:
 
 
 def _split(line: str, left: int, right: int) -> list[str]:
-    """Split a CSV row whose middle field may contain commas (names are free text)."""
     parts = line.split(",")
     if len(parts) < left + right + 1:
         raise ValueError(f"expected at least {left + right + 1} fields: {line!r}")
     middle = ",".join(parts[left : len(parts) - right])
-    return (
-        [p.strip() for p in parts[:left]]
-        + [middle.strip()]
-        + [p.strip() for p in parts[len(parts) - right :]]
-    )
+    return [*map(str.strip, parts[:left]), middle.strip(), *map(str.strip, parts[len(parts) - right :])]
 
 
 def parse_nvidia_smi(gpu_csv: str, apps_csv: str = "", source: str = "nvidia-smi") -> GpuSnapshot:
@@ -154,9 +143,6 @@ def snapshot_from_probe(gpu: dict | None) -> GpuSnapshot:
         for p in gpu.get("processes", [])
     ]
     return _snapshot(gpu.get("gpus", []), processes, source)
-
-
-# --------------------------------------------------------------------------- "is it really free?"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,9 +205,6 @@ def busy_gpus(
 
 def _list(indices) -> str:
     return ",".join(str(i) for i in indices)
-
-
-# --------------------------------------------------------------------------- host pid -> container
 
 
 def container_of_pid(cgroup_text: str) -> str | None:

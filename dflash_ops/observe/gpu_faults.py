@@ -45,7 +45,10 @@ class XidEvent:
 
     def describe(self) -> str:
         where = f"GPU {self.gpu}" if self.gpu is not None else f"PCI {self.pci}"
-        ago = "" if self.age_s is None else f" ({_ago(self.age_s)})"
+        if self.age_s is None:
+            ago = ""
+        else:
+            ago = f" ({self.age_s / 60:.0f} min ago)" if self.age_s >= 120 else f" ({self.age_s:.0f} s ago)"
         return f"Xid {self.code} on {where}{ago}" + (f": {self.text}" if self.text else "")
 
 
@@ -60,10 +63,6 @@ class FaultReport:
 
 
 NOT_QUERIED = FaultReport(None, error="not queried")
-
-
-def _ago(seconds: float) -> str:
-    return f"{seconds / 60:.0f} min ago" if seconds >= 120 else f"{seconds:.0f} s ago"
 
 
 def _int(text: str) -> int | None:
@@ -112,22 +111,21 @@ def parse(section) -> FaultReport:
     )
 
 
-def host_faults_argv(binary: str = "nvidia-smi") -> list[str]:
+def host_faults_argv() -> list[str]:
     """The fault query on the Proxmox host, answered in remote/host_gpu_faults.sh's text."""
     readers = [word for argv in KERNEL_LOG_COMMANDS for word in ("--", *argv)]
     return shell_argv(
         "host_gpu_faults.sh",
         facts.XID_MARK,
         str(MAX_XID_LINES),
-        *facts.fault_query_argv(binary),
+        *facts.fault_query_argv(),
         "--",
-        *facts.remap_query_argv(binary),
+        *facts.remap_query_argv(),
         *readers,
     )
 
 
 def parse_host_answer(text: str) -> FaultReport:
-    """host_gpu_faults.sh's answer as a FaultReport (never raises on odd input)."""
     parts: dict[str, list[str]] = {}
     marks: dict[str, list[str]] = {}
     current = None

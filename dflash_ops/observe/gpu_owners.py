@@ -34,7 +34,6 @@ def ownership(owner: str, visible: bool, is_job: bool) -> bool | None:
 
 
 def is_foreign(report, process) -> bool | None:
-    """ownership() of a process in a probe report."""
     mapped_by_host = (report.gpu.source or "").endswith("Proxmox host")
     visible = mapped_by_host or process.pid in report.gpu_pids_visible
     return ownership(process.owner, visible, process.pid in job_pids(report))

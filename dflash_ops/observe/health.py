@@ -103,9 +103,17 @@ def _judged(report, job: Job, now: float) -> Verdict:
     training = (
         report.session.running is not False and progress.step is not None and not stall and not finished
     )
-    drafter_util = _drafter_utilization(report.gpu, job)
+    drafter_util: dict = {}
+    if report.gpu.ok:
+        gpus = [report.gpu.by_index(i) for i in job.drafter_gpus]
+        drafter_util = {g.index: g.utilization_pct for g in gpus if g is not None}
     if training:
-        warning += _slowness(progress, job.health.min_tokens_per_s)
+        speed, floor = progress.tokens_per_s, job.health.min_tokens_per_s
+        if floor > 0 and speed is not None and speed < floor:
+            warning.append(
+                f"{speed:.0f} tokens/s is below the {floor:.0f} minimum: "
+                "the eager-fallback signature (compiled attention not in use)"
+            )
         warning += _idle_drafters(report.gpu, job, drafter_util)
     warning += acceptance.problems(accept, job.health.min_tau)
     # a part of the probe that failed (an unreadable log, say) leaves a blind spot: say so
@@ -177,15 +185,6 @@ def _stall(
     return [f"{what}; stall threshold {_seconds(stall_seconds)}"], []
 
 
-def _slowness(progress: logs.TrainingProgress, min_tokens_per_s: float) -> list[str]:
-    if min_tokens_per_s <= 0 or progress.tokens_per_s is None or progress.tokens_per_s >= min_tokens_per_s:
-        return []
-    return [
-        f"{progress.tokens_per_s:.0f} tokens/s is below the {min_tokens_per_s:.0f} minimum: "
-        "the eager-fallback signature (compiled attention not in use)"
-    ]
-
-
 def _idle_drafters(snapshot, job: Job, drafter_util: dict) -> list[str]:
     floor = job.health.min_drafter_util_pct
     if floor <= 0 or not job.drafter_gpus:
@@ -225,16 +224,7 @@ def _perfdata(
 
 
 def _below(floor: float) -> str:
-    """The Nagios range that alerts below `floor` ("5000:"); none for a floor of 0 (check off)."""
     return f"{_perfdata_number(floor)}:" if floor > 0 else ""
-
-
-def _drafter_utilization(snapshot, job: Job) -> dict:
-    if not snapshot.ok:
-        return {}
-    return {
-        i: snapshot.by_index(i).utilization_pct for i in job.drafter_gpus if snapshot.by_index(i) is not None
-    }
 
 
 def _ok_summary(progress: logs.TrainingProgress, age: float | None, finished: bool) -> str:
@@ -250,9 +240,6 @@ def _ok_summary(progress: logs.TrainingProgress, age: float | None, finished: bo
     if age is not None:
         parts.append(f"last step {_seconds(age)} ago")
     return ", ".join(parts)
-
-
-# --------------------------------------------------------------------------- Nagios output
 
 
 def _perfdata_number(value: float) -> str:

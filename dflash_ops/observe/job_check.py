@@ -35,7 +35,6 @@ class JobChecked:
 
 
 def check_all(jobs: list[Job], timeout_s: float | None = None) -> list[JobChecked]:
-    """Every job checked at once, in the order given."""
     outcomes = fan_out(jobs, lambda job: check(job, timeout_s))  # type: ignore[arg-type]  # any named
     for outcome in outcomes:
         if outcome.error is not None:  # a node's failed check is its UNKNOWN already: this is a bug
@@ -102,7 +101,6 @@ def _verdict(job: MultinodeJob, checked: list[Checked], nodes: tuple[NodeStatus,
 def _whole_job_problems(
     job: MultinodeJob, checked: list[Checked], nodes: tuple[NodeStatus, ...]
 ) -> list[str]:
-    """Half of it stopped, nodes in different runs, a node whose torchrun lost ranks."""
     problems = []
     parked = [n.index for n in nodes if _parked(n)]
     answered = [i for i, c in enumerate(checked) if c.verdict.level != "UNKNOWN"]

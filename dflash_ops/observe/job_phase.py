@@ -24,7 +24,6 @@ def phase(status) -> str:
 
 
 def launch_number(status) -> int | None:
-    """The job's current launch number: each relaunch writes the next train-NNNN.log."""
     log = status.log or (status.job_state or {}).get("log")
     match = facts.LOG_NAME.match(posixpath.basename(log)) if isinstance(log, str) else None
     return int(match.group(1)) if match else None

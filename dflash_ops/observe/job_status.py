@@ -21,7 +21,6 @@ class Ranks:
 
     @classmethod
     def of(cls, processes: tuple[JobProcess, ...], expected: int) -> Ranks:
-        """From the session's process tree."""
         agents = [p for p in processes if p.runs_module(TORCHRUN_MODULE)]
         agent = min(agents, key=lambda p: p.pid) if agents else None
         alive = sorted(

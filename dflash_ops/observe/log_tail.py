@@ -36,7 +36,10 @@ def tail_log(
 ) -> str:
     """Print the last `lines` lines (matching `grep`) of the job's log or `log`; follow moves on to the
     log a relaunch starts, as tail -F does. Returns the path read last."""
-    pattern = compile_grep(grep)
+    try:
+        pattern = None if grep is None else re.compile(grep)
+    except re.error as exc:
+        raise InputError(f"--grep {grep!r}: not a valid regular expression ({exc})") from None
     transport = make_transport(target)
     try:
         path = log or job_log(transport, target)
@@ -46,15 +49,6 @@ def tail_log(
         return path
     finally:
         transport.close()
-
-
-def compile_grep(grep: str | None) -> re.Pattern | None:
-    if grep is None:
-        return None
-    try:
-        return re.compile(grep)
-    except re.error as exc:
-        raise InputError(f"--grep {grep!r}: not a valid regular expression ({exc})") from None
 
 
 def job_log(transport, target: Target) -> str:
@@ -99,7 +93,6 @@ def newest_log(transport, target: Target) -> str:
 
 
 def _newest_path(target: Target, listing: str) -> str | None:
-    """The newest train-NNNN.log of a log_list.sh line, as a path."""
     name = facts.newest_log_name(listing.strip().split("/"))
     return f"{target.job.log_dir.rstrip('/')}/{name}" if name else None
 
@@ -166,13 +159,11 @@ def _is_file(transport, path: str) -> bool:
 
 
 def _emit(lines: list[str], pattern: re.Pattern | None, emit: Callable[[str], None], start: int = 0) -> None:
-    """Emit, shown inert, the lines matching `pattern`, from the `start`th of them on."""
     for line in [line for line in lines if pattern is None or pattern.search(line)][start:]:
         emit(inert_log_line(line))
 
 
 def _size(target: Target, line: str) -> int:
-    """A file size the log scripts printed; anything else is a failure in one line."""
     if not line.strip().isdigit():
         raise DflashOpsError(f"[{target.name}] read log: expected the log's size, got {line.strip()[:80]!r}")
     return int(line)

@@ -179,13 +179,8 @@ def failures_from_records(records: list[dict]) -> list[Failure]:
     return list(found.values())
 
 
-# --------------------------------------------------------------------------- metrics
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainingProgress:
-    """Where training stands, from the tail of the metrics file."""
-
     step: int | None = None
     total_steps: int | None = None
     loss: float | None = None

@@ -71,7 +71,6 @@ def seen(checked, now: float | None = None) -> verdict_memory.Remembered:
 
 
 def change_of(checked, old: verdict_memory.Remembered | None) -> Change | None:
-    """The change since `old`, or None for a repeat."""
     new = seen(checked)
     if new.launch is None and old is not None:  # not readable now (UNKNOWN): keep what was known
         new = dataclasses.replace(new, launch=old.launch)

@@ -107,7 +107,6 @@ def probe_script_for(
         "log_lines": int(log_lines),
         "metrics_lines": int(metrics_lines),
         "gpu_source": gpu_source,
-        "nvidia_smi": "nvidia-smi",
         "eval_context_steps": acceptance.ACC_WINDOW,
     }
     if part_s is not None:
@@ -201,7 +200,6 @@ def _host_answer(line: str, validate: bool = True) -> tuple[str, str | None]:
 
 
 def _host_faults(line: str, part_s: float | None) -> gpu_faults.FaultReport:
-    """The Proxmox host's line of GPU faults as a FaultReport."""
     rc, text = _host_answer(line)
     if rc == "-":
         return gpu_faults.FaultReport(None, error="no temporary file on the Proxmox host for the fault query")
@@ -261,6 +259,9 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ProbeError(f"[{target}] probe: malformed answer ({type(e).__name__}: {e})") from e
     state_record = jobstate.JobState.from_dict(data.get("job_state"))
+    unusable = None
+    if state_record is None and data.get("job_state") is not None:
+        unusable = "not a dflash-ops job state (no state running/stopped/finished)"
     return ProbeReport(
         target=target,
         time=clock,
@@ -280,7 +281,7 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
         errors=tuple(str(e) for e in data.get("errors") or []),
         out_of_time=tuple(str(p) for p in data.get("out_of_time") or []),
         job_state=state_record.to_dict() if state_record else None,
-        job_state_error=_state_error(data, state_record),
+        job_state_error=str(data["job_state_error"])[:200] if data.get("job_state_error") else unusable,
         log_missing=data.get("log_missing") or None,
         marked_pids=marked,
         gpu_pids_visible=visible,
@@ -290,20 +291,9 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
 
 
 def _whole(value, signed: bool = False) -> int | None:
-    """An integer from the answer (a pid, an exit status), or None for anything else."""
     if isinstance(value, bool) or not isinstance(value, int):
         return None
     return value if signed or value >= 0 else None
-
-
-def _state_error(data: dict, record) -> str | None:
-    """What is wrong with the job state file, or None when it is absent or fine."""
-    error = data.get("job_state_error")
-    if error:
-        return str(error)[:200]
-    if record is None and data.get("job_state") is not None:
-        return "not a dflash-ops job state (no state running/stopped/finished)"
-    return None
 
 
 def _tail(value) -> FileTail | None:

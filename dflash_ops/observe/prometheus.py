@@ -102,8 +102,6 @@ def _number(value: float) -> str:
 
 
 class Exposition:
-    """Samples per family, written family by family, as the format wants."""
-
     def __init__(self) -> None:
         self.samples: dict[str, list[tuple[dict, float]]] = {name: [] for name in FAMILIES}
 
@@ -126,7 +124,6 @@ class Exposition:
 
 
 def render(checked) -> str:
-    """The exposition for observe.check.Checked results, one per target."""
     exposition = Exposition()
     for c in checked:
         add_target(exposition, c)

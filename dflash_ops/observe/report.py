@@ -72,21 +72,7 @@ def script_args(target: Target, selection: str, max_step_points: int) -> dict:
     }
 
 
-def fetch(
-    transport, target: Target, selection: str, max_step_points: int = metrics_history.MAX_STEP_POINTS
-) -> tuple[list[FetchedRun], dict | None]:
-    """The selected runs' thinned metrics and the job state, in ONE transport.run."""
-    script = python_command(
-        target.job.python, REPORT_SCRIPT, script_args(target, selection, max_step_points), who="dflash report"
-    )
-    result = transport.run(script, timeout=TIMEOUT_S, step="read metrics", stdin=bundle(REPORT_SCRIPT))
-    if not result.ok:
-        raise RemoteCommandError(transport.name, "read metrics", result)
-    return parse_answer(result.stdout, transport.name)
-
-
 def parse_answer(stdout: str, target: str) -> tuple[list[FetchedRun], dict | None]:
-    """The script's JSON (probe.json_answer), checked field by field."""
     data = json_answer(stdout)
     if data is None or "report_version" not in data or not isinstance(data.get("runs"), list):
         shown = stdout.strip()[:300] or "(no output)"
@@ -129,8 +115,13 @@ def report(target: Target, selection: str, out_path: str) -> Report:
         report_plot.format_of(out_path)  # before anything is fetched
     except report_plot.UnknownFormat as exc:
         raise InputError(f"-o {exc}") from None
-    with connect(target) as transport:
-        runs, state = fetch(transport, target, selection)
+    args = script_args(target, selection, metrics_history.MAX_STEP_POINTS)
+    script = python_command(target.job.python, REPORT_SCRIPT, args, who="dflash report")
+    with connect(target) as transport:  # the selected runs' thinned metrics and the job state, in ONE run
+        result = transport.run(script, timeout=TIMEOUT_S, step="read metrics", stdin=bundle(REPORT_SCRIPT))
+        if not result.ok:
+            raise RemoteCommandError(transport.name, "read metrics", result)
+        runs, state = parse_answer(result.stdout, transport.name)
     built = build(target.name, runs, state)
     title = f"DFlash {target.name}: " + ", ".join(h.name for h in built.histories)
     if built.job_state:

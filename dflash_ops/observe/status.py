@@ -26,11 +26,9 @@ class _FieldsAsJson:
 
 @dataclasses.dataclass(frozen=True)
 class TmuxSession(_FieldsAsJson):
-    """The session and its pane; None where tmux gave no answer."""
-
     name: str
     socket: str
-    running: bool | None = None
+    running: bool | None = None  # None where tmux gave no answer
     exists: bool | None = None
     pane_pid: int | None = None
     exit_status: int | None = None
@@ -38,8 +36,6 @@ class TmuxSession(_FieldsAsJson):
 
 @dataclasses.dataclass(frozen=True)
 class JobProcess(_FieldsAsJson):
-    """One process of the session's process tree."""
-
     pid: int
     ppid: int | None
     name: str | None
@@ -55,9 +51,7 @@ class JobProcess(_FieldsAsJson):
 
 
 @dataclasses.dataclass(frozen=True)
-class Training(_FieldsAsJson):
-    """The run's progress; a number JSON cannot hold (NaN) is None."""
-
+class Training(_FieldsAsJson):  # a number JSON cannot hold (NaN) is None
     step: int | None = None
     total_steps: int | None = None
     loss: float | None = None
@@ -69,8 +63,6 @@ class Training(_FieldsAsJson):
 
 @dataclasses.dataclass(frozen=True)
 class EvalStatus:
-    """The latest speculative-decoding evaluation (tau) and how old it is."""
-
     step: int | None
     tau: float | None
     acceptance: tuple[float, ...]
@@ -146,7 +138,11 @@ class TargetStatus:
                 "processes": tuple(JobProcess.from_json(p) for p in data["processes"]),
                 "training": Training.from_json(data["training"]),
                 "eval": None if data.get("eval") is None else EvalStatus.from_json(data["eval"]),
-                "verdict": verdict_from_json(data),
+                "verdict": Verdict(
+                    data["verdict"],
+                    tuple(data["reasons"]),
+                    {label: Perf(**perf) for label, perf in data["perfdata"].items()},
+                ),
             }
         )
 
@@ -158,11 +154,6 @@ def verdict_json(verdict: Verdict) -> dict:
         "reasons": list(verdict.reasons),
         "perfdata": {label: dataclasses.asdict(perf) for label, perf in verdict.perfdata.items()},
     }
-
-
-def verdict_from_json(data: dict) -> Verdict:
-    perfdata = {label: Perf(**perf) for label, perf in data["perfdata"].items()}
-    return Verdict(data["verdict"], tuple(data["reasons"]), perfdata)
 
 
 def build_status(target_name: str, report, job, verdict: Verdict) -> TargetStatus:
@@ -210,24 +201,22 @@ def _session(s, job) -> TmuxSession:
     return TmuxSession(name=s.name or job.session, socket=s.socket or job.tmux_socket, **as_probed)
 
 
-def _ended(report, progress) -> bool:
-    """A stopped or finished job has no time left to estimate (its last step record still carries one)."""
-    state = (report.job_state or {}).get("state")
-    return state in jobstate.NOT_TO_RESTART or progress.done_reason is not None
-
-
 def _training(report, verdict: Verdict) -> Training:
     progress = logs.progress(list(report.records))
     # the age the verdict judged, so `status --json` carries one value for it (perfdata.age_s too)
     judged = verdict.perfdata.get("age_s")
     age = judged.value if judged is not None else progress_age(report, progress, report.time)
+    # a stopped or finished job has no time left to estimate (its last step record still carries one)
+    ended = (report.job_state or {}).get(
+        "state"
+    ) in jobstate.NOT_TO_RESTART or progress.done_reason is not None
     # JSON has no NaN: a non-finite number becomes null (the verdict's reasons say what it was).
     return Training(
         step=progress.step,
         total_steps=progress.total_steps,
         loss=finite(progress.loss),
         tokens_per_s=finite(progress.tokens_per_s),
-        eta_s=None if _ended(report, progress) else finite(progress.eta_s),
+        eta_s=None if ended else finite(progress.eta_s),
         last_update_age_s=age,
         finished=progress.done_reason == "max_steps",
     )
@@ -247,7 +236,6 @@ def _eval_status(accept, now: float) -> EvalStatus | None:
 
 
 def _with_roles(report, job) -> tuple[Gpu, ...]:
-    """The probe's GPUs, each with its role in `job` and its processes told foreign or not."""
     roles = {i: "target" for i in job.target_gpus}
     roles.update({i: "drafter" for i in job.drafter_gpus})
     return tuple(

@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping, Sequence
 
 from dflash_ops.observe.gpu import IDLE_USED_MIB, Gpu, GpuProcess
-from dflash_ops.observe.job_status import JobStatus, NodeStatus, Ranks
+from dflash_ops.observe.job_status import JobStatus, Ranks
 from dflash_ops.observe.status import EvalStatus, TargetStatus, TmuxSession, Training
 from dflash_ops.observe.text_style import BOLD, LEVEL_COLORS, inert, paint
 
@@ -34,7 +34,10 @@ def status_json(
 
 def target_text(st: TargetStatus, color: bool = False) -> str:
     """One line per GPU, then session, progress and the verdict; the target's text is shown inert."""
-    lines = [paint(inert(_head(st)), BOLD, color)]
+    head = st.target + (f" ({st.hostname})" if st.hostname else "")
+    if st.probe_seconds is not None:
+        head += f"  probe {st.probe_seconds:.2f} s"
+    lines = [paint(inert(head), BOLD, color)]
     if st.gpu_error:
         lines.append(inert(f"GPUs: {st.gpu_error}"))
     elif st.probed:
@@ -53,15 +56,6 @@ def target_text(st: TargetStatus, color: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _head(st: TargetStatus) -> str:
-    head = st.target
-    if st.hostname:
-        head += f" ({st.hostname})"
-    if st.probe_seconds is not None:
-        head += f"  probe {st.probe_seconds:.2f} s"
-    return head
-
-
 def job_text(job: JobStatus, color: bool = False) -> str:
     """The job's head line, each node's table (with its torchrun ranks), then the one verdict."""
     nproc = job.nproc_per_node
@@ -69,19 +63,14 @@ def job_text(job: JobStatus, color: bool = False) -> str:
         f"{job.job}: multinode job, {len(job.node_names)} nodes x {nproc} rank{'s' * (nproc != 1)} "
         f"(world size {job.world_size}), rendezvous {job.rdzv_endpoint}, runs {job.runs_dir}"
     ]
-    for node in job.nodes:
-        out += _node_lines(node, color)
+    for node in job.nodes:  # its table headed with its index, its ranks above its verdict
+        lines = target_text(node.status, color).rstrip("\n").split("\n")
+        lines[0] = f"node {node.index}: {lines[0]}"
+        lines.insert(len(lines) - 1, ranks_line(node.ranks))
+        out += lines
     level = job.verdict.level
     out.append(paint(f"{level}: {job.verdict.summary}", LEVEL_COLORS[level], color))
     return "\n".join(out) + "\n"
-
-
-def _node_lines(node: NodeStatus, color: bool) -> list[str]:
-    """The node's table, headed with its index, its ranks above its verdict."""
-    lines = target_text(node.status, color).rstrip("\n").split("\n")
-    lines[0] = f"node {node.index}: {lines[0]}"
-    lines.insert(len(lines) - 1, ranks_line(node.ranks))
-    return lines
 
 
 def ranks_line(ranks: Ranks) -> str:

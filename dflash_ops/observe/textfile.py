@@ -19,7 +19,6 @@ def file_name(selection: str) -> str:
 
 
 def write(directory: str, name: str, text: str) -> str:
-    """Write `text` to directory/name atomically; returns the path."""
     if not os.path.isdir(directory):
         raise InputError(
             f"--textfile-dir {directory}: no such directory; give the directory node_exporter reads "

@@ -53,17 +53,6 @@ def stop_underway(report) -> str | None:
     return None
 
 
-def interrupted_stop(report) -> str | None:
-    """The WARNING for a stop that was recorded but never ended the still-running trainer."""
-    state = jobstate.JobState.from_dict(report.job_state)
-    if state is None or state.state != jobstate.STOPPING or stop_underway(report) is not None:
-        return None
-    return (
-        f"{state.by or jobstate.STOPPED_BY} began stopping the job at {_clock(state.when)} but the trainer "
-        "still runs (the stop was interrupted?); run `dflash-ops stop` again, or `dflash-ops relaunch`"
-    )
-
-
 NEVER_LAUNCHED = "no job launched here yet (`dflash-ops relaunch` starts one)"
 
 
@@ -93,17 +82,20 @@ def parked(report, progress) -> str | None:
     return None
 
 
-def _live_pid(report) -> int | None:
-    start = next((r for r in report.records if r.get("event") == "start"), None)
-    return (start or {}).get("pid") or report.session.pane_pid
-
-
 def warnings(report, job) -> list[str]:
-    interrupted = interrupted_stop(report)
-    found = [interrupted] if interrupted else []
+    found = []
+    state = jobstate.JobState.from_dict(report.job_state)
+    if state is not None and state.state == jobstate.STOPPING and stop_underway(report) is None:
+        found.append(  # a stop that was recorded but never ended the still-running trainer
+            f"{state.by or jobstate.STOPPED_BY} began stopping the job at {_clock(state.when)} but the "
+            "trainer still runs (the stop was interrupted?); run `dflash-ops stop` again, or "
+            "`dflash-ops relaunch`"
+        )
     if report.log_missing and report.session.running is not False:
+        start = next((r for r in report.records if r.get("event") == "start"), None)
+        pid = (start or {}).get("pid") or report.session.pane_pid
         found.append(
-            f"log {report.log_missing} is missing while the trainer (pid {_live_pid(report)}) is alive: "
+            f"log {report.log_missing} is missing while the trainer (pid {pid}) is alive: "
             "deleted or rotated away? progress is read from its metrics file"
         )
     if job.gpus and not report.gpu.ok:

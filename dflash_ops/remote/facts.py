@@ -22,17 +22,16 @@ STATE_NOT_A_FILE = "not a regular file"  # what a reader says of a directory (or
 
 
 def newest_log_name(names):
-    """The highest-numbered train-NNNN.log among file names, or None."""
     numbered = [(int(m.group(1)), name) for name in names for m in [LOG_NAME.match(name)] if m]
     return max(numbered)[1] if numbered else None
 
 
-def gpu_query_argv(binary="nvidia-smi", fields=GPU_FIELDS):
-    return [binary, "--query-gpu=" + ",".join(fields), CSV_FORMAT]
+def gpu_query_argv(fields=GPU_FIELDS):
+    return ["nvidia-smi", "--query-gpu=" + ",".join(fields), CSV_FORMAT]
 
 
-def apps_query_argv(binary="nvidia-smi", fields=APP_FIELDS):
-    return [binary, "--query-compute-apps=" + ",".join(fields), CSV_FORMAT]
+def apps_query_argv(fields=APP_FIELDS):
+    return ["nvidia-smi", "--query-compute-apps=" + ",".join(fields), CSV_FORMAT]
 
 
 # GPU faults (dflash_ops.observe.gpu_faults parses these): ECC and page retirement from --query-gpu, row
@@ -44,9 +43,9 @@ REMAP_FIELDS = ("gpu_bus_id", "remapped_rows.uncorrectable", "remapped_rows.pend
 XID_MARK = "NVRM: Xid"
 
 
-def fault_query_argv(binary="nvidia-smi"):
-    return gpu_query_argv(binary, FAULT_GPU_FIELDS)
+def fault_query_argv():
+    return gpu_query_argv(FAULT_GPU_FIELDS)
 
 
-def remap_query_argv(binary="nvidia-smi"):
-    return [binary, "--query-remapped-rows=" + ",".join(REMAP_FIELDS), CSV_FORMAT]
+def remap_query_argv():
+    return ["nvidia-smi", "--query-remapped-rows=" + ",".join(REMAP_FIELDS), CSV_FORMAT]

@@ -64,14 +64,10 @@ def _call(fn, *args):
         return None
 
 
-def start_faults(source, binary, deadline):
+def start_faults(source, deadline):
     """NVML answers in-process, else both nvidia-smi queries start now; the kernel log reader starts too."""
     nvml = in_thread(nvml_faults, deadline) if source in ("auto", "nvml") else None
-    smi = (
-        None
-        if nvml is not None
-        else (start(facts.fault_query_argv(binary)), start(facts.remap_query_argv(binary)))
-    )
+    smi = None if nvml is not None else (start(facts.fault_query_argv()), start(facts.remap_query_argv()))
     return nvml, smi, start(list(KERNEL_LOG_COMMANDS[0]))
 
 

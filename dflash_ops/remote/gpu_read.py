@@ -100,14 +100,14 @@ def finish_nvidia_smi(started, deadline, part_s):
     return result
 
 
-def start_gpu_state(source, binary, deadline, part_s):
+def start_gpu_state(source, deadline, part_s):
     """NVML answers in-process; nvidia-smi (when chosen, or when NVML fails) is started."""
     nvml = None
     if source in ("auto", "nvml"):
         nvml = in_thread(nvml_query, deadline) or dict(out_of_time("NVML", part_s), source="nvml")
     if source == "nvml" or (nvml is not None and (not nvml.get("error") or nvml.get("out_of_time"))):
         return nvml, None
-    return nvml, (start(facts.gpu_query_argv(binary)), start(facts.apps_query_argv(binary)))
+    return nvml, (start(facts.gpu_query_argv()), start(facts.apps_query_argv()))
 
 
 def finish_gpu_state(started, deadline, part_s):

@@ -121,10 +121,9 @@ def end_job(report, table, job, roots, grace_s):
     # SIGHUP, which would cut its graceful shutdown (final checkpoint) short.
     first = [p for p in job if p not in roots] or job
     for pid in first:
-        if not same_process(table, pid):
-            continue
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
+        if same_process(table, pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
     deadline = time.time() + grace_s
     while time.time() < deadline and any(same_process(table, p) for p in job):
         time.sleep(0.2)

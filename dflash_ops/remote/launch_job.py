@@ -112,13 +112,11 @@ def tmux(socket, *commands, **options):
 
 
 def tmux_answer(socket, command):
-    """What one tmux command prints (its complaints are dropped)."""
     listed = tmux(socket, command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, universal_newlines=True)
     return listed.stdout
 
 
 def pane_pid(socket, target):
-    """The session's pane pid, 0 when tmux names none."""
     listed = tmux_answer(socket, ["list-panes", "-s", "-t", target + ":", "-F", "#{pane_pid}"])
     first = (listed.splitlines() or [""])[0].strip()
     return int(first) if first.isdigit() and first.isascii() else 0

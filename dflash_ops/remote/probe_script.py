@@ -33,9 +33,6 @@ SCAN_CHUNK = 1024 * 1024
 PART_S = 15.0  # default per-part limit: a wedged driver can hang nvidia-smi; the probe must still answer
 
 
-# --------------------------------------------------------------------------- tmux session
-
-
 # what the answer says of a session that is not ours to show: none, not running
 NO_SESSION = {"exists": False, "running": False, "pane_pid": None, "exit_status": None}
 
@@ -62,9 +59,6 @@ def finish_tmux(started, sock, session, deadline, part_s):
     return state
 
 
-# --------------------------------------------------------------------------- processes
-
-
 class OthersSession(Exception):
     """The job's session name is held by another job's live pane."""
 
@@ -89,11 +83,7 @@ def job_processes(panes, marker):
     return tree, procs.marked(table, wanted)
 
 
-# --------------------------------------------------------------------------- log and metrics files
-
-
 def newest_log(log_dir):
-    """Path of the highest-numbered train-NNNN.log, or None."""
     name = facts.newest_log_name(os.listdir(log_dir))
     return None if name is None else os.path.join(log_dir, name)
 
@@ -227,9 +217,6 @@ def visible_gpu_pids(gpu):
     return sorted({int(p) for p in pids if str(p).isdigit() and os.path.exists("/proc/%s" % p)})
 
 
-# --------------------------------------------------------------------------- main
-
-
 def section(errors, name, fn, *args):
     try:
         return fn(*args)
@@ -269,7 +256,10 @@ def probe(args, where, lines):
     where["session"], args["marker"] = procs.pick_identity(args)
     # one tmux call: listing the session's panes tells whether it exists and whether it lives
     tmux_started = section(errors, "tmux", start, procs.pane_command(where["socket"], where["session"]))
-    gpu_started, faults_started = start_gpu_parts(args, errors, gpu_source, deadline, part_s)
+    gpu_started = faults_started = None
+    if gpu_source != "none":  # "none": the Proxmox host is asked for the GPUs instead
+        gpu_started = section(errors, "gpu", start_gpu_state, gpu_source, deadline, part_s)
+        faults_started = section(errors, "gpu faults", start_faults, gpu_source, deadline)
     # the files are read while those commands run
     report["job_state"], report["job_state_error"] = section(
         errors, "job state", procs.read_job_state, args.get("state_file")
@@ -288,16 +278,6 @@ def probe(args, where, lines):
         name for name in ("gpu", "session") if (report.get(name) or {}).get("out_of_time")
     ]
     return report
-
-
-def start_gpu_parts(args, errors, gpu_source, deadline, part_s):
-    """The GPU and GPU faults queries, side by side; none for "none" (the Proxmox host is asked instead)."""
-    if gpu_source == "none":
-        return None, None
-    smi = args.get("nvidia_smi") or "nvidia-smi"
-    gpu = section(errors, "gpu", start_gpu_state, gpu_source, smi, deadline, part_s)
-    faults = section(errors, "gpu faults", start_faults, gpu_source, smi, deadline)
-    return gpu, faults
 
 
 def ours_only(session, marker):

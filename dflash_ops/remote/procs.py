@@ -28,7 +28,6 @@ MAX_ENVIRON_BYTES = 1 << 20
 
 
 def read(path, limit=65536):
-    """Up to `limit` bytes of a file, or None (gone, unreadable)."""
     try:
         with open(path, "rb") as f:
             return f.read(limit)
@@ -60,7 +59,7 @@ def parse_panes(out):
             {
                 "pid": int(parts[0]),
                 "dead": dead,
-                "status": int(status) if dead and _signed_digits(status) else None,
+                "status": int(status) if dead and _digits(status.removeprefix("-"), 6) else None,
                 "created": int(created) if _digits(created) else None,
             }
         )
@@ -69,10 +68,6 @@ def parse_panes(out):
 
 def _digits(text, most=12):
     return isinstance(text, str) and 0 < len(text) <= most and text.isdigit()
-
-
-def _signed_digits(text):
-    return _digits(text[1:] if text.startswith("-") else text, 6)
 
 
 def stat_fields(pid):
@@ -108,20 +103,17 @@ def boot_time():
 
 
 def started_at(table, pid, boot):
-    """Unix time the process started, or None."""
     if boot is None or pid not in table:
         return None
     return boot + table[pid][2] / float(os.sysconf("SC_CLK_TCK"))
 
 
 def _environ(pid):
-    """The process's environment entries (b"NAME=VALUE"); none when it cannot be read."""
     env = read("/proc/%d/environ" % pid, MAX_ENVIRON_BYTES)
     return env.split(b"\0") if env else []
 
 
 def has_marker(pid, marker):
-    """`marker` (b"NAME=VALUE") is one of the process's environment entries."""
     return bool(marker) and marker in _environ(pid)
 
 
@@ -168,7 +160,6 @@ def owned_pane_roots(panes, table, marker):
 
 
 def descendants(roots, table):
-    """The roots and all their living descendants, parents before children."""
     children = {}
     for pid in sorted(table):
         children.setdefault(table[pid][1], []).append(pid)
@@ -190,7 +181,6 @@ def job_pids(panes, table, marker):
 
 
 def comm(pid):
-    """Name of a pid as seen here; empty when it is not visible (a host pid inside LXC)."""
     return (read("/proc/%d/comm" % pid, 256) or b"").decode("utf-8", "replace").strip()
 
 

@@ -49,7 +49,6 @@ def run_of(path, runs_dir, legacy_run_dir):
 
 
 def launches(log_dir, runs_dir, legacy_run_dir, state, errors):
-    """[(run or None, path)] of the job's metrics files, oldest launch first."""
     try:
         names = os.listdir(log_dir)
     except OSError as e:

@@ -16,7 +16,6 @@ def is_run_name(text):
 
 
 def newest(runs):
-    """The name of the highest-numbered run in `runs`, or None."""
     last = None
     for name in sorted(os.listdir(runs)):
         if is_run_name(name) and os.path.exists(os.path.join(runs, name)):

@@ -21,7 +21,6 @@ def write(path, state):
 
 
 def stamped(state, field):
-    """`state` with `field` set to the time now, in whole unix seconds."""
     return dict(state, **{field: int(time.time())})
 
 

@@ -125,7 +125,6 @@ class Transport(abc.ABC):
         return self._command_line_of(with_remote_timeout(script, timeout))
 
     def _command_line_of(self, argv: list[str]) -> str:
-        """`argv` as the command line `_execute` runs it with."""
         raise NotImplementedError
 
     # What a Proxmox (pct) target adds: commands on the host of its container. Other transports

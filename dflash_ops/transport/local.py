@@ -13,12 +13,7 @@ import threading
 import time
 
 from dflash_ops.errors import TransportError
-from dflash_ops.transport.base import (
-    AFTER_EXIT_S,
-    Transport,
-    decode,
-    outlived,
-)
+from dflash_ops.transport.base import AFTER_EXIT_S, Transport, decode, outlived
 
 
 def exit_code_of(returncode: int) -> int:
@@ -27,8 +22,6 @@ def exit_code_of(returncode: int) -> int:
 
 
 class LocalTransport(Transport):
-    """Runs scripts with `bash -c` on this machine (no shell string building on our side)."""
-
     def _execute(
         self, argv: list[str], stdin: bytes | None, limit_s: float, step: str
     ) -> tuple[int, bytes, bytes, float]:
@@ -118,7 +111,6 @@ class LocalTransport(Transport):
 
 
 def _first_line(fd: int, deadline: float, most: int = 4096) -> str:
-    """The first line read from `fd` before `deadline` ("" when none came)."""
     data = b""
     while b"\n" not in data and len(data) < most:
         left = deadline - time.monotonic()

@@ -26,8 +26,6 @@ _REFUSALS = (
 
 
 class PctTransport(SshTransport):
-    """Bash inside LXC container `ctid` on the Proxmox host described by `spec`."""
-
     def __init__(self, name: str, spec: HostSpec, ctid: int):
         super().__init__(name, spec)  # the inventory checked spec and ctid
         self.ctid = ctid
@@ -36,7 +34,6 @@ class PctTransport(SshTransport):
         return ["pct", "exec", str(self.ctid), "--", *argv]
 
     def in_container(self, script: str, timeout: float = 60) -> str:
-        """A host shell command running `script` in the container (to compose with host work)."""
         return shlex.join(self._wrap(with_remote_timeout(script, timeout)))
 
     def _host_line(self, script: str, timeout: float) -> str:

@@ -19,12 +19,7 @@ import paramiko
 from dflash_ops.errors import ConnectError
 from dflash_ops.job.model import HostSpec
 from dflash_ops.remote import shell_command
-from dflash_ops.transport.base import (
-    AFTER_EXIT_S,
-    Transport,
-    decode,
-    outlived,
-)
+from dflash_ops.transport.base import AFTER_EXIT_S, Transport, decode, outlived
 from dflash_ops.transport.ssh_channel import drain, feed, first_line, passthrough, read_until_exit
 from dflash_ops.transport.ssh_connect import SshConnecting
 
@@ -41,8 +36,6 @@ def put_script(remote_path: str, mode: int, size: int) -> str:
 
 
 class SshTransport(SshConnecting, Transport):
-    """Bash on an ssh host. One fabric Connection, opened on first use and reused by every run."""
-
     def __init__(self, name: str, spec: HostSpec):
         super().__init__(name)
         self.spec = spec
@@ -51,10 +44,7 @@ class SshTransport(SshConnecting, Transport):
         self._gateway: fabric.Connection | None = None
         self._lock = threading.Lock()
 
-    # ---- the command line ------------------------------------------------------------------
-
     def _wrap(self, argv: list[str]) -> list[str]:
-        """argv as run on the ssh host (PctTransport puts `pct exec CTID --` in front)."""
         return argv
 
     def _remote_line(self, argv: list[str]) -> str:
@@ -83,8 +73,6 @@ class SshTransport(SshConnecting, Transport):
         argv += [word for option in options for word in ("-o", option)]
         return shlex.join([*argv, f"{s.user}@{s.host}", remote_line])
 
-    # ---- running ---------------------------------------------------------------------------
-
     def _open_channel(self, step: str) -> paramiko.Channel:
         for attempt in (1, 2):
             conn = self._connection(step)
@@ -104,7 +92,6 @@ class SshTransport(SshConnecting, Transport):
     def _exec(
         self, line: str, stdin: bytes | None, limit_s: float, step: str
     ) -> tuple[int, bytes, bytes, float]:
-        """Run one command line on a fresh channel; (exit code, stdout, stderr, seconds)."""
         start = time.monotonic()
         deadline = start + limit_s
         chan = self._open_channel(step)

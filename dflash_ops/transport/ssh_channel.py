@@ -44,7 +44,6 @@ def read_until_exit(chan: paramiko.Channel, sink: list[bytes], deadline: float) 
 
 
 def first_line(chan: paramiko.Channel, deadline: float, most: int = 4096) -> str:
-    """The first line the command prints before `deadline` ("" when none came)."""
     data = b""
     while b"\n" not in data and len(data) < most:
         left = deadline - time.monotonic()

@@ -66,8 +66,6 @@ class SshConnecting:
     _gateway: fabric.Connection | None
     _lock: threading.Lock
 
-    # ---- connecting ------------------------------------------------------------------------
-
     def _new_connection(self, host: str, port: int, user: str, gateway=None) -> fabric.Connection:
         s = self.spec
         kwargs: dict[str, object] = {
@@ -156,7 +154,10 @@ class SshConnecting:
         where = f"{what}{user}@{host}:{port}"
         field = "ssh.jump" if what else "ssh.host"  # the inventory field that names this host
         entry = known_hosts_entry(host, port)
-        if _connected_without_banner(conn) and isinstance(exc, (paramiko.SSHException, EOFError, OSError)):
+        # the TCP connection was made but the server's `SSH-2.0-…` line never came
+        transport = conn.client.get_transport() if conn is not None else None
+        no_banner = transport is not None and transport.sock is not None and not transport.remote_version
+        if no_banner and isinstance(exc, (paramiko.SSHException, EOFError, OSError)):
             return ConnectError(
                 self.name,
                 step,
@@ -175,8 +176,10 @@ class SshConnecting:
     def _host_key_problem(
         self, exc: BaseException, port: int, host: str, what: str, entry: str
     ) -> str | None:
-        if isinstance(exc, paramiko.BadHostKeyException) and self._is_revoked(exc.key, entry):
-            exc = _RevokedHostKey(entry, exc.key)  # revoked outranks "changed", as for ssh
+        if isinstance(exc, paramiko.BadHostKeyException):
+            with contextlib.suppress(OSError):
+                if read_host_keys(self.known_hosts, entry).is_revoked(exc.key):
+                    exc = _RevokedHostKey(entry, exc.key)  # revoked outranks "changed", as for ssh
         if isinstance(exc, _RevokedHostKey):
             return (
                 f"{what}host key of {entry} ({fingerprint(exc.key)}) is marked @revoked in "
@@ -243,12 +246,6 @@ class SshConnecting:
             return f"{where}: connection refused (is sshd running on port {port}? check {field})"
         return f"{where}: {type(exc).__name__}: {exc}"
 
-    def _is_revoked(self, key: paramiko.PKey, entry: str) -> bool:
-        try:
-            return read_host_keys(self.known_hosts, entry).is_revoked(key)
-        except OSError:
-            return False
-
     def _close_quietly(self, opening: fabric.Connection | None = None) -> None:
         for conn in (opening, self._conn, self._gateway):
             if conn is not None:
@@ -256,9 +253,3 @@ class SshConnecting:
                 with contextlib.suppress(Exception):
                     conn.close()
         self._conn = self._gateway = None
-
-
-def _connected_without_banner(conn: fabric.Connection | None) -> bool:
-    """The TCP connection was made but the server's `SSH-2.0-…` line never came."""
-    transport = conn.client.get_transport() if conn is not None else None
-    return transport is not None and transport.sock is not None and not transport.remote_version
