@@ -246,11 +246,18 @@ def _why(exc: BaseException) -> str:
 
 def _cache_features(args) -> int:
     from trainer.data.feature_cache import human_bytes
+    from trainer.train.loop import build_dataset, configured_target
 
     cfg = _cache_config(args)
     began = time.monotonic()
     say = lambda text: print(f"dflash-train data: {text}", flush=True)  # noqa: E731
-    target, dataset = _load_target_and_data(cfg, say)
+    device = cfg.run.target_devices[0]
+    slow = (
+        " (the target's greedy continuations: this takes a while)" if cfg.data.source == "synthetic" else ""
+    )
+    say(f"loading the target ({cfg.target.spec}) on {device} and the {cfg.data.source} data{slow}")
+    target = configured_target(cfg, device)
+    dataset = build_dataset(cfg, target)
     manifest, progress, seconds = _write_features(cfg, target, dataset, args, say)
     counts = manifest["counts"]
     computed = len(dataset) - progress.first  # a resumed run skips what is cached
@@ -284,18 +291,6 @@ def _cache_config(args):
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
     return cfg
-
-
-def _load_target_and_data(cfg, say):
-    from trainer.train.loop import build_dataset, configured_target
-
-    device = cfg.run.target_devices[0]
-    slow = (
-        " (the target's greedy continuations: this takes a while)" if cfg.data.source == "synthetic" else ""
-    )
-    say(f"loading the target ({cfg.target.spec}) on {device} and the {cfg.data.source} data{slow}")
-    target = configured_target(cfg, device)
-    return target, build_dataset(cfg, target)
 
 
 def _write_features(cfg, target, dataset, args, say):
