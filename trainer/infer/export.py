@@ -67,10 +67,7 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "torch_dtype": str(dtype).replace("torch.", ""),
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {
-            "mask_token_id": cfg.mask_token_id,
-            "target_layer_ids": list(cfg.target_layer_ids),
-        },
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
     }
     if cfg.max_position_embeddings is not None:  # unknown for checkpoints older than this field
         config["max_position_embeddings"] = cfg.max_position_embeddings
