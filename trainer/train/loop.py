@@ -232,9 +232,8 @@ def save(parts: LoopParts, model: torch.nn.Module, step: int) -> str:
 def startup_summary(parts: LoopParts) -> list[str]:
     cfg, replicas, dataset, plan = parts.cfg, parts.replicas, parts.dataset, parts.plan
     params = sum(p.numel() for p in replicas[0].trainable())
-    lines = ["dflash-train: resolved config (" + cfg.source + "):"]
-    lines += ["  " + line for line in yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()]
-    lines += [
+    config = yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()
+    return ["dflash-train: resolved config (" + cfg.source + "):", *("  " + line for line in config)] + [
         f"devices: target {', '.join(cfg.run.target_devices)} "
         f"| drafters {', '.join(cfg.run.drafter_devices)} ({len(replicas)} replica thread(s))",
         parts.guard.describe(),
@@ -247,7 +246,6 @@ def startup_summary(parts: LoopParts) -> list[str]:
         + (f"; resuming after step {parts.start}" if parts.start else ""),
         f"metrics: {cfg.metrics_path} | checkpoints: {ckpt.checkpoints_root(cfg.run.output_dir)}",
     ]
-    return lines
 
 
 def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) -> RunResult:
@@ -256,7 +254,16 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
     world: World = TorchrunWorld.from_env(cfg) if cfg.run.launcher == TORCHRUN else ThreadsWorld(cfg)
     cfg = world.cfg
     check_devices(cfg)
-    metrics = open_metrics(world, out, tty)
+    if not world.speaks:  # a torchrun rank that does not speak writes to /dev/null
+        sys.stdout = out = open(os.devnull, "w")
+    metrics = MetricsWriter(
+        cfg.metrics_path if world.speaks else os.devnull,
+        out=out if out is not None else sys.stdout,
+        tty=tty,
+        log_every=cfg.run.log_every,
+        report_to=world.trackers,
+        report_dir=cfg.run.output_dir,
+    )
     guard = CompileGuard(
         cfg.run.compile_lock,
         on_event=lambda e: metrics.compile(
@@ -285,31 +292,6 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
         world.close()
 
 
-def open_metrics(world: World, out: TextIO | None, tty: bool | None) -> MetricsWriter:
-    """The metrics file and readable lines (/dev/null for a torchrun rank that does not speak)."""
-    cfg = world.cfg
-    if not world.speaks:
-        sys.stdout = out = open(os.devnull, "w")
-    return MetricsWriter(
-        cfg.metrics_path if world.speaks else os.devnull,
-        out=out if out is not None else sys.stdout,
-        tty=tty,
-        log_every=cfg.run.log_every,
-        report_to=world.trackers,
-        report_dir=cfg.run.output_dir,
-    )
-
-
-def load_source(cfg: TrainConfig) -> tuple[list, Dataset, Dataset | None]:
-    """(targets, training data, held-out data); a feature cache gives embedding+lm_head stand-ins."""
-    if cfg.data.source == "features":
-        targets, dataset = training_source(cfg, param_dtype(cfg.run.drafter_devices[0]))
-        return targets, dataset, None
-    targets = [configured_target(cfg, dev) for dev in cfg.run.target_devices]
-    dataset, heldout = split_heldout(build_dataset(cfg, targets[0]), cfg.data.eval_fraction, cfg.train.seed)
-    return targets, dataset, heldout
-
-
 def prepare(world: World, guard: CompileGuard, metrics: MetricsWriter) -> LoopParts:
     """Everything the loop trains with, resumed if asked; the `start` record written."""
     cfg = world.cfg
@@ -319,7 +301,14 @@ def prepare(world: World, guard: CompileGuard, metrics: MetricsWriter) -> LoopPa
         torch.set_num_threads(cfg.run.torch_threads)
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    targets, dataset, heldout = load_source(cfg)
+    heldout = None
+    if cfg.data.source == "features":  # a feature cache gives embedding+lm_head stand-ins
+        targets, dataset = training_source(cfg, param_dtype(cfg.run.drafter_devices[0]))
+    else:
+        targets = [configured_target(cfg, dev) for dev in cfg.run.target_devices]
+        dataset, heldout = split_heldout(
+            build_dataset(cfg, targets[0]), cfg.data.eval_fraction, cfg.train.seed
+        )
     world.agree_data(dataset)
     plan = BatchPlan(len(dataset), cfg.train.batch_size, world.size, cfg.train.seed, dataset.source)
     total = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
