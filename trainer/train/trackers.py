@@ -30,11 +30,9 @@ _PER_POSITION = {"acc", "acceptance"}
 
 
 def scalars_of(record: dict) -> tuple[int, dict[str, float]] | None:
-    """(step, {tag: value}) of a step, eval or compile record; None for the others.
-
-    train/<field> (acc as train/acc/pos1.., plus train/tau_expected), eval/<field> (lists by
-    position, mappings by key), compile/duration_s; fields added later report under their own names.
-    """
+    """(step, {tag: value}) of a step, eval or compile record; None for the others. train/<field> (acc
+    as train/acc/pos1.., plus train/tau_expected), eval/<field> (lists by position, mappings by key),
+    compile/duration_s; fields added later report under their own names."""
     event = record.get("event")
     step = record.get("step")
     if event not in ("step", "eval", "compile") or not isinstance(step, int) or isinstance(step, bool):
