@@ -341,12 +341,8 @@ def make_workers(parts: LoopParts) -> TrainingWorkers:
     """The threads that train `parts.replicas` (all of them here; one per process under torchrun)."""
     cfg = parts.cfg
     return TrainingWorkers(
-        targets=parts.targets,
-        replicas=parts.replicas,
-        dataset=parts.dataset,
-        plan=parts.plan,
+        **{name: getattr(parts, name) for name in ("targets", "replicas", "dataset", "plan", "guard")},
         compute_loss=make_loss_fn(cfg),
-        guard=parts.guard,
         grad_clip=cfg.train.grad_clip,
         # target features reach the drafter devices in the compute dtype
         feature_dtype=precision.compute_dtype(precision.resolve(cfg)),
@@ -364,17 +360,15 @@ def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequ
             last = world.step(workers, step_index, stop)
             step = stop.last_step = last.step
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
+            measured = {name: getattr(last, name) for name in ("loss", "acc", "lr", "grad_norm")}
             metrics.step(
                 step=step,
                 total_steps=total,
-                loss=last.loss,
-                acc=last.acc,
-                lr=last.lr,
                 tokens_per_s=tokens_per_s,
                 eta_s=eta_s,
-                grad_norm=last.grad_norm,
                 epoch=step / parts.plan.steps_per_epoch,
                 gpu_memory_gib=peak_gpu_memory_gib(devices),
+                **measured,
             )
             if parts.evaluator is not None and parts.evaluator.due(step, total):
                 parts.evaluator.run(world.model(replicas), step, metrics)
