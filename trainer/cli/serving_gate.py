@@ -117,7 +117,6 @@ def gate_config(config: str, overrides: dict, work_dir: str, steps: int):
 def run_gate(
     work_dir: str, config: str = "tiny-cpu", overrides: dict | None = None, steps: int = GATE_STEPS, out=None
 ) -> GateResult:
-    """Train, export, reload through Transformers and decode."""
     import io
 
     from trainer.cli.eval import load_models

@@ -277,7 +277,6 @@ def write_cache(
 
 
 def _check_space(target, dataset: Dataset, cache_dir: str, dtype: str, start: int, say) -> None:
-    """Say how much the cache needs and refuse when the filesystem lacks it."""
     tokens = int(dataset.attention_mask[start:].sum())
     per_token = bytes_per_token(len(target.layer_ids), target.hidden_size, dtype)
     free = shutil.disk_usage(cache_dir).free

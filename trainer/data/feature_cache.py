@@ -116,7 +116,6 @@ def human_bytes(n: float) -> str:
 
 
 def bytes_per_token(num_layers: int, hidden: int, dtype_name: str) -> int:
-    """Disk bytes per cached token: features + int32 id + bool mask."""
     return num_layers * hidden * DTYPES[dtype_name].itemsize + TOKEN_BYTES
 
 
@@ -225,7 +224,6 @@ def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
 
 
 def complete_manifest(cache_dir: str, manifest: dict) -> None:
-    """Total the shards into the manifest and mark the cache complete."""
     shards = manifest["shards"]
     shard_key_of = {"sequences": "count", "tokens": "tokens", "loss_tokens": "loss_tokens", "bytes": "bytes"}
     manifest["counts"] = {total: sum(s[key] for s in shards) for total, key in shard_key_of.items()}

@@ -75,7 +75,6 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
 
 
 def weight_names(cfg: DrafterConfig) -> set[str]:
-    """The safetensors names of an exported drafter."""
     parts = ["input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"]
     parts += [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
     layers = {f"layers.{i}.{part}.weight" for i in range(cfg.num_layers) for part in parts}

@@ -73,7 +73,6 @@ def param_dtype(device: str) -> torch.dtype:
 
 
 def configured_target(cfg: TrainConfig, device: str):
-    """The run's target (cfg.target) on `device`, in its frozen dtype."""
     return load_target(
         cfg.target.spec,
         device,
