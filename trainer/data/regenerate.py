@@ -289,12 +289,9 @@ def _start_state(opts: RegenerateOptions) -> dict:
             "rejects_bytes": 0,
             "stats": dict.fromkeys(STATS, 0),
         }
-    for path, size in (
-        (opts.output, state["out_bytes"]),
-        (rejects_path(opts.output), state["rejects_bytes"]),
-    ):
+    for path, size_key in ((opts.output, "out_bytes"), (rejects_path(opts.output), "rejects_bytes")):
         with open(path, "a+b") as f:  # drop whatever a killed run wrote after its last commit
-            f.truncate(size)
+            f.truncate(state[size_key])
     write_atomic(progress_file, json.dumps(state))
     return state
 
