@@ -191,10 +191,9 @@ class Mlflow(Tracker):
             self.lib.set_tracking_uri("file:" + os.path.abspath(os.path.join(self.output_dir, "mlruns")))
         self.lib.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "dflash"))
         self.run = self.lib.start_run(run_name=run_name)
-        params = flat_config(config)
-        keys = list(params)
-        for first in range(0, len(keys), 100):  # mlflow takes at most 100 params a call
-            self.lib.log_params({k: params[k] for k in keys[first : first + 100]})
+        params = list(flat_config(config).items())
+        for first in range(0, len(params), 100):  # mlflow takes at most 100 params a call
+            self.lib.log_params(dict(params[first : first + 100]))
 
     def scalars(self, step, values):
         finite = {k: v for k, v in values.items() if math.isfinite(v)}  # mlflow refuses NaN/inf
