@@ -153,11 +153,8 @@ class MetricsWriter:
         permanent = step % self.log_every == 0 or step == total_steps
         if self.tty:
             with self._lock:
-                self.out.write(bar_line(step, total_steps, line))
-                self._bar_open = True
-                if permanent:
-                    self.out.write("\n")
-                    self._bar_open = False
+                self.out.write(bar_line(step, total_steps, line) + ("\n" if permanent else ""))
+                self._bar_open = not permanent
                 self.out.flush()
         elif permanent:
             self.say(line)
