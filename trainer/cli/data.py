@@ -131,6 +131,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _regenerate(args) -> int:
     from trainer.data.regenerate import RegenerateOptions, regenerate
+    from trainer.template_args import write_for_data
 
     batch_size = _batch_size(args.batch_size)
     options.check_at_least_one(
@@ -147,8 +148,6 @@ def _regenerate(args) -> int:
         **{name: getattr(args, name) for name in flags_as_given},  # each flag's dest is the field's name
     )
     report: dict = {}
-    from trainer.template_args import write_for_data
-
     write_for_data(args.out, template_kwargs)  # the arguments travel with the data into the run
     try:
         with _sigterm_as_interrupt():
@@ -245,13 +244,37 @@ def _why(exc: BaseException) -> str:
 
 
 def _cache_features(args) -> int:
-    from trainer.data.feature_cache import human_bytes
+    from trainer.data.cache_writer import write_cache
+    from trainer.data.feature_cache import cache_header, human_bytes
+    from trainer.progress import ProgressLine
+    from trainer.train.loop import build_dataset, configured_target
 
     cfg = _cache_config(args)
     began = time.monotonic()
     say = lambda text: print(f"dflash-train data: {text}", flush=True)  # noqa: E731
-    target, dataset = _load_target_and_data(cfg, say)
-    manifest, progress, seconds = _write_features(cfg, target, dataset, args, say)
+    device = cfg.run.target_devices[0]
+    slow = (
+        " (the target's greedy continuations: this takes a while)" if cfg.data.source == "synthetic" else ""
+    )
+    say(f"loading the target ({cfg.target.spec}) on {device} and the {cfg.data.source} data{slow}")
+    target = configured_target(cfg, device)
+    dataset = build_dataset(cfg, target)
+    pad = getattr(target.tokenizer, "pad_token_id", None)  # None without a tokenizer too
+    header = cache_header(cfg, target, args.dtype, pad if pad is not None else 0)
+    progress = ProgressLine("sequences", len(dataset))
+    writing = time.monotonic()
+    manifest = write_cache(  # no_grad: write_cache is decorated with it
+        target,
+        dataset,
+        args.out,
+        header,
+        batch_size=args.batch_size,
+        shard_bytes=args.shard_size_mb << 20,
+        say=say,
+        progress=progress,
+    )
+    progress.finish()
+    seconds = time.monotonic() - writing
     counts = manifest["counts"]
     computed = len(dataset) - progress.first  # a resumed run skips what is cached
     tokens = int(dataset.attention_mask[progress.first :].sum())
@@ -284,39 +307,3 @@ def _cache_config(args):
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
     return cfg
-
-
-def _load_target_and_data(cfg, say):
-    from trainer.train.loop import build_dataset, configured_target
-
-    device = cfg.run.target_devices[0]
-    slow = (
-        " (the target's greedy continuations: this takes a while)" if cfg.data.source == "synthetic" else ""
-    )
-    say(f"loading the target ({cfg.target.spec}) on {device} and the {cfg.data.source} data{slow}")
-    target = configured_target(cfg, device)
-    return target, build_dataset(cfg, target)
-
-
-def _write_features(cfg, target, dataset, args, say):
-    """(manifest, progress, seconds spent writing) of the cache written under args.out."""
-    from trainer.data.cache_writer import write_cache
-    from trainer.data.feature_cache import cache_header
-    from trainer.progress import ProgressLine
-
-    pad = getattr(target.tokenizer, "pad_token_id", None)  # None without a tokenizer too
-    header = cache_header(cfg, target, args.dtype, pad if pad is not None else 0)
-    progress = ProgressLine("sequences", len(dataset))
-    writing = time.monotonic()
-    manifest = write_cache(  # no_grad: write_cache is decorated with it
-        target,
-        dataset,
-        args.out,
-        header,
-        batch_size=args.batch_size,
-        shard_bytes=args.shard_size_mb << 20,
-        say=say,
-        progress=progress,
-    )
-    progress.finish()
-    return manifest, progress, time.monotonic() - writing

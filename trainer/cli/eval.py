@@ -45,25 +45,6 @@ def eval_parser() -> argparse.ArgumentParser:
     options.add_temperature(p)
     options.add_device(p, "cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)")
     options.add_sampling_seed(p)
-    _add_loop_options(p)
-    p.add_argument(
-        "--chat-template-kwargs",
-        metavar="JSON",
-        help="apply_chat_template arguments for --prompts messages (default: what the drafter's "
-        "training data was rendered with; another value is used, with a warning)",
-    )
-    p.add_argument(
-        "--why",
-        action="store_true",
-        help="tau on the run's held-in records, on --prompts (held out) and the tau training accuracy "
-        "predicts, and the likely cause of a gap (needs a run dir or checkpoint)",
-    )
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    return p
-
-
-def _add_loop_options(p: argparse.ArgumentParser) -> None:
-    """How the decoding loop runs: rows at once, static or reference, compiled or not."""
     p.add_argument(
         "--batch",
         type=int,
@@ -83,6 +64,20 @@ def _add_loop_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="torch.compile the static loop's per-layer math (default: on with CUDA)",
     )
+    p.add_argument(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        help="apply_chat_template arguments for --prompts messages (default: what the drafter's "
+        "training data was rendered with; another value is used, with a warning)",
+    )
+    p.add_argument(
+        "--why",
+        action="store_true",
+        help="tau on the run's held-in records, on --prompts (held out) and the tau training accuracy "
+        "predicts, and the likely cause of a gap (needs a run dir or checkpoint)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    return p
 
 
 def _is_export(path: Path) -> bool:
@@ -183,12 +178,6 @@ def run_prompts(run_config: dict, target, source: str, count: int) -> list[list[
     return eval_prompts(cfg, target, heldout, count)
 
 
-def _default_device() -> str:
-    import torch
-
-    return "cuda:0" if torch.cuda.is_available() else "cpu"
-
-
 def _progress(stream):
     start = time.monotonic()
 
@@ -283,13 +272,15 @@ def _run_eval(args: argparse.Namespace, out, err) -> int:
 
 def _checked_device(args: argparse.Namespace) -> str:
     """The device to evaluate on, once the numeric arguments are known good."""
+    import torch
+
     options.check_at_least_one(
         ("--num-prompts", args.num_prompts),
         ("--max-new-tokens", args.max_new_tokens),
         ("--batch", args.batch),
     )
     options.check_temperature(args.temperature)
-    device = args.device or _default_device()
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     if not DEVICE_RE.match(device):
         raise ConfigError(f"--device {device!r} is not a device. Fix: cpu, cuda or cuda:N.")
     options.check_cuda_devices("--device", [device])

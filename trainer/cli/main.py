@@ -71,15 +71,6 @@ def _train_parser() -> argparse.ArgumentParser:
         epilog="Subcommands: dflash-train export --help | dflash-train data --help | "
         "dflash-train eval --help | dflash-train gate --help | dflash-train report --help",
     )
-    _add_run_options(p)
-    _add_engine_options(p)
-    _add_device_options(p)
-    _add_record_options(p)
-    return p
-
-
-def _add_run_options(p: argparse.ArgumentParser) -> None:
-    """What to train, where it goes, how long, and where it continues from."""
     options.add_config(p, "YAML config file, or a bundled name: tiny-cpu, gpu-paper")
     p.add_argument("--output-dir", metavar="DIR", help="where checkpoints (and by default metrics) go")
     p.add_argument(
@@ -97,9 +88,6 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="continue from the latest checkpoint in --output-dir, or from PATH "
         "(a checkpoints/step-NNNNNNN directory, or another run's output dir)",
     )
-
-
-def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile-lock",
         choices=COMPILE_LOCK_MODES,
@@ -111,9 +99,6 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         choices=ATTENTION_BACKENDS,
         help="flex: compiled flex_attention (GPU); sdpa: dense mask (CPU, or any device)",
     )
-
-
-def _add_device_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target-devices", metavar="LIST", help="comma-separated, e.g. cuda:0 (one target worker each)"
     )
@@ -129,15 +114,12 @@ def _add_device_options(p: argparse.ArgumentParser) -> None:
         help="threads (default): one process, a drafter thread per device; torchrun: this "
         "process is one rank of `torchrun --nproc-per-node N -m trainer ...` (DDP)",
     )
-
-
-def _add_record_options(p: argparse.ArgumentParser) -> None:
-    """The metrics file, the seed and config overrides."""
     p.add_argument(
         "--metrics-file", metavar="PATH", help="JSON-lines metrics (default <output-dir>/metrics.jsonl)"
     )
     p.add_argument("--seed", type=int, help="seed for init, data order and anchors")
     options.add_overrides(p, "override any config key (YAML value), repeatable: --set train.lr=3e-4")
+    return p
 
 
 def _export_parser() -> argparse.ArgumentParser:
@@ -154,20 +136,16 @@ def _export_parser() -> argparse.ArgumentParser:
 SUBCOMMANDS = ("export", "data", "eval", "gate", "report")
 
 
-def _refuse_unknown_subcommand(word: str) -> None:
-    """Training takes only options, so a bare first word is a subcommand: name the closest one."""
-    close = closest_match(word, SUBCOMMANDS)
-    hint = f" (did you mean {close!r}?)" if close else ""
-    _train_parser().error(
-        f"unknown command {word!r}{hint}; commands: {', '.join(SUBCOMMANDS)}, "
-        "or train with options only (--config ...)"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
-        _refuse_unknown_subcommand(argv[0])
+        # training takes only options, so a bare first word is a subcommand: name the closest one
+        close = closest_match(argv[0], SUBCOMMANDS)
+        hint = f" (did you mean {close!r}?)" if close else ""
+        _train_parser().error(
+            f"unknown command {argv[0]!r}{hint}; commands: {', '.join(SUBCOMMANDS)}, "
+            "or train with options only (--config ...)"
+        )
     if argv and argv[0] == "eval":
         from trainer.cli.eval import eval_parser, run_eval
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from trainer.config import OVERRIDE_ALIASES, ConfigError, missing_cuda_devices
 from trainer.typed_yaml import parse_value
@@ -50,17 +51,13 @@ def add_out(p: argparse.ArgumentParser, metavar: str, help: str) -> None:
 
 def check_out_dir(path: str) -> None:
     """--out DIR can be a directory: neither it nor a parent is a file (refused before any work)."""
-    probe = os.path.abspath(path)
-    while True:
-        if os.path.exists(probe) and not os.path.isdir(probe):
-            where = "is a file" if probe == os.path.abspath(path) else f"lies under the file {probe}"
+    full = Path(os.path.abspath(path))
+    for probe in (full, *full.parents):
+        if probe.exists() and not probe.is_dir():
+            where = "is a file" if probe == full else f"lies under the file {probe}"
             raise ConfigError(
                 f"--out {path}: {where}, not a directory; give a directory (created if missing)"
             )
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            return
-        probe = parent
 
 
 def check_cuda_devices(flag: str, devices: list[str]) -> None:

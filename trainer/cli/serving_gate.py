@@ -117,7 +117,6 @@ def gate_config(config: str, overrides: dict, work_dir: str, steps: int):
 def run_gate(
     work_dir: str, config: str = "tiny-cpu", overrides: dict | None = None, steps: int = GATE_STEPS, out=None
 ) -> GateResult:
-    """Train, export, reload through Transformers and decode."""
     import io
 
     from trainer.cli.eval import load_models
@@ -204,19 +203,15 @@ def _load_export(export_dir, **kwargs):
     return AutoModel.from_pretrained(str(Path(export_dir).resolve()), trust_remote_code=True, **kwargs)
 
 
-def _step_accuracy(metrics_path: str) -> dict[int, list[float]]:
-    """Per-position training accuracy of each step (one sequence, every position: exact)."""
+def _first_perfect_step(metrics_path: str) -> tuple[int, list[float]]:
+    """The first checkpointed step whose training accuracy is perfect, else the last step (one
+    sequence, every position: each step's per-position accuracy is exact)."""
     from trainer import metrics_format
 
     records = metrics_format.parse_lines(Path(metrics_path).read_text(encoding="utf-8"))
-    return {
+    by_step = {
         r["step"]: [float(a) for a in r["acc"]] for r in records if r.get("event") == "step" and r.get("acc")
     }
-
-
-def _first_perfect_step(metrics_path: str) -> tuple[int, list[float]]:
-    """The first checkpointed step whose training accuracy is perfect, else the last step."""
-    by_step = _step_accuracy(metrics_path)
     perfect = (s for s in sorted(by_step) if s % CHECK_EVERY == 0 and all(a == 1.0 for a in by_step[s]))
     step = next(perfect, max(by_step))
     return step, by_step[step]

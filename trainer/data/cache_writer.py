@@ -23,8 +23,8 @@ from trainer.data.dataset import DataError, Dataset
 from trainer.data.feature_cache import (
     DTYPES,
     TOKEN_BYTES,
+    bytes_per_token,
     complete_manifest,
-    disk_estimate,
     feature_width,
     human_bytes,
     prepare,
@@ -277,20 +277,20 @@ def write_cache(
 
 
 def _check_space(target, dataset: Dataset, cache_dir: str, dtype: str, start: int, say) -> None:
-    """Say how much the cache needs and refuse when the filesystem lacks it."""
-    estimate = disk_estimate(dataset, start, len(target.layer_ids), target.hidden_size, dtype)
+    tokens = int(dataset.attention_mask[start:].sum())
+    per_token = bytes_per_token(len(target.layer_ids), target.hidden_size, dtype)
     free = shutil.disk_usage(cache_dir).free
     say(
-        f"feature cache: {estimate['sequences']} sequences to write ({start} already cached), "
-        f"{estimate['tokens']} tokens x {len(target.layer_ids)} layers x {target.hidden_size} hidden x "
-        f"{DTYPES[dtype].itemsize} bytes = {human_bytes(estimate['bytes'])} "
-        f"({human_bytes(estimate['bytes_per_1k_tokens'])} per 1k tokens); "
+        f"feature cache: {len(dataset) - start} sequences to write ({start} already cached), "
+        f"{tokens} tokens x {len(target.layer_ids)} layers x {target.hidden_size} hidden x "
+        f"{DTYPES[dtype].itemsize} bytes = {human_bytes(tokens * per_token)} "
+        f"({human_bytes(1000 * per_token)} per 1k tokens); "
         f"free on {cache_dir}: {human_bytes(free)}"
     )
-    if estimate["bytes"] > free:
+    if tokens * per_token > free:
         raise DataError(
             cache_dir,
-            f"needs {human_bytes(estimate['bytes'])} but the filesystem has "
+            f"needs {human_bytes(tokens * per_token)} but the filesystem has "
             f"{human_bytes(free)} free. Fix: free space or choose another --out.",
         )
 

@@ -154,7 +154,9 @@ def load_jsonl(
                     f"input_ids[{i}] = {tok} is outside the target's vocabulary "
                     f"(0..{vocab_size - 1}). Fix: tokenize with the target's tokenizer.",
                 )
-        rows.append(_fit(ids, mask, seq_len, pad_id))
+        ids, mask = ids[:seq_len], mask[:seq_len]
+        pad = seq_len - len(ids)
+        rows.append((ids + [pad_id] * pad, mask + [0] * pad, [1] * len(ids) + [0] * pad))
     if not rows:
         raise DataError(path, "no records. Fix: one JSON object per line.")
     rows_ids, rows_mask, rows_attn = zip(*rows, strict=True)
@@ -240,8 +242,7 @@ def _tokenize_messages(
                 f"conversation (it rewrites earlier turns), so assistant tokens cannot be "
                 f"located. Fix: pre-tokenize into input_ids/loss_mask.",
             )
-        for pos in range(start, len(upto)):
-            mask[pos] = 1
+        mask[start : len(upto)] = [1] * (len(upto) - start)
     return ids, mask
 
 
@@ -253,12 +254,6 @@ def render_chat(
         messages, tokenize=False, add_generation_prompt=generation_prompt, **(template_kwargs or {})
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _fit(ids: list[int], mask: list[int], seq_len: int, pad_id: int):
-    ids, mask = ids[:seq_len], mask[:seq_len]
-    pad = seq_len - len(ids)
-    return ids + [pad_id] * pad, mask + [0] * pad, [1] * len(ids) + [0] * pad
 
 
 @torch.no_grad()

@@ -116,7 +116,6 @@ def human_bytes(n: float) -> str:
 
 
 def bytes_per_token(num_layers: int, hidden: int, dtype_name: str) -> int:
-    """Disk bytes per cached token: features + int32 id + bool mask."""
     return num_layers * hidden * DTYPES[dtype_name].itemsize + TOKEN_BYTES
 
 
@@ -185,17 +184,6 @@ def _checksum_differs(path: str, shard: dict) -> bool:
     return file_sha256(path) != shard["sha256"]  # a cache written before chunk digests
 
 
-def disk_estimate(dataset: Dataset, start: int, num_layers: int, hidden: int, dtype_name: str) -> dict:
-    tokens = int(dataset.attention_mask[start:].sum())
-    per_token = bytes_per_token(num_layers, hidden, dtype_name)
-    return {
-        "sequences": len(dataset) - start,
-        "tokens": tokens,
-        "bytes": tokens * per_token,
-        "bytes_per_1k_tokens": 1000 * per_token,
-    }
-
-
 def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
     """Start or resume: (manifest, first sequence to compute). Refuses another cache's directory."""
     os.makedirs(cache_dir, exist_ok=True)
@@ -236,7 +224,6 @@ def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
 
 
 def complete_manifest(cache_dir: str, manifest: dict) -> None:
-    """Total the shards into the manifest and mark the cache complete."""
     shards = manifest["shards"]
     shard_key_of = {"sequences": "count", "tokens": "tokens", "loss_tokens": "loss_tokens", "bytes": "bytes"}
     manifest["counts"] = {total: sum(s[key] for s in shards) for total, key in shard_key_of.items()}
@@ -359,24 +346,20 @@ def open_cache(cache_dir: str, expected: dict, pin_memory: bool = False) -> Data
     return Dataset(ids, mask, attn, source=f"feature cache {cache_dir} ({size})", features=reader.features)
 
 
-def _building_device(cfg) -> str:
-    """Where a tiny target is built for its head: where cache-features built it."""
-    devices = list(cfg.run.target_devices or []) + list(cfg.run.drafter_devices or [])
-    on_cuda = [d for d in devices if str(d).startswith("cuda")]
-    return on_cuda[0] if on_cuda and torch.cuda.is_available() else "cpu"
-
-
 def training_source(cfg, dtype) -> tuple[list, Dataset]:
     """For `data.source: features`: an embedding+lm_head stand-in per drafter replica, and the cache."""
     from trainer.data.target_head import load_target_head, weight_bytes
 
+    # a tiny target is built for its head where cache-features built it
+    devices = list(cfg.run.target_devices or []) + list(cfg.run.drafter_devices or [])
+    on_cuda = [d for d in devices if str(d).startswith("cuda")]
     head = load_target_head(
         cfg.target.spec,
         dtype,
         layer_ids=cfg.target.layer_ids,
         seed=cfg.train.seed,
         tiny=cfg.target.tiny or None,
-        device=_building_device(cfg),
+        device=on_cuda[0] if on_cuda and torch.cuda.is_available() else "cpu",
     )
     expected = {
         "target": target_identity(head),

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TextIO
 
@@ -47,16 +46,19 @@ class RegenerateOptions:
 
     def settings(self) -> dict:
         """What shapes the output: a resumed run must use the same (devices and batch size may change)."""
+        as_given = (
+            "max_new_tokens",
+            "max_prompt_tokens",
+            "temperature",
+            "top_p",
+            "chat_template_kwargs",
+            "seed",
+        )
         return {
             "target": self.target,
             "input": os.path.abspath(self.input),
             "input_bytes": os.path.getsize(self.input),
-            "max_new_tokens": self.max_new_tokens,
-            "max_prompt_tokens": self.max_prompt_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "chat_template_kwargs": self.chat_template_kwargs,
-            "seed": self.seed,
+            **{name: getattr(self, name) for name in as_given},
             **({"tiny": self.tiny} if self.tiny else {}),
         }
 
@@ -287,12 +289,9 @@ def _start_state(opts: RegenerateOptions) -> dict:
             "rejects_bytes": 0,
             "stats": dict.fromkeys(STATS, 0),
         }
-    for path, size in (
-        (opts.output, state["out_bytes"]),
-        (rejects_path(opts.output), state["rejects_bytes"]),
-    ):
+    for path, size_key in ((opts.output, "out_bytes"), (rejects_path(opts.output), "rejects_bytes")):
         with open(path, "a+b") as f:  # drop whatever a killed run wrote after its last commit
-            f.truncate(size)
+            f.truncate(state[size_key])
     write_atomic(progress_file, json.dumps(state))
     return state
 
@@ -328,7 +327,8 @@ def regenerate(
     os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
     state = _start_state(opts)
     stats = state["stats"]
-    total = _count_records(opts.input)
+    with open(opts.input, encoding="utf-8") as f:
+        total = sum(1 for line in f if line.strip())
     first = dict(stats)
     report.update(
         run_summary(stats, first, 0.0),
@@ -348,8 +348,24 @@ def regenerate(
         f"a chunk ({generators[0].batch_rule()}), progress as each chunk is written"
     )
     lines = _lines(opts.input, state["next_line"])
-    try:
-        _generate_all(opts, generators, state, lines, chunk_size, report, progress, first, began)
+    try:  # generate, write and commit chunk after chunk until the input ends
+        with (
+            open(opts.output, "ab") as out_file,
+            open(rejects_path(opts.output), "ab") as rej_file,
+            ThreadPoolExecutor(max_workers=len(generators)) as pool,
+        ):
+            while chunk := [item for _, item in zip(range(chunk_size), lines, strict=False)]:
+                results = _generate_chunk(chunk, generators, pool, opts)
+                _write_results(chunk, results, stats, out_file, rej_file)
+                _commit(state, chunk[-1][0] + 1, out_file, rej_file, opts.output)
+                report.update(
+                    run_summary(stats, first, time.monotonic() - began), **_batch_report(generators)
+                )
+                progress.update(
+                    stats["seen"],
+                    f"{stats['new_tokens']} new tokens "
+                    f"({report['new_tokens_per_s']:.1f}/s), {stats['rejects']} rejected",
+                )
     except BaseException:  # a stop can land between the commit and the report: the file is the truth
         committed = _committed_stats(opts.output)
         if committed is not None:
@@ -369,44 +385,9 @@ def _committed_stats(output: str) -> dict | None:
         return None
 
 
-def _generate_all(
-    opts: RegenerateOptions,
-    generators: list[Generator],
-    state: dict,
-    lines: Iterator[tuple[int, str]],
-    chunk_size: int,
-    report: dict,
-    progress: ProgressLine,
-    first: dict,
-    began: float,
-) -> None:
-    """Generate, write and commit chunk after chunk until the input ends."""
-    stats = state["stats"]
-    with (
-        open(opts.output, "ab") as out_file,
-        open(rejects_path(opts.output), "ab") as rej_file,
-        ThreadPoolExecutor(max_workers=len(generators)) as pool,
-    ):
-        while chunk := [item for _, item in zip(range(chunk_size), lines, strict=False)]:
-            results = _generate_chunk(chunk, generators, pool, opts)
-            _write_results(chunk, results, stats, out_file, rej_file)
-            _commit(state, chunk[-1][0] + 1, out_file, rej_file, opts.output)
-            report.update(run_summary(stats, first, time.monotonic() - began), **_batch_report(generators))
-            progress.update(
-                stats["seen"],
-                f"{stats['new_tokens']} new tokens "
-                f"({report['new_tokens_per_s']:.1f}/s), {stats['rejects']} rejected",
-            )
-
-
 def _batch_report(generators: list[Generator]) -> dict:
     """The largest batch generated and what sized it."""
     return {"batch": max(g.largest_batch for g in generators), "batch_rule": generators[0].batch_rule()}
-
-
-def _count_records(path: str) -> int:
-    with open(path, encoding="utf-8") as f:
-        return sum(1 for line in f if line.strip())
 
 
 def _generate_chunk(

@@ -248,12 +248,7 @@ def tokenizer_of(path: str) -> Any:
 
 
 def load_target(
-    spec: str,
-    device: str,
-    dtype,
-    layer_ids: list[int] | None = None,
-    seed: int = 0,
-    tiny: dict | None = None,
+    spec: str, device: str, dtype, layer_ids: list[int] | None = None, seed: int = 0, tiny: dict | None = None
 ) -> TargetModel:
     """The frozen target: a tiny spec (seeded random Qwen3 or Qwen3.5 hybrid) or a local HF model dir."""
     if is_tiny(spec):

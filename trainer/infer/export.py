@@ -67,10 +67,7 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "torch_dtype": str(dtype).replace("torch.", ""),
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {
-            "mask_token_id": cfg.mask_token_id,
-            "target_layer_ids": list(cfg.target_layer_ids),
-        },
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
     }
     if cfg.max_position_embeddings is not None:  # unknown for checkpoints older than this field
         config["max_position_embeddings"] = cfg.max_position_embeddings
@@ -78,7 +75,6 @@ def export_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
 
 
 def weight_names(cfg: DrafterConfig) -> set[str]:
-    """The safetensors names of an exported drafter."""
     parts = ["input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"]
     parts += [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
     layers = {f"layers.{i}.{part}.weight" for i in range(cfg.num_layers) for part in parts}

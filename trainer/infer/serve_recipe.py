@@ -103,12 +103,6 @@ class ServeRecipe:
         )
 
 
-def target_as_trained(spec: str) -> str:
-    """The target as an engine should find it: a local directory as an absolute path, else as given
-    (a hub name or a built-in test target)."""
-    return os.path.abspath(spec) if os.path.isdir(spec) else spec
-
-
 def write_recipe(recipe: ServeRecipe, out_dir) -> None:
     out = Path(out_dir)
     write_atomic(str(out / SERVE_DOC), recipe.markdown())
@@ -121,7 +115,9 @@ def recipe_for_checkpoint(state, out_dir, target: str | None = None):
 
     spec = target or ((state.config or {}).get("target") or {}).get("spec") or "TARGET"
     return ServeRecipe(
-        target=target_as_trained(spec),
+        # as an engine should find it: a local directory as an absolute path, else as given (a hub
+        # name or a built-in test target)
+        target=os.path.abspath(spec) if os.path.isdir(spec) else spec,
         draft=os.path.abspath(out_dir),
         block_size=int(state.drafter_config["block_size"]),
         chat_template_kwargs=run_chat_template_kwargs(state.config),

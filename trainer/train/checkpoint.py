@@ -162,16 +162,16 @@ def save_checkpoint(
     drafter_config: dict,
     keep_last: int,
 ) -> str:
-    """Write checkpoint `step` atomically, then drop all but the newest `keep_last`.
-
-    Returns its absolute path (it goes into the metrics file, read from other working directories).
-    """
+    """Write checkpoint `step` atomically, then drop all but the newest `keep_last`; returns its absolute
+    path (it goes into the metrics file, read from other working directories)."""
     import torch
     from safetensors.torch import save_file
 
     root = checkpoints_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    _sweep_leftovers(root)
+    for entry in root.iterdir():  # half-written directories of a killed save (only one trainer writes here)
+        if entry.name.startswith((".tmp-", ".old-")) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
     tmp.mkdir()
@@ -193,13 +193,11 @@ def save_checkpoint(
     for name in REQUIRED:
         _fsync_file(tmp / name)
     fsync_dir(tmp)
+    old = root / f".old-{final.name}-{os.getpid()}"
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
-        old = root / f".old-{final.name}-{os.getpid()}"
         os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
     fsync_dir(root)
     for _, stale in list_checkpoints(output_dir)[:-keep_last]:
         shutil.rmtree(stale, ignore_errors=True)
@@ -227,24 +225,10 @@ def load_checkpoint(path: str) -> Checkpoint:
     except Exception as exc:  # corrupt or foreign files: say which checkpoint, in one line
         detail = (str(exc).strip().splitlines() or [""])[0]
         raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {detail}") from exc
+    resumed = {key: state[key] for key in ("optimizer", "scheduler", "data_position", "rng")}
     return Checkpoint(
-        path=path,
-        step=int(state["step"]),
-        weights=weights,
-        optimizer=state["optimizer"],
-        scheduler=state["scheduler"],
-        data_position=state["data_position"],
-        rng=state["rng"],
-        config=config,
-        drafter_config=drafter_config,
+        path, int(state["step"]), weights, config=config, drafter_config=drafter_config, **resumed
     )
-
-
-def _sweep_leftovers(root: Path) -> None:
-    """Remove half-written directories left by a killed save (only one trainer writes here)."""
-    for entry in root.iterdir():
-        if entry.name.startswith((".tmp-", ".old-")) and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _fsync_file(path: Path) -> None:

@@ -47,14 +47,14 @@ class Rank:
     def is_lead(self) -> bool:
         return self.rank == 0
 
-    def trackers(self, cfg: TrainConfig) -> list[str]:
-        """Rank 0's trackers only: a run is one tracker run."""
-        return list(cfg.run.report_to) if self.is_lead else []
-
     def speaks(self, cfg: TrainConfig) -> bool:
         """Writes metrics and readable lines: rank 0, and another host's local rank 0 given its own
         --metrics-file (dflash-ops does), so each host's status sees the run."""
         return self.is_lead or (self.local_rank == 0 and cfg.run.metrics_file is not None)
+
+    def trackers(self, cfg: TrainConfig) -> list[str]:
+        """Rank 0's trackers only: a run is one tracker run."""
+        return list(cfg.run.report_to) if self.is_lead else []
 
 
 def rank_from_env(env=os.environ) -> Rank | None:
@@ -169,16 +169,10 @@ def check_same_start(start: int, rank: Rank, device: str) -> None:
         )
 
 
-def saved_replicas(state: ckpt.Checkpoint) -> int:
-    """How many replicas (ranks, or drafter threads) the checkpoint was trained with."""
-    if "replicas" in state.data_position:
-        return int(state.data_position["replicas"])
-    return len(state.config.get("run", {}).get("drafter_devices", [])) or 1
-
-
 def check_world_size(state: ckpt.Checkpoint, world_size: int) -> None:
     """A resume keeps the world size: the global batch fixes the data order and the schedule."""
-    saved = saved_replicas(state)
+    run_devices = state.config.get("run", {}).get("drafter_devices", [])
+    saved = int(state.data_position.get("replicas", len(run_devices) or 1))  # ranks, or drafter threads
     if saved != world_size:
         raise ckpt.CheckpointError(
             f"--resume {state.path}: trained with {saved} replicas, this run has world size {world_size}; "

@@ -73,7 +73,6 @@ def param_dtype(device: str) -> torch.dtype:
 
 
 def configured_target(cfg: TrainConfig, device: str):
-    """The run's target (cfg.target) on `device`, in its frozen dtype."""
     return load_target(
         cfg.target.spec,
         device,
@@ -232,9 +231,8 @@ def save(parts: LoopParts, model: torch.nn.Module, step: int) -> str:
 def startup_summary(parts: LoopParts) -> list[str]:
     cfg, replicas, dataset, plan = parts.cfg, parts.replicas, parts.dataset, parts.plan
     params = sum(p.numel() for p in replicas[0].trainable())
-    lines = ["dflash-train: resolved config (" + cfg.source + "):"]
-    lines += ["  " + line for line in yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()]
-    lines += [
+    config = yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()
+    return ["dflash-train: resolved config (" + cfg.source + "):", *("  " + line for line in config)] + [
         f"devices: target {', '.join(cfg.run.target_devices)} "
         f"| drafters {', '.join(cfg.run.drafter_devices)} ({len(replicas)} replica thread(s))",
         parts.guard.describe(),
@@ -247,7 +245,6 @@ def startup_summary(parts: LoopParts) -> list[str]:
         + (f"; resuming after step {parts.start}" if parts.start else ""),
         f"metrics: {cfg.metrics_path} | checkpoints: {ckpt.checkpoints_root(cfg.run.output_dir)}",
     ]
-    return lines
 
 
 def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) -> RunResult:
@@ -256,7 +253,16 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
     world: World = TorchrunWorld.from_env(cfg) if cfg.run.launcher == TORCHRUN else ThreadsWorld(cfg)
     cfg = world.cfg
     check_devices(cfg)
-    metrics = open_metrics(world, out, tty)
+    if not world.speaks:  # a torchrun rank that does not speak writes to /dev/null
+        sys.stdout = out = open(os.devnull, "w")
+    metrics = MetricsWriter(
+        cfg.metrics_path if world.speaks else os.devnull,
+        out=out if out is not None else sys.stdout,
+        tty=tty,
+        log_every=cfg.run.log_every,
+        report_to=world.trackers,
+        report_dir=cfg.run.output_dir,
+    )
     guard = CompileGuard(
         cfg.run.compile_lock,
         on_event=lambda e: metrics.compile(
@@ -285,31 +291,6 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
         world.close()
 
 
-def open_metrics(world: World, out: TextIO | None, tty: bool | None) -> MetricsWriter:
-    """The metrics file and readable lines (/dev/null for a torchrun rank that does not speak)."""
-    cfg = world.cfg
-    if not world.speaks:
-        sys.stdout = out = open(os.devnull, "w")
-    return MetricsWriter(
-        cfg.metrics_path if world.speaks else os.devnull,
-        out=out if out is not None else sys.stdout,
-        tty=tty,
-        log_every=cfg.run.log_every,
-        report_to=world.trackers,
-        report_dir=cfg.run.output_dir,
-    )
-
-
-def load_source(cfg: TrainConfig) -> tuple[list, Dataset, Dataset | None]:
-    """(targets, training data, held-out data); a feature cache gives embedding+lm_head stand-ins."""
-    if cfg.data.source == "features":
-        targets, dataset = training_source(cfg, param_dtype(cfg.run.drafter_devices[0]))
-        return targets, dataset, None
-    targets = [configured_target(cfg, dev) for dev in cfg.run.target_devices]
-    dataset, heldout = split_heldout(build_dataset(cfg, targets[0]), cfg.data.eval_fraction, cfg.train.seed)
-    return targets, dataset, heldout
-
-
 def prepare(world: World, guard: CompileGuard, metrics: MetricsWriter) -> LoopParts:
     """Everything the loop trains with, resumed if asked; the `start` record written."""
     cfg = world.cfg
@@ -319,7 +300,14 @@ def prepare(world: World, guard: CompileGuard, metrics: MetricsWriter) -> LoopPa
         torch.set_num_threads(cfg.run.torch_threads)
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    targets, dataset, heldout = load_source(cfg)
+    heldout = None
+    if cfg.data.source == "features":  # a feature cache gives embedding+lm_head stand-ins
+        targets, dataset = training_source(cfg, param_dtype(cfg.run.drafter_devices[0]))
+    else:
+        targets = [configured_target(cfg, dev) for dev in cfg.run.target_devices]
+        dataset, heldout = split_heldout(
+            build_dataset(cfg, targets[0]), cfg.data.eval_fraction, cfg.train.seed
+        )
     world.agree_data(dataset)
     plan = BatchPlan(len(dataset), cfg.train.batch_size, world.size, cfg.train.seed, dataset.source)
     total = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
@@ -352,12 +340,8 @@ def make_workers(parts: LoopParts) -> TrainingWorkers:
     """The threads that train `parts.replicas` (all of them here; one per process under torchrun)."""
     cfg = parts.cfg
     return TrainingWorkers(
-        targets=parts.targets,
-        replicas=parts.replicas,
-        dataset=parts.dataset,
-        plan=parts.plan,
+        **{name: getattr(parts, name) for name in ("targets", "replicas", "dataset", "plan", "guard")},
         compute_loss=make_loss_fn(cfg),
-        guard=parts.guard,
         grad_clip=cfg.train.grad_clip,
         # target features reach the drafter devices in the compute dtype
         feature_dtype=precision.compute_dtype(precision.resolve(cfg)),
@@ -375,17 +359,15 @@ def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequ
             last = world.step(workers, step_index, stop)
             step = stop.last_step = last.step
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
+            measured = {name: getattr(last, name) for name in ("loss", "acc", "lr", "grad_norm")}
             metrics.step(
                 step=step,
                 total_steps=total,
-                loss=last.loss,
-                acc=last.acc,
-                lr=last.lr,
                 tokens_per_s=tokens_per_s,
                 eta_s=eta_s,
-                grad_norm=last.grad_norm,
                 epoch=step / parts.plan.steps_per_epoch,
                 gpu_memory_gib=peak_gpu_memory_gib(devices),
+                **measured,
             )
             if parts.evaluator is not None and parts.evaluator.due(step, total):
                 parts.evaluator.run(world.model(replicas), step, metrics)

@@ -23,10 +23,8 @@ if TYPE_CHECKING:
 
 
 def error_kind(exc: BaseException | None) -> str:
-    """The metrics `error.kind` for an exception: fx_tracing, cuda_oom, block_mask or exception.
-
-    block_mask is the create_block_mask race (KeyError: 'custom', see compile_lock.MASK_LOCK).
-    """
+    """The metrics `error.kind` for an exception: fx_tracing, cuda_oom, block_mask (the
+    create_block_mask race, KeyError: 'custom', see compile_lock.MASK_LOCK) or exception."""
     for link in exception_chain(exc):
         text = f"{type(link).__name__}: {link}"
         if metrics_format.FX_TRACING_ERROR in text:
@@ -63,10 +61,8 @@ def _known(**fields) -> dict:
 
 class MetricsWriter:
     """Writes metrics records to `path` and readable lines to `out`. Safe to call from any thread.
-
     `report_to` names experiment trackers (trainer.train.trackers) that get each record as written to
-    `path`, reporting into `report_dir`; only the process that speaks for the run passes any.
-    """
+    `path`, reporting into `report_dir`; only the process that speaks for the run passes any."""
 
     def __init__(
         self,
@@ -157,11 +153,8 @@ class MetricsWriter:
         permanent = step % self.log_every == 0 or step == total_steps
         if self.tty:
             with self._lock:
-                self.out.write(bar_line(step, total_steps, line))
-                self._bar_open = True
-                if permanent:
-                    self.out.write("\n")
-                    self._bar_open = False
+                self.out.write(bar_line(step, total_steps, line) + ("\n" if permanent else ""))
+                self._bar_open = not permanent
                 self.out.flush()
         elif permanent:
             self.say(line)

@@ -12,6 +12,7 @@ Run as `python -I -S stop_watchdog.py TRAINER_PID READ_FD AFTER_S` (StopWatchdog
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import select
@@ -45,16 +46,9 @@ class StopWatchdog:
             os.set_blocking(write_fd, False)  # set_wakeup_fd requires it; a signal handler must never block
             # fd 2: where the watchdog writes too
             faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)
+            watch_args = [str(os.getpid()), str(read_fd), f"{after_s:g}"]  # TRAINER_PID READ_FD AFTER_S
             proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-I",
-                    "-S",
-                    os.path.abspath(__file__),
-                    str(os.getpid()),
-                    str(read_fd),
-                    f"{after_s:g}",
-                ],
+                [sys.executable, "-I", "-S", os.path.abspath(__file__), *watch_args],
                 pass_fds=(read_fd,),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -75,10 +69,8 @@ class StopWatchdog:
 
     def disarm(self) -> None:
         """The step that ran at the stop signal is done: the main thread handles the stop itself."""
-        try:
+        with contextlib.suppress(OSError):  # the watchdog is gone: nothing to disarm
             os.write(self.write_fd, bytes([DISARM]))
-        except OSError:
-            pass  # the watchdog is gone: nothing to disarm
 
     def close(self) -> None:
         """The trainer is done: the watchdog sees the pipe close and exits."""
@@ -87,10 +79,10 @@ class StopWatchdog:
         signal.set_wakeup_fd(self.previous_wakeup_fd)
         faulthandler.unregister(STACKS_SIGNAL)
         os.close(self.write_fd)
-        try:
+        with contextlib.suppress(
+            subprocess.TimeoutExpired
+        ):  # it sees its parent gone once this process exits
             self.proc.wait(timeout=2 * POLL_S + 1)
-        except subprocess.TimeoutExpired:
-            pass  # it sees its parent gone once this process exits
 
 
 def _let_go_in_forked_child() -> None:
@@ -98,10 +90,9 @@ def _let_go_in_forked_child() -> None:
     exit."""
     global _running
     if _running is not None:
-        try:
+        # not the main thread: Python then delivers no signals to handlers here anyway
+        with contextlib.suppress(ValueError):
             signal.set_wakeup_fd(-1)
-        except ValueError:
-            pass  # not the main thread: Python then delivers no signals to handlers here anyway
         os.close(_running.write_fd)
         _running = None
 

@@ -30,11 +30,9 @@ _PER_POSITION = {"acc", "acceptance"}
 
 
 def scalars_of(record: dict) -> tuple[int, dict[str, float]] | None:
-    """(step, {tag: value}) of a step, eval or compile record; None for the others.
-
-    train/<field> (acc as train/acc/pos1.., plus train/tau_expected), eval/<field> (lists by
-    position, mappings by key), compile/duration_s; fields added later report under their own names.
-    """
+    """(step, {tag: value}) of a step, eval or compile record; None for the others. train/<field> (acc
+    as train/acc/pos1.., plus train/tau_expected), eval/<field> (lists by position, mappings by key),
+    compile/duration_s; fields added later report under their own names."""
     event = record.get("event")
     step = record.get("step")
     if event not in ("step", "eval", "compile") or not isinstance(step, int) or isinstance(step, bool):
@@ -193,10 +191,9 @@ class Mlflow(Tracker):
             self.lib.set_tracking_uri("file:" + os.path.abspath(os.path.join(self.output_dir, "mlruns")))
         self.lib.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "dflash"))
         self.run = self.lib.start_run(run_name=run_name)
-        params = flat_config(config)
-        keys = list(params)
-        for first in range(0, len(keys), 100):  # mlflow takes at most 100 params a call
-            self.lib.log_params({k: params[k] for k in keys[first : first + 100]})
+        params = list(flat_config(config).items())
+        for first in range(0, len(params), 100):  # mlflow takes at most 100 params a call
+            self.lib.log_params(dict(params[first : first + 100]))
 
     def scalars(self, step, values):
         finite = {k: v for k, v in values.items() if math.isfinite(v)}  # mlflow refuses NaN/inf
