@@ -53,7 +53,7 @@ class EvalResult:
     mismatch: Mismatch | None
     seconds: float
     batch: int  # prompts decoded together
-    loop: str  # "static+graphs", "static+graphs+compile", "static" (eager, CPU) or "reference"
+    loop: str  # "static+graphs", "static+graphs+compile(+triton)", "static" (eager, CPU) or "reference"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -319,7 +319,9 @@ def _loop_name(decoder) -> str:
     """The result's `loop`: the static loop with what it runs on, or the reference loop (None)."""
     if decoder is None:
         return "reference"
-    return "static" + ("+graphs" if decoder.graphs else "") + ("+compile" if decoder.kernels.compiled else "")
+    kernels = decoder.kernels
+    parts = [("graphs", decoder.graphs), ("compile", kernels.compiled), ("triton", kernels.triton)]
+    return "+".join(["static"] + [name for name, used in parts if used])
 
 
 def _judge(model, layer_ids, decoder, job: _Job, found: _Decodings) -> tuple[int, Mismatch | None]:
