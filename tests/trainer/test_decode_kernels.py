@@ -57,6 +57,10 @@ def test_the_kernels_match_their_references_at_any_row_count_and_horizon():
                 want = dk.reference_attention(q, *cache, torch.tensor(horizon), *new, where)
                 close(got, want, tol, ("attention", length))
                 assert all(torch.equal(a, b) for a, b in zip(mine, cache)), "the new keys written where they go"
+                # the drafter's horizon: one per row, expanded over the block (a stride of 0)
+                block = (torch.tensor(first) + length - 1).unsqueeze(1).expand(2, length)
+                got = dk.attention(q, *[c.clone() for c in cache], block, *new, where)
+                close(got, dk.reference_attention(q, *cache, block, *new, where), tol, ("expanded", length))
         # past MAX_ROWS the reference runs (the same function answers)
         x = torch.randn(dk.MAX_ROWS + 1, 32)
         assert torch.equal(dk.linear(x, torch.eye(32)), x)
@@ -112,6 +116,14 @@ def test_the_static_loop_through_the_triton_products_decodes_the_reference_token
             ref = target_generate(target.model, p, 10).tokens
             assert own[i].tokens == ref, (i, own[i].tokens, ref)
             assert spec[i].tokens == ref, (i, spec[i].tokens, ref)
+        # lossless holds whatever the drafter proposes: its proposals must be the eager loop's too
+        eager = StaticDecoder(target.model, target.layer_ids, drafter, rows=2, max_prompt=6,
+                              max_new_tokens=10, triton=False)
+        for dec in (decoder, eager):
+            dec.prefill(prompts, 10, True)
+        got = decoder.drafter.proposals(decoder.anchor, decoder.start, decoder.kernels)
+        want = eager.drafter.proposals(eager.anchor, eager.start)
+        assert torch.equal(got, want), (got, want)
         print("ok")
     """)
     assert out.strip().endswith("ok")

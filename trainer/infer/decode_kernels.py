@@ -95,7 +95,7 @@ def attention(q, keys, values, horizon, new_keys, new_values, where):
     _attention_split[(batch * kv_heads, splits)](
         q, keys, values, horizon, new_keys, new_values, where, partial, peak, total,
         kv_heads, rows, horizon.shape[1], keys.shape[2], 1.0 / math.sqrt(dim),
-        *q.stride()[:3], *keys.stride()[:3], *values.stride()[:3], horizon.stride(0),
+        *q.stride()[:3], *keys.stride()[:3], *values.stride()[:3], *horizon.stride(),
         *new_keys.stride()[:3], *new_values.stride()[:3], where.stride(0),
         BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_S=KEYS_PER_SPLIT, D=dim,
     )  # fmt: skip
@@ -139,7 +139,7 @@ if triton is not None:
     def _attention_split(
         q_ptr, k_ptr, v_ptr, horizon_ptr, new_k_ptr, new_v_ptr, where_ptr, partial_ptr, peak_ptr, total_ptr,
         HKV, R, T, S, scale, stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks,
-        stride_vb, stride_vh, stride_vs, stride_hb, stride_nkb, stride_nkt, stride_nkh,
+        stride_vb, stride_vh, stride_vs, stride_hb, stride_ht, stride_nkb, stride_nkt, stride_nkh,
         stride_nvb, stride_nvt, stride_nvh, stride_wb,
         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
     ):  # fmt: skip
@@ -150,7 +150,7 @@ if triton is not None:
         b, h = bh // HKV, bh % HKV
         rows, dims = tl.arange(0, BLOCK_R), tl.arange(0, D)
         row_ok = rows < R
-        horizon = tl.load(horizon_ptr + b * stride_hb + rows % T, mask=row_ok, other=-1)
+        horizon = tl.load(horizon_ptr + b * stride_hb + (rows % T) * stride_ht, mask=row_ok, other=-1)
         keys_at = split * BLOCK_S + tl.arange(0, BLOCK_S)
         slot = bh * tl.num_programs(1) + split
         out_rows = partial_ptr + (slot * R + rows[:, None]) * D + dims[None, :]
