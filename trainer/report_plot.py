@@ -140,17 +140,12 @@ def _tau(ax, run: RunHistory, colour, overlay: bool, window: int) -> None:
     per_prompt = [(e.step, e.tau_per_prompt_mean) for e in run.evals if e.tau_per_prompt_mean is not None]
     if per_prompt:
         steps, taus = [step for step, _ in per_prompt], [tau for _, tau in per_prompt]
-        _thin_line(ax, steps, taus, colour, ":s", 4, f"{prefix}measured (mean of per-prompt)")
+        ax.plot(steps, taus, ":s", color=colour, lw=1.0, ms=4, label=f"{prefix}measured (mean of per-prompt)")
 
 
 def _main_line(ax, xs, ys, colour, label: str) -> None:
     """A measured series: a thick line with round markers."""
     ax.plot(xs, ys, color=colour, lw=1.8, marker="o", ms=5, label=label)
-
-
-def _thin_line(ax, xs, ys, colour, style: str, ms: int, label: str) -> None:
-    """A secondary series: a thin line, `style` its line and marker in matplotlib's format ("--x")."""
-    ax.plot(xs, ys, style, color=colour, lw=1.0, ms=ms, label=label)
 
 
 def _picture(fig, panel) -> Picture:
@@ -181,9 +176,8 @@ def _acceptance(ax, run: RunHistory, colour, overlay: bool) -> None:
     earliest = with_acceptance[0]
     if earliest is not latest:
         positions = range(1, len(earliest.acceptance) + 1)
-        _thin_line(
-            ax, positions, earliest.acceptance, colour, "--x", 5, f"{prefix}earliest (step {earliest.step})"
-        )
+        label = f"{prefix}earliest (step {earliest.step})"
+        ax.plot(positions, earliest.acceptance, "--x", color=colour, lw=1.0, ms=5, label=label)
 
 
 def _titles(panel, runs: list[RunHistory], plt) -> None:
