@@ -191,13 +191,9 @@ def load_config(path: str, overrides: dict | None = None) -> TrainConfig:
             f"{file}: the top level must be a mapping of sections (target, drafter, data, train, run)"
         )
     for key, value in (overrides or {}).items():
-        _set_dotted(raw, OVERRIDE_ALIASES.get(key, key), value, _flag_of(key))
+        flag = f"--{key.replace('_', '-')}" if key in OVERRIDE_ALIASES else f"--set {key}"
+        _set_dotted(raw, OVERRIDE_ALIASES.get(key, key), value, flag)
     return config_from_dict(raw, str(file))
-
-
-def _flag_of(override: str) -> str:
-    """The command-line flag an override comes from: `--max-steps`, or `--set train.lr`."""
-    return f"--{override.replace('_', '-')}" if override in OVERRIDE_ALIASES else f"--set {override}"
 
 
 def default_precision(drafter_devices: list[str]) -> str:
