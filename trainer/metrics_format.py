@@ -86,10 +86,7 @@ def parse_lines(text: str) -> list[dict]:
 
 
 def last_of(records: list[dict], event: str) -> dict | None:
-    for record in reversed(records):
-        if record.get("event") == event:
-            return record
-    return None
+    return next((record for record in reversed(records) if record.get("event") == event), None)
 
 
 # How much earlier than its launch (the launcher's clock, whole seconds) a trainer's start record
