@@ -83,9 +83,7 @@ def _int(value) -> int | None:
 
 
 def _float(value) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _floats(value) -> tuple[float, ...] | None:
