@@ -52,15 +52,15 @@ DEFAULT_WAIT_TIMEOUT_S = 900.0
 
 
 class CompileLockError(RuntimeError):
-    """The process is in a state where compiled code cannot run safely."""
+    """The compile lock found the process in a state where compiled code cannot run safely."""
 
 
 class CompileLockTimeout(CompileLockError):
-    """Waited too long for other threads to leave their steps."""
+    """Waited too long for other threads to leave their steps (a step is blocked on something)."""
 
 
 def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
-    """`exc` and its causes/contexts, each once (torch wraps errors)."""
+    """`exc`, then what it was raised from or while handling, each once (torch wraps errors)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -74,7 +74,7 @@ def is_fx_tracing_error(exc: BaseException | None) -> bool:
 
 
 def assert_fx_flag_clear() -> None:
-    """Call it between steps, while no compile runs."""
+    """Raise if the FX-tracing flag is set while no compile runs (call it between steps)."""
     import torch.fx._symbolic_trace as symbolic_trace
 
     if symbolic_trace._is_fx_tracing_flag:
@@ -110,7 +110,7 @@ class SharedExclusiveLock:
         self.writer_context: _StepContext | None = None
 
     def _wait_until(self, ready: Callable[[], bool], timeout: float) -> bool:
-        """Condition wait (lock held); the deadline restarts whenever someone releases."""
+        """Condition wait (lock held) whose deadline restarts whenever someone releases."""
         seen, deadline = self._releases, time.monotonic() + timeout
         while not ready():
             remaining = deadline - time.monotonic()
@@ -410,7 +410,7 @@ class CompileGuard:
             self.on_event(event)
 
     def uninstall(self) -> None:
-        """Stop routing compile events here (a patch stays: wrappers captured it)."""
+        """Stop routing compile events here (the patch, if any, stays: wrappers captured it)."""
         global _active_guard
         if _active_guard is self:
             _active_guard = None

@@ -272,11 +272,11 @@ def _value(cfg: TrainConfig, key: str) -> typing.Any:
 
 
 def _validate_shape(cfg: TrainConfig) -> None:
+    d = cfg.drafter
     for key in POSITIVE_COUNTS:
         value = _value(cfg, key)
         if value is not None and value < 1:
             _fail(cfg, key, f"must be at least 1, got {value}. Fix: set a positive value.")
-    d = cfg.drafter
     block_problem = block_size_problem(d.block_size)
     if block_problem:
         _fail(cfg, "drafter.block_size", f"{block_problem}. Fix: use {DEFAULT_BLOCK_SIZE}.")

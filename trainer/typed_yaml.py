@@ -34,7 +34,7 @@ def located(filename: str, line: int | str | None) -> str:
 
 
 def show(value: Any) -> str:
-    """repr, cut to 60 characters."""
+    """repr, cut to 60 characters: a message stays one readable line."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -127,7 +127,9 @@ def _construct_map(loader: _StrictLoader, node: yaml.MappingNode) -> YamlMap:
 _StrictLoader.add_constructor("tag:yaml.org,2002:map", _construct_map)
 
 
-def _refuse_duplicate_keys(node, path: tuple, seen_nodes: set, named_items: Mapping[str, str], filename: str):
+def _refuse_duplicate_keys(
+    node, path: tuple, seen_nodes: set, named_items: Mapping[str, str], filename: str
+) -> None:
     """Refuse two equal keys written in one mapping (PyYAML keeps the last); merged keys may be overridden."""
     if id(node) in seen_nodes:  # an alias of a node already checked
         return
@@ -217,7 +219,7 @@ def read_yaml(path: str, named_items: Mapping[str, str] | None = None) -> Any:
 
 
 def parse_value(text: str) -> Any:
-    """A `--set KEY=VALUE` value; text that is not valid YAML stays as written."""
+    """A `--set KEY=VALUE` value, read by the files' rules; text that is not valid YAML stays as written."""
     try:
         return parse_yaml(text, "the command line")
     except YamlInputError:
