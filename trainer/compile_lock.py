@@ -24,10 +24,6 @@ MASK_LOCK would wait for steps that wait for MASK_LOCK.
 `assert_fx_flag_clear()`: an EAGER flex_attention call can restore a stale True into the flag,
 poisoning every later compiled call; never mix it into a compiled run.
 `error_on_nested_fx_trace=False` is no fix (compiled code silently runs eager): refused.
-
-Modes (COMPILE_LOCK_MODES): "lock" (the fix), "none" (the race harness), "patch"
-(`is_fx_symbolic_tracing` patched to False before torch.compile wraps anything; experiments).
-A benchmark measures other policies by overriding `CompileGuard.exclusive_reason`.
 """
 
 from __future__ import annotations
@@ -36,11 +32,12 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from trainer.metrics_format import FX_TRACING_ERROR
 
-# What run.compile_lock may be, each with the line the startup summary shows for it
+# What run.compile_lock may be, each with the line the startup summary shows for it; "patch" patches
+# `is_fx_symbolic_tracing` to False before torch.compile wraps anything
 COMPILE_LOCK_MODES = {
     "lock": "exclusive for first/new-shape/compiling steps, shared otherwise",
     "none": "UNPROTECTED (race harness only)",
@@ -90,7 +87,6 @@ def assert_fx_flag_clear() -> None:
 
 
 def assert_nested_fx_error_enabled() -> None:
-    """Refuse `torch._dynamo.config.error_on_nested_fx_trace = False` (silent eager, not a fix)."""
     import torch._dynamo
 
     if not torch._dynamo.config.error_on_nested_fx_trace:
@@ -102,11 +98,8 @@ def assert_nested_fx_error_enabled() -> None:
 
 
 class SharedExclusiveLock:
-    """Reader/writer lock; waiting writers block new readers so a compile is never starved.
-
-    A wait times out only after `timeout` seconds without any release: drafters queueing behind
-    each other's first compiles may wait far longer in total; one holder that never lets go may not.
-    """
+    """Reader/writer lock; waiting writers block new readers so a compile is never starved. A wait
+    times out only after `timeout` seconds without any release (queued first compiles take longer)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -118,16 +111,14 @@ class SharedExclusiveLock:
 
     def _wait_until(self, ready: Callable[[], bool], timeout: float) -> bool:
         """Condition wait (lock held) whose deadline restarts whenever someone releases."""
-        seen = self._releases
-        deadline = time.monotonic() + timeout
+        seen, deadline = self._releases, time.monotonic() + timeout
         while not ready():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
             self._cond.wait(remaining)
             if self._releases != seen:
-                seen = self._releases
-                deadline = time.monotonic() + timeout
+                seen, deadline = self._releases, time.monotonic() + timeout
         return True
 
     def acquire_shared(self, timeout: float) -> None:
@@ -160,13 +151,11 @@ class SharedExclusiveLock:
                     "step(s) before compiling; is a thread blocked inside guard.step() (a barrier or "
                     "queue belongs AFTER the guarded forward+backward)?"
                 )
-            self.writer = threading.get_ident()
-            self.writer_context = context
+            self.writer, self.writer_context = threading.get_ident(), context
 
     def release_exclusive(self) -> None:
         with self._cond:
-            self.writer = None
-            self.writer_context = None
+            self.writer = self.writer_context = None
             self._releases += 1
             self._cond.notify_all()
 
@@ -188,12 +177,9 @@ _hook_kind: str | None = None  # "scope" (wrapped install_callbacks) | "callback
 
 
 class CompileGuard:
-    """Process-wide guard for compiled drafter steps: install() before anything is compiled, then
-    `with guard.step(...)` around each forward+backward (barrier and optimizer after the block).
-
-    A subclass may offer other `modes` and decide which steps run alone (`exclusive_reason`); its
-    modes get none of "lock"'s other protections.
-    """
+    """install() before anything is compiled, then `with guard.step(...)` around each forward+backward
+    (barrier and optimizer after it). A subclass (a benchmark) may offer other `modes` and decide which
+    steps run alone (`exclusive_reason`); its modes get none of "lock"'s other protections."""
 
     modes: dict[str, str] = COMPILE_LOCK_MODES
 
@@ -222,7 +208,6 @@ class CompileGuard:
         self._active: dict[int, _StepContext] = {}  # steps inside the guard, by id
 
     def install(self) -> CompileGuard:
-        """Activate the guard for this process. Call once, before anything is compiled."""
         global _active_guard
         import torch
 
@@ -332,16 +317,14 @@ class CompileGuard:
         owner, reason, took_exclusive = self._claim_for_compile(context)
         # Whether this compile ran with no other thread inside a step (the invariant of "lock").
         exclusive = took_exclusive or (owner is not None and owner.hold == "exclusive")
-        holds_mask_lock = False
-        if self.mode == "lock":
-            holds_mask_lock = MASK_LOCK.acquire(timeout=self.wait_timeout_s)
-            if not holds_mask_lock:
-                if took_exclusive:
-                    self._lock.release_exclusive()
-                raise CompileLockTimeout(
-                    f"waited {self.wait_timeout_s:.0f} s for MASK_LOCK before compiling; is "
-                    "create_block_mask compiling (_compile=True) while holding it?"
-                )
+        holds_mask_lock = self.mode == "lock" and MASK_LOCK.acquire(timeout=self.wait_timeout_s)
+        if self.mode == "lock" and not holds_mask_lock:
+            if took_exclusive:
+                self._lock.release_exclusive()
+            raise CompileLockTimeout(
+                f"waited {self.wait_timeout_s:.0f} s for MASK_LOCK before compiling; is "
+                "create_block_mask compiling (_compile=True) while holding it?"
+            )
         _tls.compiling = True
         with self._state_lock:
             self._compiles_running += 1
@@ -358,16 +341,14 @@ class CompileGuard:
             if took_exclusive:
                 self._lock.release_exclusive()
             self._record(
-                _compile_event(
-                    owner,
-                    duration_s=round(duration, 4),
-                    reason=reason,
-                    exclusive=exclusive,
-                    shape_key=list(owner.shape_key) if owner else None,
-                    trigger=trigger,
-                    compile_id=compile_id,
-                    phase=getattr(_tls, "phase", None) or "step",
-                )
+                owner,
+                duration_s=round(duration, 4),
+                reason=reason,
+                exclusive=exclusive,
+                shape_key=list(owner.shape_key) if owner else None,
+                trigger=trigger,
+                compile_id=compile_id,
+                phase=getattr(_tls, "phase", None) or "step",
             )
 
     def _claim_for_compile(self, context: _StepContext | None) -> tuple[_StepContext | None, str, bool]:
@@ -413,7 +394,16 @@ class CompileGuard:
         with self._state_lock:
             self._escalated.update(self._threads_seen)
 
-    def _record(self, event: dict) -> None:
+    def _record(self, owner: _StepContext | None, **fields) -> None:
+        """Log one compile, attributed to `owner`'s step (None: outside any step)."""
+        event = {
+            "event": "compile",
+            "thread": owner.thread if owner else threading.current_thread().name,
+            "step": owner.step if owner else -1,
+            **fields,
+            "os_thread": threading.current_thread().name,
+            "time": time.time(),
+        }
         with self._events_lock:
             self.events.append(event)
         if self.on_event is not None:
@@ -430,15 +420,14 @@ class CompileGuard:
 def _dynamo_compile_lock_released() -> Iterator[None]:
     """Let go of dynamo's re-entrant compile_lock (held around our compile scope) while waiting for
     the other steps: one of them may need to compile too (measured: recomputes hung without this)."""
-    lock = None
+    lock: Any = None
     try:
         from torch._dynamo import convert_frame
 
         lock = getattr(convert_frame, "compile_lock", None)
     except ImportError:
         pass
-    owned = getattr(lock, "_is_owned", None)
-    if lock is None or owned is None or not owned():
+    if not getattr(lock, "_is_owned", lambda: False)():
         yield
         return
     state = lock._release_save()
@@ -450,20 +439,15 @@ def _dynamo_compile_lock_released() -> Iterator[None]:
 
 def compile_reason(event: dict) -> str:
     """A compile event's reason for the log: why it may compile, where, and whether it ran alone."""
-    reason = event.get("reason", "")
-    if event.get("phase") == "recompute":
-        reason += ", in checkpoint recompute"
-    if event.get("exclusive") is False:
-        reason += ", NOT exclusive"
-    return reason
+    recompute = ", in checkpoint recompute" if event.get("phase") == "recompute" else ""
+    alone = ", NOT exclusive" if event.get("exclusive") is False else ""
+    return event.get("reason", "") + recompute + alone
 
 
 def carry_step(fn: Callable) -> Callable:
-    """Wrap a function for torch.utils.checkpoint: its recompute runs as part of the current step.
-
-    The first call is the forward; later calls are backward's recomputes, perhaps in a GPU's
-    autograd thread, which adopts the step's context so a compile there follows the step's rules.
-    """
+    """Wrap a function for torch.utils.checkpoint: the first call is the forward; later calls are
+    backward's recomputes, perhaps in a GPU's autograd thread, which adopts the current step's context
+    so a compile there follows the step's rules."""
     context = getattr(_tls, "context", None)
     calls = 0
 
@@ -510,14 +494,12 @@ def _install_compile_hook() -> None:
             @contextlib.contextmanager
             def install_callbacks(*args, **kwargs):
                 guard = _active_guard
-                if guard is None:
-                    with original(*args, **kwargs):
-                        yield
-                    return
-                trigger, compile_id = _describe_trigger(args, kwargs)
-                with guard._compile_scope(trigger, compile_id):
-                    with original(*args, **kwargs):
-                        yield
+                trigger = kwargs.get("trigger", args[0] if args else None)
+                trigger_name = getattr(trigger, "name", str(trigger))
+                compile_id = str(kwargs.get("compile_id", args[1] if len(args) > 1 else ""))
+                scope = guard._compile_scope(trigger_name, compile_id) if guard else contextlib.nullcontext()
+                with scope, original(*args, **kwargs):
+                    yield
 
             try:
                 # deliberate: torch's handler method replaced by our wrapper (see the docstring)
@@ -531,40 +513,19 @@ def _install_compile_hook() -> None:
         _hook_kind = "callbacks"
 
 
-def _describe_trigger(args: tuple, kwargs: dict) -> tuple[str, str]:
-    trigger = kwargs.get("trigger", args[0] if args else None)
-    compile_id = kwargs.get("compile_id", args[1] if len(args) > 1 else "")
-    return getattr(trigger, "name", str(trigger)), str(compile_id)
-
-
 def _callback_started(args) -> None:  # fallback detection: log only
     _tls.callback_started = time.perf_counter()
 
 
 def _callback_ended(args) -> None:
-    guard = _active_guard
-    started = getattr(_tls, "callback_started", None)
+    guard, started = _active_guard, getattr(_tls, "callback_started", None)
     if guard is None:
         return
     context = getattr(_tls, "context", None)
     guard._record(
-        _compile_event(
-            context,
-            duration_s=round(time.perf_counter() - started, 4) if started else None,
-            reason=context.reason if context else "outside_step",
-            trigger=getattr(getattr(args, "callback_trigger", None), "name", ""),
-            compile_id=str(getattr(args, "compile_id", "")),
-        )
+        context,
+        duration_s=round(time.perf_counter() - started, 4) if started else None,
+        reason=context.reason if context else "outside_step",
+        trigger=getattr(getattr(args, "callback_trigger", None), "name", ""),
+        compile_id=str(getattr(args, "compile_id", "")),
     )
-
-
-def _compile_event(owner: _StepContext | None, **fields) -> dict:
-    """The log event of one compile, attributed to `owner`'s step (None: outside any step)."""
-    return {
-        "event": "compile",
-        "thread": owner.thread if owner else threading.current_thread().name,
-        "step": owner.step if owner else -1,
-        **fields,
-        "os_thread": threading.current_thread().name,
-        "time": time.time(),
-    }

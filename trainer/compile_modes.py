@@ -1,11 +1,10 @@
 """The torch.compile modes the trainer offers for its compiled regions, and why not the others.
 
 Every drafter thread runs the ONE compiled flex_attention, and every replica's backward on a GPU
-runs in that GPU's one autograd thread; a mode must work under exactly that. Offered: default and
-max-autotune-no-cudagraphs (longer compiles, each still exclusive under the compile lock).
-Refused: reduce-overhead and max-autotune record CUDA graph trees, whose thread-local state asserts
-in Python-created threads on torch <= 2.11 (pytorch #123177) and whose one memory pool every
-drafter's backward would replay into from the shared autograd thread (#113809).
+runs in that GPU's one autograd thread; a mode must work under exactly that. CUDA graph trees do
+not (REFUSED_COMPILE_MODES), and every drafter's backward would replay into their one memory pool
+from the shared autograd thread (pytorch #113809). max-autotune-no-cudagraphs compiles longer, each
+compile still exclusive under the compile lock.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ REFUSED_COMPILE_MODES = {
 
 
 def torch_compile_kwargs(mode: str) -> dict:
-    """Keyword arguments for torch.compile for a trainer compile mode."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
     return {} if mode == "default" else {"mode": mode}

@@ -151,17 +151,13 @@ class TrainConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in internal}
 
 
+# the keys a training flag of their own sets: --max-steps N is --set train.max_steps=N
 OVERRIDE_ALIASES = {
-    "output_dir": "run.output_dir",
-    "metrics_file": "run.metrics_file",
-    "resume": "run.resume",
-    "compile_lock": "run.compile_lock",
-    "attention": "run.attention",
-    "target_devices": "run.target_devices",
-    "drafter_devices": "run.drafter_devices",
-    "max_steps": "train.max_steps",
-    "seed": "train.seed",
-    "launcher": "run.launcher",
+    dotted.rpartition(".")[2]: dotted
+    for dotted in (
+        "run.output_dir run.metrics_file run.resume run.compile_lock run.attention run.target_devices "
+        "run.drafter_devices train.max_steps train.seed run.launcher"
+    ).split()
 }
 
 
@@ -195,13 +191,9 @@ def load_config(path: str, overrides: dict | None = None) -> TrainConfig:
             f"{file}: the top level must be a mapping of sections (target, drafter, data, train, run)"
         )
     for key, value in (overrides or {}).items():
-        _set_dotted(raw, OVERRIDE_ALIASES.get(key, key), value, _flag_of(key))
+        flag = f"--{key.replace('_', '-')}" if key in OVERRIDE_ALIASES else f"--set {key}"
+        _set_dotted(raw, OVERRIDE_ALIASES.get(key, key), value, flag)
     return config_from_dict(raw, str(file))
-
-
-def _flag_of(override: str) -> str:
-    """The command-line flag an override comes from: `--max-steps`, or `--set train.lr`."""
-    return f"--{override.replace('_', '-')}" if override in OVERRIDE_ALIASES else f"--set {override}"
 
 
 def default_precision(drafter_devices: list[str]) -> str:
@@ -226,9 +218,9 @@ def config_from_dict(raw: dict, source: str) -> TrainConfig:
 
 
 def _set_dotted(raw: dict, dotted: str, value, flag: str) -> None:
-    parts = dotted.split(".")
+    *sections, key = dotted.split(".")
     node = raw
-    for part in parts[:-1]:
+    for part in sections:
         child = node.get(part)
         if child is None:
             child = node[part] = typed_yaml.YamlMap()
@@ -237,9 +229,9 @@ def _set_dotted(raw: dict, dotted: str, value, flag: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"{flag}: `{part}` is not a section")
         node = child
-    node[parts[-1]] = value
+    node[key] = value
     if isinstance(node, typed_yaml.YamlMap):
-        node.key_lines[parts[-1]] = flag
+        node.key_lines[key] = flag
 
 
 def _fail(cfg: TrainConfig, key: str, message: str) -> typing.NoReturn:
@@ -276,7 +268,6 @@ PATH_FIXES = {
 
 
 def _value(cfg: TrainConfig, key: str) -> typing.Any:
-    """The value at a dotted key, e.g. `train.lr`."""
     return functools.reduce(getattr, key.split("."), cfg)
 
 
@@ -324,11 +315,8 @@ def _validate_data(cfg: TrainConfig) -> None:
     if fix and not data.path:
         _fail(cfg, "data.path", f"is required when data.source is {data.source}. Fix: {fix}")
     if data.source == "synthetic" and data.synthetic.prompt_len >= data.seq_len:
-        _fail(
-            cfg,
-            "data.synthetic.prompt_len",
-            f"({data.synthetic.prompt_len}) must be shorter than data.seq_len ({data.seq_len}).",
-        )
+        shorter = f"({data.synthetic.prompt_len}) must be shorter than data.seq_len ({data.seq_len})."
+        _fail(cfg, "data.synthetic.prompt_len", shorter)
     if data.seq_len < 2:
         _fail(cfg, "data.seq_len", f"must be at least 2, got {data.seq_len}.")
 
@@ -342,27 +330,16 @@ def _validate_run(cfg: TrainConfig) -> None:
         if name not in TRACKERS:
             close = typed_yaml.closest_match(name, TRACKERS)
             hint = f" Did you mean {close!r}?" if close else ""
-            _fail(
-                cfg,
-                "run.report_to",
-                f"has {name!r}, which is not a tracker.{hint} "
-                f"Fix: any of {', '.join(TRACKERS)}, e.g. [tensorboard].",
-            )
+            fix = f"Fix: any of {', '.join(TRACKERS)}, e.g. [tensorboard]."
+            _fail(cfg, "run.report_to", f"has {name!r}, which is not a tracker.{hint} {fix}")
     r.report_to = list(dict.fromkeys(r.report_to))  # each tracker once
     if r.compile_mode in REFUSED_COMPILE_MODES:
-        _fail(
-            cfg,
-            "run.compile_mode",
-            f"{r.compile_mode!r} is not offered: {REFUSED_COMPILE_MODES[r.compile_mode]}. "
-            f"Fix: use one of {', '.join(COMPILE_MODES)}.",
-        )
+        why = f"{r.compile_mode!r} is not offered: {REFUSED_COMPILE_MODES[r.compile_mode]}."
+        _fail(cfg, "run.compile_mode", f"{why} Fix: use one of {', '.join(COMPILE_MODES)}.")
     _one_of(cfg, "run.compile_mode", r.compile_mode, COMPILE_MODES)
     if r.stop_grace_s <= 0:
-        _fail(
-            cfg,
-            "run.stop_grace_s",
-            f"must be positive, got {r.stop_grace_s}. Fix: e.g. 20 (below ops' --grace).",
-        )
+        fix = "Fix: e.g. 20 (below ops' --grace)."
+        _fail(cfg, "run.stop_grace_s", f"must be positive, got {r.stop_grace_s}. {fix}")
     for key in DEVICE_KEYS:
         devices = _value(cfg, key)
         if not devices:
@@ -371,12 +348,8 @@ def _validate_run(cfg: TrainConfig) -> None:
             if not DEVICE_RE.match(dev):
                 _fail(cfg, key, f"has {dev!r}, which is not a device. Fix: use cpu, cuda or cuda:N.")
     if r.attention == "flex" and any(dev == "cpu" for dev in r.drafter_devices):
-        _fail(
-            cfg,
-            "run.attention",
-            "is flex, but a drafter device is cpu and torch cannot run flex_attention backward "
-            "on CPU. Fix: use --attention sdpa for CPU drafters.",
-        )
+        why = "is flex, but a drafter device is cpu and torch cannot run flex_attention backward on CPU."
+        _fail(cfg, "run.attention", f"{why} Fix: use --attention sdpa for CPU drafters.")
 
 
 def _validate_eval(cfg: TrainConfig) -> None:
@@ -404,8 +377,5 @@ def check_devices(cfg: TrainConfig) -> None:
         missing, count = missing_cuda_devices(_value(cfg, key))
         if missing:
             seen = f"{count} CUDA device(s) visible" if count else "no CUDA device visible"
-            _fail(
-                cfg,
-                key,
-                f"names {missing[0]!r} but this machine has {seen}. Fix: pick existing devices, or cpu.",
-            )
+            fix = "Fix: pick existing devices, or cpu."
+            _fail(cfg, key, f"names {missing[0]!r} but this machine has {seen}. {fix}")

@@ -29,10 +29,7 @@ from trainer.compile_lock import MASK_LOCK
 
 
 def sample_anchors(
-    loss_mask: torch.Tensor,
-    num_anchors: int,
-    block_size: int,
-    generator: torch.Generator,
+    loss_mask: torch.Tensor, num_anchors: int, block_size: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick up to `num_anchors` random anchor positions per sequence.
 
@@ -151,8 +148,7 @@ def dense_mask(
     """The same mask as a dense bool tensor [B, 1, N*block, ctx_len + N*block] for SDPA."""
     batch, num_blocks = anchors.shape
     q_len = num_blocks * block_size
-    anchors, valid = anchors.to(device), valid.to(device)
-    mask_mod = make_mask_mod(anchors, valid, ctx_len, block_size)
+    mask_mod = make_mask_mod(anchors.to(device), valid.to(device), ctx_len, block_size)
     b = torch.arange(batch, device=device).view(batch, 1, 1)
     q_idx = torch.arange(q_len, device=device).view(1, q_len, 1)
     kv_idx = torch.arange(ctx_len + q_len, device=device).view(1, 1, ctx_len + q_len)

@@ -69,16 +69,11 @@ def encode(event: str, **fields) -> str:
 
 def parse_line(line: str) -> dict | None:
     """A record, or None for a blank, partial (still being written) or foreign line."""
-    line = line.strip()
-    if not line:
-        return None
     try:
-        record = json.loads(line)
+        record = json.loads(line.strip())
     except ValueError:
         return None
-    if not isinstance(record, dict) or record.get("event") not in EVENTS:
-        return None
-    return record
+    return record if isinstance(record, dict) and record.get("event") in EVENTS else None
 
 
 def parse_lines(text: str) -> list[dict]:
@@ -86,10 +81,7 @@ def parse_lines(text: str) -> list[dict]:
 
 
 def last_of(records: list[dict], event: str) -> dict | None:
-    for record in reversed(records):
-        if record.get("event") == event:
-            return record
-    return None
+    return next((record for record in reversed(records) if record.get("event") == event), None)
 
 
 # How much earlier than its launch (the launcher's clock, whole seconds) a trainer's start record

@@ -52,11 +52,8 @@ class Thinned:
             self.others.append((index, line))
 
     def lines(self):
-        kept = dict(self.steps)
-        kept.update(self.others)
-        for extra in (self.first, self.last_step):
-            if extra is not None:
-                kept[extra[0]] = extra[1]
+        extras = [extra for extra in (self.first, self.last_step) if extra is not None]
+        kept = dict(self.steps + list(self.others) + extras)
         return [kept[i] for i in sorted(kept)]
 
 

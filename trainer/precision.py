@@ -83,7 +83,6 @@ def _check(precision: str) -> None:
 
 
 def resolve(cfg) -> str:
-    """cfg.train.precision, or its default for the drafter devices when unset."""
     from trainer.config import default_precision
 
     return cfg.train.precision or default_precision(cfg.run.drafter_devices)

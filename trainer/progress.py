@@ -55,9 +55,8 @@ class ProgressLine:
     def line(self, extra: str = "") -> str:
         rate = self.rate()
         eta = format_duration((self.total - self.done) / rate) if rate > 0 else "?"
-        return f"{self.what} {self.done}/{self.total}  {rate:.2f}/s  ETA {eta}" + (
-            f"  {extra}" if extra else ""
-        )
+        suffix = f"  {extra}" if extra else ""
+        return f"{self.what} {self.done}/{self.total}  {rate:.2f}/s  ETA {eta}{suffix}"
 
     def update(self, done: int, extra: str = "") -> None:
         self.done = done

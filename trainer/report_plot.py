@@ -23,6 +23,14 @@ MARKER_STYLE = {
     "error": ("black", ":"),
     "ended": ("tab:orange", "-."),
 }
+# panel -> (title, x label, y label), in drawing order; GPU memory only when recorded
+PANELS = {
+    "loss": ("training loss (trailing mean over 2% of the steps)", "step", "loss"),
+    "tau": ("τ (acceptance length)", "step", "tokens per target forward"),
+    "acceptance": ("acceptance per block position", "block position", "share of rounds accepted to here"),
+    "tokens_per_s": ("throughput (relaunch --, stop |)", "step", "tokens/s"),
+    "gpu_memory": ("GPU memory (peak per step)", "step", "GiB"),
+}
 
 
 class NoMetrics(Exception):
@@ -100,10 +108,8 @@ def draw(histories: list[RunHistory], title: str = "") -> Picture:
 
 
 def _panels(plt, with_memory: bool):
-    """(figure, panel name -> axes): two panels a row, GPU memory only when recorded."""
-    names = ["loss", "tau", "acceptance", "tokens_per_s"]
-    if with_memory:
-        names.append("gpu_memory")
+    """(figure, panel name -> axes): two panels a row."""
+    names = [name for name in PANELS if with_memory or name != "gpu_memory"]
     rows = (len(names) + 1) // 2
     fig, axes = plt.subplots(rows, 2, figsize=(WIDTH_IN, PANEL_HEIGHT_IN * rows), dpi=DPI, squeeze=False)
     panel = dict(zip(names, axes.flat, strict=False))
@@ -140,17 +146,12 @@ def _tau(ax, run: RunHistory, colour, overlay: bool, window: int) -> None:
     per_prompt = [(e.step, e.tau_per_prompt_mean) for e in run.evals if e.tau_per_prompt_mean is not None]
     if per_prompt:
         steps, taus = [step for step, _ in per_prompt], [tau for _, tau in per_prompt]
-        _thin_line(ax, steps, taus, colour, ":s", 4, f"{prefix}measured (mean of per-prompt)")
+        ax.plot(steps, taus, ":s", color=colour, lw=1.0, ms=4, label=f"{prefix}measured (mean of per-prompt)")
 
 
 def _main_line(ax, xs, ys, colour, label: str) -> None:
     """A measured series: a thick line with round markers."""
     ax.plot(xs, ys, color=colour, lw=1.8, marker="o", ms=5, label=label)
-
-
-def _thin_line(ax, xs, ys, colour, style: str, ms: int, label: str) -> None:
-    """A secondary series: a thin line, `style` its line and marker in matplotlib's format ("--x")."""
-    ax.plot(xs, ys, style, color=colour, lw=1.0, ms=ms, label=label)
 
 
 def _picture(fig, panel) -> Picture:
@@ -181,24 +182,14 @@ def _acceptance(ax, run: RunHistory, colour, overlay: bool) -> None:
     earliest = with_acceptance[0]
     if earliest is not latest:
         positions = range(1, len(earliest.acceptance) + 1)
-        _thin_line(
-            ax, positions, earliest.acceptance, colour, "--x", 5, f"{prefix}earliest (step {earliest.step})"
-        )
+        label = f"{prefix}earliest (step {earliest.step})"
+        ax.plot(positions, earliest.acceptance, "--x", color=colour, lw=1.0, ms=5, label=label)
 
 
 def _titles(panel, runs: list[RunHistory], plt) -> None:
-    panel["loss"].set(
-        title="training loss (trailing mean over 2% of the steps)", xlabel="step", ylabel="loss"
-    )
-    panel["tau"].set(title="τ (acceptance length)", xlabel="step", ylabel="tokens per target forward")
-    panel["acceptance"].set(
-        title="acceptance per block position",
-        xlabel="block position",
-        ylabel="share of rounds accepted to here",
-    )
-    panel["tokens_per_s"].set(title="throughput (relaunch --, stop |)", xlabel="step", ylabel="tokens/s")
-    if "gpu_memory" in panel:
-        panel["gpu_memory"].set(title="GPU memory (peak per step)", xlabel="step", ylabel="GiB")
+    for name, ax in panel.items():
+        title, xlabel, ylabel = PANELS[name]
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     if not any(r.evals for r in runs):
         ax = panel["acceptance"]
         centred = {"ha": "center", "va": "center", "transform": ax.transAxes}

@@ -68,16 +68,12 @@ class RunHistory:
 
     def summary_line(self) -> str:
         """`run 0003: 1200/90000 steps, best τ 3.412 (step 1200), 2h01m12s, 2 launches`"""
-        row = self.summary_row()
-        best = (
-            "no eval yet"
-            if row["best_tau"] is None
-            else f"best τ {row['best_tau']:.3f} (step {row['best_tau_step']})"
-        )
-        total = f"/{row['total_steps']}" if row["total_steps"] else ""
+        best = self.best_eval
+        best_text = "no eval yet" if best is None else f"best τ {round(best.tau, 3):.3f} (step {best.step})"
+        total = f"/{self.total_steps}" if self.total_steps else ""
         state = ", finished" if self.finished else ""
         return (
-            f"{self.name}: {row['steps']}{total} steps, {best}, {format_duration(self.wall_s)}, "
+            f"{self.name}: {self.last_step}{total} steps, {best_text}, {format_duration(self.wall_s)}, "
             f"{self.launches} launch{'es' if self.launches != 1 else ''}{state}"
         )
 
@@ -87,9 +83,7 @@ def _int(value) -> int | None:
 
 
 def _float(value) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _floats(value) -> tuple[float, ...] | None:
@@ -132,11 +126,8 @@ class _Series:
         """One launch's records; `relaunched`: a launch came before it, `followed`: one comes after."""
         times = [t for t in (_float(r.get("time")) for r in launch) if t is not None and math.isfinite(t)]
         self.wall += (max(times) - min(times)) if times else 0.0
-        first_step = None
-        for record in launch:
-            step = self.add_record(record)
-            if first_step is None:
-                first_step = step
+        steps = [self.add_record(record) for record in launch]
+        first_step = next((step for step in steps if step is not None), None)
         if relaunched and first_step is not None:
             self.markers.append(
                 Marker(first_step - 1, "relaunch", f"relaunch: resumed after step {first_step - 1}")
@@ -185,7 +176,6 @@ class _Series:
 def history(name: str, launches: list[list[dict]]) -> RunHistory:
     """A run's history from its launches' records (each list oldest first, launches in order)."""
     launches = [part for launch in launches for part in segments([r for r in launch if isinstance(r, dict)])]
-    launches = [part for part in launches if part]
     series = _Series()
     for number, launch in enumerate(launches):
         series.add_launch(launch, relaunched=number > 0, followed=number < len(launches) - 1)

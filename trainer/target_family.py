@@ -1,11 +1,9 @@
 """Which target architectures the trainer supports, and how to read their language model's config.
 
-Two families:
-- dense: Llama/Qwen layout, every layer full attention (`qwen3`, `qwen2`, `llama`, `mistral`).
-- hybrid: Qwen3.5/3.6 (`qwen3_5`, `qwen3_5_moe`), Gated DeltaNet linear-attention layers (a recurrent
-  state + a causal-conv state each) interleaved with a gated full-attention layer every
-  `full_attention_interval`-th layer (`config.layer_types`). The multimodal checkpoints keep the
-  language model's settings in `config.text_config`.
+Two families: dense (Llama/Qwen layout, every layer full attention) and hybrid (Qwen3.5/3.6: Gated
+DeltaNet linear-attention layers, a recurrent state + a causal-conv state each, interleaved with a
+gated full-attention layer every `full_attention_interval`-th layer, `config.layer_types`). The
+multimodal checkpoints keep the language model's settings in `config.text_config`.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ def text_config(config):
 
 
 def is_hybrid(config) -> bool:
-    """True when some layer is a linear-attention (recurrent) layer."""
     return LINEAR_ATTENTION in (getattr(text_config(config), "layer_types", None) or [])
 
 

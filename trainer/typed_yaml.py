@@ -93,12 +93,6 @@ class YamlMap(dict):
         return wrapped
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, where: str, first_line: int, line: int):
-        super().__init__(where)
-        self.where, self.first_line, self.line = where, first_line, line
-
-
 class _StrictLoader(yaml.SafeLoader):
     """SafeLoader with only true/false as booleans (YAML 1.2): `host_key_policy: off` stays text."""
 
@@ -133,14 +127,16 @@ def _construct_map(loader: _StrictLoader, node: yaml.MappingNode) -> YamlMap:
 _StrictLoader.add_constructor("tag:yaml.org,2002:map", _construct_map)
 
 
-def _refuse_duplicate_keys(node, path: tuple, seen_nodes: set, named_items: Mapping[str, str]) -> None:
+def _refuse_duplicate_keys(
+    node, path: tuple, seen_nodes: set, named_items: Mapping[str, str], filename: str
+) -> None:
     """Refuse two equal keys written in one mapping (PyYAML keeps the last); merged keys may be overridden."""
     if id(node) in seen_nodes:  # an alias of a node already checked
         return
     seen_nodes.add(id(node))
     if isinstance(node, yaml.SequenceNode):
         for item in node.value:
-            _refuse_duplicate_keys(item, path, seen_nodes, named_items)
+            _refuse_duplicate_keys(item, path, seen_nodes, named_items, filename)
     elif isinstance(node, yaml.MappingNode):
         first_lines: dict = {}
         for key_node, value_node in node.value:
@@ -148,9 +144,13 @@ def _refuse_duplicate_keys(node, path: tuple, seen_nodes: set, named_items: Mapp
             if key is not None and key_node.tag != _MERGE_TAG:
                 line = key_node.start_mark.line + 1
                 if key in first_lines:
-                    raise _DuplicateKey(_describe_key(path, key, named_items), first_lines[key], line)
+                    raise YamlInputError(
+                        f"{filename}:{line}: {_describe_key(path, key, named_items)} is defined twice "
+                        f"(also on line {first_lines[key]}); YAML would silently keep only the last one: "
+                        "rename or remove one of them"
+                    )
                 first_lines[key] = line
-            _refuse_duplicate_keys(value_node, path + (key,), seen_nodes, named_items)
+            _refuse_duplicate_keys(value_node, path + (key,), seen_nodes, named_items, filename)
 
 
 def _describe_key(path: tuple, key: str, named_items: Mapping[str, str]) -> str:
@@ -170,13 +170,8 @@ def parse_yaml(text: str, filename: str, named_items: Mapping[str, str] | None =
         node = loader.get_single_node()
         if node is None:
             return None
-        _refuse_duplicate_keys(node, (), set(), named_items or {})
+        _refuse_duplicate_keys(node, (), set(), named_items or {}, filename)
         return loader.construct_document(node)
-    except _DuplicateKey as e:
-        raise YamlInputError(
-            f"{filename}:{e.line}: {e.where} is defined twice (also on line {e.first_line}); "
-            f"YAML would silently keep only the last one: rename or remove one of them"
-        ) from None
     except yaml.reader.ReaderError as e:
         raise _control_byte(text, filename, e) from None
     except yaml.MarkedYAMLError as e:
@@ -245,11 +240,9 @@ def dotted_lines(data: Any, prefix: str = "") -> dict[str, int]:
 
 @dataclasses.dataclass(frozen=True)
 class _Place:
-    """Where a value sits: the file, its line (0: unknown) and its dotted field path."""
-
     filename: str
-    line: int | str  # a text: the command-line flag that set the value (see located)
-    path: str
+    line: int | str  # 0: unknown; a text: the command-line flag that set the value
+    path: str  # dotted field path
 
     def error(self, problem: str) -> YamlInputError:
         return YamlInputError(f"{located(self.filename, self.line)}: `{self.path}` {problem}")
@@ -288,7 +281,6 @@ def _build(cls: type[T], data: Any, place: _Place) -> T:
 
 
 def _coerce(hint: Any, value: Any, place: _Place) -> Any:
-    """`value` as the annotated type, or a YamlInputError naming the field."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):  # Optional[X] / X | None
         if value is None:
