@@ -167,11 +167,9 @@ if triton is not None:
             cached = key_ok & ~new
             k_at = k_ptr + b * stride_kb + h * stride_kh + keys_at[:, None] * stride_ks + dims[None, :]
             new_k_at = (
-                new_k_ptr + b * stride_nkb + step[:, None] * stride_nkt + h * stride_nkh + dims[None, :]
+                new_k_ptr + b * stride_nkb + h * stride_nkh + step[:, None] * stride_nkt + dims[None, :]
             )
-            new_k = tl.load(new_k_at, mask=new[:, None], other=0.0)
-            tl.store(k_at, new_k, mask=new[:, None])
-            k = tl.where(new[:, None], new_k, tl.load(k_at, mask=cached[:, None], other=0.0))
+            k = _cached_run(k_at, new_k_at, new, cached)
             scores = tl.dot(q, tl.trans(k)) * scale
             visible = (keys_at[None, :] <= horizon[:, None]) & key_ok[None, :]
             scores = tl.where(visible, scores, float("-inf"))
@@ -180,15 +178,20 @@ if triton is not None:
             weights = tl.exp(scores - safe_peak[:, None])
             v_at = v_ptr + b * stride_vb + h * stride_vh + keys_at[:, None] * stride_vs + dims[None, :]
             new_v_at = (
-                new_v_ptr + b * stride_nvb + step[:, None] * stride_nvt + h * stride_nvh + dims[None, :]
+                new_v_ptr + b * stride_nvb + h * stride_nvh + step[:, None] * stride_nvt + dims[None, :]
             )
-            new_v = tl.load(new_v_at, mask=new[:, None], other=0.0)
-            tl.store(v_at, new_v, mask=new[:, None])
-            v = tl.where(new[:, None], new_v, tl.load(v_at, mask=cached[:, None], other=0.0))
+            v = _cached_run(v_at, new_v_at, new, cached)
             acc = tl.dot(weights.to(v.dtype), v)
             tl.store(peak_ptr + slot * R + rows, peak, mask=row_ok)
             tl.store(total_ptr + slot * R + rows, tl.sum(weights, axis=1), mask=row_ok)
             tl.store(out_rows, acc, mask=row_ok[:, None])
+
+    @triton.jit
+    def _cached_run(cache_at, new_at, new, cached):
+        """A run of keys (or values) from the cache, the new ones from new_at, written to the cache."""
+        fresh = tl.load(new_at, mask=new[:, None], other=0.0)
+        tl.store(cache_at, fresh, mask=new[:, None])
+        return tl.where(new[:, None], fresh, tl.load(cache_at, mask=cached[:, None], other=0.0))
 
     @triton.jit
     def _attention_combine(
