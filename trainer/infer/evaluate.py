@@ -269,28 +269,7 @@ def evaluate(
         ties, mismatch = _judge(model, layer_ids, decoder, job, found)
     finally:
         drafter.train(was_training)
-    rounds = [n for row in found.accepted for n in row]
-    target_tps = found.target_tokens / found.target_seconds if found.target_seconds > 0 else None
-    spec_tps = found.spec_tokens / found.spec_seconds if found.spec_seconds > 0 else 0.0
-    return EvalResult(
-        **tau_summary(found.accepted),
-        acceptance=[
-            sum(n >= k for n in rounds) / len(rounds) if rounds else math.nan for k in range(1, block)
-        ],
-        rounds=len(rounds),
-        prompts=len(usable),
-        skipped_too_long=len(prompts) - len(usable),
-        new_tokens=int(found.spec_tokens),
-        target_tokens_per_s=target_tps,
-        speculative_tokens_per_s=spec_tps,
-        speedup=spec_tps / target_tps if target_tps else None,
-        lossless=None if temperature > 0 else mismatch is None,
-        ties=ties,
-        mismatch=mismatch,
-        seconds=time.perf_counter() - t0,
-        batch=decoder.rows if decoder is not None else 1,
-        loop=_loop_name(decoder),
-    )
+    return _result(found, job, block, len(prompts), ties, mismatch, time.perf_counter() - t0, decoder)
 
 
 def _static_decoder(decoder, model, layer_ids, drafter, job: _Job, batch: int, compile: bool):
@@ -335,3 +314,31 @@ def _judge(model, layer_ids, decoder, job: _Job, found: _Decodings) -> tuple[int
     except Unsupported:
         target = None  # no fp32 referee for this architecture: every difference is a bug
     return check_lossless(target, job.prompts, found.own, found.spec)
+
+
+def _result(
+    found: _Decodings, job: _Job, block: int, prompts: int, ties: int, mismatch, seconds: float, decoder
+) -> EvalResult:
+    """The evaluation's numbers from what both decodings of `prompts` (job.prompts fit) found."""
+    rounds = [n for row in found.accepted for n in row]
+    target_tps = found.target_tokens / found.target_seconds if found.target_seconds > 0 else None
+    spec_tps = found.spec_tokens / found.spec_seconds if found.spec_seconds > 0 else 0.0
+    return EvalResult(
+        **tau_summary(found.accepted),
+        acceptance=[
+            sum(n >= k for n in rounds) / len(rounds) if rounds else math.nan for k in range(1, block)
+        ],
+        rounds=len(rounds),
+        prompts=len(job.prompts),
+        skipped_too_long=prompts - len(job.prompts),
+        new_tokens=int(found.spec_tokens),
+        target_tokens_per_s=target_tps,
+        speculative_tokens_per_s=spec_tps,
+        speedup=spec_tps / target_tps if target_tps else None,
+        lossless=None if job.temperature > 0 else mismatch is None,
+        ties=ties,
+        mismatch=mismatch,
+        seconds=seconds,
+        batch=decoder.rows if decoder is not None else 1,
+        loop=_loop_name(decoder),
+    )
