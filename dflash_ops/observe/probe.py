@@ -259,9 +259,6 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ProbeError(f"[{target}] probe: malformed answer ({type(e).__name__}: {e})") from e
     state_record = jobstate.JobState.from_dict(data.get("job_state"))
-    unusable = None
-    if state_record is None and data.get("job_state") is not None:
-        unusable = "not a dflash-ops job state (no state running/stopped/finished)"
     return ProbeReport(
         target=target,
         time=clock,
@@ -281,13 +278,23 @@ def parse_probe_output(stdout: str, target: str = "target") -> ProbeReport:
         errors=tuple(str(e) for e in data.get("errors") or []),
         out_of_time=tuple(str(p) for p in data.get("out_of_time") or []),
         job_state=state_record.to_dict() if state_record else None,
-        job_state_error=str(data["job_state_error"])[:200] if data.get("job_state_error") else unusable,
+        job_state_error=_state_error(data, state_record),
         log_missing=data.get("log_missing") or None,
         marked_pids=marked,
         gpu_pids_visible=visible,
         gpu_faults=gpu_faults.parse(data.get("gpu_faults")),
         raw=data,
     )
+
+
+def _state_error(data: dict, record) -> str | None:
+    """What is wrong with the job state file, or None when it is absent or fine."""
+    error = data.get("job_state_error")
+    if error:
+        return str(error)[:200]
+    if record is None and data.get("job_state") is not None:
+        return "not a dflash-ops job state (no state running/stopped/finished)"
+    return None
 
 
 def _whole(value, signed: bool = False) -> int | None:
