@@ -61,6 +61,16 @@ def test_the_kernels_match_their_references_at_any_row_count_and_horizon():
                 block = (torch.tensor(first) + length - 1).unsqueeze(1).expand(2, length)
                 got = dk.attention(q, *[c.clone() for c in cache], block, *new, where)
                 close(got, dk.reference_attention(q, *cache, block, *new, where), tol, ("expanded", length))
+        # operands whose last dimension is not contiguous (a transposed weight, a strided residual, a
+        # cache read through a transpose) are not stepped through by 1: the answer is still the reference's
+        x, w_t = rand(3, 40, dtype=torch.float32), rand(40, 24, dtype=torch.float32).t()
+        res = rand(24, 3, dtype=torch.float32).t()
+        close(dk.linear(x, w_t, residual=res), dk.reference_linear(x, w_t, residual=res), 1e-4, "strided")
+        q = rand(1, 1, 2, 16, dtype=torch.float32)
+        cache = [rand(1, 1, 16, 80, dtype=torch.float32).transpose(2, 3) for _ in range(2)]
+        new, where = [rand(1, 1, 1, 16, dtype=torch.float32) for _ in range(2)], torch.tensor([[30]])
+        got = dk.attention(q, *[c.clone() for c in cache], where, *new, where)
+        close(got, dk.reference_attention(q, *cache, where, *new, where), 1e-4, "strided cache")
         # past MAX_ROWS the reference runs (the same function answers)
         x = torch.randn(dk.MAX_ROWS + 1, 32)
         assert torch.equal(dk.linear(x, torch.eye(32)), x)

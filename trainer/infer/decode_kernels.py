@@ -39,6 +39,11 @@ def available(x: torch.Tensor) -> bool:
     )
 
 
+def _rows_contiguous(*tensors) -> bool:
+    """Each tensor's last dimension is contiguous: the kernels step through it by 1."""
+    return all(t is None or t.stride(-1) == 1 for t in tensors)
+
+
 def reference_linear(x, weight, bias=None, residual=None):
     y = F.linear(x, weight, bias)
     return y if residual is None else residual + y
@@ -47,12 +52,14 @@ def reference_linear(x, weight, bias=None, residual=None):
 def linear(x, weight, bias=None, residual=None, tiles: dict | None = None):
     """residual + x W^T (+ bias) in one kernel launch. tiles: the kernel's tiling (the benchmark's sweep)."""
     rows = x.numel() // x.shape[-1]
-    if not available(x) or rows > MAX_ROWS or x.dtype != weight.dtype:
-        return reference_linear(x, weight, bias, residual)
     flat = x.reshape(rows, x.shape[-1])
     width = weight.shape[0]
+    res = residual.reshape(rows, width) if residual is not None else None
+    usable = available(x) and rows <= MAX_ROWS and x.dtype == weight.dtype
+    if not usable or not _rows_contiguous(flat, weight, bias, res):
+        return reference_linear(x, weight, bias, residual)
     out = torch.empty(rows, width, device=x.device, dtype=x.dtype)
-    res = residual.reshape(rows, width) if residual is not None else out
+    res = out if res is None else res
     tiles = tiles or LINEAR_TILES
     _linear_kernel[(triton.cdiv(width, tiles["BLOCK_N"]),)](
         flat, weight, out, bias if bias is not None else out, res,
@@ -85,7 +92,8 @@ def attention(q, keys, values, horizon, new_keys, new_values, where):
     """`reference_attention` where each row's T positions are consecutive: split over KEYS_PER_SPLIT key
     positions per program (each writing the new keys of its own run), then combined."""
     dim = q.shape[-1]
-    if not available(q) or q.shape[2] > MAX_ROWS or dim & (dim - 1):
+    usable = available(q) and q.shape[2] <= MAX_ROWS and not dim & (dim - 1)
+    if not usable or not _rows_contiguous(q, keys, values, new_keys, new_values):
         return reference_attention(q, keys, values, horizon, new_keys, new_values, where)
     batch, kv_heads, rows, _ = q.shape
     splits = triton.cdiv(keys.shape[2], KEYS_PER_SPLIT)
