@@ -232,12 +232,12 @@ class Kernels:
         self.merge = wrap(merge_heads)
         self.gated_up = wrap(functools.partial(gated_up, project=project))
 
-    def visibility(self, horizon: torch.Tensor, positions: torch.Tensor, group: int, dtype: torch.dtype):
-        """What attention takes to know that query (b, t) sees the keys at positions <= horizon [B, T]:
-        the horizon itself (decode_kernels) or the additive mask."""
+    def visibility(self, horizon: torch.Tensor, keys: int, group: int, dtype: torch.dtype):
+        """What attention takes to know that query (b, t) sees the keys at positions <= horizon [B, T]
+        of a cache of `keys` positions: the horizon itself (decode_kernels) or the additive mask."""
         if self.triton:
             return horizon
-        return grouped_mask(decode_kernels.grouped_visibility(horizon, len(positions), group), dtype)
+        return grouped_mask(decode_kernels.grouped_visibility(horizon, keys, group), dtype)
 
     def head(self, x, weight, bias=None):
         """An LM head's logits (decode_kernels' product reads the vocabulary's rows faster than cuBLAS)."""
@@ -253,9 +253,8 @@ class Kernels:
 
     def layer(self, x, w: _Layer, cos, sin, keys, values, rows, where, seen, dims: tuple):
         """One decoder layer over a static cache: its K/V written at `where` of `rows` (consecutive
-        positions per row), then attention
-        over the keys `seen` (visibility's answer) lets each query see. dims: (eps, heads, kv heads,
-        head dim)."""
+        positions per row), then attention over the keys `seen` (visibility's answer) lets each query
+        see. dims: (eps, heads, kv heads, head dim)."""
         q, k, v, out_gate = self.pre(x, w.pre, cos, sin, *dims, w.centered, w.gated)
         if not self.triton:
             keys[rows, :, where] = k
@@ -342,7 +341,6 @@ class StaticTarget:
             cos, sin = decoder.rotary_emb(self.embed[:1].unsqueeze(0), where)
         self.cos, self.sin = cos[0], sin[0]  # [positions, rotary dims]
         self.row_index = torch.arange(rows, device=self.device).unsqueeze(1)
-        self.key_positions = torch.arange(positions, device=self.device)
 
     def _delta(self, i: int, x, w: DeltaLayer, lengths, kernels: Kernels):
         """A Gated DeltaNet layer: mix from the state (Pending to commit) or, given `lengths`, run a
@@ -367,7 +365,7 @@ class StaticTarget:
         or, given `lengths` (a right-padded prompt), take each row's first lengths tokens at once."""
         x = F.embedding(ids, self.embed)
         cos, sin = self.cos[where], self.sin[where]
-        seen = kernels.visibility(where, self.key_positions, self.heads // self.kv_heads, self.dtype)
+        seen = kernels.visibility(where, self.positions, self.heads // self.kv_heads, self.dtype)
         wanted = set(self.layer_ids) if features else set()
         last = len(self.layers) - 1
         taken, pending = {}, {}
@@ -419,7 +417,6 @@ class StaticDrafter:
         )
         self.cos, self.sin = cos[0, 0], sin[0, 0]  # [positions, D]
         self.row_index = torch.arange(rows, device=device).unsqueeze(1)
-        self.key_positions = torch.arange(positions, device=device)
         self.offsets = torch.arange(self.block, device=device)
         self.mask_ids = torch.full((rows, self.block - 1), cfg.mask_token_id, dtype=torch.long, device=device)
 
@@ -445,7 +442,8 @@ class StaticDrafter:
         x = F.embedding(ids, d.embed_weight).to(d.fc.weight.dtype)
         cos, sin = self.cos[where], self.sin[where]
         horizon = (start + self.block - 1).unsqueeze(1).expand(-1, self.block)  # the whole block, every query
-        seen = kernels.visibility(horizon, self.key_positions, cfg.num_heads // cfg.num_kv_heads, x.dtype)
+        group = cfg.num_heads // cfg.num_kv_heads
+        seen = kernels.visibility(horizon, self.keys.shape[3], group, x.dtype)
         for i, w in enumerate(self.layers):
             x = kernels.layer(
                 x, w, cos, sin, self.keys[i], self.values[i], self.row_index, where, seen, self.dims
