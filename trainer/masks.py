@@ -18,6 +18,7 @@ broadcast grid, so the flex (BlockMask) and SDPA (dense bool) paths cannot drift
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable
 
@@ -98,7 +99,7 @@ def build_block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, b
     q_len = num_blocks * block_size
     mask_mod = make_mask_mod(anchors, valid, ctx_len, block_size)
     with MASK_LOCK:
-        if "seq_lengths" not in inspect.signature(BlockMask.from_kv_blocks).parameters:  # torch < 2.6
+        if not _tiles_take_lengths():  # torch < 2.6
             return create_block_mask(mask_mod, batch, None, q_len, ctx_len + q_len, device=str(device))
         partial, full = _tiles(anchors, valid, ctx_len, block_size)
         return BlockMask.from_kv_blocks(
@@ -111,6 +112,14 @@ def build_block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, b
 
 
 TILE = 128  # flex_attention's default sparse block size, both ways
+
+
+@functools.cache
+def _tiles_take_lengths() -> bool:
+    """BlockMask.from_kv_blocks takes the true sequence lengths (torch >= 2.6), asked once."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return "seq_lengths" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
 def _tiles(anchors, valid, ctx_len: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
