@@ -26,16 +26,7 @@ from trainer import masks  # noqa: E402
 from trainer.compile_lock import CompileGuard  # noqa: E402
 
 
-def created_block_mask(anchors, valid, ctx_len: int, block_size: int, device):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    batch, num_blocks = anchors.shape
-    q_len = num_blocks * block_size
-    mask_mod = masks.make_mask_mod(anchors.to(device), valid.to(device), ctx_len, block_size)
-    return create_block_mask(mask_mod, batch, None, q_len, ctx_len + q_len, device=str(device))
-
-
-BUILDERS = {"intervals": masks.build_block_mask, "create_block_mask": created_block_mask}
+BUILDERS = {"intervals": masks.build_block_mask, "create_block_mask": masks.evaluated_block_mask}
 
 
 def seconds(fn, device: str) -> float:

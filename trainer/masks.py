@@ -92,15 +92,15 @@ def build_block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, b
     """The flex_attention BlockMask for one batch (built fresh each step; serialised). Its tiles come
     from each query row's two visible intervals (the context before its anchor, its own block), not
     from create_block_mask's evaluation of mask_mod at every (q, kv): ~9 ms a paper-dims step."""
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 
     anchors, valid = anchors.to(device), valid.to(device)
-    batch, num_blocks = anchors.shape
+    num_blocks = anchors.shape[1]
     q_len = num_blocks * block_size
     mask_mod = make_mask_mod(anchors, valid, ctx_len, block_size)
     with MASK_LOCK:
         if not _tiles_take_lengths():  # torch < 2.6
-            return create_block_mask(mask_mod, batch, None, q_len, ctx_len + q_len, device=str(device))
+            return evaluated_block_mask(anchors, valid, ctx_len, block_size, device)
         partial, full = _tiles(anchors, valid, ctx_len, block_size)
         return BlockMask.from_kv_blocks(
             *_listed(partial),
@@ -109,6 +109,17 @@ def build_block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, b
             mask_mod=mask_mod,
             seq_lengths=(q_len, ctx_len + q_len),
         )
+
+
+def evaluated_block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, device):
+    """The same BlockMask from create_block_mask, which evaluates mask_mod at every (q, kv): torch < 2.6,
+    and the benchmarks' baseline. The caller holds MASK_LOCK where threads build masks."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, num_blocks = anchors.shape
+    q_len = num_blocks * block_size
+    mask_mod = make_mask_mod(anchors.to(device), valid.to(device), ctx_len, block_size)
+    return create_block_mask(mask_mod, batch, None, q_len, ctx_len + q_len, device=str(device))
 
 
 TILE = 128  # flex_attention's default sparse block size, both ways
