@@ -390,7 +390,8 @@ def referee(decoder, prompt: list[int], own: list[int], drafted: list[int]) -> s
     kind = "a bf16 tie" if verdict.tie else "NOT a tie (a bug)"
     return (
         f"differ at new token {at}: {kind} (fp32 logits {verdict.expected_logit:.4f} vs "
-        f"{verdict.got_logit:.4f}, bound {verdict.bound:.4f})"
+        f"{verdict.got_logit:.4f}, fp32 top {verdict.top} at {verdict.top_logit:.4f}, "
+        f"bound {verdict.bound:.4f})"
     )
 
 

@@ -103,6 +103,7 @@ def test_a_lossless_mismatch_names_the_prompt_position_and_logits_and_exits_1(ru
                           "--loop", loop])
     assert code == 1
     assert "LOSSLESS CHECK FAILED: prompt 0" in err and "new token 3" in err and "fp32 logits there" in err
+    assert "top token" in err and "a gap to the top beyond" in err
 
 
 def test_prompts_file_errors_name_file_and_line(run_dir, tmp_path):

@@ -229,6 +229,31 @@ def test_a_genuine_tie_passes_and_a_gap_just_past_the_bound_does_not(target):
     assert not other.tie
 
 
+def test_two_tokens_both_near_a_third_top_are_a_tie_and_one_far_from_it_is_not(target):
+    # a three-way near-tie: the fp32 top is neither decoding's token, yet both were within rounding
+    prompt = [5, 17, 99, 3, 250, 8]
+    static = StaticTarget(target.model, target.layer_ids, rows=1, positions=1)
+    static.dtype = torch.bfloat16  # judged as bf16 forwards: a bound wide enough to place fp32 gaps in
+    top = target_generate(target.model, prompt, 1).tokens[0]
+    a, b = (top + 1) % 512, (top + 2) % 512
+    head = target.lm_head.weight
+    saved = head[[a, b]].clone()
+    own = judge(static, prompt, top, top)
+    try:
+        with torch.no_grad():
+            head[a] = head[b] = head[top] - head[top] * (own.bound / 4) / own.top_logit
+        near = judge(static, prompt, a, b)
+        assert near.top == top and near.tie
+        assert near.top_logit - near.expected_logit == pytest.approx(own.bound / 4, rel=1e-2)
+        with torch.no_grad():
+            head[b] = head[top] - head[top] * (4 * own.bound) / own.top_logit
+        far = judge(static, prompt, a, b)
+        assert far.top == top and not far.tie and far.top_logit - far.got_logit > far.bound
+    finally:
+        with torch.no_grad():
+            head[[a, b]] = saved
+
+
 def test_the_tie_bound_is_the_working_dtypes_rounding_not_a_share_of_the_logit():
     h, wa, wb = torch.ones(64), torch.full((64,), 0.05), torch.full((64,), 0.04)
     z = 3.2  # <h, wa>

@@ -397,8 +397,8 @@ def _exit_code(mismatch, err) -> int:
     print(
         f"dflash-train eval: LOSSLESS CHECK FAILED: prompt {m.prompt_index} (first tokens "
         f"{m.prompt[:12]}), new token {m.position}: target {m.expected}, speculative {m.got}; "
-        f"the target's fp32 logits there {m.expected_logit:.4f} vs {m.got_logit:.4f}, a gap beyond "
-        f"the {m.tie_bound:.2e} a rounding tie allows",
+        f"the target's fp32 logits there {m.expected_logit:.4f} vs {m.got_logit:.4f}, top token {m.top} "
+        f"at {m.top_logit:.4f}: a gap to the top beyond the {m.tie_bound:.2e} a rounding tie allows",
         file=err,
     )
     return 1

@@ -32,7 +32,9 @@ class Mismatch:
     prompt: list[int]
     expected_logit: float  # the target's fp32 logits at that position, for both tokens
     got_logit: float
-    tie_bound: float  # the gap a floating-point tie could have (trainer.infer.lossless.tie_bound)
+    tie_bound: float  # the gap to the top a floating-point tie could have (trainer.infer.lossless.tie_bound)
+    top: int = -1  # the fp32 argmax there, which may be neither token
+    top_logit: float = math.nan
 
 
 @dataclasses.dataclass
@@ -221,9 +223,14 @@ def check_lossless(target, prompts, own, spec) -> tuple[int, Mismatch | None]:
         if verdict.tie:
             ties += 1
         elif bug is None:
-            bug = Mismatch(
-                index, at, expected, got, prompt, verdict.expected_logit, verdict.got_logit, verdict.bound
+            logits = (
+                verdict.expected_logit,
+                verdict.got_logit,
+                verdict.bound,
+                verdict.top,
+                verdict.top_logit,
             )
+            bug = Mismatch(index, at, expected, got, prompt, *logits)
     return ties, bug
 
 

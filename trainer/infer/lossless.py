@@ -2,8 +2,8 @@
 
 Target-only and speculative decoding compute a position's logits with different kernels, so in a
 low-precision dtype their argmax may differ where the target itself cannot decide. `judge`
-recomputes that position in fp32 and calls it a tie only when the two tokens are the fp32 top-2
-within `tie_bound`.
+recomputes that position in fp32 and calls it a tie only when each of the two tokens is within
+`tie_bound` of the fp32 top: a near-tie of three tokens lets both forwards miss the top.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ class Verdict:
     tie: bool
     expected_logit: float  # fp32 logit of the target-only token
     got_logit: float  # fp32 logit of the speculative token
-    bound: float  # the largest gap two working-dtype forwards could flip (tie_bound)
+    bound: float  # the largest gap to the top a working-dtype forward could flip (tie_bound)
+    top: int = -1  # the fp32 argmax there
+    top_logit: float = math.nan
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -98,7 +100,7 @@ def fp32_last_hidden(target: StaticTarget, prefix: list[int]) -> torch.Tensor:
 
 def judge(target: StaticTarget, prefix: list[int], expected: int, got: int) -> Verdict:
     """Recompute the target at the end of `prefix` (prompt + the tokens both decodings agreed on) in
-    fp32: a tie if the two tokens are its top-2 and their gap is within tie_bound."""
+    fp32: a tie if each token's gap to the fp32 top is within the tie_bound of that pair."""
     hidden = fp32_last_hidden(target, prefix)
     weight = target.head_weight
     bias = None if target.head_bias is None else target.head_bias.float()
@@ -107,7 +109,14 @@ def judge(target: StaticTarget, prefix: list[int], expected: int, got: int) -> V
     valid = 0 <= expected < logits.shape[0] and 0 <= got < logits.shape[0]
     if not valid:  # one side ended where the other did not: no logit to compare
         return Verdict(False, math.nan, math.nan, 0.0)
-    z_a, z_b = float(logits[expected]), float(logits[got])
-    bound = tie_bound(hidden, weight[expected], weight[got], z_a, z_b, target.dtype, len(target.layers))
-    tie = top in (expected, got) and abs(z_a - z_b) <= bound
-    return Verdict(tie, z_a, z_b, bound)
+    z_top = float(logits[top])
+
+    def reach(token: int) -> tuple[bool, float]:
+        z = float(logits[token])
+        bound = tie_bound(hidden, weight[top], weight[token], z_top, z, target.dtype, len(target.layers))
+        return z_top - z <= bound, bound
+
+    (near_a, bound_a), (near_b, bound_b) = reach(expected), reach(got)
+    return Verdict(
+        near_a and near_b, float(logits[expected]), float(logits[got]), max(bound_a, bound_b), top, z_top
+    )
