@@ -14,18 +14,20 @@ from trainer import metrics_format, metrics_history
 
 
 _HERE = pathlib.Path(__file__).parent
-# (module name on the target, file) of the stdlib-only modules every remote script may import, each
-# after the ones it imports; a script that needs none of the helpers still gets them (a few KiB)
+# The stdlib-only modules every remote script may import, each after the ones it imports, under the
+# names the scripts import them by (inside packages that hold nothing else on the target); a script
+# that needs none of the helpers still gets them (a few KiB)
+PACKAGES = ("dflash_ops", "dflash_ops.remote", "trainer")
 SHARED_MODULES = (
-    ("facts", _HERE / "facts.py"),
-    ("metrics_format", pathlib.Path(metrics_format.__file__)),
-    ("bounded", _HERE / "bounded.py"),
-    ("procs", _HERE / "procs.py"),
-    ("gpu_read", _HERE / "gpu_read.py"),
-    ("gpu_faults", _HERE / "gpu_faults.py"),
-    ("metrics_history", pathlib.Path(metrics_history.__file__)),
-    ("runs", _HERE / "runs.py"),
-    ("state_write", _HERE / "state_write.py"),
+    ("dflash_ops.remote.facts", _HERE / "facts.py"),
+    ("trainer.metrics_format", pathlib.Path(metrics_format.__file__)),
+    ("dflash_ops.remote.bounded", _HERE / "bounded.py"),
+    ("dflash_ops.remote.procs", _HERE / "procs.py"),
+    ("dflash_ops.remote.gpu_read", _HERE / "gpu_read.py"),
+    ("dflash_ops.remote.gpu_faults", _HERE / "gpu_faults.py"),
+    ("trainer.metrics_history", pathlib.Path(metrics_history.__file__)),
+    ("dflash_ops.remote.runs", _HERE / "runs.py"),
+    ("dflash_ops.remote.state_write", _HERE / "state_write.py"),
 )
 
 
@@ -57,9 +59,12 @@ def shell_command(filename: str, *args: str) -> str:
 def bundle(filename: str) -> bytes:
     """Script `filename` as one program: the shared modules defined first, then the script as __main__."""
     prelude = ["import sys as _sys, types as _types"]
+    prelude += [f"_sys.modules[{name!r}] = _types.ModuleType({name!r})" for name in PACKAGES]
     for name, path in SHARED_MODULES:
+        package, _, module = name.rpartition(".")
         prelude.append(
             f"_m = _sys.modules[{name!r}] = _types.ModuleType({name!r}); "
+            f"setattr(_sys.modules[{package!r}], {module!r}, _m); "
             f"exec(compile({path.read_text(encoding='utf-8')!r}, {name!r}, 'exec'), _m.__dict__)"
         )
     prelude.append(

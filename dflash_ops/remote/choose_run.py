@@ -4,10 +4,7 @@ Usage: python3 - '{"runs": DIR, "resume": BOOL}' < (remote.bundle('choose_run.py
 import json
 import sys
 
-try:  # imported from the package (tests)
-    from dflash_ops.remote import runs
-except ImportError:  # on the target: remote.bundle() defined it ahead of this script
-    import runs  # type: ignore[no-redef]
+from dflash_ops.remote import runs
 
 
 def main():

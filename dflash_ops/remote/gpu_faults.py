@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import time
 
-try:  # imported from the package (probe_script in tests)
-    from dflash_ops.remote import facts
-    from dflash_ops.remote.bounded import finish, in_thread, start
-    from dflash_ops.remote.gpu_read import nvml_answer, nvml_text
-except ImportError:  # on the target: remote.bundle() defined both ahead of this script
-    import facts  # type: ignore[no-redef]
-    from bounded import finish, in_thread, start  # type: ignore[no-redef]
-    from gpu_read import nvml_answer, nvml_text  # type: ignore[no-redef]
+from dflash_ops.remote import facts
+from dflash_ops.remote.bounded import finish, in_thread, start
+from dflash_ops.remote.gpu_read import nvml_answer, nvml_text
 
 MAX_XID_LINES = 200  # the newest ones; a flapping GPU can log thousands
 KERNEL_LOG_COMMANDS = (("dmesg",), ("journalctl", "-k", "-b", "-o", "short-monotonic", "--no-pager", "-q"))

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
-try:  # imported from the package (probe_script in tests)
-    from dflash_ops.remote import facts, procs
-    from dflash_ops.remote.bounded import finish, in_thread, out_of_time, start
-except ImportError:  # on the target: remote.bundle() defined them ahead of this script
-    import facts  # type: ignore[no-redef]
-    import procs  # type: ignore[no-redef]
-    from bounded import finish, in_thread, out_of_time, start  # type: ignore[no-redef]
+from dflash_ops.remote import facts, procs
+from dflash_ops.remote.bounded import finish, in_thread, out_of_time, start
 
 MIB = 1024 * 1024
 

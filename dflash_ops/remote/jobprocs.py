@@ -9,11 +9,7 @@ import subprocess
 import sys
 import time
 
-try:  # imported from the package (tests)
-    from dflash_ops.remote import facts, procs
-except ImportError:  # on the target: remote.bundle() defined them ahead of this script
-    import facts  # type: ignore[no-redef]
-    import procs  # type: ignore[no-redef]
+from dflash_ops.remote import facts, procs
 
 
 def panes(socket, session):

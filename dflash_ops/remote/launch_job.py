@@ -7,15 +7,8 @@ import shutil
 import subprocess
 import sys
 
-try:  # imported from the package (tests)
-    from dflash_ops.remote import facts, procs, runs, state_write
-    from trainer import metrics_format
-except ImportError:  # on the target: remote.bundle() defined these ahead of this script
-    import facts  # type: ignore[no-redef]
-    import metrics_format  # type: ignore[no-redef]
-    import procs  # type: ignore[no-redef]
-    import runs  # type: ignore[no-redef]
-    import state_write  # type: ignore[no-redef]
+from dflash_ops.remote import facts, procs, runs, state_write
+from trainer import metrics_format
 
 # train-0007.log -> train-0007.metrics.jsonl: what the trainer's rule appends to a log's stem
 METRICS_SUFFIX = metrics_format.metrics_path_for_log(facts.LOG_SUFFIX)

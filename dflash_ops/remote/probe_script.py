@@ -12,19 +12,11 @@ import socket
 import sys
 import time
 
-try:  # imported from the package (dflash_ops.observe.gpu, tests)
-    from dflash_ops.remote import facts, procs
-    from dflash_ops.remote.bounded import finish, out_of_time, start
-    from dflash_ops.remote.gpu_faults import finish_faults, start_faults
-    from dflash_ops.remote.gpu_read import finish_gpu_state, start_gpu_state
-    from trainer import metrics_format
-except ImportError:  # on the target: remote.bundle() defined these ahead of this script
-    import facts  # type: ignore[no-redef]
-    import metrics_format  # type: ignore[no-redef]
-    import procs  # type: ignore[no-redef]
-    from bounded import finish, out_of_time, start  # type: ignore[no-redef]
-    from gpu_faults import finish_faults, start_faults  # type: ignore[no-redef]
-    from gpu_read import finish_gpu_state, start_gpu_state  # type: ignore[no-redef]
+from dflash_ops.remote import facts, procs
+from dflash_ops.remote.bounded import finish, out_of_time, start
+from dflash_ops.remote.gpu_faults import finish_faults, start_faults
+from dflash_ops.remote.gpu_read import finish_gpu_state, start_gpu_state
+from trainer import metrics_format
 
 PROBE_VERSION = 1
 MAX_TAIL_BYTES = 512 * 1024  # bounds the transfer even if a log has enormous lines

@@ -6,10 +6,7 @@ import json
 import os
 import time
 
-try:  # imported from the package (tests)
-    from dflash_ops.remote import facts
-except ImportError:  # on the target: remote.bundle() defined it ahead of this module
-    import facts  # type: ignore[no-redef]
+from dflash_ops.remote import facts
 
 # tmux's answer, one line per pane. The separator is printable: outside a UTF-8 locale (cron, a
 # bare ssh session) tmux prints a tab as "_". Split on it, not on runs of blanks, so that an empty

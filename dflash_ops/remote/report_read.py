@@ -12,14 +12,8 @@ import re
 import sys
 import time
 
-try:  # imported from the package (tests)
-    from dflash_ops.remote import facts, procs
-    from trainer import metrics_format, metrics_history
-except ImportError:  # on the target: remote.bundle() defined these ahead of this script
-    import facts  # type: ignore[no-redef]
-    import metrics_format  # type: ignore[no-redef]
-    import metrics_history  # type: ignore[no-redef]
-    import procs  # type: ignore[no-redef]
+from dflash_ops.remote import facts, procs
+from trainer import metrics_format, metrics_history
 
 REPORT_VERSION = 1
 MAX_FILES = 256  # the newest launches, when a job has had more

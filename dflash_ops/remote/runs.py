@@ -3,10 +3,7 @@
 import os
 import re
 
-try:  # imported from the package (tests)
-    from trainer import metrics_format
-except ImportError:  # on the target: remote.bundle() defined it ahead of this script
-    import metrics_format  # type: ignore[no-redef]
+from trainer import metrics_format
 
 RUN_NAME = re.compile(r"[0-9]{4,}")
 
