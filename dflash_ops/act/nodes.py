@@ -152,8 +152,11 @@ def on_nodes(
 
 
 @contextlib.contextmanager
-def connected(job: Nodes, command: str, dry_run: bool = False) -> Iterator[list[Node]]:
-    """Every node connected and locked in node order, so two commands never wait on each other's halves."""
+def acting_on(
+    job: Nodes, command: str, dry_run: bool, on_locked: Callable[[], None] | None = None
+) -> Iterator[JobContext]:
+    """Where `command` acts on `job`: every node connected and locked in node order, so two commands never
+    wait on each other's halves; `on_locked` runs once all are ours."""
     with contextlib.ExitStack() as stack:
         nodes = []
         for i, target in enumerate(job.node_targets()):
@@ -163,19 +166,9 @@ def connected(job: Nodes, command: str, dry_run: bool = False) -> Iterator[list[
         if not dry_run:
             for node in nodes:
                 stack.enter_context(joblock.held(node.transport, node.target, command))
-        yield nodes
-
-
-@contextlib.contextmanager
-def acting_on(
-    job: Nodes, command: str, dry_run: bool, on_locked: Callable[[], None] | None = None
-) -> Iterator[JobContext]:
-    """Where `command` acts on `job`, nodes connected and locked; `on_locked` runs once all are ours."""
-    with connected(job, command, dry_run) as nodes:
         if on_locked is not None:
             on_locked()
-        first = nodes[0]
-        yield JobContext(first.target, first.transport, job_name=job.name, nodes=tuple(nodes))
+        yield JobContext(nodes[0].target, nodes[0].transport, job_name=job.name, nodes=tuple(nodes))
 
 
 @contextlib.contextmanager
