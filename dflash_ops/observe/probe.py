@@ -126,7 +126,8 @@ def run_probe(
     """Everything status/health need, in ONE transport.run; `gpu_on_host=CTID` asks the Proxmox host for
     the GPUs in the same round trip. Raises TransportError, RemoteCommandError or ProbeError."""
     if gpu_on_host is not None:
-        return _run_probe_gpu_on_host(transport, job, timeout, log_lines, metrics_lines, gpu_on_host, part_s)
+        inside = probe_script_for(job, log_lines, metrics_lines, gpu_source="none", part_s=part_s)
+        return _run_probe_gpu_on_host(transport, inside, timeout, gpu_on_host, part_s)
     script = probe_script_for(job, log_lines, metrics_lines, part_s=part_s)
     result = transport.run(script, timeout=timeout, step="probe", stdin=bundle(PROBE_SCRIPT))
     if not result.ok:
@@ -136,16 +137,9 @@ def run_probe(
 
 
 def _run_probe_gpu_on_host(
-    transport,
-    job: Job,
-    timeout: float,
-    log_lines: int,
-    metrics_lines: int,
-    ctid: int,
-    part_s: float | None = None,
+    transport, inside: str, timeout: float, ctid: int, part_s: float | None
 ) -> ProbeReport:
-    """The Proxmox host answers for the GPUs (real pids), then the probe runs in the container."""
-    inside = probe_script_for(job, log_lines, metrics_lines, gpu_source="none", part_s=part_s)
+    """The Proxmox host answers for the GPUs (real pids), then the probe `inside` runs in the container."""
     query = limited(HOST_GPU_QUERY_ARGV, part_s)
     faults = limited(gpu_faults.host_faults_argv(), part_s)
     container = transport.in_container(inside, timeout if part_s is None else max(1.0, timeout - part_s))
@@ -202,16 +196,14 @@ def _host_answer(line: str, validate: bool = True) -> tuple[str, str | None]:
 def _host_faults(line: str, part_s: float | None) -> gpu_faults.FaultReport:
     rc, text = _host_answer(line)
     if rc == "-":
-        return gpu_faults.FaultReport(None, error="no temporary file on the Proxmox host for the fault query")
-    if part_s is not None and rc in ("124", "137"):
-        return gpu_faults.FaultReport(
-            None, error=f"the fault query on the Proxmox host gave no answer within {part_s:.1f} s"
-        )
-    if text is None:
-        return gpu_faults.FaultReport(
-            None, error=f"unreadable fault answer from the Proxmox host: {line[:200]!r}"
-        )
-    return gpu_faults.parse_host_answer(text)
+        error = "no temporary file on the Proxmox host for the fault query"
+    elif part_s is not None and rc in ("124", "137"):
+        error = f"the fault query on the Proxmox host gave no answer within {part_s:.1f} s"
+    elif text is None:
+        error = f"unreadable fault answer from the Proxmox host: {line[:200]!r}"
+    else:
+        return gpu_faults.parse_host_answer(text)
+    return gpu_faults.FaultReport(None, error=error)
 
 
 def json_answer(stdout: str) -> dict | None:
