@@ -34,15 +34,11 @@ class Bundle:
         return f"{__version__}-{self.sha256[:12]}"
 
 
-def trainer_source_dir() -> pathlib.Path:
-    import trainer
-
-    return pathlib.Path(trainer.__file__).resolve().parent
-
-
 def build_bundle(source: pathlib.Path | None = None) -> Bundle:
     """A reproducible tar.gz of the trainer package: sorted names, fixed mtimes and owners."""
-    source = source or trainer_source_dir()
+    import trainer
+
+    source = source or pathlib.Path(trainer.__file__).resolve().parent
     files = sorted(
         p
         for p in source.rglob("*")

@@ -155,17 +155,12 @@ def rendezvous(ctx: JobContext, job: MultinodeJob, found: list[dict]) -> str:
         for i, ((host, _), reached) in enumerate(zip(wanted, answer["connect"], strict=False)):
             result = reached.get("result")
             if result not in REACHABLE:
-                whose, fix = (
-                    (
-                        f"the rendezvous endpoint {job.endpoint}",
-                        "fix rdzv_host/rdzv_port, the network or the firewall",
-                    )
-                    if i == 0
-                    else (
-                        f"the address {host!r} another node advertises to torchrun",
-                        "make that name resolve and route from every node (DNS or /etc/hosts)",
-                    )
-                )
+                if i == 0:
+                    whose = f"the rendezvous endpoint {job.endpoint}"
+                    fix = "fix rdzv_host/rdzv_port, the network or the firewall"
+                else:
+                    whose = f"the address {host!r} another node advertises to torchrun"
+                    fix = "make that name resolve and route from every node (DNS or /etc/hosts)"
                 raise StepFailed(
                     f"[{node.name}] rendezvous: {node.label} cannot reach {whose}: {result}, "
                     f"{reached.get('detail')}; {fix}"

@@ -138,15 +138,8 @@ def launch(ctx: JobContext, job: Nodes, *, resume: bool, grace_s: float) -> Step
 def _launch(ctx: JobContext, job: MultinodeJob, resume: bool) -> JobLaunched:
     first = ctx.nodes[0]
     mode = "resume" if resume else "fresh"
-    chosen = one(
-        ctx,
-        first,
-        lambda node, c: c.run(
-            python_command(node.target.job.python, _CHOOSE_RUN, {"runs": job.runs_dir, "resume": resume}),
-            timeout=30,
-            stdin=bundle(_CHOOSE_RUN),
-        ),
-    )
+    choose = python_command(first.target.job.python, _CHOOSE_RUN, {"runs": job.runs_dir, "resume": resume})
+    chosen = one(ctx, first, lambda _node, c: c.run(choose, timeout=30, stdin=bundle(_CHOOSE_RUN)))
     printed = chosen.stdout.split()
     run = "NNNN" if ctx.dry_run else printed[-1] if printed else ""
     if not (run.isdigit() or ctx.dry_run):

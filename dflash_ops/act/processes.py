@@ -24,13 +24,9 @@ def _fail(ctx: StepContext, why: str) -> StepFailed:
     return StepFailed(f"[{ctx.target_name}] {ctx.step}: {why}")
 
 
-def _host_ctid(ctx: StepContext) -> int | None:
-    return ctx.target.gpu_host_ctid if ctx.target is not None else None
-
-
 def _gpu_snapshot(ctx: StepContext):
     """The GPUs as nvidia-smi sees them, on the Proxmox host when the inventory says so; none in dry-run."""
-    ctid = _host_ctid(ctx)
+    ctid = ctx.target.gpu_host_ctid
     if ctid is not None:
         result = ctx.run_on_host(HOST_GPU_QUERY, timeout=60, check=False)
     else:
@@ -54,7 +50,7 @@ def job_processes(
         "grace_s": grace_s,
         "include_session": include_session,
     }
-    if gpus and _host_ctid(ctx) is not None:
+    if gpus and ctx.target.gpu_host_ctid is not None:
         # Inside LXC nvidia-smi shows host pids; hand the script the host's mapped view instead.
         args["gpu_apps"] = [
             [p.pid, g.index, p.used_memory_mib, p.owner, p.name]
