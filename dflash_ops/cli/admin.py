@@ -9,7 +9,7 @@ import click
 
 from dflash_ops.errors import InputError
 from dflash_ops.inventory import load as inventory_lib
-from dflash_ops.cli.group import cli, dry_run_option, target_option
+from dflash_ops.cli.group import acting_options, cli, target_option
 from dflash_ops.cli.jobs import run_each
 
 
@@ -45,8 +45,7 @@ def playbook_list(obj):
 
 @playbook_group.command("run")
 @click.argument("name")
-@target_option
-@dry_run_option
+@acting_options
 @click.option("--set", "assignments", multiple=True, metavar="OPTION=VALUE", help="Set a playbook option.")
 @click.pass_obj
 def playbook_run(obj, name, target, dry_run, assignments):

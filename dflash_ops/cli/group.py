@@ -86,8 +86,15 @@ def cli(ctx, inventory_path, playbook_dir, target):
     ctx.obj = Obj(inventory_path, playbook_dir, target, from_env)
 
 
-def dry_run_option(f):
-    return click.option("--dry-run", is_flag=True, help="Print every exact remote command; touch nothing.")(f)
+def acting_options(f):
+    """-t and --dry-run, which every command that acts on a job takes first."""
+    dry_run = click.option("--dry-run", is_flag=True, help="Print every exact remote command; touch nothing.")
+    return target_option(dry_run(f))
+
+
+def command_flag(flag: str, option: str, value: bool, help_text: str):
+    """A flag setting the command's `option` to `value`; left out, None: the command's own default holds."""
+    return click.option(flag, option, flag_value=value, default=None, help=help_text)
 
 
 def grace_option(help_text: str):

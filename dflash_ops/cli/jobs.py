@@ -11,7 +11,7 @@ import click
 
 from dflash_ops import commands
 from dflash_ops.errors import InputError
-from dflash_ops.cli.group import Obj, cli, dry_run_option, grace_option, one_target, target_option
+from dflash_ops.cli.group import Obj, acting_options, cli, command_flag, grace_option, one_target
 
 
 def default(command: Callable, option: str) -> str:
@@ -66,15 +66,12 @@ def run_command(obj: Obj, target_name, command: Callable, dry_run: bool, **optio
 
 
 @cli.command()
-@target_option
-@dry_run_option
-@click.option("--no-purge", is_flag=True, help="Keep the inductor/triton compile cache.")
-@click.option("--no-deploy", is_flag=True, help="Launch the trainer release that is already current.")
-@click.option(
-    "--fresh", is_flag=True, help="Start a new run (runs/NNNN/); earlier runs' checkpoints are kept."
-)
-@click.option(
-    "--allow-shared-gpus", is_flag=True, help="Launch although foreign processes use the job's GPUs."
+@acting_options
+@command_flag("--no-purge", "purge", False, "Keep the inductor/triton compile cache.")
+@command_flag("--no-deploy", "deploy", False, "Launch the trainer release that is already current.")
+@command_flag("--fresh", "resume", False, "Start a new run (runs/NNNN/); earlier runs' checkpoints are kept.")
+@command_flag(
+    "--allow-shared-gpus", "allow_shared_gpus", True, "Launch although foreign processes use the job's GPUs."
 )
 @click.option(
     "--first-step-timeout",
@@ -87,7 +84,7 @@ def run_command(obj: Obj, target_name, command: Callable, dry_run: bool, **optio
 )
 @grace_option(f"Seconds between SIGTERM and SIGKILL when stopping {default(commands.relaunch, 'grace')}.")
 @click.pass_obj
-def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus, timeout, grace):
+def relaunch(obj, target, dry_run, **options):
     """Check, stop, clean the GPUs, purge the compile cache, deploy, launch in tmux, confirm step 1.
 
     Safe to run twice in a row. The checks (python imports torch, release, GPU query, no foreign
@@ -101,20 +98,11 @@ def relaunch(obj, target, dry_run, no_purge, no_deploy, fresh, allow_shared_gpus
       ...
       [8/8] wait_first_step ... ok (36.6s) step 12: loss 5.7298, 22.7 Ktok/s
     """
-    options = {
-        "purge": False if no_purge else None,
-        "deploy": False if no_deploy else None,
-        "resume": False if fresh else None,
-        "timeout": timeout,
-        "grace": grace,
-        "allow_shared_gpus": True if allow_shared_gpus else None,
-    }
     sys.exit(run_command(obj, target, commands.relaunch, dry_run, **options))
 
 
 @cli.command()
-@target_option
-@dry_run_option
+@acting_options
 @grace_option(f"Seconds between SIGTERM and SIGKILL {default(commands.stop, 'grace')}.")
 @click.pass_obj
 def stop(obj, target, dry_run, grace):
@@ -125,20 +113,18 @@ def stop(obj, target, dry_run, grace):
 
 
 @cli.command("gpu-clean")
-@target_option
-@dry_run_option
-@click.option("--force", is_flag=True, help="Also while the job runs: this ends the running trainer.")
+@acting_options
+@command_flag("--force", "force", True, "Also while the job runs: this ends the running trainer.")
 @click.pass_obj
 def gpu_clean(obj, target, dry_run, force):
     """End every process of this job (its tmux tree and anything carrying its DFLASH_OPS_JOB
     marker, the trainer included) and wait until they left its GPUs; processes that are not the
     job's are reported, never signalled. Refuses while the job runs unless --force."""
-    sys.exit(run_command(obj, target, commands.gpu_clean, dry_run, force=True if force else None))
+    sys.exit(run_command(obj, target, commands.gpu_clean, dry_run, force=force))
 
 
 @cli.command("purge-cache")
-@target_option
-@dry_run_option
+@acting_options
 @click.pass_obj
 def purge_cache(obj, target, dry_run):
     """Remove the job's inductor/triton compile cache: only a dir holding the marker the launcher
@@ -147,8 +133,7 @@ def purge_cache(obj, target, dry_run):
 
 
 @cli.command()
-@target_option
-@dry_run_option
+@acting_options
 @click.option(
     "--rollback",
     "rollback",
