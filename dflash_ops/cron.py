@@ -8,9 +8,8 @@ import subprocess
 from dflash_ops.errors import DflashOpsError, InputError
 
 TAG = "# dflash-ops-health:"
-METRICS_TAG = (
-    "# dflash-ops-metrics:"  # `cron install --metrics DIR`: the metrics line, beside the health line
-)
+# `cron install --metrics DIR`: the metrics line, beside the health line
+METRICS_TAG = "# dflash-ops-metrics:"
 TAGS = (TAG, METRICS_TAG)
 CRON_PERCENT = "\\%"  # how a crontab command line writes a literal %
 

@@ -153,9 +153,8 @@ def _check_gpus(ctx: StepContext, job: Job, allow_shared_gpus: bool) -> str:
             f"check 'foreign GPU processes': {describe_foreign(foreign)}; they are not this "
             "job's and are never signalled: end them, or pass --allow-shared-gpus" + _UNTOUCHED,
         )
-    return f"GPUs {','.join(map(str, gpus))} answer" + (
-        f", shared with {describe_foreign(foreign)}" if foreign else ""
-    )
+    shared = f", shared with {describe_foreign(foreign)}" if foreign else ""
+    return f"GPUs {','.join(map(str, gpus))} answer{shared}"
 
 
 def require_job_stopped(ctx: StepContext, job: Job) -> StepOutcome:

@@ -114,12 +114,9 @@ def _health(obj, target, as_json, auto_relaunch, timeout, on_change=None) -> int
         for jc in checked:
             # a CRITICAL job is relaunched whole (every node of it); a node's own target never alone
             node = obj.inventory.node_of(jc.job.name)
-            action = (
-                commands.auto_relaunch(jc.job, jc)
-                if not node
-                else commands.HealthAction(False, f"not relaunched: {node}")
-            )
-            if action is not None:
+            if node:
+                actions[jc.job.name] = commands.HealthAction(False, f"not relaunched: {node}")
+            elif (action := commands.auto_relaunch(jc.job, jc)) is not None:
                 actions[jc.job.name] = action
     if as_json:
         relaunched = {name: action.message for name, action in actions.items()} if auto_relaunch else None

@@ -102,11 +102,8 @@ def _root_cause(lines: list[str]):
     if rank is None or code is None:
         return None
     signal = f" ({sig})" if sig else ""
-    return (
-        rank,
-        (
-            f"rank {rank} (local rank {local}, pid {pid}) exited with code {code}{signal}, "
-            f"the first failure torchrun saw; it ended the other ranks"
-        ),
-        at,
+    text = (
+        f"rank {rank} (local rank {local}, pid {pid}) exited with code {code}{signal}, "
+        "the first failure torchrun saw; it ended the other ranks"
     )
+    return rank, text, at

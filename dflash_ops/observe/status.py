@@ -191,9 +191,8 @@ def data_source(records) -> str | None:
     data = ((start or {}).get("config") or {}).get("data") or {}
     if not isinstance(data, dict) or not data.get("source"):
         return None
-    return str(data["source"]) + (
-        f" {data['path']}" if data.get("path") and data["source"] != "synthetic" else ""
-    )
+    path = f" {data['path']}" if data.get("path") and data["source"] != "synthetic" else ""
+    return str(data["source"]) + path
 
 
 def _session(s, job) -> TmuxSession:
@@ -207,9 +206,8 @@ def _training(report, verdict: Verdict) -> Training:
     judged = verdict.perfdata.get("age_s")
     age = judged.value if judged is not None else progress_age(report, progress, report.time)
     # a stopped or finished job has no time left to estimate (its last step record still carries one)
-    ended = (report.job_state or {}).get(
-        "state"
-    ) in jobstate.NOT_TO_RESTART or progress.done_reason is not None
+    state = (report.job_state or {}).get("state")
+    ended = state in jobstate.NOT_TO_RESTART or progress.done_reason is not None
     # JSON has no NaN: a non-finite number becomes null (the verdict's reasons say what it was).
     return Training(
         step=progress.step,
@@ -251,15 +249,13 @@ def _with_roles(report, job) -> tuple[Gpu, ...]:
     )
 
 
+# a GPU's keys in `status --json`, in their order; its processes follow
+_GPU_JSON = ("index", "name", "uuid", "memory_used_mib", "memory_total_mib", "utilization_pct", "role")
+
+
 def _gpu_json(g: Gpu) -> dict:
     return {
-        "index": g.index,
-        "name": g.name,
-        "uuid": g.uuid,
-        "memory_used_mib": g.memory_used_mib,
-        "memory_total_mib": g.memory_total_mib,
-        "utilization_pct": g.utilization_pct,
-        "role": g.role,
+        **{key: getattr(g, key) for key in _GPU_JSON},
         "ghost_memory_mib": g.ghost_memory_mib,
         "processes": [
             {
