@@ -152,8 +152,6 @@ class SshConnecting:
         conn: fabric.Connection | None = None,
     ) -> TransportError:
         where = f"{what}{user}@{host}:{port}"
-        field = "ssh.jump" if what else "ssh.host"  # the inventory field that names this host
-        entry = known_hosts_entry(host, port)
         # the TCP connection was made but the server's `SSH-2.0-…` line never came
         transport = conn.client.get_transport() if conn is not None else None
         no_banner = transport is not None and transport.sock is not None and not transport.remote_version
@@ -165,17 +163,16 @@ class SshConnecting:
                 f"banner within {self.spec.connect_timeout_s:g} s (is it an SSH "
                 "server? is sshd wedged?)",
             )
-        host_key = self._host_key_problem(exc, port, host, what, entry)
+        host_key = self._host_key_problem(exc, port, host, what)
         if host_key:
             return HostKeyError(self.name, step, host_key)
         auth = self._auth_problem(exc, where, user)
         if auth:
             return AuthError(self.name, step, auth)
-        return ConnectError(self.name, step, self._reach_problem(exc, host, port, what, where, field))
+        return ConnectError(self.name, step, self._reach_problem(exc, host, port, what, where))
 
-    def _host_key_problem(
-        self, exc: BaseException, port: int, host: str, what: str, entry: str
-    ) -> str | None:
+    def _host_key_problem(self, exc: BaseException, port: int, host: str, what: str) -> str | None:
+        entry = known_hosts_entry(host, port)
         if isinstance(exc, paramiko.BadHostKeyException):
             with contextlib.suppress(OSError):
                 if read_host_keys(self.known_hosts, entry).is_revoked(exc.key):
@@ -227,9 +224,8 @@ class SshConnecting:
             )
         return None
 
-    def _reach_problem(
-        self, exc: BaseException, host: str, port: int, what: str, where: str, field: str
-    ) -> str:
+    def _reach_problem(self, exc: BaseException, host: str, port: int, what: str, where: str) -> str:
+        field = "ssh.jump" if what else "ssh.host"  # the inventory field that names this host
         if isinstance(exc, socket.gaierror):
             return f"cannot resolve {what or 'host '}{host!r} ({exc.strerror}); check {field}"
         if isinstance(exc, paramiko.ChannelException):
