@@ -285,13 +285,8 @@ def ours_only(session, marker):
 
 def finish_parts(report, errors, tmux_started, gpu_started, gpu_source, where, deadline, part_s):
     """The tmux and GPU answers, each within what is left of its time."""
-    report["session"] = (
-        section(
-            errors, "tmux", finish_tmux, tmux_started, where["socket"], where["session"], deadline, part_s
-        )
-        if tmux_started
-        else None
-    )
+    tmux = (tmux_started, where["socket"], where["session"], deadline, part_s)
+    report["session"] = section(errors, "tmux", finish_tmux, *tmux) if tmux_started else None
     gpu = section(errors, "gpu", finish_gpu_state, gpu_started, deadline, part_s) if gpu_started else None
     report["gpu"] = gpu or {
         "source": None,

@@ -112,21 +112,16 @@ def main(argv):
     errors = []
     state = procs.job_state_or_none(str(args.get("state_file") or ""))
     found = launches(log_dir, runs_dir, str(args.get("legacy_run_dir") or ""), state, errors)
-    runs = []
     names = selected(found, wanted, state)
-    paths = [
-        (run, path)
-        for run, path in found
-        if run is not None and run.lstrip("0") in {n.lstrip("0") for n in names}
-    ]
+    numbers = {int(name) for name in names}
+    paths = [(int(run), path) for run, path in found if run is not None and int(run) in numbers]
     points = max(
         100, int(args.get("max_step_points") or metrics_history.MAX_STEP_POINTS) // max(1, len(paths))
     )
+    runs = []
     for name in names:
         files = []
-        for run, path in paths:
-            if run.lstrip("0") != name.lstrip("0"):
-                continue
+        for path in (path for run, path in paths if run == int(name)):
             try:
                 files.append(metrics_history.read_thinned(path, max_steps=points))
             except OSError as e:
