@@ -154,15 +154,11 @@ def _session_problems(session, finished: bool) -> list[str]:
 def _failures(report) -> list[str]:
     """Known failure signatures in the log tail and error events in the metrics, one per kind."""
     log_name = posixpath.basename(report.log.path) if report.log else "log"
-    found = logs.find_failures(report.log.text if report.log else "") + logs.failures_from_records(
-        list(report.records)
-    )
-    seen, reasons = set(), []
-    for failure in found:
-        if failure.name not in seen:
-            seen.add(failure.name)
-            reasons.append(f"{failure.describe()} (in {log_name})")
-    return reasons
+    text = report.log.text if report.log else ""
+    first: dict[str, logs.Failure] = {}
+    for failure in logs.find_failures(text) + logs.failures_from_records(list(report.records)):
+        first.setdefault(failure.name, failure)
+    return [f"{failure.describe()} (in {log_name})" for failure in first.values()]
 
 
 def _stall(

@@ -223,24 +223,21 @@ def progress(records: list[dict]) -> TrainingProgress:
     start = metrics_format.last_of(records, "start")
     if start is not None:
         records = records[records.index(start) :]
-    last = metrics_format.last_of(records, "step")
+    last = metrics_format.last_of(records, "step") or {}
     done = metrics_format.last_of(records, "done")
+    if done and last and (_record_number(done.get("time")) or 0) < (_record_number(last.get("time")) or 0):
+        done = None  # a step came after it: the run went on
     # records come from a file on the target: a count that is not one reads as absent
-    total = _whole((last or {}).get("total_steps"))
+    total = _whole(last.get("total_steps"))
     if total is None:
         total = _whole((start or {}).get("total_steps"))
     return TrainingProgress(
-        step=_whole(last.get("step")) if last else None,
+        step=_whole(last.get("step")),
         total_steps=total,
-        loss=_record_number(last.get("loss")) if last else None,
+        loss=_record_number(last.get("loss")),
         tokens_per_s=recent_tokens_per_s(records),
-        eta_s=_record_number(last.get("eta_s")) if last else None,
-        last_step_time=_record_number(last.get("time")) if last else None,
-        start_time=_record_number(start.get("time")) if start else None,
-        done_reason=str(done.get("reason"))
-        if done
-        and (
-            last is None or (_record_number(done.get("time")) or 0) >= (_record_number(last.get("time")) or 0)
-        )
-        else None,
+        eta_s=_record_number(last.get("eta_s")),
+        last_step_time=_record_number(last.get("time")),
+        start_time=_record_number((start or {}).get("time")),
+        done_reason=None if done is None else str(done.get("reason")),
     )
