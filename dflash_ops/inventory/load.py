@@ -187,9 +187,7 @@ def inventory_from_data(data: object, filename: str | None, base_dir: str) -> In
         data.get(multinode_inventory.KEY), line_of(multinode_inventory.KEY), targets, groups, top.filename
     )
     default_target = data.get("default_target", LOCAL)
-    if not isinstance(default_target, str) or (
-        default_target not in targets and default_target not in groups
-    ):
+    if not isinstance(default_target, str) or default_target not in {**targets, **groups}:
         known = ", ".join(list(targets) + list(groups))
         raise top.error(
             line_of("default_target"),

@@ -124,13 +124,12 @@ def _job(name: str, spec: object, line: int, targets: dict[str, Target], where: 
         except Bad as exc:
             raise where.error(lines[key], key, str(exc)) from None
 
-    for key in ("nodes", "runs_dir"):
+    examples = {
+        "nodes": "[gpu-a, gpu-b]",
+        "runs_dir": "/mnt/shared/dflash/runs (the same filesystem on every node)",
+    }
+    for key, example in examples.items():
         if key not in spec:
-            example = (
-                "[gpu-a, gpu-b]"
-                if key == "nodes"
-                else "/mnt/shared/dflash/runs (the same filesystem on every node)"
-            )
             raise where.error(line, key, f"is required, e.g. {key}: {example}")
     nodes = _nodes(spec["nodes"], lines["nodes"], targets, where)
     runs_dir = rule("runs_dir", path_rule).rstrip("/") or "/"
