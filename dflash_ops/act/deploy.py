@@ -135,16 +135,13 @@ def list_releases(target: Target) -> list[Release]:
 def require_kept_release(target: Target, release: str | None) -> None:
     """Refuse (exit 2) before anything switches when the release to roll back to is not kept."""
     releases = list_releases(target)
-    kept = [r.id for r in releases]
-    if release is None:
-        if not any(not r.current for r in releases):
-            raise InputError(
-                f"--rollback: no earlier release to roll back to on {target.name} "
-                f"(kept: {', '.join(kept) or 'none'}); nothing was changed"
-            )
-        return
-    if release not in kept:
+    kept = f"(kept: {', '.join(r.id for r in releases) or 'none'})"
+    if release is None and all(r.current for r in releases):
         raise InputError(
-            f"--rollback {release}: no such release kept on {target.name} "
-            f"(kept: {', '.join(kept) or 'none'}); `dflash-ops deploy --list` shows them"
+            f"--rollback: no earlier release to roll back to on {target.name} {kept}; nothing was changed"
+        )
+    if release is not None and release not in [r.id for r in releases]:
+        raise InputError(
+            f"--rollback {release}: no such release kept on {target.name} {kept}; "
+            "`dflash-ops deploy --list` shows them"
         )
