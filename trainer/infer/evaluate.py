@@ -33,8 +33,8 @@ class Mismatch:
     expected_logit: float  # the target's fp32 logits at that position, for both tokens
     got_logit: float
     tie_bound: float  # the gap to the top a floating-point tie could have (trainer.infer.lossless.tie_bound)
-    top: int = -1  # the fp32 argmax there, which may be neither token
-    top_logit: float = math.nan
+    top: int  # the fp32 argmax there, which may be neither token
+    top_logit: float
 
 
 @dataclasses.dataclass
@@ -223,14 +223,18 @@ def check_lossless(target, prompts, own, spec) -> tuple[int, Mismatch | None]:
         if verdict.tie:
             ties += 1
         elif bug is None:
-            logits = (
-                verdict.expected_logit,
-                verdict.got_logit,
-                verdict.bound,
-                verdict.top,
-                verdict.top_logit,
+            bug = Mismatch(
+                index,
+                at,
+                expected,
+                got,
+                prompt,
+                expected_logit=verdict.expected_logit,
+                got_logit=verdict.got_logit,
+                tie_bound=verdict.bound,
+                top=verdict.top,
+                top_logit=verdict.top_logit,
             )
-            bug = Mismatch(index, at, expected, got, prompt, *logits)
     return ties, bug
 
 

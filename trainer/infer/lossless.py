@@ -111,12 +111,13 @@ def judge(target: StaticTarget, prefix: list[int], expected: int, got: int) -> V
         return Verdict(False, math.nan, math.nan, 0.0)
     z_top = float(logits[top])
 
-    def reach(token: int) -> tuple[bool, float]:
+    def logit_and_bound(token: int) -> tuple[float, float]:
+        """The token's fp32 logit and the largest gap below the top a working-dtype forward could flip."""
         z = float(logits[token])
-        bound = tie_bound(hidden, weight[top], weight[token], z_top, z, target.dtype, len(target.layers))
-        return z_top - z <= bound, bound
+        return z, tie_bound(hidden, weight[top], weight[token], z_top, z, target.dtype, len(target.layers))
 
-    (near_a, bound_a), (near_b, bound_b) = reach(expected), reach(got)
-    return Verdict(
-        near_a and near_b, float(logits[expected]), float(logits[got]), max(bound_a, bound_b), top, z_top
-    )
+    (z_a, bound_a), (z_b, bound_b) = logit_and_bound(expected), logit_and_bound(got)
+    near_a, near_b = z_top - z_a <= bound_a, z_top - z_b <= bound_b
+    # the bound said is the one a token went past, so "a gap beyond the bound" reads true
+    bound = max(bound_a, bound_b) if near_a and near_b else (bound_b if near_a else bound_a)
+    return Verdict(near_a and near_b, z_a, z_b, bound, top, z_top)
