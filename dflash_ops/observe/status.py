@@ -249,7 +249,7 @@ def _with_roles(report, job) -> tuple[Gpu, ...]:
     )
 
 
-# a GPU's keys in `status --json`, in their order; its processes follow
+# a GPU's plain keys in `status --json`, in their order; its ghost memory and processes follow
 _GPU_JSON = ("index", "name", "uuid", "memory_used_mib", "memory_total_mib", "utilization_pct", "role")
 
 
