@@ -130,7 +130,7 @@ def _drafter_step(
     loss_mask = torch.ones(1, ctx, dtype=torch.bool, device=args.device)
     features = torch.randn(1, ctx, cfg.context_size, generator=gen).to(args.device, dtype)
     began = time.perf_counter()
-    # The trainer builds the mask inside the guarded step (trainer.train.loop.make_loss_fn).
+    # The trainer draws blocks on its target thread (trainer.train.loop.make_block_drawer); here in the step.
     with guard.step(name, step, (ctx,)), torch.set_grad_enabled(train):
         anchors, valid = sample_anchors(loss_mask.cpu(), args.anchors, cfg.block_size, gen)
         anchors, valid = anchors.to(args.device), valid.to(args.device)

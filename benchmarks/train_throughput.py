@@ -5,7 +5,8 @@
 
 One run measures, each part in its own fresh process with fresh empty inductor/triton caches:
 1. peak: a bf16 8192^3 matmul (the MFU denominator, measured on this GPU in this run);
-2. compiled: training steps with the trainer's compiled flex_attention;
+2. compiled: training steps with the trainer's compiled flex_attention, bare (one function, the
+   blocks drawn inside the step) and through the trainer's TrainingWorkers, as a run takes them;
 3. eager: the same steps with eager flex_attention (a separate process: eager flex must never
    share a process with compiled code, it can leave the global FX flag stuck);
 4. first step: N drafter threads (one replica each) starting together, compile lock "lock" vs
@@ -78,6 +79,8 @@ from benchmarks.common import (  # noqa: E402
 RESULT_TAG = "BENCH_RESULT "
 PURE_BF16 = "bf16-pure"  # baseline only: bf16 parameters and AdamW state, no fp32 master weights
 BEFORE = "before: flex compiled, layers + loss chunks eager"  # the trainer's path before, same run
+# The same steps as a training run takes them: through TrainingWorkers, blocks drawn ahead, no sync mid-step
+TRAINER_FLEX, TRAINER_SDPA = "compiled flex, trainer's workers", "sdpa, trainer's workers"
 
 PAPER = {
     "hidden": 4096,
@@ -249,21 +252,12 @@ def _train_step(args, dims, cfg, model, optimizer, batch, gen, attention: str, t
     return pairs, int(valid.sum()) * cfg.block_size, mask
 
 
-def child_train(args, dims) -> dict:
+def _bare_timed(args, dims, cfg, model, optimizer, batch, guard, gen):
+    """(first step s, timed steps s, pairs, block tokens): bare steps, the device synchronised around each."""
     import torch
 
-    from trainer.compile_lock import CompileGuard, assert_fx_flag_clear
+    from trainer.compile_lock import assert_fx_flag_clear
 
-    events: list = []
-    guard = CompileGuard("lock", on_event=events.append).install()
-    cfg, model, optimizer, dtype = _build(args, dims, torch)
-    model.checkpoint_layers = args.checkpointing == "layers"
-    model.compile_layers = {"auto": "auto", "off": False}[args.compile_layers]
-    model.loss_kernel = args.loss_kernel
-    gen = torch.Generator().manual_seed(1)
-    batch = _batch(args, dims, cfg, torch, dtype, gen)
-    if args.device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats(args.device)
     times, pairs_seen, tokens_seen = [], [], []
     for step in range(args.warmup + args.steps):
         _sync(torch, args.device)
@@ -286,8 +280,58 @@ def child_train(args, dims) -> dict:
             times.append(elapsed)
             pairs_seen.append(pairs)
             tokens_seen.append(tokens)
+    return first_step_s, times, pairs_seen, tokens_seen
+
+
+def _workers_timed(args, dims, cfg, model, optimizer, batch, guard, gen):
+    """The same through the trainer's TrainingWorkers (blocks drawn ahead on the loader thread, the
+    step's numbers read by run_step): what a training run's step costs. Features stay resident."""
+    import torch
+
+    from trainer.data.dataset import BatchPlan, Dataset, make_batch
+    from trainer.train.loop import make_block_drawer
+    from trainer.train.workers import Replica
+
+    input_ids, loss_mask, features = batch
+    total = args.warmup + args.steps
+    dataset = Dataset(input_ids.cpu(), loss_mask, torch.ones_like(loss_mask), source="random")
+    dataset.features = lambda idx: features[: len(idx)]
+    plan = BatchPlan(len(dataset), dims["batch"], 1, seed=0)
+    run_cfg = trainer_run_config(args, dims)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    replica = Replica(0, args.device, model, optimizer, scheduler)
+    stand_in = types.SimpleNamespace(device=args.device)
+    with _one_replica(stand_in, replica, dataset, plan, run_cfg, guard, features.dtype) as workers:
+        workers.start(0, total)
+        steps = iter(range(total))
+        first = _timed(torch, args.device, lambda: workers.run_step(next(steps)), 1, warmup=0)
+        times = _timed(torch, args.device, lambda: workers.run_step(next(steps)), args.steps, args.warmup - 1)
+    draw = make_block_drawer(run_cfg)  # each timed step's blocks again: they depend on seed, step, replica
+    drawn = [draw(make_batch(dataset, plan, step, 0), "cpu") for step in range(args.warmup, total)]
+    pairs = [visible_pairs(b.anchors, b.valid, cfg.block_size) for b in drawn]
+    return first[0], times, pairs, [b.tokens for b in drawn]
+
+
+def child_train(args, dims) -> dict:
+    import torch
+
+    from trainer.compile_lock import CompileGuard
+
+    events: list = []
+    guard = CompileGuard("lock", on_event=events.append).install()
+    cfg, model, optimizer, dtype = _build(args, dims, torch)
+    model.checkpoint_layers = args.checkpointing == "layers"
+    model.compile_layers = {"auto": "auto", "off": False}[args.compile_layers]
+    model.loss_kernel = args.loss_kernel
+    gen = torch.Generator().manual_seed(1)
+    batch = _batch(args, dims, cfg, torch, dtype, gen)
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(args.device)
+    timed = _workers_timed if args.loop == "workers" else _bare_timed
+    first_step_s, times, pairs_seen, tokens_seen = timed(args, dims, cfg, model, optimizer, batch, guard, gen)
     median = statistics.median(times)
     result = {
+        "loop": args.loop,
         "attention": args.attention,
         "checkpointing": args.checkpointing,
         "compile_layers": args.compile_layers,
@@ -315,7 +359,7 @@ def child_train(args, dims) -> dict:
             if torch.is_tensor(t) and t.dim() > 0
         ),
     }
-    if args.profile:
+    if args.profile and args.loop == "bare":  # the bare step: no worker threads in the trace
         result["profile"] = _profile(args, dims, cfg, model, optimizer, batch, gen, guard, torch)
     return result
 
@@ -425,9 +469,24 @@ def _drop_page_cache(path: str) -> None:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def trainer_run_config(args, dims: dict):
+    """The trainer config of a benchmark run: its block, anchors, attention and precision."""
+    from trainer.config import TrainConfig
+
+    if args.precision == PURE_BF16:
+        raise SystemExit(
+            "this part trains through the trainer's own loss: use --precision bf16-mixed or fp32"
+        )
+    run_cfg = TrainConfig()
+    run_cfg.drafter.block_size, run_cfg.train.num_anchors = dims["block"], dims["anchors"]
+    run_cfg.train.gamma, run_cfg.run.attention = 7.0, args.attention
+    run_cfg.train.precision, run_cfg.run.drafter_devices = args.precision, [args.device]
+    return run_cfg
+
+
 def _one_replica(stand_in, replica, dataset, plan, run_cfg, guard, feature_dtype):
     """The trainer's TrainingWorkers for one target and one drafter replica, as a run builds them."""
-    from trainer.train.loop import make_loss_fn
+    from trainer.train.loop import make_block_drawer, make_loss_fn
     from trainer.train.workers import TrainingWorkers
 
     return TrainingWorkers(
@@ -436,6 +495,7 @@ def _one_replica(stand_in, replica, dataset, plan, run_cfg, guard, feature_dtype
         dataset=dataset,
         plan=plan,
         compute_loss=make_loss_fn(run_cfg),
+        draw_blocks=make_block_drawer(run_cfg),
         guard=guard,
         grad_clip=1.0,
         feature_dtype=feature_dtype,
@@ -448,7 +508,6 @@ def child_cache(args, dims) -> dict:
     import torch
 
     from trainer.compile_lock import CompileGuard
-    from trainer.config import TrainConfig
     from trainer.data.dataset import BatchPlan
     from trainer.data.feature_cache import CacheReader, bytes_per_token, open_cache
     from trainer.train.workers import Replica
@@ -458,14 +517,7 @@ def child_cache(args, dims) -> dict:
     replica = Replica(0, args.device, model, optimizer, scheduler)
     from trainer import precision
 
-    if args.precision == PURE_BF16:
-        raise SystemExit(
-            "the cache part trains through the trainer's own loss: use --precision bf16-mixed or fp32"
-        )
-    run_cfg = TrainConfig()
-    run_cfg.drafter.block_size, run_cfg.train.num_anchors = dims["block"], dims["anchors"]
-    run_cfg.train.gamma, run_cfg.run.attention = 7.0, args.attention
-    run_cfg.train.precision, run_cfg.run.drafter_devices = args.precision, [args.device]
+    run_cfg = trainer_run_config(args, dims)
     feature_dtype = precision.compute_dtype(args.precision)
     guard = CompileGuard("lock").install()
     total = args.warmup + args.steps
@@ -619,7 +671,6 @@ def child_e2e(args, dims) -> dict:
 def _e2e_steps(args, dims, target, dataset, one, guard, torch) -> dict:
     """The drafter step with its features resident, then with the target computing them (end to end)."""
     from trainer import precision
-    from trainer.config import TrainConfig
     from trainer.data.dataset import BatchPlan, Dataset
     from trainer.model import DFlashDrafter
     from trainer.train.workers import Replica
@@ -639,10 +690,7 @@ def _e2e_steps(args, dims, target, dataset, one, guard, torch) -> dict:
     replica = Replica(
         0, args.device, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     )
-    run_cfg = TrainConfig()
-    run_cfg.drafter.block_size, run_cfg.train.num_anchors = dims["block"], dims["anchors"]
-    run_cfg.train.gamma, run_cfg.run.attention = 7.0, args.attention
-    run_cfg.train.precision, run_cfg.run.drafter_devices = args.precision, [args.device]
+    run_cfg = trainer_run_config(args, dims)
     feature_dtype = precision.compute_dtype(args.precision)
     with torch.no_grad():
         resident_features = target.features(one, attention_mask=torch.ones_like(one)).to(feature_dtype)
@@ -1026,6 +1074,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--child", choices=tuple(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--attention", default="flex", help=argparse.SUPPRESS)
+    parser.add_argument("--loop", choices=("bare", "workers"), default="bare", help=argparse.SUPPRESS)
     parser.add_argument("--lock", default="lock", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--compile-layers", choices=("auto", "off"), default="auto", help=argparse.SUPPRESS)
@@ -1064,7 +1113,14 @@ class Trainings:
     # "before": only flex_attention compiled, layers and the loss's chunks eager (the trainer's path
     # before its layers and loss kernel were compiled)
     BEFORE_OPTIONS = ["--compile-layers", "off", "--loss-kernel", "eager"]
-    WANTED = {"sdpa": "compiled", "compiled flex": "compiled", "eager flex": "eager", BEFORE: "before"}
+    WANTED = {
+        "sdpa": "compiled",
+        TRAINER_SDPA: "compiled",
+        "compiled flex": "compiled",
+        TRAINER_FLEX: "compiled",
+        "eager flex": "eager",
+        BEFORE: "before",
+    }
 
     def __init__(self, args, dims: dict, peak: dict):
         self.args, self.dims, self.peak = args, dims, peak
@@ -1074,10 +1130,11 @@ class Trainings:
         # CPU refuses flex_attention backward: the smoke run trains through the dense-mask sdpa path.
         # name -> (attention, child options)
         self.variants = (
-            {"sdpa": ("sdpa", [])}
+            {"sdpa": ("sdpa", []), TRAINER_SDPA: ("sdpa", ["--loop", "workers"])}
             if args.small
             else {
                 "compiled flex": ("flex", []),
+                TRAINER_FLEX: ("flex", ["--loop", "workers"]),
                 BEFORE: ("flex", self.BEFORE_OPTIONS),
                 "eager flex": (FLEX_EAGER, self.BEFORE_OPTIONS),
             }

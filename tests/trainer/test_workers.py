@@ -1,16 +1,20 @@
 """Worker threads: gradients averaged and clipped, replicas stay identical, a failure stops everything."""
 from __future__ import annotations
 
+import copy
 import threading
 import time
+import types
 
 import pytest
 import torch
 
 from trainer.compile_lock import CompileGuard
 from trainer.config import load_config
-from trainer.data.dataset import BatchPlan
-from trainer.train.loop import build_dataset, build_replicas, drafter_config, make_loss_fn, train
+from trainer.data.dataset import BatchPlan, make_batch
+from trainer.train.loop import (
+    build_dataset, build_replicas, drafter_config, make_block_drawer, make_loss_fn, train,
+)
 from trainer.data.target import load_target
 from trainer.train.workers import TrainingWorkers, WorkerFailure
 
@@ -47,7 +51,8 @@ def make_workers(parts, compute_loss=None, target=None, replicas=2):
     reps = build_replicas(cfg, drafter_config(cfg, real_target), real_target, total_steps=20)
     guard = CompileGuard("lock")
     workers = TrainingWorkers(targets=[target], replicas=reps, dataset=dataset, plan=plan,
-                              compute_loss=compute_loss or make_loss_fn(cfg), guard=guard,
+                              compute_loss=compute_loss or make_loss_fn(cfg), draw_blocks=make_block_drawer(cfg),
+                              guard=guard,
                               grad_clip=cfg.train.grad_clip, feature_dtype=torch.float32)
     return workers, reps
 
@@ -184,3 +189,62 @@ class _Sink:
 
     def isatty(self):
         return False
+
+
+def test_the_target_thread_draws_each_batch_blocks_before_the_drafter_step(parts):
+    """A drafter step finds its anchors, mask and token count ready (drawn on the target thread, from
+    the host's copy of the loss mask), the same blocks the step would have drawn for itself."""
+    cfg = parts[0]
+    real, draw = make_loss_fn(cfg), make_block_drawer(cfg)
+    seen = []
+
+    def recording(replica, batch):
+        seen.append((batch.step, batch.replica, batch.blocks))
+        return real(replica, batch)
+
+    workers, _ = make_workers(parts, compute_loss=recording)
+    with workers:
+        workers.start(0, 2)
+        summaries = [workers.run_step(step) for step in range(2)]
+    assert sorted((step, replica) for step, replica, _ in seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for step, replica, blocks in seen:
+        assert blocks is not None, (step, replica)
+        again = draw(make_batch(parts[2], workers.plan, step, replica), "cpu")
+        assert torch.equal(blocks.anchors, again.anchors) and torch.equal(blocks.valid, again.valid)
+        assert blocks.tokens == again.tokens == int(again.valid.sum()) * cfg.drafter.block_size > 0
+    assert [s.tokens for s in summaries] == [
+        sum(blocks.tokens for step, _, blocks in seen if step == s.step - 1) for s in summaries
+    ]
+    assert all(isinstance(s.loss, float) and isinstance(s.grad_norm, float) for s in summaries)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_drafter_step_never_waits_on_the_host(parts):
+    """From its command to its report, a drafter step on a GPU queues work and never syncs (a sync
+    there leaves the GPU idle while the host catches up); only run_step reads the numbers."""
+    cfg, target, dataset = parts
+    cfg = copy.deepcopy(cfg)
+    cfg.run.drafter_devices = ["cuda:0"]
+    reps = build_replicas(cfg, drafter_config(cfg, target), target, total_steps=3)
+    cuda_target = types.SimpleNamespace(device="cpu", features=target.features)
+    workers = TrainingWorkers(
+        targets=[cuda_target], replicas=reps, dataset=dataset, plan=BatchPlan(len(dataset), 2, 1, 0),
+        compute_loss=make_loss_fn(cfg), draw_blocks=make_block_drawer(cfg), guard=CompileGuard("lock"),
+        grad_clip=cfg.train.grad_clip, feature_dtype=torch.float32,
+    )
+    with workers:
+        workers.start(0, 2)
+        workers.run_step(0)  # the first step may compile, which syncs
+        while any(t.name == "target0" and t.is_alive() for t in workers._threads):
+            time.sleep(0.05)  # the target thread has drawn both batches (its copies may sync)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            workers._commands[0].put(1)
+            report = None
+            while report is None and not workers._failures.event.wait(0.05):
+                report = None if workers._reports.empty() else workers._reports.get()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert not workers._failures.items, workers._failures.items[0].traceback_text
+    assert report is not None and report.loss.device.type == "cuda" and report.tokens > 0

@@ -57,6 +57,8 @@ class Batch:
     loss_mask: torch.Tensor
     attention_mask: torch.Tensor
     features: torch.Tensor | None = None  # target hidden states, filled in by a target worker
+    # the step's anchors and attention mask, drawn ahead by the target worker (trainer.train.loop.Blocks)
+    blocks: typing.Any = None
 
 
 class BatchPlan:

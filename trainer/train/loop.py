@@ -188,25 +188,49 @@ def peak_gpu_memory_gib(devices: list[str]) -> float | None:
     return peak / 2**30
 
 
-def make_loss_fn(cfg: TrainConfig):
-    """The DFlash objective for one replica and one batch (runs inside the compile guard)."""
-    block, num_anchors, gamma = cfg.drafter.block_size, cfg.train.num_anchors, cfg.train.gamma
-    backend, seed = cfg.run.attention, cfg.train.seed
-    mode = precision.resolve(cfg)
+@dataclasses.dataclass
+class Blocks:
+    """One batch's drafted blocks: where they start, which are real, who sees what, how many tokens."""
 
-    def compute(replica: Replica, batch: Batch) -> LossOutput:
+    anchors: torch.Tensor  # [B, anchors] on the drafter's device
+    valid: torch.Tensor
+    mask: object  # a flex BlockMask or a dense SDPA mask
+    tokens: int  # block tokens trained (valid anchors x block size), counted on the host
+
+
+def make_block_drawer(cfg: TrainConfig):
+    """draw(batch, device) -> Blocks. The target worker draws each batch's blocks while the drafter
+    still runs the step before, so a step starts with its first kernel and never waits on the host."""
+    block, num_anchors, seed = cfg.drafter.block_size, cfg.train.num_anchors, cfg.train.seed
+    build = build_block_mask if cfg.run.attention == "flex" else dense_mask
+
+    def draw(batch: Batch, device: str) -> Blocks:
         # Anchors depend on (seed, step, replica) only: a resumed run draws the same ones.
         gen = torch.Generator().manual_seed(derive_seed(seed, batch.step, batch.replica))
-        anchors, valid = sample_anchors(batch.loss_mask, num_anchors, block, gen)
-        ctx_len = batch.input_ids.shape[1]
-        build = build_block_mask if backend == "flex" else dense_mask
-        mask = build(anchors, valid, ctx_len, block, replica.device)
+        anchors, valid = sample_anchors(batch.loss_mask.cpu(), num_anchors, block, gen)
+        tokens = int(valid.sum()) * block
+        anchors, valid = anchors.to(device), valid.to(device)
+        return Blocks(anchors, valid, build(anchors, valid, batch.input_ids.shape[1], block, device), tokens)
+
+    return draw
+
+
+def make_loss_fn(cfg: TrainConfig):
+    """The DFlash objective for one replica and one batch (runs inside the compile guard)."""
+    block, gamma, backend = cfg.drafter.block_size, cfg.train.gamma, cfg.run.attention
+    mode = precision.resolve(cfg)
+    draw = make_block_drawer(cfg)
+
+    def compute(replica: Replica, batch: Batch) -> LossOutput:
+        blocks = batch.blocks if batch.blocks is not None else draw(batch, replica.device)
         model = cast(DFlashDrafter, replica.model)  # or the DrafterDDP around one: loss() passes through
         with precision.autocast(replica.device, mode):  # thread-local: entered in the drafter thread
-            hidden = model(batch.features, batch.input_ids, anchors, mask, backend)
-            labels, label_mask = block_labels(batch.input_ids, batch.loss_mask, anchors, valid, block)
+            hidden = model(batch.features, batch.input_ids, blocks.anchors, blocks.mask, backend)
+            labels, label_mask = block_labels(
+                batch.input_ids, batch.loss_mask, blocks.anchors, blocks.valid, block
+            )
             loss, acc = model.loss(precision.loss_input(hidden, mode), labels, label_mask, gamma)
-        return LossOutput(loss=loss, acc=acc, tokens=int(valid.sum()) * block)
+        return LossOutput(loss=loss, acc=acc, tokens=blocks.tokens)
 
     return compute
 
@@ -342,6 +366,7 @@ def make_workers(parts: LoopParts) -> TrainingWorkers:
     return TrainingWorkers(
         **{name: getattr(parts, name) for name in ("targets", "replicas", "dataset", "plan", "guard")},
         compute_loss=make_loss_fn(cfg),
+        draw_blocks=make_block_drawer(cfg),
         grad_clip=cfg.train.grad_clip,
         # target features reach the drafter devices in the compute dtype
         feature_dtype=precision.compute_dtype(precision.resolve(cfg)),

@@ -116,7 +116,7 @@ class StepSummary:
 @dataclasses.dataclass
 class _Report:
     replica: int
-    loss: float
+    loss: torch.Tensor  # on the drafter's device: read once the step is reported
     acc: torch.Tensor
     tokens: int
     lr: float
@@ -156,6 +156,7 @@ class TrainingWorkers:
     dataset: Dataset
     plan: BatchPlan
     compute_loss: Callable[[Replica, Batch], LossOutput]
+    draw_blocks: Callable[[Batch, str], Any]  # (batch, drafter device) -> its blocks, drawn ahead of the step
     guard: Any
     grad_clip: float
     feature_dtype: torch.dtype
@@ -171,7 +172,7 @@ class TrainingWorkers:
         }
         self._reports: queue.Queue = queue.Queue()
         self._barrier = threading.Barrier(len(self.replicas), action=self._average_gradients)
-        self._grad_norm = float("nan")
+        self._grad_norm = torch.tensor(float("nan"))
         self._threads: list[threading.Thread] = []
         self._doing: dict[str, str] = {}  # drafter -> what it is doing, for a stop that times out
 
@@ -207,14 +208,15 @@ class TrainingWorkers:
                 reports.append(self._reports.get(timeout=POLL_S))
             except queue.Empty:
                 pass
+        # The first read of a step's numbers on the host: the workers never wait for the GPU.
         reports.sort(key=lambda rep: rep.replica)
-        acc = torch.stack([rep.acc for rep in reports]).mean(0)
+        acc = torch.stack([rep.acc.float().cpu() for rep in reports]).mean(0)
         return StepSummary(
             step=step + 1,
-            loss=sum(rep.loss for rep in reports) / len(reports),
+            loss=sum(float(rep.loss) for rep in reports) / len(reports),
             acc=[float(a) for a in acc],
             tokens=sum(rep.tokens for rep in reports),
-            grad_norm=self._grad_norm,
+            grad_norm=float(self._grad_norm),
             lr=reports[0].lr,
         )
 
@@ -265,11 +267,12 @@ class TrainingWorkers:
                 replica = self.replicas[r]
                 # from a feature cache: has features
                 batch = make_batch(self.dataset, self.plan, step, replica.index)
+                dev = replica.device
+                batch.blocks = self.draw_blocks(batch, dev)
                 features = batch.features
                 if features is None:
                     mask = batch.attention_mask.to(target.device)
                     features = target.features(batch.input_ids.to(target.device), attention_mask=mask)
-                dev = replica.device
                 # a cache batch sits in pinned memory: its copy overlaps the drafter's work
                 batch.features = features.to(dev, self.feature_dtype, non_blocking=features.is_pinned())
                 batch.input_ids = batch.input_ids.to(dev)
@@ -300,13 +303,7 @@ class TrainingWorkers:
             replica.scheduler.step()
             replica.optimizer.zero_grad(set_to_none=True)
             self._reports.put(
-                _Report(
-                    replica.index,
-                    float(out.loss.detach()),
-                    out.acc.detach().float().cpu(),
-                    int(out.tokens),
-                    lr,
-                )
+                _Report(replica.index, out.loss.detach(), out.acc.detach(), int(out.tokens), lr)
             )
 
     def _average_gradients(self) -> None:
@@ -337,7 +334,7 @@ class TrainingWorkers:
                 p = replica_params[i]
                 if p.grad is None or p.grad.data_ptr() != avg.data_ptr():  # not the accumulator itself
                     p.grad = avg.to(p.device, p.dtype, copy=True)
-        self._grad_norm = float(norm)
+        self._grad_norm = norm.detach()  # read on the host by run_step, not here: no sync mid-step
 
     def _get(self, q: queue.Queue):
         return self._until_stopped(lambda: q.get(timeout=POLL_S))
