@@ -14,7 +14,6 @@ import tarfile
 import time
 
 from dflash_ops import __version__
-
 from dflash_ops.job import jobpaths
 from dflash_ops.errors import InputError
 from dflash_ops.job.model import Job, Target

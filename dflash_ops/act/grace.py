@@ -35,9 +35,7 @@ def _from_bundled_config(name: str) -> object | None:
         return None  # a config file on the target
     data = typed_yaml.read_yaml(str(path))
     run = data.get("run") if isinstance(data, dict) else None
-    if not isinstance(run, dict):
-        return stop_timing.DEFAULT_STOP_GRACE_S
-    return run.get("stop_grace_s", stop_timing.DEFAULT_STOP_GRACE_S)
+    return (run if isinstance(run, dict) else {}).get("stop_grace_s", stop_timing.DEFAULT_STOP_GRACE_S)
 
 
 def trainer_stop_grace(job: Job) -> float | None:

@@ -2,32 +2,21 @@
 
 from __future__ import annotations
 
-from dflash_ops.act.preflight import preflight, require_job_stopped
-from dflash_ops.act.steps import (
-    deploy,
-    kill_gpu_processes,
-    launch,
-    mark_stopped,
-    purge_cache,
-    rollback,
-    stop_session,
-    wait_first_step,
-    wait_gpu_free,
-)
+from dflash_ops.act import preflight as p, steps as s
 
 LIBRARY = {
     step.__name__: step
     for step in (
-        preflight,
-        require_job_stopped,
-        stop_session,
-        mark_stopped,
-        kill_gpu_processes,
-        wait_gpu_free,
-        purge_cache,
-        deploy,
-        launch,
-        wait_first_step,
-        rollback,
+        p.preflight,
+        p.require_job_stopped,
+        s.stop_session,
+        s.mark_stopped,
+        s.kill_gpu_processes,
+        s.wait_gpu_free,
+        s.purge_cache,
+        s.deploy,
+        s.launch,
+        s.wait_first_step,
+        s.rollback,
     )
 }

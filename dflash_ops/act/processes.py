@@ -14,7 +14,6 @@ from dflash_ops.observe.gpu_owners import ownership
 from dflash_ops.remote import bundle, facts, python_command
 
 _JOBPROCS = "jobprocs.py"
-
 _JOBPROCS_LISTS = ("job", "unidentified", "exited_panes", "terminated", "killed", "survivors")
 
 GPU_QUERY = f"{shlex.join(facts.gpu_query_argv())} && echo @@ && {shlex.join(facts.apps_query_argv())}"

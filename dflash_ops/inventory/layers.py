@@ -26,12 +26,8 @@ class Where:
     scope: str = ""  # "target 'gpu-box'", "defaults", "group 'all'" or "" for the top level
 
     def error(self, line: int | None, field: str | None, problem: str) -> InputError:
-        parts = [located(self.filename, line)]
-        if self.scope:
-            parts.append(self.scope)
-        if field:
-            parts.append(f"field {field!r}")
-        return InputError(": ".join(parts + [problem]))
+        parts = [located(self.filename, line), self.scope, f"field {field!r}" if field else "", problem]
+        return InputError(": ".join(part for part in parts if part))
 
 
 def unknown_field(key: Any, schema: Collection[str], prefix: str) -> str:

@@ -91,7 +91,6 @@ class TargetBuilder:
         return HostSpec(host=v["host"], **given)
 
     def job_path(self, key: str, value: str) -> str:
-        field = f"job.{key}"
         if not self.remote:
             return self.local_file(value)
         if not value.startswith("/"):
@@ -100,11 +99,10 @@ class TargetBuilder:
                 if key == "python"
                 else "'~' and relative paths are not expanded on the target"
             )
-            example = REMOTE_PATH_EXAMPLES[key]
             raise self.fail(
-                field,
+                f"job.{key}",
                 f"must be an absolute path on the target, got {show(value)}; "
-                f"write the full path, e.g. {example} ({why})",
+                f"write the full path, e.g. {REMOTE_PATH_EXAMPLES[key]} ({why})",
             )
         return _strip_slashes(value)
 

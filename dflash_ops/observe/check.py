@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 from dflash_ops.observe import budget, health, status as status_lib
-
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.job.model import Target
 from dflash_ops.observe.probe import DEFAULT_TIMEOUT_S, run_probe

@@ -8,8 +8,7 @@ import math
 import posixpath
 import re
 
-from dflash_ops.observe import gpu_faults
-from dflash_ops.observe import acceptance, logs, unattended
+from dflash_ops.observe import acceptance, gpu_faults, logs, unattended
 from dflash_ops.observe.text_style import inert
 from dflash_ops.job.model import Job
 from dflash_ops.remote import facts
@@ -183,10 +182,8 @@ def _stall(
 
 def _idle_drafters(snapshot, job: Job, drafter_util: dict) -> list[str]:
     floor = job.health.min_drafter_util_pct
-    if floor <= 0 or not job.drafter_gpus:
+    if floor <= 0 or not job.drafter_gpus or not snapshot.ok:  # a failed query: unattended.warnings says so
         return []
-    if not snapshot.ok:
-        return []  # the failed GPU query is named once, by unattended.warnings
     reasons = []
     missing = [i for i in job.drafter_gpus if snapshot.by_index(i) is None]
     if missing:
@@ -246,9 +243,7 @@ def _perfdata_number(value: float) -> str:
 
 
 def _label(label: str) -> str:
-    if re.fullmatch(r"[A-Za-z0-9_.:-]+", label):
-        return label
-    return "'" + label.replace("'", "''") + "'"
+    return label if re.fullmatch(r"[A-Za-z0-9_.:-]+", label) else "'" + label.replace("'", "''") + "'"
 
 
 def perfdata_text(perfdata: dict, prefix: str = "") -> str:

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dflash_ops.observe import health
-
+from dflash_ops.observe import check as check_lib, health
 from dflash_ops.job import jobstate
-
-from dflash_ops.observe import check as check_lib
 from dflash_ops.observe.check import Checked
 from dflash_ops.job.model import Target
 from dflash_ops.transport.fanout import fan_out

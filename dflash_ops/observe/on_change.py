@@ -34,11 +34,9 @@ class Change:
     verdict: health.Verdict
 
     def env(self) -> dict:
-        job = self.target.job
-
         return {
             "DFLASH_TARGET": self.target.name,
-            "DFLASH_JOB": jobpaths.marker_value(job),
+            "DFLASH_JOB": jobpaths.marker_value(self.target.job),
             "DFLASH_EVENT": self.event,
             "DFLASH_OLD_STATE": self.old.state if self.old else "none",
             "DFLASH_NEW_STATE": self.new.state,

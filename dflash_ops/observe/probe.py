@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from trainer import metrics_format
 
 from dflash_ops.observe import acceptance
-
 from dflash_ops.job import jobpaths, jobstate
 from dflash_ops.errors import DflashOpsError, RemoteCommandError
 from dflash_ops.observe import gpu_faults

@@ -159,9 +159,8 @@ def add_target(out: Exposition, checked) -> None:
     out.add("dflash_probe_duration_seconds", base, status.probe_seconds)
     for gpu in status.gpus:
         _add_gpu(out, base, gpu)
-    report = checked.report
-    if report is not None:
-        _add_faults(out, base, report.gpu_faults)
+    if checked.report is not None:
+        _add_faults(out, base, checked.report.gpu_faults)
 
 
 def _add_gpu(out: Exposition, base: dict, gpu) -> None:

@@ -79,11 +79,7 @@ def parse_answer(stdout: str, target: str) -> tuple[list[FetchedRun], dict | Non
         raise ReportError(f"[{target}] read metrics: the answer is not the report script's JSON: {shown}")
     runs = []
     for entry in data["runs"]:
-        if (
-            not isinstance(entry, dict)
-            or not isinstance(entry.get("run"), str)
-            or not _RUN.match(entry["run"])
-        ):
+        if not (isinstance(entry, dict) and isinstance(entry.get("run"), str) and _RUN.match(entry["run"])):
             continue
         files = entry["files"] if isinstance(entry.get("files"), list) else []
         kept = [f for f in files if isinstance(f, dict) and isinstance(f.get("lines"), list)]

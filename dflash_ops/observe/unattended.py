@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 from dflash_ops.observe import gpu_owners
-
 from dflash_ops.job import jobpaths, jobstate
 from dflash_ops.remote import facts
 

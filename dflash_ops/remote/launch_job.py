@@ -87,10 +87,9 @@ def session_taken(args):
     marker = ("%s=%s" % (args["marker_env"], args["marker"])).encode()
     others = [p["pid"] for p in procs.parse_panes(listed) if procs.has_other_marker(p["pid"], marker)]
     if others:
-        return "session %s (tmux -L %s) runs another job (pane pid %d); give this job another job.session" % (
-            args["session"],
-            args["socket"],
-            others[0],
+        return (
+            f"session {args['session']} (tmux -L {args['socket']}) runs another job (pane pid {others[0]}); "
+            "give this job another job.session"
         )
     return "session %s is already running; stop it first" % args["session"]
 

@@ -89,19 +89,16 @@ def file_tail(path, lines):
     with open(path, "rb") as f:
         end = st.st_size
         start, data = end, b""
-        block = 65536
         while start > 0 and data.count(b"\n") <= lines and end - start < MAX_TAIL_BYTES:
-            step = min(block, start, MAX_TAIL_BYTES - (end - start))
+            step = min(65536, start, MAX_TAIL_BYTES - (end - start))
             start -= step
             f.seek(start)
             data = f.read(step) + data
-        text = data.decode("utf-8", "replace")
-        all_lines = text.splitlines()
+        all_lines = data.decode("utf-8", "replace").splitlines()
         if start > 0 and all_lines:
             all_lines = all_lines[1:]  # the first piece is the end of a cut line
         info["lines"] = all_lines[-lines:]
-        covered_start = start == 0 and len(all_lines) <= lines
-        if not covered_start:
+        if start > 0 or len(all_lines) > lines:  # the tail misses the first line
             f.seek(0)
             info["first_line"] = f.readline(65536).decode("utf-8", "replace").rstrip("\r\n")
     return info

@@ -13,25 +13,15 @@ def is_run_name(text):
 
 
 def newest(runs):
-    last = None
-    for name in sorted(os.listdir(runs)):
-        if is_run_name(name) and os.path.exists(os.path.join(runs, name)):
-            if last is None or int(name) > int(last):
-                last = name
-    return last
+    names = [n for n in sorted(os.listdir(runs)) if is_run_name(n) and os.path.exists(os.path.join(runs, n))]
+    return max(names, key=int, default=None)
 
 
 def choose(runs, resume):
     """The run a launch uses, created: with `resume` the newest unless finished, else a new one."""
     os.makedirs(runs, exist_ok=True)
     last = newest(runs)
-    if (
-        resume
-        and last is not None
-        and not os.path.exists(os.path.join(runs, last, metrics_format.RUN_FINISHED))
-    ):
-        run = last
-    else:
-        run = "%04d" % (int(last or 0) + 1)
+    finished = last is None or os.path.exists(os.path.join(runs, last, metrics_format.RUN_FINISHED))
+    run = last if resume and not finished else "%04d" % (int(last or 0) + 1)
     os.makedirs(os.path.join(runs, run), exist_ok=True)
     return run

@@ -180,9 +180,8 @@ class SshConnecting:
         if isinstance(exc, _RevokedHostKey):
             return (
                 f"{what}host key of {entry} ({fingerprint(exc.key)}) is marked @revoked in "
-                f"{self.known_hosts}; "
-                "refusing to connect (a revoked key may be in the wrong hands). Give the host a new key, or "
-                "remove the @revoked line only if this key is trusted again"
+                f"{self.known_hosts}; refusing to connect (a revoked key may be in the wrong hands). Give "
+                "the host a new key, or remove the @revoked line only if this key is trusted again"
             )
         if isinstance(exc, _UnknownHostKey):
             return (
