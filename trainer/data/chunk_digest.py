@@ -59,23 +59,17 @@ class ChunkHasher:
         return _combined(digests)
 
 
-def file_digest(path: str, pool: ThreadPoolExecutor | None = None) -> str:
-    """The chunk digest of a file on disk, its chunks read in order and hashed on `pool`."""
-    own = pool is None
-    pool = pool or ThreadPoolExecutor(THREADS, thread_name_prefix="chunk-digest")
-    try:
+def file_digest(path: str) -> str:
+    """The chunk digest of a file on disk, its chunks read in order and hashed on a pool."""
+    with ThreadPoolExecutor(THREADS, thread_name_prefix="chunk-digest") as pool, open(path, "rb") as f:
         chunks: list[Future] = []
-        with open(path, "rb") as f:
-            while True:
-                if len(chunks) >= 2 * THREADS:
-                    chunks[-2 * THREADS].result()  # read ahead of the hashing by a bounded amount
-                data = f.read(CHUNK)
-                if not data and chunks:
-                    break
-                chunks.append(pool.submit(_digest, [data]))
-                if len(data) < CHUNK:
-                    break
+        while True:
+            if len(chunks) >= 2 * THREADS:
+                chunks[-2 * THREADS].result()  # read ahead of the hashing by a bounded amount
+            data = f.read(CHUNK)
+            if not data and chunks:
+                break
+            chunks.append(pool.submit(_digest, [data]))
+            if len(data) < CHUNK:
+                break
         return _combined([chunk.result() for chunk in chunks])
-    finally:
-        if own:
-            pool.shutdown(wait=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import collections
 import hashlib
+import itertools
 import json
 import os
 import threading
@@ -208,11 +209,7 @@ def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
             + "). Fix: pick another --out directory, or delete this one.",
         )
     # Keep whole shards up to the first bad one; everything after it is recomputed.
-    good = []
-    for shard in found["shards"]:
-        if shard_problem(cache_dir, shard, check_sha=True):
-            break
-        good.append(shard)
+    good = list(itertools.takewhile(lambda s: not shard_problem(cache_dir, s, True), found["shards"]))
     found["complete"] = bool(found.get("complete")) and len(good) == len(found["shards"])
     found["shards"] = good
     for name in os.listdir(cache_dir):  # shards no manifest entry names (killed mid-write)
@@ -294,12 +291,12 @@ class CacheReader:
 
     def token_arrays(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Padded input_ids, loss_mask, attention_mask of every sequence (small: no features)."""
+        from safetensors import safe_open
+
         total = self.shards[-1]["first"] + self.shards[-1]["count"]
         ids = torch.full((total, self.seq_len), pad_id, dtype=torch.long)
         mask = torch.zeros(total, self.seq_len, dtype=torch.bool)
         attn = torch.zeros(total, self.seq_len, dtype=torch.bool)
-        from safetensors import safe_open
-
         for shard in self.shards:
             with safe_open(os.path.join(self.cache_dir, shard["file"]), framework="pt") as f:
                 offsets, flat_ids, flat_mask = (

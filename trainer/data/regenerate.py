@@ -175,11 +175,9 @@ class Generator:
             use_cache=True,
             **extra,
         )
-        results = []
-        for row in out[:, width:].tolist():
-            end = next((k for k, tok in enumerate(row) if tok in self.eos_ids), None)
-            results.append((row[:end] if end is not None else row, end is None))
-        return results
+        rows = out[:, width:].tolist()
+        ends = [next((k for k, tok in enumerate(row) if tok in self.eos_ids), None) for row in rows]
+        return [(row[:end], end is None) for row, end in zip(rows, ends, strict=True)]
 
     def batches(self, lengths: list[int]) -> list[slice]:
         """Prompts generated together: --batch-size at a time, else as many as free memory holds."""

@@ -67,8 +67,6 @@ def default_layer_ids(num_layers: int, k: int = 5) -> list[int]:
             f"spread 1..num_layers-3. Fix: set target.layer_ids explicitly, e.g. [0]"
         )
     first, last = 1, num_layers - 3
-    if k == 1:
-        return [first]
     ids = [round(first + i * (last - first) / (k - 1)) for i in range(k)]
     return sorted(set(ids))
 

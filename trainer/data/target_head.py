@@ -100,14 +100,11 @@ def _hf_head(path: str, dtype):
     embed_w = _read_tensor(files, "embed_tokens.weight")
     if embed_w is None:
         raise ConfigError(f"target.spec: no *embed_tokens.weight tensor in {path!r}")
-    head_w = _read_tensor(files, "lm_head.weight")
     embed = nn.Embedding.from_pretrained(embed_w.to(dtype), freeze=True)
-    if head_w is None:  # tied embeddings
-        head = nn.Linear(embed_w.shape[1], embed_w.shape[0], bias=False)
-        head.weight = embed.weight
-    else:
-        head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False).requires_grad_(False)
-        head.weight.data = head_w.to(dtype)
+    head_w = _read_tensor(files, "lm_head.weight")
+    weight = embed.weight if head_w is None else nn.Parameter(head_w.to(dtype))  # None: tied embeddings
+    head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    head.weight = weight
     return config, embed, head, tokenizer_of(path)
 
 

@@ -31,15 +31,11 @@ class DFlashRMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def _rope_parameters(config):
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return params.get("rope_type", params.get("type", "default")), float(theta)
-
-
 def _inv_freq(config, head_dim, device):
-    rope_type, theta = _rope_parameters(config)
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
+        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
         exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
         return 1.0 / (theta**exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # scaled RoPE variants
@@ -73,26 +69,27 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(ctx).view(shape).transpose(1, 2)
         return k * cos + _rotate_half(k) * sin, v
 
+    def query(self, x, cos, sin):
+        """Queries (q_norm, RoPE) [B, Hq, L, D] of the block x [B, L, H]."""
+        q = self.q_norm(self.q_proj(x).view(*x.shape[:2], self.num_heads, self.head_dim)).transpose(1, 2)
+        return q * cos + _rotate_half(q) * sin
+
     def forward_cached(self, x, keys, values, cos, sin):
         """The block x [B, L, H] against cached context keys/values, unmasked."""
-        batch, q_len, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        k_block, v_block = self.context_kv(x, cos, sin)
-        q = q * cos + _rotate_half(q) * sin
-        k = k_block if keys is None else torch.cat([keys, k_block], dim=2)
-        v = v_block if values is None else torch.cat([values, v_block], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
+        k, v = self.context_kv(x, cos, sin)
+        k = k if keys is None else torch.cat([keys, k], dim=2)
+        v = v if values is None else torch.cat([values, v], dim=2)
+        out = F.scaled_dot_product_attention(self.query(x, cos, sin), k, v, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
 
     def forward(self, x, ctx, cos, sin, attention_mask):
-        batch, q_len, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        q_len = x.shape[1]
+        q = self.query(x, cos[:, :, -q_len:], sin[:, :, -q_len:])  # queries: the block positions
         k, v = self.context_kv(torch.cat([ctx, x], dim=1), cos, sin)  # keys over [ctx ; block]
-        q = q * cos[:, :, -q_len:] + _rotate_half(q) * sin[:, :, -q_len:]  # queries: the block positions
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
+        return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
 class DFlashMLP(nn.Module):
@@ -190,7 +187,7 @@ class DFlashDraftModel(PreTrainedModel):
             )
         stops = {int(t) for t in (stop_token_ids or [])}
         # sampling draws from torch's global RNG, as HF generate does
-        run = _Speculation(self, target, lambda logits: _pick(logits, temperature, top_p, top_k, None))
+        run = _Speculation(self, target, lambda logits: _pick(logits, temperature, top_p, top_k))
         tokens = run.prefill(input_ids)
         accepted = []
         stopped = tokens[-1] in stops
@@ -304,7 +301,7 @@ def _features(hidden_states, layer_ids):
     return torch.cat([hidden_states[layer + 1] for layer in layer_ids], dim=-1)
 
 
-def _pick(logits, temperature, top_p, top_k, generator):
+def _pick(logits, temperature, top_p, top_k):
     """Tokens [N] from logits [N, V]: argmax at temperature 0, else a sample."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
@@ -317,15 +314,12 @@ def _pick(logits, temperature, top_p, top_k, generator):
         ordered, order = probs.sort(dim=-1, descending=True)
         keep = ordered.cumsum(dim=-1) - ordered < top_p  # the smallest prefix reaching top_p
         probs = torch.zeros_like(probs).scatter(-1, order, ordered * keep)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(probs, 1).squeeze(-1)
 
 
 def _finish(tokens, max_new_tokens, stops):
     tokens = tokens[:max_new_tokens]
-    for i, token in enumerate(tokens):
-        if token in stops:
-            return tokens[: i + 1]
-    return tokens
+    return tokens[: next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))]
 
 
 def _cache_argument(target):
