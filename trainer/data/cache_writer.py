@@ -30,15 +30,15 @@ from trainer.data.feature_cache import (
     prepare,
     write_manifest,
 )
-from trainer.data.safetensors_stream import StreamedFile
+from trainer.data.safetensors_stream import StreamedFile, layout_of
 
 # Sequences per target forward when no batch size is given: about this many tokens.
 BATCH_TOKENS = 16384
 WRITE_QUEUE_DEPTH = 2  # batches computed ahead of the writer thread
 
 
-def auto_batch_size(seq_len: int, tokens: int = BATCH_TOKENS) -> int:
-    return max(1, tokens // max(1, seq_len))
+def auto_batch_size(seq_len: int) -> int:
+    return max(1, BATCH_TOKENS // max(1, seq_len))
 
 
 def shard_plan(lengths: list[int], token_bytes: int, shard_bytes: int) -> list[tuple[int, int]]:
@@ -88,19 +88,14 @@ class ShardStream:
     def _start_shard(self) -> tuple[StreamedFile, dict, dict]:
         first, count = self.plan[self._started]
         lengths = self.lengths[first : first + count]
-        pieces = list(zip(range(first, first + count), lengths, strict=True))
         known = {
-            "input_ids": [self.tokens.input_ids[i, :n].to(torch.int32) for i, n in pieces],
-            "loss_mask": [self.tokens.loss_mask[i, :n].to(torch.bool) for i, n in pieces],
+            "input_ids": [self.tokens.input_ids[i, :n].to(torch.int32) for i, n in enumerate(lengths, first)],
+            "loss_mask": [self.tokens.loss_mask[i, :n].to(torch.bool) for i, n in enumerate(lengths, first)],
             "offsets": [torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)],
         }
         tokens = sum(lengths)
-        layout = {
-            "features": (self.dtype, [tokens, self.width]),
-            "input_ids": (torch.int32, [tokens]),
-            "loss_mask": (torch.bool, [tokens]),
-            "offsets": (torch.int64, [count + 1]),
-        }
+        layout = {name: layout_of(name, pieces) for name, pieces in known.items()}
+        layout["features"] = (self.dtype, [tokens, self.width])
         name = f"shard-{self._files + self._started:05d}.safetensors"
         self._started, self._row = self._started + 1, 0
         file = StreamedFile(os.path.join(self.cache_dir, name + ".tmp"), layout)
@@ -183,9 +178,9 @@ class _HostBuffers:
 class _WriterThread:
     """ShardStream.add on a thread of its own; its error is raised at the caller's next put() or close()."""
 
-    def __init__(self, writer: ShardStream, progress=None, depth: int = WRITE_QUEUE_DEPTH):
+    def __init__(self, writer: ShardStream, progress):
         self.writer, self.progress = writer, progress
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_DEPTH)
         self.error: BaseException | None = None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="feature-cache-writer", daemon=True)

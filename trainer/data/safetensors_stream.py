@@ -31,7 +31,7 @@ CHUNK = 1 << 24
 WRITERS = 4
 
 
-def _shape(name: str, pieces: list[torch.Tensor]) -> tuple[torch.dtype, list[int]]:
+def layout_of(name: str, pieces: list[torch.Tensor]) -> tuple[torch.dtype, list[int]]:
     if not pieces or pieces[0].dtype not in _DTYPES:
         raise ValueError(f"{name}: give at least one piece of a dtype in {sorted(_DTYPES.values())}")
     first = pieces[0]
@@ -124,7 +124,7 @@ class StreamedFile:
 
 def write_pieces(path: str, tensors: dict[str, list[torch.Tensor]], chunk: int = CHUNK) -> tuple[int, str]:
     """Write `path` (fsynced) holding each name's pieces concatenated on dim 0: (bytes, chunk digest)."""
-    out = StreamedFile(path, {name: _shape(name, pieces) for name, pieces in tensors.items()}, chunk)
+    out = StreamedFile(path, {name: layout_of(name, pieces) for name, pieces in tensors.items()}, chunk)
     try:
         for name in out.order:
             for piece in tensors[name]:

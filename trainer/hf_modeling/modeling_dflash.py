@@ -142,9 +142,8 @@ class DFlashDraftModel(PreTrainedModel):
         dtype = self.fc.weight.dtype
         ctx = self.hidden_norm(self.fc(target_hidden.to(dtype)))
         x = noise_embedding.to(dtype)
-        batch, ctx_len, block_len = x.shape[0], ctx.shape[1], x.shape[1]
         if position_ids is None:
-            position_ids = torch.arange(ctx_len + block_len, device=x.device).expand(batch, -1)
+            position_ids = torch.arange(ctx.shape[1] + x.shape[1], device=x.device).expand(x.shape[0], -1)
         cos, sin = self.rope(position_ids)
         for layer in self.layers:
             x = layer(x, ctx, cos, sin, attention_mask)
