@@ -67,10 +67,8 @@ def problems(accept: Acceptance | None, min_tau: float) -> list[str]:
     if min_tau > 0 and accept.tau < min_tau:
         reasons.append(f"measured tau {accept.tau:.2f}{at} is below the {min_tau:g} minimum (health.min_tau)")
     if accept.expected_tau is not None and accept.tau < GAP_RATIO * accept.expected_tau:
-        if accept.split == "held-out":
-            cause = likely_cause(accept.expected_tau, None, accept.tau)
-        else:
-            cause = likely_cause(accept.expected_tau, accept.tau)
+        held_in, held_out = (None, accept.tau) if accept.split == "held-out" else (accept.tau, None)
+        cause = likely_cause(accept.expected_tau, held_in, held_out)
         reasons.append(
             f"measured tau {accept.tau:.2f}{at} is below {GAP_RATIO:g} x the {accept.expected_tau:.2f} "
             "that training accuracy predicts; " + cause.removeprefix("likely cause: ")

@@ -196,8 +196,7 @@ def busy_gpus(
         elif min_free_mib is None:
             is_busy = used > max_used_mib or bool(gpu.processes)  # any listed process still holds it
         else:
-            total = gpu.memory_total_mib or 0
-            is_busy = total - used < min_free_mib
+            is_busy = (gpu.memory_total_mib or 0) - used < min_free_mib
         if is_busy:
             busy.append(BusyGpu(index, used, gpu.memory_total_mib, gpu.processes, gpu.ghost_memory_mib))
     return busy
@@ -211,14 +210,12 @@ def container_of_pid(cgroup_text: str) -> str | None:
     """Container id (as text) a process belongs to, from /proc/PID/cgroup: cgroup v2, v1 and
     `lxc.payload.N`; the LXC monitor (`/lxc.monitor/N`) is NOT in the container."""
     for line in cgroup_text.splitlines():
-        path = line.split(":", 2)[-1]
-        for part_index, part in enumerate(path.split("/")):
+        parts = line.split(":", 2)[-1].split("/")
+        for i, part in enumerate(parts):
             if part.startswith("lxc.payload."):
                 return part[len("lxc.payload.") :] or None
-            if part == "lxc":
-                rest = path.split("/")[part_index + 1 :]
-                if rest and rest[0]:
-                    return rest[0]
+            if part == "lxc" and i + 1 < len(parts) and parts[i + 1]:
+                return parts[i + 1]
     return None
 
 

@@ -11,10 +11,9 @@ from collections.abc import Sequence
 
 from trainer import metrics_format
 
-from dflash_ops.observe import acceptance
+from dflash_ops.observe import acceptance, gpu_faults
 from dflash_ops.job import jobpaths, jobstate
 from dflash_ops.errors import DflashOpsError, RemoteCommandError
-from dflash_ops.observe import gpu_faults
 from dflash_ops.observe.gpu import HOST_GPU_QUERY_ARGV, GpuSnapshot, parse_host_gpu_query, snapshot_from_probe
 from dflash_ops.job.model import Job
 from dflash_ops.remote import bundle, python_command, shell_command

@@ -59,12 +59,7 @@ def launches(log_dir, runs_dir, legacy_run_dir, state, errors):
             run = run_of(path, runs_dir, legacy_run_dir)
         except OSError:
             continue  # rotated away meanwhile
-        if (
-            run is None
-            and path == state_metrics
-            and isinstance(state_run, int)
-            and not isinstance(state_run, bool)
-        ):
+        if run is None and path == state_metrics and type(state_run) is int:  # JSON: never a bool
             run = "%04d" % state_run  # its trainer is still starting
         found.append((run, path))
     return found
@@ -92,10 +87,7 @@ def shrink(runs):
     while files and size() > MAX_OUTPUT_BYTES:
         largest = max(files, key=lambda f: sum(len(line) for line in f["lines"]))
         lines = largest["lines"]
-        if len(lines) <= 2:
-            largest["lines"] = []
-        else:
-            largest["lines"] = [lines[0]] + lines[1:-1][::2] + [lines[-1]]
+        largest["lines"] = [lines[0]] + lines[1:-1][::2] + [lines[-1]] if len(lines) > 2 else []
         largest["thinned"] = True
 
 
