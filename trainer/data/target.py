@@ -35,7 +35,7 @@ TINY_DEFAULTS: dict[str, Any] = {
 }
 # tiny-random-hybrid: a Qwen3.5-style hybrid (Gated DeltaNet layers, full attention every 4th layer).
 TINY_HYBRID_DEFAULTS: dict[str, Any] = {
-    **{k: v for k, v in TINY_DEFAULTS.items() if k != "num_hidden_layers"},
+    **TINY_DEFAULTS,
     "num_hidden_layers": 8,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,

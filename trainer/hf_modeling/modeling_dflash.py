@@ -247,10 +247,7 @@ class _Speculation:
         saved = None if self.rollback else copy.deepcopy(self.cache)
         out = self._verify(block_ids)
         verified = self.pick(out.logits[0]).tolist()  # the target's token after each block position
-        drafted = drafts.tolist()
-        n = 0
-        while n < self.block - 1 and drafted[n] == verified[n]:
-            n += 1
+        n = next((i for i, token in enumerate(drafts.tolist()) if token != verified[i]), self.block - 1)
         features = _features(out.hidden_states, self.layer_ids)[:, : n + 1]
         if self.rollback:
             _crop(self.cache, self.start + n + 1)
