@@ -1,14 +1,11 @@
-"""Activation checkpointing of drafter layers (train.activation_checkpointing: layers).
+"""Activation checkpointing of drafter layers (train.activation_checkpointing: layers): each layer
+keeps only its inputs and runs again in backward, so the activations of all layers are never held
+at once, for one more layer forward per step.
 
-Each decoder layer keeps only its inputs during the forward and runs again inside backward to
-rebuild what its gradients need: less memory (the attention and MLP activations of all layers are
-never held at once) for one more layer forward per step.
-
-Non-reentrant torch.utils.checkpoint: it works with the compiled flex_attention inside the layer
-and with inputs that do not require grad. The recompute goes through compile_lock.carry_step, so
-a compile it triggers belongs to the step and follows the compile lock (see trainer.compile_lock).
-RNG state is not saved and restored: the layers draw no random numbers, and restoring would reset
-the process-wide generators under the other drafter threads.
+Non-reentrant: it works with the compiled flex_attention inside the layer and with inputs that need
+no grad. The recompute goes through compile_lock.carry_step, so a compile it triggers follows the
+step's compile lock. RNG state is not saved/restored: the layers draw no random numbers, and
+restoring would reset the process-wide generators under the other drafter threads.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The drafted block: an anchor token followed by block_size - 1 masked positions the drafter
-fills. Its default and its lower bound, for the trainer's config, model and masks. (The exported
-Hugging Face config, trainer/hf_modeling, ships standalone and keeps its own default.)"""
+"""The drafted block (an anchor token, then block_size - 1 masked positions): its default and lower
+bound. trainer/hf_modeling ships standalone and keeps its own default."""
 
 from __future__ import annotations
 

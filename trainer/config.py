@@ -277,8 +277,7 @@ def _validate_shape(cfg: TrainConfig) -> None:
         value = _value(cfg, key)
         if value is not None and value < 1:
             _fail(cfg, key, f"must be at least 1, got {value}. Fix: set a positive value.")
-    block_problem = block_size_problem(d.block_size)
-    if block_problem:
+    if block_problem := block_size_problem(d.block_size):
         _fail(cfg, "drafter.block_size", f"{block_problem}. Fix: use {DEFAULT_BLOCK_SIZE}.")
     if d.num_heads and d.num_kv_heads and d.num_heads % d.num_kv_heads:
         _fail(

@@ -31,11 +31,8 @@ def block_labels(
     valid: torch.Tensor,
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """labels [B, N, block] (IGNORE_INDEX where not trained) and label_mask [B, N, block].
-
-    A position counts when its block is valid, k >= 1, anchor+k lies inside the sequence and the
-    loss mask is on there.
-    """
+    """labels [B, N, block] (IGNORE_INDEX where not trained) and label_mask [B, N, block]. A position
+    counts when its block is valid, k >= 1, anchor+k is inside the sequence and the loss mask is on."""
     batch, seq_len = input_ids.shape
     num_blocks = anchors.shape[1]
     offsets = torch.arange(block_size, device=anchors.device)
@@ -143,13 +140,10 @@ def compiled_ce_chunk():
 
 
 class _FrozenHeadCE(torch.autograd.Function):
-    """sum_i w_i * CE(h_i @ W^T + b, y_i) with W frozen, computed in row chunks.
-
-    The gradient w.r.t. h is produced chunk by chunk during the forward (the loss is linear in the
-    upstream gradient), so neither the full logits nor their gradient are ever held in memory and
-    the lm_head matmul is not recomputed: exactly one forward and one input-gradient matmul.
-    `chunk_fn` is ce_chunk (compiled) or None for _ce_chunk_eager.
-    """
+    """sum_i w_i * CE(h_i @ W^T + b, y_i) with W frozen, in row chunks. The gradient w.r.t. h is made
+    chunk by chunk in the forward (the loss is linear in the upstream gradient), so neither the full
+    logits nor their gradient are ever held and the lm_head matmul is not recomputed. `chunk_fn` is
+    ce_chunk (compiled) or None for _ce_chunk_eager."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_weights, chunk_rows: int, chunk_fn):
@@ -166,7 +160,7 @@ class _FrozenHeadCE(torch.autograd.Function):
             else:
                 part, correct[start:stop], dlogits = _ce_chunk_eager(logits, y, w, need_grad)
             loss += part
-            if grad is not None:  # need_grad
+            if grad is not None:
                 grad[start:stop] = dlogits.to(weight.dtype) @ weight
         if need_grad:
             ctx.save_for_backward(grad)
@@ -215,11 +209,8 @@ def dflash_loss_fused(
     chunk_rows: int | None = None,
     kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same result as dflash_loss(F.linear(hidden, W, b), ...) from drafter hidden [B, N*block, H].
-
-    Only positions 1..block-1 go through the lm_head (position 0 is never trained), in chunks.
-    kernel "compiled" pads the rows to equal chunks (padding rows weigh 0 and are ignored).
-    """
+    """dflash_loss(F.linear(hidden, W, b), ...) from drafter hidden [B, N*block, H], only positions
+    1..block-1 through the lm_head, in chunks ("compiled" pads them equal: padding rows weigh 0)."""
     batch, num_blocks, block_size = labels.shape
     hidden_size = hidden.shape[-1]
     rows = hidden.view(batch, num_blocks, block_size, hidden_size)[:, :, 1:].reshape(-1, hidden_size)

@@ -32,17 +32,12 @@ from trainer.compile_lock import MASK_LOCK
 def sample_anchors(
     loss_mask: torch.Tensor, num_anchors: int, block_size: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick up to `num_anchors` random anchor positions per sequence.
-
-    A position a is eligible when loss_mask[a] is on and the next position a+1 exists and is also
-    trained, so every valid block has at least one label. Valid anchors come first, sorted
-    ascending; rows with fewer eligible positions are padded with anchor 0 and valid=False.
-    Shapes are static ([B, num_anchors]) and nothing here syncs with the host.
-    """
+    """Up to `num_anchors` random anchor positions per sequence. Position a is eligible when a and
+    a+1 are both trained, so every valid block has a label. Valid anchors come first, ascending; the
+    rest are anchor 0 with valid=False. Shapes are static ([B, num_anchors]); nothing syncs with the host."""
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
-    block_problem = block_size_problem(block_size)
-    if block_problem:
+    if block_problem := block_size_problem(block_size):
         raise ValueError(f"block_size {block_problem}")
     if loss_mask.dim() != 2:
         raise ValueError(f"loss_mask must be [batch, seq_len], got shape {tuple(loss_mask.shape)}")
@@ -95,8 +90,7 @@ def build_block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, b
     from torch.nn.attention.flex_attention import BlockMask
 
     anchors, valid = anchors.to(device), valid.to(device)
-    num_blocks = anchors.shape[1]
-    q_len = num_blocks * block_size
+    q_len = anchors.shape[1] * block_size
     mask_mod = make_mask_mod(anchors, valid, ctx_len, block_size)
     with MASK_LOCK:
         if not _tiles_take_lengths():  # torch < 2.6

@@ -61,16 +61,15 @@ class DrafterConfig:
             problems.append(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        block_problem = block_size_problem(self.block_size)
-        if block_problem:
+        if block_problem := block_size_problem(self.block_size):
             problems.append(f"block_size {block_problem}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(
                 f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
             )
-        for name in POSITIVE_DIMS:
-            if getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be >= 1")
+        problems += [
+            f"{name}={getattr(self, name)} must be >= 1" for name in POSITIVE_DIMS if getattr(self, name) < 1
+        ]
         if problems:
             raise ValueError("bad drafter config: " + "; ".join(problems))
 
@@ -146,21 +145,15 @@ def _rope_scaling_of(hf_config) -> dict | None:
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin [B, 1, L, head_dim] for integer positions [B, L] (HF Qwen3 layout)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    )
-    freqs = positions.float().unsqueeze(-1) * inv_freq
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    freqs = positions.float().unsqueeze(-1) * (1.0 / theta**exponents)
     angles = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 _compiled_flex = None

@@ -161,13 +161,8 @@ def _picture(fig, panel) -> Picture:
     width, height = (int(round(v)) for v in fig.get_size_inches() * DPI)
     boxes = {}
     for name, ax in panel.items():
-        box = ax.get_position()
-        boxes[name] = (
-            int(box.x0 * width),
-            int((1 - box.y1) * height),
-            int(box.x1 * width),
-            int((1 - box.y0) * height),
-        )
+        x0, y0, x1, y1 = ax.get_position().extents
+        boxes[name] = (int(x0 * width), int((1 - y1) * height), int(x1 * width), int((1 - y0) * height))
     return Picture(buffer.getvalue(), width, height, boxes)
 
 

@@ -1,4 +1,4 @@
-"""Why tau is low: held-in vs held-out vs the tau training accuracy predicts (stdlib only: ops read it).
+"""Why tau is low: held-in vs held-out vs the tau training accuracy predicts (no torch: ops read it).
 
 Three numbers tell the causes apart:
 - expected: 1 + sum_k prod_{j<=k} acc_j from the training accuracy (trainer.metrics_format.expected_tau),
@@ -14,18 +14,11 @@ training distribution and not these prompts (over-fitting to the data; add varie
 
 from __future__ import annotations
 
-import math
-
 from trainer import metrics_format
+from trainer.typed_yaml import finite
 
 GAP_RATIO = 0.7  # a tau below GAP_RATIO x the one it is compared with is "far below"
 ACC_WINDOW = 10  # step records averaged for the expected tau (one batch's accuracy is noisy)
-
-
-def _finite(value) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
 
 
 def expected_tau_of(step_records: list[dict], window: int = ACC_WINDOW) -> float | None:
@@ -34,7 +27,7 @@ def expected_tau_of(step_records: list[dict], window: int = ACC_WINDOW) -> float
     if not steps:
         return None
     width = min(len(r["acc"]) for r in steps)
-    columns = [[_finite(r["acc"][k]) for r in steps] for k in range(width)]
+    columns = [[finite(r["acc"][k]) for r in steps] for k in range(width)]
     if any(v is None for column in columns for v in column):
         return None
     return metrics_format.expected_tau([sum(v for v in c if v is not None) / len(c) for c in columns])

@@ -6,6 +6,7 @@ duplicate keys refused, only true/false booleans (YAML 1.2), every problem one `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -323,10 +324,8 @@ def _scalar(hint: Any, value: Any, place: _Place) -> Any:
         if real_number:
             return float(value)
         if isinstance(value, str):  # PyYAML reads `6e-4` (no dot) as text, as YAML 1.1 says
-            try:
+            with contextlib.suppress(ValueError):
                 return float(value)
-            except ValueError:
-                pass
         raise place.error(f"must be a number (like 6e-4), got {kind_of(value)}")
     if hint is str:
         if real_number or isinstance(value, str):

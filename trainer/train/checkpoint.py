@@ -114,7 +114,7 @@ def resolve_export_source(path: str) -> str:
 
 
 def _missing(path) -> list[str]:
-    """The REQUIRED files that `path` lacks (none: a complete checkpoint)."""
+    """The REQUIRED files that `path` lacks."""
     return [name for name in REQUIRED if not (Path(path) / name).is_file()]
 
 
@@ -178,16 +178,8 @@ def save_checkpoint(
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
     save_file(tensors, str(tmp / WEIGHTS), metadata={"step": str(step)})
     follow_umask(tmp / WEIGHTS)
-    torch.save(
-        {
-            "step": step,
-            "optimizer": optimizer,
-            "scheduler": scheduler,
-            "data_position": data_position,
-            "rng": rng,
-        },
-        tmp / STATE,
-    )
+    resumed = {"optimizer": optimizer, "scheduler": scheduler, "data_position": data_position, "rng": rng}
+    torch.save({"step": step, **resumed}, tmp / STATE)
     for name, payload in ((CONFIG, config), (DRAFTER_CONFIG, drafter_config)):
         (tmp / name).write_text(json.dumps(payload, indent=2, sort_keys=True), encoding="utf-8")
     for name in REQUIRED:

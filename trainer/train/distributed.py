@@ -7,9 +7,7 @@ Rank r is replica r of the threaded mode: the batch plan is built for WORLD_SIZE
 drafter is wrapped in DDP, whose mean of two ranks' gradients equals the threaded mode's exactly,
 so replicas stay identical without weight broadcasts. Every step the ranks exchange one small
 vector (loss, tokens, accuracy, "stop requested"): all log the same summary and stop after the same
-step. Rank 0 checkpoints; it writes metrics, and so does each other host's local rank 0 when given
-its own --metrics-file, for that host's status. A rank uses cuda:LOCAL_RANK when the configured
-drafter devices are CUDA, else the CPU.
+step. Rank 0 checkpoints; who writes metrics: Rank.speaks.
 """
 
 from __future__ import annotations
@@ -145,13 +143,11 @@ def global_summary(local: StepSummary, stop: bool, rank: Rank, device: str) -> t
     )
     parts = _gather(vector, rank.world_size)
     acc = torch.stack([p[3:].to(torch.float32) for p in parts]).mean(0)
-    summary = StepSummary(
-        step=local.step,
+    summary = dataclasses.replace(
+        local,
         loss=sum(float(p[0]) for p in parts) / len(parts),
         acc=[float(a) for a in acc],
         tokens=sum(int(p[1]) for p in parts),
-        grad_norm=local.grad_norm,
-        lr=local.lr,
     )
     return summary, any(bool(p[2]) for p in parts)
 

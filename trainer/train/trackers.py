@@ -1,9 +1,9 @@
 """Experiment trackers (`run.report_to`): tensorboard, wandb, mlflow, fed the metrics records.
 
-MetricsWriter hands every record it writes (the JSON line, read back) to `Trackers.feed`; the
-metrics file stays the one source of truth. A tracker that is not installed, cannot start or
-raises is named in ONE line and dropped; training goes on. Records from other threads wait in a
-queue for the writer's thread, so tracker libraries are called from one thread.
+Each record MetricsWriter writes (the JSON line, read back) goes to `Trackers.feed`: the metrics
+file stays the one source of truth. A tracker that is not installed, cannot start or raises is
+named in ONE line and dropped. Records from other threads queue for the writer's thread, so
+tracker libraries are called from one thread.
 
 Where each writes (under --output-dir unless its own settings say otherwise): tensorboard in
 tensorboard/; wandb in wandb/ (project $WANDB_PROJECT or "dflash"; WANDB_MODE=offline: no network);
@@ -30,9 +30,8 @@ _PER_POSITION = {"acc", "acceptance"}
 
 
 def scalars_of(record: dict) -> tuple[int, dict[str, float]] | None:
-    """(step, {tag: value}) of a step, eval or compile record; None for the others. train/<field> (acc
-    as train/acc/pos1.., plus train/tau_expected), eval/<field> (lists by position, mappings by key),
-    compile/duration_s; fields added later report under their own names."""
+    """(step, {tag: value}) of a step, eval or compile record, else None: train/<field> (acc as
+    train/acc/pos1.., plus train/tau_expected), eval/<field>, compile/duration_s."""
     event = record.get("event")
     step = record.get("step")
     if event not in ("step", "eval", "compile") or not isinstance(step, int) or isinstance(step, bool):
@@ -103,7 +102,7 @@ def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
 
 
 class Tracker:
-    """One tracker library. open() receives the run's start record; the rest its later records."""
+    """One tracker library: open() gets the run's start record, the other methods its later ones."""
 
     name = ""
     library = ""  # the module it drives, imported on construction: ImportError when not installed
@@ -213,12 +212,10 @@ assert tuple(KINDS) == TRACKERS, "a tracker class for each name run.report_to ac
 
 
 class Trackers:
-    """The trackers a run reports to. feed() takes each metrics record; a failing tracker is named
-    in one line through `say` and dropped, never failing the run."""
+    """The trackers a run reports to; a failing one is named in one line through `say` and dropped."""
 
     def __init__(self, names, output_dir: str, say: Callable[[str], None]):
-        self.say = say
-        self.output_dir = output_dir
+        self.say, self.output_dir = say, output_dir
         self.active: list[Tracker] = []
         self._owner = threading.get_ident()
         self._pending: collections.deque = collections.deque()
