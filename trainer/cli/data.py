@@ -99,7 +99,12 @@ def _add_cache_features_parser(sub) -> None:
     c.add_argument(
         "--shard-size-mb", type=int, default=2048, metavar="MB", help="shard size cap (default 2048)"
     )
-    options.add_batch_size(c, "sequences per target forward (default: about 16384 tokens' worth)")
+    c.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="B",
+        help="sequences per target forward (default: about 16384 tokens' worth)",
+    )
     options.add_device(c, "target device (default: the config's first target device)", metavar="DEV")
     options.add_overrides(c, "override a config key")
 
@@ -113,9 +118,7 @@ def main(argv: list[str]) -> int:
 def _run(args: argparse.Namespace) -> int:
     again = "rerun the same command to continue" + (" with --resume" if args.command == "regenerate" else "")
     try:
-        if args.command == "regenerate":
-            return _regenerate(args)
-        return _cache_features(args)
+        return _regenerate(args) if args.command == "regenerate" else _cache_features(args)
     except KeyboardInterrupt as exc:
         print(f"dflash-train data: interrupted; {again}", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130

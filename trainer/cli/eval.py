@@ -232,9 +232,8 @@ def _finite(value):
 
 def run_eval(args: argparse.Namespace, out=None, err=None) -> int:
     """`dflash-train eval`: 0 done, 1 failed (or not lossless), 2 bad input (trainer.cli.errors)."""
-    out = out or sys.stdout
     err = err or sys.stderr
-    return run_command("dflash-train eval", lambda: _run_eval(args, out, err), err)
+    return run_command("dflash-train eval", lambda: _run_eval(args, out or sys.stdout, err), err)
 
 
 def _run_eval(args: argparse.Namespace, out, err) -> int:

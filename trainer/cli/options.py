@@ -80,10 +80,6 @@ def add_device(p: argparse.ArgumentParser, help: str, metavar: str | None = None
     p.add_argument("--device", metavar=metavar, help=help)
 
 
-def add_batch_size(p: argparse.ArgumentParser, help: str, default: int | None = None) -> None:
-    p.add_argument("--batch-size", type=int, default=default, metavar="B", help=help)
-
-
 def add_max_new_tokens(p: argparse.ArgumentParser, default: int) -> None:
     p.add_argument("--max-new-tokens", type=int, default=default, metavar="N")
 

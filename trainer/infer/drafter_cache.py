@@ -26,8 +26,10 @@ class DrafterContext:
 
     def __init__(self, drafter: DFlashDrafter):
         self.drafter = drafter
-        self.keys: list[torch.Tensor | None] = [None] * len(drafter.layers)
-        self.values: list[torch.Tensor | None] = [None] * len(drafter.layers)
+        cfg, weight = drafter.cfg, drafter.fc.weight
+        empty = torch.empty(1, cfg.num_kv_heads, 0, cfg.head_dim, device=weight.device, dtype=weight.dtype)
+        self.keys = [empty] * len(drafter.layers)
+        self.values = [empty] * len(drafter.layers)
         self.length = 0  # context positions cached: 0..length-1
 
     def _rope(self, start: int, count: int, dtype, device):
@@ -37,8 +39,7 @@ class DrafterContext:
     @torch.no_grad()
     def extend(self, features: torch.Tensor) -> None:
         """Append the target features [T, K*H] of the next T positions."""
-        d = self.drafter
-        cfg = d.cfg
+        d, cfg = self.drafter, self.drafter.cfg
         dtype = d.fc.weight.dtype
         count = features.shape[0]
         if count == 0:
@@ -50,20 +51,16 @@ class DrafterContext:
             k = attn.k_norm(attn.k_proj(ctx).view(1, count, cfg.num_kv_heads, cfg.head_dim))
             k = apply_rope(k.transpose(1, 2), cos, sin)
             v = attn.v_proj(ctx).view(1, count, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-            cached_k, cached_v = self.keys[i], self.values[i]
-            self.keys[i] = k if cached_k is None else torch.cat([cached_k, k], dim=2)
-            self.values[i] = v if cached_v is None else torch.cat([cached_v, v], dim=2)
+            self.keys[i] = torch.cat([self.keys[i], k], dim=2)
+            self.values[i] = torch.cat([self.values[i], v], dim=2)
         self.length += count
 
     @torch.no_grad()
-    def draft_hidden(self, anchor_token: int) -> torch.Tensor:
-        """[B, H] final hidden states of the block [anchor, MASK x (B-1)] placed right after the
-        cached context (the anchor at position `length`)."""
-        d = self.drafter
-        cfg = d.cfg
-        block = cfg.block_size
-        dtype = d.fc.weight.dtype
-        device = d.fc.weight.device
+    def draft_logits(self, anchor_token: int) -> torch.Tensor:
+        """[B, V] logits of the block [anchor, MASK x (B-1)] placed right after the cached context (the
+        anchor at position `length`): row k predicts position length+k."""
+        d, cfg = self.drafter, self.drafter.cfg
+        block, dtype, device = cfg.block_size, d.fc.weight.dtype, d.fc.weight.device
         ids = torch.full((1, block), cfg.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = int(anchor_token)
         x = F.embedding(ids, d.embed_weight).to(dtype)
@@ -76,16 +73,8 @@ class DrafterContext:
             k = attn.k_norm(attn.k_proj(h).view(1, block, cfg.num_kv_heads, cfg.head_dim))
             k = apply_rope(k.transpose(1, 2), cos, sin)
             v = attn.v_proj(h).view(1, block, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-            cached_k, cached_v = self.keys[i], self.values[i]
-            if cached_k is not None:
-                assert cached_v is not None  # extend() sets a layer's keys and values together
-                k = torch.cat([cached_k, k], dim=2)
-                v = torch.cat([cached_v, v], dim=2)
+            k, v = torch.cat([self.keys[i], k], dim=2), torch.cat([self.values[i], v], dim=2)
             out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(1, block, cfg.num_heads * cfg.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return d.norm(x)[0]
-
-    def draft_logits(self, anchor_token: int) -> torch.Tensor:
-        """[B, V] logits of the block (row k predicts position length+k)."""
-        return self.drafter.logits(self.draft_hidden(anchor_token))
+        return d.logits(d.norm(x)[0])

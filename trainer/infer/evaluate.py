@@ -156,55 +156,55 @@ class _Job:
         return tuple(prompt), self.max_new_tokens, self.stops
 
 
-def _decode_static(decoder, job: _Job) -> _Decodings:
-    prompts, max_new_tokens, reference = job.prompts, job.max_new_tokens, job.reference
-    if job.warmup:
-        decoder.prepare(prompts)
+def _decode(job: _Job, rows: int, decode) -> _Decodings:
+    """Both decodings of job.prompts, `rows` at a time: decode(chunk, speculative) gives (results,
+    seconds); the target's own greedy outputs come from job.reference where it has them."""
+    cache = job.reference if job.temperature <= 0 else None  # it holds greedy outputs only
     found = _Decodings([], [], [])
-    for lo in range(0, len(prompts), decoder.rows):
-        chunk = prompts[lo : lo + decoder.rows]
-        cached = [reference.get(job.key_of(p)) if reference is not None else None for p in chunk]
-        own_tokens: list[list[int]]
+    for lo in range(0, len(job.prompts), rows):
+        chunk = job.prompts[lo : lo + rows]
+        cached = [cache.get(job.key_of(p)) if cache is not None else None for p in chunk]
+        own = cast("list[list[int]]", cached)  # all cached, unless one is missing
         if any(c is None for c in cached):
-            own = decoder.decode(chunk, max_new_tokens, speculative=False)
-            own_tokens = [r.tokens for r in own.results]
-            found.target_tokens += sum(len(t) for t in own_tokens)
-            found.target_seconds += own.seconds
-            if reference is not None:
-                reference.update({job.key_of(p): t for p, t in zip(chunk, own_tokens, strict=True)})
-        else:
-            own_tokens = cast("list[list[int]]", cached)  # no None in it: all came from the reference
-        spec = decoder.decode(chunk, max_new_tokens, speculative=True)
-        found.add(own_tokens, spec.results, spec.seconds)
+            results, seconds = decode(chunk, False)
+            own = [r.tokens for r in results]
+            found.target_tokens += sum(len(t) for t in own)
+            found.target_seconds += seconds
+            if cache is not None:
+                cache.update({job.key_of(p): t for p, t in zip(chunk, own, strict=True)})
+        found.add(own, *decode(chunk, True))
         if job.progress is not None:
-            job.progress(lo + len(chunk), len(prompts))
+            job.progress(lo + len(chunk), len(job.prompts))
     return found
+
+
+def _decode_static(decoder, job: _Job) -> _Decodings:
+    if job.warmup:
+        decoder.prepare(job.prompts)
+
+    def decode(chunk: list[list[int]], speculative: bool):
+        batch = decoder.decode(chunk, job.max_new_tokens, speculative=speculative)
+        return batch.results, batch.seconds
+
+    return _decode(job, decoder.rows, decode)
 
 
 def _decode_reference(model, layer_ids, drafter, job: _Job) -> _Decodings:
-    prompts, max_new_tokens, temperature = job.prompts, job.max_new_tokens, job.temperature
-    if job.warmup and prompts:
-        target_generate(model, prompts[0], 4)
-        speculative_generate(model, layer_ids, drafter, prompts[0], 4)
+    if job.warmup and job.prompts:
+        target_generate(model, job.prompts[0], 4)
+        speculative_generate(model, layer_ids, drafter, job.prompts[0], 4)
     generator = torch.Generator(device=model.get_input_embeddings().weight.device).manual_seed(job.seed)
-    cache = job.reference if temperature <= 0 else None  # it holds greedy outputs only
-    found = _Decodings([], [], [])
-    for index, prompt in enumerate(prompts):
-        own = cache.get(job.key_of(prompt)) if cache is not None else None
-        if own is None:
-            decoded = target_generate(model, prompt, max_new_tokens, job.stops, temperature, generator)
-            own = decoded.tokens
-            found.target_tokens += len(own)
-            found.target_seconds += decoded.seconds
-            if cache is not None:
-                cache[job.key_of(prompt)] = own
-        spec = speculative_generate(
-            model, layer_ids, drafter, prompt, max_new_tokens, job.stops, temperature, generator
+
+    def decode(chunk: list[list[int]], speculative: bool):
+        args = (chunk[0], job.max_new_tokens, job.stops, job.temperature, generator)
+        run = (
+            speculative_generate(model, layer_ids, drafter, *args)
+            if speculative
+            else target_generate(model, *args)
         )
-        found.add([own], [spec], spec.seconds)
-        if job.progress is not None:
-            job.progress(index + 1, len(prompts))
-    return found
+        return [run], run.seconds
+
+    return _decode(job, 1, decode)
 
 
 def check_lossless(target, prompts, own, spec) -> tuple[int, Mismatch | None]:

@@ -94,7 +94,6 @@ def speculative_generate(
 ) -> Decoded:
     """DFlash block speculative decoding of `prompt` on the HF target `model` (see the module docstring)."""
     device = model.get_input_embeddings().weight.device
-    block = drafter.cfg.block_size
     stop_ids = set(stop_ids)
     t0 = _clock(device)
     cache = kv_cache.new_cache(model)
@@ -112,10 +111,8 @@ def speculative_generate(
         saved = kv_cache.checkpoint(cache)  # a hybrid target's recurrent states before the pass
         out = kv_cache.forward(model, verify, cache, hidden=True)
         target_tokens = pick(out.logits[0], temperature, generator).tolist()  # for start+1..start+B
-        drafts = proposals.tolist()
-        n = 0
-        while n < block - 1 and drafts[n] == target_tokens[n]:
-            n += 1
+        agree = [d == t for d, t in zip(proposals.tolist(), target_tokens, strict=False)] + [False]
+        n = agree.index(False)  # drafts accepted: those before the first that differs
         accepted.append(n)
         tokens += target_tokens[: n + 1]  # n accepted drafts (equal to the target's) + the bonus
         stopped = bool(stop_ids.intersection(target_tokens[: n + 1]))  # a stop token anywhere ends it

@@ -196,10 +196,8 @@ def _qkv(attn) -> tuple[torch.Tensor | None, ...]:
 
 
 def _delta_layer_of(layer) -> DeltaLayer:
-    mixer = gated_deltanet.DeltaNetWeights.of(layer.linear_attn)
-    return DeltaLayer(
-        layer.input_layernorm.weight, mixer, _mlp_weights(layer), _eps_of(layer.input_layernorm)
-    )
+    ln, mixer = layer.input_layernorm, gated_deltanet.DeltaNetWeights.of(layer.linear_attn)
+    return DeltaLayer(ln.weight, mixer, _mlp_weights(layer), _eps_of(ln))
 
 
 def _eps_of(norm) -> float:
@@ -305,10 +303,9 @@ class StaticTarget:
         _check_static(model)
         cfg = model.config
         decoder = model.get_decoder()
-        centered = is_hybrid(cfg)  # Qwen3.5 norms scale by (1 + weight)
-        self.model, self.centered = model, centered
+        self.model, self.centered = model, is_hybrid(cfg)  # Qwen3.5 norms scale by (1 + weight)
         self.layers: list[_Layer | DeltaLayer] = [
-            _delta_layer_of(layer) if hasattr(layer, "linear_attn") else _layer_of(layer, centered)
+            _delta_layer_of(layer) if hasattr(layer, "linear_attn") else _layer_of(layer, self.centered)
             for layer in decoder.layers
         ]
         attention = [i for i, w in enumerate(self.layers) if isinstance(w, _Layer)]
@@ -329,13 +326,11 @@ class StaticTarget:
         shape = (len(attention), rows, self.kv_heads, positions, self.head_dim)
         self.keys = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.values = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.conv_state: dict[int, torch.Tensor] = {}
-        self.recurrent_state: dict[int, torch.Tensor] = {}
-        for i, w in enumerate(self.layers):
-            if isinstance(w, DeltaLayer):
-                self.conv_state[i], self.recurrent_state[i] = gated_deltanet.new_state(
-                    w.mixer, rows, self.device, self.dtype
-                )
+        self.states = {  # each recurrent layer's (conv window, S)
+            i: gated_deltanet.new_state(w.mixer, rows, self.device, self.dtype)
+            for i, w in enumerate(self.layers)
+            if isinstance(w, DeltaLayer)
+        }
         with torch.no_grad():  # the model's own RoPE (scaling, partial rotary included), tabulated once
             where = torch.arange(positions, device=self.device).unsqueeze(0)
             cos, sin = decoder.rotary_emb(self.embed[:1].unsqueeze(0), where)
@@ -346,11 +341,10 @@ class StaticTarget:
         """A Gated DeltaNet layer: mix from the state (Pending to commit) or, given `lengths`, run a
         whole prompt and advance the state at once (no Pending)."""
         h = rms_norm(x, w.ln, w.eps, centered=True)
-        conv, state = self.conv_state[i], self.recurrent_state[i]
         if lengths is None:
-            mixed, pending = gated_deltanet.mix(h, w.mixer, conv, state, kernels.delta)
+            mixed, pending = gated_deltanet.mix(h, w.mixer, *self.states[i], kernels.delta)
         else:
-            mixed, pending = gated_deltanet.run(h, w.mixer, conv, state, lengths), None
+            mixed, pending = gated_deltanet.run(h, w.mixer, *self.states[i], lengths), None
         return kernels.mlp(x, mixed, w.mlp, w.eps, True), pending
 
     def hidden(
@@ -388,11 +382,12 @@ class StaticTarget:
     def commit(self, pending: dict[int, gated_deltanet.Pending], kept: torch.Tensor) -> None:
         """Advance every recurrent layer by the first `kept` [B] tokens of the pass that left `pending`."""
         for i, left in pending.items():
-            gated_deltanet.commit(left, kept, self.conv_state[i], self.recurrent_state[i])
+            gated_deltanet.commit(left, kept, *self.states[i])
 
     def reset(self) -> None:
         """Empty recurrent states (a new prefill; K/V need no reset: every query's horizon is its own)."""
-        for state in (*self.conv_state.values(), *self.recurrent_state.values()):
+        for conv, state in self.states.values():
+            conv.zero_()
             state.zero_()
 
     def logits(self, hidden: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
@@ -492,20 +487,18 @@ class StaticDecoder:
         stops = sorted({int(s) for s in stop_ids}) or [-1]
         self.stop_ids = torch.tensor(stops, device=device)
         long = {"device": device, "dtype": torch.long}
-        self.offsets = torch.arange(max(block, 1), **long)
+        self.offsets = torch.arange(block, **long)
         # state, all rows: position of the last emitted token (the next anchor), that token, tokens emitted,
-        # rounds done, still decoding, the output and the per-round accepted drafts
-        self.start = torch.zeros(rows, **long)
-        self.anchor = torch.zeros(rows, **long)
-        self.emitted = torch.zeros(rows, **long)
-        self.round = torch.zeros(rows, **long)
+        # rounds done, the token budget, still decoding, the output and the per-round accepted drafts
+        self.start, self.anchor, self.emitted, self.round, self.budget = (
+            torch.zeros(rows, **long) for _ in range(5)
+        )
         self.active = torch.zeros(rows, device=device, dtype=torch.bool)
-        self.budget = torch.zeros(rows, **long)
         self.out = torch.zeros(rows, max_new_tokens + block, **long)
         self.accepted = torch.zeros(rows, max_new_tokens + 1, **long)
         self.row_index = torch.arange(rows, device=device).unsqueeze(1)
         context = len(self.target.layer_ids) * self.target.embed.shape[1]
-        self.pending = torch.zeros(rows, max(block, 1), context, device=device, dtype=self.target.dtype)
+        self.pending = torch.zeros(rows, block, context, device=device, dtype=self.target.dtype)
         self.pending_start = torch.zeros(rows, **long)
         self.prompt_ids = torch.zeros(rows, max_prompt, **long)
         self.prompt_len = torch.ones(rows, **long)
@@ -520,8 +513,7 @@ class StaticDecoder:
     def _emit(self, tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
         """Append tokens[:, :accepted+1] per active row (cut at a stop token and at the budget), log the
         round, advance the anchor; returns each row's count, which is also what the target keeps."""
-        width = tokens.shape[1]
-        offsets = self.offsets[:width]
+        offsets = self.offsets[: tokens.shape[1]]
         within = offsets <= accepted.unsqueeze(1)
         stop = torch.isin(tokens, self.stop_ids) & within
         stopped = stop.any(1)
@@ -606,10 +598,7 @@ class StaticDecoder:
                 f"{self.max_prompt} / {self.max_new_tokens}"
             )
         rows = list(prompts) + [prompts[0]] * (self.rows - len(prompts))
-        ids = torch.zeros(self.rows, self.max_prompt, dtype=torch.long)
-        for r, p in enumerate(rows):
-            ids[r, : len(p)] = torch.tensor(p)
-        self.prompt_ids.copy_(ids)
+        self.prompt_ids.copy_(torch.tensor([list(p) + [0] * (self.max_prompt - len(p)) for p in rows]))
         self.prompt_len.copy_(torch.tensor([len(p) for p in rows]))
         self.real.copy_(torch.arange(self.rows) < len(prompts))
         self.budget.fill_(max_new_tokens)
@@ -622,11 +611,9 @@ class StaticDecoder:
         """`step` as the loop runs it: its CUDA graph's replay (captured once per name), or itself."""
         if not self.graphs:
             return step
-        graph = self._graph.get(name)
-        if graph is None:
-            graph = self._capture(step)
-            self._graph[name] = graph
-        return graph.replay
+        if name not in self._graph:
+            self._graph[name] = self._capture(step)
+        return self._graph[name].replay
 
     @torch.no_grad()
     def _capture(self, step) -> torch.cuda.CUDAGraph:
