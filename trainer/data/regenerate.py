@@ -325,8 +325,7 @@ def regenerate(
     os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
     state = _start_state(opts)
     stats = state["stats"]
-    with open(opts.input, encoding="utf-8") as f:
-        total = sum(1 for line in f if line.strip())
+    total = sum(1 for _ in _lines(opts.input, 0))
     first = dict(stats)
     report.update(
         run_summary(stats, first, 0.0),
