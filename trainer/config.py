@@ -25,8 +25,7 @@ ACTIVATION_CHECKPOINTING = ("none", "layers")  # "layers": see trainer.activatio
 DATA_SOURCES = ("synthetic", "jsonl", "features")
 PRECISIONS = ("fp32", "bf16-mixed")  # bf16-mixed: fp32 master weights + AdamW state, bf16 compute
 DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
-# The experiment trackers run.report_to accepts (trainer.train.trackers has one class for each).
-TRACKERS = ("tensorboard", "wandb", "mlflow")
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # run.report_to's choices: a class each in train.trackers
 
 
 class ConfigError(Exception):
@@ -184,8 +183,7 @@ def load_config(path: str, overrides: dict | None = None) -> TrainConfig:
         raw = typed_yaml.read_yaml(str(file))
     except typed_yaml.YamlInputError as exc:
         raise ConfigError(str(exc)) from None
-    if raw is None:
-        raw = typed_yaml.YamlMap()
+    raw = typed_yaml.YamlMap() if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(
             f"{file}: the top level must be a mapping of sections (target, drafter, data, train, run)"

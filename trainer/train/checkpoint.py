@@ -114,7 +114,6 @@ def resolve_export_source(path: str) -> str:
 
 
 def _missing(path) -> list[str]:
-    """The REQUIRED files that `path` lacks."""
     return [name for name in REQUIRED if not (Path(path) / name).is_file()]
 
 

@@ -74,9 +74,7 @@ class MetricsWriter:
         report_dir: str = ".",
     ):
         self.path = path
-        parent = os.path.dirname(path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self._file = open(path, "a", encoding="utf-8")
         self.out = out if out is not None else sys.stdout
         self.tty = self.out.isatty() if tty is None else tty

@@ -79,15 +79,13 @@ class StopWatchdog:
         signal.set_wakeup_fd(self.previous_wakeup_fd)
         faulthandler.unregister(STACKS_SIGNAL)
         os.close(self.write_fd)
-        with contextlib.suppress(
-            subprocess.TimeoutExpired
-        ):  # it sees its parent gone once this process exits
+        # on a timeout it still sees its parent gone once this process exits
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=2 * POLL_S + 1)
 
 
 def _let_go_in_forked_child() -> None:
-    """A forked child's signals are not the trainer's, and its copy of the pipe would hide the trainer's
-    exit."""
+    """A forked child's signals are not the trainer's; its copy of the pipe would hide the trainer's exit."""
     global _running
     if _running is not None:
         # not the main thread: Python then delivers no signals to handlers here anyway

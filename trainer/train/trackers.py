@@ -102,7 +102,7 @@ def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
 
 
 class Tracker:
-    """One tracker library: open() gets the run's start record, the other methods its later ones."""
+    """One tracker library: open() (once) gets the run's start record, the other methods its later ones."""
 
     name = ""
     library = ""  # the module it drives, imported on construction: ImportError when not installed
@@ -131,13 +131,10 @@ class TensorBoard(Tracker):
     library = "torch.utils.tensorboard"  # needs the tensorboard package
 
     def open(self, config, run_name):
-        if self.run is None:
-            self.run = self.lib.SummaryWriter(
-                log_dir=os.path.join(self.output_dir, "tensorboard"), flush_secs=10
-            )
-            self.run.add_text(
-                "config", "```\n" + "\n".join(f"{k}: {v}" for k, v in flat_config(config).items()) + "\n```"
-            )
+        self.run = self.lib.SummaryWriter(log_dir=os.path.join(self.output_dir, "tensorboard"), flush_secs=10)
+        self.run.add_text(
+            "config", "```\n" + "\n".join(f"{k}: {v}" for k, v in flat_config(config).items()) + "\n```"
+        )
 
     def scalars(self, step, values):
         for tag, value in values.items():
@@ -156,15 +153,14 @@ class Wandb(Tracker):
     last_step = 0  # the highest step logged so far (scalars sets it per instance)
 
     def open(self, config, run_name):
-        if self.run is None:
-            settings = self.lib.Settings(console="off", silent=True)  # the trainer's log stays its own
-            self.run = self.lib.init(
-                project=os.environ.get("WANDB_PROJECT", "dflash"),
-                name=run_name,
-                dir=self.output_dir,
-                config=config,
-                settings=settings,
-            )
+        settings = self.lib.Settings(console="off", silent=True)  # the trainer's log stays its own
+        self.run = self.lib.init(
+            project=os.environ.get("WANDB_PROJECT", "dflash"),
+            name=run_name,
+            dir=self.output_dir,
+            config=config,
+            settings=settings,
+        )
 
     def scalars(self, step, values):
         self.last_step = max(self.last_step, step)  # wandb drops data logged at an earlier step
@@ -182,8 +178,6 @@ class Mlflow(Tracker):
     name = library = "mlflow"
 
     def open(self, config, run_name):
-        if self.run is not None:
-            return
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             # a local store needing no database package (mlflow-skinny has none)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -250,7 +244,7 @@ class Trackers:
 
     def _send(self, tracker: Tracker, record: dict) -> None:
         is_start = record.get("event") == "start"
-        if is_start or not tracker.opened:
+        if not tracker.opened:
             config = record["config"] if is_start and isinstance(record.get("config"), dict) else {}
             tracker.open(config, os.path.basename(os.path.normpath(self.output_dir)))
             tracker.opened = True
