@@ -24,8 +24,7 @@ class ExportRefused(ConfigError):
 
 
 def _layer_ids_problem(config: dict) -> str | None:
-    dflash = config.get("dflash_config") or {}
-    ids = dflash.get("target_layer_ids")
+    ids = (config.get("dflash_config") or {}).get("target_layer_ids")
     layers = config.get("num_target_layers")
     if not isinstance(ids, list) or not ids:
         return "dflash_config.target_layer_ids is missing or empty: engines read which target layers to tap"

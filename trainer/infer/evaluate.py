@@ -105,14 +105,6 @@ class _Decodings:
     spec_tokens: int = 0
     spec_seconds: float = 0.0
 
-    def add(self, own: list[list[int]], spec: list, seconds: float) -> None:
-        """Prompts decoded both ways: the target's own tokens and the speculative results (of `seconds`)."""
-        self.own += own
-        self.spec += [r.tokens for r in spec]
-        self.accepted += [r.accepted for r in spec]
-        self.spec_tokens += sum(len(r.tokens) for r in spec)
-        self.spec_seconds += seconds
-
 
 def make_decoder(
     model,
@@ -172,7 +164,12 @@ def _decode(job: _Job, rows: int, decode) -> _Decodings:
             found.target_seconds += seconds
             if cache is not None:
                 cache.update({job.key_of(p): t for p, t in zip(chunk, own, strict=True)})
-        found.add(own, *decode(chunk, True))
+        spec, seconds = decode(chunk, True)
+        found.own += own
+        found.spec += [r.tokens for r in spec]
+        found.accepted += [r.accepted for r in spec]
+        found.spec_tokens += sum(len(r.tokens) for r in spec)
+        found.spec_seconds += seconds
         if job.progress is not None:
             job.progress(lo + len(chunk), len(job.prompts))
     return found
