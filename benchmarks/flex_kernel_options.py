@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from typing import Any
 import sys
 
 if __package__ in (None, ""):
@@ -82,7 +83,7 @@ def elapsed_ms(fn, device: str) -> float:
     return start.elapsed_time(end)
 
 
-def time_options(options: dict, mask, q_len: int, ctx: int, args) -> dict:
+def time_options(options: Any, mask, q_len: int, ctx: int, args) -> dict:
     import torch
     from torch.nn.attention.flex_attention import flex_attention
 
