@@ -98,7 +98,7 @@ def draw(histories: list[RunHistory], title: str = "") -> Picture:
     overlay = len(runs) > 1
     for index, run in enumerate(runs):
         _plot_run(panel, run, colours[index % len(colours)], overlay)
-    _titles(panel, runs, plt)
+    _titles(panel, runs)
     if title:
         fig.suptitle(title, fontsize=12)
     fig.tight_layout()
@@ -149,8 +149,7 @@ def _tau(ax, run: RunHistory, colour, overlay: bool, window: int) -> None:
         ax.plot(steps, taus, ":s", color=colour, lw=1.0, ms=4, label=f"{prefix}measured (mean of per-prompt)")
 
 
-def _main_line(ax, xs, ys, colour, label: str) -> None:
-    """A measured series: a thick line with round markers."""
+def _main_line(ax, xs, ys, colour, label: str) -> None:  # a measured series
     ax.plot(xs, ys, color=colour, lw=1.8, marker="o", ms=5, label=label)
 
 
@@ -181,7 +180,7 @@ def _acceptance(ax, run: RunHistory, colour, overlay: bool) -> None:
         ax.plot(positions, earliest.acceptance, "--x", color=colour, lw=1.0, ms=5, label=label)
 
 
-def _titles(panel, runs: list[RunHistory], plt) -> None:
+def _titles(panel, runs: list[RunHistory]) -> None:
     for name, ax in panel.items():
         title, xlabel, ylabel = PANELS[name]
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)

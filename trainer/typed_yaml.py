@@ -164,7 +164,7 @@ def parse_yaml(text: str, filename: str, named_items: Mapping[str, str] | None =
     """Parse YAML text strictly; any problem is one YamlInputError naming `filename` and the line.
     `named_items` ({"targets": "target"}) names what sections hold, for duplicate-key messages."""
     try:
-        loader = _StrictLoader(text)  # its reader refuses control bytes (NUL, BEL …) right here
+        loader = _StrictLoader(text)  # its reader refuses control bytes (NUL, BEL …) here, and only here
     except yaml.reader.ReaderError as e:
         raise _control_byte(text, filename, e) from None
     try:
@@ -173,8 +173,6 @@ def parse_yaml(text: str, filename: str, named_items: Mapping[str, str] | None =
             return None
         _refuse_duplicate_keys(node, (), set(), named_items or {}, filename)
         return loader.construct_document(node)
-    except yaml.reader.ReaderError as e:
-        raise _control_byte(text, filename, e) from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         column = f" (column {mark.column + 1})" if mark else ""

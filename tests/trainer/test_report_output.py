@@ -49,7 +49,7 @@ def test_overlaid_runs_keep_their_legends_off_the_data():
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for index, run in enumerate(runs):
         report_plot._plot_run(panel, run, colours[index], overlay=True)
-    report_plot._titles(panel, runs, plt)
+    report_plot._titles(panel, runs)
     fig.tight_layout()
     fig.canvas.draw()
     try:

@@ -4,10 +4,9 @@
 - The step not done within `run.stop_grace_s`, or a second signal: log the busy threads, write the
   `done` record (interrupted), exit 130 at once (os._exit: a stuck thread cannot be joined and may
   hold up the exit handlers) without a new checkpoint.
-- Backstop (`watchdog=True`, the threaded trainer): trainer.train.stop_watchdog sees the signal even
-  when the Python handler never runs (a thread holding the GIL in C), and WATCHDOG_MARGIN_S after
-  the grace period has the stacks printed and SIGKILLs the trainer; without it, faulthandler's timer
-  does (exit 1). step_finished() disarms both before the checkpoint is written.
+- Backstop (`watchdog=True`, the threaded trainer): WATCHDOG_MARGIN_S after the grace period,
+  trainer.train.stop_watchdog (which sees the signal even when no Python handler can run), else
+  faulthandler's timer (exit 1), prints the stacks and ends the trainer. step_finished() disarms both.
 
 trainer.stop_timing says how much of `dflash-ops stop --grace S` this leaves before its SIGKILL.
 """
