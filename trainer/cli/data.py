@@ -99,12 +99,7 @@ def _add_cache_features_parser(sub) -> None:
     c.add_argument(
         "--shard-size-mb", type=int, default=2048, metavar="MB", help="shard size cap (default 2048)"
     )
-    c.add_argument(
-        "--batch-size",
-        type=int,
-        metavar="B",
-        help="sequences per target forward (default: about 16384 tokens' worth)",
-    )
+    options.add_batch_size(c, "sequences per target forward (default: about 16384 tokens' worth)")
     options.add_device(c, "target device (default: the config's first target device)", metavar="DEV")
     options.add_overrides(c, "override a config key")
 

@@ -80,6 +80,10 @@ def add_device(p: argparse.ArgumentParser, help: str, metavar: str | None = None
     p.add_argument("--device", metavar=metavar, help=help)
 
 
+def add_batch_size(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--batch-size", type=int, metavar="B", help=help)
+
+
 def add_max_new_tokens(p: argparse.ArgumentParser, default: int) -> None:
     p.add_argument("--max-new-tokens", type=int, default=default, metavar="N")
 

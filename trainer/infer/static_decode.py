@@ -311,8 +311,7 @@ class StaticTarget:
         attention = [i for i, w in enumerate(self.layers) if isinstance(w, _Layer)]
         self.kv_slot = {layer: slot for slot, layer in enumerate(attention)}
         self.eps = _eps_of(decoder.layers[0].input_layernorm)
-        self.norm_weight = decoder.norm.weight
-        self.norm_eps = _eps_of(decoder.norm)
+        self.norm_weight, self.norm_eps = decoder.norm.weight, _eps_of(decoder.norm)
         self.embed = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
         self.head_weight, self.head_bias = head.weight, head.bias
