@@ -26,17 +26,16 @@ def trainer_argv(job: Job, output_dir: str = RUN_DIR) -> list[str]:
 
 
 def trainer_env(job: Job) -> dict[str, str]:
-    env = {
+    return {
         jobpaths.JOB_MARKER_ENV: jobpaths.marker_value(job),
         # Exactly the dirs purge-cache removes; never the shared /tmp/torchinductor_<user> default.
         "TORCHINDUCTOR_CACHE_DIR": jobpaths.inductor_cache(job),
         "TRITON_CACHE_DIR": jobpaths.triton_cache(job),
         "PYTHONPATH": jobpaths.current_release(job),
         "PYTHONUNBUFFERED": "1",
+        **torchrun.env(job),
+        **dict(job.env),
     }
-    env.update(torchrun.env(job))
-    env.update(dict(job.env))
-    return env
 
 
 LAUNCHER = "launch_job.py"

@@ -31,11 +31,8 @@ def facts(ctx: StepContext, job: Job, connect: Sequence[tuple[str, int]] = ()) -
         "connect": [[host, port] for host, port in connect],
         "timeout_s": CONNECT_TIMEOUT_S,
     }
-    result = ctx.run(
-        python_command(job.python, FACTS, args, who="dflash multinode check"),
-        timeout=60 + CONNECT_TIMEOUT_S * len(connect),
-        stdin=bundle(FACTS),
-    )
+    script = python_command(job.python, FACTS, args, who="dflash multinode check")
+    result = ctx.run(script, timeout=60 + CONNECT_TIMEOUT_S * len(connect), stdin=bundle(FACTS))
     if ctx.dry_run:
         return {"connect": []}
     try:

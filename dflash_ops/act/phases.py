@@ -199,10 +199,8 @@ def _wait_first_step(ctx: JobContext, launched: JobLaunched, timeout_s: float) -
 
 def _pane_problem(node: Node) -> str | None:
     """Why the node's trainer is not running (its pane gone or dead), or None."""
-    result = node.transport.run(
-        tmux.pane_pids(node.target.job) + "; true", timeout=30, step="wait_first_step"
-    )
-    return tmux.pane_problem(result.stdout)
+    script = tmux.pane_pids(node.target.job) + "; true"
+    return tmux.pane_problem(node.transport.run(script, timeout=30, step="wait_first_step").stdout)
 
 
 def _all_or_none(ctx: JobContext, grace_s: float, phase: Callable[[], StepOutcome]) -> StepOutcome:

@@ -63,10 +63,9 @@ def preflight(
     import_torch: bool,
 ) -> StepOutcome:
     """Check that the launch can work before anything is stopped (`deploy`: no release needed yet)."""
+    script = _shell_checks(job, need_release=not deploy, import_torch=import_torch)
     try:
-        result = ctx.run(
-            _shell_checks(job, need_release=not deploy, import_torch=import_torch), timeout=150, check=False
-        )
+        result = ctx.run(script, timeout=150, check=False)
     except DflashOpsError as exc:  # ssh, pct or the container did not answer
         raise _fail(ctx, f"check 'reachable': {str(exc).splitlines()[0]}{_UNTOUCHED}") from None
     if ctx.dry_run:

@@ -57,9 +57,8 @@ def job_processes(
             if g.index in gpus
             for p in g.processes
         ]
-    result = ctx.run(
-        python_command(job.python, _JOBPROCS, args), timeout=grace_s + 60, stdin=bundle(_JOBPROCS)
-    )
+    script = python_command(job.python, _JOBPROCS, args)
+    result = ctx.run(script, timeout=grace_s + 60, stdin=bundle(_JOBPROCS))
     if ctx.dry_run:
         return {key: [] for key in _JOBPROCS_LISTS}
     try:

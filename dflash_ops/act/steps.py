@@ -222,9 +222,8 @@ def start_run(ctx: StepContext, job: Job, *, resume: bool = True, run: str | Non
     _, why = resolve_cache(ctx, job, job.cache_dir)
     if why is not None:
         raise _fail(ctx, f"refusing to launch: {why}")
-    result = ctx.run(
-        launch_lib.launch_command(job, resume=resume, run=run), timeout=60, stdin=bundle(launch_lib.LAUNCHER)
-    )
+    script = launch_lib.launch_command(job, resume=resume, run=run)
+    result = ctx.run(script, timeout=60, stdin=bundle(launch_lib.LAUNCHER))
     if ctx.dry_run:
         shown = run or "NNNN"
         return Launched(
@@ -379,9 +378,8 @@ def no_first_step(ctx: StepContext, log: str, why: str) -> StepFailed:
     """The failure, with the last lines of the log and the failure signature found in them."""
     from dflash_ops.observe.logs import find_failures
 
-    read = ctx.run(
-        f"{shlex.join(['tail', '-n', '400', log])} | tail -c {_WATCH_BYTES}", timeout=30, check=False
-    )
+    tail = f"{shlex.join(['tail', '-n', '400', log])} | tail -c {_WATCH_BYTES}"
+    read = ctx.run(tail, timeout=30, check=False)
     failures = find_failures(read.stdout)
     signature = f" (signature: {failures[0].name})" if failures else ""
     last = "\n    ".join(read.stdout.rstrip().splitlines()[-30:])

@@ -48,13 +48,7 @@ def _merge_target(ctx, param, value):
 
 def target_option(f):
     return click.option(
-        "-t",
-        "--target",
-        "target",
-        default=None,
-        metavar="NAME|GROUP",
-        callback=_merge_target,
-        help=TARGET_HELP,
+        "-t", "--target", default=None, metavar="NAME|GROUP", callback=_merge_target, help=TARGET_HELP
     )(f)
 
 

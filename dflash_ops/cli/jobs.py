@@ -136,7 +136,6 @@ def purge_cache(obj, target, dry_run):
 @acting_options
 @click.option(
     "--rollback",
-    "rollback",
     is_flag=False,
     flag_value="",
     default=None,

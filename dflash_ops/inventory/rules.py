@@ -194,14 +194,8 @@ def _env(value: Any) -> dict[str, str]:
 def _endpoint(value: Any) -> str:
     value = _text(value, "10.0.0.7:29400")
     host, sep, port = value.rpartition(":")
-    if (
-        not sep
-        or not host
-        or host.startswith("-")
-        or any(c.isspace() for c in host)
-        or not port.isdigit()
-        or not 1 <= int(port) <= 65535
-    ):
+    bad_host = not host or host.startswith("-") or any(c.isspace() for c in host)
+    if not sep or bad_host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise Bad(f"expected HOST:PORT of the rendezvous host, like 10.0.0.7:29400, got {show(value)}")
     return value
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from dflash_ops.observe.gpu import NOT_AVAILABLE
 from dflash_ops.remote import facts, shell_argv
 from dflash_ops.remote.gpu_faults import KERNEL_LOG_COMMANDS, MAX_XID_LINES
 
@@ -66,12 +65,9 @@ NOT_QUERIED = FaultReport(None, error="not queried")
 
 
 def _int(text: str) -> int | None:
-    text = text.strip()
-    if text in NOT_AVAILABLE:
-        return None
     try:
         return int(float(text))
-    except ValueError:
+    except ValueError:  # [N/A], [Not Supported] and the like
         return None
 
 

@@ -51,8 +51,7 @@ def unknown(reason: str) -> Verdict:
 
 
 def worst(levels) -> str:
-    levels = list(levels)
-    return max(levels, key=SEVERITY.__getitem__) if levels else "UNKNOWN"
+    return max(levels, key=SEVERITY.__getitem__, default="UNKNOWN")
 
 
 def _seconds(value: float) -> str:

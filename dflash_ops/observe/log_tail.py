@@ -99,11 +99,8 @@ def _newest_path(target: Target, listing: str) -> str | None:
 
 def _print_last(transport, target: Target, path: str, lines: int, pattern, emit, given: bool) -> int:
     """Emit the last `lines` lines of `path`; returns the size read, where a follower continues."""
-    first = transport.run(
-        shell_command("log_read.sh", path, str(GREP_WINDOW_LINES if pattern else int(lines))),
-        timeout=60,
-        step="read log",
-    )
+    script = shell_command("log_read.sh", path, str(GREP_WINDOW_LINES if pattern else int(lines)))
+    first = transport.run(script, timeout=60, step="read log")
     if given and first.exit_code == _NOT_A_FILE:
         raise InputError(
             f"--log {path}: {first.stdout.strip() or 'not a regular file'} on {target.name}; "
@@ -139,13 +136,10 @@ def _follow(transport, target, path, offset, pattern, emit, poll_s, should_stop,
 def _poll(transport, target: Target, path: str, offset: int) -> tuple[str | None, int, str]:
     """(the job's current log, the size of `path`, its bytes after `offset`) in one round trip."""
     job = target.job
-    out = transport.check(
-        shell_command(
-            "log_follow.sh", jobpaths.state_file(job), str(jobstate.MAX_BYTES), job.log_dir, path, str(offset)
-        ),
-        timeout=60,
-        step="follow log",
-    ).stdout
+    script = shell_command(
+        "log_follow.sh", jobpaths.state_file(job), str(jobstate.MAX_BYTES), job.log_dir, path, str(offset)
+    )
+    out = transport.check(script, timeout=60, step="follow log").stdout
     state_line, _, rest = out.partition("\n")
     listing, _, rest = rest.partition("\n")
     size_line, _, chunk = rest.partition("\n")

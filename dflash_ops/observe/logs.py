@@ -174,8 +174,7 @@ def failures_from_records(records: list[dict]) -> list[Failure]:
             continue
         kind = str(record.get("kind", "exception"))
         sig = by_name.get(_KIND_TO_SIGNATURE.get(kind, ""), TRACEBACK)
-        message = str(record.get("message", kind))
-        found[sig.name] = sig.failure(message, 0)
+        found[sig.name] = sig.failure(str(record.get("message", kind)), 0)
     return list(found.values())
 
 

@@ -75,11 +75,6 @@ def job_processes(panes, marker):
     return tree, procs.marked(table, wanted)
 
 
-def newest_log(log_dir):
-    name = facts.newest_log_name(os.listdir(log_dir))
-    return None if name is None else os.path.join(log_dir, name)
-
-
 def file_tail(path, lines):
     """Size, mtime and the last `lines` lines of a file; `first_line` when the tail misses the start."""
     st = os.stat(path)
@@ -125,12 +120,8 @@ def newest_eval(path, size, context_steps, cap_bytes, deadline):
             scan["bytes_read"] += size
             cut = b""
             if end > 0:  # the chunk's first piece may be the end of a line that starts further back
-                first_newline = data.find(b"\n")
-                cut, data = (
-                    (data, b"")
-                    if first_newline < 0
-                    else (data[: first_newline + 1], data[first_newline + 1 :])
-                )
+                head, newline, data = data.partition(b"\n")
+                cut = head + newline
             if not found and b'"eval"' not in data and b'"start"' not in data:
                 continue  # the common case, decided without parsing
             for line in reversed(data.splitlines()):
@@ -182,11 +173,10 @@ def files_state(log_dir, lines, job_state=None, eval_search=None):
     if log_path is not None and not procs.usable_path(log_path):
         return state  # the state names something that is no path: never another run's log instead
     if not log_path:
-        if not state["log_dir_exists"]:
+        name = facts.newest_log_name(os.listdir(log_dir)) if state["log_dir_exists"] else None
+        if name is None:
             return state
-        log_path = newest_log(log_dir)
-    if log_path is None:
-        return state
+        log_path = os.path.join(log_dir, name)
     if os.path.exists(log_path):
         state["log"] = file_tail(log_path, lines["log_lines"])
     else:

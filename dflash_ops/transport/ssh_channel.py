@@ -84,8 +84,7 @@ def passthrough(chan: paramiko.Channel) -> None:
     """Copy the user's terminal to a pty channel and back until the remote side ends."""
     in_fd, out_fd = sys.stdin.fileno(), sys.stdout.fileno()
     is_tty = os.isatty(in_fd)
-    saved = None
-    old_winch = None
+    saved = old_winch = None
     if is_tty:
         import termios
         import tty
