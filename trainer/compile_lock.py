@@ -1,17 +1,16 @@
 """The compile lock: keeps drafter threads from tripping over each other's torch.compile.
 
 The race: `torch.fx._symbolic_trace._is_fx_tracing_flag` is ONE process-global flag, set while any
-thread FX-traces inside a compile. The torch.compile wrapper refuses to run while it is set, so a
-thread that merely CALLS compiled code next to a compiling thread raises
-metrics_format.FX_TRACING_ERROR (or hangs).
+thread FX-traces inside a compile. The torch.compile wrapper refuses to run while it is set, so a thread
+that merely CALLS compiled code next to a compiling thread raises metrics_format.FX_TRACING_ERROR (or hangs).
 
 The fix: a reader/writer lock around each drafter thread's forward+backward, and nothing else (a
 gradient barrier inside it would deadlock against a thread waiting for the exclusive lock).
 - A step that may compile holds it EXCLUSIVE: the thread's first step, a new shape_key for the
   thread, or any step after a compile nobody predicted. Other steps hold it SHARED (in parallel).
-- Every compile is caught as it starts (we wrap dynamo's compile-callback scope, which the forward
-  and the lazy backward compile both enter): inside a shared step it upgrades the step to
-  exclusive before tracing begins, and it is logged with thread, step, reason and duration.
+- Every compile is caught as it starts (we wrap dynamo's compile-callback scope, which the forward and
+  the lazy backward compile both enter): inside a shared step it upgrades the step to exclusive before
+  tracing begins. Each is logged with thread, step, reason and duration.
 - `carry_step(fn)`: an activation-checkpoint recompute belongs to the step that ran its forward
   (on CUDA it runs in the GPU's autograd thread, which adopts that step). A recompute that
   compiles beside another step on the SAME GPU cannot wait: that step's backward is queued on
@@ -36,8 +35,7 @@ from typing import Any, Callable, Iterator
 
 from trainer.metrics_format import FX_TRACING_ERROR
 
-# What run.compile_lock may be, each with the line the startup summary shows for it; "patch" patches
-# `is_fx_symbolic_tracing` to False before torch.compile wraps anything
+# run.compile_lock's modes, each with its line in the startup summary
 COMPILE_LOCK_MODES = {
     "lock": "exclusive for first/new-shape/compiling steps, shared otherwise",
     "none": "UNPROTECTED (race harness only)",
@@ -98,8 +96,8 @@ def assert_nested_fx_error_enabled() -> None:
 
 
 class SharedExclusiveLock:
-    """Reader/writer lock; waiting writers block new readers so a compile is never starved. A wait
-    times out only after `timeout` seconds without any release (queued first compiles take longer)."""
+    """Reader/writer lock; waiting writers block new readers so a compile is never starved. A wait times
+    out only after `timeout` seconds without any release (queued first compiles take longer)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -410,7 +408,7 @@ class CompileGuard:
             self.on_event(event)
 
     def uninstall(self) -> None:
-        """Stop routing compile events here (the patch, if any, stays: wrappers captured it)."""
+        """Stop routing compile events here (a patch stays: wrappers captured it)."""
         global _active_guard
         if _active_guard is self:
             _active_guard = None
@@ -476,11 +474,9 @@ def _never_fx_tracing() -> bool:
 
 
 def _install_compile_hook() -> None:
-    """Route every dynamo / lazy-backward compile through the active guard (once per process).
-
-    We wrap the scope both compiles enter: start/end callbacks run under the handler's lock and fire
-    only for the first of overlapping compiles (no blocking, no attribution): only a fallback, log only.
-    """
+    """Route every dynamo / lazy-backward compile through the active guard (once per process), by
+    wrapping the scope both enter. Start/end callbacks run under the handler's lock and fire only for
+    the first of overlapping compiles (no blocking, no attribution): a log-only fallback."""
     global _hook_kind
     with _hook_lock:
         if _hook_kind is not None:
