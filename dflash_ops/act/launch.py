@@ -9,7 +9,6 @@ from dflash_ops.job import jobpaths, tmux, torchrun
 from dflash_ops.remote import python_command, script_source, shell_code
 from dflash_ops.job.model import Job
 
-
 # Stands for the run's directory (runs/NNNN), which only the launcher picks: it puts the run's
 # directory in its place.
 RUN_DIR = "@RUN_DIR@"

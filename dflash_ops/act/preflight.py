@@ -17,7 +17,6 @@ from dflash_ops.act.processes import (
     surely_foreign,
 )
 
-
 # The full import proves torch's libraries load; finding the package is enough for a quick check.
 IMPORT_TORCH = "import torch; print(torch.__version__)"
 FIND_TORCH = (

@@ -12,7 +12,6 @@ import shlex
 
 from trainer import metrics_format, metrics_history
 
-
 _HERE = pathlib.Path(__file__).parent
 # The stdlib-only modules every remote script may import, each after the ones it imports, under the
 # names the scripts import them by (inside packages that hold nothing else on the target); a script

@@ -12,7 +12,6 @@ LOG_PREFIX = "train-"
 LOG_SUFFIX = ".log"
 LOG_NAME = re.compile(r"^" + re.escape(LOG_PREFIX) + r"(\d{4,})" + re.escape(LOG_SUFFIX) + r"$")
 
-
 # The job state file (dflash_ops.job.jobstate) is a few hundred bytes: a reader takes no more than this
 STATE_MAX_BYTES = 64 * 1024
 # The state names the job it records under this key (the value of its processes' marker); a state

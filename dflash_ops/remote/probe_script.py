@@ -24,7 +24,6 @@ MAX_EVAL_SCAN_BYTES = 16 * 1024 * 1024  # how far back past the tail the newest 
 SCAN_CHUNK = 1024 * 1024
 PART_S = 15.0  # default per-part limit: a wedged driver can hang nvidia-smi; the probe must still answer
 
-
 # what the answer says of a session that is not ours to show: none, not running
 NO_SESSION = {"exists": False, "running": False, "pane_pid": None, "exit_status": None}
 

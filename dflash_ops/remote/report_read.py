@@ -59,7 +59,7 @@ def launches(log_dir, runs_dir, legacy_run_dir, state, errors):
             run = run_of(path, runs_dir, legacy_run_dir)
         except OSError:
             continue  # rotated away meanwhile
-        if run is None and path == state_metrics and type(state_run) is int:  # JSON: never a bool
+        if run is None and path == state_metrics and type(state_run) is int:  # (a bool is no run)
             run = "%04d" % state_run  # its trainer is still starting
         found.append((run, path))
     return found
