@@ -244,11 +244,8 @@ def _one_of(cfg: TrainConfig, key: str, value: str, choices: typing.Iterable[str
 
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that need no torch. Raises ConfigError naming the key and the fix."""
-    _validate_shape(cfg)
-    _validate_train(cfg)
-    _validate_data(cfg)
-    _validate_run(cfg)
-    _validate_eval(cfg)
+    for check in (_validate_shape, _validate_train, _validate_data, _validate_run, _validate_eval):
+        check(cfg)
 
 
 # counts that must be at least 1; a null drafter dimension copies the target's (0 is a bad value)

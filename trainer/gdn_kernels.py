@@ -44,21 +44,13 @@ def _resolved(function: Any) -> Any:
     return function
 
 
-def _linear_attention_module(model) -> Any:
-    types = getattr(text_config(model.config), "layer_types", None) or []
-    index = types.index(LINEAR_ATTENTION)
-    for name, module in model.named_modules():
-        if name.endswith(f"layers.{index}.linear_attn"):
-            return module
-    return None
-
-
 def gated_deltanet_path(model) -> dict[str, str] | None:
     """None for a dense target; else {"delta rule": "fla"|"torch", "conv": "causal_conv1d"|"torch"}:
     the package whose code runs each part of a Gated DeltaNet layer."""
     if not is_hybrid(model.config):
         return None
-    layer = _linear_attention_module(model)
+    suffix = f"layers.{text_config(model.config).layer_types.index(LINEAR_ATTENTION)}.linear_attn"
+    layer = next((module for name, module in model.named_modules() if name.endswith(suffix)), None)
     home = sys.modules.get(type(layer).__module__) if layer is not None else None
     path = {}
     for attribute, part, package in FUNCTIONS:

@@ -244,12 +244,9 @@ class DFlashDrafter(nn.Module):
         self.compile_layers: bool | str = "auto"
         self.loss_kernel = "auto"
         self._layers_compiled = False
-        self._init_weights()
-
-    def _init_weights(self, std: float = 0.02):
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
