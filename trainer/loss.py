@@ -222,8 +222,7 @@ def dflash_loss_fused(
     chunk_fn = None
     if loss_kernel_for(hidden.device, kernel) == "compiled":
         chunk_rows, chunks = even_chunks(rows.shape[0], chunk_rows or _KERNEL_CHUNK_ELEMENTS // vocab)
-        pad = chunk_rows * chunks - rows.shape[0]
-        if pad:
+        if pad := chunk_rows * chunks - rows.shape[0]:
             rows = F.pad(rows, (0, 0, 0, pad))
             targets = F.pad(targets, (0, pad), value=IGNORE_INDEX)
             row_weights = F.pad(row_weights, (0, pad))

@@ -195,8 +195,7 @@ def _titles(panel, runs: list[RunHistory]) -> None:
             ax.legend(**_legend_style(overlay))
     from matplotlib.lines import Line2D
 
-    kinds = sorted({m.kind for r in runs for m in r.markers})
-    if kinds:
+    if kinds := sorted({m.kind for r in runs for m in r.markers}):
         handles = [
             Line2D([], [], color=MARKER_STYLE[k][0], ls=MARKER_STYLE[k][1], label=k)
             for k in kinds

@@ -107,8 +107,7 @@ def resolve_export_source(path: str) -> str:
                 f"--checkpoint {path}: no complete checkpoint in {checkpoints_root(path)} yet. {fix}."
             )
         return latest
-    missing = _missing(path)
-    if missing:
+    if missing := _missing(path):
         raise CheckpointError(f"--checkpoint {path}: not a checkpoint (missing {', '.join(missing)}). {fix}.")
     return path
 
@@ -118,8 +117,7 @@ def _missing(path) -> list[str]:
 
 
 def _require_complete(path: str) -> None:
-    missing = _missing(path)
-    if missing:
+    if missing := _missing(path):
         raise CheckpointError(
             f"{path}: not a complete checkpoint (missing {', '.join(missing)}). "
             f"Fix: pass a checkpoints/step-NNNNNNN directory, or --resume latest."

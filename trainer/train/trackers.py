@@ -189,8 +189,7 @@ class Mlflow(Tracker):
             self.lib.log_params(dict(params[first : first + 100]))
 
     def scalars(self, step, values):
-        finite = {k: v for k, v in values.items() if math.isfinite(v)}  # mlflow refuses NaN/inf
-        if finite:
+        if finite := {k: v for k, v in values.items() if math.isfinite(v)}:  # mlflow refuses NaN/inf
             self.lib.log_metrics(finite, step=step)
 
     def event(self, step, kind, text):
