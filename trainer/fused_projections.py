@@ -1,11 +1,11 @@
 """One weight matrix for q/k/v (a Gated DeltaNet layer: its four input projections) and one for the
-MLP's gate/up of every target layer: a decode step reads a layer's weights in four matrix-vector
-products instead of six (a Gated DeltaNet layer's: seven).
+MLP's gate/up of every target layer, so a decode step reads a layer's weights in four matrix-vector
+products (qkv, o, gate_up, down) instead of six, a Gated DeltaNet layer's in four instead of seven.
 
-The model's parameters become row-slices (views) of the fused matrices: no second copy. Fuse once,
-where the model will stay, before any thread uses it (load_target does); a model moved afterwards
-gets fresh storage per parameter, `fused_rows` finds the views broken and decoding multiplies the
-parts separately.
+The model's own parameters become row-slices (views) of the fused matrices: no second copy of the
+weights, and the HF forward reads the same values as before. Fuse once, where the model will stay,
+before any thread uses it (load_target does). A model moved afterwards gets fresh storage per
+parameter; `fused_rows` then finds the views broken and decoding multiplies the parts separately.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ DELTA_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
 def fuse_projections(model) -> int:
-    """Fuse the projections of every decoder layer of `model` (an HF causal LM); how many fused."""
+    """Fuse q/k/v and gate/up of every decoder layer of `model` (an HF causal LM); how many fused."""
     fused = 0
     for layer in model.get_decoder().layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
