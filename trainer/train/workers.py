@@ -3,9 +3,11 @@
     target worker t (one per target device)      drafter thread r (one per drafter device)
     for step, for each replica r it serves:      wait for "do step s" from the main thread
       batch = make_batch(step, r)   --queue r-->   take batch s from queue r
-      batch.features = target(batch)               with guard.step(): loss; loss.backward()
-                                                   barrier: grads averaged over replicas, clipped
+      batch.blocks = draw_blocks(batch)            with guard.step(): loss; loss.backward()
+      batch.features = target(batch)               barrier: grads averaged over replicas, clipped
                                                    optimizer.step(); scheduler.step(); report
+
+Nothing in a drafter step waits on the host: the report holds GPU tensors, read by run_step.
 
 Replicas start identical and get identical averaged gradients, so they stay identical. Between
 the main thread's steps every drafter thread is idle: the loop logs and checkpoints then. Any
