@@ -14,10 +14,13 @@ also meet each other: the same bf16 logits, so loss and accuracy must agree much
 Tolerances (bf16 logits are rounded to 8 mantissa bits, which both kernels share): loss within
 2e-3 relative, gradient within 2e-2, accuracy within 0.01 of the reference; compiled vs eager
 kernel: loss within 1e-4 relative, accuracy equal, gradient within 1e-2. Exit 1 if one fails.
+The Triton kernel runs where trainer.loss_kernel.available says (16-bit CUDA logits, or any under
+TRITON_INTERPRET=1); --tiles also times its tilings against the compiled chunk on one chunk of logits.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -32,7 +35,15 @@ from benchmarks.common import doc_parser  # noqa: E402
 
 PAPER = {"anchors": 512, "block": 16, "hidden": 4096, "vocab": 151936}
 SMALL = {"anchors": 8, "block": 4, "hidden": 16, "vocab": 96}
-KERNELS = ("eager", "compiled")
+KERNELS = ("eager", "compiled", "triton")
+# the Triton chunk kernel's tilings timed by --tiles, on one chunk of paper-dims logits
+TILE_SWEEP = (
+    {"BLOCK": 2048, "num_warps": 4},
+    {"BLOCK": 4096, "num_warps": 8},
+    {"BLOCK": 8192, "num_warps": 8},
+    {"BLOCK": 8192, "num_warps": 16},
+    {"BLOCK": 16384, "num_warps": 16},
+)
 TOLERANCE = {"loss_rel": 2e-3, "grad_rel": 2e-2, "acc_abs": 0.01}
 BETWEEN = {"loss_rel": 1e-4, "grad_rel": 1e-2, "acc_abs": 0.0}
 
@@ -102,8 +113,11 @@ def _reference(torch, hidden, weight, labels, label_mask, device: str):
 def _compare(torch, args, inputs, reference) -> tuple[dict, dict, list[str]]:
     """(each kernel against the reference, the kernels against each other, the tolerances missed)."""
     ref_loss, ref_acc, ref_grad = reference
+    from trainer import loss_kernel
+
     results, failures = {}, []
-    for kernel in KERNELS:
+    hidden = inputs[0]
+    for kernel in [k for k in KERNELS if k != "triton" or loss_kernel.available(hidden)]:
         hidden, weight, labels, label_mask = inputs
         r = run_kernel(torch, kernel, hidden, weight, labels, label_mask, args.repeats, args.device)
         loss, acc, grad = r.pop("out")
@@ -116,16 +130,50 @@ def _compare(torch, args, inputs, reference) -> tuple[dict, dict, list[str]]:
         r["_out"] = (loss, acc, grad)
         results[kernel] = r
         failures += [f"{kernel}: {k} {r[k]:.3g} > {tol}" for k, tol in TOLERANCE.items() if r[k] > tol]
-    (la, aa, ga), (lb, ab, gb) = results["eager"].pop("_out"), results["compiled"].pop("_out")
-    between = {
-        "loss_rel": abs(float(la) - float(lb)) / abs(float(la)),
-        "grad_rel": rel(torch, gb, ga),
-        "acc_abs": float((aa - ab).abs().max()),
-    }
-    failures += [
-        f"compiled vs eager: {k} {between[k]:.3g} > {tol}" for k, tol in BETWEEN.items() if between[k] > tol
-    ]
+    la, aa, ga = results["eager"].pop("_out")
+    between = {}
+    for kernel in [k for k in results if k != "eager"]:
+        lb, ab, gb = results[kernel].pop("_out")
+        pair = {
+            "loss_rel": abs(float(la) - float(lb)) / abs(float(la)),
+            "grad_rel": rel(torch, gb, ga),
+            "acc_abs": float((aa - ab).abs().max()),
+        }
+        between[kernel] = pair
+        failures += [
+            f"{kernel} vs eager: {k} {pair[k]:.3g} > {tol}" for k, tol in BETWEEN.items() if pair[k] > tol
+        ]
     return results, between, failures
+
+
+def tile_times(torch, device: str, vocab: int, repeats: int) -> dict[str, float]:
+    """Median seconds of one 768-row chunk (the paper dims' chunk) through the compiled chunk and
+    the Triton kernel at each tiling of TILE_SWEEP."""
+    from trainer import loss, loss_kernel
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    logits = (torch.randn(768, vocab, generator=g) * 3).to(device, torch.bfloat16)
+    targets = torch.randint(0, vocab, (768,), generator=g).to(device)
+    weights = torch.rand(768, generator=g).to(device)
+    runs = {"compiled": functools.partial(loss.compiled_ce_chunk(), logits, targets, weights)}
+    for tiles in TILE_SWEEP:
+        name = f"triton BLOCK {tiles['BLOCK']}, {tiles['num_warps']} warps"
+        runs[name] = functools.partial(loss_kernel.ce_chunk, logits, targets, weights, tiles)
+    times = {}
+    for name, run in runs.items():
+        for _ in range(3):
+            run()
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(repeats)
+        ]
+        for begin, end in events:
+            begin.record()
+            run()
+            end.record()
+        torch.cuda.synchronize(device)
+        times[name] = statistics.median(b.elapsed_time(e) for b, e in events) / 1e3
+    return times
 
 
 def _markdown(args, given: str, dims: dict, dtype, ref_loss, results, between, failures) -> str:
@@ -150,8 +198,11 @@ def _markdown(args, given: str, dims: dict, dtype, ref_loss, results, between, f
         )
     lines += [
         "",
-        f"Compiled vs eager kernel: loss rel {between['loss_rel']:.2e}, grad rel {between['grad_rel']:.2e}, "
-        f"acc max abs diff {between['acc_abs']:.4f}.",
+        *(
+            f"{kernel} vs eager kernel: loss rel {b['loss_rel']:.2e}, grad rel {b['grad_rel']:.2e}, "
+            f"acc max abs diff {b['acc_abs']:.4f}."
+            for kernel, b in between.items()
+        ),
         "",
         f"Tolerances vs the fp32 reference {TOLERANCE}; between kernels {BETWEEN}: "
         + ("all met." if not failures else "FAILED: " + "; ".join(failures)),
@@ -165,6 +216,7 @@ def main(argv=None) -> int:
     parser.add_argument("--small", action="store_true", help="tiny dims on the CPU in fp32 (a smoke run)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", help="markdown results file (a .json copy next to it)")
+    parser.add_argument("--tiles", action="store_true", help="time the Triton kernel's tilings (CUDA)")
     args = parser.parse_args(argv)
     import torch
 
@@ -178,6 +230,10 @@ def main(argv=None) -> int:
     results, between, failures = _compare(torch, args, inputs, reference)
     given = " ".join(argv if argv is not None else sys.argv[1:])
     text = _markdown(args, given, dims, dtype, reference[0], results, between, failures)
+    tiles = tile_times(torch, args.device, dims["vocab"], args.repeats) if args.tiles else {}
+    if tiles:
+        text += "\n| one 768-row chunk | median ms |\n|---|---|\n"
+        text += "".join(f"| {name} | {s * 1e3:.3f} |\n" for name, s in tiles.items())
     print(text)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -185,7 +241,9 @@ def main(argv=None) -> int:
             fh.write(text)
         with open(os.path.splitext(args.out)[0] + ".json", "w") as fh:
             json.dump(
-                {"dims": dims, "results": results, "between": between, "failures": failures}, fh, indent=1
+                {"dims": dims, "results": results, "between": between, "failures": failures, "tiles": tiles},
+                fh,
+                indent=1,
             )
     return 1 if failures else 0
 

@@ -14,7 +14,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from trainer import compile_modes
+from trainer import compile_modes, loss_kernel
 
 IGNORE_INDEX = -100
 # Rows of logits computed at once by the fused loss: ~2^27 fp32 values (512 MiB) per chunk.
@@ -143,7 +143,7 @@ class _FrozenHeadCE(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T + b, y_i) with W frozen, in row chunks. The gradient w.r.t. h is made
     chunk by chunk in the forward (the loss is linear in the upstream gradient), so neither the full
     logits nor their gradient are ever held and the lm_head matmul is not recomputed. `chunk_fn` is
-    ce_chunk (compiled) or None for _ce_chunk_eager."""
+    ce_chunk (compiled), trainer.loss_kernel.ce_chunk (Triton) or None for _ce_chunk_eager."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_weights, chunk_rows: int, chunk_fn):
@@ -173,17 +173,19 @@ class _FrozenHeadCE(torch.autograd.Function):
         return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
 
 
-LOSS_KERNELS = ("auto", "eager", "compiled")
+LOSS_KERNELS = ("auto", "eager", "compiled", "triton")
 
 
 def loss_kernel_for(device: torch.device | str, kernel: str = "auto") -> str:
-    """The kernel for "auto": the compiled chunk on CUDA, the eager one elsewhere (CPU compiles cost
-    more than they save)."""
+    """The kernel for "auto": on CUDA the Triton chunk (the compiled one without Triton), the eager one
+    elsewhere (CPU compiles cost more than they save)."""
     if kernel not in LOSS_KERNELS:
         raise ValueError(f"loss kernel {kernel!r} is unknown; use one of {', '.join(LOSS_KERNELS)}")
     if kernel != "auto":
         return kernel
-    return "compiled" if torch.device(device).type == "cuda" else "eager"
+    if torch.device(device).type != "cuda":
+        return "eager"
+    return "compiled" if loss_kernel.triton is None else "triton"
 
 
 def even_chunks(rows: int, max_rows: int, multiple: int = 16) -> tuple[int, int]:
@@ -220,7 +222,13 @@ def dflash_loss_fused(
     weight = lm_head_weight.to(hidden.dtype)
     bias = None if bias is None else bias.to(hidden.dtype)
     chunk_fn = None
-    if loss_kernel_for(hidden.device, kernel) == "compiled":
+    chosen = loss_kernel_for(hidden.device, kernel)
+    if chosen == "triton" and not loss_kernel.available(rows):
+        chosen = "compiled"  # fp32 logits: the Triton kernel takes 16-bit ones
+    if chosen == "triton":
+        chunk_rows, _ = even_chunks(rows.shape[0], chunk_rows or _KERNEL_CHUNK_ELEMENTS // vocab)
+        chunk_fn = loss_kernel.ce_chunk
+    elif chosen == "compiled":
         chunk_rows, chunks = even_chunks(rows.shape[0], chunk_rows or _KERNEL_CHUNK_ELEMENTS // vocab)
         if pad := chunk_rows * chunks - rows.shape[0]:
             rows = F.pad(rows, (0, 0, 0, pad))

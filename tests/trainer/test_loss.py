@@ -231,13 +231,17 @@ def test_ce_chunk_compiles_whole_and_equals_the_eager_chunk(monkeypatch):
     assert torch.allclose(h_k.grad.double(), ref_grad, rtol=1e-5, atol=1e-7)
 
 
-def test_loss_kernel_defaults_compiled_on_cuda_only():
+def test_loss_kernel_defaults_to_triton_on_cuda_and_eager_elsewhere(monkeypatch):
+    from trainer import loss_kernel
     from trainer.loss import even_chunks, loss_kernel_for
 
-    assert loss_kernel_for("cuda:1") == "compiled" and loss_kernel_for("cpu") == "eager"
-    assert loss_kernel_for("cuda:0", "eager") == "eager"
+    monkeypatch.setattr(loss_kernel, "triton", object())
+    assert loss_kernel_for("cuda:1") == "triton" and loss_kernel_for("cpu") == "eager"
+    assert loss_kernel_for("cuda:0", "eager") == "eager" and loss_kernel_for("cpu", "compiled") == "compiled"
+    monkeypatch.setattr(loss_kernel, "triton", None)  # the CPU wheel of torch: no Triton
+    assert loss_kernel_for("cuda:1") == "compiled"
     with pytest.raises(ValueError, match="unknown"):
-        loss_kernel_for("cpu", "triton")
+        loss_kernel_for("cpu", "cutlass")
     # paper dims: 512 anchors x 15 rows, vocab 151936 -> at most 883 rows: 10 x 768, no padding
     assert even_chunks(7680, (1 << 27) // 151936) == (768, 10)
     assert even_chunks(7680, 1766) == (1536, 5)

@@ -101,6 +101,38 @@ def test_one_replica_is_clipped_in_place_with_no_gradient_copy(parts):
         torch.testing.assert_close(p.grad, h.grad)
 
 
+def test_with_fused_adamw_the_clip_is_the_optimizers_grad_scale_and_makes_no_pass_of_its_own(parts):
+    """The barrier leaves the averaged gradient as it is and hands each fused AdamW the divisor; the
+    step then lands where torch's clip_grad_norm_ and a plain AdamW step land."""
+    workers, reps = make_workers(parts)
+    workers.grad_clip = 0.5
+    for rep in reps:
+        rep.optimizer = torch.optim.AdamW(rep.trainable(), lr=1e-2, weight_decay=0.1, fused=True)
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    for rep, gen in zip(reps, gens):
+        for p in rep.trainable():
+            p.grad = torch.randn(p.shape, generator=gen)
+    mean = [(a.grad + b.grad) / 2 for a, b in zip(reps[0].trainable(), reps[1].trainable())]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in reps[0].trainable()]
+    for r, m in zip(reference, mean):
+        r.grad = m.clone()
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference, 0.5)
+    assert float(expected_norm) > 0.5  # so clipping really happens
+
+    workers._average_gradients()
+
+    for rep in reps:
+        assert float(rep.optimizer.grad_scale) == pytest.approx(float(expected_norm) / 0.5, rel=1e-5)
+        for p, m in zip(rep.trainable(), mean):
+            torch.testing.assert_close(p.grad, m)  # not scaled: AdamW divides in its own pass
+        rep.optimizer.step()
+    plain = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, foreach=False)
+    plain.step()
+    for rep in reps:
+        for p, r in zip(rep.trainable(), reference):
+            torch.testing.assert_close(p.detach(), r.detach())
+
+
 def test_two_drafter_threads_keep_identical_replicas(tmp_path):
     cfg = tiny_cfg(tmp_path, max_steps=6)
     target = load_target(cfg.target.spec, "cpu", torch.float32, layer_ids=cfg.target.layer_ids,

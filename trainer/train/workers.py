@@ -324,18 +324,19 @@ class TrainingWorkers:
                 total = g.clone() if total is None else total.add_(g)
             assert total is not None  # one parameter per replica, and there is at least one replica
             averaged.append(total.div_(len(params)) if len(params) > 1 else total)
-        norm = (
-            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in averaged]))
-            if averaged
-            else torch.tensor(0.0)
-        )
-        scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+        norm = torch.nn.utils.get_total_norm(averaged) if averaged else torch.tensor(0.0)
+        over = torch.clamp((norm + 1e-6) / self.grad_clip, min=1.0)  # the clip divides the grads by it
+        # a fused AdamW divides inside its own kernel (its grad_scale): no pass of the clip's own
+        folded = all(_divides_grads(r.optimizer) for r in self.replicas)
         for i, avg in enumerate(averaged):
-            avg.mul_(scale)
+            if not folded:
+                avg.div_(over)
             for replica_params in per_replica:
                 p = replica_params[i]
                 if p.grad is None or p.grad.data_ptr() != avg.data_ptr():  # not the accumulator itself
                     p.grad = avg.to(p.device, p.dtype, copy=True)
+        for replica in self.replicas if folded else ():
+            replica.optimizer.grad_scale = over.to(replica.device)  # type: ignore[attr-defined]
         self._grad_norm = norm.detach()  # read on the host by run_step, not here: no sync mid-step
 
     def _get(self, q: queue.Queue):
@@ -352,6 +353,11 @@ class TrainingWorkers:
             except (queue.Empty, queue.Full):
                 continue
         raise _Stopped()
+
+
+def _divides_grads(optimizer: torch.optim.Optimizer) -> bool:
+    """A fused Adam/AdamW step divides every gradient by its `grad_scale` tensor on the device."""
+    return isinstance(optimizer, torch.optim.Adam) and bool(optimizer.defaults.get("fused"))  # AdamW is one
 
 
 def _use_device(device: str) -> None:
