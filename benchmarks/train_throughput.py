@@ -7,6 +7,7 @@ One run measures, each part in its own fresh process with fresh empty inductor/t
 1. peak: a bf16 8192^3 matmul (the MFU denominator, measured on this GPU in this run);
 2. compiled: training steps with the trainer's compiled flex_attention, bare (one function, the
    blocks drawn inside the step) and through the trainer's TrainingWorkers, as a run takes them;
+   loss-kernel: the bare steps again with the loss chunk torch.compile makes instead of the Triton one;
 3. eager: the same steps with eager flex_attention (a separate process: eager flex must never
    share a process with compiled code, it can leave the global FX flag stuck);
 4. first step: N drafter threads (one replica each) starting together, compile lock "lock" vs
@@ -81,6 +82,7 @@ PURE_BF16 = "bf16-pure"  # baseline only: bf16 parameters and AdamW state, no fp
 BEFORE = "before: flex compiled, layers + loss chunks eager"  # the trainer's path before, same run
 # The same steps as a training run takes them: through TrainingWorkers, blocks drawn ahead, no sync mid-step
 TRAINER_FLEX, TRAINER_SDPA = "compiled flex, trainer's workers", "sdpa, trainer's workers"
+COMPILED_CHUNK = "compiled flex, compiled loss chunk"  # the loss chunk torch.compile makes, not Triton's
 
 PAPER = {
     "hidden": 4096,
@@ -941,7 +943,7 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-PARTS = ("compiled", "before", "eager", "first-step", "cache", "checkpointing", "e2e")
+PARTS = ("compiled", "loss-kernel", "before", "eager", "first-step", "cache", "checkpointing", "e2e")
 CHILDREN = {
     "peak": child_peak,
     "train": child_train,
@@ -1079,7 +1081,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpointing", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--compile-layers", choices=("auto", "off"), default="auto", help=argparse.SUPPRESS)
     parser.add_argument(
-        "--loss-kernel", choices=("auto", "eager", "compiled"), default="auto", help=argparse.SUPPRESS
+        "--loss-kernel",
+        choices=("auto", "eager", "compiled", "triton"),
+        default="auto",
+        help=argparse.SUPPRESS,
     )
     return parser
 
@@ -1120,6 +1125,7 @@ class Trainings:
         TRAINER_FLEX: "compiled",
         "eager flex": "eager",
         BEFORE: "before",
+        COMPILED_CHUNK: "loss-kernel",
     }
 
     def __init__(self, args, dims: dict, peak: dict):
@@ -1136,6 +1142,7 @@ class Trainings:
                 "compiled flex": ("flex", []),
                 TRAINER_FLEX: ("flex", ["--loop", "workers"]),
                 BEFORE: ("flex", self.BEFORE_OPTIONS),
+                COMPILED_CHUNK: ("flex", ["--loss-kernel", "compiled"]),
                 "eager flex": (FLEX_EAGER, self.BEFORE_OPTIONS),
             }
         )
