@@ -158,12 +158,12 @@ class _AcceptsOneWrongDraft(StaticDecoder):
         self._broken = False
         return super().decode(*args, **kwargs)
 
-    def _emit(self, tokens, accepted):
+    def _emit(self, tokens, proposals=None):
         if tokens.shape[1] > 1 and not getattr(self, "_broken", False):
             tokens = tokens.clone()
             tokens[:, 0] = self._proposals[:, 0]
             self._broken = True
-        super()._emit(tokens, accepted)
+        return super()._emit(tokens, proposals)
 
     def speculative_round(self):
         real = self.drafter.proposals

@@ -222,6 +222,8 @@ class Kernels:
         def wrap(f):
             return torch.compile(f, dynamic=False, fullgraph=True, options=options) if compile else f
 
+        self.wrap = wrap
+
         self.pre = wrap(functools.partial(pre_attention, project=project))
         self.post = wrap(functools.partial(post_attention, project=project))
         self.residual_mlp = wrap(functools.partial(residual_mlp, project=project))
@@ -505,13 +507,20 @@ class StaticDecoder:
         self.real = torch.zeros(rows, device=device, dtype=torch.bool)
         self.any_active = torch.zeros(1, dtype=torch.bool, device=device)
         self.host_flag = torch.zeros(1, dtype=torch.bool, pin_memory=on_cuda)
+        self.emit = self.kernels.wrap(self._emit) if self.kernels.compiled else self._emit
         self._graph: dict[str, torch.cuda.CUDAGraph] = {}
 
     # ---- one step / round: tensor ops on the state only ------------------------------------------
 
-    def _emit(self, tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-        """Append tokens[:, :accepted+1] per active row (cut at a stop token and at the budget), log the
-        round, advance the anchor; returns each row's count, which is also what the target keeps."""
+    def _emit(self, tokens: torch.Tensor, proposals: torch.Tensor | None = None) -> torch.Tensor:
+        """Accept the drafts that match the target's tokens (none without `proposals`), append
+        tokens[:, :accepted+1] per active row (cut at a stop token and at the budget), log the round,
+        advance the anchor; returns each row's count, which is also what the target keeps. Compiled with
+        the kernels: some thirty tiny ops become a few kernels, a round's largest cost after the models'."""
+        if proposals is None:
+            accepted = torch.zeros_like(self.start)
+        else:
+            accepted = (proposals == tokens[:, : proposals.shape[1]]).long().cumprod(1).sum(1)
         offsets = self.offsets[: tokens.shape[1]]
         within = offsets <= accepted.unsqueeze(1)
         stop = torch.isin(tokens, self.stop_ids) & within
@@ -523,13 +532,13 @@ class StaticDecoder:
         old = self.out[self.row_index, slots]
         self.out[self.row_index, slots] = torch.where(self.active.unsqueeze(1), tokens, old)
         self.accepted[self.row_index[:, 0], self.round] = torch.where(self.active, accepted, -1)
-        self.round += self.active.long()
-        self.start += count
+        self.round.add_(self.active.long())
+        self.start.add_(count)
         self.anchor.copy_(
             torch.where(self.active, tokens.gather(1, last.unsqueeze(1)).squeeze(1), self.anchor)
         )
-        self.emitted += count
-        self.active &= ~stopped & (self.emitted < self.budget)
+        self.emitted.add_(count)
+        self.active.logical_and_(~stopped & (self.emitted < self.budget))
         self.any_active.copy_(self.active.any().view(1))
         return count
 
@@ -539,14 +548,12 @@ class StaticDecoder:
             self.anchor.unsqueeze(1), self.start.unsqueeze(1), self.kernels, features=False
         )
         logits = self.target.logits(step.hidden, self.kernels)
-        count = self._emit(logits.argmax(-1), torch.zeros_like(self.start))
-        self.target.commit(step.pending, count)
+        self.target.commit(step.pending, self.emit(logits.argmax(-1)))
         self.host_flag.copy_(self.any_active, non_blocking=True)
 
     def speculative_round(self) -> None:
         """One draft-and-verify round over the device state (what decode(speculative=True) repeats)."""
         k = self.kernels
-        block = self.block
         drafter = self.drafter
         assert drafter is not None  # decode() runs speculative rounds only with a drafter
         drafter.extend(self.pending, self.pending_start.unsqueeze(1) + self.offsets, k)
@@ -554,11 +561,10 @@ class StaticDecoder:
         where = self.start.unsqueeze(1) + self.offsets
         verify = self.target.hidden(torch.cat([self.anchor.unsqueeze(1), proposals], 1), where, k)
         targets = self.target.logits(verify.hidden, k).argmax(-1)  # the target's token for start+1..start+B
-        accepted = (proposals == targets[:, : block - 1]).long().cumprod(1).sum(1)
         assert verify.features is not None  # asked for (features=True)
         self.pending.copy_(verify.features)
         self.pending_start.copy_(self.start)
-        self.target.commit(verify.pending, self._emit(targets, accepted))
+        self.target.commit(verify.pending, self.emit(targets, proposals))
         self.host_flag.copy_(self.any_active, non_blocking=True)
 
     # ---- prefill (eager, once per call) -----------------------------------------------------------
