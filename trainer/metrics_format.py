@@ -62,8 +62,7 @@ def encode(event: str, **fields) -> str:
     """One metrics line (with trailing newline)."""
     if event not in EVENTS:
         raise ValueError(f"unknown metrics event {event!r}; known: {', '.join(EVENTS)}")
-    record = {"v": FORMAT_VERSION, "event": event, "time": fields.pop("time", time.time())}
-    record.update(fields)
+    record = {"v": FORMAT_VERSION, "event": event, "time": fields.pop("time", time.time()), **fields}
     return json.dumps(record, separators=(",", ":"), allow_nan=True, default=float) + "\n"
 
 

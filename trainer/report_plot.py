@@ -170,10 +170,9 @@ def _acceptance(ax, run: RunHistory, colour, overlay: bool) -> None:
     if not with_acceptance:
         return
     prefix = run.name + ": " if overlay else ""
-    latest = with_acceptance[-1]
+    earliest, latest = with_acceptance[0], with_acceptance[-1]
     positions = range(1, len(latest.acceptance) + 1)
     _main_line(ax, positions, latest.acceptance, colour, f"{prefix}latest (step {latest.step})")
-    earliest = with_acceptance[0]
     if earliest is not latest:
         positions = range(1, len(earliest.acceptance) + 1)
         label = f"{prefix}earliest (step {earliest.step})"
@@ -181,18 +180,16 @@ def _acceptance(ax, run: RunHistory, colour, overlay: bool) -> None:
 
 
 def _titles(panel, runs: list[RunHistory]) -> None:
+    style = _legend_style(overlay=len(runs) > 1)
     for name, ax in panel.items():
         title, xlabel, ylabel = PANELS[name]
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(**style)
     if not any(r.evals for r in runs):
         ax = panel["acceptance"]
         centred = {"ha": "center", "va": "center", "transform": ax.transAxes}
         ax.text(0.5, 0.5, "no eval record yet (eval.every)", color="gray", **centred)
-    overlay = len(runs) > 1
-    for ax in panel.values():
-        handles, _ = ax.get_legend_handles_labels()
-        if handles:
-            ax.legend(**_legend_style(overlay))
     from matplotlib.lines import Line2D
 
     if kinds := sorted({m.kind for r in runs for m in r.markers}):
@@ -202,7 +199,7 @@ def _titles(panel, runs: list[RunHistory]) -> None:
             if k in MARKER_STYLE
         ]
         existing, _ = panel["tokens_per_s"].get_legend_handles_labels()
-        panel["tokens_per_s"].legend(handles=existing + handles, **_legend_style(overlay))
+        panel["tokens_per_s"].legend(handles=existing + handles, **style)
 
 
 def _legend_style(overlay: bool) -> dict:

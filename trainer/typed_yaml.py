@@ -282,9 +282,7 @@ def _build(cls: type[T], data: Any, place: _Place) -> T:
 def _coerce(hint: Any, value: Any, place: _Place) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):  # Optional[X] / X | None
-        if value is None:
-            return None
-        return _coerce(next(a for a in args if a is not type(None)), value, place)
+        return None if value is None else _coerce(next(a for a in args if a is not type(None)), value, place)
     if dataclasses.is_dataclass(hint):
         # a hint is a class, never an instance; `section:` alone gives the defaults
         return _build(typing.cast("type[DataclassInstance]", hint), {} if value is None else value, place)

@@ -100,7 +100,9 @@ def _add_cache_features_parser(sub) -> None:
         "--shard-size-mb", type=int, default=2048, metavar="MB", help="shard size cap (default 2048)"
     )
     options.add_batch_size(c, "sequences per target forward (default: about 16384 tokens' worth)")
-    options.add_device(c, "target device (default: the config's first target device)", metavar="DEV")
+    c.add_argument(
+        "--device", metavar="DEV", help="target device (default: the config's first target device)"
+    )
     options.add_overrides(c, "override a config key")
 
 

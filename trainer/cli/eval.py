@@ -43,7 +43,7 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=8, metavar="N")
     options.add_max_new_tokens(p, 64)
     options.add_temperature(p)
-    options.add_device(p, "cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda:0 if present, else cpu)")
     options.add_sampling_seed(p)
     p.add_argument(
         "--batch",
@@ -128,9 +128,7 @@ def target_mismatch(dcfg, target, run_config: dict | None) -> str | None:
     mask_was_default = run_config is not None and run_drafter.get("mask_token_id") is None
     if mask_was_default and dcfg.mask_token_id != target.mask_token_id:
         problems.append(f"mask token {dcfg.mask_token_id} vs the target's {target.mask_token_id}")
-    if not problems:
-        return None
-    return "the drafter does not match the target: " + "; ".join(problems)
+    return "the drafter does not match the target: " + "; ".join(problems) if problems else None
 
 
 def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None, device: str):
@@ -388,11 +386,10 @@ def _evaluate(args: argparse.Namespace, target, drafter, prompts, device: str, e
     )
 
 
-def _exit_code(mismatch, err) -> int:
-    """1 (the lossless check failed, said on `err`) for a mismatch, else 0."""
-    if mismatch is None:
+def _exit_code(m, err) -> int:
+    """1 (the lossless check failed, said on `err`) for a mismatch `m`, else 0."""
+    if m is None:
         return 0
-    m = mismatch
     print(
         f"dflash-train eval: LOSSLESS CHECK FAILED: prompt {m.prompt_index} (first tokens "
         f"{m.prompt[:12]}), new token {m.position}: target {m.expected}, speculative {m.got}; "

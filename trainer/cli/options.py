@@ -76,10 +76,6 @@ def add_dtype(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16", help=help)
 
 
-def add_device(p: argparse.ArgumentParser, help: str, metavar: str | None = None) -> None:
-    p.add_argument("--device", metavar=metavar, help=help)
-
-
 def add_batch_size(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--batch-size", type=int, metavar="B", help=help)
 
@@ -110,11 +106,8 @@ def check_temperature(temperature: float) -> None:
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
     """CLI flags -> the override dict load_config takes (short names or dotted keys)."""
-    overrides = {}
-    for name in OVERRIDE_ALIASES:  # the training flags are the short names
-        value = getattr(args, name, None)  # other commands (dflash-train data) have --set only
-        if value is not None:
-            overrides[name] = value
+    # the training flags are the short names; other commands (dflash-train data) have --set only
+    overrides = {name: value for name in OVERRIDE_ALIASES if (value := getattr(args, name, None)) is not None}
     for item in args.set:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():

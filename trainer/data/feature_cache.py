@@ -216,8 +216,7 @@ def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
         if name.startswith("shard-") and name not in {s["file"] for s in good}:
             os.remove(os.path.join(cache_dir, name))
     write_manifest(cache_dir, found)
-    start = good[-1]["first"] + good[-1]["count"] if good else 0
-    return found, start
+    return found, (good[-1]["first"] + good[-1]["count"] if good else 0)
 
 
 def complete_manifest(cache_dir: str, manifest: dict) -> None:

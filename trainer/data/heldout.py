@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from trainer.config import ConfigError
 from trainer.data.dataset import DataError, Dataset, derive_seed, random_prompts
 
 _SPLIT_SALT = 0xE7A1
@@ -71,8 +72,6 @@ def eval_split(cfg) -> str:
 def eval_prompts(cfg, target, heldout: Dataset | None, count: int) -> list[list[int]]:
     """Up to `count` evaluation prompts: eval.path, the held-out split, or fresh synthetic prompts;
     training and `dflash-train eval` share this."""
-    from trainer.config import ConfigError
-
     if cfg.eval.path:
         from trainer.data.prompts import load_prompts
 

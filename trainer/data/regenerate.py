@@ -46,14 +46,7 @@ class RegenerateOptions:
 
     def settings(self) -> dict:
         """What shapes the output: a resumed run must use the same (devices and batch size may change)."""
-        as_given = (
-            "max_new_tokens",
-            "max_prompt_tokens",
-            "temperature",
-            "top_p",
-            "chat_template_kwargs",
-            "seed",
-        )
+        as_given = "max_new_tokens max_prompt_tokens temperature top_p chat_template_kwargs seed".split()
         return {
             "target": self.target,
             "input": os.path.abspath(self.input),
@@ -211,22 +204,20 @@ class Generator:
                 if conv.done == len(conv.slots):
                     results[index] = active.pop(index)
                     continue
-                slot = conv.slots[conv.done]
                 try:
-                    prompt = self.prompt_ids(conv.messages[:slot])
+                    prompt = self.prompt_ids(conv.messages[: conv.slots[conv.done]])
                 except Exception as exc:  # noqa: BLE001 - a template that refuses this conversation
                     results[index] = Reject(f"chat template failed: {type(exc).__name__}: {exc}")
-                    active.pop(index)
-                    continue
-                if self.max_prompt is not None and len(prompt) > self.max_prompt:
+                else:
+                    if self.max_prompt is None or len(prompt) <= self.max_prompt:
+                        batch.append(conv)
+                        prompts.append(prompt)
+                        continue
                     results[index] = Reject(
                         f"too long: the prompt of assistant turn {conv.done + 1} has "
                         f"{len(prompt)} tokens, more than {self.max_prompt}"
                     )
-                    active.pop(index)
-                    continue
-                batch.append(conv)
-                prompts.append(prompt)
+                active.pop(index)
             for chunk in self.batches([len(p) for p in prompts]):
                 self.largest_batch = max(self.largest_batch, len(prompts[chunk]))
                 for conv, prompt, (tokens, cut) in zip(

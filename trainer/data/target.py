@@ -127,8 +127,7 @@ class TargetModel:
         self.num_layers = len(self._decoder.layers)
         self.embed_tokens: nn.Embedding = hf.get_input_embeddings()
         self.lm_head: nn.Linear = hf.get_output_embeddings()
-        self.hidden_size = self.embed_tokens.weight.shape[1]
-        self.vocab_size = self.embed_tokens.weight.shape[0]
+        self.vocab_size, self.hidden_size = self.embed_tokens.weight.shape
         self.dtype = self.embed_tokens.weight.dtype
         check_layer_ids(self.layer_ids, self.num_layers)
         # Layer hooks are per module: one features() call at a time per target.
@@ -254,13 +253,11 @@ def load_target(
     else:
         model, tokenizer = _hf_target(spec, device, dtype)
     fuse_projections(model)  # here, before any thread reads the weights (see its docstring)
-    num_layers = len(_decoder_of(model).layers)
-    ids = list(layer_ids) if layer_ids is not None else default_layer_ids(num_layers)
-    vocab_size = model.get_input_embeddings().weight.shape[0]
+    ids = list(layer_ids) if layer_ids is not None else default_layer_ids(len(_decoder_of(model).layers))
     return TargetModel(
         model=model,
         layer_ids=ids,
         tokenizer=tokenizer,
         device=str(device),
-        mask_token_id=default_mask_token_id(tokenizer, vocab_size),
+        mask_token_id=default_mask_token_id(tokenizer, model.get_input_embeddings().weight.shape[0]),
     )

@@ -34,8 +34,7 @@ class TargetHead:
 
     def __post_init__(self):
         self.num_layers = int(self.config.num_hidden_layers)
-        self.hidden_size = self.embed_tokens.weight.shape[1]
-        self.vocab_size = self.embed_tokens.weight.shape[0]
+        self.vocab_size, self.hidden_size = self.embed_tokens.weight.shape
         self.dtype = self.embed_tokens.weight.dtype
         check_layer_ids(self.layer_ids, self.num_layers)
 

@@ -16,11 +16,6 @@ import torch.nn.functional as F
 from trainer.model import DFlashDrafter, DrafterLayer, apply_rope, rope_cos_sin
 
 
-def _layers(drafter: DFlashDrafter) -> Iterable[DrafterLayer]:
-    """The drafter's layers, typed (an nn.ModuleList of DrafterLayer)."""
-    return cast("Iterable[DrafterLayer]", drafter.layers)
-
-
 class DrafterContext:
     """Per-layer cached context keys/values of one sequence (batch 1)."""
 
@@ -36,23 +31,25 @@ class DrafterContext:
         positions = torch.arange(start, start + count, device=device).unsqueeze(0)
         return rope_cos_sin(positions, self.drafter.cfg.head_dim, self.drafter.cfg.rope_theta, dtype)
 
+    def _with_context(self, i: int, attn, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's cached keys/values followed by those of x [1, T, hidden] (RoPE from cos/sin)."""
+        cfg, count = self.drafter.cfg, x.shape[1]
+        k = attn.k_norm(attn.k_proj(x).view(1, count, cfg.num_kv_heads, cfg.head_dim))
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = attn.v_proj(x).view(1, count, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        return torch.cat([self.keys[i], k], dim=2), torch.cat([self.values[i], v], dim=2)
+
     @torch.no_grad()
     def extend(self, features: torch.Tensor) -> None:
         """Append the target features [T, K*H] of the next T positions."""
-        d, cfg = self.drafter, self.drafter.cfg
-        dtype = d.fc.weight.dtype
-        count = features.shape[0]
+        d, count = self.drafter, features.shape[0]
         if count == 0:
             return
+        dtype = d.fc.weight.dtype
         ctx = d.hidden_norm(d.fc(features.to(device=d.fc.weight.device, dtype=dtype))).unsqueeze(0)
         cos, sin = self._rope(self.length, count, dtype, ctx.device)
-        for i, layer in enumerate(_layers(d)):
-            attn = layer.self_attn
-            k = attn.k_norm(attn.k_proj(ctx).view(1, count, cfg.num_kv_heads, cfg.head_dim))
-            k = apply_rope(k.transpose(1, 2), cos, sin)
-            v = attn.v_proj(ctx).view(1, count, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-            self.keys[i] = torch.cat([self.keys[i], k], dim=2)
-            self.values[i] = torch.cat([self.values[i], v], dim=2)
+        for i, layer in enumerate(cast("Iterable[DrafterLayer]", d.layers)):
+            self.keys[i], self.values[i] = self._with_context(i, layer.self_attn, ctx, cos, sin)
         self.length += count
 
     @torch.no_grad()
@@ -65,15 +62,12 @@ class DrafterContext:
         ids[0, 0] = int(anchor_token)
         x = F.embedding(ids, d.embed_weight).to(dtype)
         cos, sin = self._rope(self.length, block, dtype, device)
-        for i, layer in enumerate(_layers(d)):
+        for i, layer in enumerate(cast("Iterable[DrafterLayer]", d.layers)):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = attn.q_norm(attn.q_proj(h).view(1, block, cfg.num_heads, cfg.head_dim))
             q = apply_rope(q.transpose(1, 2), cos, sin)
-            k = attn.k_norm(attn.k_proj(h).view(1, block, cfg.num_kv_heads, cfg.head_dim))
-            k = apply_rope(k.transpose(1, 2), cos, sin)
-            v = attn.v_proj(h).view(1, block, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-            k, v = torch.cat([self.keys[i], k], dim=2), torch.cat([self.values[i], v], dim=2)
+            k, v = self._with_context(i, attn, h, cos, sin)
             out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(1, block, cfg.num_heads * cfg.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -70,23 +70,16 @@ def _fc_problem(config: dict, shapes: dict[str, tuple[int, ...]]) -> str | None:
 
 def _mask_hidden_problem(shapes: dict[str, tuple[int, ...]]) -> str | None:
     named = sorted(name for name in shapes if MASK_HIDDEN in name)
-    if named:
-        return f"weight {named[0]} is a {MASK_HIDDEN} weight, which vLLM refuses to load"
-    return None
+    return f"weight {named[0]} is a {MASK_HIDDEN} weight, which vLLM refuses to load" if named else None
 
 
 def _causal_problem(config: dict) -> str | None:
-    layer_types = config.get("layer_types") or []
-    causal = [i for i, kind in enumerate(layer_types) if kind == CAUSAL_LAYER_TYPE]
+    causal = [i for i, kind in enumerate(config.get("layer_types") or []) if kind == CAUSAL_LAYER_TYPE]
+    why = "the drafter was trained with its block attending both ways"
     if causal:
-        return (
-            f"layer_types marks layer(s) {causal} {CAUSAL_LAYER_TYPE!r}, which vLLM runs causally; "
-            "the drafter was trained with its block attending both ways"
-        )
+        return f"layer_types marks layer(s) {causal} {CAUSAL_LAYER_TYPE!r}, which vLLM runs causally; {why}"
     if config.get("is_causal") or (config.get("dflash_config") or {}).get("causal"):
-        return (
-            "the config asks for causal attention; the drafter was trained with its block attending both ways"
-        )
+        return f"the config asks for causal attention; {why}"
     return None
 
 

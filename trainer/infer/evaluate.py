@@ -204,37 +204,6 @@ def _decode_reference(model, layer_ids, drafter, job: _Job) -> _Decodings:
     return _decode(job, 1, decode)
 
 
-def check_lossless(target, prompts, own, spec) -> tuple[int, Mismatch | None]:
-    """(ties, the first bug) over all prompts: each difference is judged in fp32 (trainer.infer.lossless)."""
-    from trainer.infer.lossless import Verdict, judge
-
-    no_referee = Verdict(False, math.nan, math.nan, 0.0)  # without the fp32 target every difference is a bug
-    ties, bug = 0, None
-    for index, (prompt, a, b) in enumerate(zip(prompts, own, spec, strict=True)):
-        if a == b:
-            continue
-        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        expected = a[at] if at < len(a) else -1
-        got = b[at] if at < len(b) else -1
-        verdict = judge(target, prompt + a[:at], expected, got) if target is not None else no_referee
-        if verdict.tie:
-            ties += 1
-        elif bug is None:
-            bug = Mismatch(
-                index,
-                at,
-                expected,
-                got,
-                prompt,
-                expected_logit=verdict.expected_logit,
-                got_logit=verdict.got_logit,
-                tie_bound=verdict.bound,
-                top=verdict.top,
-                top_logit=verdict.top_logit,
-            )
-    return ties, bug
-
-
 def evaluate(
     model,
     layer_ids,
@@ -312,7 +281,9 @@ def _loop_name(decoder) -> str:
 
 
 def _judge(model, layer_ids, decoder, job: _Job, found: _Decodings) -> tuple[int, Mismatch | None]:
-    """check_lossless refereed by the static loop's target (a new one after the reference loop)."""
+    """(ties, the first bug) over all prompts: each difference is judged in fp32 (trainer.infer.lossless)
+    by the static loop's target (a new one after the reference loop)."""
+    from trainer.infer.lossless import Verdict, judge
     from trainer.infer.static_decode import StaticTarget, Unsupported
 
     if job.temperature > 0:
@@ -321,7 +292,21 @@ def _judge(model, layer_ids, decoder, job: _Job, found: _Decodings) -> tuple[int
         target = decoder.target if decoder is not None else StaticTarget(model, layer_ids, 1, 1)
     except Unsupported:
         target = None  # no fp32 referee for this architecture: every difference is a bug
-    return check_lossless(target, job.prompts, found.own, found.spec)
+    no_referee = Verdict(False, math.nan, math.nan, 0.0)
+    ties, bug = 0, None
+    for index, (prompt, a, b) in enumerate(zip(job.prompts, found.own, found.spec, strict=True)):
+        if a == b:
+            continue
+        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        expected = a[at] if at < len(a) else -1
+        got = b[at] if at < len(b) else -1
+        v = judge(target, prompt + a[:at], expected, got) if target is not None else no_referee
+        ties += v.tie
+        if not v.tie and bug is None:
+            bug = Mismatch(
+                index, at, expected, got, prompt, v.expected_logit, v.got_logit, v.bound, v.top, v.top_logit
+            )
+    return ties, bug
 
 
 def _result(

@@ -149,5 +149,4 @@ def export_checkpoint(state, out_dir: str, dtype: str = "bf16"):
     head = torch.nn.Linear(dcfg.hidden_size, dcfg.vocab_size, bias=False, device="meta")
     drafter = DFlashDrafter(dcfg, embed, head)
     drafter.load_state_dict(state.weights)
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    return export_drafter(drafter, out_dir, dtype=torch_dtype)
+    return export_drafter(drafter, out_dir, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])

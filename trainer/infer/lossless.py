@@ -57,10 +57,8 @@ def tie_bound(
     with independent roundings disagree only if |d| <= 2 (6 s + u (|z_a| + |z_b|)).
     """
     u = unit_roundoff(dtype)
-    roundings = 4 * num_layers + 2
     spread = float((hidden.float() * (w_a.float() - w_b.float())).norm())
-    one = 6 * u * math.sqrt(roundings / 3) * spread + u * (abs(z_a) + abs(z_b))
-    return 2 * one
+    return 2 * (6 * u * math.sqrt((4 * num_layers + 2) / 3) * spread + u * (abs(z_a) + abs(z_b)))
 
 
 def _fp32(weights: tuple) -> tuple:
@@ -86,12 +84,10 @@ def fp32_last_hidden(target: StaticTarget, prefix: list[int]) -> torch.Tensor:
     """The target's final normed hidden state [H] at the end of `prefix`, in fp32 and without a cache
     (weights upcast one layer at a time)."""
     device = target.device
-    ids = torch.tensor([prefix], device=device)
-    length = len(prefix)
-    where = torch.arange(length, device=device).unsqueeze(0)
-    x = torch.nn.functional.embedding(ids, target.embed.float())
+    where = torch.arange(len(prefix), device=device).unsqueeze(0)
+    x = torch.nn.functional.embedding(torch.tensor([prefix], device=device), target.embed.float())
     cos, sin = target.model.get_decoder().rotary_emb(x, where)  # fp32, like x
-    visible = decode_kernels.grouped_visibility(where, length, target.heads // target.kv_heads)
+    visible = decode_kernels.grouped_visibility(where, len(prefix), target.heads // target.kv_heads)
     mask = grouped_mask(visible, torch.float32)
     for w in target.layers:
         x = _fp32_delta(w, x) if isinstance(w, DeltaLayer) else _fp32_attention(target, w, x, cos, sin, mask)

@@ -42,10 +42,7 @@ def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | 
 
 def _finish(tokens: list[int], max_new_tokens: int, stop_ids) -> list[int]:
     tokens = tokens[:max_new_tokens]
-    for i, tok in enumerate(tokens):
-        if tok in stop_ids:
-            return tokens[: i + 1]
-    return tokens
+    return tokens[: next((i + 1 for i, tok in enumerate(tokens) if tok in stop_ids), len(tokens))]
 
 
 def _clock(device) -> float:
@@ -53,6 +50,12 @@ def _clock(device) -> float:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def _start(model, stop_ids):
+    """(the target's device, `stop_ids` as a set, the start time, a new KV cache)."""
+    device = model.get_input_embeddings().weight.device
+    return device, set(stop_ids), _clock(device), kv_cache.new_cache(model)
 
 
 @torch.no_grad()
@@ -65,10 +68,7 @@ def target_generate(
     generator: torch.Generator | None = None,
 ) -> Decoded:
     """The target alone, one token per forward with its KV cache (the baseline and the reference)."""
-    device = model.get_input_embeddings().weight.device
-    stop_ids = set(stop_ids)
-    t0 = _clock(device)
-    cache = kv_cache.new_cache(model)
+    device, stop_ids, t0, cache = _start(model, stop_ids)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     tokens: list[int] = []
     while len(tokens) < max_new_tokens:
@@ -93,10 +93,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
 ) -> Decoded:
     """DFlash block speculative decoding of `prompt` on the HF target `model` (see the module docstring)."""
-    device = model.get_input_embeddings().weight.device
-    stop_ids = set(stop_ids)
-    t0 = _clock(device)
-    cache = kv_cache.new_cache(model)
+    device, stop_ids, t0, cache = _start(model, stop_ids)
     context = DrafterContext(drafter)
     out = kv_cache.forward(model, torch.tensor([prompt], dtype=torch.long, device=device), cache, hidden=True)
     tokens = [int(pick(out.logits[0, -1:], temperature, generator)[0])]
