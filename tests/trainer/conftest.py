@@ -2,6 +2,10 @@
 the computation depends on (module-scoped: each test module gets its own), and one torch thread."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -127,3 +131,14 @@ def assert_same_replica(a, b, moment: str = "exp_avg_sq") -> None:
     for index in state_a:
         assert torch.equal(state_a[index][moment], state_b[index][moment])
     assert a.scheduler.get_last_lr() == b.scheduler.get_last_lr()
+
+
+def triton_interpret(code: str) -> str:
+    """Run `code` in a fresh interpreter under Triton's interpreter (TRITON_INTERPRET=1 is read when a kernel
+    is defined, so it cannot be switched on inside this process); its stdout."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=500
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout

@@ -4,29 +4,16 @@ CPU, so each check runs in a fresh interpreter process; on the H200 they run com
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
+
+from tests.trainer.conftest import triton_interpret
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.timeout(600)
 
 
-def interpret(code: str) -> str:
-    """Run `code` under Triton's interpreter; its stdout."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=500
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
-
-
 def test_the_kernels_match_their_references_at_any_row_count_and_horizon():
-    out = interpret("""
+    out = triton_interpret("""
         import torch
         from trainer.infer import decode_kernels as dk
 
@@ -81,7 +68,7 @@ def test_the_kernels_match_their_references_at_any_row_count_and_horizon():
 
 def test_a_wrong_kernel_would_be_caught():
     """The comparisons above can fail: a residual dropped, or a key past the horizon seen, is a large error."""
-    out = interpret("""
+    out = triton_interpret("""
         import torch
         from trainer.infer import decode_kernels as dk
 
@@ -101,7 +88,7 @@ def test_a_wrong_kernel_would_be_caught():
 def test_the_static_loop_through_the_triton_products_decodes_the_reference_tokens(spec):
     """Target-only and speculative decoding through decode_kernels (attention and Gated DeltaNet layers,
     the drafter's block, the head) give the HF reference loop's tokens."""
-    out = interpret(f"""
+    out = triton_interpret(f"""
         import torch
         from trainer.data.target import load_target
         from trainer.fused_projections import fuse_projections

@@ -9,27 +9,19 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.trainer.conftest import triton_interpret
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
 
 
-def interpret(code: str) -> str:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=250
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
-
-
 def test_the_kernel_matches_the_eager_chunk_with_ties_ignored_rows_and_a_ragged_last_block():
-    out = interpret("""
+    out = triton_interpret("""
         import torch
         from trainer import loss_kernel
         from trainer.loss import _ce_chunk_eager
@@ -59,7 +51,7 @@ def test_the_kernel_matches_the_eager_chunk_with_ties_ignored_rows_and_a_ragged_
 
 
 def test_the_fused_loss_through_the_kernel_equals_the_eager_one():
-    out = interpret("""
+    out = triton_interpret("""
         import torch
         from trainer.loss import dflash_loss_fused
 
