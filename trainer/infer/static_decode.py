@@ -222,8 +222,6 @@ class Kernels:
         def wrap(f):
             return torch.compile(f, dynamic=False, fullgraph=True, options=options) if compile else f
 
-        self.wrap = wrap
-
         self.pre = wrap(functools.partial(pre_attention, project=project))
         self.post = wrap(functools.partial(post_attention, project=project))
         self.residual_mlp = wrap(functools.partial(residual_mlp, project=project))
@@ -507,7 +505,6 @@ class StaticDecoder:
         self.real = torch.zeros(rows, device=device, dtype=torch.bool)
         self.any_active = torch.zeros(1, dtype=torch.bool, device=device)
         self.host_flag = torch.zeros(1, dtype=torch.bool, pin_memory=on_cuda)
-        self.emit = self.kernels.wrap(self._emit) if self.kernels.compiled else self._emit
         self._graph: dict[str, torch.cuda.CUDAGraph] = {}
 
     # ---- one step / round: tensor ops on the state only ------------------------------------------
@@ -515,8 +512,7 @@ class StaticDecoder:
     def _emit(self, tokens: torch.Tensor, proposals: torch.Tensor | None = None) -> torch.Tensor:
         """Accept the drafts that match the target's tokens (none without `proposals`), append
         tokens[:, :accepted+1] per active row (cut at a stop token and at the budget), log the round,
-        advance the anchor; returns each row's count, which is also what the target keeps. Compiled with
-        the kernels: some thirty tiny ops become a few kernels, a round's largest cost after the models'."""
+        advance the anchor; returns each row's count, which is also what the target keeps."""
         if proposals is None:
             accepted = torch.zeros_like(self.start)
         else:
@@ -548,7 +544,7 @@ class StaticDecoder:
             self.anchor.unsqueeze(1), self.start.unsqueeze(1), self.kernels, features=False
         )
         logits = self.target.logits(step.hidden, self.kernels)
-        self.target.commit(step.pending, self.emit(logits.argmax(-1)))
+        self.target.commit(step.pending, self._emit(logits.argmax(-1)))
         self.host_flag.copy_(self.any_active, non_blocking=True)
 
     def speculative_round(self) -> None:
@@ -564,7 +560,7 @@ class StaticDecoder:
         assert verify.features is not None  # asked for (features=True)
         self.pending.copy_(verify.features)
         self.pending_start.copy_(self.start)
-        self.target.commit(verify.pending, self.emit(targets, proposals))
+        self.target.commit(verify.pending, self._emit(targets, proposals))
         self.host_flag.copy_(self.any_active, non_blocking=True)
 
     # ---- prefill (eager, once per call) -----------------------------------------------------------
