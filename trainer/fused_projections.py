@@ -39,8 +39,7 @@ def _fuse(owner: torch.nn.Module, name: str, linears: list[torch.nn.Linear]) -> 
     weights = [linear.weight for linear in linears]
     if len({(w.device, w.dtype, w.shape[1]) for w in weights}) != 1:
         return 0
-    with torch.no_grad():
-        whole = torch.cat([w.detach() for w in weights])
+    whole = torch.cat([w.detach() for w in weights])
     at = 0
     for linear in linears:
         rows = linear.weight.shape[0]

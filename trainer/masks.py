@@ -49,18 +49,16 @@ def sample_anchors(
 
     # Random scores drawn on the generator's device keep runs reproducible across devices.
     scores = torch.rand((batch, seq_len), generator=generator, device=generator.device).to(device)
-    scores = torch.where(eligible, scores, torch.full_like(scores, -1.0))
+    scores = torch.where(eligible, scores, -1.0)
     k = min(num_anchors, seq_len)
     top = scores.topk(k, dim=1)
-    picked_valid = top.values >= 0
     # Sort valid picks ascending and push padding (value seq_len) behind them.
-    sentinel = torch.full_like(top.indices, seq_len)
-    anchors, _ = torch.where(picked_valid, top.indices, sentinel).sort(dim=1)
+    anchors, _ = torch.where(top.values >= 0, top.indices, seq_len).sort(dim=1)
     if k < num_anchors:
         pad = torch.full((batch, num_anchors - k), seq_len, dtype=anchors.dtype, device=device)
         anchors = torch.cat([anchors, pad], dim=1)
     valid = anchors < seq_len
-    anchors = torch.where(valid, anchors, torch.zeros_like(anchors))
+    anchors = torch.where(valid, anchors, 0)
     return anchors, valid
 
 
@@ -110,10 +108,9 @@ def evaluated_block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: in
     and the benchmarks' baseline. The caller holds MASK_LOCK where threads build masks."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    batch, num_blocks = anchors.shape
-    q_len = num_blocks * block_size
+    q_len = anchors.shape[1] * block_size
     mask_mod = make_mask_mod(anchors.to(device), valid.to(device), ctx_len, block_size)
-    return create_block_mask(mask_mod, batch, None, q_len, ctx_len + q_len, device=str(device))
+    return create_block_mask(mask_mod, anchors.shape[0], None, q_len, ctx_len + q_len, device=str(device))
 
 
 TILE = 128  # flex_attention's default sparse block size, both ways

@@ -111,8 +111,7 @@ class DrafterConfig:
             "max_position_embeddings": getattr(hf, "max_position_embeddings", None),
             "rope_scaling": _rope_scaling_of(hf),
         }
-        values.update(overrides)
-        return cls(**values)
+        return cls(**(values | overrides))
 
 
 def _attention_dims(hf_config, hidden_size: int) -> dict:
@@ -270,18 +269,15 @@ class DFlashDrafter(nn.Module):
     def forward(self, context, input_ids, anchors, attn_mask, backend: str | AttentionFn = "flex"):
         cfg = self.cfg
         batch, ctx_len, _ = context.shape
-        num_blocks = anchors.shape[1]
         dtype = self.fc.weight.dtype
         ctx = self.hidden_norm(self.fc(context.to(dtype)))
-        x = F.embedding(self.block_token_ids(input_ids, anchors), self.embed_weight).to(dtype)
-        x = x.view(batch, num_blocks * cfg.block_size, cfg.hidden_size)
+        x = F.embedding(self.block_token_ids(input_ids, anchors), self.embed_weight).to(dtype).flatten(1, 2)
 
         offsets = torch.arange(cfg.block_size, device=anchors.device)
         block_pos = (anchors.unsqueeze(-1) + offsets).view(batch, -1)
         ctx_pos = torch.arange(ctx_len, device=anchors.device).expand(batch, ctx_len)
         cos, sin = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), cfg.head_dim, cfg.rope_theta, dtype)
-        rope_k = (cos, sin)
-        rope_q = (cos[:, :, ctx_len:], sin[:, :, ctx_len:])  # queries are the block positions
+        rope_q, rope_k = (cos[:, :, ctx_len:], sin[:, :, ctx_len:]), (cos, sin)  # queries: the blocks
 
         from trainer.activation_checkpoint import run_layer
 

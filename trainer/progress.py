@@ -42,12 +42,11 @@ class ProgressLine:
         every_s: float = 30.0,
         clock=time.monotonic,
     ):
-        self.what, self.total, self.first = what, total, done
+        self.what, self.total, self.first, self.done = what, total, done, done
         self.out = out if out is not None else sys.stderr
         self.tty = self.out.isatty() if tty is None else tty
         self.every_s, self.clock = every_s, clock
         self.began = self.last_line = clock()
-        self.done = done
 
     def rate(self) -> float:
         return (self.done - self.first) / max(self.clock() - self.began, 1e-9)

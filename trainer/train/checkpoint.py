@@ -83,8 +83,7 @@ def resolve_resume(resume: str, output_dir: str) -> str:
         _require_complete(resume)
         return resume
     where = output_dir if resume == "latest" else resume
-    path = latest_checkpoint(where)
-    if path is None:
+    if (path := latest_checkpoint(where)) is None:
         raise CheckpointError(
             f"--resume {resume}: no checkpoint in {checkpoints_root(where)}. "
             f"Fix: start without --resume, or pass --resume PATH to a step-NNNNNNN directory."
@@ -101,8 +100,7 @@ def resolve_export_source(path: str) -> str:
     if not os.path.exists(path):
         raise CheckpointError(f"--checkpoint {path}: no such file or directory. {fix}.")
     if checkpoints_root(path).is_dir():
-        latest = latest_checkpoint(path)
-        if latest is None:
+        if (latest := latest_checkpoint(path)) is None:
             raise CheckpointError(
                 f"--checkpoint {path}: no complete checkpoint in {checkpoints_root(path)} yet. {fix}."
             )

@@ -82,8 +82,7 @@ class RankStopRequest:
     """Like train.StopRequest, but signals within SAME_REQUEST_S of the first are one request."""
 
     def __init__(self, base):
-        self.base = base
-        self.first_at = None
+        self.base, self.first_at = base, None
 
     def install(self):
         self.base.install()

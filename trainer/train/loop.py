@@ -93,8 +93,7 @@ class WarmupCosine:
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
-        progress = min(progress, 1.0)
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -281,7 +280,7 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
         sys.stdout = out = open(os.devnull, "w")
     metrics = MetricsWriter(
         cfg.metrics_path if world.speaks else os.devnull,
-        out=out if out is not None else sys.stdout,
+        out=out,
         tty=tty,
         log_every=cfg.run.log_every,
         report_to=world.trackers,
@@ -304,8 +303,7 @@ def train(cfg: TrainConfig, out: TextIO | None = None, tty: bool | None = None) 
         return _loop(parts, world, metrics, stop)
     except BaseException as exc:
         failure = Failure.of(exc)
-        label = world.failed(failure)
-        if label is not None:
+        if (label := world.failed(failure)) is not None:
             metrics.failed(failure, stop.last_step, label=label)
         raise
     finally:
@@ -384,7 +382,6 @@ def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequ
             last = world.step(workers, step_index, stop)
             step = stop.last_step = last.step
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
-            measured = {name: getattr(last, name) for name in ("loss", "acc", "lr", "grad_norm")}
             metrics.step(
                 step=step,
                 total_steps=total,
@@ -392,7 +389,7 @@ def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequ
                 eta_s=eta_s,
                 epoch=step / parts.plan.steps_per_epoch,
                 gpu_memory_gib=peak_gpu_memory_gib(devices),
-                **measured,
+                **{name: getattr(last, name) for name in ("loss", "acc", "lr", "grad_norm")},
             )
             if parts.evaluator is not None and parts.evaluator.due(step, total):
                 parts.evaluator.run(world.model(replicas), step, metrics)

@@ -40,17 +40,13 @@ class Throughput:
     """Tokens per second over the last step and an ETA from the mean step time so far."""
 
     def __init__(self, start_step: int, total_steps: int, clock=time.monotonic):
-        self.clock = clock
-        self.total_steps = total_steps
-        self.first_step = start_step
+        self.clock, self.total_steps, self.first_step = clock, total_steps, start_step
         self.t0 = self.last = clock()
 
     def update(self, step: int, tokens: int) -> tuple[float, float]:
         now = self.clock()
-        interval = max(now - self.last, 1e-9)
-        self.last = now
-        done = step - self.first_step
-        mean_step = (now - self.t0) / max(done, 1)
+        interval, self.last = max(now - self.last, 1e-9), now
+        mean_step = (now - self.t0) / max(step - self.first_step, 1)
         return tokens / interval, mean_step * max(self.total_steps - step, 0)
 
 

@@ -88,8 +88,7 @@ def worker_threads_alive() -> list[str]:
 
 def exit_if_threads_stuck(code: int) -> None:
     """After an abort: leave NOW if worker threads are still running (they would hold up exit)."""
-    stuck = worker_threads_alive()
-    if not stuck:
+    if not (stuck := worker_threads_alive()):
         return
     print(f"dflash-train: exiting with threads still running: {', '.join(stuck)}", file=sys.stderr)
     sys.stdout.flush()

@@ -34,9 +34,7 @@ class StopWatchdog:
     """The trainer's side: the pipe, the wakeup fd and the child process."""
 
     def __init__(self, proc: subprocess.Popen, write_fd: int, previous_wakeup_fd: int):
-        self.proc = proc
-        self.write_fd = write_fd
-        self.previous_wakeup_fd = previous_wakeup_fd
+        self.proc, self.write_fd, self.previous_wakeup_fd = proc, write_fd, previous_wakeup_fd
 
     @classmethod
     def start(cls, after_s: float) -> StopWatchdog | None:

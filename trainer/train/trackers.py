@@ -53,8 +53,7 @@ def scalars_of(record: dict) -> tuple[int, dict[str, float]] | None:
         else:
             items = {None: value}
         for key, item in items.items():
-            number = _number(item)
-            if number is not None:
+            if (number := _number(item)) is not None:
                 values[f"{prefix}/{name}" if key is None else f"{prefix}/{name}/{key}"] = number
     acc = record.get("acc")
     if event == "step" and isinstance(acc, list) and all(_number(a) is not None for a in acc):
@@ -249,11 +248,9 @@ class Trackers:
             tracker.opened = True
         if is_start:
             return
-        values = scalars_of(record)
-        if values is not None and values[1]:
+        if (values := scalars_of(record)) is not None and values[1]:
             tracker.scalars(*values)
-        event = event_of(record)
-        if event is not None:
+        if (event := event_of(record)) is not None:
             tracker.event(*event)
 
     def _call(self, tracker: Tracker, fn, *args) -> None:
@@ -266,10 +263,8 @@ class Trackers:
 
     def _off(self, name: str, exc: BaseException) -> None:
         if isinstance(exc, ImportError):
-            why = (
-                f"is not installed (pip install {INSTALL_HINT.get(name, name)}, "
-                f"or the dflash-ops[{name}] extra)"
-            )
+            hint = INSTALL_HINT.get(name, name)
+            why = f"is not installed (pip install {hint}, or the dflash-ops[{name}] extra)"
         else:
             detail = str(exc).strip().splitlines()
             why = f"failed ({type(exc).__name__}{': ' + detail[0][:200] if detail else ''})"

@@ -17,6 +17,7 @@ BrokenBarrierError) reaches the main thread as WorkerFailure, with the worker's 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -37,9 +38,7 @@ class WorkerFailure(Exception):
     """An exception raised in a worker thread, carried to the main thread."""
 
     def __init__(self, thread: str, original: BaseException, traceback_text: str):
-        self.thread = thread
-        self.original = original
-        self.traceback_text = traceback_text
+        self.thread, self.original, self.traceback_text = thread, original, traceback_text
         super().__init__(f"{thread}: {type(original).__name__}: {original}")
 
 
@@ -196,8 +195,7 @@ class TrainingWorkers:
         while len(reports) < len(self.replicas):
             if self._failures.event.is_set():
                 self._raise_failure()
-            reason = give_up() if give_up is not None else None
-            if reason:
+            if give_up is not None and (reason := give_up()):
                 done = {rep.replica for rep in reports}
                 busy = [
                     f"{r.name} ({self._doing.get(r.name, '?')})" for r in self.replicas if r.index not in done
@@ -227,9 +225,7 @@ class TrainingWorkers:
         `join_timeout_s` in all (a thread stuck in a kernel never ends: trainer.train.shutdown)."""
         self._stop.set()
         self._barrier.abort()
-        queues: list[queue.Queue] = [*self._batches.values(), *self._commands.values()]
-        for q in queues:
-            _drain(q)
+        _drain(*self._batches.values(), *self._commands.values())
         deadline = time.monotonic() + join_timeout_s
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -366,9 +362,8 @@ def _use_device(device: str) -> None:
         torch.cuda.set_device(torch.device(device))
 
 
-def _drain(q: queue.Queue) -> None:
-    while True:
-        try:
-            q.get_nowait()
-        except queue.Empty:
-            return
+def _drain(*queues: queue.Queue) -> None:
+    for q in queues:
+        with contextlib.suppress(queue.Empty):
+            while True:
+                q.get_nowait()
