@@ -282,7 +282,15 @@ def _bare_timed(args, dims, cfg, model, optimizer, batch, guard, gen):
             times.append(elapsed)
             pairs_seen.append(pairs)
             tokens_seen.append(tokens)
-    return first_step_s, times, pairs_seen, tokens_seen
+    profile = None
+    if args.profile:
+
+        def step() -> None:
+            with guard.step("drafter0", 10_000, tuple(batch[0].shape)):
+                _train_step(args, dims, cfg, model, optimizer, batch, gen, args.attention, torch)
+
+        profile = _profiled(args, torch, step)
+    return first_step_s, times, pairs_seen, tokens_seen, profile
 
 
 def _workers_timed(args, dims, cfg, model, optimizer, batch, guard, gen):
@@ -295,7 +303,7 @@ def _workers_timed(args, dims, cfg, model, optimizer, batch, guard, gen):
     from trainer.train.workers import Replica
 
     input_ids, loss_mask, features = batch
-    total = args.warmup + args.steps
+    total = args.warmup + args.steps + (3 if args.profile else 0)
     dataset = Dataset(input_ids.cpu(), loss_mask, torch.ones_like(loss_mask), source="random")
     dataset.features = lambda idx: features[: len(idx)]
     plan = BatchPlan(len(dataset), dims["batch"], 1, seed=0)
@@ -308,10 +316,12 @@ def _workers_timed(args, dims, cfg, model, optimizer, batch, guard, gen):
         steps = iter(range(total))
         first = _timed(torch, args.device, lambda: workers.run_step(next(steps)), 1, warmup=0)
         times = _timed(torch, args.device, lambda: workers.run_step(next(steps)), args.steps, args.warmup - 1)
+        profile = _profiled(args, torch, lambda: workers.run_step(next(steps))) if args.profile else None
     draw = make_block_drawer(run_cfg)  # each timed step's blocks again: they depend on seed, step, replica
-    drawn = [draw(make_batch(dataset, plan, step, 0), "cpu") for step in range(args.warmup, total)]
+    timed = range(args.warmup, args.warmup + args.steps)
+    drawn = [draw(make_batch(dataset, plan, step, 0), "cpu") for step in timed]
     pairs = [visible_pairs(b.anchors, b.valid, cfg.block_size) for b in drawn]
-    return first[0], times, pairs, [b.tokens for b in drawn]
+    return first[0], times, pairs, [b.tokens for b in drawn], profile
 
 
 def child_train(args, dims) -> dict:
@@ -330,7 +340,9 @@ def child_train(args, dims) -> dict:
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(args.device)
     timed = _workers_timed if args.loop == "workers" else _bare_timed
-    first_step_s, times, pairs_seen, tokens_seen = timed(args, dims, cfg, model, optimizer, batch, guard, gen)
+    first_step_s, times, pairs_seen, tokens_seen, profile = timed(
+        args, dims, cfg, model, optimizer, batch, guard, gen
+    )
     median = statistics.median(times)
     result = {
         "loop": args.loop,
@@ -361,25 +373,30 @@ def child_train(args, dims) -> dict:
             if torch.is_tensor(t) and t.dim() > 0
         ),
     }
-    if args.profile and args.loop == "bare":  # the bare step: no worker threads in the trace
-        result["profile"] = _profile(args, dims, cfg, model, optimizer, batch, gen, guard, torch)
+    if profile:
+        result["profile"] = profile
     return result
 
 
-def _profile(args, dims, cfg, model, optimizer, batch, gen, guard, torch) -> str:
+def _profiled(args, torch, step) -> str:
+    """The top kernels of three calls of `step()` and where the device waited between them."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU]
-    if args.device.startswith("cuda"):
-        activities.append(ProfilerActivity.CUDA)
+    from benchmarks.gpu_gaps import load, report
+
+    cuda = args.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        for step in range(3):
-            with guard.step("drafter0", 10_000 + step, tuple(batch[0].shape)):
-                _train_step(args, dims, cfg, model, optimizer, batch, gen, args.attention, torch)
+        for _ in range(3):
+            step()
             _sync(torch, args.device)
     # "self_cuda_time_total" is understood by old and new torch (newer ones map cuda -> device).
-    key = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=25)
+    table = prof.key_averages().table(sort_by=f"self_{'cuda' if cuda else 'cpu'}_time_total", row_limit=25)
+    if not cuda:
+        return table
+    with tempfile.TemporaryDirectory() as scratch:
+        prof.export_chrome_trace(os.path.join(scratch, "trace.json"))
+        return f"{table}\n\n{report(load(os.path.join(scratch, 'trace.json')), steps=3)}"
 
 
 def child_first_step(args, dims) -> dict:
