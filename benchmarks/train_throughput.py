@@ -82,6 +82,8 @@ PURE_BF16 = "bf16-pure"  # baseline only: bf16 parameters and AdamW state, no fp
 BEFORE = "before: flex compiled, layers + loss chunks eager"  # the trainer's path before, same run
 # The same steps as a training run takes them: through TrainingWorkers, blocks drawn ahead, no sync mid-step
 TRAINER_FLEX, TRAINER_SDPA = "compiled flex, trainer's workers", "sdpa, trainer's workers"
+TRAINER_AHEAD = "compiled flex, trainer's workers, steps run ahead"
+TRAINER_SDPA_AHEAD = "sdpa, trainer's workers, steps run ahead"
 COMPILED_CHUNK = "compiled flex, compiled loss chunk"  # the loss chunk torch.compile makes, not Triton's
 
 PAPER = {
@@ -293,6 +295,18 @@ def _bare_timed(args, dims, cfg, model, optimizer, batch, guard, gen):
     return first_step_s, times, pairs_seen, tokens_seen, profile
 
 
+def _back_to_back(workers, first: int, count: int) -> list[float]:
+    """Seconds between the returns of run_step for steps first.., each but the last started while the
+    one before it ran, as the trainer's loop does between checkpoints."""
+    times, mark = [], time.perf_counter()
+    for step in range(first, first + count):
+        workers.run_step(step, ahead=step + 1 < first + count)
+        now = time.perf_counter()
+        times.append(now - mark)
+        mark = now
+    return times
+
+
 def _workers_timed(args, dims, cfg, model, optimizer, batch, guard, gen):
     """The same through the trainer's TrainingWorkers (blocks drawn ahead on the loader thread, the
     step's numbers read by run_step): what a training run's step costs. Features stay resident."""
@@ -303,7 +317,8 @@ def _workers_timed(args, dims, cfg, model, optimizer, batch, guard, gen):
     from trainer.train.workers import Replica
 
     input_ids, loss_mask, features = batch
-    total = args.warmup + args.steps + (3 if args.profile else 0)
+    ahead = args.loop == "ahead"  # one more step: the first back-to-back interval starts from idle
+    total = args.warmup + args.steps + int(ahead) + (3 if args.profile else 0)
     dataset = Dataset(input_ids.cpu(), loss_mask, torch.ones_like(loss_mask), source="random")
     dataset.features = lambda idx: features[: len(idx)]
     plan = BatchPlan(len(dataset), dims["batch"], 1, seed=0)
@@ -315,10 +330,17 @@ def _workers_timed(args, dims, cfg, model, optimizer, batch, guard, gen):
         workers.start(0, total)
         steps = iter(range(total))
         first = _timed(torch, args.device, lambda: workers.run_step(next(steps)), 1, warmup=0)
-        times = _timed(torch, args.device, lambda: workers.run_step(next(steps)), args.steps, args.warmup - 1)
+        if ahead:
+            _timed(torch, args.device, lambda: workers.run_step(next(steps)), args.warmup - 1, warmup=0)
+            times = _back_to_back(workers, args.warmup, args.steps + 1)[1:]
+            steps = iter(range(args.warmup + args.steps + 1, total))
+        else:
+            times = _timed(
+                torch, args.device, lambda: workers.run_step(next(steps)), args.steps, args.warmup - 1
+            )
         profile = _profiled(args, torch, lambda: workers.run_step(next(steps))) if args.profile else None
     draw = make_block_drawer(run_cfg)  # each timed step's blocks again: they depend on seed, step, replica
-    timed = range(args.warmup, args.warmup + args.steps)
+    timed = range(args.warmup + int(ahead), args.warmup + args.steps + int(ahead))
     drawn = [draw(make_batch(dataset, plan, step, 0), "cpu") for step in timed]
     pairs = [visible_pairs(b.anchors, b.valid, cfg.block_size) for b in drawn]
     return first[0], times, pairs, [b.tokens for b in drawn], profile
@@ -339,7 +361,7 @@ def child_train(args, dims) -> dict:
     batch = _batch(args, dims, cfg, torch, dtype, gen)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(args.device)
-    timed = _workers_timed if args.loop == "workers" else _bare_timed
+    timed = _bare_timed if args.loop == "bare" else _workers_timed
     first_step_s, times, pairs_seen, tokens_seen, profile = timed(
         args, dims, cfg, model, optimizer, batch, guard, gen
     )
@@ -1093,7 +1115,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--child", choices=tuple(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--attention", default="flex", help=argparse.SUPPRESS)
-    parser.add_argument("--loop", choices=("bare", "workers"), default="bare", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--loop", choices=("bare", "workers", "ahead"), default="bare", help=argparse.SUPPRESS
+    )
     parser.add_argument("--lock", default="lock", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--compile-layers", choices=("auto", "off"), default="auto", help=argparse.SUPPRESS)
@@ -1140,6 +1164,8 @@ class Trainings:
         TRAINER_SDPA: "compiled",
         "compiled flex": "compiled",
         TRAINER_FLEX: "compiled",
+        TRAINER_AHEAD: "compiled",
+        TRAINER_SDPA_AHEAD: "compiled",
         "eager flex": "eager",
         BEFORE: "before",
         COMPILED_CHUNK: "loss-kernel",
@@ -1153,11 +1179,16 @@ class Trainings:
         # CPU refuses flex_attention backward: the smoke run trains through the dense-mask sdpa path.
         # name -> (attention, child options)
         self.variants = (
-            {"sdpa": ("sdpa", []), TRAINER_SDPA: ("sdpa", ["--loop", "workers"])}
+            {
+                "sdpa": ("sdpa", []),
+                TRAINER_SDPA: ("sdpa", ["--loop", "workers"]),
+                TRAINER_SDPA_AHEAD: ("sdpa", ["--loop", "ahead"]),
+            }
             if args.small
             else {
                 "compiled flex": ("flex", []),
                 TRAINER_FLEX: ("flex", ["--loop", "workers"]),
+                TRAINER_AHEAD: ("flex", ["--loop", "ahead"]),
                 BEFORE: ("flex", self.BEFORE_OPTIONS),
                 COMPILED_CHUNK: ("flex", ["--loss-kernel", "compiled"]),
                 "eager flex": (FLEX_EAGER, self.BEFORE_OPTIONS),

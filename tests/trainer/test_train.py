@@ -224,6 +224,34 @@ def test_a_resumed_schedule_has_the_uninterrupted_lr_at_every_step():
         assert resumed.get_last_lr() == lrs[step], step
 
 
+def test_a_step_starts_ahead_only_where_nothing_but_logging_follows_and_a_stop_ends_after_it(
+    tmp_path, monkeypatch
+):
+    """Steps 1-3 of 6 start before the one before them is read, except where a checkpoint (after step
+    2) must see idle drafters; a SIGTERM during step 3 (4 already running) stops after step 4, whose
+    checkpoint is the run's last."""
+    import signal
+
+    from trainer.train import workers as workers_mod
+
+    real_run_step = workers_mod.TrainingWorkers.run_step
+    calls = []
+
+    def run_step(self, step_index, give_up=None, ahead=False):
+        calls.append((step_index, ahead))
+        if step_index == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return real_run_step(self, step_index, give_up, ahead)
+
+    monkeypatch.setattr(workers_mod.TrainingWorkers, "run_step", run_step)
+    cfg = tiny_cfg(tmp_path, max_steps=6, **{"run.checkpoint_every": 2})
+    result = train(cfg, out=io.StringIO())
+    assert calls == [(0, True), (1, False), (2, True), (3, False)]
+    assert (result.reason, result.steps_done) == ("interrupted", 4)
+    assert [r["step"] for r in records(cfg) if r["event"] == "checkpoint"] == [2, 4]
+    assert [r["step"] for r in records(cfg) if r["event"] == "step"] == [1, 2, 3, 4]
+
+
 def test_a_stop_during_the_last_step_still_completes_the_run(tmp_path, monkeypatch):
     # SIGTERM that arrives while the final step runs: the step finishes and is checkpointed, so the
     # run is complete; calling it "interrupted" would make a resume start a trainer with nothing to do.

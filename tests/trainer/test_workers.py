@@ -250,6 +250,38 @@ def test_the_target_thread_draws_each_batch_blocks_before_the_drafter_step(parts
     assert all(isinstance(s.loss, float) and isinstance(s.grad_norm, float) for s in summaries)
 
 
+def test_a_step_run_ahead_starts_before_its_turn_and_reads_the_same_numbers(parts):
+    """run_step(s, ahead=True) lets step s+1 train without another call; run_step(s+1) then only reads
+    it (and starts nothing more), and every summary, the gradient norm included, is what the
+    one-at-a-time run reports."""
+    cfg = parts[0]
+    real = make_loss_fn(cfg)
+    started = []
+
+    def recording(replica, batch):
+        started.append((batch.step, replica.index))
+        return real(replica, batch)
+
+    plain, _ = make_workers(parts)
+    with plain:
+        plain.start(0, 3)
+        expected = [plain.run_step(step) for step in range(3)]
+    workers, _ = make_workers(parts, compute_loss=recording)
+    with workers:
+        workers.start(0, 3)
+        first = workers.run_step(0, ahead=True)
+        deadline = time.monotonic() + 30
+        while sorted(started) != [(0, 0), (0, 1), (1, 0), (1, 1)] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(started) == [(0, 0), (0, 1), (1, 0), (1, 1)], "step 1 trains without its call"
+        second = workers.run_step(1, ahead=False)
+        time.sleep(0.2)
+        assert len(started) == 4, "reading a step that ran ahead starts no other"
+        third = workers.run_step(2)
+    assert [first, second, third] == expected
+    assert len({s.grad_norm for s in expected}) == 3  # a norm read from the wrong step would show
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_drafter_step_never_waits_on_the_host(parts):
     """From its command to its report, a drafter step on a GPU queues work and never syncs (a sync
@@ -279,4 +311,5 @@ def test_a_cuda_drafter_step_never_waits_on_the_host(parts):
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert not workers._failures.items, workers._failures.items[0].traceback_text
-    assert report is not None and report.loss.device.type == "cuda" and report.tokens > 0
+    assert report is not None and report.ready is not None and report.tokens > 0
+    assert report.read().device.type == "cpu" and report.read().shape == (cfg.drafter.block_size + 1,)

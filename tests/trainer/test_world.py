@@ -53,8 +53,8 @@ class Workers:
     def __init__(self):
         self.calls = []
 
-    def run_step(self, index, give_up=None):
-        self.calls.append((index, give_up))
+    def run_step(self, index, give_up=None, ahead=False):
+        self.calls.append((index, give_up, ahead))
         return f"summary {index}"
 
 
@@ -73,6 +73,6 @@ def test_a_step_gives_up_only_through_the_stop_and_a_requested_stop_ends_after_i
     world = ThreadsWorld(load_config("tiny-cpu", {}))
     workers, stop = Workers(), Stop(requested)
     assert world.step(workers, 3, stop) == "summary 3"
-    assert workers.calls == [(3, stop.overdue)], "the step gives up when the stop runs out of grace"
+    assert workers.calls == [(3, stop.overdue, False)], "the step gives up when the stop runs out of grace"
     assert stop.finished == int(requested), "the watchdog is disarmed before the checkpoint is written"
     assert world.stopping(stop) is requested

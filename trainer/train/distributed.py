@@ -188,6 +188,8 @@ class TorchrunWorld:
         devices = dataclasses.replace(cfg.run, target_devices=[self.device], drafter_devices=[self.device])
         self.cfg = dataclasses.replace(cfg, run=devices)
         self.size, self.is_lead = rank.world_size, rank.is_lead
+        # never: a rank that started a step its peers did not would wait in the all-reduce forever
+        self.pipelines = False
         self.speaks = rank.speaks(self.cfg)  # every host's launcher reads its own run directory
         self.devices = [self.device]
         self.trackers = rank.trackers(self.cfg)
@@ -230,7 +232,9 @@ class TorchrunWorld:
     def listen(self, stop: StopRequest) -> None:
         RankStopRequest(stop).install()
 
-    def step(self, workers: TrainingWorkers, index: int, stop: StopRequest) -> StepSummary:
+    def step(
+        self, workers: TrainingWorkers, index: int, stop: StopRequest, ahead: bool = False
+    ) -> StepSummary:
         summary, self._agreed_stop = global_summary(
             workers.run_step(index), stop.requested, self.rank, self.device
         )

@@ -379,7 +379,9 @@ def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequ
     with make_workers(parts) as workers:
         workers.start(start, total)
         for step_index in range(start, total):
-            last = world.step(workers, step_index, stop)
+            # the next step may start before this one is read when only logging comes between them
+            ahead = world.pipelines and not stop.requested and _only_logs_after(parts, step_index + 1)
+            last = world.step(workers, step_index, stop, ahead)
             step = stop.last_step = last.step
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
             metrics.step(
@@ -395,6 +397,8 @@ def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequ
                 parts.evaluator.run(world.model(replicas), step, metrics)
                 throughput.last = throughput.clock()  # the next step's tok/s counts training only
             stopping = world.stopping(stop)
+            if stopping and ahead:
+                continue  # the step already running ends the run
             if world.is_lead and (step % cfg.run.checkpoint_every == 0 or step == total or stopping):
                 path = save(parts, world.model(replicas), step)
                 metrics.checkpoint(step, path)
@@ -406,3 +410,9 @@ def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequ
         ckpt.mark_finished(cfg.run.output_dir, step)
     metrics.done(step, "max_steps")
     return RunResult(step, total, "max_steps", last, path, replicas)
+
+
+def _only_logs_after(parts: LoopParts, step: int) -> bool:
+    """After `step` (1-based) the loop only logs: no checkpoint, no evaluation, not the last step."""
+    evaluates = parts.evaluator is not None and parts.evaluator.due(step, parts.total)
+    return step < parts.total and step % parts.cfg.run.checkpoint_every != 0 and not evaluates

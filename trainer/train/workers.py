@@ -7,7 +7,9 @@
       batch.features = target(batch)               barrier: grads averaged over replicas, clipped
                                                    optimizer.step(); scheduler.step(); report
 
-Nothing in a drafter step waits on the host: the report holds GPU tensors, read by run_step.
+Nothing in a drafter step waits on the host: the report's numbers reach the host by an asynchronous copy
+that run_step waits for. run_step(s, ahead=True) also lets step s+1 start before s is read, so the
+device runs from one step into the next while the main thread logs.
 
 Replicas start identical and get identical averaged gradients, so they stay identical. Between
 the main thread's steps every drafter thread is idle: the loop logs and checkpoints then. Any
@@ -117,10 +119,16 @@ class StepSummary:
 @dataclasses.dataclass
 class _Report:
     replica: int
-    loss: torch.Tensor  # on the drafter's device: read once the step is reported
-    acc: torch.Tensor
+    step: int
+    numbers: torch.Tensor  # [loss, grad norm (nan but on the lead), acc...] on the host once ready
+    ready: torch.cuda.Event | None  # recorded after the copy to the host (None: the copy was synchronous)
     tokens: int
     lr: float
+
+    def read(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()  # waits for this step only, not for one started after it
+        return self.numbers
 
 
 class _WorkerThread(threading.Thread):
@@ -176,9 +184,12 @@ class TrainingWorkers:
         self._grad_norm = torch.tensor(float("nan"))
         self._threads: list[threading.Thread] = []
         self._doing: dict[str, str] = {}  # drafter -> what it is doing, for a stop that times out
+        self._issued = -1  # the last step the drafters were told to do
+        self._early: list[_Report] = []  # reports of a step that started ahead, read with their step
 
     def start(self, first_step: int, total_steps: int) -> None:
         """`first_step` is 0-based (the number of steps already done)."""
+        self._issued = first_step - 1
         for t, target in enumerate(self.targets):
             served = [r for r in range(len(self.replicas)) if r % len(self.targets) == t]
             if served:
@@ -186,12 +197,32 @@ class TrainingWorkers:
         for replica in self.replicas:
             self._spawn(replica.name, self._drafter_loop, replica)
 
-    def run_step(self, step: int, give_up: Callable[[], str | None] | None = None) -> StepSummary:
+    def run_step(
+        self, step: int, give_up: Callable[[], str | None] | None = None, ahead: bool = False
+    ) -> StepSummary:
         """Every replica trains its batch of step `step` (0-based); a reason from the polled
-        `give_up()` raises StepAbandoned."""
-        for commands in self._commands.values():
-            commands.put(step)
-        reports: list[_Report] = []
+        `give_up()` raises StepAbandoned. With `ahead`, step+1 starts as soon as the drafters are free:
+        the caller promises to run it next, before anything that needs the drafters idle."""
+        for wanted in (step, step + 1) if ahead else (step,):
+            if wanted > self._issued:
+                for commands in self._commands.values():
+                    commands.put(wanted)
+                self._issued = wanted
+        reports = self._collect(step, give_up)
+        numbers = torch.stack([rep.read() for rep in reports])
+        return StepSummary(
+            step=step + 1,
+            loss=float(numbers[:, 0].mean()),
+            acc=[float(a) for a in numbers[:, 2:].mean(0)],
+            tokens=sum(rep.tokens for rep in reports),
+            grad_norm=float(numbers[0, 1]),
+            lr=reports[0].lr,
+        )
+
+    def _collect(self, step: int, give_up: Callable[[], str | None] | None) -> list[_Report]:
+        """The reports of `step`, in replica order (one of the step after it is kept for its turn)."""
+        reports = [rep for rep in self._early if rep.step == step]
+        self._early = [rep for rep in self._early if rep.step != step]
         while len(reports) < len(self.replicas):
             if self._failures.event.is_set():
                 self._raise_failure()
@@ -205,20 +236,11 @@ class TrainingWorkers:
                     "exiting without a checkpoint"
                 )
             try:
-                reports.append(self._reports.get(timeout=POLL_S))
+                report = self._reports.get(timeout=POLL_S)
             except queue.Empty:
-                pass
-        # The first read of a step's numbers on the host: the workers never wait for the GPU.
-        reports.sort(key=lambda rep: rep.replica)
-        acc = torch.stack([rep.acc.float().cpu() for rep in reports]).mean(0)
-        return StepSummary(
-            step=step + 1,
-            loss=sum(float(rep.loss) for rep in reports) / len(reports),
-            acc=[float(a) for a in acc],
-            tokens=sum(rep.tokens for rep in reports),
-            grad_norm=float(self._grad_norm),
-            lr=reports[0].lr,
-        )
+                continue
+            (reports if report.step == step else self._early).append(report)
+        return sorted(reports, key=lambda rep: rep.replica)
 
     def close(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """Stop all threads, none left blocked on a queue or the barrier; joins for at most
@@ -300,9 +322,22 @@ class TrainingWorkers:
             replica.optimizer.step()
             replica.scheduler.step()
             replica.optimizer.zero_grad(set_to_none=True)
-            self._reports.put(
-                _Report(replica.index, out.loss.detach(), out.acc.detach(), int(out.tokens), lr)
-            )
+            self._reports.put(self._report(replica, step, out, lr))
+
+    def _report(self, replica: Replica, step: int, out: LossOutput, lr: float) -> _Report:
+        """The step's numbers copied to the host without waiting; the lead's carry the gradient norm,
+        which the barrier action left for this step (the next one cannot run before this thread)."""
+        loss = out.loss.detach().float().view(1)
+        lead = replica is self.replicas[0]
+        norm = self._grad_norm.to(loss) if lead else torch.tensor(float("nan")).to(loss)
+        numbers = torch.cat([loss, norm.view(1), out.acc.detach().float()])
+        on_cuda = numbers.device.type == "cuda"
+        host = numbers.to("cpu", non_blocking=on_cuda)  # pinned, asynchronous from a GPU
+        ready = None
+        if on_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Report(replica.index, step, host, ready, int(out.tokens), lr)
 
     def _average_gradients(self) -> None:
         """Barrier action (one thread, all others parked): mean grads, clip, copy to every replica."""
@@ -333,7 +368,7 @@ class TrainingWorkers:
                     p.grad = avg.to(p.device, p.dtype, copy=True)
         for replica in self.replicas if folded else ():
             replica.optimizer.grad_scale = over.to(replica.device)  # type: ignore[attr-defined]
-        self._grad_norm = norm.detach()  # read on the host by run_step, not here: no sync mid-step
+        self._grad_norm = norm.detach()  # reported by the lead, read on the host later: no sync mid-step
 
     def _get(self, q: queue.Queue):
         return self._until_stopped(lambda: q.get(timeout=POLL_S))

@@ -23,6 +23,8 @@ class World(typing.Protocol):
     speaks: bool  # writes the metrics file and readable lines, marks the run finished
     devices: list[str]  # for the start record
     trackers: list[str]  # experiment trackers this process reports to
+    # may a step start before the one before it is read (nothing else then differs between processes)
+    pipelines: bool
 
     def thread(self, name: str) -> str:
         """A worker thread's name in compile events."""
@@ -54,8 +56,11 @@ class World(typing.Protocol):
     def listen(self, stop: StopRequest) -> None:
         """Install `stop`'s signal handlers."""
 
-    def step(self, workers: TrainingWorkers, index: int, stop: StopRequest) -> StepSummary:
-        """Train step `index` (0-based) on every replica; the summary of the whole job."""
+    def step(
+        self, workers: TrainingWorkers, index: int, stop: StopRequest, ahead: bool = False
+    ) -> StepSummary:
+        """Train step `index` (0-based) on every replica; the summary of the whole job. With `ahead`
+        (only where `pipelines`), step index+1 is already running when this returns."""
 
     def stopping(self, stop: StopRequest) -> bool:
         """Whether the run stops after the step just done."""
@@ -74,7 +79,7 @@ class World(typing.Protocol):
 class ThreadsWorld(World):
     """One process, a drafter thread per drafter device (trainer.train.workers averages the gradients)."""
 
-    is_lead = speaks = True
+    is_lead = speaks = pipelines = True
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -88,9 +93,12 @@ class ThreadsWorld(World):
     def listen(self, stop: StopRequest) -> None:
         stop.install()
 
-    def step(self, workers: TrainingWorkers, index: int, stop: StopRequest) -> StepSummary:
-        summary = workers.run_step(index, give_up=stop.overdue)  # a stop that runs out of grace gives up
-        if stop.requested:
+    def step(
+        self, workers: TrainingWorkers, index: int, stop: StopRequest, ahead: bool = False
+    ) -> StepSummary:
+        # a stop that runs out of grace gives up
+        summary = workers.run_step(index, give_up=stop.overdue, ahead=ahead)
+        if stop.requested and not ahead:
             stop.step_finished()  # disarms the watchdog before the checkpoint is written
         return summary
 
