@@ -338,7 +338,14 @@ def _workers_timed(args, dims, cfg, model, optimizer, batch, guard, gen):
             times = _timed(
                 torch, args.device, lambda: workers.run_step(next(steps)), args.steps, args.warmup - 1
             )
-        profile = _profiled(args, torch, lambda: workers.run_step(next(steps))) if args.profile else None
+        profile = None
+        if args.profile:  # the last three steps; run ahead, each but the last starts the next
+            profile = _profiled(
+                args,
+                torch,
+                lambda: workers.run_step(i := next(steps), ahead=ahead and i + 1 < total),
+                not ahead,
+            )
     draw = make_block_drawer(run_cfg)  # each timed step's blocks again: they depend on seed, step, replica
     timed = range(args.warmup + int(ahead), args.warmup + args.steps + int(ahead))
     drawn = [draw(make_batch(dataset, plan, step, 0), "cpu") for step in timed]
@@ -400,8 +407,9 @@ def child_train(args, dims) -> dict:
     return result
 
 
-def _profiled(args, torch, step) -> str:
-    """The top kernels of three calls of `step()` and where the device waited between them."""
+def _profiled(args, torch, step, sync_each: bool = True) -> str:
+    """The top kernels of three calls of `step()` (the device synchronised after each, or only after
+    the last) and where the device waited between them."""
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.gpu_gaps import load, report
@@ -411,7 +419,9 @@ def _profiled(args, torch, step) -> str:
     with profile(activities=activities) as prof:
         for _ in range(3):
             step()
-            _sync(torch, args.device)
+            if sync_each:
+                _sync(torch, args.device)
+        _sync(torch, args.device)
     # "self_cuda_time_total" is understood by old and new torch (newer ones map cuda -> device).
     table = prof.key_averages().table(sort_by=f"self_{'cuda' if cuda else 'cpu'}_time_total", row_limit=25)
     if not cuda:

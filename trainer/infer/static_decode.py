@@ -222,6 +222,7 @@ class Kernels:
         def wrap(f):
             return torch.compile(f, dynamic=False, fullgraph=True, options=options) if compile else f
 
+        self.wrap = wrap
         self.pre = wrap(functools.partial(pre_attention, project=project))
         self.post = wrap(functools.partial(post_attention, project=project))
         self.residual_mlp = wrap(functools.partial(residual_mlp, project=project))
@@ -505,6 +506,8 @@ class StaticDecoder:
         self.real = torch.zeros(rows, device=device, dtype=torch.bool)
         self.any_active = torch.zeros(1, dtype=torch.bool, device=device)
         self.host_flag = torch.zeros(1, dtype=torch.bool, pin_memory=on_cuda)
+        # compiled with the kernels: some thirty tiny ops of bookkeeping become a few kernels
+        self.emit = self.kernels.wrap(self._emit) if self.kernels.compiled else self._emit
         self._graph: dict[str, torch.cuda.CUDAGraph] = {}
 
     # ---- one step / round: tensor ops on the state only ------------------------------------------
@@ -544,7 +547,7 @@ class StaticDecoder:
             self.anchor.unsqueeze(1), self.start.unsqueeze(1), self.kernels, features=False
         )
         logits = self.target.logits(step.hidden, self.kernels)
-        self.target.commit(step.pending, self._emit(logits.argmax(-1)))
+        self.target.commit(step.pending, self.emit(logits.argmax(-1)))
         self.host_flag.copy_(self.any_active, non_blocking=True)
 
     def speculative_round(self) -> None:
@@ -560,7 +563,7 @@ class StaticDecoder:
         assert verify.features is not None  # asked for (features=True)
         self.pending.copy_(verify.features)
         self.pending_start.copy_(self.start)
-        self.target.commit(verify.pending, self._emit(targets, proposals))
+        self.target.commit(verify.pending, self.emit(targets, proposals))
         self.host_flag.copy_(self.any_active, non_blocking=True)
 
     # ---- prefill (eager, once per call) -----------------------------------------------------------
