@@ -1,6 +1,7 @@
 """How long a stopping trainer may take, in the one place both the trainer and dflash-ops read it.
 
-After SIGTERM the running step has `run.stop_grace_s` (default DEFAULT_STOP_GRACE_S) to finish; a
+After SIGTERM the running step (with the one started ahead of it, which the trainer allows only while
+two steps take half the grace at most) has `run.stop_grace_s` (default DEFAULT_STOP_GRACE_S) to finish; a
 trainer still alive WATCHDOG_MARGIN_S after that is ended by its watchdog. `dflash-ops stop|relaunch
 --grace S` SIGKILLs whatever is left S seconds after its SIGTERM, so S must leave room for both and
 for the watchdog's own log line: S >= ops_grace_floor(stop_grace_s).

@@ -1,4 +1,5 @@
 """The training loop: the loss falls, resume is exact, the metrics file keeps the contract."""
+
 from __future__ import annotations
 
 import copy
@@ -20,8 +21,13 @@ from tests.trainer.conftest import assert_same_replica, loss_fn_failing
 pytestmark = pytest.mark.timeout(180)
 
 SMALL = {
-    "data.seq_len": 32, "data.synthetic.num_samples": 16, "train.epochs": 30, "train.batch_size": 2, "train.num_anchors": 6,
-    "run.torch_threads": 1, "run.log_every": 1000,
+    "data.seq_len": 32,
+    "data.synthetic.num_samples": 16,
+    "train.epochs": 30,
+    "train.batch_size": 2,
+    "train.num_anchors": 6,
+    "run.torch_threads": 1,
+    "run.log_every": 1000,
 }
 
 
@@ -38,7 +44,9 @@ def records(cfg):
 
 def test_loss_falls_clearly_on_the_learnable_synthetic_data(tmp_path):
     # The bundled tiny-cpu settings, whole: one epoch, every sequence seen once.
-    cfg = load_config("tiny-cpu", {"output_dir": str(tmp_path), "run.checkpoint_every": 1000, "eval.every": 0})
+    cfg = load_config(
+        "tiny-cpu", {"output_dir": str(tmp_path), "run.checkpoint_every": 1000, "eval.every": 0}
+    )
     train(cfg, out=io.StringIO())
     steps = [r for r in records(cfg) if r["event"] == "step"]
     assert len(steps) == 512
@@ -155,7 +163,9 @@ def test_error_kinds_follow_the_cause_chain():
         raise wrapped from fx
     except WorkerFailure as exc:
         assert error_kind(exc) == "fx_tracing"
-    assert error_kind(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")) == "cuda_oom"
+    assert (
+        error_kind(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")) == "cuda_oom"
+    )
     assert error_kind(KeyError("custom")) == "block_mask"  # the create_block_mask race
     assert error_kind(KeyError("other")) == "exception"
     assert error_kind(ValueError("x")) == "exception"
@@ -227,29 +237,36 @@ def test_a_resumed_schedule_has_the_uninterrupted_lr_at_every_step():
 def test_a_step_starts_ahead_only_where_nothing_but_logging_follows_and_a_stop_ends_after_it(
     tmp_path, monkeypatch
 ):
-    """Steps 1-3 of 6 start before the one before them is read, except where a checkpoint (after step
-    2) must see idle drafters; a SIGTERM during step 3 (4 already running) stops after step 4, whose
-    checkpoint is the run's last."""
+    """A step starts before the one before it is read once a step's time is known and short, except
+    where a checkpoint (after step 2) must see idle drafters; a SIGTERM during step 3 (4 already
+    running) stops after step 4, whose checkpoint is the run's last. With a stop grace shorter than
+    four steps, no step runs ahead: a stop would wait for two."""
     import signal
 
     from trainer.train import workers as workers_mod
 
     real_run_step = workers_mod.TrainingWorkers.run_step
-    calls = []
+    calls, signal_at = [], [2]
 
     def run_step(self, step_index, give_up=None, ahead=False):
         calls.append((step_index, ahead))
-        if step_index == 2:
+        if step_index in signal_at:
             signal.raise_signal(signal.SIGTERM)
         return real_run_step(self, step_index, give_up, ahead)
 
     monkeypatch.setattr(workers_mod.TrainingWorkers, "run_step", run_step)
     cfg = tiny_cfg(tmp_path, max_steps=6, **{"run.checkpoint_every": 2})
     result = train(cfg, out=io.StringIO())
-    assert calls == [(0, True), (1, False), (2, True), (3, False)]
+    assert calls == [(0, False), (1, False), (2, True), (3, False)]
     assert (result.reason, result.steps_done) == ("interrupted", 4)
     assert [r["step"] for r in records(cfg) if r["event"] == "checkpoint"] == [2, 4]
     assert [r["step"] for r in records(cfg) if r["event"] == "step"] == [1, 2, 3, 4]
+
+    calls.clear()
+    signal_at.clear()
+    hurried = tiny_cfg(tmp_path / "hurried", max_steps=6, **{"run.checkpoint_every": 2, "run.stop_grace_s": 1e-4})
+    assert train(hurried, out=io.StringIO()).steps_done == 6
+    assert calls == [(index, False) for index in range(6)]
 
 
 def test_a_stop_during_the_last_step_still_completes_the_run(tmp_path, monkeypatch):
@@ -270,5 +287,10 @@ def test_a_stop_during_the_last_step_still_completes_the_run(tmp_path, monkeypat
     cfg = tiny_cfg(tmp_path, max_steps=4)
     result = train(cfg, out=io.StringIO())
     done = records(cfg)[-1]
-    assert (result.reason, done["event"], done["reason"], done["step"]) == ("max_steps", "done", "max_steps", 4)
+    assert (result.reason, done["event"], done["reason"], done["step"]) == (
+        "max_steps",
+        "done",
+        "max_steps",
+        4,
+    )
     assert (tmp_path / metrics_format.RUN_FINISHED).read_text().strip() == "4"

@@ -15,6 +15,7 @@ import math
 import os
 import random
 import sys
+import time
 from typing import TextIO, cast
 
 import torch
@@ -378,10 +379,11 @@ def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequ
     devices = cfg.run.target_devices + cfg.run.drafter_devices
     with make_workers(parts) as workers:
         workers.start(start, total)
+        step_s, returned = math.inf, time.monotonic()
         for step_index in range(start, total):
-            # the next step may start before this one is read when only logging comes between them
-            ahead = world.pipelines and not stop.requested and _only_logs_after(parts, step_index + 1)
+            ahead = world.pipelines and not stop.requested and _may_run_ahead(parts, step_index + 1, step_s)
             last = world.step(workers, step_index, stop, ahead)
+            step_s, returned = time.monotonic() - returned, time.monotonic()
             step = stop.last_step = last.step
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
             metrics.step(
@@ -412,7 +414,10 @@ def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequ
     return RunResult(step, total, "max_steps", last, path, replicas)
 
 
-def _only_logs_after(parts: LoopParts, step: int) -> bool:
-    """After `step` (1-based) the loop only logs: no checkpoint, no evaluation, not the last step."""
+def _may_run_ahead(parts: LoopParts, step: int, step_s: float) -> bool:
+    """Whether the step after `step` (1-based) may start before `step` is read: only logging comes
+    between them (no checkpoint, no evaluation, not the last step), and a stop, which then waits
+    for both, still ends well within run.stop_grace_s (steps of `step_s` take a quarter at most)."""
     evaluates = parts.evaluator is not None and parts.evaluator.due(step, parts.total)
-    return step < parts.total and step % parts.cfg.run.checkpoint_every != 0 and not evaluates
+    quick = 2 * step_s <= parts.cfg.run.stop_grace_s / 2
+    return quick and step < parts.total and step % parts.cfg.run.checkpoint_every != 0 and not evaluates
