@@ -285,31 +285,37 @@ def test_a_step_run_ahead_starts_before_its_turn_and_reads_the_same_numbers(part
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_drafter_step_never_waits_on_the_host(parts):
     """From its command to its report, a drafter step on a GPU queues work and never syncs (a sync
-    there leaves the GPU idle while the host catches up); only run_step reads the numbers."""
+    there leaves the GPU idle while the host catches up), the lead's and another replica's alike;
+    only run_step waits, for the copy of the step's numbers."""
     cfg, target, dataset = parts
     cfg = copy.deepcopy(cfg)
-    cfg.run.drafter_devices = ["cuda:0"]
+    cfg.run.drafter_devices = ["cuda:0", "cuda:0"]
     reps = build_replicas(cfg, drafter_config(cfg, target), target, total_steps=3)
     cuda_target = types.SimpleNamespace(device="cpu", features=target.features)
     workers = TrainingWorkers(
-        targets=[cuda_target], replicas=reps, dataset=dataset, plan=BatchPlan(len(dataset), 2, 1, 0),
+        targets=[cuda_target], replicas=reps, dataset=dataset, plan=BatchPlan(len(dataset), 2, 2, 0),
         compute_loss=make_loss_fn(cfg), draw_blocks=make_block_drawer(cfg), guard=CompileGuard("lock"),
         grad_clip=cfg.train.grad_clip, feature_dtype=torch.float32,
     )
+    reports = []
     with workers:
         workers.start(0, 2)
         workers.run_step(0)  # the first step may compile, which syncs
         while any(t.name == "target0" and t.is_alive() for t in workers._threads):
-            time.sleep(0.05)  # the target thread has drawn both batches (its copies may sync)
+            time.sleep(0.05)  # the target thread has drawn every batch (its copies may sync)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            workers._commands[0].put(1)
-            report = None
-            while report is None and not workers._failures.event.wait(0.05):
-                report = None if workers._reports.empty() else workers._reports.get()
+            for commands in workers._commands.values():
+                commands.put(1)
+            while len(reports) < 2 and not workers._failures.event.wait(0.05):
+                reports += [] if workers._reports.empty() else [workers._reports.get()]
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert not workers._failures.items, workers._failures.items[0].traceback_text
-    assert report is not None and report.ready is not None and report.tokens > 0
-    assert report.read().device.type == "cpu" and report.read().shape == (cfg.drafter.block_size + 1,)
+    assert sorted(report.replica for report in reports) == [0, 1]
+    for report in reports:
+        assert report.ready is not None and report.tokens > 0
+        numbers = report.read()
+        assert numbers.device.type == "cpu" and numbers.shape == (cfg.drafter.block_size + 1,)
+        assert torch.isnan(numbers[1]) == (report.replica != 0), "the lead alone carries the gradient norm"

@@ -329,7 +329,7 @@ class TrainingWorkers:
         which the barrier action left for this step (the next one cannot run before this thread)."""
         loss = out.loss.detach().float().view(1)
         lead = replica is self.replicas[0]
-        norm = self._grad_norm.to(loss) if lead else torch.tensor(float("nan")).to(loss)
+        norm = self._grad_norm.to(loss) if lead else torch.full_like(loss, float("nan"))  # no host copy
         numbers = torch.cat([loss, norm.view(1), out.acc.detach().float()])
         on_cuda = numbers.device.type == "cuda"
         host = numbers.to("cpu", non_blocking=on_cuda)  # pinned, asynchronous from a GPU
