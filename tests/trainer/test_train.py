@@ -1,5 +1,4 @@
 """The training loop: the loss falls, resume is exact, the metrics file keeps the contract."""
-
 from __future__ import annotations
 
 import copy
@@ -21,13 +20,8 @@ from tests.trainer.conftest import assert_same_replica, loss_fn_failing
 pytestmark = pytest.mark.timeout(180)
 
 SMALL = {
-    "data.seq_len": 32,
-    "data.synthetic.num_samples": 16,
-    "train.epochs": 30,
-    "train.batch_size": 2,
-    "train.num_anchors": 6,
-    "run.torch_threads": 1,
-    "run.log_every": 1000,
+    "data.seq_len": 32, "data.synthetic.num_samples": 16, "train.epochs": 30, "train.batch_size": 2, "train.num_anchors": 6,
+    "run.torch_threads": 1, "run.log_every": 1000,
 }
 
 
@@ -44,9 +38,7 @@ def records(cfg):
 
 def test_loss_falls_clearly_on_the_learnable_synthetic_data(tmp_path):
     # The bundled tiny-cpu settings, whole: one epoch, every sequence seen once.
-    cfg = load_config(
-        "tiny-cpu", {"output_dir": str(tmp_path), "run.checkpoint_every": 1000, "eval.every": 0}
-    )
+    cfg = load_config("tiny-cpu", {"output_dir": str(tmp_path), "run.checkpoint_every": 1000, "eval.every": 0})
     train(cfg, out=io.StringIO())
     steps = [r for r in records(cfg) if r["event"] == "step"]
     assert len(steps) == 512
@@ -163,9 +155,7 @@ def test_error_kinds_follow_the_cause_chain():
         raise wrapped from fx
     except WorkerFailure as exc:
         assert error_kind(exc) == "fx_tracing"
-    assert (
-        error_kind(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")) == "cuda_oom"
-    )
+    assert error_kind(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")) == "cuda_oom"
     assert error_kind(KeyError("custom")) == "block_mask"  # the create_block_mask race
     assert error_kind(KeyError("other")) == "exception"
     assert error_kind(ValueError("x")) == "exception"
@@ -287,10 +277,5 @@ def test_a_stop_during_the_last_step_still_completes_the_run(tmp_path, monkeypat
     cfg = tiny_cfg(tmp_path, max_steps=4)
     result = train(cfg, out=io.StringIO())
     done = records(cfg)[-1]
-    assert (result.reason, done["event"], done["reason"], done["step"]) == (
-        "max_steps",
-        "done",
-        "max_steps",
-        4,
-    )
+    assert (result.reason, done["event"], done["reason"], done["step"]) == ("max_steps", "done", "max_steps", 4)
     assert (tmp_path / metrics_format.RUN_FINISHED).read_text().strip() == "4"
