@@ -18,11 +18,13 @@ STEP = dict(loss=2.5, acc=[0.5, 0.25], tokens_per_s=1234.5, eta_s=65.0, lr=3e-4,
 
 def test_throughput_is_per_interval_and_the_eta_uses_the_mean_step_since_the_start(clock):
     meter = Throughput(start_step=10, total_steps=20, clock=clock)  # a run resumed at step 10
+    assert meter.step_s == float("inf"), "no step timed yet"
     clock.now += 4
     assert meter.update(11, tokens=800) == (200.0, 4.0 * 9)
     clock.now += 1
     rate, eta = meter.update(12, tokens=800)
     assert rate == 800.0 and eta == pytest.approx(2.5 * 8)
+    assert meter.step_s == 1.0
     clock.now += 10
     assert meter.update(20, tokens=0)[1] == 0.0, "no steps left, no time left"
     assert meter.update(20, tokens=5)[0] == 5 / 1e-9, "no time passed: no division by zero"

@@ -15,7 +15,6 @@ import math
 import os
 import random
 import sys
-import time
 from typing import TextIO, cast
 
 import torch
@@ -379,11 +378,10 @@ def _loop(parts: LoopParts, world: World, metrics: MetricsWriter, stop: StopRequ
     devices = cfg.run.target_devices + cfg.run.drafter_devices
     with make_workers(parts) as workers:
         workers.start(start, total)
-        step_s, returned = math.inf, time.monotonic()
         for step_index in range(start, total):
-            ahead = world.pipelines and not stop.requested and _may_run_ahead(parts, step_index + 1, step_s)
+            ahead = world.pipelines and not stop.requested
+            ahead = ahead and _may_run_ahead(parts, step_index + 1, throughput.step_s)
             last = world.step(workers, step_index, stop, ahead)
-            step_s, returned = time.monotonic() - returned, time.monotonic()
             step = stop.last_step = last.step
             tokens_per_s, eta_s = throughput.update(step, last.tokens)
             metrics.step(

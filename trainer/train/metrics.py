@@ -7,6 +7,7 @@ flushed one whole line at a time so a reader never sees half a record for long.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -37,15 +38,18 @@ def error_kind(exc: BaseException | None) -> str:
 
 
 class Throughput:
-    """Tokens per second over the last step and an ETA from the mean step time so far."""
+    """Tokens per second over the last step and an ETA from the mean step time so far; `step_s`, the
+    last step's seconds (inf before the first)."""
 
     def __init__(self, start_step: int, total_steps: int, clock=time.monotonic):
         self.clock, self.total_steps, self.first_step = clock, total_steps, start_step
         self.t0 = self.last = clock()
+        self.step_s = math.inf
 
     def update(self, step: int, tokens: int) -> tuple[float, float]:
         now = self.clock()
         interval, self.last = max(now - self.last, 1e-9), now
+        self.step_s = interval
         mean_step = (now - self.t0) / max(step - self.first_step, 1)
         return tokens / interval, mean_step * max(self.total_steps - step, 0)
 
