@@ -2,9 +2,10 @@
 
 A shard at paper dims: sequences of 3072 tokens x 5 layers x 4096 hidden in bf16 (120 MiB each)
 plus ids, masks and offsets. `before` is the writer the cache used before: torch.cat of the pieces,
-safetensors' save_file, fsync, then the file read back for its sha256. `after` is
-trainer.data.safetensors_stream.write_pieces (each piece written once through sha256, then fsync).
-Both write the same bytes (checked). The two alternate, `--repeats` times each.
+safetensors' save_file, fsync, then the file read back for its digest. `after` is
+trainer.data.safetensors_stream.write_pieces (each piece hashed as it is written, then fsync).
+Both write the same bytes, checked by the cache's one digest (trainer.data.chunk_digest).
+The two alternate, `--repeats` times each.
 
     python benchmarks/shard_write.py --dir /tmp/shards --sequences 16 --repeats 3
 """
@@ -22,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import doc_parser  # noqa: E402
-from trainer.data.feature_cache import file_sha256  # noqa: E402
+from trainer.data.chunk_digest import file_digest  # noqa: E402
 from trainer.data.safetensors_stream import write_pieces  # noqa: E402
 
 
@@ -44,7 +45,7 @@ def before(path: str, parts: dict[str, list[torch.Tensor]]) -> str:
     save_file({name: torch.cat(p).contiguous() for name, p in parts.items()}, path)
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return file_sha256(path)
+    return file_digest(path)
 
 
 def after(path: str, parts: dict[str, list[torch.Tensor]]) -> str:
