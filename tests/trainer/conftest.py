@@ -140,5 +140,12 @@ def triton_interpret(code: str) -> str:
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=500
     )
+    if INTERPRETER_NUMPY_DEFECT in proc.stderr and "triton/runtime/interpreter.py" in proc.stderr:
+        pytest.skip("this Triton's interpreter calls int() on one-element arrays, which numpy >= 2.4 refuses")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
+
+
+# Triton 3.6's interpreter fails so under numpy >= 2.4 (the GPU machine's image: triton 3.6.0, numpy 2.5);
+# the kernels themselves run compiled there (benchmarks/decode_cost.py checks their tokens).
+INTERPRETER_NUMPY_DEFECT = "only 0-dimensional arrays can be converted to Python scalars"

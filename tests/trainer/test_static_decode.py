@@ -12,7 +12,7 @@ import torch
 
 from trainer.config import load_config
 from trainer.infer.evaluate import evaluate, tau_summary
-from trainer.infer.lossless import judge, tie_bound, unit_roundoff
+from trainer.infer.lossless import fp32_last_hidden, judge, tie_bound, unit_roundoff
 from trainer.model import DFlashDrafter
 from trainer.infer.speculative import speculative_generate, target_generate
 from trainer.infer.static_decode import StaticDecoder, StaticTarget
@@ -64,6 +64,27 @@ def with_block(target, drafter: DFlashDrafter, block_size: int) -> DFlashDrafter
 def ragged(prompts: list[list[int]]) -> list[list[int]]:
     """Prompts of different lengths (a row's positions are its own)."""
     return [p[: len(p) - i % 3] for i, p in enumerate(prompts)]
+
+
+def test_a_rotary_that_wants_a_row_of_positions_per_axis_gets_them():
+    """Some transformers releases (5.17) expand text positions to the multimodal rotary's three rows in the
+    model's forward, and the Qwen3.5 rotary indexes them as [3, batch, positions]: a 2-D tensor of
+    positions is an IndexError there. The static loop and the fp32 referee give it the three rows."""
+    target = load_target("tiny-random-hybrid", "cpu", torch.float32, layer_ids=[1, 3, 7], seed=0, tiny=TINY)
+    rotary = target.model.get_decoder().rotary_emb
+    x = target.embed_tokens.weight[:1].unsqueeze(0)
+    want_cos, want_sin = rotary(x, torch.arange(9).unsqueeze(0))
+    want_hidden = fp32_last_hidden(StaticTarget(target.model, target.layer_ids, rows=1, positions=9), [4, 2, 7])
+    forward = rotary.forward
+
+    def rows_per_axis(x, position_ids):
+        position_ids[:, :, None, :]  # what such a release does first
+        return forward(x, position_ids)
+
+    rotary.forward = rows_per_axis
+    static = StaticTarget(target.model, target.layer_ids, rows=1, positions=9)
+    assert torch.equal(static.cos, want_cos[0]) and torch.equal(static.sin, want_sin[0])
+    assert torch.equal(fp32_last_hidden(static, [4, 2, 7]), want_hidden)
 
 
 @pytest.mark.parametrize("spec", ["tiny-random", "tiny-random-hybrid"])

@@ -20,6 +20,7 @@ from trainer.infer.static_decode import (
     StaticTarget,
     grouped_attention,
     grouped_mask,
+    model_rope,
     residual_mlp,
     rms_norm,
 )
@@ -86,7 +87,7 @@ def fp32_last_hidden(target: StaticTarget, prefix: list[int]) -> torch.Tensor:
     device = target.device
     where = torch.arange(len(prefix), device=device).unsqueeze(0)
     x = torch.nn.functional.embedding(torch.tensor([prefix], device=device), target.embed.float())
-    cos, sin = target.model.get_decoder().rotary_emb(x, where)  # fp32, like x
+    cos, sin = model_rope(target.model.get_decoder(), x, len(prefix))  # fp32, like x
     visible = decode_kernels.grouped_visibility(where, len(prefix), target.heads // target.kv_heads)
     mask = grouped_mask(visible, torch.float32)
     for w in target.layers:

@@ -296,6 +296,17 @@ def _check_static(model) -> None:
         raise Unsupported(f"recurrent layers of model_type {cfg.model_type!r}")
 
 
+def model_rope(decoder, x: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own RoPE (scaling, partial rotary included) at positions 0..positions-1, batch 1, in
+    x's dtype. A multimodal rotary (Qwen3.5/3.6) takes one row of positions per axis; some transformers
+    releases expand text positions to those rows in the model's forward, not in the rotary, so they are
+    given expanded (text has the same position on every axis)."""
+    where = torch.arange(positions, device=x.device).unsqueeze(0)
+    if hasattr(decoder.rotary_emb, "mrope_section"):
+        where = where.expand(3, 1, -1)
+    return decoder.rotary_emb(x, where)
+
+
 class StaticTarget:
     """The HF target's forward over pre-allocated state, batched by rows, taking the drafter's features
     (HF `hidden_states[l + 1]`) on the way; recurrent layers advance only on `commit`."""
@@ -331,9 +342,8 @@ class StaticTarget:
             for i, w in enumerate(self.layers)
             if isinstance(w, DeltaLayer)
         }
-        with torch.no_grad():  # the model's own RoPE (scaling, partial rotary included), tabulated once
-            where = torch.arange(positions, device=self.device).unsqueeze(0)
-            cos, sin = decoder.rotary_emb(self.embed[:1].unsqueeze(0), where)
+        with torch.no_grad():  # tabulated once
+            cos, sin = model_rope(decoder, self.embed[:1].unsqueeze(0), positions)
         self.cos, self.sin = cos[0], sin[0]  # [positions, rotary dims]
         self.row_index = torch.arange(rows, device=self.device).unsqueeze(1)
 

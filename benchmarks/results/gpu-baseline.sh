@@ -1,4 +1,4 @@
-# The commands behind the h200-* results (repository root on the GPU machine). Parts, in the order given:
+# The commands behind the h100-* results (the device named in each; a plain run may get an H100 or an H200) (repository root on the GPU machine). Parts, in the order given:
 #   tests   the trainer tests that take a CUDA path (the rest of each file runs too)
 #   decode  decode_cost at the small real-LM shape and Qwen3-8B's shape, Triton kernels, block 16
 #   train   a paper-dims drafter step, profiled: bare, one step at a time, steps run ahead (step-gaps.sh)
@@ -9,11 +9,11 @@ for part in "$@"; do
   tests)
     timeout -k 10 240 python3 -m pytest -q -rs -p no:cacheprovider tests/trainer/test_workers.py \
       tests/trainer/test_static_decode.py tests/trainer/test_decode_kernels.py tests/trainer/test_precision.py \
-      tests/trainer/test_model.py tests/trainer/test_activation_checkpoint.py > "$OUT/pytest-gpu-h200.txt" 2>&1
-    tail -4 "$OUT/pytest-gpu-h200.txt";;
+      tests/trainer/test_model.py tests/trainer/test_activation_checkpoint.py > "$OUT/pytest-gpu.txt" 2>&1
+    tail -4 "$OUT/pytest-gpu.txt";;
   decode)
     timeout -k 10 330 python3 benchmarks/decode_cost.py --device cuda:0 --shapes small,8b --blocks 16 --kernels triton \
-      --out "$OUT/h200-decode.md" 2>&1 | grep -v "^|" | tail -20;;
+      --out "$OUT/decode.md" 2>&1 | grep -v "^|" | tail -20;;
   train)
     bash benchmarks/results/step-gaps.sh profile run2;;
   esac
