@@ -73,7 +73,7 @@ def test_a_rotary_that_wants_a_row_of_positions_per_axis_gets_them():
     target = load_target("tiny-random-hybrid", "cpu", torch.float32, layer_ids=[1, 3, 7], seed=0, tiny=TINY)
     rotary = target.model.get_decoder().rotary_emb
     x = target.embed_tokens.weight[:1].unsqueeze(0)
-    want_cos, want_sin = rotary(x, torch.arange(9).unsqueeze(0))
+    want_cos, want_sin = rotary(x, torch.arange(9).view(1, 1, 9).expand(3, 1, 9))  # each release takes these
     want_hidden = fp32_last_hidden(StaticTarget(target.model, target.layer_ids, rows=1, positions=9), [4, 2, 7])
     forward = rotary.forward
 

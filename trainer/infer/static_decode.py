@@ -227,6 +227,7 @@ class Kernels:
         self.post = wrap(functools.partial(post_attention, project=project))
         self.residual_mlp = wrap(functools.partial(residual_mlp, project=project))
         self.context = wrap(context_kv)
+        self.norm = wrap(rms_norm)  # eager, a norm is a kernel per op; compiled, one
         self.delta = wrap(gated_deltanet.mix_tensors)
         self.merge = wrap(merge_heads)
         self.gated_up = wrap(functools.partial(gated_up, project=project))
@@ -350,7 +351,7 @@ class StaticTarget:
     def _delta(self, i: int, x, w: DeltaLayer, lengths, kernels: Kernels):
         """A Gated DeltaNet layer: mix from the state (Pending to commit) or, given `lengths`, run a
         whole prompt and advance the state at once (no Pending)."""
-        h = rms_norm(x, w.ln, w.eps, centered=True)
+        h = kernels.norm(x, w.ln, w.eps, True)
         if lengths is None:
             mixed, pending = gated_deltanet.mix(h, w.mixer, *self.states[i], kernels.delta)
         else:
@@ -383,7 +384,7 @@ class StaticTarget:
                 x = kernels.layer(x, w, cos, sin, keys, values, self.row_index, where, seen, self.dims)
             if i in wanted and i != last:
                 taken[i] = x
-        normed = rms_norm(x, self.norm_weight, self.norm_eps, self.centered)
+        normed = kernels.norm(x, self.norm_weight, self.norm_eps, self.centered)
         if last in wanted:
             taken[last] = normed  # HF reports the last layer's state after the final norm
         found = torch.cat([taken[i] for i in self.layer_ids], dim=-1) if wanted else None
@@ -429,7 +430,7 @@ class StaticDrafter:
         """Write the context K/V of target features [B, T, K*H] at positions where [B, T]."""
         d = self.drafter
         ctx = F.linear(features.to(d.fc.weight.dtype), d.fc.weight)
-        ctx = rms_norm(ctx, d.hidden_norm.weight, d.hidden_norm.eps)
+        ctx = kernels.norm(ctx, d.hidden_norm.weight, d.hidden_norm.eps)
         cos, sin = self.cos[where], self.sin[where]
         dims = self.cfg.rms_norm_eps, self.cfg.num_kv_heads, self.cfg.head_dim
         for i, w in enumerate(self.layers):
@@ -453,7 +454,7 @@ class StaticDrafter:
             x = kernels.layer(
                 x, w, cos, sin, self.keys[i], self.values[i], self.row_index, where, seen, self.dims
             )
-        hidden = rms_norm(x[:, 1:], d.norm.weight, d.norm.eps)
+        hidden = kernels.norm(x[:, 1:], d.norm.weight, d.norm.eps)
         return kernels.head(hidden, d.lm_head_weight.to(hidden.dtype), d.lm_head_bias).argmax(-1)
 
 
