@@ -23,6 +23,7 @@ from trainer.config import ATTENTION_BACKENDS
 # training builds its layers from the export's own classes, so the served drafter computes what was trained
 from trainer.hf_modeling.modeling_dflash import DFlashAttention, DFlashDecoderLayer
 from trainer.hf_modeling.modeling_dflash import DFlashRMSNorm as RMSNorm
+from trainer.hf_modeling.modeling_dflash import apply_rope as apply_rope  # trainer.infer.static_decode's
 from trainer.precision import attention_inputs
 from trainer.target_family import is_hybrid
 
@@ -150,11 +151,6 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
 _compiled_flex = None
 _compiled_flex_init = threading.Lock()
 
@@ -199,17 +195,10 @@ class DrafterAttention(DFlashAttention):
     """The export's attention weights, with the training forward (many blocks, a mask, a backend)."""
 
     def forward(self, x, ctx, rope_q, rope_k, attn_mask, backend):
-        batch, q_len, _ = x.shape
-        kv_len = ctx.shape[1] + q_len
-        q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim))
         # One projection over [context ; block] instead of two smaller matmuls.
-        kv_in = torch.cat([ctx, x], dim=1)
-        k = self.k_norm(self.k_proj(kv_in).view(batch, kv_len, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(kv_in).view(batch, kv_len, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q.transpose(1, 2), *rope_q)
-        k = apply_rope(k.transpose(1, 2), *rope_k)
-        out = attend(q, k, v.transpose(1, 2), attn_mask, backend)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
+        k, v = self.context_kv(torch.cat([ctx, x], dim=1), *rope_k)
+        out = attend(self.query(x, *rope_q), k, v, attn_mask, backend)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
 class DrafterLayer(DFlashDecoderLayer):

@@ -43,9 +43,9 @@ def _inv_freq(config, head_dim, device):
     return ROPE_INIT_FUNCTIONS[rope_type](config, device)
 
 
-def _rotate_half(x):
+def apply_rope(x, cos, sin):
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 class DFlashAttention(nn.Module):
@@ -67,12 +67,12 @@ class DFlashAttention(nn.Module):
         shape = (*ctx.shape[:2], self.num_kv_heads, self.head_dim)
         k = self.k_norm(self.k_proj(ctx).view(shape)).transpose(1, 2)
         v = self.v_proj(ctx).view(shape).transpose(1, 2)
-        return k * cos + _rotate_half(k) * sin, v
+        return apply_rope(k, cos, sin), v
 
     def query(self, x, cos, sin):
         """Queries (q_norm, RoPE) [B, Hq, L, D] of the block x [B, L, H]."""
         q = self.q_norm(self.q_proj(x).view(*x.shape[:2], self.num_heads, self.head_dim)).transpose(1, 2)
-        return q * cos + _rotate_half(q) * sin
+        return apply_rope(q, cos, sin)
 
     def forward_cached(self, x, keys, values, cos, sin):
         """The block x [B, L, H] against cached context keys/values, unmasked."""
