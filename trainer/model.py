@@ -265,7 +265,7 @@ class DFlashDrafter(nn.Module):
         offsets = torch.arange(cfg.block_size, device=anchors.device)
         block_pos = (anchors.unsqueeze(-1) + offsets).view(batch, -1)
         ctx_pos = torch.arange(ctx_len, device=anchors.device).expand(batch, ctx_len)
-        cos, sin = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), cfg.head_dim, cfg.rope_theta, dtype)
+        cos, sin = self.rope(torch.cat([ctx_pos, block_pos], dim=1))
         rope_q, rope_k = (cos[:, :, ctx_len:], sin[:, :, ctx_len:]), (cos, sin)  # queries: the blocks
 
         from trainer.activation_checkpoint import run_layer
@@ -276,6 +276,10 @@ class DFlashDrafter(nn.Module):
                 layer, x, ctx, rope_q, rope_k, attn_mask, backend, checkpointed=self.checkpoint_layers
             )
         return self.norm(x)
+
+    def rope(self, position_ids: torch.Tensor):
+        """cos, sin [B, 1, N, head_dim] for positions [B, N], in the weights' dtype (as the export's)."""
+        return rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, self.fc.weight.dtype)
 
     def _compile_layers_if_wanted(self, backend, device: torch.device) -> None:
         """Compile each layer in place (state_dict unchanged) at the first forward, after the compile-lock

@@ -222,7 +222,7 @@ class _Speculation:
         self.cache = _target_cache(target)
         self.rollback = _rollback_supported(self.cache)
         self.cache_arg = _cache_argument(target)
-        self.context = _DraftContext(drafter)
+        self.context = DraftContext(drafter)
         self.start = 0
 
     def _verify(self, ids):
@@ -259,7 +259,7 @@ class _Speculation:
         return n, verified[: n + 1]
 
 
-class _DraftContext:
+class DraftContext:
     """Per drafter layer, the cached keys/values of the context positions (one sequence)."""
 
     def __init__(self, model):
