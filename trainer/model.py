@@ -202,11 +202,7 @@ class DrafterAttention(DFlashAttention):
 
 
 class DrafterLayer(DFlashDecoderLayer):
-    attention_class = DrafterAttention
-
-    def forward(self, x, ctx, rope_q, rope_k, attn_mask, backend):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, attn_mask, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    attention_class = DrafterAttention  # its forward takes ctx, rope_q, rope_k, attn_mask, backend
 
 
 class DFlashDrafter(nn.Module):

@@ -113,8 +113,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, x, ctx, cos, sin, attention_mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, attention_mask)
+    def forward(self, x, *attention_args):  # DFlashAttention's: ctx, cos, sin, attention_mask
+        x = x + self.self_attn(self.input_layernorm(x), *attention_args)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_cached(self, x, keys, values, cos, sin):
