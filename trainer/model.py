@@ -23,6 +23,7 @@ from trainer.config import ATTENTION_BACKENDS
 # training builds its layers from the export's own classes, so the served drafter computes what was trained
 from trainer.hf_modeling.modeling_dflash import DFlashAttention, DFlashDecoderLayer
 from trainer.hf_modeling.modeling_dflash import DFlashRMSNorm as RMSNorm
+from trainer.hf_modeling.modeling_dflash import apply_rope as apply_rope  # trainer.infer.static_decode's
 from trainer.precision import attention_inputs
 from trainer.target_family import is_hybrid
 
@@ -150,11 +151,6 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
 _compiled_flex = None
 _compiled_flex_init = threading.Lock()
 
@@ -199,25 +195,14 @@ class DrafterAttention(DFlashAttention):
     """The export's attention weights, with the training forward (many blocks, a mask, a backend)."""
 
     def forward(self, x, ctx, rope_q, rope_k, attn_mask, backend):
-        batch, q_len, _ = x.shape
-        kv_len = ctx.shape[1] + q_len
-        q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim))
         # One projection over [context ; block] instead of two smaller matmuls.
-        kv_in = torch.cat([ctx, x], dim=1)
-        k = self.k_norm(self.k_proj(kv_in).view(batch, kv_len, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(kv_in).view(batch, kv_len, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q.transpose(1, 2), *rope_q)
-        k = apply_rope(k.transpose(1, 2), *rope_k)
-        out = attend(q, k, v.transpose(1, 2), attn_mask, backend)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
+        k, v = self.context_kv(torch.cat([ctx, x], dim=1), *rope_k)
+        out = attend(self.query(x, *rope_q), k, v, attn_mask, backend)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
 class DrafterLayer(DFlashDecoderLayer):
-    attention_class = DrafterAttention
-
-    def forward(self, x, ctx, rope_q, rope_k, attn_mask, backend):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, attn_mask, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    attention_class = DrafterAttention  # its forward takes ctx, rope_q, rope_k, attn_mask, backend
 
 
 class DFlashDrafter(nn.Module):
@@ -276,7 +261,7 @@ class DFlashDrafter(nn.Module):
         offsets = torch.arange(cfg.block_size, device=anchors.device)
         block_pos = (anchors.unsqueeze(-1) + offsets).view(batch, -1)
         ctx_pos = torch.arange(ctx_len, device=anchors.device).expand(batch, ctx_len)
-        cos, sin = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), cfg.head_dim, cfg.rope_theta, dtype)
+        cos, sin = self.rope(torch.cat([ctx_pos, block_pos], dim=1))
         rope_q, rope_k = (cos[:, :, ctx_len:], sin[:, :, ctx_len:]), (cos, sin)  # queries: the blocks
 
         from trainer.activation_checkpoint import run_layer
@@ -287,6 +272,10 @@ class DFlashDrafter(nn.Module):
                 layer, x, ctx, rope_q, rope_k, attn_mask, backend, checkpointed=self.checkpoint_layers
             )
         return self.norm(x)
+
+    def rope(self, position_ids: torch.Tensor):
+        """cos, sin [B, 1, N, head_dim] for positions [B, N], in the weights' dtype (as the export's)."""
+        return rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, self.fc.weight.dtype)
 
     def _compile_layers_if_wanted(self, backend, device: torch.device) -> None:
         """Compile each layer in place (state_dict unchanged) at the first forward, after the compile-lock

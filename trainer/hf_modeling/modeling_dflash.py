@@ -43,9 +43,9 @@ def _inv_freq(config, head_dim, device):
     return ROPE_INIT_FUNCTIONS[rope_type](config, device)
 
 
-def _rotate_half(x):
+def apply_rope(x, cos, sin):
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 class DFlashAttention(nn.Module):
@@ -67,12 +67,12 @@ class DFlashAttention(nn.Module):
         shape = (*ctx.shape[:2], self.num_kv_heads, self.head_dim)
         k = self.k_norm(self.k_proj(ctx).view(shape)).transpose(1, 2)
         v = self.v_proj(ctx).view(shape).transpose(1, 2)
-        return k * cos + _rotate_half(k) * sin, v
+        return apply_rope(k, cos, sin), v
 
     def query(self, x, cos, sin):
         """Queries (q_norm, RoPE) [B, Hq, L, D] of the block x [B, L, H]."""
         q = self.q_norm(self.q_proj(x).view(*x.shape[:2], self.num_heads, self.head_dim)).transpose(1, 2)
-        return q * cos + _rotate_half(q) * sin
+        return apply_rope(q, cos, sin)
 
     def forward_cached(self, x, keys, values, cos, sin):
         """The block x [B, L, H] against cached context keys/values, unmasked."""
@@ -113,8 +113,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, x, ctx, cos, sin, attention_mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, attention_mask)
+    def forward(self, x, *attention_args):  # DFlashAttention's: ctx, cos, sin, attention_mask
+        x = x + self.self_attn(self.input_layernorm(x), *attention_args)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_cached(self, x, keys, values, cos, sin):
@@ -186,7 +186,7 @@ class DFlashDraftModel(PreTrainedModel):
             )
         stops = {int(t) for t in (stop_token_ids or [])}
         # sampling draws from torch's global RNG, as HF generate does
-        run = _Speculation(self, target, lambda logits: _pick(logits, temperature, top_p, top_k))
+        run = _Speculation(self, target, lambda logits: pick(logits, temperature, top_p, top_k))
         tokens = run.prefill(input_ids)
         accepted = []
         stopped = tokens[-1] in stops
@@ -195,7 +195,7 @@ class DFlashDraftModel(PreTrainedModel):
             accepted.append(n)
             tokens += kept  # n drafts equal to the target's tokens, then its bonus token
             stopped = bool(stops.intersection(kept))
-        tokens = _finish(tokens, max_new_tokens, stops)
+        tokens = finish(tokens, max_new_tokens, stops)
         new_ids = torch.tensor([tokens], dtype=input_ids.dtype, device=device)
         output_ids = torch.cat([input_ids, new_ids], dim=1)
         if not return_stats:
@@ -222,7 +222,7 @@ class _Speculation:
         self.cache = _target_cache(target)
         self.rollback = _rollback_supported(self.cache)
         self.cache_arg = _cache_argument(target)
-        self.context = _DraftContext(drafter)
+        self.context = DraftContext(drafter)
         self.start = 0
 
     def _verify(self, ids):
@@ -233,7 +233,7 @@ class _Speculation:
     def prefill(self, input_ids) -> list:
         """The prompt through the target: its first token; the prompt's features become the context."""
         out = self._verify(input_ids)
-        self.context.extend(_features(out.hidden_states, self.layer_ids), 0)
+        self.context.extend(target_features(out.hidden_states, self.layer_ids), 0)
         self.start = input_ids.shape[1]
         return [int(self.pick(out.logits[0, -1:])[0])]
 
@@ -248,18 +248,18 @@ class _Speculation:
         out = self._verify(block_ids)
         verified = self.pick(out.logits[0]).tolist()  # the target's token after each block position
         n = next((i for i, token in enumerate(drafts.tolist()) if token != verified[i]), self.block - 1)
-        features = _features(out.hidden_states, self.layer_ids)[:, : n + 1]
+        features = target_features(out.hidden_states, self.layer_ids)[:, : n + 1]
         if self.rollback:
             _crop(self.cache, self.start + n + 1)
         else:  # back to the state before the verify, then exactly the accepted tokens
             self.cache = saved
-            features = _features(self._verify(block_ids[:, : n + 1]).hidden_states, self.layer_ids)
+            features = target_features(self._verify(block_ids[:, : n + 1]).hidden_states, self.layer_ids)
         self.context.extend(features, self.start)
         self.start += n + 1
         return n, verified[: n + 1]
 
 
-class _DraftContext:
+class DraftContext:
     """Per drafter layer, the cached keys/values of the context positions (one sequence)."""
 
     def __init__(self, model):
@@ -292,13 +292,13 @@ def _rope_from(model, first_position, x):
     return model.rope(torch.arange(first_position, first_position + x.shape[1], device=x.device)[None])
 
 
-def _features(hidden_states, layer_ids):
+def target_features(hidden_states, layer_ids):
     """[1, T, K*H]: HF hidden_states[layer + 1] (index 0 is the embedding output) per target layer."""
     return torch.cat([hidden_states[layer + 1] for layer in layer_ids], dim=-1)
 
 
-def _pick(logits, temperature, top_p, top_k):
-    """Tokens [N] from logits [N, V]: argmax at temperature 0, else a sample."""
+def pick(logits, temperature, top_p=1.0, top_k=0, generator=None):
+    """Tokens [N] from logits [N, V]: argmax at temperature 0, else a sample (from `generator` if given)."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
     scores = logits.float() / temperature
@@ -310,10 +310,10 @@ def _pick(logits, temperature, top_p, top_k):
         ordered, order = probs.sort(dim=-1, descending=True)
         keep = ordered.cumsum(dim=-1) - ordered < top_p  # the smallest prefix reaching top_p
         probs = torch.zeros_like(probs).scatter(-1, order, ordered * keep)
-    return torch.multinomial(probs, 1).squeeze(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _finish(tokens, max_new_tokens, stops):
+def finish(tokens, max_new_tokens, stops):
     tokens = tokens[:max_new_tokens]
     return tokens[: next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))]
 

@@ -17,6 +17,7 @@ import time
 import torch
 
 from trainer.data import kv_cache
+from trainer.hf_modeling.modeling_dflash import finish, pick, target_features
 from trainer.infer.drafter_cache import DrafterContext
 
 
@@ -25,24 +26,6 @@ class Decoded:
     tokens: list[int]  # new tokens after the prompt (a stop token, when hit, is the last one)
     seconds: float
     accepted: list[int] = dataclasses.field(default_factory=list)  # per round: drafts accepted (0..B-1)
-
-
-def features_of(hidden_states, layer_ids) -> torch.Tensor:
-    """[T, K*H] drafter context features from HF hidden_states (index l+1 for layer l)."""
-    return torch.cat([hidden_states[layer + 1][0] for layer in layer_ids], dim=-1)
-
-
-def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Tokens [N] from logits [N, V]: argmax at temperature 0, else a sample."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def _finish(tokens: list[int], max_new_tokens: int, stop_ids) -> list[int]:
-    tokens = tokens[:max_new_tokens]
-    return tokens[: next((i + 1 for i, tok in enumerate(tokens) if tok in stop_ids), len(tokens))]
 
 
 def _clock(device) -> float:
@@ -73,7 +56,7 @@ def target_generate(
     tokens: list[int] = []
     while len(tokens) < max_new_tokens:
         logits = kv_cache.forward(model, ids, cache).logits[0, -1:]
-        token = int(pick(logits, temperature, generator)[0])
+        token = int(pick(logits, temperature, generator=generator)[0])
         tokens.append(token)
         if token in stop_ids:
             break
@@ -96,8 +79,8 @@ def speculative_generate(
     device, stop_ids, t0, cache = _start(model, stop_ids)
     context = DrafterContext(drafter)
     out = kv_cache.forward(model, torch.tensor([prompt], dtype=torch.long, device=device), cache, hidden=True)
-    tokens = [int(pick(out.logits[0, -1:], temperature, generator)[0])]
-    context.extend(features_of(out.hidden_states, layer_ids))
+    tokens = [int(pick(out.logits[0, -1:], temperature, generator=generator)[0])]
+    context.extend(target_features(out.hidden_states, layer_ids)[0])
     start = len(prompt)  # position of the last accepted token (the next block's anchor)
     accepted: list[int] = []
     stopped = tokens[-1] in stop_ids
@@ -107,14 +90,14 @@ def speculative_generate(
         verify = torch.cat([torch.tensor([tokens[-1]], device=device), proposals.to(device)]).unsqueeze(0)
         saved = kv_cache.checkpoint(cache)  # a hybrid target's recurrent states before the pass
         out = kv_cache.forward(model, verify, cache, hidden=True)
-        target_tokens = pick(out.logits[0], temperature, generator).tolist()  # for start+1..start+B
+        target_tokens = pick(out.logits[0], temperature, generator=generator).tolist()  # for start+1..start+B
         agree = [d == t for d, t in zip(proposals.tolist(), target_tokens, strict=False)] + [False]
         n = agree.index(False)  # drafts accepted: those before the first that differs
         accepted.append(n)
         tokens += target_tokens[: n + 1]  # n accepted drafts (equal to the target's) + the bonus
         stopped = bool(stop_ids.intersection(target_tokens[: n + 1]))  # a stop token anywhere ends it
         kv_cache.keep(model, cache, verify, start, n + 1, saved)
-        context.extend(features_of(out.hidden_states, layer_ids)[: n + 1])
+        context.extend(target_features(out.hidden_states, layer_ids)[0, : n + 1])
         start += n + 1
     seconds = _clock(device) - t0
-    return Decoded(tokens=_finish(tokens, max_new_tokens, stop_ids), seconds=seconds, accepted=accepted)
+    return Decoded(tokens=finish(tokens, max_new_tokens, stop_ids), seconds=seconds, accepted=accepted)
