@@ -7,7 +7,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 for i in 1 2 3; do
   for tree in _before .; do
     name=$( [ $tree = . ] && echo after || echo before )
-    [ $SECONDS -gt 500 ] && { echo "$name-$i skipped at ${SECONDS}s"; continue; }
+    [ $SECONDS -gt ${AB_STOP_S:-500} ] && { echo "$name-$i skipped at ${SECONDS}s"; continue; }
     (cd $tree && timeout -k 10 $([ $i = 1 ] && echo 200 || echo 120) python3 benchmarks/decode_cost.py --device cuda:0 --shapes small$([ $i = 1 ] && echo ,8b) \
       --blocks 16 --kernels triton --iterations 50 --out $R/$name-$i.md > $R/$name-$i.log 2>&1)
     python3 - "$R/$name-$i.json" "$name-$i" <<'PY'
