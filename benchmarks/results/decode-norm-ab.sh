@@ -1,14 +1,14 @@
 # The static loop's norms compiled (one kernel each instead of a kernel per op): the tree before (_before =
 # `git archive <base> trainer benchmarks`) against this tree, small shape and Qwen3-8B's shape, block 16, Triton
-# kernels, alternating, three times each (repository root on the GPU machine). Raw JSON in $OUT/decode-norm-ab.tgz.
+# kernels, alternating, three times each (AB_ROUNDS, AB_SHAPES, AB_STOP_S: fewer) (repository root on the GPU machine). Raw JSON in $OUT/decode-norm-ab.tgz.
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 R=/tmp/ab; mkdir -p $R
 nvidia-smi --query-gpu=name --format=csv,noheader
-for i in 1 2 3; do
+for i in $(seq ${AB_ROUNDS:-3}); do
   for tree in _before .; do
     name=$( [ $tree = . ] && echo after || echo before )
     [ $SECONDS -gt ${AB_STOP_S:-500} ] && { echo "$name-$i skipped at ${SECONDS}s"; continue; }
-    (cd $tree && timeout -k 10 $([ $i = 1 ] && echo 200 || echo 120) python3 benchmarks/decode_cost.py --device cuda:0 --shapes small$([ $i = 1 ] && echo ,8b) \
+    (cd $tree && timeout -k 10 $([ $i = 1 ] && echo 200 || echo 120) python3 benchmarks/decode_cost.py --device cuda:0 --shapes ${AB_SHAPES:-small$([ $i = 1 ] && echo ,8b)} \
       --blocks 16 --kernels triton --iterations 50 --out $R/$name-$i.md > $R/$name-$i.log 2>&1)
     python3 - "$R/$name-$i.json" "$name-$i" <<'PY'
 import json, sys
