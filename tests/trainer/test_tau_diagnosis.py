@@ -97,3 +97,18 @@ def test_with_no_tau_measured_the_cause_is_unknown():
     assert likely_cause(3.0, None, None) == "likely cause: unknown (no tau measured)"
     assert likely_cause(None, None, None) == "likely cause: unknown (no tau measured)"
     assert likely_cause(None, 2.0, 1.9).startswith("likely cause: none found")
+
+
+def test_eval_why_renders_chat_prompts_for_a_tiny_target_as_plain_eval_does(run, tmp_path, capsys):
+    """--why --prompts with {"messages"} rows: the tiny target's byte-level chat tokenizer renders them
+    (it said "the target has no tokenizer with a chat template", exit 2, while plain eval ran them)."""
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) + "\n"
+                               for i in range(2)))
+    capsys.readouterr()
+    argv = ["--checkpoint", str(run), "--num-prompts", "2", "--max-new-tokens", "4", "--device", "cpu", "--json",
+            "--why", "--prompts", str(prompts)]
+    code = run_eval(eval_parser().parse_args(argv))
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert json.loads(captured.out)["tau_held_out"] >= 1

@@ -327,7 +327,6 @@ def _template_kwargs(args: argparse.Namespace, run_config: dict | None, err) -> 
 def _run_why(args, target, drafter, run_config, described: str, device: str, out, err) -> int:
     """--why: tau held-in, held-out and expected, and the likely cause (trainer.tau_diagnosis)."""
     from trainer import metrics_format
-    from trainer.data.prompts import load_prompts
     from trainer.tau_diagnosis import expected_tau_of, likely_cause
 
     held_in = _evaluate(
@@ -335,8 +334,8 @@ def _run_why(args, target, drafter, run_config, described: str, device: str, out
     )
     held_out = None
     if args.prompts:
-        prompts = load_prompts(args.prompts, target.tokenizer, target.vocab_size, args.template_kwargs)
-        held_out = _evaluate(args, target, drafter, prompts[: args.num_prompts], device, err)
+        prompts = _prompts(args, target, run_config, described)
+        held_out = _evaluate(args, target, drafter, prompts, device, err)
     run = run_config.get("run") or {}
     metrics = run.get("metrics_file") or str(Path(run.get("output_dir", ".")) / "metrics.jsonl")
     try:
