@@ -92,9 +92,8 @@ def load_drafter_source(checkpoint: str):
     """(DrafterConfig, weights, run config dict or None, description) from any of the three dirs."""
     from safetensors.torch import load_file
 
-    from trainer.train.checkpoint import load_checkpoint, resolve_resume
+    from trainer.train.checkpoint import drafter_config_of, load_checkpoint, resolve_export_source
     from trainer.infer.export import WEIGHTS_FILE, drafter_config_from_export
-    from trainer.model import DrafterConfig
 
     path = Path(checkpoint)
     if not path.is_dir():
@@ -103,10 +102,17 @@ def load_drafter_source(checkpoint: str):
             f"checkpoints/step-NNNNNNN dir or an export dir."
         )
     if _is_export(path):
-        return drafter_config_from_export(path), load_file(str(path / WEIGHTS_FILE)), None, f"export {path}"
-    state = load_checkpoint(resolve_resume(checkpoint, checkpoint))
-    dcfg = DrafterConfig.from_dict(state.drafter_config)
-    return dcfg, state.weights, state.config, f"checkpoint {state.path}"
+        try:
+            dcfg, weights = drafter_config_from_export(path), load_file(str(path / WEIGHTS_FILE))
+        except Exception as exc:  # a key missing or mistyped, the weights damaged: one line, not a traceback
+            detail = (str(exc).strip().splitlines() or [""])[0]
+            raise ConfigError(
+                f"--checkpoint {path}: a damaged export ({type(exc).__name__}: {detail}). "
+                f"Fix: export it again (dflash-train export --checkpoint RUN_DIR --out {path})"
+            ) from exc
+        return dcfg, weights, None, f"export {path}"
+    state = load_checkpoint(resolve_export_source(checkpoint))  # its messages name --checkpoint
+    return drafter_config_of(state), state.weights, state.config, f"checkpoint {state.path}"
 
 
 def target_mismatch(dcfg, target, run_config: dict | None) -> str | None:
