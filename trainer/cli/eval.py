@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -224,8 +225,8 @@ def report_lines(result, block_size: int) -> list[str]:
 
 
 def _finite(value):
-    """JSON has no NaN (tau of zero rounds): such numbers become null."""
-    if isinstance(value, float) and value != value:
+    """JSON has no NaN (tau of zero rounds) or Infinity: such numbers become null."""
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
