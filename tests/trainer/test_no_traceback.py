@@ -125,3 +125,13 @@ def test_eval_of_a_dir_without_a_checkpoint_names_its_own_flag(tmp_path):
     line = one_line(run("eval", "--checkpoint", str(tmp_path / "run"), "--device", "cpu"))
     assert line.startswith(f"dflash-train eval: error: --checkpoint {tmp_path / 'run'}: no complete checkpoint in")
     assert "--resume" not in line, line
+
+
+def test_eval_against_a_target_with_damaged_weights_is_one_line(run_dir, tmp_path):
+    from trainer.data.target import tiny_target
+
+    tiny_target("cpu", torch.float32, 0, None).save_pretrained(tmp_path / "target")
+    (tmp_path / "target" / "model.safetensors").write_text("cut short")
+    line = one_line(run("eval", "--checkpoint", str(run_dir), "--target", str(tmp_path / "target"), "--device", "cpu"))
+    assert line.startswith(f"dflash-train eval: error: target.spec: cannot load a causal LM from "
+                           f"'{tmp_path / 'target'}': SafetensorError: "), line
