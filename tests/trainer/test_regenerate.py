@@ -283,3 +283,16 @@ def test_the_run_says_at_once_how_much_it_does_before_the_first_progress_line(tm
     bar = io.StringIO()
     ProgressLine("records", 4, out=bar, tty=True).say("started")
     assert bar.getvalue() == "\r\x1b[2Kstarted\n"
+
+
+def test_a_line_that_is_not_utf8_is_rejected_and_kept_as_read(tmp_path):
+    """It stopped the whole run with UnicodeDecodeError ('failed', exit 1) before any record was written."""
+    src = tmp_path / "in.jsonl"
+    bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'
+    src.write_bytes(json.dumps(conversation(0)).encode() + b"\n" + bad + b"\n")
+    out = tmp_path / "out.jsonl"
+    summary = regenerate(RegenerateOptions("tiny-random", str(src), str(out), max_new_tokens=4, batch_size=2),
+                         out=io.StringIO(), tty=False)
+    assert (summary["records"], summary["rejects"]) == (1, 1)
+    reject = Path(summary["rejects_path"]).read_bytes()
+    assert b"not UTF-8 text (a byte at offset 46)" in reject and b"caf\xe9" in reject

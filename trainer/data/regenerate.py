@@ -73,6 +73,10 @@ class Conversation:
 
 def parse_record(line: str) -> Conversation:
     try:
+        line.encode("utf-8")  # _lines kept a byte that is not UTF-8 as a lone surrogate
+    except UnicodeEncodeError as exc:
+        raise Reject(f"not UTF-8 text (a byte at offset {exc.start})") from None
+    try:
         record = json.loads(line.rstrip("\r\n"))  # without its line end, the column is the real one
     except json.JSONDecodeError as exc:
         raise Reject(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
@@ -287,10 +291,10 @@ def _start_state(opts: RegenerateOptions) -> dict:
 
 def _lines(path: str, first: int):
     """(line index, text) of non-blank lines from line index `first`."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # a line that is not UTF-8 is rejected (parse_record), not a crash
         for index, line in enumerate(f):
             if index >= first and line.strip():
-                yield index, line
+                yield index, line.decode("utf-8", "surrogateescape")
 
 
 def run_summary(committed: dict, first: dict, seconds: float) -> dict:
@@ -432,5 +436,5 @@ def _commit(state: dict, next_line: int, out_file, rej_file, output: str) -> Non
     write_atomic(_progress_path(output), json.dumps(state))  # the commit point
 
 
-def _jsonl(obj) -> bytes:
-    return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+def _jsonl(obj) -> bytes:  # a reject's bytes that are not UTF-8 are written back as read
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", "surrogateescape")
