@@ -149,6 +149,11 @@ def build_replicas(cfg: TrainConfig, dcfg: DrafterConfig, target, total_steps: i
 def restore(replicas: list[Replica], state: ckpt.Checkpoint, dcfg: DrafterConfig) -> None:
     """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, RNG."""
     saved = state.drafter_config
+    if not isinstance(saved, dict):
+        raise ckpt.CheckpointError(
+            f"--resume {state.path}: {ckpt.DRAFTER_CONFIG} is not a JSON object. "
+            f"Fix: resume from another checkpoint (an earlier step-NNNNNNN dir), or start a new --output-dir."
+        )
     differ = sorted(
         k for k, v in dcfg.to_dict().items() if saved.get(k) != v and (k in saved or k not in EXPORT_METADATA)
     )
