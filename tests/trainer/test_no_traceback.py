@@ -135,3 +135,19 @@ def test_eval_against_a_target_with_damaged_weights_is_one_line(run_dir, tmp_pat
     line = one_line(run("eval", "--checkpoint", str(run_dir), "--target", str(tmp_path / "target"), "--device", "cpu"))
     assert line.startswith(f"dflash-train eval: error: target.spec: cannot load a causal LM from "
                            f"'{tmp_path / 'target'}': SafetensorError: "), line
+
+
+@pytest.mark.parametrize("command, flag", [
+    (["data", "cache-features", "--config", "tiny-cpu", "--out"], "--out"),
+    (["gate", "--steps", "2", "--work-dir"], "--work-dir"),
+])
+def test_an_output_dir_that_is_a_file_is_one_line_before_any_work(tmp_path, command, flag):
+    """cache-features said 'failed: [Errno 17] File exists; rerun the same command to continue' (exit 1)
+    after loading the target; gate printed a NotADirectoryError traceback."""
+    file = tmp_path / "taken"
+    file.write_text("")
+    prog = "dflash-train data" if command[0] == "data" else "dflash-train gate"
+    line = one_line(run(*command, str(file)))
+    assert line == f"{prog}: error: {flag} {file}: is a file, not a directory; give a directory (created if missing)"
+    line = one_line(run(*command, str(file / "sub")))
+    assert line.startswith(f"{prog}: error: {flag} {file / 'sub'}: lies under the file {file}, not a directory")

@@ -247,6 +247,7 @@ def _cache_features(args) -> int:
     from trainer.progress import ProgressLine
     from trainer.train.loop import build_dataset, configured_target
 
+    options.check_out_dir(args.out)  # before the target loads
     cfg = _cache_config(args)
     began = time.monotonic()
     say = lambda text: print(f"dflash-train data: {text}", flush=True)  # noqa: E731
