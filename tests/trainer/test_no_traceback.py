@@ -151,3 +151,19 @@ def test_an_output_dir_that_is_a_file_is_one_line_before_any_work(tmp_path, comm
     assert line == f"{prog}: error: {flag} {file}: is a file, not a directory; give a directory (created if missing)"
     line = one_line(run(*command, str(file / "sub")))
     assert line.startswith(f"{prog}: error: {flag} {file / 'sub'}: lies under the file {file}, not a directory")
+
+
+def test_an_export_whose_weights_do_not_fit_its_config_is_one_line_exit_2(run_dir, tmp_path):
+    """It said 'failed: RuntimeError: Error(s) in loading state_dict for DFlashDrafter:' (no detail), exit 1."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    export = tmp_path / "export"
+    shutil.copytree(run_dir / "export", export)
+    weights = load_file(str(export / "model.safetensors"))
+    del weights["fc.weight"]
+    save_file(weights, str(export / "model.safetensors"))
+    line = one_line(run("eval", "--checkpoint", str(export), "--target", "tiny-random", "--device", "cpu"))
+    assert line == ("dflash-train eval: error: --checkpoint's weights do not fit its drafter config (Missing key(s) "
+                    'in state_dict: "fc.weight"). Fix: export the checkpoint again, or pass another --checkpoint.')

@@ -154,7 +154,14 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
         raise ConfigError(f"{spec}: {problem}. Fix: pass the --target the drafter was trained for.")
     target.layer_ids = list(dcfg.target_layer_ids)
     drafter = DFlashDrafter(dcfg, target.embed_tokens, target.lm_head)
-    drafter.load_state_dict(dict(weights))
+    try:
+        drafter.load_state_dict(dict(weights))
+    except RuntimeError as exc:  # weights missing, extra or of another shape: not a failed run, bad input
+        detail = " ".join(str(exc).split()).removeprefix("Error(s) in loading state_dict for DFlashDrafter: ")
+        raise ConfigError(
+            f"--checkpoint's weights do not fit its drafter config ({detail[:300].rstrip('.')}). "
+            f"Fix: export the checkpoint again, or pass another --checkpoint."
+        ) from exc
     drafter.to(device=device, dtype=param_dtype(device)).eval()
     return target, drafter
 
