@@ -142,6 +142,7 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
     """(TargetModel, drafter) on `device`; raises ConfigError on a mismatch."""
     from trainer.model import DFlashDrafter
     from trainer.data.target import load_target
+    from trainer.train.checkpoint import weights_mismatch
     from trainer.train.loop import param_dtype
 
     run_target = (run_config or {}).get("target") or {}
@@ -157,9 +158,8 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
     try:
         drafter.load_state_dict(dict(weights))
     except RuntimeError as exc:  # weights missing, extra or of another shape: not a failed run, bad input
-        detail = " ".join(str(exc).split()).removeprefix("Error(s) in loading state_dict for DFlashDrafter: ")
         raise ConfigError(
-            f"--checkpoint's weights do not fit its drafter config ({detail[:300].rstrip('.')}). "
+            f"--checkpoint's weights do not fit its drafter config ({weights_mismatch(exc)}). "
             f"Fix: export the checkpoint again, or pass another --checkpoint."
         ) from exc
     drafter.to(device=device, dtype=param_dtype(device)).eval()

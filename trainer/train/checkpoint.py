@@ -231,6 +231,12 @@ def drafter_config_of(state: Checkpoint):
         raise _unreadable(state.path, exc) from exc
 
 
+def weights_mismatch(exc: RuntimeError) -> str:
+    """torch's load_state_dict error in one line: which tensors are missing, unexpected or reshaped."""
+    text = " ".join(str(exc).split()).removeprefix("Error(s) in loading state_dict for DFlashDrafter: ")
+    return text[:300].rstrip(".")
+
+
 def _unreadable(path: str, exc: Exception) -> CheckpointError:
     detail = (str(exc).strip().splitlines() or [""])[0]
     return CheckpointError(
