@@ -574,6 +574,14 @@ def test_a_damaged_manifest_is_one_line_naming_it_when_training(made, tmp_path, 
     assert f"Fix: delete {copy} and rerun `dflash-train data cache-features`" in err[0]
 
 
+def test_a_manifest_that_is_a_directory_is_unreadable_not_missing(made, tmp_path):
+    """It said "no manifest.json: not a feature cache"."""
+    cfg, target, dataset, header, manifest, root = made
+    (tmp_path / "manifest.json").mkdir()
+    with pytest.raises(DataError, match=r"manifest.json: unreadable manifest \(\[Errno 21\] Is a directory"):
+        fc.open_cache(str(tmp_path), expected_for(cfg, target))
+
+
 def test_cache_features_into_a_cache_whose_shard_entries_are_damaged_refuses_and_deletes_nothing(made, tmp_path):
     """prepare() said KeyError ('failed', exit 1) and could have deleted shards before finding out."""
     import shutil

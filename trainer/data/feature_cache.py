@@ -123,7 +123,7 @@ def bytes_per_token(num_layers: int, hidden: int, dtype_name: str) -> int:
 
 def read_manifest(cache_dir: str) -> dict | None:
     path = os.path.join(cache_dir, MANIFEST)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # a directory of that name is an unreadable manifest, not no manifest
         return None
     try:
         with open(path, encoding="utf-8") as f:
