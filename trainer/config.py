@@ -230,6 +230,16 @@ def _set_dotted(raw: dict, dotted: str, value, flag: str) -> None:
     node[key] = value
     if isinstance(node, typed_yaml.YamlMap):
         node.key_lines[key] = flag
+    _set_by(value, flag)
+
+
+def _set_by(value, flag: str) -> None:
+    """A mapping given to a flag (--set train='{lr: 1}'): a message about its keys names the flag, not
+    line 1 of the config file."""
+    if isinstance(value, typed_yaml.YamlMap):
+        value.key_lines = dict.fromkeys(value, flag)
+        for child in value.values():
+            _set_by(child, flag)
 
 
 def _fail(cfg: TrainConfig, key: str, message: str) -> typing.NoReturn:

@@ -3,12 +3,15 @@ items/s and ETA on a TTY, a plain line now and then elsewhere)."""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import TextIO
 
 
 def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):  # e.g. a metrics file's times a float's range apart: not an overflow
+        return "?"
     seconds = max(0, int(round(seconds)))
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)

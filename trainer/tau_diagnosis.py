@@ -22,13 +22,14 @@ ACC_WINDOW = 10  # step records averaged for the expected tau (one batch's accur
 
 
 def expected_tau_of(step_records: list[dict], window: int = ACC_WINDOW) -> float | None:
-    """Expected tau from the mean per-position accuracy of the last `window` step records with `acc`."""
+    """Expected tau from the mean per-position accuracy of the last `window` step records with `acc`;
+    None if one is not a number in [0, 1] (a damaged record: 1e300 would predict tau inf)."""
     steps = [r for r in step_records if isinstance(r.get("acc"), list) and r["acc"]][-window:]
     if not steps:
         return None
     width = min(len(r["acc"]) for r in steps)
     columns = [[finite(r["acc"][k]) for r in steps] for k in range(width)]
-    if any(v is None for column in columns for v in column):
+    if any(v is None or not 0 <= v <= 1 for column in columns for v in column):
         return None
     return metrics_format.expected_tau([sum(v for v in c if v is not None) / len(c) for c in columns])
 

@@ -226,3 +226,10 @@ def test_the_python_rng_state_survives_a_trip_through_lists():
     ck.set_rng_state(listed)
     assert [random.random() for _ in range(3)] == expected
     assert state["cuda"] == {} or torch.cuda.is_available()
+
+
+def test_a_foreign_trainer_state_is_a_checkpoint_error_naming_the_checkpoint(tmp_path):
+    path = save_step(tmp_path, 3)
+    torch.save({"epoch": 1}, os.path.join(path, ck.STATE))  # a torch file, not ours: no step, no optimizer
+    with pytest.raises(ck.CheckpointError, match=f"cannot read checkpoint {path}: KeyError: 'step'. Fix: "):
+        ck.load_checkpoint(path)

@@ -41,14 +41,27 @@ def cli(*args):
      "output dir '/proc/forbidden' (--output-dir / run.output_dir): cannot create it"),
     (["export", "--checkpoint", "/nonexistent", "--out", "x"], "--checkpoint /nonexistent: no such file or directory"),
     (["--config", "tiny-cpu", "--output-dir", "{tmp}/run", "--resume"], "--resume latest: no checkpoint in"),
+    # was `training failed: [Errno 21] Is a directory`, exit 1, after torch had loaded
+    (["--config", "tiny-cpu", "--output-dir", "{tmp}/run", "--metrics-file", "{tmp}"],
+     "metrics file '{tmp}' (--metrics-file / run.metrics_file): is a directory. Fix: name a file"),
+    (["--config", "tiny-cpu", "--output-dir", "{tmp}"], "metrics file '{tmp}/metrics.jsonl' (--metrics-file"),
 ])
 def test_input_errors_are_one_line_exit_2_and_come_before_torch(args, expected, tmp_path):
+    if "metrics.jsonl" in expected:  # the default metrics file, a directory
+        (tmp_path / "metrics.jsonl").mkdir()
     rc, torch_loaded, stderr = cli(*[arg.replace("{tmp}", str(tmp_path)) for arg in args])
+    expected = expected.replace("{tmp}", str(tmp_path))
     assert rc == 2
     assert stderr.count("\n") == 1 and stderr.startswith("dflash-train"), stderr
     assert expected in stderr, stderr
     assert "Fix" in stderr or "--help" in stderr
     assert not torch_loaded  # so the message appears in well under a second
+
+
+def test_an_output_dir_that_is_a_file_says_so(tmp_path):
+    (tmp_path / "run").write_text("")
+    _, _, stderr = cli("--config", "tiny-cpu", "--output-dir", str(tmp_path / "run"))
+    assert f"output dir '{tmp_path / 'run'}' (--output-dir / run.output_dir): is a file. Fix: " in stderr, stderr
 
 
 def test_output_dir_error_names_the_fix():

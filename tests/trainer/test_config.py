@@ -295,3 +295,14 @@ def test_an_override_under_a_value_names_the_flag_whether_or_not_the_file_has_th
     with pytest.raises(ConfigError, match=r"^--set train.lr.x: `train.lr` must be a number"):
         load_config(path, {"train.lr.x": 1})
     assert load_config(path, {"eval.every": 2}).eval.every == 2
+
+
+def test_a_mapping_given_on_the_command_line_names_the_flag_not_line_1_of_the_file(capsys):
+    """--set train='{a: 1}' said `tiny-cpu.yaml:1: unknown key train.a`: the keys' lines were those of the
+    flag's own text, read as lines of the config file."""
+    from trainer.cli.main import main
+
+    assert main(["--config", "tiny-cpu", "--set", "train={a: 1}"]) == 2
+    assert capsys.readouterr().err.startswith("dflash-train: error: --set train: unknown key `train.a`.")
+    assert main(["--config", "tiny-cpu", "--set", "train={lr: abc}"]) == 2
+    assert capsys.readouterr().err.startswith("dflash-train: error: --set train: `train.lr` must be a number")

@@ -212,3 +212,15 @@ def test_a_truncated_line_is_reported_at_its_real_column(tmp_path):
     with pytest.raises(DataError) as info:
         load_jsonl(path, seq_len=6, vocab_size=VOCAB)
     assert f"{path}:2" in str(info.value) and f"at column {len(cut) + 1})" in str(info.value)
+
+
+def test_a_line_that_is_not_utf8_is_named_by_file_and_line(tmp_path):
+    """A byte that is not UTF-8 raised UnicodeDecodeError: a traceback, or 'training failed' (exit 1)."""
+    from trainer.data.prompts import load_prompts
+
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}\n{"input_ids": [1], "note": "caf\xe9"}\n')
+    for load in (lambda: load_jsonl(str(path), 8, VOCAB), lambda: load_prompts(str(path))):
+        with pytest.raises(DataError) as err:
+            load()
+        assert str(err.value) == f"{path}:2: not UTF-8 text (byte 0xe9 at offset 31). Fix: save the file as UTF-8."

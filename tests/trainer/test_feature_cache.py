@@ -543,3 +543,69 @@ def test_a_shard_that_fails_to_finish_is_the_last_the_manifest_could_name(tiny_c
                            say=lambda _: None)
     assert [s["sha256_chunks"] for s in again["shards"]] == [s["sha256_chunks"] for s in fresh["shards"]]
 
+
+
+def _drop(key):
+    return lambda m: {k: v for k, v in m.items() if k != key}
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda m: [1, 2], "unreadable manifest (list, not a JSON object)"),
+    (_drop("counts"), "unreadable manifest (KeyError: 'counts')"),
+    (_drop("pad_id"), "unreadable manifest (KeyError: 'pad_id')"),
+    (lambda m: dict(m, dtype="fp8"), "unreadable manifest (KeyError: 'fp8')"),
+    (lambda m: dict(m, shards=[]), "unreadable manifest (IndexError: "),
+    (lambda m: dict(m, shards=[{"file": m["shards"][0]["file"]}]), "unreadable manifest (KeyError: 'bytes')"),
+])
+def test_a_damaged_manifest_is_one_line_naming_it_when_training(made, tmp_path, capsys, damage, said):
+    """Each was a traceback and `training failed: 'counts'` (exit 1)."""
+    import shutil
+
+    cfg, target, dataset, header, manifest, root = made
+    copy = tmp_path / "cache"
+    shutil.copytree(root / "fp32", copy)
+    (copy / "manifest.json").write_text(json.dumps(damage(json.loads((copy / "manifest.json").read_text()))))
+    args = ["--config", "tiny-cpu", "--output-dir", str(tmp_path / "run"), "--drafter-devices", "cpu",
+            "--set", "data.source=features", "--set", f"data.path={copy}", "--set", f"data.seq_len={SEQ}",
+            "--set", "train.batch_size=2", "--set", "train.num_anchors=6", "--max-steps", "2"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dflash-train: error: {copy / 'manifest.json'}: {said}"), err
+    assert f"Fix: delete {copy} and rerun `dflash-train data cache-features`" in err[0]
+
+
+def test_a_manifest_that_is_a_directory_is_unreadable_not_missing(made, tmp_path):
+    """It said "no manifest.json: not a feature cache"."""
+    cfg, target, dataset, header, manifest, root = made
+    (tmp_path / "manifest.json").mkdir()
+    with pytest.raises(DataError, match=r"manifest.json: unreadable manifest \(\[Errno 21\] Is a directory"):
+        fc.open_cache(str(tmp_path), expected_for(cfg, target))
+
+
+def test_cache_features_into_a_cache_whose_shard_entries_are_damaged_refuses_and_deletes_nothing(made, tmp_path):
+    """prepare() said KeyError ('failed', exit 1) and could have deleted shards before finding out."""
+    import shutil
+
+    cfg, target, dataset, header, manifest, root = made
+    copy = tmp_path / "cache"
+    shutil.copytree(root / "fp32", copy)
+    shards = sorted(p.name for p in copy.glob("shard-*"))
+    (copy / "manifest.json").write_text(json.dumps(dict(manifest, shards=[{"file": shards[0]}, "x"])))
+    with pytest.raises(DataError, match=r"manifest.json: unreadable manifest \(KeyError: 'bytes'\)"):
+        fc.prepare(str(copy), header)
+    assert sorted(p.name for p in copy.glob("shard-*")) == shards
+
+
+def test_a_shard_whose_header_is_damaged_is_named_at_startup(made, tmp_path):
+    """safe_open of a same-size shard with a damaged header raised SafetensorError (a traceback)."""
+    import shutil
+
+    cfg, target, dataset, header, manifest, root = made
+    copy = tmp_path / "cache"
+    shutil.copytree(root / "fp32", copy)
+    victim = copy / manifest["shards"][0]["file"]
+    data = bytearray(victim.read_bytes())
+    data[8:20] = b"#" * 12
+    victim.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=f"{victim.name} fails its sha256 check"):
+        fc.open_cache(str(copy), expected_for(cfg, target))

@@ -86,3 +86,20 @@ def test_eval_prompts_come_from_the_file_then_the_split_then_fresh_synthetic_one
         ConfigError, match=r"no evaluation prompts: .* Fix: set one of them, or pass --prompts"
     ):
         eval_prompts(jsonl, target, None, 4)
+
+
+def test_eval_path_chats_render_for_a_tiny_target_as_eval_prompts_do_and_a_missing_one_names_eval_path(tmp_path):
+    """A tiny target has no tokenizer: eval.path's {"messages"} rows failed ("no tokenizer with a chat
+    template", exit 2) where `eval --prompts` renders them with the byte-level ChatML one; a missing
+    eval.path said "Fix: pass an existing .jsonl file to --prompts" during training."""
+    from trainer.data.chat_tokenizer import byte_chat_tokenizer
+    from trainer.data.prompts import load_prompts
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    target = SimpleNamespace(tokenizer=None, vocab_size=512, mask_token_id=511)
+    cfg = load_config("tiny-cpu", {"eval.path": str(path)})
+    assert eval_prompts(cfg, target, None, 3) == load_prompts(str(path), byte_chat_tokenizer(512), 512)
+    missing = load_config("tiny-cpu", {"eval.path": str(tmp_path / "nope.jsonl")})
+    with pytest.raises(DataError, match=r"prompts file not found. Fix: pass an existing .jsonl file to eval.path.$"):
+        eval_prompts(missing, target, None, 3)

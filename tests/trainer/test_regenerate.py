@@ -283,3 +283,63 @@ def test_the_run_says_at_once_how_much_it_does_before_the_first_progress_line(tm
     bar = io.StringIO()
     ProgressLine("records", 4, out=bar, tty=True).say("started")
     assert bar.getvalue() == "\r\x1b[2Kstarted\n"
+
+
+def test_a_line_that_is_not_utf8_is_rejected_and_kept_as_read(tmp_path):
+    """It stopped the whole run with UnicodeDecodeError ('failed', exit 1) before any record was written."""
+    src = tmp_path / "in.jsonl"
+    bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'
+    src.write_bytes(json.dumps(conversation(0)).encode() + b"\n" + bad + b"\n")
+    out = tmp_path / "out.jsonl"
+    summary = regenerate(RegenerateOptions("tiny-random", str(src), str(out), max_new_tokens=4, batch_size=2),
+                         out=io.StringIO(), tty=False)
+    assert (summary["records"], summary["rejects"]) == (1, 1)
+    reject = Path(summary["rejects_path"]).read_bytes()
+    assert b"not UTF-8 text (a byte at offset 46)" in reject and b"caf\xe9" in reject
+
+
+def _damaged_target(tmp_path) -> str:
+    from trainer.data.target import tiny_target
+
+    tiny_target("cpu", torch.float32, 0, None).save_pretrained(tmp_path / "target")
+    (tmp_path / "target" / "model.safetensors").write_text("cut short")
+    return str(tmp_path / "target")
+
+
+@pytest.mark.parametrize("case", ["no input", "out is a directory", "out under a file", "target does not load"])
+def test_bad_input_is_one_line_exit_2_and_leaves_no_output_files(tmp_path, capsys, case):
+    """Before: a missing --in left <out>.chat-template.json behind; --out under a missing or file parent said
+    'failed: [Errno ...]; rerun with --resume', exit 1; a target that did not load left the output, rejects
+    and progress files and said 'regenerate stopped ... rerun with --resume' above its error."""
+    src, out = write_lines(tmp_path / "in.jsonl", [conversation(0)]), tmp_path / "o.jsonl"
+    target, said = "tiny-random", ""
+    if case == "no input":
+        src, said = tmp_path / "nope.jsonl", "input file not found"
+    elif case == "out is a directory":
+        out.mkdir()
+        said = "o.jsonl: is a directory. Fix: name the output file"
+    elif case == "out under a file":
+        (tmp_path / "file").write_text("")
+        out, said = tmp_path / "file" / "o.jsonl", "cannot create its directory"
+    else:
+        target, said = _damaged_target(tmp_path), "target.spec: cannot load a causal LM from"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert data_main(["regenerate", "--target", target, "--in", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("progress", ["{cut", "[1]", '{"settings": {}}'])
+def test_resume_from_a_damaged_progress_file_is_one_line_exit_2(tmp_path, capsys, progress):
+    """It was JSONDecodeError / TypeError / KeyError: 'failed', exit 1."""
+    src, out = write_lines(tmp_path / "in.jsonl", [conversation(0)]), tmp_path / "o.jsonl"
+    args = ["regenerate", "--target", "tiny-random", "--in", str(src), "--out", str(out), "--max-new-tokens", "2"]
+    assert data_main(args) == 0
+    Path(str(out) + ".progress.json").write_text(progress)
+    capsys.readouterr()
+    assert data_main(args + ["--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dflash-train data: error: {out}.progress.json: unreadable ("), err
+    assert "Fix: remove the files to start over." in err[0]

@@ -131,3 +131,10 @@ def test_history_from_lines_drops_foreign_and_partial_lines():
     lines = ["Welcome to the box", good[0], good[1][:25], good[1], "", good[2], '{"event": "nope"}']
     run = history_from_lines("r", [lines])
     assert run.steps == (1, 2) and run.launches == 1
+
+
+def test_times_a_float_range_apart_give_an_unknown_wall_time_not_an_overflow():
+    """`dflash-train report` of a file whose times span -1e308..1e308 died in format_duration (int(inf))."""
+    run = history("0001", [[start(-1e308), step(1, 1e308)]])
+    assert math.isinf(run.wall_s)
+    assert run.summary_line() == "0001: 1/10 steps, no eval yet, ?, 1 launch"

@@ -88,3 +88,52 @@ def test_what_a_head_only_load_saves_is_everything_but_embedding_and_head(tmp_pa
         assert sizes["total"] == total
         assert sizes["embed_and_lm_head"] == tables * 512 * 64 * 4
         assert sizes["saved"] == total - sizes["embed_and_lm_head"]
+
+
+def _no_weight_map(d):
+    (d / "model.safetensors.index.json").write_text("{}")
+
+
+def _index_a_list(d):
+    (d / "model.safetensors.index.json").write_text("[1]")
+
+
+def _a_shard_missing(d):
+    sorted(d.glob("model-*.safetensors"))[0].unlink()
+
+
+def _config_a_directory(d):
+    (d / "config.json").unlink()
+    (d / "config.json").mkdir()
+
+
+@pytest.mark.parametrize("damage, said", [
+    (_no_weight_map, "cannot read the embedding and lm_head from {path!r}: KeyError: 'weight_map'. Fix: "),
+    (_index_a_list, "cannot read the embedding and lm_head from {path!r}: TypeError: "),
+    (_a_shard_missing, "cannot read the embedding and lm_head from {path!r}: FileNotFoundError: "),
+    (_config_a_directory, "cannot read the model config in {path!r}: ValueError: "),
+])
+def test_a_damaged_model_directory_is_one_config_error_for_the_head_and_the_whole_target(tmp_path, damage, said):
+    """A feature-cache run's head (and the whole target eval and training load) raised KeyError, TypeError,
+    FileNotFoundError or ValueError from deep inside transformers: a traceback, or 'training failed', exit 1."""
+    from trainer.data.target import load_target
+
+    _, path = saved(tmp_path, "damaged", max_shard_size="100KB")
+    damage(tmp_path / "damaged")
+    with pytest.raises(ConfigError) as err:
+        load_target_head(path, torch.float32)
+    message = str(err.value)
+    assert message.startswith("target.spec: " + said.format(path=path)) and "\n" not in message, message
+    with pytest.raises(ConfigError, match="^target.spec: cannot (load a causal LM from|read the model config in)"):
+        load_target(path, "cpu", torch.float32, layer_ids=[0])
+
+
+def test_damaged_safetensors_weights_are_one_config_error(tmp_path):
+    from trainer.data.target import load_target
+
+    _, path = saved(tmp_path, "cut")
+    (tmp_path / "cut" / "model.safetensors").write_text("not safetensors")
+    with pytest.raises(ConfigError, match=r"^target.spec: cannot read the embedding and lm_head from .*: SafetensorError: "):
+        load_target_head(path, torch.float32)
+    with pytest.raises(ConfigError, match=r"^target.spec: cannot load a causal LM from .*: SafetensorError: .*Fix: "):
+        load_target(path, "cpu", torch.float32, layer_ids=[0])

@@ -97,3 +97,38 @@ def test_with_no_tau_measured_the_cause_is_unknown():
     assert likely_cause(3.0, None, None) == "likely cause: unknown (no tau measured)"
     assert likely_cause(None, None, None) == "likely cause: unknown (no tau measured)"
     assert likely_cause(None, 2.0, 1.9).startswith("likely cause: none found")
+
+
+def test_eval_why_renders_chat_prompts_for_a_tiny_target_as_plain_eval_does(run, tmp_path, capsys):
+    """--why --prompts with {"messages"} rows: the tiny target's byte-level chat tokenizer renders them
+    (it said "the target has no tokenizer with a chat template", exit 2, while plain eval ran them)."""
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) + "\n"
+                               for i in range(2)))
+    capsys.readouterr()
+    argv = ["--checkpoint", str(run), "--num-prompts", "2", "--max-new-tokens", "4", "--device", "cpu", "--json",
+            "--why", "--prompts", str(prompts)]
+    code = run_eval(eval_parser().parse_args(argv))
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert json.loads(captured.out)["tau_held_out"] >= 1
+
+
+def test_an_accuracy_outside_0_1_gives_no_expected_tau_and_eval_why_json_stays_json(run, tmp_path, capsys):
+    """acc 1e300 (a damaged record) predicted tau inf: `eval --why` said "tau expected inf" and
+    `--why --json` died in json.dumps (Infinity is not JSON) with a traceback."""
+    assert expected_tau_of([{"acc": [1e300] * 7}]) is None and expected_tau_of([{"acc": [0.5, -0.1]}]) is None
+    assert expected_tau_of([{"acc": [1.0, 0.0]}]) == pytest.approx(2.0)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"v": 1, "event": "step", "time": 1.0, "step": 1, "loss": 1.0, "acc": [1e300, 1e300, '
+                       '1e300, 1e300, 1e300, 1e300, 1e300]}\n')
+    config = json.loads((run / "checkpoints" / "step-0000003" / "config.json").read_text())
+    step = tmp_path / "step-0000003"
+    import shutil
+    shutil.copytree(run / "checkpoints" / "step-0000003", step)
+    config["run"]["metrics_file"] = str(metrics)
+    (step / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    argv = ["--checkpoint", str(step), "--num-prompts", "1", "--max-new-tokens", "4", "--device", "cpu", "--why", "--json"]
+    assert run_eval(eval_parser().parse_args(argv)) == 0
+    assert json.loads(capsys.readouterr().out)["tau_expected"] is None

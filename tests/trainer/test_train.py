@@ -279,3 +279,28 @@ def test_a_stop_during_the_last_step_still_completes_the_run(tmp_path, monkeypat
     done = records(cfg)[-1]
     assert (result.reason, done["event"], done["reason"], done["step"]) == ("max_steps", "done", "max_steps", 4)
     assert (tmp_path / metrics_format.RUN_FINISHED).read_text().strip() == "4"
+
+
+def test_resume_from_a_checkpoint_whose_drafter_config_is_not_an_object_is_refused(tmp_path):
+    """It was AttributeError ('list' object has no attribute 'get'): 'training failed', exit 1."""
+    from trainer.train.checkpoint import CheckpointError
+
+    train(tiny_cfg(tmp_path, max_steps=2), out=io.StringIO())
+    (tmp_path / "checkpoints" / "step-0000002" / "drafter_config.json").write_text("[1]")
+    with pytest.raises(CheckpointError, match=r"step-0000002: drafter_config.json is not a JSON object. Fix: "):
+        train(tiny_cfg(tmp_path, max_steps=4, resume="latest"), out=io.StringIO())
+
+
+def test_resume_from_a_checkpoint_whose_weights_do_not_fit_its_config_is_refused_naming_the_tensor(tmp_path):
+    """It was 'training failed: Error(s) in loading state_dict' with the tensor on a second line, exit 1."""
+    from safetensors.torch import load_file, save_file
+
+    from trainer.train.checkpoint import CheckpointError
+
+    train(tiny_cfg(tmp_path, max_steps=2), out=io.StringIO())
+    path = str(tmp_path / "checkpoints" / "step-0000002" / "drafter.safetensors")
+    weights = load_file(path)
+    del weights["fc.weight"]
+    save_file(weights, path)
+    with pytest.raises(CheckpointError, match=r'do not fit its drafter config \(Missing key\(s\) in state_dict: "fc.weight"\)'):
+        train(tiny_cfg(tmp_path, max_steps=4, resume="latest"), out=io.StringIO())

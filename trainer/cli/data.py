@@ -131,7 +131,6 @@ def _run(args: argparse.Namespace) -> int:
 
 def _regenerate(args) -> int:
     from trainer.data.regenerate import RegenerateOptions, regenerate
-    from trainer.template_args import write_for_data
 
     batch_size = _batch_size(args.batch_size)
     options.check_at_least_one(
@@ -148,7 +147,6 @@ def _regenerate(args) -> int:
         **{name: getattr(args, name) for name in flags_as_given},  # each flag's dest is the field's name
     )
     report: dict = {}
-    write_for_data(args.out, template_kwargs)  # the arguments travel with the data into the run
     try:
         with _sigterm_as_interrupt():
             summary = regenerate(job, report=report)
@@ -249,6 +247,7 @@ def _cache_features(args) -> int:
     from trainer.progress import ProgressLine
     from trainer.train.loop import build_dataset, configured_target
 
+    options.check_out_dir(args.out)  # before the target loads
     cfg = _cache_config(args)
     began = time.monotonic()
     say = lambda text: print(f"dflash-train data: {text}", flush=True)  # noqa: E731

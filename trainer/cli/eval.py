@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -92,9 +93,8 @@ def load_drafter_source(checkpoint: str):
     """(DrafterConfig, weights, run config dict or None, description) from any of the three dirs."""
     from safetensors.torch import load_file
 
-    from trainer.train.checkpoint import load_checkpoint, resolve_resume
+    from trainer.train.checkpoint import drafter_config_of, load_checkpoint, resolve_export_source
     from trainer.infer.export import WEIGHTS_FILE, drafter_config_from_export
-    from trainer.model import DrafterConfig
 
     path = Path(checkpoint)
     if not path.is_dir():
@@ -103,10 +103,17 @@ def load_drafter_source(checkpoint: str):
             f"checkpoints/step-NNNNNNN dir or an export dir."
         )
     if _is_export(path):
-        return drafter_config_from_export(path), load_file(str(path / WEIGHTS_FILE)), None, f"export {path}"
-    state = load_checkpoint(resolve_resume(checkpoint, checkpoint))
-    dcfg = DrafterConfig.from_dict(state.drafter_config)
-    return dcfg, state.weights, state.config, f"checkpoint {state.path}"
+        try:
+            dcfg, weights = drafter_config_from_export(path), load_file(str(path / WEIGHTS_FILE))
+        except Exception as exc:  # a key missing or mistyped, the weights damaged: one line, not a traceback
+            detail = (str(exc).strip().splitlines() or [""])[0]
+            raise ConfigError(
+                f"--checkpoint {path}: a damaged export ({type(exc).__name__}: {detail}). "
+                f"Fix: export it again (dflash-train export --checkpoint RUN_DIR --out {path})"
+            ) from exc
+        return dcfg, weights, None, f"export {path}"
+    state = load_checkpoint(resolve_export_source(checkpoint))  # its messages name --checkpoint
+    return drafter_config_of(state), state.weights, state.config, f"checkpoint {state.path}"
 
 
 def target_mismatch(dcfg, target, run_config: dict | None) -> str | None:
@@ -135,6 +142,7 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
     """(TargetModel, drafter) on `device`; raises ConfigError on a mismatch."""
     from trainer.model import DFlashDrafter
     from trainer.data.target import load_target
+    from trainer.train.checkpoint import weights_mismatch
     from trainer.train.loop import param_dtype
 
     run_target = (run_config or {}).get("target") or {}
@@ -147,7 +155,13 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
         raise ConfigError(f"{spec}: {problem}. Fix: pass the --target the drafter was trained for.")
     target.layer_ids = list(dcfg.target_layer_ids)
     drafter = DFlashDrafter(dcfg, target.embed_tokens, target.lm_head)
-    drafter.load_state_dict(dict(weights))
+    try:
+        drafter.load_state_dict(dict(weights))
+    except RuntimeError as exc:  # weights missing, extra or of another shape: not a failed run, bad input
+        raise ConfigError(
+            f"--checkpoint's weights do not fit its drafter config ({weights_mismatch(exc)}). "
+            f"Fix: export the checkpoint again, or pass another --checkpoint."
+        ) from exc
     drafter.to(device=device, dtype=param_dtype(device)).eval()
     return target, drafter
 
@@ -218,8 +232,8 @@ def report_lines(result, block_size: int) -> list[str]:
 
 
 def _finite(value):
-    """JSON has no NaN (tau of zero rounds): such numbers become null."""
-    if isinstance(value, float) and value != value:
+    """JSON has no NaN (tau of zero rounds) or Infinity: such numbers become null."""
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
@@ -327,7 +341,6 @@ def _template_kwargs(args: argparse.Namespace, run_config: dict | None, err) -> 
 def _run_why(args, target, drafter, run_config, described: str, device: str, out, err) -> int:
     """--why: tau held-in, held-out and expected, and the likely cause (trainer.tau_diagnosis)."""
     from trainer import metrics_format
-    from trainer.data.prompts import load_prompts
     from trainer.tau_diagnosis import expected_tau_of, likely_cause
 
     held_in = _evaluate(
@@ -335,8 +348,8 @@ def _run_why(args, target, drafter, run_config, described: str, device: str, out
     )
     held_out = None
     if args.prompts:
-        prompts = load_prompts(args.prompts, target.tokenizer, target.vocab_size, args.template_kwargs)
-        held_out = _evaluate(args, target, drafter, prompts[: args.num_prompts], device, err)
+        prompts = _prompts(args, target, run_config, described)
+        held_out = _evaluate(args, target, drafter, prompts, device, err)
     run = run_config.get("run") or {}
     metrics = run.get("metrics_file") or str(Path(run.get("output_dir", ".")) / "metrics.jsonl")
     try:

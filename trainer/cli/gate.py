@@ -52,6 +52,7 @@ def _run(args: argparse.Namespace, out) -> int:
     options.check_at_least_one(("--steps", steps))
     overrides = options.overrides_from_args(args)
     if args.work_dir:
+        options.check_out_dir(args.work_dir, "--work-dir")
         result = run_gate(args.work_dir, args.config, overrides, steps)
     else:
         with tempfile.TemporaryDirectory(prefix="dflash-gate-") as work_dir:

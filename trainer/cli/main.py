@@ -200,7 +200,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from trainer.train.checkpoint import load_checkpoint, resolve_export_source
+    from trainer.train.checkpoint import drafter_config_of, load_checkpoint, resolve_export_source
 
     options.check_out_dir(args.out)
     path = resolve_export_source(args.checkpoint)  # a step dir, or a run dir's latest: before torch loads
@@ -208,6 +208,7 @@ def _run_export(args: argparse.Namespace) -> int:
     from trainer.infer.serve_recipe import recipe_for_checkpoint, write_recipe
 
     state = load_checkpoint(path)
+    drafter_config_of(state)  # a damaged config.json or drafter_config.json: one line, before --out
     out = export_checkpoint(state, args.out, args.dtype)
     recipe = recipe_for_checkpoint(state, out, args.target)
     write_recipe(recipe, out)

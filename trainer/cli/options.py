@@ -49,14 +49,14 @@ def add_out(p: argparse.ArgumentParser, metavar: str, help: str) -> None:
     p.add_argument("--out", required=True, metavar=metavar, help=help)
 
 
-def check_out_dir(path: str) -> None:
+def check_out_dir(path: str, flag: str = "--out") -> None:
     """--out DIR can be a directory: neither it nor a parent is a file (refused before any work)."""
     full = Path(os.path.abspath(path))
     for probe in (full, *full.parents):
         if probe.exists() and not probe.is_dir():
             where = "is a file" if probe == full else f"lies under the file {probe}"
             raise ConfigError(
-                f"--out {path}: {where}, not a directory; give a directory (created if missing)"
+                f"{flag} {path}: {where}, not a directory; give a directory (created if missing)"
             )
 
 

@@ -114,11 +114,16 @@ def jsonl_records(path: str, what: str, missing_fix: str):
     """(file:line, parsed record) for each non-blank line; DataError names the file or the line."""
     if not os.path.isfile(path):
         raise DataError(path, f"{what} file not found. Fix: {missing_fix}")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # decoded line by line: a byte that is not UTF-8 is named by its line
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad = f"byte {raw[exc.start]:#04x} at offset {exc.start}"
+                raise DataError(where, f"not UTF-8 text ({bad}). Fix: save the file as UTF-8.") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:  # without its line end, the error's column is the real one
                 yield where, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:

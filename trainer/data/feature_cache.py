@@ -17,6 +17,7 @@ import os
 import threading
 
 import torch
+from safetensors import SafetensorError
 
 from trainer.atomic import write_atomic
 from trainer.data import chunk_digest
@@ -122,17 +123,23 @@ def bytes_per_token(num_layers: int, hidden: int, dtype_name: str) -> int:
 
 def read_manifest(cache_dir: str) -> dict | None:
     path = os.path.join(cache_dir, MANIFEST)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # a directory of that name is an unreadable manifest, not no manifest
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            manifest = json.load(f)
     except (OSError, ValueError) as exc:
-        raise DataError(
-            path,
-            f"unreadable manifest ({exc}). Fix: delete {cache_dir} and rerun "
-            f"`dflash-train data cache-features`.",
-        ) from None
+        raise damaged_manifest(cache_dir, exc) from None
+    if not isinstance(manifest, dict):
+        raise damaged_manifest(cache_dir, f"{type(manifest).__name__}, not a JSON object")
+    return manifest
+
+
+def damaged_manifest(cache_dir: str, why) -> DataError:
+    return DataError(
+        os.path.join(cache_dir, MANIFEST),
+        f"unreadable manifest ({why}). Fix: delete {cache_dir} and rerun `dflash-train data cache-features`.",
+    )
 
 
 def write_manifest(cache_dir: str, manifest: dict) -> None:
@@ -209,14 +216,18 @@ def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
             + "). Fix: pick another --out directory, or delete this one.",
         )
     # Keep whole shards up to the first bad one; everything after it is recomputed.
-    good = list(itertools.takewhile(lambda s: not shard_problem(cache_dir, s, True), found["shards"]))
+    try:
+        good = list(itertools.takewhile(lambda s: not shard_problem(cache_dir, s, True), found["shards"]))
+        kept, resume_at = {s["file"] for s in good}, (good[-1]["first"] + good[-1]["count"] if good else 0)
+    except (KeyError, TypeError) as exc:  # a shard entry's key missing or mistyped: nothing deleted yet
+        raise damaged_manifest(cache_dir, f"{type(exc).__name__}: {exc}") from exc
     found["complete"] = bool(found.get("complete")) and len(good) == len(found["shards"])
     found["shards"] = good
     for name in os.listdir(cache_dir):  # shards no manifest entry names (killed mid-write)
-        if name.startswith("shard-") and name not in {s["file"] for s in good}:
+        if name.startswith("shard-") and name not in kept:
             os.remove(os.path.join(cache_dir, name))
     write_manifest(cache_dir, found)
-    return found, (good[-1]["first"] + good[-1]["count"] if good else 0)
+    return found, resume_at
 
 
 def complete_manifest(cache_dir: str, manifest: dict) -> None:
@@ -297,10 +308,14 @@ class CacheReader:
         mask = torch.zeros(total, self.seq_len, dtype=torch.bool)
         attn = torch.zeros(total, self.seq_len, dtype=torch.bool)
         for shard in self.shards:
-            with safe_open(os.path.join(self.cache_dir, shard["file"]), framework="pt") as f:
-                offsets, flat_ids, flat_mask = (
-                    f.get_tensor(n) for n in ("offsets", "input_ids", "loss_mask")
-                )
+            try:
+                with safe_open(os.path.join(self.cache_dir, shard["file"]), framework="pt") as f:
+                    offsets, flat_ids, flat_mask = (
+                        f.get_tensor(n) for n in ("offsets", "input_ids", "loss_mask")
+                    )
+            except SafetensorError:  # a damaged header: the sha256 check names the shard and the fix
+                _refuse_bad_shard(self.cache_dir, shard, check_sha=True)
+                raise
             for local in range(shard["count"]):
                 a, b = int(offsets[local]), int(offsets[local + 1])
                 row = shard["first"] + local
@@ -333,12 +348,15 @@ def open_cache(cache_dir: str, expected: dict, pin_memory: bool = False) -> Data
             + "; ".join(diff)
             + ". Fix: point data.path at a cache made with this config, or make one.",
         )
-    for shard in manifest["shards"]:
-        _refuse_bad_shard(cache_dir, shard, check_sha=False)  # sizes now; sha256 on first read
-    reader = CacheReader(cache_dir, manifest, pin_memory=pin_memory)
-    ids, mask, attn = reader.token_arrays(manifest["pad_id"])
-    counts = manifest["counts"]
-    size = f"{counts['tokens']} tokens, {human_bytes(counts['bytes'])}, {manifest['dtype']}"
+    try:
+        for shard in manifest["shards"]:
+            _refuse_bad_shard(cache_dir, shard, check_sha=False)  # sizes now; sha256 on first read
+        reader = CacheReader(cache_dir, manifest, pin_memory=pin_memory)
+        ids, mask, attn = reader.token_arrays(manifest["pad_id"])
+        counts = manifest["counts"]
+        size = f"{counts['tokens']} tokens, {human_bytes(counts['bytes'])}, {manifest['dtype']}"
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:  # a key missing or mistyped
+        raise damaged_manifest(cache_dir, f"{type(exc).__name__}: {exc}") from exc
     return Dataset(ids, mask, attn, source=f"feature cache {cache_dir} ({size})", features=reader.features)
 
 

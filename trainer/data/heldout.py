@@ -73,10 +73,12 @@ def eval_prompts(cfg, target, heldout: Dataset | None, count: int) -> list[list[
     """Up to `count` evaluation prompts: eval.path, the held-out split, or fresh synthetic prompts;
     training and `dflash-train eval` share this."""
     if cfg.eval.path:
+        from trainer.data.chat_tokenizer import chat_tokenizer_of
         from trainer.data.prompts import load_prompts
 
-        kwargs = cfg.data.chat_template_kwargs  # rendered like the training data
-        return load_prompts(cfg.eval.path, target.tokenizer, target.vocab_size, kwargs)[:count]
+        kwargs = cfg.data.chat_template_kwargs  # rendered like the training data, and as `eval --prompts`
+        tokenizer = chat_tokenizer_of(target, cfg.target.spec)
+        return load_prompts(cfg.eval.path, tokenizer, target.vocab_size, kwargs, "eval.path")[:count]
     if heldout is not None:
         return prompts_of(heldout)[:count]
     if cfg.data.source == "synthetic":

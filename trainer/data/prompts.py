@@ -6,12 +6,16 @@ from trainer.data.dataset import ROLES, DataError, check_input_ids, jsonl_record
 
 
 def load_prompts(
-    path: str, tokenizer=None, vocab_size: int | None = None, chat_template_kwargs: dict | None = None
+    path: str,
+    tokenizer=None,
+    vocab_size: int | None = None,
+    chat_template_kwargs: dict | None = None,
+    flag: str = "--prompts",
 ) -> list[list[int]]:
     """`{"input_ids": [...]}` as is, or `{"messages": [...]}` rendered with a generation prompt (a final
     assistant turn, the reference answer, left out); DataError names file:line."""
     prompts = []
-    for where, record in jsonl_records(path, "prompts", "pass an existing .jsonl file to --prompts."):
+    for where, record in jsonl_records(path, "prompts", f"pass an existing .jsonl file to {flag}."):
         if isinstance(record, dict) and "input_ids" in record:
             ids = check_input_ids(record["input_ids"], where)
         elif isinstance(record, dict) and "messages" in record:

@@ -20,6 +20,7 @@ from trainer.atomic import write_atomic
 from trainer.data import generation_memory
 from trainer.data.dataset import DataError, derive_seed, render_chat
 from trainer.progress import ProgressLine
+from trainer.template_args import write_for_data
 
 KEPT_ROLES = ("system", "user")
 PROMPT_GUESS = 1024  # prompt tokens assumed when sizing how many records a chunk reads
@@ -72,6 +73,10 @@ class Conversation:
 
 
 def parse_record(line: str) -> Conversation:
+    try:
+        line.encode("utf-8")  # _lines kept a byte that is not UTF-8 as a lone surrogate
+    except UnicodeEncodeError as exc:
+        raise Reject(f"not UTF-8 text (a byte at offset {exc.start})") from None
     try:
         record = json.loads(line.rstrip("\r\n"))  # without its line end, the column is the real one
     except json.JSONDecodeError as exc:
@@ -242,20 +247,25 @@ def rejects_path(output: str) -> str:
 
 
 def _start_state(opts: RegenerateOptions) -> dict:
-    """The committed state to continue from; prepares (or truncates) the output files."""
+    """The committed state to continue from (nothing is written yet: _open_outputs does)."""
     progress_file, settings = _progress_path(opts.output), opts.settings()
     exists = [p for p in (opts.output, rejects_path(opts.output), progress_file) if os.path.exists(p)]
     if opts.resume and os.path.exists(progress_file):
-        with open(progress_file, encoding="utf-8") as f:
-            state = json.load(f)
-        differ = sorted(
-            k for k in set(settings) | set(state["settings"]) if settings.get(k) != state["settings"].get(k)
-        )
+        try:
+            with open(progress_file, encoding="utf-8") as f:
+                state = json.load(f)
+            was = dict(state["settings"])
+            if not {"next_line", "out_bytes", "rejects_bytes", "stats"} <= set(state):
+                raise KeyError("next_line, out_bytes, rejects_bytes or stats")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            why = f"unreadable ({type(exc).__name__}: {exc})"
+            raise DataError(progress_file, f"{why}. Fix: remove the files to start over.") from None
+        differ = sorted(k for k in set(settings) | set(was) if settings.get(k) != was.get(k))
         if differ:
             raise DataError(
                 opts.output,
                 "--resume with other settings than the stopped run: "
-                + "; ".join(f"{k}: was {state['settings'].get(k)!r}, now {settings.get(k)!r}" for k in differ)
+                + "; ".join(f"{k}: was {was.get(k)!r}, now {settings.get(k)!r}" for k in differ)
                 + ". Fix: rerun with the original settings, or start a new --out.",
             )
     elif exists and opts.resume:
@@ -278,19 +288,38 @@ def _start_state(opts: RegenerateOptions) -> dict:
             "rejects_bytes": 0,
             "stats": dict.fromkeys(STATS, 0),
         }
+    return state
+
+
+def _open_outputs(opts: RegenerateOptions) -> tuple[dict, list[Generator]]:
+    """The state to continue from and the loaded target(s); only then are the output files prepared
+    (or truncated to the last commit): bad input or a target that does not load leaves none behind."""
+    if not os.path.isfile(opts.input):
+        raise DataError(opts.input, 'input file not found. Fix: pass a JSONL of {"messages": [...]} records.')
+    if os.path.isdir(opts.output):
+        raise DataError(opts.output, "is a directory. Fix: name the output file, e.g. --out DIR/train.jsonl.")
+    state = _start_state(opts)
+    generators = [Generator(opts.target, device, opts) for device in opts.devices]
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
+    except OSError as exc:
+        raise DataError(
+            opts.output, f"cannot create its directory ({exc.strerror}). Fix: another --out."
+        ) from None
+    write_for_data(opts.output, opts.chat_template_kwargs)  # the arguments travel with the data into the run
     for path, size_key in ((opts.output, "out_bytes"), (rejects_path(opts.output), "rejects_bytes")):
         with open(path, "a+b") as f:  # drop whatever a killed run wrote after its last commit
             f.truncate(state[size_key])
-    write_atomic(progress_file, json.dumps(state))
-    return state
+    write_atomic(_progress_path(opts.output), json.dumps(state))
+    return state, generators
 
 
 def _lines(path: str, first: int):
     """(line index, text) of non-blank lines from line index `first`."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # a line that is not UTF-8 is rejected (parse_record), not a crash
         for index, line in enumerate(f):
             if index >= first and line.strip():
-                yield index, line
+                yield index, line.decode("utf-8", "surrogateescape")
 
 
 def run_summary(committed: dict, first: dict, seconds: float) -> dict:
@@ -311,10 +340,7 @@ def regenerate(
     """Regenerate opts.input into opts.output; returns the summary. `report` holds what is committed
     at every moment, for a caller reporting a run that ends by an exception."""
     report = report if report is not None else {}
-    if not os.path.isfile(opts.input):
-        raise DataError(opts.input, 'input file not found. Fix: pass a JSONL of {"messages": [...]} records.')
-    os.makedirs(os.path.dirname(os.path.abspath(opts.output)), exist_ok=True)
-    state = _start_state(opts)
+    state, generators = _open_outputs(opts)
     stats = state["stats"]
     total = sum(1 for _ in _lines(opts.input, 0))
     first = dict(stats)
@@ -324,7 +350,6 @@ def regenerate(
         output=opts.output,
         rejects_path=rejects_path(opts.output),
     )
-    generators = [Generator(opts.target, device, opts) for device in opts.devices]
     began = time.monotonic()  # rates count generation, not loading the model
     progress = ProgressLine(
         "records", total, done=stats["seen"], out=out, tty=tty, every_s=opts.progress_every_s
@@ -432,5 +457,5 @@ def _commit(state: dict, next_line: int, out_file, rej_file, output: str) -> Non
     write_atomic(_progress_path(output), json.dumps(state))  # the commit point
 
 
-def _jsonl(obj) -> bytes:
-    return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+def _jsonl(obj) -> bytes:  # a reject's bytes that are not UTF-8 are written back as read
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", "surrogateescape")

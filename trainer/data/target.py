@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from trainer.config import ConfigError
@@ -203,28 +204,43 @@ def _default_dtype(dtype):
         torch.set_default_dtype(before)
 
 
+# what a damaged model directory raises as transformers or safetensors read it (a file missing or cut
+# short, JSON of another shape: an index without its weight_map, a list)
+MODEL_DIR_ERRORS = (OSError, ValueError, KeyError, TypeError, SafetensorError)
+
+
+def model_dir_error(path: str, what: str, exc: Exception, fix: str) -> ConfigError:
+    """One line for a model directory that could not be read: what, its first line of why, the fix."""
+    detail = (str(exc).strip().splitlines() or [""])[0].rstrip(".")
+    return ConfigError(f"target.spec: cannot {what} {path!r}: {type(exc).__name__}: {detail}. Fix: {fix}")
+
+
+def hf_config(path: str):
+    """The model directory's config, checked to be a supported architecture."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except MODEL_DIR_ERRORS as exc:
+        raise model_dir_error(path, "read the model config in", exc, "check its config.json") from exc
+    check_supported(config)
+    return config
+
+
 def _hf_target(path: str, device: str, dtype) -> tuple[HFModel, Any]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if not os.path.isdir(path):
         raise ConfigError(
             f"target.spec: {path!r} is neither {' nor '.join(map(repr, TINY_SPECS))} nor a local directory. "
             f"Fix: point it at a downloaded Hugging Face model directory (config.json + weights)"
         )
-    try:
-        check_supported(AutoConfig.from_pretrained(path, local_files_only=True))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"target.spec: cannot read the model config in {path!r}: {exc}. "
-            f"Fix: check that the directory holds a config.json"
-        ) from exc
+    hf_config(path)
     try:
         model: HFModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"target.spec: cannot load a causal LM from {path!r}: {exc}. "
-            f"Fix: check that the directory holds config.json and weights"
-        ) from exc
+    except MODEL_DIR_ERRORS as exc:
+        fix = "check that the directory holds config.json and complete weights"
+        raise model_dir_error(path, "load a causal LM from", exc, fix) from exc
     return model.to(device), tokenizer_of(path)
 
 

@@ -12,14 +12,17 @@ from torch import nn
 
 from trainer.config import ConfigError
 from trainer.data.target import (
+    MODEL_DIR_ERRORS,
     check_layer_ids,
     default_layer_ids,
     default_mask_token_id,
+    hf_config,
+    model_dir_error,
     tokenizer_of,
     is_tiny,
     tiny_target,
 )
-from trainer.target_family import check_supported, text_config
+from trainer.target_family import text_config
 
 
 @dataclass(eq=False)
@@ -85,22 +88,21 @@ def _read_tensor(files: dict[str, str], suffix: str):
 
 
 def _hf_head(path: str, dtype):
-    from transformers import AutoConfig
-
     if not os.path.isdir(path):
         raise ConfigError(
             f"target.spec: {path!r} is neither a tiny-random spec nor a local directory. "
             f"Fix: point it at a downloaded Hugging Face model directory"
         )
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    check_supported(config)
-    config = text_config(config)
-    files = _weight_files(path)
-    embed_w = _read_tensor(files, "embed_tokens.weight")
+    config = text_config(hf_config(path))
+    try:
+        files = _weight_files(path)
+        embed_w, head_w = _read_tensor(files, "embed_tokens.weight"), _read_tensor(files, "lm_head.weight")
+    except MODEL_DIR_ERRORS as exc:
+        fix = "check that its safetensors weights (and their index) are complete"
+        raise model_dir_error(path, "read the embedding and lm_head from", exc, fix) from exc
     if embed_w is None:
         raise ConfigError(f"target.spec: no *embed_tokens.weight tensor in {path!r}")
     embed = nn.Embedding.from_pretrained(embed_w.to(dtype), freeze=True)
-    head_w = _read_tensor(files, "lm_head.weight")
     weight = embed.weight if head_w is None else nn.Parameter(head_w.to(dtype))  # None: tied embeddings
     head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     head.weight = weight

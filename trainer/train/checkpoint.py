@@ -95,7 +95,7 @@ def resolve_export_source(path: str) -> str:
     """`export --checkpoint PATH`: a step directory, or a run's output dir (its newest checkpoint)."""
     fix = (
         "Fix: pass a checkpoints/step-NNNNNNN directory, or a training run's output directory "
-        "(its latest checkpoint is exported)"
+        "(its latest checkpoint)"
     )
     if not os.path.exists(path):
         raise CheckpointError(f"--checkpoint {path}: no such file or directory. {fix}.")
@@ -209,12 +209,39 @@ def load_checkpoint(path: str) -> Checkpoint:
         state = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True)
         config = json.loads(Path(path, CONFIG).read_text(encoding="utf-8"))
         drafter_config = json.loads(Path(path, DRAFTER_CONFIG).read_text(encoding="utf-8"))
+        step = int(state["step"])
+        resumed = {key: state[key] for key in ("optimizer", "scheduler", "data_position", "rng")}
     except Exception as exc:  # corrupt or foreign files: say which checkpoint, in one line
-        detail = (str(exc).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {detail}") from exc
-    resumed = {key: state[key] for key in ("optimizer", "scheduler", "data_position", "rng")}
-    return Checkpoint(
-        path, int(state["step"]), weights, config=config, drafter_config=drafter_config, **resumed
+        raise _unreadable(path, exc) from exc
+    return Checkpoint(path, step, weights, config=config, drafter_config=drafter_config, **resumed)
+
+
+def drafter_config_of(state: Checkpoint):
+    """The checkpoint's DrafterConfig, for a command that reads its configs (eval, export): a damaged
+    config.json or drafter_config.json (not an object, a key missing or mistyped) is a CheckpointError."""
+    from trainer.model import DrafterConfig
+
+    try:
+        if not (isinstance(state.config, dict) and all(isinstance(v, dict) for v in state.config.values())):
+            raise ValueError(f"{CONFIG} is not a JSON object of config sections")
+        if not isinstance(state.drafter_config, dict):
+            raise ValueError(f"{DRAFTER_CONFIG} is not a JSON object")
+        return DrafterConfig.from_dict(state.drafter_config)
+    except (TypeError, ValueError) as exc:
+        raise _unreadable(state.path, exc) from exc
+
+
+def weights_mismatch(exc: RuntimeError) -> str:
+    """torch's load_state_dict error in one line: which tensors are missing, unexpected or reshaped."""
+    text = " ".join(str(exc).split()).removeprefix("Error(s) in loading state_dict for DFlashDrafter: ")
+    return text[:300].rstrip(".")
+
+
+def _unreadable(path: str, exc: Exception) -> CheckpointError:
+    detail = (str(exc).strip().splitlines() or [""])[0]
+    return CheckpointError(
+        f"cannot read checkpoint {path}: {type(exc).__name__}: {detail}. "
+        f"Fix: pass another checkpoint (e.g. an earlier checkpoints/step-NNNNNNN dir)"
     )
 
 

@@ -149,6 +149,11 @@ def build_replicas(cfg: TrainConfig, dcfg: DrafterConfig, target, total_steps: i
 def restore(replicas: list[Replica], state: ckpt.Checkpoint, dcfg: DrafterConfig) -> None:
     """Continue exactly where the checkpoint stopped: weights, optimizer, schedule, RNG."""
     saved = state.drafter_config
+    fix = "Fix: resume from an earlier step-NNNNNNN dir, or start a new --output-dir."
+    if not isinstance(saved, dict):
+        raise ckpt.CheckpointError(
+            f"--resume {state.path}: {ckpt.DRAFTER_CONFIG} is not a JSON object. {fix}"
+        )
     differ = sorted(
         k for k, v in dcfg.to_dict().items() if saved.get(k) != v and (k in saved or k not in EXPORT_METADATA)
     )
@@ -159,7 +164,13 @@ def restore(replicas: list[Replica], state: ckpt.Checkpoint, dcfg: DrafterConfig
             f"Fix: resume with the config it was trained with, or start a new --output-dir."
         )
     for replica in replicas:
-        replica.model.load_state_dict(state.weights)  # copies into the replica's own parameters
+        try:
+            replica.model.load_state_dict(state.weights)  # copies into the replica's own parameters
+        except RuntimeError as exc:  # a tensor missing, unexpected or reshaped
+            mismatch = ckpt.weights_mismatch(exc)
+            raise ckpt.CheckpointError(
+                f"--resume {state.path}: its weights do not fit its drafter config ({mismatch}). {fix}"
+            ) from exc
         # load_state_dict keeps tensors that need no cast: without a copy, replicas on one device
         # would share (and each advance) the same Adam moments and step counts
         replica.optimizer.load_state_dict(copy.deepcopy(state.optimizer))

@@ -20,12 +20,17 @@ def check_output_paths(cfg: TrainConfig) -> None:
             os.makedirs(directory, exist_ok=True)
             problem = None if os.access(directory, os.W_OK | os.X_OK) else "not writable by this user"
         except OSError as exc:
-            problem = f"cannot create it ({exc.strerror})"
+            problem = "is a file" if os.path.isfile(directory) else f"cannot create it ({exc.strerror})"
         if problem:
             raise ConfigError(
                 f"{what} {directory!r} ({flag}): {problem}. "
                 f"Fix: pass a directory you can write to, e.g. runs/my-run"
             )
+    if os.path.isdir(cfg.metrics_path):
+        raise ConfigError(
+            f"metrics file {cfg.metrics_path!r} (--metrics-file / run.metrics_file): is a directory. "
+            f"Fix: name a file, e.g. {os.path.join(cfg.metrics_path, 'metrics.jsonl')}"
+        )
 
 
 def check_resume(cfg: TrainConfig) -> None:
