@@ -34,6 +34,11 @@ class ConfigError(Exception):
     exit_code = 2
 
 
+def in_one_line(exc: BaseException) -> str:
+    """`TypeName: the first line of its message`: why a file could not be read, for a one-line error."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
 @dataclasses.dataclass
 class TargetConfig:
     spec: str = "tiny-random"  # "tiny-random" or a local Hugging Face model directory

@@ -43,6 +43,7 @@ def ending(monkeypatch, capsys, argv, raised):
             "dflash-train data: failed: [Errno 28] No space left on device; rerun the same command to continue{resume}",
         ),
         (RuntimeError("the target broke"), 1, "dflash-train data: failed: RuntimeError: the target broke"),
+        (RuntimeError("CUDA out of memory.\nTried to allocate 2 GiB"), 1, "dflash-train data: failed: RuntimeError: CUDA out of memory."),
         (
             ConfigError("--batch-size must be at least 1"),
             2,
@@ -59,6 +60,7 @@ def test_stop_reasons_are_named_as_people_say_them():
     assert cli_data._why(cli_data.Terminated()) == "SIGTERM"
     assert cli_data._why(KeyboardInterrupt()) == "interrupted"
     assert cli_data._why(ValueError("bad row")) == "ValueError: bad row"
+    assert cli_data._why(ValueError("bad row\n  at line 3")) == "ValueError: bad row"
 
 
 def test_sigterm_becomes_an_interrupt_only_inside_the_block_and_only_in_the_main_thread():

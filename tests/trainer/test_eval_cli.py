@@ -141,6 +141,17 @@ def test_a_target_that_does_not_fit_the_drafter_is_one_line_exit_2(run_dir, tmp_
     assert code == 2 and "no such directory" in err
 
 
+def test_a_failure_whose_message_is_empty_or_long_is_one_line_exit_1(run_dir, monkeypatch):
+    """The first line of an empty message was an IndexError traceback; a long one is cut to its first line."""
+    for raised, said in ((RuntimeError(), "RuntimeError: "), (RuntimeError("CUDA out of memory.\nTried"), "RuntimeError: CUDA out of memory.")):
+        def broken(*args, raised=raised, **kwargs):
+            raise raised
+
+        monkeypatch.setattr("trainer.cli.eval.load_models", broken)
+        code, _, err = run(["--checkpoint", str(run_dir)])
+        assert (code, err) == (1, f"dflash-train eval: failed: {said}\n")
+
+
 def test_prompts_longer_than_the_target_context_are_skipped_with_a_count(run_dir, tmp_path):
     prompts = tmp_path / "long.jsonl"
     prompts.write_text(json.dumps({"input_ids": [7] * 4090}) + "\n" + json.dumps({"input_ids": [3, 4, 5]}) + "\n")

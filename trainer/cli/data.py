@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-from trainer.config import DEVICE_RE, ConfigError
+from trainer.config import DEVICE_RE, ConfigError, in_one_line
 from trainer.cli.errors import input_error, run_command
 from trainer.cli import options
 
@@ -125,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - one line, no traceback
         if input_error(exc) is not None:
             raise  # bad input: run_command says it
-        print(f"dflash-train data: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"dflash-train data: failed: {in_one_line(exc)}", file=sys.stderr)
         return 1
 
 
@@ -238,7 +238,7 @@ def _why(exc: BaseException) -> str:
         return "SIGTERM"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
-    return f"{type(exc).__name__}: {exc}"
+    return in_one_line(exc)
 
 
 def _cache_features(args) -> int:

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.config import DEVICE_RE, ConfigError
+from trainer.config import DEVICE_RE, ConfigError, in_one_line
 from trainer.cli.errors import run_command
 from trainer.cli import options
 
@@ -106,9 +106,8 @@ def load_drafter_source(checkpoint: str):
         try:
             dcfg, weights = drafter_config_from_export(path), load_file(str(path / WEIGHTS_FILE))
         except Exception as exc:  # a key missing or mistyped, the weights damaged: one line, not a traceback
-            detail = (str(exc).strip().splitlines() or [""])[0]
             raise ConfigError(
-                f"--checkpoint {path}: a damaged export ({type(exc).__name__}: {detail}). "
+                f"--checkpoint {path}: a damaged export ({in_one_line(exc)}). "
                 f"Fix: export it again (dflash-train export --checkpoint RUN_DIR --out {path})"
             ) from exc
         return dcfg, weights, None, f"export {path}"
@@ -139,10 +138,11 @@ def target_mismatch(dcfg, target, run_config: dict | None) -> str | None:
 
 
 def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None, device: str):
-    """(TargetModel, drafter) on `device`; raises ConfigError on a mismatch."""
+    """(TargetModel, drafter) on `device`; a mismatch raises ConfigError (the target) or CheckpointError
+    (the weights)."""
     from trainer.model import DFlashDrafter
     from trainer.data.target import load_target
-    from trainer.train.checkpoint import weights_mismatch
+    from trainer.train.checkpoint import load_weights
     from trainer.train.loop import param_dtype
 
     run_target = (run_config or {}).get("target") or {}
@@ -155,13 +155,8 @@ def load_models(dcfg, weights, run_config: dict | None, target_spec: str | None,
         raise ConfigError(f"{spec}: {problem}. Fix: pass the --target the drafter was trained for.")
     target.layer_ids = list(dcfg.target_layer_ids)
     drafter = DFlashDrafter(dcfg, target.embed_tokens, target.lm_head)
-    try:
-        drafter.load_state_dict(dict(weights))
-    except RuntimeError as exc:  # weights missing, extra or of another shape: not a failed run, bad input
-        raise ConfigError(
-            f"--checkpoint's weights do not fit its drafter config ({weights_mismatch(exc)}). "
-            f"Fix: export the checkpoint again, or pass another --checkpoint."
-        ) from exc
+    fix = "Fix: export the checkpoint again, or pass another --checkpoint."
+    load_weights(drafter, dict(weights), "--checkpoint's", fix)  # a mismatch is bad input, not a failed run
     drafter.to(device=device, dtype=param_dtype(device)).eval()
     return target, drafter
 
@@ -264,7 +259,7 @@ def _run_eval(args: argparse.Namespace, out, err) -> int:
         prompts = _prompts(args, target, run_config, described)
         result = _evaluate(args, target, drafter, prompts, device, err)
     except RuntimeError as exc:  # e.g. CUDA out of memory: one line, not a traceback
-        print(f"dflash-train eval: failed: {type(exc).__name__}: {str(exc).splitlines()[0]}", file=err)
+        print(f"dflash-train eval: failed: {in_one_line(exc)}", file=err)
         return 1
     if args.json:
         payload = dict(

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from trainer.config import ConfigError
+from trainer.config import ConfigError, in_one_line
 from trainer.fused_projections import fuse_projections
 from trainer.target_family import check_supported, text_config
 
@@ -211,8 +211,7 @@ MODEL_DIR_ERRORS = (OSError, ValueError, KeyError, TypeError, SafetensorError)
 
 def model_dir_error(path: str, what: str, exc: Exception, fix: str) -> ConfigError:
     """One line for a model directory that could not be read: what, its first line of why, the fix."""
-    detail = (str(exc).strip().splitlines() or [""])[0].rstrip(".")
-    return ConfigError(f"target.spec: cannot {what} {path!r}: {type(exc).__name__}: {detail}. Fix: {fix}")
+    return ConfigError(f"target.spec: cannot {what} {path!r}: {in_one_line(exc).rstrip('.')}. Fix: {fix}")
 
 
 def hf_config(path: str):

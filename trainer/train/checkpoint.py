@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.atomic import fsync_dir
+from trainer.config import in_one_line
 from trainer.files import follow_umask
 
 # torch and safetensors are imported where tensors are read or written: argument and path errors
@@ -231,16 +232,20 @@ def drafter_config_of(state: Checkpoint):
         raise _unreadable(state.path, exc) from exc
 
 
-def weights_mismatch(exc: RuntimeError) -> str:
-    """torch's load_state_dict error in one line: which tensors are missing, unexpected or reshaped."""
-    text = " ".join(str(exc).split()).removeprefix("Error(s) in loading state_dict for DFlashDrafter: ")
-    return text[:300].rstrip(".")
+def load_weights(model, weights: dict, whose: str, fix: str) -> None:
+    """model.load_state_dict(weights); tensors missing, unexpected or reshaped are one CheckpointError line,
+    "{whose} weights do not fit its drafter config (which tensors). {fix}"."""
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as exc:
+        said = f"Error(s) in loading state_dict for {type(model).__name__}: "
+        mismatch = " ".join(str(exc).split()).removeprefix(said)[:300].rstrip(".")
+        raise CheckpointError(f"{whose} weights do not fit its drafter config ({mismatch}). {fix}") from exc
 
 
 def _unreadable(path: str, exc: Exception) -> CheckpointError:
-    detail = (str(exc).strip().splitlines() or [""])[0]
     return CheckpointError(
-        f"cannot read checkpoint {path}: {type(exc).__name__}: {detail}. "
+        f"cannot read checkpoint {path}: {in_one_line(exc)}. "
         f"Fix: pass another checkpoint (e.g. an earlier checkpoints/step-NNNNNNN dir)"
     )
 

@@ -163,14 +163,8 @@ def restore(replicas: list[Replica], state: ckpt.Checkpoint, dcfg: DrafterConfig
             f"(checkpoint: {', '.join(f'{k}={saved.get(k)!r}' for k in differ)}). "
             f"Fix: resume with the config it was trained with, or start a new --output-dir."
         )
-    for replica in replicas:
-        try:
-            replica.model.load_state_dict(state.weights)  # copies into the replica's own parameters
-        except RuntimeError as exc:  # a tensor missing, unexpected or reshaped
-            mismatch = ckpt.weights_mismatch(exc)
-            raise ckpt.CheckpointError(
-                f"--resume {state.path}: its weights do not fit its drafter config ({mismatch}). {fix}"
-            ) from exc
+    for replica in replicas:  # copies into the replica's own parameters
+        ckpt.load_weights(replica.model, state.weights, f"--resume {state.path}: its", fix)
         # load_state_dict keeps tensors that need no cast: without a copy, replicas on one device
         # would share (and each advance) the same Adam moments and step counts
         replica.optimizer.load_state_dict(copy.deepcopy(state.optimizer))
