@@ -551,14 +551,22 @@ def _drop(key):
 
 @pytest.mark.parametrize("damage, said", [
     (lambda m: [1, 2], "unreadable manifest (list, not a JSON object)"),
-    (_drop("counts"), "unreadable manifest (KeyError: 'counts')"),
-    (_drop("pad_id"), "unreadable manifest (KeyError: 'pad_id')"),
-    (lambda m: dict(m, dtype="fp8"), "unreadable manifest (KeyError: 'fp8')"),
-    (lambda m: dict(m, shards=[]), "unreadable manifest (IndexError: "),
-    (lambda m: dict(m, shards=[{"file": m["shards"][0]["file"]}]), "unreadable manifest (KeyError: 'bytes')"),
+    (_drop("counts"), "unreadable manifest ('counts' missing or not integers"),
+    (_drop("pad_id"), "unreadable manifest ('pad_id' missing or not int)"),
+    (lambda m: dict(m, pad_id=True), "unreadable manifest ('pad_id' missing or not int)"),
+    (lambda m: dict(m, dtype="fp8"), "unreadable manifest (dtype 'fp8' is none of ['bf16', 'fp32'])"),
+    (lambda m: dict(m, layer_ids=["1"]), "unreadable manifest (target.hidden_size or layer_ids not integers)"),
+    (lambda m: dict(m, shards=[]), "unreadable manifest (complete, but no shards)"),
+    (lambda m: dict(m, shards=[{"file": m["shards"][0]["file"]}]),
+     "unreadable manifest (shards[0]: first, count, tokens, loss_tokens, bytes missing or mistyped)"),
+    (lambda m: dict(m, shards=[dict(s, first=0) for s in m["shards"]]),
+     "unreadable manifest (shards[1]: sequences 0+"),
+    (lambda m: dict(m, shards=m["shards"][:-1] + [dict(m["shards"][-1], count=m["shards"][-1]["count"] + 1)]),
+     "unreadable manifest (shard-"),
 ])
 def test_a_damaged_manifest_is_one_line_naming_it_when_training(made, tmp_path, capsys, damage, said):
-    """Each was a traceback and `training failed: 'counts'` (exit 1)."""
+    """Each was a traceback and `training failed: 'counts'` (exit 1); shards whose sequences overlap trained on
+    the wrong rows, silently."""
     import shutil
 
     cfg, target, dataset, header, manifest, root = made
@@ -591,7 +599,7 @@ def test_cache_features_into_a_cache_whose_shard_entries_are_damaged_refuses_and
     shutil.copytree(root / "fp32", copy)
     shards = sorted(p.name for p in copy.glob("shard-*"))
     (copy / "manifest.json").write_text(json.dumps(dict(manifest, shards=[{"file": shards[0]}, "x"])))
-    with pytest.raises(DataError, match=r"manifest.json: unreadable manifest \(KeyError: 'bytes'\)"):
+    with pytest.raises(DataError, match=r"manifest.json: unreadable manifest \(shards\[0\]: first, count, tokens"):
         fc.prepare(str(copy), header)
     assert sorted(p.name for p in copy.glob("shard-*")) == shards
 

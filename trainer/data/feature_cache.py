@@ -29,6 +29,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Keys a training run must agree on; the rest of the manifest is provenance.
 COMPATIBLE_KEYS = ("target", "layer_ids", "seq_len")
 OPEN_SHARDS_PER_THREAD = 64
+# What the readers rely on: a manifest's keys and each shard entry's, with the type of their values.
+MANIFEST_TYPES = {
+    "target": dict,
+    "layer_ids": list,
+    "seq_len": int,
+    "dtype": str,
+    "pad_id": int,
+    "shards": list,
+}
+SHARD_TYPES = {"file": str, "first": int, "count": int, "tokens": int, "loss_tokens": int, "bytes": int}
+COUNT_KEYS = ("sequences", "tokens", "loss_tokens", "bytes", "shards")
 TOKEN_BYTES = 5  # an int32 id and a bool mask per token, beside its features
 
 
@@ -130,9 +141,48 @@ def read_manifest(cache_dir: str) -> dict | None:
             manifest = json.load(f)
     except (OSError, ValueError) as exc:
         raise damaged_manifest(cache_dir, exc) from None
-    if not isinstance(manifest, dict):
-        raise damaged_manifest(cache_dir, f"{type(manifest).__name__}, not a JSON object")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise damaged_manifest(cache_dir, problem)
     return manifest
+
+
+def _not_a(value, kind: type) -> bool:
+    return not isinstance(value, kind) or (kind is int and isinstance(value, bool))
+
+
+def manifest_problem(manifest) -> str | None:
+    """What in a manifest's shape the readers could not use (a key missing or mistyped), or None."""
+    if not isinstance(manifest, dict):
+        return f"{type(manifest).__name__}, not a JSON object"
+    for key, kind in MANIFEST_TYPES.items():
+        if _not_a(manifest.get(key), kind):
+            return f"{key!r} missing or not {kind.__name__}"
+    if manifest["dtype"] not in DTYPES:
+        return f"dtype {manifest['dtype']!r} is none of {sorted(DTYPES)}"
+    if _not_a(manifest["target"].get("hidden_size"), int) or any(
+        _not_a(i, int) for i in manifest["layer_ids"]
+    ):
+        return "target.hidden_size or layer_ids not integers"
+    first = 0  # the shards hold consecutive sequences, in order
+    for i, shard in enumerate(manifest["shards"]):
+        missing = [
+            k for k, kind in SHARD_TYPES.items() if not isinstance(shard, dict) or _not_a(shard.get(k), kind)
+        ]
+        if missing or not (chunk_digest.FIELD in shard or "sha256" in shard):
+            return f"shards[{i}]: {', '.join(missing) or 'its checksum'} missing or mistyped"
+        if shard["first"] != first or shard["count"] < 1:
+            return (
+                f"shards[{i}]: sequences {shard['first']}+{shard['count']}, the shards before end at {first}"
+            )
+        first += shard["count"]
+    if manifest.get("complete"):
+        counts = manifest.get("counts")
+        if not isinstance(counts, dict) or any(_not_a(counts.get(k), int) for k in COUNT_KEYS):
+            return f"'counts' missing or not integers ({', '.join(COUNT_KEYS)})"
+        if not manifest["shards"]:
+            return "complete, but no shards"
+    return None
 
 
 def damaged_manifest(cache_dir: str, why) -> DataError:
@@ -216,11 +266,8 @@ def prepare(cache_dir: str, header: dict) -> tuple[dict, int]:
             + "). Fix: pick another --out directory, or delete this one.",
         )
     # Keep whole shards up to the first bad one; everything after it is recomputed.
-    try:
-        good = list(itertools.takewhile(lambda s: not shard_problem(cache_dir, s, True), found["shards"]))
-        kept, resume_at = {s["file"] for s in good}, (good[-1]["first"] + good[-1]["count"] if good else 0)
-    except (KeyError, TypeError) as exc:  # a shard entry's key missing or mistyped: nothing deleted yet
-        raise damaged_manifest(cache_dir, f"{type(exc).__name__}: {exc}") from exc
+    good = list(itertools.takewhile(lambda s: not shard_problem(cache_dir, s, True), found["shards"]))
+    kept, resume_at = {s["file"] for s in good}, (good[-1]["first"] + good[-1]["count"] if good else 0)
     found["complete"] = bool(found.get("complete")) and len(good) == len(found["shards"])
     found["shards"] = good
     for name in os.listdir(cache_dir):  # shards no manifest entry names (killed mid-write)
@@ -316,6 +363,11 @@ class CacheReader:
             except SafetensorError:  # a damaged header: the sha256 check names the shard and the fix
                 _refuse_bad_shard(self.cache_dir, shard, check_sha=True)
                 raise
+            if len(offsets) != shard["count"] + 1:
+                held = (
+                    f"{shard['file']} holds {len(offsets) - 1} sequences, the manifest says {shard['count']}"
+                )
+                raise damaged_manifest(self.cache_dir, held)
             for local in range(shard["count"]):
                 a, b = int(offsets[local]), int(offsets[local + 1])
                 row = shard["first"] + local
@@ -348,15 +400,12 @@ def open_cache(cache_dir: str, expected: dict, pin_memory: bool = False) -> Data
             + "; ".join(diff)
             + ". Fix: point data.path at a cache made with this config, or make one.",
         )
-    try:
-        for shard in manifest["shards"]:
-            _refuse_bad_shard(cache_dir, shard, check_sha=False)  # sizes now; sha256 on first read
-        reader = CacheReader(cache_dir, manifest, pin_memory=pin_memory)
-        ids, mask, attn = reader.token_arrays(manifest["pad_id"])
-        counts = manifest["counts"]
-        size = f"{counts['tokens']} tokens, {human_bytes(counts['bytes'])}, {manifest['dtype']}"
-    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:  # a key missing or mistyped
-        raise damaged_manifest(cache_dir, f"{type(exc).__name__}: {exc}") from exc
+    for shard in manifest["shards"]:
+        _refuse_bad_shard(cache_dir, shard, check_sha=False)  # sizes now; sha256 on first read
+    reader = CacheReader(cache_dir, manifest, pin_memory=pin_memory)
+    ids, mask, attn = reader.token_arrays(manifest["pad_id"])
+    counts = manifest["counts"]
+    size = f"{counts['tokens']} tokens, {human_bytes(counts['bytes'])}, {manifest['dtype']}"
     return Dataset(ids, mask, attn, source=f"feature cache {cache_dir} ({size})", features=reader.features)
 
 
