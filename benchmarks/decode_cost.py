@@ -163,6 +163,26 @@ KERNELS = {
 }
 
 
+ROW_NAME = {"verify": "verify", "draft": "draft", "target": "step", "speculative": "round"}
+
+
+def parts_of(dec) -> dict:
+    """The four calls timed, as functions of a StaticDecoder's state: a target-only step, a verify of
+    a block, a draft (context extension + proposals) and a whole speculative round."""
+    k, offsets, block = dec.kernels, dec.offsets, dec.block
+
+    def verify():
+        where = dec.start.unsqueeze(1) + offsets
+        ids = torch.cat([dec.anchor.unsqueeze(1), dec.anchor.unsqueeze(1).expand(-1, block - 1)], 1)
+        dec.target.logits(dec.target.hidden(ids, where, k).hidden, k).argmax(-1)
+
+    def draft():
+        dec.drafter.extend(dec.pending, dec.pending_start.unsqueeze(1) + offsets, k)
+        dec.drafter.proposals(dec.anchor, dec.start, k)
+
+    return {"verify": verify, "draft": draft, "target": dec.target_step, "speculative": dec.speculative_round}
+
+
 def measure(model, drafter, shape: str, block: int, kernels: str, device: str, iterations: int) -> dict:
     from trainer.fused_projections import fuse_projections
     from trainer.infer.static_decode import StaticDecoder
@@ -187,22 +207,9 @@ def measure(model, drafter, shape: str, block: int, kernels: str, device: str, i
     t0 = time.perf_counter()
     dec = decoder(compile=compile, rowwise=rowwise, triton=triton)
     dec.prepare([prompt])
-    k = dec.kernels
-    offsets = dec.offsets
-
-    def verify():
-        where = dec.start.unsqueeze(1) + offsets
-        ids = torch.cat([dec.anchor.unsqueeze(1), dec.anchor.unsqueeze(1).expand(-1, block - 1)], 1)
-        dec.target.logits(dec.target.hidden(ids, where, k).hidden, k).argmax(-1)
-
-    def draft():
-        dec.drafter.extend(dec.pending, dec.pending_start.unsqueeze(1) + offsets, k)
-        dec.drafter.proposals(dec.anchor, dec.start, k)
-
     with torch.no_grad():
-        parts = {"verify": dec.runner("verify", verify), "draft": dec.runner("draft", draft)}
-        parts["step"] = dec.runner("target", dec.target_step)
-        parts["round"] = dec.runner("speculative", dec.speculative_round)
+        # keyed by the row's names; the runners' names are the loop's, so decode() replays these graphs
+        parts = {ROW_NAME[name]: dec.runner(name, run) for name, run in parts_of(dec).items()}
         setup_s = time.perf_counter() - t0
         dec.prefill([prompt], spec["new"], True)  # positions at the end of the prompt, as in decoding
         row: dict[str, Any] = {"block": block, "kernels": kernels, "graphs": dec.graphs, "setup_s": setup_s}
