@@ -124,12 +124,24 @@ def post_attention(x, attn, out_gate, weights, eps: float, centered: bool = Fals
     return residual_mlp(x, project(merged, wo, bo), ln, gate, up, down, eps, centered, project)
 
 
-def context_kv(ctx, wk, bk, wv, bv, k_norm, cos, sin, eps: float, kv_heads: int, head_dim: int):
-    """Drafter context keys/values [B, T, Hkv, D] of projected features ctx [B, T, H] (no input norm)."""
-    batch, length, _ = ctx.shape
-    k = F.linear(ctx, wk, bk).view(batch, length, kv_heads, head_dim)
-    v = F.linear(ctx, wv, bv).view(batch, length, kv_heads, head_dim)
-    return rotate(rms_norm(k, k_norm, eps), cos.unsqueeze(2), sin.unsqueeze(2)), v
+def context_kv(features, fc, norm, kv, k_norms, cos, sin, where, eps: tuple, kv_heads: int, head_dim: int):
+    """Every drafter layer's context keys/values [B, T, L, Hkv, D] of target features [B, T, K*H] at
+    positions where [B, T]: the feature projection and its norm, then ONE product for all L layers' K
+    and V (kv: each layer's k_proj then v_proj rows, stacked), each layer's k norm and RoPE.
+    eps: (the feature norm's, the layers' norms')."""
+    batch, length, _ = features.shape
+    ctx = rms_norm(F.linear(features.to(fc.dtype), fc), norm, eps[0])
+    both = F.linear(ctx, kv).view(batch, length, -1, 2, kv_heads, head_dim)
+    k = rms_norm(both[:, :, :, 0], k_norms.unsqueeze(1), eps[1])
+    return rotate(k, cos[where][:, :, None, None], sin[where][:, :, None, None]), both[:, :, :, 1]
+
+
+def block_inputs(anchor, start, offsets, mask_ids, embed, cos, sin, dtype: torch.dtype):
+    """What a drafter block forward takes: the embedded block [anchor, MASK...] [B, L, H] at positions
+    where = start.. [B, L], their RoPE cos/sin, and each query's horizon (it sees the whole block)."""
+    where = start.unsqueeze(1) + offsets
+    x = F.embedding(torch.cat([anchor.unsqueeze(1), mask_ids], dim=1), embed).to(dtype)
+    return x, where, cos[where], sin[where], (start + offsets[-1]).unsqueeze(1).expand_as(where)
 
 
 def grouped_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -227,6 +239,7 @@ class Kernels:
         self.post = wrap(functools.partial(post_attention, project=project))
         self.residual_mlp = wrap(functools.partial(residual_mlp, project=project))
         self.context = wrap(context_kv)
+        self.block_inputs = wrap(block_inputs)
         self.norm = wrap(rms_norm)  # eager, a norm is a kernel per op; compiled, one
         self.delta = wrap(gated_deltanet.mix_tensors)
         self.merge = wrap(merge_heads)
@@ -425,29 +438,37 @@ class StaticDrafter:
         self.row_index = torch.arange(rows, device=device).unsqueeze(1)
         self.offsets = torch.arange(self.block, device=device)
         self.mask_ids = torch.full((rows, self.block - 1), cfg.mask_token_id, dtype=torch.long, device=device)
+        attention: list[Any] = [layer.self_attn for layer in drafter.layers]  # DFlashAttention: no biases
+        # stacked copies of every layer's k/v projection and k norm (one product for all layers),
+        # taken again from the drafter at each refresh (its weights change in place while it trains)
+        self._stacked = [w for a in attention for w in (a.k_proj.weight, a.v_proj.weight)]
+        self._k_norms = [a.k_norm.weight for a in attention]
+        self.kv = torch.cat(self._stacked)
+        self.k_norms = torch.stack(self._k_norms)
+
+    def refresh(self) -> None:
+        """Take the drafter's current k/v projections and k norms (copied in place: graphs read these)."""
+        with torch.no_grad():
+            torch.cat(self._stacked, out=self.kv)
+            torch.stack(self._k_norms, out=self.k_norms)
 
     def extend(self, features: torch.Tensor, where: torch.Tensor, kernels: Kernels = EAGER) -> None:
         """Write the context K/V of target features [B, T, K*H] at positions where [B, T]."""
-        d = self.drafter
-        ctx = F.linear(features.to(d.fc.weight.dtype), d.fc.weight)
-        ctx = kernels.norm(ctx, d.hidden_norm.weight, d.hidden_norm.eps)
-        cos, sin = self.cos[where], self.sin[where]
-        dims = self.cfg.rms_norm_eps, self.cfg.num_kv_heads, self.cfg.head_dim
-        for i, w in enumerate(self.layers):
-            _, _, _, wk, bk, wv, bv, _, k_norm = w.pre
-            k, v = kernels.context(ctx, wk, bk, wv, bv, k_norm, cos, sin, *dims)
-            self.keys[i][self.row_index, :, where] = k
-            self.values[i][self.row_index, :, where] = v
+        d, cfg = self.drafter, self.cfg
+        eps = (d.hidden_norm.eps, cfg.rms_norm_eps)
+        weights = (d.fc.weight, d.hidden_norm.weight, self.kv, self.k_norms)
+        k, v = kernels.context(
+            features, *weights, self.cos, self.sin, where, eps, cfg.num_kv_heads, cfg.head_dim
+        )
+        self.keys[:, self.row_index, :, where] = k
+        self.values[:, self.row_index, :, where] = v
 
     def proposals(self, anchor: torch.Tensor, start: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
         """[B, block-1] greedy proposals for positions start+1.. of the block [anchor, MASK...] placed
         at start..start+block-1 (it sees the cached context before start and the whole block)."""
         d, cfg = self.drafter, self.cfg
-        where = start.unsqueeze(1) + self.offsets
-        ids = torch.cat([anchor.unsqueeze(1), self.mask_ids], dim=1)
-        x = F.embedding(ids, d.embed_weight).to(d.fc.weight.dtype)
-        cos, sin = self.cos[where], self.sin[where]
-        horizon = (start + self.block - 1).unsqueeze(1).expand(-1, self.block)  # the whole block, every query
+        tables = (self.offsets, self.mask_ids, d.embed_weight, self.cos, self.sin)
+        x, where, cos, sin, horizon = kernels.block_inputs(anchor, start, *tables, d.fc.weight.dtype)
         group = cfg.num_heads // cfg.num_kv_heads
         seen = kernels.visibility(horizon, self.keys.shape[3], group, x.dtype)
         for i, w in enumerate(self.layers):
@@ -589,6 +610,7 @@ class StaticDecoder:
         first = self.target.logits(last).argmax(-1)
         if speculative:
             assert self.drafter is not None and prefill.features is not None  # decode() checked
+            self.drafter.refresh()
             self.drafter.extend(prefill.features, where)
         self.start.copy_(self.prompt_len)
         self.anchor.copy_(first)
