@@ -1,6 +1,7 @@
-# The static loop's norms compiled (one kernel each instead of a kernel per op): the tree before (_before =
-# `git archive <base> trainer benchmarks`) against this tree, small shape and Qwen3-8B's shape, block 16, Triton
-# kernels, alternating, three times each (AB_ROUNDS, AB_SHAPES, AB_STOP_S: fewer) (repository root on the GPU machine). Raw JSON in $OUT/decode-norm-ab.tgz.
+# A change to the static decode loop, before and after: the tree before (_before = `git archive <base> trainer
+# benchmarks`) against this tree, decode_cost at the small shape (and Qwen3-8B's in the first round), block 16,
+# Triton kernels, alternating, three times each (AB_ROUNDS, AB_SHAPES, AB_STOP_S: fewer) (repository root on the
+# GPU machine). Raw JSON in $OUT/decode-ab.tgz.
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 R=/tmp/ab; mkdir -p $R
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -22,6 +23,6 @@ for shape, r in results.items():
     print(f"{sys.argv[2]} {shape}: {cells} round/step(loop)={row['round_loop_ms'] / row['step_loop_ms']:.3f} "
           f"tok/s={row['target_only_tok_s']:.0f} spec==target {row['speculative_equals_target_only']}")
 PY
-    tar -C $R -czf "$OUT/decode-norm-ab.tgz" .
+    tar -C $R -czf "$OUT/decode-ab.tgz" .
   done
 done
