@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -424,7 +424,14 @@ class StaticDrafter:
     def __init__(self, drafter: DFlashDrafter, rows: int, positions: int):
         cfg = drafter.cfg
         self.drafter, self.cfg = drafter, cfg
-        self.layers = [_layer_of(layer) for layer in drafter.layers]
+        # Products the drafter's modules keep apart run as one over stacked copies of their weights
+        # (q/k/v, gate/up, every layer's k/v of the context), taken again at each refresh: the
+        # drafter's weights change in place while it trains.
+        self._copies: list[tuple[Callable, list[torch.Tensor], torch.Tensor]] = []
+        self.layers = [self._fused(_layer_of(layer)) for layer in drafter.layers]
+        attention: list[Any] = [layer.self_attn for layer in drafter.layers]  # DFlashAttention: no biases
+        self.kv = self._copy(torch.cat, [w for a in attention for w in (a.k_proj.weight, a.v_proj.weight)])
+        self.k_norms = self._copy(torch.stack, [a.k_norm.weight for a in attention])
         self.block = cfg.block_size
         self.dims = (cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
@@ -438,19 +445,27 @@ class StaticDrafter:
         self.row_index = torch.arange(rows, device=device).unsqueeze(1)
         self.offsets = torch.arange(self.block, device=device)
         self.mask_ids = torch.full((rows, self.block - 1), cfg.mask_token_id, dtype=torch.long, device=device)
-        attention: list[Any] = [layer.self_attn for layer in drafter.layers]  # DFlashAttention: no biases
-        # stacked copies of every layer's k/v projection and k norm (one product for all layers),
-        # taken again from the drafter at each refresh (its weights change in place while it trains)
-        self._stacked = [w for a in attention for w in (a.k_proj.weight, a.v_proj.weight)]
-        self._k_norms = [a.k_norm.weight for a in attention]
-        self.kv = torch.cat(self._stacked)
-        self.k_norms = torch.stack(self._k_norms)
+
+    def _copy(self, join: Callable, parts: list[torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            out = join(parts)
+        self._copies.append((join, parts, out))
+        return out
+
+    def _fused(self, w: _Layer) -> _Layer:
+        """The layer with its q/k/v and its gate/up as one stacked product each (as fuse_projections)."""
+        ln, wq, _, wk, _, wv, _, q_norm, k_norm = w.pre
+        wo, bo, ln2, gate, up, down = w.post
+        qkv, gate_up = self._copy(torch.cat, [wq, wk, wv]), self._copy(torch.cat, [gate, up])
+        return _Layer(
+            (ln, qkv, None, None, None, None, None, q_norm, k_norm), (wo, bo, ln2, gate_up, None, down)
+        )
 
     def refresh(self) -> None:
-        """Take the drafter's current k/v projections and k norms (copied in place: graphs read these)."""
+        """Take the drafter's current weights into the stacked copies (in place: graphs read these)."""
         with torch.no_grad():
-            torch.cat(self._stacked, out=self.kv)
-            torch.stack(self._k_norms, out=self.k_norms)
+            for join, parts, out in self._copies:
+                join(parts, out=out)
 
     def extend(self, features: torch.Tensor, where: torch.Tensor, kernels: Kernels = EAGER) -> None:
         """Write the context K/V of target features [B, T, K*H] at positions where [B, T]."""
