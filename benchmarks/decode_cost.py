@@ -177,7 +177,7 @@ def parts_of(dec) -> dict:
         dec.target.logits(dec.target.hidden(ids, where, k).hidden, k).argmax(-1)
 
     def draft():
-        dec.drafter.extend(dec.pending, dec.pending_start.unsqueeze(1) + offsets, k)
+        dec.drafter.extend(dec.pending, dec.pending_start, k)
         dec.drafter.proposals(dec.anchor, dec.start, k)
 
     return {"verify": verify, "draft": draft, "target": dec.target_step, "speculative": dec.speculative_round}

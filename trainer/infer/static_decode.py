@@ -124,16 +124,21 @@ def post_attention(x, attn, out_gate, weights, eps: float, centered: bool = Fals
     return residual_mlp(x, project(merged, wo, bo), ln, gate, up, down, eps, centered, project)
 
 
-def context_kv(features, fc, norm, kv, k_norms, cos, sin, where, eps: tuple, kv_heads: int, head_dim: int):
-    """Every drafter layer's context keys/values [B, T, L, Hkv, D] of target features [B, T, K*H] at
-    positions where [B, T]: the feature projection and its norm, then ONE product for all L layers' K
-    and V (kv: each layer's k_proj then v_proj rows, stacked), each layer's k norm and RoPE.
-    eps: (the feature norm's, the layers' norms')."""
+def context_kv(
+    features, start, fc, norm, kv, k_norms, cos, sin, keys, values, rows, eps: tuple, kv_heads: int,
+    head_dim: int,
+) -> None:  # fmt: skip
+    """Write every drafter layer's context keys/values of target features [B, T, K*H] at positions
+    start.. [B] into the caches [L, B', Hkv, S, D] (rows [B, 1] of them): the feature projection and its
+    norm, then ONE product for all L layers' K and V (kv: each layer's k_proj then v_proj rows,
+    stacked), each layer's k norm and RoPE. eps: (the feature norm's, the layers' norms')."""
     batch, length, _ = features.shape
+    where = start.unsqueeze(1) + torch.arange(length, device=start.device)
     ctx = rms_norm(F.linear(features.to(fc.dtype), fc), norm, eps[0])
     both = F.linear(ctx, kv).view(batch, length, -1, 2, kv_heads, head_dim)
     k = rms_norm(both[:, :, :, 0], k_norms.unsqueeze(1), eps[1])
-    return rotate(k, cos[where][:, :, None, None], sin[where][:, :, None, None]), both[:, :, :, 1]
+    keys[:, rows, :, where] = rotate(k, cos[where][:, :, None, None], sin[where][:, :, None, None])
+    values[:, rows, :, where] = both[:, :, :, 1]
 
 
 def block_inputs(anchor, start, offsets, mask_ids, embed, cos, sin, dtype: torch.dtype):
@@ -467,16 +472,13 @@ class StaticDrafter:
             for join, parts, out in self._copies:
                 join(parts, out=out)
 
-    def extend(self, features: torch.Tensor, where: torch.Tensor, kernels: Kernels = EAGER) -> None:
-        """Write the context K/V of target features [B, T, K*H] at positions where [B, T]."""
+    def extend(self, features: torch.Tensor, start: torch.Tensor, kernels: Kernels = EAGER) -> None:
+        """Write the context K/V of target features [B, T, K*H] at positions start.. [B]."""
         d, cfg = self.drafter, self.cfg
+        weights = (d.fc.weight, d.hidden_norm.weight, self.kv, self.k_norms, self.cos, self.sin)
+        caches = (self.keys, self.values, self.row_index)
         eps = (d.hidden_norm.eps, cfg.rms_norm_eps)
-        weights = (d.fc.weight, d.hidden_norm.weight, self.kv, self.k_norms)
-        k, v = kernels.context(
-            features, *weights, self.cos, self.sin, where, eps, cfg.num_kv_heads, cfg.head_dim
-        )
-        self.keys[:, self.row_index, :, where] = k
-        self.values[:, self.row_index, :, where] = v
+        kernels.context(features, start, *weights, *caches, eps, cfg.num_kv_heads, cfg.head_dim)
 
     def proposals(self, anchor: torch.Tensor, start: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
         """[B, block-1] greedy proposals for positions start+1.. of the block [anchor, MASK...] placed
@@ -602,7 +604,7 @@ class StaticDecoder:
         k = self.kernels
         drafter = self.drafter
         assert drafter is not None  # decode() runs speculative rounds only with a drafter
-        drafter.extend(self.pending, self.pending_start.unsqueeze(1) + self.offsets, k)
+        drafter.extend(self.pending, self.pending_start, k)
         proposals = drafter.proposals(self.anchor, self.start, k)
         where = self.start.unsqueeze(1) + self.offsets
         verify = self.target.hidden(torch.cat([self.anchor.unsqueeze(1), proposals], 1), where, k)
@@ -626,7 +628,7 @@ class StaticDecoder:
         if speculative:
             assert self.drafter is not None and prefill.features is not None  # decode() checked
             self.drafter.refresh()
-            self.drafter.extend(prefill.features, where)
+            self.drafter.extend(prefill.features, torch.zeros_like(self.prompt_len))  # where: 0..
         self.start.copy_(self.prompt_len)
         self.anchor.copy_(first)
         self.out[:, 0] = first
