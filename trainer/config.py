@@ -267,7 +267,8 @@ def validate(cfg: TrainConfig) -> None:
 POSITIVE_COUNTS = (
     "drafter.num_layers drafter.num_heads drafter.num_kv_heads drafter.head_dim drafter.intermediate_size "
     "drafter.block_size data.seq_len train.batch_size train.num_anchors train.epochs run.checkpoint_every "
-    "run.keep_last run.log_every data.synthetic.num_samples data.synthetic.prompt_len"
+    "run.keep_last run.log_every data.synthetic.num_samples data.synthetic.prompt_len eval.num_prompts "
+    "eval.max_new_tokens"
 ).split()
 DEVICE_KEYS = ("run.target_devices", "run.drafter_devices")
 # the data sources that read data.path, and what to set it to
@@ -362,14 +363,10 @@ def _validate_run(cfg: TrainConfig) -> None:
 
 
 def _validate_eval(cfg: TrainConfig) -> None:
-    e = cfg.eval
     if not 0 <= cfg.data.eval_fraction < 1:
         _fail(cfg, "data.eval_fraction", f"must be in [0, 1), got {cfg.data.eval_fraction}. Fix: e.g. 0.05.")
-    if e.every < 0:
-        _fail(cfg, "eval.every", f"must be 0 (off) or a number of steps, got {e.every}.")
-    for key, value in (("eval.num_prompts", e.num_prompts), ("eval.max_new_tokens", e.max_new_tokens)):
-        if value < 1:
-            _fail(cfg, key, f"must be at least 1, got {value}.")
+    if cfg.eval.every < 0:
+        _fail(cfg, "eval.every", f"must be 0 (off) or a number of steps, got {cfg.eval.every}.")
 
 
 def missing_cuda_devices(devices: list[str]) -> tuple[list[str], int]:

@@ -25,13 +25,13 @@ def is_hybrid(config) -> bool:
     return LINEAR_ATTENTION in (getattr(text_config(config), "layer_types", None) or [])
 
 
-def check_supported(config, where: str = "target.spec") -> None:
+def check_supported(config) -> None:
     """One line naming the model_type and the supported ones, for an architecture not supported."""
     model_type = getattr(config, "model_type", None)
     if model_type in DENSE_TYPES + HYBRID_TYPES:
         return
     raise ConfigError(
-        f"{where}: model_type {model_type!r} is not supported. "
+        f"target.spec: model_type {model_type!r} is not supported. "
         f"Fix: use a dense ({', '.join(DENSE_TYPES)}) or a Qwen3.5/3.6 hybrid "
         f"({', '.join(t for t in HYBRID_TYPES if not t.endswith('_text'))}) target"
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import signal
 import sys
 import time
@@ -137,7 +136,7 @@ def _regenerate(args) -> int:
         ("--max-new-tokens", args.max_new_tokens), ("--batch-size", 1 if batch_size is None else batch_size)
     )
     options.check_temperature(args.temperature)
-    template_kwargs = _chat_template_kwargs(args.chat_template_kwargs)
+    template_kwargs = options.chat_template_kwargs(args.chat_template_kwargs)
     flags_as_given = "target input max_new_tokens max_prompt_tokens temperature top_p seed resume".split()
     job = RegenerateOptions(
         output=args.out,
@@ -173,18 +172,6 @@ def _batch_size(text: str) -> int | None:
         raise ConfigError(
             f"--batch-size {text!r} is not a number. Fix: e.g. --batch-size 64, or auto"
         ) from None
-
-
-def _chat_template_kwargs(text: str) -> dict:
-    try:
-        template_kwargs = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(
-            f"--chat-template-kwargs is not JSON ({exc}). Fix: e.g. '{{\"enable_thinking\": false}}'"
-        ) from None
-    if not isinstance(template_kwargs, dict):
-        raise ConfigError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
-    return template_kwargs
 
 
 def _regenerate_devices(text: str) -> list[str]:

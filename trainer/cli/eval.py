@@ -319,14 +319,7 @@ def _template_kwargs(args: argparse.Namespace, run_config: dict | None, err) -> 
         trained = recorded_in(str(Path(args.checkpoint) / SERVE_JSON))
     if args.chat_template_kwargs is None:
         return trained
-    try:
-        asked = json.loads(args.chat_template_kwargs)
-    except ValueError:
-        asked = None
-    if not isinstance(asked, dict):
-        raise ConfigError(
-            "--chat-template-kwargs must be a JSON object. Fix: e.g. '{\"enable_thinking\": false}'"
-        )
+    asked = options.chat_template_kwargs(args.chat_template_kwargs)
     warning = differs_warning(trained, asked)
     if warning:
         print(f"dflash-train eval: {warning}", file=err)

@@ -7,7 +7,6 @@ accepted); 2 bad input.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 
 from trainer.cli import options
@@ -41,11 +40,11 @@ def gate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_gate_command(args: argparse.Namespace, out=None, err=None) -> int:
-    return run_command("dflash-train gate", lambda: _run(args, out or sys.stdout), err)
+def run_gate_command(args: argparse.Namespace) -> int:
+    return run_command("dflash-train gate", lambda: _run(args))
 
 
-def _run(args: argparse.Namespace, out) -> int:
+def _run(args: argparse.Namespace) -> int:
     from trainer.cli.serving_gate import GATE_STEPS, run_gate
 
     steps = GATE_STEPS if args.steps is None else args.steps
@@ -57,5 +56,5 @@ def _run(args: argparse.Namespace, out) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="dflash-gate-") as work_dir:
             result = run_gate(work_dir, args.config, overrides, steps)
-    out.write(result.line() + "\n")
+    print(result.line())
     return 0 if result.passed else 1

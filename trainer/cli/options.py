@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -97,6 +98,18 @@ def check_at_least_one(*flags: tuple[str, int]) -> None:
     for flag, value in flags:
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
+
+
+def chat_template_kwargs(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object of apply_chat_template arguments."""
+    fix = "Fix: e.g. '{\"enable_thinking\": false}'"
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--chat-template-kwargs is not JSON ({exc}). {fix}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--chat-template-kwargs must be a JSON object. {fix}")
+    return value
 
 
 def check_temperature(temperature: float) -> None:

@@ -115,7 +115,7 @@ def gate_config(config: str, overrides: dict, work_dir: str, steps: int):
 
 
 def run_gate(
-    work_dir: str, config: str = "tiny-cpu", overrides: dict | None = None, steps: int = GATE_STEPS, out=None
+    work_dir: str, config: str = "tiny-cpu", overrides: dict | None = None, steps: int = GATE_STEPS
 ) -> GateResult:
     import io
 
@@ -128,7 +128,7 @@ def run_gate(
 
     t0 = time.monotonic()
     cfg = gate_config(config, dict(overrides or {}), work_dir, steps)
-    result = train(cfg, out=out if out is not None else io.StringIO(), tty=False)
+    result = train(cfg, out=io.StringIO(), tty=False)
     step, train_acc = _first_perfect_step(cfg.metrics_path)
     state = load_checkpoint(_checkpoint_at(result.checkpoint, step))
     export_dir = export_checkpoint(state, os.path.join(work_dir, "export"), "fp32")

@@ -6,31 +6,15 @@ restores its `checkpoint`ed states and feeds the kept tokens again; attention la
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 
-
-def new_cache(model):
-    """An empty cache for `model`: per-layer kinds (K/V or conv + recurrent state) from its config."""
-    from transformers import DynamicCache
-
-    if "config" in inspect.signature(DynamicCache.__init__).parameters:
-        return DynamicCache(config=model.config)
-    return DynamicCache()
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_argument(model_class: type[torch.nn.Module]) -> str:
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+# the export's own cache handling (trainer/hf_modeling), which the reference decoding shares
+from trainer.hf_modeling.modeling_dflash import cache_argument, crop, new_cache as new_cache
 
 
 def forward(model: torch.nn.Module, ids: torch.Tensor, cache, hidden: bool = False):
     """The model's forward over `ids` [B, T], appending to `cache`."""
-    # mypy does not see a class as Hashable, as lru_cache's arguments must be (python/mypy#11470)
-    argument = _cache_argument(type(model))  # type: ignore[arg-type]
-    return model(input_ids=ids, use_cache=True, output_hidden_states=hidden, **{argument: cache})
+    return model(input_ids=ids, use_cache=True, output_hidden_states=hidden, **{cache_argument(model): cache})
 
 
 def _recurrent_layers(cache) -> list:
@@ -57,11 +41,10 @@ def checkpoint(cache) -> list[torch.Tensor] | None:
 
 def rewind(cache, length: int, saved: list[torch.Tensor] | None) -> None:
     """Back to `length` positions: attention layers crop, recurrent layers restore `checkpoint`."""
-    extra = cache.get_seq_length() - length
     if saved is None:
-        if extra > 0:
-            cache.crop(-extra)
+        crop(cache, length)
         return
+    extra = cache.get_seq_length() - length
     recurrent = _recurrent_layers(cache)
     copies = iter(saved)
     for layer in recurrent:

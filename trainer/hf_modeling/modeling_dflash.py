@@ -219,9 +219,9 @@ class _Speculation:
         self.mask_id = int(config.dflash_config["mask_token_id"])
         self.layer_ids = list(config.dflash_config["target_layer_ids"])
         self.embed, self.head = target.get_input_embeddings(), target.get_output_embeddings()
-        self.cache = _target_cache(target)
+        self.cache = new_cache(target)
         self.rollback = _rollback_supported(self.cache)
-        self.cache_arg = _cache_argument(target)
+        self.cache_arg = cache_argument(target)
         self.context = DraftContext(drafter)
         self.start = 0
 
@@ -250,7 +250,7 @@ class _Speculation:
         n = next((i for i, token in enumerate(drafts.tolist()) if token != verified[i]), self.block - 1)
         features = target_features(out.hidden_states, self.layer_ids)[:, : n + 1]
         if self.rollback:
-            _crop(self.cache, self.start + n + 1)
+            crop(self.cache, self.start + n + 1)
         else:  # back to the state before the verify, then exactly the accepted tokens
             self.cache = saved
             features = target_features(self._verify(block_ids[:, : n + 1]).hidden_states, self.layer_ids)
@@ -318,12 +318,12 @@ def finish(tokens, max_new_tokens, stops):
     return tokens[: next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))]
 
 
-def _cache_argument(target):
+def cache_argument(target):
     """The name the target's forward takes its cache by (newer transformers: `cache`)."""
     return "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
 
 
-def _target_cache(target):
+def new_cache(target):
     """A DynamicCache for the target (its hybrid layer types when it has them)."""
     from transformers import DynamicCache
 
@@ -338,7 +338,7 @@ def _rollback_supported(cache):
     return not any(hasattr(layer, "recurrent_states") for layer in getattr(cache, "layers", None) or [])
 
 
-def _crop(cache, length):
+def crop(cache, length):
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)

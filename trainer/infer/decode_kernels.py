@@ -12,31 +12,22 @@ MAX_ROWS rows or without Triton, the reference runs.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
+# Triton and where its kernels run (16-bit on CUDA, or any tensor under TRITON_INTERPRET=1): the loss
+# kernel's rule is these kernels' too
+from trainer.loss_kernel import available, triton
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # the CPU wheel of torch ships without Triton
-    triton = None
 
 MAX_ROWS = 64  # more rows re-read the weight per row block: the matmul is the better kernel then
 # measured on the H200 for Qwen3-8B's products (benchmarks/decode_kernels.py); one tiling for every row
 # count, so a step and a verify sum in the same order
 LINEAR_TILES = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
 KEYS_PER_SPLIT = 64
-
-
-def available(x: torch.Tensor) -> bool:
-    """Triton runs on x: 16-bit on CUDA, or any tensor under its interpreter (TRITON_INTERPRET=1)."""
-    if triton is None:
-        return False
-    return os.environ.get("TRITON_INTERPRET") == "1" or (
-        x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-    )
 
 
 def _rows_contiguous(*tensors) -> bool:

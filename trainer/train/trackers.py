@@ -121,7 +121,7 @@ class Tracker:
     def event(self, step: int, kind: str, text: str) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self) -> None:  # called only once open() went through
         pass
 
 
@@ -143,8 +143,7 @@ class TensorBoard(Tracker):
         self.run.add_text("events", text, step)
 
     def close(self):
-        if self.run is not None:
-            self.run.close()
+        self.run.close()
 
 
 class Wandb(Tracker):
@@ -169,8 +168,7 @@ class Wandb(Tracker):
         self.run.summary[f"last_{kind}"] = text
 
     def close(self):
-        if self.run is not None:
-            self.run.finish()
+        self.run.finish()
 
 
 class Mlflow(Tracker):
@@ -195,8 +193,7 @@ class Mlflow(Tracker):
         self.lib.set_tag(f"last_{kind}", text[:5000])
 
     def close(self):
-        if self.run is not None:
-            self.lib.end_run()
+        self.lib.end_run()
 
 
 KINDS: dict[str, type[Tracker]] = {"tensorboard": TensorBoard, "wandb": Wandb, "mlflow": Mlflow}
@@ -230,7 +227,7 @@ class Trackers:
     def close(self) -> None:
         if threading.get_ident() == self._owner:
             self._deliver()
-        for tracker in list(self.active):
+        for tracker in [t for t in self.active if t.opened]:  # one never opened has nothing to close
             self._call(tracker, tracker.close)
         self.active = []
 
