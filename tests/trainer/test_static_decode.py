@@ -366,3 +366,27 @@ def test_the_decode_cost_benchmark_runs_small_on_the_decoders_public_parts(tmp_p
     (row,) = json.loads(out.read_text())["results"]["tiny"]["rows"]
     assert row["speculative_equals_target_only"] is True and row["graph_tokens_equal_eager"] is True
     assert all(row[f"{part}_loop_ms"] > 0 for part in ("verify", "draft", "step", "round")), row
+
+
+def test_the_decode_profile_benchmark_counts_each_calls_work(tmp_path):
+    """benchmarks/decode_profile.py lists what each of the four calls runs; a round runs a draft and a
+    verify, so it runs more than either (on the CPU the rows are aten ops)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "profile.md"
+    proc = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "decode_profile.py"), "--device", "cpu", "--shapes", "tiny",
+         "--kernels", "eager", "--calls", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parts = json.loads(out.with_suffix(".json").read_text())["results"]["tiny"]
+    counts = {name: part["kernels_per_call"] for name, part in parts.items()}
+    assert set(counts) == {"verify", "draft", "step", "round"}
+    assert counts["round"] > max(counts["draft"], counts["verify"]) > 0, counts
+    assert sum(n for _, n, _ in parts["round"]["rows"]) == counts["round"]
+    assert "### tiny: round" in out.read_text()
